@@ -1,0 +1,200 @@
+"""Backend choice for the paged attention entry points.
+
+`backend` is one of:
+
+* `"gpu"`: the Pallas GPU kernel (runs on CUDA, or anywhere with `interpret=True`);
+* `"tpu"`: the Pallas TPU kernel (runs on TPU, or anywhere with `interpret=True`);
+* `"xla"`: the plain-jnp reference in `pallas_kernels.reference`;
+* `"auto"`: the GPU kernel on CUDA, the TPU kernel on TPU, XLA elsewhere.
+
+Both entry points validate shapes, dtypes and (when concrete) values on the host
+before tracing, then call the chosen implementation. The implementations share
+one signature, so a second GPU lowering can slot in behind the same name.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels import reference, validation
+
+BACKENDS = ("auto", "gpu", "tpu", "xla")
+
+
+def resolve_backend(backend: str = "auto", platform: str | None = None) -> str:
+    """Maps `backend` to a concrete one of "gpu", "tpu", "xla".
+
+    Args:
+      backend: one of BACKENDS.
+      platform: the JAX platform to decide "auto" for (default: the default backend).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend=}")
+    if backend != "auto":
+        return backend
+    platform = platform or jax.default_backend()
+    return {"gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}.get(platform, "xla")
+
+
+def _decode_impl(backend):
+    if backend == "gpu":
+        from pallas_kernels.paged_decode.gpu import paged_decode_gpu
+
+        return paged_decode_gpu
+    if backend == "tpu":
+        from pallas_kernels.paged_decode.tpu import paged_decode_tpu
+
+        return paged_decode_tpu
+    return None
+
+
+def _ragged_impl(backend):
+    if backend == "gpu":
+        from pallas_kernels.ragged.gpu import ragged_paged_attention_gpu
+
+        return ragged_paged_attention_gpu
+    if backend == "tpu":
+        from pallas_kernels.ragged.tpu import ragged_paged_attention_tpu
+
+        return ragged_paged_attention_tpu
+    return None
+
+
+def paged_decode_attention(
+    q,
+    k_pages,
+    v_pages,
+    lengths,
+    page_table,
+    *,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    backend: str = "auto",
+    interpret: bool = False,
+    **tuning,
+):
+    """Decode attention: one query token per sequence over its paged K/V.
+
+    Args:
+      q: [B, H, D] the query of each sequence's newest token (position lengths[b] - 1).
+      k_pages: [K, P, S, D] one layer's key pages.
+      v_pages: [K, P, S, D] one layer's value pages.
+      lengths: [B] int32 tokens in the cache per sequence, this token included.
+      page_table: [B, max_pages] int32 physical page ids in logical order.
+      scale: logit scale, default D ** -0.5.
+      soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap).
+      sliding_window: if set, each query sees only its last `sliding_window` keys.
+      backend: "auto" | "gpu" | "tpu" | "xla" (see the module docstring).
+      interpret: run a Pallas kernel in interpret mode (CPU testing).
+      **tuning: kernel knobs (block sizes, split count...); defaults are chosen per shape.
+
+    Returns:
+      [B, H, D] in q's dtype.
+    """
+    validation.check_decode(
+        q, k_pages, v_pages, lengths, page_table, scale, soft_cap, sliding_window
+    )
+    impl = _decode_impl(resolve_backend(backend))
+    if impl is None:
+        if tuning:
+            raise TypeError(f"the xla backend takes no tuning knobs, got {sorted(tuning)}")
+        return reference.paged_attention_xla(
+            q,
+            k_pages,
+            v_pages,
+            lengths,
+            page_table,
+            scale=scale,
+            soft_cap=soft_cap,
+            sliding_window=sliding_window,
+        )
+    return impl(
+        q,
+        k_pages,
+        v_pages,
+        lengths,
+        page_table,
+        scale=scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        interpret=interpret,
+        **tuning,
+    )
+
+
+def ragged_paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    context_lens,
+    query_start_loc,
+    *,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    backend: str = "auto",
+    interpret: bool = False,
+    **tuning,
+):
+    """Ragged paged attention: prefill chunks and decode rows in one batch.
+
+    Sequence `b` owns query rows `query_start_loc[b]:query_start_loc[b + 1]` and has
+    `context_lens[b]` tokens in the cache including this step's (their K/V are
+    written before the call). Its query `i` attends causally to cache positions
+    `<= context_lens[b] - q_len + i`. Rows past `query_start_loc[B]` are padding
+    (for bucketed shapes) and return zeros.
+
+    Args:
+      q: [T, H, D] all sequences' query tokens back to back.
+      k_pages: [K, P, S, D]
+      v_pages: [K, P, S, D]
+      page_table: [B, max_pages] int32.
+      context_lens: [B] int32.
+      query_start_loc: [B + 1] int32, non-decreasing, from 0 to at most T.
+      scale, soft_cap, sliding_window, backend, interpret, **tuning: as for
+        `paged_decode_attention`.
+
+    Returns:
+      [T, H, D] in q's dtype.
+    """
+    validation.check_ragged(
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        context_lens,
+        query_start_loc,
+        scale,
+        soft_cap,
+        sliding_window,
+    )
+    impl = _ragged_impl(resolve_backend(backend))
+    if impl is None:
+        if tuning:
+            raise TypeError(f"the xla backend takes no tuning knobs, got {sorted(tuning)}")
+        return reference.ragged_paged_attention_xla(
+            q,
+            k_pages,
+            v_pages,
+            page_table,
+            context_lens,
+            query_start_loc,
+            scale=scale,
+            soft_cap=soft_cap,
+            sliding_window=sliding_window,
+        )
+    return impl(
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        context_lens,
+        query_start_loc,
+        scale=scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        interpret=interpret,
+        **tuning,
+    )

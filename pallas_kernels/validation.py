@@ -1,0 +1,141 @@
+"""Host-side checks of attention inputs, run before anything is traced.
+
+Shape and dtype checks always run. Value checks (page ids in range, lengths within
+the page table's capacity, monotone `query_start_loc`) run only when the arrays
+are concrete: under an outer `jax.jit` they are tracers and the caller (the block
+manager and the step builder) is responsible for them.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+
+def _concrete(x):
+    """Returns x as a numpy array, or None when it is a tracer."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return np.asarray(x)
+
+
+def _check_rank(name, x, rank, layout):
+    if x.ndim != rank:
+        raise ValueError(f"{name} must be {layout}, got shape {tuple(x.shape)}")
+
+
+def _check_int(name, x):
+    if not np.issubdtype(x.dtype, np.integer):
+        raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
+
+
+def check_pages(q, k_pages, v_pages):
+    """Checks q against the page pools; returns (num_heads, num_kv_heads, head_dim)."""
+    _check_rank("k_pages", k_pages, 4, "[K, P, S, D]")
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(
+            f"v_pages shape {tuple(v_pages.shape)} != k_pages shape {tuple(k_pages.shape)}"
+        )
+    if v_pages.dtype != k_pages.dtype:
+        raise TypeError(f"v_pages dtype {v_pages.dtype} != k_pages dtype {k_pages.dtype}")
+    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    num_kv_heads, _, page_size, kv_head_dim = k_pages.shape
+    if head_dim != kv_head_dim:
+        raise ValueError(f"q head_dim {head_dim} != k_pages head_dim {kv_head_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"kv heads must divide query heads, got {num_heads=} and {num_kv_heads=}")
+    if page_size <= 0 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two, got {page_size=}")
+    if q.dtype != k_pages.dtype:
+        raise TypeError(f"q dtype {q.dtype} != k_pages dtype {k_pages.dtype}")
+    return num_heads, num_kv_heads, head_dim
+
+
+def check_options(scale, soft_cap, sliding_window):
+    if scale is not None and not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale=}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be positive, got {soft_cap=}")
+    if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int, got {sliding_window=}")
+
+
+def check_page_table(page_table, num_pages, batch):
+    _check_rank("page_table", page_table, 2, "[B, max_pages]")
+    _check_int("page_table", page_table)
+    if page_table.shape[0] != batch:
+        raise ValueError(f"page_table has {page_table.shape[0]} rows for a batch of {batch}")
+    pt = _concrete(page_table)
+    if pt is not None and pt.size:
+        bad = (pt < 0) | (pt >= num_pages)
+        if bad.any():
+            b, i = map(int, np.argwhere(bad)[0])
+            raise ValueError(
+                f"page id {int(pt[b, i])} at page_table[{b}, {i}] is out of range [0, {num_pages})"
+            )
+
+
+def check_lengths(name, lengths, batch, capacity):
+    _check_rank(name, lengths, 1, "[B]")
+    _check_int(name, lengths)
+    if lengths.shape[0] != batch:
+        raise ValueError(f"{name} has {lengths.shape[0]} entries for a batch of {batch}")
+    n = _concrete(lengths)
+    if n is not None and n.size:
+        if (n < 0).any():
+            b = int(np.argmax(n < 0))
+            raise ValueError(f"{name}[{b}] = {int(n[b])} is negative")
+        if (n > capacity).any():
+            b = int(np.argmax(n > capacity))
+            raise ValueError(
+                f"{name}[{b}] = {int(n[b])} exceeds the page table's capacity "
+                f"max_pages * page_size = {capacity}"
+            )
+
+
+def check_decode(q, k_pages, v_pages, lengths, page_table, scale, soft_cap, sliding_window):
+    """All checks for `paged_decode_attention`."""
+    _check_rank("q", q, 3, "[B, H, D]")
+    check_pages(q, k_pages, v_pages)
+    check_options(scale, soft_cap, sliding_window)
+    batch = q.shape[0]
+    check_page_table(page_table, k_pages.shape[1], batch)
+    check_lengths("lengths", lengths, batch, page_table.shape[1] * k_pages.shape[2])
+
+
+def check_ragged(
+    q, k_pages, v_pages, page_table, context_lens, query_start_loc, scale, soft_cap, sliding_window
+):
+    """All checks for `ragged_paged_attention`."""
+    _check_rank("q", q, 3, "[T, H, D]")
+    check_pages(q, k_pages, v_pages)
+    check_options(scale, soft_cap, sliding_window)
+    batch = page_table.shape[0] if page_table.ndim == 2 else -1
+    check_page_table(page_table, k_pages.shape[1], batch)
+    check_lengths("context_lens", context_lens, batch, page_table.shape[1] * k_pages.shape[2])
+    _check_rank("query_start_loc", query_start_loc, 1, "[B + 1]")
+    _check_int("query_start_loc", query_start_loc)
+    if query_start_loc.shape[0] != batch + 1:
+        raise ValueError(
+            f"query_start_loc has {query_start_loc.shape[0]} entries, expected B + 1 = {batch + 1}"
+        )
+    loc = _concrete(query_start_loc)
+    ctx = _concrete(context_lens)
+    if loc is None:
+        return
+    if loc[0] != 0:
+        raise ValueError(f"query_start_loc must start at 0, got {int(loc[0])}")
+    q_lens = np.diff(loc)
+    if (q_lens < 0).any():
+        b = int(np.argmax(q_lens < 0))
+        raise ValueError(
+            f"query_start_loc must be non-decreasing, got {int(loc[b])} then {int(loc[b + 1])} "
+            f"at index {b}"
+        )
+    if loc[-1] > q.shape[0]:
+        raise ValueError(
+            f"query_start_loc ends at {int(loc[-1])}, beyond the {q.shape[0]} query rows"
+        )
+    if ctx is not None and (q_lens > ctx).any():
+        b = int(np.argmax(q_lens > ctx))
+        raise ValueError(f"sequence {b} has q_len {int(q_lens[b])} > context_len {int(ctx[b])}")
