@@ -1,0 +1,205 @@
+"""The paged KV cache: a pytree of two arrays, and pure functions that update it.
+
+Layout: `k` and `v` are each `[L, K, P, S, D]` (layers, kv heads, pages, page
+size, head dim). One layer's slice `k[l]` is `[K, P, S, D]`, the layout every
+kernel in `pallas_kernels` takes, because:
+
+* a page of one kv head is one contiguous `[S, D]` tile: a single DMA on TPU
+  (HBM -> VMEM) and a single coalesced block load on GPU, with no stride over
+  heads; a kernel program that owns one kv head reads only its bytes;
+* tensor parallelism splits the `K` axis, so each device holds its heads' slice of
+  every page and page ids stay global;
+* it is the layout of JAX's bundled paged-attention kernels, so the benchmark can
+  hand them our cache without a transpose.
+
+The price is that writing one token touches `K` separate `[D]` rows instead of
+one `[K, D]` row; a decode step writes a handful of tokens per layer, so the
+scatter is negligible next to the attention read.
+
+Slots: token position `pos` of a sequence lives in slot
+`page_table[pos // S] * S + pos % S`; a slot of -1 means padding and is dropped.
+Every function here is pure and works under `jax.jit` with the cache donated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pagedjax.config import CacheConfig, ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """K and V page pools for all layers."""
+
+    k: jax.Array  # [L, K, P, S, D]
+    v: jax.Array  # [L, K, P, S, D]
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[4]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
+        """One layer's (k_pages, v_pages), each [K, P, S, D]."""
+        return self.k[i], self.v[i]
+
+
+def create(model_cfg: ModelConfig, cache_cfg: CacheConfig, *, sharding=None) -> PagedKVCache:
+    """Allocates a zeroed cache for `model_cfg` with `cache_cfg`'s geometry.
+
+    Args:
+      model_cfg: gives L, K and D.
+      cache_cfg: gives P, S and the storage dtype.
+      sharding: optional `jax.sharding.Sharding` for both arrays (e.g. split over K).
+    """
+    shape = (
+        model_cfg.num_layers,
+        model_cfg.num_kv_heads,
+        cache_cfg.num_pages,
+        cache_cfg.page_size,
+        model_cfg.head_dim,
+    )
+    make = jax.jit(lambda: jnp.zeros(shape, cache_cfg.jnp_dtype), out_shardings=sharding)
+    return PagedKVCache(k=make(), v=make())
+
+
+def _slot_index(slots, num_slots):
+    # Padding slots (-1) go out of bounds so that mode="drop" discards them
+    # (a negative index would wrap around and overwrite the last slot).
+    slots = jnp.asarray(slots, jnp.int32)
+    return jnp.where(slots < 0, num_slots, slots)
+
+
+def _check_new_tokens(k, v, slots, num_kv_heads, head_dim):
+    t = np.shape(slots)[0] if np.ndim(slots) == 1 else None
+    if t is None:
+        raise ValueError(f"slots must be [T], got shape {np.shape(slots)}")
+    for name, x in (("k", k), ("v", v)):
+        if tuple(x.shape) != (t, num_kv_heads, head_dim):
+            raise ValueError(
+                f"new {name} must be [T, K, D] = {(t, num_kv_heads, head_dim)}, "
+                f"got {tuple(x.shape)}"
+            )
+
+
+def write_layer(k_pages, v_pages, k, v, slots):
+    """Scatters new tokens' K/V into one layer's pages.
+
+    Args:
+      k_pages: [K, P, S, D]
+      v_pages: [K, P, S, D]
+      k: [T, K, D] new keys.
+      v: [T, K, D] new values.
+      slots: [T] int32 destination slots (-1: drop).
+
+    Returns:
+      The updated (k_pages, v_pages).
+    """
+    kh, p, s, d = k_pages.shape
+    _check_new_tokens(k, v, slots, kh, d)
+    idx = _slot_index(slots, p * s)
+
+    def put(pages, new):
+        flat = pages.reshape(kh, p * s, d)
+        flat = flat.at[:, idx].set(new.astype(pages.dtype).transpose(1, 0, 2), mode="drop")
+        return flat.reshape(kh, p, s, d)
+
+    return put(k_pages, k), put(v_pages, v)
+
+
+def write(cache: PagedKVCache, layer: int, k, v, slots) -> PagedKVCache:
+    """Writes new tokens' K/V ([T, K, D] each) for `layer` through `slots` ([T])."""
+    num_layers, kh, p, s, d = cache.k.shape
+    _check_new_tokens(k, v, slots, kh, d)
+    idx = _slot_index(slots, p * s)
+
+    def put(pool, new):
+        flat = pool.reshape(num_layers, kh, p * s, d)
+        # The scalar layer and the slot array are both advanced indices separated by
+        # a slice, so the indexed view is [T, K, D]: exactly the layout of `new`.
+        flat = flat.at[layer, :, idx].set(new.astype(pool.dtype), mode="drop")
+        return flat.reshape(pool.shape)
+
+    return PagedKVCache(k=put(cache.k, k), v=put(cache.v, v))
+
+
+def copy_pages(cache: PagedKVCache, src, dst) -> PagedKVCache:
+    """Copies whole pages src[i] -> dst[i] in every layer (copy-on-write).
+
+    Args:
+      src: [N] int32 source page ids.
+      dst: [N] int32 destination page ids; -1 marks a padding pair (skipped).
+        Destinations must be distinct and disjoint from the sources.
+    """
+    p = cache.num_pages
+    if np.shape(src) != np.shape(dst) or np.ndim(src) != 1:
+        raise ValueError(f"src and dst must be [N] alike, got {np.shape(src)} and {np.shape(dst)}")
+    for name, ids in (("src", src), ("dst", dst)):
+        if not isinstance(ids, jax.core.Tracer):
+            ids = np.asarray(ids)
+            if ((ids >= p) | (ids < (0 if name == "src" else -1))).any():
+                bad = ids[(ids >= p) | (ids < 0)][0]
+                raise ValueError(f"{name} page id {int(bad)} is out of range [0, {p})")
+    src = jnp.asarray(src, jnp.int32)
+    dst = jnp.asarray(dst, jnp.int32)
+    dst = jnp.where(dst < 0, p, dst)
+    src = jnp.clip(src, 0, p - 1)
+
+    def cp(pool):
+        return pool.at[:, :, dst].set(pool[:, :, src], mode="drop")
+
+    return PagedKVCache(k=cp(cache.k), v=cp(cache.v))
+
+
+def slots_for(page_table_row, start: int, end: int, page_size: int) -> np.ndarray:
+    """Host helper: slots of positions [start, end) of one sequence ([end - start] int32)."""
+    pos = np.arange(start, end)
+    row = np.asarray(page_table_row)
+    if end > len(row) * page_size:
+        raise ValueError(
+            f"position {end - 1} is beyond the page table's capacity {len(row) * page_size}"
+        )
+    return (row[pos // page_size] * page_size + pos % page_size).astype(np.int32)
+
+
+def gather_sequence(cache: PagedKVCache, layer: int, page_table_row, length: int):
+    """Reads one sequence's K/V back to dense (for tests and debugging).
+
+    Returns:
+      (k, v), each [length, K, D].
+    """
+    s = cache.page_size
+    row = np.asarray(page_table_row)
+    if length > len(row) * s:
+        raise ValueError(f"length {length} exceeds the page table's capacity {len(row) * s}")
+    slots = slots_for(row, 0, length, s)
+    out = []
+    for pool in (cache.k[layer], cache.v[layer]):
+        kh, p, _, d = pool.shape
+        out.append(pool.reshape(kh, p * s, d)[:, slots].transpose(1, 0, 2))
+    return tuple(out)

@@ -1,0 +1,348 @@
+"""Model and cache configuration: frozen, hashable dataclasses (safe as jit static args).
+
+`ModelConfig.from_hf(config_dict)` reads a HuggingFace `config.json` of the Llama
+family (Llama 2/3/3.1/3.2, Qwen2); `PRESETS` names a few well-known shapes.
+Variants are made with `dataclasses.replace`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import jax.numpy as jnp
+import numpy as np
+
+_DTYPES = {
+    "float32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+}
+_DTYPE_ALIASES = {"f32": "float32", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+def dtype_name(dtype) -> str:
+    """Canonical name of a dtype given as a string, numpy or jnp dtype."""
+    if isinstance(dtype, str):
+        name = _DTYPE_ALIASES.get(dtype, dtype)
+    else:
+        name = np.dtype(dtype).name
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return name
+
+
+def dtype_size(dtype) -> int:
+    """Bytes per element of a dtype given by name or object."""
+    return np.dtype(_DTYPES[dtype_name(dtype)]).itemsize
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3-style RoPE frequency scaling (rope_type "llama3")."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder.
+
+    Attributes:
+      num_layers: decoder blocks (L).
+      num_heads: query heads (H).
+      num_kv_heads: key/value heads (K); must divide num_heads.
+      head_dim: per-head width (D).
+      hidden_size: residual width (E).
+      intermediate_size: SwiGLU hidden width.
+      vocab_size: V.
+      max_position_embeddings: longest sequence the model accepts.
+      rope_theta: RoPE base.
+      rope_scaling: llama3 frequency scaling, or None.
+      norm_eps: RMSNorm epsilon.
+      tie_embeddings: LM head shares the embedding matrix.
+      qkv_bias: biases on the q/k/v projections (Qwen2).
+      dtype: parameter and activation dtype name ("bfloat16" or "float32").
+      bos_token_id, eos_token_ids: special tokens (eos may be several).
+    """
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int = 8192
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    dtype: str = "bfloat16"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default=())
+
+    def __post_init__(self):
+        for name in (
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "hidden_size",
+            "intermediate_size",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                "num_kv_heads must divide num_heads, got "
+                f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got head_dim={self.head_dim}")
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+
+    @property
+    def jnp_dtype(self):
+        return _DTYPES[self.dtype]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V bytes one token occupies across all layers, in the model dtype."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size(self.dtype)
+
+    @classmethod
+    def from_hf(cls, config: dict, *, dtype: str | None = None) -> ModelConfig:
+        """Builds a config from a HuggingFace config.json dict.
+
+        Accepts the classic `rope_theta` / `rope_scaling` keys and the newer
+        `rope_parameters` form, a missing `head_dim` (hidden_size // heads), and
+        `eos_token_id` as an int or a list.
+
+        Raises:
+          ValueError: unknown architecture, unsupported rope scaling, missing keys.
+        """
+        archs = config.get("architectures") or []
+        if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(
+                f"unsupported architecture {archs}; supported: {list(SUPPORTED_ARCHITECTURES)}"
+            )
+        model_type = config.get("model_type")
+        if not archs and model_type not in (None, "llama", "qwen2", "mistral"):
+            raise ValueError(f"unsupported model_type {model_type!r}")
+        missing = [
+            k
+            for k in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size")
+            if k not in config
+        ]
+        if missing:
+            raise ValueError(f"config.json is missing required keys: {missing}")
+        num_heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        head_dim = config.get("head_dim") or hidden // num_heads
+        rope = dict(config.get("rope_parameters") or {})
+        theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+        scaling = config.get("rope_scaling") or (
+            rope if rope.get("rope_type", "default") != "default" else None
+        )
+        eos = config.get("eos_token_id")
+        eos = () if eos is None else (eos if isinstance(eos, (list, tuple)) else (eos,))
+        torch_dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+        qkv_bias = bool(config.get("attention_bias", False)) or (
+            "Qwen2ForCausalLM" in archs or model_type == "qwen2"
+        )
+        return cls(
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            hidden_size=hidden,
+            intermediate_size=int(config.get("intermediate_size", 4 * hidden)),
+            vocab_size=int(config["vocab_size"]),
+            max_position_embeddings=int(config.get("max_position_embeddings", 8192)),
+            rope_theta=theta,
+            rope_scaling=_rope_scaling(scaling),
+            norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            dtype=dtype or _hf_dtype(torch_dtype),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=tuple(eos),
+        )
+
+    def to_hf(self) -> dict:
+        """The HuggingFace config.json dict for this config (inverse of from_hf)."""
+        out = {
+            "architectures": ["Qwen2ForCausalLM" if self.qkv_bias else "LlamaForCausalLM"],
+            "model_type": "qwen2" if self.qkv_bias else "llama",
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.norm_eps,
+            "tie_word_embeddings": self.tie_embeddings,
+            "attention_bias": self.qkv_bias,
+            "torch_dtype": self.dtype,
+            "hidden_act": "silu",
+        }
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+        if self.bos_token_id is not None:
+            out["bos_token_id"] = self.bos_token_id
+        if self.eos_token_ids:
+            eos = self.eos_token_ids
+            out["eos_token_id"] = eos[0] if len(eos) == 1 else list(eos)
+        return out
+
+
+def _hf_dtype(torch_dtype: str) -> str:
+    name = str(torch_dtype).removeprefix("torch.")
+    return "float32" if name == "float32" else "bfloat16"
+
+
+def _rope_scaling(scaling: dict | None) -> RopeScaling | None:
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope scaling type {kind!r}; supported: 'llama3' (or none)")
+    return RopeScaling(
+        factor=float(scaling.get("factor", 8.0)),
+        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+    )
+
+
+_LLAMA3_SCALING = RopeScaling(8.0, 1.0, 4.0, 8192)
+
+PRESETS: dict[str, ModelConfig] = {
+    "llama3-70b": ModelConfig(
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        hidden_size=8192,
+        intermediate_size=28672,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=_LLAMA3_SCALING,
+        bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009),
+    ),
+    "llama3-8b": ModelConfig(
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        hidden_size=4096,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=_LLAMA3_SCALING,
+        bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009),
+    ),
+    "llama3.2-1b": ModelConfig(
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        hidden_size=2048,
+        intermediate_size=8192,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192),
+        tie_embeddings=True,
+        bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009),
+    ),
+    "qwen2.5-0.5b": ModelConfig(
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+        hidden_size=896,
+        intermediate_size=4864,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        tie_embeddings=True,
+        qkv_bias=True,
+        bos_token_id=151643,
+        eos_token_ids=(151645, 151643),
+    ),
+    "tiny": ModelConfig(
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        hidden_size=64,
+        intermediate_size=128,
+        vocab_size=256,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        dtype="float32",
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    ),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """Returns the named preset; raises ValueError listing the known names."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache geometry.
+
+    Attributes:
+      page_size: tokens per page (S); a power of two.
+      num_pages: physical pages in the pool (P), shared by all sequences.
+      dtype: K/V storage dtype name.
+    """
+
+    page_size: int = 16
+    num_pages: int = 1024
+    dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        s = self.page_size
+        if not isinstance(s, (int, np.integer)) or s <= 0 or s & (s - 1):
+            raise ValueError(f"page_size must be a power of two, got page_size={s!r}")
+        if not isinstance(self.num_pages, (int, np.integer)) or self.num_pages <= 0:
+            raise ValueError(f"num_pages must be a positive int, got num_pages={self.num_pages!r}")
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+
+    @property
+    def jnp_dtype(self):
+        return _DTYPES[self.dtype]
+
+    @property
+    def num_slots(self) -> int:
+        return self.page_size * self.num_pages
