@@ -1,0 +1,131 @@
+"""PagedKVCache writes, page copies and gathers against a numpy model of a page pool."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pagedjax import cache as kvcache
+from pagedjax.config import CacheConfig, preset
+
+
+def tiny_cache(page_size=4, num_pages=8, dtype="float32"):
+    cfg = dataclasses.replace(preset("tiny"), num_layers=2, num_kv_heads=2, head_dim=8)
+    return cfg, kvcache.create(cfg, CacheConfig(page_size, num_pages, dtype))
+
+
+def test_create_shapes_and_layout():
+    cfg, c = tiny_cache()
+    assert c.k.shape == (2, 2, 8, 4, 8) == c.v.shape
+    assert (c.num_layers, c.num_kv_heads, c.num_pages, c.page_size, c.head_dim) == (2, 2, 8, 4, 8)
+    assert c.nbytes == 2 * 2 * 2 * 8 * 4 * 8 * 4
+    leaves, treedef = jax.tree_util.tree_flatten(c)
+    assert len(leaves) == 2
+    assert jax.tree_util.tree_unflatten(treedef, leaves) == c
+
+
+def test_textbook_slot():
+    # page size 4, the sequence owns physical pages [a, b] = [6, 2]: token 5 -> page 2, offset 1.
+    table = np.array([6, 2])
+    assert kvcache.slots_for(table, 5, 6, 4).tolist() == [2 * 4 + 1]
+    _, c = tiny_cache()
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((1, 2, 8)).astype(np.float32)
+    c = kvcache.write(c, 1, k, -k, kvcache.slots_for(table, 5, 6, 4))
+    np.testing.assert_array_equal(np.asarray(c.k[1, :, 2, 1]), k[0])
+    np.testing.assert_array_equal(np.asarray(c.v[1, :, 2, 1]), -k[0])
+    assert np.count_nonzero(np.asarray(c.k)) == k.size  # nothing else touched
+
+
+def test_write_gather_roundtrip_against_numpy_pool():
+    rng = np.random.default_rng(1)
+    _, c = tiny_cache(page_size=4, num_pages=8)
+    model = np.zeros(c.k.shape, np.float32)  # [L, K, P, S, D]
+    step = jax.jit(kvcache.write, static_argnums=1, donate_argnums=0)
+    tables = {0: [3, 0, 5], 1: [7, 1]}  # shuffled physical pages
+    lengths = {0: 0, 1: 0}
+    for chunk in ([5, 3], [1, 1], [4, 2], [1, 0], [0, 1]):
+        for layer in range(2):
+            ks, vs, slots = [], [], []
+            for seq, n in enumerate(chunk):
+                if n == 0:
+                    continue
+                slots.append(kvcache.slots_for(tables[seq], lengths[seq], lengths[seq] + n, 4))
+                ks.append(rng.standard_normal((n, 2, 8)).astype(np.float32))
+                vs.append(rng.standard_normal((n, 2, 8)).astype(np.float32))
+            k, v, s = np.concatenate(ks), np.concatenate(vs), np.concatenate(slots)
+            s = np.concatenate([s, [-1, -1]]).astype(np.int32)  # padding rows are dropped
+            k = np.concatenate([k, np.full((2, 2, 8), 99.0, np.float32)])
+            v = np.concatenate([v, np.full((2, 2, 8), 99.0, np.float32)])
+            c = step(c, layer, k, v, s)
+            for i, slot in enumerate(s[:-2]):
+                model[layer, :, slot // 4, slot % 4] = k[i]
+        for seq, n in enumerate(chunk):
+            lengths[seq] += n
+    np.testing.assert_array_equal(np.asarray(c.k), model)
+    assert not (np.asarray(c.k) == 99.0).any()
+    for seq in (0, 1):
+        gk, gv = kvcache.gather_sequence(c, 0, tables[seq], lengths[seq])
+        assert gk.shape == (lengths[seq], 2, 8)
+        want = np.stack(
+            [
+                model[0, :, p, o]
+                for p, o in [(tables[seq][i // 4], i % 4) for i in range(lengths[seq])]
+            ]
+        )
+        np.testing.assert_array_equal(np.asarray(gk), want)
+
+
+def test_write_layer_matches_write():
+    rng = np.random.default_rng(2)
+    _, c = tiny_cache()
+    k = rng.standard_normal((3, 2, 8)).astype(np.float32)
+    v = rng.standard_normal((3, 2, 8)).astype(np.float32)
+    slots = np.array([30, 4, -1], np.int32)
+    full = kvcache.write(c, 1, k, v, slots)
+    kp, vp = kvcache.write_layer(c.k[1], c.v[1], k, v, slots)
+    np.testing.assert_array_equal(np.asarray(full.k[1]), np.asarray(kp))
+    np.testing.assert_array_equal(np.asarray(full.v[1]), np.asarray(vp))
+    # slot -1 must not wrap around onto the last slot
+    assert (np.asarray(kp[:, -1, -1]) == 0).all()
+
+
+def test_bf16_write_casts():
+    _, c = tiny_cache(dtype="bfloat16")
+    k = np.full((1, 2, 8), 1.5, np.float32)
+    c = kvcache.write(c, 0, k, k, np.array([0], np.int32))
+    assert c.k.dtype == jnp.bfloat16 and float(c.k[0, 0, 0, 0, 0]) == 1.5
+
+
+def test_copy_pages_copies_every_layer_and_skips_padding():
+    rng = np.random.default_rng(3)
+    _, c = tiny_cache()
+    c = kvcache.PagedKVCache(
+        k=jnp.asarray(rng.standard_normal(c.k.shape), jnp.float32),
+        v=jnp.asarray(rng.standard_normal(c.v.shape), jnp.float32),
+    )
+    before_k, before_v = np.asarray(c.k), np.asarray(c.v)
+    out = jax.jit(kvcache.copy_pages, donate_argnums=0)(
+        c, np.array([2, 5, 0], np.int32), np.array([6, 3, -1], np.int32)
+    )
+    want_k, want_v = before_k.copy(), before_v.copy()
+    want_k[:, :, [6, 3]] = before_k[:, :, [2, 5]]
+    want_v[:, :, [6, 3]] = before_v[:, :, [2, 5]]
+    np.testing.assert_array_equal(np.asarray(out.k), want_k)
+    np.testing.assert_array_equal(np.asarray(out.v), want_v)
+
+
+def test_bad_inputs():
+    _, c = tiny_cache()
+    with pytest.raises(ValueError, match=r"new k must be \[T, K, D\]"):
+        kvcache.write(c, 0, np.zeros((2, 3, 8)), np.zeros((2, 3, 8)), np.array([0, 1]))
+    with pytest.raises(ValueError, match="dst page id 8 is out of range"):
+        kvcache.copy_pages(c, np.array([1]), np.array([8]))
+    with pytest.raises(ValueError, match="src page id -2 is out of range"):
+        kvcache.copy_pages(c, np.array([-2]), np.array([1]))
+    with pytest.raises(ValueError, match="beyond the page table's capacity 8"):
+        kvcache.slots_for([1, 2], 0, 9, 4)
+    with pytest.raises(ValueError, match="exceeds the page table's capacity"):
+        kvcache.gather_sequence(c, 0, [1], 5)

@@ -1,0 +1,129 @@
+import dataclasses
+
+import pytest
+
+from pagedjax.config import PRESETS, CacheConfig, ModelConfig, RopeScaling, preset
+
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 128256,
+}
+
+
+def test_from_hf_classic_keys_matches_preset():
+    cfg = ModelConfig.from_hf(LLAMA31_8B)
+    assert cfg == PRESETS["llama3-8b"]
+    assert cfg.head_dim == 128  # derived: no head_dim key
+    assert cfg.eos_token_ids == (128001, 128008, 128009)
+
+
+def test_from_hf_rope_parameters_form():
+    d = {k: v for k, v in LLAMA31_8B.items() if k not in ("rope_scaling", "rope_theta")}
+    d["rope_parameters"] = dict(LLAMA31_8B["rope_scaling"], rope_theta=500000.0)
+    d["eos_token_id"] = 128001
+    cfg = ModelConfig.from_hf(d)
+    assert cfg.rope_theta == 500000.0
+    assert cfg.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)
+    assert cfg.eos_token_ids == (128001,)
+
+
+def test_from_hf_default_rope_parameters_means_no_scaling():
+    d = dict(LLAMA31_8B, rope_scaling=None)
+    d["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    del d["rope_theta"]
+    cfg = ModelConfig.from_hf(d)
+    assert cfg.rope_scaling is None and cfg.rope_theta == 10000.0
+
+
+def test_from_hf_qwen2_bias_and_tied():
+    d = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 896,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 24,
+        "intermediate_size": 4864,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "eos_token_id": 151645,
+    }
+    cfg = ModelConfig.from_hf(d)
+    assert cfg.qkv_bias and cfg.tie_embeddings and cfg.head_dim == 64
+
+
+def test_to_hf_roundtrip():
+    for name, cfg in PRESETS.items():
+        assert ModelConfig.from_hf(cfg.to_hf()) == cfg, name
+
+
+def test_unknown_architecture():
+    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel"):
+        ModelConfig.from_hf(dict(LLAMA31_8B, architectures=["GPT2LMHeadModel"]))
+
+
+def test_unsupported_rope_scaling():
+    d = dict(LLAMA31_8B, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="unsupported rope scaling type 'yarn'"):
+        ModelConfig.from_hf(d)
+
+
+def test_missing_keys_listed():
+    d = {k: v for k, v in LLAMA31_8B.items() if k not in ("hidden_size", "vocab_size")}
+    with pytest.raises(ValueError, match="hidden_size.*vocab_size"):
+        ModelConfig.from_hf(d)
+
+
+def test_kv_heads_must_divide_heads():
+    with pytest.raises(ValueError, match="num_kv_heads must divide num_heads"):
+        dataclasses.replace(PRESETS["tiny"], num_kv_heads=3)
+
+
+def test_configs_are_hashable_and_frozen():
+    cfg = preset("tiny")
+    assert hash(cfg) == hash(dataclasses.replace(cfg))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.num_layers = 3
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="unknown preset 'gpt5'"):
+        preset("gpt5")
+
+
+@pytest.mark.parametrize("page_size", [0, 3, 12, -4])
+def test_cache_config_page_size_power_of_two(page_size):
+    with pytest.raises(
+        ValueError, match=f"page_size must be a power of two, got page_size={page_size}"
+    ):
+        CacheConfig(page_size=page_size)
+
+
+def test_cache_config_validation():
+    with pytest.raises(ValueError, match="num_pages must be a positive int"):
+        CacheConfig(num_pages=0)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        CacheConfig(dtype="int8")
+    assert CacheConfig(page_size=8, num_pages=4, dtype="bf16").dtype == "bfloat16"

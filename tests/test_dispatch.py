@@ -1,0 +1,122 @@
+"""Backend resolution and the host-side input checks of the attention entry points."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import reference as ref
+
+
+def inputs(rng, b=3, h=8, k=2, p=10, s=4, d=16, max_pages=3, dtype=np.float32):
+    q = rng.standard_normal((b, h, d)).astype(dtype)
+    kp = rng.standard_normal((k, p, s, d)).astype(dtype)
+    vp = rng.standard_normal((k, p, s, d)).astype(dtype)
+    table = rng.permutation(p)[: b * max_pages].reshape(b, max_pages).astype(np.int32)
+    lengths = np.array([1, s, max_pages * s][:b] + [2] * max(0, b - 3), np.int32)
+    return q, kp, vp, lengths, table
+
+
+def test_resolve_backend():
+    assert pk.resolve_backend("auto", "cpu") == "xla"
+    assert pk.resolve_backend("auto", "gpu") == "gpu"
+    assert pk.resolve_backend("auto", "cuda") == "gpu"
+    assert pk.resolve_backend("auto", "tpu") == "tpu"
+    assert pk.resolve_backend("xla") == "xla"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        pk.resolve_backend("triton")
+
+
+def test_xla_backend_is_the_reference():
+    q, kp, vp, lengths, table = inputs(np.random.default_rng(0))
+    out = pk.paged_decode_attention(q, kp, vp, lengths, table, backend="xla")
+    want = ref.paged_attention_xla(q, kp, vp, lengths, table)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    loc = np.arange(4, dtype=np.int32)
+    out2 = pk.ragged_paged_attention(q, kp, vp, table, lengths, loc, backend="xla")
+    np.testing.assert_allclose(np.asarray(out2), np.asarray(want), atol=1e-6)
+
+
+def test_works_under_jit_with_traced_values():
+    q, kp, vp, lengths, table = inputs(np.random.default_rng(1))
+    f = jax.jit(lambda *a: pk.paged_decode_attention(*a, backend="xla"))
+    np.testing.assert_allclose(
+        np.asarray(f(q, kp, vp, lengths, table)),
+        np.asarray(ref.paged_attention_xla(q, kp, vp, lengths, table)),
+        rtol=1e-6,
+    )
+
+
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (
+            lambda a: a.update(table=a["table"].at[1, 2].set(10)),
+            r"page id 10 at page_table\[1, 2\]",
+        ),
+        (lambda a: a.update(table=a["table"].at[0, 0].set(-1)), "page id -1"),
+        (lambda a: a.update(lengths=a["lengths"].at[2].set(13)), r"lengths\[2\] = 13 exceeds"),
+        (lambda a: a.update(lengths=a["lengths"].at[0].set(-1)), r"lengths\[0\] = -1 is negative"),
+        (lambda a: a.update(q=a["q"][:, :5]), "kv heads must divide query heads"),
+        (lambda a: a.update(q=a["q"][..., :8]), "q head_dim 8 != k_pages head_dim 16"),
+        (lambda a: a.update(vp=a["vp"][:, :5]), "v_pages shape"),
+        (lambda a: a.update(q=a["q"][None]), r"q must be \[B, H, D\]"),
+        (lambda a: a.update(lengths=a["lengths"][:2]), "lengths has 2 entries for a batch of 3"),
+        (
+            lambda a: a.update(kp=a["kp"][:, :, :3], vp=a["vp"][:, :, :3]),
+            "page_size must be a power of two, got page_size=3",
+        ),
+    ],
+)
+def test_decode_bad_input(mutate, message):
+    q, kp, vp, lengths, table = inputs(np.random.default_rng(2))
+    a = dict(
+        q=jnp.asarray(q),
+        kp=jnp.asarray(kp),
+        vp=jnp.asarray(vp),
+        lengths=jnp.asarray(lengths),
+        table=jnp.asarray(table),
+    )
+    mutate(a)
+    with pytest.raises(ValueError, match=message):
+        pk.paged_decode_attention(a["q"], a["kp"], a["vp"], a["lengths"], a["table"])
+
+
+def test_decode_bad_dtypes():
+    q, kp, vp, lengths, table = inputs(np.random.default_rng(3))
+    with pytest.raises(TypeError, match="q dtype bfloat16 != k_pages dtype float32"):
+        pk.paged_decode_attention(jnp.asarray(q, jnp.bfloat16), kp, vp, lengths, table)
+    with pytest.raises(TypeError, match="page_table must be an integer array"):
+        pk.paged_decode_attention(q, kp, vp, lengths, table.astype(np.float32))
+    with pytest.raises(ValueError, match="sliding_window must be a positive int"):
+        pk.paged_decode_attention(q, kp, vp, lengths, table, sliding_window=0)
+    with pytest.raises(TypeError, match="no tuning knobs"):
+        pk.paged_decode_attention(q, kp, vp, lengths, table, backend="xla", block_kv=4)
+
+
+@pytest.mark.parametrize(
+    "loc,message",
+    [
+        ([0, 2, 1, 3], "must be non-decreasing, got 2 then 1 at index 1"),
+        ([1, 2, 3, 4], "must start at 0"),
+        ([0, 1, 2, 9], "ends at 9, beyond the 8 query rows"),
+        ([0, 2, 3, 4], "sequence 0 has q_len 2 > context_len 1"),
+        ([0, 1, 2], r"expected B \+ 1 = 4"),
+    ],
+)
+def test_ragged_bad_query_start_loc(loc, message):
+    rng = np.random.default_rng(4)
+    _, kp, vp, lengths, table = inputs(rng)
+    q = rng.standard_normal((8, 8, 16)).astype(np.float32)
+    with pytest.raises(ValueError, match=message):
+        pk.ragged_paged_attention(q, kp, vp, table, lengths, np.array(loc, np.int32))
+
+
+def test_ragged_context_beyond_capacity():
+    rng = np.random.default_rng(5)
+    _, kp, vp, lengths, table = inputs(rng)
+    q = rng.standard_normal((3, 8, 16)).astype(np.float32)
+    lengths[1] = 100
+    with pytest.raises(ValueError, match=r"context_lens\[1\] = 100 exceeds"):
+        pk.ragged_paged_attention(q, kp, vp, table, lengths, np.arange(4, dtype=np.int32))

@@ -1,0 +1,81 @@
+import json
+
+import pytest
+
+from pagedjax import planner
+
+
+def test_llama3_70b_seed_example():
+    # 2 x 2 bytes x 80 layers x 8 kv heads x 128 x 4096 tokens x 32 sequences
+    n = planner.kv_cache_bytes(80, 8, 128, seq_len=4096, batch=32, dtype="bfloat16")
+    assert n == 42_949_672_960
+    assert n / 1024**3 == 40.0
+
+
+def test_hand_computed_small_example():
+    # 2 x 4 bytes x 3 layers x 2 kv heads x 16 head_dim = 768 bytes per token.
+    assert planner.kv_bytes_per_token(3, 2, 16, "float32") == 768
+    assert planner.kv_cache_bytes(3, 2, 16, seq_len=10, batch=5, dtype="float32") == 768 * 50
+
+
+def test_pages_needed():
+    assert planner.pages_needed(0, 16) == 0
+    assert planner.pages_needed(1, 16) == 1
+    assert planner.pages_needed(16, 16) == 1
+    assert planner.pages_needed(17, 16) == 2
+
+
+def test_plan_paged_vs_contiguous():
+    per_token = planner.kv_bytes_per_token(2, 2, 8, "float32")
+    p = planner.plan(
+        layers=2,
+        kv_heads=2,
+        head_dim=8,
+        seq_len=100,
+        dtype="float32",
+        memory_bytes=per_token * 16 * 70,
+        page_size=16,
+        max_seq_len=1000,
+    )
+    assert p.pages_per_sequence == 7  # 112 slots for 100 tokens
+    assert p.max_seqs_paged == 10  # 70 pages // 7
+    assert p.max_seqs_contiguous == 1  # 1120 slots // 1000
+    assert p.capacity_ratio == 10.0
+    assert p.paged_waste_fraction == pytest.approx(12 / 112)
+
+
+def test_cli_json_prints_exact_integer(capsys):
+    assert (
+        planner.main(["--model", "llama3-70b", "--batch", "32", "--seq-len", "4096", "--json"]) == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert out["kv_cache_bytes"] == 42_949_672_960
+    assert isinstance(out["kv_cache_bytes"], int)
+
+
+def test_cli_explicit_shape_and_budget(capsys):
+    args = ["--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--batch", "32"]
+    args += ["--seq-len", "4096", "--dtype", "bf16", "--memory-gb", "80"]
+    assert planner.main(args) == 0
+    text = capsys.readouterr().out
+    assert "42,949,672,960 bytes (40.00 GiB)" in text
+    assert "paged          64 sequences" in text
+
+
+def test_cli_missing_shape_is_an_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        planner.main(["--layers", "2"])
+    assert e.value.code == 2
+    assert "--kv-heads" in capsys.readouterr().err
+
+
+def test_cli_bad_page_size(capsys):
+    assert planner.main(["--model", "tiny", "--page-size", "12", "--memory-gb", "1"]) == 2
+    assert "page_size must be a power of two" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", [dict(layers=0), dict(kv_heads=-1), dict(head_dim=0)])
+def test_bad_shapes(bad):
+    kw = dict(layers=2, kv_heads=2, head_dim=8) | bad
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        planner.kv_bytes_per_token(**kw)

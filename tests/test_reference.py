@@ -1,0 +1,188 @@
+"""The dense references against a naive numpy softmax, and the paged XLA paths against them."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import reference as ref
+
+
+def naive_attention(q, k, v, q_pos, k_len, *, scale=None, soft_cap=None, window=None):
+    """q [Tq, H, D], k/v [Tk, K, D] float64 numpy; query i at position q_pos[i]."""
+    tq, h, d = q.shape
+    group = h // k.shape[1]
+    scale = d**-0.5 if scale is None else scale
+    out = np.zeros((tq, h, d))
+    for i in range(tq):
+        js = [
+            j for j in range(k_len) if j <= q_pos[i] and (window is None or j > q_pos[i] - window)
+        ]
+        if not js:
+            continue
+        for hh in range(h):
+            kk = k[js, hh // group].astype(np.float64)
+            s = kk @ q[i, hh].astype(np.float64) * scale
+            if soft_cap is not None:
+                s = soft_cap * np.tanh(s / soft_cap)
+            p = np.exp(s - s.max())
+            out[i, hh] = (p / p.sum()) @ v[js, hh // group].astype(np.float64)
+    return out
+
+
+def rel_err(out, want):
+    out = np.asarray(out, np.float64)
+    assert not np.isnan(out).any()
+    return np.linalg.norm(out - want) / np.linalg.norm(want)
+
+
+def randn(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (8, 1), (16, 2)])
+@pytest.mark.parametrize("opts", [{}, {"soft_cap": 5.0}, {"window": 5}, {"scale": 0.3}])
+def test_decode_matches_naive(heads, kv_heads, opts):
+    rng = np.random.default_rng(0)
+    b, t, d = 4, 19, 16
+    q, k, v = randn(rng, b, heads, d), randn(rng, b, t, kv_heads, d), randn(rng, b, t, kv_heads, d)
+    lengths = np.array([1, 7, 16, t])
+    out = ref.decode(
+        q,
+        k,
+        v,
+        lengths,
+        scale=opts.get("scale"),
+        soft_cap=opts.get("soft_cap"),
+        sliding_window=opts.get("window"),
+    )
+    for i, n in enumerate(lengths):
+        want = naive_attention(
+            q[i][None],
+            k[i],
+            v[i],
+            [n - 1],
+            n,
+            scale=opts.get("scale"),
+            soft_cap=opts.get("soft_cap"),
+            window=opts.get("window"),
+        )[0]
+        assert rel_err(out[i], want) < 1e-5
+
+
+def test_decode_zero_length_row_is_zero():
+    rng = np.random.default_rng(1)
+    q, k, v = randn(rng, 2, 4, 8), randn(rng, 2, 5, 2, 8), randn(rng, 2, 5, 2, 8)
+    out = np.asarray(ref.decode(q, k, v, np.array([0, 3])))
+    assert (out[0] == 0).all() and np.abs(out[1]).sum() > 0
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize("opts", [{}, {"soft_cap": 3.0, "window": 4}])
+def test_causal_prefill_matches_naive(heads, kv_heads, opts):
+    rng = np.random.default_rng(2)
+    b, t, d = 3, 12, 8
+    q, k, v = (
+        randn(rng, b, t, heads, d),
+        randn(rng, b, t, kv_heads, d),
+        randn(rng, b, t, kv_heads, d),
+    )
+    lengths = np.array([1, 9, t])
+    out = np.asarray(
+        ref.causal_prefill(
+            q, k, v, lengths, soft_cap=opts.get("soft_cap"), sliding_window=opts.get("window")
+        )
+    )
+    for i, n in enumerate(lengths):
+        want = naive_attention(
+            q[i, :n],
+            k[i],
+            v[i],
+            np.arange(n),
+            n,
+            soft_cap=opts.get("soft_cap"),
+            window=opts.get("window"),
+        )
+        assert rel_err(out[i, :n], want) < 1e-5
+        assert (out[i, n:] == 0).all()
+
+
+@pytest.mark.parametrize("tq,tk", [(1, 1), (1, 9), (4, 9), (9, 9)])
+def test_attention_chunk_matches_naive(tq, tk):
+    rng = np.random.default_rng(3)
+    q, k, v = randn(rng, tq, 8, 16), randn(rng, tk + 3, 2, 16), randn(rng, tk + 3, 2, 16)
+    out = ref.attention_chunk(q, k, v, context_len=tk, soft_cap=10.0)
+    want = naive_attention(q, k, v, tk - tq + np.arange(tq), tk, soft_cap=10.0)
+    assert rel_err(out, want) < 1e-5
+
+
+def test_bfloat16_within_tolerance():
+    rng = np.random.default_rng(4)
+    q, k, v = randn(rng, 2, 8, 64), randn(rng, 2, 40, 2, 64), randn(rng, 2, 40, 2, 64)
+    lengths = np.array([33, 40])
+    want = np.asarray(ref.decode(q, k, v, lengths), np.float64)
+    bf = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+    out = ref.decode(*bf, lengths)
+    assert out.dtype == jnp.bfloat16
+    err = rel_err(np.asarray(out.astype(jnp.float32)), want)
+    assert 1e-4 < err < 1e-2
+
+
+def make_paged(rng, lengths, kv_heads, d, page_size, extra_pages=3, dtype=np.float32):
+    """Random page pool with shuffled page tables; returns pool, table and dense K/V."""
+    max_pages = max(-(-n // page_size) for n in lengths) + 1
+    num_pages = len(lengths) * max_pages + extra_pages
+    k_pages = randn(rng, kv_heads, num_pages, page_size, d).astype(dtype)
+    v_pages = randn(rng, kv_heads, num_pages, page_size, d).astype(dtype)
+    perm = rng.permutation(num_pages)[: len(lengths) * max_pages]
+    table = perm.reshape(len(lengths), max_pages).astype(np.int32)
+    dense_k = [
+        np.concatenate([k_pages[:, p] for p in table[b]], axis=1).transpose(1, 0, 2)
+        for b in range(len(lengths))
+    ]  # [max_pages * S, K, D] each
+    dense_v = [
+        np.concatenate([v_pages[:, p] for p in table[b]], axis=1).transpose(1, 0, 2)
+        for b in range(len(lengths))
+    ]
+    return k_pages, v_pages, table, dense_k, dense_v
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 8])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (8, 1)])
+def test_paged_attention_xla_equals_dense_on_gathered(page_size, heads, kv_heads):
+    rng = np.random.default_rng(5)
+    d = 16
+    lengths = np.array([1, page_size, 2 * page_size + 1, 23])
+    k_pages, v_pages, table, dk, dv = make_paged(rng, lengths, kv_heads, d, page_size)
+    q = randn(rng, len(lengths), heads, d)
+    out = np.asarray(ref.paged_attention_xla(q, k_pages, v_pages, lengths, table))
+    for b, n in enumerate(lengths):
+        want = naive_attention(q[b][None], dk[b], dv[b], [n - 1], n)[0]
+        assert rel_err(out[b], want) < 1e-5
+
+
+def test_ragged_xla_mixed_batch_matches_naive():
+    rng = np.random.default_rng(6)
+    page_size, heads, kv_heads, d = 4, 8, 2, 16
+    context = np.array([9, 1, 17, 6, 12])
+    q_lens = np.array([3, 1, 1, 0, 12])  # chunk, decode, decode, empty, whole prompt
+    k_pages, v_pages, table, dk, dv = make_paged(rng, context, kv_heads, d, page_size)
+    loc = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    t = int(loc[-1]) + 2  # two padding rows
+    q = randn(rng, t, heads, d)
+    out = np.asarray(
+        ref.ragged_paged_attention_xla(q, k_pages, v_pages, table, context, loc, sliding_window=6)
+    )
+    for b in range(len(context)):
+        rows = slice(loc[b], loc[b + 1])
+        if q_lens[b] == 0:
+            continue
+        pos = context[b] - q_lens[b] + np.arange(q_lens[b])
+        want = naive_attention(q[rows], dk[b], dv[b], pos, context[b], window=6)
+        assert rel_err(out[rows], want) < 1e-5
+    assert (out[loc[-1] :] == 0).all()
+
+
+def test_gqa_heads_must_divide():
+    rng = np.random.default_rng(7)
+    with pytest.raises(ValueError, match="kv heads must divide query heads"):
+        ref.decode(randn(rng, 1, 6, 8), randn(rng, 1, 4, 4, 8), randn(rng, 1, 4, 4, 8), [2])
