@@ -1,0 +1,674 @@
+"""Host-side block manager: which physical KV page belongs to which sequence.
+
+Plain Python and numpy; never touches a jax array. The device cache is a pool of
+``num_pages`` pages of ``page_size`` token slots each (every page id is usable). Token
+position ``pos`` of a sequence lives at slot
+``page_table[pos // page_size] * page_size + pos % page_size``.
+
+Life of a sequence, as the engine drives it::
+
+    bm = BlockManager(num_pages, page_size, max_model_len=4096)
+    if bm.can_admit(len(prompt)):                      # free-page watermark check
+        cached = bm.admit(seq, prompt, cache_salt=salt)  # pages for ALL prompt tokens
+    # prefill chunk [start, end), start >= cached:
+    slots = bm.slot_mapping(seq, start, end)         # [T] int32 device write slots
+    bm.mark_computed(seq, end)                       # K/V of tokens < end written or being
+                                                     # written this step; full pages get cached
+    # decode, one token per running sequence (batched):
+    slots, copies = bm.append_tokens(seqs, tokens)   # [B] int32, [(src, dst)] page copies
+    tables = bm.page_tables(seqs)                    # [B, max_pages] int32
+    bm.fork(seq, child)                              # n > 1 sampling, beam search
+    bm.free(seq)                                     # finished, aborted or preempted
+
+Contract:
+
+- Every mutating call is all-or-nothing: on any exception the state (stats included)
+  is exactly as before. Running out of pages raises ``OutOfPages``; preempt and retry.
+- ``admit`` reserves pages for the whole prompt and returns how many leading tokens are
+  already cached: a multiple of ``page_size`` and always < ``len(token_ids)``. Their K/V is
+  on the device; prefill only the rest, then report progress with ``mark_computed``.
+- ``append_token(s)`` feeds the token at position ``num_tokens`` (the token sampled last
+  step) and counts it as computed at once: the step that writes it runs before anything
+  can attend to it. Appending needs a fully computed sequence.
+- Copies ``(src_page, dst_page)`` are copy-on-write page copies the device must execute
+  before this step's writes. Page tables change on append (new page, copy-on-write) and
+  nowhere else; re-read them after each append.
+- ``fork`` needs a fully computed parent; the child shares every page.
+
+Prefix cache: a full, computed page is registered under a SHA-256 hash chained over the
+parent page's hash and the page's token ids (int64 little-endian); the chain's root
+hashes the request's ``cache_salt``, so requests with different salts never share a
+page. A hit is trusted only after comparing the stored token ids, the salt, and the
+parent's registration id (unique, never reused), so even a colliding hash cannot reuse a
+wrong page. Freed cached pages stay findable in an LRU (freed tail-first, so a shared
+prefix's head lives longest) until allocation evicts them; evicting a page unregisters
+the pages cached under it. A page computed twice (two requests racing on one prefix)
+keeps one copy registered and lets the duplicate's later pages chain onto it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import operator
+import struct
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+__all__ = [
+    "BlockManager",
+    "BlockManagerError",
+    "BlockStats",
+    "InvalidArgument",
+    "InvalidState",
+    "InvariantViolation",
+    "OutOfPages",
+    "SequenceExists",
+    "SequenceFreed",
+    "UnknownSequence",
+]
+
+
+class BlockManagerError(Exception):
+    """Base class of every error the block manager raises."""
+
+
+class OutOfPages(BlockManagerError):
+    """Not enough free or evictable pages; nothing was allocated. Preempt and retry."""
+
+    def __init__(self, needed: int, available: int, what: str):
+        super().__init__(f"{what} needs {needed} pages, only {available} free or evictable")
+        self.needed = needed
+        self.available = available
+
+
+class UnknownSequence(BlockManagerError, KeyError):
+    """The sequence id is not live (never admitted, or already freed)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message.
+        return str(self.args[0])
+
+
+class SequenceFreed(UnknownSequence):
+    """The sequence was freed already: double free, or use after finish."""
+
+
+class SequenceExists(BlockManagerError, ValueError):
+    """Admit or fork to a sequence id that is live."""
+
+
+class InvalidArgument(BlockManagerError, ValueError):
+    """A bad value: empty or too long prompt, bad token id, bad count or range."""
+
+
+class InvalidState(BlockManagerError, RuntimeError):
+    """The call does not fit the sequence's state (e.g. append before prefill is done)."""
+
+
+class InvariantViolation(BlockManagerError, AssertionError):
+    """``check_invariants`` found inconsistent bookkeeping (a bug)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockStats:
+    """A snapshot of page usage and prefix-cache counters (tokens, not pages)."""
+
+    num_pages: int
+    num_free_pages: int  # unreferenced, holding nothing cached
+    num_evictable_pages: int  # unreferenced, cached, reusable until evicted
+    num_used_pages: int  # referenced by at least one sequence
+    num_cached_pages: int  # registered in the prefix index (used or evictable)
+    num_seqs: int
+    kv_usage: float  # num_used_pages / num_pages
+    prefix_queries: int  # prompt tokens admitted
+    prefix_hits: int  # of those, tokens served from the prefix cache
+    prefix_hit_rate: float
+    evictions: int
+    cow_copies: int
+
+
+_ROOT = 0  # registration id of the (per-salt) root of every hash chain
+_FREED_MEMORY = 4096  # freed ids remembered to tell "double free" from "unknown"
+_pack_token = struct.Struct("<q").pack
+
+
+def _digest(data: bytes) -> bytes:
+    """The prefix-cache hash (tests patch this to force collisions)."""
+    return hashlib.sha256(data).digest()
+
+
+def _root_hash(salt: bytes) -> bytes:
+    return _digest(b"pagedjax.prefix.v1\x00" + salt)
+
+
+def _salt_bytes(cache_salt: str | bytes | None) -> bytes:
+    if cache_salt is None:
+        return b"\x00"
+    if isinstance(cache_salt, str):
+        return b"\x01" + cache_salt.encode()
+    if isinstance(cache_salt, bytes):
+        return b"\x02" + cache_salt
+    raise TypeError(f"cache_salt must be str, bytes or None, got {type(cache_salt).__name__}")
+
+
+def _token_array(token_ids, what: str) -> np.ndarray:
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise InvalidArgument(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise InvalidArgument(f"{what} must be integers, got dtype {arr.dtype}")
+    if arr.size and int(arr.min()) < 0:
+        raise InvalidArgument(f"{what} must be >= 0, got {int(arr.min())}")
+    return arr.astype("<i8", copy=False)
+
+
+@dataclasses.dataclass(slots=True)
+class _Entry:
+    """A page registered in the prefix cache."""
+
+    node: int  # registration id, unique for the manager's life
+    hash: bytes  # _digest(parent_hash + tokens)
+    parent_node: int  # registration id of the previous page's content (_ROOT: none)
+    parent_hash: bytes
+    tokens: bytes  # the page's token ids, int64 little-endian
+    salt: bytes
+
+
+@dataclasses.dataclass(slots=True)
+class _Seq:
+    pages: list[int]  # logical page -> physical page
+    table: np.ndarray  # [capacity] int32, pages mirrored for fast page_tables()
+    tokens: bytearray  # every token id, int64 little-endian
+    num_tokens: int
+    num_computed: int  # tokens whose K/V is on the device (or written this step)
+    num_hashed: int  # leading full pages whose content has been looked up or registered
+    last_hash: bytes | None  # chain hash after num_hashed pages; None: stop caching
+    last_node: int  # registration id holding that content (_ROOT before any page)
+    salt: bytes
+
+
+class BlockManager:
+    """Owns the page pool: free list, refcounts, copy-on-write, prefix cache.
+
+    Args:
+        num_pages: physical pages in the device cache (all usable).
+        page_size: token slots per page.
+        enable_prefix_caching: register full computed pages and reuse them on admit.
+        max_model_len: longest sequence (prompt plus output) in tokens; None: unbounded.
+        watermark: fraction of pages ``can_admit`` keeps free for running sequences.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
+        watermark: float = 0.01,
+    ):
+        for name, value in (("num_pages", num_pages), ("page_size", page_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidArgument(f"{name} must be a positive int, got {name}={value!r}")
+        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 1):
+            raise InvalidArgument(f"max_model_len must be a positive int, got {max_model_len=}")
+        if num_pages * page_size >= 2**31:
+            raise InvalidArgument(f"{num_pages=} * {page_size=} slots overflow int32 slot ids")
+        if not 0.0 <= watermark < 1.0:
+            raise InvalidArgument(f"watermark must be in [0, 1), got {watermark=}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.max_model_len = max_model_len
+        self.watermark_pages = int(watermark * num_pages)
+        self._max_pages_per_seq = None if max_model_len is None else -(-max_model_len // page_size)
+
+        self._seqs: dict[Hashable, _Seq] = {}
+        self._freed: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # stack: pops page 0 first
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU
+        self._refcount = [0] * num_pages
+        self._entry: list[_Entry | None] = [None] * num_pages  # None: page not cached
+        self._index: dict[bytes, int] = {}  # chain hash -> page
+        self._node_page: dict[int, int] = {}  # registration id -> page, while registered
+        self._children: dict[int, set[int]] = {}  # registration id -> registered child pages
+        self._next_node = 1
+        self._prefix_queries = self._prefix_hits = self._evictions = self._cow_copies = 0
+
+    # ---------------------------------------------------------------- queries
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages allocatable now: free plus evictable cached pages."""
+        return len(self._free) + len(self._evictable)
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        """Tokens of the sequence that have a slot (prompt plus appended)."""
+        return self._get(seq_id).num_tokens
+
+    def num_computed_tokens(self, seq_id: Hashable) -> int:
+        """Tokens of the sequence whose K/V is on the device."""
+        return self._get(seq_id).num_computed
+
+    def page_table(self, seq_id: Hashable) -> list[int]:
+        """The sequence's physical pages, logical order (a copy)."""
+        return list(self._get(seq_id).pages)
+
+    def page_tables(
+        self, seq_ids: Sequence[Hashable], *, width: int | None = None, pad: int = 0
+    ) -> np.ndarray:
+        """Page tables of many sequences as one ``[B, width]`` int32 array.
+
+        Args:
+            seq_ids: the sequences, one row each.
+            width: columns; default the longest table. Must fit every table.
+            pad: value for columns past a sequence's last page (a valid page id by default,
+                so a kernel that reads past the context length stays in bounds).
+        """
+        seqs = [self._get(s) for s in seq_ids]
+        longest = max((len(s.pages) for s in seqs), default=0)
+        width = longest if width is None else width
+        if width < longest:
+            raise InvalidArgument(f"width={width} is less than the longest page table {longest}")
+        out = np.full((len(seqs), width), pad, np.int32)
+        for row, s in zip(out, seqs, strict=True):
+            row[: len(s.pages)] = s.table[: len(s.pages)]
+        return out
+
+    def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> np.ndarray:
+        """Device slots of positions ``[start, end)``: ``[end - start]`` int32."""
+        s = self._get(seq_id)
+        if not 0 <= start <= end <= s.num_tokens:
+            raise InvalidArgument(
+                f"slot range [{start}, {end}) of {seq_id!r} is outside [0, {s.num_tokens}]"
+            )
+        pos = np.arange(start, end)
+        ps = self.page_size
+        return (s.table[pos // ps] * ps + pos % ps).astype(np.int32)
+
+    def can_admit(self, num_prompt_tokens: int) -> bool:
+        """Whether a prompt fits while leaving the watermark of pages free.
+
+        Conservative: ignores prefix-cache hits, so True also means ``admit`` will not
+        raise ``OutOfPages`` (unless other allocations happen in between).
+        """
+        n = operator.index(num_prompt_tokens)
+        self._check_prompt_len(n)
+        return self.num_free_pages - (-(-n // self.page_size)) >= self.watermark_pages
+
+    def num_append_pages(self, seq_ids: Sequence[Hashable]) -> int:
+        """Pages that ``append_tokens(seq_ids, ...)`` would allocate (new and copies)."""
+        return self._append_plan(seq_ids)
+
+    def stats(self) -> BlockStats:
+        """Counters and page usage; see ``BlockStats``."""
+        used = self.num_pages - len(self._free) - len(self._evictable)
+        q = self._prefix_queries
+        return BlockStats(
+            num_pages=self.num_pages,
+            num_free_pages=len(self._free),
+            num_evictable_pages=len(self._evictable),
+            num_used_pages=used,
+            num_cached_pages=len(self._index),
+            num_seqs=len(self._seqs),
+            kv_usage=used / self.num_pages,
+            prefix_queries=q,
+            prefix_hits=self._prefix_hits,
+            prefix_hit_rate=self._prefix_hits / q if q else 0.0,
+            evictions=self._evictions,
+            cow_copies=self._cow_copies,
+        )
+
+    def check_invariants(self) -> None:
+        """Checks all bookkeeping, O(pages + tokens); raises ``InvariantViolation``.
+
+        Free + evictable + referenced pages == all pages, each in exactly one place;
+        refcounts equal page-table occurrences; every registered page is indexed under
+        the chain hash of its tokens and of a registered parent (same salt); every
+        sequence's cached prefix pages hold exactly its tokens.
+        """
+
+        def require(ok: bool, msg: str) -> None:
+            if not ok:
+                raise InvariantViolation(msg)
+
+        ps, psb, entry, rc = self.page_size, self.page_size * 8, self._entry, self._refcount
+        free, lru = set(self._free), self._evictable
+        require(len(free) == len(self._free), f"a page is twice in the free list {self._free}")
+        holders = [0] * self.num_pages
+        for sid, s in self._seqs.items():
+            k = len(s.pages)
+            require(len(set(s.pages)) == k, f"{sid!r} holds a page twice: {s.pages}")
+            require(k == -(-s.num_tokens // ps), f"{sid!r}: {k} pages for {s.num_tokens} tokens")
+            require(s.table[:k].tolist() == s.pages, f"{sid!r}: table mirror is stale")
+            require(len(s.tokens) == 8 * s.num_tokens, f"{sid!r}: token buffer length")
+            require(0 <= s.num_computed <= s.num_tokens, f"{sid!r}: num_computed out of range")
+            require(s.num_hashed <= s.num_computed // ps, f"{sid!r}: hashed uncomputed pages")
+            h = _root_hash(s.salt)
+            for i, p in enumerate(s.pages):
+                holders[p] += 1
+                e = entry[p]
+                if i >= s.num_hashed:
+                    require(e is None, f"{sid!r}: page {p} cached past its hashed prefix")
+                    continue
+                tb = bytes(s.tokens[i * psb : (i + 1) * psb])
+                h = _digest(h + tb)
+                require(
+                    e is None or (e.hash == h and e.tokens == tb and e.salt == s.salt),
+                    f"{sid!r}: cached page {p} does not hold its tokens {i * ps}..{(i + 1) * ps}",
+                )
+            if s.last_hash is not None:
+                require(self.enable_prefix_caching, f"{sid!r} hashes with caching off")
+                require(s.last_hash == h, f"{sid!r}: stale chain hash")
+                require(s.num_hashed == s.num_computed // ps, f"{sid!r}: full pages unhashed")
+                q = self._node_page.get(s.last_node)
+                require(q is None or entry[q].hash == h, f"{sid!r}: chains from wrong content")
+        for p in range(self.num_pages):
+            e = entry[p]
+            where = (p in free) + (p in lru) + (rc[p] > 0)
+            require(where == 1, f"page {p} is in {where} of free/evictable/used (rc={rc[p]})")
+            require(rc[p] == holders[p], f"page {p}: refcount {rc[p]} != {holders[p]} holders")
+            require(p not in free or e is None, f"free page {p} is still cached")
+            require(p not in lru or e is not None, f"evictable page {p} is not cached")
+            if e is None:
+                continue
+            require(self._index.get(e.hash) == p, f"cached page {p} is not indexed")
+            require(self._node_page.get(e.node) == p, f"page {p}: registration id lost")
+            ok = len(e.tokens) == psb and _digest(e.parent_hash + e.tokens) == e.hash
+            require(ok, f"page {p}: hash does not match its tokens")
+            if e.parent_node == _ROOT:
+                require(e.parent_hash == _root_hash(e.salt), f"page {p}: wrong root hash")
+            else:
+                q = self._node_page.get(e.parent_node)
+                require(q is not None, f"cached page {p} outlived its parent")
+                pe = entry[q]
+                require(pe.hash == e.parent_hash and pe.salt == e.salt, f"page {p}: bad parent")
+            require(p in self._children.get(e.parent_node, ()), f"page {p} unknown to parent")
+        require(len(self._index) == len(self._node_page), "index and registrations disagree")
+        kids = sum(len(c) for c in self._children.values())
+        require(kids == len(self._index), f"{kids} child links for {len(self._index)} pages")
+        require(self.enable_prefix_caching or not self._index, "pages cached with caching off")
+
+    # --------------------------------------------------------------- mutation
+
+    def admit(
+        self,
+        seq_id: Hashable,
+        token_ids: Sequence[int] | np.ndarray,
+        *,
+        cache_salt: str | bytes | None = None,
+    ) -> int:
+        """Reserves pages for every prompt token, reusing cached full prefix pages.
+
+        Args:
+            seq_id: a new (not live) sequence id; a freed id may be readmitted.
+            token_ids: the prompt, ``[T]`` non-negative ints, 1 <= T <= max_model_len.
+            cache_salt: requests share cached pages only with requests of equal salt.
+
+        Returns:
+            Leading prompt tokens whose K/V is already cached (a multiple of
+            ``page_size``, < T). Prefill starts there.
+
+        Raises:
+            OutOfPages: not enough pages; nothing was reserved.
+        """
+        if seq_id in self._seqs:
+            raise SequenceExists(f"sequence {seq_id!r} is already live")
+        toks = _token_array(token_ids, "token_ids")
+        n = toks.shape[0]
+        self._check_prompt_len(n)
+        salt = _salt_bytes(cache_salt)
+        buf = toks.tobytes()
+        ps, psb = self.page_size, self.page_size * 8
+
+        hits: list[int] = []
+        last_hash, last_node = None, _ROOT
+        if self.enable_prefix_caching:
+            last_hash = _root_hash(salt)
+            index, entry = self._index, self._entry
+            for i in range((n - 1) // ps):  # at least one token is left to compute
+                tb = buf[i * psb : (i + 1) * psb]
+                h = _digest(last_hash + tb)
+                p = index.get(h)
+                e = entry[p] if p is not None else None
+                if e is None or e.tokens != tb or e.parent_node != last_node or e.salt != salt:
+                    break  # a miss, or a hash collision that must not be trusted
+                hits.append(p)
+                last_hash, last_node = h, e.node
+
+        num_new = -(-n // ps) - len(hits)
+        available = self.num_free_pages - sum(self._refcount[p] == 0 for p in hits)
+        if num_new > available:
+            raise OutOfPages(num_new, available, f"admitting {n} tokens of {seq_id!r}")
+        for p in hits:
+            if self._refcount[p] == 0:
+                del self._evictable[p]
+            self._refcount[p] += 1
+        pages = hits + [self._alloc() for _ in range(num_new)]
+        cap = self._max_pages_per_seq or max(4, 2 * len(pages))
+        table = np.zeros(cap, np.int32)
+        table[: len(pages)] = pages
+        self._seqs[seq_id] = _Seq(
+            pages, table, bytearray(buf), n, len(hits) * ps, len(hits), last_hash, last_node, salt
+        )
+        self._freed.pop(seq_id, None)
+        self._prefix_queries += n
+        self._prefix_hits += len(hits) * ps
+        return len(hits) * ps
+
+    def mark_computed(self, seq_id: Hashable, num_computed_tokens: int) -> None:
+        """Records that the K/V of the first ``num_computed_tokens`` tokens is on the device.
+
+        Call it after scheduling (or running) each prefill chunk; pages that become full
+        are registered in the prefix cache. Never decreases; at most ``num_tokens``.
+        """
+        s = self._get(seq_id)
+        n = operator.index(num_computed_tokens)
+        if not s.num_computed <= n <= s.num_tokens:
+            raise InvalidArgument(
+                f"num_computed_tokens={n} for sequence {seq_id!r} must be in "
+                f"[{s.num_computed}, {s.num_tokens}]"
+            )
+        s.num_computed = n
+        if self.enable_prefix_caching:
+            while s.last_hash is not None and s.num_hashed < n // self.page_size:
+                self._register(s)
+
+    def append_token(self, seq_id: Hashable, token_id: int) -> tuple[int, list[tuple[int, int]]]:
+        """One-sequence ``append_tokens``: returns ``(slot, copies)``."""
+        slots, copies = self.append_tokens([seq_id], [token_id])
+        return int(slots[0]), copies
+
+    def append_tokens(
+        self, seq_ids: Sequence[Hashable], token_ids: Sequence[int] | np.ndarray
+    ) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """Gives each sequence a slot for one more token (the decode step's input).
+
+        Args:
+            seq_ids: distinct, fully computed live sequences.
+            token_ids: ``[B]`` the token each sequence feeds at position ``num_tokens``.
+
+        Returns:
+            ``(slots, copies)``: ``[B]`` int32 write slots, and ``(src_page, dst_page)``
+            copy-on-write copies to run before the writes.
+
+        Raises:
+            OutOfPages: the batch needs more pages than are left; nothing changed.
+        """
+        toks = _token_array(token_ids, "token_ids")
+        if toks.shape[0] != len(seq_ids):
+            raise InvalidArgument(f"{len(seq_ids)} seq_ids but {toks.shape[0]} token_ids")
+        needed = self._append_plan(seq_ids)
+        if needed > self.num_free_pages:
+            raise OutOfPages(needed, self.num_free_pages, f"appending to {len(seq_ids)} sequences")
+
+        ps, rc, seqs = self.page_size, self._refcount, self._seqs
+        caching = self.enable_prefix_caching
+        slots = np.empty(len(seq_ids), np.int32)
+        copies: list[tuple[int, int]] = []
+        for i, (sid, t) in enumerate(zip(seq_ids, toks.tolist(), strict=True)):
+            s = seqs[sid]
+            n = s.num_tokens
+            off = n % ps
+            if off == 0:
+                p = self._alloc()
+                s.pages.append(p)
+                self._set_table(s, len(s.pages) - 1, p)
+            else:
+                p = s.pages[-1]
+                if rc[p] > 1:  # shared partial page: copy before writing into it
+                    rc[p] -= 1
+                    src, p = p, self._alloc()
+                    s.pages[-1] = p
+                    s.table[len(s.pages) - 1] = p
+                    copies.append((src, p))
+            s.tokens += _pack_token(t)
+            s.num_tokens = s.num_computed = n + 1
+            if off == ps - 1 and caching and s.last_hash is not None:
+                self._register(s)
+            slots[i] = p * ps + off
+        self._cow_copies += len(copies)
+        return slots, copies
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Makes ``child_id`` share every page of ``parent_id`` (refcounts + 1)."""
+        parent = self._get(parent_id)
+        if child_id in self._seqs:
+            raise SequenceExists(f"cannot fork into {child_id!r}: it is already live")
+        if parent.num_computed != parent.num_tokens:
+            raise InvalidState(
+                f"cannot fork {parent_id!r} mid-prefill: {parent.num_computed} of "
+                f"{parent.num_tokens} tokens computed"
+            )
+        rc = self._refcount
+        for p in parent.pages:
+            rc[p] += 1
+        self._seqs[child_id] = dataclasses.replace(
+            parent, pages=list(parent.pages), table=parent.table.copy(), tokens=parent.tokens[:]
+        )
+        self._freed.pop(child_id, None)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Releases a finished, aborted or preempted sequence's pages.
+
+        Unreferenced cached pages become evictable, tail first (a prefix's head is
+        evicted last); the others return to the free list.
+        """
+        s = self._get(seq_id)
+        del self._seqs[seq_id]
+        rc, entry = self._refcount, self._entry
+        for p in reversed(s.pages):
+            rc[p] -= 1
+            if rc[p] == 0:
+                if entry[p] is not None:
+                    self._evictable[p] = None
+                else:
+                    self._free.append(p)
+        self._freed[seq_id] = None
+        if len(self._freed) > _FREED_MEMORY:
+            self._freed.popitem(last=False)
+
+    # --------------------------------------------------------------- internals
+
+    def _get(self, seq_id: Hashable) -> _Seq:
+        s = self._seqs.get(seq_id)
+        if s is None:
+            if seq_id in self._freed:
+                raise SequenceFreed(f"sequence {seq_id!r} was already freed")
+            raise UnknownSequence(f"unknown sequence {seq_id!r}")
+        return s
+
+    def _check_prompt_len(self, n: int) -> None:
+        if n < 1:
+            raise InvalidArgument(f"a prompt needs at least one token, got {n}")
+        if self.max_model_len is not None and n > self.max_model_len:
+            raise InvalidArgument(
+                f"prompt of {n} tokens exceeds max_model_len={self.max_model_len}"
+            )
+
+    def _append_plan(self, seq_ids: Sequence[Hashable]) -> int:
+        """Validates an append batch; returns the pages it allocates."""
+        ps, rc, limit = self.page_size, self._refcount, self.max_model_len
+        needed = 0
+        shared: dict[int, int] = {}  # shared partial last page -> batch members holding it
+        for sid in seq_ids:
+            s = self._seqs.get(sid)
+            if s is None:
+                self._get(sid)  # raises the right error
+            if s.num_computed != s.num_tokens:
+                raise InvalidState(
+                    f"cannot append to {sid!r} mid-prefill: {s.num_computed} of "
+                    f"{s.num_tokens} tokens computed"
+                )
+            if limit is not None and s.num_tokens >= limit:
+                raise InvalidArgument(f"sequence {sid!r} is at max_model_len={limit}")
+            if s.num_tokens % ps == 0:
+                needed += 1
+            elif rc[s.pages[-1]] > 1:
+                shared[s.pages[-1]] = shared.get(s.pages[-1], 0) + 1
+        if len(set(seq_ids)) != len(seq_ids):
+            dup = next(k for k, c in collections.Counter(seq_ids).items() if c > 1)
+            raise InvalidArgument(f"sequence {dup!r} appears twice in one append batch")
+        # The last holder of a shared page to write keeps it; every other one copies.
+        for p, c in shared.items():
+            needed += c - (c == rc[p])
+        return needed
+
+    def _set_table(self, s: _Seq, i: int, page: int) -> None:
+        if i == s.table.shape[0]:
+            s.table = np.concatenate([s.table, np.zeros_like(s.table)])
+        s.table[i] = page
+
+    def _alloc(self) -> int:
+        if self._free:
+            p = self._free.pop()
+        else:  # callers checked num_free_pages, so the LRU is not empty
+            p, _ = self._evictable.popitem(last=False)
+            self._unregister(p)
+            self._evictions += 1
+        self._refcount[p] = 1
+        return p
+
+    def _register(self, s: _Seq) -> None:
+        """Caches the sequence's next full page, or chains past an equal cached page."""
+        i, psb = s.num_hashed, self.page_size * 8
+        if s.last_node != _ROOT and s.last_node not in self._node_page:
+            s.last_hash = None  # the content we chain from was evicted
+            return
+        tb = bytes(s.tokens[i * psb : (i + 1) * psb])
+        h = _digest(s.last_hash + tb)
+        q = self._index.get(h)
+        if q is not None:  # computed twice (two requests raced on one prefix), or a collision
+            e = self._entry[q]
+            if e.tokens == tb and e.parent_node == s.last_node and e.salt == s.salt:
+                s.num_hashed, s.last_hash, s.last_node = i + 1, h, e.node
+            else:  # never trust a collision: stop caching this sequence
+                s.last_hash = None
+            return
+        p, node = s.pages[i], self._next_node
+        self._next_node += 1
+        self._entry[p] = _Entry(node, h, s.last_node, s.last_hash, tb, s.salt)
+        self._index[h] = p
+        self._node_page[node] = p
+        self._children.setdefault(s.last_node, set()).add(p)
+        s.num_hashed, s.last_hash, s.last_node = i + 1, h, node
+
+    def _unregister(self, p: int) -> None:
+        """Drops page ``p`` and every page cached under it from the prefix cache."""
+        stack = [p]
+        while stack:
+            q = stack.pop()
+            e, self._entry[q] = self._entry[q], None
+            stack.extend(self._children.pop(e.node, ()))
+            del self._index[e.hash], self._node_page[e.node]
+            siblings = self._children.get(e.parent_node)
+            if siblings is not None:
+                siblings.discard(q)
+            if q != p and self._refcount[q] == 0:  # an orphaned cached page is plain free
+                del self._evictable[q]
+                self._free.append(q)
