@@ -1,0 +1,392 @@
+"""Ragged paged attention on GPU: chunked prefill and decode rows in one batch.
+
+Lowering: Pallas's Triton lowering (`jax.experimental.pallas.triton`). It runs on
+jax 0.10 and 0.11, it has the public CPU interpreter (`interpret=True`) that CI
+uses, and its pointer-based loads express what a paged kernel needs directly: a
+gather of KV rows through the page table, with masked lanes never touching
+memory. Mosaic GPU (TMA, wgmma) would be faster on Hopper for the prefill part,
+but its interpreter is private API and TMA cannot gather arbitrary pages; it can
+slot in behind the same signature later.
+
+Work decomposition. Query rows are cut into *query blocks*: `block_q` consecutive
+tokens of one sequence times all `G = H // K` query heads of one kv head, which
+the kernel flattens into the M dimension of its dots (`M = block_q * G`, G padded
+to a power of two). One program handles one (query block, kv head) pair: it
+loads its queries once, then walks the sequence's KV blocks (`block_kv` tokens,
+gathered row by row through the page table, so blocks need not align with pages)
+from the sliding-window start to the causal limit of the block's last query,
+with an online softmax in float32. KV past that limit (and before the window) is
+never loaded. The G heads share every KV load, so KV is read once per
+(query block, kv head), never per query head.
+
+Grid, independent of values: `(num_q_blocks, K)` with
+`num_q_blocks = (T + N * (block_q - 1)) // block_q`, `N = min(B + 1, T)`: an upper
+bound on the number of query blocks of any batch of B sequences plus one
+"padding segment" for rows past `query_start_loc[B]` (it has no keys, so its
+programs store zeros). The wrapper turns the traced `query_start_loc` into a
+schedule (program -> segment, block index) with a cumsum and a compare, a few
+hundred bytes of XLA work; slots past the real number of blocks exit at once.
+Cost for decode-heavy batches: each decode row gets a program of its own whose
+dots compute `block_q` rows of which one token is real (the kernel is bound by
+KV loads there, so tensor-core work is nearly free, but the default `block_q`
+shrinks when the average q_len `T / B` is small), and up to `min(B, T)` idle
+slots are launched. There is no split over the KV axis: a batch of very few
+long decode rows occupies only `B * K` programs; the paged decode kernel is the
+better choice for pure decode.
+
+Supported: everything in `pallas_kernels.reference`'s conventions (GQA/MQA with
+any group size, soft cap, sliding window, float32 and bfloat16, any page size,
+batch, T and max_pages). Not supported: quantized KV pages, a split over the KV
+axis for few long sequences.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_NEG = -1e30  # finite "minus infinity": keeps exp2(m_old - m_new) NaN-free
+_LOG2E = math.log2(math.e)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _is_pow2(n) -> bool:
+    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+
+
+def _kernel(
+    sched_ref,  # [2, NQB] int32: segment id (-1 idle), block index in the segment
+    qsl_ref,  # [B + 2] int32: query_start_loc, then T (end of the padding segment)
+    ctx_ref,  # [B + 1] int32: context_lens, then 0 (the padding segment)
+    pt_ref,  # [B * max_pages] int32 flattened page table
+    q_ref,  # [T * H, D]
+    k_ref,  # [P * S, D] this kv head's key rows
+    v_ref,  # [P * S, D]
+    o_ref,  # [T * H, D]
+    *,
+    num_seqs: int,
+    num_heads: int,
+    group: int,
+    group_pad: int,
+    max_pages: int,
+    page_size: int,
+    block_q: int,
+    block_kv: int,
+    scale: float,
+    soft_cap: float | None,
+    sliding_window: int | None,
+):
+    j = pl.program_id(0)
+    kv_head = pl.program_id(1)
+    seg = sched_ref[0, j]
+    blk = sched_ref[1, j]
+    m_rows = block_q * group_pad
+    head_dim = q_ref.shape[-1]
+
+    @pl.when(seg >= 0)
+    def _():
+        q_start = qsl_ref[seg]
+        q_len = qsl_ref[seg + 1] - q_start
+        ctx = ctx_ref[seg]
+        t0 = blk * block_q  # first token of this block, within the sequence's chunk
+        row = lax.broadcasted_iota(jnp.int32, (m_rows,), 0)
+        tok = t0 + row // group_pad
+        g = row % group_pad
+        row_ok = (tok < q_len) & (g < group)  # [M]
+        q_rows = (q_start + tok) * num_heads + kv_head * group + g  # [M] rows of q and o
+        col = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
+        q_ok = row_ok & (seg < num_seqs)  # the padding segment reads no queries
+        q_idx = jnp.where(q_ok, q_rows, 0)[:, None]
+        q = plgpu.load(q_ref.at[q_idx, col], mask=q_ok[:, None], other=0)  # [M, D]
+        pos = ctx - q_len + tok  # [M] absolute position of each query row
+
+        # KV range of the whole block: [kv_lo, kv_hi).
+        first = ctx - q_len + t0
+        kv_hi = jnp.maximum(ctx - q_len + jnp.minimum(q_len, t0 + block_q), 0)
+        last = kv_hi - 1
+        kv_lo = 0 if sliding_window is None else jnp.maximum(first - sliding_window + 1, 0)
+        # Blocks [b0, b1) need masks at the window edge, [b1, b2) are fully visible to
+        # every row, [b2, b3) need the causal mask (and the length mask).
+        b0 = kv_lo // block_kv
+        b3 = (kv_hi + block_kv - 1) // block_kv
+        full_lo = (
+            b0
+            if sliding_window is None
+            else (jnp.maximum(last - sliding_window + 1, 0) + block_kv - 1) // block_kv
+        )
+        b1 = jnp.clip(full_lo, b0, b3)
+        b2 = jnp.clip((first + 1) // block_kv, b1, b3)
+
+        page_base = jnp.minimum(seg, num_seqs - 1) * max_pages
+        dot_precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+
+        def body(i, carry, masked):
+            acc, m_i, l_i = carry
+            kv_pos = i * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
+            kv_ok = (kv_pos >= kv_lo) & (kv_pos < kv_hi)  # [block_kv]
+            page_idx = jnp.where(kv_ok, kv_pos // page_size, 0)
+            page = plgpu.load(pt_ref.at[page_base + page_idx], mask=kv_ok, other=0)
+            kv_rows = jnp.where(kv_ok, page * page_size + kv_pos % page_size, 0)[:, None]
+            k = plgpu.load(k_ref.at[kv_rows, col], mask=kv_ok[:, None], other=0)  # [bkv, D]
+            s = lax.dot_general(
+                q,
+                k,
+                (((1,), (1,)), ((), ())),
+                precision=dot_precision,
+                preferred_element_type=jnp.float32,
+            )  # [M, bkv]
+            if soft_cap is None:
+                s = s * (scale * _LOG2E)
+            else:
+                s = (soft_cap * _LOG2E) * jnp.tanh(s * (scale / soft_cap))
+            if masked:
+                visible = (kv_pos[None, :] <= pos[:, None]) & kv_ok[None, :]
+                if sliding_window is not None:
+                    visible &= kv_pos[None, :] > pos[:, None] - sliding_window
+                s = jnp.where(visible, s, _NEG)
+            m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - m_new[:, None])
+            if masked:
+                p = jnp.where(visible, p, 0.0)
+            l_new = l_i * alpha + jnp.sum(p, axis=1)
+            v = plgpu.load(v_ref.at[kv_rows, col], mask=kv_ok[:, None], other=0)  # [bkv, D]
+            pv = lax.dot_general(
+                p.astype(v.dtype),
+                v,
+                (((1,), (0,)), ((), ())),
+                precision=dot_precision,
+                preferred_element_type=jnp.float32,
+            )  # [M, D]
+            return acc * alpha[:, None] + pv, m_new, l_new
+
+        carry = (
+            jnp.zeros((m_rows, head_dim), jnp.float32),
+            jnp.full((m_rows,), _NEG, jnp.float32),
+            jnp.zeros((m_rows,), jnp.float32),
+        )
+        if sliding_window is not None:
+            carry = lax.fori_loop(b0, b1, functools.partial(body, masked=True), carry)
+        carry = lax.fori_loop(b1, b2, functools.partial(body, masked=False), carry)
+        carry = lax.fori_loop(b2, b3, functools.partial(body, masked=True), carry)
+        acc, _, l_i = carry
+        # Every real query sees at least itself, so l > 0 except on padding rows.
+        out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
+        # Masked rows point past the end: the interpreter's scatter drops them, and
+        # unlike a clamped index they cannot collide with a real row.
+        o_idx = jnp.where(row_ok, q_rows, o_ref.shape[0])[:, None]
+        plgpu.store(o_ref.at[o_idx, col], out.astype(o_ref.dtype), mask=row_ok[:, None])
+
+
+def _schedule(query_start_loc, num_tokens, block_q, num_q_blocks):
+    """Maps each program to (segment, block index in the segment), heaviest first.
+
+    Segments are the B sequences plus one padding segment (rows past
+    query_start_loc[B]); slots past the last real block get segment -1.
+
+    Returns:
+      [2, num_q_blocks] int32.
+    """
+    seg_end = jnp.concatenate([query_start_loc[1:], jnp.full((1,), num_tokens, jnp.int32)])
+    seg_len = seg_end - query_start_loc  # [B + 1]
+    blocks_end = jnp.cumsum((seg_len + block_q - 1) // block_q)  # [B + 1]
+    slot = jnp.arange(num_q_blocks, dtype=jnp.int32)
+    # First segment whose cumulative block count exceeds the slot (skips empty ones).
+    seg = jnp.sum(blocks_end[None, :] <= slot[:, None], axis=1, dtype=jnp.int32)
+    blocks_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), blocks_end])
+    idx = slot - blocks_start[jnp.minimum(seg, seg_len.shape[0])]
+    seg = jnp.where(seg < seg_len.shape[0], seg, -1)
+    # Reversed: later blocks of a chunk see more keys, so they start first.
+    return jnp.stack([seg, idx])[:, ::-1].astype(jnp.int32)
+
+
+def default_tuning(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, dtype):
+    """Per-shape defaults for the tuning knobs (all static).
+
+    `block_q * G` (the dots' M) is 64 rows: a decode row then does 64x the MMA work
+    it needs, which keeps it just under the H200's bf16 ridge point (the kernel
+    stays bound by its KV loads), while a prefill chunk gets 64-row tiles and
+    re-reads its KV once per 64 query rows. 128 rows would halve those re-reads but
+    make decode rows compute-bound. When T <= B (a decode batch, padded or not)
+    M drops to 16, the smallest tensor-core tile. float32 (a correctness path:
+    exact IEEE dots, no tensor cores) and D = 256 use smaller KV blocks to keep
+    the tiles in registers.
+    """
+    group_pad = _pow2(num_heads // num_kv_heads)
+    rows = 16 if num_tokens <= num_seqs else 64
+    block_q = max(1, rows // group_pad)
+    wide = head_dim > 128 or (jnp.dtype(dtype) == jnp.float32 and head_dim > 64)
+    return dict(
+        block_q=block_q,
+        block_kv=32 if wide else 64,
+        num_warps=8 if head_dim > 128 or block_q * group_pad > 64 else 4,
+        num_stages=2,
+    )
+
+
+def _check_knobs(block_q, block_kv, num_warps, num_stages, group_pad):
+    if not _is_pow2(block_q):
+        raise ValueError(f"block_q must be a power of two, got {block_q=}")
+    if block_q * group_pad < 16:
+        raise ValueError(
+            f"block_q * G must be >= 16 (smallest dot tile), got {block_q=} with G={group_pad}"
+        )
+    if not _is_pow2(block_kv) or block_kv < 16:
+        raise ValueError(f"block_kv must be a power of two >= 16, got {block_kv=}")
+    if not _is_pow2(num_warps):
+        raise ValueError(f"num_warps must be a power of two, got {num_warps=}")
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be a positive int, got {num_stages=}")
+
+
+def ragged_paged_attention_gpu(
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    context_lens,
+    query_start_loc,
+    *,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    interpret: bool = False,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+):
+    """Ragged paged attention with the Pallas Triton kernel.
+
+    Semantics are those of `pallas_kernels.reference.ragged_paged_attention_xla`;
+    inputs are assumed valid (`pallas_kernels.dispatch` checks them).
+
+    Args:
+      q: [T, H, D] all sequences' query tokens back to back.
+      k_pages: [K, P, S, D] one layer's key pages.
+      v_pages: [K, P, S, D] one layer's value pages.
+      page_table: [B, max_pages] int32.
+      context_lens: [B] int32 tokens in the cache per sequence, this step's included.
+      query_start_loc: [B + 1] int32; rows past query_start_loc[B] return zeros.
+      scale: logit scale, default D ** -0.5.
+      soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap).
+      sliding_window: if set, a query at p sees keys p - sliding_window < j <= p.
+      interpret: run the kernel in the Pallas interpreter (CPU testing).
+      block_q: query tokens per program (power of two; block_q * G >= 16).
+      block_kv: KV tokens per inner step (power of two >= 16; need not match pages).
+      num_warps, num_stages: Triton launch parameters.
+
+    Returns:
+      [T, H, D] in q's dtype.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[0]
+    num_seqs = page_table.shape[0]
+    defaults = default_tuning(
+        num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, jnp.dtype(q.dtype)
+    )
+    knobs = dict(block_q=block_q, block_kv=block_kv, num_warps=num_warps, num_stages=num_stages)
+    knobs = {name: defaults[name] if val is None else val for name, val in knobs.items()}
+    _check_knobs(**knobs, group_pad=_pow2(num_heads // num_kv_heads))
+    if num_tokens == 0 or num_seqs == 0:
+        return jnp.zeros_like(q)
+    return _ragged_call(
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        context_lens,
+        query_start_loc,
+        scale=float(head_dim**-0.5 if scale is None else scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        interpret=bool(interpret),
+        **knobs,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "soft_cap",
+        "sliding_window",
+        "interpret",
+        "block_q",
+        "block_kv",
+        "num_warps",
+        "num_stages",
+    ),
+)
+def _ragged_call(
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    context_lens,
+    query_start_loc,
+    *,
+    scale,
+    soft_cap,
+    sliding_window,
+    interpret,
+    block_q,
+    block_kv,
+    num_warps,
+    num_stages,
+):
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    num_seqs, max_pages = page_table.shape
+    group = num_heads // num_kv_heads
+    query_start_loc = query_start_loc.astype(jnp.int32)
+    num_segments = min(num_seqs + 1, num_tokens)
+    num_q_blocks = (num_tokens + num_segments * (block_q - 1)) // block_q
+    sched = _schedule(query_start_loc, num_tokens, block_q, num_q_blocks)
+    qsl = jnp.concatenate([query_start_loc, jnp.full((1,), num_tokens, jnp.int32)])
+    ctx = jnp.concatenate([context_lens.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
+    kv_rows = num_pages * page_size
+    kernel = functools.partial(
+        _kernel,
+        num_seqs=num_seqs,
+        num_heads=num_heads,
+        group=group,
+        group_pad=_pow2(group),
+        max_pages=max_pages,
+        page_size=page_size,
+        block_q=block_q,
+        block_kv=block_kv,
+        scale=scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+    )
+    whole = pl.no_block_spec
+    kv_spec = pl.BlockSpec((None, kv_rows, head_dim), lambda j, h: (h, 0, 0))
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_q_blocks, num_kv_heads),
+        in_specs=[whole, whole, whole, whole, whole, kv_spec, kv_spec],
+        out_specs=whole,
+        out_shape=jax.ShapeDtypeStruct((num_tokens * num_heads, head_dim), q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"ragged_paged_attention_bq{block_q}_bkv{block_kv}",
+    )(
+        sched,
+        qsl,
+        ctx,
+        page_table.astype(jnp.int32).reshape(-1),
+        q.reshape(num_tokens * num_heads, head_dim),
+        k_pages.reshape(num_kv_heads, kv_rows, head_dim),
+        v_pages.reshape(num_kv_heads, kv_rows, head_dim),
+    )
+    return out.reshape(num_tokens, num_heads, head_dim)
