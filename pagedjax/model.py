@@ -1,0 +1,398 @@
+"""Llama-family decoder (Llama 2/3/3.1/3.2, Qwen2) in Flax NNX, dense and paged.
+
+Two forward passes share one set of modules:
+
+* `forward(params, tokens)` / `Llama.__call__`: dense causal attention over whole
+  sequences, no cache. The oracle in tests and the training forward (jit- and
+  grad-friendly: `jax.grad(lambda s: loss(forward(Params(g, s, cfg), x)))`).
+* `forward_paged(params, cache, ...)`: one engine step. Per layer: QKV, RoPE at each
+  token's own position, this step's K/V written into pages through the slot mapping,
+  then paged attention through `pallas_kernels` (`ragged_paged_attention` for mixed
+  prefill/decode batches, `paged_decode_attention` when every sequence brings one
+  token), then the MLP. Only the rows in `logits_indices` reach the LM head.
+
+Hot path: `nnx.jit` re-walks the module graph in Python on every call, so the model
+is split once, `params = split_model(model)` (a `Params` pytree: the `GraphDef` as
+static metadata, the `nnx.State` as data), and `jax.jit` is applied to pure
+functions of `params` that `nnx.merge` it back inside the trace (see
+`pagedjax.decode`). A call then costs one pytree flatten, like any jitted function.
+
+Parameter paths (dotted keys of `params_to_flat`; `nnx.split` state paths), with
+`E` hidden, `I` intermediate, `H`/`K` query/kv heads, `D` head dim, `V` vocab. Linear
+kernels are stored `[in, out]` (HF's `weight` transposed); q/k/v outputs are
+head-major (`[..., H * D]` reshapes to `[..., H, D]`, as in HF):
+
+    embed_tokens.embedding                      [V, E]        HF model.embed_tokens.weight
+    layers.{i}.input_layernorm.scale            [E]           ...layers.{i}.input_layernorm.weight
+    layers.{i}.self_attn.q_proj.kernel          [E, H * D]    ...self_attn.q_proj.weight.T
+    layers.{i}.self_attn.q_proj.bias            [H * D]       ...self_attn.q_proj.bias (qkv_bias)
+    layers.{i}.self_attn.k_proj.kernel          [E, K * D]    ...self_attn.k_proj.weight.T
+    layers.{i}.self_attn.k_proj.bias            [K * D]       ...self_attn.k_proj.bias (qkv_bias)
+    layers.{i}.self_attn.v_proj.kernel          [E, K * D]    ...self_attn.v_proj.weight.T
+    layers.{i}.self_attn.v_proj.bias            [K * D]       ...self_attn.v_proj.bias (qkv_bias)
+    layers.{i}.self_attn.o_proj.kernel          [H * D, E]    ...self_attn.o_proj.weight.T
+    layers.{i}.post_attention_layernorm.scale   [E]           ...post_attention_layernorm.weight
+    layers.{i}.mlp.gate_proj.kernel             [E, I]        ...mlp.gate_proj.weight.T
+    layers.{i}.mlp.up_proj.kernel               [E, I]        ...mlp.up_proj.weight.T
+    layers.{i}.mlp.down_proj.kernel             [I, E]        ...mlp.down_proj.weight.T
+    norm.scale                                  [E]           model.norm.weight
+    lm_head.kernel                              [E, V]        lm_head.weight.T (untied only)
+
+With `tie_embeddings` there is no `lm_head`; logits are `h @ embed_tokens.embedding.T`.
+All parameters are in `cfg.dtype`; logits are returned in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import pallas_kernels
+from pagedjax import cache as cache_lib
+from pagedjax.config import ModelConfig
+
+_MASKED = -1e30  # finite, so the dense forward's softmax has clean gradients
+
+
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """RoPE inverse frequencies `[D // 2]` float32, with llama3 scaling when configured.
+
+    llama3 scaling keeps high frequencies (wavelength < original context /
+    high_freq_factor), divides low frequencies (wavelength > original context /
+    low_freq_factor) by `factor`, and interpolates smoothly in between.
+    """
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    rs = cfg.rope_scaling
+    if rs is not None:
+        old = rs.original_max_position_embeddings
+        wavelen = 2 * math.pi / inv
+        low_wavelen = old / rs.low_freq_factor
+        high_wavelen = old / rs.high_freq_factor
+        smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, (1 - smooth) * inv / rs.factor + smooth * inv, scaled)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x, positions, inv_freq):
+    """Rotate-half RoPE.
+
+    Args:
+      x: [..., T, N, D] queries or keys (N heads).
+      positions: [..., T] int absolute positions.
+      inv_freq: [D // 2] float32.
+
+    Returns:
+      x rotated, in x's dtype (the rotation itself is computed in float32).
+    """
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., T, D/2]
+    cos = jnp.cos(angles)[..., None, :]  # [..., T, 1, D/2]
+    sin = jnp.sin(angles)[..., None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm as in HF Llama: normalise in float32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...] * y.astype(x.dtype)
+
+
+def _linear(n_in, n_out, cfg, rngs, bias=False):
+    dt = cfg.jnp_dtype
+    return nnx.Linear(n_in, n_out, use_bias=bias, dtype=dt, param_dtype=dt, rngs=rngs)
+
+
+class Attention(nnx.Module):
+    """GQA projections and RoPE; the attention itself is chosen by the caller."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        e, h, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = _linear(e, h * d, cfg, rngs, bias=cfg.qkv_bias)
+        self.k_proj = _linear(e, k * d, cfg, rngs, bias=cfg.qkv_bias)
+        self.v_proj = _linear(e, k * d, cfg, rngs, bias=cfg.qkv_bias)
+        self.o_proj = _linear(h * d, e, cfg, rngs)
+        self.num_heads, self.num_kv_heads, self.head_dim = h, k, d
+
+    def qkv(self, x, positions, inv_freq):
+        """x: [..., T, E], positions: [..., T] -> q [..., T, H, D], k and v [..., T, K, D]."""
+        lead = x.shape[:-1]
+        q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def out(self, o):
+        """o: [..., T, H, D] -> [..., T, E]."""
+        return self.o_proj(o.reshape(*o.shape[:-2], self.num_heads * self.head_dim))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        e, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(e, i, cfg, rngs)
+        self.up_proj = _linear(e, i, cfg, rngs)
+        self.down_proj = _linear(i, e, cfg, rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.jnp_dtype)
+        self.self_attn = Attention(cfg, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.jnp_dtype)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+
+class Llama(nnx.Module):
+    """A Llama-family causal LM. `cfg` is kept as static module metadata."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dt = cfg.jnp_dtype
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size, cfg.hidden_size, dtype=dt, param_dtype=dt, rngs=rngs
+        )
+        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dt)
+        self.lm_head = (
+            None if cfg.tie_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, cfg, rngs)
+        )
+
+    def logits(self, h):
+        """Final norm and LM head: h [..., E] -> [..., V] float32."""
+        h = self.norm(h)
+        w = self.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head.kernel[...]
+        return jnp.dot(h, w, preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens):
+        """Dense causal forward with no cache: tokens [B, T] int -> logits [B, T, V] float32."""
+        inv_freq = rope_frequencies(self.cfg)
+        positions = jnp.arange(tokens.shape[-1])
+        x = self.embed_tokens(tokens)  # [B, T, E]
+        for layer in self.layers:
+            attn = layer.self_attn
+            q, k, v = attn.qkv(layer.input_layernorm(x), positions, inv_freq)
+            x = x + attn.out(dense_causal_attention(q, k, v))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.logits(x)
+
+    def paged(
+        self,
+        cache: cache_lib.PagedKVCache,
+        token_ids,
+        positions,
+        slot_mapping,
+        page_table,
+        context_lens,
+        query_start_loc,
+        logits_indices,
+        *,
+        decode: bool = False,
+        backend: str = "auto",
+        interpret: bool = False,
+    ):
+        """One paged step; see `forward_paged` for the arguments."""
+        inv_freq = rope_frequencies(self.cfg)
+        x = self.embed_tokens(token_ids)  # [T, E]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = attn.qkv(layer.input_layernorm(x), positions, inv_freq)
+            cache = cache_lib.write(cache, i, k, v, slot_mapping)
+            k_pages, v_pages = cache.layer(i)
+            q = q.astype(k_pages.dtype)
+            if decode:
+                o = pallas_kernels.paged_decode_attention(
+                    q,
+                    k_pages,
+                    v_pages,
+                    context_lens,
+                    page_table,
+                    backend=backend,
+                    interpret=interpret,
+                )
+            else:
+                o = pallas_kernels.ragged_paged_attention(
+                    q,
+                    k_pages,
+                    v_pages,
+                    page_table,
+                    context_lens,
+                    query_start_loc,
+                    backend=backend,
+                    interpret=interpret,
+                )
+            x = x + attn.out(o.astype(x.dtype))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.logits(x[logits_indices]), cache
+
+
+def dense_causal_attention(q, k, v):
+    """Causal GQA attention over whole sequences, float32 inside.
+
+    Args:
+      q: [B, T, H, D]
+      k: [B, T, K, D]
+      v: [B, T, K, D]
+
+    Returns:
+      [B, T, H, D] in q's dtype.
+    """
+    b, t, h, d = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(b, t, kh, h // kh, d).astype(jnp.float32)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) * d**-0.5
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    p = jax.nn.softmax(jnp.where(causal, s, _MASKED), axis=-1)
+    o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
+    return o.reshape(b, t, h, d).astype(q.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Params:
+    """A split model: the pytree that jitted functions take instead of the module.
+
+    Attributes:
+      graphdef: the module structure (static; hashable).
+      state: the `nnx.State` of all parameters (the only arrays).
+      config: the model's config (static).
+    """
+
+    graphdef: nnx.GraphDef = dataclasses.field(metadata=dict(static=True))
+    state: nnx.State
+    config: ModelConfig = dataclasses.field(metadata=dict(static=True))
+
+    def merge(self) -> Llama:
+        """The module again (cheap; used inside traced functions)."""
+        return nnx.merge(self.graphdef, self.state)
+
+
+def split_model(model: Llama) -> Params:
+    """Splits a model once for the hot path."""
+    graphdef, state = nnx.split(model)
+    return Params(graphdef=graphdef, state=state, config=model.cfg)
+
+
+def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
+    """A randomly initialised model, already split."""
+    return split_model(Llama(cfg, rngs=nnx.Rngs(seed)))
+
+
+def _path_key(path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def params_to_flat(params: Params) -> dict[str, jax.Array]:
+    """{dotted path: array} for every parameter (the keys in the module docstring)."""
+    return {_path_key(path): var.get_value() for path, var in nnx.to_flat_state(params.state)}
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
+    """{dotted path: ShapeDtypeStruct} of a model of `cfg`, computed without allocating."""
+    abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    _, state = nnx.split(abstract)
+    return {_path_key(path): var.get_value() for path, var in nnx.to_flat_state(state)}
+
+
+def params_from_flat(cfg: ModelConfig, flat: dict) -> Params:
+    """Builds `Params` from {dotted path: array}; every key must be present with its shape.
+
+    Arrays are cast to `cfg.dtype`. Raises ValueError listing all missing, unexpected
+    and mis-shaped keys at once.
+    """
+    abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    expected = {_path_key(p): (p, v) for p, v in nnx.to_flat_state(state)}
+    shapes = {k: tuple(v.get_value().shape) for k, (_, v) in expected.items()}
+    missing = sorted(set(expected) - set(flat))
+    unexpected = sorted(set(flat) - set(expected))
+    bad_shape = [
+        f"{k}: expected {shapes[k]}, got {tuple(np.shape(flat[k]))}"
+        for k in sorted(set(expected) & set(flat))
+        if tuple(np.shape(flat[k])) != shapes[k]
+    ]
+    if missing or unexpected or bad_shape:
+        raise ValueError(
+            f"parameters do not match the model: missing={missing}, "
+            f"unexpected={unexpected}, bad shapes={bad_shape}"
+        )
+    dt = cfg.jnp_dtype
+    pairs = []
+    for key, (path, var) in expected.items():
+        pairs.append((path, var.replace(jnp.asarray(flat[key], dt))))
+    return Params(graphdef=graphdef, state=nnx.from_flat_state(pairs), config=cfg)
+
+
+def forward(params: Params, tokens):
+    """Dense causal forward (pure): tokens [B, T] int -> logits [B, T, V] float32."""
+    return params.merge()(tokens)
+
+
+def forward_paged(
+    params: Params,
+    cache: cache_lib.PagedKVCache,
+    token_ids,
+    positions,
+    slot_mapping,
+    page_table,
+    context_lens,
+    query_start_loc,
+    logits_indices,
+    *,
+    decode: bool = False,
+    backend: str = "auto",
+    interpret: bool = False,
+):
+    """One paged step (pure; meant to be called inside a jitted step function).
+
+    Args:
+      params: the split model.
+      cache: the paged KV cache; returned updated with this step's K/V.
+      token_ids: [T] int32 this step's tokens, all sequences back to back.
+      positions: [T] int32 each token's absolute position in its sequence.
+      slot_mapping: [T] int32 cache slot of each token's K/V (-1: padding, dropped).
+      page_table: [B, max_pages] int32.
+      context_lens: [B] int32 tokens in the cache per sequence after this step.
+      query_start_loc: [B + 1] int32 start of each sequence's rows in token_ids.
+      logits_indices: [B] int32 which rows get logits (each sequence's last row).
+      decode: every sequence has exactly one row and T == B (row b is sequence b);
+        uses the decode kernel instead of the ragged one.
+      backend: "auto" | "gpu" | "tpu" | "xla" for the attention kernels.
+      interpret: run Pallas kernels in interpret mode (CPU testing).
+
+    Returns:
+      (logits [B, V] float32, new cache).
+    """
+    return params.merge().paged(
+        cache,
+        token_ids,
+        positions,
+        slot_mapping,
+        page_table,
+        context_lens,
+        query_start_loc,
+        logits_indices,
+        decode=decode,
+        backend=backend,
+        interpret=interpret,
+    )
