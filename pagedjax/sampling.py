@@ -1,0 +1,122 @@
+"""On-device sampling from logits with per-row parameters.
+
+Each row `b` of a batch has its own temperature, top-k, top-p and PRNG key, so one
+jitted step serves requests with different sampling settings:
+
+* `temperature[b] <= 0`: greedy (argmax of the raw logits);
+* otherwise the logits are divided by the temperature, then truncated to the top
+  `top_k[b]` tokens (`top_k <= 0` or `>= V`: off), then to the smallest set of the
+  remaining tokens whose probability reaches `top_p[b]` (`top_p >= 1`: off), and a
+  token is drawn from what is left (Gumbel-max). Ties at a threshold are kept.
+* The key of row `b` is `fold_in(key(seeds[b]), steps[b])`: a request's i-th token
+  depends only on (its seed, i), not on which other requests share the batch.
+
+Returned log-probabilities are those of the model's raw distribution
+(`log_softmax(logits)`, temperature 1, no truncation), which is what beam search
+and cumulative logprobs need.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_NEG_INF = float("-inf")
+
+
+def row_keys(seeds, steps):
+    """Per-row PRNG keys: seeds [B] uint32/int32, steps [B] int32 -> keys [B]."""
+    seeds = jnp.asarray(seeds).astype(jnp.uint32)
+    steps = jnp.asarray(steps).astype(jnp.uint32)
+    return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seeds, steps)
+
+
+def apply_top_k_top_p(logits, top_k, top_p):
+    """Masks tokens outside each row's top-k, then outside its top-p nucleus.
+
+    Args:
+      logits: [B, V] float (already divided by the temperature).
+      top_k: [B] int32; `<= 0` or `>= V` keeps every token.
+      top_p: [B] float32 in (0, 1]; `>= 1` keeps every token.
+
+    Returns:
+      [B, V] float32: the logits, with excluded tokens set to -inf.
+    """
+    x = logits.astype(jnp.float32)
+    v = x.shape[-1]
+    desc = -jnp.sort(-x, axis=-1)  # [B, V]
+    k = jnp.where((top_k <= 0) | (top_k > v), v, top_k).astype(jnp.int32)
+    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)  # [B, 1]
+    x = jnp.where(x >= kth, x, _NEG_INF)
+    desc = jnp.where(desc >= kth, desc, _NEG_INF)
+    # Nucleus: keep the sorted prefix up to and including the first token at which
+    # the cumulative probability reaches top_p.
+    cum = jnp.cumsum(jax.nn.softmax(desc, axis=-1), axis=-1)  # [B, V]
+    n_keep = jnp.minimum(jnp.sum(cum < top_p[:, None], axis=-1) + 1, v)  # [B]
+    pth = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)  # [B, 1]
+    pth = jnp.where(top_p[:, None] >= 1.0, _NEG_INF, pth)
+    return jnp.where(x >= pth, x, _NEG_INF)
+
+
+def sample(logits, temperature, top_k, top_p, seeds, steps):
+    """Draws one token per row.
+
+    Args:
+      logits: [B, V] float.
+      temperature: [B] float32; `<= 0` is greedy.
+      top_k: [B] int32 (see `apply_top_k_top_p`).
+      top_p: [B] float32.
+      seeds: [B] uint32 per-request seeds.
+      steps: [B] int32 index of the token being drawn within its request.
+
+    Returns:
+      (tokens [B] int32, logprobs [B] float32 of those tokens under the raw logits).
+    """
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampled_rows = temperature > 0
+    scaled = logits / jnp.where(sampled_rows, temperature, 1.0)[:, None]
+
+    def truncate(x):
+        return apply_top_k_top_p(x, top_k, top_p)
+
+    v = logits.shape[-1]
+    # Sorting [B, V] is the expensive part; skip it when no row truncates.
+    needs_trunc = jnp.any(sampled_rows & (((top_k > 0) & (top_k < v)) | (top_p < 1.0)))
+    scaled = jax.lax.cond(needs_trunc, truncate, lambda x: x, scaled)
+
+    def draw(x):
+        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (v,)))(row_keys(seeds, steps))
+        return jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
+
+    drawn = jax.lax.cond(jnp.any(sampled_rows), draw, lambda x: greedy, scaled)
+    tokens = jnp.where(sampled_rows, drawn, greedy)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+
+def top_logprobs(logits, k: int):
+    """The k most likely tokens per row (for beam search).
+
+    Args:
+      logits: [B, V] float.
+      k: static number of candidates.
+
+    Returns:
+      (ids [B, k] int32, logprobs [B, k] float32), most likely first.
+    """
+    lp, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
+    return ids.astype(jnp.int32), lp
+
+
+def check_params(temperature: float, top_k: int, top_p: float, seed: int) -> None:
+    """Host-side validation of one request's sampling parameters (ValueError if bad)."""
+    if not np.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be finite and >= 0, got {temperature=}")
+    if int(top_k) != top_k or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0: off), got {top_k=}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p=}")
+    if int(seed) != seed or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an int in [0, 2**32), got {seed=}")

@@ -1,0 +1,153 @@
+"""pagedjax.sampling against numpy on random logits."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pagedjax import sampling
+
+
+def _logits(b, v, seed=0, scale=3.0):
+    return np.random.default_rng(seed).normal(size=(b, v)).astype(np.float32) * scale
+
+
+def _np_mask(row, k, p):
+    """Reference keep-mask for one row: top-k by value, then the top-p nucleus."""
+    v = row.size
+    keep = np.ones(v, bool)
+    if 0 < k < v:
+        kth = np.sort(row)[::-1][k - 1]
+        keep &= row >= kth
+    if p < 1:
+        kept = np.where(keep, row.astype(np.float64), -np.inf)
+        probs = np.exp(kept - kept.max())
+        probs /= probs.sum()
+        order = np.argsort(-probs, kind="stable")
+        cum = np.cumsum(probs[order])
+        n = min(int(np.searchsorted(cum, p, side="left")) + 1, v)
+        keep &= probs >= probs[order][n - 1]
+    return keep
+
+
+def _sample(logits, temperature, top_k, top_p, seeds, steps):
+    b = logits.shape[0]
+    f = jax.jit(sampling.sample)
+    return f(
+        jnp.asarray(logits),
+        jnp.asarray(np.broadcast_to(temperature, (b,)), jnp.float32),
+        jnp.asarray(np.broadcast_to(top_k, (b,)), jnp.int32),
+        jnp.asarray(np.broadcast_to(top_p, (b,)), jnp.float32),
+        jnp.asarray(np.broadcast_to(seeds, (b,)), jnp.uint32),
+        jnp.asarray(np.broadcast_to(steps, (b,)), jnp.int32),
+    )
+
+
+def test_greedy_is_argmax_with_raw_logprobs():
+    logits = _logits(8, 101)
+    tokens, lp = _sample(logits, 0.0, 0, 1.0, np.arange(8), 0)
+    np.testing.assert_array_equal(np.asarray(tokens), logits.argmax(-1))
+    x = logits.astype(np.float64)
+    ref = (x - np.log(np.exp(x).sum(-1, keepdims=True)))[np.arange(8), logits.argmax(-1)]
+    np.testing.assert_allclose(np.asarray(lp), ref, rtol=1e-5, atol=1e-5)
+    # Greedy ignores top-k/top-p and seeds.
+    tokens2, _ = _sample(logits, 0.0, 3, 0.2, np.arange(8) + 7, 5)
+    np.testing.assert_array_equal(np.asarray(tokens2), np.asarray(tokens))
+
+
+@pytest.mark.parametrize("v", [7, 64, 1000])
+def test_top_k_top_p_masks_match_numpy(v):
+    rng = np.random.default_rng(v)
+    b = 24
+    logits = _logits(b, v, seed=v)
+    ks = rng.choice([0, 1, 2, 5, v - 1, v, v + 3], size=b).astype(np.int32)
+    ps = rng.choice([1.0, 0.9, 0.5, 0.1, 1e-6, 0.999], size=b).astype(np.float32)
+    out = np.asarray(jax.jit(sampling.apply_top_k_top_p)(logits, ks, ps))
+    for i in range(b):
+        keep = _np_mask(logits[i], int(ks[i]), float(ps[i]))
+        np.testing.assert_array_equal(np.isfinite(out[i]), keep, err_msg=f"row {i} k={ks[i]}")
+        np.testing.assert_array_equal(out[i][keep], logits[i][keep])
+        assert keep.sum() >= 1
+
+
+def test_top_k_keeps_ties():
+    logits = np.array([[1.0, 3.0, 3.0, 2.0, 0.5]], np.float32)
+    out = np.asarray(sampling.apply_top_k_top_p(logits, np.array([1]), np.array([1.0])))
+    np.testing.assert_array_equal(np.isfinite(out[0]), [False, True, True, False, False])
+
+
+def test_sampled_tokens_stay_inside_the_mask():
+    b, v = 64, 50
+    logits = _logits(b, v, seed=3)
+    ks = np.full(b, 4, np.int32)
+    ps = np.full(b, 0.7, np.float32)
+    tokens, _ = _sample(logits, 1.5, ks, ps, np.arange(b), 0)
+    masked = np.asarray(sampling.apply_top_k_top_p(logits / 1.5, ks, ps))
+    assert np.isfinite(masked[np.arange(b), np.asarray(tokens)]).all()
+    k1, _ = _sample(logits, 1.0, 1, 1.0, np.arange(b), 0)  # top-k 1 is greedy
+    np.testing.assert_array_equal(np.asarray(k1), logits.argmax(-1))
+
+
+def test_reproducible_per_seed_and_step_and_independent_of_batch():
+    v = 500
+    row = _logits(1, v, seed=4, scale=0.5)
+    logits = np.repeat(row, 6, axis=0)
+    seeds = np.array([11, 11, 12, 11, 13, 11])
+    steps = np.array([0, 0, 0, 1, 0, 0])
+    a, _ = _sample(logits, 1.0, 0, 1.0, seeds, steps)
+    b, _ = _sample(logits, 1.0, 0, 1.0, seeds, steps)
+    a, b = np.asarray(a), np.asarray(b)
+    np.testing.assert_array_equal(a, b)
+    assert a[0] == a[1] == a[5]  # same (seed, step) in different rows
+    # Near-uniform logits over 500 tokens: other seeds/steps give other draws.
+    assert len({a[0], a[2], a[3], a[4]}) >= 3
+    # The same request alone in a batch of one draws the same token.
+    alone, _ = _sample(row, 1.0, 0, 1.0, np.array([12]), np.array([0]))
+    assert int(alone[0]) == a[2]
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 3, 1.0), (1.3, 0, 0.8)]
+)
+def test_distribution_matches_on_a_tiny_vocab(temperature, top_k, top_p):
+    base = np.array([2.0, 1.5, 1.0, 0.2, -0.5, -1.0], np.float32)
+    n = 20000
+    logits = np.tile(base, (n, 1))
+    tokens, _ = _sample(logits, temperature, top_k, top_p, np.arange(n) % 97, np.arange(n))
+    freq = np.bincount(np.asarray(tokens), minlength=base.size) / n
+    keep = _np_mask(base / temperature, top_k, top_p)
+    expected = np.where(keep, np.exp(base / temperature), 0.0)
+    expected /= expected.sum()
+    assert freq[~keep].sum() == 0
+    # 20k draws: binomial std <= 0.0036; allow ~4 sigma.
+    np.testing.assert_allclose(freq, expected, atol=0.015)
+
+
+def test_top_logprobs_match_numpy():
+    logits = _logits(5, 40, seed=9)
+    ids, lp = jax.jit(sampling.top_logprobs, static_argnums=1)(logits, 4)
+    ref_lp = logits - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+    order = np.argsort(-logits, axis=-1)[:, :4]
+    np.testing.assert_array_equal(np.asarray(ids), order)
+    np.testing.assert_allclose(
+        np.asarray(lp), np.take_along_axis(ref_lp, order, -1), rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_k=1.5), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(seed=-1), "seed"),
+        (dict(seed=2**32), "seed"),
+    ],
+)
+def test_bad_sampling_params(kwargs, match):
+    args = dict(temperature=1.0, top_k=0, top_p=1.0, seed=0) | kwargs
+    with pytest.raises(ValueError, match=match):
+        sampling.check_params(**args)
