@@ -1,0 +1,538 @@
+"""Checkpoints: HuggingFace safetensors directories in and out, orbax save/restore.
+
+HF directories (`config.json` plus `model.safetensors`, or shards listed by
+`model.safetensors.index.json`) map onto our parameter paths through `_RULES`, a
+declarative table of (HF name template, our path template, transpose). Loading runs in
+two passes: the first reads only the safetensors headers and checks every name, shape
+and dtype against `param_shapes(cfg)`, collecting all problems into one
+`CheckpointError`; the second reads tensors shard by shard, one tensor at a time,
+casting and moving each to the device before the next is read, so host memory peaks
+near one copy of the model.
+
+Decisions:
+
+* Tied embeddings: with `tie_word_embeddings` the checkpoint normally has no
+  `lm_head.weight`. If it has one, it is accepted only when it equals
+  `model.embed_tokens.weight` exactly (some exporters write the shared matrix twice);
+  a different matrix is an error, since silently dropping a trained head would change
+  the model.
+* bf16: tensors are read with `safetensors`' numpy backend, which returns
+  `ml_dtypes.bfloat16` arrays in current versions; if the installed version refuses a
+  dtype, the tensor is read from the file's byte range given by its header instead.
+* Known harmless extras (`rotary_emb.inv_freq` buffers) are ignored; any other
+  unknown name is an error.
+
+Orbax layout (`save_params` / `restore_params`), a directory holding:
+
+    pagedjax_checkpoint.json   {"format": "pagedjax.orbax", "version": 1, "config": {...}}
+    params/                    orbax StandardCheckpointer tree, nested like the dotted
+                               paths of `params_to_flat` (layers -> "0" -> self_attn ...)
+
+The config JSON is exactly the `ModelConfig` fields, so a restore needs no other
+argument; the JSON is written last and marks a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from pagedjax.config import ModelConfig, RopeScaling
+from pagedjax.model import Params, param_shapes, params_from_flat, params_to_flat
+
+CONFIG_FILE = "config.json"
+SAFETENSORS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+ORBAX_META_FILE = "pagedjax_checkpoint.json"
+ORBAX_PARAMS_DIR = "params"
+_ORBAX_FORMAT = "pagedjax.orbax"
+_ORBAX_VERSION = 1
+
+_ST_DTYPES = {
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F16": np.dtype("<f2"),
+    "F32": np.dtype("<f4"),
+    "F64": np.dtype("<f8"),
+}
+_ST_NAMES = {dt: name for name, dt in _ST_DTYPES.items()}
+_MAX_LISTED = 40  # per problem kind, so a wrong-model error stays readable
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """One row of the name table; `{name}` placeholders match one dotted component."""
+
+    hf: str
+    ours: str
+    transpose: bool = False  # HF Linear `weight` is [out, in]; our `kernel` is [in, out]
+
+
+_RULES = (
+    _Rule("model.embed_tokens.weight", "embed_tokens.embedding"),
+    _Rule("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_layernorm.scale"),
+    _Rule("model.layers.{i}.self_attn.{proj}.weight", "layers.{i}.self_attn.{proj}.kernel", True),
+    _Rule("model.layers.{i}.self_attn.{proj}.bias", "layers.{i}.self_attn.{proj}.bias"),
+    _Rule(
+        "model.layers.{i}.post_attention_layernorm.weight",
+        "layers.{i}.post_attention_layernorm.scale",
+    ),
+    _Rule("model.layers.{i}.mlp.{proj}.weight", "layers.{i}.mlp.{proj}.kernel", True),
+    _Rule("model.norm.weight", "norm.scale"),
+    _Rule("lm_head.weight", "lm_head.kernel", True),
+)
+_IGNORED = (re.compile(r"(.+\.)?rotary_emb\.inv_freq"),)
+_TIED_HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def _template_regex(template: str) -> re.Pattern:
+    parts = re.split(r"\{(\w+)\}", template)
+    body = "".join(
+        re.escape(p) if k % 2 == 0 else rf"(?P<{p}>[A-Za-z0-9_]+)" for k, p in enumerate(parts)
+    )
+    return re.compile(body)
+
+
+_HF_RES = tuple((_template_regex(r.hf), r) for r in _RULES)
+_OUR_RES = tuple((_template_regex(r.ours), r) for r in _RULES)
+
+
+def hf_to_path(name: str) -> tuple[str, bool] | None:
+    """(our dotted path, transpose) for an HF tensor name, or None if no rule matches."""
+    for regex, rule in _HF_RES:
+        if m := regex.fullmatch(name):
+            return rule.ours.format(**m.groupdict()), rule.transpose
+    return None
+
+
+def path_to_hf(path: str) -> tuple[str, bool]:
+    """(HF tensor name, transpose) for one of our dotted parameter paths."""
+    for regex, rule in _OUR_RES:
+        if m := regex.fullmatch(path):
+            return rule.hf.format(**m.groupdict()), rule.transpose
+    raise ValueError(f"no HF name rule for parameter path {path!r}")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config; lists every problem at once.
+
+    Attributes:
+      missing: HF names the config needs and the checkpoint lacks.
+      unexpected: HF names in the checkpoint that the config has no place for.
+      problems: every problem as one line (shape and dtype mismatches included).
+    """
+
+    def __init__(self, where: str, missing, unexpected, other):
+        self.missing, self.unexpected = list(missing), list(unexpected)
+        self.problems = (
+            [f"missing: {m}" for m in self.missing]
+            + [f"unexpected: {u}" for u in self.unexpected]
+            + list(other)
+        )
+        lines = [f"{where} does not match its config ({len(self.problems)} problems):"]
+        for kind, items in (("missing", self.missing), ("unexpected", self.unexpected)):
+            lines += [f"  {kind}: {x}" for x in items[:_MAX_LISTED]]
+            if len(items) > _MAX_LISTED:
+                lines.append(f"  ... and {len(items) - _MAX_LISTED} more {kind}")
+        lines += [f"  {x}" for x in other]
+        super().__init__("\n".join(lines))
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    name: str
+    file: Path
+    dtype: str  # safetensors dtype name, e.g. "BF16"
+    shape: tuple[int, ...]
+    start: int  # absolute byte offsets in the file
+    stop: int
+
+
+def _read_header(file: Path) -> dict[str, _TensorInfo]:
+    """Tensor names -> info from a safetensors header (8-byte length, JSON, data)."""
+    try:
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        base = 8 + n
+        return {
+            name: _TensorInfo(
+                name,
+                file,
+                v["dtype"],
+                tuple(v["shape"]),
+                base + v["data_offsets"][0],
+                base + v["data_offsets"][1],
+            )
+            for name, v in header.items()
+            if name != "__metadata__"
+        }
+    except (struct.error, ValueError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{file} is not a valid safetensors file ({e!r})") from None
+
+
+def _read_tensor_raw(info: _TensorInfo) -> np.ndarray:
+    """Reads one tensor from its header byte range (any safetensors version, bf16 too)."""
+    dtype = _ST_DTYPES[info.dtype]
+    with open(info.file, "rb") as f:
+        f.seek(info.start)
+        buf = f.read(info.stop - info.start)
+    return np.frombuffer(buf, dtype).reshape(info.shape)
+
+
+def _checkpoint_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files of an HF directory and the index's weight map, if any."""
+    index = root / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no 'weight_map' object")
+        return sorted({root / f for f in weight_map.values()}), weight_map
+    if (root / SAFETENSORS_FILE).is_file():
+        return [root / SAFETENSORS_FILE], None
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no weights in {root}: expected {SAFETENSORS_FILE}, {INDEX_FILE} or *.safetensors"
+        )
+    return files, None
+
+
+def _scan(root: Path) -> tuple[dict[str, _TensorInfo], list[str]]:
+    """All tensors of an HF directory by name, and problems with the files themselves."""
+    files, weight_map = _checkpoint_files(root)
+    tensors: dict[str, _TensorInfo] = {}
+    problems = []
+    for file in files:
+        if not file.is_file():
+            problems.append(f"missing shard file: {file.name} (named in {INDEX_FILE})")
+            continue
+        for name, info in _read_header(file).items():
+            if name in tensors:
+                problems.append(
+                    f"duplicate tensor {name} in {tensors[name].file.name}, {file.name}"
+                )
+            tensors[name] = info
+    for name, fname in (weight_map or {}).items():
+        info = tensors.get(name)
+        if (root / fname).is_file() and (info is None or info.file.name != fname):
+            problems.append(f"index error: {INDEX_FILE} puts {name} in {fname}, which lacks it")
+    return tensors, problems
+
+
+def _plan(root: Path, cfg: ModelConfig):
+    """Pass 1: maps every tensor and checks shapes/dtypes. Returns (plan, tied_head info)."""
+    tensors, other = _scan(root)
+    shapes = {k: tuple(v.shape) for k, v in param_shapes(cfg).items()}
+    plan: dict[str, tuple[_TensorInfo, bool]] = {}  # our path -> (tensor, transpose)
+    unexpected, tied_head = [], None
+    for name, info in sorted(tensors.items()):
+        mapped = hf_to_path(name)
+        if name == _TIED_HEAD and cfg.tie_embeddings:
+            tied_head = info
+            expected = (cfg.vocab_size, cfg.hidden_size)
+        elif mapped is None or mapped[0] not in shapes:
+            if not any(p.fullmatch(name) for p in _IGNORED):
+                unexpected.append(f"{name} {list(info.shape)}")
+            continue
+        else:
+            path, transpose = mapped
+            expected = shapes[path][::-1] if transpose else shapes[path]
+            plan[path] = (info, transpose)
+        if info.shape != expected:
+            other.append(
+                f"shape mismatch: {name}: checkpoint has {list(info.shape)}, "
+                f"config expects {list(expected)}"
+            )
+        if info.dtype not in _ST_DTYPES:
+            other.append(f"unsupported dtype: {name} is {info.dtype}, not {sorted(_ST_DTYPES)}")
+    missing = []
+    for path in sorted(set(shapes) - set(plan)):
+        hf, transpose = path_to_hf(path)
+        missing.append(f"{hf} {list(shapes[path][::-1] if transpose else shapes[path])}")
+    if not cfg.tie_embeddings and "lm_head.kernel" not in plan:
+        other.append(
+            "hint: config.json has tie_word_embeddings=false but there is no lm_head.weight; "
+            "a tied model should say tie_word_embeddings=true"
+        )
+    if missing or unexpected or other:
+        raise CheckpointError(f"HF checkpoint {root}", missing, unexpected, other)
+    return plan, tied_head
+
+
+def load_hf_checkpoint(path, *, dtype=None) -> tuple[ModelConfig, Params]:
+    """Loads an HF Llama-family checkpoint directory.
+
+    Args:
+      path: directory with config.json and model.safetensors or sharded safetensors
+        plus model.safetensors.index.json.
+      dtype: parameter dtype ("bfloat16", "float32", ...); default from config.json.
+
+    Returns:
+      (config, params) with every parameter on the default device in `config.dtype`.
+
+    Raises:
+      FileNotFoundError: the directory, config.json or the weight files are missing.
+      CheckpointError: (a ValueError) missing, unexpected or mis-shaped tensors, all
+        listed at once; checked from the file headers before any tensor is read.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"checkpoint directory not found: {root}")
+    cfg_file = root / CONFIG_FILE
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{root} is not an HF checkpoint: it has no {CONFIG_FILE}")
+    cfg = ModelConfig.from_hf(json.loads(cfg_file.read_text()), dtype=dtype)
+    plan, tied_head = _plan(root, cfg)
+    target = np.dtype(cfg.jnp_dtype)
+    by_file: dict[Path, list[tuple[str, _TensorInfo, bool]]] = {}
+    for our, (info, transpose) in plan.items():
+        by_file.setdefault(info.file, []).append((our, info, transpose))
+    flat = {}
+    for file, items in sorted(by_file.items()):
+        flat.update(_load_shard(file, items, target))
+    if tied_head is not None:
+        head = _read_tensor_raw(tied_head).astype(target)
+        embed = np.asarray(flat["embed_tokens.embedding"])
+        if not np.array_equal(head, embed):
+            raise CheckpointError(
+                f"HF checkpoint {root}",
+                [],
+                [],
+                [
+                    f"config.json has tie_word_embeddings=true but {_TIED_HEAD} differs from "
+                    f"{_EMBED}; set tie_word_embeddings=false to use the separate head"
+                ],
+            )
+    return cfg, params_from_flat(cfg, flat)
+
+
+def _load_shard(file: Path, items, target: np.dtype) -> dict[str, jax.Array]:
+    """Pass 2 for one file: one tensor in host memory at a time, then onto the device."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    out = {}
+    with safe_open(str(file), framework="numpy") as handle:
+        for our, info, transpose in items:
+            try:
+                x = handle.get_tensor(info.name)
+            except (TypeError, ValueError, RuntimeError):  # an older safetensors refusing bf16
+                x = _read_tensor_raw(info)
+            if transpose:
+                x = x.T
+            out[our] = jax.device_put(np.ascontiguousarray(x, dtype=target))
+            del x
+    return out
+
+
+def save_hf_checkpoint(params: Params, cfg: ModelConfig, path, *, shard_size_bytes=None) -> None:
+    """Writes params as an HF directory: config.json, safetensors, and an index if sharded.
+
+    Tensors keep the params' dtype. Any `model*.safetensors` and index already in the
+    directory are removed first, so a stale shard can never shadow the new files.
+
+    Args:
+      params: the model to save.
+      cfg: its config; written as config.json (`cfg.to_hf()`).
+      path: output directory (created if needed).
+      shard_size_bytes: start a new shard when the current one would exceed this many
+        bytes (one tensor larger than this gets a shard of its own); None: one file.
+    """
+    from safetensors.numpy import save_file  # noqa: PLC0415
+
+    if shard_size_bytes is not None and shard_size_bytes <= 0:
+        raise ValueError(f"shard_size_bytes must be positive, got {shard_size_bytes=}")
+    flat = params_to_flat(params)
+    expected = {k: tuple(v.shape) for k, v in param_shapes(cfg).items()}
+    got = {k: tuple(v.shape) for k, v in flat.items()}
+    if got != expected:
+        diff = sorted(set(got.items()) ^ set(expected.items()))
+        raise ValueError(f"params do not match cfg; differing (path, shape): {diff[:10]}")
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    for old in [*root.glob("model*.safetensors"), root / INDEX_FILE]:
+        old.unlink(missing_ok=True)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = total = 0
+    for our, value in flat.items():
+        name, transpose = path_to_hf(our)
+        x = np.asarray(value)
+        x = np.ascontiguousarray(x.T if transpose else x)
+        if shard_size_bytes and shards[-1] and size + x.nbytes > shard_size_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = x
+        size += x.nbytes
+        total += x.nbytes
+    (root / CONFIG_FILE).write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+    if len(shards) == 1:
+        save_file(shards[0], str(root / SAFETENSORS_FILE), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for k, shard in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(root / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, fname))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (root / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------- orbax
+
+
+def config_to_json(cfg: ModelConfig) -> dict:
+    """All `ModelConfig` fields as a JSON-able dict (exact, unlike the HF form)."""
+    return dataclasses.asdict(cfg)
+
+
+def config_from_json(d: dict) -> ModelConfig:
+    """Inverse of `config_to_json`; unknown fields are an error."""
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(d) - fields)
+    if unknown:
+        raise ValueError(f"unknown ModelConfig fields {unknown} in the stored config")
+    d = dict(d)
+    if d.get("rope_scaling") is not None:
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+    return ModelConfig(**d)
+
+
+def _nest(flat: dict) -> dict:
+    tree: dict = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = tree
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree
+
+
+def _unnest(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_unnest(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def save_params(params: Params, path, *, overwrite: bool = False) -> None:
+    """Saves params and their config as an orbax checkpoint directory (layout above).
+
+    Args:
+      params: the model; its `config` is stored beside the arrays.
+      path: the checkpoint directory; must not exist (or be empty) unless `overwrite`.
+      overwrite: replace an existing pagedjax orbax checkpoint at `path`. A non-empty
+        directory that is not one is never removed.
+    """
+    import orbax.checkpoint as ocp  # noqa: PLC0415 (slow import; only here)
+
+    root = Path(path).absolute()
+    if root.exists() and any(root.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{root} exists and is not empty (pass overwrite=True)")
+        if not (root / ORBAX_META_FILE).is_file():
+            raise FileExistsError(f"refusing to overwrite {root}: not a pagedjax checkpoint")
+        shutil.rmtree(root)
+    root.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(root / ORBAX_PARAMS_DIR, _nest(params_to_flat(params)))
+    meta = {
+        "format": _ORBAX_FORMAT,
+        "version": _ORBAX_VERSION,
+        "config": config_to_json(params.config),
+    }
+    (root / ORBAX_META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def read_orbax_config(path) -> ModelConfig:
+    """The config stored in a pagedjax orbax checkpoint directory."""
+    root = Path(path)
+    meta_file = root / ORBAX_META_FILE
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"{root} is not a pagedjax orbax checkpoint: no {ORBAX_META_FILE}")
+    meta = json.loads(meta_file.read_text())
+    if meta.get("format") != _ORBAX_FORMAT or meta.get("version") != _ORBAX_VERSION:
+        raise ValueError(
+            f"{meta_file}: unsupported format {meta.get('format')!r} version "
+            f"{meta.get('version')!r}; expected {_ORBAX_FORMAT!r} version {_ORBAX_VERSION}"
+        )
+    return config_from_json(meta["config"])
+
+
+def restore_params(path, cfg: ModelConfig | None = None, *, dtype=None) -> Params:
+    """Restores params saved by `save_params` onto the default device.
+
+    Args:
+      path: the checkpoint directory.
+      cfg: the config to build the model with; default the stored one. Its shapes must
+        match the stored arrays (use it to change e.g. the dtype or eos ids).
+      dtype: shorthand for `dataclasses.replace(cfg, dtype=dtype)`.
+    """
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    root = Path(path).absolute()
+    stored = read_orbax_config(root)
+    if not (root / ORBAX_PARAMS_DIR).is_dir():
+        raise FileNotFoundError(f"{root} has {ORBAX_META_FILE} but no {ORBAX_PARAMS_DIR}/")
+    cfg = cfg or stored
+    if dtype is not None:
+        cfg = dataclasses.replace(cfg, dtype=dtype)
+    # An explicit target puts arrays on this machine's device, whatever saved them.
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
+        for k, v in param_shapes(stored).items()
+    }
+    with ocp.StandardCheckpointer() as ckptr:
+        tree = ckptr.restore(root / ORBAX_PARAMS_DIR, _nest(target))
+    return params_from_flat(cfg, _unnest(tree))
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def checkpoint_format(path) -> str:
+    """ "hf" or "orbax" for a checkpoint directory; errors say what is missing."""
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"checkpoint directory not found: {root}")
+    if (root / ORBAX_META_FILE).is_file():
+        return "orbax"
+    if (root / CONFIG_FILE).is_file():
+        return "hf"
+    if any(root.glob("*.safetensors")) or (root / INDEX_FILE).is_file():
+        raise FileNotFoundError(f"{root} has safetensors weights but no {CONFIG_FILE}")
+    if (root / ORBAX_PARAMS_DIR).is_dir():
+        raise FileNotFoundError(f"{root} has {ORBAX_PARAMS_DIR}/ but no {ORBAX_META_FILE}")
+    found = sorted(p.name for p in root.iterdir())[:10]
+    raise FileNotFoundError(
+        f"{root} is neither an HF checkpoint ({CONFIG_FILE} + *.safetensors) nor a pagedjax "
+        f"orbax checkpoint ({ORBAX_META_FILE} + {ORBAX_PARAMS_DIR}/); it holds {found}"
+    )
+
+
+def load_checkpoint(path, *, dtype=None) -> tuple[ModelConfig, Params]:
+    """Loads either kind of checkpoint directory (see `checkpoint_format`).
+
+    Returns:
+      (config, params).
+    """
+    if checkpoint_format(path) == "hf":
+        return load_hf_checkpoint(path, dtype=dtype)
+    params = restore_params(path, dtype=dtype)
+    return params.config, params
