@@ -1,0 +1,418 @@
+"""Tests for the Pallas TPU ragged paged attention kernel (`pallas_kernels.ragged.tpu`).
+
+Every kernel run here uses the TPU interpreter with race detection (`interpret=True`) and
+asserts that no race was found. Expected outputs come from dense attention over each whole
+sequence (`reference.attention_chunk` / `reference.causal_prefill`) in float32, never from
+the paged XLA path. The page pools are filled with random garbage before the sequences are
+written through shuffled page tables; page-table padding points at a page of NaNs, so a
+kernel that reads a page it must skip returns NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import ragged_paged_attention, reference
+from pallas_kernels.ragged.tpu import default_tuning, ragged_paged_attention_tpu
+
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
+
+
+def _races_found():
+    """The interpreter's race flag for the last interpreted kernel (private jax API)."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+
+    races = interpret_pallas_call.races
+    return None if races is None else races.races_found
+
+
+@dataclasses.dataclass
+class Batch:
+    q: np.ndarray  # [T, H, D] float32 copy of the kernel's (rounded) input
+    args: tuple  # kernel positional args, in the kernel dtype
+    dense_k: list  # per sequence [ctx, K, D] float32
+    dense_v: list
+    q_lens: list
+    ctx_lens: list
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def build_batch(
+    rng,
+    q_lens,
+    ctx_lens,
+    *,
+    num_kv_heads=2,
+    group=2,
+    head_dim=64,
+    page_size=8,
+    dtype=jnp.float32,
+    pad_rows=0,
+    max_pages=None,
+    poison_before=None,
+):
+    """A ragged batch written into a shuffled page pool.
+
+    `poison_before[b]`, if given, is a key position below which whole pages of sequence b are
+    overwritten with NaN after writing (pages the kernel must skip for a sliding window).
+    """
+    kh, d, s = num_kv_heads, head_dim, page_size
+    need = [_cdiv(c, s) for c in ctx_lens]
+    max_pages = max_pages or max(max(need), 1)
+    num_pages = sum(need) + 3
+    ids = list(rng.permutation(num_pages))
+    nan_page = ids.pop()
+    k_pool = rng.standard_normal((kh, num_pages, s, d)).astype(np.float32)
+    v_pool = rng.standard_normal((kh, num_pages, s, d)).astype(np.float32)
+    k_pool[:, nan_page] = np.nan
+    v_pool[:, nan_page] = np.nan
+    page_table = np.full((len(q_lens), max_pages), nan_page, np.int32)
+    dense_k, dense_v = [], []
+    rnd = lambda x: np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+    for b, ctx in enumerate(ctx_lens):
+        kb = rnd(rng.standard_normal((ctx, kh, d)))
+        vb = rnd(rng.standard_normal((ctx, kh, d)))
+        dense_k.append(kb)
+        dense_v.append(vb)
+        for j in range(need[b]):
+            pid = ids.pop()
+            page_table[b, j] = pid
+            n = min(s, ctx - j * s)
+            k_pool[:, pid, :n] = kb[j * s : j * s + n].transpose(1, 0, 2)
+            v_pool[:, pid, :n] = vb[j * s : j * s + n].transpose(1, 0, 2)
+            if poison_before is not None and (j + 1) * s <= poison_before[b]:
+                k_pool[:, pid] = np.nan
+                v_pool[:, pid] = np.nan
+    t = sum(q_lens) + pad_rows
+    q = rnd(rng.standard_normal((t, kh * group, d)))
+    loc = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    args = (
+        jnp.asarray(q, dtype),
+        jnp.asarray(k_pool, dtype),
+        jnp.asarray(v_pool, dtype),
+        jnp.asarray(page_table),
+        jnp.asarray(ctx_lens, jnp.int32),
+        jnp.asarray(loc),
+    )
+    return Batch(q, args, dense_k, dense_v, list(q_lens), list(ctx_lens))
+
+
+def expected(batch, **opts):
+    """Dense per-sequence attention in float32; padding rows zero."""
+    out = np.zeros(batch.q.shape, np.float32)
+    start = 0
+    for ql, ctx, kb, vb in zip(
+        batch.q_lens, batch.ctx_lens, batch.dense_k, batch.dense_v, strict=True
+    ):
+        if ql:
+            o = reference.attention_chunk(
+                jnp.asarray(batch.q[start : start + ql]),
+                jnp.asarray(kb),
+                jnp.asarray(vb),
+                context_len=ctx,
+                **opts,
+            )
+            out[start : start + ql] = np.asarray(o)
+        start += ql
+    return out
+
+
+def run(batch, **kw):
+    out = ragged_paged_attention_tpu(*batch.args, interpret=True, **kw)
+    out = np.asarray(jax.block_until_ready(out).astype(jnp.float32))
+    assert _races_found() is False
+    return out
+
+
+def assert_close(out, ref, dtype):
+    assert np.isfinite(out).all(), "NaN/inf in kernel output"
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert err < TOL[dtype], f"relative error {err:.3g} >= {TOL[dtype]}"
+
+
+def check(batch, dtype, *, opts=None, **tuning):
+    opts = opts or {}
+    out = run(batch, **opts, **tuning)
+    ref = expected(batch, **opts)
+    assert_close(out, ref, dtype)
+    total = sum(batch.q_lens)
+    np.testing.assert_array_equal(out[total:], 0.0)
+    return out
+
+
+def grid_case(rng, *, num_kv_heads, group, head_dim, page_size, dtype, max_pages=3):
+    """Lengths 1, a page boundary, the maximum and random; decode rows, chunks, full prefills."""
+    cap = max_pages * page_size
+    ctx_lens = [1, page_size, cap, int(rng.integers(2, cap)), page_size + 1, cap]
+    q_lens = [1, page_size, int(rng.integers(1, 12)), 1, page_size + 1, 0]
+    batch = build_batch(
+        rng,
+        q_lens,
+        ctx_lens,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=dtype,
+        pad_rows=3,
+        max_pages=max_pages,
+    )
+    check(batch, dtype, pages_per_block=2 if page_size < 64 else 1)
+
+
+# (num_kv_heads, group, head_dim, page_size, dtype): group 1/4/8 and MQA (K=1); D 64/128/256;
+# pages 8..128; both dtypes. The default run takes a representative few.
+GRID_FAST = [
+    (2, 4, 64, 8, jnp.float32),
+    (1, 8, 128, 16, jnp.bfloat16),
+    (2, 1, 256, 32, jnp.bfloat16),
+]
+# (K, G, D) combos covering MQA, group 1/4/8 and D 64/128/256; two per (page size, dtype).
+_HEADS = [(2, 1, 64), (1, 4, 128), (2, 8, 256), (1, 8, 64), (4, 1, 128), (2, 4, 256)]
+_PAGES = [(s, dt) for s in (8, 16, 32, 64, 128) for dt in (jnp.float32, jnp.bfloat16)]
+GRID_SLOW = [
+    (*_HEADS[(i + j) % len(_HEADS)], s, dt) for i, (s, dt) in enumerate(_PAGES) for j in (0, 3)
+]
+
+
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,page_size,dtype", GRID_FAST)
+def test_matches_dense_reference(num_kv_heads, group, head_dim, page_size, dtype):
+    grid_case(
+        np.random.default_rng(page_size + head_dim),
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=dtype,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,page_size,dtype", GRID_SLOW)
+def test_matches_dense_reference_grid(num_kv_heads, group, head_dim, page_size, dtype):
+    grid_case(
+        np.random.default_rng(7 * page_size + head_dim + group),
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=dtype,
+    )
+
+
+def _prefill_sequence(rng, length, page_size=8, num_kv_heads=2, group=2, head_dim=64):
+    """One sequence: its dense q/k/v and a pool holding all of its pages."""
+    return build_batch(
+        rng,
+        [length],
+        [length],
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        page_size=page_size,
+    )
+
+
+def test_prefill_in_one_go_matches_causal_prefill():
+    length = 37
+    batch = _prefill_sequence(np.random.default_rng(1), length)
+    out = run(batch, block_q=16, pages_per_block=2)
+    ref = reference.causal_prefill(
+        jnp.asarray(batch.q)[None],
+        jnp.asarray(batch.dense_k[0])[None],
+        jnp.asarray(batch.dense_v[0])[None],
+    )[0]
+    assert_close(out, np.asarray(ref), jnp.float32)
+
+
+def test_chunked_prefill_matches_one_go():
+    """Chunks of random sizes, each attending to the pages earlier chunks wrote."""
+    rng = np.random.default_rng(2)
+    length, bucket, s = 45, 16, 8
+    full = _prefill_sequence(rng, length, page_size=s)
+    one_go = run(full, block_q=16, pages_per_block=2)
+    q, k_pool, v_pool, page_table, _, _ = full.args
+    # Only what earlier chunks wrote is in the pool: positions from `end` on are garbage.
+    clean_k, clean_v = np.asarray(k_pool), np.asarray(v_pool)
+    garbage = rng.standard_normal(clean_k.shape).astype(np.float32)
+    pages = np.asarray(page_table)[0]
+    outs, start = [], 0
+    while start < length:
+        end = min(length, start + int(rng.integers(1, bucket + 1)))
+        kp, vp = garbage.copy(), garbage.copy()
+        for j, pid in enumerate(pages[: _cdiv(end, s)]):
+            n = min(s, end - j * s)
+            kp[:, pid, :n] = clean_k[:, pid, :n]
+            vp[:, pid, :n] = clean_v[:, pid, :n]
+        qc = jnp.zeros((bucket, *q.shape[1:]), q.dtype).at[: end - start].set(q[start:end])
+        chunk = dataclasses.replace(
+            full,
+            args=(
+                qc,
+                jnp.asarray(kp),
+                jnp.asarray(vp),
+                page_table,
+                jnp.asarray([end], jnp.int32),
+                jnp.asarray([0, end - start], jnp.int32),
+            ),
+        )
+        out = run(chunk, block_q=16, pages_per_block=2)
+        np.testing.assert_array_equal(out[end - start :], 0.0)
+        outs.append(out[: end - start])
+        start = end
+    chunked = np.concatenate(outs)
+    np.testing.assert_allclose(chunked, one_go, rtol=1e-5, atol=1e-5)
+    assert_close(chunked, expected(full), jnp.float32)
+
+
+def test_mixed_decode_and_prefill_batch():
+    """3 decode rows and 2 prefill chunks, interleaved, with shuffled page tables."""
+    rng = np.random.default_rng(3)
+    q_lens = [1, 13, 1, 1, 20]
+    ctx_lens = [30, 25, 1, 16, 52]
+    batch = build_batch(rng, q_lens, ctx_lens, group=4, page_size=8, pad_rows=5)
+    check(batch, jnp.float32, block_q=16, pages_per_block=2)
+
+
+def test_chunk_starts_and_ends_mid_page():
+    rng = np.random.default_rng(4)
+    # Prefix of 21 cached tokens (page 1 of 16 half full), a chunk of 19: positions 21..39.
+    batch = build_batch(rng, [19], [40], page_size=16, group=2, pad_rows=2)
+    check(batch, jnp.float32, block_q=8, pages_per_block=1)
+
+
+def test_zero_length_queries_and_padding_rows():
+    rng = np.random.default_rng(5)
+    q_lens = [0, 3, 0, 0, 1, 0]
+    ctx_lens = [0, 9, 4, 0, 17, 8]
+    batch = build_batch(rng, q_lens, ctx_lens, page_size=8, pad_rows=20)
+    check(batch, jnp.float32, block_q=8, pages_per_block=2)
+
+
+def test_all_rows_padding_gives_zeros():
+    rng = np.random.default_rng(6)
+    batch = build_batch(rng, [0, 0], [5, 0], page_size=8, pad_rows=9)
+    out = run(batch, block_q=8)
+    np.testing.assert_array_equal(out, 0.0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_sliding_window_skips_pages_before_the_window(dtype):
+    rng = np.random.default_rng(7)
+    window, s = 10, 8
+    q_lens = [1, 12, 1]
+    ctx_lens = [50, 44, 9]
+    # Pages wholly before every query's window are NaN: reading them would poison the output.
+    lowest = [c - q - window + 1 for q, c in zip(q_lens, ctx_lens, strict=True)]
+    batch = build_batch(
+        rng, q_lens, ctx_lens, page_size=s, dtype=dtype, pad_rows=3, poison_before=lowest
+    )
+    check(batch, dtype, opts=dict(sliding_window=window), block_q=16, pages_per_block=2)
+
+
+def test_soft_cap_and_scale():
+    rng = np.random.default_rng(8)
+    batch = build_batch(rng, [4, 1], [20, 33], page_size=16, group=4, num_kv_heads=1)
+    check(batch, jnp.float32, opts=dict(soft_cap=5.0, scale=0.3), block_q=8, pages_per_block=1)
+
+
+def test_default_tuning_and_dispatch():
+    """The dispatcher's backend="tpu" reaches this kernel with its per-shape defaults."""
+    rng = np.random.default_rng(9)
+    batch = build_batch(rng, [1, 6, 1], [7, 30, 12], page_size=16, group=4, dtype=jnp.bfloat16)
+    out = ragged_paged_attention(*batch.args, backend="tpu", interpret=True)
+    assert _races_found() is False
+    assert_close(np.asarray(out.astype(jnp.float32)), expected(batch), jnp.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "shape", [(1, 8, 64, 8, 3), (200, 4, 128, 16, 500), (7, 32, 256, 128, 1), (64, 1, 64, 64, 9)]
+)
+def test_default_tuning_satisfies_constraints(shape):
+    t, group, d, s, max_pages = shape
+    for dtype in (jnp.float32, jnp.bfloat16):
+        tune = default_tuning(t, 2 * group, 2, d, s, max_pages, dtype)
+        assert tune["block_q"] % (16 if dtype == jnp.bfloat16 else 8) == 0
+        ppb = tune["pages_per_block"]
+        assert ppb & (ppb - 1) == 0
+        block_kv = ppb * s
+        assert block_kv >= 128 and block_kv % 128 == 0
+
+
+@pytest.mark.parametrize(
+    "knobs,match",
+    [
+        (dict(block_q=12), "block_q"),
+        (dict(block_q=8), "block_q"),  # bf16 needs multiples of 16
+        (dict(pages_per_block=3), "pages_per_block"),
+        (dict(pages_per_block=0), "pages_per_block"),
+        (dict(vmem_limit_bytes=-1), "vmem_limit_bytes"),
+    ],
+)
+def test_bad_tuning_knobs(knobs, match):
+    batch = build_batch(np.random.default_rng(0), [1], [3], dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        ragged_paged_attention_tpu(*batch.args, **knobs)
+
+
+def test_unknown_tuning_knob_is_a_type_error():
+    batch = build_batch(np.random.default_rng(0), [1], [3])
+    with pytest.raises(TypeError, match="block_k"):
+        ragged_paged_attention_tpu(*batch.args, block_k=4)
+
+
+@pytest.mark.parametrize(
+    "page_size,dtype,head_dim,group",
+    [
+        (16, jnp.bfloat16, 128, 4),
+        (64, jnp.bfloat16, 128, 4),
+        (8, jnp.bfloat16, 64, 1),
+        (128, jnp.float32, 256, 8),
+    ],
+)
+def test_lowers_for_tpu(page_size, dtype, head_dim, group):
+    kh, num_pages, batch, max_pages, t = 2, 64, 5, 16, 100
+    sds = jax.ShapeDtypeStruct
+    args = (
+        sds((t, kh * group, head_dim), dtype),
+        sds((kh, num_pages, page_size, head_dim), dtype),
+        sds((kh, num_pages, page_size, head_dim), dtype),
+        sds((batch, max_pages), jnp.int32),
+        sds((batch,), jnp.int32),
+        sds((batch + 1,), jnp.int32),
+    )
+    f = functools.partial(ragged_paged_attention_tpu, sliding_window=64, soft_cap=30.0)
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text
+
+
+def test_race_detector_is_live():
+    """Guards the no-race assertions above: a DMA read before its wait must be flagged."""
+
+    def racy(x_hbm, o_ref, buf, sem):
+        copy = pltpu.make_async_copy(x_hbm, buf, sem)
+        copy.start()
+        o_ref[...] = buf[...]
+        copy.wait()
+
+    x = jnp.ones((8, 128), jnp.float32)
+    f = pl.pallas_call(
+        racy,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        scratch_shapes=[pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA(())],
+        interpret=pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager"),
+    )
+    jax.block_until_ready(f(x))
+    assert _races_found() is True
