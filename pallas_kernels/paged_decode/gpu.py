@@ -1,0 +1,413 @@
+"""Paged decode attention on CUDA GPUs: a Pallas kernel with the Triton lowering.
+
+One query token per sequence attends to that sequence's K/V, which live in page
+pools `[K, P, S, D]` addressed through a page table. Decode is memory-bound, so
+the kernel is built around reading every live K/V byte exactly once:
+
+* One program per (sequence, kv head, head block, split). All `G = H // K`
+  query heads that share a kv head sit in one program as the rows of a
+  `[block_h, D]` tile (padded up to 16, the smallest tensor-core `dot`), so a
+  K/V tile loaded from HBM serves every head of its group.
+* The inner loop walks the context `block_kv` tokens at a time. Each token's
+  row is found through the page table inside the kernel (`page_id * S + offset`,
+  a gathered load), so `block_kv` may span several small pages or part of a
+  large one. Every load is masked at token granularity, and the loop bounds
+  come from the sequence's length (and sliding window): pages past the length,
+  and pages wholly before the window, are never touched; page-table padding is
+  never read.
+* Online softmax in float32 (in base 2: `log2(e)` is folded into the scale),
+  the second `dot` in the K/V dtype with float32 accumulation.
+* Split-K (flash-decoding): when `B * K` programs cannot fill the GPU, each
+  sequence's live blocks are divided into `num_splits` contiguous ranges whose
+  partial `(o, m, l)` are merged afterwards in a few jnp ops. The ranges are
+  cut from the actual length at run time, so short sequences in a wide page
+  table are not imbalanced.
+
+Why the Triton lowering: it is the Pallas GPU lowering with a public CPU
+interpreter (`interpret=True`), so the kernel is tested on CPU-only CI, and it
+runs on both jax 0.10 and 0.11 (where it is deprecated but supported). Mosaic
+GPU would give TMA and wgmma on Hopper, but its interpreter is private API, and
+for a gather-bound decode loop Triton's software pipelining (`num_stages`) of
+the indirect loads is what matters. `compiler_params=plgpu.CompilerParams(...)`
+pins the Triton lowering even where Mosaic GPU becomes the default. The public
+signature does not depend on the lowering, so a Mosaic GPU version can slot in.
+
+Lowering notes (both for Triton and for the interpreter): all loads and stores
+index with arrays on every axis (never array + slice, which the interpreter
+rejects), so K/V rows are gathered as `k_ref[kh, rows[:, None], cols[None, :]]`;
+every value inside the kernel has power-of-two dimensions; integer division uses
+`lax.div` / `lax.rem` on non-negative values.
+
+Not supported: head dims that are not a power of two or are below 16 (the
+Triton `dot` needs power-of-two tiles of at least 16), and page sizes below 8
+are untested. float32 inputs use exact (IEEE) dots, which are correct but do not
+use tensor cores; bfloat16 is the fast path.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# The GPU we tune for by default (H200); the real count is read from the device.
+_DEFAULT_NUM_SMS = 132
+_MIN_DOT = 16  # smallest tile dimension of a Triton tensor-core dot
+_LOG2E = math.log2(math.e)
+TUNING_KNOBS = ("block_kv", "block_h", "num_splits", "num_warps", "num_stages")
+
+
+def _is_pow2(x) -> bool:
+    return isinstance(x, int) and x > 0 and not x & (x - 1)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+@functools.cache
+def num_sms() -> int:
+    """Streaming multiprocessors of the first CUDA device (132, an H200's, without one)."""
+    try:
+        device = jax.devices("gpu")[0]
+    except RuntimeError:
+        return _DEFAULT_NUM_SMS
+    return int(getattr(device, "core_count", 0) or _DEFAULT_NUM_SMS)
+
+
+def default_tuning(
+    batch: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    max_pages: int,
+    dtype,
+    *,
+    sms: int | None = None,
+) -> dict:
+    """Per-shape defaults of the tuning knobs.
+
+    * `block_kv`: tokens per inner iteration; a K tile of about 16 KiB
+      (64 tokens at D=128 in bf16), so that K and V tiles of 3 pipeline stages
+      fit twice in an SM's shared memory; at least 16 for the dot.
+    * `block_h`: query heads per program; the group G padded to a power of two
+      of at least 16, capped at 64 to bound registers.
+    * `num_splits`: 1 when `B * K` programs already cover every SM; otherwise
+      enough to give about two programs per SM, keeping >= 4 blocks per split.
+    * `num_warps`: 4, or 8 for large `block_h * D` accumulators.
+    * `num_stages`: software-pipelining depth of the K/V loads; 3, or 2 when
+      tiles are large.
+
+    Args:
+      batch, num_heads, num_kv_heads, head_dim, page_size, max_pages: the shape.
+      dtype: the K/V dtype.
+      sms: streaming multiprocessors to fill (default: `num_sms()`).
+
+    Returns:
+      A dict with the keys of `TUNING_KNOBS`.
+    """
+    itemsize = jnp.dtype(dtype).itemsize
+    group = num_heads // num_kv_heads
+    block_kv = max(_MIN_DOT, min(128, _next_pow2(16384 // (head_dim * itemsize) + 1) // 2))
+    block_h = min(max(_MIN_DOT, _next_pow2(group)), 64)
+    head_blocks = -(-group // block_h)
+    programs = batch * num_kv_heads * head_blocks
+    sms = num_sms() if sms is None else sms
+    num_splits = 1
+    if programs < sms:
+        max_blocks = -(-max_pages * page_size // block_kv)
+        num_splits = max(1, min(-(-2 * sms // programs), max_blocks // 4))
+    tile_bytes = block_kv * head_dim * itemsize
+    return dict(
+        block_kv=block_kv,
+        block_h=block_h,
+        num_splits=num_splits,
+        num_warps=8 if block_h * head_dim >= 64 * 128 else 4,
+        num_stages=2 if tile_bytes > 16384 else 3,
+    )
+
+
+def _check_tuning(tuning: dict, head_dim: int) -> None:
+    for name in ("block_kv", "block_h"):
+        value = tuning[name]
+        if not _is_pow2(value) or value < _MIN_DOT:
+            raise ValueError(f"{name} must be a power of two >= {_MIN_DOT}, got {name}={value!r}")
+    for name in ("num_splits", "num_stages"):
+        value = tuning[name]
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+    if not _is_pow2(tuning["num_warps"]) or tuning["num_warps"] > 32:
+        raise ValueError(f"num_warps must be a power of two <= 32, got {tuning['num_warps']!r}")
+    if not _is_pow2(head_dim) or head_dim < _MIN_DOT:
+        raise ValueError(
+            f"the GPU kernel needs a power-of-two head_dim >= {_MIN_DOT}, got {head_dim=}"
+        )
+
+
+def _decode_kernel(
+    lengths_ref,  # [B] int32
+    page_table_ref,  # [B, max_pages] int32
+    q_ref,  # [B, H, D]
+    k_ref,  # [K, P * S, D]
+    v_ref,  # [K, P * S, D]
+    *out_refs,  # o [B, H, D]; or o [splits, B, H, D] f32 and m, l [splits, B, H] f32
+    group,
+    block_h,
+    head_blocks,
+    page_size,
+    max_pages,
+    block_kv,
+    num_splits,
+    scale,
+    soft_cap,
+    sliding_window,
+):
+    b = pl.program_id(0)
+    kv_head = lax.div(pl.program_id(1), head_blocks)
+    head_block = lax.rem(pl.program_id(1), head_blocks)
+    split = pl.program_id(2)
+    head_dim = q_ref.shape[-1]
+
+    # Query heads of this program: rows of the tile; rows past the group are padding.
+    row = head_block * block_h + lax.iota(jnp.int32, block_h)  # [block_h]
+    row_ok = row < group
+    heads = (kv_head * group + row)[:, None]  # [block_h, 1]
+    cols = lax.iota(jnp.int32, head_dim)[None, :]  # [1, D]
+    q = plgpu.load(q_ref.at[b, heads, cols], mask=row_ok[:, None], other=0)  # [block_h, D]
+
+    # Live tokens [lo, hi); blocks of block_kv tokens aligned to 0; this split's share.
+    hi = jnp.minimum(lengths_ref[b], max_pages * page_size)
+    lo = jnp.int32(0) if sliding_window is None else jnp.maximum(hi - sliding_window, 0)
+    first = lax.div(lo, block_kv)
+    num_blocks = jnp.maximum(lax.div(hi + block_kv - 1, block_kv) - first, 0)
+    per_split = lax.div(num_blocks + num_splits - 1, num_splits)
+    start = first + jnp.minimum(split * per_split, num_blocks)
+    stop = first + jnp.minimum((split + 1) * per_split, num_blocks)
+
+    exact = q.dtype == jnp.float32
+    precision = lax.Precision.HIGHEST if exact else lax.Precision.DEFAULT
+    log2_scale = scale if soft_cap is not None else scale * _LOG2E
+
+    def body(i, carry):
+        o, m, denom = carry  # [block_h, D], [block_h], [block_h] float32
+        tok = i * block_kv + lax.iota(jnp.int32, block_kv)  # [block_kv]
+        live = (tok >= lo) & (tok < hi)
+        page = plgpu.load(
+            page_table_ref.at[b, lax.div(tok, page_size)], mask=live, other=0
+        )  # [block_kv]
+        rows = (page * page_size + lax.rem(tok, page_size))[:, None]  # [block_kv, 1]
+        k = plgpu.load(k_ref.at[kv_head, rows, cols], mask=live[:, None], other=0)
+        v = plgpu.load(v_ref.at[kv_head, rows, cols], mask=live[:, None], other=0)
+        s = lax.dot_general(
+            q,
+            k,
+            (((1,), (1,)), ((), ())),
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )  # [block_h, block_kv]
+        s = s * log2_scale
+        if soft_cap is not None:
+            s = (soft_cap * _LOG2E) * jnp.tanh(s / soft_cap)
+        s = jnp.where(live[None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))  # finite: every block has a live token
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        denom = alpha * denom + jnp.sum(p, axis=1)
+        pv = lax.dot_general(
+            p.astype(v.dtype),
+            v,
+            (((1,), (0,)), ((), ())),
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )  # [block_h, D]
+        return alpha[:, None] * o + pv, m_new, denom
+
+    init = (
+        jnp.zeros((block_h, head_dim), jnp.float32),
+        jnp.full((block_h,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_h,), jnp.float32),
+    )
+    o, m, denom = lax.fori_loop(start, stop, body, init)
+
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        out = o / jnp.where(denom > 0, denom, 1.0)[:, None]
+        plgpu.store(o_ref.at[b, heads, cols], out.astype(o_ref.dtype), mask=row_ok[:, None])
+    else:
+        o_ref, m_ref, l_ref = out_refs
+        plgpu.store(o_ref.at[split, b, heads, cols], o, mask=row_ok[:, None])
+        plgpu.store(m_ref.at[split, b, heads[:, 0]], m, mask=row_ok)
+        plgpu.store(l_ref.at[split, b, heads[:, 0]], denom, mask=row_ok)
+
+
+def _merge_splits(o, m, denom, dtype):
+    """Combines per-split partial softmax states.
+
+    Args:
+      o: [splits, B, H, D] float32 unnormalised outputs.
+      m: [splits, B, H] float32 running maxima (base 2), -inf for empty splits.
+      denom: [splits, B, H] float32 softmax denominators.
+
+    Returns:
+      [B, H, D] in `dtype`; zeros for rows with nothing to attend to.
+    """
+    m_max = jnp.max(m, axis=0)
+    weight = jnp.exp2(m - jnp.where(jnp.isfinite(m_max), m_max, 0.0))  # 0 for empty splits
+    total = jnp.sum(weight * denom, axis=0)
+    num = jnp.sum(weight[..., None] * o, axis=0)
+    return (num / jnp.where(total > 0, total, 1.0)[..., None]).astype(dtype)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "soft_cap",
+        "sliding_window",
+        "interpret",
+        "block_kv",
+        "block_h",
+        "num_splits",
+        "num_warps",
+        "num_stages",
+    ),
+)
+def _paged_decode(
+    q,
+    k_pages,
+    v_pages,
+    lengths,
+    page_table,
+    *,
+    scale,
+    soft_cap,
+    sliding_window,
+    interpret,
+    block_kv,
+    block_h,
+    num_splits,
+    num_warps,
+    num_stages,
+):
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    max_pages = page_table.shape[1]
+    group = num_heads // num_kv_heads
+    head_blocks = -(-group // block_h)
+    kernel = functools.partial(
+        _decode_kernel,
+        group=group,
+        block_h=block_h,
+        head_blocks=head_blocks,
+        page_size=page_size,
+        max_pages=max_pages,
+        block_kv=block_kv,
+        num_splits=num_splits,
+        scale=scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+    )
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    else:
+        part = (num_splits, batch, num_heads)
+        out_shape = (
+            jax.ShapeDtypeStruct((*part, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+        )
+    rows = num_pages * page_size
+    out = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(batch, num_kv_heads * head_blocks, num_splits),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="paged_decode_gpu",
+    )(
+        lengths.astype(jnp.int32),
+        page_table.astype(jnp.int32),
+        q,
+        k_pages.reshape(num_kv_heads, rows, head_dim),
+        v_pages.reshape(num_kv_heads, rows, head_dim),
+    )
+    if num_splits == 1:
+        return out
+    return _merge_splits(*out, q.dtype)
+
+
+def paged_decode_gpu(
+    q,
+    k_pages,
+    v_pages,
+    lengths,
+    page_table,
+    *,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    interpret: bool = False,
+    block_kv: int | None = None,
+    block_h: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+):
+    """Paged decode attention with the Pallas GPU (Triton) kernel.
+
+    Inputs are assumed valid (`pallas_kernels.dispatch` checks them); only the
+    tuning knobs and the head dim are checked here. Knobs left as None take
+    the per-shape values of `default_tuning`.
+
+    Args:
+      q: [B, H, D] one query token per sequence, at position lengths[b] - 1.
+      k_pages: [K, P, S, D] one layer's key pages.
+      v_pages: [K, P, S, D] one layer's value pages.
+      lengths: [B] int32 tokens in the cache per sequence (0 gives a zero row).
+      page_table: [B, max_pages] int32 physical page ids in logical order.
+      scale: logit scale, default D ** -0.5.
+      soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap).
+      sliding_window: if set, the query sees only its last `sliding_window` keys.
+      interpret: run the kernel in the Pallas interpreter (CPU testing).
+      block_kv: tokens per inner iteration (power of two >= 16; may span pages
+        or part of one).
+      block_h: query heads per program (power of two >= 16; the group is padded).
+      num_splits: split-K partitions of each sequence's context.
+      num_warps: Triton warps per program.
+      num_stages: Triton software-pipelining stages.
+
+    Returns:
+      [B, H, D] in q's dtype.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    tuning = default_tuning(
+        batch, num_heads, num_kv_heads, head_dim, page_size, page_table.shape[1], k_pages.dtype
+    )
+    given = dict(
+        block_kv=block_kv,
+        block_h=block_h,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    tuning.update({k: v for k, v in given.items() if v is not None})
+    _check_tuning(tuning, head_dim)
+    return _paged_decode(
+        q,
+        k_pages,
+        v_pages,
+        jnp.asarray(lengths),
+        jnp.asarray(page_table),
+        scale=float(head_dim**-0.5 if scale is None else scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        interpret=bool(interpret),
+        **tuning,
+    )

@@ -1,0 +1,319 @@
+"""Tests of the Pallas GPU paged decode kernel: interpret mode vs the reference, cuda lowering.
+
+Every kernel input pool is poisoned with NaN wherever no live token lives
+(pages past a sequence's length, slots past the length in its last page, keys
+before a sliding window, pages nobody owns, which page-table padding points
+at), while the reference sees the clean pool: a single read of a dead slot
+under a live mask shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from pallas_kernels import reference
+from pallas_kernels.paged_decode.gpu import TUNING_KNOBS, default_tuning, paged_decode_gpu
+
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
+ref_decode = jax.jit(
+    reference.paged_attention_xla, static_argnames=("scale", "soft_cap", "sliding_window")
+)
+
+
+def make_case(
+    seed,
+    batch,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    page_size,
+    max_pages,
+    dtype,
+    lengths=None,
+    sliding_window=None,
+):
+    """Random inputs with shuffled page tables.
+
+    Returns:
+      (q, k_clean, v_clean, k_poisoned, v_poisoned, lengths, page_table).
+    """
+    rng = np.random.default_rng(seed)
+    if lengths is None:
+        capacity = max_pages * page_size
+        # 1, exactly a page boundary, the maximum, then random lengths.
+        pool = [1, page_size, capacity, min(2 * page_size, capacity)]
+        lengths = [
+            pool[i] if i < len(pool) else int(rng.integers(1, capacity + 1)) for i in range(batch)
+        ]
+    lengths = np.asarray(lengths, np.int32)
+    num_pages = batch * max_pages + 3  # a few pages nobody owns
+    owned = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages)
+    page_table = owned.copy()
+    live = np.zeros((num_pages, page_size), bool)
+    for b, n in enumerate(lengths):
+        used = -(-int(n) // page_size)
+        # Padding entries: any in-range id, here random (often a dead page).
+        page_table[b, used:] = rng.integers(0, num_pages, max_pages - used)
+        lo = 0 if sliding_window is None else max(int(n) - sliding_window, 0)
+        for t in range(lo, int(n)):
+            live[owned[b, t // page_size], t % page_size] = True
+    shape = (num_kv_heads, num_pages, page_size, head_dim)
+    q = rng.standard_normal((batch, num_heads, head_dim), np.float32)
+    k = rng.standard_normal(shape, np.float32)
+    v = rng.standard_normal(shape, np.float32)
+    dead = ~live[None, :, :, None]
+    k_bad = np.where(dead, np.nan, k)
+    v_bad = np.where(dead, np.nan, v)
+    q, k, v, k_bad, v_bad = (jnp.asarray(x, dtype) for x in (q, k, v, k_bad, v_bad))
+    return q, k, v, k_bad, v_bad, jnp.asarray(lengths), jnp.asarray(page_table, jnp.int32)
+
+
+def check(
+    seed=0,
+    batch=3,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=64,
+    page_size=16,
+    max_pages=4,
+    dtype=jnp.float32,
+    lengths=None,
+    scale=None,
+    soft_cap=None,
+    sliding_window=None,
+    **tuning,
+):
+    q, k, v, k_bad, v_bad, lengths, page_table = make_case(
+        seed,
+        batch,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        max_pages,
+        dtype,
+        lengths,
+        sliding_window,
+    )
+    opts = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    out = paged_decode_gpu(q, k_bad, v_bad, lengths, page_table, interpret=True, **opts, **tuning)
+    f32 = jnp.float32
+    ref = ref_decode(q.astype(f32), k.astype(f32), v.astype(f32), lengths, page_table, **opts)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    out = np.asarray(out.astype(f32))
+    assert not np.isnan(out).any()
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert err < TOL[dtype], f"relative error {err}"
+    return out
+
+
+# ---------------------------------------------------------------- default grid
+
+RATIOS = [(8, 8), (8, 2), (16, 2), (4, 1)]  # MHA, GQA 4, GQA 8, MQA
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "dtype"),
+    [(8, 8, jnp.float32), (8, 2, jnp.bfloat16), (16, 2, jnp.float32), (4, 1, jnp.bfloat16)],
+)
+def test_gqa_ratios(num_heads, num_kv_heads, dtype):
+    check(batch=5, num_heads=num_heads, num_kv_heads=num_kv_heads, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "page_size", "max_pages", "dtype"),
+    [
+        (64, 8, 7, jnp.float32),
+        (128, 16, 5, jnp.bfloat16),
+        (128, 64, 3, jnp.float32),
+        (256, 32, 3, jnp.bfloat16),
+        (128, 128, 2, jnp.bfloat16),
+    ],
+)
+def test_head_dims_and_page_sizes(head_dim, page_size, max_pages, dtype):
+    check(head_dim=head_dim, page_size=page_size, max_pages=max_pages, dtype=dtype, batch=4)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_split_k(num_splits):
+    # 7 sequences: lengths 0 (a zero row), 1, page boundaries, max, odd.
+    lengths = [0, 1, 16, 64, 37, 48, 3]
+    out = check(batch=7, max_pages=4, lengths=lengths, num_splits=num_splits, block_kv=16)
+    assert (out[0] == 0).all()
+
+
+def test_soft_cap_and_scale():
+    check(soft_cap=2.0, scale=0.3, dtype=jnp.bfloat16, seed=1, num_splits=2)
+
+
+@pytest.mark.parametrize(
+    ("sliding_window", "num_splits", "page_size"),
+    [(5, 1, 8), (20, 3, 8), (1, 2, 16)],
+)
+def test_sliding_window(sliding_window, num_splits, page_size):
+    check(
+        sliding_window=sliding_window,
+        num_splits=num_splits,
+        page_size=page_size,
+        max_pages=6,
+        batch=4,
+        block_kv=16,
+        seed=2,
+    )
+
+
+def test_block_kv_below_page_size():
+    # One page spans several inner iterations.
+    check(batch=4, page_size=64, max_pages=2, block_kv=16, num_splits=2, lengths=[1, 64, 100, 128])
+
+
+def test_several_head_blocks():
+    # G = 32 split into two head blocks of 16 (each re-reads K/V, still correct).
+    check(num_heads=32, num_kv_heads=1, block_h=16, num_splits=2)
+
+
+def test_padding_page_table_and_wide_table():
+    # Short sequences in a wide page table: most entries are padding.
+    check(batch=3, max_pages=20, page_size=8, lengths=[3, 9, 8], num_splits=4)
+
+
+def test_dispatcher_gpu_backend():
+    q, k, v, _, _, lengths, page_table = make_case(3, 2, 8, 2, 64, 16, 3, jnp.float32)
+    out = pallas_kernels.paged_decode_attention(
+        q, k, v, lengths, page_table, backend="gpu", interpret=True, soft_cap=5.0
+    )
+    ref = ref_decode(q, k, v, lengths, page_table, soft_cap=5.0)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_under_outer_jit():
+    q, k, v, _, _, lengths, page_table = make_case(4, 3, 8, 2, 64, 8, 4, jnp.float32)
+
+    @jax.jit
+    def step(q, k, v, lengths, page_table):
+        return paged_decode_gpu(q, k, v, lengths, page_table, interpret=True, num_splits=2)
+
+    out = step(q, k, v, lengths, page_table)
+    ref = ref_decode(q, k, v, lengths, page_table)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- tuning
+
+
+def test_default_tuning():
+    small = default_tuning(1, 32, 8, 128, 16, 2048, jnp.bfloat16, sms=132)
+    large = default_tuning(256, 32, 8, 128, 16, 32, jnp.bfloat16, sms=132)
+    assert set(small) == set(TUNING_KNOBS)
+    assert small["num_splits"] > 8 and large["num_splits"] == 1
+    assert small["block_kv"] == 64 and small["block_h"] == 16
+    # Tiny contexts are not split into slivers; big heads and f32 get smaller tiles.
+    assert default_tuning(1, 8, 8, 64, 8, 2, jnp.float32, sms=132)["num_splits"] == 1
+    assert default_tuning(1, 8, 8, 256, 8, 64, jnp.float32, sms=132)["block_kv"] == 16
+    assert default_tuning(1, 128, 1, 64, 8, 64, jnp.bfloat16)["block_h"] == 64
+
+
+@pytest.mark.parametrize(
+    ("knobs", "match"),
+    [
+        (dict(block_kv=24), "block_kv"),
+        (dict(block_kv=8), "block_kv"),
+        (dict(block_h=8), "block_h"),
+        (dict(num_splits=0), "num_splits"),
+        (dict(num_warps=3), "num_warps"),
+        (dict(num_stages=0), "num_stages"),
+    ],
+)
+def test_bad_tuning(knobs, match):
+    q, k, v, _, _, lengths, page_table = make_case(0, 2, 4, 2, 64, 8, 2, jnp.float32)
+    with pytest.raises(ValueError, match=match):
+        paged_decode_gpu(q, k, v, lengths, page_table, interpret=True, **knobs)
+
+
+def test_unknown_knob_and_bad_head_dim():
+    q, k, v, _, _, lengths, page_table = make_case(0, 2, 4, 2, 64, 8, 2, jnp.float32)
+    with pytest.raises(TypeError, match="pages_per_compute_block"):
+        paged_decode_gpu(q, k, v, lengths, page_table, pages_per_compute_block=2)
+    q, k, v, _, _, lengths, page_table = make_case(0, 2, 4, 2, 96, 8, 2, jnp.float32)
+    with pytest.raises(ValueError, match="head_dim=96"):
+        paged_decode_gpu(q, k, v, lengths, page_table, interpret=True)
+
+
+# ---------------------------------------------------------------- cuda lowering
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "options"),
+    [
+        ((4, 32, 8, 128, 16, 64), jnp.bfloat16, {}),  # Llama-3-8B layer, split-K
+        ((64, 32, 8, 128, 16, 8), jnp.bfloat16, dict(soft_cap=30.0)),  # no split
+        ((2, 8, 8, 256, 64, 4), jnp.bfloat16, dict(sliding_window=100)),
+        ((3, 4, 1, 64, 8, 16), jnp.float32, {}),  # MQA, f32 (exact dots)
+    ],
+)
+def test_lowers_for_cuda(shape, dtype, options):
+    batch, num_heads, num_kv_heads, head_dim, page_size, max_pages = shape
+    q = jax.ShapeDtypeStruct((batch, num_heads, head_dim), dtype)
+    pages = jax.ShapeDtypeStruct((num_kv_heads, 2 * batch * max_pages, page_size, head_dim), dtype)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    page_table = jax.ShapeDtypeStruct((batch, max_pages), jnp.int32)
+
+    def f(q, k, v, lengths, page_table):
+        return paged_decode_gpu(q, k, v, lengths, page_table, **options)
+
+    lowered = jax.jit(f).trace(q, pages, pages, lengths, page_table)
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text
+
+
+# ---------------------------------------------------------------- slow: full grid
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("ratio", "head_dim", "page_size", "dtype"),
+    list(
+        itertools.product(
+            RATIOS + [(32, 8)], [64, 128, 256], [8, 16, 32, 64, 128], [jnp.float32, jnp.bfloat16]
+        )
+    ),
+)
+def test_full_grid(ratio, head_dim, page_size, dtype):
+    num_heads, num_kv_heads = ratio
+    max_pages = max(2, 256 // page_size)
+    check(
+        seed=head_dim + page_size,
+        batch=5,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        max_pages=max_pages,
+        dtype=dtype,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("sliding_window", [None, 7, 64, 200])
+@pytest.mark.parametrize("soft_cap", [None, 1.5])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_options_grid(num_splits, sliding_window, soft_cap, dtype):
+    check(
+        seed=11,
+        batch=6,
+        num_heads=16,
+        num_kv_heads=4,
+        page_size=16,
+        max_pages=12,
+        dtype=dtype,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        num_splits=num_splits,
+    )
