@@ -1,0 +1,360 @@
+"""Tests of the Pallas TPU paged decode kernel (pallas_kernels/paged_decode/tpu.py).
+
+On the CPU the kernel runs in the TPU interpreter with race detection on, and
+is lowered for TPU (Mosaic) without compiling. Each distinct shape costs ~5 s
+of interpreter tracing, so the default set is a representative handful; the
+full grid is marked slow.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import dispatch, reference
+from pallas_kernels.paged_decode import tpu
+from pallas_kernels.paged_decode.tpu import paged_decode_tpu
+
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
+
+
+def _race_state():
+    """The TPU interpreter's race-detection state (private; its home moved across jax versions)."""
+    for name in (
+        "jax._src.pallas.mosaic.interpret.interpret_pallas_call",
+        "jax._src.pallas.mosaic.interpret",
+    ):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "races"):
+            return module
+    pytest.skip("this jax version keeps the interpreter's race state elsewhere")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter():
+    yield
+    pltpu.reset_tpu_interpret_mode_state()
+
+
+def _run(*args, **kwargs):
+    """Runs the kernel in the interpreter and asserts the race detector saw no race."""
+    state = _race_state()
+    out = jax.block_until_ready(paged_decode_tpu(*args, **kwargs))
+    assert state.races is not None, "the interpreter did not run with race detection"
+    assert not state.races.races_found, "the TPU interpreter detected a data race"
+    return out
+
+
+def _make_inputs(seed, *, batch, kv_heads, group, head_dim, page_size, max_pages, dtype, lengths):
+    """Random pools and queries, a shuffled page table whose padding entries are random ids."""
+    rng = np.random.default_rng(seed)
+    num_pages = batch * max_pages + 3
+    q = rng.standard_normal((batch, kv_heads * group, head_dim))
+    k = rng.standard_normal((kv_heads, num_pages, page_size, head_dim))
+    v = rng.standard_normal((kv_heads, num_pages, page_size, head_dim))
+    page_table = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages)
+    lengths = np.asarray(lengths, np.int32)
+    for b, n in enumerate(lengths):
+        used = -(-int(n) // page_size)
+        page_table[b, used:] = rng.integers(0, num_pages, max_pages - used)
+    return (
+        jnp.asarray(q, dtype),
+        jnp.asarray(k, dtype),
+        jnp.asarray(v, dtype),
+        jnp.asarray(lengths),
+        jnp.asarray(page_table, jnp.int32),
+    )
+
+
+def _ragged_lengths(batch, page_size, max_pages, seed):
+    """1, a page boundary, the maximum, then random lengths."""
+    capacity = page_size * max_pages
+    fixed = [1, page_size, capacity, page_size + 1, capacity - 1]
+    rng = np.random.default_rng(seed)
+    rest = rng.integers(1, capacity + 1, max(0, batch - len(fixed))).tolist()
+    return (fixed + rest)[:batch]
+
+
+def _check(out, args, dtype, **options):
+    q, k, v, lengths, page_table = args
+    up = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref = reference.paged_attention_xla(*up, lengths, page_table, **options)
+    out = np.asarray(out.astype(jnp.float32))
+    ref = np.asarray(ref)
+    assert out.shape == ref.shape and not np.isnan(out).any()
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert err < TOL[dtype], f"relative error {err:.2e} >= {TOL[dtype]:.0e}"
+
+
+def _case(
+    dtype,
+    kv_heads,
+    group,
+    head_dim,
+    page_size,
+    *,
+    batch=5,
+    max_pages=5,
+    lengths=None,
+    seed=0,
+    **kwargs,
+):
+    lengths = lengths or _ragged_lengths(batch, page_size, max_pages, seed)
+    args = _make_inputs(
+        seed,
+        batch=len(lengths),
+        kv_heads=kv_heads,
+        group=group,
+        head_dim=head_dim,
+        page_size=page_size,
+        max_pages=max_pages,
+        dtype=dtype,
+        lengths=lengths,
+    )
+    options = {k: kwargs.pop(k) for k in ("scale", "soft_cap", "sliding_window") if k in kwargs}
+    out = _run(*args, interpret=True, **options, **kwargs)
+    _check(out, args, dtype, **options)
+
+
+# (dtype, K, G, D, S, tuning): GQA 4 and 8, MHA, MQA; D 64/128/256; S 8..128;
+# default and odd pages_per_block; bf16 with half-tile pages (S = 8).
+DEFAULT_GRID = [
+    (jnp.bfloat16, 2, 4, 128, 16, {}),
+    (jnp.float32, 1, 8, 64, 8, {"pages_per_block": 3}),
+    (jnp.bfloat16, 3, 1, 256, 32, {"pages_per_block": 2}),
+    (jnp.bfloat16, 1, 4, 128, 8, {"pages_per_block": 4}),
+    (jnp.float32, 2, 4, 128, 128, {}),
+]
+
+
+@pytest.mark.parametrize("dtype, kv_heads, group, head_dim, page_size, tuning", DEFAULT_GRID)
+def test_matches_reference(dtype, kv_heads, group, head_dim, page_size, tuning):
+    _case(dtype, kv_heads, group, head_dim, page_size, **tuning)
+
+
+@pytest.mark.parametrize(
+    "dtype, page_size, tuning, options",
+    [
+        # Window crossing block and page boundaries; the first block starts before it.
+        (jnp.float32, 8, {"pages_per_block": 2}, {"soft_cap": 2.0, "sliding_window": 21}),
+        (jnp.bfloat16, 16, {}, {"soft_cap": 5.0, "sliding_window": 7, "scale": 0.3}),
+    ],
+)
+def test_soft_cap_and_sliding_window(dtype, page_size, tuning, options):
+    _case(dtype, 2, 4, 128, page_size, max_pages=6, batch=6, seed=1, **tuning, **options)
+
+
+def test_zero_length_and_two_cores():
+    """Megacore split (2 simulated cores) with a batch that does not divide; one empty row."""
+    params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, random_seed=3)
+    args = _make_inputs(
+        2,
+        batch=3,
+        kv_heads=1,
+        group=4,
+        head_dim=128,
+        page_size=16,
+        max_pages=4,
+        dtype=jnp.float32,
+        lengths=[33, 0, 64],
+    )
+    out = _run(*args, interpret=params, num_cores=2, pages_per_block=1)
+    _check(out, args, jnp.float32)
+    assert not np.asarray(out[1]).any()
+
+
+def test_pages_outside_the_visible_range_are_never_copied():
+    """Padding entries and pages before the window get out-of-range ids: any DMA of them raises."""
+    page_size, max_pages, window = 8, 6, 12
+    lengths = [1, 20, 48, 9]
+    args = _make_inputs(
+        4,
+        batch=4,
+        kv_heads=2,
+        group=2,
+        head_dim=64,
+        page_size=page_size,
+        max_pages=max_pages,
+        dtype=jnp.float32,
+        lengths=lengths,
+    )
+    q, k, v, lens, page_table = args
+    bad = np.asarray(page_table).copy()
+    for b, n in enumerate(lengths):
+        first = max(n - window, 0) // page_size
+        last = -(-n // page_size)
+        bad[b, :first] = 10_000
+        bad[b, last:] = 10_000
+    out = _run(q, k, v, lens, jnp.asarray(bad), sliding_window=window, interpret=True)
+    _check(out, args, jnp.float32, sliding_window=window)
+
+
+def test_nan_in_unused_pages_does_not_leak():
+    """Pages no valid position maps to are NaN; bf16 with the default block (rounded up)."""
+    lengths = [5, 16, 40]
+    args = _make_inputs(
+        5,
+        batch=3,
+        kv_heads=1,
+        group=8,
+        head_dim=128,
+        page_size=16,
+        max_pages=3,
+        dtype=jnp.bfloat16,
+        lengths=lengths,
+    )
+    q, k, v, lens, page_table = args
+    used = {int(page_table[b, p]) for b, n in enumerate(lengths) for p in range(-(-n // 16))}
+    unused = np.array(sorted(set(range(k.shape[1])) - used))
+    k_nan = k.at[:, unused].set(jnp.nan)
+    v_nan = v.at[:, unused].set(jnp.nan)
+    out = _run(q, k_nan, v_nan, lens, page_table, interpret=True)
+    _check(out, args, jnp.bfloat16)
+
+
+def test_dispatcher_routes_to_the_kernel():
+    lengths = [1, 16, 80, 17, 79]
+    args = _make_inputs(
+        0,
+        batch=5,
+        kv_heads=2,
+        group=4,
+        head_dim=128,
+        page_size=16,
+        max_pages=5,
+        dtype=jnp.bfloat16,
+        lengths=lengths,
+    )
+    out = dispatch.paged_decode_attention(*args, backend="tpu", interpret=True)
+    _check(out, args, jnp.bfloat16)
+
+
+def test_race_detector_catches_a_racy_copy():
+    """The harness can fail: reading a DMA's destination before waiting is reported."""
+
+    def racy(x_hbm, o_ref, buf, sem):
+        copy = pltpu.make_async_copy(x_hbm, buf, sem)
+        copy.start()
+        o_ref[...] = buf[...]
+        copy.wait()
+
+    x = jnp.ones((8, 128), jnp.float32)
+    call = pl.pallas_call(
+        racy,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        scratch_shapes=[pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA(())],
+        interpret=pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager"),
+    )
+    jax.block_until_ready(call(x))
+    assert _race_state().races.races_found
+
+
+@pytest.mark.parametrize(
+    "knobs, error",
+    [
+        ({"pages_per_block": 0}, ValueError),
+        ({"pages_per_block": 2.5}, ValueError),
+        ({"num_cores": 0}, ValueError),
+        ({"vmem_limit_bytes": -1}, ValueError),
+        ({"interpret": "yes"}, TypeError),
+        ({"block_size": 4}, TypeError),
+    ],
+)
+def test_bad_tuning_knobs(knobs, error):
+    args = _make_inputs(
+        0,
+        batch=1,
+        kv_heads=1,
+        group=1,
+        head_dim=64,
+        page_size=8,
+        max_pages=1,
+        dtype=jnp.float32,
+        lengths=[3],
+    )
+    with pytest.raises(error, match=next(iter(knobs)) if error is ValueError else None):
+        paged_decode_tpu(*args, **knobs)
+
+
+def test_default_tuning():
+    assert tpu.default_pages_per_block(16, 128, jnp.bfloat16, 1000) == 32  # 512 tokens
+    assert tpu.default_pages_per_block(16, 256, jnp.float32, 1000) == 8  # 128 tokens
+    assert tpu.default_pages_per_block(128, 64, jnp.bfloat16, 1000) == 8  # 1024 tokens
+    assert tpu.default_pages_per_block(16, 128, jnp.bfloat16, 3) == 8  # 48 -> 128 tokens
+    assert tpu.default_pages_per_block(128, 128, jnp.bfloat16, 3) == 3
+    assert tpu.default_num_cores() == 1  # CPU
+
+
+def _lower(dtype, kv_heads, group, head_dim, page_size, **kwargs):
+    batch, num_pages, max_pages = 7, 64, 33
+    pool = jax.ShapeDtypeStruct((kv_heads, num_pages, page_size, head_dim), dtype)
+    args = (
+        jax.ShapeDtypeStruct((batch, kv_heads * group, head_dim), dtype),
+        pool,
+        pool,
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+        jax.ShapeDtypeStruct((batch, max_pages), jnp.int32),
+    )
+    f = functools.partial(paged_decode_tpu, **kwargs)
+    lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",))
+    assert "tpu_custom_call" in lowered.as_text()
+
+
+@pytest.mark.parametrize(
+    "dtype, kv_heads, group, head_dim, page_size, kwargs",
+    [
+        (jnp.bfloat16, 8, 4, 128, 16, {}),
+        (jnp.bfloat16, 8, 4, 128, 64, {}),
+        (jnp.bfloat16, 2, 4, 128, 16, {"soft_cap": 30.0, "sliding_window": 100}),
+        (jnp.bfloat16, 2, 8, 256, 8, {"num_cores": 2}),
+        (jnp.float32, 1, 1, 64, 128, {"pages_per_block": 3}),
+    ],
+)
+def test_lowers_for_tpu(dtype, kv_heads, group, head_dim, page_size, kwargs):
+    _lower(dtype, kv_heads, group, head_dim, page_size, **kwargs)
+
+
+_SHAPES = [
+    (dtype, head_dim, page_size)
+    for dtype in (jnp.float32, jnp.bfloat16)
+    for head_dim in (64, 128, 256)
+    for page_size in (8, 16, 32, 64, 128)
+]
+_HEADS = [(2, 1), (2, 4), (1, 8), (1, 4)]  # (K, G): MHA, GQA 4, GQA 8 + MQA, MQA
+SLOW_GRID = [(dt, *_HEADS[i % 4], d, s) for i, (dt, d, s) in enumerate(_SHAPES)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype, kv_heads, group, head_dim, page_size", SLOW_GRID)
+def test_matches_reference_grid(dtype, kv_heads, group, head_dim, page_size):
+    _case(dtype, kv_heads, group, head_dim, page_size, batch=7, max_pages=4, seed=page_size)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_heads, group", [(4, 1), (2, 4), (2, 8), (1, 8)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gqa_ratios_with_window(dtype, kv_heads, group):
+    _case(
+        dtype,
+        kv_heads,
+        group,
+        128,
+        16,
+        batch=9,
+        max_pages=7,
+        seed=group,
+        soft_cap=10.0,
+        sliding_window=37,
+        pages_per_block=3,
+    )
