@@ -1,0 +1,522 @@
+"""The functional decode core: `(params, cache, StepInput) -> (StepOutput, cache)`, jitted.
+
+One engine step is one call of `prefill_step` (any mix of prefill chunks and decode
+rows; ragged attention) or `decode_step` (one token per sequence; the decode
+kernel). Both are `jax.jit`ted with the cache donated: the page pools are updated in
+place and returned. Inside: copy-on-write page copies first, then the model's paged
+forward, then sampling on device, so only token ids (and their logprobs) come back.
+
+`build_step_input` turns the host's view of a step (per sequence: this step's tokens,
+how many of its tokens are already cached, its page table row, its sampling
+parameters) into a `StepInput`, validating everything on the host and padding every
+dimension to a power of two above a floor (`Buckets`), so a run compiles a handful
+of programs. `compile_counts()` reports how many times each step was traced
+(= compiled); tests assert it stays within the number of distinct buckets.
+
+`generate` is a static-batch loop with no scheduler, for research use. The
+README example::
+
+    from pagedjax import cache as cache_lib, config, decode, model
+
+    cfg = config.preset("tiny")                 # or ModelConfig.from_hf(...)
+    params = model.init_params(cfg, seed=0)     # or loaded weights (pagedjax.weights)
+
+    # 1. The one-liner: static batch, greedy or sampled.
+    out = decode.generate(params, [[1, 5, 7, 9], [1, 42]], max_new_tokens=16)
+    print(out.tokens)                           # one list of new token ids per prompt
+
+    # 2. The pieces underneath, one sequence by hand.
+    cache_cfg = config.CacheConfig(page_size=8, num_pages=32, dtype=cfg.dtype)
+    cache = cache_lib.create(cfg, cache_cfg)    # [L, K, P, S, D] K and V pools
+    prompt, pages = [1, 5, 7, 9, 11, 13, 17, 19, 23], [3, 4, 5]   # pages: any free ids
+    sampling = dict(temperature=0.8, top_p=0.95, seed=1234)
+    inp = decode.build_step_input(
+        [decode.SeqChunk(prompt, start_pos=0, page_table=pages, **sampling)], cfg, cache_cfg
+    )
+    out, cache = decode.prefill_step(params, cache, inp)    # cache is donated
+    tokens = [int(out.tokens[0])]
+    while len(tokens) < 12:
+        chunk = decode.SeqChunk(
+            [tokens[-1]], start_pos=len(prompt) + len(tokens) - 1, page_table=pages,
+            sample_step=len(tokens), **sampling,
+        )
+        inp = decode.build_step_input([chunk], cfg, cache_cfg)
+        out, cache = decode.decode_step(params, cache, inp)
+        tokens.append(int(out.tokens[0]))
+    print(tokens, decode.compile_counts())
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import numpy as np
+
+from pagedjax import cache as cache_lib
+from pagedjax import model as model_lib
+from pagedjax import sampling
+from pagedjax.config import CacheConfig, ModelConfig
+
+_static = partial(dataclasses.field, metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StepInput:
+    """Everything one step needs besides params and cache; padded to bucketed shapes.
+
+    Sequence rows past the real batch and token rows past the real tokens are
+    padding: slot -1 (nothing written), context length 0, q_len 0.
+    """
+
+    token_ids: jax.Array  # [T] int32 all sequences' new tokens back to back
+    positions: jax.Array  # [T] int32 absolute position of each token
+    slot_mapping: jax.Array  # [T] int32 cache slot of each token (-1: padding)
+    page_table: jax.Array  # [B, max_pages] int32
+    context_lens: jax.Array  # [B] int32 cached tokens after this step
+    query_start_loc: jax.Array  # [B + 1] int32
+    logits_indices: jax.Array  # [B] int32 each sequence's last token row
+    copy_src: jax.Array  # [C] int32 copy-on-write source pages
+    copy_dst: jax.Array  # [C] int32 destinations (-1: padding)
+    temperature: jax.Array  # [B] float32 (0: greedy)
+    top_k: jax.Array  # [B] int32 (0: off)
+    top_p: jax.Array  # [B] float32 (1: off)
+    seeds: jax.Array  # [B] uint32
+    sample_steps: jax.Array  # [B] int32 index of the token being drawn, per request
+    decode: bool = _static(default=False)  # one token per sequence and T == B
+
+    @property
+    def bucket(self) -> tuple[int, int, int, int, bool]:
+        """(T, B, max_pages, C, decode): the shapes that select a compiled program."""
+        b, max_pages = self.page_table.shape
+        return (self.token_ids.shape[0], b, max_pages, self.copy_src.shape[0], self.decode)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StepOutput:
+    """What a step returns besides the cache. Rows past the real batch are padding."""
+
+    tokens: jax.Array  # [B] int32 sampled next tokens
+    logprobs: jax.Array  # [B] float32 their log-probabilities (raw distribution)
+    top_ids: jax.Array | None = None  # [B, k] int32 when num_top_logprobs = k > 0
+    top_logprobs: jax.Array | None = None  # [B, k] float32
+    logits: jax.Array | None = None  # [B, V] float32 when return_logits
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """The host's description of one sequence's share of a step.
+
+    Attributes:
+      token_ids: this step's new tokens (a prompt chunk, or the last sampled token).
+      start_pos: tokens of this sequence already in the cache (position of token_ids[0]).
+      page_table: the sequence's physical pages in logical order, covering at least
+        start_pos + len(token_ids) tokens.
+      temperature, top_k, top_p, seed: sampling parameters (see pagedjax.sampling).
+      sample_step: index of the token this step draws for the request (0 for the
+        first generated token); with the seed it fixes the PRNG key.
+    """
+
+    token_ids: Sequence[int]
+    start_pos: int
+    page_table: Sequence[int]
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    sample_step: int = 0
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """Floors of the padded sizes; every size is the next power of two above its floor."""
+
+    min_tokens: int = 16
+    min_seqs: int = 8
+    min_pages: int = 8
+    min_copies: int = 4
+
+    def __post_init__(self):
+        for name in ("min_tokens", "min_seqs", "min_pages", "min_copies"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+
+
+def bucket_size(n: int, floor: int) -> int:
+    """The smallest power of two >= max(n, floor)."""
+    return 1 << max(0, math.ceil(math.log2(max(n, floor, 1))))
+
+
+def _check_chunk(i, chunk, tokens, model_cfg, cache_cfg):
+    v, s = model_cfg.vocab_size, cache_cfg.page_size
+    if tokens.ndim != 1 or tokens.size == 0:
+        raise ValueError(f"sequence {i}: token_ids must be a non-empty 1-D list, got {tokens!r}")
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise TypeError(f"sequence {i}: token ids must be ints, got dtype {tokens.dtype}")
+    bad = (tokens < 0) | (tokens >= v)
+    if bad.any():
+        raise ValueError(
+            f"sequence {i}: token id {int(tokens[bad][0])} is outside the vocabulary [0, {v})"
+        )
+    end = chunk.start_pos + tokens.size
+    if chunk.start_pos < 0 or end > model_cfg.max_position_embeddings:
+        raise ValueError(
+            f"sequence {i}: positions [{chunk.start_pos}, {end}) exceed the model's "
+            f"max_position_embeddings={model_cfg.max_position_embeddings}"
+        )
+    row = np.asarray(chunk.page_table, np.int64).reshape(-1)
+    if row.size * s < end:
+        raise ValueError(
+            f"sequence {i}: page table of {row.size} pages holds {row.size * s} tokens, needs {end}"
+        )
+    if row.size and ((row < 0) | (row >= cache_cfg.num_pages)).any():
+        bad_id = int(row[(row < 0) | (row >= cache_cfg.num_pages)][0])
+        raise ValueError(
+            f"sequence {i}: page id {bad_id} is out of range [0, {cache_cfg.num_pages})"
+        )
+    sampling.check_params(chunk.temperature, chunk.top_k, chunk.top_p, chunk.seed)
+    return row
+
+
+def build_step_input(
+    chunks: Sequence[SeqChunk],
+    model_cfg: ModelConfig,
+    cache_cfg: CacheConfig,
+    *,
+    copies: Sequence[tuple[int, int]] = (),
+    buckets: Buckets = Buckets(),
+    decode: bool | None = None,
+) -> StepInput:
+    """Validates a step on the host and packs it into a bucketed `StepInput` (numpy arrays).
+
+    Args:
+      chunks: one `SeqChunk` per sequence in the step.
+      model_cfg: vocabulary and position limits.
+      cache_cfg: page size and page count.
+      copies: (src_page, dst_page) copy-on-write pairs, applied before the step's writes.
+      buckets: padding floors.
+      decode: build a decode batch (every chunk one token, T == B). Default: True
+        exactly when every chunk has one token.
+
+    Raises:
+      ValueError: token ids outside the vocabulary, positions past the model's
+        maximum, a page table too short or with bad ids, bad sampling parameters, bad
+        copy pairs, or decode=True with a multi-token chunk.
+    """
+    if not chunks:
+        raise ValueError("a step needs at least one sequence, got chunks=[]")
+    s = cache_cfg.page_size
+    toks = [np.asarray(c.token_ids) for c in chunks]
+    rows = [
+        _check_chunk(i, c, t, model_cfg, cache_cfg)
+        for i, (c, t) in enumerate(zip(chunks, toks, strict=True))
+    ]
+    q_lens = np.array([t.size for t in toks])
+    if decode is None:
+        decode = bool((q_lens == 1).all())
+    elif decode and (q_lens != 1).any():
+        i = int(np.argmax(q_lens != 1))
+        raise ValueError(f"decode=True needs one token per sequence; sequence {i} has {q_lens[i]}")
+
+    n, total = len(chunks), int(q_lens.sum())
+    b = bucket_size(n, buckets.min_seqs)
+    t = b if decode else bucket_size(total, buckets.min_tokens)
+    max_pages = bucket_size(max(r.size for r in rows), buckets.min_pages)
+
+    token_ids = np.zeros(t, np.int32)
+    positions = np.zeros(t, np.int32)
+    slot_mapping = np.full(t, -1, np.int32)
+    page_table = np.zeros((b, max_pages), np.int32)
+    starts = np.zeros(b + 1, np.int32)
+    starts[1 : n + 1] = np.cumsum(q_lens)
+    starts[n + 1 :] = total
+    context_lens = np.zeros(b, np.int32)
+    for i, (c, tk, row) in enumerate(zip(chunks, toks, rows, strict=True)):
+        lo, hi = starts[i], starts[i + 1]
+        token_ids[lo:hi] = tk
+        positions[lo:hi] = np.arange(c.start_pos, c.start_pos + tk.size)
+        slot_mapping[lo:hi] = cache_lib.slots_for(row, c.start_pos, c.start_pos + tk.size, s)
+        page_table[i, : row.size] = row
+        context_lens[i] = c.start_pos + tk.size
+    logits_indices = np.zeros(b, np.int32)
+    logits_indices[:n] = starts[1 : n + 1] - 1
+
+    def per_seq(values, dtype, pad):
+        out = np.full(b, pad, dtype)
+        out[:n] = values
+        return out
+
+    src, dst = _pack_copies(
+        copies, cache_cfg.num_pages, bucket_size(len(copies), buckets.min_copies)
+    )
+    return StepInput(
+        token_ids=token_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        page_table=page_table,
+        context_lens=context_lens,
+        query_start_loc=starts,
+        logits_indices=logits_indices,
+        copy_src=src,
+        copy_dst=dst,
+        temperature=per_seq([c.temperature for c in chunks], np.float32, 0.0),
+        top_k=per_seq([c.top_k for c in chunks], np.int32, 0),
+        top_p=per_seq([c.top_p for c in chunks], np.float32, 1.0),
+        seeds=per_seq([c.seed for c in chunks], np.uint32, 0),
+        sample_steps=per_seq([c.sample_step for c in chunks], np.int32, 0),
+        decode=decode,
+    )
+
+
+def _pack_copies(copies, num_pages, c):
+    src = np.zeros(c, np.int32)
+    dst = np.full(c, -1, np.int32)
+    if copies:
+        pairs = np.asarray(copies, np.int64).reshape(-1, 2)
+        bad = (pairs < 0) | (pairs >= num_pages)
+        if bad.any():
+            i = int(np.argwhere(bad)[0][0])
+            raise ValueError(f"copy pair {tuple(pairs[i])} has a page id outside [0, {num_pages})")
+        if len(set(pairs[:, 1])) != len(pairs) or set(pairs[:, 0]) & set(pairs[:, 1]):
+            raise ValueError(f"copy destinations must be distinct and not sources, got {copies}")
+        src[: len(pairs)], dst[: len(pairs)] = pairs[:, 0], pairs[:, 1]
+    return src, dst
+
+
+_TRACES: collections.Counter = collections.Counter()
+
+
+def compile_counts() -> dict[str, int]:
+    """How many programs each step function has traced (= compiled) in this process."""
+    return dict(_TRACES)
+
+
+def _step(params, cache, inp, *, decode, backend, interpret, num_top_logprobs, return_logits):
+    _TRACES["decode_step" if decode else "prefill_step"] += 1  # runs once per trace
+    if inp.decode != decode:
+        raise ValueError(
+            f"{'decode' if decode else 'prefill'}_step got a StepInput built with "
+            f"decode={inp.decode}; use {'prefill' if decode else 'decode'}_step or `step`"
+        )
+    cache = cache_lib.copy_pages(cache, inp.copy_src, inp.copy_dst)
+    logits, cache = model_lib.forward_paged(
+        params,
+        cache,
+        inp.token_ids,
+        inp.positions,
+        inp.slot_mapping,
+        inp.page_table,
+        inp.context_lens,
+        inp.query_start_loc,
+        inp.logits_indices,
+        decode=decode,
+        backend=backend,
+        interpret=interpret,
+    )
+    tokens, logprobs = sampling.sample(
+        logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.sample_steps
+    )
+    top_ids = top_lp = None
+    if num_top_logprobs:
+        top_ids, top_lp = sampling.top_logprobs(logits, num_top_logprobs)
+    out = StepOutput(tokens, logprobs, top_ids, top_lp, logits if return_logits else None)
+    return out, cache
+
+
+_STATIC = ("backend", "interpret", "num_top_logprobs", "return_logits")
+
+
+def _jit_step(decode):
+    fn = partial(_step, decode=decode)
+    return jax.jit(fn, static_argnames=_STATIC, donate_argnames=("cache",))
+
+
+_prefill_jit = _jit_step(False)
+_decode_jit = _jit_step(True)
+
+
+def prefill_step(
+    params: model_lib.Params,
+    cache: cache_lib.PagedKVCache,
+    inp: StepInput,
+    *,
+    backend: str = "auto",
+    interpret: bool = False,
+    num_top_logprobs: int = 0,
+    return_logits: bool = False,
+) -> tuple[StepOutput, cache_lib.PagedKVCache]:
+    """One mixed step (prefill chunks and decode rows) with ragged paged attention.
+
+    Jitted; `cache` is donated (do not use it after the call; use the returned one).
+
+    Args:
+      params: the split model (`pagedjax.model.split_model`).
+      cache: the paged KV cache.
+      inp: from `build_step_input`.
+      backend: attention backend, "auto" | "gpu" | "tpu" | "xla".
+      interpret: run Pallas kernels in interpret mode.
+      num_top_logprobs: also return each row's k most likely tokens (beam search).
+      return_logits: also return the [B, V] float32 logits (tests, debugging).
+
+    Returns:
+      (StepOutput, new cache).
+    """
+    return _prefill_jit(
+        params,
+        cache,
+        inp,
+        backend=backend,
+        interpret=interpret,
+        num_top_logprobs=num_top_logprobs,
+        return_logits=return_logits,
+    )
+
+
+def decode_step(
+    params: model_lib.Params,
+    cache: cache_lib.PagedKVCache,
+    inp: StepInput,
+    *,
+    backend: str = "auto",
+    interpret: bool = False,
+    num_top_logprobs: int = 0,
+    return_logits: bool = False,
+) -> tuple[StepOutput, cache_lib.PagedKVCache]:
+    """One decode step: one token per sequence, with the paged decode kernel.
+
+    `inp` must come from `build_step_input(..., decode=True)` (the default when every
+    chunk has one token). Arguments and result as for `prefill_step`.
+    """
+    return _decode_jit(
+        params,
+        cache,
+        inp,
+        backend=backend,
+        interpret=interpret,
+        num_top_logprobs=num_top_logprobs,
+        return_logits=return_logits,
+    )
+
+
+def step(params, cache, inp: StepInput, **kwargs):
+    """`decode_step` for decode batches, `prefill_step` otherwise (same arguments)."""
+    return (decode_step if inp.decode else prefill_step)(params, cache, inp, **kwargs)
+
+
+@dataclass
+class GenerateOutput:
+    """Per prompt: the new tokens, their logprobs, and (optionally) the logits they came from."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    logits: list[np.ndarray] | None = None  # each [num_new_tokens, V] float32
+
+
+def generate(
+    params: model_lib.Params,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    page_size: int = 16,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_token_ids: Sequence[int] | None = None,
+    prefill_chunk: int | None = None,
+    backend: str = "auto",
+    interpret: bool = False,
+    buckets: Buckets = Buckets(),
+    return_logits: bool = False,
+) -> GenerateOutput:
+    """Static-batch generation with no scheduler (research use).
+
+    Sequence b gets its own contiguous range of pages (page 0 is left unused as a
+    null page). Each step carries, for every unfinished sequence, either its next
+    prompt chunk or its last sampled token; steps where every sequence decodes use
+    `decode_step`.
+
+    Args:
+      params: the split model; its config gives the vocabulary, limits and EOS ids.
+      prompts: token id lists (non-empty).
+      max_new_tokens: tokens to generate per prompt (fewer if a stop token comes).
+      page_size: tokens per page.
+      temperature, top_k, top_p: sampling (temperature 0: greedy).
+      seed: prompt b samples with seed + b.
+      stop_token_ids: default: the config's eos_token_ids. The stop token is kept.
+      prefill_chunk: prefill prompts at most this many tokens per step (default: all).
+      backend, interpret: attention backend (see `prefill_step`).
+      buckets: padding floors for the step shapes.
+      return_logits: also return the logits of every generated token.
+
+    Raises:
+      ValueError: empty prompts, token ids outside the vocabulary, or a prompt plus
+        max_new_tokens longer than max_position_embeddings (before anything runs).
+    """
+    cfg = params.config
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token id lists")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens=}")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk=}")
+    prompts = [np.asarray(p).reshape(-1) for p in prompts]
+    for i, p in enumerate(prompts):
+        if len(p) + max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(
+                f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it "
+                f"exceeds max_position_embeddings={cfg.max_position_embeddings}"
+            )
+    stop = set(cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    per_seq = -(-(max(len(p) for p in prompts) + max_new_tokens) // page_size)
+    # Rounded up so that runs with similar batches share compiled programs.
+    cache_cfg = CacheConfig(page_size, bucket_size(1 + len(prompts) * per_seq, 16), cfg.dtype)
+    pages = [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(len(prompts))]
+    chunk_len = prefill_chunk or max(len(p) for p in prompts)
+
+    # Validate every prompt before allocating the cache or compiling anything.
+    for i, p in enumerate(prompts):
+        seq = SeqChunk(p, 0, pages[i], temperature, top_k, top_p, seed + i)
+        _check_chunk(i, seq, p, cfg, cache_cfg)
+
+    cache = cache_lib.create(cfg, cache_cfg)
+    cached = [0] * len(prompts)
+    out = GenerateOutput([[] for _ in prompts], [[] for _ in prompts], None)
+    logits = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    while not all(done):
+        active = [b for b in range(len(prompts)) if not done[b]]
+        chunks = []
+        for b in active:
+            p, pos = prompts[b], cached[b]
+            toks = p[pos : pos + chunk_len] if pos < len(p) else out.tokens[b][-1:]
+            chunks.append(
+                SeqChunk(
+                    toks, pos, pages[b], temperature, top_k, top_p, seed + b, len(out.tokens[b])
+                )
+            )
+        inp = build_step_input(chunks, cfg, cache_cfg, buckets=buckets)
+        res, cache = step(
+            params, cache, inp, backend=backend, interpret=interpret, return_logits=return_logits
+        )
+        tokens, lps = np.asarray(res.tokens), np.asarray(res.logprobs)
+        for j, b in enumerate(active):
+            cached[b] += len(chunks[j].token_ids)
+            if cached[b] < len(prompts[b]):
+                continue  # mid-prompt chunk: its sample is meaningless
+            out.tokens[b].append(int(tokens[j]))
+            out.logprobs[b].append(float(lps[j]))
+            if return_logits:
+                logits[b].append(np.asarray(res.logits[j]))
+            done[b] = len(out.tokens[b]) >= max_new_tokens or int(tokens[j]) in stop
+    if return_logits:
+        out.logits = [np.stack(x) for x in logits]
+    return out
