@@ -45,6 +45,8 @@ from pathlib import Path
 import jax
 import ml_dtypes
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from pagedjax.config import ModelConfig, RopeScaling
 from pagedjax.model import Params, param_shapes, params_from_flat, params_to_flat
@@ -320,8 +322,6 @@ def load_hf_checkpoint(path, *, dtype=None) -> tuple[ModelConfig, Params]:
 
 def _load_shard(file: Path, items, target: np.dtype) -> dict[str, jax.Array]:
     """Pass 2 for one file: one tensor in host memory at a time, then onto the device."""
-    from safetensors import safe_open  # noqa: PLC0415
-
     out = {}
     with safe_open(str(file), framework="numpy") as handle:
         for our, info, transpose in items:
@@ -349,8 +349,6 @@ def save_hf_checkpoint(params: Params, cfg: ModelConfig, path, *, shard_size_byt
       shard_size_bytes: start a new shard when the current one would exceed this many
         bytes (one tensor larger than this gets a shard of its own); None: one file.
     """
-    from safetensors.numpy import save_file  # noqa: PLC0415
-
     if shard_size_bytes is not None and shard_size_bytes <= 0:
         raise ValueError(f"shard_size_bytes must be positive, got {shard_size_bytes=}")
     flat = params_to_flat(params)
@@ -439,7 +437,7 @@ def save_params(params: Params, path, *, overwrite: bool = False) -> None:
       overwrite: replace an existing pagedjax orbax checkpoint at `path`. A non-empty
         directory that is not one is never removed.
     """
-    import orbax.checkpoint as ocp  # noqa: PLC0415 (slow import; only here)
+    import orbax.checkpoint as ocp  # slow import; only here
 
     root = Path(path).absolute()
     if root.exists() and any(root.iterdir()):
@@ -483,7 +481,7 @@ def restore_params(path, cfg: ModelConfig | None = None, *, dtype=None) -> Param
         match the stored arrays (use it to change e.g. the dtype or eos ids).
       dtype: shorthand for `dataclasses.replace(cfg, dtype=dtype)`.
     """
-    import orbax.checkpoint as ocp  # noqa: PLC0415
+    import orbax.checkpoint as ocp
 
     root = Path(path).absolute()
     stored = read_orbax_config(root)

@@ -1,0 +1,71 @@
+"""Converts a HuggingFace checkpoint directory into a pagedjax orbax checkpoint.
+
+    python scripts/convert_checkpoint.py HF_DIR OUT_DIR [--dtype bfloat16] [--overwrite]
+
+Tokenizer files found in HF_DIR (tokenizer.json, tokenizer_config.json,
+generation_config.json, special_tokens_map.json) are copied beside the orbax
+checkpoint so that OUT_DIR is enough to serve the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="convert_checkpoint.py",
+        description="HF safetensors checkpoint directory -> pagedjax orbax checkpoint.",
+    )
+    parser.add_argument("hf_dir", help="directory with config.json and *.safetensors")
+    parser.add_argument("out_dir", help="orbax checkpoint directory to write")
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32", "float16"),
+        help="parameter dtype (default: config.json's torch_dtype)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing checkpoint at OUT_DIR"
+    )
+    args = parser.parse_args(argv)
+
+    from pagedjax import weights  # argparse errors before the jax import
+    from pagedjax.model import params_to_flat
+
+    start = time.perf_counter()
+    try:
+        if Path(args.out_dir).resolve() == Path(args.hf_dir).resolve():
+            raise ValueError(f"OUT_DIR must differ from HF_DIR, got {args.out_dir}")
+        cfg, params = weights.load_hf_checkpoint(args.hf_dir, dtype=args.dtype)
+        weights.save_params(params, args.out_dir, overwrite=args.overwrite)
+    except (ValueError, OSError) as e:
+        print(f"convert_checkpoint: error: {e}", file=sys.stderr)
+        return 1
+    copied = []
+    for name in TOKENIZER_FILES:
+        src = Path(args.hf_dir) / name
+        if src.is_file():
+            shutil.copy2(src, Path(args.out_dir) / name)
+            copied.append(name)
+    n = sum(x.size for x in params_to_flat(params).values())
+    print(
+        f"converted {args.hf_dir} -> {args.out_dir}: {cfg.num_layers} layers, {n:,} params "
+        f"in {cfg.dtype}, {time.perf_counter() - start:.1f} s"
+        + (f"; copied {', '.join(copied)}" if copied else "")
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
