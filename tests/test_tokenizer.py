@@ -1,0 +1,199 @@
+"""Tokenizer wrapper: special tokens from the config files, encode/decode, streaming.
+
+Two tokenizers are built in the test (no downloads): a byte-level BPE trained on a
+few sentences (GPT-2 / Llama 3 style) and a SentencePiece-style BPE with byte fallback
+and a leading-space-stripping decoder (Llama 2 style).
+"""
+
+import json
+import random
+
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from pagedjax.tokenizer import Tokenizer
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world, hello tokens",
+    "paged attention keeps the cache in pages",
+    "héllo wörld, ça va? naïve café",
+]
+TEXTS = [
+    "hello world",
+    "the cache 🙂 keeps 日本語 pages",
+    "café naïve 🚀🚀 ok",
+    "ünïcödé at the end: 𝄞",
+    "  leading spaces and\nnewlines\t",
+]
+
+
+def byte_level_bpe(post_bos: bool) -> HFTokenizer:
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|bos|>", "<|eos|>", "<|eot|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 3, trainer=trainer)
+    if post_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<|bos|> $A", special_tokens=[("<|bos|>", 0)]
+        )
+    return tok
+
+
+def sentencepiece_style() -> HFTokenizer:
+    """Llama-2-like: Metaspace via normalizer, BPE with byte fallback, Strip decoder."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for piece in ["▁", *"abcdefghijklmnopqrstuvwxyz", "▁t", "th", "▁th", "he", "▁the", "ll"]:
+        vocab[piece] = len(vocab)
+    merges = [("▁", "t"), ("t", "h"), ("▁t", "h"), ("h", "e"), ("▁th", "e"), ("l", "l")]
+    tok = HFTokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return tok
+
+
+def write_dir(path, tok: HFTokenizer, tokenizer_config=None, generation_config=None):
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    if tokenizer_config is not None:
+        (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    if generation_config is not None:
+        (path / "generation_config.json").write_text(json.dumps(generation_config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory):
+    return write_dir(
+        tmp_path_factory.mktemp("bpe"),
+        byte_level_bpe(post_bos=True),
+        tokenizer_config={
+            "bos_token": {"content": "<|bos|>", "special": True},
+            "eos_token": "<|eot|>",
+            "add_bos_token": True,
+        },
+        generation_config={"bos_token_id": 0, "eos_token_id": [1, 2]},
+    )
+
+
+def test_special_tokens_from_config_files(bpe_dir):
+    tok = Tokenizer.from_dir(bpe_dir)
+    assert tok.bos_token_id == 0
+    assert tok.eos_token_ids == frozenset({1, 2})  # eot (tokenizer_config) + gen config
+    assert tok.add_bos and tok.is_eos(2) and not tok.is_eos(0)
+    (bpe_dir.parent / "cfg").mkdir()
+    d = write_dir(bpe_dir.parent / "cfg", byte_level_bpe(post_bos=False))
+    (d / "config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
+    tok = Tokenizer.from_dir(d)
+    assert (tok.bos_token_id, tok.eos_token_ids, tok.add_bos) == (0, {1}, False)
+
+
+@pytest.mark.parametrize("post_bos", [True, False])
+def test_add_bos_follows_the_post_processor_when_config_is_silent(tmp_path, post_bos):
+    tok = Tokenizer.from_dir(
+        write_dir(tmp_path, byte_level_bpe(post_bos), tokenizer_config={"bos_token": "<|bos|>"})
+    )
+    assert tok.add_bos == post_bos
+    assert tok.encode("hello")[:1] == ([0] if post_bos else tok.encode("hello", add_bos=False)[:1])
+
+
+def test_encode_decode_roundtrip_and_single_bos(bpe_dir):
+    tok = Tokenizer.from_dir(bpe_dir)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids[0] == 0 and ids.count(0) == 1  # the post-processor's BOS is not doubled
+        assert tok.encode(text, add_bos=False) == ids[1:]
+        assert tok.decode(ids) == text
+    ids = tok.encode("hello") + [2]
+    assert tok.decode(ids) == "hello"
+    assert tok.decode(ids, skip_special_tokens=False) == "<|bos|>hello<|eot|>"
+
+
+def test_bad_input(bpe_dir, tmp_path):
+    tok = Tokenizer.from_dir(bpe_dir)
+    with pytest.raises(ValueError, match=r"\[320\] outside the vocabulary \[0, 320\)"):
+        tok.decode([5, 320])
+    with pytest.raises(ValueError, match=r"\[-1\]"):
+        tok.stream().add(-1)
+    with pytest.raises(TypeError, match="must be a str"):
+        tok.encode(b"bytes")
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+    d = write_dir(tmp_path / "x", byte_level_bpe(False), tokenizer_config={"eos_token": "<nope>"})
+    with pytest.raises(ValueError, match="'<nope>' is not in the vocab"):
+        Tokenizer.from_dir(d)
+
+
+def check_stream(tok: Tokenizer, ids: list[int]):
+    """Feeds ids one at a time; checks every piece against a full decode."""
+    stream = tok.stream()
+    pieces = []
+    for n, i in enumerate(ids, 1):
+        pieces.append(stream.add(i))
+        assert "\ufffd" not in pieces[-1], (ids[:n], pieces)
+        # Nothing held back except an incomplete trailing character, nothing early.
+        assert stream.text == tok.decode(ids[:n]).rstrip("\ufffd"), (ids[:n], pieces)
+    pieces.append(stream.flush())
+    assert "".join(pieces) == tok.decode(ids)
+    return pieces
+
+
+def test_stream_byte_level_multibyte(bpe_dir):
+    tok = Tokenizer.from_dir(bpe_dir)
+    split_chars = 0
+    for text in TEXTS:
+        ids = tok.encode(text) + [2]
+        check_stream(tok, ids)
+        split_chars += sum("\ufffd" in tok.decode([i]) for i in ids)
+    assert split_chars > 0  # some characters really were split across tokens
+
+
+def test_stream_random_unicode(bpe_dir):
+    tok = Tokenizer.from_dir(bpe_dir)
+    rng = random.Random(0)
+    alphabet = "abc the ö日🙂𝄞\n"
+    for _ in range(30):
+        check_stream(tok, tok.encode("".join(rng.choices(alphabet, k=rng.randint(1, 20)))))
+
+
+def test_stream_sentencepiece_style(tmp_path):
+    tok = Tokenizer.from_dir(
+        write_dir(
+            tmp_path,
+            sentencepiece_style(),
+            tokenizer_config={"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True},
+        )
+    )
+    text = "the hello world €10 ll the ☃ end"
+    ids = tok.encode(text)
+    assert ids[0] == 1 and tok.decode(ids) == text
+    assert any(tok.tokenizer.id_to_token(i).startswith("<0x") for i in ids)  # byte fallback
+    # Decoding tokens one by one loses spaces (the decoder strips a leading one), which
+    # is why the stream decodes a window with left context.
+    assert "".join(tok.decode([i]) for i in ids) != text
+    check_stream(tok, ids + [2])
+
+
+def test_stream_accepts_several_ids(bpe_dir):
+    tok = Tokenizer.from_dir(bpe_dir)
+    ids = tok.encode(TEXTS[1], add_bos=False)
+    stream = tok.stream()
+    out = "".join(stream.add(ids[k : k + 3]) for k in range(0, len(ids), 3)) + stream.flush()
+    assert out == TEXTS[1]
