@@ -1,0 +1,356 @@
+"""Tests for the Pallas GPU ragged paged attention kernel (interpret mode + cuda lowering).
+
+Every test writes dense per-sequence K/V into a page pool through a shuffled page
+table and compares with dense attention over the whole sequence
+(`reference.attention_chunk`, `reference.causal_prefill`). Pool slots that no query
+may see (past each context, padding pages, before a sliding window) hold NaN in
+the tests that check the kernel never reads them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import ragged_paged_attention, reference
+from pallas_kernels.ragged.gpu import default_tuning, ragged_paged_attention_gpu
+
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
+
+
+def _batch(
+    rng,
+    q_lens,
+    ctx_lens,
+    *,
+    heads=(4, 2),
+    head_dim=64,
+    page_size=8,
+    max_pages=None,
+    num_pages=None,
+    dtype=jnp.float32,
+    pad_rows=0,
+    num_rows=None,
+    poison=False,
+    window=None,
+):
+    """Random sequences written into a page pool with shuffled page tables.
+
+    Returns (kernel args, dense per-sequence (q, k, v) in float32). `num_rows`
+    (default: the real rows plus `pad_rows`) and `num_pages` fix the shapes so that
+    tests can share one compiled kernel. With `poison`, every pool slot no query
+    can see is NaN and page-table padding points at NaN pages.
+    """
+    num_heads, num_kv_heads = heads
+    b = len(q_lens)
+    max_pages = max_pages or max(1, max(-(-c // page_size) for c in ctx_lens))
+    used = sum(-(-c // page_size) for c in ctx_lens)
+    num_pages = num_pages or used + 3
+    assert num_pages > used
+    pad_rows = pad_rows if num_rows is None else num_rows - sum(q_lens)
+    fill = np.nan if poison else 0.0
+
+    def rnd(*shape):  # values as the kernel will see them (rounded to dtype)
+        x = jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+        return np.array(x.astype(jnp.float32))
+
+    pools = [np.full((num_kv_heads, num_pages, page_size, head_dim), fill, np.float32)]
+    pools.append(pools[0].copy())
+    if not poison:
+        pools = [rnd(*p.shape) for p in pools]
+    # Page 0 is never owned: the kernel clamps the indices of masked lanes to row 0,
+    # so a dropped load mask shows up as NaN in the poisoned tests.
+    perm = np.concatenate([1 + rng.permutation(num_pages - 1), [0]])
+    spare = perm[used:]  # pages nobody owns: page-table padding points there
+    table = rng.choice(spare, size=(b, max_pages)).astype(np.int32)
+    dense, qs, off = [], [], 0
+    for q_len, ctx in zip(q_lens, ctx_lens, strict=True):
+        n = -(-ctx // page_size)
+        pages = perm[off : off + n]
+        off += n
+        table[len(dense), :n] = pages
+        k, v = rnd(ctx, num_kv_heads, head_dim), rnd(ctx, num_kv_heads, head_dim)
+        lo = 0 if window is None or not poison else max(0, ctx - q_len - window + 1)
+        for pool, x in zip(pools, (k, v), strict=True):
+            t = np.arange(lo, ctx)
+            pool[:, pages[t // page_size], t % page_size] = x[lo:].transpose(1, 0, 2)
+        q = rnd(q_len, num_heads, head_dim)
+        dense.append((q, k, v))
+        qs.append(q)
+    qs.append(rnd(pad_rows, num_heads, head_dim))
+    args = (
+        jnp.asarray(np.concatenate(qs), dtype),
+        jnp.asarray(pools[0], dtype),
+        jnp.asarray(pools[1], dtype),
+        jnp.asarray(table),
+        jnp.asarray(ctx_lens, jnp.int32),
+        jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
+    )
+    return args, dense
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window"))
+def _dense_padded(q, k, v, ctx, scale=None, soft_cap=None, sliding_window=None):
+    def one(q, k, v, c):
+        return reference.attention_chunk(
+            q, k, v, context_len=c, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window
+        )
+
+    return jax.vmap(one)(q, k, v, ctx)
+
+
+def _dense_ref(dense, num_rows, **opts):
+    """[T, H, D] float32: each sequence's chunk against its dense K/V; padding rows zero.
+
+    Sequences are padded to power-of-two buckets (queries on the left, so that the
+    real ones keep their positions; keys on the right, masked by context_len) and
+    run as one jitted batch.
+    """
+    h, d = dense[0][0].shape[1:]
+    kh = dense[0][1].shape[1]
+    tq = 1 << max(q.shape[0] for q, _, _ in dense).bit_length()
+    tk = 1 << max(k.shape[0] for _, k, _ in dense).bit_length()
+    qs = np.zeros((len(dense), tq, h, d), np.float32)
+    ks = np.zeros((len(dense), tk, kh, d), np.float32)
+    vs = np.zeros_like(ks)
+    for i, (q, k, v) in enumerate(dense):
+        qs[i, tq - q.shape[0] :] = q
+        ks[i, : k.shape[0]] = k
+        vs[i, : v.shape[0]] = v
+    ctx = np.array([k.shape[0] for _, k, _ in dense], np.int32)
+    out = np.asarray(_dense_padded(qs, ks, vs, ctx, **opts))
+    rows = [out[i, tq - q.shape[0] :] for i, (q, _, _) in enumerate(dense)]
+    rows.append(np.zeros((num_rows - sum(r.shape[0] for r in rows), h, d), np.float32))
+    return np.concatenate(rows)
+
+
+def _check(out, ref, dtype):
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    ref = np.asarray(ref, np.float32)
+    assert out.shape == ref.shape
+    assert not np.isnan(out).any(), "NaN in kernel output"
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert err < TOL[dtype], f"relative error {err:.2e} >= {TOL[dtype]:.0e}"
+
+
+def _run(args, **kw):
+    return ragged_paged_attention_gpu(*args, interpret=True, **kw)
+
+
+# (H, K): MHA, GQA 4, GQA 8, MQA, and a group of 3 (padded to 4 inside the kernel).
+HEADS = {"g1": (4, 4), "g4": (8, 2), "g8": (8, 1), "mqa": (4, 1), "g3": (6, 2)}
+
+
+def _grid_case(rng, heads, head_dim, page_size, dtype, **opts):
+    """A batch mixing decode rows, chunks, q_len 0 and padding rows.
+
+    Context lengths include 1, exactly a page boundary and the table's maximum.
+    """
+    max_pages = 4
+    cap = max_pages * page_size
+    q_lens = [1, 3, 0, 1, 7, 2]
+    ctx_lens = [1, 2 * page_size, 5, cap, cap - 3, page_size + 2]
+    args, dense = _batch(
+        rng,
+        q_lens,
+        ctx_lens,
+        heads=heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        max_pages=max_pages,
+        dtype=dtype,
+        pad_rows=3,
+    )
+    out = _run(args, **opts)
+    _check(out, _dense_ref(dense, args[0].shape[0], **opts), dtype)
+
+
+@pytest.mark.parametrize(
+    "heads,head_dim,page_size,dtype",
+    [
+        ("g1", 64, 8, jnp.float32),
+        ("g4", 128, 16, jnp.bfloat16),
+        ("g8", 256, 32, jnp.float32),
+        ("mqa", 128, 128, jnp.bfloat16),
+        ("g3", 64, 64, jnp.bfloat16),
+    ],
+)
+def test_matches_dense_reference(heads, head_dim, page_size, dtype):
+    _grid_case(np.random.default_rng(0), HEADS[heads], head_dim, page_size, dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("page_size", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("heads", sorted(HEADS))
+def test_matches_dense_reference_full_grid(heads, head_dim, page_size, dtype):
+    _grid_case(np.random.default_rng(1), HEADS[heads], head_dim, page_size, dtype)
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(soft_cap=2.0),
+        dict(sliding_window=19, soft_cap=4.0, scale=0.3),
+    ],
+)
+def test_soft_cap_and_sliding_window(opts):
+    _grid_case(np.random.default_rng(2), HEADS["g4"], 64, 8, jnp.float32, **opts)
+
+
+@pytest.mark.parametrize("page_size,block_kv,window", [(8, 32, None), (32, 16, 11)])
+def test_matches_xla_path_with_small_blocks(page_size, block_kv, window):
+    """Several query and KV blocks per sequence, KV blocks spanning or splitting pages."""
+    rng = np.random.default_rng(3)
+    args, _ = _batch(
+        rng, [1, 30, 0, 13], [40, 61, 9, 13], heads=(8, 2), page_size=page_size, pad_rows=5
+    )
+    out = _run(args, sliding_window=window, block_q=4, block_kv=block_kv)
+    ref = reference.ragged_paged_attention_xla(*args, sliding_window=window)
+    _check(out, ref, jnp.float32)
+
+
+def test_prefill_in_one_go_and_in_chunks():
+    """Chunks of random sizes, each attending to the pages the earlier chunks wrote."""
+    rng = np.random.default_rng(4)
+    n, page_size, (h, kh), d = 77, 8, (8, 2), 64
+    max_pages = -(-n // page_size)
+    q = rng.standard_normal((n, h, d)).astype(np.float32)
+    k = rng.standard_normal((n, kh, d)).astype(np.float32)
+    v = rng.standard_normal((n, kh, d)).astype(np.float32)
+    dense = reference.causal_prefill(q[None], k[None], v[None])[0]
+    table = rng.permutation(max_pages + 2)[:max_pages].astype(np.int32)
+    # Slots not yet written are NaN, as a stronger stand-in for stale cache contents.
+    pools = [np.full((kh, max_pages + 2, page_size, d), np.nan, np.float32) for _ in "kv"]
+
+    bucket = n + 3  # every call pads to the same T, so one compiled kernel serves all
+
+    def call(start, end):
+        pad_rows = bucket - (end - start)
+        for pool, x in zip(pools, (k, v), strict=True):
+            t = np.arange(start, end)
+            pool[:, table[t // page_size], t % page_size] = x[start:end].transpose(1, 0, 2)
+        rows = np.concatenate([q[start:end], rng.standard_normal((pad_rows, h, d))])
+        args = (
+            jnp.asarray(rows, jnp.float32),
+            jnp.asarray(pools[0]),
+            jnp.asarray(pools[1]),
+            jnp.asarray(table[None]),
+            jnp.asarray([end], jnp.int32),
+            jnp.asarray([0, end - start], jnp.int32),
+        )
+        out = _run(args, block_q=4, block_kv=16)
+        assert not np.asarray(out[end - start :]).any(), "padding rows must be zero"
+        return out[: end - start]
+
+    one_go = call(0, n)
+    _check(one_go, dense, jnp.float32)
+    cuts = np.sort(rng.choice(np.arange(1, n), size=5, replace=False))
+    bounds = [0, *cuts.tolist(), n]
+    pools = [np.full_like(p, np.nan) for p in pools]
+    chunks = [call(s, e) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+    chunked = jnp.concatenate(chunks)
+    _check(chunked, dense, jnp.float32)
+    _check(chunked, one_go, jnp.float32)
+
+
+# One shape for the batch tests below, so they share a compiled kernel: B = 5,
+# T = 32, 8 pages of 8 per sequence, G = 4 with block_q = 4 (M = 16) and 16-token
+# KV blocks, so sequences span several query and KV blocks.
+STD = dict(heads=(8, 2), head_dim=64, page_size=8, max_pages=8, num_pages=48, num_rows=32)
+STD_KNOBS = dict(block_q=4, block_kv=16)
+
+
+def _std_case(seed, q_lens, ctx_lens, window=None):
+    args, dense = _batch(
+        np.random.default_rng(seed), q_lens, ctx_lens, poison=True, window=window, **STD
+    )
+    ref = _dense_ref(dense, args[0].shape[0], sliding_window=window)
+    return args, ref
+
+
+def test_three_decode_rows_and_two_prefill_chunks():
+    args, ref = _std_case(5, [1, 12, 1, 9, 1], [33, 40, 9, 9, 64])
+    _check(_run(args, **STD_KNOBS), ref, jnp.float32)
+
+
+def test_chunk_starting_and_ending_mid_page():
+    # Sequence 0: 21 cached tokens (mid page 2), a chunk of 17 ending at 38 (mid page 4).
+    args, ref = _std_case(6, [17, 1, 0, 2, 0], [38, 20, 5, 8, 0])
+    assert 21 % 8 and 38 % 8
+    _check(_run(args, **STD_KNOBS), ref, jnp.float32)
+
+
+def test_q_len_zero_and_padding_rows():
+    args, ref = _std_case(7, [0, 3, 0, 1, 0], [4, 9, 1, 16, 0])
+    out = _run(args, **STD_KNOBS)
+    _check(out, ref, jnp.float32)
+    assert not np.asarray(out[4:]).any(), "padding rows must be zero"
+    # Only padding: every row is zero.
+    zero = _run((*args[:5], jnp.zeros_like(args[5])), **STD_KNOBS)
+    assert not np.asarray(zero).any()
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_never_reads_past_context_or_before_window(window):
+    """NaN everywhere no query may look (tails of last pages, padding pages, pre-window).
+
+    A V value read there would turn the output NaN (0 * NaN); a K value read at a
+    masked position is hidden by the logit mask, so only V loads are checked this way.
+    """
+    args, ref = _std_case(8, [1, 9, 1, 4, 0], [13, 29, 40, 4, 0], window=window)
+    _check(_run(args, sliding_window=window, **STD_KNOBS), ref, jnp.float32)
+
+
+def test_through_dispatcher():
+    args, ref = _std_case(9, [2, 1, 5, 1, 1], [7, 30, 5, 64, 1])
+    out = ragged_paged_attention(*args, backend="gpu", interpret=True, **STD_KNOBS)
+    _check(out, ref, jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "knob,value",
+    [("block_q", 3), ("block_q", 2), ("block_kv", 8), ("block_kv", 48), ("num_warps", 3)],
+)
+def test_bad_tuning_knobs(knob, value):
+    args, _ = _batch(np.random.default_rng(10), [1], [3], heads=(4, 1))  # G = 4
+    with pytest.raises(ValueError, match=knob):
+        _run(args, **{knob: value})
+
+
+def test_default_tuning_tiles():
+    for t, b, h, kh, d in [(640, 129, 32, 8, 128), (128, 128, 32, 8, 128), (64, 2, 4, 4, 256)]:
+        knobs = default_tuning(t, b, h, kh, d, jnp.bfloat16)
+        m = knobs["block_q"] * 2 ** math.ceil(math.log2(h // kh))
+        assert 16 <= m <= 128 and knobs["block_kv"] >= 16
+
+
+@pytest.mark.parametrize(
+    "heads,head_dim,page_size,dtype,opts",
+    [
+        ((32, 8), 128, 16, jnp.bfloat16, {}),
+        ((8, 8), 64, 8, jnp.float32, dict(soft_cap=30.0, sliding_window=100)),
+        ((6, 2), 256, 128, jnp.bfloat16, {}),
+        ((8, 1), 128, 32, jnp.bfloat16, dict(block_q=2, block_kv=128)),
+    ],
+)
+def test_lowers_for_cuda(heads, head_dim, page_size, dtype, opts):
+    num_heads, num_kv_heads = heads
+    t, b, num_pages, max_pages = 37, 5, 40, 7
+    args = (
+        jax.ShapeDtypeStruct((t, num_heads, head_dim), dtype),
+        jax.ShapeDtypeStruct((num_kv_heads, num_pages, page_size, head_dim), dtype),
+        jax.ShapeDtypeStruct((num_kv_heads, num_pages, page_size, head_dim), dtype),
+        jax.ShapeDtypeStruct((b, max_pages), jnp.int32),
+        jax.ShapeDtypeStruct((b,), jnp.int32),
+        jax.ShapeDtypeStruct((b + 1,), jnp.int32),
+    )
+    f = functools.partial(ragged_paged_attention_gpu, **opts)
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text
