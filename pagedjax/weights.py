@@ -65,7 +65,6 @@ _ST_DTYPES = {
     "F32": np.dtype("<f4"),
     "F64": np.dtype("<f8"),
 }
-_ST_NAMES = {dt: name for name, dt in _ST_DTYPES.items()}
 _MAX_LISTED = 40  # per problem kind, so a wrong-model error stays readable
 
 

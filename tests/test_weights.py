@@ -308,6 +308,22 @@ def test_shape_mismatch_names_key_and_both_shapes(tmp_path):
     assert "missing: model.norm.weight" in msg and "unexpected: bogus.weight" in msg
 
 
+def test_unsupported_dtype_and_bad_index(tmp_path):
+    c = make_config()
+    t = hf_tensors(c)
+    t["model.norm.weight"] = np.arange(32, dtype=np.int32)
+    write_hf(tmp_path, c, t, num_shards=2)
+    index_file = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["weight_map"]["model.layers.9.mlp.up_proj.weight"] = "model-00001-of-00002.safetensors"
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(weights.CheckpointError) as info:
+        weights.load_hf_checkpoint(tmp_path)
+    msg = str(info.value)
+    assert "unsupported dtype: model.norm.weight is I32" in msg
+    assert "puts model.layers.9.mlp.up_proj.weight in model-00001-of-00002" in msg
+
+
 def test_tied_lm_head_duplicate(tmp_path):
     c = make_config(tie_word_embeddings=True)
     t = hf_tensors(c)
