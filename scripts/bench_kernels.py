@@ -1,0 +1,624 @@
+"""Benchmarks the paged attention kernels: correctness on the device, then timing.
+
+    python scripts/bench_kernels.py            # full run (about 4 minutes on an H200)
+    python scripts/bench_kernels.py --quick    # fewer iterations, no tuning sweeps
+    python scripts/bench_kernels.py --json     # the same results as JSON on stdout
+
+On a CUDA GPU it
+
+1. measures the device's ceilings in the same run: copy bandwidth (an
+   elementwise read+write of 1 GiB arrays) and bf16 matmul throughput;
+2. per case, checks every kernel against `pallas_kernels.reference` on the GPU
+   (ragged random lengths, shuffled page tables; the reference runs on up to 8
+   of the sequences, spread over the batch);
+3. times our Pallas kernel (default tuning, plus a small sweep of its knobs),
+   JAX's bundled `jax.experimental.pallas.ops.gpu.paged_attention` (its best of a
+   sweep of `k_splits` and `pages_per_compute_block`), and a dense XLA decode over
+   contiguous K/V of the same bytes. L2 is kept cold by rotating among enough
+   copies of the cache to exceed 3x the L2 size, each timed run is one jitted
+   executable of several calls (distinct queries, so nothing is deduplicated),
+   and the reported time is the median over `--iters` runs divided by the calls.
+
+Without a GPU it runs the correctness part in the Pallas interpreter on small
+shapes (our kernel, the TPU kernel if `pallas_kernels.paged_decode.tpu` imports,
+JAX's bundled kernel unless --quick) and says that timing needs a GPU.
+
+Case families: `main()` runs every `Family` in `FAMILIES`. A family is a name, a
+function `run(env) -> list[dict]` of result rows and the columns to print; it can
+live in another module and reuse `BenchEnv`, `time_calls`, `rel_error` and
+`rotating_copies` from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import reference
+from pallas_kernels.paged_decode.gpu import default_tuning, paged_decode_gpu
+
+L2_BYTES = 50 * 2**20  # H100/H200 L2; caches rotate over >= 3x this
+GIB = 2**30
+CALLS = (4, 16)  # kernel calls per timed executable: at least, at most
+
+# ---------------------------------------------------------------- shared machinery
+
+
+@dataclasses.dataclass
+class BenchEnv:
+    """What every case family gets: the run's options and the device's ceilings."""
+
+    on_gpu: bool
+    quick: bool
+    iters: int
+    deadline: float  # time.monotonic() after which optional sweeps are skipped
+    device: str
+    copy_gbps: float | None = None  # measured read+write bandwidth, GB/s
+    matmul_tflops: float | None = None  # measured bf16 matmul throughput
+
+    def time_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A family of benchmark cases.
+
+    Attributes:
+      name: a short name (the JSON key of its rows).
+      run: env -> result rows (dicts with plain JSON values).
+      columns: (row key, header, format spec) of the table; missing keys print "-".
+    """
+
+    name: str
+    run: Callable[[BenchEnv], list[dict]]
+    columns: tuple[tuple[str, str, str], ...]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def short_error(e: BaseException) -> str:
+    line = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {line[:200]}"
+
+
+def rel_error(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64 on the host (NaN if out has NaNs)."""
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    if np.isnan(out).any():
+        return float("nan")
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def rotating_copies(nbytes: int) -> int:
+    """Copies of an `nbytes` working set to rotate among so that L2 stays cold."""
+    return max(2, math.ceil(3 * L2_BYTES / max(nbytes, 1)))
+
+
+def time_calls(fn, arg_sets, iters: int) -> float:
+    """Median seconds per call of `fn(*args)` over `arg_sets`, all calls in one executable.
+
+    One jitted function makes every call in `arg_sets` (callers rotate caches and
+    vary the query so no two calls are identical); it is run `iters` times after
+    a warm-up, each run bracketed by `block_until_ready`.
+    """
+    run = jax.jit(lambda sets: [fn(*args) for args in sets])
+    jax.block_until_ready(run(arg_sets))
+    jax.block_until_ready(run(arg_sets))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(arg_sets))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / len(arg_sets)
+
+
+def measure_copy_gbps(iters: int, nbytes: int = GIB) -> float:
+    """Device copy bandwidth in GB/s: elementwise x + c over bf16 arrays of `nbytes`."""
+    n = nbytes // 2
+    a = jnp.ones((n,), jnp.bfloat16)
+    b = jnp.full((n,), 2, jnp.bfloat16)
+    one, two = jnp.bfloat16(1), jnp.bfloat16(2)
+    sets = [(a, one), (b, one), (a, two), (b, two)]
+    t = time_calls(lambda x, c: x + c, sets, iters)
+    del a, b
+    return 2 * nbytes / t / 1e9
+
+
+def measure_matmul_tflops(iters: int, n: int = 8192) -> float:
+    """bf16 matmul throughput in TFLOP/s (n x n x n, float32 accumulation)."""
+    key = jax.random.key(0)
+    a = jax.random.normal(key, (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.fold_in(key, 1), (n, n), jnp.bfloat16)
+    t = time_calls(lambda x, y: x @ y, [(a, b), (b, a)], iters)
+    return 2 * n**3 / t / 1e12
+
+
+def print_table(title: str, rows: list[dict], columns) -> None:
+    header = [h for _, h, _ in columns]
+    body = []
+    for row in rows:
+        cells = []
+        for key, _, spec in columns:
+            value = row.get(key)
+            if value is None:
+                cells.append("-")
+            elif isinstance(value, float) and math.isfinite(value) and spec:
+                cells.append(format(value, spec))
+            elif isinstance(value, str) and len(value) > 24:
+                cells.append("see below")
+            else:
+                cells.append(str(value))
+        body.append(cells)
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    print(f"\n{title}")
+    print("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
+    for cells in body:
+        print("  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
+
+
+# ---------------------------------------------------------------- decode family
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+    """One decode shape: every sequence holds `seq_len` tokens (timing)."""
+
+    batch: int
+    seq_len: int
+    page_size: int = 16
+    num_heads: int = 32  # Llama-3-8B: 32 query heads, 8 kv heads, D=128
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+
+    @property
+    def name(self) -> str:
+        return f"B={self.batch} S={self.seq_len} page={self.page_size}"
+
+    @property
+    def max_pages(self) -> int:
+        return -(-self.seq_len // self.page_size)
+
+    @property
+    def kv_bytes(self) -> int:
+        itemsize = jnp.dtype(self.dtype).itemsize
+        return 2 * self.batch * self.seq_len * self.num_kv_heads * self.head_dim * itemsize
+
+
+GPU_DECODE_CASES = [
+    DecodeCase(1, 32768),
+    DecodeCase(8, 8192),
+    DecodeCase(32, 4096),
+    DecodeCase(128, 2048),
+    DecodeCase(256, 512),
+    DecodeCase(32, 4096, page_size=64),
+]
+CPU_DECODE_CASES = [DecodeCase(3, 80), DecodeCase(2, 40, page_size=8, num_heads=8, head_dim=64)]
+
+
+def make_decode_inputs(case: DecodeCase, seed: int):
+    """Random pools with a shuffled page table; returns (q, k_pages, v_pages, page_table)."""
+    key = jax.random.key(seed)
+    kq, kk, kv = jax.random.split(key, 3)
+    num_pages = case.batch * case.max_pages
+    dtype = jnp.dtype(case.dtype)
+    shape = (case.num_kv_heads, num_pages, case.page_size, case.head_dim)
+    q = jax.random.normal(kq, (case.batch, case.num_heads, case.head_dim), dtype)
+    k_pages = jax.random.normal(kk, shape, dtype)
+    v_pages = jax.random.normal(kv, shape, dtype)
+    perm = np.random.default_rng(seed).permutation(num_pages).astype(np.int32)
+    page_table = jnp.asarray(perm.reshape(case.batch, case.max_pages))
+    return q, k_pages, v_pages, page_table
+
+
+def ragged_lengths(case: DecodeCase, seed: int) -> jax.Array:
+    """Lengths for checks: 1, a page boundary, the maximum, then random."""
+    rng = np.random.default_rng(seed)
+    n = rng.integers(1, case.seq_len + 1, case.batch)
+    n[:3] = [1, min(case.page_size, case.seq_len), case.seq_len][: case.batch]
+    return jnp.asarray(n, jnp.int32)
+
+
+def to_dense(pages, page_table):
+    """[K, P, S, D] pages -> [B, K, T, D] contiguous per sequence and head."""
+    g = pages[:, page_table]  # [K, B, max_pages, S, D]
+    k, b, m, s, d = g.shape
+    return g.transpose(1, 0, 2, 3, 4).reshape(b, k, m * s, d)
+
+
+def dense_decode(q, k, v, lengths):
+    """Decode attention over contiguous K/V in plain XLA.
+
+    Args:
+      q: [B, H, D]; k, v: [B, K, T, D]; lengths: [B] int32 (>= 1).
+
+    Returns:
+      [B, H, D] in q's dtype.
+    """
+    b, h, d = q.shape
+    kh, t = k.shape[1], k.shape[2]
+    qg = q.reshape(b, kh, h // kh, d)
+    s = jnp.einsum("bkgd,bktd->bkgt", qg, k, preferred_element_type=jnp.float32) * d**-0.5
+    live = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
+    s = jnp.where(live[:, None, None, :], s, -jnp.inf)
+    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
+    o = jnp.einsum("bkgt,bktd->bkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    o = o / jnp.sum(p, axis=-1)[..., None]
+    return o.reshape(b, h, d).astype(q.dtype)
+
+
+def bundled_kernel():
+    """JAX's bundled Triton paged attention, or None (with the reason) if it won't import."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from jax.experimental.pallas.ops.gpu import paged_attention as mod
+        return mod.paged_attention, None
+    except Exception as e:  # noqa: BLE001 - any import failure is reported, not raised
+        return None, short_error(e)
+
+
+def bundled_configs(case: DecodeCase, splits, blocks) -> list[dict]:
+    """Knob settings of the bundled kernel that its divisibility rules accept.
+
+    Args:
+      splits: k_splits values to try.
+      blocks: compute blocks to try, in tokens (pages_per_compute_block * page_size).
+    """
+    configs = []
+    for tokens in blocks:
+        ppcb = max(1, tokens // case.page_size)
+        for k_splits in splits:
+            per = case.max_pages // k_splits if case.max_pages % k_splits == 0 else 0
+            if per and per % min(per, ppcb) == 0:
+                configs.append(dict(pages_per_compute_block=ppcb, k_splits=k_splits))
+    return configs
+
+
+def bundled_sweep(case: DecodeCase, quick: bool, best_splits: int | None = None):
+    """Stage 1 (best_splits None): k_splits at its default block of 128 tokens.
+
+    Stage 2: blocks of 64 and 256 tokens at the best k_splits of stage 1.
+    """
+    if best_splits is None:
+        return bundled_configs(case, [16, 1, 4] if quick else [16, 1, 2, 4, 8, 32], [128])
+    return [] if quick else bundled_configs(case, [best_splits], [64, 256])
+
+
+def run_bundled(fn, q, k_pages, v_pages, lengths, page_table, **config):
+    """The bundled kernel has no scale argument: the query is pre-scaled."""
+    q = (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(q.dtype)
+    return fn(q, k_pages, v_pages, page_table, lengths, **config)
+
+
+def ours_sweep(case: DecodeCase) -> list[dict]:
+    """A few alternatives to the default tuning, to see whether the defaults are right."""
+    base = default_tuning(
+        case.batch,
+        case.num_heads,
+        case.num_kv_heads,
+        case.head_dim,
+        case.page_size,
+        case.max_pages,
+        case.dtype,
+    )
+    alts = [dict(block_kv=2 * base["block_kv"]), dict(num_stages=base["num_stages"] + 1)]
+    if base["num_splits"] > 1:
+        alts += [
+            dict(num_splits=max(1, base["num_splits"] // 2)),
+            dict(num_splits=2 * base["num_splits"]),
+        ]
+    else:
+        alts += [dict(num_splits=2), dict(num_warps=8 if base["num_warps"] == 4 else 4)]
+    return alts
+
+
+def _check(name, fn, ref, rows, tol, errors) -> bool:
+    """Runs `fn()`, stores its error vs `ref` (on `rows`) or its failure in `errors[name]`."""
+    try:
+        err = rel_error(jax.block_until_ready(fn())[rows], ref)
+        errors[name] = err
+        if not err <= tol:
+            log(f"    {name}: relative error {err:.2e} > {tol:g}")
+        return err <= tol
+    except Exception as e:  # noqa: BLE001 - reported in the row
+        errors[name] = short_error(e)
+        log(f"    {name} failed: {errors[name]}")
+        return False
+
+
+def _tolerance(case: DecodeCase) -> float:
+    return 1e-2 if case.dtype == "bfloat16" else 1e-4
+
+
+def check_decode_gpu(case, inputs, row) -> bool:
+    """(a) Ours and dense vs the reference on the device; ragged lengths."""
+    q, k, v, pt = inputs
+    lengths = ragged_lengths(case, 0)
+    rows = np.unique(np.linspace(0, case.batch - 1, min(case.batch, 8)).astype(int))
+    f32 = jnp.float32
+    ref = jax.jit(reference.paged_attention_xla)(
+        q[rows].astype(f32), k.astype(f32), v.astype(f32), lengths[rows], pt[rows]
+    )
+    errors = {}
+    tol = _tolerance(case)
+    ok = _check("ours", lambda: paged_decode_gpu(q, k, v, lengths, pt), ref, rows, tol, errors)
+    dense = jax.jit(lambda q, k, v, pt, n: dense_decode(q, to_dense(k, pt), to_dense(v, pt), n))
+    ok &= _check("dense", lambda: dense(q, k, v, pt, lengths), ref, rows, tol, errors)
+    row.update({f"err_{name}": err for name, err in errors.items()})
+    # Kept for the bundled kernel's check once its best configuration is known.
+    return ok, (lengths, rows, ref)
+
+
+def decode_case_gpu(case: DecodeCase, env: BenchEnv, sweep_until: float) -> dict:
+    """One case on the GPU: checks, then timings; sweeps stop at `sweep_until`."""
+    row = dict(case=case.name, kv_mb=case.kv_bytes / 2**20)
+    row["tuning"] = default_tuning(
+        case.batch,
+        case.num_heads,
+        case.num_kv_heads,
+        case.head_dim,
+        case.page_size,
+        case.max_pages,
+        case.dtype,
+    )
+    copies = rotating_copies(case.kv_bytes)
+    calls = copies * math.ceil(min(CALLS[1], max(CALLS[0], 2 * GIB / case.kv_bytes)) / copies)
+    inputs = [make_decode_inputs(case, seed) for seed in range(copies)]
+    row["ok"], (lengths, rows, ref) = check_decode_gpu(case, inputs[0], row)
+
+    # (c) Timing: full lengths, rotating caches, a distinct query per call.
+    full = jnp.full((case.batch,), case.seq_len, jnp.int32)
+    q0 = inputs[0][0]
+    qs = [jax.random.normal(jax.random.key(100 + i), q0.shape, q0.dtype) for i in range(calls)]
+    paged = [(qs[i], *inputs[i % copies][1:], full) for i in range(calls)]
+    paged = [(q, k, v, n, pt) for q, k, v, pt, n in paged]  # kernel argument order
+
+    def timed(name, fn, sets):
+        try:
+            t = time_calls(fn, sets, env.iters)
+        except Exception as e:  # noqa: BLE001 - reported in the row
+            row.setdefault(f"error_{name.split()[0]}", short_error(e))
+            log(f"    {name} failed: {short_error(e)}")
+            return None
+        log(f"    {name}: {t * 1e6:.1f} us")
+        return t
+
+    t_ours = timed("ours", paged_decode_gpu, paged)
+    if t_ours:
+        row.update(ours_us=t_ours * 1e6, ours_gbps=case.kv_bytes / t_ours / 1e9)
+        if env.copy_gbps:
+            row["ours_frac_copy"] = row["ours_gbps"] / env.copy_gbps
+
+    dense = [(to_dense(k, pt), to_dense(v, pt)) for _, k, v, pt in inputs]
+    t_dense = timed(
+        "dense", dense_decode, [(qs[i], *dense[i % copies], full) for i in range(calls)]
+    )
+    del dense
+    if t_dense:
+        row["dense_us"] = t_dense * 1e6
+        if t_ours:
+            row["paged_over_dense"] = t_ours / t_dense
+
+    fn, why = bundled_kernel()
+    if fn is None:
+        row["error_bundled"] = f"missing: {why}"
+    else:
+        best = None
+        for stage in range(2):
+            splits = None if stage == 0 else best[1]["k_splits"] if best else None
+            if stage == 1 and splits is None:
+                break
+            for config in bundled_sweep(case, env.quick, splits):
+                if best and (time.monotonic() > sweep_until or config == best[1]):
+                    continue
+                t = timed(f"bundled {config}", lambda *a, c=config: run_bundled(fn, *a, **c), paged)
+                if t and (best is None or t < best[0]):
+                    best = (t, config)
+        if best:
+            row.update(bundled_us=best[0] * 1e6, bundled_cfg=best[1])
+            if t_ours:
+                row["speedup_vs_bundled"] = best[0] / t_ours
+            errors = {}
+            _check(
+                "bundled",
+                lambda: run_bundled(
+                    fn, inputs[0][0], *inputs[0][1:3], lengths, inputs[0][3], **best[1]
+                ),
+                ref,
+                rows,
+                _tolerance(case),
+                errors,
+            )
+            row["err_bundled"] = errors["bundled"]
+
+    if not env.quick and t_ours:
+        best = (t_ours, "default")
+        for alt in ours_sweep(case):
+            if time.monotonic() > sweep_until:
+                break
+            t = timed(f"ours {alt}", lambda *a, c=alt: paged_decode_gpu(*a, **c), paged)
+            if t and t < best[0]:
+                best = (t, alt)
+        row.update(ours_best_us=best[0] * 1e6, ours_best_cfg=best[1])
+    return row
+
+
+def decode_cases_cpu(env: BenchEnv) -> list[dict]:
+    """Correctness only, in the Pallas interpreter, on small shapes."""
+    kernels = {"ours": lambda *a: paged_decode_gpu(*a, interpret=True)}
+    notes = {}
+    try:
+        tpu = importlib.import_module("pallas_kernels.paged_decode.tpu")
+        kernels["tpu"] = lambda *a: tpu.paged_decode_tpu(*a, interpret=True)
+    except Exception as e:  # noqa: BLE001 - the TPU kernel is optional here
+        notes["err_tpu"] = f"not importable: {short_error(e)}"
+    if not env.quick:
+        fn, why = bundled_kernel()
+        if fn is None:
+            notes["error_bundled"] = f"missing: {why}"
+        else:
+            kernels["bundled"] = lambda *a: run_bundled(
+                fn, *a, interpret=True, k_splits=1, pages_per_compute_block=1
+            )
+    rows = []
+    for case in CPU_DECODE_CASES[:1] if env.quick else CPU_DECODE_CASES:
+        q, k, v, pt = make_decode_inputs(case, 0)
+        lengths = ragged_lengths(case, 0)
+        f32 = jnp.float32
+        ref = jax.jit(reference.paged_attention_xla)(
+            q.astype(f32), k.astype(f32), v.astype(f32), lengths, pt
+        )
+        args = (q, k, v, lengths, pt)
+        errors, ok = {}, True
+        tol = _tolerance(case)
+        for name, kernel in kernels.items():
+            log(f"  {case.name}: {name} (interpret)")
+            passed = _check(name, partial(kernel, *args), ref, slice(None), tol, errors)
+            ok &= passed or name == "bundled"  # JAX's kernel is reported, not ours to fix
+        dense = partial(jax.jit(dense_decode), q, to_dense(k, pt), to_dense(v, pt), lengths)
+        ok &= _check("dense", dense, ref, slice(None), tol, errors)
+        row = dict(case=case.name, **notes, **{f"err_{n}": e for n, e in errors.items()}, ok=ok)
+        rows.append(row)
+    return rows
+
+
+def run_decode(env: BenchEnv) -> list[dict]:
+    if not env.on_gpu:
+        return decode_cases_cpu(env)
+    rows = []
+    for i, case in enumerate(GPU_DECODE_CASES):
+        log(f"decode {case.name} ({case.kv_bytes / 2**20:.0f} MiB of K/V)")
+        # Each case may sweep until its share of the time left is used up.
+        sweep_until = time.monotonic() + env.time_left() / (len(GPU_DECODE_CASES) - i)
+        try:
+            rows.append(decode_case_gpu(case, env, sweep_until))
+        except Exception as e:  # noqa: BLE001 - one broken case must not hide the others
+            traceback.print_exc(file=sys.stderr)
+            rows.append(dict(case=case.name, ok=False, error=short_error(e)))
+    return rows
+
+
+def _err_col(key, header):
+    return (key, header, ".1e")
+
+
+DECODE = Family(
+    name="decode",
+    run=run_decode,
+    columns=(
+        ("case", "case", ""),
+        ("ours_us", "ours us", ".1f"),
+        ("ours_gbps", "GB/s", ".0f"),
+        ("ours_frac_copy", "of copy", ".2f"),
+        ("bundled_us", "bundled us", ".1f"),
+        ("speedup_vs_bundled", "x bundled", ".2f"),
+        ("dense_us", "dense us", ".1f"),
+        ("paged_over_dense", "paged/dense", ".2f"),
+        ("ours_best_us", "best us", ".1f"),
+        _err_col("err_ours", "err ours"),
+        _err_col("err_bundled", "err bundled"),
+        _err_col("err_dense", "err dense"),
+        _err_col("err_tpu", "err tpu"),
+        ("ok", "ok", ""),
+    ),
+)
+
+# Add families here (a family may live in another module: import it and append it).
+FAMILIES = [DECODE]
+
+
+# ---------------------------------------------------------------- main
+
+
+def has_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print results as JSON")
+    parser.add_argument("--iters", type=int, default=None, help="timed runs per measurement")
+    parser.add_argument("--quick", action="store_true", help="fewer iterations, no sweeps")
+    parser.add_argument(
+        "--budget-s", type=float, default=240.0, help="seconds after which tuning sweeps stop"
+    )
+    parser.add_argument(
+        "--interpret", action="store_true", help="run the CPU (interpret-mode) path even on a GPU"
+    )
+    args = parser.parse_args(argv)
+    if args.iters is not None and args.iters < 1:
+        parser.error(f"--iters must be >= 1, got {args.iters}")
+    return args
+
+
+def main(argv=None, families=None) -> int:
+    args = parse_args(argv)
+    families = FAMILIES if families is None else families
+    on_gpu = has_gpu() and not args.interpret
+    device = jax.devices()[0]
+    env = BenchEnv(
+        on_gpu=on_gpu,
+        quick=args.quick,
+        iters=args.iters or (10 if args.quick else 30),
+        deadline=time.monotonic() + args.budget_s,
+        device=getattr(device, "device_kind", str(device)),
+    )
+    if on_gpu:
+        env.copy_gbps = measure_copy_gbps(env.iters)
+        env.matmul_tflops = measure_matmul_tflops(env.iters)
+        log(f"copy {env.copy_gbps:.0f} GB/s, bf16 matmul {env.matmul_tflops:.0f} TFLOP/s")
+    results = {f.name: f.run(env) for f in families}
+    ok = all(row.get("ok", True) for rows in results.values() for row in rows)
+    meta = dict(
+        jax_version=jax.__version__,
+        device=env.device,
+        platform=jax.default_backend(),
+        copy_gbps=env.copy_gbps,
+        matmul_tflops=env.matmul_tflops,
+        timed=on_gpu,
+        ok=ok,
+    )
+    if not on_gpu:
+        meta["note"] = "correctness only (Pallas interpreter); timing needs a CUDA GPU"
+    if args.json:
+        print(json.dumps(dict(meta, results=results), indent=1, default=str))
+    else:
+        print(f"jax {meta['jax_version']} on {meta['device']} ({meta['platform']})")
+        if on_gpu:
+            print(
+                f"copy bandwidth {env.copy_gbps:.0f} GB/s, "
+                f"bf16 matmul {env.matmul_tflops:.0f} TFLOP/s"
+            )
+        for family in families:
+            rows = results[family.name]
+            present = [c for c in family.columns if any(c[0] in r for r in rows)]
+            print_table(family.name, rows, present)
+            for row in rows:
+                for key in sorted(k for k in row if k.startswith("error")):
+                    print(f"  {row['case']}: {key}: {row[key]}")
+        if not on_gpu:
+            print(f"\n{meta['note']}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
