@@ -184,13 +184,31 @@ def test_matches_dense_reference(heads, head_dim, page_size, dtype):
     _grid_case(np.random.default_rng(0), HEADS[heads], head_dim, page_size, dtype)
 
 
+PAGE_SIZES = (8, 16, 32, 64, 128)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("page_size", [8, 16, 32, 64, 128])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("heads", sorted(HEADS))
-def test_matches_dense_reference_full_grid(heads, head_dim, page_size, dtype):
+def test_matches_dense_reference_heads_x_dims(heads, head_dim, dtype):
+    # Every (heads, head_dim, dtype); the page size cycles through 8..128.
+    page_size = PAGE_SIZES[(sorted(HEADS).index(heads) + head_dim // 64) % len(PAGE_SIZES)]
     _grid_case(np.random.default_rng(1), HEADS[heads], head_dim, page_size, dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_matches_dense_reference_page_sizes(page_size, dtype):
+    _grid_case(np.random.default_rng(11), HEADS["g4"], 128, page_size, dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heads", ["g1", "g8", "mqa"])
+@pytest.mark.parametrize("opts", [dict(soft_cap=5.0), dict(sliding_window=3)])
+def test_soft_cap_and_sliding_window_heads(heads, opts):
+    _grid_case(np.random.default_rng(12), HEADS[heads], 128, 16, jnp.bfloat16, **opts)
 
 
 @pytest.mark.parametrize(
