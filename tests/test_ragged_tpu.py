@@ -351,10 +351,12 @@ def test_soft_cap_and_scale():
 
 
 def test_default_tuning_and_dispatch():
-    """The dispatcher's backend="tpu" reaches this kernel with its per-shape defaults."""
+    """The dispatcher's backend="tpu" reaches this kernel (per-shape defaults, inside jit)."""
     rng = np.random.default_rng(9)
     batch = build_batch(rng, [1, 6, 1], [7, 30, 12], page_size=16, group=4, dtype=jnp.bfloat16)
-    out = ragged_paged_attention(*batch.args, backend="tpu", interpret=True)
+    # Under an outer jit, as the engine calls it: lengths and locations are tracers.
+    f = jax.jit(functools.partial(ragged_paged_attention, backend="tpu", interpret=True))
+    out = jax.block_until_ready(f(*batch.args))
     assert _races_found() is not True
     assert_close(np.asarray(out.astype(jnp.float32)), expected(batch), jnp.bfloat16)
 

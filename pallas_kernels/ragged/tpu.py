@@ -32,24 +32,31 @@ Why this grid:
 Mosaic constraints handled here rather than by the caller:
 
 * Block shapes need their last two dims divisible by (8, 128) or equal to the array's, and a
-  `[block_q, G, D]` slice of `[T, H, D]` is neither for G < 8: the wrapper relays q out as
-  `[K, G, T_pad, D]` (T padded to a multiple of `block_q`, a cheap copy of q, not of the cache)
-  and the output back. `block_q` is a multiple of 16 so a bf16 `[G, block_q, D]` tile collapses
-  to `[G * block_q, D]` without crossing a packed (16, 128) tile.
+  `[block_q, G, D]` slice of `[T, H, D]` is neither unless 8 divides G or K = 1: the wrapper
+  relays q out as `[K, G, T_pad, D]` (T padded to a multiple of `block_q`; a cheap copy of q,
+  not of the cache) and the output back. `block_q` is a multiple of 16 (bf16; 8 for f32) so a
+  `[G, block_q, D]` tile collapses to `[G * block_q, D]` without splitting a packed tile.
 * A DMA copies whole pages (`[S, D]`, full trailing dims), so the VMEM buffer is
   `[pages_per_block, S, D]` and is collapsed to `[block_kv, D]` after loading. For packed dtypes
   with pages shorter than a packed tile (bf16, S=8) the collapse is done in float32 and cast
   back (exact).
-* Running max and sum are kept lane-replicated (`[M, 128]`), as Mosaic prefers to `[M, 1]`;
+* Running max and sum are kept lane-replicated (`[M, 128]`: full-lane loads and stores, no
+  `[M, 1]` relayouts);
   `block_kv = pages_per_block * page_size` is a power of two, so it is either below 128 lanes
   or a multiple of 128.
 * Never-written buffer slots are zeroed at each step's start, so masked probabilities (exactly
   0) never meet uninitialised VMEM. Inside DMA'd pages, positions past `context_len` are
   multiplied by 0 like in the XLA reference; the cache holds only finite values there.
 
+Tuning (keyword-only, defaults per shape from `default_tuning`): `block_q` query tokens per
+grid step (~256 dot rows: 128 for G <= 2, 64 for G=4, 32 for G=8, 16 beyond; never more than
+T rounded up), `pages_per_block` pages per KV block (`block_kv` ~512 keys, 256 for D=256, at
+least 128 keys, at most the page table's capacity), `vmem_limit_bytes`.
+
 Not supported: K/V dtype differing from q (no fp8/int8 cache); the page table must fit in SMEM
 as scalar prefetch (`B * max_pages` int32 words); page sizes that are not powers of two
-(rejected by validation). Not yet verified on TPU hardware: only interpret mode and lowering
+(rejected by validation); page sizes below 8 work in interpret mode but are below Mosaic's
+sublane tile. Not yet verified on TPU hardware: only interpret mode and lowering
 to Mosaic MLIR are tested on CPU (Mosaic's layout passes run only in the TPU compiler).
 """
 
