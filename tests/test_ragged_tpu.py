@@ -40,6 +40,13 @@ def _races_found():
     return None if races is None else bool(races.races_found)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_interpreter():
+    """A kernel that raises leaves the interpreter's shared state behind; clear it."""
+    yield
+    pltpu.reset_tpu_interpret_mode_state()
+
+
 @dataclasses.dataclass
 class Batch:
     q: np.ndarray  # [T, H, D] float32 copy of the kernel's (rounded) input
