@@ -284,7 +284,9 @@ def _pack_copies(copies, num_pages, c):
         bad = (pairs < 0) | (pairs >= num_pages)
         if bad.any():
             i = int(np.argwhere(bad)[0][0])
-            raise ValueError(f"copy pair {tuple(pairs[i])} has a page id outside [0, {num_pages})")
+            raise ValueError(
+                f"copy pair {tuple(map(int, pairs[i]))} has a page id outside [0, {num_pages})"
+            )
         if len(set(pairs[:, 1])) != len(pairs) or set(pairs[:, 0]) & set(pairs[:, 1]):
             raise ValueError(f"copy destinations must be distinct and not sources, got {copies}")
         src[: len(pairs)], dst[: len(pairs)] = pairs[:, 0], pairs[:, 1]

@@ -1,0 +1,286 @@
+"""pagedjax.decode: paged prefill + decode is exact against dense recompute, on every backend."""
+
+import dataclasses
+import importlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pagedjax import cache as cache_lib
+from pagedjax import decode, model
+from pagedjax.config import PRESETS, CacheConfig, ModelConfig
+
+TINY = PRESETS["tiny"]
+PROMPT_LENS = (1, 3, 4, 5, 9, 17)  # single token, mid-page, on and across page boundaries
+NEW_TOKENS = 12
+
+
+def random_params(cfg: ModelConfig, seed: int = 0) -> model.Params:
+    rng = np.random.default_rng(seed)
+    flat = {}
+    for key, sds in model.param_shapes(cfg).items():
+        if key.endswith(".scale"):
+            value = 1.0 + 0.2 * rng.normal(size=sds.shape)
+        elif key.endswith("embedding"):
+            value = rng.normal(size=sds.shape)
+        else:
+            value = rng.normal(size=sds.shape) / math.sqrt(sds.shape[0])
+        flat[key] = value.astype(np.float32)
+    return model.params_from_flat(cfg, flat)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(TINY, seed=0)
+
+
+def _prompts(cfg, lens, seed=1):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in lens]
+
+
+def _dense_oracle(params, prompts, out):
+    """Dense no-cache logits for every generated token, teacher-forced on `out.tokens`.
+
+    Recomputing the whole sequence at every step gives, at step i, the logits at
+    position len(prompt) + i - 1 of the full sequence (causality), so one batched
+    call over right-padded sequences checks every step at once.
+    """
+    full = [p + t for p, t in zip(prompts, out.tokens, strict=True)]
+    width = max(map(len, full))
+    batch = np.zeros((len(full), width), np.int32)
+    for b, seq in enumerate(full):
+        batch[b, : len(seq)] = seq
+    logits = np.asarray(jax.jit(model.forward)(params, jnp.asarray(batch)))
+    return [
+        logits[b, len(p) - 1 : len(p) - 1 + len(t)]
+        for b, (p, t) in enumerate(zip(prompts, out.tokens, strict=True))
+    ]
+
+
+def _assert_matches_dense(params, prompts, out, tol=1e-4):
+    for b, ref in enumerate(_dense_oracle(params, prompts, out)):
+        got = out.logits[b]
+        assert got.shape == ref.shape and np.isfinite(got).all()
+        # Greedy tokens equal dense recompute's argmax at every step...
+        np.testing.assert_array_equal(np.array(out.tokens[b]), ref.argmax(-1), err_msg=f"{b=}")
+        # ...and the logits agree step by step.
+        for i in range(len(ref)):
+            err = np.linalg.norm(got[i] - ref[i]) / np.linalg.norm(ref[i])
+            assert err < tol, f"prompt {b} step {i}: relative error {err}"
+
+
+def _generate(params, prompts, **kw):
+    kw = dict(max_new_tokens=NEW_TOKENS, stop_token_ids=(), backend="xla") | kw
+    return decode.generate(params, prompts, return_logits=True, **kw)
+
+
+@pytest.mark.parametrize("page_size", [4, 8])
+def test_greedy_paged_decode_equals_dense_recompute(params, page_size):
+    prompts = _prompts(TINY, PROMPT_LENS)
+    out = _generate(params, prompts, page_size=page_size)
+    assert [len(t) for t in out.tokens] == [NEW_TOKENS] * len(prompts)
+    _assert_matches_dense(params, prompts, out)
+    # Not a degenerate check: the model does not emit one token forever.
+    assert len({t for seq in out.tokens for t in seq}) > 5
+
+
+def test_chunked_prefill_equals_one_shot_prefill(params):
+    prompts = _prompts(TINY, PROMPT_LENS)
+    one_shot = _generate(params, prompts, page_size=4)
+    chunked = _generate(params, prompts, page_size=4, prefill_chunk=3)
+    assert chunked.tokens == one_shot.tokens
+    for a, b in zip(chunked.logits, one_shot.logits, strict=True):
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-5
+    _assert_matches_dense(params, prompts, chunked)
+
+
+def _kernel_available(backend):
+    for kind in ("paged_decode", "ragged"):
+        try:
+            importlib.import_module(f"pallas_kernels.{kind}.{backend}")
+        except ImportError:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_pallas_backends_in_interpret_mode_match_dense(backend):
+    if not _kernel_available(backend):
+        pytest.skip(f"pallas_kernels.*.{backend} is not importable yet")
+    cfg = dataclasses.replace(TINY, head_dim=64, num_layers=1)  # kernel-friendly shapes
+    params = random_params(cfg, seed=2)
+    prompts = _prompts(cfg, (11, 3), seed=3)
+    # Chunks of 6 over pages of 8: a chunk ending mid-page, then one crossing a page
+    # boundary next to a decode row; then decode steps (the decode kernel).
+    out = _generate(
+        params, prompts, backend=backend, interpret=True, page_size=8, max_new_tokens=3,
+        prefill_chunk=6,
+    )  # fmt: skip
+    _assert_matches_dense(params, prompts, out)
+
+
+def test_sampling_is_reproducible_per_seed(params):
+    prompts = _prompts(TINY, PROMPT_LENS)
+    kw = dict(page_size=4, temperature=1.0, top_k=50, top_p=0.95)
+    a = _generate(params, prompts, seed=5, **kw)
+    b = _generate(params, prompts, seed=5, **kw)
+    c = _generate(params, prompts, seed=6, **kw)
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens
+    greedy = _generate(params, prompts, page_size=4)
+    assert a.tokens != greedy.tokens
+    # Each sampled token lies in its step's top-50 (the logits are the raw ones).
+    for b_, seq in enumerate(a.tokens):
+        for i, tok in enumerate(seq):
+            assert (a.logits[b_][i] > a.logits[b_][i][tok]).sum() < 50
+
+
+def test_generation_stops_at_a_stop_token(params):
+    prompts = _prompts(TINY, PROMPT_LENS)  # the shapes of the tests above: no new compile
+    first = _generate(params, prompts, page_size=4)
+    stop = first.tokens[0][2]
+    out = _generate(params, prompts, page_size=4, stop_token_ids=(stop,))
+    for b in range(len(prompts)):
+        seq = first.tokens[b]
+        expected = seq[: seq.index(stop) + 1] if stop in seq else seq
+        assert out.tokens[b] == expected
+        assert len(out.logprobs[b]) == len(expected)
+    assert len(out.tokens[0]) == 3
+
+
+def test_copy_on_write_is_applied_before_the_step_writes(params):
+    """A fork shares the parent's full page and gets a copy of its partial last page."""
+    cfg, s = TINY, 4
+    # 64 pages and return_logits: the prefill program of the chunked-prefill test.
+    cache_cfg = CacheConfig(page_size=s, num_pages=64, dtype="float32")
+    cache = cache_lib.create(cfg, cache_cfg)
+    prompt = _prompts(cfg, (6,), seed=4)[0]
+    inp = decode.build_step_input([decode.SeqChunk(prompt, 0, [5, 9])], cfg, cache_cfg)
+    out, cache = decode.prefill_step(params, cache, inp, backend="xla", return_logits=True)
+    parent_tok = int(out.tokens[0])
+    child_tok = (parent_tok + 1) % cfg.vocab_size  # the child continues differently
+    chunks = [
+        decode.SeqChunk([parent_tok], 6, [5, 9]),
+        decode.SeqChunk([child_tok], 6, [5, 12]),  # page 9 is copied to 12 first
+    ]
+    inp = decode.build_step_input(chunks, cfg, cache_cfg, copies=[(9, 12)])
+    assert inp.decode
+    out, cache = decode.decode_step(
+        params, cache, inp, backend="xla", num_top_logprobs=3, return_logits=True
+    )
+    dense = jax.jit(model.forward)(
+        params, jnp.asarray([prompt + [parent_tok], prompt + [child_tok]])
+    )
+    for b in range(2):
+        ref = np.asarray(dense[b, -1])
+        got = np.asarray(out.logits[b])
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5
+        np.testing.assert_array_equal(np.asarray(out.top_ids[b]), np.argsort(-ref)[:3])
+        lp = ref - np.log(np.exp(ref.astype(np.float64)).sum())
+        np.testing.assert_allclose(
+            np.asarray(out.top_logprobs[b]), lp[np.argsort(-ref)[:3]], atol=1e-4
+        )
+        np.testing.assert_allclose(float(out.logprobs[b]), lp[int(out.tokens[b])], atol=1e-4)
+    # The parent's page 9 still holds the parent's token, the child's page 12 the child's.
+    k_parent, _ = cache_lib.gather_sequence(cache, 1, [5, 9], 7)
+    k_child, _ = cache_lib.gather_sequence(cache, 1, [5, 12], 7)
+    np.testing.assert_array_equal(np.asarray(k_parent[:6]), np.asarray(k_child[:6]))
+    assert float(jnp.abs(k_parent[6] - k_child[6]).max()) > 0
+
+
+def test_compile_count_stays_within_the_buckets():
+    # A fresh model (no program cached yet); one layer keeps the compiles cheap.
+    cfg = dataclasses.replace(TINY, vocab_size=200, num_layers=1)
+    params = random_params(cfg, seed=7)
+    before = decode.compile_counts()
+    runs = [(1, 3), (3, 7), (5, 6), (2, 5), (4, 2)]  # (batch size, prompt length)
+    buckets = set()
+    for i, (batch, length) in enumerate(runs):
+        lens = [max(1, length - j) for j in range(batch)]  # ragged within the batch too
+        decode.generate(
+            params, _prompts(cfg, lens, seed=i), max_new_tokens=3 + i, page_size=8,
+            stop_token_ids=(), backend="xla",
+        )  # fmt: skip
+        buckets.add(("prefill", decode.bucket_size(sum(lens), decode.Buckets().min_tokens)))
+    buckets.add(("decode", decode.Buckets().min_seqs))
+    after = decode.compile_counts()
+    compiled = sum(after.get(k, 0) - before.get(k, 0) for k in ("prefill_step", "decode_step"))
+    assert 0 < compiled <= len(buckets) == 3  # 5 batch shapes, 16 distinct step shapes
+
+
+def test_step_input_is_padded_to_buckets():
+    cfg, cache_cfg = TINY, CacheConfig(page_size=4, num_pages=32, dtype="float32")
+    chunks = [
+        decode.SeqChunk([7, 8, 9], 0, [3], temperature=0.7, top_k=5, top_p=0.9, seed=11),
+        decode.SeqChunk([4], 5, [1, 2], sample_step=2),
+        decode.SeqChunk(list(range(10)), 4, [6, 7, 8, 9]),
+    ]
+    inp = decode.build_step_input(chunks, cfg, cache_cfg, copies=[(2, 30)])
+    assert inp.bucket == (16, 8, 8, 4, False)
+    np.testing.assert_array_equal(inp.query_start_loc, [0, 3, 4, 14, 14, 14, 14, 14, 14])
+    np.testing.assert_array_equal(inp.logits_indices[:3], [2, 3, 13])
+    np.testing.assert_array_equal(inp.context_lens, [3, 6, 14, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(inp.positions[:4], [0, 1, 2, 5])
+    np.testing.assert_array_equal(inp.slot_mapping[:4], [12, 13, 14, 9])
+    assert (inp.slot_mapping[14:] == -1).all()
+    np.testing.assert_array_equal(
+        inp.slot_mapping[4:14], cache_lib.slots_for([6, 7, 8, 9], 4, 14, 4)
+    )
+    np.testing.assert_array_equal(inp.copy_src, [2, 0, 0, 0])
+    np.testing.assert_array_equal(inp.copy_dst, [30, -1, -1, -1])
+    np.testing.assert_array_equal(inp.top_k[:4], [5, 0, 0, 0])
+    np.testing.assert_array_equal(inp.seeds[:2], [11, 0])
+    np.testing.assert_array_equal(inp.sample_steps[:2], [0, 2])
+    dec = decode.build_step_input([chunks[1]] * 3, cfg, cache_cfg)
+    assert dec.decode and dec.bucket == (8, 8, 8, 4, True)
+    big = decode.build_step_input(
+        [decode.SeqChunk([1] * 40, 0, list(range(10)))] * 9, cfg, cache_cfg
+    )
+    assert big.bucket == (512, 16, 16, 4, False)
+
+
+@pytest.mark.parametrize(
+    "chunk,kwargs,match",
+    [
+        (decode.SeqChunk([1, 256], 0, [1]), {}, "token id 256 is outside the vocabulary"),
+        (decode.SeqChunk([-1], 0, [1]), {}, "token id -1 is outside the vocabulary"),
+        (decode.SeqChunk([1, 2], 511, list(range(1, 32))), {}, "max_position_embeddings"),
+        (decode.SeqChunk([1] * 5, 0, [1]), {}, "holds 4 tokens, needs 5"),
+        (decode.SeqChunk([1], 0, [32]), {}, "page id 32 is out of range"),
+        (decode.SeqChunk([1], 0, [1], temperature=-0.5), {}, "temperature"),
+        (decode.SeqChunk([1], 0, [1], top_p=0.0), {}, "top_p"),
+        (decode.SeqChunk([], 0, [1]), {}, "non-empty"),
+        (decode.SeqChunk([1, 2], 0, [1]), {"decode": True}, "one token per sequence"),
+        (decode.SeqChunk([1], 0, [1]), {"copies": [(3, 40)]}, r"copy pair \(3, 40\)"),
+        (decode.SeqChunk([1], 0, [1]), {"copies": [(3, 4), (5, 4)]}, "distinct"),
+    ],
+)
+def test_build_step_input_rejects_bad_input(chunk, kwargs, match):
+    cache_cfg = CacheConfig(page_size=4, num_pages=32, dtype="float32")
+    with pytest.raises(ValueError, match=match):
+        decode.build_step_input([chunk], TINY, cache_cfg, **kwargs)
+
+
+def test_generate_rejects_bad_prompts_before_running(params):
+    before = decode.compile_counts()
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings=512"):
+        decode.generate(params, [[1] * 510], max_new_tokens=3)
+    with pytest.raises(ValueError, match="token id 300 is outside the vocabulary"):
+        decode.generate(params, [[1, 2], [3, 300]], max_new_tokens=3)
+    with pytest.raises(ValueError, match="non-empty"):
+        decode.generate(params, [[1], []], max_new_tokens=3)
+    with pytest.raises(ValueError, match="at least one sequence"):
+        decode.build_step_input([], TINY, CacheConfig(4, 8))
+    assert decode.compile_counts() == before
+
+
+def test_decode_step_rejects_a_prefill_batch(params):
+    cache_cfg = CacheConfig(page_size=4, num_pages=8, dtype="float32")
+    cache = cache_lib.create(TINY, cache_cfg)
+    inp = decode.build_step_input([decode.SeqChunk([1, 2], 0, [1])], TINY, cache_cfg)
+    with pytest.raises(ValueError, match="decode=False"):
+        decode.decode_step(params, cache, inp, backend="xla")
