@@ -1,0 +1,756 @@
+"""Tests for pagedjax.blocks: unit tests per operation and error, plus a hypothesis state
+machine that drives a simulated device cache and checks every computed slot after every
+step (a wrong prefix hit, a missed copy-on-write or a page reused while held shows up as
+a slot holding some other prefix's K/V)."""
+
+import dataclasses
+import hashlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from pagedjax import blocks
+from pagedjax.blocks import (
+    BlockManager,
+    BlockManagerError,
+    InvalidArgument,
+    InvalidState,
+    InvariantViolation,
+    OutOfPages,
+    SequenceExists,
+    SequenceFreed,
+    UnknownSequence,
+)
+
+RNG = np.random.default_rng(0)
+
+
+def snapshot(bm: BlockManager):
+    """Everything a failed call must leave untouched."""
+    seqs = {
+        sid: (list(s.pages), s.table.tolist(), bytes(s.tokens), s.num_tokens, s.num_computed)
+        + (s.num_hashed, s.last_hash, s.last_node, s.salt)
+        for sid, s in bm._seqs.items()
+    }
+    entries = [None if e is None else dataclasses.astuple(e) for e in bm._entry]
+    return (
+        bm.stats(),
+        seqs,
+        list(bm._free),
+        list(bm._evictable),
+        dict(bm._index),
+        list(bm._refcount),
+        entries,
+        {k: set(v) for k, v in bm._children.items()},
+        bm._next_node,
+        list(bm._freed),
+    )
+
+
+def prompt(n: int, low: int = 0, high: int = 32000) -> list[int]:
+    return RNG.integers(low, high, n).tolist()
+
+
+def computed(bm: BlockManager, seq, tokens, salt=None) -> int:
+    """Admits and fully computes a prompt; returns the cached token count."""
+    cached = bm.admit(seq, tokens, cache_salt=salt)
+    bm.mark_computed(seq, len(tokens))
+    return cached
+
+
+# ------------------------------------------------------------------ allocation
+
+
+def test_admit_reserves_pages_and_slots_follow_the_page_table():
+    bm = BlockManager(16, 4)
+    assert bm.admit("a", prompt(10)) == 0
+    table = bm.page_table("a")
+    assert len(table) == 3 and len(set(table)) == 3
+    pos = np.arange(10)
+    want = np.asarray(table)[pos // 4] * 4 + pos % 4
+    np.testing.assert_array_equal(bm.slot_mapping("a", 0, 10), want)
+    np.testing.assert_array_equal(bm.slot_mapping("a", 3, 7), want[3:7])
+    assert bm.slot_mapping("a", 0, 10).dtype == np.int32
+    assert bm.num_tokens("a") == 10 and bm.num_computed_tokens("a") == 0
+    assert bm.stats().num_used_pages == 3 and bm.stats().num_free_pages == 13
+    bm.check_invariants()
+
+
+def test_append_allocates_only_at_page_boundaries():
+    bm = BlockManager(8, 4)
+    computed(bm, 0, prompt(6))
+    slots = [bm.append_token(0, t)[0] for t in prompt(6)]  # positions 6..11
+    table = bm.page_table(0)
+    assert len(table) == 3
+    assert slots == [table[p // 4] * 4 + p % 4 for p in range(6, 12)]
+    assert bm.stats().num_used_pages == 3
+    bm.check_invariants()
+
+
+def test_batched_append_matches_single_appends():
+    toks = [prompt(n) for n in (5, 8, 3)]
+    one, many = BlockManager(32, 4), BlockManager(32, 4)
+    for bm in (one, many):
+        for i, t in enumerate(toks):
+            computed(bm, i, t)
+    for step in range(9):
+        new = prompt(3)
+        want = [one.append_token(i, t)[0] for i, t in enumerate(new)]
+        got, copies = many.append_tokens([0, 1, 2], new)
+        assert got.tolist() == want and copies == [], step
+    assert [many.page_table(i) for i in range(3)] == [one.page_table(i) for i in range(3)]
+    many.check_invariants()
+
+
+def test_page_tables_pads_rows():
+    bm = BlockManager(16, 4)
+    computed(bm, "a", prompt(9))
+    computed(bm, "b", prompt(2))
+    out = bm.page_tables(["a", "b"], width=5, pad=7)
+    assert out.dtype == np.int32 and out.shape == (2, 5)
+    assert out[0].tolist() == bm.page_table("a") + [7, 7]
+    assert out[1].tolist() == bm.page_table("b") + [7] * 4
+    with pytest.raises(InvalidArgument, match="width=2"):
+        bm.page_tables(["a"], width=2)
+
+
+def test_free_returns_pages_and_ids_can_be_readmitted():
+    bm = BlockManager(8, 4, enable_prefix_caching=False)
+    computed(bm, "a", prompt(12))
+    bm.free("a")
+    s = bm.stats()
+    assert (s.num_free_pages, s.num_used_pages, s.num_cached_pages) == (8, 0, 0)
+    assert "a" not in bm
+    bm.admit("a", prompt(3))
+    assert "a" in bm
+    bm.check_invariants()
+
+
+# --------------------------------------------------------- fork and copy-on-write
+
+
+def test_fork_shares_pages_and_copies_only_the_partial_last_page():
+    bm = BlockManager(16, 4)
+    computed(bm, "p", prompt(10))  # pages: full, full, 2/4
+    bm.fork("p", "c")
+    assert bm.page_table("c") == bm.page_table("p")
+    assert bm.stats().num_used_pages == 3
+    last = bm.page_table("p")[-1]
+    slot, copies = bm.append_token("c", 5)
+    new = bm.page_table("c")[-1]
+    assert copies == [(last, new)] and new != last and slot == new * 4 + 2
+    assert bm.page_table("c")[:2] == bm.page_table("p")[:2]  # full pages stay shared
+    slot, copies = bm.append_token("p", 6)  # now the sole holder: writes in place
+    assert copies == [] and slot == last * 4 + 2
+    assert bm.stats().cow_copies == 1
+    bm.check_invariants()
+
+
+def test_fork_at_a_page_boundary_needs_no_copy():
+    bm = BlockManager(16, 4)
+    computed(bm, "p", prompt(8))
+    bm.fork("p", "c")
+    slots, copies = bm.append_tokens(["p", "c"], [1, 2])
+    assert copies == [] and slots[0] != slots[1] and bm.stats().num_used_pages == 4
+    bm.check_invariants()
+
+
+def test_beam_fork_and_free_every_step():
+    bm = BlockManager(64, 4)
+    computed(bm, 0, prompt(7))
+    beams, next_id = [0], 1
+    for _ in range(30):
+        survivors = beams[:2]
+        for b in beams[2:]:
+            bm.free(b)
+        beams = list(survivors)
+        for b in survivors:
+            bm.fork(b, next_id)
+            beams.append(next_id)
+            next_id += 1
+        slots, copies = bm.append_tokens(beams, prompt(len(beams)))
+        assert len(set(slots.tolist())) == len(beams)  # no two beams write one slot
+        bm.check_invariants()
+    assert bm.stats().cow_copies > 0
+
+
+def test_copy_count_is_exact_when_every_holder_appends():
+    bm = BlockManager(4, 4)
+    computed(bm, 0, prompt(6))  # 2 pages, the last one partial
+    bm.fork(0, 1)
+    bm.fork(0, 2)  # 3 holders of the partial page, 2 pages left: 2 copies suffice
+    assert bm.num_append_pages([0, 1, 2]) == 2
+    slots, copies = bm.append_tokens([0, 1, 2], [1, 2, 3])
+    assert len(copies) == 2 and bm.stats().num_free_pages == 0
+    bm.check_invariants()
+
+
+def test_copy_count_is_exact_when_some_holders_append():
+    bm = BlockManager(3, 4)
+    computed(bm, 0, prompt(6))
+    bm.fork(0, 1)
+    bm.fork(0, 2)  # 3 holders, 2 of them append: both must copy, only 1 page is left
+    assert bm.num_append_pages([1, 2]) == 2
+    before = snapshot(bm)
+    with pytest.raises(OutOfPages):
+        bm.append_tokens([1, 2], [1, 2])
+    assert snapshot(bm) == before
+    slot, copies = bm.append_token(1, 1)
+    assert len(copies) == 1 and bm.num_append_pages([0, 2]) == 1
+    bm.check_invariants()
+
+
+# ------------------------------------------------------------------ prefix cache
+
+
+def test_prefix_reuse_three_shared_pages():
+    bm = BlockManager(32, 4)
+    shared = prompt(12)
+    computed(bm, "a", shared + prompt(3))
+    table_a, free_before = bm.page_table("a"), bm.stats().num_free_pages
+    assert bm.admit("b", shared + prompt(6)) == 12
+    assert bm.page_table("b")[:3] == table_a[:3]
+    assert free_before - bm.stats().num_free_pages == 2  # only the 6 new tokens' pages
+    s = bm.stats()
+    assert (s.prefix_queries, s.prefix_hits) == (15 + 18, 12)
+    bm.check_invariants()
+
+
+def test_pages_are_not_found_before_they_are_computed():
+    bm = BlockManager(32, 4)
+    toks = prompt(16)
+    bm.admit("a", toks)
+    assert bm.admit("b", toks) == 0
+    bm.mark_computed("a", 9)  # two full pages computed, third in flight
+    assert bm.admit("c", toks) == 8
+    bm.check_invariants()
+
+
+def test_a_full_hit_still_leaves_one_token_to_compute():
+    bm = BlockManager(32, 4)
+    toks = prompt(12)
+    computed(bm, "a", toks)
+    assert bm.admit("b", toks) == 8
+    assert bm.admit("c", toks[:9]) == 8
+    assert bm.admit("d", toks[:8]) == 4
+
+
+def test_salt_isolation():
+    bm = BlockManager(64, 4)
+    toks = prompt(13)
+    computed(bm, "a", toks, salt="tenant-a")
+    assert bm.admit("b", toks, cache_salt="tenant-b") == 0
+    assert bm.admit("c", toks) == 0
+    assert bm.admit("d", toks, cache_salt=b"tenant-a") == 0  # bytes and str never mix
+    assert bm.admit("e", toks, cache_salt="tenant-a") == 12
+    assert not set(bm.page_table("b")) & set(bm.page_table("a"))
+    bm.check_invariants()
+
+
+def test_cached_pages_survive_free_until_evicted_tail_first():
+    bm = BlockManager(6, 4)
+    toks = prompt(14)  # 3 full pages + 1 partial
+    computed(bm, "a", toks)
+    table = bm.page_table("a")
+    bm.free("a")
+    s = bm.stats()
+    assert (s.num_evictable_pages, s.num_free_pages, s.num_cached_pages) == (3, 3, 3)
+    bm.admit("x", prompt(16))  # 4 pages: 3 free + 1 eviction, which must take the tail
+    assert bm.stats().evictions == 1 and table[2] in bm.page_table("x")
+    bm.free("x")
+    assert bm.admit("a", toks) == 8
+    assert bm.page_table("a")[:2] == table[:2]
+    bm.check_invariants()
+
+
+def test_preempt_then_readmit_reuses_prompt_and_decode_pages():
+    bm = BlockManager(32, 4)
+    toks = prompt(10)
+    computed(bm, "s", toks)
+    out = prompt(7)
+    for t in out:
+        bm.append_token("s", t)
+    table = bm.page_table("s")
+    bm.free("s")  # preempted: recompute later from everything it has
+    assert bm.admit("s", toks + out) == 16  # 17 tokens: 4 full pages, 1 token left
+    assert bm.page_table("s")[:4] == table[:4]
+    bm.check_invariants()
+
+
+def test_racing_duplicates_chain_onto_the_registered_copy():
+    bm = BlockManager(32, 4)
+    toks = prompt(8)
+    bm.admit("a", toks)
+    bm.admit("b", toks)  # both cold: the same prefix is computed twice
+    bm.mark_computed("a", 8)
+    bm.mark_computed("b", 8)
+    assert bm.stats().num_cached_pages == 2  # one copy registered, b's are duplicates
+    tail = prompt(4)
+    for t in tail:
+        bm.append_token("b", t)  # b's decode page chains onto a's registered pages
+    assert bm.stats().num_cached_pages == 3
+    assert bm.admit("c", toks + tail + [1]) == 12
+    assert bm.page_table("c")[2] == bm.page_table("b")[2]
+    bm.check_invariants()
+
+
+def test_evicting_a_parent_uncaches_its_children():
+    bm = BlockManager(8, 4)
+    toks = prompt(8)
+    bm.admit("a", toks)
+    bm.admit("b", toks)
+    bm.mark_computed("a", 8)
+    bm.mark_computed("b", 8)  # b's two pages duplicate a's registered ones
+    for t in prompt(4):
+        bm.append_token("b", t)  # registered as a child of a's second page
+    assert bm.stats().num_cached_pages == 3
+    bm.free("a")  # a's pages evictable, b's child page still in use
+    bm.admit("x", prompt(16))  # 3 free pages + 1 eviction: a's second page
+    assert bm.stats().evictions == 1 and bm.stats().num_cached_pages == 1
+    bm.check_invariants()  # b's page left the index with its parent
+    bm.free("x")
+    for t in prompt(5):
+        bm.append_token("b", t)  # b's chain is gone: its new full page is not cached
+    assert bm.stats().num_cached_pages == 1
+    bm.free("b")
+    assert bm.stats().num_evictable_pages == 1
+    bm.check_invariants()
+
+
+def test_prefix_caching_disabled():
+    bm = BlockManager(16, 4, enable_prefix_caching=False)
+    toks = prompt(12)
+    computed(bm, "a", toks)
+    assert bm.admit("b", toks) == 0
+    bm.free("a")
+    assert bm.stats().num_cached_pages == 0 and bm.stats().num_evictable_pages == 0
+    bm.check_invariants()
+
+
+def constant_digest(data: bytes) -> bytes:
+    return b"\x00" * 32
+
+
+def test_forced_collision_never_reuses_a_wrong_page(monkeypatch):
+    monkeypatch.setattr(blocks, "_digest", constant_digest)
+    bm = BlockManager(32, 4)
+    x, y = prompt(4), prompt(4)
+    computed(bm, "a", x + y + [1])  # page x registered; page y collides and is skipped
+    assert bm.admit("b", y + x + [1]) == 0  # page y after nothing is not page y after x
+    assert bm.admit("c", x + y + [1], cache_salt="s") == 0  # another salt
+    assert bm.admit("d", prompt(4) + [1]) == 0  # other tokens, same hash
+    assert bm.admit("e", x + [1]) == 4  # the true match still hits
+    bm.check_invariants()
+
+
+def test_forced_collision_on_page_tokens_only(monkeypatch):
+    # A hash that ignores the parent and the salt: equal pages under different prefixes
+    # collide; the registration-id check must reject them.
+    monkeypatch.setattr(blocks, "_digest", lambda data: hashlib.sha256(data[-32:]).digest())
+    bm = BlockManager(32, 4)
+    x, y = prompt(4), prompt(4)
+    computed(bm, "a", x + y + [1])
+    assert bm.admit("b", y + y + [1]) == 0
+    assert bm.admit("c", prompt(4) + y + [1]) == 0
+    assert bm.admit("d", x + y + [1], cache_salt="other") == 0
+    assert bm.admit("e", x + y + [1]) == 8
+    bm.check_invariants()
+
+
+# ----------------------------------------------------------- watermark, stats
+
+
+def test_can_admit_respects_watermark_and_counts_evictable_pages():
+    bm = BlockManager(100, 4, watermark=0.1)
+    assert bm.watermark_pages == 10
+    assert bm.can_admit(90 * 4) and not bm.can_admit(90 * 4 + 1)
+    computed(bm, "a", prompt(80 * 4))
+    bm.free("a")  # 79 pages cached and evictable
+    assert bm.can_admit(90 * 4)
+    assert BlockManager(10, 4, watermark=0.0).can_admit(40)
+
+
+def test_stats_counts():
+    bm = BlockManager(8, 4)
+    computed(bm, "a", prompt(6))
+    bm.fork("a", "b")
+    bm.append_tokens(["a", "b"], [1, 2])
+    s = bm.stats()
+    assert (s.num_pages, s.num_seqs, s.cow_copies, s.num_used_pages) == (8, 2, 1, 3)
+    assert s.kv_usage == pytest.approx(3 / 8)
+    assert (s.prefix_queries, s.prefix_hits, s.prefix_hit_rate) == (6, 0, 0.0)
+
+
+def test_check_invariants_catches_corruption():
+    bm = BlockManager(8, 4)
+    computed(bm, "a", prompt(9))
+    bm.check_invariants()
+    bm._refcount[bm.page_table("a")[0]] += 1
+    with pytest.raises(InvariantViolation, match="refcount"):
+        bm.check_invariants()
+    bm._refcount[bm.page_table("a")[0]] -= 1
+    p = bm.page_table("a")[1]
+    bm._entry[p].tokens = bytes(32)
+    with pytest.raises(InvariantViolation, match="tokens"):
+        bm.check_invariants()
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_pages=0, page_size=4), "num_pages"),
+        (dict(num_pages=8, page_size=0), "page_size"),
+        (dict(num_pages=-1, page_size=4), "num_pages"),
+        (dict(num_pages=8.0, page_size=4), "num_pages"),
+        (dict(num_pages=8, page_size=4, watermark=1.0), "watermark"),
+        (dict(num_pages=8, page_size=4, max_model_len=0), "max_model_len"),
+        (dict(num_pages=2**30, page_size=4), "overflow"),
+    ],
+)
+def test_bad_config(kwargs, match):
+    with pytest.raises(InvalidArgument, match=match):
+        BlockManager(**kwargs)
+
+
+def scenario():
+    bm = BlockManager(8, 4, max_model_len=12)
+    computed(bm, "done", prompt(6))
+    bm.free("done")
+    computed(bm, "run", prompt(5))
+    bm.admit("pre", prompt(7))  # mid-prefill
+    bm.mark_computed("pre", 4)
+    computed(bm, "full", prompt(12))
+    return bm
+
+
+BAD_CALLS = [
+    (lambda bm: bm.free("done"), SequenceFreed, "already freed"),
+    (lambda bm: bm.free("nope"), UnknownSequence, "unknown sequence 'nope'"),
+    (lambda bm: bm.fork("nope", "x"), UnknownSequence, "nope"),
+    (lambda bm: bm.fork("done", "x"), SequenceFreed, "done"),
+    (lambda bm: bm.fork("run", "pre"), SequenceExists, "pre"),
+    (lambda bm: bm.fork("pre", "x"), InvalidState, "mid-prefill"),
+    (lambda bm: bm.append_token("done", 1), SequenceFreed, "done"),
+    (lambda bm: bm.append_token("pre", 1), InvalidState, "mid-prefill"),
+    (lambda bm: bm.append_token("full", 1), InvalidArgument, "max_model_len"),
+    (lambda bm: bm.append_token("run", -1), InvalidArgument, ">= 0"),
+    (lambda bm: bm.append_tokens(["run", "run"], [1, 2]), InvalidArgument, "twice"),
+    (lambda bm: bm.append_tokens(["run", "done"], [1, 2]), SequenceFreed, "done"),
+    (lambda bm: bm.append_tokens(["run"], [1, 2]), InvalidArgument, "token_ids"),
+    (lambda bm: bm.append_tokens(["run"], [1.5]), InvalidArgument, "float"),
+    (lambda bm: bm.admit("x", []), InvalidArgument, "at least one token"),
+    (lambda bm: bm.admit("x", prompt(13)), InvalidArgument, "13 tokens exceeds max_model_len"),
+    (lambda bm: bm.admit("x", [[1, 2]]), InvalidArgument, "1-D"),
+    (lambda bm: bm.admit("x", [1, -2]), InvalidArgument, "-2"),
+    (lambda bm: bm.admit("x", [1.0]), InvalidArgument, "integers"),
+    (lambda bm: bm.admit("x", [1], cache_salt=3), TypeError, "cache_salt"),
+    (lambda bm: bm.admit("run", [1]), SequenceExists, "run"),
+    (lambda bm: bm.admit("x", prompt(12)), OutOfPages, "needs 3 pages, only 1 free"),
+    (lambda bm: bm.mark_computed("pre", 3), InvalidArgument, "num_computed_tokens=3"),
+    (lambda bm: bm.mark_computed("pre", 8), InvalidArgument, "num_computed_tokens=8"),
+    (lambda bm: bm.slot_mapping("run", 2, 9), InvalidArgument, r"\[2, 9\)"),
+    (lambda bm: bm.can_admit(0), InvalidArgument, "at least one token"),
+    (lambda bm: bm.num_tokens("done"), SequenceFreed, "done"),
+]
+
+
+@pytest.mark.parametrize("call, exc, match", BAD_CALLS)
+def test_bad_calls_raise_and_change_nothing(call, exc, match):
+    bm = scenario()
+    before = snapshot(bm)
+    with pytest.raises(exc, match=match):
+        call(bm)
+    assert snapshot(bm) == before
+    bm.check_invariants()
+
+
+def test_out_of_pages_is_all_or_nothing_across_a_batch():
+    bm = BlockManager(4, 2)
+    for i in range(3):
+        computed(bm, i, prompt(2))  # 3 pages used, each full
+    before = snapshot(bm)
+    with pytest.raises(OutOfPages) as info:
+        bm.append_tokens([0, 1, 2], [1, 2, 3])
+    assert (info.value.needed, info.value.available) == (3, 1)
+    assert isinstance(info.value, BlockManagerError)
+    assert snapshot(bm) == before
+    bm.append_tokens([0], [1])  # the scheduler preempts and retries a smaller batch
+    bm.check_invariants()
+
+
+# --------------------------------------------------------------- state machine
+
+
+STEMS = [RNG.integers(0, 3, 12).tolist() for _ in range(3)]
+
+
+class BlockMachine(RuleBasedStateMachine):
+    """Random admit / prefill / append / fork / free / abort / readmit / bad calls against
+    a simulated device: ``dev[slot]`` holds an exact id of (salt, tokens[: pos + 1])."""
+
+    check_hits = True  # with a real hash, registered content must be found
+
+    def __init__(self):
+        super().__init__()
+        self.bm = None
+
+    @initialize(
+        page_size=st.sampled_from([1, 2, 4]),
+        capacity=st.integers(12, 100),  # tokens
+        caching=st.sampled_from([True, True, True, False]),
+    )
+    def setup(self, page_size, capacity, caching):
+        self.ps, num_pages = page_size, max(3, capacity // page_size)
+        self.bm = BlockManager(
+            num_pages, page_size, enable_prefix_caching=caching, max_model_len=24, watermark=0
+        )
+        self.dev = [None] * (num_pages * page_size)
+        self.trie: dict = {}
+        self.live: dict[int, tuple] = {}  # seq -> (salt, tokens, prefix ids)
+        self.freed: list[int] = []
+        self.history: list[tuple] = []  # (salt, tokens) of freed sequences
+        self.next_id = 0
+
+    # helpers
+    def prefix_ids(self, salt, tokens, start=None):
+        k = self.trie.setdefault(("root", salt), len(self.trie)) if start is None else start
+        out = []
+        for t in tokens:
+            k = self.trie.setdefault((k, t), len(self.trie))
+            out.append(k)
+        return out
+
+    def pick(self, seqs, i):
+        return seqs[i % len(seqs)] if seqs else None
+
+    def ready(self):
+        return [s for s in self.live if self.bm.num_computed_tokens(s) == self.bm.num_tokens(s)]
+
+    def expect_error(self, exc, call):
+        before = snapshot(self.bm)
+        with pytest.raises(exc):
+            call()
+        assert snapshot(self.bm) == before
+
+    def lower_bound_hits(self, salt, tokens):
+        """Pages a lookup must hit: those registered by a live sequence with this prefix."""
+        best, limit = 0, (len(tokens) - 1) // self.ps
+        for s, (s_salt, s_toks, _) in self.live.items():
+            if s_salt != salt or not self.bm.enable_prefix_caching:
+                continue
+            table = self.bm.page_table(s)
+            n = 0
+            while (
+                n < limit
+                and n < self.bm.num_computed_tokens(s) // self.ps
+                and s_toks[n * self.ps : (n + 1) * self.ps]
+                == tokens[n * self.ps : (n + 1) * self.ps]
+                and self.bm._entry[table[n]] is not None
+            ):
+                n += 1
+            best = max(best, n)
+        return best * self.ps
+
+    def admit(self, salt, tokens):
+        sid = self.next_id
+        if len(tokens) > 24:
+            return self.expect_error(InvalidArgument, lambda: self.bm.admit(sid, tokens))
+        fits = self.bm.can_admit(len(tokens))
+        want = self.lower_bound_hits(salt, tokens) if self.check_hits else 0
+        before = snapshot(self.bm)
+        try:
+            cached = self.bm.admit(sid, tokens, cache_salt=salt)
+        except OutOfPages:
+            assert not fits and snapshot(self.bm) == before
+            return
+        self.next_id += 1
+        assert cached % self.ps == 0 and want <= cached < len(tokens)
+        assert self.bm.enable_prefix_caching or cached == 0
+        ids = self.prefix_ids(salt, tokens)
+        self.live[sid] = (salt, list(tokens), ids)
+        slots = self.bm.slot_mapping(sid, 0, cached)
+        assert [self.dev[x] for x in slots] == ids[:cached], "prefix hit on wrong K/V"
+
+    # rules
+    @rule(
+        stem=st.sampled_from(STEMS),
+        cut=st.integers(0, 12),
+        tokens=st.lists(st.integers(0, 2), max_size=8)
+        | st.lists(st.integers(0, 2), min_size=12, max_size=16),
+        salt=st.sampled_from([None, None, None, "a", b"a"]),
+    )
+    def admit_prompt(self, stem, cut, tokens, salt):
+        self.admit(salt, stem[:cut] + tokens or [0])
+
+    @precondition(lambda self: self.history)
+    @rule(i=st.integers(0, 99), extra=st.lists(st.integers(0, 2), max_size=3))
+    def readmit(self, i, extra):
+        salt, tokens = self.pick(self.history, i)
+        self.admit(salt, tokens + extra)
+
+    def release(self, s):
+        self.bm.free(s)
+        salt, toks, _ = self.live.pop(s)
+        self.freed.append(s)
+        self.history.append((salt, toks))
+
+    def prefill(self, s, chunk):
+        start = self.bm.num_computed_tokens(s)
+        end = min(start + chunk, self.bm.num_tokens(s))
+        ids = self.live[s][2][start:end]
+        for slot, k in zip(self.bm.slot_mapping(s, start, end), ids, strict=True):
+            self.dev[slot] = k
+        self.bm.mark_computed(s, end)
+
+    def append(self, batch, tokens):
+        """Appends one token to each of ``batch``, predicting the pages and copies needed."""
+        batch = [s for s in batch if self.bm.num_tokens(s) < 24]
+        tokens = tokens[: len(batch)]
+        holders: dict[int, int] = {}
+        for s in self.live:
+            for p in self.bm.page_table(s):
+                holders[p] = holders.get(p, 0) + 1
+        need, shared = 0, {}
+        for s in batch:
+            if self.bm.num_tokens(s) % self.ps == 0:
+                need += 1
+            elif holders[last := self.bm.page_table(s)[-1]] > 1:
+                shared[last] = shared.get(last, 0) + 1
+        copies_needed = sum(c - (c == holders[p]) for p, c in shared.items())
+        need += copies_needed
+        if need > self.bm.num_free_pages:
+            self.expect_error(OutOfPages, lambda: self.bm.append_tokens(batch, tokens))
+            return False
+        if len(batch) == 1:
+            slot, copies = self.bm.append_token(batch[0], tokens[0])
+            slots = [slot]
+        else:
+            slots, copies = self.bm.append_tokens(batch, tokens)
+        assert len(copies) == copies_needed
+        for src, dst in copies:  # the device runs the copies before the writes
+            ps = self.ps
+            self.dev[dst * ps : (dst + 1) * ps] = self.dev[src * ps : (src + 1) * ps]
+        for s, t, slot in zip(batch, tokens, slots, strict=True):
+            salt, toks, ids = self.live[s]
+            toks.append(t)
+            ids += self.prefix_ids(salt, [t], start=ids[-1])
+            pos = len(toks) - 1
+            assert slot == self.bm.page_table(s)[pos // self.ps] * self.ps + pos % self.ps
+            self.dev[slot] = ids[-1]
+        return True
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 99), chunk=st.integers(1, 9))
+    def prefill_chunk(self, i, chunk):
+        ready = self.ready()
+        s = self.pick([s for s in self.live if s not in ready], i)
+        if s is not None:
+            self.prefill(s, chunk)
+
+    @precondition(lambda self: self.live)
+    @rule(mask=st.integers(0, 2**12 - 1), tokens=st.lists(st.integers(0, 2), min_size=12))
+    def append_some(self, mask, tokens):
+        self.append([s for j, s in enumerate(self.ready()) if mask >> j & 1], tokens)
+
+    @precondition(lambda self: self.live)
+    @rule(chunk=st.integers(1, 9), tokens=st.lists(st.integers(0, 2), min_size=40))
+    def engine_step(self, chunk, tokens):
+        """A chunk of every prefill, then a token for every running sequence."""
+        for s in [s for s in self.live if self.bm.num_tokens(s) == 24]:
+            self.release(s)  # finished
+        ready = self.ready()
+        for s in [s for s in self.live if s not in ready]:
+            self.prefill(s, chunk)
+        while not self.append(ready, tokens):  # out of pages: preempt the newest
+            self.release(max(self.live))
+            ready = [s for s in ready if s in self.live]
+
+    @precondition(lambda self: self.ready())
+    @rule(i=st.integers(0, 99), then_append=st.booleans(), t=st.integers(0, 2))
+    def fork(self, i, then_append, t):
+        s = self.pick(self.ready(), i)
+        self.bm.fork(s, self.next_id)
+        salt, toks, ids = self.live[s]
+        self.live[self.next_id] = (salt, list(toks), list(ids))
+        self.next_id += 1
+        if then_append:  # sampling n > 1: both continue at once
+            self.append([s, self.next_id - 1], [t, t])
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 99), kind=st.integers(0, 7))
+    def free_or_bad_call(self, i, kind):
+        """Frees (finished, preempted or aborted mid-prefill) or makes a bad call."""
+        bm, live, gone = self.bm, self.pick(list(self.live), i), self.pick(self.freed, i)
+        if kind < 4:
+            self.release(live)
+        elif kind == 4 and gone is not None:
+            self.expect_error(SequenceFreed, lambda: bm.free(gone))
+        elif kind == 5 and gone is not None:
+            self.expect_error(SequenceFreed, lambda: bm.append_token(gone, 0))
+        elif kind == 6 and live not in self.ready():
+            self.expect_error(InvalidState, lambda: bm.fork(live, -6))
+        elif kind == 6:
+            self.expect_error(UnknownSequence, lambda: bm.fork(-5, -6))
+        else:
+            self.expect_error(SequenceExists, lambda: bm.admit(live, [1]))
+
+    @invariant()
+    def consistent(self):
+        if self.bm is None:
+            return
+        self.bm.check_invariants()
+        for s, (_, toks, ids) in self.live.items():
+            assert self.bm.num_tokens(s) == len(toks)
+            n = self.bm.num_computed_tokens(s)
+            got = [self.dev[x] for x in self.bm.slot_mapping(s, 0, n)]
+            assert got == ids[:n], f"sequence {s}: computed K/V was overwritten"
+
+
+def run_machine(monkeypatch, digest, examples, steps, check_hits=True):
+    if digest is not None:
+        monkeypatch.setattr(blocks, "_digest", digest)
+    machine = type("Machine", (BlockMachine,), {"check_hits": check_hits})
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=steps,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
+
+
+def page_only_digest(data: bytes) -> bytes:
+    return hashlib.sha256(data[-8:]).digest()  # ignores parent, salt, most of the page
+
+
+DIGESTS = [(None, True), (constant_digest, False), (page_only_digest, False)]
+
+
+@pytest.mark.parametrize("digest, check_hits", DIGESTS, ids=["sha256", "constant", "page"])
+def test_state_machine(monkeypatch, digest, check_hits):
+    examples = 60 if digest is None else 15
+    run_machine(monkeypatch, digest, examples, 50, check_hits)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("digest, check_hits", DIGESTS, ids=["sha256", "constant", "page"])
+def test_state_machine_long(monkeypatch, digest, check_hits):
+    examples = 1300 if digest is None else 250
+    run_machine(monkeypatch, digest, examples, 80, check_hits)
