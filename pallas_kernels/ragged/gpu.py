@@ -5,8 +5,10 @@ jax 0.10 and 0.11, it has the public CPU interpreter (`interpret=True`) that CI
 uses, and its pointer-based loads express what a paged kernel needs directly: a
 gather of KV rows through the page table, with masked lanes never touching
 memory. Mosaic GPU (TMA, wgmma) would be faster on Hopper for the prefill part,
-but its interpreter is private API and TMA cannot gather arbitrary pages; it can
-slot in behind the same signature later.
+but its interpreter is private API and a TMA copy moves one rectangular box, so
+small pages mean one copy per page; it can slot in behind the same signature
+later. float32 inputs use exact IEEE dots (no TF32, which would miss the 1e-4
+tolerance), a correctness path rather than a fast one.
 
 Work decomposition. Query rows are cut into *query blocks*: `block_q` consecutive
 tokens of one sequence times all `G = H // K` query heads of one kv head, which
@@ -27,10 +29,10 @@ programs store zeros). The wrapper turns the traced `query_start_loc` into a
 schedule (program -> segment, block index) with a cumsum and a compare, a few
 hundred bytes of XLA work; slots past the real number of blocks exit at once.
 Cost for decode-heavy batches: each decode row gets a program of its own whose
-dots compute `block_q` rows of which one token is real (the kernel is bound by
-KV loads there, so tensor-core work is nearly free, but the default `block_q`
-shrinks when the average q_len `T / B` is small), and up to `min(B, T)` idle
-slots are launched. There is no split over the KV axis: a batch of very few
+dots compute `block_q` tokens of which one is real (with the default M = 64 a
+decode row stays bound by its KV loads, so the extra tensor-core work is hidden;
+when T <= B the default M drops to 16), and up to `min(B, T)` idle slots are
+launched, each reading two scalars. There is no split over the KV axis: a batch of very few
 long decode rows occupies only `B * K` programs; the paged decode kernel is the
 better choice for pure decode.
 
