@@ -1,0 +1,22 @@
+"""Smoke test of scripts/bench_host.py: runs a tiny configuration, checks the JSON."""
+
+import importlib.util
+import json
+import pathlib
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "bench_host.py"
+
+
+def test_bench_host_json(capsys):
+    spec = importlib.util.spec_from_file_location("bench_host", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = "--json --prompt-len 100 --context-len 40 --batch 3 5 --steps 20 --iters 3 --repeats 2"
+    bench.main(argv.split())
+    out = json.loads(capsys.readouterr().out)
+    us = out["us"]
+    want = {"admit_cold", "admit_prefix_hit", "mark_computed_all", "free_prompt"}
+    want |= {"append_token", "fork", "free_forked", "decode_step_b3", "decode_step_b5"}
+    assert want <= set(us)
+    assert all(v > 0 for v in us.values()), us
+    assert out["config"]["batch"] == [3, 5]
