@@ -8,6 +8,7 @@ full grid is marked slow.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 
@@ -23,6 +24,12 @@ from pallas_kernels.paged_decode import tpu
 from pallas_kernels.paged_decode.tpu import paged_decode_tpu
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
+
+# interpret=True means the interpreter's defaults: DMAs land when waited on, and
+# DMAs share 1 vector-clock entry, which hides some races. These settings land
+# each DMA when it starts and give DMAs 63 entries, so a read of a buffer that
+# was not waited for is reported as a race (checked by mutating the kernel).
+SHARP = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager", vector_clock_size=64)
 
 
 def _race_state():
@@ -107,6 +114,7 @@ def _case(
     max_pages=5,
     lengths=None,
     seed=0,
+    interpret=SHARP,
     **kwargs,
 ):
     lengths = lengths or _ragged_lengths(batch, page_size, max_pages, seed)
@@ -122,7 +130,7 @@ def _case(
         lengths=lengths,
     )
     options = {k: kwargs.pop(k) for k in ("scale", "soft_cap", "sliding_window") if k in kwargs}
-    out = _run(*args, interpret=True, **options, **kwargs)
+    out = _run(*args, interpret=interpret, **options, **kwargs)
     _check(out, args, dtype, **options)
 
 
@@ -133,7 +141,7 @@ DEFAULT_GRID = [
     (jnp.float32, 1, 8, 64, 8, {"pages_per_block": 3}),
     (jnp.bfloat16, 3, 1, 256, 32, {"pages_per_block": 2}),
     (jnp.bfloat16, 1, 4, 128, 8, {"pages_per_block": 4}),
-    (jnp.float32, 2, 4, 128, 128, {}),
+    (jnp.float32, 2, 4, 128, 128, {"interpret": True}),
 ]
 
 
@@ -156,7 +164,7 @@ def test_soft_cap_and_sliding_window(dtype, page_size, tuning, options):
 
 def test_zero_length_and_two_cores():
     """Megacore split (2 simulated cores) with a batch that does not divide; one empty row."""
-    params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, random_seed=3)
+    params = dataclasses.replace(SHARP, num_cores_or_threads=2, random_seed=3)
     args = _make_inputs(
         2,
         batch=3,
@@ -195,7 +203,7 @@ def test_pages_outside_the_visible_range_are_never_copied():
         last = -(-n // page_size)
         bad[b, :first] = 10_000
         bad[b, last:] = 10_000
-    out = _run(q, k, v, lens, jnp.asarray(bad), sliding_window=window, interpret=True)
+    out = _run(q, k, v, lens, jnp.asarray(bad), sliding_window=window, interpret=SHARP)
     _check(out, args, jnp.float32, sliding_window=window)
 
 
@@ -223,20 +231,22 @@ def test_nan_in_unused_pages_does_not_leak():
 
 
 def test_dispatcher_routes_to_the_kernel():
-    lengths = [1, 16, 80, 17, 79]
+    """Same shapes and knobs as the float32 S = 128 grid case, so the interpreter is reused."""
     args = _make_inputs(
         0,
         batch=5,
         kv_heads=2,
         group=4,
         head_dim=128,
-        page_size=16,
+        page_size=128,
         max_pages=5,
-        dtype=jnp.bfloat16,
-        lengths=lengths,
+        dtype=jnp.float32,
+        lengths=_ragged_lengths(5, 128, 5, 0),
     )
+    state = _race_state()
     out = dispatch.paged_decode_attention(*args, backend="tpu", interpret=True)
-    _check(out, args, jnp.bfloat16)
+    assert not state.races.races_found
+    _check(out, args, jnp.float32)
 
 
 def test_race_detector_catches_a_racy_copy():
@@ -332,13 +342,28 @@ _SHAPES = [
     for page_size in (8, 16, 32, 64, 128)
 ]
 _HEADS = [(2, 1), (2, 4), (1, 8), (1, 4)]  # (K, G): MHA, GQA 4, GQA 8 + MQA, MQA
-SLOW_GRID = [(dt, *_HEADS[i % 4], d, s) for i, (dt, d, s) in enumerate(_SHAPES)]
+# Every other case sets a small pages_per_block, so the double buffer cycles many times.
+SLOW_GRID = [
+    (dt, *_HEADS[i % 4], d, s, {"pages_per_block": i % 3 + 1} if i % 2 else {})
+    for i, (dt, d, s) in enumerate(_SHAPES)
+]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype, kv_heads, group, head_dim, page_size", SLOW_GRID)
-def test_matches_reference_grid(dtype, kv_heads, group, head_dim, page_size):
-    _case(dtype, kv_heads, group, head_dim, page_size, batch=7, max_pages=4, seed=page_size)
+@pytest.mark.parametrize("dtype, kv_heads, group, head_dim, page_size, tuning", SLOW_GRID)
+def test_matches_reference_grid(dtype, kv_heads, group, head_dim, page_size, tuning):
+    _case(
+        dtype,
+        kv_heads,
+        group,
+        head_dim,
+        page_size,
+        batch=7,
+        max_pages=6,
+        seed=page_size,
+        interpret=True,
+        **tuning,
+    )
 
 
 @pytest.mark.slow

@@ -49,8 +49,9 @@ What Mosaic's tiling forces, and how it is handled (nothing reaches the caller):
 Not supported / caveats:
 
 * Page sizes that are not powers of two (the validation layer rejects them).
-* The whole page table lives in SMEM; `B * max_pages` int32 entries must fit
-  there (about 1 MiB on recent TPUs), or the Mosaic compile fails.
+* The whole page table is scalar-prefetched into SMEM, which is small: very
+  large `B * max_pages` (hundreds of thousands of entries) will not fit and the
+  Mosaic compile fails. Copying page-table rows per step is not implemented.
 * The kernel has only been lowered on a CPU machine (`lower(lowering_platforms=
   ("tpu",))`) and run in the interpreter: the final Mosaic compile and all
   timing happen on real TPU hardware, which this project has not had.
@@ -72,7 +73,6 @@ _TARGET_BLOCK_BYTES = 128 * 1024
 _MIN_BLOCK_TOKENS = 128
 _MAX_BLOCK_TOKENS = 1024
 _LANES = 128
-_MEGACORE_KINDS = ("TPU v4", "TPU v5", "TPU v5p")
 _NT = (((1,), (1,)), ((), ()))  # contract the last dims: a @ b.T
 _NN = (((1,), (0,)), ((), ()))
 
@@ -96,14 +96,11 @@ def default_pages_per_block(page_size: int, head_dim: int, dtype, max_pages: int
 
 
 def default_num_cores() -> int:
-    """2 on megacore chips (TPU v4, v5p), else 1."""
-    try:
-        device = jax.devices()[0]
-    except RuntimeError:
+    """TensorCores behind the default device: 2 on megacore chips (v4, v5p), else 1."""
+    device = jax.devices()[0]
+    if device.platform != "tpu":
         return 1
-    if device.platform == "tpu" and device.device_kind in _MEGACORE_KINDS:
-        return 2
-    return 1
+    return max(1, int(getattr(device, "num_cores", 1)))
 
 
 def _kernel(
@@ -405,7 +402,8 @@ def paged_decode_tpu(
         Values beyond a whole page-table row (rounded up to 128 tokens) are
         clipped to it.
       num_cores: TensorCores to split the (sequence, kv head) work over.
-        Default: 2 on megacore chips (v4, v5p), else 1. Correct for any value.
+        Default: the device's TensorCores (2 on megacore v4/v5p, else 1).
+        Any value is correct; cores beyond the chip's just run in sequence.
       vmem_limit_bytes: Mosaic's scoped VMEM limit, default the compiler's.
 
     Returns:
