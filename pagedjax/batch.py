@@ -1,0 +1,131 @@
+"""Packing a `StepPlan` into a `decode.StepInput`, in the engine's two phases.
+
+`StepBatch(plan, ...)` runs right after `Scheduler.schedule()`, while the device may
+still run the previous step: it sizes the batch (bucketed like
+`decode.build_step_input`) and packs every prefill row and every per-row sampling
+parameter. `finish(plan)` runs after `Scheduler.commit()`: it fills the decode rows
+(token id, slot, page table), whose tokens were not known before. Row i of the batch is
+`plan.rows[i]`; a dead decode row keeps slot -1 (writes nothing).
+
+No validation here: the engine's rows are valid by construction (prompts are checked
+when they are added); `decode.build_step_input` is the validating builder for steps
+built by hand.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagedjax import decode
+from pagedjax.beam import num_candidates
+from pagedjax.scheduler import StepPlan
+
+__all__ = ["StepBatch"]
+
+
+def _copies(copies, c: int) -> tuple[np.ndarray, np.ndarray]:
+    src = np.zeros(c, np.int32)
+    dst = np.full(c, -1, np.int32)
+    if copies:
+        pairs = np.asarray(copies, np.int32).reshape(-1, 2)
+        src[: len(pairs)], dst[: len(pairs)] = pairs[:, 0], pairs[:, 1]
+    return src, dst
+
+
+class StepBatch:
+    """A plan's `StepInput` arrays: prefill rows packed now, decode rows in `finish`.
+
+    Args:
+      plan: from `Scheduler.schedule()`, not yet committed; at least one row.
+      buckets: padding floors.
+      page_size: tokens per page.
+      vocab_size: caps the beam candidates per row.
+    """
+
+    def __init__(self, plan: StepPlan, buckets: decode.Buckets, page_size: int, vocab_size: int):
+        rows, bk, ps = plan.rows, buckets, page_size
+        n = len(rows)
+        q_lens = [r.num_tokens for r in rows]
+        self.decode = all(q == 1 for q in q_lens)
+        total = sum(q_lens)
+        b = decode.bucket_size(n, bk.min_seqs)
+        t = b if self.decode else decode.bucket_size(total, bk.min_tokens)
+        width = max(len(r.page_row) if not r.decode else r.start // ps + 1 for r in rows)
+        width = decode.bucket_size(width, bk.min_pages)
+        self.min_copies = bk.min_copies
+        self.token_ids = np.zeros(t, np.int32)
+        self.positions = np.zeros(t, np.int32)
+        self.slot_mapping = np.full(t, -1, np.int32)
+        self.page_table = np.zeros((b, width), np.int32)
+        self.starts = np.zeros(b + 1, np.int32)
+        self.context_lens = np.zeros(b, np.int32)
+        self.temperature = np.zeros(b, np.float32)
+        self.top_k = np.zeros(b, np.int32)
+        self.top_p = np.ones(b, np.float32)
+        self.seeds = np.zeros(b, np.uint32)
+        self.steps = np.zeros(b, np.int32)
+        self.top_k_needed = 0
+        off = 0
+        for i, r in enumerate(rows):
+            self.starts[i] = off
+            q = r.num_tokens
+            self.positions[off : off + q] = np.arange(r.start, r.start + q)
+            self.context_lens[i] = r.start + q
+            params = r.group.request.params
+            if r.group.atomic:
+                w = params.beam_width
+                k = num_candidates(w, len(r.group.request.stop_ids))
+                self.top_k_needed = max(self.top_k_needed, k)
+            elif r.samples:
+                self.temperature[i] = params.temperature
+                self.top_k[i] = params.top_k
+                self.top_p[i] = params.top_p
+                self.seeds[i] = r.seq.seed
+                self.steps[i] = r.start + q - r.seq.num_prompt_tokens
+            if not r.decode:
+                self.token_ids[off : off + q] = r.seq.token_ids[r.start : r.start + q]
+                self.slot_mapping[off : off + q] = r.slots
+                self.page_table[i, : len(r.page_row)] = r.page_row
+            off += q
+        self.starts[n:] = off
+        self.logits_indices = np.zeros(b, np.int32)
+        self.logits_indices[:n] = self.starts[1 : n + 1] - 1
+        self.vocab = vocab_size
+
+    def finish(self, plan: StepPlan) -> tuple[decode.StepInput, int]:
+        """Fills the committed decode rows; returns the StepInput and top-k count."""
+        for i, r in enumerate(plan.rows):
+            if not r.decode or r.seq is None:
+                continue
+            off, s = self.starts[i], r.seq
+            self.token_ids[off] = s.token_ids[r.start]
+            self.positions[off] = r.start
+            self.slot_mapping[off] = r.slots[0]
+            self.page_table[i] = 0
+            self.page_table[i, : len(r.page_row)] = r.page_row
+            self.context_lens[i] = r.start + 1
+            if not r.group.atomic:
+                self.seeds[i] = s.seed
+                self.steps[i] = s.num_generated
+        k = 0
+        if self.top_k_needed:
+            k = min(decode.bucket_size(self.top_k_needed, 8), self.vocab)
+        src, dst = _copies(plan.copies, decode.bucket_size(len(plan.copies), self.min_copies))
+        inp = decode.StepInput(
+            token_ids=self.token_ids,
+            positions=self.positions,
+            slot_mapping=self.slot_mapping,
+            page_table=self.page_table,
+            context_lens=self.context_lens,
+            query_start_loc=self.starts,
+            logits_indices=self.logits_indices,
+            copy_src=src,
+            copy_dst=dst,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seeds=self.seeds,
+            sample_steps=self.steps,
+            decode=self.decode,
+        )
+        return inp, k

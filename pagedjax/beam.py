@@ -1,0 +1,131 @@
+"""Beam search on the host: the candidate selection of one step, as in HF transformers.
+
+The device returns, for every live beam, its `k` most likely next tokens with their
+log-probabilities (`StepOutput.top_ids` / `top_logprobs`). `BeamSearch.select` turns
+them into the next beams; the engine keeps beams as block-manager forks (a beam chosen
+`c` times is forked `c - 1` times, a beam chosen zero times is freed), so surviving
+beams share every page of their common prefix.
+
+One step with beam width `W`, every beam holding `g` generated tokens:
+
+1. Candidates are all (beam, token) pairs, ranked by the new sum of log-probabilities
+   (ties: lower beam index, then the more likely token).
+2. Walking down that ranking: a stop token (EOS unless ignored, or a
+   `stop_token_ids` entry) among the first `W` candidates ends a hypothesis; further
+   down it is skipped. Any other candidate becomes a new beam, until `W` beams.
+3. A hypothesis scores `logprob_sum / length ** length_penalty`, `length` counting
+   the generated tokens including the stop token (HF's `length_penalty`: > 0 favours
+   longer outputs, < 0 shorter). The best `W` hypotheses are kept.
+4. The search ends when the beams reach `max_new_tokens` (they become hypotheses,
+   finish reason "length"), when no beam is left, or, once `W` hypotheses exist,
+   when the best new beam's `sum / (g + 1) ** length_penalty` cannot beat the worst
+   kept hypothesis (HF's `early_stopping=False` heuristic).
+
+`k = num_candidates(W, num_stop_ids)` candidates per beam are enough for this to
+match a search over the whole vocabulary: the walk stops within the first
+`W + (number of stop tokens)` candidates overall, and those are within each beam's own
+top that many.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+__all__ = ["BeamSearch", "Hypothesis", "num_candidates"]
+
+
+def num_candidates(width: int, num_stop_ids: int) -> int:
+    """Candidates per beam a step needs (see the module docstring)."""
+    return max(2 * width, width + num_stop_ids)
+
+
+@dataclasses.dataclass(slots=True)
+class Hypothesis:
+    """A finished beam: generated tokens (stop token included), its score and why it ended."""
+
+    token_ids: list[int]
+    cumulative_logprob: float
+    score: float
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclasses.dataclass(slots=True)
+class BeamSearch:
+    """State of one request's beam search between steps.
+
+    Attributes:
+      width: beams kept (W).
+      length_penalty: exponent of the length normaliser.
+      stop_ids: tokens that end a hypothesis.
+      max_new_tokens: generated tokens after which every beam ends.
+      hyps: the best finished hypotheses so far, best first (at most W).
+      done: no further step is needed.
+    """
+
+    width: int
+    length_penalty: float
+    stop_ids: frozenset
+    max_new_tokens: int
+    hyps: list[Hypothesis] = dataclasses.field(default_factory=list)
+    done: bool = False
+
+    def score(self, logprob_sum: float, length: int) -> float:
+        return logprob_sum / length**self.length_penalty
+
+    def _add(self, token_ids: list[int], logprob_sum: float, reason: str) -> None:
+        h = Hypothesis(token_ids, logprob_sum, self.score(logprob_sum, len(token_ids)), reason)
+        self.hyps.append(h)
+        self.hyps.sort(key=lambda x: -x.score)  # stable: an earlier equal score stays first
+        del self.hyps[self.width :]
+
+    def select(
+        self,
+        generated: list[list[int]],
+        sums: list[float],
+        top_ids: np.ndarray,
+        top_logprobs: np.ndarray,
+    ) -> list[tuple[int, int, float]]:
+        """One step: the next beams as (parent beam index, token, new logprob sum).
+
+        Args:
+          generated: each live beam's generated tokens (equal lengths).
+          sums: each beam's sum of log-probabilities.
+          top_ids: [beams, k] int each beam's most likely next tokens, best first.
+          top_logprobs: [beams, k] float their log-probabilities.
+
+        Returns:
+          The new beams, best first; empty when the search is done. Sets `done`.
+        """
+        total = np.asarray(sums, np.float64)[:, None] + np.asarray(top_logprobs, np.float64)
+        nb, k = total.shape
+        order = np.lexsort((np.tile(np.arange(k), nb), np.repeat(np.arange(nb), k), -total.ravel()))
+        length = len(generated[0]) + 1
+        new: list[tuple[int, int, float]] = []
+        for rank, flat in enumerate(order.tolist()):
+            b, j = divmod(flat, k)
+            tok, s = int(top_ids[b, j]), float(total[b, j])
+            if tok in self.stop_ids:
+                if rank < self.width:
+                    self._add([*generated[b], tok], s, "stop")
+                continue
+            new.append((b, tok, s))
+            if len(new) == self.width:
+                break
+        if length >= self.max_new_tokens:
+            for b, tok, s in new:
+                self._add([*generated[b], tok], s, "length")
+            new = []
+        elif (
+            new
+            and len(self.hyps) >= self.width
+            and self.hyps[-1].score >= self.score(new[0][2], length)
+        ):
+            new = []  # no beam can beat the worst kept hypothesis any more
+        self.done = not new
+        return new
+
+    def best(self, n: int) -> list[Hypothesis]:
+        """The n best hypotheses, best first."""
+        return self.hyps[:n]

@@ -1,0 +1,533 @@
+"""The LLM-style front: `LLM(...).generate(prompts, SamplingParams(...)) -> [RequestOutput]`.
+
+    from pagedjax.engine import LLM, SamplingParams
+
+    llm = LLM()                                   # the demo model (or a checkpoint path,
+                                                  # a ModelConfig: random weights)
+    outs = llm.generate(["def add(a, b):", "import os\\n"], SamplingParams(max_tokens=32))
+    print(outs[0].outputs[0].text, llm.summary())
+
+Pieces: a `Scheduler` (continuous batching, chunked prefill, preemption) over a
+`BlockManager` (pages, copy-on-write, prefix cache); `StepBatch` (`pagedjax.batch`)
+packs each plan for the jitted `decode.prefill_step` / `decode.decode_step` (cache
+donated); host-side beam search (`pagedjax.beam`); metrics (`pagedjax.metrics`);
+request types (`pagedjax.request`); model loading and KV sizing (`pagedjax.resources`).
+
+Host overlap. JAX dispatch is asynchronous, so each `step()` runs:
+
+1. `scheduler.schedule()` and the packing of every prefill row (token ids, positions,
+   slots, page tables, sampling parameters): planning step N+1 while the device still
+   runs step N;
+2. only then it blocks on step N's sampled tokens, applies them (stop checks, beam
+   selection with forks and frees), and `scheduler.commit()` appends the decode rows'
+   tokens;
+3. fills the decode rows (token id, slot, page table) and dispatches step N+1, then
+   starts copying its tokens to the host.
+
+A decode row whose sequence finished in (2) stays in the batch as a dead row (it
+writes nothing; its output is ignored), so phase 1's layout never has to change.
+`metrics` times the three parts of every step; `summary()` reports them.
+
+Sampling: a request's i-th sample uses seed `(seed + i * 0x9E3779B1) mod 2**32` (so
+sample 0 uses `seed`), and its j-th token depends only on that seed and j; outputs
+are reproducible whatever else runs in the batch and across preemptions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
+from time import perf_counter
+
+import jax
+import numpy as np
+
+from pagedjax import cache as cache_lib
+from pagedjax import decode
+from pagedjax.batch import StepBatch
+from pagedjax.beam import BeamSearch
+from pagedjax.blocks import BlockManager
+from pagedjax.config import CacheConfig
+from pagedjax.metrics import EngineMetrics, StepRecord
+from pagedjax.request import CompletionOutput, RequestOutput, SamplingParams
+from pagedjax.resources import check_backend, load_model, peak_device_memory, plan_num_pages
+from pagedjax.scheduler import Scheduler, SeqStatus, SequenceGroup, StepPlan
+from pagedjax.scheduler import Sequence as Seq
+from pagedjax.tokenizer import Tokenizer
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+
+_SEED_STRIDE = 0x9E3779B1
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset
+    group: SequenceGroup
+    beam: BeamSearch | None
+    arrival: float
+    first_token: float | None = None
+
+
+class LLM:
+    """Continuous-batching generation over a paged KV cache.
+
+    Args:
+      checkpoint_or_config: None for the embedded demo model (the `tiny` preset with
+        random weights, with a warning, until it is there); a checkpoint directory (HF
+        or orbax, `pagedjax.weights.load_checkpoint`); a `ModelConfig` (random weights);
+        or `model.Params`. Random-weight models get `resources.byte_tokenizer()` when their
+        vocabulary has 256 ids or more.
+      page_size: tokens per KV page (a power of two).
+      num_pages: KV pages; default from `kv_memory_fraction` (`resources.plan_num_pages`).
+      kv_memory_fraction: share of free device memory for the cache (default 0.8);
+        give it or `num_pages`, not both.
+      max_num_seqs: most sequences running at once.
+      max_num_batched_tokens: token budget of one step (decode tokens + prefill chunks).
+      enable_prefix_caching: reuse cached prompt pages across requests.
+      backend: attention backend "auto" | "gpu" | "tpu" | "xla".
+      seed: random-weight init, and seeds of requests without one.
+      dtype: parameter and KV dtype override ("float32", "bfloat16").
+      max_model_len: longest sequence (default the model's max_position_embeddings).
+      watermark: fraction of pages admission keeps free for running sequences.
+      buckets: padding floors of the step shapes (`decode.Buckets`).
+      interpret: run Pallas kernels in interpret mode (testing on the CPU).
+      tokenizer: overrides the tokenizer found with the model.
+    """
+
+    def __init__(
+        self,
+        checkpoint_or_config=None,
+        *,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        kv_memory_fraction: float | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 1024,
+        enable_prefix_caching: bool = True,
+        backend: str = "auto",
+        seed: int = 0,
+        dtype: str | None = None,
+        max_model_len: int | None = None,
+        watermark: float = 0.01,
+        buckets: decode.Buckets | None = None,
+        interpret: bool = False,
+        tokenizer: Tokenizer | None = None,
+    ):
+        t0 = perf_counter()
+        self.backend = check_backend(backend, interpret)
+        self.interpret = interpret
+        if num_pages is not None and kv_memory_fraction is not None:
+            raise ValueError(
+                f"give num_pages or kv_memory_fraction, not both ({num_pages=}, "
+                f"{kv_memory_fraction=})"
+            )
+        cfg, params, tok, self.model_source = load_model(
+            checkpoint_or_config, dtype=dtype, seed=seed
+        )
+        self.config, self.params = cfg, params
+        self.tokenizer = tokenizer or tok
+        limit = cfg.max_position_embeddings
+        self.max_model_len = limit if max_model_len is None else max_model_len
+        if not isinstance(self.max_model_len, int) or not 1 < self.max_model_len <= limit:
+            raise ValueError(f"max_model_len must be an int in [2, {limit}], got {max_model_len=}")
+        if num_pages is None:
+            num_pages = plan_num_pages(
+                cfg,
+                page_size,
+                kv_memory_fraction=kv_memory_fraction or 0.8,
+                max_num_seqs=max_num_seqs,
+                max_model_len=self.max_model_len,
+            )
+        self.cache_config = CacheConfig(page_size, num_pages, cfg.dtype)
+        self.block_manager = BlockManager(
+            num_pages,
+            page_size,
+            enable_prefix_caching=enable_prefix_caching,
+            max_model_len=self.max_model_len,
+            watermark=watermark,
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+        self.buckets = buckets or decode.Buckets()
+        self.cache = cache_lib.create(cfg, self.cache_config)
+        self.eos_ids = frozenset(cfg.eos_token_ids) | (
+            self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
+        )
+        self.metrics = EngineMetrics(cfg.kv_bytes_per_token)
+        self._rng = np.random.default_rng(seed)
+        self._ids = itertools.count()
+        self._seq_ids = itertools.count()
+        self._inflight: tuple[StepPlan, tuple] | None = None
+        self._outputs: dict[str, RequestOutput] = {}
+        self._idle_steps = 0
+        jax.block_until_ready(self.cache)
+        self.metrics.load_time_s = perf_counter() - t0
+
+    # ----------------------------------------------------------------- requests
+
+    def encode(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt, validated (ValueError / TypeError)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompts as token id lists")
+            if not prompt:
+                raise ValueError("prompt is empty")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+            if any(not isinstance(i, (int, np.integer)) or isinstance(i, bool) for i in ids):
+                raise TypeError(f"token id prompts must be lists of ints, got {prompt!r:.80}")
+            ids = [int(i) for i in ids]
+        if not ids:
+            raise ValueError("prompt is empty (no tokens)")
+        v = self.config.vocab_size
+        bad = [i for i in ids if not 0 <= i < v]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {v})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
+                "room to generate"
+            )
+        return text, ids
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> str:
+        """Queues one prompt; returns its request id. Raises ValueError if it cannot run."""
+        params = params or SamplingParams()
+        text, ids = self.encode(prompt)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+        rid = str(next(self._ids)) if request_id is None else str(request_id)
+        p = len(ids)
+        max_len = min(p + params.max_tokens, self.max_model_len)
+        base = int(self._rng.integers(2**32)) if params.seed is None else int(params.seed)
+
+        def seq(i: int) -> Seq:
+            s = Seq(
+                next(self._seq_ids), list(ids), p, max_len, i, (base + i * _SEED_STRIDE) % 2**32
+            )
+            if params.stop:
+                s.detok = self.tokenizer.stream()
+            return s
+
+        stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.eos_ids
+        )
+        beam = None
+        if params.beam_width > 1:
+            w = params.beam_width
+            beam = BeamSearch(w, float(params.length_penalty), stop_ids, max_len - p)
+            group = SequenceGroup(rid, [seq(0)], w, params.cache_salt, atomic=True)
+        elif params.n > 1 and p > 1:
+            forks = [seq(i) for i in range(1, params.n)]
+            group = SequenceGroup(rid, [seq(0)], params.n, params.cache_salt, forks=forks)
+        else:
+            group = SequenceGroup(
+                rid, [seq(i) for i in range(params.n)], params.n, params.cache_salt
+            )
+        group.request = _Request(rid, text, ids, params, stop_ids, group, beam, perf_counter())
+        self.scheduler.add(group)
+        return rid
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stops a request wherever it is and frees its pages; returns its partial output."""
+        g = self.scheduler.abort(request_id)
+        if g is None:
+            return None
+        for s in g.seqs + g.forks:
+            s.finish_reason = "abort"
+        out = self._output(g.request, aborted=True)
+        self._outputs[request_id] = out
+        return out
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or self._inflight is not None
+
+    def generate(
+        self,
+        prompts: str | Sequence[str | Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        on_step: Callable[[LLM], None] | None = None,
+        on_token: Callable[[str, int, int], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; returns one `RequestOutput` per prompt, in order.
+
+        Args:
+          prompts: strings (needs a tokenizer) or token id lists.
+          sampling_params: one for all prompts, or one per prompt.
+          use_tqdm: show a progress bar over requests.
+          on_step: called after every engine step with the engine (tests, monitoring;
+            it may call `abort`).
+          on_token: called as `on_token(request_id, completion_index, token_id)` for
+            each sampled token accepted (not for beam search).
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        for i, p in enumerate(prompts):  # validate all before queueing any
+            try:
+                self.encode(p)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="requests", unit="req")
+        mine = set(ids)
+        t0 = perf_counter()
+        try:
+            while not mine.issubset(self._outputs) and self.has_unfinished_requests():
+                done = self.step(on_token=on_token)
+                if bar is not None:
+                    bar.update(sum(o.request_id in mine for o in done))
+                if on_step is not None:
+                    on_step(self)
+            while self._inflight is not None:  # drain a step whose rows all finished
+                self.step(on_token=on_token)
+        finally:
+            self.metrics.run_time_s += perf_counter() - t0
+            if bar is not None:
+                bar.close()
+        return [self._outputs.pop(i) for i in ids]
+
+    def summary(self) -> dict:
+        """The run's metrics (`pagedjax.metrics.SUMMARY_KEYS`)."""
+        return self.metrics.summary(
+            kv_pages_total=self.cache_config.num_pages,
+            prefix_cache_hit_rate=self.block_manager.stats().prefix_hit_rate,
+            preemptions=self.scheduler.num_preemptions,
+            peak_device_memory_bytes=peak_device_memory(),
+        )
+
+    # --------------------------------------------------------------------- step
+
+    def step(self, *, on_token=None) -> list[RequestOutput]:
+        """One engine step (see the module docstring); returns requests finished in it."""
+        t0 = perf_counter()
+        plan = self.scheduler.schedule()
+        batch = self._batch(plan) if plan.rows else None
+        t1 = perf_counter()
+        finished: list[RequestOutput] = []
+        wait = 0.0
+        progressed = self._inflight is not None
+        if self._inflight is not None:
+            prev, out = self._inflight
+            self._inflight = None
+            host = jax.device_get(out)
+            t2 = perf_counter()
+            wait = t2 - t1
+            finished = self._apply(prev, host, on_token)
+        else:
+            t2 = t1
+        self.scheduler.commit(plan)
+        live = [r for r in plan.rows if not r.decode or r.seq is not None]
+        if not live:
+            self._idle_steps = 0 if progressed else self._idle_steps + 1
+            if self._idle_steps > 2 and self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress with requests queued (a bug)")
+            return finished
+        self._idle_steps = 0
+        inp, k = batch.finish(plan)
+        before = sum(decode.compile_counts().values())
+        td = perf_counter()
+        fn = decode.decode_step if inp.decode else decode.prefill_step
+        out, self.cache = fn(
+            self.params,
+            self.cache,
+            inp,
+            backend=self.backend,
+            interpret=self.interpret,
+            num_top_logprobs=k,
+        )
+        leaves = (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)
+        for x in leaves:
+            if x is not None:
+                x.copy_to_host_async()
+        self._inflight = (plan, leaves)
+        t3 = perf_counter()
+        compiles = sum(decode.compile_counts().values()) - before
+        n_decode = sum(1 for r in live if r.decode)
+        rec = StepRecord(
+            num_rows=len(live),
+            num_prefill_tokens=plan.num_prefill_tokens,
+            num_decode_tokens=n_decode,
+            decode=inp.decode,
+            context_tokens=sum(r.start + r.num_tokens for r in live),
+            kv_used_pages=self.block_manager.stats().num_used_pages,
+            compiled=compiles > 0,
+            host_hidden_s=t1 - t0,
+            wait_s=wait,
+            host_exposed_s=t3 - t2,
+            dispatch_s=t3 - td,
+        )
+        self.metrics.record(rec, compiles)
+        return finished
+
+    def _apply(self, plan: StepPlan, host, on_token) -> list[RequestOutput]:
+        """Applies a finished step's tokens (or beam candidates) to its sequences."""
+        tokens, logprobs, top_ids, top_lps = host
+        now = perf_counter()
+        beams: dict[int, list] = {}
+        done: list[RequestOutput] = []
+        for i, r in enumerate(plan.rows):
+            if not r.samples or not r.live or r.seq.status is not SeqStatus.RUNNING:
+                continue
+            r.seq.pending = False
+            req = r.group.request
+            if req.first_token is None:
+                req.first_token = now
+            if req.beam is not None:
+                beams.setdefault(id(r.group), [r.group]).append((r.seq, top_ids[i], top_lps[i]))
+                continue
+            self._accept(req, r.seq, int(tokens[i]), float(logprobs[i]), on_token)
+            if r.group.done and r.group.status is SeqStatus.FINISHED:
+                done.append(self._finish(req, now))
+        for g, *results in beams.values():
+            if self._beam_step(g.request, results):
+                done.append(self._finish(g.request, now))
+        return done
+
+    def _accept(self, req: _Request, s: Seq, tok: int, lp: float, on_token) -> None:
+        s.token_ids.append(tok)
+        s.cumulative_logprob += lp
+        self.metrics.generated_tokens += 1
+        if on_token is not None:
+            on_token(req.request_id, s.index, tok)
+        reason = stop = None
+        if tok in req.stop_ids:
+            reason, stop = "stop", tok
+        elif s.detok is not None:
+            piece = s.detok.add(tok)
+            text = s.detok.text
+            longest = max(map(len, req.params.stop))
+            begin = max(0, len(text) - len(piece) - longest + 1)
+            stop = next((x for x in req.params.stop if text.find(x, begin) >= 0), None)
+            reason = "stop" if stop is not None else None
+        if reason is None and len(s.token_ids) >= s.max_num_tokens:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(req.group, s, reason, stop)
+
+    def _beam_step(self, req: _Request, results) -> bool:
+        """One beam-search selection; forks and frees beams. True when the search ended."""
+        g, bs = req.group, req.beam
+        seqs = [s for s, _, _ in results]
+        p = len(req.prompt_ids)
+        self.metrics.generated_tokens += len(seqs)
+        new = bs.select(
+            [s.token_ids[p:] for s in seqs],
+            [s.cumulative_logprob for s in seqs],
+            np.stack([x for _, x, _ in results]),
+            np.stack([x for _, _, x in results]),
+        )
+        if not new:
+            for s in list(g.seqs):
+                self.scheduler.drop(g, s)
+            return True
+        picks: dict[int, list[tuple[int, float]]] = {}
+        for b, tok, total in new:
+            picks.setdefault(b, []).append((tok, total))
+        for b, parent in enumerate(seqs):
+            for tok, total in picks.get(b, [])[1:]:
+                child = Seq(
+                    next(self._seq_ids),
+                    [*parent.token_ids, tok],
+                    p,
+                    parent.max_num_tokens,
+                    0,
+                    parent.seed,
+                    cumulative_logprob=total,
+                )
+                self.scheduler.fork(g, parent, child)
+            if b in picks:
+                parent.token_ids.append(picks[b][0][0])
+                parent.cumulative_logprob = picks[b][0][1]
+        for b, parent in enumerate(seqs):
+            if b not in picks:
+                self.scheduler.drop(g, parent)
+        return False
+
+    def _finish(self, req: _Request, now: float) -> RequestOutput:
+        out = self._output(req, aborted=False, now=now)
+        self._outputs[req.request_id] = out
+        self.metrics.record_request(len(req.prompt_ids), out.ttft_s, out.latency_s)
+        return out
+
+    def _output(self, req: _Request, *, aborted: bool, now: float | None = None) -> RequestOutput:
+        now = perf_counter() if now is None else now
+        g, p = req.group, len(req.prompt_ids)
+        comps = []
+        if req.beam is not None and req.beam.hyps:
+            for i, h in enumerate(req.beam.best(req.params.n)):
+                comps.append(
+                    CompletionOutput(
+                        i,
+                        self._text(h.token_ids),
+                        h.token_ids,
+                        h.cumulative_logprob,
+                        h.finish_reason,
+                    )
+                )
+        else:
+            seqs = g.finished + (g.seqs + g.forks if aborted else [])
+            if req.beam is not None:
+                seqs = seqs[: req.params.n]
+            for s in sorted(seqs, key=lambda s: s.index):
+                gen = s.token_ids[p:]
+                text = self._text(gen)
+                if isinstance(s.stop_reason, str):
+                    text = text[: text.find(s.stop_reason)] if s.stop_reason in text else text
+                comps.append(
+                    CompletionOutput(
+                        s.index,
+                        text,
+                        gen,
+                        s.cumulative_logprob,
+                        s.finish_reason,
+                        s.stop_reason,
+                    )
+                )
+        first = max((s.num_cached_tokens for s in g.finished + g.seqs), default=0)
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            list(req.prompt_ids),
+            comps,
+            not aborted,
+            first,
+            g.num_preemptions,
+            None if req.first_token is None else req.first_token - req.arrival,
+            now - req.arrival,
+        )
+
+    def _batch(self, plan: StepPlan) -> StepBatch:
+        cc = self.cache_config
+        return StepBatch(plan, self.buckets, cc.page_size, self.config.vocab_size)
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""

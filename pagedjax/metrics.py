@@ -1,0 +1,181 @@
+"""Engine metrics: one record per step, and the run summary `scripts/generate.py` prints.
+
+Host overhead is measured per step in three parts (`StepRecord`):
+
+* `host_hidden_s`: planning step N+1 (scheduling, admissions, prefill rows packed)
+  while the device still runs step N: hidden when the device is slower than it.
+* `wait_s`: blocked on step N's tokens (the device is busy; on a CPU "device" the
+  same cores run both, so this is compute, not idle host).
+* `host_exposed_s`: from step N's tokens arriving to step N+1 dispatched (applying
+  tokens, stop checks, beam selection, appends, packing decode rows, the dispatch
+  call): the device idles for this long between steps.
+
+Steps that compiled a program are kept out of the host figures (their dispatch is
+the compile) and counted in `compile_time_s`.
+
+KV bytes read follow the performance model in DESIGN.md: a step reads every live
+K/V byte of its rows' contexts once, `kv_bytes_per_token * sum(context lens)`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+import numpy as np
+
+__all__ = ["SUMMARY_KEYS", "EngineMetrics", "StepRecord", "percentile"]
+
+SUMMARY_KEYS = (
+    "load_time_s",
+    "compile_time_s",
+    "num_compilations",
+    "run_time_s",
+    "num_requests",
+    "num_steps",
+    "num_prompt_tokens",
+    "num_prefill_tokens",
+    "num_generated_tokens",
+    "ttft_mean_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "latency_mean_s",
+    "prefill_tokens_per_s",
+    "decode_tokens_per_s",
+    "kv_bytes_read",
+    "kv_bytes_read_per_s",
+    "peak_device_memory_bytes",
+    "kv_pages_used",
+    "kv_pages_total",
+    "kv_utilization",
+    "prefix_cache_hit_rate",
+    "preemptions",
+    "host_hidden_ms_per_step",
+    "host_exposed_ms_per_step",
+    "device_wait_ms_per_step",
+)
+
+
+def percentile(values, q: float) -> float | None:
+    """The q-th percentile (linear interpolation), None for no values."""
+    return float(np.percentile(np.asarray(values, np.float64), q)) if len(values) else None
+
+
+@dataclasses.dataclass(slots=True)
+class StepRecord:
+    """One engine step."""
+
+    num_rows: int  # live rows (sequences that fed tokens)
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    decode: bool  # ran decode_step (one token per row)
+    context_tokens: int  # sum of the rows' context lengths (K/V read)
+    kv_used_pages: int
+    compiled: bool  # the dispatch traced and compiled a new program
+    host_hidden_s: float
+    wait_s: float
+    host_exposed_s: float
+    dispatch_s: float
+
+
+class EngineMetrics:
+    """Accumulates step records and request timings; `summary()` reports them.
+
+    Args:
+      kv_bytes_per_token: K and V bytes of one token over all layers.
+      max_records: step records kept (the totals count every step).
+    """
+
+    def __init__(self, kv_bytes_per_token: int, *, max_records: int = 100_000):
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.steps: collections.deque[StepRecord] = collections.deque(maxlen=max_records)
+        self.load_time_s = 0.0
+        self.reset()
+
+    def reset(self) -> None:
+        """Clears everything but the load time (e.g. between benchmark runs)."""
+        self.steps.clear()
+        self.num_steps = 0
+        self.compile_time_s = 0.0
+        self.num_compilations = 0
+        self.run_time_s = 0.0
+        self.prefill_tokens = 0
+        self.decode_tokens = 0
+        self.generated_tokens = 0  # tokens accepted into outputs (engine-counted)
+        self.context_tokens = 0
+        self.peak_used_pages = 0
+        self.ttfts: list[float] = []
+        self.latencies: list[float] = []
+        self.num_prompt_tokens = 0
+        self._host = [0.0, 0.0, 0.0, 0]  # hidden, exposed, wait, steps counted
+
+    def record(self, rec: StepRecord, num_compilations: int = 0) -> None:
+        self.steps.append(rec)
+        self.num_steps += 1
+        self.prefill_tokens += rec.num_prefill_tokens
+        self.decode_tokens += rec.num_decode_tokens
+        self.context_tokens += rec.context_tokens
+        self.peak_used_pages = max(self.peak_used_pages, rec.kv_used_pages)
+        if rec.compiled:
+            self.compile_time_s += rec.dispatch_s
+            self.num_compilations += num_compilations
+        else:
+            h = self._host
+            h[0] += rec.host_hidden_s
+            h[1] += rec.host_exposed_s
+            h[2] += rec.wait_s
+            h[3] += 1
+
+    def record_request(self, num_prompt_tokens: int, ttft: float | None, latency: float) -> None:
+        self.num_prompt_tokens += num_prompt_tokens
+        if ttft is not None:
+            self.ttfts.append(ttft)
+        self.latencies.append(latency)
+
+    def summary(
+        self,
+        *,
+        kv_pages_total: int,
+        prefix_cache_hit_rate: float,
+        preemptions: int,
+        peak_device_memory_bytes: int | None,
+    ) -> dict:
+        """The run's figures, keyed by `SUMMARY_KEYS` (times in seconds unless `_ms`)."""
+        busy = max(self.run_time_s - self.compile_time_s, 1e-9)
+        hidden, exposed, wait, n = self._host
+        per_step = (lambda x: 1e3 * x / n) if n else (lambda x: None)
+        kv_bytes = self.context_tokens * self.kv_bytes_per_token
+        out = dict(
+            load_time_s=self.load_time_s,
+            compile_time_s=self.compile_time_s,
+            num_compilations=self.num_compilations,
+            run_time_s=self.run_time_s,
+            num_requests=len(self.latencies),
+            num_steps=self.num_steps,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_prefill_tokens=self.prefill_tokens,
+            num_generated_tokens=self.generated_tokens,
+            ttft_mean_s=float(np.mean(self.ttfts)) if self.ttfts else None,
+            ttft_p50_s=percentile(self.ttfts, 50),
+            ttft_p99_s=percentile(self.ttfts, 99),
+            latency_mean_s=float(np.mean(self.latencies)) if self.latencies else None,
+            prefill_tokens_per_s=self.prefill_tokens / busy,
+            decode_tokens_per_s=self.decode_tokens / busy,
+            kv_bytes_read=kv_bytes,
+            kv_bytes_read_per_s=kv_bytes / busy,
+            peak_device_memory_bytes=peak_device_memory_bytes,
+            kv_pages_used=self.peak_used_pages,
+            kv_pages_total=kv_pages_total,
+            kv_utilization=self.peak_used_pages / kv_pages_total,
+            prefix_cache_hit_rate=prefix_cache_hit_rate,
+            preemptions=preemptions,
+            host_hidden_ms_per_step=per_step(hidden),
+            host_exposed_ms_per_step=per_step(exposed),
+            device_wait_ms_per_step=per_step(wait),
+        )
+        assert tuple(out) == SUMMARY_KEYS
+        return {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in out.items()
+        }

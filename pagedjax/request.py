@@ -1,0 +1,114 @@
+"""What a request asks for and what it gets back: `SamplingParams`, `RequestOutput`.
+
+`SamplingParams` validates itself on construction (ValueError naming the value), so a
+bad request fails on the host before anything is queued or compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+__all__ = ["CompletionOutput", "RequestOutput", "SamplingParams"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to generate for one request; validated on construction (ValueError).
+
+    Attributes:
+      n: completions per prompt; with beam search, the best n beams (n <= beam_width).
+      temperature: 0 is greedy; ignored by beam search.
+      top_k: keep the k most likely tokens (0: off).
+      top_p: nucleus mass in (0, 1] (1: off).
+      max_tokens: most tokens to generate per completion.
+      seed: sampling seed; None draws one from the engine's seed.
+      stop_token_ids: extra tokens that end a completion (kept in its token ids).
+      stop: strings that end a completion (cut from its text; needs a tokenizer).
+      ignore_eos: do not stop on the model's EOS tokens.
+      beam_width: > 1 runs beam search with this many beams.
+      length_penalty: beam score = logprob_sum / length ** length_penalty.
+      cache_salt: requests share prefix-cache pages only with equal salts.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    cache_salt: str | None = None
+
+    def __post_init__(self):
+        def positive_int(name):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {name}={v!r}")
+
+        for name in ("n", "max_tokens", "beam_width"):
+            positive_int(name)
+        t = self.temperature
+        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be finite and >= 0, got temperature={t!r}")
+        k = self.top_k
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0: off), got top_k={k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got top_p={self.top_p!r}")
+        s = self.seed
+        if s is not None and (not isinstance(s, (int, np.integer)) or not 0 <= s < 2**32):
+            raise ValueError(f"seed must be None or an int in [0, 2**32), got seed={s!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(x, str) or not x for x in stop):
+            raise ValueError(f"stop must be non-empty strings, got stop={self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+        ids = tuple(self.stop_token_ids)
+        if any(not isinstance(i, (int, np.integer)) or i < 0 for i in ids):
+            raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
+        lp = self.length_penalty
+        if not isinstance(lp, (int, float)) or not math.isfinite(lp):
+            raise ValueError(f"length_penalty must be a finite number, got length_penalty={lp!r}")
+        if self.beam_width > 1 and self.n > self.beam_width:
+            raise ValueError(
+                f"beam search returns at most beam_width outputs, got n={self.n} > "
+                f"beam_width={self.beam_width}"
+            )
+        if self.beam_width > 1 and stop:
+            raise ValueError(f"stop strings are not supported with beam search, got stop={stop}")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ValueError(f"cache_salt must be a str or None, got {self.cache_salt!r}")
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One completion of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A finished (or aborted) request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int  # prompt tokens served from the prefix cache (first admission)
+    num_preemptions: int
+    ttft_s: float | None  # arrival to first generated token
+    latency_s: float | None  # arrival to finish

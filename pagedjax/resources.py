@@ -1,0 +1,151 @@
+"""What an engine runs on: the model and tokenizer, the attention backend, the KV pages.
+
+* `load_model(source)`: the embedded demo model (None; the `tiny` preset with random
+  weights and a warning until the demo model is there), a checkpoint directory (HF or
+  orbax), a `ModelConfig` (random weights) or ready `model.Params`.
+* `byte_tokenizer()`: id = UTF-8 byte, for random-weight models with >= 256 ids.
+* `check_backend`: "gpu"/"tpu" asked for on a machine without one is a ValueError.
+* `plan_num_pages`: pages from a fraction of the device's free memory, with the
+  planner's bytes per token; `peak_device_memory` for reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+
+import jax
+import tokenizers
+
+from pagedjax import demo, planner, weights
+from pagedjax import model as model_lib
+from pagedjax.config import ModelConfig, preset
+from pagedjax.tokenizer import TOKENIZER_FILE, Tokenizer
+
+__all__ = [
+    "BACKENDS",
+    "byte_tokenizer",
+    "check_backend",
+    "load_model",
+    "peak_device_memory",
+    "plan_num_pages",
+]
+
+BACKENDS = ("auto", "gpu", "tpu", "xla")
+_CPU_KV_BUDGET = 4 * 1024**3  # bytes kv_memory_fraction applies to with no device stats
+
+
+def byte_tokenizer(bos_token_id: int = 1, eos_token_id: int = 2) -> Tokenizer:
+    """A byte-level tokenizer (id = UTF-8 byte value) for random-weight models (vocab >= 256).
+
+    It has no merges and no special tokens of its own: `bos_token_id`/`eos_token_id`
+    are plain byte ids (the `tiny` preset's 1 and 2).
+    """
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in printable]
+    char = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    vocab = {char[b]: b for b in range(256)}
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    return Tokenizer(tok, bos_token_id=bos_token_id, eos_token_ids=[eos_token_id])
+
+
+def load_model(source, *, dtype=None, seed: int = 0):
+    """(config, params, tokenizer or None, description) for `LLM`'s first argument.
+
+    Raises:
+      FileNotFoundError, weights.CheckpointError: a bad checkpoint directory.
+      TypeError: any other kind of source.
+    """
+    if source is None:
+        try:
+            path = demo.demo_model_dir()
+        except FileNotFoundError as e:
+            cfg = preset("tiny")
+            msg = f"tiny preset with random weights (no demo model: {e})"
+            warnings.warn(f"pagedjax: using the {msg}", stacklevel=3)
+            return cfg, model_lib.init_params(cfg, seed), byte_tokenizer(), msg
+        cfg, params = weights.load_checkpoint(path, dtype=dtype)
+        return cfg, params, Tokenizer.from_dir(path), f"demo model {path}"
+    if isinstance(source, (str, Path)):
+        cfg, params = weights.load_checkpoint(source, dtype=dtype)
+        tok = Tokenizer.from_dir(source) if (Path(source) / TOKENIZER_FILE).is_file() else None
+        return cfg, params, tok, f"checkpoint {source}"
+    if isinstance(source, ModelConfig):
+        cfg = source if dtype is None else dataclasses.replace(source, dtype=dtype)
+        tok = byte_tokenizer() if cfg.vocab_size >= 256 else None
+        return cfg, model_lib.init_params(cfg, seed), tok, "random weights (a ModelConfig)"
+    if isinstance(source, model_lib.Params):
+        tok = byte_tokenizer() if source.config.vocab_size >= 256 else None
+        return source.config, source, tok, "given params"
+    raise TypeError(
+        "LLM's first argument must be None (demo model), a checkpoint path, a ModelConfig "
+        f"or model Params, got {type(source).__name__}"
+    )
+
+
+def check_backend(backend: str, interpret: bool = False) -> str:
+    """Validates `backend` against the JAX default device; returns it unchanged."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got backend={backend!r}")
+    platform = jax.default_backend()
+    wants = {"gpu": ("gpu", "cuda", "rocm"), "tpu": ("tpu",)}.get(backend)
+    if wants and platform not in wants and not interpret:
+        raise ValueError(
+            f"backend={backend!r} needs a {backend.upper()}, but JAX's default device is "
+            f"{platform!r}; use backend='auto' or 'xla'"
+        )
+    return backend
+
+
+def plan_num_pages(
+    cfg: ModelConfig,
+    page_size: int,
+    *,
+    kv_memory_fraction: float,
+    max_num_seqs: int,
+    max_model_len: int,
+    device=None,
+) -> int:
+    """Pages that fit in `kv_memory_fraction` of the device's free memory.
+
+    Free memory is `bytes_limit - bytes_in_use` from the device's `memory_stats()`
+    (call it after the weights are loaded). Where there are no stats (the CPU), the
+    fraction applies to a 4 GiB budget, capped at what `max_num_seqs` sequences of
+    `max_model_len` tokens can use.
+    """
+    if not 0 < kv_memory_fraction <= 1:
+        raise ValueError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction=}")
+    per_token = planner.kv_bytes_per_token(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
+    )
+    per_page = per_token * page_size
+    device = device or jax.devices()[0]
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # some backends do not implement it
+        stats = {}
+    if "bytes_limit" in stats:
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        pages = int(kv_memory_fraction * free) // per_page
+    else:
+        most = max_num_seqs * -(-max_model_len // page_size)
+        pages = min(most, int(kv_memory_fraction * _CPU_KV_BUDGET) // per_page)
+    pages = min(pages, (2**31 - 1) // page_size - 1)
+    if pages < 1:
+        raise ValueError(
+            f"kv_memory_fraction={kv_memory_fraction} of free device memory holds no page of "
+            f"{per_page} bytes"
+        )
+    return pages
+
+
+def peak_device_memory(device=None) -> int | None:
+    """Peak bytes in use on the device, None where the backend has no memory stats."""
+    try:
+        stats = (device or jax.devices()[0]).memory_stats() or {}
+    except Exception:
+        return None
+    return stats.get("peak_bytes_in_use")

@@ -1,0 +1,521 @@
+"""Continuous batching: which sequences run each step, under a token budget.
+
+Host state only (dataclasses, lists, the `BlockManager`); no jax arrays. The engine
+drives one step in two phases so that the host can plan step N+1 while the device
+still runs step N:
+
+    plan = scheduler.schedule()   # phase 1: decode candidates, page reservation,
+                                  # preemption, prefill chunks, admissions
+    ...                           # the engine waits for step N's tokens and applies
+                                  # them: finish(), fork(), drop()
+    scheduler.commit(plan)        # phase 2: append the decode rows' tokens (slots,
+                                  # copy-on-write copies, page tables)
+
+Policy of `schedule()`, in order, with `max_num_batched_tokens` tokens to spend and at
+most `max_num_seqs` sequences running:
+
+1. Decode: every running sequence whose next token is known or in flight gets one
+   token (a beam group gets `beam_width` rows, bound to its beams in `commit`). The
+   pages those appends may need are reserved; while they exceed the free pages, the
+   most recently admitted running group is preempted by recompute: its pages are
+   freed and it goes back to the FRONT of the waiting queue, keeping its prompt and
+   generated tokens, which are prefilled again on readmission (cheaply where the
+   prefix cache still holds their pages). Results of its in-flight step are dropped
+   (its `epoch` changes); recomputing them gives the same tokens, since a sample
+   depends only on (seed, token index) and the logits.
+2. Prefill: running sequences that are part-way through their prompt get the next
+   chunk, oldest first.
+3. Admission: waiting groups, first come first served (a group that does not fit
+   blocks those behind it, so nothing starves), while seats, budget and pages allow.
+   Admission keeps the block manager's watermark of pages free on top of the decode
+   reservation, and reserves pages for each whole prompt, so a long prompt prefilled
+   over several steps never runs out mid-prompt.
+
+A request is a `SequenceGroup`: one sequence; `n` samples, which fork off the prompt
+(`prompt[:-1]` is prefilled once, then every sample shares its pages and feeds the
+last prompt token itself, copy-on-write splitting the last partial page); or a beam
+search (`atomic`), whose beams always step together. `add` refuses a group that could
+not run even alone in the cache, so preemption always makes progress.
+
+Frees requested between `schedule()` and the end of `commit()` (a sequence that
+finishes, an aborted request, a dropped beam) are deferred to the end of `commit()`:
+this step may still write K/V into those pages (a prefill chunk already counted as
+computed and registered in the prefix cache), so they must not be handed to another
+sequence of the same step.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import itertools
+from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+
+from pagedjax.blocks import BlockManager, OutOfPages
+
+__all__ = [
+    "Scheduler",
+    "ScheduledRow",
+    "SeqStatus",
+    "Sequence",
+    "SequenceGroup",
+    "StepPlan",
+]
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Sequence:
+    """One token stream: the prompt plus what has been generated for it.
+
+    Attributes:
+      seq_id: id in the block manager (unique per engine).
+      token_ids: prompt and generated tokens, all known to the host.
+      num_prompt_tokens: leading prompt tokens in `token_ids`.
+      max_num_tokens: the sequence finishes ("length") at this many tokens.
+      index: completion index within its request.
+      seed: sampling seed of this completion.
+      num_admitted: tokens the block manager holds for it (0 while waiting).
+      num_computed: of those, tokens whose K/V is on the device or being written by a
+        dispatched step.
+      num_cached_tokens: prefix-cache hit of its last admission.
+      pending: a dispatched step samples its next token (not yet in `token_ids`).
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    max_num_tokens: int
+    index: int = 0
+    seed: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    num_admitted: int = 0
+    num_computed: int = 0
+    num_cached_tokens: int = 0
+    pending: bool = False
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    detok: Any = None  # the engine's incremental detokenizer, if any
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def _ready(self) -> bool:
+        """Fully computed with exactly one known token left to feed."""
+        return (
+            self.status is SeqStatus.RUNNING
+            and self.num_computed == self.num_admitted
+            and len(self.token_ids) == self.num_admitted + 1
+        )
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class SequenceGroup:
+    """A request's sequences, admitted, preempted and aborted together.
+
+    Attributes:
+      request_id: the request's id.
+      seqs: its live (unfinished) sequences.
+      num_seats: how many sequences it may run at once (n, or the beam width); counted
+        against `max_num_seqs`.
+      cache_salt: prefix-cache salt of all its sequences.
+      atomic: beam search: all sequences step together, `num_seats` decode rows a step.
+      forks: samples still to fork off `seqs[0]` once `prompt[:-1]` is prefilled.
+      request: the engine's object for this request (opaque here).
+      epoch: bumped on preemption and abort; results of older steps are stale.
+      finished: sequences that finished, in finishing order.
+    """
+
+    request_id: Hashable
+    seqs: list[Sequence]
+    num_seats: int = 1
+    cache_salt: str | None = None
+    atomic: bool = False
+    forks: list[Sequence] = dataclasses.field(default_factory=list)
+    request: Any = None
+    epoch: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    admit_order: int = -1
+    num_preemptions: int = 0
+    finished: list[Sequence] = dataclasses.field(default_factory=list)
+
+    @property
+    def seats(self) -> int:
+        return self.num_seats if self.atomic else len(self.seqs) + len(self.forks)
+
+    @property
+    def done(self) -> bool:
+        return not self.seqs and not self.forks
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class ScheduledRow:
+    """One sequence's share of a step.
+
+    Prefill rows are complete after `schedule()`; decode rows get their sequence (beam
+    rows), slot and page table in `commit()`. A decode row left with `seq is None`
+    after `commit()` is dead: its sequence finished or was preempted meanwhile; it
+    writes nothing (slot -1) and its output is ignored.
+    """
+
+    group: SequenceGroup
+    seq: Sequence | None
+    epoch: int
+    start: int  # position of the first token fed
+    num_tokens: int
+    decode: bool  # one token, appended in commit()
+    samples: bool  # the row's output is the sequence's next token (or beam top-k)
+    slots: np.ndarray | None = None  # [num_tokens] int32
+    page_row: np.ndarray | None = None  # [pages] int32
+
+    @property
+    def live(self) -> bool:
+        return self.seq is not None and self.group.epoch == self.epoch
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class StepPlan:
+    """What one step runs: rows in order, then (after commit) copy-on-write copies."""
+
+    rows: list[ScheduledRow]
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    num_prefill_tokens: int = 0
+    committed: bool = False
+
+    @property
+    def decode_rows(self) -> list[ScheduledRow]:
+        return [r for r in self.rows if r.decode]
+
+
+class Scheduler:
+    """Continuous batching over a `BlockManager` (see the module docstring).
+
+    Args:
+      block_manager: owns the pages; the scheduler is its only user.
+      max_num_seqs: most sequences running at once (also the most rows a step).
+      max_num_batched_tokens: most tokens a step feeds (decode rows plus prefill
+        chunks); at least `max_num_seqs`.
+    """
+
+    def __init__(
+        self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int
+    ):
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(
+                "max_num_batched_tokens must be >= max_num_seqs (every running sequence "
+                f"decodes each step), got {max_num_batched_tokens=} < {max_num_seqs=}"
+            )
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: collections.deque[SequenceGroup] = collections.deque()
+        self.running: list[SequenceGroup] = []  # admission order
+        self.num_preemptions = 0
+        self._groups: dict[Hashable, SequenceGroup] = {}
+        self._admissions = itertools.count()
+        self._open = False  # between schedule() and the end of commit()
+        self._deferred: list[int] = []
+
+    # ---------------------------------------------------------------- queries
+
+    def has_unfinished(self) -> bool:
+        return bool(self._groups)
+
+    def get(self, request_id: Hashable) -> SequenceGroup | None:
+        return self._groups.get(request_id)
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(len(g.seqs) for g in self.running)
+
+    def max_pages_needed(self, group: SequenceGroup) -> int:
+        """Pages the group could hold at once, with no sharing, plus a decode reserve."""
+        ps = self.bm.page_size
+        seqs = group.seqs + group.forks
+        longest = max(s.max_num_tokens for s in seqs)
+        return group.num_seats * (-(-longest // ps) + 1)
+
+    # --------------------------------------------------------------- requests
+
+    def add(self, group: SequenceGroup) -> None:
+        """Queues a request; raises ValueError if it could never run (seats or pages)."""
+        if group.request_id in self._groups:
+            raise ValueError(f"request id {group.request_id!r} is already queued or running")
+        if not group.seqs:
+            raise ValueError(f"request {group.request_id!r} has no sequences")
+        if group.seats > self.max_num_seqs or group.num_seats > self.max_num_seqs:
+            raise ValueError(
+                f"request {group.request_id!r} runs {group.num_seats} sequences at once, "
+                f"more than max_num_seqs={self.max_num_seqs}"
+            )
+        need = self.max_pages_needed(group)
+        have = self.bm.num_pages - self.bm.watermark_pages
+        if need > have:
+            raise ValueError(
+                f"request {group.request_id!r} may need {need} KV pages ({group.num_seats} "
+                f"sequences of up to {max(s.max_num_tokens for s in group.seqs)} tokens), "
+                f"more than the {have} the cache can give; raise num_pages or lower max_tokens"
+            )
+        group.status = SeqStatus.WAITING
+        self.waiting.append(group)
+        self._groups[group.request_id] = group
+
+    def abort(self, request_id: Hashable) -> SequenceGroup | None:
+        """Removes a request wherever it is and frees its pages; returns it (or None)."""
+        g = self._groups.pop(request_id, None)
+        if g is None:
+            return None
+        if g in self.running:
+            self.running.remove(g)
+        elif g in self.waiting:
+            self.waiting.remove(g)
+        for s in g.seqs:
+            self._free(s)
+            s.status = SeqStatus.FINISHED
+        g.epoch += 1
+        g.status = SeqStatus.FINISHED
+        return g
+
+    def finish(self, group: SequenceGroup, seq: Sequence, reason: str, stop_reason=None) -> None:
+        """Ends one sequence (stop or length); the group ends with its last sequence."""
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        group.finished.append(seq)
+        self.drop(group, seq)
+
+    def drop(self, group: SequenceGroup, seq: Sequence) -> None:
+        """Removes a sequence from its group without output (a beam that lost)."""
+        group.seqs.remove(seq)
+        self._free(seq)
+        seq.status = SeqStatus.FINISHED
+        if group.done:
+            self._retire(group)
+
+    def fork(self, group: SequenceGroup, parent: Sequence, child: Sequence) -> None:
+        """Adds `child` sharing every page of the running, fully computed `parent`."""
+        self.bm.fork(parent.seq_id, child.seq_id)
+        child.status = SeqStatus.RUNNING
+        child.num_admitted, child.num_computed = parent.num_admitted, parent.num_computed
+        group.seqs.append(child)
+
+    def _retire(self, group: SequenceGroup) -> None:
+        group.status = SeqStatus.FINISHED
+        self._groups.pop(group.request_id, None)
+        if group in self.running:
+            self.running.remove(group)
+        elif group in self.waiting:
+            self.waiting.remove(group)
+
+    def _free(self, seq: Sequence) -> None:
+        if seq.num_admitted:
+            if self._open:
+                self._deferred.append(seq.seq_id)
+            else:
+                self.bm.free(seq.seq_id)
+        seq.num_admitted = seq.num_computed = 0
+        seq.pending = False
+
+    # ------------------------------------------------------------ phase 1
+
+    def schedule(self) -> StepPlan:
+        """Plans the next step (phase 1); see the module docstring for the policy."""
+        if self._open:
+            raise RuntimeError("schedule() called twice without commit()")
+        self._open = True
+        bm = self.bm
+        while True:
+            cands, reserve = self._decode_candidates()
+            if reserve <= bm.num_free_pages or not self.running:
+                break
+            self._preempt(self.running[-1])
+        rows: list[ScheduledRow] = []
+        for g, s in cands:
+            if g.atomic:
+                n = len(g.seqs[0].token_ids) + (1 if g.seqs[0].pending else 0) - 1
+                rows += [
+                    ScheduledRow(g, None, g.epoch, n, 1, True, True) for _ in range(g.num_seats)
+                ]
+            else:
+                rows.append(ScheduledRow(g, s, g.epoch, s.num_admitted, 1, True, True))
+        budget = self.max_num_batched_tokens - len(rows)
+        plan = StepPlan(rows)
+
+        for g in self.running:
+            for s in list(g.seqs):
+                if budget == 0:
+                    break
+                if s.status is SeqStatus.RUNNING and s.num_computed < s.num_admitted:
+                    budget -= self._prefill_chunk(plan, g, s, budget)
+
+        seats = sum(g.seats for g in self.running)
+        while self.waiting and budget > 0:
+            g = self.waiting[0]
+            if seats + g.seats > self.max_num_seqs:
+                break
+            lens = [self._admit_len(g, s) for s in g.seqs]
+            need = sum(-(-n // bm.page_size) for n in lens)
+            if bm.num_free_pages - reserve - need < bm.watermark_pages:
+                break
+            self.waiting.popleft()
+            g.status = SeqStatus.RUNNING
+            g.admit_order = next(self._admissions)
+            self.running.append(g)
+            seats += g.seats
+            for s, n in zip(g.seqs, lens, strict=True):
+                cached = bm.admit(s.seq_id, s.token_ids[:n], cache_salt=g.cache_salt)
+                s.status = SeqStatus.RUNNING
+                s.num_admitted, s.num_computed, s.num_cached_tokens = n, cached, cached
+            for s in list(g.seqs):
+                if budget == 0:
+                    break
+                budget -= self._prefill_chunk(plan, g, s, budget)
+        return plan
+
+    def _admit_len(self, g: SequenceGroup, s: Sequence) -> int:
+        """Tokens to prefill on admission; the rest is fed as a decode row."""
+        if g.forks and s is g.seqs[0]:
+            return len(s.token_ids) - 1  # the samples fork here and feed the last token
+        if g.atomic and s.num_generated > 0:
+            return len(s.token_ids) - 1  # beams resynchronise on one decode step
+        return len(s.token_ids)
+
+    def _decode_candidates(self) -> tuple[list[tuple[SequenceGroup, Sequence | None]], int]:
+        cands: list[tuple[SequenceGroup, Sequence | None]] = []
+        ids = []
+        reserve = 0
+        for g in self.running:
+            if g.atomic:
+                if g.seqs and all(_will_decode(s) for s in g.seqs):
+                    cands.append((g, None))
+                    reserve += g.num_seats
+                continue
+            for s in g.seqs:
+                if _will_decode(s):
+                    cands.append((g, s))
+                    ids.append(s.seq_id)
+        return cands, reserve + self.bm.num_append_pages(ids)
+
+    def _prefill_chunk(self, plan: StepPlan, g: SequenceGroup, s: Sequence, budget: int) -> int:
+        bm = self.bm
+        start = s.num_computed
+        end = min(s.num_admitted, start + budget)
+        row = ScheduledRow(g, s, g.epoch, start, end - start, False, False)
+        row.slots = bm.slot_mapping(s.seq_id, start, end)
+        row.page_row = bm.page_tables([s.seq_id])[0]
+        bm.mark_computed(s.seq_id, end)
+        s.num_computed = end
+        if end == s.num_admitted:
+            if end == len(s.token_ids):
+                row.samples = s.pending = True
+            elif g.forks and s is g.seqs[0]:
+                for child in g.forks:
+                    child.token_ids = list(s.token_ids)
+                    self.fork(g, s, child)
+                g.forks = []
+        plan.rows.append(row)
+        plan.num_prefill_tokens += end - start
+        return end - start
+
+    def _preempt(self, g: SequenceGroup) -> None:
+        self.running.remove(g)
+        for s in g.seqs:
+            self._free_now(s)
+            s.status = SeqStatus.WAITING
+        g.epoch += 1
+        g.num_preemptions += 1
+        g.status = SeqStatus.WAITING
+        self.waiting.appendleft(g)
+        self.num_preemptions += 1
+
+    def _free_now(self, s: Sequence) -> None:
+        if s.num_admitted:
+            self.bm.free(s.seq_id)
+        s.num_admitted = s.num_computed = 0
+        s.pending = False
+
+    # ------------------------------------------------------------ phase 2
+
+    def commit(self, plan: StepPlan) -> None:
+        """Appends the decode rows' tokens (phase 2), after the engine applied the
+        previous step's results; fills their slots, page tables and the copies.
+
+        Rows whose sequence finished or was preempted meanwhile become dead. If the
+        appends still run out of pages (not expected: phase 1 reserved them), the
+        newest group with only decode rows in this step is preempted and the append
+        retried.
+        """
+        if plan.committed:
+            raise RuntimeError("plan committed twice")
+        self._bind(plan)
+        prefilling = {id(r.group) for r in plan.rows if not r.decode}
+        while True:
+            live = [r for r in plan.rows if r.decode and r.seq is not None]
+            seqs = [r.seq for r in live]
+            try:
+                slots, copies = self.bm.append_tokens(
+                    [s.seq_id for s in seqs], [s.token_ids[s.num_admitted] for s in seqs]
+                )
+                break
+            except OutOfPages:
+                victims = [g for g in self.running if id(g) not in prefilling]
+                if not victims:
+                    raise
+                victim = max(victims, key=lambda g: g.admit_order)
+                self._preempt(victim)
+                for r in plan.rows:
+                    if r.group is victim:
+                        r.seq = None
+        tables = self.bm.page_tables([s.seq_id for s in seqs]) if seqs else None
+        for i, (r, s) in enumerate(zip(live, seqs, strict=True)):
+            s.num_admitted += 1
+            s.num_computed += 1
+            s.pending = True
+            r.start = s.num_admitted - 1
+            r.slots = slots[i : i + 1]
+            r.page_row = tables[i]
+        plan.copies = copies
+        plan.committed = True
+        self._open = False
+        for sid in self._deferred:
+            self.bm.free(sid)
+        self._deferred.clear()
+
+    def _bind(self, plan: StepPlan) -> None:
+        """Decides each decode row's sequence now that the previous step's results are in."""
+        beams: dict[int, list[Sequence]] = {}
+        for r in plan.rows:
+            if not r.decode:
+                continue
+            g = r.group
+            if g.epoch != r.epoch or g.status is not SeqStatus.RUNNING:
+                r.seq = None
+            elif g.atomic:
+                todo = beams.setdefault(id(g), [s for s in g.seqs if s._ready()])
+                r.seq = todo.pop(0) if todo else None
+            elif r.seq is not None and not r.seq._ready():
+                r.seq = None
+
+
+def _will_decode(s: Sequence) -> bool:
+    """Whether `s` feeds one token next step: its next token is known or in flight."""
+    if s.status is not SeqStatus.RUNNING or s.num_computed != s.num_admitted:
+        return False
+    if s.pending:
+        return len(s.token_ids) + 1 < s.max_num_tokens
+    return len(s.token_ids) == s.num_admitted + 1
