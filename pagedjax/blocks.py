@@ -34,6 +34,11 @@ Contract:
   before this step's writes. Page tables change on append (new page, copy-on-write) and
   nowhere else; re-read them after each append.
 - ``fork`` needs a fully computed parent; the child shares every page.
+- A prefix hit may name pages whose K/V is being written in the current step, so the
+  device step must write a layer's new K/V before attention reads it.
+- Errors: ``OutOfPages``; ``UnknownSequence`` (``SequenceFreed`` for double free or use
+  after free); ``SequenceExists``; ``InvalidArgument`` (a ``ValueError``); ``InvalidState``
+  (e.g. append mid-prefill); all ``BlockManagerError``. A bad salt type is a ``TypeError``.
 
 Prefix cache: a full, computed page is registered under a SHA-256 hash chained over the
 parent page's hash and the page's token ids (int64 little-endian); the chain's root
@@ -56,19 +61,6 @@ import struct
 from collections.abc import Hashable, Sequence
 
 import numpy as np
-
-__all__ = [
-    "BlockManager",
-    "BlockManagerError",
-    "BlockStats",
-    "InvalidArgument",
-    "InvalidState",
-    "InvariantViolation",
-    "OutOfPages",
-    "SequenceExists",
-    "SequenceFreed",
-    "UnknownSequence",
-]
 
 
 class BlockManagerError(Exception):
@@ -282,7 +274,7 @@ class BlockManager:
 
     def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> np.ndarray:
         """Device slots of positions ``[start, end)``: ``[end - start]`` int32."""
-        s = self._get(seq_id)
+        s, start, end = self._get(seq_id), operator.index(start), operator.index(end)
         if not 0 <= start <= end <= s.num_tokens:
             raise InvalidArgument(
                 f"slot range [{start}, {end}) of {seq_id!r} is outside [0, {s.num_tokens}]"
