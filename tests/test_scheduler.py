@@ -1,0 +1,275 @@
+"""Tests for pagedjax.scheduler: host-only, with a simulated device.
+
+`Sim` plays the engine's side of the protocol (schedule, apply the previous step's
+tokens, commit) with a fake model: the token after a sequence is a fixed function of
+the sequence so far, so a recomputed (preempted) sequence must reproduce exactly the
+tokens it would have produced, and a simulated page pool checks that every computed
+slot holds the token it should (a page reused while still held, or a wrong copy-on-write,
+shows up as a mismatch).
+"""
+
+import numpy as np
+import pytest
+
+from pagedjax.blocks import BlockManager
+from pagedjax.scheduler import Scheduler, SeqStatus, Sequence, SequenceGroup
+
+PS = 4  # page size
+
+
+def next_token(tokens) -> int:
+    """The fake model: a deterministic function of the whole sequence."""
+    return (sum((i + 1) * t for i, t in enumerate(tokens)) * 7 + len(tokens)) % 97 + 3
+
+
+class Sim:
+    """Drives a Scheduler like the engine does, one step in flight at a time."""
+
+    def __init__(self, num_pages=64, max_num_seqs=4, budget=16, caching=True, watermark=0.0):
+        self.bm = BlockManager(
+            num_pages, PS, enable_prefix_caching=caching, max_model_len=256, watermark=watermark
+        )
+        self.sched = Scheduler(self.bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+        self.pool = np.full(num_pages * PS, -1, np.int64)  # token id written in each slot
+        self.inflight = None
+        self.plans = []
+        self.ids = iter(range(10**6))
+        self.done: dict = {}
+
+    def add(self, rid, prompt, max_tokens, n=1):
+        p = len(prompt)
+        seqs = [Sequence(next(self.ids), list(prompt), p, p + max_tokens, i) for i in range(n)]
+        if n > 1 and p > 1:
+            g = SequenceGroup(rid, seqs[:1], n, forks=seqs[1:])
+        else:
+            g = SequenceGroup(rid, seqs, n)
+        self.sched.add(g)
+        return g
+
+    def write_and_check(self, plan):
+        """Executes a committed plan on the simulated pool; returns each row's token."""
+        for src, dst in plan.copies:
+            self.pool[dst * PS : (dst + 1) * PS] = self.pool[src * PS : (src + 1) * PS]
+        out = []
+        for r in plan.rows:
+            if r.seq is None:
+                out.append(None)
+                continue
+            toks = r.seq.token_ids[r.start : r.start + r.num_tokens]
+            self.pool[r.slots] = toks
+            ctx = r.start + r.num_tokens
+            pos = np.arange(ctx)
+            slots = r.page_row[pos // PS] * PS + pos % PS
+            assert self.pool[slots].tolist() == r.seq.token_ids[:ctx], "K/V of a wrong token"
+            out.append(next_token(r.seq.token_ids[:ctx]))
+        return out
+
+    def step(self, on_apply=None):
+        plan = self.sched.schedule()
+        self.check_plan(plan)
+        if self.inflight is not None:
+            prev, toks = self.inflight
+            for r, t in zip(prev.rows, toks, strict=True):
+                if not r.samples or not r.live or r.seq.status is not SeqStatus.RUNNING:
+                    continue
+                s = r.seq
+                s.pending = False
+                s.token_ids.append(t)
+                if len(s.token_ids) >= s.max_num_tokens:
+                    self.sched.finish(r.group, s, "length")
+                    if r.group.done:
+                        self.done[r.group.request_id] = r.group
+            if on_apply:
+                on_apply(self)
+        self.sched.commit(plan)
+        self.plans.append(plan)
+        if any(not r.decode or r.seq is not None for r in plan.rows):
+            self.inflight = (plan, self.write_and_check(plan))
+        else:
+            self.inflight = None
+        return plan
+
+    def check_plan(self, plan):
+        s = self.sched
+        assert len(plan.rows) <= s.max_num_seqs
+        assert sum(r.num_tokens for r in plan.rows) <= s.max_num_batched_tokens
+        kinds = [r.decode for r in plan.rows]
+        assert kinds == sorted(kinds, reverse=True), "decode rows come first"
+
+    def run(self, max_steps=10_000, on_apply=None):
+        for _ in range(max_steps):
+            if not self.sched.has_unfinished() and self.inflight is None:
+                return
+            self.step(on_apply)
+            self.bm.check_invariants()
+        raise AssertionError("did not finish")
+
+
+def reference(prompt, max_tokens):
+    seq = list(prompt)
+    while len(seq) < len(prompt) + max_tokens:
+        seq.append(next_token(seq))
+    return seq
+
+
+def test_decode_first_then_chunks_of_a_long_prompt():
+    sim = Sim(budget=8)
+    short = sim.add("short", [5, 6, 7], 20)
+    sim.step()  # prefill the short prompt
+    long_ = sim.add("long", list(range(3, 30)), 4)  # 27 tokens: over several steps
+    chunks = []
+    while long_.seqs[0].num_computed < 27 or long_.seqs[0].status is SeqStatus.WAITING:
+        plan = sim.step()
+        assert plan.rows[0].decode and plan.rows[0].seq is short.seqs[0]
+        chunks += [r.num_tokens for r in plan.rows if not r.decode]
+    assert chunks == [7, 7, 7, 6]  # the budget minus the decode token, interleaved
+    sim.run()
+    assert sim.done["short"].finished[0].token_ids == reference([5, 6, 7], 20)
+    assert sim.done["long"].finished[0].token_ids == reference(range(3, 30), 4)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("budget", [4, 7, 32])
+def test_preemption_recomputes_and_completes_everything(caching, budget):
+    # 6 requests of up to 40 tokens (10 pages each) in 24 pages: preemption is forced.
+    sim = Sim(num_pages=24, max_num_seqs=4, budget=max(budget, 4), caching=caching)
+    rng = np.random.default_rng(budget)
+    prompts = {f"r{i}": rng.integers(3, 100, size=rng.integers(1, 12)).tolist() for i in range(6)}
+    for rid, p in prompts.items():
+        sim.add(rid, p, 40 - len(p))
+    sim.run()
+    assert sim.sched.num_preemptions > 0
+    assert set(sim.done) == set(prompts)
+    for rid, p in prompts.items():
+        assert sim.done[rid].finished[0].token_ids == reference(p, 40 - len(p))
+    assert sim.bm.stats().num_used_pages == 0 and sim.bm.stats().num_seqs == 0
+
+
+def test_preempts_the_newest_group_and_requeues_it_first():
+    sim = Sim(num_pages=12, max_num_seqs=4, budget=16)
+    a = sim.add("a", [1, 2, 3, 4, 5, 6, 7], 20)
+    b = sim.add("b", [9, 8, 7, 6, 5, 4, 3], 20)
+    while sim.bm.num_free_pages > 1:
+        sim.step()
+    c = sim.add("c", [4, 4, 4, 4, 4], 2)  # 2 pages: must wait
+    while sim.sched.num_preemptions == 0:
+        sim.step()
+    assert b.status is SeqStatus.WAITING and a.status is SeqStatus.RUNNING
+    assert list(sim.sched.waiting)[:2] == [b, c]  # at the front, ahead of c
+    assert b.seqs[0].num_admitted == 0 and b.num_preemptions == 1
+    sim.run()
+    assert sim.done["b"].finished[0].token_ids == reference([9, 8, 7, 6, 5, 4, 3], 20)
+
+
+def test_admission_keeps_the_watermark():
+    sim = Sim(num_pages=20, max_num_seqs=4, budget=64, watermark=0.25)  # 5 pages kept free
+    sim.add("a", list(range(3, 40)), 1)  # 37 tokens: 10 pages
+    sim.add("b", list(range(50, 69)), 1)  # 19 tokens: 5 pages -> 15 used, 5 free: allowed
+    sim.add("c", [3, 4, 5], 1)  # 1 more page would break the watermark
+    sim.step()
+    states = {g.request_id: g.status for g in sim.sched.running}
+    assert states == {"a": SeqStatus.RUNNING, "b": SeqStatus.RUNNING}
+    assert sim.bm.num_free_pages >= sim.bm.watermark_pages
+    sim.run()
+    assert set(sim.done) == {"a", "b", "c"}
+
+
+def test_seat_cap():
+    sim = Sim(max_num_seqs=2, budget=16)
+    for i in range(4):
+        sim.add(f"r{i}", [3 + i, 4], 6)
+    for _ in range(30):
+        if not sim.sched.has_unfinished():
+            break
+        sim.step()
+        assert sim.sched.num_running_seqs <= 2
+    sim.run()
+    assert len(sim.done) == 4
+
+
+def test_n_samples_fork_after_the_prompt():
+    sim = Sim(budget=32)
+    prompt = list(range(3, 13))  # 10 tokens: pages [3..6], [7..10], [11, 12] partial
+    g = sim.add("n", prompt, 5, n=3)
+    plan = sim.step()
+    (row,) = plan.rows
+    assert (row.start, row.num_tokens, row.samples) == (0, 9, False)  # prompt[:-1]
+    assert len(g.seqs) == 3 and not g.forks
+    tables = [sim.bm.page_table(s.seq_id) for s in g.seqs]
+    assert tables[0] == tables[1] == tables[2]  # everything shared, partial page included
+    plan = sim.step()  # every sample feeds the last prompt token; CoW splits the last page
+    assert [r.decode for r in plan.rows] == [True] * 3
+    assert len(plan.copies) == 2
+    tables = [sim.bm.page_table(s.seq_id) for s in g.seqs]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2]
+    assert len({t[2] for t in tables}) == 3
+    sim.run()
+    assert len(sim.done["n"].finished) == 3
+
+
+def test_abort_anywhere_frees_everything():
+    rng = np.random.default_rng(0)
+    for trial in range(5):
+        sim = Sim(num_pages=24, max_num_seqs=4, budget=int(rng.integers(4, 20)))
+        prompts = {
+            f"r{i}": rng.integers(3, 100, size=rng.integers(1, 15)).tolist() for i in range(6)
+        }
+        for rid, p in prompts.items():
+            sim.add(rid, p, 30 - len(p), n=int(rng.integers(1, 3)))
+        aborted = set()
+
+        def maybe_abort(s, rng=rng, aborted=aborted):
+            live = [g.request_id for g in s.sched.running + list(s.sched.waiting)]
+            if live and rng.random() < 0.3:
+                rid = live[rng.integers(len(live))]
+                assert s.sched.abort(rid) is not None
+                aborted.add(rid)
+
+        for _ in range(int(rng.integers(1, 25))):
+            sim.step(on_apply=maybe_abort)  # aborts between schedule() and commit()
+            sim.bm.check_invariants()
+        for g in list(sim.sched.running) + list(sim.sched.waiting):  # and between steps
+            if rng.random() < 0.5:
+                sim.sched.abort(g.request_id)
+                aborted.add(g.request_id)
+        sim.run()
+        assert set(sim.done) | aborted == set(prompts), trial
+        assert sim.bm.stats().num_used_pages == 0 and sim.bm.stats().num_seqs == 0
+        assert sim.sched.abort("r0") is None
+
+
+def test_frees_wait_for_commit():
+    sim = Sim(budget=16)
+    g = sim.add("a", [3, 4, 5, 6, 7], 1)
+    sim.step()
+    plan = sim.sched.schedule()
+    used = sim.bm.stats().num_used_pages
+    sim.sched.finish(g, g.seqs[0], "length")  # inside the window: deferred
+    assert sim.bm.stats().num_used_pages == used
+    sim.sched.commit(plan)
+    assert sim.bm.stats().num_used_pages == 0
+
+
+def test_add_rejects_what_can_never_run():
+    bm = BlockManager(8, PS, max_model_len=256)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=8)
+    with pytest.raises(ValueError, match="max_num_seqs=2"):
+        sched.add(SequenceGroup("x", [Sequence(0, [1], 1, 4)], 3))
+    with pytest.raises(ValueError, match="KV pages"):
+        sched.add(SequenceGroup("y", [Sequence(1, [1, 2], 2, 100)], 1))
+    sched.add(SequenceGroup("z", [Sequence(2, [1, 2], 2, 10)], 1))
+    with pytest.raises(ValueError, match="already"):
+        sched.add(SequenceGroup("z", [Sequence(3, [1, 2], 2, 10)], 1))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(max_num_seqs=0, max_num_batched_tokens=8),
+        dict(max_num_seqs=8, max_num_batched_tokens=4),
+        dict(max_num_seqs=2.5, max_num_batched_tokens=8),
+    ],
+)
+def test_bad_limits(kwargs):
+    with pytest.raises(ValueError, match="max_num"):
+        Scheduler(BlockManager(8, PS), **kwargs)
