@@ -155,35 +155,46 @@ def bucket_size(n: int, floor: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, floor, 1))))
 
 
-def _check_chunk(i, chunk, tokens, model_cfg, cache_cfg):
-    v, s = model_cfg.vocab_size, cache_cfg.page_size
-    if tokens.ndim != 1 or tokens.size == 0:
-        raise ValueError(f"sequence {i}: token_ids must be a non-empty 1-D list, got {tokens!r}")
-    if not np.issubdtype(tokens.dtype, np.integer):
-        raise TypeError(f"sequence {i}: token ids must be ints, got dtype {tokens.dtype}")
-    bad = (tokens < 0) | (tokens >= v)
+def _first(mask) -> int:
+    return int(np.argmax(mask))
+
+
+def _check_steps(toks, q_lens, start, n_pages, page_table, model_cfg, cache_cfg):
+    """Host validation of a whole step at once (vectorised over sequences)."""
+    v, s, p = model_cfg.vocab_size, cache_cfg.page_size, cache_cfg.num_pages
+    if (q_lens == 0).any() or any(t.ndim != 1 for t in toks):
+        i = _first((q_lens == 0) | np.array([t.ndim != 1 for t in toks]))
+        raise ValueError(f"sequence {i}: token_ids must be a non-empty 1-D list, got {toks[i]!r}")
+    for i, t in enumerate(toks):
+        if not np.issubdtype(t.dtype, np.integer):
+            raise TypeError(f"sequence {i}: token ids must be ints, got dtype {t.dtype}")
+    flat = np.concatenate(toks)
+    bad = (flat < 0) | (flat >= v)
     if bad.any():
+        j = _first(bad)
+        i = int(np.searchsorted(np.cumsum(q_lens), j, side="right"))
         raise ValueError(
-            f"sequence {i}: token id {int(tokens[bad][0])} is outside the vocabulary [0, {v})"
+            f"sequence {i}: token id {int(flat[j])} is outside the vocabulary [0, {v})"
         )
-    end = chunk.start_pos + tokens.size
-    if chunk.start_pos < 0 or end > model_cfg.max_position_embeddings:
+    end = start + q_lens
+    bad = (start < 0) | (end > model_cfg.max_position_embeddings)
+    if bad.any():
+        i = _first(bad)
         raise ValueError(
-            f"sequence {i}: positions [{chunk.start_pos}, {end}) exceed the model's "
+            f"sequence {i}: positions [{int(start[i])}, {int(end[i])}) exceed the model's "
             f"max_position_embeddings={model_cfg.max_position_embeddings}"
         )
-    row = np.asarray(chunk.page_table, np.int64).reshape(-1)
-    if row.size * s < end:
+    bad = n_pages * s < end
+    if bad.any():
+        i = _first(bad)
         raise ValueError(
-            f"sequence {i}: page table of {row.size} pages holds {row.size * s} tokens, needs {end}"
+            f"sequence {i}: page table of {int(n_pages[i])} pages holds {int(n_pages[i]) * s} "
+            f"tokens, needs {int(end[i])}"
         )
-    if row.size and ((row < 0) | (row >= cache_cfg.num_pages)).any():
-        bad_id = int(row[(row < 0) | (row >= cache_cfg.num_pages)][0])
-        raise ValueError(
-            f"sequence {i}: page id {bad_id} is out of range [0, {cache_cfg.num_pages})"
-        )
-    sampling.check_params(chunk.temperature, chunk.top_k, chunk.top_p, chunk.seed)
-    return row
+    bad = (page_table < 0) | (page_table >= p)
+    if bad.any():
+        i, j = map(int, np.argwhere(bad)[0])
+        raise ValueError(f"sequence {i}: page id {int(page_table[i, j])} is out of range [0, {p})")
 
 
 def build_step_input(
@@ -196,6 +207,9 @@ def build_step_input(
     decode: bool | None = None,
 ) -> StepInput:
     """Validates a step on the host and packs it into a bucketed `StepInput` (numpy arrays).
+
+    The work is vectorised over sequences (no per-token Python); padding rows and
+    tokens follow the conventions of `StepInput`.
 
     Args:
       chunks: one `SeqChunk` per sequence in the step.
@@ -213,39 +227,52 @@ def build_step_input(
     """
     if not chunks:
         raise ValueError("a step needs at least one sequence, got chunks=[]")
-    s = cache_cfg.page_size
+    n, s = len(chunks), cache_cfg.page_size
     toks = [np.asarray(c.token_ids) for c in chunks]
-    rows = [
-        _check_chunk(i, c, t, model_cfg, cache_cfg)
-        for i, (c, t) in enumerate(zip(chunks, toks, strict=True))
-    ]
-    q_lens = np.array([t.size for t in toks])
+    q_lens = np.fromiter((t.size for t in toks), np.int64, n)
+    start = np.fromiter((c.start_pos for c in chunks), np.int64, n)
+    rows = [np.asarray(c.page_table, np.int64).reshape(-1) for c in chunks]
+    n_pages = np.fromiter((r.size for r in rows), np.int64, n)
     if decode is None:
         decode = bool((q_lens == 1).all())
     elif decode and (q_lens != 1).any():
-        i = int(np.argmax(q_lens != 1))
+        i = _first(q_lens != 1)
         raise ValueError(f"decode=True needs one token per sequence; sequence {i} has {q_lens[i]}")
 
-    n, total = len(chunks), int(q_lens.sum())
     b = bucket_size(n, buckets.min_seqs)
+    total = int(q_lens.sum())
     t = b if decode else bucket_size(total, buckets.min_tokens)
-    max_pages = bucket_size(max(r.size for r in rows), buckets.min_pages)
+    max_pages = bucket_size(int(n_pages.max()), buckets.min_pages)
+    page_table = np.zeros((b, max_pages), np.int64)
+    page_table[np.repeat(np.arange(n), n_pages), _ragged_arange(n_pages)] = np.concatenate(rows)
+    _check_steps(toks, q_lens, start, n_pages, page_table, model_cfg, cache_cfg)
+    temperature, top_k, top_p, seeds, sample_steps = (
+        np.array([getattr(c, f) for c in chunks], dt)
+        for f, dt in (
+            ("temperature", np.float64), ("top_k", np.float64), ("top_p", np.float64),
+            ("seed", np.float64), ("sample_step", np.int64),
+        )
+    )  # fmt: skip
+    bad = ~(
+        (temperature >= 0) & np.isfinite(temperature) & (top_k >= 0) & (top_k == np.floor(top_k))
+        & (top_p > 0) & (top_p <= 1) & (seeds >= 0) & (seeds < 2**32) & (seeds == np.floor(seeds))
+    )  # fmt: skip
+    if bad.any():
+        c = chunks[_first(bad)]
+        sampling.check_params(c.temperature, c.top_k, c.top_p, c.seed)
 
+    starts = np.full(b + 1, total, np.int32)
+    starts[: n + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    seq = np.repeat(np.arange(n), q_lens)  # [total] owning sequence of each token
+    pos = start[seq] + _ragged_arange(q_lens)
     token_ids = np.zeros(t, np.int32)
+    token_ids[:total] = np.concatenate(toks)
     positions = np.zeros(t, np.int32)
+    positions[:total] = pos
     slot_mapping = np.full(t, -1, np.int32)
-    page_table = np.zeros((b, max_pages), np.int32)
-    starts = np.zeros(b + 1, np.int32)
-    starts[1 : n + 1] = np.cumsum(q_lens)
-    starts[n + 1 :] = total
+    slot_mapping[:total] = page_table[seq, pos // s] * s + pos % s
     context_lens = np.zeros(b, np.int32)
-    for i, (c, tk, row) in enumerate(zip(chunks, toks, rows, strict=True)):
-        lo, hi = starts[i], starts[i + 1]
-        token_ids[lo:hi] = tk
-        positions[lo:hi] = np.arange(c.start_pos, c.start_pos + tk.size)
-        slot_mapping[lo:hi] = cache_lib.slots_for(row, c.start_pos, c.start_pos + tk.size, s)
-        page_table[i, : row.size] = row
-        context_lens[i] = c.start_pos + tk.size
+    context_lens[:n] = start + q_lens
     logits_indices = np.zeros(b, np.int32)
     logits_indices[:n] = starts[1 : n + 1] - 1
 
@@ -254,26 +281,31 @@ def build_step_input(
         out[:n] = values
         return out
 
-    src, dst = _pack_copies(
-        copies, cache_cfg.num_pages, bucket_size(len(copies), buckets.min_copies)
-    )
+    num_copies = bucket_size(len(copies), buckets.min_copies)
+    src, dst = _pack_copies(copies, cache_cfg.num_pages, num_copies)
     return StepInput(
         token_ids=token_ids,
         positions=positions,
         slot_mapping=slot_mapping,
-        page_table=page_table,
+        page_table=page_table.astype(np.int32),
         context_lens=context_lens,
         query_start_loc=starts,
         logits_indices=logits_indices,
         copy_src=src,
         copy_dst=dst,
-        temperature=per_seq([c.temperature for c in chunks], np.float32, 0.0),
-        top_k=per_seq([c.top_k for c in chunks], np.int32, 0),
-        top_p=per_seq([c.top_p for c in chunks], np.float32, 1.0),
-        seeds=per_seq([c.seed for c in chunks], np.uint32, 0),
-        sample_steps=per_seq([c.sample_step for c in chunks], np.int32, 0),
+        temperature=per_seq(temperature, np.float32, 0.0),
+        top_k=per_seq(top_k, np.int32, 0),
+        top_p=per_seq(top_p, np.float32, 1.0),
+        seeds=per_seq(seeds, np.uint32, 0),
+        sample_steps=per_seq(sample_steps, np.int32, 0),
         decode=decode,
     )
+
+
+def _ragged_arange(lens):
+    """[0..lens[0]), [0..lens[1]), ... concatenated."""
+    ends = np.cumsum(lens)
+    return np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - lens, lens)
 
 
 def _pack_copies(copies, num_pages, c):
@@ -485,10 +517,14 @@ def generate(
     chunk_len = prefill_chunk or max(len(p) for p in prompts)
 
     # Validate every prompt before allocating the cache or compiling anything.
-    for i, p in enumerate(prompts):
-        seq = SeqChunk(p, 0, pages[i], temperature, top_k, top_p, seed + i)
-        _check_chunk(i, seq, p, cfg, cache_cfg)
-
+    build_step_input(
+        [
+            SeqChunk(p, 0, pages[i], temperature, top_k, top_p, seed + i)
+            for i, p in enumerate(prompts)
+        ],
+        cfg,
+        cache_cfg,
+    )
     cache = cache_lib.create(cfg, cache_cfg)
     cached = [0] * len(prompts)
     out = GenerateOutput([[] for _ in prompts], [[] for _ in prompts], None)

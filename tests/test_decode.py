@@ -284,3 +284,42 @@ def test_decode_step_rejects_a_prefill_batch(params):
     inp = decode.build_step_input([decode.SeqChunk([1, 2], 0, [1])], TINY, cache_cfg)
     with pytest.raises(ValueError, match="decode=False"):
         decode.decode_step(params, cache, inp, backend="xla")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page_size", [1, 2, 16, 32])
+def test_long_greedy_decode_equals_dense_recompute_sweep(params, page_size):
+    prompts = _prompts(TINY, (1, 7, 16, 33, 64), seed=11)
+    out = _generate(params, prompts, page_size=page_size, max_new_tokens=40, prefill_chunk=24)
+    _assert_matches_dense(params, prompts, out)
+
+
+@pytest.mark.slow
+def test_bf16_paged_decode_tracks_dense():
+    cfg = dataclasses.replace(TINY, dtype="bfloat16")
+    p32 = random_params(TINY, seed=12)
+    p16 = model.params_from_flat(cfg, model.params_to_flat(p32))
+    prompts = _prompts(cfg, PROMPT_LENS, seed=13)
+    out = _generate(p16, prompts, page_size=8)
+    for b, (ref16, ref32) in enumerate(
+        zip(_dense_oracle(p16, prompts, out), _dense_oracle(p32, prompts, out), strict=True)
+    ):
+        got = out.logits[b]
+        assert np.isfinite(got).all()
+        assert np.linalg.norm(got - ref16) / np.linalg.norm(ref16) < 1e-2
+        assert np.linalg.norm(got - ref32) / np.linalg.norm(ref32) < 3e-2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_pallas_backends_longer_run(backend):
+    if not _kernel_available(backend):
+        pytest.skip(f"pallas_kernels.*.{backend} is not importable yet")
+    cfg = dataclasses.replace(TINY, head_dim=64)
+    params = random_params(cfg, seed=14)
+    prompts = _prompts(cfg, (1, 8, 19, 30), seed=15)
+    out = _generate(
+        params, prompts, backend=backend, interpret=True, page_size=8, max_new_tokens=12,
+        prefill_chunk=10,
+    )  # fmt: skip
+    _assert_matches_dense(params, prompts, out)

@@ -199,8 +199,12 @@ def test_bf16_params_track_f32():
 
 
 def test_paged_forward_matches_dense_for_a_ragged_batch():
-    """Prefill three prompts in one ragged step on shuffled pages, then one decode step."""
-    cfg, s = TINY, 4
+    """Prefill three prompts in one ragged step on shuffled pages, then one decode step.
+
+    Uses the Qwen-style variant (qkv biases, tied head); pagedjax.decode's tests cover
+    the plain Llama one through the full step.
+    """
+    cfg, s = VARIANTS["qwen_bias_tied"], 4
     params = random_params(cfg, seed=5)
     rng = np.random.default_rng(6)
     lens = [5, 8, 1]  # mid-page, exactly two pages, a single token
