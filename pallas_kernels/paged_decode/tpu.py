@@ -48,7 +48,12 @@ What Mosaic's tiling forces, and how it is handled (nothing reaches the caller):
 
 Not supported / caveats:
 
-* Page sizes that are not powers of two (the validation layer rejects them).
+* Page sizes that are not powers of two (the validation layer rejects them);
+  quantized (int8/fp8) pools; K/V in a dtype other than q's.
+* One DMA per page: pages are scattered, so small pages mean many small DMAs
+  (S = 8, D = 64, bf16 is 1 KiB each) and a DMA-issue-bound kernel.
+* float32 matmuls run at HIGHEST precision (multi-pass on the MXU). With small
+  G the MXU is mostly idle either way; decode is meant to be HBM-bound.
 * The whole page table is scalar-prefetched into SMEM, which is small: very
   large `B * max_pages` (hundreds of thousands of entries) will not fit and the
   Mosaic compile fails. Copying page-table rows per step is not implemented.
