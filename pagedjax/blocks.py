@@ -262,14 +262,16 @@ class BlockManager:
             pad: value for columns past a sequence's last page (a valid page id by default,
                 so a kernel that reads past the context length stays in bounds).
         """
-        seqs = [self._get(s) for s in seq_ids]
-        longest = max((len(s.pages) for s in seqs), default=0)
+        get = self._seqs.get
+        seqs = [get(sid) or self._get(sid) for sid in seq_ids]
+        lens = [len(s.pages) for s in seqs]
+        longest = max(lens, default=0)
         width = longest if width is None else width
         if width < longest:
             raise InvalidArgument(f"width={width} is less than the longest page table {longest}")
         out = np.full((len(seqs), width), pad, np.int32)
-        for row, s in zip(out, seqs, strict=True):
-            row[: len(s.pages)] = s.table[: len(s.pages)]
+        for row, s, k in zip(out, seqs, lens, strict=True):
+            row[:k] = s.table[:k]
         return out
 
     def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> np.ndarray:
@@ -295,7 +297,7 @@ class BlockManager:
 
     def num_append_pages(self, seq_ids: Sequence[Hashable]) -> int:
         """Pages that ``append_tokens(seq_ids, ...)`` would allocate (new and copies)."""
-        return self._append_plan(seq_ids)
+        return self._append_plan(seq_ids)[1]
 
     def stats(self) -> BlockStats:
         """Counters and page usage; see ``BlockStats``."""
@@ -495,37 +497,38 @@ class BlockManager:
         toks = _token_array(token_ids, "token_ids")
         if toks.shape[0] != len(seq_ids):
             raise InvalidArgument(f"{len(seq_ids)} seq_ids but {toks.shape[0]} token_ids")
-        needed = self._append_plan(seq_ids)
+        seqs, needed = self._append_plan(seq_ids)
         if needed > self.num_free_pages:
             raise OutOfPages(needed, self.num_free_pages, f"appending to {len(seq_ids)} sequences")
 
-        ps, rc, seqs = self.page_size, self._refcount, self._seqs
+        ps, rc, alloc, pack = self.page_size, self._refcount, self._alloc, _pack_token
         caching = self.enable_prefix_caching
-        slots = np.empty(len(seq_ids), np.int32)
+        slots: list[int] = []
         copies: list[tuple[int, int]] = []
-        for i, (sid, t) in enumerate(zip(seq_ids, toks.tolist(), strict=True)):
-            s = seqs[sid]
-            n = s.num_tokens
+        for s, t in zip(seqs, toks.tolist(), strict=True):
+            n, pages = s.num_tokens, s.pages
             off = n % ps
             if off == 0:
-                p = self._alloc()
-                s.pages.append(p)
-                self._set_table(s, len(s.pages) - 1, p)
+                p = alloc()
+                pages.append(p)
+                if len(pages) > s.table.shape[0]:
+                    s.table = np.concatenate([s.table, np.zeros_like(s.table)])
+                s.table[len(pages) - 1] = p
             else:
-                p = s.pages[-1]
+                p = pages[-1]
                 if rc[p] > 1:  # shared partial page: copy before writing into it
                     rc[p] -= 1
-                    src, p = p, self._alloc()
-                    s.pages[-1] = p
-                    s.table[len(s.pages) - 1] = p
+                    src, p = p, alloc()
+                    pages[-1] = p
+                    s.table[len(pages) - 1] = p
                     copies.append((src, p))
-            s.tokens += _pack_token(t)
+            s.tokens += pack(t)
             s.num_tokens = s.num_computed = n + 1
             if off == ps - 1 and caching and s.last_hash is not None:
                 self._register(s)
-            slots[i] = p * ps + off
+            slots.append(p * ps + off)
         self._cow_copies += len(copies)
-        return slots, copies
+        return np.array(slots, np.int32), copies
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Makes ``child_id`` share every page of ``parent_id`` (refcounts + 1)."""
@@ -583,15 +586,13 @@ class BlockManager:
                 f"prompt of {n} tokens exceeds max_model_len={self.max_model_len}"
             )
 
-    def _append_plan(self, seq_ids: Sequence[Hashable]) -> int:
-        """Validates an append batch; returns the pages it allocates."""
-        ps, rc, limit = self.page_size, self._refcount, self.max_model_len
+    def _append_plan(self, seq_ids: Sequence[Hashable]) -> tuple[list[_Seq], int]:
+        """Validates an append batch; returns its sequences and the pages it allocates."""
+        ps, rc, limit, get = self.page_size, self._refcount, self.max_model_len, self._seqs.get
         needed = 0
         shared: dict[int, int] = {}  # shared partial last page -> batch members holding it
-        for sid in seq_ids:
-            s = self._seqs.get(sid)
-            if s is None:
-                self._get(sid)  # raises the right error
+        seqs = [get(sid) or self._get(sid) for sid in seq_ids]
+        for sid, s in zip(seq_ids, seqs, strict=True):
             if s.num_computed != s.num_tokens:
                 raise InvalidState(
                     f"cannot append to {sid!r} mid-prefill: {s.num_computed} of "
@@ -609,12 +610,7 @@ class BlockManager:
         # The last holder of a shared page to write keeps it; every other one copies.
         for p, c in shared.items():
             needed += c - (c == rc[p])
-        return needed
-
-    def _set_table(self, s: _Seq, i: int, page: int) -> None:
-        if i == s.table.shape[0]:
-            s.table = np.concatenate([s.table, np.zeros_like(s.table)])
-        s.table[i] = page
+        return seqs, needed
 
     def _alloc(self) -> int:
         if self._free:
