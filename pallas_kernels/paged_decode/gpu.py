@@ -7,7 +7,8 @@ the kernel is built around reading every live K/V byte exactly once:
 * One program per (sequence, kv head, head block, split). All `G = H // K`
   query heads that share a kv head sit in one program as the rows of a
   `[block_h, D]` tile (padded up to 16, the smallest tensor-core `dot`), so a
-  K/V tile loaded from HBM serves every head of its group.
+  K/V tile loaded from HBM serves every head of its group. Only groups larger
+  than 64 heads are cut into several head blocks (each then reads the K/V).
 * The inner loop walks the context `block_kv` tokens at a time. Each token's
   row is found through the page table inside the kernel (`page_id * S + offset`,
   a gathered load), so `block_kv` may span several small pages or part of a
@@ -90,6 +91,7 @@ def default_tuning(
     dtype,
     *,
     sms: int | None = None,
+    block_kv: int | None = None,
 ) -> dict:
     """Per-shape defaults of the tuning knobs.
 
@@ -101,26 +103,30 @@ def default_tuning(
     * `num_splits`: 1 when `B * K` programs already cover every SM; otherwise
       enough to give about two programs per SM, keeping >= 4 blocks per split.
     * `num_warps`: 4, or 8 for large `block_h * D` accumulators.
-    * `num_stages`: software-pipelining depth of the K/V loads; 3, or 2 when
-      tiles are large.
+    * `num_stages`: software-pipelining depth of the K/V loads: 3 for K tiles
+      up to 16 KiB, 2 up to 32 KiB, else 1 (shared memory holds K and V tiles
+      of every stage).
 
     Args:
       batch, num_heads, num_kv_heads, head_dim, page_size, max_pages: the shape.
       dtype: the K/V dtype.
       sms: streaming multiprocessors to fill (default: `num_sms()`).
+      block_kv: a caller's block_kv, which the other defaults then fit.
 
     Returns:
       A dict with the keys of `TUNING_KNOBS`.
     """
     itemsize = jnp.dtype(dtype).itemsize
     group = num_heads // num_kv_heads
-    block_kv = max(_MIN_DOT, min(128, _next_pow2(16384 // (head_dim * itemsize) + 1) // 2))
+    if block_kv is None:
+        tile_tokens = 16384 // (head_dim * itemsize)
+        block_kv = max(_MIN_DOT, min(128, 1 << (tile_tokens.bit_length() - 1)))
     block_h = min(max(_MIN_DOT, _next_pow2(group)), 64)
     head_blocks = -(-group // block_h)
     programs = batch * num_kv_heads * head_blocks
     sms = num_sms() if sms is None else sms
     num_splits = 1
-    if programs < sms:
+    if 0 < programs < sms:
         max_blocks = -(-max_pages * page_size // block_kv)
         num_splits = max(1, min(-(-2 * sms // programs), max_blocks // 4))
     tile_bytes = block_kv * head_dim * itemsize
@@ -129,7 +135,7 @@ def default_tuning(
         block_h=block_h,
         num_splits=num_splits,
         num_warps=8 if block_h * head_dim >= 64 * 128 else 4,
-        num_stages=2 if tile_bytes > 16384 else 3,
+        num_stages=3 if tile_bytes <= 16384 else 2 if tile_bytes <= 32768 else 1,
     )
 
 
@@ -388,7 +394,14 @@ def paged_decode_gpu(
     batch, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     tuning = default_tuning(
-        batch, num_heads, num_kv_heads, head_dim, page_size, page_table.shape[1], k_pages.dtype
+        batch,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        page_table.shape[1],
+        k_pages.dtype,
+        block_kv=block_kv if isinstance(block_kv, int) and block_kv > 0 else None,
     )
     given = dict(
         block_kv=block_kv,
@@ -399,6 +412,8 @@ def paged_decode_gpu(
     )
     tuning.update({k: v for k, v in given.items() if v is not None})
     _check_tuning(tuning, head_dim)
+    if batch == 0 or page_table.shape[1] == 0:
+        return jnp.zeros(q.shape, q.dtype)
     return _paged_decode(
         q,
         k_pages,
