@@ -1,0 +1,399 @@
+"""pagedjax.engine: every output equals a dense no-cache recompute with `model.forward`.
+
+Greedy outputs are checked against dense greedy decoding (one request at a time in
+effect: each row of the dense batch is its own sequence), under prefix caching on and
+off, several token budgets (chunk sizes), mixed prompt lengths and forced preemption;
+sampled outputs (n=4) against the same sampler (`sampling.sample`, same seed and token
+index) applied to dense logits; beam search against an exhaustive dense beam search
+over the whole vocabulary. Every engine shares one geometry (tiny model, f32, XLA,
+page size 8, 64 pages, default buckets) so that the tests share compiled programs.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pagedjax import model, sampling
+from pagedjax.config import PRESETS
+from pagedjax.engine import LLM, SamplingParams
+
+TINY = PRESETS["tiny"]  # float32, vocab 256, EOS 2
+PS, PAGES, WIDTH = 8, 64, 64  # page size, pages, dense buffer width (>= any sequence)
+GEOMETRY = dict(page_size=PS, num_pages=PAGES, backend="xla", max_num_seqs=8)
+
+
+def random_params(seed: int = 0) -> model.Params:
+    """Weights with clear logit gaps (so greedy argmax is stable across f32 paths)."""
+    rng = np.random.default_rng(seed)
+    flat = {}
+    for key, sds in model.param_shapes(TINY).items():
+        if key.endswith(".scale"):
+            value = 1.0 + 0.2 * rng.normal(size=sds.shape)
+        elif key.endswith("embedding"):
+            value = rng.normal(size=sds.shape)
+        else:
+            value = rng.normal(size=sds.shape) / math.sqrt(sds.shape[0])
+        flat[key] = value.astype(np.float32)
+    return model.params_from_flat(TINY, flat)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params()
+
+
+class Dense:
+    """Dense no-cache logits at the last position of up to 8 sequences per call."""
+
+    def __init__(self, params):
+        self.params = params
+        self.fn = jax.jit(model.forward)
+
+    def last_logits(self, seqs) -> np.ndarray:
+        out = []
+        for i in range(0, len(seqs), 8):
+            part = seqs[i : i + 8]
+            buf = np.zeros((8, WIDTH), np.int32)
+            for j, s in enumerate(part):
+                buf[j, : len(s)] = s
+            logits = np.asarray(self.fn(self.params, jnp.asarray(buf)))
+            out += [logits[j, len(s) - 1] for j, s in enumerate(part)]
+        return np.stack(out)
+
+    def greedy(self, prompts, max_tokens, stop_ids=(2,)):
+        """Dense greedy continuations; `max_tokens`: an int or one per prompt."""
+        if isinstance(max_tokens, int):
+            max_tokens = [max_tokens] * len(prompts)
+        outs = [[] for _ in prompts]
+        active = list(range(len(prompts)))
+        while active:
+            logits = self.last_logits([prompts[i] + outs[i] for i in active])
+            for i, row in zip(list(active), logits, strict=True):
+                tok = int(np.argmax(row))
+                outs[i].append(tok)
+                if tok in stop_ids or len(outs[i]) >= max_tokens[i]:
+                    active.remove(i)
+        return outs
+
+
+@pytest.fixture(scope="module")
+def dense(params):
+    return Dense(params)
+
+
+def prompts_with_shared_prefixes(seed=1, lens=(1, 3, 8, 9, 17, 24, 30)):
+    rng = np.random.default_rng(seed)
+    base = rng.integers(3, 256, size=40).tolist()
+    out = []
+    for i, n in enumerate(lens):
+        p = rng.integers(3, 256, size=n).tolist()
+        if i % 2:  # every other prompt starts with the same 16 tokens
+            p = base[:16] + p
+        out.append(p)
+    return out
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def check_clean(llm):
+    llm.block_manager.check_invariants()
+    stats = llm.block_manager.stats()
+    assert stats.num_used_pages == 0 and stats.num_seqs == 0
+    assert not llm.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "caching,budget", [(True, 16), (False, 16), (True, 8), (True, 13), (False, 11)]
+)
+def test_greedy_equals_dense(params, dense, caching, budget):
+    llm = LLM(params, enable_prefix_caching=caching, max_num_batched_tokens=budget, **GEOMETRY)
+    prompts = prompts_with_shared_prefixes()
+    want = dense.greedy(prompts, 14)
+    outs = llm.generate(prompts, greedy(14))
+    assert [o.outputs[0].token_ids for o in outs] == want
+    for o, w in zip(outs, want, strict=True):
+        c = o.outputs[0]
+        assert c.finish_reason == ("stop" if w[-1] == 2 else "length")
+        assert o.finished and o.ttft_s is not None and o.ttft_s <= o.latency_s
+    # Second round: the same prompts again hit the prefix cache (only with caching on).
+    again = llm.generate(prompts[::-1], greedy(14))
+    assert [o.outputs[0].token_ids for o in again] == want[::-1]
+    hits = [o.num_cached_tokens for o in again]
+    if caching:
+        assert sum(hits) > 0 and llm.summary()["prefix_cache_hit_rate"] > 0
+        assert all(h == (len(p) - 1) // PS * PS for h, p in zip(hits, prompts[::-1], strict=True))
+    else:
+        assert sum(hits) == 0 and llm.block_manager.stats().prefix_hits == 0
+    check_clean(llm)
+    summary = llm.summary()
+    assert summary["num_requests"] == 2 * len(prompts) and summary["preemptions"] == 0
+    assert summary["num_compilations"] <= 4  # a handful of buckets, shared across tests
+
+
+def test_preemption_keeps_outputs(params, dense):
+    # 14 requests of up to 60 tokens (8 pages each) in 64 pages, 12 at a time: preemption.
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 256, size=int(n)).tolist() for n in rng.integers(5, 24, 14)]
+    llm = LLM(params, max_num_batched_tokens=16, **(GEOMETRY | dict(max_num_seqs=12)))
+    outs = llm.generate(prompts, [greedy(60 - len(p), ignore_eos=True) for p in prompts])
+    want = dense.greedy(prompts, [60 - len(p) for p in prompts], stop_ids=())
+    for o, w in zip(outs, want, strict=True):
+        assert o.outputs[0].token_ids == w
+        assert o.outputs[0].finish_reason == "length"
+    summary = llm.summary()
+    assert summary["preemptions"] > 0 and sum(o.num_preemptions for o in outs) > 0
+    assert summary["kv_pages_used"] >= PAGES - 8
+    check_clean(llm)
+
+
+def sample_seed(seed: int, i: int) -> int:
+    return (seed + i * 0x9E3779B1) % 2**32  # the engine's documented per-sample seed
+
+
+def test_n_samples_share_the_prompt_and_match_the_sampler(params, dense):
+    llm = LLM(params, max_num_batched_tokens=16, **GEOMETRY)
+    prompt = np.random.default_rng(7).integers(3, 256, size=20).tolist()  # 2 full pages
+    sp = SamplingParams(n=4, temperature=0.9, top_k=40, top_p=0.95, seed=1234, max_tokens=10)
+    seen = []
+
+    def on_step(engine):
+        for g in engine.scheduler.running:
+            if len(g.seqs) != 4 or not all(s.num_admitted for s in g.seqs):
+                continue
+            bm = engine.block_manager
+            tables = [bm.page_table(s.seq_id) for s in g.seqs]
+            full = (len(prompt) - 1) // PS
+            assert len({tuple(t[:full]) for t in tables}) == 1  # the same physical pages
+            seen.append([bm._refcount[p] for p in tables[0][:full]])
+            assert bm.stats().num_used_pages == len({p for t in tables for p in t})
+
+    out = llm.generate([prompt], sp, on_step=on_step)[0]
+    assert seen and all(rc == [4, 4] for rc in seen)
+    samples = [c.token_ids for c in out.outputs]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert len({tuple(s) for s in samples}) > 1
+    # Reproducible for the same seed (through generate this time).
+    again = llm.generate([prompt], sp)[0]
+    assert [c.token_ids for c in again.outputs] == samples
+    # Every token is what the sampler draws from dense logits with (seed_i, token index).
+    rows, seeds, steps = [], [], []
+    for i, toks in enumerate(samples):
+        for j in range(len(toks)):
+            rows.append(prompt + toks[:j])
+            seeds.append(sample_seed(1234, i))
+            steps.append(j)
+    logits = dense.last_logits(rows)
+    n = len(rows)
+    drawn, lps = jax.jit(sampling.sample)(
+        jnp.asarray(logits),
+        jnp.full(n, 0.9, jnp.float32),
+        jnp.full(n, 40, jnp.int32),
+        jnp.full(n, 0.95, jnp.float32),
+        jnp.asarray(seeds, jnp.uint32),
+        jnp.asarray(steps, jnp.int32),
+    )
+    assert np.asarray(drawn).tolist() == [t for toks in samples for t in toks]
+    cum = np.add.reduceat(
+        np.asarray(lps, np.float64), np.cumsum([0] + [len(s) for s in samples[:-1]])
+    )
+    np.testing.assert_allclose([c.cumulative_logprob for c in out.outputs], cum, rtol=1e-4)
+    check_clean(llm)
+
+
+def dense_beam_search(dense, prompt, width, max_tokens, stop_ids, length_penalty):
+    """Exhaustive: every beam's whole-vocabulary log-probabilities, HF-style selection."""
+    live = [([], 0.0)]
+    hyps = []  # (score, tokens, sum)
+
+    def add(tokens, total, reason):
+        hyps.append((total / len(tokens) ** length_penalty, tokens, total, reason))
+        hyps.sort(key=lambda h: -h[0])
+        del hyps[width:]
+
+    for _ in range(max_tokens):
+        logits = dense.last_logits([prompt + g for g, _ in live]).astype(np.float64)
+        m = logits.max(-1, keepdims=True)
+        logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+        cands = sorted(
+            (
+                (s + logp[b, t], b, -logp[b, t], t)
+                for b, (_, s) in enumerate(live)
+                for t in range(logp.shape[1])
+            ),
+            key=lambda c: (-c[0], c[1], c[2], c[3]),
+        )
+        length = len(live[0][0]) + 1
+        new = []
+        for rank, (total, b, _, t) in enumerate(cands):
+            if t in stop_ids:
+                if rank < width:
+                    add(live[b][0] + [t], total, "stop")
+                continue
+            new.append((live[b][0] + [t], total))
+            if len(new) == width:
+                break
+        if length >= max_tokens:
+            for g, total in new:
+                add(g, total, "length")
+            break
+        if not new or (len(hyps) >= width and hyps[-1][0] >= new[0][1] / length**length_penalty):
+            break
+        live = new
+    return hyps
+
+
+@pytest.mark.parametrize("width,length_penalty", [(2, 1.0), (3, 0.5)])
+def test_beam_search_equals_exhaustive_dense_search(params, dense, width, length_penalty):
+    rng = np.random.default_rng(width)
+    prompts = [rng.integers(3, 256, size=n).tolist() for n in (6, 11)]
+    # Stop on tokens the model likes, so that hypotheses also end early.
+    stops = {t for g in dense.greedy(prompts, 4, stop_ids=()) for t in g[1:3]}
+    sp = SamplingParams(
+        n=width,
+        beam_width=width,
+        length_penalty=length_penalty,
+        max_tokens=7,
+        stop_token_ids=sorted(stops),
+        ignore_eos=True,
+    )
+    llm = LLM(params, max_num_batched_tokens=16, **GEOMETRY)
+    outs = llm.generate(prompts, sp)
+    reasons = set()
+    for p, o in zip(prompts, outs, strict=True):
+        want = dense_beam_search(dense, p, width, 7, stops, length_penalty)
+        got = [(c.token_ids, c.finish_reason) for c in o.outputs]
+        assert got == [(h[1], h[3]) for h in want]
+        np.testing.assert_allclose(
+            [c.cumulative_logprob for c in o.outputs], [h[2] for h in want], rtol=1e-4
+        )
+        reasons |= {c.finish_reason for c in o.outputs}
+    assert reasons == {"stop", "length"}, reasons
+    assert llm.block_manager.stats().cow_copies > 0  # beams forked and split pages
+    check_clean(llm)
+
+
+def test_abort_frees_everything(params, dense):
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 256, size=n).tolist() for n in (12, 20, 7, 15)]
+    llm = LLM(params, max_num_batched_tokens=16, **GEOMETRY)
+    ids = [llm.add_request(p, greedy(30, ignore_eos=True)) for p in prompts]
+    outs = {ids[3]: llm.abort(ids[3])}  # before it ever ran
+    count = {}
+
+    def on_token(rid, index, tok):
+        count[rid] = count.get(rid, 0) + 1
+        if rid == ids[1] and count[rid] == 5:
+            outs[rid] = llm.abort(rid)  # mid-step: between scheduling and committing
+
+    steps = 0
+    while llm.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in llm.step(on_token=on_token))
+        steps += 1
+        if steps == 4:
+            outs[ids[0]] = llm.abort(ids[0])  # between steps
+    assert llm.abort(ids[0]) is None
+    want = dense.greedy(prompts, 30, stop_ids=())
+    got = [outs[i].outputs[0] for i in ids]
+    assert [c.finish_reason for c in got] == ["abort", "abort", "length", "abort"]
+    assert 0 < len(got[0].token_ids) < 30 and got[0].token_ids == want[0][: len(got[0].token_ids)]
+    assert got[1].token_ids == want[1][:5]
+    assert got[2].token_ids == want[2]
+    assert got[3].token_ids == []
+    assert [outs[i].finished for i in ids] == [False, False, True, False]
+    check_clean(llm)
+
+
+def test_cache_salt_separates_prefix_caches(params):
+    llm = LLM(params, max_num_batched_tokens=16, **GEOMETRY)
+    prompt = np.random.default_rng(3).integers(3, 256, size=33).tolist()
+    llm.generate([prompt], greedy(3, cache_salt="alice"))
+    pages = {}
+
+    def on_step(engine):
+        for g in engine.scheduler.running:
+            salt = g.cache_salt
+            if g.seqs and g.seqs[0].num_admitted:
+                pages[salt] = set(engine.block_manager.page_table(g.seqs[0].seq_id))
+        if len(pages) == 2:
+            assert not pages["bob"] & pages["alice"]
+
+    bob, alice = llm.generate(
+        [prompt, prompt],
+        [greedy(3, cache_salt="bob"), greedy(3, cache_salt="alice")],
+        on_step=on_step,
+    )
+    assert set(pages) == {"bob", "alice"}
+    assert bob.num_cached_tokens == 0 and alice.num_cached_tokens == 32
+    assert bob.outputs[0].token_ids == alice.outputs[0].token_ids
+    check_clean(llm)
+
+
+def test_stop_strings_and_stop_tokens(params, dense):
+    llm = LLM(params, max_num_batched_tokens=16, **GEOMETRY)  # byte tokenizer
+    prompt = "def f(x):"
+    ids = llm.tokenizer.encode(prompt)
+    free = dense.greedy([ids], 20, stop_ids=())[0]
+    j = next(i for i, t in enumerate(free) if 33 <= t < 127)  # an ASCII character
+    stop = chr(free[j])
+    out = llm.generate([prompt], greedy(20, stop=[stop], ignore_eos=True))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.token_ids == free[: free.index(free[j]) + 1]
+    assert stop not in out.text
+    assert out.text == llm.tokenizer.decode(free[: free.index(free[j])])
+    out = llm.generate([prompt], greedy(20, stop_token_ids=[free[3]], ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == free[: free.index(free[3]) + 1]
+    assert out.outputs[0].stop_reason == free[3]
+    check_clean(llm)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(n=0), "n=0"),
+        (dict(top_p=0.0), "top_p=0.0"),
+        (dict(top_p=1.5), "top_p=1.5"),
+        (dict(temperature=-0.5), "temperature=-0.5"),
+        (dict(top_k=-1), "top_k=-1"),
+        (dict(max_tokens=0), "max_tokens=0"),
+        (dict(seed=-3), "seed=-3"),
+        (dict(beam_width=2, n=3), "n=3"),
+        (dict(stop=[""]), "stop"),
+        (dict(length_penalty=float("nan")), "length_penalty"),
+    ],
+)
+def test_sampling_params_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_fail_before_anything_runs(params):
+    llm = LLM(params, max_num_batched_tokens=16, **GEOMETRY)
+    with pytest.raises(ValueError, match="prompt 1: prompt is empty"):
+        llm.generate([[5, 6], []], greedy(2))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate([""], greedy(2))
+    with pytest.raises(ValueError, match="512 tokens"):
+        llm.generate([[5] * 512], greedy(2))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[5, 300]], greedy(2))
+    with pytest.raises(ValueError, match="KV pages"):  # could never fit in 64 pages
+        llm.generate([[5] * 100], SamplingParams(max_tokens=500))
+    assert not llm.has_unfinished_requests()
+    with pytest.raises(ValueError, match="backend='gpu'"):
+        LLM(params, page_size=PS, num_pages=PAGES, backend="gpu")
+    with pytest.raises(ValueError, match="not both"):
+        LLM(params, num_pages=8, kv_memory_fraction=0.5)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        LLM(params, num_pages=8, backend="cuda")
+
+
+def test_kv_memory_fraction_sizes_the_cache(params):
+    llm = LLM(params, kv_memory_fraction=0.5, max_num_seqs=4, max_num_batched_tokens=16)
+    # CPU: no device stats, so the cap is max_num_seqs full-length sequences.
+    assert llm.cache_config.num_pages == 4 * TINY.max_position_embeddings // 16
+    assert llm.cache.num_pages == llm.cache_config.num_pages
