@@ -1,8 +1,8 @@
-"""The paged KV cache: a pytree of two arrays, and pure functions that update it.
+"""The paged KV cache: a pytree of per-layer page pools, and pure functions that update it.
 
-Layout: `k` and `v` are each `[L, K, P, S, D]` (layers, kv heads, pages, page
-size, head dim). One layer's slice `k[l]` is `[K, P, S, D]`, the layout every
-kernel in `pallas_kernels` takes, because:
+Layout: `k` and `v` are each a tuple of `L` arrays `[K, P, S, D]` (per layer: kv
+heads, pages, page size, head dim), the layout every kernel in `pallas_kernels`
+takes, because:
 
 * a page of one kv head is one contiguous `[S, D]` tile: a single DMA on TPU
   (HBM -> VMEM) and a single coalesced block load on GPU, with no stride over
@@ -12,9 +12,15 @@ kernel in `pallas_kernels` takes, because:
 * it is the layout of JAX's bundled paged-attention kernels, so the benchmark can
   hand them our cache without a transpose.
 
-The price is that writing one token touches `K` separate `[D]` rows instead of
-one `[K, D]` row; a decode step writes a handful of tokens per layer, so the
-scatter is negligible next to the attention read.
+One array per layer rather than one `[L, K, P, S, D]` array: a kernel call
+(a custom call to XLA) needs its operand as a whole buffer, so slicing layer `l`
+out of a stacked pool would copy that layer's entire pool on every step. With one
+buffer per layer, the per-layer scatter updates the donated buffer in place and
+the kernel reads it with no copy.
+
+The price of the `[K, P, S, D]` layout is that writing one token touches `K`
+separate `[D]` rows instead of one `[K, D]` row; a step writes a handful of tokens
+per layer, so the scatter is negligible next to the attention read.
 
 Slots: token position `pos` of a sequence lives in slot
 `page_table[pos // S] * S + pos % S`; a slot of -1 means padding and is dropped.
@@ -35,34 +41,38 @@ from pagedjax.config import CacheConfig, ModelConfig
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
-    """K and V page pools for all layers."""
+    """K and V page pools, one array per layer."""
 
-    k: jax.Array  # [L, K, P, S, D]
-    v: jax.Array  # [L, K, P, S, D]
+    k: tuple[jax.Array, ...]  # L x [K, P, S, D]
+    v: tuple[jax.Array, ...]  # L x [K, P, S, D]
 
     @property
     def num_layers(self) -> int:
-        return self.k.shape[0]
+        return len(self.k)
 
     @property
     def num_kv_heads(self) -> int:
-        return self.k.shape[1]
+        return self.k[0].shape[0]
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[1]
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
     @property
     def head_dim(self) -> int:
-        return self.k.shape[4]
+        return self.k[0].shape[3]
+
+    @property
+    def dtype(self):
+        return self.k[0].dtype
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(x.nbytes for x in self.k + self.v)
 
     def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
         """One layer's (k_pages, v_pages), each [K, P, S, D]."""
@@ -75,17 +85,19 @@ def create(model_cfg: ModelConfig, cache_cfg: CacheConfig, *, sharding=None) -> 
     Args:
       model_cfg: gives L, K and D.
       cache_cfg: gives P, S and the storage dtype.
-      sharding: optional `jax.sharding.Sharding` for both arrays (e.g. split over K).
+      sharding: optional `jax.sharding.Sharding` for every pool (e.g. split over K).
     """
     shape = (
-        model_cfg.num_layers,
         model_cfg.num_kv_heads,
         cache_cfg.num_pages,
         cache_cfg.page_size,
         model_cfg.head_dim,
     )
     make = jax.jit(lambda: jnp.zeros(shape, cache_cfg.jnp_dtype), out_shardings=sharding)
-    return PagedKVCache(k=make(), v=make())
+    num_layers = model_cfg.num_layers
+    return PagedKVCache(
+        k=tuple(make() for _ in range(num_layers)), v=tuple(make() for _ in range(num_layers))
+    )
 
 
 def _slot_index(slots, num_slots):
@@ -134,18 +146,13 @@ def write_layer(k_pages, v_pages, k, v, slots):
 
 def write(cache: PagedKVCache, layer: int, k, v, slots) -> PagedKVCache:
     """Writes new tokens' K/V ([T, K, D] each) for `layer` through `slots` ([T])."""
-    num_layers, kh, p, s, d = cache.k.shape
-    _check_new_tokens(k, v, slots, kh, d)
-    idx = _slot_index(slots, p * s)
-
-    def put(pool, new):
-        flat = pool.reshape(num_layers, kh, p * s, d)
-        # The scalar layer and the slot array are both advanced indices separated by
-        # a slice, so the indexed view is [T, K, D]: exactly the layout of `new`.
-        flat = flat.at[layer, :, idx].set(new.astype(pool.dtype), mode="drop")
-        return flat.reshape(pool.shape)
-
-    return PagedKVCache(k=put(cache.k, k), v=put(cache.v, v))
+    if not 0 <= layer < cache.num_layers:
+        raise ValueError(f"layer {layer} is out of range [0, {cache.num_layers})")
+    k_pages, v_pages = write_layer(cache.k[layer], cache.v[layer], k, v, slots)
+    return PagedKVCache(
+        k=cache.k[:layer] + (k_pages,) + cache.k[layer + 1 :],
+        v=cache.v[:layer] + (v_pages,) + cache.v[layer + 1 :],
+    )
 
 
 def copy_pages(cache: PagedKVCache, src, dst) -> PagedKVCache:
@@ -170,10 +177,10 @@ def copy_pages(cache: PagedKVCache, src, dst) -> PagedKVCache:
     dst = jnp.where(dst < 0, p, dst)
     src = jnp.clip(src, 0, p - 1)
 
-    def cp(pool):
-        return pool.at[:, :, dst].set(pool[:, :, src], mode="drop")
+    def cp(pool):  # [K, P, S, D]
+        return pool.at[:, dst].set(pool[:, src], mode="drop")
 
-    return PagedKVCache(k=cp(cache.k), v=cp(cache.v))
+    return PagedKVCache(k=tuple(map(cp, cache.k)), v=tuple(map(cp, cache.v)))
 
 
 def slots_for(page_table_row, start: int, end: int, page_size: int) -> np.ndarray:

@@ -27,7 +27,7 @@ README example::
 
     # 2. The pieces underneath, one sequence by hand.
     cache_cfg = config.CacheConfig(page_size=8, num_pages=32, dtype=cfg.dtype)
-    cache = cache_lib.create(cfg, cache_cfg)    # [L, K, P, S, D] K and V pools
+    cache = cache_lib.create(cfg, cache_cfg)    # L x [K, P, S, D] K and V pools
     prompt, pages = [1, 5, 7, 9, 11, 13, 17, 19, 23], [3, 4, 5]   # pages: any free ids
     sampling = dict(temperature=0.8, top_p=0.95, seed=1234)
     inp = decode.build_step_input(

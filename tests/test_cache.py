@@ -18,11 +18,13 @@ def tiny_cache(page_size=4, num_pages=8, dtype="float32"):
 
 def test_create_shapes_and_layout():
     cfg, c = tiny_cache()
-    assert c.k.shape == (2, 2, 8, 4, 8) == c.v.shape
+    assert len(c.k) == len(c.v) == 2
+    assert all(x.shape == (2, 8, 4, 8) for x in c.k + c.v)  # per layer [K, P, S, D]
+    assert len({id(x) for x in c.k + c.v}) == 4  # separate buffers, donated one by one
     assert (c.num_layers, c.num_kv_heads, c.num_pages, c.page_size, c.head_dim) == (2, 2, 8, 4, 8)
     assert c.nbytes == 2 * 2 * 2 * 8 * 4 * 8 * 4
     leaves, treedef = jax.tree_util.tree_flatten(c)
-    assert len(leaves) == 2
+    assert len(leaves) == 4
     assert jax.tree_util.tree_unflatten(treedef, leaves) == c
 
 
@@ -34,15 +36,15 @@ def test_textbook_slot():
     rng = np.random.default_rng(0)
     k = rng.standard_normal((1, 2, 8)).astype(np.float32)
     c = kvcache.write(c, 1, k, -k, kvcache.slots_for(table, 5, 6, 4))
-    np.testing.assert_array_equal(np.asarray(c.k[1, :, 2, 1]), k[0])
-    np.testing.assert_array_equal(np.asarray(c.v[1, :, 2, 1]), -k[0])
-    assert np.count_nonzero(np.asarray(c.k)) == k.size  # nothing else touched
+    np.testing.assert_array_equal(np.asarray(c.k[1][:, 2, 1]), k[0])
+    np.testing.assert_array_equal(np.asarray(c.v[1][:, 2, 1]), -k[0])
+    assert np.count_nonzero(np.stack(c.k)) == k.size  # nothing else touched
 
 
 def test_write_gather_roundtrip_against_numpy_pool():
     rng = np.random.default_rng(1)
     _, c = tiny_cache(page_size=4, num_pages=8)
-    model = np.zeros(c.k.shape, np.float32)  # [L, K, P, S, D]
+    model = np.zeros((2, *c.k[0].shape), np.float32)  # [L, K, P, S, D]
     step = jax.jit(kvcache.write, static_argnums=1, donate_argnums=0)
     tables = {0: [3, 0, 5], 1: [7, 1]}  # shuffled physical pages
     lengths = {0: 0, 1: 0}
@@ -64,8 +66,8 @@ def test_write_gather_roundtrip_against_numpy_pool():
                 model[layer, :, slot // 4, slot % 4] = k[i]
         for seq, n in enumerate(chunk):
             lengths[seq] += n
-    np.testing.assert_array_equal(np.asarray(c.k), model)
-    assert not (np.asarray(c.k) == 99.0).any()
+    np.testing.assert_array_equal(np.stack(c.k), model)
+    assert not (np.stack(c.k) == 99.0).any()
     for seq in (0, 1):
         gk, gv = kvcache.gather_sequence(c, 0, tables[seq], lengths[seq])
         assert gk.shape == (lengths[seq], 2, 8)
@@ -96,31 +98,33 @@ def test_bf16_write_casts():
     _, c = tiny_cache(dtype="bfloat16")
     k = np.full((1, 2, 8), 1.5, np.float32)
     c = kvcache.write(c, 0, k, k, np.array([0], np.int32))
-    assert c.k.dtype == jnp.bfloat16 and float(c.k[0, 0, 0, 0, 0]) == 1.5
+    assert c.dtype == jnp.bfloat16 and float(c.k[0][0, 0, 0, 0]) == 1.5
 
 
 def test_copy_pages_copies_every_layer_and_skips_padding():
     rng = np.random.default_rng(3)
     _, c = tiny_cache()
     c = kvcache.PagedKVCache(
-        k=jnp.asarray(rng.standard_normal(c.k.shape), jnp.float32),
-        v=jnp.asarray(rng.standard_normal(c.v.shape), jnp.float32),
+        k=tuple(jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in c.k),
+        v=tuple(jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in c.v),
     )
-    before_k, before_v = np.asarray(c.k), np.asarray(c.v)
+    before_k, before_v = np.stack(c.k), np.stack(c.v)
     out = jax.jit(kvcache.copy_pages, donate_argnums=0)(
         c, np.array([2, 5, 0], np.int32), np.array([6, 3, -1], np.int32)
     )
     want_k, want_v = before_k.copy(), before_v.copy()
     want_k[:, :, [6, 3]] = before_k[:, :, [2, 5]]
     want_v[:, :, [6, 3]] = before_v[:, :, [2, 5]]
-    np.testing.assert_array_equal(np.asarray(out.k), want_k)
-    np.testing.assert_array_equal(np.asarray(out.v), want_v)
+    np.testing.assert_array_equal(np.stack(out.k), want_k)
+    np.testing.assert_array_equal(np.stack(out.v), want_v)
 
 
 def test_bad_inputs():
     _, c = tiny_cache()
     with pytest.raises(ValueError, match=r"new k must be \[T, K, D\]"):
         kvcache.write(c, 0, np.zeros((2, 3, 8)), np.zeros((2, 3, 8)), np.array([0, 1]))
+    with pytest.raises(ValueError, match=r"layer 2 is out of range \[0, 2\)"):
+        kvcache.write(c, 2, np.zeros((1, 2, 8)), np.zeros((1, 2, 8)), np.array([0]))
     with pytest.raises(ValueError, match="dst page id 8 is out of range"):
         kvcache.copy_pages(c, np.array([1]), np.array([8]))
     with pytest.raises(ValueError, match="src page id -2 is out of range"):
