@@ -1,6 +1,6 @@
 """Benchmarks the paged attention kernels: correctness on the device, then timing.
 
-    python scripts/bench_kernels.py            # full run (about 4 minutes on an H200)
+    python scripts/bench_kernels.py            # full run (about 5 minutes on an H200)
     python scripts/bench_kernels.py --quick    # fewer iterations, no tuning sweeps
     python scripts/bench_kernels.py --json     # the same results as JSON on stdout
 
@@ -293,14 +293,20 @@ def bundled_configs(case: DecodeCase, splits, blocks) -> list[dict]:
     return configs
 
 
-def bundled_sweep(case: DecodeCase, quick: bool, best_splits: int | None = None):
-    """Stage 1 (best_splits None): k_splits at its default block of 128 tokens.
+def bundled_sweep(case: DecodeCase, stage: int, best: dict | None, quick: bool) -> list[dict]:
+    """The bundled kernel's configurations to try at `stage`, around the best so far.
 
-    Stage 2: blocks of 64 and 256 tokens at the best k_splits of stage 1.
+    Stage 0: k_splits at its default compute block of 128 tokens. Stage 1: blocks
+    of 64, 256 and 512 tokens at the best k_splits. Stage 2: 4 warps (its default
+    is 8) and 3 pipeline stages (default 2) at the best block. --quick: stage 0.
     """
-    if best_splits is None:
+    if stage == 0:
         return bundled_configs(case, [16, 1, 4] if quick else [16, 1, 2, 4, 8, 32], [128])
-    return [] if quick else bundled_configs(case, [best_splits], [64, 256])
+    if quick or best is None:
+        return []
+    if stage == 1:
+        return bundled_configs(case, [best["k_splits"]], [64, 256, 512])
+    return [dict(best, num_warps=4), dict(best, num_stages=3)]
 
 
 def run_bundled(fn, q, k_pages, v_pages, lengths, page_table, **config):
@@ -320,14 +326,14 @@ def ours_sweep(case: DecodeCase) -> list[dict]:
         case.max_pages,
         case.dtype,
     )
-    alts = [dict(block_kv=2 * base["block_kv"]), dict(num_stages=base["num_stages"] + 1)]
-    if base["num_splits"] > 1:
-        alts += [
-            dict(num_splits=max(1, base["num_splits"] // 2)),
-            dict(num_splits=2 * base["num_splits"]),
-        ]
-    else:
-        alts += [dict(num_splits=2), dict(num_warps=8 if base["num_warps"] == 4 else 4)]
+    splits = base["num_splits"]
+    alts = [dict(num_splits=2 * splits)]
+    if splits > 1:
+        alts.append(dict(num_splits=max(1, splits // 2)))
+    alts += [dict(block_kv=2 * base["block_kv"]), dict(num_stages=4), dict(num_stages=2)]
+    if base["block_kv"] >= 32:
+        alts.append(dict(block_kv=base["block_kv"] // 2))
+    alts.append(dict(num_warps=8 if base["num_warps"] == 4 else 4))
     return alts
 
 
@@ -423,14 +429,11 @@ def decode_case_gpu(case: DecodeCase, env: BenchEnv, sweep_until: float) -> dict
         row["error_bundled"] = f"missing: {why}"
     else:
         best = None
-        for stage in range(2):
-            splits = None if stage == 0 else best[1]["k_splits"] if best else None
-            if stage == 1 and splits is None:
-                break
-            for config in bundled_sweep(case, env.quick, splits):
+        for stage in range(3):
+            for config in bundled_sweep(case, stage, best and best[1], env.quick):
                 if best and (time.monotonic() > sweep_until or config == best[1]):
                     continue
-                t = timed(f"bundled {config}", lambda *a, c=config: run_bundled(fn, *a, **c), paged)
+                t = timed(f"bundled {config}", partial(run_bundled, fn, **config), paged)
                 if t and (best is None or t < best[0]):
                     best = (t, config)
         if best:
@@ -559,7 +562,7 @@ def parse_args(argv=None):
     parser.add_argument("--iters", type=int, default=None, help="timed runs per measurement")
     parser.add_argument("--quick", action="store_true", help="fewer iterations, no sweeps")
     parser.add_argument(
-        "--budget-s", type=float, default=240.0, help="seconds after which tuning sweeps stop"
+        "--budget-s", type=float, default=210.0, help="seconds after which tuning sweeps stop"
     )
     parser.add_argument(
         "--interpret", action="store_true", help="run the CPU (interpret-mode) path even on a GPU"

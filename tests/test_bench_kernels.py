@@ -104,3 +104,34 @@ def test_gpu_path_survives_failing_kernels(bench, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "error_bundled: missing: ImportError: gone" in out
     assert "error_ours: RuntimeError: triton says no" in out
+
+
+@pytest.mark.slow
+def test_gpu_path_full_sweeps_with_stub_kernels(bench, capsys, monkeypatch):
+    # The tuning sweeps (skipped by --quick) with cheap stand-ins that record their knobs.
+    seen = {"ours": [], "bundled": []}
+
+    def ours(q, k, v, lengths, page_table, **tuning):
+        seen["ours"].append(tuning)
+        return reference.paged_attention_xla(q, k, v, lengths, page_table)
+
+    def bundled(q, k, v, page_table, lengths, **config):
+        seen["bundled"].append(config)
+        return reference.paged_attention_xla(q, k, v, lengths, page_table, scale=1.0)
+
+    monkeypatch.setattr(bench, "has_gpu", lambda: True)
+    monkeypatch.setattr(bench, "paged_decode_gpu", ours)
+    monkeypatch.setattr(bench, "bundled_kernel", lambda: (bundled, None))
+    monkeypatch.setattr(bench, "measure_copy_gbps", lambda iters: 1.0)
+    monkeypatch.setattr(bench, "measure_matmul_tflops", lambda iters: 1.0)
+    monkeypatch.setattr(bench, "L2_BYTES", 1)
+    monkeypatch.setattr(bench, "CALLS", (2, 2))
+    case = bench.DecodeCase(1, 512, num_heads=2, num_kv_heads=1, head_dim=16)
+    monkeypatch.setattr(bench, "GPU_DECODE_CASES", [case])
+    assert bench.main(["--iters", "1", "--budget-s", "600"]) == 0
+    out = capsys.readouterr().out
+    assert "x bundled" in out and "paged/dense" in out
+    tried = {tuple(sorted(c.items())) for c in seen["bundled"]}
+    assert len(tried) >= 10  # k_splits, then blocks, then warps/stages
+    assert any("num_warps" in c for c in seen["bundled"])
+    assert {"num_splits", "block_kv", "num_stages"} <= {k for t in seen["ours"] for k in t}
