@@ -64,8 +64,8 @@ def load_model(source, *, dtype=None, seed: int = 0):
             path = demo.demo_model_dir()
         except FileNotFoundError as e:
             cfg = preset("tiny")
-            msg = f"tiny preset with random weights (no demo model: {e})"
-            warnings.warn(f"pagedjax: using the {msg}", stacklevel=3)
+            msg = f"tiny preset with random weights (no demo model in {demo.DEMO_MODEL_DIR})"
+            warnings.warn(f"pagedjax: using the {msg}: {e}", stacklevel=3)
             return cfg, model_lib.init_params(cfg, seed), byte_tokenizer(), msg
         cfg, params = weights.load_checkpoint(path, dtype=dtype)
         return cfg, params, Tokenizer.from_dir(path), f"demo model {path}"

@@ -1,0 +1,301 @@
+"""Generate text with pagedjax's engine, then report what a serving user wants to know.
+
+    python scripts/generate.py                                  # demo model, default prompts
+    python scripts/generate.py --prompt "def fib(n):" --max-tokens 64
+    python scripts/generate.py --checkpoint path/to/hf-dir --prompts-file prompts.txt --json
+
+Runs on JAX's default device (a CUDA GPU when jax has one, else the CPU). With no
+`--checkpoint` it serves the embedded demo model (`pagedjax/demo_model`); until that
+is there, the `tiny` preset with random weights and a byte tokenizer, and it says so.
+A single prompt (n = 1, no beam search) streams its text as it is generated; a batch
+shows a progress bar over requests. Then a closing report: load and compile time,
+TTFT, prefill and decode tokens/s, KV bytes read per second (the DESIGN.md
+performance model: every step reads its rows' live K/V once), peak device memory,
+KV pages, prefix-cache hit rate, preemptions, jit compilations, host overhead.
+
+`--prompts-file`: one prompt per line (blank lines skipped); a line that starts with
+a double quote is read as a JSON string, so a prompt can hold newlines.
+
+`--json` prints one JSON object instead, with these keys:
+
+    model            what was loaded (demo model path, checkpoint, or the random fallback)
+    device           the JAX device, e.g. "cuda:0" or "cpu:0"
+    backend          the --backend flag; resolved_backend: what "auto" chose
+    settings         page_size, num_pages, max_num_batched_tokens, max_num_seqs,
+                     enable_prefix_caching, and the sampling flags
+    outputs          one per prompt: prompt, prompt_tokens, num_cached_tokens, ttft_s,
+                     latency_s, completions: [{text, token_ids, finish_reason,
+                     cumulative_logprob}]
+    metrics          load_time_s, compile_time_s, num_compilations, run_time_s,
+                     num_requests, num_steps, num_prompt_tokens, num_prefill_tokens,
+                     num_generated_tokens, ttft_mean_s, ttft_p50_s, ttft_p99_s,
+                     latency_mean_s, prefill_tokens_per_s, decode_tokens_per_s,
+                     kv_bytes_read, kv_bytes_read_per_s, peak_device_memory_bytes
+                     (null when the device has no memory stats), kv_pages_used (peak),
+                     kv_pages_total, kv_utilization (peak used / total),
+                     prefix_cache_hit_rate, preemptions, host_hidden_ms_per_step,
+                     host_exposed_ms_per_step, device_wait_ms_per_step
+
+Bad input (an empty or too long prompt, n < 1, top_p outside (0, 1], a negative
+temperature, a checkpoint directory missing files, --backend gpu without a GPU) ends
+with one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PREFIX = '''"""Helpers for reading, checking and writing simple configuration files.
+
+Each function documents the exceptions it raises; none of them keeps state
+between calls.
+"""
+
+import os
+import re
+import sys
+
+
+'''
+DEFAULT_PROMPTS = (
+    PREFIX + 'def read_config(path, encoding="utf-8"):\n',
+    PREFIX + "class ConfigError(Exception):\n",
+    PREFIX + "def parse_line(line):\n    ",
+    PREFIX + "def write_config(path, values):\n",
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and status 2, like every other bad input
+        raise _BadInput(message)
+
+
+class _BadInput(Exception):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="scripts/generate.py", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--checkpoint",
+        help="HF directory or pagedjax orbax checkpoint (default: the embedded demo model)",
+    )
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", help="a file of prompts, one per line")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per completion")
+    p.add_argument("--n", type=int, default=1, help="completions per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1: off")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--beam-width", type=int, default=1, help="> 1: beam search")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--num-pages", type=int, help="KV pages")
+    kv.add_argument(
+        "--kv-memory-fraction",
+        type=float,
+        help="share of free device memory for the KV cache (default 0.8)",
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=1024,
+        help="token budget of one step (decode tokens + prefill chunks)",
+    )
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--backend", default="auto", choices=("auto", "gpu", "tpu", "xla"))
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def read_prompts(args) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise _BadInput(f"prompts file not found: {path}")
+        for i, line in enumerate(path.read_text().splitlines()):
+            if not line.strip():
+                continue
+            if line.startswith('"'):
+                try:
+                    line = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise _BadInput(f"{path} line {i + 1}: bad JSON string: {e}") from None
+            prompts.append(line)
+    return prompts if (args.prompt is not None or args.prompts_file) else list(DEFAULT_PROMPTS)
+
+
+def _check_checkpoint(path: str) -> None:
+    """Fails fast on a directory that cannot serve text (before loading weights)."""
+    from pagedjax import weights
+    from pagedjax.tokenizer import TOKENIZER_FILE
+
+    weights.checkpoint_format(path)  # FileNotFoundError naming what is missing
+    if not (Path(path) / TOKENIZER_FILE).is_file():
+        raise FileNotFoundError(f"{path} has no {TOKENIZER_FILE}; it is needed to encode prompts")
+
+
+def _fmt(x, unit="", scale=1.0, digits=3):
+    return "n/a" if x is None else f"{x * scale:,.{digits}g}{unit}"
+
+
+def report(llm, summary: dict, device: str) -> str:
+    s = summary
+    hit = s["prefix_cache_hit_rate"]
+    peak = s["peak_device_memory_bytes"]
+    lines = [
+        f"model        {llm.model_source}",
+        f"device       {device} (attention backend {llm.backend})",
+        f"load         {s['load_time_s']:.2f} s; compile {s['compile_time_s']:.2f} s "
+        f"({s['num_compilations']} jit compilations)",
+        f"requests     {s['num_requests']}: {s['num_prompt_tokens']} prompt tokens "
+        f"({s['num_prefill_tokens']} prefilled), {s['num_generated_tokens']} generated, "
+        f"{s['num_steps']} steps in {s['run_time_s']:.2f} s",
+        f"TTFT         mean {_fmt(s['ttft_mean_s'], ' s')}, p50 {_fmt(s['ttft_p50_s'], ' s')}, "
+        f"p99 {_fmt(s['ttft_p99_s'], ' s')}",
+        f"throughput   prefill {s['prefill_tokens_per_s']:,.0f} tok/s, decode "
+        f"{s['decode_tokens_per_s']:,.0f} tok/s (run time less compile time)",
+        f"KV read      {s['kv_bytes_read_per_s'] / 1e9:,.3f} GB/s "
+        f"({s['kv_bytes_read'] / 1e6:,.1f} MB in all)",
+        f"peak memory  {'n/a' if peak is None else f'{peak / 2**30:.2f} GiB'}",
+        f"KV pages     {s['kv_pages_used']} / {s['kv_pages_total']} at peak "
+        f"({100 * s['kv_utilization']:.1f}% utilization)",
+        f"prefix cache {100 * hit:.1f}% of prompt tokens hit",
+        f"preemptions  {s['preemptions']}",
+        f"host         {_fmt(s['host_hidden_ms_per_step'], ' ms')} hidden, "
+        f"{_fmt(s['host_exposed_ms_per_step'], ' ms')} exposed, "
+        f"{_fmt(s['device_wait_ms_per_step'], ' ms')} waiting on the device, per step",
+    ]
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    prompts = read_prompts(args)
+    # Validate the cheap things before loading anything.
+    from pagedjax.engine import LLM, SamplingParams
+    from pagedjax.resources import check_backend
+    from pallas_kernels.dispatch import resolve_backend
+
+    sp = SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        beam_width=args.beam_width,
+    )
+    check_backend(args.backend)
+    for name in ("page_size", "max_batch_tokens", "num_pages"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise _BadInput(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.checkpoint is not None:
+        _check_checkpoint(args.checkpoint)
+    if args.temperature == 0 and args.n > 1 and args.beam_width == 1:
+        print("note: --n > 1 with --temperature 0 gives identical completions", file=sys.stderr)
+
+    import jax
+
+    llm = LLM(
+        args.checkpoint,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        kv_memory_fraction=args.kv_memory_fraction,
+        max_num_seqs=min(64, args.max_batch_tokens),
+        max_num_batched_tokens=args.max_batch_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        backend=args.backend,
+        seed=args.seed,
+    )
+    device = str(jax.devices()[0])
+    note = sys.stderr if args.json else sys.stdout
+    print(f"model: {llm.model_source}", file=note)
+    stream = len(prompts) == 1 and args.n == 1 and args.beam_width == 1 and not args.json
+    on_token = None
+    if stream:
+        decoder = llm.tokenizer.stream()
+        print(prompts[0], end="", flush=True)
+
+        def on_token(_rid, _index, tok):
+            sys.stdout.write(decoder.add(tok))
+            sys.stdout.flush()
+
+    outs = llm.generate(prompts, sp, use_tqdm=len(prompts) > 1, on_token=on_token)
+    if stream:
+        print(decoder.flush())
+    summary = llm.summary()
+    if args.json:
+        obj = dict(
+            model=llm.model_source,
+            device=device,
+            backend=args.backend,
+            resolved_backend=resolve_backend(args.backend),
+            settings=dict(
+                page_size=llm.cache_config.page_size,
+                num_pages=llm.cache_config.num_pages,
+                max_num_batched_tokens=args.max_batch_tokens,
+                max_num_seqs=llm.scheduler.max_num_seqs,
+                enable_prefix_caching=not args.no_prefix_caching,
+                n=args.n,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                seed=args.seed,
+                beam_width=args.beam_width,
+                max_tokens=args.max_tokens,
+            ),
+            outputs=[
+                dict(
+                    prompt=o.prompt,
+                    prompt_tokens=len(o.prompt_token_ids),
+                    num_cached_tokens=o.num_cached_tokens,
+                    ttft_s=o.ttft_s,
+                    latency_s=o.latency_s,
+                    completions=[
+                        dict(
+                            text=c.text,
+                            token_ids=c.token_ids,
+                            finish_reason=c.finish_reason,
+                            cumulative_logprob=c.cumulative_logprob,
+                        )
+                        for c in o.outputs
+                    ],
+                )
+                for o in outs
+            ],
+            metrics=summary,
+        )
+        print(json.dumps(obj))
+        return 0
+    if not stream:
+        for i, o in enumerate(outs):
+            print(f"--- prompt {i} ({len(o.prompt_token_ids)} tokens)")
+            for c in o.outputs:
+                tag = f" [{c.index}]" if len(o.outputs) > 1 else ""
+                print(
+                    f"{o.prompt}\x1b[1m{c.text}\x1b[0m{tag} ({c.finish_reason})"
+                    if sys.stdout.isatty()
+                    else f"{o.prompt}{c.text}{tag} ({c.finish_reason})"
+                )
+    print(report(llm, summary, device))
+    return 0
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return run(args)
+    except (_BadInput, ValueError, TypeError, FileNotFoundError, NotADirectoryError) as e:
+        msg = " ".join(str(e).split())  # multi-line errors (checkpoint listings) on one line
+        print(f"error: {msg[:2000]}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

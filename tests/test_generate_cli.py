@@ -1,0 +1,187 @@
+"""scripts/generate.py end to end (in-process `main(argv)`, plus one real subprocess).
+
+The checkpoint is a tiny random-weight HF directory written here (config.json,
+model.safetensors, a byte-level tokenizer.json), served with the geometry of
+tests/test_engine.py so that both share compiled programs.
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pagedjax import model, weights
+from pagedjax.config import PRESETS
+from pagedjax.metrics import SUMMARY_KEYS
+from pagedjax.resources import byte_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "generate.py"
+GEOMETRY = ["--page-size", "8", "--num-pages", "64", "--max-batch-tokens", "16"]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("generate_script", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gen = load_script()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_ckpt")
+    cfg = PRESETS["tiny"]
+    weights.save_hf_checkpoint(model.init_params(cfg, seed=3), cfg, path)
+    byte_tokenizer().tokenizer.save(str(path / "tokenizer.json"))
+    return path
+
+
+def run(argv, capsys):
+    rc = gen.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_json_end_to_end(ckpt, capsys):
+    prompts = ["def add(a, b):\n", "def add(a, b):\n    return", "import os\n"]
+    argv = ["--checkpoint", ckpt, "--max-tokens", "5", "--n", "2", "--temperature", "0.7"]
+    argv += ["--top-k", "50", "--seed", "3", "--backend", "xla", "--json", *GEOMETRY]
+    for p in prompts:
+        argv += ["--prompt", p]
+    rc, out, err = run(argv, capsys)
+    assert rc == 0, err
+    obj = json.loads(out)  # stdout is exactly one JSON object
+    assert set(obj) == {
+        "model",
+        "device",
+        "backend",
+        "resolved_backend",
+        "settings",
+        "outputs",
+        "metrics",
+    }
+    assert obj["resolved_backend"] == "xla" and str(ckpt) in obj["model"]
+    assert tuple(obj["metrics"]) == SUMMARY_KEYS
+    m = obj["metrics"]
+    assert m["num_requests"] == 3 and m["num_generated_tokens"] <= 3 * 2 * 5
+    assert m["kv_pages_total"] == 64 and 0 < m["kv_pages_used"] <= 64
+    assert m["peak_device_memory_bytes"] is None  # the CPU has no memory stats
+    assert m["ttft_p50_s"] <= m["ttft_p99_s"] and m["preemptions"] == 0
+    assert m["kv_bytes_read"] > 0 and m["decode_tokens_per_s"] > 0
+    assert obj["settings"]["num_pages"] == 64 and obj["settings"]["page_size"] == 8
+    assert [o["prompt"] for o in obj["outputs"]] == prompts
+    for o in obj["outputs"]:
+        assert len(o["completions"]) == 2
+        for c in o["completions"]:
+            assert 1 <= len(c["token_ids"]) <= 5 and c["finish_reason"] in ("stop", "length")
+            assert np.isfinite(c["cumulative_logprob"]) and c["cumulative_logprob"] <= 0
+    # The first two prompts share a prefix: the prefix cache hits (same-step reuse).
+    assert m["prefix_cache_hit_rate"] > 0
+
+
+def test_streams_a_single_prompt_and_reports(ckpt, capsys):
+    argv = ["--checkpoint", ckpt, "--prompt", "class A:", "--max-tokens", "6", *GEOMETRY]
+    rc, out, err = run([*argv, "--backend", "xla"], capsys)
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0] == f"model: checkpoint {ckpt}"
+    assert lines[1].startswith("class A:")  # the prompt, then the streamed text
+    for key in (
+        "load ",
+        "TTFT ",
+        "throughput ",
+        "KV read ",
+        "peak memory  n/a",
+        "KV pages ",
+        "prefix cache ",
+        "preemptions ",
+        "host ",
+    ):
+        assert any(line.startswith(key) for line in lines), key
+    assert "jit compilations" in out
+
+
+def test_default_prompts_share_a_prefix():
+    assert len(gen.DEFAULT_PROMPTS) >= 3
+    assert all(p.startswith(gen.PREFIX) for p in gen.DEFAULT_PROMPTS)
+    assert len(gen.PREFIX) > 100  # several pages of tokens to share
+
+
+def test_prompts_file(ckpt, tmp_path, capsys):
+    f = tmp_path / "prompts.txt"
+    f.write_text('x = 1\n\n"def f():\\n    return"\n')
+    rc, out, err = run(
+        [
+            "--checkpoint",
+            ckpt,
+            "--prompts-file",
+            f,
+            "--max-tokens",
+            "2",
+            "--json",
+            "--backend",
+            "xla",
+            *GEOMETRY,
+        ],
+        capsys,
+    )
+    assert rc == 0, err
+    assert [o["prompt"] for o in json.loads(out)["outputs"]] == ["x = 1", "def f():\n    return"]
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (["--prompt", ""], "prompt is empty"),
+        (["--prompt", "x" * 600], "600 tokens"),
+        (["--n", "0"], "n=0"),
+        (["--top-p", "0"], "top_p=0.0"),
+        (["--top-p", "1.5"], "top_p=1.5"),
+        (["--temperature", "-1"], "temperature=-1.0"),
+        (["--backend", "gpu"], "backend='gpu' needs a GPU"),
+        (["--num-pages", "8", "--kv-memory-fraction", "0.5"], "not allowed with"),
+        (["--max-tokens", "ten"], "invalid int value"),
+    ],
+)
+def test_bad_input_is_one_line(ckpt, capsys, extra, match):
+    rc, out, err = run(["--checkpoint", ckpt, *extra], capsys)
+    assert rc == 2
+    assert err.count("\n") == 1 and err.startswith("error: ") and match in err, err
+    assert "Traceback" not in err + out
+
+
+def test_bad_checkpoints(ckpt, tmp_path, capsys):
+    rc, _, err = run(["--checkpoint", tmp_path / "nope"], capsys)
+    assert rc == 2 and "not found" in err and err.count("\n") == 1
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((ckpt / "config.json").read_text())
+    (broken / "tokenizer.json").write_text((ckpt / "tokenizer.json").read_text())
+    rc, _, err = run(["--checkpoint", broken], capsys)
+    assert rc == 2 and "safetensors" in err and err.count("\n") == 1, err
+    no_tok = tmp_path / "no_tok"
+    no_tok.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (no_tok / name).write_bytes((ckpt / name).read_bytes())
+    rc, _, err = run(["--checkpoint", no_tok], capsys)
+    assert rc == 2 and "tokenizer.json" in err and err.count("\n") == 1
+
+
+def test_subprocess_exits_with_one_line():
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--backend", "gpu", "--prompt", "hi"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error: ")
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
