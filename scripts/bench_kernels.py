@@ -80,13 +80,16 @@ class Family:
 
     Attributes:
       name: a short name (the JSON key of its rows).
-      run: env -> result rows (dicts with plain JSON values).
+      run: env -> result rows (dicts with plain JSON values; "case" names the row,
+        "ok" False marks a failed check, keys "err*"/"error*" with text are failures).
       columns: (row key, header, format spec) of the table; missing keys print "-".
+      details: row keys printed under the table, one line per row (e.g. configs).
     """
 
     name: str
     run: Callable[[BenchEnv], list[dict]]
     columns: tuple[tuple[str, str, str], ...]
+    details: tuple[str, ...] = ()
 
 
 def log(msg: str) -> None:
@@ -201,6 +204,11 @@ class DecodeCase:
     def kv_bytes(self) -> int:
         itemsize = jnp.dtype(self.dtype).itemsize
         return 2 * self.batch * self.seq_len * self.num_kv_heads * self.head_dim * itemsize
+
+    def tuning(self) -> dict:
+        """Our kernel's default knobs for this shape."""
+        shape = (self.batch, self.num_heads, self.num_kv_heads, self.head_dim, self.page_size)
+        return default_tuning(*shape, self.max_pages, self.dtype)
 
 
 GPU_DECODE_CASES = [
@@ -317,15 +325,7 @@ def run_bundled(fn, q, k_pages, v_pages, lengths, page_table, **config):
 
 def ours_sweep(case: DecodeCase) -> list[dict]:
     """A few alternatives to the default tuning, to see whether the defaults are right."""
-    base = default_tuning(
-        case.batch,
-        case.num_heads,
-        case.num_kv_heads,
-        case.head_dim,
-        case.page_size,
-        case.max_pages,
-        case.dtype,
-    )
+    base = case.tuning()
     splits = base["num_splits"]
     alts = [dict(num_splits=2 * splits)]
     if splits > 1:
@@ -355,8 +355,12 @@ def _tolerance(case: DecodeCase) -> float:
     return 1e-2 if case.dtype == "bfloat16" else 1e-4
 
 
-def check_decode_gpu(case, inputs, row) -> bool:
-    """(a) Ours and dense vs the reference on the device; ragged lengths."""
+def check_decode_gpu(case: DecodeCase, inputs, row: dict):
+    """(a) Ours and dense vs the reference on the device, with ragged lengths.
+
+    Returns:
+      (ok, lengths, rows, ref): the verdict, and what the bundled kernel's check reuses.
+    """
     q, k, v, pt = inputs
     lengths = ragged_lengths(case, 0)
     rows = np.unique(np.linspace(0, case.batch - 1, min(case.batch, 8)).astype(int))
@@ -366,37 +370,29 @@ def check_decode_gpu(case, inputs, row) -> bool:
     )
     errors = {}
     tol = _tolerance(case)
-    ok = _check("ours", lambda: paged_decode_gpu(q, k, v, lengths, pt), ref, rows, tol, errors)
+    ok = _check("ours", partial(paged_decode_gpu, q, k, v, lengths, pt), ref, rows, tol, errors)
     dense = jax.jit(lambda q, k, v, pt, n: dense_decode(q, to_dense(k, pt), to_dense(v, pt), n))
-    ok &= _check("dense", lambda: dense(q, k, v, pt, lengths), ref, rows, tol, errors)
+    ok &= _check("dense", partial(dense, q, k, v, pt, lengths), ref, rows, tol, errors)
     row.update({f"err_{name}": err for name, err in errors.items()})
-    # Kept for the bundled kernel's check once its best configuration is known.
-    return ok, (lengths, rows, ref)
+    return ok, lengths, rows, ref
 
 
 def decode_case_gpu(case: DecodeCase, env: BenchEnv, sweep_until: float) -> dict:
     """One case on the GPU: checks, then timings; sweeps stop at `sweep_until`."""
-    row = dict(case=case.name, kv_mb=case.kv_bytes / 2**20)
-    row["tuning"] = default_tuning(
-        case.batch,
-        case.num_heads,
-        case.num_kv_heads,
-        case.head_dim,
-        case.page_size,
-        case.max_pages,
-        case.dtype,
-    )
+    row = dict(case=case.name, kv_mb=case.kv_bytes / 2**20, tuning=case.tuning())
     copies = rotating_copies(case.kv_bytes)
     calls = copies * math.ceil(min(CALLS[1], max(CALLS[0], 2 * GIB / case.kv_bytes)) / copies)
     inputs = [make_decode_inputs(case, seed) for seed in range(copies)]
-    row["ok"], (lengths, rows, ref) = check_decode_gpu(case, inputs[0], row)
+    row["ok"], lengths, rows, ref = check_decode_gpu(case, inputs[0], row)
 
     # (c) Timing: full lengths, rotating caches, a distinct query per call.
     full = jnp.full((case.batch,), case.seq_len, jnp.int32)
     q0 = inputs[0][0]
     qs = [jax.random.normal(jax.random.key(100 + i), q0.shape, q0.dtype) for i in range(calls)]
-    paged = [(qs[i], *inputs[i % copies][1:], full) for i in range(calls)]
-    paged = [(q, k, v, n, pt) for q, k, v, pt, n in paged]  # kernel argument order
+    paged = []  # (q, k_pages, v_pages, lengths, page_table) per call
+    for i in range(calls):
+        _, k, v, pt = inputs[i % copies]
+        paged.append((qs[i], k, v, full, pt))
 
     def timed(name, fn, sets):
         try:
@@ -416,7 +412,7 @@ def decode_case_gpu(case: DecodeCase, env: BenchEnv, sweep_until: float) -> dict
 
     dense = [(to_dense(k, pt), to_dense(v, pt)) for _, k, v, pt in inputs]
     t_dense = timed(
-        "dense", dense_decode, [(qs[i], *dense[i % copies], full) for i in range(calls)]
+        "dense", dense_decode, [(q, *dense[i % copies], full) for i, q in enumerate(qs)]
     )
     del dense
     if t_dense:
@@ -440,17 +436,10 @@ def decode_case_gpu(case: DecodeCase, env: BenchEnv, sweep_until: float) -> dict
             row.update(bundled_us=best[0] * 1e6, bundled_cfg=best[1])
             if t_ours:
                 row["speedup_vs_bundled"] = best[0] / t_ours
+            q, k, v, pt = inputs[0]
+            run = partial(run_bundled, fn, q, k, v, lengths, pt, **best[1])
             errors = {}
-            _check(
-                "bundled",
-                lambda: run_bundled(
-                    fn, inputs[0][0], *inputs[0][1:3], lengths, inputs[0][3], **best[1]
-                ),
-                ref,
-                rows,
-                _tolerance(case),
-                errors,
-            )
+            _check("bundled", run, ref, rows, _tolerance(case), errors)
             row["err_bundled"] = errors["bundled"]
 
     if not env.quick and t_ours:
@@ -458,7 +447,7 @@ def decode_case_gpu(case: DecodeCase, env: BenchEnv, sweep_until: float) -> dict
         for alt in ours_sweep(case):
             if time.monotonic() > sweep_until:
                 break
-            t = timed(f"ours {alt}", lambda *a, c=alt: paged_decode_gpu(*a, **c), paged)
+            t = timed(f"ours {alt}", partial(paged_decode_gpu, **alt), paged)
             if t and t < best[0]:
                 best = (t, alt)
         row.update(ours_best_us=best[0] * 1e6, ours_best_cfg=best[1])
@@ -520,10 +509,6 @@ def run_decode(env: BenchEnv) -> list[dict]:
     return rows
 
 
-def _err_col(key, header):
-    return (key, header, ".1e")
-
-
 DECODE = Family(
     name="decode",
     run=run_decode,
@@ -537,12 +522,13 @@ DECODE = Family(
         ("dense_us", "dense us", ".1f"),
         ("paged_over_dense", "paged/dense", ".2f"),
         ("ours_best_us", "best us", ".1f"),
-        _err_col("err_ours", "err ours"),
-        _err_col("err_bundled", "err bundled"),
-        _err_col("err_dense", "err dense"),
-        _err_col("err_tpu", "err tpu"),
+        ("err_ours", "err ours", ".1e"),
+        ("err_bundled", "err bundled", ".1e"),
+        ("err_dense", "err dense", ".1e"),
+        ("err_tpu", "err tpu", ".1e"),
         ("ok", "ok", ""),
     ),
+    details=("tuning", "ours_best_cfg", "bundled_cfg"),
 )
 
 # Add families here (a family may live in another module: import it and append it).
@@ -616,8 +602,10 @@ def main(argv=None, families=None) -> int:
             present = [c for c in family.columns if any(c[0] in r for r in rows)]
             print_table(family.name, rows, present)
             for row in rows:
-                for key in sorted(k for k in row if k.startswith("error")):
-                    print(f"  {row['case']}: {key}: {row[key]}")
+                failures = [k for k in row if k.startswith("err") and isinstance(row[k], str)]
+                for key in [*family.details, *sorted(failures)]:
+                    if key in row:
+                        print(f"  {row['case']}: {key}: {row[key]}")
         if not on_gpu:
             print(f"\n{meta['note']}")
     return 0 if ok else 1

@@ -43,6 +43,10 @@ Not supported: head dims that are not a power of two or are below 16 (the
 Triton `dot` needs power-of-two tiles of at least 16), and page sizes below 8
 are untested. float32 inputs use exact (IEEE) dots, which are correct but do not
 use tensor cores; bfloat16 is the fast path.
+
+Status: checked in the interpreter and lowered to Triton IR on CPU-only
+machines; compiling that IR (Triton -> PTX) and timing happen only on a GPU, in
+`scripts/bench_kernels.py`. The tuning defaults are reasoned, not yet measured.
 """
 
 from __future__ import annotations
