@@ -1,0 +1,184 @@
+"""Smoke tests of scripts/bench_memory.py, bench_prefix.py and bench_decode.py.
+
+Each script's `main()` runs on a tiny configuration with --json; the tests check the
+keys and that the numbers are sane (fractions in [0, 1], ratios where the design says
+they must be), plus the allocator simulators against hand-worked cases.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def load(name: str, monkeypatch):
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def memory(monkeypatch):
+    return load("bench_memory", monkeypatch)
+
+
+@pytest.fixture
+def workloads(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    return load("workloads", monkeypatch)
+
+
+# ------------------------------------------------------------------ workloads
+
+
+def test_workloads_are_seeded_and_bounded(workloads):
+    for name in workloads.WORKLOADS:
+        a = workloads.make_workload(name, 60, seed=3, max_seq_len=512)
+        b = workloads.make_workload(name, 60, seed=3, max_seq_len=512)
+        c = workloads.make_workload(name, 60, seed=4, max_seq_len=512)
+        assert all(np.array_equal(x.prompt, y.prompt) for x, y in zip(a, b, strict=True))
+        assert any(
+            len(x.prompt) != len(y.prompt) or not np.array_equal(x.prompt, y.prompt)
+            for x, y in zip(a, c, strict=False)
+        )
+        assert all(r.output_len >= 1 and r.total_len <= 512 for r in a)
+        assert [r.rid for r in a] == list(range(len(a)))
+
+
+def test_chat_turns_extend_their_history(workloads):
+    reqs = workloads.make_workload("chat", 200, seed=0, system_prompt_len=64)
+    system = reqs[0].prompt[:64]
+    assert all(np.array_equal(r.prompt[:64], system) for r in reqs)
+    follow = [r for r in reqs if r.parent is not None]
+    assert follow, "the chat workload must have multi-turn conversations"
+    for r in follow:
+        p = reqs[r.parent]
+        history = np.concatenate([p.prompt, p.output])
+        assert r.conv == p.conv and np.array_equal(r.prompt[: len(history)], history)
+
+
+def test_bad_workload_name(workloads):
+    with pytest.raises(ValueError, match="nope"):
+        workloads.make_workload("nope", 10)
+
+
+# ------------------------------------------------------------------ bench_memory
+
+
+def _req(workloads, rid, prompt, output, arrival=0):
+    return workloads.Request(
+        rid, np.arange(3, 3 + prompt, dtype=np.int32), np.full(output, 7, np.int32), arrival
+    )
+
+
+def test_firstfit_holes_merge(memory):
+    ff = memory.FirstFit(100)
+    w = memory.workloads
+    seqs = [memory.Seq(_req(w, i, 10, 10), 10) for i in range(5)]  # 20 slots each
+    assert all(ff.admit(s, 0) for s in seqs) and ff.free == 0
+    ff.release(seqs[1])
+    ff.release(seqs[3])
+    assert ff.num_holes() == 2 and ff.free == 40
+    big = _req(w, 9, 20, 10)  # 30 slots: fits the total free space, no single hole
+    assert ff.fragmented_free(big) == 40 and not ff.admit(memory.Seq(big, 20), 0)
+    ff.release(seqs[2])  # merges both neighbours into one 60-slot hole
+    assert ff.num_holes() == 1 and ff.fragmented_free(big) == 0
+    assert ff.admit(memory.Seq(big, 20), 0) and ff.reserved() == 70
+
+
+def test_replay_hand_worked(memory):
+    """Two requests, one slot of max_seq_len: the second waits for the first."""
+    w = memory.workloads
+    reqs = [_req(w, 0, 4, 3), _req(w, 1, 2, 2)]
+    row = memory.replay(reqs, memory.MaxLen(16, 16), 16)
+    # step 0: r0 admitted (4 live), r1 waits; steps 1-3: r0 grows to 7, freed after 3.
+    assert row["window"] == "saturated" and row["window_steps"] == 4
+    assert row["utilization"] == pytest.approx((4 + 5 + 6 + 7) / (4 * 16))
+    assert row["capacity"] == 1.0 and row["steps"] == 4 + 3
+    paged = memory.Paged(16, 4, False, watermark=0.0, horizon=0, max_len=16)
+    row = memory.replay(reqs, paged, 16)
+    # Both fit at once in 4 pages of 4: no step is saturated, the window is busy steps.
+    assert row["window"] == "busy" and row["peak_running"] == 2 and row["steps"] == 4
+    live = [4 + 2, 5 + 3, 6 + 4, 7]  # r1 (2 + 2 tokens) is freed after step 2
+    reserved = [4 + 4, 8 + 4, 8 + 4, 8]  # pages of 4 slots
+    assert row["utilization"] == pytest.approx(sum(live) / sum(reserved))
+    assert row["preemptions"] == 0 and row["stalls"] == 0
+
+
+def test_paged_prefix_sharing_counts_pages_once(memory):
+    w = memory.workloads
+    shared = np.arange(3, 35, dtype=np.int32)  # two full pages of 16
+    reqs = [
+        w.Request(i, np.concatenate([shared, [100 + i]]).astype(np.int32), np.full(2, 7), 0)
+        for i in range(3)
+    ]
+    on = memory.replay(
+        reqs, memory.Paged(64 * 16, 16, True, watermark=0, horizon=0, max_len=64), 1024
+    )
+    off = memory.replay(
+        reqs, memory.Paged(64 * 16, 16, False, watermark=0, horizon=0, max_len=64), 1024
+    )
+    assert on["prefix_hit_rate"] == pytest.approx(2 * 32 / (3 * 33))
+    assert on["tokens_per_live_slot"] > 2.0 and off["tokens_per_live_slot"] == 1.0
+    assert 0 < on["utilization"] <= 1 and 0 < off["utilization"] <= 1
+
+
+def test_main_json(memory, capsys, tmp_path):
+    argv = ["--requests", "300", "--budget-tokens", "16384", "--max-seq-len", "512"]
+    argv += ["--page-sizes", "1,16,64", "--json", "--plot-dir", str(tmp_path)]
+    assert memory.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in (
+        "paged16_utilization",
+        "contiguous_maxlen_utilization",
+        "capacity_ratio_paged16_vs_contiguous",
+        "chat_capacity_ratio_prefix_vs_no_prefix",
+    ):
+        assert np.isfinite(out[key]), key
+    assert 0.9 < out["paged16_utilization"] <= 1.0
+    assert 0 < out["contiguous_maxlen_utilization"] < out["paged16_utilization"]
+    assert out["capacity_ratio_paged16_vs_contiguous"] > 1.0
+    for name, res in out["workloads"].items():
+        rows = {r["policy"]: r for r in res["policies"]}
+        assert set(rows) >= {"contiguous-maxlen", "contiguous-firstfit", "paged-1+prefix"}
+        for r in rows.values():
+            for k in ("utilization", "internal_waste", "external_waste", "free"):
+                assert 0.0 <= r[k] <= 1.0 + 1e-12, (name, r["policy"], k, r[k])
+            assert 0 < r["capacity"] <= r["resident"] + 1e-9 <= r["peak_running"] + 1e-9
+        assert rows["paged-1"]["utilization"] == pytest.approx(1.0)
+        assert rows["contiguous-maxlen"]["capacity"] == 512 // 16  # budget / max_seq_len
+        assert rows["contiguous-maxlen"]["external_waste"] == 0.0
+        assert rows["paged-16"]["external_waste"] == 0.0
+        shares = rows["paged-16+prefix"]["tokens_per_live_slot"]
+        if name == "chat":
+            assert rows["paged-16+prefix"]["prefix_hit_rate"] > 0.3 and shares > 1.2
+        else:
+            assert rows["paged-16+prefix"]["prefix_hit_rate"] < 0.05 and shares < 1.05
+    if out["plots"]:
+        assert all(Path(p).is_file() and Path(p).parent == tmp_path for p in out["plots"])
+
+
+def test_main_table_without_matplotlib(memory, capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    argv = ["--workload", "sharegpt", "--requests", "30", "--budget-tokens", "2048"]
+    argv += ["--max-seq-len", "256", "--page-sizes", "16", "--plot-dir", str(tmp_path)]
+    assert memory.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "paged16_utilization" in captured.out and "contiguous-firstfit" in captured.out
+    assert "skipping plots" in captured.err and not list(tmp_path.iterdir())
+
+
+def test_bad_arguments(memory):
+    with pytest.raises(SystemExit):
+        memory.parse_args(["--page-sizes", "8,32"])  # the headline needs 16
+    with pytest.raises(SystemExit):
+        memory.parse_args(["--budget-tokens", "100"])
