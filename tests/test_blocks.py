@@ -507,6 +507,8 @@ class BlockMachine(RuleBasedStateMachine):
     a simulated device: ``dev[slot]`` holds an exact id of (salt, tokens[: pos + 1])."""
 
     check_hits = True  # with a real hash, registered content must be found
+    checks = 0  # invariant checks, per subclass: one per step plus one per run
+    runs = 0
 
     def __init__(self):
         super().__init__()
@@ -518,6 +520,7 @@ class BlockMachine(RuleBasedStateMachine):
         caching=st.sampled_from([True, True, True, False]),
     )
     def setup(self, page_size, capacity, caching):
+        type(self).runs += 1
         self.ps, num_pages = page_size, max(3, capacity // page_size)
         self.bm = BlockManager(
             num_pages, page_size, enable_prefix_caching=caching, max_model_len=24, watermark=0
@@ -716,6 +719,7 @@ class BlockMachine(RuleBasedStateMachine):
     def consistent(self):
         if self.bm is None:
             return
+        type(self).checks += 1
         self.bm.check_invariants()
         for s, (_, toks, ids) in self.live.items():
             assert self.bm.num_tokens(s) == len(toks)
@@ -724,7 +728,8 @@ class BlockMachine(RuleBasedStateMachine):
             assert got == ids[:n], f"sequence {s}: computed K/V was overwritten"
 
 
-def run_machine(monkeypatch, digest, examples, steps, check_hits=True):
+def run_machine(monkeypatch, digest, examples, steps, check_hits=True) -> int:
+    """Runs the machine; returns the number of rule steps it took."""
     if digest is not None:
         monkeypatch.setattr(blocks, "_digest", digest)
     machine = type("Machine", (BlockMachine,), {"check_hits": check_hits})
@@ -743,6 +748,7 @@ def run_machine(monkeypatch, digest, examples, steps, check_hits=True):
             ],
         ),
     )
+    return machine.checks - machine.runs
 
 
 def page_only_digest(data: bytes) -> bytes:
@@ -755,11 +761,13 @@ DIGESTS = [(None, True), (constant_digest, False), (page_only_digest, False)]
 @pytest.mark.parametrize("digest, check_hits", DIGESTS, ids=["sha256", "constant", "page"])
 def test_state_machine(monkeypatch, digest, check_hits):
     examples = 60 if digest is None else 15
-    run_machine(monkeypatch, digest, examples, 50, check_hits)
+    steps = run_machine(monkeypatch, digest, examples, 50, check_hits)
+    assert steps >= (1500 if digest is None else 300), steps
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("digest, check_hits", DIGESTS, ids=["sha256", "constant", "page"])
 def test_state_machine_long(monkeypatch, digest, check_hits):
-    examples = 1600 if digest is None else 300  # ~100,000 + 2 x ~20,000 steps
-    run_machine(monkeypatch, digest, examples, 100, check_hits)
+    examples = 1600 if digest is None else 300
+    steps = run_machine(monkeypatch, digest, examples, 100, check_hits)
+    assert steps >= (100_000 if digest is None else 15_000), steps
