@@ -43,6 +43,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -531,6 +532,16 @@ DECODE = Family(
     details=("tuning", "ours_best_cfg", "bundled_cfg"),
 )
 
+
+def _ragged_family() -> Family:
+    # Lives beside this script (scripts/ is sys.path[0] when it runs); imported
+    # lazily because bench_ragged_cases imports this module back.
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_ragged_cases
+
+    return Family("ragged", bench_ragged_cases.run_family, bench_ragged_cases.COLUMNS)
+
+
 # Add families here (a family may live in another module: import it and append it).
 FAMILIES = [DECODE]
 
@@ -561,7 +572,7 @@ def parse_args(argv=None):
 
 def main(argv=None, families=None) -> int:
     args = parse_args(argv)
-    families = FAMILIES if families is None else families
+    families = FAMILIES + [_ragged_family()] if families is None else families
     on_gpu = has_gpu() and not args.interpret
     device = jax.devices()[0]
     env = BenchEnv(

@@ -41,7 +41,7 @@ def bench(monkeypatch):
 
 
 def test_cpu_path_json(bench, capsys):
-    assert bench.main(["--quick", "--json"]) == 0
+    assert bench.main(["--quick", "--json"], families=[bench.DECODE]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["timed"] is False and "timing needs a CUDA GPU" in result["note"]
     (row,) = result["results"]["decode"]
@@ -54,7 +54,7 @@ def test_cpu_path_reports_broken_tpu_kernel(bench, capsys, monkeypatch):
         return jnp.zeros_like(q) + 1
 
     monkeypatch.setattr(sys.modules["pallas_kernels.paged_decode.tpu"], "paged_decode_tpu", broken)
-    assert bench.main(["--quick"]) == 1
+    assert bench.main(["--quick"], families=[bench.DECODE]) == 1
     out = capsys.readouterr().out
     assert "timing needs a CUDA GPU" in out and "False" in out
 
@@ -77,7 +77,7 @@ def test_gpu_path_logic_on_cpu(bench, capsys, monkeypatch):
     monkeypatch.setattr(bench, "CALLS", (2, 2))
     case = bench.DecodeCase(2, 64, num_heads=4, num_kv_heads=2, head_dim=64)
     monkeypatch.setattr(bench, "GPU_DECODE_CASES", [case])
-    assert bench.main(["--quick", "--json", "--iters", "1"]) == 0
+    assert bench.main(["--quick", "--json", "--iters", "1"], families=[bench.DECODE]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["timed"] is True
     (row,) = result["results"]["decode"]
@@ -100,7 +100,8 @@ def test_gpu_path_survives_failing_kernels(bench, capsys, monkeypatch):
     monkeypatch.setattr(bench, "CALLS", (2, 2))
     case = bench.DecodeCase(1, 32, num_heads=2, num_kv_heads=1, head_dim=64)
     monkeypatch.setattr(bench, "GPU_DECODE_CASES", [case])
-    assert bench.main(["--quick", "--iters", "1"]) == 1  # our kernel failed: nonzero exit
+    # our kernel failed: nonzero exit
+    assert bench.main(["--quick", "--iters", "1"], families=[bench.DECODE]) == 1
     out = capsys.readouterr().out
     assert "error_bundled: missing: ImportError: gone" in out
     assert "error_ours: RuntimeError: triton says no" in out
@@ -128,7 +129,7 @@ def test_gpu_path_full_sweeps_with_stub_kernels(bench, capsys, monkeypatch):
     monkeypatch.setattr(bench, "CALLS", (2, 2))
     case = bench.DecodeCase(1, 512, num_heads=2, num_kv_heads=1, head_dim=16)
     monkeypatch.setattr(bench, "GPU_DECODE_CASES", [case])
-    assert bench.main(["--iters", "1", "--budget-s", "600"]) == 0
+    assert bench.main(["--iters", "1", "--budget-s", "600"], families=[bench.DECODE]) == 0
     out = capsys.readouterr().out
     assert "x bundled" in out and "paged/dense" in out
     tried = {tuple(sorted(c.items())) for c in seen["bundled"]}
