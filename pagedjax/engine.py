@@ -167,7 +167,8 @@ class LLM:
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
         self._inflight: tuple[StepPlan, tuple] | None = None
-        self._outputs: dict[str, RequestOutput] = {}
+        self._outputs: dict[str, RequestOutput] = {}  # finished, for a running generate()
+        self._collect: set[str] = set()  # request ids a generate() call waits for
         self._idle_steps = 0
         jax.block_until_ready(self.cache)
         self.metrics.load_time_s = perf_counter() - t0
@@ -252,7 +253,7 @@ class LLM:
         for s in g.seqs + g.forks:
             s.finish_reason = "abort"
         out = self._output(g.request, aborted=True)
-        self._outputs[request_id] = out
+        self._keep(out)
         return out
 
     def has_unfinished_requests(self) -> bool:
@@ -293,6 +294,7 @@ class LLM:
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        self._collect.update(ids)
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -307,13 +309,16 @@ class LLM:
                     bar.update(sum(o.request_id in mine for o in done))
                 if on_step is not None:
                     on_step(self)
-            while self._inflight is not None:  # drain a step whose rows all finished
-                self.step(on_token=on_token)
+            while self._inflight is not None and not self.scheduler.has_unfinished():
+                self.step(on_token=on_token)  # nothing left to run: collect the last step
+            return [self._outputs.pop(i) for i in ids]
         finally:
             self.metrics.run_time_s += perf_counter() - t0
+            self._collect.difference_update(ids)
+            for i in ids:
+                self._outputs.pop(i, None)
             if bar is not None:
                 bar.close()
-        return [self._outputs.pop(i) for i in ids]
 
     def summary(self) -> dict:
         """The run's metrics (`pagedjax.metrics.SUMMARY_KEYS`)."""
@@ -474,7 +479,7 @@ class LLM:
 
     def _finish(self, req: _Request, now: float) -> RequestOutput:
         out = self._output(req, aborted=False, now=now)
-        self._outputs[req.request_id] = out
+        self._keep(out)
         self.metrics.record_request(len(req.prompt_ids), out.ttft_s, out.latency_s)
         return out
 
@@ -528,6 +533,10 @@ class LLM:
     def _batch(self, plan: StepPlan) -> StepBatch:
         cc = self.cache_config
         return StepBatch(plan, self.buckets, cc.page_size, self.config.vocab_size)
+
+    def _keep(self, out: RequestOutput) -> None:
+        if out.request_id in self._collect:
+            self._outputs[out.request_id] = out
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""

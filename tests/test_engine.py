@@ -135,24 +135,32 @@ def test_greedy_equals_dense(params, dense, caching, budget):
     assert summary["num_compilations"] <= 4  # a handful of buckets, shared across tests
 
 
-def test_preemption_keeps_outputs(params, dense):
-    # 14 requests of up to 60 tokens (8 pages each) in 64 pages, 12 at a time: preemption.
-    rng = np.random.default_rng(5)
-    prompts = [rng.integers(3, 256, size=int(n)).tolist() for n in rng.integers(5, 24, 14)]
-    llm = LLM(params, max_num_batched_tokens=16, **(GEOMETRY | dict(max_num_seqs=12)))
-    outs = llm.generate(prompts, [greedy(60 - len(p), ignore_eos=True) for p in prompts])
-    want = dense.greedy(prompts, [60 - len(p) for p in prompts], stop_ids=())
-    for o, w in zip(outs, want, strict=True):
-        assert o.outputs[0].token_ids == w
-        assert o.outputs[0].finish_reason == "length"
-    summary = llm.summary()
-    assert summary["preemptions"] > 0 and sum(o.num_preemptions for o in outs) > 0
-    assert summary["kv_pages_used"] >= PAGES - 8
-    check_clean(llm)
-
-
 def sample_seed(seed: int, i: int) -> int:
     return (seed + i * 0x9E3779B1) % 2**32  # the engine's documented per-sample seed
+
+
+def assert_drawn_by_the_sampler(dense, prompt, completions, sp):
+    """Every token is what `sampling.sample` draws from dense logits with (seed_i, index)."""
+    rows, seeds, steps, want = [], [], [], []
+    for c in completions:
+        for j, tok in enumerate(c.token_ids):
+            rows.append(prompt + c.token_ids[:j])
+            seeds.append(sample_seed(sp.seed, c.index))
+            steps.append(j)
+            want.append(tok)
+    n = len(rows)
+    drawn, lps = jax.jit(sampling.sample)(
+        jnp.asarray(dense.last_logits(rows)),
+        jnp.full(n, sp.temperature, jnp.float32),
+        jnp.full(n, sp.top_k, jnp.int32),
+        jnp.full(n, sp.top_p, jnp.float32),
+        jnp.asarray(seeds, jnp.uint32),
+        jnp.asarray(steps, jnp.int32),
+    )
+    assert np.asarray(drawn).tolist() == want
+    bounds = np.cumsum([0] + [len(c.token_ids) for c in completions[:-1]])
+    cum = np.add.reduceat(np.asarray(lps, np.float64), bounds)
+    np.testing.assert_allclose([c.cumulative_logprob for c in completions], cum, rtol=1e-4)
 
 
 def test_n_samples_share_the_prompt_and_match_the_sampler(params, dense):
@@ -180,28 +188,7 @@ def test_n_samples_share_the_prompt_and_match_the_sampler(params, dense):
     # Reproducible for the same seed (through generate this time).
     again = llm.generate([prompt], sp)[0]
     assert [c.token_ids for c in again.outputs] == samples
-    # Every token is what the sampler draws from dense logits with (seed_i, token index).
-    rows, seeds, steps = [], [], []
-    for i, toks in enumerate(samples):
-        for j in range(len(toks)):
-            rows.append(prompt + toks[:j])
-            seeds.append(sample_seed(1234, i))
-            steps.append(j)
-    logits = dense.last_logits(rows)
-    n = len(rows)
-    drawn, lps = jax.jit(sampling.sample)(
-        jnp.asarray(logits),
-        jnp.full(n, 0.9, jnp.float32),
-        jnp.full(n, 40, jnp.int32),
-        jnp.full(n, 0.95, jnp.float32),
-        jnp.asarray(seeds, jnp.uint32),
-        jnp.asarray(steps, jnp.int32),
-    )
-    assert np.asarray(drawn).tolist() == [t for toks in samples for t in toks]
-    cum = np.add.reduceat(
-        np.asarray(lps, np.float64), np.cumsum([0] + [len(s) for s in samples[:-1]])
-    )
-    np.testing.assert_allclose([c.cumulative_logprob for c in out.outputs], cum, rtol=1e-4)
+    assert_drawn_by_the_sampler(dense, prompt, out.outputs, sp)
     check_clean(llm)
 
 
@@ -245,6 +232,46 @@ def dense_beam_search(dense, prompt, width, max_tokens, stop_ids, length_penalty
             break
         live = new
     return hyps
+
+
+def run_under_preemption(params, dense, beam: bool):
+    """14 requests of up to 60 tokens (8 pages each) in 64 pages, 12 sequences at a time:
+    greedy ones, and (admitted last in the first wave, so preempted first) an n=2
+    sampling request and an n=2 sampling or width-2 beam search request."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 256, size=int(n)).tolist() for n in rng.integers(5, 24, 14)]
+    budget = [60 - len(p) for p in prompts]
+    sps = [greedy(m, ignore_eos=True) for m in budget]
+    s, b = 8, 9
+    sps[s] = SamplingParams(n=2, temperature=0.8, top_p=0.9, seed=99, max_tokens=budget[s])
+    if beam:
+        sps[b] = SamplingParams(n=2, beam_width=2, max_tokens=budget[b], ignore_eos=True)
+    else:
+        sps[b] = SamplingParams(n=2, temperature=1.0, top_k=8, seed=5, max_tokens=budget[b])
+    llm = LLM(params, max_num_batched_tokens=16, **(GEOMETRY | dict(max_num_seqs=12)))
+    outs = llm.generate(prompts, sps)
+    greedy_ids = [i for i in range(14) if i not in (s, b)]
+    want = dense.greedy([prompts[i] for i in greedy_ids], [budget[i] for i in greedy_ids], ())
+    for i, w in zip(greedy_ids, want, strict=True):
+        assert outs[i].outputs[0].token_ids == w and outs[i].outputs[0].finish_reason == "length"
+    assert_drawn_by_the_sampler(dense, prompts[s], outs[s].outputs, sps[s])
+    if beam:
+        beams = dense_beam_search(dense, prompts[b], 2, budget[b], (), 1.0)
+        assert [c.token_ids for c in outs[b].outputs] == [h[1] for h in beams]
+    else:
+        assert_drawn_by_the_sampler(dense, prompts[b], outs[b].outputs, sps[b])
+    assert llm.summary()["preemptions"] > 0 and llm.summary()["kv_pages_used"] >= PAGES - 8
+    assert outs[s].num_preemptions > 0 and outs[b].num_preemptions > 0
+    check_clean(llm)
+
+
+def test_preemption_keeps_outputs(params, dense):
+    run_under_preemption(params, dense, beam=False)
+
+
+@pytest.mark.slow  # compiles the top-k variants of the 16-row programs
+def test_preemption_keeps_beam_search_outputs(params, dense):
+    run_under_preemption(params, dense, beam=True)
 
 
 @pytest.mark.parametrize("width,length_penalty", [(2, 1.0), (3, 0.5)])
