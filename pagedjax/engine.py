@@ -166,7 +166,7 @@ class LLM:
         self._rng = np.random.default_rng(seed)
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
-        self._inflight: tuple[StepPlan, tuple] | None = None
+        self._inflight: tuple[StepPlan, tuple, StepRecord] | None = None
         self._outputs: dict[str, RequestOutput] = {}  # finished, for a running generate()
         self._collect: set[str] = set()  # request ids a generate() call waits for
         self._idle_steps = 0
@@ -341,11 +341,12 @@ class LLM:
         wait = 0.0
         progressed = self._inflight is not None
         if self._inflight is not None:
-            prev, out = self._inflight
+            prev, out, prev_rec = self._inflight
             self._inflight = None
             host = jax.device_get(out)
             t2 = perf_counter()
             wait = t2 - t1
+            self.metrics.complete(prev_rec, t2)
             finished = self._apply(prev, host, on_token)
         else:
             t2 = t1
@@ -373,7 +374,6 @@ class LLM:
         for x in leaves:
             if x is not None:
                 x.copy_to_host_async()
-        self._inflight = (plan, leaves)
         t3 = perf_counter()
         compiles = sum(decode.compile_counts().values()) - before
         n_decode = sum(1 for r in live if r.decode)
@@ -389,8 +389,10 @@ class LLM:
             wait_s=wait,
             host_exposed_s=t3 - t2,
             dispatch_s=t3 - td,
+            dispatched_at=t3,
         )
         self.metrics.record(rec, compiles)
+        self._inflight = (plan, leaves, rec)
         return finished
 
     def _apply(self, plan: StepPlan, host, on_token) -> list[RequestOutput]:

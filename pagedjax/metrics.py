@@ -13,6 +13,12 @@ Host overhead is measured per step in three parts (`StepRecord`):
 Steps that compiled a program are kept out of the host figures (their dispatch is
 the compile) and counted in `compile_time_s`.
 
+Device time of a step, `device_s`, is observed on the host: from its dispatch (or the
+previous step's tokens arriving, if later) to its own tokens arriving. Throughputs
+divide by it: prefill tokens/s over the steps that carried prefill chunks, decode
+tokens/s over the pure decode steps, KV bytes/s over all steps. `output_tokens_per_s`
+is the end-to-end figure: generated tokens over the run time less compile time.
+
 KV bytes read follow the performance model in DESIGN.md: a step reads every live
 K/V byte of its rows' contexts once, `kv_bytes_per_token * sum(context lens)`.
 """
@@ -41,8 +47,10 @@ SUMMARY_KEYS = (
     "ttft_p50_s",
     "ttft_p99_s",
     "latency_mean_s",
+    "device_time_s",
     "prefill_tokens_per_s",
     "decode_tokens_per_s",
+    "output_tokens_per_s",
     "kv_bytes_read",
     "kv_bytes_read_per_s",
     "peak_device_memory_bytes",
@@ -77,6 +85,8 @@ class StepRecord:
     wait_s: float
     host_exposed_s: float
     dispatch_s: float
+    dispatched_at: float = 0.0  # perf_counter() when the dispatch returned
+    device_s: float | None = None  # set when its tokens arrive (`EngineMetrics.complete`)
 
 
 class EngineMetrics:
@@ -109,6 +119,8 @@ class EngineMetrics:
         self.latencies: list[float] = []
         self.num_prompt_tokens = 0
         self._host = [0.0, 0.0, 0.0, 0]  # hidden, exposed, wait, steps counted
+        self._timed = [0.0, 0, 0.0, 0, 0.0]  # prefill s, tokens; decode s, tokens; all s
+        self._last_ready = 0.0
 
     def record(self, rec: StepRecord, num_compilations: int = 0) -> None:
         self.steps.append(rec)
@@ -127,6 +139,19 @@ class EngineMetrics:
             h[2] += rec.wait_s
             h[3] += 1
 
+    def complete(self, rec: StepRecord, ready_at: float) -> None:
+        """Records that `rec`'s tokens arrived on the host at `ready_at`."""
+        rec.device_s = ready_at - max(rec.dispatched_at, self._last_ready)
+        self._last_ready = ready_at
+        t = self._timed
+        t[4] += rec.device_s
+        if rec.num_prefill_tokens:
+            t[0] += rec.device_s
+            t[1] += rec.num_prefill_tokens
+        else:
+            t[2] += rec.device_s
+            t[3] += rec.num_decode_tokens
+
     def record_request(self, num_prompt_tokens: int, ttft: float | None, latency: float) -> None:
         self.num_prompt_tokens += num_prompt_tokens
         if ttft is not None:
@@ -143,6 +168,8 @@ class EngineMetrics:
     ) -> dict:
         """The run's figures, keyed by `SUMMARY_KEYS` (times in seconds unless `_ms`)."""
         busy = max(self.run_time_s - self.compile_time_s, 1e-9)
+        pre_s, pre_n, dec_s, dec_n, dev_s = self._timed
+        rate = lambda n, t: n / t if t > 0 else None
         hidden, exposed, wait, n = self._host
         per_step = (lambda x: 1e3 * x / n) if n else (lambda x: None)
         kv_bytes = self.context_tokens * self.kv_bytes_per_token
@@ -160,10 +187,12 @@ class EngineMetrics:
             ttft_p50_s=percentile(self.ttfts, 50),
             ttft_p99_s=percentile(self.ttfts, 99),
             latency_mean_s=float(np.mean(self.latencies)) if self.latencies else None,
-            prefill_tokens_per_s=self.prefill_tokens / busy,
-            decode_tokens_per_s=self.decode_tokens / busy,
+            device_time_s=dev_s,
+            prefill_tokens_per_s=rate(pre_n, pre_s),
+            decode_tokens_per_s=rate(dec_n, dec_s),
+            output_tokens_per_s=self.generated_tokens / busy,
             kv_bytes_read=kv_bytes,
-            kv_bytes_read_per_s=kv_bytes / busy,
+            kv_bytes_read_per_s=rate(kv_bytes, dev_s),
             peak_device_memory_bytes=peak_device_memory_bytes,
             kv_pages_used=self.peak_used_pages,
             kv_pages_total=kv_pages_total,

@@ -29,8 +29,10 @@ a double quote is read as a JSON string, so a prompt can hold newlines.
     metrics          load_time_s, compile_time_s, num_compilations, run_time_s,
                      num_requests, num_steps, num_prompt_tokens, num_prefill_tokens,
                      num_generated_tokens, ttft_mean_s, ttft_p50_s, ttft_p99_s,
-                     latency_mean_s, prefill_tokens_per_s, decode_tokens_per_s,
-                     kv_bytes_read, kv_bytes_read_per_s, peak_device_memory_bytes
+                     latency_mean_s, device_time_s, prefill_tokens_per_s (over steps
+                     with prefill), decode_tokens_per_s (over pure decode steps),
+                     output_tokens_per_s (end to end), kv_bytes_read,
+                     kv_bytes_read_per_s, peak_device_memory_bytes
                      (null when the device has no memory stats), kv_pages_used (peak),
                      kv_pages_total, kv_utilization (peak used / total),
                      prefix_cache_hit_rate, preemptions, host_hidden_ms_per_step,
@@ -144,6 +146,10 @@ def _fmt(x, unit="", scale=1.0, digits=3):
     return "n/a" if x is None else f"{x * scale:,.{digits}g}{unit}"
 
 
+def _rate(x, unit):
+    return "n/a" if x is None else f"{x:,.0f}{unit}"
+
+
 def report(llm, summary: dict, device: str) -> str:
     s = summary
     hit = s["prefix_cache_hit_rate"]
@@ -158,10 +164,11 @@ def report(llm, summary: dict, device: str) -> str:
         f"{s['num_steps']} steps in {s['run_time_s']:.2f} s",
         f"TTFT         mean {_fmt(s['ttft_mean_s'], ' s')}, p50 {_fmt(s['ttft_p50_s'], ' s')}, "
         f"p99 {_fmt(s['ttft_p99_s'], ' s')}",
-        f"throughput   prefill {s['prefill_tokens_per_s']:,.0f} tok/s, decode "
-        f"{s['decode_tokens_per_s']:,.0f} tok/s (run time less compile time)",
-        f"KV read      {s['kv_bytes_read_per_s'] / 1e9:,.3f} GB/s "
-        f"({s['kv_bytes_read'] / 1e6:,.1f} MB in all)",
+        f"throughput   prefill {_rate(s['prefill_tokens_per_s'], ' tok/s')}, decode "
+        f"{_rate(s['decode_tokens_per_s'], ' tok/s')} (device time of those steps); "
+        f"output {s['output_tokens_per_s']:,.0f} tok/s end to end",
+        f"KV read      {_fmt(s['kv_bytes_read_per_s'], ' GB/s', 1e-9)} "
+        f"({s['kv_bytes_read'] / 1e6:,.1f} MB in {s['device_time_s']:.2f} s of device time)",
         f"peak memory  {'n/a' if peak is None else f'{peak / 2**30:.2f} GiB'}",
         f"KV pages     {s['kv_pages_used']} / {s['kv_pages_total']} at peak "
         f"({100 * s['kv_utilization']:.1f}% utilization)",
