@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax import model, sampling
+from pagedjax import demo, model, sampling
 from pagedjax.config import PRESETS
 from pagedjax.engine import LLM, SamplingParams
 
@@ -424,3 +424,47 @@ def test_kv_memory_fraction_sizes_the_cache(params):
     # CPU: no device stats, so the cap is max_num_seqs full-length sequences.
     assert llm.cache_config.num_pages == 4 * TINY.max_position_embeddings // 16
     assert llm.cache.num_pages == llm.cache_config.num_pages
+
+
+DEMO_PROMPTS = ("def ", "import os\n", "class Config:\n    def __init__(self")
+
+
+def test_demo_model_greedy_equals_dense_recompute():
+    """Issue 8's engine-level check: 200+ greedy tokens of the trained demo model through
+    the engine (XLA backend, f32: the shipped bf16 weights upcast exactly) equal dense
+    no-cache recompute token for token. Causality makes the dense argmax at position i of
+    the whole (padded) sequence the dense model's choice for the token after i, so one
+    forward per sequence checks every step."""
+    try:
+        path = demo.demo_model_dir()
+    except FileNotFoundError as e:
+        pytest.skip(f"the demo model is not there yet: {e}")
+    llm = LLM(
+        path,
+        dtype="float32",
+        backend="xla",
+        page_size=16,
+        num_pages=64,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+    )
+    cfg = llm.config
+    prompts = [llm.tokenizer.encode(p) for p in DEMO_PROMPTS]
+    new = cfg.max_position_embeddings - max(map(len, prompts))
+    assert new >= 200, f"the demo model's {cfg.max_position_embeddings} positions are too few"
+    new = min(new, 240)
+    outs = llm.generate(prompts, greedy(new, ignore_eos=True))
+    width = cfg.max_position_embeddings
+    batch = np.zeros((len(prompts), width), np.int32)
+    for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+        seq = p + o.outputs[0].token_ids
+        assert len(o.outputs[0].token_ids) == new
+        batch[i, : len(seq)] = seq
+    argmax = np.asarray(jnp.argmax(jax.jit(model.forward)(llm.params, batch), axis=-1))
+    for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+        got = o.outputs[0].token_ids
+        want = argmax[i, len(p) - 1 : len(p) - 1 + new].tolist()
+        diff = next((j for j, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        assert diff is None, f"prompt {i}: engine and dense differ first at token {diff}"
+    assert len({t for o in outs for t in o.outputs[0].token_ids}) > 20  # a trained model
+    check_clean(llm)
