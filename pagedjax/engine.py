@@ -412,7 +412,7 @@ class LLM:
                 beams.setdefault(id(r.group), [r.group]).append((r.seq, top_ids[i], top_lps[i]))
                 continue
             self._accept(req, r.seq, int(tokens[i]), float(logprobs[i]), on_token)
-            if r.group.done and r.group.status is SeqStatus.FINISHED:
+            if r.group.done and r.group.epoch == r.epoch:  # finished, not aborted
                 done.append(self._finish(req, now))
         for g, *results in beams.values():
             if self._beam_step(g.request, results):
@@ -425,6 +425,8 @@ class LLM:
         self.metrics.generated_tokens += 1
         if on_token is not None:
             on_token(req.request_id, s.index, tok)
+            if s.status is not SeqStatus.RUNNING:
+                return  # the callback aborted the request
         reason = stop = None
         if tok in req.stop_ids:
             reason, stop = "stop", tok

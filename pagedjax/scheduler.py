@@ -339,10 +339,12 @@ class Scheduler:
             raise RuntimeError("schedule() called twice without commit()")
         self._open = True
         bm = self.bm
+        preempted = set()
         while True:
             cands, reserve = self._decode_candidates()
             if reserve <= bm.num_free_pages or not self.running:
                 break
+            preempted.add(id(self.running[-1]))
             self._preempt(self.running[-1])
         rows: list[ScheduledRow] = []
         for g, s in cands:
@@ -366,8 +368,8 @@ class Scheduler:
         seats = sum(g.seats for g in self.running)
         while self.waiting and budget > 0:
             g = self.waiting[0]
-            if seats + g.seats > self.max_num_seqs:
-                break
+            if seats + g.seats > self.max_num_seqs or id(g) in preempted:
+                break  # (readmitting a group just preempted would only thrash)
             lens = [self._admit_len(g, s) for s in g.seqs]
             need = sum(-(-n // bm.page_size) for n in lens)
             if bm.num_free_pages - reserve - need < bm.watermark_pages:
