@@ -60,7 +60,7 @@ import numpy as np
 
 from pagedjax import cache as cache_lib
 from pagedjax import model as model_lib
-from pagedjax import sampling
+from pagedjax import sampling, sharding
 from pagedjax.config import CacheConfig, ModelConfig
 
 _static = partial(dataclasses.field, metadata=dict(static=True))
@@ -525,7 +525,7 @@ def generate(
         cfg,
         cache_cfg,
     )
-    cache = cache_lib.create(cfg, cache_cfg)
+    cache = sharding.create_cache(cfg, cache_cfg, params.mesh)  # split over kv heads with a mesh
     cached = [0] * len(prompts)
     out = GenerateOutput([[] for _ in prompts], [[] for _ in prompts], None)
     logits = [[] for _ in prompts]

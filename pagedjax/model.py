@@ -46,14 +46,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 import pallas_kernels
 from pagedjax import cache as cache_lib
+from pagedjax import sharding as sharding_lib
 from pagedjax.config import ModelConfig
 
 _MASKED = -1e30  # finite, so the dense forward's softmax has clean gradients
@@ -210,40 +213,72 @@ class Llama(nnx.Module):
         decode: bool = False,
         backend: str = "auto",
         interpret: bool = False,
+        mesh: Mesh | None = None,
     ):
-        """One paged step; see `forward_paged` for the arguments."""
+        """One paged step; see `forward_paged` for the arguments (`mesh`: `Params.mesh`)."""
         inv_freq = rope_frequencies(self.cfg)
+        attend = partial(_write_and_attend, decode=decode, backend=backend, interpret=interpret)
+        if mesh is not None:  # per shard: this device's heads and its slice of every page
+            attend = sharding_lib.shard_attention(attend, mesh, self.cfg.num_kv_heads)
+        meta = (slot_mapping, page_table, context_lens, query_start_loc)
+        new_k, new_v = [], []
         x = self.embed_tokens(token_ids)  # [T, E]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             q, k, v = attn.qkv(layer.input_layernorm(x), positions, inv_freq)
-            cache = cache_lib.write(cache, i, k, v, slot_mapping)
-            k_pages, v_pages = cache.layer(i)
-            q = q.astype(k_pages.dtype)
-            if decode:
-                o = pallas_kernels.paged_decode_attention(
-                    q,
-                    k_pages,
-                    v_pages,
-                    context_lens,
-                    page_table,
-                    backend=backend,
-                    interpret=interpret,
-                )
-            else:
-                o = pallas_kernels.ragged_paged_attention(
-                    q,
-                    k_pages,
-                    v_pages,
-                    page_table,
-                    context_lens,
-                    query_start_loc,
-                    backend=backend,
-                    interpret=interpret,
-                )
+            o, k_pages, v_pages = attend(q, k, v, *cache.layer(i), *meta)
+            new_k.append(k_pages)
+            new_v.append(v_pages)
             x = x + attn.out(o.astype(x.dtype))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.logits(x[logits_indices]), cache
+        logits = self.logits(x[logits_indices])
+        if mesh is not None:  # sampling needs whole [B, V] rows: one all-gather
+            logits = sharding_lib.gather_logits(logits, mesh)
+        return logits, cache_lib.PagedKVCache(k=tuple(new_k), v=tuple(new_v))
+
+
+def _write_and_attend(
+    q,
+    k,
+    v,
+    k_pages,
+    v_pages,
+    slot_mapping,
+    page_table,
+    context_lens,
+    query_start_loc,
+    *,
+    decode,
+    backend,
+    interpret,
+):
+    """One layer's cache write then paged attention: q [T, H, D], k/v [T, K, D], pools
+    [K, P, S, D] (one device's shard of each under tensor parallelism) -> (o [T, H, D],
+    k_pages, v_pages)."""
+    k_pages, v_pages = cache_lib.write_layer(k_pages, v_pages, k, v, slot_mapping)
+    q = q.astype(k_pages.dtype)
+    if decode:
+        o = pallas_kernels.paged_decode_attention(
+            q,
+            k_pages,
+            v_pages,
+            context_lens,
+            page_table,
+            backend=backend,
+            interpret=interpret,
+        )
+    else:
+        o = pallas_kernels.ragged_paged_attention(
+            q,
+            k_pages,
+            v_pages,
+            page_table,
+            context_lens,
+            query_start_loc,
+            backend=backend,
+            interpret=interpret,
+        )
+    return o, k_pages, v_pages
 
 
 def dense_causal_attention(q, k, v):
@@ -276,11 +311,14 @@ class Params:
       graphdef: the module structure (static; hashable).
       state: the `nnx.State` of all parameters (the only arrays).
       config: the model's config (static).
+      mesh: the tensor-parallel mesh the state is sharded over (static; None: one
+        device). Set by `pagedjax.sharding.shard_params`.
     """
 
     graphdef: nnx.GraphDef = dataclasses.field(metadata=dict(static=True))
     state: nnx.State
     config: ModelConfig = dataclasses.field(metadata=dict(static=True))
+    mesh: Mesh | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def merge(self) -> Llama:
         """The module again (cheap; used inside traced functions)."""
@@ -380,6 +418,9 @@ def forward_paged(
       backend: "auto" | "gpu" | "tpu" | "xla" for the attention kernels.
       interpret: run Pallas kernels in interpret mode (CPU testing).
 
+    With `params.mesh` set (`pagedjax.sharding.shard_params`), the step is tensor
+    parallel: the cache must come from `pagedjax.sharding.create_cache` with that mesh.
+
     Returns:
       (logits [B, V] float32, new cache).
     """
@@ -395,4 +436,5 @@ def forward_paged(
         decode=decode,
         backend=backend,
         interpret=interpret,
+        mesh=params.mesh,
     )

@@ -1,0 +1,252 @@
+"""Tensor parallelism: a one-axis device `Mesh` ("tp"), parameter and cache layouts.
+
+Everything is JAX's own sharding: parameters are placed with `NamedSharding`s
+(`shard_params`), XLA partitions the matmuls and inserts the collectives, and the
+two things XLA must not partition on its own, the per-layer cache write and the
+attention kernel, run per shard under `jax.shard_map` (`shard_attention`).
+
+Layout over `tp` devices, with `H` query heads, `K` kv heads, `I` the MLP width and
+`V` the vocabulary (`tp` must divide `H` and `I`, and `K % tp == 0` or `tp % K == 0`):
+
+    q_proj [E, H*D] column-split     device j owns query heads [j*H/tp, (j+1)*H/tp)
+    k_proj, v_proj [E, K*D]          column-split when K >= tp, else replicated
+    o_proj [H*D, E] row-split        partial sums -> one all-reduce per layer
+    gate_proj, up_proj [E, I]        column-split (Megatron)
+    down_proj [I, E] row-split       partial sums -> one all-reduce per layer
+    embed_tokens [V, E]              split over V (vocab-parallel lookup: one all-reduce)
+    lm_head [E, V]                   split over V; the [B, V] logits are all-gathered
+                                     once so that sampling sees whole rows
+    norms                            replicated; the residual stream [T, E] is replicated
+
+(V falls back to replicated when tp does not divide it.)
+
+KV cache: each pool is `[Kc, P, S, D]` with `Kc = max(K, tp)`, split over its first
+axis, so device j holds `[Kc / tp, P, S, D]`: its heads' slice of every page; page
+ids stay global and the host `BlockManager` is unchanged. When `K >= tp`, `Kc = K`
+and device j holds kv heads `[j*K/tp, (j+1)*K/tp)`: 1/tp of the cache. When
+`K < tp`, each device holds exactly the one kv head its query heads read (kv head
+`j // (tp/K)`), so every kv head is stored on `tp/K` devices: a device's share is
+1/K of the single-device cache, and the global array has `tp` rows (kv head `i` is
+row `i * tp/K` ... `(i + 1) * tp/K - 1`). Each device computes the K replicated kv
+projections (cheap: `K*D` columns) and writes only its own head.
+
+Multi-host: after `jax.distributed.initialize()`, `jax.devices()` lists every
+host's devices and `make_mesh` spans them; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pagedjax import cache as cache_lib
+from pagedjax.config import CacheConfig, ModelConfig
+
+if TYPE_CHECKING:
+    from pagedjax.model import Params
+
+AXIS = "tp"
+
+__all__ = [
+    "AXIS",
+    "cache_kv_heads",
+    "cache_sharding",
+    "check_tensor_parallel",
+    "create_cache",
+    "make_mesh",
+    "param_spec",
+    "shard_attention",
+    "shard_params",
+    "tensor_parallel_size",
+]
+
+
+def _check_size(tp, num_devices: int) -> None:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel must be a positive int, got tensor_parallel={tp!r}")
+    if tp > num_devices:
+        raise ValueError(
+            f"tensor_parallel={tp} needs {tp} devices, but only {num_devices} are present "
+            f"({jax.default_backend()}: jax.devices())"
+        )
+
+
+def check_tensor_parallel(
+    cfg: ModelConfig, tensor_parallel: int, num_devices: int | None = None
+) -> None:
+    """Raises ValueError unless `cfg` can be split `tensor_parallel` ways.
+
+    Args:
+      cfg: the model.
+      tensor_parallel: devices on the "tp" axis.
+      num_devices: devices available (default: `len(jax.devices())`, every host's).
+    """
+    tp = tensor_parallel
+    _check_size(tp, len(jax.devices()) if num_devices is None else num_devices)
+    if cfg.num_heads % tp:
+        raise ValueError(
+            f"tensor_parallel={tp} must divide the number of query heads, num_heads={cfg.num_heads}"
+        )
+    k = cfg.num_kv_heads
+    if k % tp and tp % k:
+        raise ValueError(
+            f"tensor_parallel={tp} must divide num_kv_heads={k} or be a multiple of it "
+            "(fewer kv heads than devices: each kv head is replicated on tp / K devices)"
+        )
+    if cfg.intermediate_size % tp:
+        raise ValueError(
+            f"tensor_parallel={tp} must divide intermediate_size={cfg.intermediate_size}"
+        )
+
+
+def make_mesh(
+    tensor_parallel: int, cfg: ModelConfig | None = None, *, devices: Sequence | None = None
+) -> Mesh:
+    """A one-axis mesh ("tp",) over the first `tensor_parallel` devices.
+
+    Args:
+      tensor_parallel: devices on the axis.
+      cfg: when given, also checks that the model splits this many ways.
+      devices: devices to use (default `jax.devices()`, which spans every host after
+        `jax.distributed.initialize()`).
+
+    Raises:
+      ValueError: tensor_parallel is not a positive int, exceeds the devices present,
+        or (with cfg) does not divide the model's heads or MLP width.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if cfg is None:
+        _check_size(tensor_parallel, len(devices))
+    else:
+        check_tensor_parallel(cfg, tensor_parallel, len(devices))
+    # Auto axes: XLA propagates shardings from the parameters (no sharding-in-types).
+    return jax.make_mesh((tensor_parallel,), (AXIS,), axis_types=(AxisType.Auto,), devices=devices)
+
+
+def tensor_parallel_size(mesh: Mesh | None) -> int:
+    """Devices on the "tp" axis (1 without a mesh)."""
+    return 1 if mesh is None else mesh.shape[AXIS]
+
+
+def cache_kv_heads(cfg: ModelConfig, tensor_parallel: int) -> int:
+    """Rows of the cache's kv-head axis: K, or tp when kv heads are replicated (K < tp)."""
+    return max(cfg.num_kv_heads, tensor_parallel)
+
+
+# (dotted-path pattern, spec when the split dimension divides, dimension that must divide)
+_RULES: tuple[tuple[str, P, str | None], ...] = (
+    (r"embed_tokens\.embedding", P(AXIS, None), "vocab"),
+    (r".*\.self_attn\.q_proj\.kernel", P(None, AXIS), None),
+    (r".*\.self_attn\.q_proj\.bias", P(AXIS), None),
+    (r".*\.self_attn\.[kv]_proj\.kernel", P(None, AXIS), "kv"),
+    (r".*\.self_attn\.[kv]_proj\.bias", P(AXIS), "kv"),
+    (r".*\.self_attn\.o_proj\.kernel", P(AXIS, None), None),
+    (r".*\.mlp\.(gate|up)_proj\.kernel", P(None, AXIS), None),
+    (r".*\.mlp\.down_proj\.kernel", P(AXIS, None), None),
+    (r"lm_head\.kernel", P(None, AXIS), "vocab"),
+    (r".*\.scale", P(), None),
+)
+
+
+def param_spec(path: str, cfg: ModelConfig, tensor_parallel: int) -> P:
+    """The PartitionSpec of the parameter at dotted `path` (see the module docstring)."""
+    for pattern, spec, needs in _RULES:
+        if re.fullmatch(pattern, path):
+            if needs == "vocab" and cfg.vocab_size % tensor_parallel:
+                return P()
+            if needs == "kv" and cfg.num_kv_heads % tensor_parallel:
+                return P()
+            return spec
+    raise ValueError(f"no tensor-parallel rule for parameter {path!r}")
+
+
+def shard_params(params: Params, mesh: Mesh) -> Params:
+    """Places every parameter on `mesh` by `param_spec` and attaches the mesh.
+
+    The returned `Params` carries the mesh (a static field), so the jitted steps in
+    `pagedjax.decode` run the tensor-parallel forward with no other change.
+
+    Raises:
+      ValueError: the model does not split `mesh`'s tp size ways.
+    """
+    cfg = params.config
+    tp = tensor_parallel_size(mesh)
+    check_tensor_parallel(cfg, tp, mesh.devices.size)
+
+    pairs = []
+    for path, var in nnx.to_flat_state(params.state):
+        spec = param_spec(".".join(str(p) for p in path), cfg, tp)
+        pairs.append(
+            (path, var.replace(jax.device_put(var.get_value(), NamedSharding(mesh, spec))))
+        )
+    return dataclasses.replace(params, state=nnx.from_flat_state(pairs), mesh=mesh)
+
+
+def cache_sharding(mesh: Mesh) -> NamedSharding:
+    """Every pool `[Kc, P, S, D]` split over its kv-head axis."""
+    return NamedSharding(mesh, P(AXIS))
+
+
+def create_cache(
+    model_cfg: ModelConfig, cache_cfg: CacheConfig, mesh: Mesh | None = None
+) -> cache_lib.PagedKVCache:
+    """A zeroed cache; with a mesh, split over kv heads (`Kc = max(K, tp)` rows)."""
+    if mesh is None:
+        return cache_lib.create(model_cfg, cache_cfg)
+    kc = cache_kv_heads(model_cfg, tensor_parallel_size(mesh))
+    shape_cfg = dataclasses.replace(model_cfg, num_kv_heads=kc)
+    return cache_lib.create(shape_cfg, cache_cfg, sharding=cache_sharding(mesh))
+
+
+def shard_attention(fn: Callable, mesh: Mesh, num_kv_heads: int) -> Callable:
+    """Runs one layer's cache write + attention per shard.
+
+    Args:
+      fn: `fn(q, k, v, k_pages, v_pages, slot_mapping, page_table, context_lens,
+        query_start_loc) -> (o, k_pages, v_pages)` on one device's shard: q and o
+        `[T, H/tp, D]`, k and v `[T, Kc/tp, D]`, pools `[Kc/tp, P, S, D]`.
+      mesh: the tp mesh.
+      num_kv_heads: the model's K.
+
+    Returns:
+      The same function on global arrays: q `[T, H, D]` and k, v `[T, K, D]`
+      (head-split or, when K < tp, replicated), pools `[Kc, P, S, D]` split over kv
+      heads, the metadata replicated.
+    """
+    rep = max(1, tensor_parallel_size(mesh) // num_kv_heads)
+    heads, pools, meta = P(None, AXIS, None), P(AXIS), P()
+    mapped = jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=(heads, heads, heads, pools, pools, meta, meta, meta, meta),
+        out_specs=(heads, pools, pools),
+        # Pallas outputs carry no varying-axes type; every output here is per-shard.
+        check_vma=False,
+    )
+
+    def run(q, k, v, k_pages, v_pages, *metadata):
+        if rep > 1:  # kv head i -> rows i*rep .. (i+1)*rep-1: the devices that read it
+            k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
+        return mapped(q, k, v, k_pages, v_pages, *metadata)
+
+    return run
+
+
+def gather_logits(logits, mesh: Mesh):
+    """Whole `[B, V]` logits on every device, from the vocab-split LM head.
+
+    Pinning the LM head's output to the vocab split first makes XLA all-gather the
+    small logits rather than the `[E, V]` weight (which it otherwise prefers).
+    """
+    tp = tensor_parallel_size(mesh)
+    if logits.shape[-1] % tp == 0:
+        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P(None, AXIS)))
+    return jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))

@@ -1,0 +1,233 @@
+"""Tensor parallelism on 8 simulated CPU devices (run by tests/test_tensor_parallel.py).
+
+`XLA_FLAGS=--xla_force_host_platform_device_count=8` must be set before JAX starts,
+so this module is not collected with the rest of the suite (its name does not match
+`test_*.py`); `tests/test_tensor_parallel.py` runs it in a subprocess:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 pytest -q tests/tp_cases.py
+
+Every case runs the same steps (a prefill, a mixed prefill/decode step with a
+copy-on-write page copy, then decode steps) at tp = 1 and at tp = N, on a tiny
+model with 8 query heads and 2 or 8 kv heads, and compares greedy tokens, logits,
+the cache each device holds, and the collectives in the compiled programs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+import sys
+
+if "jax" not in sys.modules:  # a direct `pytest tests/tp_cases.py` works too
+    flag = "--xla_force_host_platform_device_count=8"
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from pagedjax import decode, model, sharding  # noqa: E402
+from pagedjax.config import CacheConfig, ModelConfig  # noqa: E402
+
+if jax.device_count() < 8:
+    raise RuntimeError(
+        f"tests/tp_cases.py needs 8 devices, found {jax.device_count()}: set "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts"
+    )
+
+NUM_LAYERS = 2
+CACHE = CacheConfig(page_size=4, num_pages=32, dtype="float32")
+PROMPT_LENS = (3, 11, 6)
+CHUNK = 6  # the 11-token prompt is prefilled in two chunks: step 2 mixes prefill and decode
+NEW_TOKENS = 5
+COPY = (1, 30)  # copy-on-write in step 2: page 1 (sequence 0's first) -> unused page 30
+COLLECTIVES = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+)
+
+
+def tiny(num_kv_heads: int) -> ModelConfig:
+    """8 query heads; K=2 has q/k/v biases, K=8 a tied LM head (both rule variants)."""
+    return ModelConfig(
+        num_layers=NUM_LAYERS,
+        num_heads=8,
+        num_kv_heads=num_kv_heads,
+        head_dim=16,
+        hidden_size=64,
+        intermediate_size=128,
+        vocab_size=256,
+        max_position_embeddings=64,
+        qkv_bias=num_kv_heads == 2,
+        tie_embeddings=num_kv_heads == 8,
+        dtype="float32",
+        eos_token_ids=(),
+    )
+
+
+def random_params(cfg: ModelConfig, seed: int = 0) -> model.Params:
+    rng = np.random.default_rng(seed)
+    flat = {}
+    for key, sds in model.param_shapes(cfg).items():
+        if key.endswith(".scale"):
+            value = 1.0 + 0.2 * rng.normal(size=sds.shape)
+        elif key.endswith(".bias"):
+            value = 0.3 * rng.normal(size=sds.shape)
+        elif key.endswith("embedding"):
+            value = rng.normal(size=sds.shape)
+        else:
+            value = rng.normal(size=sds.shape) / math.sqrt(sds.shape[0])
+        flat[key] = value.astype(np.float32)
+    return model.params_from_flat(cfg, flat)
+
+
+def count_collectives(hlo: str) -> dict[str, int]:
+    """{opcode: count} of the collective instructions in compiled HLO text."""
+    counts = {}
+    for op in COLLECTIVES:
+        # An instruction's opcode follows its result type; names and operands start with %.
+        n = len(re.findall(rf"(?<![%\w.\-]){op}(?:-start)?\(", hlo))
+        if n:
+            counts[op] = n
+    return counts
+
+
+@functools.cache
+def run(num_kv_heads: int, tp: int, backend: str = "xla", interpret: bool = False):
+    """Runs the fixed step plan; returns (tokens, logits per step, cache, counts, params).
+
+    Each program is compiled once with `.lower().compile()` (its HLO is inspected)
+    and that executable runs the steps, so nothing is compiled twice.
+    """
+    cfg = tiny(num_kv_heads)
+    params = random_params(cfg)
+    if tp > 1:
+        params = sharding.shard_params(params, sharding.make_mesh(tp, cfg))
+    cache = sharding.create_cache(cfg, CACHE, params.mesh)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in PROMPT_LENS]
+    pages = [list(range(1 + 6 * b, 7 + 6 * b)) for b in range(len(prompts))]
+    done = [0] * len(prompts)  # tokens of each sequence in the cache
+    out = [[] for _ in prompts]
+    logits, programs, counts = [], {}, {}
+    for step in range(2 + NEW_TOKENS):
+        chunks = []
+        for b, p in enumerate(prompts):
+            new = p[done[b] : done[b] + CHUNK] if done[b] < len(p) else out[b][-1:]
+            chunks.append(decode.SeqChunk(new, done[b], pages[b]))
+        copies = [COPY] if step == 1 else []
+        inp = decode.build_step_input(chunks, cfg, CACHE, copies=copies)
+        if inp.decode not in programs:
+            jitted = decode._decode_jit if inp.decode else decode._prefill_jit
+            compiled = jitted.lower(
+                params,
+                cache,
+                inp,
+                backend=backend,
+                interpret=interpret,
+                num_top_logprobs=0,
+                return_logits=True,
+            ).compile()
+            programs[inp.decode] = compiled
+            counts["decode" if inp.decode else "prefill"] = count_collectives(compiled.as_text())
+        res, cache = programs[inp.decode](params, cache, inp)
+        logits.append(np.asarray(res.logits)[: len(prompts)])
+        for b, c in enumerate(chunks):
+            done[b] += len(c.token_ids)
+            if done[b] >= len(prompts[b]):
+                out[b].append(int(res.tokens[b]))
+    return out, logits, cache, counts, params
+
+
+def rel_err(out, ref):
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+CASES = [
+    pytest.param(2, 2, id="K2-tp2"),
+    pytest.param(2, 4, id="K2-tp4"),
+    pytest.param(2, 8, id="K2-tp8"),
+    pytest.param(8, 4, id="K8-tp4"),
+    pytest.param(8, 2, id="K8-tp2", marks=pytest.mark.slow),
+    pytest.param(8, 8, id="K8-tp8", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("num_kv_heads,tp", CASES)
+def test_greedy_tokens_and_logits_match_one_device(num_kv_heads, tp):
+    ref_tokens, ref_logits, *_ = run(num_kv_heads, 1)
+    tokens, logits, *_ = run(num_kv_heads, tp)
+    assert tokens == ref_tokens
+    assert [len(t) for t in tokens] == [NEW_TOKENS + 2, NEW_TOKENS + 1, NEW_TOKENS + 2]
+    for step, (out, ref) in enumerate(zip(logits, ref_logits, strict=True)):
+        assert np.isfinite(out).all()
+        assert rel_err(out, ref) < 1e-4, f"step {step}"
+
+
+@pytest.mark.parametrize("num_kv_heads,tp", CASES)
+def test_each_device_holds_its_heads_slice_of_every_page(num_kv_heads, tp):
+    """K >= tp: device j holds kv heads [j*K/tp, (j+1)*K/tp), 1/tp of the cache.
+    K < tp: device j holds the one kv head its query heads read, j // (tp/K)."""
+    *_, ref_cache, _, _ = run(num_kv_heads, 1)
+    *_, cache, _, params = run(num_kv_heads, tp)
+    mesh_devices = list(params.mesh.devices.flat)
+    per_device = max(num_kv_heads // tp, 1)
+    single = ref_cache.k[0].nbytes  # one layer's K pool on one device
+    for layer in range(NUM_LAYERS):
+        for pool, ref_pool in zip(cache.layer(layer), ref_cache.layer(layer), strict=True):
+            ref_pool = np.asarray(ref_pool)
+            assert ref_pool[:, 30].any()  # the copied page holds data
+            shards = sorted(pool.addressable_shards, key=lambda s: mesh_devices.index(s.device))
+            assert len(shards) == tp
+            for j, shard in enumerate(shards):
+                data = np.asarray(shard.data)
+                assert data.shape == (per_device, *ref_pool.shape[1:])
+                assert data.nbytes == single // min(tp, num_kv_heads)
+                if num_kv_heads >= tp:
+                    heads = list(range(j * per_device, (j + 1) * per_device))
+                else:
+                    heads = [j // (tp // num_kv_heads)]
+                np.testing.assert_allclose(data, ref_pool[heads], rtol=1e-5, atol=1e-5)
+                # Copied before step 2 wrote sequence 0's 4th token into page 1's slot 3.
+                np.testing.assert_array_equal(data[:, COPY[1], :3], data[:, COPY[0], :3])
+                assert not data[:, COPY[1], 3:].any()
+
+
+@pytest.mark.parametrize("num_kv_heads,tp", CASES)
+def test_compiled_steps_hold_only_the_collectives_tp_needs(num_kv_heads, tp):
+    """Per layer one all-reduce after o_proj and one after down_proj; plus one all-reduce
+    for the vocab-split embedding lookup and one all-gather of the [B, V] logits for
+    sampling. Nothing else: the cache write, attention and copy-on-write stay local."""
+    *_, counts, _ = run(num_kv_heads, tp)
+    expected = {"all-reduce": 2 * NUM_LAYERS + 1, "all-gather": 1}
+    assert counts == {"prefill": expected, "decode": expected}
+    *_, ref_counts, _ = run(num_kv_heads, 1)
+    assert ref_counts == {"prefill": {}, "decode": {}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_pallas_kernels_per_shard_in_interpret_mode(backend):
+    ref_tokens, ref_logits, *_ = run(2, 1)
+    tokens, logits, *_ = run(2, 4, backend, True)
+    assert tokens == ref_tokens
+    for out, ref in zip(logits, ref_logits, strict=True):
+        assert rel_err(out, ref) < 1e-4
+
+
+def test_bad_tensor_parallel_sizes_are_rejected():
+    cfg = tiny(2)
+    with pytest.raises(ValueError, match=r"tensor_parallel=3 must divide .* num_heads=8"):
+        sharding.make_mesh(3, cfg)
+    with pytest.raises(ValueError, match=r"tensor_parallel=16 needs 16 devices, but only 8"):
+        sharding.make_mesh(16, cfg)
+    with pytest.raises(ValueError, match=r"tensor_parallel=16 needs 16 devices, but only 8"):
+        sharding.make_mesh(16)
