@@ -11,6 +11,12 @@ Two forward passes share one set of modules:
   prefill/decode batches, `paged_decode_attention` when every sequence brings one
   token), then the MLP. Only the rows in `logits_indices` reach the LM head.
 
+Tensor parallelism: `pagedjax.sharding.shard_params` places the parameters on a
+"tp" mesh and records the mesh in `Params.mesh`; `forward_paged` then runs each
+layer's cache write and attention per shard under `jax.shard_map` and lets XLA
+partition the rest (two all-reduces per layer; see `pagedjax.sharding`). Without a
+mesh the step is the single-device program, unchanged.
+
 Hot path: `nnx.jit` re-walks the module graph in Python on every call, so the model
 is split once, `params = split_model(model)` (a `Params` pytree: the `GraphDef` as
 static metadata, the `nnx.State` as data), and `jax.jit` is applied to pure
