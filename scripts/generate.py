@@ -20,7 +20,8 @@ a double quote is read as a JSON string, so a prompt can hold newlines.
 
     model            what was loaded (demo model path, checkpoint, or the random fallback)
     device           the JAX device, e.g. "cuda:0" or "cpu:0"
-    backend          the --backend flag; resolved_backend: what "auto" chose
+    backend          the --backend flag
+    resolved_backend what "auto" chose: "gpu", "tpu" or "xla"
     settings         page_size, num_pages, max_num_batched_tokens, max_num_seqs,
                      enable_prefix_caching, and the sampling flags
     outputs          one per prompt: prompt, prompt_tokens, num_cached_tokens, ttft_s,

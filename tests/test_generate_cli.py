@@ -108,6 +108,24 @@ def test_streams_a_single_prompt_and_reports(ckpt, capsys):
     assert "jit compilations" in out
 
 
+def test_docstring_lists_every_json_key():
+    doc = gen.__doc__
+    for key in (
+        *SUMMARY_KEYS,
+        "model",
+        "device",
+        "backend",
+        "resolved_backend",
+        "settings",
+        "outputs",
+        "metrics",
+        "completions",
+        "finish_reason",
+        "cumulative_logprob",
+    ):
+        assert key in doc, key
+
+
 def test_default_prompts_share_a_prefix():
     assert len(gen.DEFAULT_PROMPTS) >= 3
     assert all(p.startswith(gen.PREFIX) for p in gen.DEFAULT_PROMPTS)
