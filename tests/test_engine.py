@@ -426,6 +426,19 @@ def test_kv_memory_fraction_sizes_the_cache(params):
     assert llm.cache.num_pages == llm.cache_config.num_pages
 
 
+@pytest.mark.slow  # Pallas interpret mode is slow on the CPU
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_pallas_kernels_in_interpret_mode(params, dense, backend):
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 256, size=n).tolist() for n in (3, 9, 17, 9)]
+    llm = LLM(
+        params, interpret=True, max_num_batched_tokens=16, **(GEOMETRY | dict(backend=backend))
+    )
+    outs = llm.generate(prompts, greedy(5))
+    assert [o.outputs[0].token_ids for o in outs] == dense.greedy(prompts, 5)
+    check_clean(llm)
+
+
 DEMO_PROMPTS = ("def ", "import os\n", "class Config:\n    def __init__(self")
 
 
