@@ -24,6 +24,8 @@ Workloads (`WORKLOADS`; lengths in tokens, clipped so prompt + output <= max_seq
   and the new message; it arrives `think` steps (Exponential, mean 20) after turn k-1
   finished. A conversation ends early rather than exceed max_seq_len.
 
+`environment()` describes the machine a benchmark ran on, for its report.
+
 Arrivals: first requests (every request of ``sharegpt``/``heavy``, each conversation's
 first turn) arrive as a Poisson process of `rate` requests per step.
 """
@@ -31,10 +33,20 @@ first turn) arrive as a Poisson process of `rate` requests per step.
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import os
+import platform
 
 import numpy as np
 
-__all__ = ["Request", "WORKLOADS", "make_workload", "chat_conversations", "describe"]
+__all__ = [
+    "Request",
+    "WORKLOADS",
+    "make_workload",
+    "chat_conversations",
+    "describe",
+    "environment",
+]
 
 VOCAB = 32000
 FIRST_TOKEN = 3
@@ -83,8 +95,8 @@ def _pareto(rng: np.random.Generator, alpha: float, minimum: float, n: int) -> n
     return minimum * (1.0 + rng.pareto(alpha, n))
 
 
-def _tokens(rng: np.random.Generator, n: int) -> np.ndarray:
-    return rng.integers(FIRST_TOKEN, VOCAB, n, dtype=np.int32)
+def _tokens(rng: np.random.Generator, n: int, vocab: int = VOCAB) -> np.ndarray:
+    return rng.integers(FIRST_TOKEN, vocab, n, dtype=np.int32)
 
 
 def _arrivals(rng: np.random.Generator, n: int, rate: float) -> np.ndarray:
@@ -126,6 +138,7 @@ def chat_conversations(
     message_median: float = 48,
     reply_median: float = 160,
     system_prompt: np.ndarray | None = None,
+    vocab: int = VOCAB,
 ) -> list[Request]:
     """Multi-turn conversations behind one shared system prompt; see the module docstring.
 
@@ -139,12 +152,18 @@ def chat_conversations(
         think_mean: mean steps between a reply finishing and the next message.
         message_median, reply_median: medians of the lognormal message/reply lengths.
         system_prompt: the shared prompt's tokens; default random of system_prompt_len.
+        vocab: token ids are drawn from [3, vocab).
     """
+    if system_prompt is not None:
+        system_prompt_len = len(system_prompt)
     if system_prompt_len >= max_seq_len:
         raise ValueError(f"{system_prompt_len=} leaves no room in {max_seq_len=}")
     if mean_turns < 1:
         raise ValueError(f"mean_turns must be >= 1, got {mean_turns=}")
-    system = _tokens(rng, system_prompt_len) if system_prompt is None else system_prompt
+    if system_prompt is None:
+        system = _tokens(rng, system_prompt_len, vocab)
+    else:
+        system = np.asarray(system_prompt, np.int32)
     starts = _arrivals(rng, num_conversations, rate)
     requests: list[Request] = []
     for conv in range(num_conversations):
@@ -159,8 +178,8 @@ def chat_conversations(
             if prompt_len >= max_seq_len:
                 break
             reply = min(reply, max_seq_len - prompt_len)
-            prompt = np.concatenate([history, _tokens(rng, msg)])
-            output = _tokens(rng, reply)
+            prompt = np.concatenate([history, _tokens(rng, msg, vocab)])
+            output = _tokens(rng, reply, vocab)
             rid = len(requests)
             arrival = int(starts[conv]) if parent is None else 0
             requests.append(Request(rid, prompt, output, arrival, parent, think, conv))
@@ -212,3 +231,30 @@ def describe(requests: list[Request]) -> dict:
         "total_p99": float(np.percentile(t, 99)),
         "total_max": int(t.max()),
     }
+
+
+def environment() -> dict:
+    """Where a benchmark ran, for its report: CPUs, CPU model, jax version, device, date."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    env = {
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    try:
+        import jax
+
+        env["jax"] = jax.__version__
+        env["device"] = str(jax.devices()[0].device_kind)
+        env["platform"] = jax.default_backend()
+    except ImportError:
+        env["jax"] = None
+    if hasattr(os, "getloadavg"):
+        env["load_avg_1m"] = round(os.getloadavg()[0], 2)
+    return env

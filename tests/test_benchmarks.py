@@ -182,3 +182,82 @@ def test_bad_arguments(memory):
         memory.parse_args(["--page-sizes", "8,32"])  # the headline needs 16
     with pytest.raises(SystemExit):
         memory.parse_args(["--budget-tokens", "100"])
+
+
+# ------------------------------------------------------------------ bench_prefix
+
+
+@pytest.fixture
+def prefix(monkeypatch):
+    return load("bench_prefix", monkeypatch)
+
+
+def test_prefix_main_json(prefix, capsys):
+    argv = ["--system-tokens", "64", "--message-tokens", "8", "--reps", "1"]
+    argv += ["--num-pages", "128", "--max-num-batched-tokens", "128", "--max-model-len", "256"]
+    argv += ["--chat-conversations", "3", "--chat-reply-median", "3", "--json"]
+    assert prefix.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert np.isfinite(out["ttft_warm_over_cold"]) and out["ttft_warm_over_cold"] > 0
+    assert out["hits_as_expected"] is True
+    assert out["cold_cached_tokens"] == [0] and out["warm_cached_tokens"] == [64]
+    assert out["compiles_during_timing"] == 0
+    assert out["ttft_cold_median_s"] > 0 and out["ttft_warm_median_s"] > 0
+    # Every request after the first shares at least the 64-token system prompt.
+    assert 0.2 < out["chat_hit_rate"] <= out["chat_hit_rate_bound"] + 1e-9 <= 1.0
+    assert out["chat_requests"] >= out["chat_conversations"] == 3
+    assert out["environment"]["jax"]
+
+
+def test_prefix_bad_arguments(prefix):
+    with pytest.raises(SystemExit):
+        prefix.parse_args(["--system-tokens", "3000", "--max-num-batched-tokens", "1024"])
+    with pytest.raises(SystemExit):
+        prefix.parse_args(["--reps", "0"])
+
+
+# ------------------------------------------------------------------ bench_decode
+
+
+@pytest.fixture
+def decode_bench(monkeypatch):
+    return load("bench_decode", monkeypatch)
+
+
+def test_decode_main_json(decode_bench, capsys, tmp_path):
+    argv = ["--kv-budget-tokens", "64", "--max-seq-len", "32", "--prompt-len", "8"]
+    argv += ["--gen-len", "8", "--page-size", "8", "--reps", "1", "--json"]
+    argv += ["--plot-dir", str(tmp_path)]
+    assert decode_bench.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["max_batch_contiguous"] == 64 // 32
+    assert out["max_batch_paged"] == 8 // 2  # 8 pages of 8, 2 pages per sequence
+    assert out["max_batch_ratio"] == 2.0
+    rows = {r["batch"]: r for r in out["rows"]}
+    assert sorted(rows) == [1, 2, 4]
+    for b, r in rows.items():
+        assert r["paged_tokens_per_s"] > 0 and r["paged_preemptions"] == 0
+        assert r["compiles_during_timing"] == 0
+        assert r["contiguous_fits"] == (b <= 2)
+        if b <= 2:  # the two systems compute the same greedy tokens
+            assert r["tokens_match"] > 0.9 and r["paged_over_contiguous"] > 0
+    assert np.isfinite(out["throughput_at_max_batch_ratio"])
+    if out["plots"]:
+        assert Path(out["plots"][0]).is_file()
+
+
+def test_contiguous_baseline_matches_dense_forward(decode_bench):
+    """The baseline's greedy tokens are the argmax of the dense no-cache forward."""
+    import jax.numpy as jnp
+
+    from pagedjax import model as model_lib
+    from pagedjax.config import preset
+
+    cfg = preset("tiny")
+    params = model_lib.init_params(cfg, 1)
+    base = decode_bench.Contiguous(params, 32)
+    prompts = np.random.default_rng(0).integers(3, cfg.vocab_size, (2, 5), dtype=np.int32)
+    toks = base.generate(prompts, 4)
+    seq = np.concatenate([prompts, toks], axis=1)  # teacher-forced: one dense forward
+    logits = model_lib.forward(params, jnp.asarray(seq))  # [B, T, V]
+    np.testing.assert_array_equal(toks, np.asarray(jnp.argmax(logits[:, 4:8], -1)))

@@ -1,0 +1,312 @@
+"""Prefix caching: time to first token with a cached vs uncached system prompt, and the
+prefix-cache hit rate of a simulated multi-turn chat, on the current device.
+
+    python scripts/bench_prefix.py                    # tiny preset, random weights
+    python scripts/bench_prefix.py --model llama3-8b  # on a GPU: an 8B-shaped model
+    python scripts/bench_prefix.py --json
+
+TTFT. A request is a `--system-tokens` (2,000) token system prompt followed by a
+`--message-tokens` (24) token user message; it generates one token. *Cold*: the
+system prompt is not in the prefix cache (each cold request uses a fresh
+`cache_salt`, so the same tokens miss). *Warm*: an earlier request with the same salt
+left the system prompt's pages in the cache, so only the page-aligned tail (the
+message plus the system prompt's last partial page) is prefilled. Both run in one
+engine and one process, alternating, `--reps` times each; the figure is
+median(warm) / median(cold) of the engine's own TTFT (request arrival to the first
+token back on the host, `RequestOutput.ttft_s`).
+
+Compile time is kept out: before timing, one cold and one warm request of the same
+shapes run (every program both paths need is traced then: the step shapes are
+bucketed, so later requests reuse them), and the script checks that no step
+function was traced during the timed requests (`compiles_during_timing` must be 0).
+
+The engine's token budget (`--max-num-batched-tokens`, default 4096) holds the whole
+cold prompt, so a cold request is one prefill step, like a warm one: chunking the
+cold prompt would add steps to the cold side only and flatter the ratio.
+
+Chat hit rate. `--chat-conversations` conversations from `workloads.chat_conversations`
+(the same shared system prompt, Geometric(1/2) turns, lognormal message lengths,
+reply lengths of median `--chat-reply-median`) run through the engine in rounds: all
+first turns as one `generate` call (continuous batching), then all second turns,
+and so on; each turn's prompt is the system prompt, the conversation so far (with the
+model's actual replies) and a new message. The hit rate is prompt tokens served from
+the prefix cache over all prompt tokens; `chat_hit_rate_bound` is what a perfect
+cache of full pages could serve (everything an earlier turn or the first request
+already computed, floored to pages, leaving at least one token to compute).
+
+Models: `--model` names a preset (`pagedjax.config.PRESETS`) run with random weights
+(timing does not depend on the values). Presets shorter than the prompt get their
+`max_position_embeddings` raised to `--max-model-len` (RoPE extends to any length;
+with random weights nothing is lost). `--model demo` runs `LLM()`'s default model
+when its context fits the prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import workloads  # noqa: E402
+
+from pagedjax import decode  # noqa: E402
+from pagedjax.config import PRESETS, preset  # noqa: E402
+from pagedjax.engine import LLM, SamplingParams  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def build_llm(args) -> LLM:
+    """The engine under test (see the module docstring for the model choice)."""
+    need = args.system_tokens + args.message_tokens + 1
+    common = dict(
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=True,
+        seed=args.seed,
+        dtype=args.dtype,
+        backend=args.backend,
+        buckets=decode.Buckets(min_seqs=args.bucket_min_seqs),
+    )
+    if args.model == "demo":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the demo model's fallback warns
+            llm = LLM(**common)
+        if llm.max_model_len < need:
+            raise SystemExit(
+                f"error: --model demo has a context of {llm.max_model_len} tokens, less than "
+                f"the {need} this benchmark needs; use --model tiny (or another preset) or "
+                "lower --system-tokens"
+            )
+        return llm
+    cfg = preset(args.model)
+    max_len = max(args.max_model_len, need)
+    if cfg.max_position_embeddings < max_len:
+        cfg = dataclasses.replace(cfg, max_position_embeddings=max_len)
+    return LLM(cfg, max_model_len=max_len, **common)
+
+
+def _tokens(rng, n: int, vocab: int) -> list[int]:
+    return rng.integers(workloads.FIRST_TOKEN, vocab, n).tolist()
+
+
+def measure_ttft(llm: LLM, args) -> dict:
+    """Cold and warm TTFT of one request alone in the engine."""
+    rng = np.random.default_rng(args.seed)
+    vocab = llm.config.vocab_size
+    system = _tokens(rng, args.system_tokens, vocab)
+
+    def one(salt: str) -> tuple[float, float, int]:
+        prompt = system + _tokens(rng, args.message_tokens, vocab)
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, cache_salt=salt)
+        t0 = time.perf_counter()
+        (out,) = llm.generate([prompt], params)
+        return out.ttft_s, time.perf_counter() - t0, out.num_cached_tokens
+
+    t0 = time.perf_counter()
+    one("warm")  # compiles the cold path; leaves the system prompt cached under "warm"
+    one("warm")  # compiles the warm path
+    warmup_s = time.perf_counter() - t0
+    log(f"warm-up (compiles both paths): {warmup_s:.1f}s")
+    before = sum(decode.compile_counts().values())
+    cold, warm, cold_wall, warm_wall, cold_hits, warm_hits = [], [], [], [], [], []
+    for r in range(args.reps):
+        ttft, wall, hit = one(f"cold-{r}")
+        cold.append(ttft)
+        cold_wall.append(wall)
+        cold_hits.append(hit)
+        ttft, wall, hit = one("warm")
+        warm.append(ttft)
+        warm_wall.append(wall)
+        warm_hits.append(hit)
+        log(f"rep {r}: cold {cold[-1] * 1e3:.1f} ms, warm {warm[-1] * 1e3:.1f} ms")
+    compiles = sum(decode.compile_counts().values()) - before
+    expected_hit = (args.system_tokens // args.page_size) * args.page_size
+    cold_med, warm_med = statistics.median(cold), statistics.median(warm)
+    return {
+        "ttft_cold_s": cold,
+        "ttft_warm_s": warm,
+        "ttft_cold_median_s": cold_med,
+        "ttft_warm_median_s": warm_med,
+        "ttft_warm_over_cold": warm_med / cold_med,
+        "wall_warm_over_cold": statistics.median(warm_wall) / statistics.median(cold_wall),
+        "cold_cached_tokens": cold_hits,
+        "warm_cached_tokens": warm_hits,
+        "expected_warm_cached_tokens": expected_hit,
+        "hits_as_expected": all(h == 0 for h in cold_hits)
+        and all(h == expected_hit for h in warm_hits),
+        "compiles_during_timing": compiles,
+        "warmup_s": warmup_s,
+    }
+
+
+def _page_keys(tokens: list[int], page_size: int) -> list[int]:
+    """One key per full page: a hash chained over the prefix up to that page's end."""
+    keys, h = [], 0
+    for i in range(len(tokens) // page_size):
+        h = hash((h, tuple(tokens[i * page_size : (i + 1) * page_size])))
+        keys.append(h)
+    return keys
+
+
+def chat_hit_rate(llm: LLM, args) -> dict:
+    """Runs the simulated chat through the engine; returns hit-rate figures."""
+    rng = np.random.default_rng(args.seed + 1)
+    vocab = llm.config.vocab_size
+    system = np.asarray(_tokens(rng, args.system_tokens, vocab), np.int32)
+    reqs = workloads.chat_conversations(
+        rng,
+        args.chat_conversations,
+        max_seq_len=llm.max_model_len,
+        system_prompt=system,
+        reply_median=args.chat_reply_median,
+        vocab=vocab,
+    )
+    # Each request: its new message (the prompt past its parent's prompt + reply).
+    turns: dict[int, list[tuple[np.ndarray, int]]] = {}
+    for r in reqs:
+        start = 0 if r.parent is None else reqs[r.parent].total_len
+        turns.setdefault(r.conv, []).append((r.prompt[start:], r.output_len))
+    history = {c: [] for c in turns}
+    seen: set[int] = set()  # keys of the page-aligned prefixes computed so far
+    ps = args.page_size
+    prompt_tokens = cached = bound = 0
+    salt = "chat"  # apart from the TTFT requests' pages
+    t0 = time.perf_counter()
+    rounds = max(len(t) for t in turns.values())
+    for k in range(rounds):
+        convs = [c for c, t in turns.items() if len(t) > k]
+        prompts, params = [], []
+        for c in convs:
+            msg, reply_len = turns[c][k]
+            prompts.append(history[c] + msg.tolist())
+            params.append(
+                SamplingParams(
+                    max_tokens=reply_len, temperature=0.0, ignore_eos=True, cache_salt=salt
+                )
+            )
+        for p in prompts:  # what an ideal page cache could hold when this round starts
+            keys = _page_keys(p[: (len(p) - 1) // ps * ps], ps)
+            bound += ps * next((i + 1 for i in range(len(keys) - 1, -1, -1) if keys[i] in seen), 0)
+        # Within a round, the first request's system prompt can serve the others.
+        if k == 0:
+            bound += (len(prompts) - 1) * (min(len(system), len(prompts[0]) - 1) // ps) * ps
+        outs = llm.generate(prompts, params)
+        for c, p, out in zip(convs, prompts, outs, strict=True):
+            prompt_tokens += len(p)
+            cached += out.num_cached_tokens
+            history[c] = p + out.outputs[0].token_ids
+            seen.update(_page_keys(history[c], ps))
+        log(f"chat round {k}: {len(prompts)} requests")
+    return {
+        "chat_conversations": len(turns),
+        "chat_requests": len(reqs),
+        "chat_prompt_tokens": prompt_tokens,
+        "chat_cached_tokens": cached,
+        "chat_hit_rate": cached / prompt_tokens,
+        "chat_hit_rate_bound": bound / prompt_tokens,
+        "chat_s": time.perf_counter() - t0,
+    }
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny", choices=["demo", *sorted(PRESETS)])
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the model's)")
+    p.add_argument("--backend", default="auto", help="auto | gpu | tpu | xla")
+    p.add_argument("--system-tokens", type=int, default=2000)
+    p.add_argument("--message-tokens", type=int, default=24)
+    p.add_argument("--reps", type=int, default=3, help="timed cold and warm requests each")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument(
+        "--bucket-min-seqs",
+        type=int,
+        default=decode.Buckets.min_seqs,
+        help="padding floor of the batch dimension (decode.Buckets.min_seqs)",
+    )
+    p.add_argument("--chat-conversations", type=int, default=8, help="0 skips the chat")
+    p.add_argument("--chat-reply-median", type=float, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    args = p.parse_args(argv)
+    for name in ("system_tokens", "message_tokens", "reps", "num_pages"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.chat_conversations < 0:
+        p.error(f"--chat-conversations must be >= 0, got {args.chat_conversations}")
+    if args.max_num_batched_tokens < args.system_tokens + args.message_tokens:
+        p.error(
+            f"--max-num-batched-tokens {args.max_num_batched_tokens} must hold the whole cold "
+            f"prompt ({args.system_tokens + args.message_tokens} tokens)"
+        )
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    llm = build_llm(args)
+    out = {
+        "model": args.model,
+        "model_source": llm.model_source,
+        "dtype": llm.config.dtype,
+        "system_tokens": args.system_tokens,
+        "message_tokens": args.message_tokens,
+        "page_size": args.page_size,
+        "reps": args.reps,
+    }
+    out.update(measure_ttft(llm, args))
+    if args.chat_conversations:
+        out.update(chat_hit_rate(llm, args))
+    out["engine"] = llm.summary()
+    out["environment"] = workloads.environment()
+    out["elapsed_s"] = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    env = out["environment"]
+    print(
+        f"prefix caching, {args.model} ({llm.model_source}), {out['dtype']}, on "
+        f"{env['device']} ({env['platform']}), page size {args.page_size}"
+    )
+    print(
+        f"TTFT, {args.system_tokens}-token system prompt + {args.message_tokens}-token "
+        f"message, median of {args.reps}:"
+    )
+    print(
+        f"  cold (not cached) {out['ttft_cold_median_s'] * 1e3:9.1f} ms   "
+        f"warm (cached {out['expected_warm_cached_tokens']} tokens) "
+        f"{out['ttft_warm_median_s'] * 1e3:8.1f} ms"
+    )
+    print(
+        f"  ttft_warm_over_cold {out['ttft_warm_over_cold']:.4f} (target <= 0.10); "
+        f"hits as expected: {out['hits_as_expected']}; compiles during timing: "
+        f"{out['compiles_during_timing']}"
+    )
+    if args.chat_conversations:
+        print(
+            f"chat: {out['chat_conversations']} conversations, {out['chat_requests']} "
+            f"requests, hit rate {out['chat_hit_rate']:.3f} "
+            f"(ideal page cache {out['chat_hit_rate_bound']:.3f})"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
