@@ -147,6 +147,15 @@ class ModelConfig:
         ]
         if missing:
             raise ValueError(f"config.json is missing required keys: {missing}")
+        window = config.get("sliding_window")
+        if (
+            window is not None
+            and config.get("use_sliding_window", True)
+            and window < config.get("max_position_embeddings", float("inf"))
+        ):
+            raise ValueError(
+                f"sliding-window attention models are not supported, got sliding_window={window}"
+            )
         num_heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         head_dim = config.get("head_dim") or hidden // num_heads

@@ -127,3 +127,12 @@ def test_cache_config_validation():
     with pytest.raises(ValueError, match="dtype must be one of"):
         CacheConfig(dtype="int8")
     assert CacheConfig(page_size=8, num_pages=4, dtype="bf16").dtype == "bfloat16"
+
+
+def test_sliding_window_models_are_refused_unless_disabled():
+    mistral = dict(LLAMA31_8B, architectures=["MistralForCausalLM"], sliding_window=4096)
+    with pytest.raises(ValueError, match="sliding_window=4096"):
+        ModelConfig.from_hf(mistral)
+    assert ModelConfig.from_hf(dict(mistral, sliding_window=None)).num_layers == 32
+    qwen = dict(LLAMA31_8B, sliding_window=4096, use_sliding_window=False)
+    assert ModelConfig.from_hf(qwen).num_layers == 32
