@@ -61,6 +61,7 @@ __all__ = [
     "cache_sharding",
     "check_tensor_parallel",
     "create_cache",
+    "gather_logits",
     "make_mesh",
     "param_spec",
     "shard_attention",
