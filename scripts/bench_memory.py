@@ -617,6 +617,7 @@ def main(argv=None) -> int:
         )
     }
     out["config"] = config
+    out["environment"] = workloads.environment()
     out["workloads"] = results
     out["plots"] = [] if args.no_plots else make_plots(results, traces, args.plot_dir, args)
     out["elapsed_s"] = time.perf_counter() - t0

@@ -61,6 +61,8 @@ from pagedjax import decode  # noqa: E402
 from pagedjax.config import PRESETS, preset  # noqa: E402
 from pagedjax.engine import LLM, SamplingParams  # noqa: E402
 
+DEFAULT_PLOT_DIR = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
+
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
@@ -221,6 +223,38 @@ def chat_hit_rate(llm: LLM, args) -> dict:
     }
 
 
+def make_plot(out: dict, out_dir: Path) -> list[str]:
+    """Cold vs warm TTFT bars (and the chat hit rate); [] without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed (pip install -e '.[bench]'): skipping plots")
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    cold, warm = out["ttft_cold_median_s"], out["ttft_warm_median_s"]
+    bars = ax.bar(["cold (not cached)", "warm (cached)"], [1.0, warm / cold], color=["C1", "C0"])
+    ax.bar_label(bars, labels=["1", f"{warm / cold:.3f}"])
+    ax.set(ylabel="TTFT relative to cold", ylim=(0, 1.15))
+    title = (
+        f"{out['system_tokens']}-token system prompt, {out['model']} {out['dtype']} on "
+        f"{out['environment']['device']}"
+    )
+    if "chat_hit_rate" in out:
+        title += (
+            f"\nchat hit rate {out['chat_hit_rate']:.2f} (ideal {out['chat_hit_rate_bound']:.2f})"
+        )
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    path = out_dir / "prefix_ttft.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [str(path)]
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", choices=["demo", *sorted(PRESETS)])
@@ -240,10 +274,12 @@ def parse_args(argv=None):
         default=decode.Buckets.min_seqs,
         help="padding floor of the batch dimension (decode.Buckets.min_seqs)",
     )
-    p.add_argument("--chat-conversations", type=int, default=8, help="0 skips the chat")
+    p.add_argument("--chat-conversations", type=int, default=16, help="0 skips the chat")
     p.add_argument("--chat-reply-median", type=float, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--plot-dir", type=Path, default=DEFAULT_PLOT_DIR)
+    p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
     for name in ("system_tokens", "message_tokens", "reps", "num_pages"):
         if getattr(args, name) < 1:
@@ -276,6 +312,7 @@ def main(argv=None) -> int:
         out.update(chat_hit_rate(llm, args))
     out["engine"] = llm.summary()
     out["environment"] = workloads.environment()
+    out["plots"] = [] if args.no_plots else make_plot(out, args.plot_dir)
     out["elapsed_s"] = time.perf_counter() - t0
     if args.json:
         print(json.dumps(out, indent=1))
@@ -305,6 +342,8 @@ def main(argv=None) -> int:
             f"requests, hit rate {out['chat_hit_rate']:.3f} "
             f"(ideal page cache {out['chat_hit_rate_bound']:.3f})"
         )
+    for path in out["plots"]:
+        print(f"plot: {path}")
     return 0
 
 

@@ -192,8 +192,17 @@ def prefix(monkeypatch):
     return load("bench_prefix", monkeypatch)
 
 
-def test_prefix_main_json(prefix, capsys):
-    argv = ["--system-tokens", "64", "--message-tokens", "8", "--reps", "1"]
+def test_prefix_main_json(prefix, capsys, tmp_path):
+    argv = [
+        "--plot-dir",
+        str(tmp_path),
+        "--system-tokens",
+        "64",
+        "--message-tokens",
+        "8",
+        "--reps",
+        "1",
+    ]
     argv += ["--num-pages", "128", "--max-num-batched-tokens", "128", "--max-model-len", "256"]
     argv += ["--chat-conversations", "3", "--chat-reply-median", "3", "--json"]
     assert prefix.main(argv) == 0
@@ -207,6 +216,7 @@ def test_prefix_main_json(prefix, capsys):
     assert 0.2 < out["chat_hit_rate"] <= out["chat_hit_rate_bound"] + 1e-9 <= 1.0
     assert out["chat_requests"] >= out["chat_conversations"] == 3
     assert out["environment"]["jax"]
+    assert all(Path(p).is_file() for p in out["plots"])
 
 
 def test_prefix_bad_arguments(prefix):
