@@ -35,6 +35,7 @@ are reproducible whatever else runs in the batch and across preemptions.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
@@ -43,8 +44,7 @@ from time import perf_counter
 import jax
 import numpy as np
 
-from pagedjax import cache as cache_lib
-from pagedjax import decode
+from pagedjax import decode, sharding
 from pagedjax.batch import StepBatch
 from pagedjax.beam import BeamSearch
 from pagedjax.blocks import BlockManager
@@ -98,6 +98,10 @@ class LLM:
       buckets: padding floors of the step shapes (`decode.Buckets`).
       interpret: run Pallas kernels in interpret mode (testing on the CPU).
       tokenizer: overrides the tokenizer found with the model.
+      tensor_parallel: split the model and its KV cache over this many devices (the
+        first of `jax.devices()`; `pagedjax.sharding`). 1: `Params` are used as given
+        (already sharded ones keep their mesh). ValueError if there are fewer devices,
+        or it does not divide the heads and MLP width.
     """
 
     def __init__(
@@ -118,6 +122,7 @@ class LLM:
         buckets: decode.Buckets | None = None,
         interpret: bool = False,
         tokenizer: Tokenizer | None = None,
+        tensor_parallel: int = 1,
     ):
         t0 = perf_counter()
         self.backend = check_backend(backend, interpret)
@@ -127,9 +132,16 @@ class LLM:
                 f"give num_pages or kv_memory_fraction, not both ({num_pages=}, "
                 f"{kv_memory_fraction=})"
             )
-        cfg, params, tok, self.model_source = load_model(
-            checkpoint_or_config, dtype=dtype, seed=seed
-        )
+        mesh = None  # checked before loading anything: an int, and that many devices
+        if tensor_parallel != 1 or isinstance(tensor_parallel, bool):
+            mesh = sharding.make_mesh(tensor_parallel)
+        with sharding.host_staging() if mesh is not None else contextlib.nullcontext():
+            cfg, params, tok, self.model_source = load_model(
+                checkpoint_or_config, dtype=dtype, seed=seed
+            )
+        if mesh is not None:
+            params = sharding.shard_params(params, mesh)
+        self.tensor_parallel = sharding.tensor_parallel_size(params.mesh)
         self.config, self.params = cfg, params
         self.tokenizer = tokenizer or tok
         limit = cfg.max_position_embeddings
@@ -138,7 +150,7 @@ class LLM:
             raise ValueError(f"max_model_len must be an int in [2, {limit}], got {max_model_len=}")
         if num_pages is None:
             num_pages = plan_num_pages(
-                cfg,
+                sharding.device_kv_config(cfg, self.tensor_parallel),  # one device's share
                 page_size,
                 kv_memory_fraction=kv_memory_fraction or 0.8,
                 max_num_seqs=max_num_seqs,
@@ -158,7 +170,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
         )
         self.buckets = buckets or decode.Buckets()
-        self.cache = cache_lib.create(cfg, self.cache_config)
+        self.cache = sharding.create_cache(cfg, self.cache_config, params.mesh)
         self.eos_ids = frozenset(cfg.eos_token_ids) | (
             self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         )

@@ -36,6 +36,7 @@ host's devices and `make_mesh` spans them; nothing else changes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
@@ -61,7 +62,9 @@ __all__ = [
     "cache_sharding",
     "check_tensor_parallel",
     "create_cache",
+    "device_kv_config",
     "gather_logits",
+    "host_staging",
     "make_mesh",
     "param_spec",
     "shard_attention",
@@ -189,6 +192,27 @@ def shard_params(params: Params, mesh: Mesh) -> Params:
             (path, var.replace(jax.device_put(var.get_value(), NamedSharding(mesh, spec))))
         )
     return dataclasses.replace(params, state=nnx.from_flat_state(pairs), mesh=mesh)
+
+
+def device_kv_config(cfg: ModelConfig, tensor_parallel: int) -> ModelConfig:
+    """`cfg` with one device's kv heads (`max(K, tp) / tp`): sizes the cache per device."""
+    if tensor_parallel == 1:
+        return cfg
+    per_device = cache_kv_heads(cfg, tensor_parallel) // tensor_parallel
+    return dataclasses.replace(cfg, num_kv_heads=per_device)
+
+
+def host_staging():
+    """A context in which new arrays land in host memory (JAX's CPU device), if present.
+
+    Load weights inside it before `shard_params`, so that a model too big for one
+    accelerator is never gathered on one.
+    """
+    try:
+        cpu = jax.devices("cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS without cpu
+        return contextlib.nullcontext()
+    return jax.default_device(cpu)
 
 
 def cache_sharding(mesh: Mesh) -> NamedSharding:

@@ -4,7 +4,9 @@
     python scripts/generate.py --prompt "def fib(n):" --max-tokens 64
     python scripts/generate.py --checkpoint path/to/hf-dir --prompts-file prompts.txt --json
 
-Runs on JAX's default device (a CUDA GPU when jax has one, else the CPU). With no
+Runs on JAX's default device (a CUDA GPU when jax has one, else the CPU), or with
+`--tensor-parallel N` on the first N devices, the model and its KV cache split over
+them (`pagedjax.sharding`; several hosts: see the README). With no
 `--checkpoint` it serves the embedded demo model (`pagedjax/demo_model`); until that
 is there, the `tiny` preset with random weights and a byte tokenizer, and it says so.
 A single prompt (n = 1, no beam search) streams its text as it is generated; a batch
@@ -23,7 +25,7 @@ a double quote is read as a JSON string, so a prompt can hold newlines.
     backend          the --backend flag
     resolved_backend what "auto" chose: "gpu", "tpu" or "xla"
     settings         page_size, num_pages, max_num_batched_tokens, max_num_seqs,
-                     enable_prefix_caching, and the sampling flags
+                     enable_prefix_caching, tensor_parallel, and the sampling flags
     outputs          one per prompt: prompt, prompt_tokens, num_cached_tokens, ttft_s,
                      latency_s, completions: [{text, token_ids, finish_reason,
                      cumulative_logprob}]
@@ -111,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--backend", default="auto", choices=("auto", "gpu", "tpu", "xla"))
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model and KV cache over N devices (default 1)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -199,7 +208,7 @@ def run(args) -> int:
         beam_width=args.beam_width,
     )
     check_backend(args.backend)
-    for name in ("page_size", "max_batch_tokens", "num_pages"):
+    for name in ("page_size", "max_batch_tokens", "num_pages", "tensor_parallel"):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise _BadInput(f"--{name.replace('_', '-')} must be >= 1, got {v}")
@@ -220,6 +229,7 @@ def run(args) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         backend=args.backend,
         seed=args.seed,
+        tensor_parallel=args.tensor_parallel,
     )
     device = str(jax.devices()[0])
     note = sys.stderr if args.json else sys.stdout
@@ -250,6 +260,7 @@ def run(args) -> int:
                 max_num_batched_tokens=args.max_batch_tokens,
                 max_num_seqs=llm.scheduler.max_num_seqs,
                 enable_prefix_caching=not args.no_prefix_caching,
+                tensor_parallel=llm.tensor_parallel,
                 n=args.n,
                 temperature=args.temperature,
                 top_k=args.top_k,

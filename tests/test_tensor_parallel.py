@@ -3,6 +3,7 @@ subprocess with 8 simulated CPU devices (tests/tp_cases.py), since
 `XLA_FLAGS=--xla_force_host_platform_device_count=8` must be set before JAX starts."""
 
 import dataclasses
+import importlib.util
 import os
 import re
 import subprocess
@@ -96,6 +97,15 @@ def test_cache_kv_heads_replicates_when_fewer_kv_heads_than_devices():
     assert sharding.cache_kv_heads(TINY8, 8) == 8
 
 
+@pytest.mark.parametrize("k,tp,per_device", [(2, 1, 2), (2, 2, 1), (2, 8, 1), (8, 2, 4), (8, 8, 1)])
+def test_device_kv_config_sizes_one_devices_share(k, tp, per_device):
+    cfg = dataclasses.replace(TINY8, num_kv_heads=k)
+    assert sharding.device_kv_config(cfg, tp).num_kv_heads == per_device
+    assert sharding.device_kv_config(cfg, tp).kv_bytes_per_token * k == (
+        cfg.kv_bytes_per_token * per_device
+    )
+
+
 @pytest.mark.parametrize(
     "cfg_changes,tp,num_devices,match",
     [
@@ -145,3 +155,33 @@ def test_one_device_path_has_no_sharding_in_its_program():
         return_logits=False,
     ).as_text()
     assert "manual_computation" not in text and "sharding" not in text
+
+
+def _generate_script():
+    spec = importlib.util.spec_from_file_location("generate_script", ROOT / "scripts/generate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize(
+    "tp,match",
+    [
+        ("0", "--tensor-parallel must be >= 1, got 0"),
+        (str(8 * jax.device_count()), f"needs {8 * jax.device_count()} devices, but only"),
+    ],
+)
+def test_generate_script_rejects_bad_tensor_parallel(capsys, tp, match):
+    rc = _generate_script().main(["--tensor-parallel", tp, "--prompt", "x", "--backend", "xla"])
+    _, err = capsys.readouterr()
+    assert rc == 2 and err.startswith("error: ") and match in err and err.count("\n") == 1, err
+
+
+def test_llm_rejects_more_devices_than_present_before_loading():
+    from pagedjax.engine import LLM
+
+    n = jax.device_count()
+    with pytest.raises(ValueError, match=rf"tensor_parallel={2 * n} needs {2 * n} devices"):
+        LLM(TINY8, tensor_parallel=2 * n, backend="xla")
+    with pytest.raises(ValueError, match=r"tensor_parallel must be a positive int"):
+        LLM(TINY8, tensor_parallel=0, backend="xla")

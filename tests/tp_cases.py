@@ -31,6 +31,10 @@ import pytest  # noqa: E402
 
 from pagedjax import decode, model, sharding  # noqa: E402
 from pagedjax.config import CacheConfig, ModelConfig  # noqa: E402
+from pagedjax.engine import LLM  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_engine as engine_tests  # noqa: E402  (its tests are not collected from here)
 
 if jax.device_count() < 8:
     raise RuntimeError(
@@ -231,3 +235,81 @@ def test_bad_tensor_parallel_sizes_are_rejected():
         sharding.make_mesh(16, cfg)
     with pytest.raises(ValueError, match=r"tensor_parallel=16 needs 16 devices, but only 8"):
         sharding.make_mesh(16)
+
+
+# --- the engine at tp = 4: tests/test_engine.py's equality tests, unchanged ---------------
+# The tiny preset has 4 query heads and 2 kv heads, so at tp = 4 each kv head is
+# replicated on 2 devices. LLM(params) with sharded params runs tensor parallel.
+
+
+@pytest.fixture(scope="module")
+def engine_params():
+    return engine_tests.random_params()
+
+
+@pytest.fixture(scope="module")
+def engine_dense(engine_params):
+    return engine_tests.Dense(engine_params)  # one device
+
+
+@pytest.fixture(scope="module")
+def tp4_params(engine_params):
+    return sharding.shard_params(engine_params, sharding.make_mesh(4, engine_tests.TINY))
+
+
+@pytest.mark.parametrize(
+    "caching,budget",
+    [
+        (True, 16),
+        pytest.param(False, 16, marks=pytest.mark.slow),
+        pytest.param(True, 13, marks=pytest.mark.slow),
+    ],
+)
+def test_engine_tp4_greedy_with_prefix_caching_equals_dense(
+    tp4_params, engine_dense, caching, budget
+):
+    engine_tests.test_greedy_equals_dense(tp4_params, engine_dense, caching, budget)
+
+
+def test_engine_tp4_preemption_keeps_outputs(tp4_params, engine_dense):
+    engine_tests.run_under_preemption(tp4_params, engine_dense, beam=False)
+
+
+def test_llm_tensor_parallel_argument(engine_params, engine_dense):
+    llm = LLM(engine_params, tensor_parallel=4, **engine_tests.GEOMETRY)
+    assert llm.tensor_parallel == 4 and llm.params.mesh.shape == {sharding.AXIS: 4}
+    cfg = engine_tests.TINY
+    for pool in llm.cache.k + llm.cache.v:  # K = 2 < tp: one kv head per device
+        assert pool.shape == (4, engine_tests.PAGES, engine_tests.PS, cfg.head_dim)
+        assert {s.data.shape[0] for s in pool.addressable_shards} == {1}
+    prompts = engine_tests.prompts_with_shared_prefixes()[:4]
+    outs = llm.generate(prompts, engine_tests.greedy(6))
+    assert [o.outputs[0].token_ids for o in outs] == engine_dense.greedy(prompts, 6)
+    engine_tests.check_clean(llm)
+
+
+@pytest.mark.slow
+def test_generate_script_tensor_parallel_4_matches_1(tmp_path, capsys):
+    """scripts/generate.py --tensor-parallel 4: same greedy tokens as on one device."""
+    import importlib.util
+    import json
+
+    from pagedjax import weights
+    from pagedjax.resources import byte_tokenizer
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("gen", os.path.join(root, "scripts/generate.py"))
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    cfg = engine_tests.TINY
+    weights.save_hf_checkpoint(engine_tests.random_params(), cfg, tmp_path)
+    byte_tokenizer().tokenizer.save(str(tmp_path / "tokenizer.json"))
+    argv = ["--checkpoint", str(tmp_path), "--prompt", "def f(x):", "--prompt", "import o"]
+    argv += ["--max-tokens", "8", "--page-size", "8", "--num-pages", "64", "--backend", "xla"]
+    results = []
+    for tp in ("1", "4"):
+        assert gen.main([*argv, "--json", "--tensor-parallel", tp]) == 0
+        obj = json.loads(capsys.readouterr().out)
+        assert obj["settings"]["tensor_parallel"] == int(tp)
+        results.append([o["completions"][0]["token_ids"] for o in obj["outputs"]])
+    assert results[0] == results[1] and all(results[0])
