@@ -24,15 +24,16 @@ The engine's token budget (`--max-num-batched-tokens`, default 4096) holds the w
 cold prompt, so a cold request is one prefill step, like a warm one: chunking the
 cold prompt would add steps to the cold side only and flatter the ratio.
 
-Chat hit rate. `--chat-conversations` conversations from `workloads.chat_conversations`
-(the same shared system prompt, Geometric(1/2) turns, lognormal message lengths,
-reply lengths of median `--chat-reply-median`) run through the engine in rounds: all
-first turns as one `generate` call (continuous batching), then all second turns,
-and so on; each turn's prompt is the system prompt, the conversation so far (with the
-model's actual replies) and a new message. The hit rate is prompt tokens served from
-the prefix cache over all prompt tokens; `chat_hit_rate_bound` is what a perfect
-cache of full pages could serve (everything an earlier turn or the first request
-already computed, floored to pages, leaving at least one token to compute).
+Chat hit rate. `--chat-conversations` conversations from
+`workloads.chat_conversations` (the same shared system prompt, Geometric(1/2) turns
+capped at `--chat-max-turns`, lognormal message lengths, reply lengths of median
+`--chat-reply-median`) run through the engine in rounds: all first turns as one
+`generate` call (continuous batching), then all second turns, and so on; each turn's
+prompt is the system prompt, the conversation so far (with the model's actual replies)
+and a new message. The hit rate is prompt tokens served from the prefix cache over all
+prompt tokens; `chat_hit_rate_bound` is what a perfect cache of full pages could serve
+(everything an earlier turn or the first request already computed, floored to pages,
+leaving at least one token to compute).
 
 Models: `--model` names a preset (`pagedjax.config.PRESETS`) run with random weights
 (timing does not depend on the values). Presets shorter than the prompt get their
@@ -175,6 +176,7 @@ def chat_hit_rate(llm: LLM, args) -> dict:
         system_prompt=system,
         reply_median=args.chat_reply_median,
         vocab=vocab,
+        max_turns=args.chat_max_turns,
     )
     # Each request: its new message (the prompt past its parent's prompt + reply).
     turns: dict[int, list[tuple[np.ndarray, int]]] = {}
@@ -276,6 +278,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--chat-conversations", type=int, default=16, help="0 skips the chat")
     p.add_argument("--chat-reply-median", type=float, default=32)
+    p.add_argument("--chat-max-turns", type=int, default=4, help="cap on turns per conversation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--plot-dir", type=Path, default=DEFAULT_PLOT_DIR)

@@ -139,6 +139,7 @@ def chat_conversations(
     reply_median: float = 160,
     system_prompt: np.ndarray | None = None,
     vocab: int = VOCAB,
+    max_turns: int | None = None,
 ) -> list[Request]:
     """Multi-turn conversations behind one shared system prompt; see the module docstring.
 
@@ -153,6 +154,7 @@ def chat_conversations(
         message_median, reply_median: medians of the lognormal message/reply lengths.
         system_prompt: the shared prompt's tokens; default random of system_prompt_len.
         vocab: token ids are drawn from [3, vocab).
+        max_turns: cap on the turns of a conversation (None: no cap).
     """
     if system_prompt is not None:
         system_prompt_len = len(system_prompt)
@@ -168,6 +170,7 @@ def chat_conversations(
     requests: list[Request] = []
     for conv in range(num_conversations):
         turns = int(rng.geometric(1.0 / mean_turns))
+        turns = turns if max_turns is None else min(turns, max_turns)
         history = system
         parent = None
         for _ in range(turns):
