@@ -40,27 +40,25 @@ Contract:
   after free); ``SequenceExists``; ``InvalidArgument`` (a ``ValueError``); ``InvalidState``
   (e.g. append mid-prefill); all ``BlockManagerError``. A bad salt type is a ``TypeError``.
 
-Prefix cache: a full, computed page is registered under a SHA-256 hash chained over the
-parent page's hash and the page's token ids (int64 little-endian); the chain's root
-hashes the request's ``cache_salt``, so requests with different salts never share a
-page. A hit is trusted only after comparing the stored token ids, the salt, and the
-parent's registration id (unique, never reused), so even a colliding hash cannot reuse a
-wrong page. Freed cached pages stay findable in an LRU (freed tail-first, so a shared
-prefix's head lives longest) until allocation evicts them; evicting a page unregisters
-the pages cached under it. A page computed twice (two requests racing on one prefix)
-keeps one copy registered and lets the duplicate's later pages chain onto it.
+Prefix cache: full, computed pages are registered in a ``PrefixCache``
+(``pagedjax.prefix_cache``, whose docstring has the details: salted SHA-256 hash chains,
+every hit verified against the stored token ids, so requests with different salts never
+share a page and a colliding hash cannot reuse a wrong page). Freed cached pages stay
+findable in an LRU (freed tail-first, so a shared prefix's head lives longest) until
+allocation evicts them; evicting a page uncaches the pages cached under it.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import operator
 import struct
 from collections.abc import Hashable, Sequence
 
 import numpy as np
+
+from pagedjax.prefix_cache import Chain, PrefixCache, salt_bytes
 
 
 class BlockManagerError(Exception):
@@ -121,28 +119,8 @@ class BlockStats:
     cow_copies: int
 
 
-_ROOT = 0  # registration id of the (per-salt) root of every hash chain
 _FREED_MEMORY = 4096  # freed ids remembered to tell "double free" from "unknown"
 _pack_token = struct.Struct("<q").pack
-
-
-def _digest(data: bytes) -> bytes:
-    """The prefix-cache hash (tests patch this to force collisions)."""
-    return hashlib.sha256(data).digest()
-
-
-def _root_hash(salt: bytes) -> bytes:
-    return _digest(b"pagedjax.prefix.v1\x00" + salt)
-
-
-def _salt_bytes(cache_salt: str | bytes | None) -> bytes:
-    if cache_salt is None:
-        return b"\x00"
-    if isinstance(cache_salt, str):
-        return b"\x01" + cache_salt.encode()
-    if isinstance(cache_salt, bytes):
-        return b"\x02" + cache_salt
-    raise TypeError(f"cache_salt must be str, bytes or None, got {type(cache_salt).__name__}")
 
 
 def _token_array(token_ids, what: str) -> np.ndarray:
@@ -157,28 +135,13 @@ def _token_array(token_ids, what: str) -> np.ndarray:
 
 
 @dataclasses.dataclass(slots=True)
-class _Entry:
-    """A page registered in the prefix cache."""
-
-    node: int  # registration id, unique for the manager's life
-    hash: bytes  # _digest(parent_hash + tokens)
-    parent_node: int  # registration id of the previous page's content (_ROOT: none)
-    parent_hash: bytes
-    tokens: bytes  # the page's token ids, int64 little-endian
-    salt: bytes
-
-
-@dataclasses.dataclass(slots=True)
 class _Seq:
     pages: list[int]  # logical page -> physical page
     table: np.ndarray  # [capacity] int32, pages mirrored for fast page_tables()
     tokens: bytearray  # every token id, int64 little-endian
     num_tokens: int
     num_computed: int  # tokens whose K/V is on the device (or written this step)
-    num_hashed: int  # leading full pages whose content has been looked up or registered
-    last_hash: bytes | None  # chain hash after num_hashed pages; None: stop caching
-    last_node: int  # registration id holding that content (_ROOT before any page)
-    salt: bytes
+    chain: Chain  # the prefix cache's position in this sequence (salt included)
 
 
 class BlockManager:
@@ -212,7 +175,6 @@ class BlockManager:
             raise InvalidArgument(f"watermark must be in [0, 1), got {watermark=}")
         self.num_pages = num_pages
         self.page_size = page_size
-        self.enable_prefix_caching = bool(enable_prefix_caching)
         self.max_model_len = max_model_len
         self.watermark_pages = int(watermark * num_pages)
         self._max_pages_per_seq = None if max_model_len is None else -(-max_model_len // page_size)
@@ -222,17 +184,18 @@ class BlockManager:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # stack: pops page 0 first
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU
         self._refcount = [0] * num_pages
-        self._entry: list[_Entry | None] = [None] * num_pages  # None: page not cached
-        self._index: dict[bytes, int] = {}  # chain hash -> page
-        self._node_page: dict[int, int] = {}  # registration id -> page, while registered
-        self._children: dict[int, set[int]] = {}  # registration id -> registered child pages
-        self._next_node = 1
+        self._prefix = PrefixCache(num_pages, page_size, enabled=bool(enable_prefix_caching))
         self._prefix_queries = self._prefix_hits = self._evictions = self._cow_copies = 0
 
     # ---------------------------------------------------------------- queries
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        """Whether full computed pages are cached and reused on admit (fixed at init)."""
+        return self._prefix.enabled
 
     @property
     def num_free_pages(self) -> int:
@@ -308,7 +271,7 @@ class BlockManager:
             num_free_pages=len(self._free),
             num_evictable_pages=len(self._evictable),
             num_used_pages=used,
-            num_cached_pages=len(self._index),
+            num_cached_pages=len(self._prefix),
             num_seqs=len(self._seqs),
             kv_usage=used / self.num_pages,
             prefix_queries=q,
@@ -331,8 +294,8 @@ class BlockManager:
             if not ok:
                 raise InvariantViolation(msg)
 
-        ps, psb, entry, rc = self.page_size, self.page_size * 8, self._entry, self._refcount
-        free, lru = set(self._free), self._evictable
+        ps, rc, cache = self.page_size, self._refcount, self._prefix
+        free, lru, entries = set(self._free), self._evictable, cache.entries
         require(len(free) == len(self._free), f"a page is twice in the free list {self._free}")
         holders = [0] * self.num_pages
         for sid, s in self._seqs.items():
@@ -342,51 +305,19 @@ class BlockManager:
             require(s.table[:k].tolist() == s.pages, f"{sid!r}: table mirror is stale")
             require(len(s.tokens) == 8 * s.num_tokens, f"{sid!r}: token buffer length")
             require(0 <= s.num_computed <= s.num_tokens, f"{sid!r}: num_computed out of range")
-            require(s.num_hashed <= s.num_computed // ps, f"{sid!r}: hashed uncomputed pages")
-            h = _root_hash(s.salt)
-            for i, p in enumerate(s.pages):
+            for p in s.pages:
                 holders[p] += 1
-                e = entry[p]
-                if i >= s.num_hashed:
-                    require(e is None, f"{sid!r}: page {p} cached past its hashed prefix")
-                    continue
-                tb = bytes(s.tokens[i * psb : (i + 1) * psb])
-                h = _digest(h + tb)
-                require(
-                    e is None or (e.hash == h and e.tokens == tb and e.salt == s.salt),
-                    f"{sid!r}: cached page {p} does not hold its tokens {i * ps}..{(i + 1) * ps}",
-                )
-            if s.last_hash is not None:
-                require(self.enable_prefix_caching, f"{sid!r} hashes with caching off")
-                require(s.last_hash == h, f"{sid!r}: stale chain hash")
-                require(s.num_hashed == s.num_computed // ps, f"{sid!r}: full pages unhashed")
-                q = self._node_page.get(s.last_node)
-                require(q is None or entry[q].hash == h, f"{sid!r}: chains from wrong content")
+            cache.check_chain(repr(sid), s.chain, s.pages, s.tokens, s.num_computed, require)
         for p in range(self.num_pages):
-            e = entry[p]
+            e = entries[p]
             where = (p in free) + (p in lru) + (rc[p] > 0)
             require(where == 1, f"page {p} is in {where} of free/evictable/used (rc={rc[p]})")
             require(rc[p] == holders[p], f"page {p}: refcount {rc[p]} != {holders[p]} holders")
             require(p not in free or e is None, f"free page {p} is still cached")
             require(p not in lru or e is not None, f"evictable page {p} is not cached")
-            if e is None:
-                continue
-            require(self._index.get(e.hash) == p, f"cached page {p} is not indexed")
-            require(self._node_page.get(e.node) == p, f"page {p}: registration id lost")
-            ok = len(e.tokens) == psb and _digest(e.parent_hash + e.tokens) == e.hash
-            require(ok, f"page {p}: hash does not match its tokens")
-            if e.parent_node == _ROOT:
-                require(e.parent_hash == _root_hash(e.salt), f"page {p}: wrong root hash")
-            else:
-                q = self._node_page.get(e.parent_node)
-                require(q is not None, f"cached page {p} outlived its parent")
-                pe = entry[q]
-                require(pe.hash == e.parent_hash and pe.salt == e.salt, f"page {p}: bad parent")
-            require(p in self._children.get(e.parent_node, ()), f"page {p} unknown to parent")
-        require(len(self._index) == len(self._node_page), "index and registrations disagree")
-        kids = sum(len(c) for c in self._children.values())
-        require(kids == len(self._index), f"{kids} child links for {len(self._index)} pages")
-        require(self.enable_prefix_caching or not self._index, "pages cached with caching off")
+            if e is not None:
+                cache.check_page(p, require)
+        cache.check_index(require)
 
     # --------------------------------------------------------------- mutation
 
@@ -416,25 +347,9 @@ class BlockManager:
         toks = _token_array(token_ids, "token_ids")
         n = toks.shape[0]
         self._check_prompt_len(n)
-        salt = _salt_bytes(cache_salt)
-        buf = toks.tobytes()
-        ps, psb = self.page_size, self.page_size * 8
-
-        hits: list[int] = []
-        last_hash, last_node = None, _ROOT
-        if self.enable_prefix_caching:
-            last_hash = _root_hash(salt)
-            index, entry = self._index, self._entry
-            for i in range((n - 1) // ps):  # at least one token is left to compute
-                tb = buf[i * psb : (i + 1) * psb]
-                h = _digest(last_hash + tb)
-                p = index.get(h)
-                e = entry[p] if p is not None else None
-                if e is None or e.tokens != tb or e.parent_node != last_node or e.salt != salt:
-                    break  # a miss, or a hash collision that must not be trusted
-                hits.append(p)
-                last_hash, last_node = h, e.node
-
+        buf, ps = toks.tobytes(), self.page_size
+        # At least one token is left to compute, so the last page is never a hit.
+        hits, chain = self._prefix.lookup(buf, salt_bytes(cache_salt), (n - 1) // ps)
         num_new = -(-n // ps) - len(hits)
         available = self.num_free_pages - sum(self._refcount[p] == 0 for p in hits)
         if num_new > available:
@@ -447,9 +362,7 @@ class BlockManager:
         cap = self._max_pages_per_seq or max(4, 2 * len(pages))
         table = np.zeros(cap, np.int32)
         table[: len(pages)] = pages
-        self._seqs[seq_id] = _Seq(
-            pages, table, bytearray(buf), n, len(hits) * ps, len(hits), last_hash, last_node, salt
-        )
+        self._seqs[seq_id] = _Seq(pages, table, bytearray(buf), n, len(hits) * ps, chain)
         self._freed.pop(seq_id, None)
         self._prefix_queries += n
         self._prefix_hits += len(hits) * ps
@@ -469,9 +382,7 @@ class BlockManager:
                 f"[{s.num_computed}, {s.num_tokens}]"
             )
         s.num_computed = n
-        if self.enable_prefix_caching:
-            while s.last_hash is not None and s.num_hashed < n // self.page_size:
-                self._register(s)
+        self._prefix.register(s.chain, s.pages, s.tokens, n // self.page_size)
 
     def append_token(self, seq_id: Hashable, token_id: int) -> tuple[int, list[tuple[int, int]]]:
         """One-sequence ``append_tokens``: returns ``(slot, copies)``."""
@@ -502,7 +413,7 @@ class BlockManager:
             raise OutOfPages(needed, self.num_free_pages, f"appending to {len(seq_ids)} sequences")
 
         ps, rc, alloc, pack = self.page_size, self._refcount, self._alloc, _pack_token
-        caching = self.enable_prefix_caching
+        register = self._prefix.register
         slots: list[int] = []
         copies: list[tuple[int, int]] = []
         for s, t in zip(seqs, toks.tolist(), strict=True):
@@ -524,8 +435,8 @@ class BlockManager:
                     copies.append((src, p))
             s.tokens += pack(t)
             s.num_tokens = s.num_computed = n + 1
-            if off == ps - 1 and caching and s.last_hash is not None:
-                self._register(s)
+            if off == ps - 1 and s.chain.hash is not None:  # the page is full: cache it
+                register(s.chain, pages, s.tokens, len(pages))
             slots.append(p * ps + off)
         self._cow_copies += len(copies)
         return np.array(slots, np.int32), copies
@@ -544,7 +455,11 @@ class BlockManager:
         for p in parent.pages:
             rc[p] += 1
         self._seqs[child_id] = dataclasses.replace(
-            parent, pages=list(parent.pages), table=parent.table.copy(), tokens=parent.tokens[:]
+            parent,
+            pages=list(parent.pages),
+            table=parent.table.copy(),
+            tokens=parent.tokens[:],
+            chain=parent.chain.copy(),
         )
         self._freed.pop(child_id, None)
 
@@ -556,7 +471,7 @@ class BlockManager:
         """
         s = self._get(seq_id)
         del self._seqs[seq_id]
-        rc, entry = self._refcount, self._entry
+        rc, entry = self._refcount, self._prefix.entries
         for p in reversed(s.pages):
             rc[p] -= 1
             if rc[p] == 0:
@@ -617,46 +532,10 @@ class BlockManager:
             p = self._free.pop()
         else:  # callers checked num_free_pages, so the LRU is not empty
             p, _ = self._evictable.popitem(last=False)
-            self._unregister(p)
+            for q in self._prefix.uncache(p):
+                if self._refcount[q] == 0:  # an orphaned cached page is plain free
+                    del self._evictable[q]
+                    self._free.append(q)
             self._evictions += 1
         self._refcount[p] = 1
         return p
-
-    def _register(self, s: _Seq) -> None:
-        """Caches the sequence's next full page, or chains past an equal cached page."""
-        i, psb = s.num_hashed, self.page_size * 8
-        if s.last_node != _ROOT and s.last_node not in self._node_page:
-            s.last_hash = None  # the content we chain from was evicted
-            return
-        tb = bytes(s.tokens[i * psb : (i + 1) * psb])
-        h = _digest(s.last_hash + tb)
-        q = self._index.get(h)
-        if q is not None:  # computed twice (two requests raced on one prefix), or a collision
-            e = self._entry[q]
-            if e.tokens == tb and e.parent_node == s.last_node and e.salt == s.salt:
-                s.num_hashed, s.last_hash, s.last_node = i + 1, h, e.node
-            else:  # never trust a collision: stop caching this sequence
-                s.last_hash = None
-            return
-        p, node = s.pages[i], self._next_node
-        self._next_node += 1
-        self._entry[p] = _Entry(node, h, s.last_node, s.last_hash, tb, s.salt)
-        self._index[h] = p
-        self._node_page[node] = p
-        self._children.setdefault(s.last_node, set()).add(p)
-        s.num_hashed, s.last_hash, s.last_node = i + 1, h, node
-
-    def _unregister(self, p: int) -> None:
-        """Drops page ``p`` and every page cached under it from the prefix cache."""
-        stack = [p]
-        while stack:
-            q = stack.pop()
-            e, self._entry[q] = self._entry[q], None
-            stack.extend(self._children.pop(e.node, ()))
-            del self._index[e.hash], self._node_page[e.node]
-            siblings = self._children.get(e.parent_node)
-            if siblings is not None:
-                siblings.discard(q)
-            if q != p and self._refcount[q] == 0:  # an orphaned cached page is plain free
-                del self._evictable[q]
-                self._free.append(q)

@@ -19,7 +19,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from pagedjax import blocks
+from pagedjax import prefix_cache
 from pagedjax.blocks import (
     BlockManager,
     BlockManagerError,
@@ -39,20 +39,20 @@ def snapshot(bm: BlockManager):
     """Everything a failed call must leave untouched."""
     seqs = {
         sid: (list(s.pages), s.table.tolist(), bytes(s.tokens), s.num_tokens, s.num_computed)
-        + (s.num_hashed, s.last_hash, s.last_node, s.salt)
+        + (s.chain.num_pages, s.chain.hash, s.chain.node, s.chain.salt)
         for sid, s in bm._seqs.items()
     }
-    entries = [None if e is None else dataclasses.astuple(e) for e in bm._entry]
+    entries = [None if e is None else dataclasses.astuple(e) for e in bm._prefix.entries]
     return (
         bm.stats(),
         seqs,
         list(bm._free),
         list(bm._evictable),
-        dict(bm._index),
+        dict(bm._prefix._index),
         list(bm._refcount),
         entries,
-        {k: set(v) for k, v in bm._children.items()},
-        bm._next_node,
+        {k: set(v) for k, v in bm._prefix._children.items()},
+        bm._prefix._next_node,
         list(bm._freed),
     )
 
@@ -342,7 +342,7 @@ def constant_digest(data: bytes) -> bytes:
 
 
 def test_forced_collision_never_reuses_a_wrong_page(monkeypatch):
-    monkeypatch.setattr(blocks, "_digest", constant_digest)
+    monkeypatch.setattr(prefix_cache, "_digest", constant_digest)
     bm = BlockManager(32, 4)
     x, y = prompt(4), prompt(4)
     computed(bm, "a", x + y + [1])  # page x registered; page y collides and is skipped
@@ -356,7 +356,7 @@ def test_forced_collision_never_reuses_a_wrong_page(monkeypatch):
 def test_forced_collision_on_page_tokens_only(monkeypatch):
     # A hash that ignores the parent and the salt: equal pages under different prefixes
     # collide; the registration-id check must reject them.
-    monkeypatch.setattr(blocks, "_digest", lambda data: hashlib.sha256(data[-32:]).digest())
+    monkeypatch.setattr(prefix_cache, "_digest", lambda data: hashlib.sha256(data[-32:]).digest())
     bm = BlockManager(32, 4)
     x, y = prompt(4), prompt(4)
     computed(bm, "a", x + y + [1])
@@ -400,7 +400,7 @@ def test_check_invariants_catches_corruption():
         bm.check_invariants()
     bm._refcount[bm.page_table("a")[0]] -= 1
     p = bm.page_table("a")[1]
-    bm._entry[p].tokens = bytes(32)
+    bm._prefix.entries[p].tokens = bytes(32)
     with pytest.raises(InvariantViolation, match="tokens"):
         bm.check_invariants()
 
@@ -566,7 +566,7 @@ class BlockMachine(RuleBasedStateMachine):
                 and n < self.bm.num_computed_tokens(s) // self.ps
                 and s_toks[n * self.ps : (n + 1) * self.ps]
                 == tokens[n * self.ps : (n + 1) * self.ps]
-                and self.bm._entry[table[n]] is not None
+                and self.bm._prefix.entries[table[n]] is not None
             ):
                 n += 1
             best = max(best, n)
@@ -731,7 +731,7 @@ class BlockMachine(RuleBasedStateMachine):
 def run_machine(monkeypatch, digest, examples, steps, check_hits=True) -> int:
     """Runs the machine; returns the number of rule steps it took."""
     if digest is not None:
-        monkeypatch.setattr(blocks, "_digest", digest)
+        monkeypatch.setattr(prefix_cache, "_digest", digest)
     machine = type("Machine", (BlockMachine,), {"check_hits": check_hits})
     run_state_machine_as_test(
         machine,
