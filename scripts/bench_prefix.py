@@ -276,7 +276,7 @@ def parse_args(argv=None):
         default=decode.Buckets.min_seqs,
         help="padding floor of the batch dimension (decode.Buckets.min_seqs)",
     )
-    p.add_argument("--chat-conversations", type=int, default=16, help="0 skips the chat")
+    p.add_argument("--chat-conversations", type=int, default=8, help="0 skips the chat")
     p.add_argument("--chat-reply-median", type=float, default=32)
     p.add_argument("--chat-max-turns", type=int, default=4, help="cap on turns per conversation")
     p.add_argument("--seed", type=int, default=0)
