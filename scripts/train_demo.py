@@ -13,8 +13,8 @@ Data: files are listed in sorted order, shuffled with `--seed`, and taken until
 `--corpus-mb` bytes; every 50th file of that order is held out for validation. Each
 file is encoded as `<|bos|> tokens <|eos|>` and the files are concatenated into one
 token stream, from which each step samples `--batch` windows of `--seq-len + 1`
-tokens at seeded random offsets (so the model sees text both with and without a
-leading `<|bos|>`).
+tokens at seeded random offsets (one row in eight starts at a file's `<|bos|>`,
+as prompts do at generation time).
 
 Given the same `--seed`, flags and standard library (the corpus is whatever
 Python runs the script), a run is deterministic on one machine. The result is written
@@ -44,7 +44,19 @@ from pagedjax import model as model_lib
 from pagedjax.config import ModelConfig
 
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>")  # ids 0, 1, 2
-_SKIP_DIRS = {"test", "tests", "site-packages", "dist-packages", "__pycache__", "idle_test"}
+# Tests, third-party packages, codec tables (encodings/: long runs of near-identical
+# lines, which teach a small model to loop) and pydoc's 750 kB of prose (pydoc_data/).
+_SKIP_DIRS = {
+    "test",
+    "tests",
+    "idle_test",
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    "encodings",
+    "pydoc_data",
+}
+SAMPLE_PROMPTS = ("import os\n", "def __init__(self", "class Config:\n    def __init__(self")
 _DEFAULT_OUT = Path(__file__).resolve().parent.parent / "pagedjax" / "demo_model"
 
 
@@ -169,17 +181,15 @@ def sample_batch(
 ):
     """[batch, seq_len + 1] int32 windows of the token stream.
 
-    Half the rows start at a file's `<|bos|>` (as a prompt does at generation time), the
-    other half at uniformly random offsets (so any position can see any context).
+    One row in eight (at least one) starts at a file's `<|bos|>`, as a prompt does at
+    generation time; the rest start at uniformly random offsets. More file-aligned rows
+    would mostly re-teach the same few hundred file headers.
     """
     limit = len(stream) - seq_len - 1
     doc_starts = doc_starts[doc_starts < limit]
-    n_doc = batch // 2
+    n_doc = max(1, batch // 8) if len(doc_starts) else 0
     starts = np.concatenate(
-        [
-            rng.choice(doc_starts, size=n_doc),
-            rng.integers(0, limit, size=batch - n_doc),
-        ]
+        [rng.choice(doc_starts, size=n_doc), rng.integers(0, limit, size=batch - n_doc)]
     )
     return stream[starts[:, None] + np.arange(seq_len + 1)]
 
@@ -228,10 +238,13 @@ def write_tokenizer_files(tok, cfg: ModelConfig, out: Path) -> None:
         (out / name).write_text(json.dumps(d, indent=2) + "\n")
 
 
-def write_readme(args, cfg: ModelConfig, facts: dict, sample: str) -> None:
+def write_readme(args, cfg: ModelConfig, facts: dict, samples: dict[str, str]) -> None:
     """README.md next to the weights: what this model is and exactly how it was made."""
     size = sum(f.stat().st_size for f in args.out.iterdir() if f.name != "README.md")
     rows = "\n".join(f"| {k} | {v} |" for k, v in facts.items())
+    sample_blocks = "\n\n".join(
+        f"Prompt `{p!r}`:\n\n```python\n{text}\n```" for p, text in samples.items()
+    )
     shape = (
         f"{cfg.num_layers} layers, hidden {cfg.hidden_size},\n  {cfg.num_heads} query heads / "
         f"{cfg.num_kv_heads} KV heads (GQA) of dim {cfg.head_dim}, SwiGLU "
@@ -256,12 +269,15 @@ winners), not to be useful.
   `<|bos|> source <|eos|>`.
 - Corpus: the `.py` files of the training interpreter's standard library
   (`sysconfig.get_paths()["stdlib"]`), skipping `test`/`tests`/`idle_test` packages,
-  `test_*.py` and site-packages; listed sorted, shuffled with the seed, taken up to
-  {args.corpus_mb:g} MB; every 50th file held out for the validation loss.
+  `test_*.py`, site-packages, `encodings/` (codec tables) and `pydoc_data/` (prose);
+  listed sorted, shuffled with the seed, taken up to {args.corpus_mb:g} MB; every 50th
+  file held out for the validation loss. A small corpus seen for several epochs: a
+  model this small writes more coherent greedy text when it has partly memorised its
+  data than after one pass over more of it.
 - Training: `pagedjax.model.forward` in float32, AdamW (b1 0.9, b2 0.95, weight decay
   0.1 except norms, global-norm clip 1.0), peak LR {args.lr:g}, {args.warmup} warmup
-  steps, cosine decay to 10%; batches of {args.batch} x {args.seq_len} tokens (half the
-  rows start at a file's `<|bos|>`, half at random offsets), seeded numpy sampling.
+  steps, cosine decay to 10%; batches of {args.batch} x {args.seq_len} tokens (1/8 of the
+  rows start at a file's `<|bos|>`, the rest at random offsets), seeded numpy sampling.
   The same seed, flags and standard library give the same model on the same machine.
 - Written by `pagedjax.weights.save_hf_checkpoint`, loaded by
   `pagedjax.weights.load_hf_checkpoint` like any HF checkpoint;
@@ -281,13 +297,13 @@ pip install -e ".[train]"
 Losses are mean next-token cross-entropy in nats (train: the last logged steps;
 val: {args.eval_batches} fixed batches of held-out files).
 
-## Greedy sample
+## Greedy samples
 
-`<|bos|>def ` continued greedily by the bfloat16 weights (dense recompute):
+Each prompt (after `<|bos|>`) continued for 80 tokens, greedily, by the bfloat16
+weights (dense recompute). Greedy decoding of a model this small drifts and repeats
+itself; it is Python-shaped, not Python.
 
-```python
-{sample}
-```
+{sample_blocks}
 """
     (args.out / "README.md").write_text(text)
 
@@ -296,20 +312,20 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=_DEFAULT_OUT, help="output directory")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--steps", type=int, default=1400)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256, help="training context (also max positions)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--corpus-mb", type=float, default=12.0, help="bytes of stdlib source to use")
+    p.add_argument("--corpus-mb", type=float, default=3.0, help="MB of stdlib source to use")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=768)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--eval-batches", type=int, default=4)
     args = p.parse_args(argv)
     if args.hidden % args.heads:
@@ -392,9 +408,10 @@ def main(argv=None) -> int:
     weights.save_hf_checkpoint(out_params, out_cfg, args.out)
     write_tokenizer_files(tok, out_cfg, args.out)
 
-    prompt = "def "
-    prompt_ids = [bos, *tok.encode(prompt, add_special_tokens=False).ids]
-    sample = prompt + tok.decode(greedy(out_params, prompt_ids, 80, min(128, args.seq_len)))
+    samples = {}
+    for prompt in SAMPLE_PROMPTS:
+        prompt_ids = [bos, *tok.encode(prompt, add_special_tokens=False).ids]
+        samples[prompt] = prompt + tok.decode(greedy(out_params, prompt_ids, 80, args.seq_len))
     facts = {
         "command": " ".join(
             ["python", "scripts/train_demo.py", *(sys.argv[1:] if argv is None else argv)]
@@ -415,9 +432,10 @@ def main(argv=None) -> int:
         "jax": jax.__version__,
         "cpu_count": os.cpu_count(),
     }
-    write_readme(args, out_cfg, facts, sample)
+    write_readme(args, out_cfg, facts, samples)
     print("summary: " + json.dumps(facts), flush=True)
-    print(f"greedy sample (bf16 weights), prompt {prompt!r}:\n{sample}", flush=True)
+    for prompt, text in samples.items():
+        print(f"greedy sample (bf16 weights), prompt {prompt!r}:\n{text}\n", flush=True)
     return 0
 
 
