@@ -7,9 +7,11 @@ token for token: with the XLA backend over 200+ tokens, and with the Pallas GPU 
 TPU kernels in interpret mode over a shorter run when their modules import.
 
 Token-for-token equality is checked in float32 (the shipped bf16 weights upcast
-exactly), where paged and dense logits agree to ~1e-6 and a trained model's argmax
-has clear winners. In bf16 the two paths round differently, so the bf16 test (slow)
-allows a divergence only where the dense logits' top two are within bf16 noise.
+exactly): there paged and dense logits differ by at most ~2.5e-5 (logits up to ~20)
+while the smallest top-two margin over these 600 greedy steps is ~4e-3, so a
+mismatch means a bug, not rounding. In bf16 the two paths round differently (one of
+the three prompts forks at a near tie after 16 tokens), so the bf16 test (slow) allows
+a divergence only where the dense logits' top two are within bf16 noise.
 
 Dense recompute: with greedy decoding, the dense model's choice at step i is the
 argmax of `forward(seq[:i])[-1]`. Because the forward is causal (masked scores
@@ -198,7 +200,6 @@ def test_greedy_paged_equals_dense_xla(f32, prompt_ids, xla_run, dense_fn, tok):
         assert_not_degenerate(tok, tokens)
 
 
-@pytest.mark.slow
 def test_greedy_chunked_prefill_equals_unchunked(f32, prompt_ids, xla_run):
     """Prompts prefilled 3 tokens a step (mixed prefill + decode batches) change nothing."""
     _, params = f32
