@@ -10,41 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from tpu_interpret import SHARP, assert_no_race, racy_copy_is_flagged
 
 from pallas_kernels import dispatch, reference
 from pallas_kernels.paged_decode import tpu
 from pallas_kernels.paged_decode.tpu import paged_decode_tpu
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
-
-# interpret=True means the interpreter's defaults: DMAs land when waited on, and
-# DMAs share 1 vector-clock entry, which hides some races. These settings land
-# each DMA when it starts and give DMAs 63 entries, so a read of a buffer that
-# was not waited for is reported as a race (checked by mutating the kernel).
-SHARP = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager", vector_clock_size=64)
-
-
-def _race_state():
-    """The TPU interpreter's race-detection state (private; its home moved across jax versions)."""
-    for name in (
-        "jax._src.pallas.mosaic.interpret.interpret_pallas_call",
-        "jax._src.pallas.mosaic.interpret",
-    ):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(module, "races"):
-            return module
-    pytest.skip("this jax version keeps the interpreter's race state elsewhere")
 
 
 @pytest.fixture(autouse=True)
@@ -55,10 +33,8 @@ def _fresh_interpreter():
 
 def _run(*args, **kwargs):
     """Runs the kernel in the interpreter and asserts the race detector saw no race."""
-    state = _race_state()
     out = jax.block_until_ready(paged_decode_tpu(*args, **kwargs))
-    assert state.races is not None, "the interpreter did not run with race detection"
-    assert not state.races.races_found, "the TPU interpreter detected a data race"
+    assert_no_race()
     return out
 
 
@@ -243,31 +219,15 @@ def test_dispatcher_routes_to_the_kernel():
         dtype=jnp.float32,
         lengths=_ragged_lengths(5, 128, 5, 0),
     )
-    state = _race_state()
     out = dispatch.paged_decode_attention(*args, backend="tpu", interpret=True)
-    assert not state.races.races_found
+    out = jax.block_until_ready(out)
+    assert_no_race()
     _check(out, args, jnp.float32)
 
 
 def test_race_detector_catches_a_racy_copy():
     """The harness can fail: reading a DMA's destination before waiting is reported."""
-
-    def racy(x_hbm, o_ref, buf, sem):
-        copy = pltpu.make_async_copy(x_hbm, buf, sem)
-        copy.start()
-        o_ref[...] = buf[...]
-        copy.wait()
-
-    x = jnp.ones((8, 128), jnp.float32)
-    call = pl.pallas_call(
-        racy,
-        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
-        scratch_shapes=[pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA(())],
-        interpret=pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager"),
-    )
-    jax.block_until_ready(call(x))
-    assert _race_state().races.races_found
+    racy_copy_is_flagged()
 
 
 @pytest.mark.parametrize(

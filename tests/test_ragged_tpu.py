@@ -17,27 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from tpu_interpret import assert_no_race, racy_copy_is_flagged
 
 from pallas_kernels import ragged_paged_attention, reference
 from pallas_kernels.ragged.tpu import default_tuning, ragged_paged_attention_tpu
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
-
-
-def _races_found():
-    """The race flag of the last interpreted kernel; None where this jax keeps it elsewhere.
-
-    Private jax API (jax 0.10: `interpret_pallas_call.races`); `test_race_detector_is_live`
-    checks that it still reports races.
-    """
-    try:
-        from jax._src.pallas.mosaic.interpret import interpret_pallas_call
-    except ImportError:
-        return None
-    races = getattr(interpret_pallas_call, "races", None)
-    return None if races is None else bool(races.races_found)
 
 
 @pytest.fixture(autouse=True)
@@ -154,7 +140,7 @@ def expected(batch, **opts):
 def run(batch, interpret=True, **kw):
     out = ragged_paged_attention_tpu(*batch.args, interpret=interpret, **kw)
     out = np.asarray(jax.block_until_ready(out).astype(jnp.float32))
-    assert _races_found() is not True, "the TPU interpreter detected a race"
+    assert_no_race()
     return out
 
 
@@ -364,7 +350,7 @@ def test_default_tuning_and_dispatch():
     # Under an outer jit, as the engine calls it: lengths and locations are tracers.
     f = jax.jit(functools.partial(ragged_paged_attention, backend="tpu", interpret=True))
     out = jax.block_until_ready(f(*batch.args))
-    assert _races_found() is not True
+    assert_no_race()
     assert_close(np.asarray(out.astype(jnp.float32)), expected(batch), jnp.bfloat16)
 
 
@@ -431,23 +417,4 @@ def test_lowers_for_tpu(page_size, dtype, head_dim, group):
 
 def test_race_detector_is_live():
     """Guards the no-race assertions above: a DMA read before its wait must be flagged."""
-
-    def racy(x_hbm, o_ref, buf, sem):
-        copy = pltpu.make_async_copy(x_hbm, buf, sem)
-        copy.start()
-        o_ref[...] = buf[...]
-        copy.wait()
-
-    x = jnp.ones((8, 128), jnp.float32)
-    f = pl.pallas_call(
-        racy,
-        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
-        scratch_shapes=[pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA(())],
-        interpret=pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager"),
-    )
-    jax.block_until_ready(f(x))
-    found = _races_found()
-    if found is None:
-        pytest.skip("this jax keeps the interpreter's race state elsewhere")
-    assert found
+    racy_copy_is_flagged()
