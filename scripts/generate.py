@@ -25,7 +25,8 @@ a double quote is read as a JSON string, so a prompt can hold newlines.
     backend          the --backend flag
     resolved_backend what "auto" chose: "gpu", "tpu" or "xla"
     settings         page_size, num_pages, max_num_batched_tokens, max_num_seqs,
-                     enable_prefix_caching, tensor_parallel, and the sampling flags
+                     enable_prefix_caching, tensor_parallel, compilation_cache (the
+                     directory, or null when off), and the sampling flags
     outputs          one per prompt: prompt, prompt_tokens, num_cached_tokens, ttft_s,
                      latency_s, completions: [{text, token_ids, finish_reason,
                      cumulative_logprob}]
@@ -40,6 +41,13 @@ a double quote is read as a JSON string, so a prompt can hold newlines.
                      kv_pages_total, kv_utilization (peak used / total),
                      prefix_cache_hit_rate, preemptions, host_hidden_ms_per_step,
                      host_exposed_ms_per_step, device_wait_ms_per_step
+
+Compiled step programs are kept in a persistent XLA compilation cache, so a second
+run of the same model and geometry skips most of its compile time: `--compilation-cache
+DIR`, else `$PAGEDJAX_COMPILATION_CACHE`, else jax's own `JAX_COMPILATION_CACHE_DIR` if
+set, else `$XDG_CACHE_HOME/pagedjax/xla` (`~/.cache/pagedjax/xla`); `off` disables it.
+jax caches only programs that took at least `jax_persistent_cache_min_compile_time_secs`
+(1 s by default) to compile.
 
 Bad input (an empty or too long prompt, n < 1, top_p outside (0, 1], a negative
 temperature, a checkpoint directory missing files, --backend gpu without a GPU) ends
@@ -120,8 +128,43 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="split the model and KV cache over N devices (default 1)",
     )
+    p.add_argument(
+        "--compilation-cache",
+        metavar="DIR",
+        help="persistent XLA compilation cache directory, or 'off' (default: see above)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
+
+
+def compilation_cache_dir(flag: str | None) -> str | None:
+    """The compilation cache directory to use (None: off), by the precedence in the docstring."""
+    import os
+
+    import jax
+
+    choice = flag if flag is not None else os.environ.get("PAGEDJAX_COMPILATION_CACHE")
+    if choice is None:
+        if jax.config.jax_compilation_cache_dir:
+            return jax.config.jax_compilation_cache_dir
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        choice = os.path.join(base, "pagedjax", "xla")
+    if choice.strip().lower() in ("", "off", "none", "0"):
+        return None
+    return choice
+
+
+def enable_compilation_cache(path: str | None) -> None:
+    """Points jax's persistent compilation cache at `path` (a no-op for None)."""
+    if path is None:
+        return
+    import jax
+
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _BadInput(f"--compilation-cache {path}: cannot create it ({e.strerror})") from None
+    jax.config.update("jax_compilation_cache_dir", path)
 
 
 def read_prompts(args) -> list[str]:
@@ -219,6 +262,8 @@ def run(args) -> int:
 
     import jax
 
+    cache_dir = compilation_cache_dir(args.compilation_cache)
+    enable_compilation_cache(cache_dir)
     llm = LLM(
         args.checkpoint,
         page_size=args.page_size,
@@ -261,6 +306,7 @@ def run(args) -> int:
                 max_num_seqs=llm.scheduler.max_num_seqs,
                 enable_prefix_caching=not args.no_prefix_caching,
                 tensor_parallel=llm.tensor_parallel,
+                compilation_cache=cache_dir,
                 n=args.n,
                 temperature=args.temperature,
                 top_k=args.top_k,

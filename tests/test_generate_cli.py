@@ -203,3 +203,42 @@ def test_subprocess_exits_with_one_line():
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error: ")
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_compilation_cache_dir_precedence(monkeypatch, tmp_path):
+    """--compilation-cache, then $PAGEDJAX_COMPILATION_CACHE, then jax's own setting, then XDG."""
+    import jax
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("PAGEDJAX_COMPILATION_CACHE")
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        assert gen.compilation_cache_dir(None) == str(tmp_path / "xdg" / "pagedjax" / "xla")
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax"))
+        assert gen.compilation_cache_dir(None) == str(tmp_path / "jax")
+        monkeypatch.setenv("PAGEDJAX_COMPILATION_CACHE", str(tmp_path / "env"))
+        assert gen.compilation_cache_dir(None) == str(tmp_path / "env")
+        assert gen.compilation_cache_dir(str(tmp_path / "flag")) == str(tmp_path / "flag")
+        assert gen.compilation_cache_dir("off") is None
+        monkeypatch.setenv("PAGEDJAX_COMPILATION_CACHE", "off")
+        assert gen.compilation_cache_dir(None) is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_compilation_cache_is_written_and_reported(tmp_path):
+    """A real run fills the directory it names and reports it in --json settings."""
+    cache = tmp_path / "xla"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--prompt", "def f(x):", "--max-tokens", "2", "--json"]
+        + ["--compilation-cache", str(cache)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    obj = json.loads(proc.stdout)
+    assert obj["settings"]["compilation_cache"] == str(cache)
+    assert any(cache.iterdir()), "no compiled program was written to the cache"
