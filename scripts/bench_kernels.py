@@ -3,6 +3,7 @@
     python scripts/bench_kernels.py            # full run (about 5 minutes on an H200)
     python scripts/bench_kernels.py --quick    # fewer iterations, no tuning sweeps
     python scripts/bench_kernels.py --json     # the same results as JSON on stdout
+    python scripts/bench_kernels.py --out DIR  # also stream rows to DIR/bench_kernels.jsonl
 
 On a CUDA GPU it
 
@@ -19,12 +20,20 @@ On a CUDA GPU it
    executable of several calls (distinct queries, so nothing is deduplicated),
    and the reported time is the median over `--iters` runs divided by the calls.
 
+With `--out DIR`, DIR/bench_kernels.jsonl gets a "meta" line (jax version, device,
+copy bandwidth, matmul TFLOP/s) before the first case, one "row" line per result
+row as soon as it is complete, and an "end" line (ok, wall time), each flushed: a
+run killed by a timeout keeps every finished row. A case that raises (compile
+error, out of memory) becomes a failed row with the error text, and the run goes
+on with the next case.
+
 Without a GPU it runs the correctness part in the Pallas interpreter on small
 shapes (our kernel, the TPU kernel if `pallas_kernels.paged_decode.tpu` imports,
 JAX's bundled kernel unless --quick) and says that timing needs a GPU.
 
 Case families: `main()` runs every `Family` in `FAMILIES`. A family is a name, a
-function `run(env) -> list[dict]` of result rows and the columns to print; it can
+function `run(env) -> Iterable[dict]` of result rows (a generator, so that each row
+is streamed to --out when it is complete) and the columns to print; it can
 live in another module and reuse `BenchEnv`, `time_calls`, `rel_error` and
 `rotating_copies` from here.
 """
@@ -41,7 +50,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 
@@ -81,20 +90,35 @@ class Family:
 
     Attributes:
       name: a short name (the JSON key of its rows).
-      run: env -> result rows (dicts with plain JSON values; "case" names the row,
-        "ok" False marks a failed check, keys "err*"/"error*" with text are failures).
+      run: env -> result rows, best yielded one by one (dicts with plain JSON values;
+        "case" names the row, "ok" False marks a failed check, keys "err*"/"error*"
+        with text are failures).
       columns: (row key, header, format spec) of the table; missing keys print "-".
       details: row keys printed under the table, one line per row (e.g. configs).
     """
 
     name: str
-    run: Callable[[BenchEnv], list[dict]]
+    run: Callable[[BenchEnv], Iterable[dict]]
     columns: tuple[tuple[str, str, str], ...]
     details: tuple[str, ...] = ()
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+class JsonLines:
+    """Appends JSON lines to a file, one `write` at a time, flushed (see --out)."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+        self.path = path
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+            f.flush()
 
 
 def short_error(e: BaseException) -> str:
@@ -455,7 +479,7 @@ def decode_case_gpu(case: DecodeCase, env: BenchEnv, sweep_until: float) -> dict
     return row
 
 
-def decode_cases_cpu(env: BenchEnv) -> list[dict]:
+def decode_cases_cpu(env: BenchEnv) -> Iterable[dict]:
     """Correctness only, in the Pallas interpreter, on small shapes."""
     kernels = {"ours": lambda *a: paged_decode_gpu(*a, interpret=True)}
     notes = {}
@@ -472,7 +496,6 @@ def decode_cases_cpu(env: BenchEnv) -> list[dict]:
             kernels["bundled"] = lambda *a: run_bundled(
                 fn, *a, interpret=True, k_splits=1, pages_per_compute_block=1
             )
-    rows = []
     for case in CPU_DECODE_CASES[:1] if env.quick else CPU_DECODE_CASES:
         q, k, v, pt = make_decode_inputs(case, 0)
         lengths = ragged_lengths(case, 0)
@@ -489,25 +512,23 @@ def decode_cases_cpu(env: BenchEnv) -> list[dict]:
             ok &= passed or name == "bundled"  # JAX's kernel is reported, not ours to fix
         dense = partial(jax.jit(dense_decode), q, to_dense(k, pt), to_dense(v, pt), lengths)
         ok &= _check("dense", dense, ref, slice(None), tol, errors)
-        row = dict(case=case.name, **notes, **{f"err_{n}": e for n, e in errors.items()}, ok=ok)
-        rows.append(row)
-    return rows
+        yield dict(case=case.name, **notes, **{f"err_{n}": e for n, e in errors.items()}, ok=ok)
 
 
-def run_decode(env: BenchEnv) -> list[dict]:
+def run_decode(env: BenchEnv) -> Iterable[dict]:
     if not env.on_gpu:
-        return decode_cases_cpu(env)
-    rows = []
+        yield from decode_cases_cpu(env)
+        return
     for i, case in enumerate(GPU_DECODE_CASES):
         log(f"decode {case.name} ({case.kv_bytes / 2**20:.0f} MiB of K/V)")
         # Each case may sweep until its share of the time left is used up.
         sweep_until = time.monotonic() + env.time_left() / (len(GPU_DECODE_CASES) - i)
         try:
-            rows.append(decode_case_gpu(case, env, sweep_until))
+            row = decode_case_gpu(case, env, sweep_until)
         except Exception as e:  # noqa: BLE001 - one broken case must not hide the others
             traceback.print_exc(file=sys.stderr)
-            rows.append(dict(case=case.name, ok=False, error=short_error(e)))
-    return rows
+            row = dict(case=case.name, ok=False, error=short_error(e))
+        yield row
 
 
 DECODE = Family(
@@ -549,6 +570,10 @@ FAMILIES = [DECODE]
 # ---------------------------------------------------------------- main
 
 
+def ceiling(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 def has_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
@@ -563,6 +588,13 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--interpret", action="store_true", help="run the CPU (interpret-mode) path even on a GPU"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="append each finished row to DIR/bench_kernels.jsonl (meta line first)",
     )
     args = parser.parse_args(argv)
     if args.iters is not None and args.iters < 1:
@@ -582,31 +614,49 @@ def main(argv=None, families=None) -> int:
         deadline=time.monotonic() + args.budget_s,
         device=getattr(device, "device_kind", str(device)),
     )
+    t0 = time.monotonic()
+    sink = JsonLines(args.out / "bench_kernels.jsonl") if args.out else None
+    meta = dict(jax_version=jax.__version__, device=env.device, platform=jax.default_backend())
     if on_gpu:
-        env.copy_gbps = measure_copy_gbps(env.iters)
-        env.matmul_tflops = measure_matmul_tflops(env.iters)
-        log(f"copy {env.copy_gbps:.0f} GB/s, bf16 matmul {env.matmul_tflops:.0f} TFLOP/s")
-    results = {f.name: f.run(env) for f in families}
-    ok = all(row.get("ok", True) for rows in results.values() for row in rows)
-    meta = dict(
-        jax_version=jax.__version__,
-        device=env.device,
-        platform=jax.default_backend(),
-        copy_gbps=env.copy_gbps,
-        matmul_tflops=env.matmul_tflops,
-        timed=on_gpu,
-        ok=ok,
-    )
+        ceilings = [("copy_gbps", measure_copy_gbps), ("matmul_tflops", measure_matmul_tflops)]
+        for name, measure in ceilings:
+            try:
+                setattr(env, name, measure(env.iters))
+            except Exception as e:  # noqa: BLE001 - the cases still run, without ratios
+                meta[f"error_{name}"] = short_error(e)
+                log(f"measuring {name} failed: {short_error(e)}")
+        log(f"copy {ceiling(env.copy_gbps)} GB/s, bf16 matmul {ceiling(env.matmul_tflops)} TFLOP/s")
+    meta.update(copy_gbps=env.copy_gbps, matmul_tflops=env.matmul_tflops, timed=on_gpu)
     if not on_gpu:
         meta["note"] = "correctness only (Pallas interpreter); timing needs a CUDA GPU"
+    if sink:
+        sink.write(dict(kind="meta", **meta))
+    results = {}
+    for family in families:
+        rows = results[family.name] = []
+        try:
+            for row in family.run(env):
+                rows.append(row)
+                if sink:
+                    sink.write(dict(kind="row", family=family.name, **row))
+        except Exception as e:  # noqa: BLE001 - a broken family must not hide the others
+            traceback.print_exc(file=sys.stderr)
+            row = dict(case=f"{family.name} (family)", ok=False, error=short_error(e))
+            rows.append(row)
+            if sink:
+                sink.write(dict(kind="row", family=family.name, **row))
+    ok = all(row.get("ok", True) for rows in results.values() for row in rows)
+    meta["ok"] = ok
+    if sink:
+        sink.write(dict(kind="end", ok=ok, wall_s=round(time.monotonic() - t0, 1)))
     if args.json:
         print(json.dumps(dict(meta, results=results), indent=1, default=str))
     else:
         print(f"jax {meta['jax_version']} on {meta['device']} ({meta['platform']})")
         if on_gpu:
             print(
-                f"copy bandwidth {env.copy_gbps:.0f} GB/s, "
-                f"bf16 matmul {env.matmul_tflops:.0f} TFLOP/s"
+                f"copy bandwidth {ceiling(env.copy_gbps)} GB/s, "
+                f"bf16 matmul {ceiling(env.matmul_tflops)} TFLOP/s"
             )
         for family in families:
             rows = results[family.name]

@@ -26,7 +26,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import traceback
 import warnings
+from collections.abc import Iterator
 from functools import partial
 
 import jax
@@ -393,20 +395,30 @@ def gpu_case(case: RaggedCase, env, bk) -> dict:
     return row
 
 
-def run_family(env) -> list[dict]:
-    """The "ragged" family for bench_kernels (`env` is its BenchEnv)."""
+def run_family(env) -> Iterator[dict]:
+    """The "ragged" family for bench_kernels (`env` is its BenchEnv): rows as they finish.
+
+    A case that raises (compile error, out of memory) yields a failed row with the
+    error text, and the next case runs.
+    """
     if not env.on_gpu:
-        return [check_cpu_case(case, log=_stderr) for case in cases(gpu=False)]
+        for case in cases(gpu=False):
+            try:
+                yield check_cpu_case(case, log=_stderr)
+            except Exception as e:  # noqa: BLE001 - one broken case must not hide the others
+                traceback.print_exc(file=sys.stderr)
+                yield dict(case=case.name, ok=False, error=f"{type(e).__name__}: {e}"[:300])
+        return
     import bench_kernels as bk  # lazy: bench_kernels imports this module
 
-    rows = []
     for case in cases(gpu=True):
         bk.log(f"ragged {case.name} ({case.kv_bytes / 2**20:.0f} MiB of K/V)")
         try:
-            rows.append(gpu_case(case, env, bk))
+            row = gpu_case(case, env, bk)
         except Exception as e:  # noqa: BLE001 - one broken case must not hide the others
-            rows.append(dict(case=case.name, ok=False, error=bk.short_error(e)))
-    return rows
+            traceback.print_exc(file=sys.stderr)
+            row = dict(case=case.name, ok=False, error=bk.short_error(e))
+        yield row
 
 
 def _stderr(msg: str) -> None:

@@ -3,7 +3,9 @@
 The CPU path (interpret-mode correctness) runs as a user would run it. The GPU
 path cannot run here, so a second test drives its code on a tiny case with the
 kernels swapped for their interpret-mode versions: it catches plain Python
-mistakes before the rare GPU session does.
+mistakes before the rare GPU session does. `--out DIR` is checked on both paths:
+rows reach DIR/bench_kernels.jsonl as each finishes, and a case that raises
+becomes a failed row while the next case still runs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,20 @@ from pallas_kernels import reference
 from pallas_kernels.paged_decode.gpu import paged_decode_gpu
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_kernels.py"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def fake_gpu(bench, monkeypatch, cases):
+    """The GPU path on the CPU: no ceilings to measure, tiny rotations, `cases`."""
+    monkeypatch.setattr(bench, "has_gpu", lambda: True)
+    monkeypatch.setattr(bench, "measure_copy_gbps", lambda iters: 1.0)
+    monkeypatch.setattr(bench, "measure_matmul_tflops", lambda iters: 1.0)
+    monkeypatch.setattr(bench, "L2_BYTES", 1)
+    monkeypatch.setattr(bench, "CALLS", (2, 2))
+    monkeypatch.setattr(bench, "GPU_DECODE_CASES", cases)
 
 
 @pytest.fixture
@@ -136,3 +152,83 @@ def test_gpu_path_full_sweeps_with_stub_kernels(bench, capsys, monkeypatch):
     assert len(tried) >= 10  # k_splits, then blocks, then warps/stages
     assert any("num_warps" in c for c in seen["bundled"])
     assert {"num_splits", "block_kv", "num_stages"} <= {k for t in seen["ours"] for k in t}
+
+
+def test_out_streams_rows_as_they_finish(bench, capsys, tmp_path):
+    out = tmp_path / "new_dir"
+    path = out / "bench_kernels.jsonl"
+    seen_before_second = []
+
+    def streaming(env):
+        yield dict(case="first", ok=True)
+        seen_before_second.extend(read_jsonl(path))  # written before the next row starts
+        raise RuntimeError("the device fell over")
+
+    families = [
+        bench.Family("streaming", streaming, (("case", "case", ""),)),
+        bench.DECODE,  # still runs after the broken family
+    ]
+    assert bench.main(["--quick", "--out", str(out)], families=families) == 1
+    assert [r["kind"] for r in seen_before_second] == ["meta", "row"]
+    assert seen_before_second[1] == dict(kind="row", family="streaming", case="first", ok=True)
+    lines = read_jsonl(path)
+    meta, first, broken, decode, end = lines
+    assert meta["kind"] == "meta" and meta["jax_version"] and meta["timed"] is False
+    assert "copy_gbps" in meta and "matmul_tflops" in meta and "device" in meta
+    assert broken["ok"] is False and "RuntimeError: the device fell over" in broken["error"]
+    assert decode["family"] == "decode" and decode["ok"] is True and decode["err_ours"] < 1e-2
+    assert end == dict(kind="end", ok=False, wall_s=end["wall_s"])
+    assert "timing needs a CUDA GPU" in capsys.readouterr().out  # the table as before
+
+
+def test_gpu_path_out_records_a_raising_case_and_goes_on(bench, capsys, monkeypatch, tmp_path):
+    # Stand-in kernels (the XLA reference): this checks the bookkeeping, not a kernel.
+    def ours(q, k, v, lengths, page_table, **tuning):
+        return reference.paged_attention_xla(q, k, v, lengths, page_table)
+
+    def bundled(q, k, v, page_table, lengths, **config):
+        return reference.paged_attention_xla(q, k, v, lengths, page_table, scale=1.0)
+
+    oom = bench.DecodeCase(4, 32, num_heads=2, num_kv_heads=1, head_dim=16)
+    fine = bench.DecodeCase(1, 32, num_heads=2, num_kv_heads=1, head_dim=16)
+    fake_gpu(bench, monkeypatch, [oom, fine])
+    monkeypatch.setattr(bench, "paged_decode_gpu", ours)
+    monkeypatch.setattr(bench, "bundled_kernel", lambda: (bundled, None))
+    make_inputs = bench.make_decode_inputs
+
+    def make_or_fail(case, seed):
+        if case == oom:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 GiB")
+        return make_inputs(case, seed)
+
+    monkeypatch.setattr(bench, "make_decode_inputs", make_or_fail)
+    argv = ["--quick", "--iters", "1", "--out", str(tmp_path)]
+    assert bench.main(argv, families=[bench.DECODE]) == 1
+    meta, failed, row, end = read_jsonl(tmp_path / "bench_kernels.jsonl")
+    assert meta["copy_gbps"] == 1.0 and meta["matmul_tflops"] == 1.0 and meta["timed"] is True
+    assert failed["case"] == oom.name and failed["ok"] is False
+    assert "RESOURCE_EXHAUSTED" in failed["error"]
+    assert row["case"] == fine.name and row["ok"] is True and row["ours_us"] > 0
+    assert row["tuning"]["num_splits"] >= 1  # nested values survive as JSON
+    assert end["kind"] == "end" and end["ok"] is False
+    assert "RESOURCE_EXHAUSTED" in capsys.readouterr().err  # the traceback, for the log
+
+
+def test_ragged_family_records_a_raising_case_and_goes_on(bench, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import bench_ragged_cases as ragged
+
+    two = ragged.cases(gpu=False)[:2]
+    monkeypatch.setattr(ragged, "cases", lambda gpu=True: two)
+
+    def gpu_case(case, env, bk):
+        if case is two[0]:
+            raise ValueError("triton compile failed")
+        return dict(case=case.name, ok=True)
+
+    monkeypatch.setattr(ragged, "gpu_case", gpu_case)
+    monkeypatch.setitem(sys.modules, "bench_kernels", bench)
+    env = bench.BenchEnv(on_gpu=True, quick=True, iters=1, deadline=0.0, device="fake")
+    rows = list(ragged.run_family(env))
+    assert rows[0]["ok"] is False and "ValueError: triton compile failed" in rows[0]["error"]
+    assert rows[1] == dict(case=two[1].name, ok=True)
