@@ -1,0 +1,285 @@
+"""Host-side packing of one step: `SeqChunk`s in, a bucketed `StepInput` out.
+
+`build_step_input` turns the host's view of a step (per sequence: this step's tokens,
+how many of its tokens are already cached, its page table row, its sampling
+parameters) into a `StepInput` of numpy arrays, validating everything on the host
+(each error names the bad value) and padding every dimension to a power of two above
+a floor (`Buckets`), so a run compiles a handful of programs. `StepOutput` is what a
+step returns. `pagedjax.decode` runs the steps and re-exports all of these, so
+research code needs only `from pagedjax import decode`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import numpy as np
+
+from pagedjax import sampling
+from pagedjax.config import CacheConfig, ModelConfig
+
+_static = partial(dataclasses.field, metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StepInput:
+    """Everything one step needs besides params and cache; padded to bucketed shapes.
+
+    Sequence rows past the real batch and token rows past the real tokens are
+    padding: slot -1 (nothing written), context length 0, q_len 0.
+    """
+
+    token_ids: jax.Array  # [T] int32 all sequences' new tokens back to back
+    positions: jax.Array  # [T] int32 absolute position of each token
+    slot_mapping: jax.Array  # [T] int32 cache slot of each token (-1: padding)
+    page_table: jax.Array  # [B, max_pages] int32
+    context_lens: jax.Array  # [B] int32 cached tokens after this step
+    query_start_loc: jax.Array  # [B + 1] int32
+    logits_indices: jax.Array  # [B] int32 each sequence's last token row
+    copy_src: jax.Array  # [C] int32 copy-on-write source pages
+    copy_dst: jax.Array  # [C] int32 destinations (-1: padding)
+    temperature: jax.Array  # [B] float32 (0: greedy)
+    top_k: jax.Array  # [B] int32 (0: off)
+    top_p: jax.Array  # [B] float32 (1: off)
+    seeds: jax.Array  # [B] uint32
+    sample_steps: jax.Array  # [B] int32 index of the token being drawn, per request
+    decode: bool = _static(default=False)  # one token per sequence and T == B
+
+    @property
+    def bucket(self) -> tuple[int, int, int, int, bool]:
+        """(T, B, max_pages, C, decode): the shapes that select a compiled program."""
+        b, max_pages = self.page_table.shape
+        return (self.token_ids.shape[0], b, max_pages, self.copy_src.shape[0], self.decode)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StepOutput:
+    """What a step returns besides the cache. Rows past the real batch are padding."""
+
+    tokens: jax.Array  # [B] int32 sampled next tokens
+    logprobs: jax.Array  # [B] float32 their log-probabilities (raw distribution)
+    top_ids: jax.Array | None = None  # [B, k] int32 when num_top_logprobs = k > 0
+    top_logprobs: jax.Array | None = None  # [B, k] float32
+    logits: jax.Array | None = None  # [B, V] float32 when return_logits
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """The host's description of one sequence's share of a step.
+
+    Attributes:
+      token_ids: this step's new tokens (a prompt chunk, or the last sampled token).
+      start_pos: tokens of this sequence already in the cache (position of token_ids[0]).
+      page_table: the sequence's physical pages in logical order, covering at least
+        start_pos + len(token_ids) tokens.
+      temperature, top_k, top_p, seed: sampling parameters (see pagedjax.sampling).
+      sample_step: index of the token this step draws for the request (0 for the
+        first generated token); with the seed it fixes the PRNG key.
+    """
+
+    token_ids: Sequence[int]
+    start_pos: int
+    page_table: Sequence[int]
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    sample_step: int = 0
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """Floors of the padded sizes; every size is the next power of two above its floor."""
+
+    min_tokens: int = 16
+    min_seqs: int = 8
+    min_pages: int = 8
+    min_copies: int = 4
+
+    def __post_init__(self):
+        for name in ("min_tokens", "min_seqs", "min_pages", "min_copies"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+
+
+def bucket_size(n: int, floor: int) -> int:
+    """The smallest power of two >= max(n, floor)."""
+    return 1 << max(0, math.ceil(math.log2(max(n, floor, 1))))
+
+
+def _first(mask) -> int:
+    return int(np.argmax(mask))
+
+
+def _check_steps(toks, q_lens, start, n_pages, page_table, model_cfg, cache_cfg):
+    """Host validation of a whole step at once (vectorised over sequences)."""
+    v, s, p = model_cfg.vocab_size, cache_cfg.page_size, cache_cfg.num_pages
+    if (q_lens == 0).any() or any(t.ndim != 1 for t in toks):
+        i = _first((q_lens == 0) | np.array([t.ndim != 1 for t in toks]))
+        raise ValueError(f"sequence {i}: token_ids must be a non-empty 1-D list, got {toks[i]!r}")
+    for i, t in enumerate(toks):
+        if not np.issubdtype(t.dtype, np.integer):
+            raise TypeError(f"sequence {i}: token ids must be ints, got dtype {t.dtype}")
+    flat = np.concatenate(toks)
+    bad = (flat < 0) | (flat >= v)
+    if bad.any():
+        j = _first(bad)
+        i = int(np.searchsorted(np.cumsum(q_lens), j, side="right"))
+        raise ValueError(
+            f"sequence {i}: token id {int(flat[j])} is outside the vocabulary [0, {v})"
+        )
+    end = start + q_lens
+    bad = (start < 0) | (end > model_cfg.max_position_embeddings)
+    if bad.any():
+        i = _first(bad)
+        raise ValueError(
+            f"sequence {i}: positions [{int(start[i])}, {int(end[i])}) exceed the model's "
+            f"max_position_embeddings={model_cfg.max_position_embeddings}"
+        )
+    bad = n_pages * s < end
+    if bad.any():
+        i = _first(bad)
+        raise ValueError(
+            f"sequence {i}: page table of {int(n_pages[i])} pages holds {int(n_pages[i]) * s} "
+            f"tokens, needs {int(end[i])}"
+        )
+    bad = (page_table < 0) | (page_table >= p)
+    if bad.any():
+        i, j = map(int, np.argwhere(bad)[0])
+        raise ValueError(f"sequence {i}: page id {int(page_table[i, j])} is out of range [0, {p})")
+
+
+def build_step_input(
+    chunks: Sequence[SeqChunk],
+    model_cfg: ModelConfig,
+    cache_cfg: CacheConfig,
+    *,
+    copies: Sequence[tuple[int, int]] = (),
+    buckets: Buckets = Buckets(),
+    decode: bool | None = None,
+) -> StepInput:
+    """Validates a step on the host and packs it into a bucketed `StepInput` (numpy arrays).
+
+    The work is vectorised over sequences (no per-token Python); padding rows and
+    tokens follow the conventions of `StepInput`.
+
+    Args:
+      chunks: one `SeqChunk` per sequence in the step.
+      model_cfg: vocabulary and position limits.
+      cache_cfg: page size and page count.
+      copies: (src_page, dst_page) copy-on-write pairs, applied before the step's writes.
+      buckets: padding floors.
+      decode: build a decode batch (every chunk one token, T == B). Default: True
+        exactly when every chunk has one token.
+
+    Raises:
+      ValueError: token ids outside the vocabulary, positions past the model's
+        maximum, a page table too short or with bad ids, bad sampling parameters, bad
+        copy pairs, or decode=True with a multi-token chunk.
+    """
+    if not chunks:
+        raise ValueError("a step needs at least one sequence, got chunks=[]")
+    n, s = len(chunks), cache_cfg.page_size
+    toks = [np.asarray(c.token_ids) for c in chunks]
+    q_lens = np.fromiter((t.size for t in toks), np.int64, n)
+    start = np.fromiter((c.start_pos for c in chunks), np.int64, n)
+    rows = [np.asarray(c.page_table, np.int64).reshape(-1) for c in chunks]
+    n_pages = np.fromiter((r.size for r in rows), np.int64, n)
+    if decode is None:
+        decode = bool((q_lens == 1).all())
+    elif decode and (q_lens != 1).any():
+        i = _first(q_lens != 1)
+        raise ValueError(f"decode=True needs one token per sequence; sequence {i} has {q_lens[i]}")
+
+    b = bucket_size(n, buckets.min_seqs)
+    total = int(q_lens.sum())
+    t = b if decode else bucket_size(total, buckets.min_tokens)
+    max_pages = bucket_size(int(n_pages.max()), buckets.min_pages)
+    page_table = np.zeros((b, max_pages), np.int64)
+    page_table[np.repeat(np.arange(n), n_pages), _ragged_arange(n_pages)] = np.concatenate(rows)
+    _check_steps(toks, q_lens, start, n_pages, page_table, model_cfg, cache_cfg)
+    temperature, top_k, top_p, seeds, sample_steps = (
+        np.array([getattr(c, f) for c in chunks], dt)
+        for f, dt in (
+            ("temperature", np.float64), ("top_k", np.float64), ("top_p", np.float64),
+            ("seed", np.float64), ("sample_step", np.int64),
+        )
+    )  # fmt: skip
+    bad = ~(
+        (temperature >= 0) & np.isfinite(temperature) & (top_k >= 0) & (top_k == np.floor(top_k))
+        & (top_p > 0) & (top_p <= 1) & (seeds >= 0) & (seeds < 2**32) & (seeds == np.floor(seeds))
+    )  # fmt: skip
+    if bad.any():
+        c = chunks[_first(bad)]
+        sampling.check_params(c.temperature, c.top_k, c.top_p, c.seed)
+
+    starts = np.full(b + 1, total, np.int32)
+    starts[: n + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    seq = np.repeat(np.arange(n), q_lens)  # [total] owning sequence of each token
+    pos = start[seq] + _ragged_arange(q_lens)
+    token_ids = np.zeros(t, np.int32)
+    token_ids[:total] = np.concatenate(toks)
+    positions = np.zeros(t, np.int32)
+    positions[:total] = pos
+    slot_mapping = np.full(t, -1, np.int32)
+    slot_mapping[:total] = page_table[seq, pos // s] * s + pos % s
+    context_lens = np.zeros(b, np.int32)
+    context_lens[:n] = start + q_lens
+    logits_indices = np.zeros(b, np.int32)
+    logits_indices[:n] = starts[1 : n + 1] - 1
+
+    def per_seq(values, dtype, pad):
+        out = np.full(b, pad, dtype)
+        out[:n] = values
+        return out
+
+    num_copies = bucket_size(len(copies), buckets.min_copies)
+    src, dst = _pack_copies(copies, cache_cfg.num_pages, num_copies)
+    return StepInput(
+        token_ids=token_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        page_table=page_table.astype(np.int32),
+        context_lens=context_lens,
+        query_start_loc=starts,
+        logits_indices=logits_indices,
+        copy_src=src,
+        copy_dst=dst,
+        temperature=per_seq(temperature, np.float32, 0.0),
+        top_k=per_seq(top_k, np.int32, 0),
+        top_p=per_seq(top_p, np.float32, 1.0),
+        seeds=per_seq(seeds, np.uint32, 0),
+        sample_steps=per_seq(sample_steps, np.int32, 0),
+        decode=decode,
+    )
+
+
+def _ragged_arange(lens):
+    """[0..lens[0]), [0..lens[1]), ... concatenated."""
+    ends = np.cumsum(lens)
+    return np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - lens, lens)
+
+
+def _pack_copies(copies, num_pages, c):
+    src = np.zeros(c, np.int32)
+    dst = np.full(c, -1, np.int32)
+    if copies:
+        pairs = np.asarray(copies, np.int64).reshape(-1, 2)
+        bad = (pairs < 0) | (pairs >= num_pages)
+        if bad.any():
+            i = int(np.argwhere(bad)[0][0])
+            raise ValueError(
+                f"copy pair {tuple(map(int, pairs[i]))} has a page id outside [0, {num_pages})"
+            )
+        if len(set(pairs[:, 1])) != len(pairs) or set(pairs[:, 0]) & set(pairs[:, 1]):
+            raise ValueError(f"copy destinations must be distinct and not sources, got {copies}")
+        src[: len(pairs)], dst[: len(pairs)] = pairs[:, 0], pairs[:, 1]
+    return src, dst
