@@ -44,7 +44,8 @@ def test_textbook_slot():
 def test_write_gather_roundtrip_against_numpy_pool():
     rng = np.random.default_rng(1)
     _, c = tiny_cache(page_size=4, num_pages=8)
-    model = np.zeros((2, *c.k[0].shape), np.float32)  # [L, K, P, S, D]
+    model_k = np.zeros((2, *c.k[0].shape), np.float32)  # [L, K, P, S, D]
+    model_v = np.zeros_like(model_k)
     step = jax.jit(kvcache.write, static_argnums=1, donate_argnums=0)
     tables = {0: [3, 0, 5], 1: [7, 1]}  # shuffled physical pages
     lengths = {0: 0, 1: 0}
@@ -63,21 +64,21 @@ def test_write_gather_roundtrip_against_numpy_pool():
             v = np.concatenate([v, np.full((2, 2, 8), 99.0, np.float32)])
             c = step(c, layer, k, v, s)
             for i, slot in enumerate(s[:-2]):
-                model[layer, :, slot // 4, slot % 4] = k[i]
+                model_k[layer, :, slot // 4, slot % 4] = k[i]
+                model_v[layer, :, slot // 4, slot % 4] = v[i]
         for seq, n in enumerate(chunk):
             lengths[seq] += n
-    np.testing.assert_array_equal(np.stack(c.k), model)
-    assert not (np.stack(c.k) == 99.0).any()
-    for seq in (0, 1):
-        gk, gv = kvcache.gather_sequence(c, 0, tables[seq], lengths[seq])
-        assert gk.shape == (lengths[seq], 2, 8)
-        want = np.stack(
-            [
-                model[0, :, p, o]
-                for p, o in [(tables[seq][i // 4], i % 4) for i in range(lengths[seq])]
-            ]
-        )
-        np.testing.assert_array_equal(np.asarray(gk), want)
+    np.testing.assert_array_equal(np.stack(c.k), model_k)
+    np.testing.assert_array_equal(np.stack(c.v), model_v)
+    assert not (np.stack(c.k) == 99.0).any() and not (np.stack(c.v) == 99.0).any()
+    for layer, seq in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        gk, gv = kvcache.gather_sequence(c, layer, tables[seq], lengths[seq])
+        assert gk.shape == gv.shape == (lengths[seq], 2, 8)
+        where = [(tables[seq][i // 4], i % 4) for i in range(lengths[seq])]
+        want_k = np.stack([model_k[layer, :, p, o] for p, o in where])
+        want_v = np.stack([model_v[layer, :, p, o] for p, o in where])
+        np.testing.assert_array_equal(np.asarray(gk), want_k)
+        np.testing.assert_array_equal(np.asarray(gv), want_v)
 
 
 def test_write_layer_matches_write():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -183,9 +184,11 @@ def test_pages_outside_the_visible_range_are_never_copied():
     _check(out, args, jnp.float32, sliding_window=window)
 
 
-def test_nan_in_unused_pages_does_not_leak():
-    """Pages no valid position maps to are NaN; bf16 with the default block (rounded up)."""
-    lengths = [5, 16, 40]
+def test_nan_in_dead_slots_does_not_leak():
+    """Every slot no visible key lives in is NaN: pages nobody uses, the tails of last pages,
+    and slots before the sliding window in its first page (the V masks of edge blocks);
+    bf16 with the default block (rounded up)."""
+    lengths, window = [5, 16, 40], 20
     args = _make_inputs(
         5,
         batch=3,
@@ -198,12 +201,18 @@ def test_nan_in_unused_pages_does_not_leak():
         lengths=lengths,
     )
     q, k, v, lens, page_table = args
-    used = {int(page_table[b, p]) for b, n in enumerate(lengths) for p in range(-(-n // 16))}
-    unused = np.array(sorted(set(range(k.shape[1])) - used))
-    k_nan = k.at[:, unused].set(jnp.nan)
-    v_nan = v.at[:, unused].set(jnp.nan)
-    out = _run(q, k_nan, v_nan, lens, page_table, interpret=True)
-    _check(out, args, jnp.bfloat16)
+    live = np.zeros(k.shape[1:3], bool)  # [P, S]
+    table = np.asarray(page_table)
+    for b, n in enumerate(lengths):
+        for t in range(max(n - window, 0), n):
+            live[table[b, t // 16], t % 16] = True
+    used = live.any(axis=1)
+    assert (~live[used]).sum() >= 11 + 8 + 4  # tails (seq 0 and 2), pre-window (seq 2)
+    dead = jnp.asarray(~live)[None, :, :, None]
+    k_nan = jnp.where(dead, jnp.nan, k)
+    v_nan = jnp.where(dead, jnp.nan, v)
+    out = _run(q, k_nan, v_nan, lens, page_table, sliding_window=window, interpret=True)
+    _check(out, args, jnp.bfloat16, sliding_window=window)
 
 
 def test_dispatcher_routes_to_the_kernel():
@@ -242,6 +251,7 @@ def test_race_detector_catches_a_racy_copy():
     ],
 )
 def test_bad_tuning_knobs(knobs, error):
+    """The error names the knob and, for a bad value, the value."""
     args = _make_inputs(
         0,
         batch=1,
@@ -253,7 +263,9 @@ def test_bad_tuning_knobs(knobs, error):
         dtype=jnp.float32,
         lengths=[3],
     )
-    with pytest.raises(error, match=next(iter(knobs)) if error is ValueError else None):
+    ((name, value),) = knobs.items()
+    match = "block_size" if name == "block_size" else f"{name}.*{re.escape(repr(value))}"
+    with pytest.raises(error, match=match):
         paged_decode_tpu(*args, **knobs)
 
 
