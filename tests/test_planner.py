@@ -77,5 +77,6 @@ def test_cli_bad_page_size(capsys):
 @pytest.mark.parametrize("bad", [dict(layers=0), dict(kv_heads=-1), dict(head_dim=0)])
 def test_bad_shapes(bad):
     kw = dict(layers=2, kv_heads=2, head_dim=8) | bad
-    with pytest.raises(ValueError, match=next(iter(bad))):
+    ((name, value),) = bad.items()
+    with pytest.raises(ValueError, match=f"{name}={value}"):
         planner.kv_bytes_per_token(**kw)

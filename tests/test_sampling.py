@@ -137,14 +137,14 @@ def test_top_logprobs_match_numpy():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(temperature=-1.0), "temperature"),
-        (dict(temperature=float("nan")), "temperature"),
-        (dict(top_k=-2), "top_k"),
-        (dict(top_k=1.5), "top_k"),
-        (dict(top_p=0.0), "top_p"),
-        (dict(top_p=1.5), "top_p"),
-        (dict(seed=-1), "seed"),
-        (dict(seed=2**32), "seed"),
+        (dict(temperature=-1.0), "temperature=-1.0"),
+        (dict(temperature=float("nan")), "temperature=nan"),
+        (dict(top_k=-2), "top_k=-2"),
+        (dict(top_k=1.5), "top_k=1.5"),
+        (dict(top_p=0.0), "top_p=0.0"),
+        (dict(top_p=1.5), "top_p=1.5"),
+        (dict(seed=-1), "seed=-1"),
+        (dict(seed=2**32), f"seed={2**32}"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):
