@@ -338,7 +338,7 @@ def test_through_dispatcher():
 )
 def test_bad_tuning_knobs(knob, value):
     args, _ = _batch(np.random.default_rng(10), [1], [3], heads=(4, 1))  # G = 4
-    with pytest.raises(ValueError, match=knob):
+    with pytest.raises(ValueError, match=f"{knob}={value}"):
         _run(args, **{knob: value})
 
 

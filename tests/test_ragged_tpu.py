@@ -371,11 +371,11 @@ def test_default_tuning_satisfies_constraints(shape):
 @pytest.mark.parametrize(
     "knobs,match",
     [
-        (dict(block_q=12), "block_q"),
-        (dict(block_q=8), "block_q"),  # bf16 needs multiples of 16
-        (dict(pages_per_block=3), "pages_per_block"),
-        (dict(pages_per_block=0), "pages_per_block"),
-        (dict(vmem_limit_bytes=-1), "vmem_limit_bytes"),
+        (dict(block_q=12), "block_q=12"),
+        (dict(block_q=8), "block_q=8"),  # bf16 needs multiples of 16
+        (dict(pages_per_block=3), "pages_per_block=3"),
+        (dict(pages_per_block=0), "pages_per_block=0"),
+        (dict(vmem_limit_bytes=-1), "vmem_limit_bytes=-1"),
     ],
 )
 def test_bad_tuning_knobs(knobs, match):
