@@ -22,7 +22,7 @@ file on the GPU.
   the same greedy tokens with backend="gpu" as with "xla"; `kv_memory_fraction`
   sizes a cache that fits the device.
 
-The reference runs in float32 with `jax.default_matmul_precision("highest")`: on a
+The reference runs in float32 with `jax.default_matmul_precision("float32")`: on a
 GPU, XLA's default float32 matmul may use TF32, which would make the oracle itself
 ~1e-3 off. `PAGEDJAX_GPU_TESTS_LOG=path` appends one JSON line per check (test,
 relative error, tolerance; the engine's first divergences) so that a GPU run brings
@@ -64,7 +64,7 @@ pytestmark = pytest.mark.skipif(
 # lowering does not honour that request, so on a GPU the bound is 3e-3 and the
 # logged errors say which it was. In the interpreter the dots are exact: 1e-4.
 TOL = {"bfloat16": 1e-2, "float32": 1e-4 if INTERPRET else 3e-3}
-HIGHEST = functools.partial(jax.default_matmul_precision, "highest")
+F32_MATMULS = functools.partial(jax.default_matmul_precision, "float32")
 
 
 def record(**row) -> None:
@@ -180,7 +180,7 @@ def decode_inputs(case: DecodeCase, seed: int = 0):
 def decode_reference(case: DecodeCase, q, k, v, lengths, page_table):
     f32 = jnp.float32
     opts = dict(scale=case.scale, soft_cap=case.soft_cap, sliding_window=case.sliding_window)
-    with HIGHEST():
+    with F32_MATMULS():
         ref = decode_tests.ref_decode(
             q.astype(f32), k.astype(f32), v.astype(f32), lengths, page_table, **opts
         )
@@ -261,7 +261,7 @@ def test_ragged_mixed_batch(spec):
         window=opts.get("sliding_window"),
     )
     out = ragged_paged_attention(*args, backend="gpu", interpret=INTERPRET, **opts)
-    with HIGHEST():
+    with F32_MATMULS():
         ref = ragged_tests._dense_ref(dense, args[0].shape[0], **opts)
     assert_close(out, ref, dtype, kernel="ragged", case="mixed", dtype=dtype, **spec, **opts)
     assert not np.asarray(out[sum(q_lens) :]).any(), "padding rows must be zero"
@@ -279,7 +279,7 @@ def test_ragged_chunk_beside_many_decode_rows():
         pad_rows=3, poison=True,
     )  # fmt: skip
     out = ragged_paged_attention(*args, backend="gpu", interpret=INTERPRET)
-    with HIGHEST():  # per group of equal q_len: one padded batch would be tens of GB
+    with F32_MATMULS():  # per group of equal q_len: one padded batch would be tens of GB
         ref = np.concatenate(
             [ragged_tests._dense_ref(dense[:1], n), ragged_tests._dense_ref(dense[1:], rows + 3)]
         )
@@ -309,7 +309,7 @@ def test_ragged_prefill_in_one_go_and_in_chunks(spec):
         return np.asarray(jnp.asarray(rng.standard_normal(shape), dtype).astype(jnp.float32))
 
     q, k, v = rnd(n, h, d), rnd(n, kh, d), rnd(n, kh, d)
-    with HIGHEST():
+    with F32_MATMULS():
         dense = np.asarray(reference.causal_prefill(q[None], k[None], v[None])[0])
     max_pages = -(-n // s)
     table = rng.permutation(max_pages + 2)[:max_pages].astype(np.int32)
@@ -386,7 +386,7 @@ def test_auto_backend_runs_the_gpu_kernels(monkeypatch):
         ragged_out = ragged_paged_attention(*args, backend="auto", interpret=INTERPRET)
     assert calls == {"decode": 1, "ragged": 1}
     assert_close(out, decode_reference(case, q, k, v, lengths, page_table), case.dtype)
-    with HIGHEST():
+    with F32_MATMULS():
         ref = ragged_tests._dense_ref(dense, args[0].shape[0])
     assert_close(ragged_out, ref, "float32")
 

@@ -1,0 +1,163 @@
+#!/usr/bin/env bash
+# The one command a GPU session runs, from the repository root:
+#
+#     bash scripts/device_check.sh              # on the GPU machine (about 6-7 minutes)
+#     bash scripts/device_check.sh --dry-run    # the same stages on a CPU, in the Pallas
+#                                               # interpreter (about 2 minutes)
+#
+# Stages, each under its own `timeout`, each logged into $OUT; a failing stage is
+# recorded and the next one still runs:
+#   env     nvidia-smi, python / jax / jaxlib versions, jax.devices()      -> env.log
+#   pytest  tests/test_gpu_device.py: compiled kernels vs the reference,
+#           the engine with backend="gpu" vs "xla", kv_memory_fraction     -> pytest.log,
+#                                                                             gpu_test_errors.jsonl
+#   bench   scripts/bench_kernels.py --out $OUT: copy bandwidth, matmul
+#           TFLOP/s, decode cases vs JAX's bundled kernel and dense XLA,
+#           ragged cases; one JSON line per finished row                   -> bench.log,
+#                                                                             bench_kernels.jsonl
+# and a summary (each stage's exit code and duration, the test counts, the bench
+# rows) printed at the end and written to summary.txt: 6 flat files in all.
+#
+# Environment: OUT (default ./device_out); PYTHON (default python3);
+# DEVICE_CHECK_DEADLINE_S (default 420): the whole run's time, which clips each
+# stage's limit; DEVICE_CHECK_DRY_RUN=1 is --dry-run. Nothing is installed: the code
+# runs from the tree with PYTHONPATH=.
+set -u
+
+DRY_RUN=${DEVICE_CHECK_DRY_RUN:-0}
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY_RUN=1 ;;
+    -h | --help)
+      sed -n '2,26p' "$0"
+      exit 0
+      ;;
+    *)
+      echo "device_check.sh: unknown argument $arg (try --help)" >&2
+      exit 2
+      ;;
+  esac
+done
+
+cd "$(dirname "$0")/.." || exit 2
+OUT=${OUT:-./device_out}
+mkdir -p "$OUT" || exit 2
+PY=${PYTHON:-python3}
+DEADLINE_S=${DEVICE_CHECK_DEADLINE_S:-420}
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export PAGEDJAX_GPU_TESTS_LOG="$OUT/gpu_test_errors.jsonl"
+: >"$PAGEDJAX_GPU_TESTS_LOG"
+if [ "$DRY_RUN" = 1 ]; then
+  export PAGEDJAX_GPU_TESTS_INTERPRET=1
+fi
+
+SUMMARY=()
+FAILED=0
+
+# run_stage NAME LIMIT_S LOG_FILE COMMAND...: COMMAND under `timeout`, output shown and
+# written to $OUT/LOG_FILE; the limit is cut to what the deadline leaves.
+run_stage() {
+  local name=$1 limit=$2 log=$3
+  shift 3
+  local left=$((DEADLINE_S - SECONDS))
+  if ((left < limit)); then
+    limit=$left
+  fi
+  if ((limit < 10)); then
+    SUMMARY+=("$(printf '%-7s skipped: %ss left of the %ss deadline' "$name" "$left" "$DEADLINE_S")")
+    FAILED=1
+    return
+  fi
+  echo "=== $name (limit ${limit}s): $*" | tee "$OUT/$log"
+  local t0=$SECONDS
+  timeout --kill-after=15 "$limit" "$@" 2>&1 | tee -a "$OUT/$log"
+  local rc=${PIPESTATUS[0]}
+  local took=$((SECONDS - t0))
+  local note=""
+  if ((rc == 124 || rc == 137)); then
+    note="  TIMED OUT"
+  fi
+  ((rc == 0)) || FAILED=1
+  SUMMARY+=("$(printf '%-7s rc=%-3s %4ss of %4ss  %s%s' "$name" "$rc" "$took" "$limit" "$log" "$note")")
+}
+
+# (0) environment
+env_report() {
+  echo "date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')  dry_run=$DRY_RUN"
+  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
+  else
+    echo "nvidia-smi: not available"
+  fi
+  "$PY" - <<'EOF'
+import platform
+
+import jax
+import jaxlib
+
+print(f"python {platform.python_version()}, jax {jax.__version__}, jaxlib {jaxlib.__version__}")
+print(f"default backend: {jax.default_backend()}")
+print(f"devices: {jax.devices()}")
+device = jax.devices()[0]
+print(f"device_kind: {getattr(device, 'device_kind', '?')}")
+try:
+    stats = device.memory_stats() or {}
+except Exception as e:  # noqa: BLE001 - some backends have none
+    stats = {"error": repr(e)}
+print(f"memory_stats: bytes_limit={stats.get('bytes_limit')} bytes_in_use={stats.get('bytes_in_use')}")
+EOF
+}
+export -f env_report
+export DRY_RUN PY
+run_stage env 60 env.log bash -c env_report
+
+# (1) the device tests
+run_stage pytest 150 pytest.log "$PY" -m pytest -q -p no:cacheprovider --maxfail=5 -rfEs \
+  --durations=15 tests/test_gpu_device.py
+
+# (2) the kernel benchmark: tuning sweeps stop at --budget-s, leaving ~130 s of the
+# stage for the fixed part (every case's checks and default timings, the ragged cases).
+bench_limit=$((DEADLINE_S - SECONDS - 5))
+((bench_limit > 270)) && bench_limit=270
+budget=$((bench_limit - 130))
+((budget < 60)) && budget=60
+if [ "$DRY_RUN" = 1 ]; then
+  run_stage bench "$bench_limit" bench.log "$PY" scripts/bench_kernels.py --quick --interpret \
+    --out "$OUT"
+else
+  run_stage bench "$bench_limit" bench.log "$PY" scripts/bench_kernels.py --out "$OUT" \
+    --budget-s "$budget"
+fi
+
+# Summary: stages, test counts, bench rows.
+{
+  echo "=== summary (dry_run=$DRY_RUN, ${SECONDS}s in all, deadline ${DEADLINE_S}s)"
+  printf '%s\n' "${SUMMARY[@]}"
+  echo "pytest: $(grep -E '(passed|failed|error|skipped)' "$OUT/pytest.log" | tail -n 1)"
+  "$PY" - "$OUT/bench_kernels.jsonl" <<'EOF'
+import json
+import sys
+
+try:
+    lines = [json.loads(line) for line in open(sys.argv[1])]
+except (OSError, ValueError) as e:
+    sys.exit(f"bench: no rows ({e})")
+meta = next((r for r in lines if r.get("kind") == "meta"), {})
+print(
+    f"bench: {meta.get('device')}, jax {meta.get('jax_version')}, copy "
+    f"{meta.get('copy_gbps')} GB/s, matmul {meta.get('matmul_tflops')} TFLOP/s; "
+    + ("finished" if lines and lines[-1].get("kind") == "end" else "CUT SHORT (no end line)")
+)
+keys = ("ours_us", "ours_frac_copy", "speedup_vs_bundled", "paged_over_dense", "err_ours")
+for r in (r for r in lines if r.get("kind") == "row"):
+    shown = ", ".join(
+        f"{k}={r[k]:.3g}" if isinstance(r[k], float) else f"{k}={r[k]}" for k in keys if k in r
+    )
+    error = r.get("error") or r.get("error_ours") or ""
+    print(f"  {r.get('family', '?'):6} {r.get('case', '?'):30} ok={r.get('ok')} {shown} {error}")
+EOF
+  echo "files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+} 2>&1 | tee "$OUT/summary.txt"
+exit "$FAILED"
