@@ -177,11 +177,20 @@ def test_main_table_without_matplotlib(memory, capsys, monkeypatch, tmp_path):
     assert "skipping plots" in captured.err and not list(tmp_path.iterdir())
 
 
-def test_bad_arguments(memory):
-    with pytest.raises(SystemExit):
-        memory.parse_args(["--page-sizes", "8,32"])  # the headline needs 16
-    with pytest.raises(SystemExit):
-        memory.parse_args(["--budget-tokens", "100"])
+def _usage_error(parse_args, argv, capsys) -> str:
+    """Runs a parser expected to reject argv; returns its one-line error."""
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_bad_arguments(memory, capsys):
+    # the headline needs 16
+    err = _usage_error(memory.parse_args, ["--page-sizes", "8,32"], capsys)
+    assert "--page-sizes must include 16" in err and "[8, 32]" in err, err
+    err = _usage_error(memory.parse_args, ["--budget-tokens", "100"], capsys)
+    assert "--budget-tokens 100 < --max-seq-len" in err, err
 
 
 # ------------------------------------------------------------------ bench_prefix
@@ -211,11 +220,12 @@ def test_prefix_main_json(prefix, capsys, tmp_path):
     assert all(Path(p).is_file() for p in out["plots"])
 
 
-def test_prefix_bad_arguments(prefix):
-    with pytest.raises(SystemExit):
-        prefix.parse_args(["--system-tokens", "3000", "--max-num-batched-tokens", "1024"])
-    with pytest.raises(SystemExit):
-        prefix.parse_args(["--reps", "0"])
+def test_prefix_bad_arguments(prefix, capsys):
+    argv = ["--system-tokens", "3000", "--max-num-batched-tokens", "1024"]
+    err = _usage_error(prefix.parse_args, argv, capsys)
+    assert "--max-num-batched-tokens 1024 must hold the whole cold prompt" in err, err
+    err = _usage_error(prefix.parse_args, ["--reps", "0"], capsys)
+    assert "--reps must be >= 1, got 0" in err, err
 
 
 # ------------------------------------------------------------------ bench_decode

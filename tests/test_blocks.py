@@ -411,12 +411,12 @@ def test_check_invariants_catches_corruption():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(num_pages=0, page_size=4), "num_pages"),
-        (dict(num_pages=8, page_size=0), "page_size"),
-        (dict(num_pages=-1, page_size=4), "num_pages"),
-        (dict(num_pages=8.0, page_size=4), "num_pages"),
-        (dict(num_pages=8, page_size=4, watermark=1.0), "watermark"),
-        (dict(num_pages=8, page_size=4, max_model_len=0), "max_model_len"),
+        (dict(num_pages=0, page_size=4), "num_pages=0"),
+        (dict(num_pages=8, page_size=0), "page_size=0"),
+        (dict(num_pages=-1, page_size=4), "num_pages=-1"),
+        (dict(num_pages=8.0, page_size=4), "num_pages=8.0"),
+        (dict(num_pages=8, page_size=4, watermark=1.0), "watermark=1.0"),
+        (dict(num_pages=8, page_size=4, max_model_len=0), "max_model_len=0"),
         (dict(num_pages=2**30, page_size=4), "overflow"),
     ],
 )

@@ -39,6 +39,7 @@ def test_textbook_slot():
     np.testing.assert_array_equal(np.asarray(c.k[1][:, 2, 1]), k[0])
     np.testing.assert_array_equal(np.asarray(c.v[1][:, 2, 1]), -k[0])
     assert np.count_nonzero(np.stack(c.k)) == k.size  # nothing else touched
+    assert np.count_nonzero(np.stack(c.v)) == k.size
 
 
 def test_write_gather_roundtrip_against_numpy_pool():
