@@ -29,7 +29,7 @@ for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY_RUN=1 ;;
     -h | --help)
-      sed -n '2,26p' "$0"
+      sed -n '2,24p' "$0"
       exit 0
       ;;
     *)
@@ -135,7 +135,9 @@ fi
 {
   echo "=== summary (dry_run=$DRY_RUN, ${SECONDS}s in all, deadline ${DEADLINE_S}s)"
   printf '%s\n' "${SUMMARY[@]}"
-  echo "pytest: $(grep -E '(passed|failed|error|skipped)' "$OUT/pytest.log" | tail -n 1)"
+  result=$(grep -E '^(=+ )?[0-9]+ (passed|failed|errors?|skipped)|no tests ran' "$OUT/pytest.log" |
+    tail -n 1)
+  echo "pytest: ${result:-no result line (cut short?)}"
   "$PY" - "$OUT/bench_kernels.jsonl" <<'EOF'
 import json
 import sys
