@@ -41,6 +41,9 @@ def _cap(s, soft_cap):
 
 def _masked_softmax_pv(s, mask, v):
     # s, mask: [..., Tq, Tk]  v: [..., Tk, D] -> [..., Tq, D] float32
+    # Keys no query sees are zeroed, not only weighted by 0: a recycled page's stale
+    # tail may hold NaN/inf, and 0 * NaN would leak it into this sequence.
+    v = jnp.where(jnp.any(mask, axis=-2)[..., None], v, 0)
     s = jnp.where(mask, s, _NEG_INF)
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -247,20 +250,27 @@ def ragged_paged_attention_xla(
         mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
     mask &= valid[:, None]  # [T, s_len]
 
+    # Slots past each context are zeroed: a recycled page's stale tail may hold NaN/inf.
+    live = (k_pos[None, :] < context_lens[:, None])[:, :, None, None]  # [B, s_len, 1, 1]
+    k = jnp.where(live, k, 0)
+    v = jnp.where(live, v, 0)
     kr = _repeat_kv(k.transpose(0, 2, 1, 3), h)  # [B, H, s_len, D]
     vr = _repeat_kv(v.transpose(0, 2, 1, 3), h)
     # Gathering each query row's own keys would cost [T, s_len, K, D]; contracting
     # against every sequence and selecting costs [T, B, H, s_len] logits instead,
     # which is the smaller of the two for the batches this reference is run on.
-    own = (seq[:, None] == jnp.arange(b)[None, :]).astype(jnp.float32)  # [T, B]
+    # Selecting with `where`, not by multiplying by 0/1, keeps one sequence's
+    # non-finite values out of every other sequence's rows.
+    own = seq[:, None] == jnp.arange(b)[None, :]  # [T, B]
     s = jnp.einsum("thd,bhkd->tbhk", q.astype(jnp.float32), kr.astype(jnp.float32))
-    s = jnp.einsum("tbhk,tb->thk", s, own)  # [T, H, s_len]
+    s = jnp.sum(jnp.where(own[:, :, None, None], s, 0.0), axis=1)  # [T, H, s_len]
     s = _cap(s * _default_scale(scale, d), soft_cap)
     s = jnp.where(mask[:, None, :], s, _NEG_INF)
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.where(mask[:, None, :], jnp.exp(s - m), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("thk,tb,bhkd->thd", p, own, vr.astype(jnp.float32))
+    o = jnp.einsum("thk,bhkd->tbhd", p, vr.astype(jnp.float32))
+    o = jnp.sum(jnp.where(own[:, :, None, None], o, 0.0), axis=1)  # [T, H, D]
     o = jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
     return o.astype(q.dtype)

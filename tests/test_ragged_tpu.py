@@ -4,8 +4,9 @@ Every kernel run here uses the TPU interpreter with race detection (`interpret=T
 asserts that no race was found. Expected outputs come from dense causal attention over each
 whole sequence (`reference.causal_prefill`) in float32, never from the paged XLA path. The
 page pools are filled with random garbage before the sequences are written through shuffled
-page tables; page-table padding points at a page of NaNs, so a kernel that reads a page it
-must skip returns NaN.
+page tables; page-table padding points at a page of NaNs and every slot past a sequence's
+context is NaN (a recycled page's stale tail), so a kernel that reads a page it must skip,
+or lets a dead slot's value through, returns NaN.
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def build_batch(
             n = min(s, ctx - j * s)
             k_pool[:, pid, :n] = kb[j * s : j * s + n].transpose(1, 0, 2)
             v_pool[:, pid, :n] = vb[j * s : j * s + n].transpose(1, 0, 2)
+            k_pool[:, pid, n:] = np.nan  # a recycled page's stale tail
+            v_pool[:, pid, n:] = np.nan
             if poison_before is not None and (j + 1) * s <= poison_before[b]:
                 k_pool[:, pid] = np.nan
                 v_pool[:, pid] = np.nan
@@ -256,9 +259,9 @@ def test_chunked_prefill_matches_one_go():
     full = _prefill_sequence(rng, length, page_size=s)
     one_go = run(full, block_q=16, pages_per_block=2)
     q, k_pool, v_pool, page_table, _, _ = full.args
-    # Only what earlier chunks wrote is in the pool: positions from `end` on are garbage.
+    # Only what earlier chunks wrote is in the pool: positions from `end` on are NaN.
     clean_k, clean_v = np.asarray(k_pool), np.asarray(v_pool)
-    garbage = rng.standard_normal(clean_k.shape).astype(np.float32)
+    garbage = np.full(clean_k.shape, np.nan, np.float32)
     pages = np.asarray(page_table)[0]
     outs, start = [], 0
     while start < length:

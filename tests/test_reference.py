@@ -182,6 +182,45 @@ def test_ragged_xla_mixed_batch_matches_naive():
     assert (out[loc[-1] :] == 0).all()
 
 
+def _poison_dead_slots(k_pages, v_pages, table, context, page_size):
+    """NaN in every slot no sequence owns (stale tails of recycled pages, unused pages)."""
+    owned = np.zeros(k_pages.shape[1:3], bool)
+    for b, n in enumerate(context):
+        for pos in range(n):
+            owned[table[b, pos // page_size], pos % page_size] = True
+    k_pages, v_pages = k_pages.copy(), v_pages.copy()
+    k_pages[:, ~owned] = np.nan
+    v_pages[:, ~owned] = np.nan
+    return k_pages, v_pages
+
+
+def test_xla_paths_keep_stale_nan_out():
+    """NaN/inf in dead slots, or in another sequence's rows, never reaches a sequence."""
+    rng = np.random.default_rng(8)
+    page_size, heads, kv_heads, d = 4, 8, 2, 16
+    context = np.array([9, 1, 17, 6])
+    k_pages, v_pages, table, dk, dv = make_paged(rng, context, kv_heads, d, page_size)
+    k_pages, v_pages = _poison_dead_slots(k_pages, v_pages, table, context, page_size)
+    # Sequence 3's own K/V went non-finite (a broken request): it must not spread.
+    k_pages[:, table[3, 0], 1] = np.inf
+    v_pages[:, table[3, 0], 1] = np.nan
+    q = randn(rng, len(context), heads, d)
+    out = np.asarray(ref.paged_attention_xla(q, k_pages, v_pages, context, table))
+    for b in range(3):
+        want = naive_attention(q[b][None], dk[b], dv[b], [context[b] - 1], context[b])[0]
+        assert rel_err(out[b], want) < 1e-5
+
+    q_lens = np.array([3, 1, 5, 2])
+    loc = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = randn(rng, int(loc[-1]) + 2, heads, d)
+    out = np.asarray(ref.ragged_paged_attention_xla(q, k_pages, v_pages, table, context, loc))
+    for b in range(3):
+        rows = slice(loc[b], loc[b + 1])
+        pos = context[b] - q_lens[b] + np.arange(q_lens[b])
+        assert rel_err(out[rows], naive_attention(q[rows], dk[b], dv[b], pos, context[b])) < 1e-5
+    assert (out[loc[-1] :] == 0).all()
+
+
 def test_gqa_heads_must_divide():
     rng = np.random.default_rng(7)
     with pytest.raises(ValueError, match="kv heads must divide query heads"):

@@ -45,8 +45,9 @@ Mosaic constraints handled here rather than by the caller:
   `block_kv = pages_per_block * page_size` is a power of two, so it is either below 128 lanes
   or a multiple of 128.
 * Never-written buffer slots are zeroed at each step's start, so masked probabilities (exactly
-  0) never meet uninitialised VMEM. Inside DMA'd pages, positions past `context_len` are
-  multiplied by 0 like in the XLA reference; the cache holds only finite values there.
+  0) never meet uninitialised VMEM. V rows outside the span a block's rows can see (dead
+  page tails, stale pages of another sequence) are zeroed before the second dot, so a
+  recycled page's NaN/inf never reaches the output.
 
 Tuning (keyword-only, defaults per shape from `default_tuning`): `block_q` query tokens per
 grid step (~256 dot rows: 128 for G <= 2, 64 for G=4, 32 for G=8, 16 beyond; never more than
@@ -186,6 +187,11 @@ def _kernel(
         q = q_ref[...].reshape(rows, head_dim)
         k = collapse(kbuf.at[slot])
         v = collapse(vbuf.at[slot])
+        # Rows outside [k_lo, p_hi] (dead page tails, pages of other sequences left in
+        # the buffer) may hold stale NaN/inf: zero them, as 0 * NaN would leak into pv.
+        kpos = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)
+        live = (kpos >= b["k_lo"]) & (kpos <= b["p_hi"])
+        v = jnp.where(live, v.astype(jnp.float32), 0.0).astype(v.dtype)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         s = s * scale  # [M, block_kv]
         if soft_cap is not None:
