@@ -1,34 +1,20 @@
 """pagedjax.decode: paged prefill + decode is exact against dense recompute, on every backend."""
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from params_helpers import random_params
 
 from pagedjax import cache as cache_lib
 from pagedjax import decode, model
-from pagedjax.config import PRESETS, CacheConfig, ModelConfig
+from pagedjax.config import PRESETS, CacheConfig
 
 TINY = PRESETS["tiny"]
 PROMPT_LENS = (1, 3, 4, 5, 9, 17)  # single token, mid-page, on and across page boundaries
 NEW_TOKENS = 12
-
-
-def random_params(cfg: ModelConfig, seed: int = 0) -> model.Params:
-    rng = np.random.default_rng(seed)
-    flat = {}
-    for key, sds in model.param_shapes(cfg).items():
-        if key.endswith(".scale"):
-            value = 1.0 + 0.2 * rng.normal(size=sds.shape)
-        elif key.endswith("embedding"):
-            value = rng.normal(size=sds.shape)
-        else:
-            value = rng.normal(size=sds.shape) / math.sqrt(sds.shape[0])
-        flat[key] = value.astype(np.float32)
-    return model.params_from_flat(cfg, flat)
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,10 @@ over the whole vocabulary. Every engine shares one geometry (tiny model, f32, XL
 page size 8, 64 pages, default buckets) so that the tests share compiled programs.
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+import params_helpers
 import pytest
 
 from pagedjax import demo, model, sampling
@@ -27,17 +26,7 @@ GEOMETRY = dict(page_size=PS, num_pages=PAGES, backend="xla", max_num_seqs=8)
 
 def random_params(seed: int = 0) -> model.Params:
     """Weights with clear logit gaps (so greedy argmax is stable across f32 paths)."""
-    rng = np.random.default_rng(seed)
-    flat = {}
-    for key, sds in model.param_shapes(TINY).items():
-        if key.endswith(".scale"):
-            value = 1.0 + 0.2 * rng.normal(size=sds.shape)
-        elif key.endswith("embedding"):
-            value = rng.normal(size=sds.shape)
-        else:
-            value = rng.normal(size=sds.shape) / math.sqrt(sds.shape[0])
-        flat[key] = value.astype(np.float32)
-    return model.params_from_flat(TINY, flat)
+    return params_helpers.random_params(TINY, seed)
 
 
 @pytest.fixture(scope="module")

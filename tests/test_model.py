@@ -8,30 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from params_helpers import random_params
 
 from pagedjax import cache as cache_lib
 from pagedjax import model
 from pagedjax.config import PRESETS, CacheConfig, ModelConfig, RopeScaling
 
 TINY = PRESETS["tiny"]
-
-
-def random_params(cfg: ModelConfig, seed: int = 0) -> model.Params:
-    """Every parameter random (norm scales near 1, biases nonzero), so nothing is trivial."""
-    rng = np.random.default_rng(seed)
-    flat = {}
-    for key, sds in model.param_shapes(cfg).items():
-        shape = sds.shape
-        if key.endswith(".scale"):
-            value = 1.0 + 0.2 * rng.normal(size=shape)
-        elif key.endswith(".bias"):
-            value = 0.3 * rng.normal(size=shape)
-        elif key.endswith("embedding"):
-            value = rng.normal(size=shape)
-        else:
-            value = rng.normal(size=shape) / math.sqrt(shape[0])
-        flat[key] = value.astype(np.float32)
-    return model.params_from_flat(cfg, flat)
 
 
 # --- plain-numpy Llama, written from the HF definitions, float64 ---------------------

@@ -15,7 +15,6 @@ the cache each device holds, and the collectives in the compiled programs.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import re
 import sys
@@ -29,12 +28,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from pagedjax import decode, model, sharding  # noqa: E402
+from pagedjax import decode, sharding  # noqa: E402
 from pagedjax.config import CacheConfig, ModelConfig  # noqa: E402
 from pagedjax.engine import LLM  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_engine as engine_tests  # noqa: E402  (its tests are not collected from here)
+from params_helpers import random_params  # noqa: E402
 
 if jax.device_count() < 8:
     raise RuntimeError(
@@ -75,22 +75,6 @@ def tiny(num_kv_heads: int) -> ModelConfig:
         dtype="float32",
         eos_token_ids=(),
     )
-
-
-def random_params(cfg: ModelConfig, seed: int = 0) -> model.Params:
-    rng = np.random.default_rng(seed)
-    flat = {}
-    for key, sds in model.param_shapes(cfg).items():
-        if key.endswith(".scale"):
-            value = 1.0 + 0.2 * rng.normal(size=sds.shape)
-        elif key.endswith(".bias"):
-            value = 0.3 * rng.normal(size=sds.shape)
-        elif key.endswith("embedding"):
-            value = rng.normal(size=sds.shape)
-        else:
-            value = rng.normal(size=sds.shape) / math.sqrt(sds.shape[0])
-        flat[key] = value.astype(np.float32)
-    return model.params_from_flat(cfg, flat)
 
 
 def count_collectives(hlo: str) -> dict[str, int]:

@@ -1,0 +1,32 @@
+"""Random model weights for tests, shared by the model, decode, engine and TP tests."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pagedjax import model
+from pagedjax.config import ModelConfig
+
+
+def random_params(cfg: ModelConfig, seed: int = 0) -> model.Params:
+    """Every parameter random (norm scales near 1, biases nonzero), so nothing is trivial.
+
+    Linear weights are scaled by 1/sqrt(fan-in), which keeps clear logit gaps, so greedy
+    argmax is stable across float32 paths.
+    """
+    rng = np.random.default_rng(seed)
+    flat = {}
+    for key, sds in model.param_shapes(cfg).items():
+        shape = sds.shape
+        if key.endswith(".scale"):
+            value = 1.0 + 0.2 * rng.normal(size=shape)
+        elif key.endswith(".bias"):
+            value = 0.3 * rng.normal(size=shape)
+        elif key.endswith("embedding"):
+            value = rng.normal(size=shape)
+        else:
+            value = rng.normal(size=shape) / math.sqrt(shape[0])
+        flat[key] = value.astype(np.float32)
+    return model.params_from_flat(cfg, flat)
