@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -139,8 +140,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def compilation_cache_dir(flag: str | None) -> str | None:
     """The compilation cache directory to use (None: off), by the precedence in the docstring."""
-    import os
-
     import jax
 
     choice = flag if flag is not None else os.environ.get("PAGEDJAX_COMPILATION_CACHE")
