@@ -44,10 +44,10 @@ Mosaic constraints handled here rather than by the caller:
   `[M, 1]` relayouts);
   `block_kv = pages_per_block * page_size` is a power of two, so it is either below 128 lanes
   or a multiple of 128.
-* Never-written buffer slots are zeroed at each step's start, so masked probabilities (exactly
-  0) never meet uninitialised VMEM. V rows outside the span a block's rows can see (dead
-  page tails, stale pages of another sequence) are zeroed before the second dot, so a
-  recycled page's NaN/inf never reaches the output.
+* V rows outside the span a block's rows can see (dead page tails, stale pages of another
+  sequence, buffer slots never written) are zeroed before the second dot, and logits outside
+  it are replaced before the softmax, so neither uninitialised VMEM nor a recycled page's
+  NaN/inf reaches the output; the K/V buffers need no clearing.
 
 Tuning (keyword-only, defaults per shape from `default_tuning`): `block_q` query tokens per
 grid step (~256 dot rows: 128 for G <= 2, 64 for G=4, 32 for G=8, 16 beyond; never more than
@@ -155,8 +155,6 @@ def _kernel(
     m_ref[...] = jnp.full(m_ref.shape, _MASK, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-    kbuf[...] = jnp.zeros(kbuf.shape, kbuf.dtype)
-    vbuf[...] = jnp.zeros(vbuf.shape, vbuf.dtype)
 
     def for_each_page(c, j, slot, fn):
         # Pages of KV block j that the rows of sequence c can see; the rest are never copied.
