@@ -19,17 +19,9 @@ import numpy as np
 from pagedjax import decode
 from pagedjax.beam import num_candidates
 from pagedjax.scheduler import StepPlan
+from pagedjax.step_input import pack_copies
 
 __all__ = ["StepBatch"]
-
-
-def _copies(copies, c: int) -> tuple[np.ndarray, np.ndarray]:
-    src = np.zeros(c, np.int32)
-    dst = np.full(c, -1, np.int32)
-    if copies:
-        pairs = np.asarray(copies, np.int32).reshape(-1, 2)
-        src[: len(pairs)], dst[: len(pairs)] = pairs[:, 0], pairs[:, 1]
-    return src, dst
 
 
 class StepBatch:
@@ -110,7 +102,7 @@ class StepBatch:
         k = 0
         if self.top_k_needed:
             k = min(decode.bucket_size(self.top_k_needed, 8), self.vocab)
-        src, dst = _copies(plan.copies, decode.bucket_size(len(plan.copies), self.min_copies))
+        src, dst = pack_copies(plan.copies, decode.bucket_size(len(plan.copies), self.min_copies))
         inp = decode.StepInput(
             token_ids=self.token_ids,
             positions=self.positions,

@@ -242,7 +242,8 @@ def build_step_input(
         return out
 
     num_copies = bucket_size(len(copies), buckets.min_copies)
-    src, dst = _pack_copies(copies, cache_cfg.num_pages, num_copies)
+    _check_copies(copies, cache_cfg.num_pages)
+    src, dst = pack_copies(copies, num_copies)
     return StepInput(
         token_ids=token_ids,
         positions=positions,
@@ -268,18 +269,25 @@ def _ragged_arange(lens):
     return np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - lens, lens)
 
 
-def _pack_copies(copies, num_pages, c):
+def _check_copies(copies, num_pages):
+    if not copies:
+        return
+    pairs = np.asarray(copies, np.int64).reshape(-1, 2)
+    bad = (pairs < 0) | (pairs >= num_pages)
+    if bad.any():
+        i = int(np.argwhere(bad)[0][0])
+        raise ValueError(
+            f"copy pair {tuple(map(int, pairs[i]))} has a page id outside [0, {num_pages})"
+        )
+    if len(set(pairs[:, 1])) != len(pairs) or set(pairs[:, 0]) & set(pairs[:, 1]):
+        raise ValueError(f"copy destinations must be distinct and not sources, got {copies}")
+
+
+def pack_copies(copies, c: int) -> tuple[np.ndarray, np.ndarray]:
+    """(src, dst) [c] int32 page-copy arrays; padding pairs are (0, -1), which copy nothing."""
     src = np.zeros(c, np.int32)
     dst = np.full(c, -1, np.int32)
     if copies:
-        pairs = np.asarray(copies, np.int64).reshape(-1, 2)
-        bad = (pairs < 0) | (pairs >= num_pages)
-        if bad.any():
-            i = int(np.argwhere(bad)[0][0])
-            raise ValueError(
-                f"copy pair {tuple(map(int, pairs[i]))} has a page id outside [0, {num_pages})"
-            )
-        if len(set(pairs[:, 1])) != len(pairs) or set(pairs[:, 0]) & set(pairs[:, 1]):
-            raise ValueError(f"copy destinations must be distinct and not sources, got {copies}")
+        pairs = np.asarray(copies, np.int32).reshape(-1, 2)
         src[: len(pairs)], dst[: len(pairs)] = pairs[:, 0], pairs[:, 1]
     return src, dst
