@@ -16,6 +16,13 @@ tokens:
 `encode` never lets the post-processor add tokens: it encodes the raw text and
 prepends BOS itself, so BOS appears exactly once whatever the tokenizer.json says.
 
+Chat: `from_dir` also finds the checkpoint's chat template (`pagedjax.chat`, HF's
+order of precedence) and keeps the BOS/EOS token strings the template refers to.
+`apply_chat_template(messages)` renders the conversation to text and
+`encode_chat(messages)` to ids. Special-token strings in the rendered text (the
+template's `{{ bos_token }}`, headers like `<|start_header_id|>`) encode as their
+single ids, and BOS is prepended only when the text does not already start with it.
+
 `StreamDecoder` turns token ids arriving one by one into text pieces whose
 concatenation equals `decode(all ids)`. A token can end inside a multi-byte UTF-8
 character (byte-level BPE, SentencePiece byte fallback), which decodes as a trailing
@@ -32,6 +39,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import tokenizers
+
+from pagedjax import chat
 
 TOKENIZER_FILE = "tokenizer.json"
 _REPLACEMENT = "\ufffd"
@@ -64,6 +73,9 @@ class Tokenizer:
       bos_token_id: id prepended by `encode(add_bos=True)`, or None.
       eos_token_ids: frozenset of ids that end a sequence.
       add_bos: `encode`'s default for `add_bos`.
+      bos_token, eos_token: the special-token strings chat templates refer to, or None.
+      chat_template: the Jinja chat template text, or None.
+      chat_template_source: where the template came from, or why there is none.
     """
 
     def __init__(
@@ -73,6 +85,10 @@ class Tokenizer:
         bos_token_id: int | None = None,
         eos_token_ids: Iterable[int] = (),
         add_bos: bool = False,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        chat_template: str | None = None,
+        chat_template_source: str | None = None,
     ):
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -88,10 +104,27 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
         self.add_bos = bool(add_bos)
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise TypeError(f"chat_template must be a str, got {type(chat_template).__name__}")
+        # Without the strings, name a special id's own token (never a plain vocab
+        # entry: its text would not encode back to the id).
+        self.bos_token = bos_token or self._special_token(bos_token_id)
+        eos_single = next(iter(self.eos_token_ids)) if len(self.eos_token_ids) == 1 else None
+        self.eos_token = eos_token or self._special_token(eos_single)
+        self.chat_template = chat_template
+        self.chat_template_source = chat_template_source or (
+            "<given>" if chat_template is not None else "this tokenizer was built without one"
+        )
 
     @classmethod
-    def from_dir(cls, path) -> Tokenizer:
-        """Loads `tokenizer.json` and the special tokens of a checkpoint directory."""
+    def from_dir(cls, path, *, chat_template_name: str | None = None) -> Tokenizer:
+        """Loads `tokenizer.json`, the special tokens and chat template of a checkpoint.
+
+        Args:
+          path: the checkpoint directory.
+          chat_template_name: which entry of a list-form chat template to use
+            (default: the one named "default", else none).
+        """
         root = Path(path)
         tok_file = root / TOKENIZER_FILE
         if not tok_file.is_file():
@@ -119,8 +152,16 @@ class Tokenizer:
         add_bos = tcfg.get("add_bos_token")
         if add_bos is None:
             add_bos = bos is not None and _post_processor_adds(tok, bos)
+        template, source = chat.find_chat_template(root, tcfg, name=chat_template_name)
         return cls(
-            tok, bos_token_id=bos, eos_token_ids=eos, add_bos=bool(add_bos and bos is not None)
+            tok,
+            bos_token_id=bos,
+            eos_token_ids=eos,
+            add_bos=bool(add_bos and bos is not None),
+            bos_token=_token_content(tcfg.get("bos_token")),
+            eos_token=_token_content(tcfg.get("eos_token")),
+            chat_template=template,
+            chat_template_source=source,
         )
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
@@ -133,6 +174,62 @@ class Tokenizer:
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         return [self.bos_token_id, *ids] if add_bos else list(ids)
 
+    def apply_chat_template(
+        self, messages: list[dict], *, add_generation_prompt: bool = True, **extra
+    ) -> str:
+        """Renders a conversation with this checkpoint's chat template.
+
+        Args:
+          messages: a non-empty list of `{"role": str, "content": str}` dicts.
+          add_generation_prompt: end with the header that opens the assistant's turn.
+          **extra: more template variables (`tools`, `date_string`, ...).
+
+        Raises:
+          ValueError: no chat template, bad messages, or the template failed.
+          TypeError: messages of the wrong type.
+          ImportError: jinja2 is missing (`pip install 'pagedjax[chat]'`).
+        """
+        if self.chat_template is None:
+            raise ValueError(
+                f"no chat template to render messages with: {self.chat_template_source}. "
+                "Pass prompts as raw text "
+                "(formatted the way the model expects) instead of chat messages"
+            )
+        return chat.render(
+            self.chat_template,
+            messages,
+            source=self.chat_template_source,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            **extra,
+        )
+
+    def encode_chat(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        add_bos: bool | None = None,
+        **extra,
+    ) -> list[int]:
+        """Token ids of `apply_chat_template(messages)`, BOS exactly once.
+
+        Special-token strings in the rendered text encode as their own ids. BOS is
+        prepended when `add_bos` (default `self.add_bos`) and the template did not
+        already put it first.
+        """
+        text = self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, **extra
+        )
+        add_bos = self.add_bos if add_bos is None else add_bos
+        if add_bos and self.bos_token_id is None:
+            raise ValueError("add_bos=True but this tokenizer has no BOS token")
+        ids = self.encode(text, add_bos=False)
+        if add_bos and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         """Text of `ids`; special tokens (BOS, EOS, ...) are dropped unless asked for."""
         ids = self._check_ids(ids)
@@ -144,6 +241,12 @@ class Tokenizer:
     def stream(self, *, skip_special_tokens: bool = True) -> StreamDecoder:
         """A fresh incremental decoder for one sequence."""
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+
+    def _special_token(self, token_id: int | None) -> str | None:
+        if token_id is None:
+            return None
+        added = self.tokenizer.get_added_tokens_decoder().get(int(token_id))
+        return added.content if added is not None and added.special else None
 
     def _check_ids(self, ids: Iterable[int]) -> list[int]:
         ids = [int(i) for i in ids]

@@ -1,0 +1,231 @@
+"""Chat templates: find a checkpoint's Jinja chat template and render messages with it.
+
+Instruct checkpoints ship a Jinja template that turns a list of `{"role", "content"}`
+messages into the exact text the model was tuned on (headers, turn separators, the
+assistant prompt). `find_chat_template` looks for it where HF transformers does, in
+this order:
+
+1. `chat_template.jinja` in the checkpoint directory (the raw template);
+2. `chat_template.json`: `{"chat_template": "..."}`;
+3. tokenizer_config.json's `chat_template`: a string, or a list of
+   `{"name": ..., "template": ...}` from which the one named "default" is used (or
+   the one asked for by name). A list without "default" gives no template rather
+   than a guess.
+
+`render` runs the template the way HF does, so a checkpoint's template gives the same
+text here as there: a sandboxed, immutable Jinja environment with `trim_blocks` and
+`lstrip_blocks`, the loop-control extension (`break`/`continue`), the globals
+`raise_exception(msg)` and `strftime_now(fmt)`, and a `tojson` filter that keeps
+non-ASCII text (`json.dumps(..., ensure_ascii=False)`). jinja2 is an optional
+dependency (`pip install 'pagedjax[chat]'`), imported on first render; each template is
+compiled once.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+
+TEMPLATE_FILE = "chat_template.jinja"
+TEMPLATE_JSON = "chat_template.json"
+DEFAULT_NAME = "default"
+INSTALL_HINT = "pip install 'pagedjax[chat]'"
+
+
+def _jinja():
+    """The jinja2 modules a render needs, or an ImportError that says how to get them."""
+    try:
+        import jinja2
+        import jinja2.ext
+        import jinja2.sandbox
+    except ImportError as e:
+        raise ImportError(f"chat templates need jinja2 >= 3.1: {INSTALL_HINT} ({e})") from None
+    return jinja2
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        obj = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _pick(value, where: str, name: str | None) -> tuple[str | None, str]:
+    """(template or None, source or why there is none) from a `chat_template` field."""
+    if isinstance(value, str):
+        if name not in (None, DEFAULT_NAME):
+            raise ValueError(f"{where} has a single chat template, none named {name!r}")
+        return value, where
+    if not isinstance(value, list):
+        raise ValueError(
+            f"{where} chat_template must be a string or a list of {{name, template}}, "
+            f"got {type(value).__name__}"
+        )
+    named = {}
+    for i, entry in enumerate(value):
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("name"), str)
+            and isinstance(entry.get("template"), str)
+        ):
+            raise ValueError(
+                f"{where} chat_template[{i}] is not a {{name, template}}: {entry!r:.80}"
+            )
+        named[entry["name"]] = entry["template"]
+    want = DEFAULT_NAME if name is None else name
+    if want in named:
+        return named[want], f"{where} (template {want!r})"
+    if name is not None:
+        raise ValueError(f"{where} has no chat template named {name!r}; it has {sorted(named)}")
+    return None, f"{where} lists chat templates {sorted(named)} but none named {DEFAULT_NAME!r}"
+
+
+def find_chat_template(
+    root, tokenizer_config: dict, *, name: str | None = None
+) -> tuple[str | None, str]:
+    """A checkpoint directory's chat template, by HF's order of precedence (module doc).
+
+    Args:
+      root: the checkpoint directory.
+      tokenizer_config: its parsed tokenizer_config.json ({} if none).
+      name: pick this entry of a list-form template instead of "default".
+
+    Returns:
+      (template, source): the template text (None if there is none) and where it came
+      from, or why there is none, for messages.
+
+    Raises:
+      ValueError: an unreadable source, or `name` not among the templates.
+    """
+    root = Path(root)
+    jinja_file = root / TEMPLATE_FILE
+    if jinja_file.is_file():
+        return _pick(jinja_file.read_text(), str(jinja_file), name)
+    json_file = root / TEMPLATE_JSON
+    if json_file.is_file():
+        obj = _read_json(json_file)
+        if "chat_template" not in obj:
+            raise ValueError(f"{json_file} has no 'chat_template' key (keys: {sorted(obj)})")
+        return _pick(obj["chat_template"], str(json_file), name)
+    value = tokenizer_config.get("chat_template")
+    if value is not None:
+        return _pick(value, str(root / "tokenizer_config.json"), name)
+    if name is not None:
+        raise ValueError(f"{root} has no chat template, so none named {name!r}")
+    return None, (
+        f"{root} has no chat template ({TEMPLATE_FILE}, {TEMPLATE_JSON} or tokenizer_config.json "
+        "'chat_template')"
+    )
+
+
+def check_messages(messages) -> list[dict]:
+    """`messages` as a list of dicts, after checking each has a str role and content.
+
+    Raises:
+      TypeError: not a list of mappings, or a role/content that is not a str.
+      ValueError: an empty list, a missing key, or an empty role.
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TypeError(
+            "messages must be a list of {'role': ..., 'content': ...} dicts, "
+            f"got {type(messages).__name__}"
+        )
+    if not messages:
+        raise ValueError("messages is empty; a chat needs at least one message")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise TypeError(f"messages[{i}] must be a dict, got {type(m).__name__}: {m!r:.80}")
+        for key in ("role", "content"):
+            if key not in m:
+                raise ValueError(f"messages[{i}] has no {key!r} (keys: {sorted(map(str, m))})")
+            if not isinstance(m[key], str):
+                raise TypeError(
+                    f"messages[{i}][{key!r}] must be a str, got {type(m[key]).__name__}: "
+                    f"{m[key]!r:.80}"
+                )
+        if not m["role"]:
+            raise ValueError(f"messages[{i}]['role'] is empty")
+        out.append(dict(m))
+    return out
+
+
+def _tojson(value, indent=None, separators=None, sort_keys=False) -> str:
+    # Jinja's own tojson escapes HTML characters and non-ASCII text; templates expect
+    # plain JSON (Llama 3.1 dumps tool definitions with indent=4).
+    return json.dumps(
+        value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(template: str, source: str):
+    jinja2 = _jinja()
+
+    def raise_exception(message):
+        raise ValueError(f"chat template ({source}) rejected the messages: {message}")
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(
+            f"chat template ({source}) has a syntax error at line {e.lineno}: {e.message}"
+        ) from None
+
+
+def render(
+    template: str,
+    messages,
+    *,
+    source: str = "<string>",
+    add_generation_prompt: bool = True,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+    **variables,
+) -> str:
+    """Renders `messages` with a chat template.
+
+    Args:
+      template: the Jinja template text.
+      messages: a non-empty list of `{"role": str, "content": str, ...}` dicts (other
+        keys are passed through to the template).
+      source: where the template came from, for error messages.
+      add_generation_prompt: end with the header that opens the assistant's turn.
+      bos_token, eos_token: the special-token strings; None leaves the variable
+        undefined, as HF leaves unset special tokens, so `{{ bos_token }}` renders as
+        "" rather than "None".
+      **variables: more template variables (`date_string`, `tools`, ...); `tools` and
+        `documents` are None unless given, as in HF.
+
+    Raises:
+      ImportError: jinja2 is not installed (the message says how to install it).
+      TypeError, ValueError: bad messages (`check_messages`), a template syntax error,
+        an error raised by the template (`raise_exception`) or while rendering it.
+    """
+    messages = check_messages(messages)
+    jinja2 = _jinja()  # before the cache, so a missing jinja2 is reported every time
+    compiled = _compile(template, source)
+    specials = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v}
+    context = {"tools": None, "documents": None, **specials, **variables}
+    try:
+        return compiled.render(
+            messages=messages, add_generation_prompt=bool(add_generation_prompt), **context
+        )
+    except jinja2.TemplateError as e:
+        raise ValueError(f"chat template ({source}) failed: {type(e).__name__}: {e}") from None

@@ -1,0 +1,235 @@
+"""Chat templates (pagedjax/chat.py, Tokenizer.apply_chat_template / encode_chat).
+
+Each test copies the demo model's tokenizer files (special tokens `<|pad|>` = 0,
+`<|bos|>` = 1, `<|eos|>` = 2) into a temp directory and writes a small Llama-3-like
+template of our own there, through each of the three places a checkpoint keeps one.
+"""
+
+import builtins
+import json
+import shutil
+
+import pytest
+
+from pagedjax import chat
+from pagedjax.demo import DEMO_MODEL_DIR
+from pagedjax.resources import byte_tokenizer
+from pagedjax.tokenizer import Tokenizer
+
+# <|pad|> stands in for a header token: a special token the template writes literally.
+TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}\n"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role: ' + m['role']) }}"
+    "{% endif %}\n"
+    "<|pad|>{{ m['role'] }}\n"
+    "{{ m['content'] }}{{ eos_token }}\n"
+    "{% endfor %}\n"
+    "{% if add_generation_prompt %}\n"
+    "<|pad|>assistant\n"
+    "{% endif %}"
+)
+MESSAGES = [
+    {"role": "system", "content": "Answer in Python."},
+    {"role": "user", "content": "def fib(n):"},
+]
+RENDERED = (
+    "<|bos|><|pad|>system\nAnswer in Python.<|eos|>\n"
+    "<|pad|>user\ndef fib(n):<|eos|>\n"
+    "<|pad|>assistant\n"
+)
+PAD, BOS, EOS = 0, 1, 2
+
+
+def checkpoint(tmp_path, *, name="ckpt", jinja=None, json_file=None, config=None):
+    """A tokenizer directory: the demo model's files plus the chat template sources given."""
+    d = tmp_path / name
+    d.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(DEMO_MODEL_DIR / name, d / name)
+    if jinja is not None:
+        (d / "chat_template.jinja").write_text(jinja)
+    if json_file is not None:
+        (d / "chat_template.json").write_text(json.dumps({"chat_template": json_file}))
+    if config is not None:
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = config
+        (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.fixture
+def tok(tmp_path):
+    return Tokenizer.from_dir(checkpoint(tmp_path, jinja=TEMPLATE))
+
+
+def test_renders_exactly(tok):
+    assert tok.bos_token == "<|bos|>" and tok.eos_token == "<|eos|>"
+    assert tok.apply_chat_template(MESSAGES) == RENDERED
+    without = tok.apply_chat_template(MESSAGES, add_generation_prompt=False)
+    assert without == RENDERED.removesuffix("<|pad|>assistant\n")
+
+
+def test_encode_chat_parses_special_tokens_and_has_bos_once(tok):
+    assert tok.add_bos  # the demo tokenizer adds BOS, and the template writes it too
+    ids = tok.encode_chat(MESSAGES)
+    assert ids.count(BOS) == 1 and ids[0] == BOS
+    piece = lambda text: tok.encode(text, add_bos=False)
+    # Every special-token string in the text became its single id, and the user's text
+    # is encoded as it is on its own.
+    want = [BOS, PAD, *piece("system\nAnswer in Python."), EOS, *piece("\n")]
+    want += [PAD, *piece("user\ndef fib(n):"), EOS, *piece("\n")]
+    want += [PAD, *piece("assistant\n")]
+    assert ids == want
+    assert tok.decode(ids, skip_special_tokens=False) == RENDERED
+    user = piece("def fib(n):")
+    assert any(ids[i : i + len(user)] == user for i in range(len(ids)))
+
+
+def test_bos_is_added_when_the_template_has_none(tmp_path):
+    tok = Tokenizer.from_dir(checkpoint(tmp_path, jinja=TEMPLATE.replace("{{ bos_token }}", "")))
+    ids = tok.encode_chat(MESSAGES)
+    assert ids[0] == BOS and ids.count(BOS) == 1
+    assert ids[1:] == tok.encode_chat(MESSAGES, add_bos=False)
+    assert tok.encode_chat(MESSAGES, add_bos=False)[0] == PAD
+
+
+def test_added_token_dicts_in_the_config(tmp_path):
+    d = checkpoint(tmp_path, jinja=TEMPLATE)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["bos_token"] = {"content": "<|bos|>", "lstrip": False, "special": True}
+    cfg["eos_token"] = {"content": "<|eos|>", "lstrip": False, "special": True}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = Tokenizer.from_dir(d)
+    assert (tok.bos_token, tok.eos_token) == ("<|bos|>", "<|eos|>")
+    assert tok.apply_chat_template(MESSAGES) == RENDERED
+
+
+def test_constructor_takes_a_template_and_names_special_ids(tok):
+    built = Tokenizer(tok.tokenizer, bos_token_id=BOS, eos_token_ids=[EOS], chat_template=TEMPLATE)
+    assert (built.bos_token, built.eos_token) == ("<|bos|>", "<|eos|>")  # from the ids
+    assert built.apply_chat_template(MESSAGES) == RENDERED
+    # A byte tokenizer's BOS id is a plain byte, not a special token: no string for it.
+    assert byte_tokenizer().bos_token is None and byte_tokenizer().chat_template is None
+    with pytest.raises(TypeError, match="chat_template must be a str"):
+        Tokenizer(tok.tokenizer, chat_template=["x"])
+
+
+@pytest.mark.parametrize(
+    "sources,winner",
+    [
+        (dict(jinja="J", json_file="S", config="C"), "J"),
+        (dict(json_file="S", config="C"), "S"),
+        (dict(config="C"), "C"),
+        (
+            dict(
+                config=[{"name": "tool_use", "template": "T"}, {"name": "default", "template": "C"}]
+            ),
+            "C",
+        ),
+    ],
+)
+def test_precedence(tmp_path, sources, winner):
+    tok = Tokenizer.from_dir(checkpoint(tmp_path, **sources))
+    assert tok.chat_template == winner
+    file = {"J": "chat_template.jinja", "S": "chat_template.json", "C": "tokenizer_config.json"}
+    assert tok.chat_template_source.startswith(str(tmp_path / "ckpt" / file[winner]))
+
+
+def test_each_source_renders(tmp_path):
+    for i, kw in enumerate([dict(jinja=TEMPLATE), dict(json_file=TEMPLATE), dict(config=TEMPLATE)]):
+        tok = Tokenizer.from_dir(checkpoint(tmp_path, name=str(i), **kw))
+        assert tok.apply_chat_template(MESSAGES) == RENDERED, kw
+
+
+def test_list_form_without_default_gives_none_unless_named(tmp_path):
+    d = checkpoint(tmp_path, config=[{"name": "tool_use", "template": TEMPLATE}])
+    tok = Tokenizer.from_dir(d)
+    assert tok.chat_template is None
+    with pytest.raises(ValueError, match=r"\['tool_use'\] but none named 'default'"):
+        tok.apply_chat_template(MESSAGES)
+    named = Tokenizer.from_dir(d, chat_template_name="tool_use")
+    assert named.apply_chat_template(MESSAGES) == RENDERED
+    with pytest.raises(ValueError, match="no chat template named 'rag'"):
+        Tokenizer.from_dir(d, chat_template_name="rag")
+
+
+def test_no_template(tmp_path):
+    tok = Tokenizer.from_dir(checkpoint(tmp_path))
+    assert tok.chat_template is None
+    with pytest.raises(ValueError, match="no chat template.*raw text"):
+        tok.encode_chat(MESSAGES)
+    assert tok.encode("x") == [BOS, *tok.encode("x", add_bos=False)]  # raw text still works
+
+
+@pytest.mark.parametrize(
+    "messages,exc,match",
+    [
+        ("hello", TypeError, "must be a list.*got str"),
+        ({"role": "user", "content": "x"}, TypeError, "must be a list.*got dict"),
+        ([], ValueError, "messages is empty"),
+        (["hello"], TypeError, r"messages\[0\] must be a dict"),
+        (
+            [{"role": "user", "content": "a"}, {"content": "b"}],
+            ValueError,
+            r"messages\[1\] has no 'role'",
+        ),
+        ([{"role": "user"}], ValueError, r"messages\[0\] has no 'content'"),
+        (
+            [{"role": "user", "content": 3}],
+            TypeError,
+            r"messages\[0\]\['content'\] must be a str, got int",
+        ),
+        ([{"role": None, "content": "x"}], TypeError, r"messages\[0\]\['role'\] must be a str"),
+        ([{"role": "", "content": "x"}], ValueError, r"messages\[0\]\['role'\] is empty"),
+    ],
+)
+def test_bad_messages(tok, messages, exc, match):
+    with pytest.raises(exc, match=match):
+        tok.apply_chat_template(messages)
+
+
+def test_template_raise_exception(tok):
+    with pytest.raises(
+        ValueError, match="chat_template.jinja.*rejected the messages: unknown role: tool"
+    ):
+        tok.apply_chat_template([{"role": "tool", "content": "42"}])
+
+
+def test_template_syntax_error_names_the_source(tmp_path):
+    tok = Tokenizer.from_dir(checkpoint(tmp_path, json_file="ok\n{% for m in messages %}{{ m }"))
+    with pytest.raises(ValueError, match=r"chat_template.json\) has a syntax error at line 2: "):
+        tok.apply_chat_template(MESSAGES)
+
+
+def test_variables_filters_and_globals():
+    template = (
+        "{{ messages | length }} {{ tools | tojson }} {{ date_string }} "
+        "{{ {'café': [1, 2]} | tojson(indent=2) }} {{ strftime_now('%Y') | length }}"
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+        "|{{ m.content }}{% endfor %}"
+        "[{{ bos_token }}]"
+    )
+    out = chat.render(template, MESSAGES, date_string="26 Jul 2024")
+    assert out == '2 null 26 Jul 2024 {\n  "café": [\n    1,\n    2\n  ]\n} 4|Answer in Python.[]'
+
+
+def test_template_cannot_mutate_its_inputs():
+    messages = [dict(m) for m in MESSAGES]
+    with pytest.raises(ValueError, match="failed: SecurityError"):
+        chat.render("{{ messages.append(1) }}", messages)
+    assert messages == MESSAGES
+
+
+def test_missing_jinja2_says_how_to_install(tok, monkeypatch):
+    real_import = builtins.__import__
+
+    def no_jinja(name, *args, **kwargs):
+        if name.startswith("jinja2"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_jinja)
+    with pytest.raises(ImportError, match=r"pip install 'pagedjax\[chat\]'"):
+        tok.apply_chat_template(MESSAGES)  # compiled earlier in the session or not
