@@ -3,6 +3,7 @@
     python scripts/generate.py                                  # demo model, default prompts
     python scripts/generate.py --prompt "def fib(n):" --max-tokens 64
     python scripts/generate.py --checkpoint path/to/hf-dir --prompts-file prompts.txt --json
+    python scripts/generate.py --checkpoint path/to/instruct-dir --chat --prompt "Hi!"
 
 Runs on JAX's default device (a CUDA GPU when jax has one, else the CPU), or with
 `--tensor-parallel N` on the first N devices, the model and its KV cache split over
@@ -18,6 +19,13 @@ KV pages, prefix-cache hit rate, preemptions, jit compilations, host overhead.
 `--prompts-file`: one prompt per line (blank lines skipped); a line that starts with
 a double quote is read as a JSON string, so a prompt can hold newlines.
 
+`--chat` (instruct checkpoints): each prompt becomes one user message, after a system
+message when `--system TEXT` is given, rendered with the checkpoint's chat template
+(`chat_template.jinja`, `chat_template.json` or tokenizer_config.json's; needs
+`pip install 'pagedjax[chat]'`) and sent to the engine as token ids. The output still
+shows the prompt as typed. A checkpoint without a template, or no jinja2, is an error
+before any weights load.
+
 `--json` prints one JSON object instead, with these keys:
 
     model            what was loaded (demo model path, checkpoint, or the random fallback)
@@ -26,7 +34,8 @@ a double quote is read as a JSON string, so a prompt can hold newlines.
     resolved_backend what "auto" chose: "gpu", "tpu" or "xla"
     settings         page_size, num_pages, max_num_batched_tokens, max_num_seqs,
                      enable_prefix_caching, tensor_parallel, compilation_cache (the
-                     directory, or null when off), and the sampling flags
+                     directory, or null when off), chat (--chat), system (the
+                     --system text or null), and the sampling flags
     outputs          one per prompt: prompt, prompt_tokens, num_cached_tokens, ttft_s,
                      latency_s, completions: [{text, token_ids, finish_reason,
                      cumulative_logprob}]
@@ -99,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="a file of prompts, one per line")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="send each prompt as a user message through the checkpoint's chat template",
+    )
+    p.add_argument("--system", metavar="TEXT", help="a system message before each prompt (--chat)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per completion")
     p.add_argument("--n", type=int, default=1, help="completions per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
@@ -184,6 +199,31 @@ def read_prompts(args) -> list[str]:
     return prompts if (args.prompt is not None or args.prompts_file) else list(DEFAULT_PROMPTS)
 
 
+def chat_prompts(args, prompts: list[str]) -> list[list[int]]:
+    """Token ids of each prompt as a user message (after `--system`), by the chat template.
+
+    Runs before the weights load, so that a checkpoint without a template or a missing
+    jinja2 fails fast.
+    """
+    from pagedjax import demo
+    from pagedjax.tokenizer import Tokenizer
+
+    path = args.checkpoint if args.checkpoint is not None else demo.demo_model_dir()
+    tok = Tokenizer.from_dir(path)
+    if tok.chat_template is None:
+        raise _BadInput(f"--chat: {tok.chat_template_source}; drop --chat to send raw text")
+    system = [] if args.system is None else [{"role": "system", "content": args.system}]
+    ids = []
+    for i, p in enumerate(prompts):
+        if not p:
+            raise _BadInput(f"prompt {i}: prompt is empty")
+        try:
+            ids.append(tok.encode_chat([*system, {"role": "user", "content": p}]))
+        except ImportError as e:
+            raise _BadInput(f"--chat: {e}") from None
+    return ids
+
+
 def _check_checkpoint(path: str) -> None:
     """Fails fast on a directory that cannot serve text (before loading weights)."""
     from pagedjax import weights
@@ -235,6 +275,8 @@ def report(llm, summary: dict, device: str) -> str:
 
 def run(args) -> int:
     prompts = read_prompts(args)
+    if args.system is not None and not args.chat:
+        raise _BadInput("--system needs --chat (it is the chat's system message)")
     # Validate the cheap things before loading anything.
     from pagedjax.engine import LLM, SamplingParams
     from pagedjax.resources import check_backend
@@ -256,6 +298,7 @@ def run(args) -> int:
             raise _BadInput(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     if args.checkpoint is not None:
         _check_checkpoint(args.checkpoint)
+    inputs = chat_prompts(args, prompts) if args.chat else prompts
     if args.temperature == 0 and args.n > 1 and args.beam_width == 1:
         print("note: --n > 1 with --temperature 0 gives identical completions", file=sys.stderr)
 
@@ -280,15 +323,16 @@ def run(args) -> int:
     print(f"model: {llm.model_source}", file=note)
     stream = len(prompts) == 1 and args.n == 1 and args.beam_width == 1 and not args.json
     on_token = None
+    sep = "\n" if args.chat else ""  # a chat reply is a new turn, not a continuation
     if stream:
         decoder = llm.tokenizer.stream()
-        print(prompts[0], end="", flush=True)
+        print(prompts[0] + sep, end="", flush=True)
 
         def on_token(_rid, _index, tok):
             sys.stdout.write(decoder.add(tok))
             sys.stdout.flush()
 
-    outs = llm.generate(prompts, sp, use_tqdm=len(prompts) > 1, on_token=on_token)
+    outs = llm.generate(inputs, sp, use_tqdm=len(prompts) > 1, on_token=on_token)
     if stream:
         print(decoder.flush())
     summary = llm.summary()
@@ -306,6 +350,8 @@ def run(args) -> int:
                 enable_prefix_caching=not args.no_prefix_caching,
                 tensor_parallel=llm.tensor_parallel,
                 compilation_cache=cache_dir,
+                chat=args.chat,
+                system=args.system,
                 n=args.n,
                 temperature=args.temperature,
                 top_k=args.top_k,
@@ -316,7 +362,7 @@ def run(args) -> int:
             ),
             outputs=[
                 dict(
-                    prompt=o.prompt,
+                    prompt=prompt,
                     prompt_tokens=len(o.prompt_token_ids),
                     num_cached_tokens=o.num_cached_tokens,
                     ttft_s=o.ttft_s,
@@ -331,21 +377,21 @@ def run(args) -> int:
                         for c in o.outputs
                     ],
                 )
-                for o in outs
+                for prompt, o in zip(prompts, outs, strict=True)
             ],
             metrics=summary,
         )
         print(json.dumps(obj))
         return 0
     if not stream:
-        for i, o in enumerate(outs):
+        for i, (prompt, o) in enumerate(zip(prompts, outs, strict=True)):
             print(f"--- prompt {i} ({len(o.prompt_token_ids)} tokens)")
             for c in o.outputs:
                 tag = f" [{c.index}]" if len(o.outputs) > 1 else ""
                 print(
-                    f"{o.prompt}\x1b[1m{c.text}\x1b[0m{tag} ({c.finish_reason})"
+                    f"{prompt}{sep}\x1b[1m{c.text}\x1b[0m{tag} ({c.finish_reason})"
                     if sys.stdout.isatty()
-                    else f"{o.prompt}{c.text}{tag} ({c.finish_reason})"
+                    else f"{prompt}{sep}{c.text}{tag} ({c.finish_reason})"
                 )
     print(report(llm, summary, device))
     return 0

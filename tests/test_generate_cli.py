@@ -242,3 +242,108 @@ def test_compilation_cache_is_written_and_reported(tmp_path):
     obj = json.loads(proc.stdout)
     assert obj["settings"]["compilation_cache"] == str(cache)
     assert any(cache.iterdir()), "no compiled program was written to the cache"
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|pad|>{{ m['role'] }}\n"
+    "{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|pad|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_ckpt(tmp_path_factory):
+    """The demo model with a chat template of ours (<|pad|> standing in for a header)."""
+    from pagedjax.demo import DEMO_MODEL_DIR
+
+    path = tmp_path_factory.mktemp("chat_ckpt")
+    for f in DEMO_MODEL_DIR.iterdir():
+        (path / f.name).write_bytes(f.read_bytes())
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return path
+
+
+def test_chat_sends_the_rendered_ids_and_shows_the_prompt(chat_ckpt, capsys, monkeypatch):
+    from pagedjax.engine import LLM
+    from pagedjax.tokenizer import Tokenizer
+
+    sent = []
+    generate = LLM.generate
+
+    def spy(self, prompts, *args, **kwargs):
+        sent.extend(prompts)
+        return generate(self, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    prompts = ["def fib(n):", "import os"]
+    argv = ["--checkpoint", chat_ckpt, "--chat", "--system", "Write Python.", "--max-tokens", "3"]
+    argv += [
+        "--json",
+        "--backend",
+        "xla",
+        *GEOMETRY,
+        "--prompt",
+        prompts[0],
+        "--prompt",
+        prompts[1],
+    ]
+    rc, out, err = run(argv, capsys)
+    assert rc == 0, err
+    obj = json.loads(out)
+    assert obj["settings"]["chat"] is True and obj["settings"]["system"] == "Write Python."
+    tok = Tokenizer.from_dir(chat_ckpt)
+    want = [
+        tok.encode_chat(
+            [{"role": "system", "content": "Write Python."}, {"role": "user", "content": p}]
+        )
+        for p in prompts
+    ]
+    assert sent == want and all(ids.count(1) == 1 and ids[0] == 1 for ids in want)  # one BOS
+    assert [o["prompt"] for o in obj["outputs"]] == prompts  # the text typed, not the ids
+    assert [o["prompt_tokens"] for o in obj["outputs"]] == [len(ids) for ids in want]
+    assert all(1 <= len(o["completions"][0]["token_ids"]) <= 3 for o in obj["outputs"])
+
+    # Streaming one prompt: the prompt, then the reply on its own line.
+    argv = ["--checkpoint", chat_ckpt, "--chat", "--prompt", "x = 1", "--max-tokens", "3"]
+    rc, out, err = run([*argv, "--backend", "xla", *GEOMETRY], capsys)
+    assert rc == 0, err
+    assert out.splitlines()[1] == "x = 1"  # the reply starts on the next line
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (["--system", "be brief"], "--system needs --chat"),
+        (["--chat"], "has no chat template"),  # the byte-tokenizer checkpoint
+        (["--chat", "--prompt", ""], "prompt 1: prompt is empty"),
+    ],
+)
+def test_chat_bad_input_before_loading_weights(ckpt, chat_ckpt, capsys, monkeypatch, extra, match):
+    from pagedjax.engine import LLM
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(LLM, "__init__", no_load)
+    path = chat_ckpt if "" in extra else ckpt
+    rc, out, err = run(["--checkpoint", path, "--prompt", "hi", *extra], capsys)
+    assert rc == 2 and err.startswith("error: ") and match in err and err.count("\n") == 1, err
+
+
+def test_chat_without_the_demo_template_or_jinja2(chat_ckpt, capsys, monkeypatch):
+    from pagedjax.engine import LLM
+
+    monkeypatch.setattr(LLM, "__init__", lambda *a, **k: pytest.fail("weights were loaded"))
+    rc, _, err = run(["--chat", "--prompt", "hi"], capsys)  # the demo model has no template
+    assert rc == 2 and "has no chat template" in err and "drop --chat" in err, err
+
+    real_import = __import__
+
+    def no_jinja(name, *args, **kwargs):
+        if name.startswith("jinja2"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.__import__", no_jinja)
+    rc, _, err = run(["--checkpoint", chat_ckpt, "--chat", "--prompt", "hi"], capsys)
+    assert rc == 2 and "pip install 'pagedjax[chat]'" in err and err.count("\n") == 1, err
