@@ -21,7 +21,8 @@ Hot path: `nnx.jit` re-walks the module graph in Python on every call, so the mo
 is split once, `params = split_model(model)` (a `Params` pytree: the `GraphDef` as
 static metadata, the `nnx.State` as data), and `jax.jit` is applied to pure
 functions of `params` that `nnx.merge` it back inside the trace (see
-`pagedjax.decode`). A call then costs one pytree flatten, like any jitted function.
+`pagedjax.decode`). `Params` keeps the state flattened, so a call flattens a tuple
+of arrays rather than walking the `nnx.State` (see `Params`).
 
 Parameter paths (dotted keys of `params_to_flat`; `nnx.split` state paths), with
 `E` hidden, `I` intermediate, `H`/`K` query/kv heads, `D` head dim, `V` vocab. Linear
@@ -50,7 +51,6 @@ All parameters are in `cfg.dtype`; logits are returned in float32.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from functools import partial
 
@@ -308,23 +308,87 @@ def dense_causal_attention(q, k, v):
     return o.reshape(b, t, h, d).astype(q.dtype)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@jax.tree_util.register_pytree_node_class
 class Params:
     """A split model: the pytree that jitted functions take instead of the module.
 
+    `Params(graphdef, state, config, mesh=None)`. The state is flattened once, here,
+    and kept as a tuple of arrays: an `nnx.State` flattens through a Python callback
+    per `Variable`, about 0.5 ms per call for a 32-layer model, which every jitted step
+    would pay on the host; a `Params` flattens with one callback. Treat it as
+    immutable: `state` returns a new `nnx.State` (changing it changes nothing here);
+    build a new `Params` (or `replace`) to change weights.
+
     Attributes:
       graphdef: the module structure (static; hashable).
-      state: the `nnx.State` of all parameters (the only arrays).
+      state: the `nnx.State` of all parameters (the only arrays), rebuilt on access.
       config: the model's config (static).
       mesh: the tensor-parallel mesh the state is sharded over (static; None: one
         device). Set by `pagedjax.sharding.shard_params`.
     """
 
-    graphdef: nnx.GraphDef = dataclasses.field(metadata=dict(static=True))
-    state: nnx.State
-    config: ModelConfig = dataclasses.field(metadata=dict(static=True))
-    mesh: Mesh | None = dataclasses.field(default=None, metadata=dict(static=True))
+    __slots__ = ("graphdef", "config", "mesh", "_leaves", "_treedef")
+
+    def __init__(
+        self,
+        graphdef: nnx.GraphDef,
+        state: nnx.State,
+        config: ModelConfig,
+        mesh: Mesh | None = None,
+    ):
+        leaves, treedef = jax.tree.flatten(state)
+        self._init(graphdef, config, mesh, tuple(leaves), treedef)
+
+    def _init(self, graphdef, config, mesh, leaves, treedef) -> None:
+        set_ = object.__setattr__
+        set_(self, "graphdef", graphdef)
+        set_(self, "config", config)
+        set_(self, "mesh", mesh)
+        set_(self, "_leaves", leaves)
+        set_(self, "_treedef", treedef)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"Params is immutable (setting {name!r}); use replace()")
+
+    def __reduce__(self):  # copy / pickle through the public constructor
+        return Params, (self.graphdef, self.state, self.config, self.mesh)
+
+    @property
+    def state(self) -> nnx.State:
+        return jax.tree.unflatten(self._treedef, self._leaves)
+
+    def replace(self, **changes) -> Params:
+        """A copy with some of `graphdef`, `state`, `config`, `mesh` replaced."""
+        bad = set(changes) - {"graphdef", "state", "config", "mesh"}
+        if bad:
+            raise TypeError(f"Params has no field(s) {sorted(bad)}")
+        if "state" in changes:
+            leaves, treedef = jax.tree.flatten(changes["state"])
+            leaves = tuple(leaves)
+        else:
+            leaves, treedef = self._leaves, self._treedef
+        new = object.__new__(Params)
+        new._init(
+            changes.get("graphdef", self.graphdef),
+            changes.get("config", self.config),
+            changes.get("mesh", self.mesh),
+            leaves,
+            treedef,
+        )
+        return new
+
+    def tree_flatten(self):
+        return self._leaves, (self.graphdef, self._treedef, self.config, self.mesh)
+
+    @classmethod
+    def tree_unflatten(cls, aux, leaves) -> Params:
+        graphdef, treedef, config, mesh = aux
+        new = object.__new__(cls)
+        new._init(graphdef, config, mesh, tuple(leaves), treedef)
+        return new
+
+    def __repr__(self) -> str:
+        return f"Params({self.config!r}, {len(self._leaves)} arrays, mesh={self.mesh})"
 
     def merge(self) -> Llama:
         """The module again (cheap; used inside traced functions)."""

@@ -191,7 +191,7 @@ def shard_params(params: Params, mesh: Mesh) -> Params:
         pairs.append(
             (path, var.replace(jax.device_put(var.get_value(), NamedSharding(mesh, spec))))
         )
-    return dataclasses.replace(params, state=nnx.from_flat_state(pairs), mesh=mesh)
+    return params.replace(state=nnx.from_flat_state(pairs), mesh=mesh)
 
 
 def device_kv_config(cfg: ModelConfig, tensor_parallel: int) -> ModelConfig:

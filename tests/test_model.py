@@ -292,3 +292,46 @@ def test_params_flat_roundtrip_is_exact():
     for a, b in zip(jax.tree.leaves(params.state), jax.tree.leaves(again.state), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert again.graphdef == params.graphdef
+
+
+def test_params_flatten_to_their_arrays_only():
+    """A jitted step flattens `Params` on every call: one node over the arrays, not the
+    nnx.State's Variable per parameter (a Python callback each)."""
+    params = random_params(TINY, seed=2)
+    leaves, treedef = jax.tree.flatten(params)
+    state_leaves = jax.tree.leaves(params.state)
+    assert len(leaves) == len(state_leaves) == len(model.param_shapes(TINY))
+    assert treedef.num_nodes == len(leaves) + 1
+    assert all(a is b for a, b in zip(leaves, state_leaves, strict=True))
+    # Round trip through jit and tree_map keeps everything but the arrays.
+    doubled = jax.tree.map(lambda x: 2 * x, params)
+    assert isinstance(doubled, model.Params)
+    assert doubled.graphdef is params.graphdef and doubled.config is params.config
+    flat, flat2 = model.params_to_flat(params), model.params_to_flat(doubled)
+    for k in flat:
+        np.testing.assert_array_equal(np.asarray(flat2[k]), 2 * np.asarray(flat[k]))
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, 256, size=(1, 6)))
+    assert rel_err(jax.jit(model.forward)(params, tokens), model.forward(params, tokens)) < 1e-5
+
+
+def test_params_are_immutable_and_replace_checks_fields():
+    params = random_params(TINY, seed=2)
+    with pytest.raises(AttributeError, match="'config'"):
+        params.config = TINY
+    # `state` is rebuilt on each access: changing it changes nothing in `params`.
+    state = params.state
+    nnx_leaves = jax.tree.leaves(state)
+    assert state is not params.state
+    zeros = params.replace(state=jax.tree.map(jnp.zeros_like, state))
+    assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(zeros))
+    assert all(a is b for a, b in zip(jax.tree.leaves(params), nnx_leaves, strict=True))
+    assert zeros.graphdef is params.graphdef and zeros.mesh is None
+    with pytest.raises(TypeError, match="weights"):
+        params.replace(weights=state)
+    import copy
+    import pickle
+
+    for again in (copy.deepcopy(params), pickle.loads(pickle.dumps(params))):
+        assert again.config == params.config
+        for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
