@@ -410,6 +410,7 @@ class LLM:
     def _apply(self, plan: StepPlan, host, on_token) -> list[RequestOutput]:
         """Applies a finished step's tokens (or beam candidates) to its sequences."""
         tokens, logprobs, top_ids, top_lps = host
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()  # Python scalars, at once
         now = perf_counter()
         beams: dict[int, list] = {}
         done: list[RequestOutput] = []
@@ -423,7 +424,7 @@ class LLM:
             if req.beam is not None:
                 beams.setdefault(id(r.group), [r.group]).append((r.seq, top_ids[i], top_lps[i]))
                 continue
-            self._accept(req, r.seq, int(tokens[i]), float(logprobs[i]), on_token)
+            self._accept(req, r.seq, tokens[i], logprobs[i], on_token)
             if r.group.done and r.group.epoch == r.epoch:  # finished, not aborted
                 done.append(self._finish(req, now))
         for g, *results in beams.values():

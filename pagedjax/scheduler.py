@@ -191,6 +191,9 @@ class StepPlan:
     rows: list[ScheduledRow]
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     num_prefill_tokens: int = 0
+    # After commit: [live decode rows, pages] int32, their page tables in row order
+    # (each row's `page_row` is a view into it).
+    decode_tables: np.ndarray | None = None
     committed: bool = False
 
     @property
@@ -492,6 +495,7 @@ class Scheduler:
             r.slots = slots[i : i + 1]
             r.page_row = tables[i]
         plan.copies = copies
+        plan.decode_tables = tables
         plan.committed = True
         self._open = False
         for sid in self._deferred:
