@@ -1,4 +1,4 @@
-"""Host-side cost of the block manager (pagedjax.blocks): no device, no jax.
+"""Host-side cost of serving: the block manager alone, and the engine's whole host path.
 
 Measures microseconds per operation on this CPU:
 
@@ -7,11 +7,20 @@ Measures microseconds per operation on this CPU:
 - append_token (one sequence), fork and free of a long sequence;
 - one decode step for B running sequences: append_tokens for the batch (page allocation,
   copy-on-write, prefix registration of pages that fill up), then page_tables for the
-  batch (the [B, max_pages] array the device step needs).
+  batch (the [B, max_pages] array the device step needs);
+- flattening a model's parameters (`--params-preset`, abstract: nothing allocated), as
+  every jitted step does on the host: `model.Params` against its `nnx.State`;
+- one engine decode step for B running sequences (`--engine-batch`): `LLM.step()` with
+  the device step replaced by a null one that returns random tokens at once, so every
+  microsecond is host work: scheduling and packing (`schedule`, `pack`: hidden behind
+  the device step in a real run), then applying the previous step's tokens, committing
+  the decode rows (`append_tokens`, page tables), filling them and dispatching
+  (`apply`, `commit`, `finish`: exposed, the device idles meanwhile). The real jitted
+  dispatch, which depends on the model, is not included.
 
 Each figure is the best (lowest) mean over ``--repeats`` rounds, so that other load on a
 shared machine inflates it less; ``--clock cpu`` counts only this process's CPU time.
-Target: decode step <= 1 ms at 256 sequences.
+Target: block-manager decode step <= 1 ms at 256 sequences.
 
     python scripts/bench_host.py            # table
     python scripts/bench_host.py --json     # one JSON object
@@ -20,6 +29,7 @@ Target: decode step <= 1 ms at 256 sequences.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -157,6 +167,135 @@ def bench_decode(args, rng, batch: int) -> dict[str, float]:
     }
 
 
+class _HostTokens(np.ndarray):
+    """A numpy array the engine can treat as a device result (`copy_to_host_async`)."""
+
+    def copy_to_host_async(self):
+        return None
+
+
+# Engine host phases timed by wrapping (owner, method name): hidden, then exposed.
+_PHASES = {
+    "schedule": ("scheduler.Scheduler", "schedule"),
+    "pack": ("batch.StepBatch", "__init__"),
+    "apply": ("engine.LLM", "_apply"),
+    "commit": ("scheduler.Scheduler", "commit"),
+    "finish": ("batch.StepBatch", "finish"),
+}
+
+
+@contextlib.contextmanager
+def _null_device(rng, vocab: int, timers: dict[str, float], now):
+    """Replaces the jitted steps with instant random tokens; times the host phases."""
+    from pagedjax import batch, decode, engine, scheduler
+
+    mods = {"scheduler": scheduler, "batch": batch, "engine": engine}
+    saved = [
+        (decode, "decode_step", decode.decode_step),
+        (decode, "prefill_step", decode.prefill_step),
+    ]
+
+    def step(params, cache, inp, **_):
+        b = inp.context_lens.shape[0]
+        toks = rng.integers(3, vocab, b).astype(np.int32).view(_HostTokens)
+        out = decode.StepOutput(toks, np.zeros(b, np.float32).view(_HostTokens))
+        return out, cache
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t0 = now()
+            try:
+                return fn(*a, **k)
+            finally:
+                timers[name] += now() - t0
+
+        return wrapper
+
+    for name, (owner, attr) in _PHASES.items():
+        mod, cls = owner.split(".")
+        target = getattr(mods[mod], cls)
+        saved.append((target, attr, getattr(target, attr)))
+        setattr(target, attr, timed(name, getattr(target, attr)))
+    decode.decode_step = decode.prefill_step = step
+    try:
+        yield
+    finally:
+        for target, attr, fn in saved:
+            setattr(target, attr, fn)
+
+
+def bench_engine(args, rng, batch: int) -> dict[str, float]:
+    """Host microseconds per engine decode step at `batch` running sequences."""
+    from pagedjax.engine import LLM, SamplingParams
+
+    ps, prompt, gen = args.page_size, args.engine_prompt_len, args.engine_steps
+    llm = LLM(
+        page_size=ps,
+        num_pages=batch * (-(-(prompt + gen) // ps) + 1) + 8,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(batch * prompt, 1024),
+        max_model_len=prompt + gen + 1,
+    )
+    vocab = llm.config.vocab_size
+    params = SamplingParams(max_tokens=gen, ignore_eos=True, temperature=1.0)
+    timers = dict.fromkeys(_PHASES, 0.0)
+    best = dict.fromkeys([*_PHASES, "step"], float("inf"))
+    with _null_device(rng, vocab, timers, args.now):
+        for _ in range(args.repeats):
+            for _ in range(batch):
+                llm.add_request(rng.integers(3, vocab, prompt).tolist(), params)
+            acc, steps = dict.fromkeys(best, 0.0), 0
+            while llm.has_unfinished_requests() or llm._inflight is not None:
+                # Timed: steps that run all `batch` sequences as decode rows.
+                full = not llm.scheduler.waiting and len(llm.scheduler.running) == batch
+                full = full and llm._inflight is not None
+                before = dict(timers)
+                t0 = args.now()
+                llm.step()
+                if full:
+                    acc["step"] += args.now() - t0
+                    for k in _PHASES:
+                        acc[k] += timers[k] - before[k]
+                    steps += 1
+            if not steps:
+                raise RuntimeError(f"no full decode step at batch {batch}; raise --engine-steps")
+            for k in best:
+                best[k] = min(best[k], acc[k] / steps * 1e6)
+    return {f"engine_{k}_b{batch}": v for k, v in best.items()}
+
+
+def bench_params(args) -> dict[str, float]:
+    """Host cost of flattening a model's parameters, which every jitted step pays.
+
+    `Params` keeps its state as a flat tuple of arrays; flattening the `nnx.State`
+    itself (what a jitted function of the state would pay) is timed beside it.
+    Abstract parameters of the preset's real shape: nothing is allocated.
+    """
+    import jax
+    from flax import nnx
+
+    from pagedjax import config, model
+
+    out = {}
+    for name in args.params_preset:
+        cfg = config.preset(name)
+        graphdef, state = nnx.split(nnx.eval_shape(lambda c=cfg: model.Llama(c, rngs=nnx.Rngs(0))))
+        params = model.Params(graphdef, state, cfg)
+
+        def flatten(tree):
+            def run():
+                t0 = args.now()
+                for _ in range(args.iters):
+                    jax.tree.flatten(tree)
+                return args.now() - t0, args.iters
+
+            return best_mean_us(run, args.repeats)
+
+        out[f"params_flatten_{name}"] = flatten(params)
+        out[f"state_flatten_{name}"] = flatten(state)
+    return out
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--page-size", type=int, default=16)
@@ -164,6 +303,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--context-len", type=int, default=1024, help="decode contexts")
     parser.add_argument("--batch", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--steps", type=int, default=128, help="decode steps per round")
+    parser.add_argument(
+        "--engine-batch", type=int, nargs="*", default=[64, 256], help="engine step batches"
+    )
+    parser.add_argument("--params-preset", nargs="*", default=["llama3-8b", "llama3-70b"])
+    parser.add_argument("--engine-prompt-len", type=int, default=64)
+    parser.add_argument("--engine-steps", type=int, default=64, help="tokens per request")
     parser.add_argument("--iters", type=int, default=50, help="operations per round")
     parser.add_argument("--repeats", type=int, default=5, help="rounds; the best is kept")
     parser.add_argument("--seed", type=int, default=0)
@@ -181,6 +326,9 @@ def main(argv=None) -> dict:
     us = bench_admit(args, rng) | bench_seq_ops(args, rng)
     for b in args.batch:
         us |= bench_decode(args, rng, b)
+    us |= bench_params(args)
+    for b in args.engine_batch:
+        us |= bench_engine(args, rng, b)
     result = {
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "now")},
         "machine": {
@@ -203,6 +351,16 @@ def main(argv=None) -> dict:
             "append_token": "one sequence, page boundaries included",
             "fork": f"{args.prompt_len}-token sequence",
             "free_forked": "drops one reference per page",
+            "params_flatten": "model.Params, as each jitted step flattens it",
+            "state_flatten": "the same parameters as an nnx.State",
+        }
+        engine_notes = {
+            "schedule": "LLM.step: Scheduler.schedule (hidden behind the device)",
+            "pack": "StepBatch: sizing, prefill rows, sampling params (hidden)",
+            "apply": "previous step's tokens: append, stop checks (exposed)",
+            "commit": "Scheduler.commit: append_tokens, page tables (exposed)",
+            "finish": "StepBatch.finish: decode rows into the StepInput (exposed)",
+            "step": "the whole LLM.step with a null device (excl. jit dispatch)",
         }
         print(f"{'operation':<28} {'us':>10}  notes")
         for k, v in us.items():
@@ -213,6 +371,11 @@ def main(argv=None) -> dict:
                 note = "[B, max_pages] int32 for the device step"
             if k.startswith("decode_step"):
                 note = "append_tokens + page_tables; target <= 1000 us at B=256"
+            if k.startswith(("params_flatten", "state_flatten")):
+                note = notes[k.rsplit("_", 1)[0]] + f" ({k.rsplit('_', 1)[1]})"
+            if k.startswith("engine_"):
+                phase = k.split("_")[1]
+                note = engine_notes.get(phase, "")
             print(f"{k:<28} {v:>10.1f}  {note}")
         print(
             f"page_size={args.page_size} context={args.context_len} steps={args.steps} "

@@ -11,12 +11,20 @@ def test_bench_host_json(capsys):
     spec = importlib.util.spec_from_file_location("bench_host", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    from pagedjax import batch, decode
+
+    originals = (decode.decode_step, decode.prefill_step, batch.StepBatch.finish)
     argv = "--json --prompt-len 100 --context-len 40 --batch 3 5 --steps 20 --iters 3 --repeats 2"
+    argv += " --engine-batch 4 --engine-prompt-len 8 --engine-steps 6 --params-preset tiny"
     bench.main(argv.split())
+    # The null device and the phase timers are gone afterwards.
+    assert (decode.decode_step, decode.prefill_step, batch.StepBatch.finish) == originals
     out = json.loads(capsys.readouterr().out)
     us = out["us"]
     want = {"admit_cold", "admit_prefix_hit", "mark_computed_all", "free_prompt"}
     want |= {"append_token", "fork", "free_forked", "decode_step_b3", "decode_step_b5"}
+    want |= {"params_flatten_tiny", "state_flatten_tiny"}
+    want |= {f"engine_{k}_b4" for k in ("schedule", "pack", "apply", "commit", "finish", "step")}
     assert want <= set(us)
     assert all(v > 0 for v in us.values()), us
     assert out["config"]["batch"] == [3, 5]
