@@ -3,8 +3,10 @@
     python scripts/convert_checkpoint.py HF_DIR OUT_DIR [--dtype bfloat16] [--overwrite]
 
 Tokenizer files found in HF_DIR (tokenizer.json, tokenizer_config.json,
-generation_config.json, special_tokens_map.json) are copied beside the orbax
-checkpoint so that OUT_DIR is enough to serve the model.
+generation_config.json, special_tokens_map.json, and a chat template kept in its own
+file: chat_template.jinja, chat_template.json) are copied beside the orbax
+checkpoint so that OUT_DIR is enough to serve the model (`generate.py --chat`
+included).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ TOKENIZER_FILES = (
     "tokenizer_config.json",
     "generation_config.json",
     "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
 )
 
 

@@ -429,9 +429,11 @@ def test_convert_cli(tmp_path, capsys):
     c = make_config(**VARIANTS["llama_tied"])
     hf = write_hf(tmp_path / "hf", c, hf_tensors(c), num_shards=2)
     (hf / "tokenizer.json").write_text("{}")
+    (hf / "chat_template.jinja").write_text("{{ bos_token }}{% for m in messages %}{% endfor %}")
     assert cli.main([str(hf), str(tmp_path / "out"), "--dtype", "float32"]) == 0
     assert "converted" in capsys.readouterr().out
-    assert (tmp_path / "out" / "tokenizer.json").is_file()
+    for name in ("tokenizer.json", "chat_template.jinja"):
+        assert (tmp_path / "out" / name).read_text() == (hf / name).read_text()
     _, p_hf = weights.load_hf_checkpoint(hf, dtype="float32")
     _, p_orbax = weights.load_checkpoint(tmp_path / "out")
     x = jnp.asarray(TOKENS)
