@@ -7,6 +7,10 @@
     outs = llm.generate(["def add(a, b):", "import os\\n"], SamplingParams(max_tokens=32))
     print(outs[0].outputs[0].text, llm.summary())
 
+    # An instruct checkpoint: conversations through its chat template (pagedjax[chat]).
+    chat_llm = LLM("path/to/Llama-3.2-1B-Instruct")
+    outs = chat_llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=32))
+
 Pieces: a `Scheduler` (continuous batching, chunked prefill, preemption) over a
 `BlockManager` (pages, copy-on-write, prefix cache); `StepBatch` (`pagedjax.batch`)
 packs each plan for the jitted `decode.prefill_step` / `decode.decode_step` (cache
@@ -38,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
 
 import jax
@@ -331,6 +335,58 @@ class LLM:
                 self._outputs.pop(i, None)
             if bar is not None:
                 bar.close()
+
+    def chat(
+        self,
+        messages: Sequence[Mapping] | Sequence[Sequence[Mapping]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+        **template_vars,
+    ) -> list[RequestOutput]:
+        """Replies to conversations, rendered with the tokenizer's chat template.
+
+        Args:
+          messages: one conversation (a list of `{"role": str, "content": str}` dicts)
+            or a list of conversations.
+          sampling_params: as for `generate`.
+          add_generation_prompt: end each with the header that opens the assistant's turn.
+          use_tqdm: as for `generate`.
+          **template_vars: more template variables (`tools`, `date_string`, ...).
+
+        Returns:
+          One `RequestOutput` per conversation, in order; its `prompt` is the rendered text.
+
+        Raises:
+          ValueError: no tokenizer or no chat template, bad messages (naming the
+            conversation), or the template rejected them.
+          ImportError: jinja2 is missing (`pip install 'pagedjax[chat]'`).
+        """
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template; this model has none")
+        if self.tokenizer.chat_template is None:
+            raise ValueError(
+                f"chat needs a chat template and the tokenizer has none "
+                f"({self.tokenizer.chat_template_source}); use generate() for raw text"
+            )
+        one = isinstance(messages, Sequence) and bool(messages) and isinstance(messages[0], Mapping)
+        convs = [messages] if one else messages
+        if isinstance(convs, (str, bytes)) or not isinstance(convs, Sequence) or not convs:
+            raise TypeError(
+                "messages must be a conversation (a list of {'role', 'content'} dicts) or a "
+                f"non-empty list of them, got {messages!r:.80}"
+            )
+        texts, ids = [], []
+        for i, conv in enumerate(convs):
+            kw = dict(add_generation_prompt=add_generation_prompt, **template_vars)
+            try:
+                texts.append(self.tokenizer.apply_chat_template(conv, **kw))
+                ids.append(self.tokenizer.encode_chat(conv, **kw))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"conversation {i}: {e}") from None
+        outs = self.generate(ids, sampling_params, use_tqdm=use_tqdm)
+        return [dataclasses.replace(o, prompt=t) for o, t in zip(outs, texts, strict=True)]
 
     def summary(self) -> dict:
         """The run's metrics (`pagedjax.metrics.SUMMARY_KEYS`)."""

@@ -15,9 +15,10 @@ import numpy as np
 import params_helpers
 import pytest
 
-from pagedjax import demo, model, sampling
+from pagedjax import demo, model, resources, sampling
 from pagedjax.config import PRESETS
 from pagedjax.engine import LLM, SamplingParams
+from pagedjax.tokenizer import Tokenizer
 
 TINY = PRESETS["tiny"]  # float32, vocab 256, EOS 2
 PS, PAGES, WIDTH = 8, 64, 64  # page size, pages, dense buffer width (>= any sequence)
@@ -406,6 +407,44 @@ def test_bad_requests_fail_before_anything_runs(params):
         LLM(params, num_pages=8, kv_memory_fraction=0.5)
     with pytest.raises(ValueError, match="backend must be one of"):
         LLM(params, num_pages=8, backend="cuda")
+
+
+def test_chat_renders_conversations_and_generates_from_them(params, dense):
+    template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    byte = resources.byte_tokenizer()
+    tok = Tokenizer(
+        byte.tokenizer, bos_token_id=1, eos_token_ids=[2], add_bos=True, chat_template=template
+    )
+    llm = LLM(params, tokenizer=tok, max_num_batched_tokens=16, **GEOMETRY)
+    convs = [
+        [{"role": "user", "content": "def f(x):"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}],
+    ]
+    ids = [tok.encode_chat(c) for c in convs]
+    assert ids[0] == [1, *tok.encode("<user>def f(x):\n<assistant>", add_bos=False)]
+    want = dense.greedy(ids, 6)
+    outs = llm.chat(convs, greedy(6))
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert [o.prompt_token_ids for o in outs] == ids
+    assert outs[1].prompt == "<system>Be brief.\n<user>2+2=\n<assistant>"
+    (one,) = llm.chat(convs[0], greedy(6))  # one conversation, not a list of them
+    assert one.outputs[0].token_ids == want[0]
+    bare = llm.chat(convs[0], greedy(6), add_generation_prompt=False)[0]
+    assert bare.prompt == "<user>def f(x):\n"
+
+    with pytest.raises(ValueError, match="conversation 1: messages\\[0\\] has no 'content'"):
+        llm.chat([convs[0], [{"role": "user"}]], greedy(2))
+    for bad in ("hi", [], None):
+        with pytest.raises(TypeError, match="messages must be a conversation"):
+            llm.chat(bad, greedy(2))
+    with pytest.raises(
+        ValueError, match="tokenizer has none .this tokenizer was built without one"
+    ):
+        LLM(params, max_num_batched_tokens=16, **GEOMETRY).chat(convs[0])
+    check_clean(llm)
 
 
 def test_kv_memory_fraction_sizes_the_cache(params):
