@@ -1,6 +1,7 @@
 """pagedjax.decode: paged prefill + decode is exact against dense recompute, on every backend."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -184,6 +185,40 @@ def test_compile_count_stays_within_the_buckets():
     after = decode.compile_counts()
     compiled = sum(after.get(k, 0) - before.get(k, 0) for k in ("prefill_step", "decode_step"))
     assert 0 < compiled <= len(buckets) == 3  # 5 batch shapes, 16 distinct step shapes
+
+
+@pytest.mark.parametrize("is_decode", [True, False], ids=["decode", "prefill"])
+def test_steps_update_the_donated_cache_in_place(params, is_decode):
+    """Every K/V pool the step returns aliases its donated input, and no pool is copied:
+    a missed donation would copy each layer's whole pool on every step."""
+    cc = CacheConfig(page_size=8, num_pages=64, dtype=TINY.dtype)
+    cache = cache_lib.create(TINY, cc)
+    if is_decode:
+        chunks = [decode.SeqChunk([5], 10 + i, [2 * i, 2 * i + 1]) for i in range(4)]
+        inp = decode.build_step_input(chunks, TINY, cc)
+    else:
+        chunks = [
+            decode.SeqChunk(list(range(3, 20)), 4, [1, 2, 3]),
+            decode.SeqChunk([7], 9, [4, 5]),
+        ]
+        inp = decode.build_step_input(chunks, TINY, cc, copies=[(1, 9)])
+    jitted = decode._decode_jit if is_decode else decode._prefill_jit
+    text = (
+        jitted.lower(params, cache, inp, backend="xla", interpret=False, num_top_logprobs=0,
+                     return_logits=False)
+        .compile()
+        .as_text()
+    )  # fmt: skip
+    header = text.splitlines()[0]
+    aliased = re.findall(r"\{(\d+)\}: \((\d+), \{\}, may-alias\)", header)
+    pools = 2 * TINY.num_layers
+    assert len(aliased) == pools, header[:300]
+    # Output tuple index -> flat input index: the pools come after params (their leaves).
+    n_params = len(jax.tree.leaves(params))
+    assert sorted(int(i) for _, i in aliased) == list(range(n_params, n_params + pools))
+    pool = f"[{TINY.num_kv_heads},{cc.num_pages},{cc.page_size},{TINY.head_dim}]"
+    copies = [ln for ln in text.splitlines() if " copy(" in ln and pool in ln.split("copy(")[0]]
+    assert not copies, copies[:3]
 
 
 def test_step_input_is_padded_to_buckets():
