@@ -128,7 +128,8 @@ def test_every_generate_flag_is_in_the_readme():
 def test_the_two_commands_are_what_ci_runs():
     commands = _section("Two commands")
     ci = (ROOT / ".ci" / "run").read_text()
-    assert '.venv/bin/pip install -q -e ".[test]" && .venv/bin/python -m pytest -q' in commands
+    test = '.venv/bin/pip install -q -e ".[test]" && .venv/bin/python -m pytest -q -n 2'
+    assert test + "\n" in commands
     assert '.venv/bin/pip install -q -e ".[test]"' in ci
-    assert ".venv/bin/python -m pytest -q\n" in ci
+    assert ".venv/bin/python -m pytest -q -n 2\n" in ci
     assert "scripts/generate.py" in commands
