@@ -10,6 +10,8 @@ Measures microseconds per operation on this CPU:
   batch (the [B, max_pages] array the device step needs);
 - flattening a model's parameters (`--params-preset`, abstract: nothing allocated), as
   every jitted step does on the host: `model.Params` against its `nnx.State`;
+- one call of a jitted `decode.decode_step` (`--dispatch-layers`, `--dispatch-batch`)
+  until it returns: the host's share of launching a step;
 - one engine decode step for B running sequences (`--engine-batch`): `LLM.step()` with
   the device step replaced by a null one that returns random tokens at once, so every
   microsecond is host work: scheduling and packing (`schedule`, `pack`: hidden behind
@@ -296,6 +298,36 @@ def bench_params(args) -> dict[str, float]:
     return out
 
 
+def bench_dispatch(args) -> dict[str, float]:
+    """Host time of one `decode.decode_step` call (until it returns, not until the device
+    finishes): a `tiny`-width model with `--dispatch-layers` layers, as many parameter
+    arrays as a real model of that depth, at `--dispatch-batch` sequences, XLA backend.
+    The median wall time over calls (each waits for the previous one first); always
+    wall time: `--clock cpu` would count the XLA threads' work on the step too."""
+    import dataclasses
+
+    import jax
+
+    from pagedjax import cache as cache_lib
+    from pagedjax import config, decode, model
+
+    layers, b = args.dispatch_layers, args.dispatch_batch
+    cfg = dataclasses.replace(config.preset("tiny"), num_layers=layers)
+    params = model.init_params(cfg)
+    cc = config.CacheConfig(16, b * 8 + 8, cfg.dtype)
+    cache = cache_lib.create(cfg, cc)
+    chunks = [decode.SeqChunk([5], 40, list(range(8 * i, 8 * i + 8))) for i in range(b)]
+    inp = decode.build_step_input(chunks, cfg, cc)
+    out, cache = decode.decode_step(params, cache, inp, backend="xla")  # compile
+    times = []
+    for _ in range(max(args.iters, 5)):
+        jax.block_until_ready((out.tokens, cache))
+        t0 = time.perf_counter()
+        out, cache = decode.decode_step(params, cache, inp, backend="xla")
+        times.append(time.perf_counter() - t0)
+    return {f"dispatch_decode_step_l{layers}_b{b}": float(np.median(times)) * 1e6}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--page-size", type=int, default=16)
@@ -307,6 +339,8 @@ def main(argv=None) -> dict:
         "--engine-batch", type=int, nargs="*", default=[64, 256], help="engine step batches"
     )
     parser.add_argument("--params-preset", nargs="*", default=["llama3-8b", "llama3-70b"])
+    parser.add_argument("--dispatch-layers", type=int, default=32)
+    parser.add_argument("--dispatch-batch", type=int, default=256)
     parser.add_argument("--engine-prompt-len", type=int, default=64)
     parser.add_argument("--engine-steps", type=int, default=64, help="tokens per request")
     parser.add_argument("--iters", type=int, default=50, help="operations per round")
@@ -327,6 +361,7 @@ def main(argv=None) -> dict:
     for b in args.batch:
         us |= bench_decode(args, rng, b)
     us |= bench_params(args)
+    us |= bench_dispatch(args)
     for b in args.engine_batch:
         us |= bench_engine(args, rng, b)
     result = {
@@ -373,6 +408,8 @@ def main(argv=None) -> dict:
                 note = "append_tokens + page_tables; target <= 1000 us at B=256"
             if k.startswith(("params_flatten", "state_flatten")):
                 note = notes[k.rsplit("_", 1)[0]] + f" ({k.rsplit('_', 1)[1]})"
+            if k.startswith("dispatch_"):
+                note = "decode_step call until it returns (median; XLA backend)"
             if k.startswith("engine_"):
                 phase = k.split("_")[1]
                 note = engine_notes.get(phase, "")
