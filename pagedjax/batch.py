@@ -2,10 +2,15 @@
 
 `StepBatch(plan, ...)` runs right after `Scheduler.schedule()`, while the device may
 still run the previous step: it sizes the batch (bucketed like
-`decode.build_step_input`) and packs every prefill row and every per-row sampling
-parameter. `finish(plan)` runs after `Scheduler.commit()`: it fills the decode rows
-(token id, slot, page table), whose tokens were not known before. Row i of the batch is
-`plan.rows[i]`; a dead decode row keeps slot -1 (writes nothing).
+`decode.build_step_input`) and packs every prefill row, every per-row sampling
+parameter, and the decode rows' page tables as the block manager holds them now.
+`finish(plan)` runs after `Scheduler.commit()`: it fills what the commit decided for
+the decode rows (token id, position, slot), whose tokens were not known before. The
+commit's append changes at most one entry of a decode row's page table, the page that
+holds the new token (a new page, or a copy of a shared one), so `finish` writes that
+entry from the slot; beam rows, whose sequences are bound in the commit, get whole
+tables there. Row i of the batch is `plan.rows[i]`; a dead decode row keeps slot -1
+(writes nothing).
 
 No validation here: the engine's rows are valid by construction (prompts are checked
 when they are added); `decode.build_step_input` is the validating builder for steps
@@ -18,6 +23,7 @@ import numpy as np
 
 from pagedjax import decode
 from pagedjax.beam import num_candidates
+from pagedjax.blocks import BlockManager
 from pagedjax.scheduler import StepPlan
 from pagedjax.step_input import pack_copies
 
@@ -32,10 +38,19 @@ class StepBatch:
       buckets: padding floors.
       page_size: tokens per page.
       vocab_size: caps the beam candidates per row.
+      block_manager: the scheduler's; read for the decode rows' page tables.
     """
 
-    def __init__(self, plan: StepPlan, buckets: decode.Buckets, page_size: int, vocab_size: int):
+    def __init__(
+        self,
+        plan: StepPlan,
+        buckets: decode.Buckets,
+        page_size: int,
+        vocab_size: int,
+        block_manager: BlockManager,
+    ):
         rows, bk, ps = plan.rows, buckets, page_size
+        self.page_size, self.bm = ps, block_manager
         n = len(rows)
         q_lens = [r.num_tokens for r in rows]
         self.decode = all(q == 1 for q in q_lens)
@@ -60,7 +75,7 @@ class StepBatch:
         # Per-row values go through Python lists and one numpy assignment each: a numpy
         # scalar store costs about as much as building the list entry, so at B=256 this
         # halves the packing time.
-        starts, ctx, sampled = [], [], []
+        starts, ctx, sampled, decoding, decoding_ids = [], [], [], [], []
         temp, top_k, top_p, seeds, steps = [], [], [], [], []
         off = 0
         for i, r in enumerate(rows):
@@ -79,12 +94,18 @@ class StepBatch:
                 top_p.append(params.top_p)
                 seeds.append(r.seq.seed)
                 steps.append(r.start + q - r.seq.num_prompt_tokens)
-            if not r.decode:
+            if r.decode and not r.group.atomic:
+                decoding.append(i)
+                decoding_ids.append(r.seq.seq_id)
+            elif not r.decode:
                 self.positions[off : off + q] = np.arange(r.start, r.start + q)
                 self.token_ids[off : off + q] = r.seq.token_ids[r.start : r.start + q]
                 self.slot_mapping[off : off + q] = r.slots
                 self.page_table[i, : len(r.page_row)] = r.page_row
             off += q
+        if decoding:  # tables before this step's append (finish sets the new entry)
+            tables = block_manager.page_tables(decoding_ids)
+            self.page_table[decoding, : tables.shape[1]] = tables
         self.starts[:n] = starts
         self.starts[n:] = off
         self.context_lens[:n] = ctx
@@ -101,6 +122,7 @@ class StepBatch:
     def finish(self, plan: StepPlan) -> tuple[decode.StepInput, int]:
         """Fills the committed decode rows; returns the StepInput and top-k count."""
         idx, toks, pos, slots, sampled, seeds, steps = [], [], [], [], [], [], []
+        beam_rows, beam_ids = [], []
         for i, r in enumerate(plan.rows):
             if not r.decode or r.seq is None:
                 continue
@@ -109,19 +131,27 @@ class StepBatch:
             toks.append(s.token_ids[r.start])
             pos.append(r.start)
             slots.append(r.slots[0])
-            if not r.group.atomic:
+            if r.group.atomic:
+                beam_rows.append(i)
+                beam_ids.append(s.seq_id)
+            else:
                 sampled.append(i)
                 seeds.append(s.seed)
                 steps.append(len(s.token_ids) - s.num_prompt_tokens)
+        if beam_rows:  # sequences bound in the commit: whole tables, after the append
+            tables = self.bm.page_tables(beam_ids)
+            self.page_table[beam_rows] = 0
+            self.page_table[beam_rows, : tables.shape[1]] = tables
         if idx:
             offs = self.starts[idx]
+            pos_arr = np.asarray(pos, np.int32)
+            slot_arr = np.asarray(slots, np.int32)
             self.token_ids[offs] = toks
-            self.positions[offs] = pos
-            self.slot_mapping[offs] = slots
-            self.context_lens[idx] = np.asarray(pos, np.int32) + 1
-            tables = plan.decode_tables  # [len(idx), pages], rows in plan order
-            self.page_table[idx, : tables.shape[1]] = tables
-            self.page_table[idx, tables.shape[1] :] = 0
+            self.positions[offs] = pos_arr
+            self.slot_mapping[offs] = slot_arr
+            self.context_lens[idx] = pos_arr + 1
+            # The page that holds the new token: new, copied, or the same as before.
+            self.page_table[idx, pos_arr // self.page_size] = slot_arr // self.page_size
             self.seeds[sampled] = seeds
             self.steps[sampled] = steps
         k = 0

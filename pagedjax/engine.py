@@ -605,7 +605,9 @@ class LLM:
 
     def _batch(self, plan: StepPlan) -> StepBatch:
         cc = self.cache_config
-        return StepBatch(plan, self.buckets, cc.page_size, self.config.vocab_size)
+        return StepBatch(
+            plan, self.buckets, cc.page_size, self.config.vocab_size, self.block_manager
+        )
 
     def _keep(self, out: RequestOutput) -> None:
         if out.request_id in self._collect:

@@ -164,7 +164,8 @@ class ScheduledRow:
     """One sequence's share of a step.
 
     Prefill rows are complete after `schedule()`; decode rows get their sequence (beam
-    rows), slot and page table in `commit()`. A decode row left with `seq is None`
+    rows) and slot in `commit()`, and read their page table from the block manager
+    (`page_row` stays None). A decode row left with `seq is None`
     after `commit()` is dead: its sequence finished or was preempted meanwhile; it
     writes nothing (slot -1) and its output is ignored.
     """
@@ -177,7 +178,7 @@ class ScheduledRow:
     decode: bool  # one token, appended in commit()
     samples: bool  # the row's output is the sequence's next token (or beam top-k)
     slots: np.ndarray | None = None  # [num_tokens] int32
-    page_row: np.ndarray | None = None  # [pages] int32
+    page_row: np.ndarray | None = None  # [pages] int32, prefill rows
 
     @property
     def live(self) -> bool:
@@ -191,9 +192,6 @@ class StepPlan:
     rows: list[ScheduledRow]
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     num_prefill_tokens: int = 0
-    # After commit: [live decode rows, pages] int32, their page tables in row order
-    # (each row's `page_row` is a view into it).
-    decode_tables: np.ndarray | None = None
     committed: bool = False
 
     @property
@@ -458,7 +456,8 @@ class Scheduler:
 
     def commit(self, plan: StepPlan) -> None:
         """Appends the decode rows' tokens (phase 2), after the engine applied the
-        previous step's results; fills their slots, page tables and the copies.
+        previous step's results; fills their slots and the copies (their page tables are
+        the block manager's).
 
         Rows whose sequence finished or was preempted meanwhile become dead. If the
         appends still run out of pages (not expected: phase 1 reserved them), the
@@ -486,16 +485,13 @@ class Scheduler:
                 for r in plan.rows:
                     if r.group is victim:
                         r.seq = None
-        tables = self.bm.page_tables([s.seq_id for s in seqs]) if seqs else None
         for i, (r, s) in enumerate(zip(live, seqs, strict=True)):
             s.num_admitted += 1
             s.num_computed += 1
             s.pending = True
             r.start = s.num_admitted - 1
             r.slots = slots[i : i + 1]
-            r.page_row = tables[i]
         plan.copies = copies
-        plan.decode_tables = tables
         plan.committed = True
         self._open = False
         for sid in self._deferred:

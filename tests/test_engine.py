@@ -9,6 +9,8 @@ over the whole vocabulary. Every engine shares one geometry (tiny model, f32, XL
 page size 8, 64 pages, default buckets) so that the tests share compiled programs.
 """
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ import params_helpers
 import pytest
 
 from pagedjax import demo, model, resources, sampling
+from pagedjax.batch import StepBatch
 from pagedjax.config import PRESETS
 from pagedjax.engine import LLM, SamplingParams
 from pagedjax.tokenizer import Tokenizer
@@ -291,6 +294,43 @@ def test_beam_search_equals_exhaustive_dense_search(params, dense, width, length
         reasons |= {c.finish_reason for c in o.outputs}
     assert reasons == {"stop", "length"}, reasons
     assert llm.block_manager.stats().cow_copies > 0  # beams forked and split pages
+    check_clean(llm)
+
+
+def test_every_step_input_carries_the_block_managers_page_tables(params, monkeypatch):
+    """After each commit, every live row's page table and slots in the packed step are the
+    block manager's, for prefill chunks, decode rows over pages they share copy-on-write
+    (n samples, prefix hits) and beams bound in the commit."""
+    checked = collections.Counter()
+    finish = StepBatch.finish
+
+    def checked_finish(self, plan):
+        inp, k = finish(self, plan)
+        for i, r in enumerate(plan.rows):
+            if r.seq is None:
+                continue
+            table = self.bm.page_tables([r.seq.seq_id])[0]
+            np.testing.assert_array_equal(inp.page_table[i, : len(table)], table)
+            lo, hi = inp.query_start_loc[i], inp.query_start_loc[i + 1]
+            pos = np.arange(r.start, r.start + r.num_tokens)
+            np.testing.assert_array_equal(inp.positions[lo:hi], pos)
+            np.testing.assert_array_equal(inp.slot_mapping[lo:hi], table[pos // PS] * PS + pos % PS)
+            checked["beam" if r.group.atomic else "decode" if r.decode else "prefill"] += 1
+        return inp, k
+
+    monkeypatch.setattr(StepBatch, "finish", checked_finish)
+    llm = LLM(params, max_num_batched_tokens=16, **GEOMETRY)
+    rng = np.random.default_rng(3)
+    shared = rng.integers(3, 256, size=19).tolist()  # 2 full pages and a partial one
+    prompts = [shared, shared + [7, 8, 9], rng.integers(3, 256, size=13).tolist()]
+    params_ = [
+        SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=12),
+        greedy(12),
+        SamplingParams(n=2, beam_width=2, max_tokens=9, ignore_eos=True),
+    ]
+    llm.generate(prompts, params_)
+    assert min(checked["beam"], checked["decode"], checked["prefill"]) > 0, checked
+    assert llm.block_manager.stats().cow_copies > 0
     check_clean(llm)
 
 

@@ -59,7 +59,8 @@ class Sim:
             self.pool[r.slots] = toks
             ctx = r.start + r.num_tokens
             pos = np.arange(ctx)
-            slots = r.page_row[pos // PS] * PS + pos % PS
+            table = r.page_row if not r.decode else self.bm.page_tables([r.seq.seq_id])[0]
+            slots = table[pos // PS] * PS + pos % PS
             assert self.pool[slots].tolist() == r.seq.token_ids[:ctx], "K/V of a wrong token"
             out.append(next_token(r.seq.token_ids[:ctx]))
         return out
