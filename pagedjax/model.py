@@ -314,8 +314,9 @@ class Params:
 
     `Params(graphdef, state, config, mesh=None)`. The state is flattened once, here,
     and kept as a tuple of arrays: an `nnx.State` flattens through a Python callback
-    per `Variable`, about 0.5 ms per call for a 32-layer model, which every jitted step
-    would pay on the host; a `Params` flattens with one callback. Treat it as
+    per `Variable` (0.27 ms for Llama-3-8B's 291 arrays on our CPU), which every jitted
+    step would pay on the host, and a jitted step's call took ~2 ms longer with it
+    (BENCHMARKS.md, "Host overhead"); a `Params` flattens with one callback. Treat it as
     immutable: `state` returns a new `nnx.State` (changing it changes nothing here);
     build a new `Params` (or `replace`) to change weights.
 
