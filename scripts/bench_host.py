@@ -14,10 +14,11 @@ Measures microseconds per operation on this CPU:
   until it returns: the host's share of launching a step;
 - one engine decode step for B running sequences (`--engine-batch`): `LLM.step()` with
   the device step replaced by a null one that returns random tokens at once, so every
-  microsecond is host work: scheduling and packing (`schedule`, `pack`: hidden behind
-  the device step in a real run), then applying the previous step's tokens, committing
-  the decode rows (`append_tokens`, page tables), filling them and dispatching
-  (`apply`, `commit`, `finish`: exposed, the device idles meanwhile). The real jitted
+  microsecond is host work: scheduling and packing, page tables included (`schedule`,
+  `pack`: hidden behind the device step in a real run), then applying the previous
+  step's tokens, committing the decode rows (`append_tokens`: slots, copy-on-write)
+  and filling them in (`apply`, `commit`, `finish`: exposed, the device idles
+  meanwhile). The real jitted
   dispatch, which depends on the model, is not included.
 
 Each figure is the best (lowest) mean over ``--repeats`` rounds, so that other load on a
@@ -391,9 +392,9 @@ def main(argv=None) -> dict:
         }
         engine_notes = {
             "schedule": "LLM.step: Scheduler.schedule (hidden behind the device)",
-            "pack": "StepBatch: sizing, prefill rows, sampling params (hidden)",
+            "pack": "StepBatch: sizing, prefill rows, params, page tables (hidden)",
             "apply": "previous step's tokens: append, stop checks (exposed)",
-            "commit": "Scheduler.commit: append_tokens, page tables (exposed)",
+            "commit": "Scheduler.commit: append_tokens, slots (exposed)",
             "finish": "StepBatch.finish: decode rows into the StepInput (exposed)",
             "step": "the whole LLM.step with a null device (excl. jit dispatch)",
         }
