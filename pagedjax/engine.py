@@ -382,9 +382,9 @@ class LLM:
             kw = dict(add_generation_prompt=add_generation_prompt, **template_vars)
             try:
                 texts.append(self.tokenizer.apply_chat_template(conv, **kw))
-                ids.append(self.tokenizer.encode_chat(conv, **kw))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"conversation {i}: {e}") from None
+            ids.append(self.tokenizer.encode_rendered(texts[-1]))
         outs = self.generate(ids, sampling_params, use_tqdm=use_tqdm)
         return [dataclasses.replace(o, prompt=t) for o, t in zip(outs, texts, strict=True)]
 

@@ -222,6 +222,14 @@ class Tokenizer:
         text = self.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, **extra
         )
+        return self.encode_rendered(text, add_bos=add_bos)
+
+    def encode_rendered(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        """Token ids of text a chat template rendered (`encode_chat` without the render).
+
+        Special-token strings encode as their own ids; BOS is prepended when `add_bos`
+        (default `self.add_bos`) and the text does not already start with it.
+        """
         add_bos = self.add_bos if add_bos is None else add_bos
         if add_bos and self.bos_token_id is None:
             raise ValueError("add_bos=True but this tokenizer has no BOS token")
