@@ -221,11 +221,8 @@ def _interpret(backend: str):
     return True
 
 
-@pytest.mark.parametrize("backend", ["gpu", "tpu"])
-def test_greedy_kernels_interpret_equal_dense(backend, f32, prompt_ids, xla_run, dense_fn):
-    _, params = f32
-    num_prompts, n = KERNEL_RUNS[backend]
-    prompts = prompt_ids[:num_prompts]
+def greedy_with_kernels(params, prompts, n, backend):
+    """n greedy tokens per prompt through the Pallas kernels of `backend`, interpreted."""
     out = decode.generate(
         params,
         prompts,
@@ -235,8 +232,17 @@ def test_greedy_kernels_interpret_equal_dense(backend, f32, prompt_ids, xla_run,
         interpret=_interpret(backend),
         buckets=SMALL_BUCKETS,
     )
-    assert out.tokens == [t[:n] for t in xla_run[:num_prompts]]
-    assert_paged_equals_dense(dense_fn, params, prompts, out.tokens)
+    return out.tokens
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_greedy_kernels_interpret_equal_dense(backend, f32, prompt_ids, xla_run, dense_fn):
+    _, params = f32
+    num_prompts, n = KERNEL_RUNS[backend]
+    prompts = prompt_ids[:num_prompts]
+    tokens = greedy_with_kernels(params, prompts, n, backend)
+    assert tokens == [t[:n] for t in xla_run[:num_prompts]]
+    assert_paged_equals_dense(dense_fn, params, prompts, tokens)
 
 
 @pytest.mark.slow
@@ -260,16 +266,8 @@ def test_dense_step_by_step_recompute_equals_one_shot(f32, prompt_ids, xla_run, 
 def test_greedy_kernels_interpret_long(backend, f32, prompt_ids, xla_run):
     _, params = f32
     num_prompts, n = LONG_KERNEL_RUNS[backend]
-    out = decode.generate(
-        params,
-        prompt_ids[:num_prompts],
-        max_new_tokens=n,
-        stop_token_ids=(),
-        backend=backend,
-        interpret=_interpret(backend),
-        buckets=SMALL_BUCKETS,
-    )
-    assert out.tokens == [t[:n] for t in xla_run[:num_prompts]]
+    tokens = greedy_with_kernels(params, prompt_ids[:num_prompts], n, backend)
+    assert tokens == [t[:n] for t in xla_run[:num_prompts]]
 
 
 @pytest.mark.slow
