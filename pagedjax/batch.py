@@ -37,7 +37,7 @@ class StepBatch:
       plan: from `Scheduler.schedule()`, not yet committed; at least one row.
       buckets: padding floors.
       page_size: tokens per page.
-      vocab_size: caps the beam candidates per row.
+      vocab_size: caps the top-k candidates per row (beam search, logprobs).
       block_manager: the scheduler's; read for the decode rows' page tables.
     """
 
@@ -88,6 +88,8 @@ class StepBatch:
                 self.top_k_needed = max(self.top_k_needed, k)
             elif r.samples:
                 params = r.group.request.params
+                if params.logprobs:
+                    self.top_k_needed = max(self.top_k_needed, params.logprobs)
                 sampled.append(i)
                 temp.append(params.temperature)
                 top_k.append(params.top_k)

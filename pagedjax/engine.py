@@ -240,6 +240,8 @@ class LLM:
             )
             if params.stop:
                 s.detok = self.tokenizer.stream()
+            if params.logprobs is not None:
+                s.logprobs = []
             return s
 
         stop_ids = frozenset(params.stop_token_ids) | (
@@ -480,6 +482,8 @@ class LLM:
             if req.beam is not None:
                 beams.setdefault(id(r.group), [r.group]).append((r.seq, top_ids[i], top_lps[i]))
                 continue
+            if r.seq.logprobs is not None:
+                r.seq.logprobs.append(_logprobs(tokens[i], logprobs[i], req, top_ids, top_lps, i))
             self._accept(req, r.seq, tokens[i], logprobs[i], on_token)
             if r.group.done and r.group.epoch == r.epoch:  # finished, not aborted
                 done.append(self._finish(req, now))
@@ -588,6 +592,7 @@ class LLM:
                         s.cumulative_logprob,
                         s.finish_reason,
                         s.stop_reason,
+                        None if s.logprobs is None else list(s.logprobs),
                     )
                 )
         first = max((s.num_cached_tokens for s in g.finished + g.seqs), default=0)
@@ -615,3 +620,13 @@ class LLM:
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+
+def _logprobs(tok: int, lp: float, req: _Request, top_ids, top_lps, row: int) -> dict:
+    """One generated token's logprobs entry: the sampled token, then the k most likely."""
+    entry = {tok: lp}
+    k = req.params.logprobs
+    if k:
+        for t, x in zip(top_ids[row, :k].tolist(), top_lps[row, :k].tolist(), strict=True):
+            entry.setdefault(t, x)
+    return entry

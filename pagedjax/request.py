@@ -11,7 +11,9 @@ import math
 
 import numpy as np
 
-__all__ = ["CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["MAX_LOGPROBS", "CompletionOutput", "RequestOutput", "SamplingParams"]
+
+MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (as in vLLM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +33,9 @@ class SamplingParams:
       beam_width: > 1 runs beam search with this many beams.
       length_penalty: beam score = logprob_sum / length ** length_penalty.
       cache_salt: requests share prefix-cache pages only with equal salts.
+      logprobs: None, or return each generated token's log-probability with those of the
+        `logprobs` most likely tokens at its position (0 to MAX_LOGPROBS; 0: the sampled
+        token's only), in `CompletionOutput.logprobs`. Not with beam search.
     """
 
     n: int = 1
@@ -45,6 +50,7 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     cache_salt: str | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         def positive_int(name):
@@ -85,6 +91,15 @@ class SamplingParams:
             raise ValueError(f"stop strings are not supported with beam search, got stop={stop}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError(f"cache_salt must be a str or None, got {self.cache_salt!r}")
+        k = self.logprobs
+        is_int = isinstance(k, (int, np.integer)) and not isinstance(k, bool)
+        if k is not None and (not is_int or not 0 <= k <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {k!r}")
+        if k is not None and self.beam_width > 1:
+            raise ValueError(
+                f"logprobs is not supported with beam search (beam_width={self.beam_width}); "
+                "each completion's cumulative_logprob is its score's numerator"
+            )
 
 
 @dataclasses.dataclass
@@ -97,6 +112,10 @@ class CompletionOutput:
     cumulative_logprob: float
     finish_reason: str | None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string
+    # With SamplingParams.logprobs = k: one dict per generated token, token id ->
+    # log-probability under the model's raw distribution (before temperature, top-k and
+    # top-p), holding the sampled token first, then the k most likely in rank order.
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclasses.dataclass

@@ -97,7 +97,7 @@ def sample(logits, temperature, top_k, top_p, seeds, steps):
 
 
 def top_logprobs(logits, k: int):
-    """The k most likely tokens per row (for beam search).
+    """The k most likely tokens per row (beam search candidates, requested logprobs).
 
     Args:
       logits: [B, V] float.

@@ -89,6 +89,8 @@ class Sequence:
         dispatched step.
       num_cached_tokens: prefix-cache hit of its last admission.
       pending: a dispatched step samples its next token (not yet in `token_ids`).
+      logprobs: per generated token, {token id: logprob} (the engine's, when the request
+        asked for logprobs; else None).
     """
 
     seq_id: int
@@ -103,6 +105,7 @@ class Sequence:
     num_cached_tokens: int = 0
     pending: bool = False
     cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     detok: Any = None  # the engine's incremental detokenizer, if any

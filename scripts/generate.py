@@ -16,6 +16,9 @@ TTFT, prefill and decode tokens/s, KV bytes read per second (the DESIGN.md
 performance model: every step reads its rows' live K/V once), peak device memory,
 KV pages, prefix-cache hit rate, preemptions, jit compilations, host overhead.
 
+`--logprobs K` lists, after the text, each generated token with its log-probability
+under the model's raw distribution and the K most likely tokens at its position.
+
 `--prompts-file`: one prompt per line (blank lines skipped); a line that starts with
 a double quote is read as a JSON string, so a prompt can hold newlines.
 
@@ -38,7 +41,9 @@ before any weights load.
                      --system text or null), and the sampling flags
     outputs          one per prompt: prompt, prompt_tokens, num_cached_tokens, ttft_s,
                      latency_s, completions: [{text, token_ids, finish_reason,
-                     cumulative_logprob}]
+                     cumulative_logprob, logprobs}]; logprobs is null without
+                     --logprobs, else one list per generated token of
+                     {token_id, logprob}: the sampled token, then the K most likely
     metrics          load_time_s, compile_time_s, num_compilations, run_time_s,
                      num_requests, num_steps, num_prompt_tokens, num_prefill_tokens,
                      num_generated_tokens, ttft_mean_s, ttft_p50_s, ttft_p99_s,
@@ -121,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="1: off")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--beam-width", type=int, default=1, help="> 1: beam search")
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        metavar="K",
+        help="show each generated token's logprob and the K most likely alternatives",
+    )
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--num-pages", type=int, help="KV pages")
@@ -273,6 +284,25 @@ def report(llm, summary: dict, device: str) -> str:
     return "\n".join(lines)
 
 
+def _json_logprobs(entries):
+    if entries is None:
+        return None
+    return [[dict(token_id=t, logprob=x) for t, x in e.items()] for e in entries]
+
+
+def format_logprobs(tokenizer, completion) -> str:
+    """One line per generated token: the token, its logprob, then the alternatives."""
+
+    def name(t):
+        return repr(tokenizer.decode([t])) if tokenizer is not None else str(t)
+
+    lines = []
+    for tok, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+        alts = ", ".join(f"{name(t)} {x:.3f}" for t, x in list(entry.items())[1:])
+        lines.append(f"{name(tok):>16} {entry[tok]:8.3f}" + (f"  | {alts}" if alts else ""))
+    return "\n".join(lines)
+
+
 def run(args) -> int:
     prompts = read_prompts(args)
     if args.system is not None and not args.chat:
@@ -290,6 +320,7 @@ def run(args) -> int:
         max_tokens=args.max_tokens,
         seed=args.seed,
         beam_width=args.beam_width,
+        logprobs=args.logprobs,
     )
     check_backend(args.backend)
     for name in ("page_size", "max_batch_tokens", "num_pages", "tensor_parallel"):
@@ -359,6 +390,7 @@ def run(args) -> int:
                 seed=args.seed,
                 beam_width=args.beam_width,
                 max_tokens=args.max_tokens,
+                logprobs=args.logprobs,
             ),
             outputs=[
                 dict(
@@ -373,6 +405,7 @@ def run(args) -> int:
                             token_ids=c.token_ids,
                             finish_reason=c.finish_reason,
                             cumulative_logprob=c.cumulative_logprob,
+                            logprobs=_json_logprobs(c.logprobs),
                         )
                         for c in o.outputs
                     ],
@@ -393,6 +426,11 @@ def run(args) -> int:
                     if sys.stdout.isatty()
                     else f"{prompt}{sep}{c.text}{tag} ({c.finish_reason})"
                 )
+    if args.logprobs is not None:
+        for i, o in enumerate(outs):
+            for c in o.outputs:
+                print(f"--- logprobs, prompt {i} completion {c.index}")
+                print(format_logprobs(llm.tokenizer, c))
     print(report(llm, summary, device))
     return 0
 

@@ -421,11 +421,54 @@ def test_stop_strings_and_stop_tokens(params, dense):
         (dict(beam_width=2, n=3), "n=3"),
         (dict(stop=[""]), r"stop=\[''\]"),
         (dict(length_penalty=float("nan")), "length_penalty=nan"),
+        (dict(logprobs=-1), "logprobs must be None or an int in \\[0, 20\\], got -1"),
+        (dict(logprobs=21), "got 21"),
+        (dict(logprobs=True), "got True"),
+        (dict(logprobs=2.0), "got 2.0"),
+        (dict(logprobs=1, beam_width=2), "not supported with beam search"),
     ],
 )
 def test_sampling_params_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_logprobs_are_the_dense_models_raw_log_softmax(params, dense):
+    """Every entry: the sampled token first, then the k most likely, values from dense logits."""
+    llm = LLM(params, max_num_batched_tokens=16, **GEOMETRY)
+    prompts = prompts_with_shared_prefixes()[:4]
+    sps = [
+        SamplingParams(n=2, temperature=0.8, top_k=20, seed=3, max_tokens=7, logprobs=5),
+        greedy(6, logprobs=0),
+        greedy(6),  # no logprobs, in the same steps as rows that want them
+        SamplingParams(temperature=1.2, seed=9, max_tokens=9, logprobs=20),
+    ]
+    outs = llm.generate(prompts, sps)
+    assert outs[2].outputs[0].logprobs is None
+    checked = unlikely = 0
+    for prompt, o, sp in zip(prompts, outs, sps, strict=True):
+        if sp.logprobs is None:
+            continue
+        for c in o.outputs:
+            assert len(c.logprobs) == len(c.token_ids) > 0
+            rows = [prompt + c.token_ids[:j] for j in range(len(c.token_ids))]
+            logits = dense.last_logits(rows).astype(np.float64)
+            top1 = logits.max(-1, keepdims=True)
+            lsm = logits - top1 - np.log(np.exp(logits - top1).sum(-1, keepdims=True))
+            for tok, entry, want in zip(c.token_ids, c.logprobs, lsm, strict=True):
+                keys = list(entry)
+                top = np.argsort(-want, kind="stable")[: sp.logprobs].tolist()
+                assert keys[0] == tok
+                assert keys[1:] == [t for t in top if t != tok]
+                np.testing.assert_allclose([entry[t] for t in keys], want[keys], atol=2e-5)
+                checked += 1
+                unlikely += tok != int(np.argmax(want))
+            total = sum(e[t] for t, e in zip(c.token_ids, c.logprobs, strict=True))
+            np.testing.assert_allclose(total, c.cumulative_logprob, rtol=1e-5)
+    assert checked == sum(len(c.token_ids) for i in (0, 1, 3) for c in outs[i].outputs)
+    assert unlikely > 0  # some sampled tokens were not the most likely: sampled-first order
+    assert llm.summary()["num_compilations"] <= 6
+    check_clean(llm)
 
 
 def test_bad_requests_fail_before_anything_runs(params):

@@ -7,6 +7,7 @@ tests/test_engine.py so that both share compiled programs.
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 from pagedjax import model, weights
 from pagedjax.config import PRESETS
 from pagedjax.metrics import SUMMARY_KEYS
+from pagedjax.request import CompletionOutput
 from pagedjax.resources import byte_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,6 +55,7 @@ def test_json_end_to_end(ckpt, capsys):
     prompts = ["def add(a, b):\n", "def add(a, b):\n    return", "import os\n"]
     argv = ["--checkpoint", ckpt, "--max-tokens", "5", "--n", "2", "--temperature", "0.7"]
     argv += ["--top-k", "50", "--seed", "3", "--backend", "xla", "--json", *GEOMETRY]
+    argv += ["--logprobs", "2"]
     for p in prompts:
         argv += ["--prompt", p]
     rc, out, err = run(argv, capsys)
@@ -82,6 +85,13 @@ def test_json_end_to_end(ckpt, capsys):
         for c in o["completions"]:
             assert 1 <= len(c["token_ids"]) <= 5 and c["finish_reason"] in ("stop", "length")
             assert np.isfinite(c["cumulative_logprob"]) and c["cumulative_logprob"] <= 0
+            assert len(c["logprobs"]) == len(c["token_ids"])
+            for tok, entry in zip(c["token_ids"], c["logprobs"], strict=True):
+                assert entry[0]["token_id"] == tok and len(entry) in (2, 3)
+                assert all(e["logprob"] <= 0 for e in entry)
+            total = sum(e[0]["logprob"] for e in c["logprobs"])
+            np.testing.assert_allclose(total, c["cumulative_logprob"], rtol=1e-5)
+    assert obj["settings"]["logprobs"] == 2
     # The first two prompts share a prefix: the prefix cache hits (same-step reuse).
     assert m["prefix_cache_hit_rate"] > 0
 
@@ -106,6 +116,33 @@ def test_streams_a_single_prompt_and_reports(ckpt, capsys):
     ):
         assert any(line.startswith(key) for line in lines), key
     assert "jit compilations" in out
+
+
+def test_logprobs_listing(ckpt, capsys):
+    argv = ["--checkpoint", ckpt, "--prompt", "x", "--prompt", "y", "--max-tokens", "3"]
+    rc, out, err = run([*argv, "--logprobs", "1", "--backend", "xla", *GEOMETRY], capsys)
+    assert rc == 0, err
+    lines = out.splitlines()
+    for i in (0, 1):
+        at = lines.index(f"--- logprobs, prompt {i} completion 0") + 1
+        n = 0
+        while not lines[at + n].startswith(("---", "model ")):
+            assert re.fullmatch(r".+ +-?\d+\.\d{3}(  \| .+ -?\d+\.\d{3})?", lines[at + n])
+            n += 1
+        assert 1 <= n <= 3
+    rc, out, err = run([*argv, "--logprobs", "21", *GEOMETRY], capsys)
+    assert rc == 2 and "logprobs must be None or an int in [0, 20], got 21" in err
+
+
+def test_format_logprobs():
+    c = CompletionOutput(0, "", [5, 7], -1.6, "length", logprobs=[{5: -0.1, 9: -2.0}, {7: -1.5}])
+    tok = byte_tokenizer()
+    want = [
+        f"{tok.decode([5])!r:>16}   -0.100  | {tok.decode([9])!r} -2.000",
+        f"{tok.decode([7])!r:>16}   -1.500",
+    ]
+    assert gen.format_logprobs(tok, c).splitlines() == want
+    assert gen.format_logprobs(None, c).splitlines()[1] == f"{'7':>16}   -1.500"
 
 
 def test_docstring_lists_every_json_key():
