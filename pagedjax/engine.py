@@ -14,8 +14,10 @@
 Pieces: a `Scheduler` (continuous batching, chunked prefill, preemption) over a
 `BlockManager` (pages, copy-on-write, prefix cache); `StepBatch` (`pagedjax.batch`)
 packs each plan for the jitted `decode.prefill_step` / `decode.decode_step` (cache
-donated); host-side beam search (`pagedjax.beam`); metrics (`pagedjax.metrics`);
-request types (`pagedjax.request`); model loading and KV sizing (`pagedjax.resources`).
+donated); `OutputProcessor` (`pagedjax.outputs`) applies each step's tokens (stop
+checks, logprobs, host-side beam search from `pagedjax.beam`) and builds the outputs;
+metrics (`pagedjax.metrics`); request types (`pagedjax.request`); model loading and
+KV sizing (`pagedjax.resources`).
 
 Host overlap. JAX dispatch is asynchronous, so each `step()` runs:
 
@@ -54,28 +56,16 @@ from pagedjax.beam import BeamSearch
 from pagedjax.blocks import BlockManager
 from pagedjax.config import CacheConfig
 from pagedjax.metrics import EngineMetrics, StepRecord
+from pagedjax.outputs import OutputProcessor, Request
 from pagedjax.request import CompletionOutput, RequestOutput, SamplingParams
 from pagedjax.resources import check_backend, load_model, peak_device_memory, plan_num_pages
-from pagedjax.scheduler import Scheduler, SeqStatus, SequenceGroup, StepPlan
+from pagedjax.scheduler import Scheduler, SequenceGroup, StepPlan
 from pagedjax.scheduler import Sequence as Seq
 from pagedjax.tokenizer import Tokenizer
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
 _SEED_STRIDE = 0x9E3779B1
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_ids: list[int]
-    params: SamplingParams
-    stop_ids: frozenset
-    group: SequenceGroup
-    beam: BeamSearch | None
-    arrival: float
-    first_token: float | None = None
 
 
 class LLM:
@@ -182,6 +172,7 @@ class LLM:
         self._rng = np.random.default_rng(seed)
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
+        self.outputs = OutputProcessor(self.scheduler, self.metrics, self._text, self._seq_ids)
         self._inflight: tuple[StepPlan, tuple, StepRecord] | None = None
         self._outputs: dict[str, RequestOutput] = {}  # finished, for a running generate()
         self._collect: set[str] = set()  # request ids a generate() call waits for
@@ -259,7 +250,7 @@ class LLM:
             group = SequenceGroup(
                 rid, [seq(i) for i in range(params.n)], params.n, params.cache_salt
             )
-        group.request = _Request(rid, text, ids, params, stop_ids, group, beam, perf_counter())
+        group.request = Request(rid, text, ids, params, stop_ids, group, beam, perf_counter())
         self.scheduler.add(group)
         return rid
 
@@ -270,7 +261,7 @@ class LLM:
             return None
         for s in g.seqs + g.forks:
             s.finish_reason = "abort"
-        out = self._output(g.request, aborted=True)
+        out = self.outputs.output(g.request, aborted=True)
         self._keep(out)
         return out
 
@@ -417,7 +408,9 @@ class LLM:
             t2 = perf_counter()
             wait = t2 - t1
             self.metrics.complete(prev_rec, t2)
-            finished = self._apply(prev, host, on_token)
+            finished = self.outputs.apply(prev, host, on_token)
+            for out in finished:
+                self._keep(out)
         else:
             t2 = t1
         self.scheduler.commit(plan)
@@ -465,149 +458,6 @@ class LLM:
         self._inflight = (plan, leaves, rec)
         return finished
 
-    def _apply(self, plan: StepPlan, host, on_token) -> list[RequestOutput]:
-        """Applies a finished step's tokens (or beam candidates) to its sequences."""
-        tokens, logprobs, top_ids, top_lps = host
-        tokens, logprobs = tokens.tolist(), logprobs.tolist()  # Python scalars, at once
-        now = perf_counter()
-        beams: dict[int, list] = {}
-        done: list[RequestOutput] = []
-        for i, r in enumerate(plan.rows):
-            if not r.samples or not r.live or r.seq.status is not SeqStatus.RUNNING:
-                continue
-            r.seq.pending = False
-            req = r.group.request
-            if req.first_token is None:
-                req.first_token = now
-            if req.beam is not None:
-                beams.setdefault(id(r.group), [r.group]).append((r.seq, top_ids[i], top_lps[i]))
-                continue
-            if r.seq.logprobs is not None:
-                r.seq.logprobs.append(_logprobs(tokens[i], logprobs[i], req, top_ids, top_lps, i))
-            self._accept(req, r.seq, tokens[i], logprobs[i], on_token)
-            if r.group.done and r.group.epoch == r.epoch:  # finished, not aborted
-                done.append(self._finish(req, now))
-        for g, *results in beams.values():
-            if self._beam_step(g.request, results):
-                done.append(self._finish(g.request, now))
-        return done
-
-    def _accept(self, req: _Request, s: Seq, tok: int, lp: float, on_token) -> None:
-        s.token_ids.append(tok)
-        s.cumulative_logprob += lp
-        self.metrics.generated_tokens += 1
-        if on_token is not None:
-            on_token(req.request_id, s.index, tok)
-            if s.status is not SeqStatus.RUNNING:
-                return  # the callback aborted the request
-        reason = stop = None
-        if tok in req.stop_ids:
-            reason, stop = "stop", tok
-        elif s.detok is not None:
-            piece = s.detok.add(tok)
-            text = s.detok.text
-            longest = max(map(len, req.params.stop))
-            begin = max(0, len(text) - len(piece) - longest + 1)
-            stop = next((x for x in req.params.stop if text.find(x, begin) >= 0), None)
-            reason = "stop" if stop is not None else None
-        if reason is None and len(s.token_ids) >= s.max_num_tokens:
-            reason = "length"
-        if reason is not None:
-            self.scheduler.finish(req.group, s, reason, stop)
-
-    def _beam_step(self, req: _Request, results) -> bool:
-        """One beam-search selection; forks and frees beams. True when the search ended."""
-        g, bs = req.group, req.beam
-        seqs = [s for s, _, _ in results]
-        p = len(req.prompt_ids)
-        self.metrics.generated_tokens += len(seqs)
-        new = bs.select(
-            [s.token_ids[p:] for s in seqs],
-            [s.cumulative_logprob for s in seqs],
-            np.stack([x for _, x, _ in results]),
-            np.stack([x for _, _, x in results]),
-        )
-        if not new:
-            for s in list(g.seqs):
-                self.scheduler.drop(g, s)
-            return True
-        picks: dict[int, list[tuple[int, float]]] = {}
-        for b, tok, total in new:
-            picks.setdefault(b, []).append((tok, total))
-        for b, parent in enumerate(seqs):
-            for tok, total in picks.get(b, [])[1:]:
-                child = Seq(
-                    next(self._seq_ids),
-                    [*parent.token_ids, tok],
-                    p,
-                    parent.max_num_tokens,
-                    0,
-                    parent.seed,
-                    cumulative_logprob=total,
-                )
-                self.scheduler.fork(g, parent, child)
-            if b in picks:
-                parent.token_ids.append(picks[b][0][0])
-                parent.cumulative_logprob = picks[b][0][1]
-        for b, parent in enumerate(seqs):
-            if b not in picks:
-                self.scheduler.drop(g, parent)
-        return False
-
-    def _finish(self, req: _Request, now: float) -> RequestOutput:
-        out = self._output(req, aborted=False, now=now)
-        self._keep(out)
-        self.metrics.record_request(len(req.prompt_ids), out.ttft_s, out.latency_s)
-        return out
-
-    def _output(self, req: _Request, *, aborted: bool, now: float | None = None) -> RequestOutput:
-        now = perf_counter() if now is None else now
-        g, p = req.group, len(req.prompt_ids)
-        comps = []
-        if req.beam is not None and req.beam.hyps:
-            for i, h in enumerate(req.beam.best(req.params.n)):
-                comps.append(
-                    CompletionOutput(
-                        i,
-                        self._text(h.token_ids),
-                        h.token_ids,
-                        h.cumulative_logprob,
-                        h.finish_reason,
-                    )
-                )
-        else:
-            seqs = g.finished + (g.seqs + g.forks if aborted else [])
-            if req.beam is not None:
-                seqs = seqs[: req.params.n]
-            for s in sorted(seqs, key=lambda s: s.index):
-                gen = s.token_ids[p:]
-                text = self._text(gen)
-                if isinstance(s.stop_reason, str):
-                    text = text[: text.find(s.stop_reason)] if s.stop_reason in text else text
-                comps.append(
-                    CompletionOutput(
-                        s.index,
-                        text,
-                        gen,
-                        s.cumulative_logprob,
-                        s.finish_reason,
-                        s.stop_reason,
-                        None if s.logprobs is None else list(s.logprobs),
-                    )
-                )
-        first = max((s.num_cached_tokens for s in g.finished + g.seqs), default=0)
-        return RequestOutput(
-            req.request_id,
-            req.prompt,
-            list(req.prompt_ids),
-            comps,
-            not aborted,
-            first,
-            g.num_preemptions,
-            None if req.first_token is None else req.first_token - req.arrival,
-            now - req.arrival,
-        )
-
     def _batch(self, plan: StepPlan) -> StepBatch:
         cc = self.cache_config
         return StepBatch(
@@ -620,13 +470,3 @@ class LLM:
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
-
-
-def _logprobs(tok: int, lp: float, req: _Request, top_ids, top_lps, row: int) -> dict:
-    """One generated token's logprobs entry: the sampled token, then the k most likely."""
-    entry = {tok: lp}
-    k = req.params.logprobs
-    if k:
-        for t, x in zip(top_ids[row, :k].tolist(), top_lps[row, :k].tolist(), strict=True):
-            entry.setdefault(t, x)
-    return entry

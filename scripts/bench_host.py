@@ -181,7 +181,7 @@ class _HostTokens(np.ndarray):
 _PHASES = {
     "schedule": ("scheduler.Scheduler", "schedule"),
     "pack": ("batch.StepBatch", "__init__"),
-    "apply": ("engine.LLM", "_apply"),
+    "apply": ("outputs.OutputProcessor", "apply"),
     "commit": ("scheduler.Scheduler", "commit"),
     "finish": ("batch.StepBatch", "finish"),
 }
@@ -190,9 +190,9 @@ _PHASES = {
 @contextlib.contextmanager
 def _null_device(rng, vocab: int, timers: dict[str, float], now):
     """Replaces the jitted steps with instant random tokens; times the host phases."""
-    from pagedjax import batch, decode, engine, scheduler
+    from pagedjax import batch, decode, outputs, scheduler
 
-    mods = {"scheduler": scheduler, "batch": batch, "engine": engine}
+    mods = {"scheduler": scheduler, "batch": batch, "outputs": outputs}
     saved = [
         (decode, "decode_step", decode.decode_step),
         (decode, "prefill_step", decode.prefill_step),

@@ -1,0 +1,230 @@
+"""From a step's sampled tokens to finished requests: the engine's host-side results.
+
+`OutputProcessor.apply` takes one step's tokens (or, for beam search, each beam's top
+candidates) back from the device and applies them: it appends each sampled token (and,
+when asked, its logprobs entry) to its sequence, checks the stop conditions (stop
+tokens, stop strings through an incremental detokenizer, length), runs the beam
+selection (forking and dropping beams through the scheduler), and builds the
+`RequestOutput` of every request that finished. The engine (`pagedjax.engine`) owns
+the step loop; this module owns what a step's results mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable
+from time import perf_counter
+
+import numpy as np
+
+from pagedjax.beam import BeamSearch
+from pagedjax.metrics import EngineMetrics
+from pagedjax.request import CompletionOutput, RequestOutput, SamplingParams
+from pagedjax.scheduler import Scheduler, SeqStatus, SequenceGroup, StepPlan
+from pagedjax.scheduler import Sequence as Seq
+
+__all__ = ["OutputProcessor", "Request", "logprobs_entry"]
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Request:
+    """The engine's record of one request (`SequenceGroup.request`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset
+    group: SequenceGroup
+    beam: BeamSearch | None
+    arrival: float
+    first_token: float | None = None
+
+
+class OutputProcessor:
+    """Applies steps' results to the scheduler's sequences and builds request outputs.
+
+    Args:
+      scheduler: the engine's; finished, forked and dropped sequences go through it.
+      metrics: counts generated tokens and finished requests.
+      detokenize: token ids -> text ("" without a tokenizer).
+      seq_ids: the engine's sequence id counter (beam forks draw from it).
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        metrics: EngineMetrics,
+        detokenize: Callable[[list[int]], str],
+        seq_ids: itertools.count,
+    ):
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.detokenize = detokenize
+        self.seq_ids = seq_ids
+
+    def apply(self, plan: StepPlan, host, on_token=None) -> list[RequestOutput]:
+        """Applies a finished step's tokens (or beam candidates) to its sequences.
+
+        Args:
+          plan: the step's plan (committed).
+          host: its (tokens [B], logprobs [B], top_ids [B, k] | None, top_logprobs
+            [B, k] | None) as numpy arrays.
+          on_token: `on_token(request_id, completion_index, token_id)` per accepted token.
+
+        Returns:
+          The requests that finished in this step.
+        """
+        tokens, logprobs, top_ids, top_lps = host
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()  # Python scalars, at once
+        now = perf_counter()
+        beams: dict[int, list] = {}
+        done: list[RequestOutput] = []
+        for i, r in enumerate(plan.rows):
+            if not r.samples or not r.live or r.seq.status is not SeqStatus.RUNNING:
+                continue
+            r.seq.pending = False
+            req = r.group.request
+            if req.first_token is None:
+                req.first_token = now
+            if req.beam is not None:
+                beams.setdefault(id(r.group), [r.group]).append((r.seq, top_ids[i], top_lps[i]))
+                continue
+            if r.seq.logprobs is not None:
+                entry = logprobs_entry(tokens[i], logprobs[i], req, top_ids, top_lps, i)
+                r.seq.logprobs.append(entry)
+            self._accept(req, r.seq, tokens[i], logprobs[i], on_token)
+            if r.group.done and r.group.epoch == r.epoch:  # finished, not aborted
+                done.append(self._finish(req, now))
+        for g, *results in beams.values():
+            if self._beam_step(g.request, results):
+                done.append(self._finish(g.request, now))
+        return done
+
+    def _accept(self, req: Request, s: Seq, tok: int, lp: float, on_token) -> None:
+        s.token_ids.append(tok)
+        s.cumulative_logprob += lp
+        self.metrics.generated_tokens += 1
+        if on_token is not None:
+            on_token(req.request_id, s.index, tok)
+            if s.status is not SeqStatus.RUNNING:
+                return  # the callback aborted the request
+        reason = stop = None
+        if tok in req.stop_ids:
+            reason, stop = "stop", tok
+        elif s.detok is not None:
+            piece = s.detok.add(tok)
+            text = s.detok.text
+            longest = max(map(len, req.params.stop))
+            begin = max(0, len(text) - len(piece) - longest + 1)
+            stop = next((x for x in req.params.stop if text.find(x, begin) >= 0), None)
+            reason = "stop" if stop is not None else None
+        if reason is None and len(s.token_ids) >= s.max_num_tokens:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(req.group, s, reason, stop)
+
+    def _beam_step(self, req: Request, results) -> bool:
+        """One beam-search selection; forks and frees beams. True when the search ended."""
+        g, bs = req.group, req.beam
+        seqs = [s for s, _, _ in results]
+        p = len(req.prompt_ids)
+        self.metrics.generated_tokens += len(seqs)
+        new = bs.select(
+            [s.token_ids[p:] for s in seqs],
+            [s.cumulative_logprob for s in seqs],
+            np.stack([x for _, x, _ in results]),
+            np.stack([x for _, _, x in results]),
+        )
+        if not new:
+            for s in list(g.seqs):
+                self.scheduler.drop(g, s)
+            return True
+        picks: dict[int, list[tuple[int, float]]] = {}
+        for b, tok, total in new:
+            picks.setdefault(b, []).append((tok, total))
+        for b, parent in enumerate(seqs):
+            for tok, total in picks.get(b, [])[1:]:
+                child = Seq(
+                    next(self.seq_ids),
+                    [*parent.token_ids, tok],
+                    p,
+                    parent.max_num_tokens,
+                    0,
+                    parent.seed,
+                    cumulative_logprob=total,
+                )
+                self.scheduler.fork(g, parent, child)
+            if b in picks:
+                parent.token_ids.append(picks[b][0][0])
+                parent.cumulative_logprob = picks[b][0][1]
+        for b, parent in enumerate(seqs):
+            if b not in picks:
+                self.scheduler.drop(g, parent)
+        return False
+
+    def _finish(self, req: Request, now: float) -> RequestOutput:
+        out = self.output(req, aborted=False, now=now)
+        self.metrics.record_request(len(req.prompt_ids), out.ttft_s, out.latency_s)
+        return out
+
+    def output(self, req: Request, *, aborted: bool, now: float | None = None) -> RequestOutput:
+        """The request's `RequestOutput`: finished, or (`aborted`) what it has so far."""
+        now = perf_counter() if now is None else now
+        g, p = req.group, len(req.prompt_ids)
+        comps = []
+        if req.beam is not None and req.beam.hyps:
+            for i, h in enumerate(req.beam.best(req.params.n)):
+                comps.append(
+                    CompletionOutput(
+                        i,
+                        self.detokenize(h.token_ids),
+                        h.token_ids,
+                        h.cumulative_logprob,
+                        h.finish_reason,
+                    )
+                )
+        else:
+            seqs = g.finished + (g.seqs + g.forks if aborted else [])
+            if req.beam is not None:
+                seqs = seqs[: req.params.n]
+            for s in sorted(seqs, key=lambda s: s.index):
+                gen = s.token_ids[p:]
+                text = self.detokenize(gen)
+                if isinstance(s.stop_reason, str):
+                    text = text[: text.find(s.stop_reason)] if s.stop_reason in text else text
+                comps.append(
+                    CompletionOutput(
+                        s.index,
+                        text,
+                        gen,
+                        s.cumulative_logprob,
+                        s.finish_reason,
+                        s.stop_reason,
+                        None if s.logprobs is None else list(s.logprobs),
+                    )
+                )
+        first = max((s.num_cached_tokens for s in g.finished + g.seqs), default=0)
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            list(req.prompt_ids),
+            comps,
+            not aborted,
+            first,
+            g.num_preemptions,
+            None if req.first_token is None else req.first_token - req.arrival,
+            now - req.arrival,
+        )
+
+
+def logprobs_entry(tok: int, lp: float, req: Request, top_ids, top_lps, row: int) -> dict:
+    """One generated token's logprobs: {token: logprob}, the sampled token, then the k most
+    likely (`req.params.logprobs`) from the step's top-k arrays [B, k'] (k' >= k)."""
+    entry = {tok: lp}
+    k = req.params.logprobs
+    if k:
+        for t, x in zip(top_ids[row, :k].tolist(), top_lps[row, :k].tolist(), strict=True):
+            entry.setdefault(t, x)
+    return entry
