@@ -72,6 +72,8 @@ class StepBatch:
         self.seeds = np.zeros(b, np.uint32)
         self.steps = np.zeros(b, np.int32)
         self.top_k_needed = 0
+        self.target_ids = None  # [T] int32 once a row wants prompt logprobs
+        self.prompt_top_k = 0
         # Per-row values go through Python lists and one numpy assignment each: a numpy
         # scalar store costs about as much as building the list entry, so at B=256 this
         # halves the packing time.
@@ -104,6 +106,8 @@ class StepBatch:
                 self.token_ids[off : off + q] = r.seq.token_ids[r.start : r.start + q]
                 self.slot_mapping[off : off + q] = r.slots
                 self.page_table[i, : len(r.page_row)] = r.page_row
+                if r.group.request.prompt_logprobs_missing:
+                    self._add_targets(r, off, t)
             off += q
         if decoding:  # tables before this step's append (finish sets the new entry)
             tables = block_manager.page_tables(decoding_ids)
@@ -121,8 +125,20 @@ class StepBatch:
         self.logits_indices[:n] = self.starts[1 : n + 1] - 1
         self.vocab = vocab_size
 
-    def finish(self, plan: StepPlan) -> tuple[decode.StepInput, int]:
-        """Fills the committed decode rows; returns the StepInput and top-k count."""
+    def _add_targets(self, r, off: int, t: int) -> None:
+        """Prompt logprobs: each fed position whose next token is a prompt token scores it."""
+        end = min(r.start + r.num_tokens, r.seq.num_prompt_tokens - 1)
+        if end <= r.start:
+            return
+        if self.target_ids is None:
+            self.target_ids = np.full(t, -1, np.int32)
+        self.target_ids[off : off + end - r.start] = r.seq.token_ids[r.start + 1 : end + 1]
+        k = r.group.request.params.prompt_logprobs
+        self.prompt_top_k = max(self.prompt_top_k, k)
+
+    def finish(self, plan: StepPlan) -> tuple[decode.StepInput, int, int]:
+        """Fills the committed decode rows; returns the StepInput and the top-k counts of
+        the sampled rows and of the prompt-logprob targets."""
         idx, toks, pos, slots, sampled, seeds, steps = [], [], [], [], [], [], []
         beam_rows, beam_ids = [], []
         for i, r in enumerate(plan.rows):
@@ -156,9 +172,11 @@ class StepBatch:
             self.page_table[idx, pos_arr // self.page_size] = slot_arr // self.page_size
             self.seeds[sampled] = seeds
             self.steps[sampled] = steps
-        k = 0
+        k = pk = 0
         if self.top_k_needed:
             k = min(decode.bucket_size(self.top_k_needed, 8), self.vocab)
+        if self.prompt_top_k:
+            pk = min(decode.bucket_size(self.prompt_top_k, 8), self.vocab)
         src, dst = pack_copies(plan.copies, decode.bucket_size(len(plan.copies), self.min_copies))
         inp = decode.StepInput(
             token_ids=self.token_ids,
@@ -175,6 +193,7 @@ class StepBatch:
             top_p=self.top_p,
             seeds=self.seeds,
             sample_steps=self.steps,
+            target_ids=self.target_ids,
             decode=self.decode,
         )
-        return inp, k
+        return inp, k, pk

@@ -327,6 +327,7 @@ class BlockManager:
         token_ids: Sequence[int] | np.ndarray,
         *,
         cache_salt: str | bytes | None = None,
+        read_cache: bool = True,
     ) -> int:
         """Reserves pages for every prompt token, reusing cached full prefix pages.
 
@@ -334,6 +335,8 @@ class BlockManager:
             seq_id: a new (not live) sequence id; a freed id may be readmitted.
             token_ids: the prompt, ``[T]`` non-negative ints, 1 <= T <= max_model_len.
             cache_salt: requests share cached pages only with requests of equal salt.
+            read_cache: reuse cached pages (False: compute the whole prompt; its full
+                pages are still registered for later requests).
 
         Returns:
             Leading prompt tokens whose K/V is already cached (a multiple of
@@ -349,7 +352,8 @@ class BlockManager:
         self._check_prompt_len(n)
         buf, ps = toks.tobytes(), self.page_size
         # At least one token is left to compute, so the last page is never a hit.
-        hits, chain = self._prefix.lookup(buf, salt_bytes(cache_salt), (n - 1) // ps)
+        max_hits = (n - 1) // ps if read_cache else 0
+        hits, chain = self._prefix.lookup(buf, salt_bytes(cache_salt), max_hits)
         num_new = -(-n // ps) - len(hits)
         available = self.num_free_pages - sum(self._refcount[p] == 0 for p in hits)
         if num_new > available:

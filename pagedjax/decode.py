@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pagedjax import cache as cache_lib
@@ -92,13 +93,27 @@ def compile_counts() -> dict[str, int]:
     return dict(_TRACES)
 
 
-def _step(params, cache, inp, *, decode, backend, interpret, num_top_logprobs, return_logits):
+def _step(
+    params,
+    cache,
+    inp,
+    *,
+    decode,
+    backend,
+    interpret,
+    num_top_logprobs,
+    num_prompt_top_logprobs=0,
+    return_logits,
+):
     _TRACES["decode_step" if decode else "prefill_step"] += 1  # runs once per trace
     if inp.decode != decode:
         raise ValueError(
             f"{'decode' if decode else 'prefill'}_step got a StepInput built with "
             f"decode={inp.decode}; use {'prefill' if decode else 'decode'}_step or `step`"
         )
+    every_token = inp.target_ids is not None
+    if num_prompt_top_logprobs and not every_token:
+        raise ValueError("num_prompt_top_logprobs needs a StepInput with target_ids")
     cache = cache_lib.copy_pages(cache, inp.copy_src, inp.copy_dst)
     logits, cache = model_lib.forward_paged(
         params,
@@ -109,22 +124,41 @@ def _step(params, cache, inp, *, decode, backend, interpret, num_top_logprobs, r
         inp.page_table,
         inp.context_lens,
         inp.query_start_loc,
-        inp.logits_indices,
+        jnp.arange(inp.token_ids.shape[0]) if every_token else inp.logits_indices,
         decode=decode,
         backend=backend,
         interpret=interpret,
     )
+    targets = {}
+    if every_token:  # logits at every token: score the targets, then keep each row's last
+        all_lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [T, V]
+        t = inp.target_ids
+        picked = jnp.take_along_axis(all_lp, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
+        targets["target_logprobs"] = jnp.where(t >= 0, picked, 0.0)
+        if num_prompt_top_logprobs:
+            top_lp, top_ids = jax.lax.top_k(all_lp, num_prompt_top_logprobs)
+            targets["target_top_ids"] = top_ids.astype(jnp.int32)
+            targets["target_top_logprobs"] = top_lp
+        logits = logits[inp.logits_indices]
     tokens, logprobs = sampling.sample(
         logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.sample_steps
     )
     top_ids = top_lp = None
     if num_top_logprobs:
         top_ids, top_lp = sampling.top_logprobs(logits, num_top_logprobs)
-    out = StepOutput(tokens, logprobs, top_ids, top_lp, logits if return_logits else None)
+    out = StepOutput(
+        tokens, logprobs, top_ids, top_lp, logits if return_logits else None, **targets
+    )
     return out, cache
 
 
-_STATIC = ("backend", "interpret", "num_top_logprobs", "return_logits")
+_STATIC = (
+    "backend",
+    "interpret",
+    "num_top_logprobs",
+    "num_prompt_top_logprobs",
+    "return_logits",
+)
 
 
 def _jit_step(decode):
@@ -144,6 +178,7 @@ def prefill_step(
     backend: str = "auto",
     interpret: bool = False,
     num_top_logprobs: int = 0,
+    num_prompt_top_logprobs: int = 0,
     return_logits: bool = False,
 ) -> tuple[StepOutput, cache_lib.PagedKVCache]:
     """One mixed step (prefill chunks and decode rows) with ragged paged attention.
@@ -157,7 +192,13 @@ def prefill_step(
       backend: attention backend, "auto" | "gpu" | "tpu" | "xla".
       interpret: run Pallas kernels in interpret mode.
       num_top_logprobs: also return each row's k most likely tokens (beam search).
+      num_prompt_top_logprobs: with `inp.target_ids`, also return every token's k most
+        likely next tokens (`StepOutput.target_top_ids`).
       return_logits: also return the [B, V] float32 logits (tests, debugging).
+
+    With `inp.target_ids` (prompt logprobs) the step computes logits at every token,
+    `[T, V]` float32 (and their log-softmax) instead of one row per sequence: a
+    separate compiled program, heavier by the lm-head over all T tokens.
 
     Returns:
       (StepOutput, new cache).
@@ -169,6 +210,7 @@ def prefill_step(
         backend=backend,
         interpret=interpret,
         num_top_logprobs=num_top_logprobs,
+        num_prompt_top_logprobs=num_prompt_top_logprobs,
         return_logits=return_logits,
     )
 
@@ -181,6 +223,7 @@ def decode_step(
     backend: str = "auto",
     interpret: bool = False,
     num_top_logprobs: int = 0,
+    num_prompt_top_logprobs: int = 0,
     return_logits: bool = False,
 ) -> tuple[StepOutput, cache_lib.PagedKVCache]:
     """One decode step: one token per sequence, with the paged decode kernel.
@@ -195,6 +238,7 @@ def decode_step(
         backend=backend,
         interpret=interpret,
         num_top_logprobs=num_top_logprobs,
+        num_prompt_top_logprobs=num_prompt_top_logprobs,
         return_logits=return_logits,
     )
 

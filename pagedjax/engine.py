@@ -251,6 +251,10 @@ class LLM:
                 rid, [seq(i) for i in range(params.n)], params.n, params.cache_salt
             )
         group.request = Request(rid, text, ids, params, stop_ids, group, beam, perf_counter())
+        if params.prompt_logprobs is not None:
+            group.request.prompt_logprobs = [None] * p
+            group.request.prompt_logprobs_missing = p - 1
+            group.read_prefix_cache = p == 1
         self.scheduler.add(group)
         return rid
 
@@ -409,8 +413,8 @@ class LLM:
             wait = t2 - t1
             self.metrics.complete(prev_rec, t2)
             finished = self.outputs.apply(prev, host, on_token)
-            for out in finished:
-                self._keep(out)
+            for o in finished:
+                self._keep(o)
         else:
             t2 = t1
         self.scheduler.commit(plan)
@@ -421,7 +425,7 @@ class LLM:
                 raise RuntimeError("scheduler made no progress with requests queued (a bug)")
             return finished
         self._idle_steps = 0
-        inp, k = batch.finish(plan)
+        inp, k, pk = batch.finish(plan)
         before = sum(decode.compile_counts().values())
         td = perf_counter()
         fn = decode.decode_step if inp.decode else decode.prefill_step
@@ -432,8 +436,17 @@ class LLM:
             backend=self.backend,
             interpret=self.interpret,
             num_top_logprobs=k,
+            num_prompt_top_logprobs=pk,
         )
-        leaves = (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)
+        leaves = (
+            out.tokens,
+            out.logprobs,
+            out.top_ids,
+            out.top_logprobs,
+            out.target_logprobs,
+            out.target_top_ids,
+            out.target_top_logprobs,
+        )
         for x in leaves:
             if x is not None:
                 x.copy_to_host_async()

@@ -40,6 +40,10 @@ class Request:
     beam: BeamSearch | None
     arrival: float
     first_token: float | None = None
+    # With prompt_logprobs: one entry per prompt token (None until computed; the first
+    # token never has one), and how many are still to come.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs_missing: int = 0
 
 
 class OutputProcessor:
@@ -76,7 +80,9 @@ class OutputProcessor:
         Returns:
           The requests that finished in this step.
         """
-        tokens, logprobs, top_ids, top_lps = host
+        tokens, logprobs, top_ids, top_lps, *targets = host
+        if targets and targets[0] is not None:  # before the tokens: a request may finish
+            self._prompt_logprobs(plan, *targets)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()  # Python scalars, at once
         now = perf_counter()
         beams: dict[int, list] = {}
@@ -92,7 +98,8 @@ class OutputProcessor:
                 beams.setdefault(id(r.group), [r.group]).append((r.seq, top_ids[i], top_lps[i]))
                 continue
             if r.seq.logprobs is not None:
-                entry = logprobs_entry(tokens[i], logprobs[i], req, top_ids, top_lps, i)
+                k = req.params.logprobs
+                entry = logprobs_entry(tokens[i], logprobs[i], k, top_ids, top_lps, i)
                 r.seq.logprobs.append(entry)
             self._accept(req, r.seq, tokens[i], logprobs[i], on_token)
             if r.group.done and r.group.epoch == r.epoch:  # finished, not aborted
@@ -101,6 +108,27 @@ class OutputProcessor:
             if self._beam_step(g.request, results):
                 done.append(self._finish(g.request, now))
         return done
+
+    def _prompt_logprobs(self, plan: StepPlan, target_lps, top_ids, top_lps) -> None:
+        """Records the prompt logprobs a step computed (`StepBatch` chose the targets)."""
+        off = 0
+        for r in plan.rows:
+            req, start, q = r.group.request, r.start, r.num_tokens
+            off += q
+            if r.decode or not req.prompt_logprobs_missing:
+                continue
+            seq, entries, k = r.seq, req.prompt_logprobs, req.params.prompt_logprobs
+            row = off - q
+            for pos in range(start, min(start + q, seq.num_prompt_tokens - 1)):
+                if entries[pos + 1] is None:
+                    i = row + pos - start
+                    tok = seq.token_ids[pos + 1]
+                    entries[pos + 1] = logprobs_entry(
+                        tok, float(target_lps[i]), k, top_ids, top_lps, i
+                    )
+                    req.prompt_logprobs_missing -= 1
+            if not req.prompt_logprobs_missing:
+                r.group.read_prefix_cache = True  # a readmission may hit the cache again
 
     def _accept(self, req: Request, s: Seq, tok: int, lp: float, on_token) -> None:
         s.token_ids.append(tok)
@@ -216,14 +244,14 @@ class OutputProcessor:
             g.num_preemptions,
             None if req.first_token is None else req.first_token - req.arrival,
             now - req.arrival,
+            None if req.prompt_logprobs is None else list(req.prompt_logprobs),
         )
 
 
-def logprobs_entry(tok: int, lp: float, req: Request, top_ids, top_lps, row: int) -> dict:
-    """One generated token's logprobs: {token: logprob}, the sampled token, then the k most
-    likely (`req.params.logprobs`) from the step's top-k arrays [B, k'] (k' >= k)."""
+def logprobs_entry(tok: int, lp: float, k: int, top_ids, top_lps, row: int) -> dict:
+    """One token's logprobs: {token: logprob}, the token itself first, then the k most
+    likely from row `row` of a step's top-k arrays [rows, k'] (k' >= k)."""
     entry = {tok: lp}
-    k = req.params.logprobs
     if k:
         for t, x in zip(top_ids[row, :k].tolist(), top_lps[row, :k].tolist(), strict=True):
             entry.setdefault(t, x)

@@ -36,6 +36,10 @@ class SamplingParams:
       logprobs: None, or return each generated token's log-probability with those of the
         `logprobs` most likely tokens at its position (0 to MAX_LOGPROBS; 0: the sampled
         token's only), in `CompletionOutput.logprobs`. Not with beam search.
+      prompt_logprobs: None, or return each prompt token's log-probability given the
+        tokens before it, with those of the `prompt_logprobs` most likely tokens there
+        (0 to MAX_LOGPROBS), in `RequestOutput.prompt_logprobs`. Such a request computes
+        its whole prompt (no prefix-cache hits) with logits at every prompt token.
     """
 
     n: int = 1
@@ -51,6 +55,7 @@ class SamplingParams:
     length_penalty: float = 1.0
     cache_salt: str | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         def positive_int(name):
@@ -91,10 +96,14 @@ class SamplingParams:
             raise ValueError(f"stop strings are not supported with beam search, got stop={stop}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError(f"cache_salt must be a str or None, got {self.cache_salt!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            is_int = isinstance(k, (int, np.integer)) and not isinstance(k, bool)
+            if k is not None and (not is_int or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(
+                    f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {name}={k!r}"
+                )
         k = self.logprobs
-        is_int = isinstance(k, (int, np.integer)) and not isinstance(k, bool)
-        if k is not None and (not is_int or not 0 <= k <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {k!r}")
         if k is not None and self.beam_width > 1:
             raise ValueError(
                 f"logprobs is not supported with beam search (beam_width={self.beam_width}); "
@@ -131,3 +140,8 @@ class RequestOutput:
     num_preemptions: int
     ttft_s: float | None  # arrival to first generated token
     latency_s: float | None  # arrival to finish
+    # With SamplingParams.prompt_logprobs = k: per prompt token, None for the first (and,
+    # in an aborted request's output, for those not computed yet), else {token id:
+    # logprob} holding the prompt token first and the k most likely in rank order (raw
+    # distribution, given the tokens before it).
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -138,6 +138,8 @@ class SequenceGroup:
       request: the engine's object for this request (opaque here).
       epoch: bumped on preemption and abort; results of older steps are stale.
       finished: sequences that finished, in finishing order.
+      read_prefix_cache: admission reuses prefix-cache pages (False while the engine
+        needs logits at every prompt token: prompt logprobs).
     """
 
     request_id: Hashable
@@ -152,6 +154,7 @@ class SequenceGroup:
     admit_order: int = -1
     num_preemptions: int = 0
     finished: list[Sequence] = dataclasses.field(default_factory=list)
+    read_prefix_cache: bool = True
 
     @property
     def seats(self) -> int:
@@ -384,7 +387,12 @@ class Scheduler:
             self.running.append(g)
             seats += g.seats
             for s, n in zip(g.seqs, lens, strict=True):
-                cached = bm.admit(s.seq_id, s.token_ids[:n], cache_salt=g.cache_salt)
+                cached = bm.admit(
+                    s.seq_id,
+                    s.token_ids[:n],
+                    cache_salt=g.cache_salt,
+                    read_cache=g.read_prefix_cache,
+                )
                 s.status = SeqStatus.RUNNING
                 s.num_admitted, s.num_computed, s.num_cached_tokens = n, cached, cached
             for s in list(g.seqs):

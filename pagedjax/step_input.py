@@ -49,6 +49,9 @@ class StepInput:
     top_p: jax.Array  # [B] float32 (1: off)
     seeds: jax.Array  # [B] uint32
     sample_steps: jax.Array  # [B] int32 index of the token being drawn, per request
+    # Prompt logprobs: the token after each fed token whose log-probability is wanted
+    # (-1: none). None: logits only at `logits_indices` (given: at every token).
+    target_ids: jax.Array | None = None  # [T] int32
     decode: bool = _static(default=False)  # one token per sequence and T == B
 
     @property
@@ -68,6 +71,11 @@ class StepOutput:
     top_ids: jax.Array | None = None  # [B, k] int32 when num_top_logprobs = k > 0
     top_logprobs: jax.Array | None = None  # [B, k] float32
     logits: jax.Array | None = None  # [B, V] float32 when return_logits
+    # With StepInput.target_ids: each token's target log-probability (0 where the
+    # target is -1), and with num_prompt_top_logprobs = k > 0 its k most likely tokens.
+    target_logprobs: jax.Array | None = None  # [T] float32
+    target_top_ids: jax.Array | None = None  # [T, k] int32
+    target_top_logprobs: jax.Array | None = None  # [T, k] float32
 
 
 @dataclass(slots=True)

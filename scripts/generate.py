@@ -17,7 +17,9 @@ performance model: every step reads its rows' live K/V once), peak device memory
 KV pages, prefix-cache hit rate, preemptions, jit compilations, host overhead.
 
 `--logprobs K` lists, after the text, each generated token with its log-probability
-under the model's raw distribution and the K most likely tokens at its position.
+under the model's raw distribution and the K most likely tokens at its position;
+`--prompt-logprobs K` does the same for the prompt's tokens (given the tokens before
+each; such prompts are computed whole, without prefix-cache hits).
 
 `--prompts-file`: one prompt per line (blank lines skipped); a line that starts with
 a double quote is read as a JSON string, so a prompt can hold newlines.
@@ -40,10 +42,12 @@ before any weights load.
                      directory, or null when off), chat (--chat), system (the
                      --system text or null), and the sampling flags
     outputs          one per prompt: prompt, prompt_tokens, num_cached_tokens, ttft_s,
-                     latency_s, completions: [{text, token_ids, finish_reason,
-                     cumulative_logprob, logprobs}]; logprobs is null without
-                     --logprobs, else one list per generated token of
-                     {token_id, logprob}: the sampled token, then the K most likely
+                     latency_s, prompt_logprobs, completions: [{text, token_ids,
+                     finish_reason, cumulative_logprob, logprobs}]; logprobs is null
+                     without --logprobs, else one list per generated token of
+                     {token_id, logprob}: the sampled token, then the K most likely;
+                     prompt_logprobs likewise with --prompt-logprobs, per prompt
+                     token (null for the first)
     metrics          load_time_s, compile_time_s, num_compilations, run_time_s,
                      num_requests, num_steps, num_prompt_tokens, num_prefill_tokens,
                      num_generated_tokens, ttft_mean_s, ttft_p50_s, ttft_p99_s,
@@ -131,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="K",
         help="show each generated token's logprob and the K most likely alternatives",
+    )
+    p.add_argument(
+        "--prompt-logprobs",
+        type=int,
+        metavar="K",
+        help="show each prompt token's logprob and the K most likely alternatives",
     )
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     kv = p.add_mutually_exclusive_group()
@@ -287,17 +297,23 @@ def report(llm, summary: dict, device: str) -> str:
 def _json_logprobs(entries):
     if entries is None:
         return None
-    return [[dict(token_id=t, logprob=x) for t, x in e.items()] for e in entries]
+    return [
+        None if e is None else [dict(token_id=t, logprob=x) for t, x in e.items()] for e in entries
+    ]
 
 
-def format_logprobs(tokenizer, completion) -> str:
-    """One line per generated token: the token, its logprob, then the alternatives."""
+def format_logprobs(tokenizer, token_ids, entries) -> str:
+    """One line per token: the token, its logprob, then the alternatives (an entry of
+    None, the first prompt token's, shows the token alone)."""
 
     def name(t):
         return repr(tokenizer.decode([t])) if tokenizer is not None else str(t)
 
     lines = []
-    for tok, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+    for tok, entry in zip(token_ids, entries, strict=True):
+        if entry is None:
+            lines.append(f"{name(tok):>16}")
+            continue
         alts = ", ".join(f"{name(t)} {x:.3f}" for t, x in list(entry.items())[1:])
         lines.append(f"{name(tok):>16} {entry[tok]:8.3f}" + (f"  | {alts}" if alts else ""))
     return "\n".join(lines)
@@ -321,6 +337,7 @@ def run(args) -> int:
         seed=args.seed,
         beam_width=args.beam_width,
         logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs,
     )
     check_backend(args.backend)
     for name in ("page_size", "max_batch_tokens", "num_pages", "tensor_parallel"):
@@ -391,6 +408,7 @@ def run(args) -> int:
                 beam_width=args.beam_width,
                 max_tokens=args.max_tokens,
                 logprobs=args.logprobs,
+                prompt_logprobs=args.prompt_logprobs,
             ),
             outputs=[
                 dict(
@@ -399,6 +417,7 @@ def run(args) -> int:
                     num_cached_tokens=o.num_cached_tokens,
                     ttft_s=o.ttft_s,
                     latency_s=o.latency_s,
+                    prompt_logprobs=_json_logprobs(o.prompt_logprobs),
                     completions=[
                         dict(
                             text=c.text,
@@ -426,11 +445,13 @@ def run(args) -> int:
                     if sys.stdout.isatty()
                     else f"{prompt}{sep}{c.text}{tag} ({c.finish_reason})"
                 )
-    if args.logprobs is not None:
-        for i, o in enumerate(outs):
-            for c in o.outputs:
-                print(f"--- logprobs, prompt {i} completion {c.index}")
-                print(format_logprobs(llm.tokenizer, c))
+    for i, o in enumerate(outs):
+        if args.prompt_logprobs is not None:
+            print(f"--- prompt logprobs, prompt {i}")
+            print(format_logprobs(llm.tokenizer, o.prompt_token_ids, o.prompt_logprobs))
+        for c in o.outputs if args.logprobs is not None else ():
+            print(f"--- logprobs, prompt {i} completion {c.index}")
+            print(format_logprobs(llm.tokenizer, c.token_ids, c.logprobs))
     print(report(llm, summary, device))
     return 0
 

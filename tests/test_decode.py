@@ -167,6 +167,54 @@ def test_copy_on_write_is_applied_before_the_step_writes(params):
     assert float(jnp.abs(k_parent[6] - k_child[6]).max()) > 0
 
 
+@pytest.mark.parametrize("is_decode", [False, True], ids=["prefill", "decode"])
+def test_target_logprobs_score_every_token_against_dense(params, is_decode):
+    """With target_ids, every token's target gets its log-probability (and top-k); the
+    sampled rows and the cache are what they are without it."""
+    cfg, s = TINY, 4
+    cache_cfg = CacheConfig(page_size=s, num_pages=64, dtype="float32")
+    prompts = _prompts(cfg, (1, 1) if is_decode else (7, 3), seed=6)
+    tables = [[3, 8], [5, 6]]
+    inp = decode.build_step_input(
+        [decode.SeqChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)], cfg, cache_cfg
+    )
+    n_tok = inp.token_ids.shape[0]
+    rng = np.random.default_rng(0)
+    targets = rng.integers(0, cfg.vocab_size, n_tok).astype(np.int32)
+    targets[2::3] = -1  # unwanted rows
+    plain, cache = decode.step(params, cache_lib.create(cfg, cache_cfg), inp, backend="xla")
+    scored, cache2 = decode.step(
+        params,
+        cache_lib.create(cfg, cache_cfg),
+        dataclasses.replace(inp, target_ids=targets),
+        backend="xla",
+        num_prompt_top_logprobs=4,
+    )
+    np.testing.assert_array_equal(np.asarray(scored.tokens), np.asarray(plain.tokens))
+    np.testing.assert_allclose(np.asarray(scored.logprobs), np.asarray(plain.logprobs), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(cache2.k[0]), np.asarray(cache.k[0]), atol=1e-6)
+    width = max(len(p) for p in prompts)
+    padded = jnp.asarray([p + [0] * (width - len(p)) for p in prompts])
+    dense = np.asarray(jax.jit(model.forward)(params, padded))
+    starts = np.asarray(inp.query_start_loc)
+    got_lp = np.asarray(scored.target_logprobs)
+    got_ids, got_top = np.asarray(scored.target_top_ids), np.asarray(scored.target_top_logprobs)
+    checked = 0
+    for b, p in enumerate(prompts):
+        for j in range(len(p)):
+            row = starts[b] + j
+            ref = dense[b][j].astype(np.float64)
+            lp = ref - ref.max() - np.log(np.exp(ref - ref.max()).sum())
+            want = lp[targets[row]] if targets[row] >= 0 else 0.0
+            np.testing.assert_allclose(got_lp[row], want, atol=2e-5)
+            np.testing.assert_array_equal(got_ids[row], np.argsort(-lp, kind="stable")[:4])
+            np.testing.assert_allclose(got_top[row], np.sort(lp)[::-1][:4], atol=2e-5)
+            checked += targets[row] >= 0
+    assert checked >= 2
+    with pytest.raises(ValueError, match="needs a StepInput with target_ids"):
+        decode.step(params, cache, inp, backend="xla", num_prompt_top_logprobs=2)
+
+
 def test_compile_count_stays_within_the_buckets():
     # A fresh model (no program cached yet); one layer keeps the compiles cheap.
     cfg = dataclasses.replace(TINY, vocab_size=200, num_layers=1)

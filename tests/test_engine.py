@@ -10,6 +10,7 @@ page size 8, 64 pages, default buckets) so that the tests share compiled program
 """
 
 import collections
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -236,7 +237,9 @@ def run_under_preemption(params, dense, beam: bool):
     budget = [60 - len(p) for p in prompts]
     sps = [greedy(m, ignore_eos=True) for m in budget]
     s, b = 8, 9
-    sps[s] = SamplingParams(n=2, temperature=0.8, top_p=0.9, seed=99, max_tokens=budget[s])
+    sps[s] = SamplingParams(
+        n=2, temperature=0.8, top_p=0.9, seed=99, max_tokens=budget[s], prompt_logprobs=2
+    )
     if beam:
         sps[b] = SamplingParams(n=2, beam_width=2, max_tokens=budget[b], ignore_eos=True)
     else:
@@ -248,6 +251,10 @@ def run_under_preemption(params, dense, beam: bool):
     for i, w in zip(greedy_ids, want, strict=True):
         assert outs[i].outputs[0].token_ids == w and outs[i].outputs[0].finish_reason == "length"
     assert_drawn_by_the_sampler(dense, prompts[s], outs[s].outputs, sps[s])
+    p = prompts[s]
+    want = dense_log_softmax(dense, [p[:j] for j in range(1, len(p))])
+    for j, entry in enumerate(outs[s].prompt_logprobs[1:]):  # kept through the preemption
+        np.testing.assert_allclose(entry[p[j + 1]], want[j, p[j + 1]], atol=2e-5)
     if beam:
         beams = dense_beam_search(dense, prompts[b], 2, budget[b], (), 1.0)
         assert [c.token_ids for c in outs[b].outputs] == [h[1] for h in beams]
@@ -305,7 +312,7 @@ def test_every_step_input_carries_the_block_managers_page_tables(params, monkeyp
     finish = StepBatch.finish
 
     def checked_finish(self, plan):
-        inp, k = finish(self, plan)
+        inp, *top_ks = finish(self, plan)
         for i, r in enumerate(plan.rows):
             if r.seq is None:
                 continue
@@ -316,7 +323,7 @@ def test_every_step_input_carries_the_block_managers_page_tables(params, monkeyp
             np.testing.assert_array_equal(inp.positions[lo:hi], pos)
             np.testing.assert_array_equal(inp.slot_mapping[lo:hi], table[pos // PS] * PS + pos % PS)
             checked["beam" if r.group.atomic else "decode" if r.decode else "prefill"] += 1
-        return inp, k
+        return inp, *top_ks
 
     monkeypatch.setattr(StepBatch, "finish", checked_finish)
     llm = LLM(params, max_num_batched_tokens=16, **GEOMETRY)
@@ -421,10 +428,12 @@ def test_stop_strings_and_stop_tokens(params, dense):
         (dict(beam_width=2, n=3), "n=3"),
         (dict(stop=[""]), r"stop=\[''\]"),
         (dict(length_penalty=float("nan")), "length_penalty=nan"),
-        (dict(logprobs=-1), "logprobs must be None or an int in \\[0, 20\\], got -1"),
-        (dict(logprobs=21), "got 21"),
-        (dict(logprobs=True), "got True"),
-        (dict(logprobs=2.0), "got 2.0"),
+        (dict(logprobs=-1), "logprobs must be None or an int in \\[0, 20\\], got logprobs=-1"),
+        (dict(logprobs=21), "got logprobs=21"),
+        (dict(logprobs=True), "got logprobs=True"),
+        (dict(logprobs=2.0), "got logprobs=2.0"),
+        (dict(prompt_logprobs=-2), "got prompt_logprobs=-2"),
+        (dict(prompt_logprobs=30), "prompt_logprobs must be None or an int in"),
         (dict(logprobs=1, beam_width=2), "not supported with beam search"),
     ],
 )
@@ -468,6 +477,46 @@ def test_logprobs_are_the_dense_models_raw_log_softmax(params, dense):
     assert checked == sum(len(c.token_ids) for i in (0, 1, 3) for c in outs[i].outputs)
     assert unlikely > 0  # some sampled tokens were not the most likely: sampled-first order
     assert llm.summary()["num_compilations"] <= 6
+    check_clean(llm)
+
+
+def dense_log_softmax(dense, rows) -> np.ndarray:
+    logits = dense.last_logits(rows).astype(np.float64)
+    top1 = logits.max(-1, keepdims=True)
+    return logits - top1 - np.log(np.exp(logits - top1).sum(-1, keepdims=True))
+
+
+def test_prompt_logprobs_score_every_prompt_token(params, dense):
+    """Chunked prefill (budget 16 < prompt), n-sample forks and a shared prefix: every
+    prompt token's entry is the dense model's, and such requests skip prefix-cache hits."""
+    llm = LLM(params, max_num_batched_tokens=16, **GEOMETRY)
+    prompts = prompts_with_shared_prefixes(lens=(9, 20, 17, 3))  # 9, 36, 17, 19 tokens
+    warm = llm.generate(prompts, greedy(2))  # fills the prefix cache
+    assert max(o.num_cached_tokens for o in warm) > 0
+    sps = [
+        greedy(3, prompt_logprobs=3),
+        SamplingParams(n=2, temperature=0.9, seed=4, max_tokens=3, prompt_logprobs=0),
+        greedy(3),
+        greedy(1, prompt_logprobs=20, logprobs=2),
+    ]
+    outs = llm.generate(prompts, sps)
+    assert outs[2].prompt_logprobs is None and outs[2].num_cached_tokens > 0
+    for prompt, o, sp in zip(prompts, outs, sps, strict=True):
+        if sp.prompt_logprobs is None:
+            continue
+        assert o.num_cached_tokens == 0  # computed, not read from the cache
+        assert len(o.prompt_logprobs) == len(prompt) and o.prompt_logprobs[0] is None
+        want = dense_log_softmax(dense, [prompt[:j] for j in range(1, len(prompt))])
+        for tok, entry, w in zip(prompt[1:], o.prompt_logprobs[1:], want, strict=True):
+            keys = list(entry)
+            top = np.argsort(-w, kind="stable")[: sp.prompt_logprobs].tolist()
+            assert keys == [tok] + [t for t in top if t != tok]
+            np.testing.assert_allclose([entry[t] for t in keys], w[keys], atol=2e-5)
+        # The completions are what they are without prompt logprobs.
+        plain = llm.generate([prompt], dataclasses.replace(sp, prompt_logprobs=None))[0]
+        assert [c.token_ids for c in o.outputs] == [c.token_ids for c in plain.outputs]
+    assert outs[3].outputs[0].logprobs is not None  # both kinds in one request
+    assert llm.summary()["num_compilations"] <= 8
     check_clean(llm)
 
 

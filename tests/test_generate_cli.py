@@ -18,7 +18,6 @@ import pytest
 from pagedjax import model, weights
 from pagedjax.config import PRESETS
 from pagedjax.metrics import SUMMARY_KEYS
-from pagedjax.request import CompletionOutput
 from pagedjax.resources import byte_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +54,7 @@ def test_json_end_to_end(ckpt, capsys):
     prompts = ["def add(a, b):\n", "def add(a, b):\n    return", "import os\n"]
     argv = ["--checkpoint", ckpt, "--max-tokens", "5", "--n", "2", "--temperature", "0.7"]
     argv += ["--top-k", "50", "--seed", "3", "--backend", "xla", "--json", *GEOMETRY]
-    argv += ["--logprobs", "2"]
+    argv += ["--logprobs", "2", "--prompt-logprobs", "1"]
     for p in prompts:
         argv += ["--prompt", p]
     rc, out, err = run(argv, capsys)
@@ -91,9 +90,14 @@ def test_json_end_to_end(ckpt, capsys):
                 assert all(e["logprob"] <= 0 for e in entry)
             total = sum(e[0]["logprob"] for e in c["logprobs"])
             np.testing.assert_allclose(total, c["cumulative_logprob"], rtol=1e-5)
-    assert obj["settings"]["logprobs"] == 2
-    # The first two prompts share a prefix: the prefix cache hits (same-step reuse).
-    assert m["prefix_cache_hit_rate"] > 0
+    assert obj["settings"]["logprobs"] == 2 and obj["settings"]["prompt_logprobs"] == 1
+    for o in obj["outputs"]:
+        plp = o["prompt_logprobs"]
+        assert len(plp) == o["prompt_tokens"] and plp[0] is None and o["num_cached_tokens"] == 0
+        assert all(1 <= len(e) <= 2 and e[0]["logprob"] <= 0 for e in plp[1:])
+    # The first two prompts share a prefix, but prompt logprobs need every prompt token
+    # computed: no prefix-cache hits.
+    assert m["prefix_cache_hit_rate"] == 0
 
 
 def test_streams_a_single_prompt_and_reports(ckpt, capsys):
@@ -119,10 +123,14 @@ def test_streams_a_single_prompt_and_reports(ckpt, capsys):
 
 
 def test_logprobs_listing(ckpt, capsys):
-    argv = ["--checkpoint", ckpt, "--prompt", "x", "--prompt", "y", "--max-tokens", "3"]
+    argv = ["--checkpoint", ckpt, "--prompt", "x", "--prompt", "yz", "--max-tokens", "3"]
+    argv += ["--prompt-logprobs", "0"]
     rc, out, err = run([*argv, "--logprobs", "1", "--backend", "xla", *GEOMETRY], capsys)
     assert rc == 0, err
     lines = out.splitlines()
+    at = lines.index("--- prompt logprobs, prompt 1")
+    assert lines[at + 1].strip() == repr("y")  # the first prompt token: no logprob
+    assert re.fullmatch(r" +'z' +-?\d+\.\d{3}", lines[at + 2])  # K = 0: no alternatives
     for i in (0, 1):
         at = lines.index(f"--- logprobs, prompt {i} completion 0") + 1
         n = 0
@@ -131,18 +139,19 @@ def test_logprobs_listing(ckpt, capsys):
             n += 1
         assert 1 <= n <= 3
     rc, out, err = run([*argv, "--logprobs", "21", *GEOMETRY], capsys)
-    assert rc == 2 and "logprobs must be None or an int in [0, 20], got 21" in err
+    assert rc == 2 and "logprobs must be None or an int in [0, 20], got logprobs=21" in err
 
 
 def test_format_logprobs():
-    c = CompletionOutput(0, "", [5, 7], -1.6, "length", logprobs=[{5: -0.1, 9: -2.0}, {7: -1.5}])
+    ids, entries = [4, 5, 7], [None, {5: -0.1, 9: -2.0}, {7: -1.5}]
     tok = byte_tokenizer()
     want = [
+        f"{tok.decode([4])!r:>16}",
         f"{tok.decode([5])!r:>16}   -0.100  | {tok.decode([9])!r} -2.000",
         f"{tok.decode([7])!r:>16}   -1.500",
     ]
-    assert gen.format_logprobs(tok, c).splitlines() == want
-    assert gen.format_logprobs(None, c).splitlines()[1] == f"{'7':>16}   -1.500"
+    assert gen.format_logprobs(tok, ids, entries).splitlines() == want
+    assert gen.format_logprobs(None, ids, entries).splitlines()[2] == f"{'7':>16}   -1.500"
 
 
 def test_docstring_lists_every_json_key():
