@@ -226,6 +226,20 @@ def test_prefix_reuse_three_shared_pages():
     bm.check_invariants()
 
 
+def test_admit_without_reading_the_cache_computes_the_whole_prompt():
+    bm = BlockManager(32, 4)
+    toks = prompt(13)
+    computed(bm, "a", toks)
+    assert bm.admit("b", toks, read_cache=False) == 0  # 3 cached pages, not used
+    assert not set(bm.page_table("b")) & set(bm.page_table("a"))
+    bm.mark_computed("b", 13)  # its full pages duplicate cached content: not re-registered
+    table_a = bm.page_table("a")
+    bm.free("a")
+    assert bm.admit("c", toks) == 12  # a's pages still serve later requests
+    assert bm.page_table("c")[:3] == table_a[:3]
+    bm.check_invariants()
+
+
 def test_pages_are_not_found_before_they_are_computed():
     bm = BlockManager(32, 4)
     toks = prompt(16)
