@@ -29,7 +29,10 @@ Contract:
   on the device; prefill only the rest, then report progress with ``mark_computed``.
 - ``append_token(s)`` feeds the token at position ``num_tokens`` (the token sampled last
   step) and counts it as computed at once: the step that writes it runs before anything
-  can attend to it. Appending needs a fully computed sequence.
+  can attend to it. Appending needs a fully computed sequence. The token's value may
+  come later (``-1``: the device feeds it from the step that samples it; asynchronous
+  scheduling): ``set_tokens`` gives it, and only then can its page be cached. A sequence
+  holds at most one such token.
 - Copies ``(src_page, dst_page)`` are copy-on-write page copies the device must execute
   before this step's writes. Page tables change on append (new page, copy-on-write) and
   nowhere else; re-read them after each append.
@@ -123,14 +126,15 @@ _FREED_MEMORY = 4096  # freed ids remembered to tell "double free" from "unknown
 _pack_token = struct.Struct("<q").pack
 
 
-def _token_array(token_ids, what: str) -> np.ndarray:
+def _token_array(token_ids, what: str, *, allow_unknown: bool = False) -> np.ndarray:
     arr = np.asarray(token_ids)
     if arr.ndim != 1:
         raise InvalidArgument(f"{what} must be 1-D, got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
         raise InvalidArgument(f"{what} must be integers, got dtype {arr.dtype}")
-    if arr.size and int(arr.min()) < 0:
-        raise InvalidArgument(f"{what} must be >= 0, got {int(arr.min())}")
+    if arr.size and int(arr.min()) < -int(allow_unknown):
+        lowest = "-1 (not known yet)" if allow_unknown else "0"
+        raise InvalidArgument(f"{what} must be >= {lowest}, got {int(arr.min())}")
     return arr.astype("<i8", copy=False)
 
 
@@ -142,6 +146,7 @@ class _Seq:
     num_tokens: int
     num_computed: int  # tokens whose K/V is on the device (or written this step)
     chain: Chain  # the prefix cache's position in this sequence (salt included)
+    unknown: int = -1  # position of the token whose value is not known yet (-1: none)
 
 
 class BlockManager:
@@ -305,9 +310,11 @@ class BlockManager:
             require(s.table[:k].tolist() == s.pages, f"{sid!r}: table mirror is stale")
             require(len(s.tokens) == 8 * s.num_tokens, f"{sid!r}: token buffer length")
             require(0 <= s.num_computed <= s.num_tokens, f"{sid!r}: num_computed out of range")
+            require(-1 <= s.unknown < s.num_tokens, f"{sid!r}: unknown token out of range")
             for p in s.pages:
                 holders[p] += 1
-            cache.check_chain(repr(sid), s.chain, s.pages, s.tokens, s.num_computed, require)
+            known = s.num_computed if s.unknown < 0 else min(s.num_computed, s.unknown)
+            cache.check_chain(repr(sid), s.chain, s.pages, s.tokens, known, require)
         for p in range(self.num_pages):
             e = entries[p]
             where = (p in free) + (p in lru) + (rc[p] > 0)
@@ -386,7 +393,8 @@ class BlockManager:
                 f"[{s.num_computed}, {s.num_tokens}]"
             )
         s.num_computed = n
-        self._prefix.register(s.chain, s.pages, s.tokens, n // self.page_size)
+        known = n if s.unknown < 0 else min(n, s.unknown)  # cache only known content
+        self._prefix.register(s.chain, s.pages, s.tokens, known // self.page_size)
 
     def append_token(self, seq_id: Hashable, token_id: int) -> tuple[int, list[tuple[int, int]]]:
         """One-sequence ``append_tokens``: returns ``(slot, copies)``."""
@@ -400,7 +408,8 @@ class BlockManager:
 
         Args:
             seq_ids: distinct, fully computed live sequences.
-            token_ids: ``[B]`` the token each sequence feeds at position ``num_tokens``.
+            token_ids: ``[B]`` the token each sequence feeds at position ``num_tokens``;
+                -1: not known yet (``set_tokens`` gives it later).
 
         Returns:
             ``(slots, copies)``: ``[B]`` int32 write slots, and ``(src_page, dst_page)``
@@ -409,7 +418,7 @@ class BlockManager:
         Raises:
             OutOfPages: the batch needs more pages than are left; nothing changed.
         """
-        toks = _token_array(token_ids, "token_ids")
+        toks = _token_array(token_ids, "token_ids", allow_unknown=True)
         if toks.shape[0] != len(seq_ids):
             raise InvalidArgument(f"{len(seq_ids)} seq_ids but {toks.shape[0]} token_ids")
         seqs, needed = self._append_plan(seq_ids)
@@ -439,11 +448,39 @@ class BlockManager:
                     copies.append((src, p))
             s.tokens += pack(t)
             s.num_tokens = s.num_computed = n + 1
-            if off == ps - 1 and s.chain.hash is not None:  # the page is full: cache it
+            if t < 0:
+                s.unknown = n
+            elif off == ps - 1 and s.chain.hash is not None:  # the page is full: cache it
                 register(s.chain, pages, s.tokens, len(pages))
             slots.append(p * ps + off)
         self._cow_copies += len(copies)
         return np.array(slots, np.int32), copies
+
+    def set_tokens(
+        self, seq_ids: Sequence[Hashable], token_ids: Sequence[int] | np.ndarray
+    ) -> None:
+        """Gives the values of tokens appended as unknown (-1); full pages get cached.
+
+        Args:
+            seq_ids: distinct live sequences, each holding an unknown token.
+            token_ids: ``[B]`` their values.
+        """
+        toks = _token_array(token_ids, "token_ids")
+        if toks.shape[0] != len(seq_ids):
+            raise InvalidArgument(f"{len(seq_ids)} seq_ids but {toks.shape[0]} token_ids")
+        seqs = [self._get(sid) for sid in seq_ids]
+        for sid, s in zip(seq_ids, seqs, strict=True):
+            if s.unknown < 0:
+                raise InvalidState(f"sequence {sid!r} has no token waiting for its value")
+        if len(set(seq_ids)) != len(seq_ids):
+            dup = next(k for k, c in collections.Counter(seq_ids).items() if c > 1)
+            raise InvalidArgument(f"sequence {dup!r} appears twice in one set_tokens batch")
+        ps, register = self.page_size, self._prefix.register
+        for s, t in zip(seqs, toks.tolist(), strict=True):
+            s.tokens[8 * s.unknown : 8 * s.unknown + 8] = _pack_token(t)
+            s.unknown = -1
+            if s.chain.hash is not None:
+                register(s.chain, s.pages, s.tokens, s.num_computed // ps)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Makes ``child_id`` share every page of ``parent_id`` (refcounts + 1)."""
@@ -454,6 +491,10 @@ class BlockManager:
             raise InvalidState(
                 f"cannot fork {parent_id!r} mid-prefill: {parent.num_computed} of "
                 f"{parent.num_tokens} tokens computed"
+            )
+        if parent.unknown >= 0:
+            raise InvalidState(
+                f"cannot fork {parent_id!r}: token {parent.unknown} has no value yet"
             )
         rc = self._refcount
         for p in parent.pages:
@@ -519,6 +560,10 @@ class BlockManager:
                 )
             if limit is not None and s.num_tokens >= limit:
                 raise InvalidArgument(f"sequence {sid!r} is at max_model_len={limit}")
+            if s.unknown >= 0:
+                raise InvalidState(
+                    f"cannot append to {sid!r}: token {s.unknown} has no value yet (set_tokens)"
+                )
             if s.num_tokens % ps == 0:
                 needed += 1
             elif rc[s.pages[-1]] > 1:

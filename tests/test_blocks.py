@@ -460,7 +460,10 @@ BAD_CALLS = [
     (lambda bm: bm.append_token("done", 1), SequenceFreed, "done"),
     (lambda bm: bm.append_token("pre", 1), InvalidState, "'pre' mid-prefill"),
     (lambda bm: bm.append_token("full", 1), InvalidArgument, "'full' is at max_model_len=12"),
-    (lambda bm: bm.append_token("run", -1), InvalidArgument, ">= 0, got -1"),
+    (lambda bm: bm.append_token("run", -2), InvalidArgument, r">= -1 \(not known yet\), got -2"),
+    (lambda bm: bm.set_tokens(["run"], [1]), InvalidState, "'run' has no token waiting"),
+    (lambda bm: bm.set_tokens(["run"], [-1]), InvalidArgument, ">= 0, got -1"),
+    (lambda bm: bm.set_tokens(["run"], [1, 2]), InvalidArgument, "1 seq_ids but 2 token_ids"),
     (lambda bm: bm.append_tokens(["run", "run"], [1, 2]), InvalidArgument, "'run' appears twice"),
     (lambda bm: bm.append_tokens(["run", "done"], [1, 2]), SequenceFreed, "done"),
     (lambda bm: bm.append_tokens(["run"], [1, 2]), InvalidArgument, "1 seq_ids but 2 token_ids"),
@@ -488,6 +491,35 @@ def test_bad_calls_raise_and_change_nothing(call, exc, match):
     with pytest.raises(exc, match=match):
         call(bm)
     assert snapshot(bm) == before
+    bm.check_invariants()
+
+
+def test_tokens_appended_before_their_value_is_known():
+    """Asynchronous scheduling: a slot is reserved for a token the device has not sampled
+    yet; its page is cached only once `set_tokens` gives the value."""
+    bm = BlockManager(16, 4)
+    toks = prompt(7)
+    computed(bm, "a", toks)
+    computed(bm, "b", prompt(5))
+    slots, copies = bm.append_tokens(["a", "b"], [-1, 6])  # a's position 7 fills page 1
+    assert copies == [] and slots[0] == bm.page_table("a")[1] * 4 + 3
+    assert bm.stats().num_cached_pages == 2  # a's page 0 and b's page 0, not a's page 1
+    bm.check_invariants()
+    before = snapshot(bm)
+    for call, match in [
+        (lambda: bm.append_token("a", 5), "'a': token 7 has no value yet"),
+        (lambda: bm.append_tokens(["b", "a"], [5, -1]), "'a': token 7 has no value yet"),
+        (lambda: bm.fork("a", "c"), "fork 'a': token 7 has no value yet"),
+        (lambda: bm.set_tokens(["a", "b"], [9, 9]), "'b' has no token waiting"),
+    ]:
+        with pytest.raises(InvalidState, match=match):
+            call()
+        assert snapshot(bm) == before
+    bm.set_tokens(["a"], [9])
+    assert bm.stats().num_cached_pages == 3
+    bm.check_invariants()
+    assert bm.admit("c", toks + [9, 1]) == 8  # the cached page holds the real token
+    bm.append_token("a", 3)  # and a can go on
     bm.check_invariants()
 
 
@@ -545,6 +577,7 @@ class BlockMachine(RuleBasedStateMachine):
         self.freed: list[int] = []
         self.history: list[tuple] = []  # (salt, tokens) of freed sequences
         self.next_id = 0
+        self.unknown: dict[int, int] = {}  # seq -> value of its token appended as -1
 
     # helpers
     def prefix_ids(self, salt, tokens, start=None):
@@ -559,7 +592,12 @@ class BlockMachine(RuleBasedStateMachine):
         return seqs[i % len(seqs)] if seqs else None
 
     def ready(self):
-        return [s for s in self.live if self.bm.num_computed_tokens(s) == self.bm.num_tokens(s)]
+        bm = self.bm
+        return [
+            s
+            for s in self.live
+            if bm.num_computed_tokens(s) == bm.num_tokens(s) and s not in self.unknown
+        ]
 
     def expect_error(self, exc, call):
         before = snapshot(self.bm)
@@ -625,6 +663,7 @@ class BlockMachine(RuleBasedStateMachine):
 
     def release(self, s):
         self.bm.free(s)
+        self.unknown.pop(s, None)
         salt, toks, _ = self.live.pop(s)
         self.freed.append(s)
         self.history.append((salt, toks))
@@ -637,8 +676,9 @@ class BlockMachine(RuleBasedStateMachine):
             self.dev[slot] = k
         self.bm.mark_computed(s, end)
 
-    def append(self, batch, tokens):
-        """Appends one token to each of ``batch``, predicting the pages and copies needed."""
+    def append(self, batch, tokens, unknown=False):
+        """Appends one token to each of ``batch``, predicting the pages and copies needed;
+        `unknown`: as -1 (asynchronous scheduling; the device writes the real token)."""
         batch = [s for s in batch if self.bm.num_tokens(s) < 24]
         tokens = tokens[: len(batch)]
         holders: dict[int, int] = {}
@@ -656,7 +696,10 @@ class BlockMachine(RuleBasedStateMachine):
         if need > self.bm.num_free_pages:
             self.expect_error(OutOfPages, lambda: self.bm.append_tokens(batch, tokens))
             return False
-        if len(batch) == 1:
+        if unknown:
+            slots, copies = self.bm.append_tokens(batch, [-1] * len(batch))
+            self.unknown.update(zip(batch, tokens, strict=True))
+        elif len(batch) == 1:
             slot, copies = self.bm.append_token(batch[0], tokens[0])
             slots = [slot]
         else:
@@ -686,6 +729,22 @@ class BlockMachine(RuleBasedStateMachine):
     @rule(mask=st.integers(0, 2**12 - 1), seed=st.integers(0, 2**64 - 1))
     def append_some(self, mask, seed):
         self.append([s for j, s in enumerate(self.ready()) if mask >> j & 1], token_stream(seed))
+
+    @precondition(lambda self: self.live)
+    @rule(mask=st.integers(0, 2**12 - 1), seed=st.integers(0, 2**64 - 1))
+    def append_before_known(self, mask, seed):
+        batch = [s for j, s in enumerate(self.ready()) if mask >> j & 1]
+        self.append(batch, token_stream(seed), unknown=True)
+
+    @precondition(lambda self: self.unknown)
+    @rule(mask=st.integers(0, 2**12 - 1), bad=st.booleans())
+    def set_known(self, mask, bad):
+        seqs = [s for j, s in enumerate(self.unknown) if mask >> j & 1]
+        s = next(iter(self.unknown))
+        if bad and self.bm.num_tokens(s) < 24:  # appending or forking before the value is set
+            self.expect_error(InvalidState, lambda: self.bm.append_token(s, 1))
+            self.expect_error(InvalidState, lambda: self.bm.fork(s, -7))
+        self.bm.set_tokens(seqs, [self.unknown.pop(s) for s in seqs])
 
     @precondition(lambda self: self.live)
     @rule(chunk=st.integers(1, 9), seed=st.integers(0, 2**64 - 1))
