@@ -90,7 +90,7 @@ class OutputProcessor:
         for i, r in enumerate(plan.rows):
             if not r.samples or not r.live or r.seq.status is not SeqStatus.RUNNING:
                 continue
-            r.seq.pending = False
+            r.seq.pending -= 1
             req = r.group.request
             if req.first_token is None:
                 req.first_token = now

@@ -37,6 +37,17 @@ last prompt token itself, copy-on-write splitting the last partial page); or a b
 search (`atomic`), whose beams always step together. `add` refuses a group that could
 not run even alone in the cache, so preemption always makes progress.
 
+Asynchronous commit: `commit(plan, in_flight=True)` runs before the previous step's
+tokens reach the host. A decode row whose sequence's next token is still in flight
+(sampled by that step) is bound anyway: its slot is reserved with the value unknown
+(`ScheduledRow.feed`: the device takes the token from the previous step's output),
+and `set_tokens` gives the value to the block manager once it arrives, before the
+engine appends it. A row whose sequence then turns out to have stopped on that token
+computes one token for nothing; its output is ignored and its pages are freed with the
+sequence (the device runs steps in order, so a later step never sees its writes).
+Beam groups need the previous step's selection to bind their rows: plans with beam
+rows are committed after it (the default).
+
 Frees requested between `schedule()` and the end of `commit()` (a sequence that
 finishes, an aborted request, a dropped beam) are deferred to the end of `commit()`:
 this step may still write K/V into those pages (a prefill chunk already counted as
@@ -88,7 +99,8 @@ class Sequence:
       num_computed: of those, tokens whose K/V is on the device or being written by a
         dispatched step.
       num_cached_tokens: prefix-cache hit of its last admission.
-      pending: a dispatched step samples its next token (not yet in `token_ids`).
+      pending: dispatched steps sampling its next tokens, not yet in `token_ids` (2 when
+        an asynchronous commit fed the first of them to the next step).
       logprobs: per generated token, {token id: logprob} (the engine's, when the request
         asked for logprobs; else None).
     """
@@ -103,7 +115,7 @@ class Sequence:
     num_admitted: int = 0
     num_computed: int = 0
     num_cached_tokens: int = 0
-    pending: bool = False
+    pending: int = 0
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
@@ -114,13 +126,13 @@ class Sequence:
     def num_generated(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
-    def _ready(self) -> bool:
-        """Fully computed with exactly one known token left to feed."""
-        return (
-            self.status is SeqStatus.RUNNING
-            and self.num_computed == self.num_admitted
-            and len(self.token_ids) == self.num_admitted + 1
-        )
+    def _ready(self, in_flight: bool = False) -> bool:
+        """Fully computed with one token left to feed: known, or (`in_flight`) being
+        sampled by the step on the device."""
+        if self.status is not SeqStatus.RUNNING or self.num_computed != self.num_admitted:
+            return False
+        left = self.num_admitted - len(self.token_ids)
+        return left == -1 or (in_flight and left == 0 and self.pending > 0)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -185,6 +197,7 @@ class ScheduledRow:
     samples: bool  # the row's output is the sequence's next token (or beam top-k)
     slots: np.ndarray | None = None  # [num_tokens] int32
     page_row: np.ndarray | None = None  # [pages] int32, prefill rows
+    feed: bool = False  # its token comes from the previous step's output (in_flight commit)
 
     @property
     def live(self) -> bool:
@@ -436,7 +449,8 @@ class Scheduler:
         s.num_computed = end
         if end == s.num_admitted:
             if end == len(s.token_ids):
-                row.samples = s.pending = True
+                row.samples = True
+                s.pending += 1
             elif g.forks and s is g.seqs[0]:
                 for child in g.forks:
                     child.token_ids = list(s.token_ids)
@@ -461,11 +475,11 @@ class Scheduler:
         if s.num_admitted:
             self.bm.free(s.seq_id)
         s.num_admitted = s.num_computed = 0
-        s.pending = False
+        s.pending = 0
 
     # ------------------------------------------------------------ phase 2
 
-    def commit(self, plan: StepPlan) -> None:
+    def commit(self, plan: StepPlan, *, in_flight: bool = False) -> None:
         """Appends the decode rows' tokens (phase 2), after the engine applied the
         previous step's results; fills their slots and the copies (their page tables are
         the block manager's).
@@ -474,18 +488,27 @@ class Scheduler:
         appends still run out of pages (not expected: phase 1 reserved them), the
         newest group with only decode rows in this step is preempted and the append
         retried.
+
+        Args:
+          plan: from `schedule()`.
+          in_flight: the previous step's results are not applied yet (asynchronous
+            commit, see the module docstring); the plan must have no beam rows.
         """
         if plan.committed:
             raise RuntimeError("plan committed twice")
-        self._bind(plan)
+        if in_flight and any(r.decode and r.group.atomic for r in plan.rows):
+            raise ValueError("a plan with beam rows is committed after the previous step")
+        self._bind(plan, in_flight)
         prefilling = {id(r.group) for r in plan.rows if not r.decode}
         while True:
             live = [r for r in plan.rows if r.decode and r.seq is not None]
             seqs = [r.seq for r in live]
+            toks = [
+                s.token_ids[s.num_admitted] if len(s.token_ids) > s.num_admitted else -1
+                for s in seqs
+            ]
             try:
-                slots, copies = self.bm.append_tokens(
-                    [s.seq_id for s in seqs], [s.token_ids[s.num_admitted] for s in seqs]
-                )
+                slots, copies = self.bm.append_tokens([s.seq_id for s in seqs], toks)
                 break
             except OutOfPages:
                 victims = [g for g in self.running if id(g) not in prefilling]
@@ -499,9 +522,10 @@ class Scheduler:
         for i, (r, s) in enumerate(zip(live, seqs, strict=True)):
             s.num_admitted += 1
             s.num_computed += 1
-            s.pending = True
+            s.pending += 1
             r.start = s.num_admitted - 1
             r.slots = slots[i : i + 1]
+            r.feed = toks[i] < 0
         plan.copies = copies
         plan.committed = True
         self._open = False
@@ -509,8 +533,21 @@ class Scheduler:
             self.bm.free(sid)
         self._deferred.clear()
 
-    def _bind(self, plan: StepPlan) -> None:
-        """Decides each decode row's sequence now that the previous step's results are in."""
+    def set_tokens(self, seqs: list[Sequence], tokens: list[int]) -> None:
+        """The previous step's sampled tokens for `seqs`, before the engine appends them
+        to `token_ids`: gives the block manager those whose slot an asynchronous commit
+        reserved before they were known."""
+        ids, vals = [], []
+        for s, t in zip(seqs, tokens, strict=True):
+            if s.num_admitted == len(s.token_ids) + 1:
+                ids.append(s.seq_id)
+                vals.append(t)
+        if ids:
+            self.bm.set_tokens(ids, vals)
+
+    def _bind(self, plan: StepPlan, in_flight: bool = False) -> None:
+        """Decides each decode row's sequence now that the previous step's results are in
+        (or, `in_flight`, while they are still coming: beam rows excluded)."""
         beams: dict[int, list[Sequence]] = {}
         for r in plan.rows:
             if not r.decode:
@@ -521,7 +558,7 @@ class Scheduler:
             elif g.atomic:
                 todo = beams.setdefault(id(g), [s for s in g.seqs if s._ready()])
                 r.seq = todo.pop(0) if todo else None
-            elif r.seq is not None and not r.seq._ready():
+            elif r.seq is not None and not r.seq._ready(in_flight):
                 r.seq = None
 
 

@@ -25,7 +25,16 @@ def next_token(tokens) -> int:
 class Sim:
     """Drives a Scheduler like the engine does, one step in flight at a time."""
 
-    def __init__(self, num_pages=64, max_num_seqs=4, budget=16, caching=True, watermark=0.0):
+    def __init__(
+        self,
+        num_pages=64,
+        max_num_seqs=4,
+        budget=16,
+        caching=True,
+        watermark=0.0,
+        in_flight=False,
+        stop=None,
+    ):
         self.bm = BlockManager(
             num_pages, PS, enable_prefix_caching=caching, max_model_len=256, watermark=watermark
         )
@@ -35,6 +44,8 @@ class Sim:
         self.plans = []
         self.ids = iter(range(10**6))
         self.done: dict = {}
+        self.in_flight = in_flight  # commit before applying the previous step (async)
+        self.stop = stop  # a token that ends a sequence (None: length only)
 
     def add(self, rid, prompt, max_tokens, n=1):
         p = len(prompt)
@@ -46,13 +57,20 @@ class Sim:
         self.sched.add(g)
         return g
 
-    def write_and_check(self, plan):
-        """Executes a committed plan on the simulated pool; returns each row's token."""
+    def write_and_check(self, plan, fed):
+        """Executes a committed plan on the simulated pool; returns each row's token.
+        `fed`: the previous step's token of each sequence (what the device feeds)."""
         for src, dst in plan.copies:
             self.pool[dst * PS : (dst + 1) * PS] = self.pool[src * PS : (src + 1) * PS]
         out = []
         for r in plan.rows:
             if r.seq is None:
+                out.append(None)
+                continue
+            if r.feed:
+                assert r.seq.token_ids[r.start] == fed[id(r.seq)]  # set, then appended
+            if r.seq.status is not SeqStatus.RUNNING:  # stopped on the token it feeds
+                self.pool[r.slots] = -7  # the device still writes; nothing reads it
                 out.append(None)
                 continue
             toks = r.seq.token_ids[r.start : r.start + r.num_tokens]
@@ -65,27 +83,43 @@ class Sim:
             out.append(next_token(r.seq.token_ids[:ctx]))
         return out
 
+    def apply(self, prev, toks, on_apply):
+        live = [
+            (r, t)
+            for r, t in zip(prev.rows, toks, strict=True)
+            if r.samples and r.live and r.seq.status is SeqStatus.RUNNING
+        ]
+        self.sched.set_tokens([r.seq for r, _ in live], [t for _, t in live])
+        for r, t in live:
+            s = r.seq
+            s.pending -= 1
+            s.token_ids.append(t)
+            if t == self.stop or len(s.token_ids) >= s.max_num_tokens:
+                self.sched.finish(r.group, s, "stop" if t == self.stop else "length")
+                if r.group.done:
+                    self.done[r.group.request_id] = r.group
+        if on_apply:
+            on_apply(self)
+
     def step(self, on_apply=None):
         plan = self.sched.schedule()
         self.check_plan(plan)
-        if self.inflight is not None:
+        fed = {}
+        if self.inflight is None:
+            self.sched.commit(plan)
+        else:
             prev, toks = self.inflight
-            for r, t in zip(prev.rows, toks, strict=True):
-                if not r.samples or not r.live or r.seq.status is not SeqStatus.RUNNING:
-                    continue
-                s = r.seq
-                s.pending = False
-                s.token_ids.append(t)
-                if len(s.token_ids) >= s.max_num_tokens:
-                    self.sched.finish(r.group, s, "length")
-                    if r.group.done:
-                        self.done[r.group.request_id] = r.group
-            if on_apply:
-                on_apply(self)
-        self.sched.commit(plan)
+            fed = {id(r.seq): t for r, t in zip(prev.rows, toks, strict=True) if t is not None}
+            beams = any(r.decode and r.group.atomic for r in plan.rows)
+            if self.in_flight and not beams:
+                self.sched.commit(plan, in_flight=True)
+                self.apply(prev, toks, on_apply)
+            else:
+                self.apply(prev, toks, on_apply)
+                self.sched.commit(plan)
         self.plans.append(plan)
         if any(not r.decode or r.seq is not None for r in plan.rows):
-            self.inflight = (plan, self.write_and_check(plan))
+            self.inflight = (plan, self.write_and_check(plan, fed))
         else:
             self.inflight = None
         return plan
@@ -106,15 +140,18 @@ class Sim:
         raise AssertionError("did not finish")
 
 
-def reference(prompt, max_tokens):
+def reference(prompt, max_tokens, stop=None):
     seq = list(prompt)
     while len(seq) < len(prompt) + max_tokens:
         seq.append(next_token(seq))
+        if seq[-1] == stop:
+            break
     return seq
 
 
-def test_decode_first_then_chunks_of_a_long_prompt():
-    sim = Sim(budget=8)
+@pytest.mark.parametrize("in_flight", [False, True], ids=["sync", "async"])
+def test_decode_first_then_chunks_of_a_long_prompt(in_flight):
+    sim = Sim(budget=8, in_flight=in_flight)
     short = sim.add("short", [5, 6, 7], 20)
     sim.step()  # prefill the short prompt
     long_ = sim.add("long", list(range(3, 30)), 4)  # 27 tokens: over several steps
@@ -129,11 +166,14 @@ def test_decode_first_then_chunks_of_a_long_prompt():
     assert sim.done["long"].finished[0].token_ids == reference(range(3, 30), 4)
 
 
+@pytest.mark.parametrize("in_flight", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("caching", [True, False])
 @pytest.mark.parametrize("budget", [4, 7, 32])
-def test_preemption_recomputes_and_completes_everything(caching, budget):
+def test_preemption_recomputes_and_completes_everything(caching, budget, in_flight):
     # 6 requests of up to 40 tokens (10 pages each) in 24 pages: preemption is forced.
-    sim = Sim(num_pages=24, max_num_seqs=4, budget=max(budget, 4), caching=caching)
+    # Token 42 stops a sequence, which the asynchronous commit learns a step late.
+    sim = Sim(num_pages=24, max_num_seqs=4, budget=budget, caching=caching, in_flight=in_flight)
+    sim.stop = 42
     rng = np.random.default_rng(budget)
     prompts = {f"r{i}": rng.integers(3, 100, size=rng.integers(1, 12)).tolist() for i in range(6)}
     for rid, p in prompts.items():
@@ -141,9 +181,15 @@ def test_preemption_recomputes_and_completes_everything(caching, budget):
     sim.run()
     assert sim.sched.num_preemptions > 0
     assert set(sim.done) == set(prompts)
+    reasons = set()
     for rid, p in prompts.items():
-        assert sim.done[rid].finished[0].token_ids == reference(p, 40 - len(p))
+        s = sim.done[rid].finished[0]
+        assert s.token_ids == reference(p, 40 - len(p), stop=42)
+        reasons.add(s.finish_reason)
+    assert reasons == {"stop", "length"}
     assert sim.bm.stats().num_used_pages == 0 and sim.bm.stats().num_seqs == 0
+    fed = sum(r.feed for plan in sim.plans for r in plan.rows)
+    assert (fed > 0) == in_flight
 
 
 def test_preempts_the_newest_group_and_requeues_it_first():
@@ -188,8 +234,9 @@ def test_seat_cap():
     assert len(sim.done) == 4
 
 
-def test_n_samples_fork_after_the_prompt():
-    sim = Sim(budget=32)
+@pytest.mark.parametrize("in_flight", [False, True], ids=["sync", "async"])
+def test_n_samples_fork_after_the_prompt(in_flight):
+    sim = Sim(budget=32, in_flight=in_flight)
     prompt = list(range(3, 13))  # 10 tokens: pages [3..6], [7..10], [11, 12] partial
     g = sim.add("n", prompt, 5, n=3)
     plan = sim.step()
@@ -208,10 +255,12 @@ def test_n_samples_fork_after_the_prompt():
     assert len(sim.done["n"].finished) == 3
 
 
-def test_abort_anywhere_frees_everything():
+@pytest.mark.parametrize("in_flight", [False, True], ids=["sync", "async"])
+def test_abort_anywhere_frees_everything(in_flight):
     rng = np.random.default_rng(0)
     for trial in range(5):
-        sim = Sim(num_pages=24, max_num_seqs=4, budget=int(rng.integers(4, 20)))
+        budget = int(rng.integers(4, 20))
+        sim = Sim(num_pages=24, max_num_seqs=4, budget=budget, in_flight=in_flight, stop=42)
         prompts = {
             f"r{i}": rng.integers(3, 100, size=rng.integers(1, 15)).tolist() for i in range(6)
         }
@@ -227,7 +276,7 @@ def test_abort_anywhere_frees_everything():
                 aborted.add(rid)
 
         for _ in range(int(rng.integers(1, 25))):
-            sim.step(on_apply=maybe_abort)  # aborts between schedule() and commit()
+            sim.step(on_apply=maybe_abort)  # aborts while a step is in flight
             sim.bm.check_invariants()
         for g in list(sim.sched.running) + list(sim.sched.waiting):  # and between steps
             if rng.random() < 0.5:
