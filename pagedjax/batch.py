@@ -5,7 +5,9 @@ still run the previous step: it sizes the batch (bucketed like
 `decode.build_step_input`) and packs every prefill row, every per-row sampling
 parameter, and the decode rows' page tables as the block manager holds them now.
 `finish(plan)` runs after `Scheduler.commit()`: it fills what the commit decided for
-the decode rows (token id, position, slot), whose tokens were not known before. The
+the decode rows (token id, position, slot), whose tokens were not known before (rows
+committed while their token is still on the device get `token_src`, the row of the
+previous step's output to take it from). The
 commit's append changes at most one entry of a decode row's page table, the page that
 holds the new token (a new page, or a copy of a shared one), so `finish` writes that
 entry from the slot; beam rows, whose sequences are bound in the commit, get whole
@@ -73,6 +75,7 @@ class StepBatch:
         self.steps = np.zeros(b, np.int32)
         self.top_k_needed = 0
         self.target_ids = None  # [T] int32 once a row wants prompt logprobs
+        self.token_src = np.full(t, -1, np.int32)
         self.prompt_top_k = 0
         # Per-row values go through Python lists and one numpy assignment each: a numpy
         # scalar store costs about as much as building the list entry, so at B=256 this
@@ -136,17 +139,35 @@ class StepBatch:
         k = r.group.request.params.prompt_logprobs
         self.prompt_top_k = max(self.prompt_top_k, k)
 
-    def finish(self, plan: StepPlan) -> tuple[decode.StepInput, int, int]:
+    def finish(
+        self, plan: StepPlan, feed=None, prev: StepPlan | None = None
+    ) -> tuple[decode.StepInput, int, int]:
         """Fills the committed decode rows; returns the StepInput and the top-k counts of
-        the sampled rows and of the prompt-logprob targets."""
+        the sampled rows and of the prompt-logprob targets.
+
+        Args:
+          plan: the plan, committed.
+          feed: the previous step's `StepOutput.feed` (or the engine's initial one); None
+            builds a StepInput without it.
+          prev: the previous step's plan, for rows whose token is still on the device
+            (`ScheduledRow.feed`): they take it from `feed` at that step's row.
+        """
         idx, toks, pos, slots, sampled, seeds, steps = [], [], [], [], [], [], []
-        beam_rows, beam_ids = [], []
+        beam_rows, beam_ids, fed, fed_from = [], [], [], []
+        where = None
         for i, r in enumerate(plan.rows):
             if not r.decode or r.seq is None:
                 continue
             s = r.seq
             idx.append(i)
-            toks.append(s.token_ids[r.start])
+            if r.feed:
+                if where is None:
+                    where = {id(q.seq): j for j, q in enumerate(prev.rows) if q.samples}
+                toks.append(0)
+                fed.append(i)
+                fed_from.append(where[id(s)])
+            else:
+                toks.append(s.token_ids[r.start])
             pos.append(r.start)
             slots.append(r.slots[0])
             if r.group.atomic:
@@ -155,7 +176,7 @@ class StepBatch:
             else:
                 sampled.append(i)
                 seeds.append(s.seed)
-                steps.append(len(s.token_ids) - s.num_prompt_tokens)
+                steps.append(r.start + 1 - s.num_prompt_tokens)  # index of the token drawn
         if beam_rows:  # sequences bound in the commit: whole tables, after the append
             tables = self.bm.page_tables(beam_ids)
             self.page_table[beam_rows] = 0
@@ -172,6 +193,8 @@ class StepBatch:
             self.page_table[idx, pos_arr // self.page_size] = slot_arr // self.page_size
             self.seeds[sampled] = seeds
             self.steps[sampled] = steps
+        if fed:
+            self.token_src[self.starts[fed]] = fed_from
         k = pk = 0
         if self.top_k_needed:
             k = min(decode.bucket_size(self.top_k_needed, 8), self.vocab)
@@ -194,6 +217,8 @@ class StepBatch:
             seeds=self.seeds,
             sample_steps=self.steps,
             target_ids=self.target_ids,
+            token_src=None if feed is None else self.token_src,
+            feed=feed,
             decode=self.decode,
         )
         return inp, k, pk

@@ -114,11 +114,20 @@ def _step(
     every_token = inp.target_ids is not None
     if num_prompt_top_logprobs and not every_token:
         raise ValueError("num_prompt_top_logprobs needs a StepInput with target_ids")
+    token_ids = inp.token_ids
+    if (inp.feed is None) != (inp.token_src is None):
+        raise ValueError("StepInput.feed and token_src go together (both or neither)")
+    if inp.feed is not None:
+        b, f = inp.context_lens.shape[0], inp.feed.shape[0]
+        if f < b:
+            raise ValueError(f"StepInput.feed holds {f} tokens, fewer than the {b} rows")
+        src = inp.token_src
+        token_ids = jnp.where(src >= 0, inp.feed[jnp.maximum(src, 0)], token_ids)
     cache = cache_lib.copy_pages(cache, inp.copy_src, inp.copy_dst)
     logits, cache = model_lib.forward_paged(
         params,
         cache,
-        inp.token_ids,
+        token_ids,
         inp.positions,
         inp.slot_mapping,
         inp.page_table,
@@ -129,16 +138,16 @@ def _step(
         backend=backend,
         interpret=interpret,
     )
-    targets = {}
+    extra = {}
     if every_token:  # logits at every token: score the targets, then keep each row's last
         all_lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [T, V]
         t = inp.target_ids
         picked = jnp.take_along_axis(all_lp, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
-        targets["target_logprobs"] = jnp.where(t >= 0, picked, 0.0)
+        extra["target_logprobs"] = jnp.where(t >= 0, picked, 0.0)
         if num_prompt_top_logprobs:
             top_lp, top_ids = jax.lax.top_k(all_lp, num_prompt_top_logprobs)
-            targets["target_top_ids"] = top_ids.astype(jnp.int32)
-            targets["target_top_logprobs"] = top_lp
+            extra["target_top_ids"] = top_ids.astype(jnp.int32)
+            extra["target_top_logprobs"] = top_lp
         logits = logits[inp.logits_indices]
     tokens, logprobs = sampling.sample(
         logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.sample_steps
@@ -146,9 +155,9 @@ def _step(
     top_ids = top_lp = None
     if num_top_logprobs:
         top_ids, top_lp = sampling.top_logprobs(logits, num_top_logprobs)
-    out = StepOutput(
-        tokens, logprobs, top_ids, top_lp, logits if return_logits else None, **targets
-    )
+    if inp.feed is not None:
+        extra["feed"] = inp.feed.at[: tokens.shape[0]].set(tokens)
+    out = StepOutput(tokens, logprobs, top_ids, top_lp, logits if return_logits else None, **extra)
     return out, cache
 
 

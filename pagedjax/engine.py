@@ -24,15 +24,21 @@ Host overlap. JAX dispatch is asynchronous, so each `step()` runs:
 1. `scheduler.schedule()` and the packing of every prefill row (token ids, positions,
    slots, page tables, sampling parameters): planning step N+1 while the device still
    runs step N;
-2. only then it blocks on step N's sampled tokens, applies them (stop checks, beam
-   selection with forks and frees), and `scheduler.commit()` appends the decode rows'
-   tokens;
-3. fills the decode rows (token id, slot, page table) and dispatches step N+1, then
-   starts copying its tokens to the host.
+2. `scheduler.commit(in_flight=True)` appends the decode rows' tokens before step N's
+   tokens are known (their slots reserved, their values on the device), fills the
+   decode rows (position, slot, page table, and `token_src`: the row of step N's
+   output each takes its token from) and dispatches step N+1;
+3. only then it blocks on step N's sampled tokens and applies them (stop checks,
+   logprobs, the block manager's token values), while the device runs step N+1.
 
-A decode row whose sequence finished in (2) stays in the batch as a dead row (it
-writes nothing; its output is ignored), so phase 1's layout never has to change.
-`metrics` times the three parts of every step; `summary()` reports them.
+So the device runs step after step while the host works (`async_scheduling=True`, the
+default). A sequence that stops on step N's token has a row in step N+1 that computes
+one token for nothing; its output is ignored. Beam search needs step N's selection to
+bind its rows: a plan with beam rows, and every step with `async_scheduling=False`,
+applies step N's tokens first (3 before 2; the device idles meanwhile), and a decode
+row whose sequence finished in them stays in the batch as a dead row (it writes
+nothing), so phase 1's layout never has to change. `metrics` times the parts of every
+step; `summary()` reports them.
 
 Sampling: a request's i-th sample uses seed `(seed + i * 0x9E3779B1) mod 2**32` (so
 sample 0 uses `seed`), and its j-th token depends only on that seed and j; outputs
@@ -96,6 +102,10 @@ class LLM:
         first of `jax.devices()`; `pagedjax.sharding`). 1: `Params` are used as given
         (already sharded ones keep their mesh). ValueError if there are fewer devices,
         or it does not divide the heads and MLP width.
+      async_scheduling: dispatch each step before the previous one's tokens reach the
+        host (the device feeds them), so that applying them overlaps the device; a
+        sequence that stops computes one more token, discarded. False: the host applies
+        each step's tokens before dispatching the next (beam search always does).
     """
 
     def __init__(
@@ -117,6 +127,7 @@ class LLM:
         interpret: bool = False,
         tokenizer: Tokenizer | None = None,
         tensor_parallel: int = 1,
+        async_scheduling: bool = True,
     ):
         t0 = perf_counter()
         self.backend = check_backend(backend, interpret)
@@ -165,6 +176,10 @@ class LLM:
         )
         self.buckets = buckets or decode.Buckets()
         self.cache = sharding.create_cache(cfg, self.cache_config, params.mesh)
+        self.async_scheduling = bool(async_scheduling)
+        # The previous step's sampled tokens, on the device, for rows that feed them.
+        rows = decode.bucket_size(max_num_seqs, self.buckets.min_seqs)
+        self._feed = sharding.replicate(np.zeros(rows, np.int32), params.mesh)
         self.eos_ids = frozenset(cfg.eos_token_ids) | (
             self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         )
@@ -402,30 +417,59 @@ class LLM:
         plan = self.scheduler.schedule()
         batch = self._batch(plan) if plan.rows else None
         t1 = perf_counter()
+        prev, self._inflight = self._inflight, None
+        # Asynchronous: commit and dispatch this step before the previous one's tokens
+        # arrive (beam rows need the previous selection: then after, as in sync mode).
+        early = (
+            self.async_scheduling
+            and prev is not None
+            and not any(r.decode and r.group.atomic for r in plan.rows)
+        )
         finished: list[RequestOutput] = []
-        wait = 0.0
-        progressed = self._inflight is not None
-        if self._inflight is not None:
-            prev, out, prev_rec = self._inflight
-            self._inflight = None
-            host = jax.device_get(out)
-            t2 = perf_counter()
-            wait = t2 - t1
-            self.metrics.complete(prev_rec, t2)
-            finished = self.outputs.apply(prev, host, on_token)
-            for o in finished:
-                self._keep(o)
-        else:
-            t2 = t1
-        self.scheduler.commit(plan)
+        wait = applied = 0.0
+        if prev is not None and not early:
+            finished, wait, applied = self._complete(prev, on_token)
+        t2 = perf_counter()
+        self.scheduler.commit(plan, in_flight=early)
         live = [r for r in plan.rows if not r.decode or r.seq is not None]
-        if not live:
-            self._idle_steps = 0 if progressed else self._idle_steps + 1
+        rec = None
+        if live:
+            rec, leaves = self._dispatch(plan, batch, live, prev[0] if early else None)
+        if early:
+            finished, wait, applied = self._complete(prev, on_token)
+        if rec is None:
+            self._idle_steps = 0 if prev is not None else self._idle_steps + 1
             if self._idle_steps > 2 and self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests queued (a bug)")
             return finished
         self._idle_steps = 0
-        inp, k, pk = batch.finish(plan)
+        rec.wait_s = wait
+        if early:  # every host phase ran while the device computed
+            rec.host_hidden_s = (t1 - t0) + (rec.dispatched_at - t2) + applied
+        else:
+            rec.host_hidden_s = t1 - t0
+            rec.host_exposed_s = rec.dispatched_at - (t2 - applied)
+        self.metrics.record(rec, rec.num_compilations)
+        self._inflight = (plan, leaves, rec)
+        return finished
+
+    def _complete(self, inflight, on_token) -> tuple[list[RequestOutput], float, float]:
+        """Waits for a dispatched step's results and applies them; returns the requests
+        finished, the seconds waited and the seconds applying."""
+        plan, leaves, rec = inflight
+        t0 = perf_counter()
+        host = jax.device_get(leaves)
+        t1 = perf_counter()
+        self.metrics.complete(rec, t1)
+        finished = self.outputs.apply(plan, host, on_token)
+        for o in finished:
+            self._keep(o)
+        return finished, t1 - t0, perf_counter() - t1
+
+    def _dispatch(self, plan: StepPlan, batch: StepBatch, live, prev: StepPlan | None):
+        """Packs the committed plan and dispatches its step; returns its record (host
+        timings filled by `step`) and the result arrays it copies to the host."""
+        inp, k, pk = batch.finish(plan, self._feed, prev)
         before = sum(decode.compile_counts().values())
         td = perf_counter()
         fn = decode.decode_step if inp.decode else decode.prefill_step
@@ -438,6 +482,7 @@ class LLM:
             num_top_logprobs=k,
             num_prompt_top_logprobs=pk,
         )
+        self._feed = out.feed
         leaves = (
             out.tokens,
             out.logprobs,
@@ -452,24 +497,22 @@ class LLM:
                 x.copy_to_host_async()
         t3 = perf_counter()
         compiles = sum(decode.compile_counts().values()) - before
-        n_decode = sum(1 for r in live if r.decode)
         rec = StepRecord(
             num_rows=len(live),
             num_prefill_tokens=plan.num_prefill_tokens,
-            num_decode_tokens=n_decode,
+            num_decode_tokens=sum(1 for r in live if r.decode),
             decode=inp.decode,
             context_tokens=sum(r.start + r.num_tokens for r in live),
             kv_used_pages=self.block_manager.stats().num_used_pages,
             compiled=compiles > 0,
-            host_hidden_s=t1 - t0,
-            wait_s=wait,
-            host_exposed_s=t3 - t2,
+            host_hidden_s=0.0,
+            wait_s=0.0,
+            host_exposed_s=0.0,
             dispatch_s=t3 - td,
             dispatched_at=t3,
+            num_compilations=compiles,
         )
-        self.metrics.record(rec, compiles)
-        self._inflight = (plan, leaves, rec)
-        return finished
+        return rec, leaves
 
     def _batch(self, plan: StepPlan) -> StepBatch:
         cc = self.cache_config

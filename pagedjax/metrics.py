@@ -10,6 +10,12 @@ Host overhead is measured per step in three parts (`StepRecord`):
   tokens, stop checks, beam selection, appends, packing decode rows, the dispatch
   call): the device idles for this long between steps.
 
+With asynchronous scheduling (the engine's default), step N+1 is committed and
+dispatched before step N's tokens are waited for, and they are applied while N+1
+runs: every host phase counts as hidden and `host_exposed_s` is 0. The host then
+limits throughput only when its whole step (`host_hidden_s`) outlasts the device's,
+which shows as `wait_s` near 0.
+
 Steps that compiled a program are kept out of the host figures (their dispatch is
 the compile) and counted in `compile_time_s`.
 
@@ -86,6 +92,7 @@ class StepRecord:
     host_exposed_s: float
     dispatch_s: float
     dispatched_at: float = 0.0  # perf_counter() when the dispatch returned
+    num_compilations: int = 0  # programs the dispatch compiled
     device_s: float | None = None  # set when its tokens arrive (`EngineMetrics.complete`)
 
 

@@ -85,11 +85,19 @@ class OutputProcessor:
             self._prompt_logprobs(plan, *targets)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()  # Python scalars, at once
         now = perf_counter()
+        rows = [
+            i
+            for i, r in enumerate(plan.rows)
+            if r.samples and r.live and r.seq.status is SeqStatus.RUNNING
+        ]
+        # Values of tokens an asynchronous commit already fed on (before any stop frees).
+        self.scheduler.set_tokens([plan.rows[i].seq for i in rows], [tokens[i] for i in rows])
         beams: dict[int, list] = {}
         done: list[RequestOutput] = []
-        for i, r in enumerate(plan.rows):
-            if not r.samples or not r.live or r.seq.status is not SeqStatus.RUNNING:
-                continue
+        for i in rows:
+            r = plan.rows[i]
+            if r.seq.status is not SeqStatus.RUNNING:
+                continue  # an on_token callback aborted the request
             r.seq.pending -= 1
             req = r.group.request
             if req.first_token is None:

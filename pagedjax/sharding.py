@@ -231,6 +231,11 @@ def create_cache(
     return cache_lib.create(shape_cfg, cache_cfg, sharding=cache_sharding(mesh))
 
 
+def replicate(x, mesh: Mesh | None = None) -> jax.Array:
+    """`x` on the device (every device of `mesh`, whole), placed as a step's outputs are."""
+    return jax.device_put(x) if mesh is None else jax.device_put(x, NamedSharding(mesh, P()))
+
+
 def shard_attention(fn: Callable, mesh: Mesh, num_kv_heads: int) -> Callable:
     """Runs one layer's cache write + attention per shard.
 

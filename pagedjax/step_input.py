@@ -52,6 +52,10 @@ class StepInput:
     # Prompt logprobs: the token after each fed token whose log-probability is wanted
     # (-1: none). None: logits only at `logits_indices` (given: at every token).
     target_ids: jax.Array | None = None  # [T] int32
+    # Asynchronous scheduling: token i is feed[token_src[i]] where token_src[i] >= 0 (the
+    # previous step's `StepOutput.feed`, on the device), else token_ids[i].
+    token_src: jax.Array | None = None  # [T] int32
+    feed: jax.Array | None = None  # [F] int32, F >= B
     decode: bool = _static(default=False)  # one token per sequence and T == B
 
     @property
@@ -76,6 +80,7 @@ class StepOutput:
     target_logprobs: jax.Array | None = None  # [T] float32
     target_top_ids: jax.Array | None = None  # [T, k] int32
     target_top_logprobs: jax.Array | None = None  # [T, k] float32
+    feed: jax.Array | None = None  # [F] int32 with StepInput.feed: `tokens` in its first B
 
 
 @dataclass(slots=True)

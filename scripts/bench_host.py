@@ -18,8 +18,12 @@ Measures microseconds per operation on this CPU:
   `pack`: hidden behind the device step in a real run), then applying the previous
   step's tokens, committing the decode rows (`append_tokens`: slots, copy-on-write)
   and filling them in (`apply`, `commit`, `finish`: exposed, the device idles
-  meanwhile). The real jitted
-  dispatch, which depends on the model, is not included.
+  meanwhile, with `async_scheduling=False`). The real jitted dispatch, which depends
+  on the model, is not included;
+- the same engine against a simulated device that takes `--device-ms` per step
+  (`overlap_*`): wall time per decode step with synchronous scheduling (about the
+  device time plus the exposed host phases) and asynchronous (the engine's default:
+  about the larger of the device time and the whole host step).
 
 Each figure is the best (lowest) mean over ``--repeats`` rounds, so that other load on a
 shared machine inflates it less; ``--clock cpu`` counts only this process's CPU time.
@@ -171,7 +175,10 @@ def bench_decode(args, rng, batch: int) -> dict[str, float]:
 
 
 class _HostTokens(np.ndarray):
-    """A numpy array the engine can treat as a device result (`copy_to_host_async`)."""
+    """A numpy array the engine can treat as a device result (`copy_to_host_async`);
+    `ready_at`: when the simulated device has computed it (perf_counter seconds)."""
+
+    ready_at = 0.0
 
     def copy_to_host_async(self):
         return None
@@ -188,21 +195,38 @@ _PHASES = {
 
 
 @contextlib.contextmanager
-def _null_device(rng, vocab: int, timers: dict[str, float], now):
-    """Replaces the jitted steps with instant random tokens; times the host phases."""
+def _null_device(rng, vocab: int, timers: dict[str, float], now, device_s: float = 0.0):
+    """Replaces the jitted steps with random tokens; times the host phases.
+
+    `device_s` > 0 simulates a device that runs each step for that long, one after the
+    other from its dispatch: waiting for a step's tokens (`jax.device_get`) sleeps until
+    then. 0: the tokens are ready at once, so every microsecond is host work.
+    """
+    import jax
+
     from pagedjax import batch, decode, outputs, scheduler
 
     mods = {"scheduler": scheduler, "batch": batch, "outputs": outputs}
     saved = [
         (decode, "decode_step", decode.decode_step),
         (decode, "prefill_step", decode.prefill_step),
+        (jax, "device_get", jax.device_get),
     ]
+    busy_until = [0.0]
 
     def step(params, cache, inp, **_):
         b = inp.context_lens.shape[0]
         toks = rng.integers(3, vocab, b).astype(np.int32).view(_HostTokens)
+        busy_until[0] = max(time.perf_counter(), busy_until[0]) + device_s
+        toks.ready_at = busy_until[0]
         out = decode.StepOutput(toks, np.zeros(b, np.float32).view(_HostTokens))
         return out, cache
+
+    def device_get(tree):
+        ready = max((getattr(x, "ready_at", 0.0) for x in jax.tree.leaves(tree)), default=0)
+        while (left := ready - time.perf_counter()) > 0:
+            time.sleep(left)
+        return tree
 
     def timed(name, fn):
         def wrapper(*a, **k):
@@ -220,6 +244,7 @@ def _null_device(rng, vocab: int, timers: dict[str, float], now):
         saved.append((target, attr, getattr(target, attr)))
         setattr(target, attr, timed(name, getattr(target, attr)))
     decode.decode_step = decode.prefill_step = step
+    jax.device_get = device_get
     try:
         yield
     finally:
@@ -227,18 +252,28 @@ def _null_device(rng, vocab: int, timers: dict[str, float], now):
             setattr(target, attr, fn)
 
 
-def bench_engine(args, rng, batch: int) -> dict[str, float]:
-    """Host microseconds per engine decode step at `batch` running sequences."""
-    from pagedjax.engine import LLM, SamplingParams
+def _engine(args, batch: int, async_scheduling: bool):
+    from pagedjax.engine import LLM
 
     ps, prompt, gen = args.page_size, args.engine_prompt_len, args.engine_steps
-    llm = LLM(
+    return LLM(
         page_size=ps,
         num_pages=batch * (-(-(prompt + gen) // ps) + 1) + 8,
         max_num_seqs=batch,
         max_num_batched_tokens=max(batch * prompt, 1024),
         max_model_len=prompt + gen + 1,
+        async_scheduling=async_scheduling,
     )
+
+
+def bench_engine(args, rng, batch: int) -> dict[str, float]:
+    """Host microseconds per engine decode step at `batch` running sequences, by phase
+    (`async_scheduling=False`, where the phases after the wait are exposed; asynchronous
+    scheduling does the same work, all of it while the device computes)."""
+    from pagedjax.engine import SamplingParams
+
+    prompt, gen = args.engine_prompt_len, args.engine_steps
+    llm = _engine(args, batch, async_scheduling=False)
     vocab = llm.config.vocab_size
     params = SamplingParams(max_tokens=gen, ignore_eos=True, temperature=1.0)
     timers = dict.fromkeys(_PHASES, 0.0)
@@ -265,6 +300,38 @@ def bench_engine(args, rng, batch: int) -> dict[str, float]:
             for k in best:
                 best[k] = min(best[k], acc[k] / steps * 1e6)
     return {f"engine_{k}_b{batch}": v for k, v in best.items()}
+
+
+def bench_overlap(args, rng, batch: int, device_ms: float) -> dict[str, float]:
+    """Wall microseconds per engine decode step at `batch` sequences against a simulated
+    device that takes `device_ms` per step, synchronous then asynchronous scheduling:
+    about device + exposed host time, against max(device, whole host step)."""
+    from pagedjax.engine import SamplingParams
+
+    prompt, gen = args.engine_prompt_len, args.engine_steps
+    out = {}
+    for mode in ("sync", "async"):
+        llm = _engine(args, batch, async_scheduling=mode == "async")
+        vocab = llm.config.vocab_size
+        params = SamplingParams(max_tokens=gen, ignore_eos=True, temperature=1.0)
+        timers = dict.fromkeys(_PHASES, 0.0)
+        best = float("inf")
+        with _null_device(rng, vocab, timers, time.perf_counter, device_ms / 1e3):
+            for _ in range(args.repeats):
+                for _ in range(batch):
+                    llm.add_request(rng.integers(3, vocab, prompt).tolist(), params)
+                total, steps = 0.0, 0
+                while llm.has_unfinished_requests():
+                    full = not llm.scheduler.waiting and len(llm.scheduler.running) == batch
+                    full = full and llm._inflight is not None
+                    t0 = time.perf_counter()
+                    llm.step()
+                    if full:
+                        total += time.perf_counter() - t0
+                        steps += 1
+                best = min(best, total / max(steps, 1) * 1e6)
+        out[f"overlap_{mode}_b{batch}_d{device_ms:g}ms"] = best
+    return out
 
 
 def bench_params(args) -> dict[str, float]:
@@ -342,6 +409,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--params-preset", nargs="*", default=["llama3-8b", "llama3-70b"])
     parser.add_argument("--dispatch-layers", type=int, default=32)
     parser.add_argument("--dispatch-batch", type=int, default=256)
+    parser.add_argument(
+        "--device-ms",
+        type=float,
+        nargs="*",
+        default=[2.0, 5.0],
+        help="simulated device step times for the sync/async overlap figures",
+    )
     parser.add_argument("--engine-prompt-len", type=int, default=64)
     parser.add_argument("--engine-steps", type=int, default=64, help="tokens per request")
     parser.add_argument("--iters", type=int, default=50, help="operations per round")
@@ -365,6 +439,9 @@ def main(argv=None) -> dict:
     us |= bench_dispatch(args)
     for b in args.engine_batch:
         us |= bench_engine(args, rng, b)
+    for b in args.engine_batch:
+        for d in args.device_ms:
+            us |= bench_overlap(args, rng, b, d)
     result = {
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "now")},
         "machine": {
@@ -393,9 +470,9 @@ def main(argv=None) -> dict:
         engine_notes = {
             "schedule": "LLM.step: Scheduler.schedule (hidden behind the device)",
             "pack": "StepBatch: sizing, prefill rows, params, page tables (hidden)",
-            "apply": "previous step's tokens: append, stop checks (exposed)",
-            "commit": "Scheduler.commit: append_tokens, slots (exposed)",
-            "finish": "StepBatch.finish: decode rows into the StepInput (exposed)",
+            "apply": "previous step's tokens: append, stop checks (exposed if sync)",
+            "commit": "Scheduler.commit: append_tokens, slots (exposed if sync)",
+            "finish": "StepBatch.finish: decode rows into the StepInput (exposed if sync)",
             "step": "the whole LLM.step with a null device (excl. jit dispatch)",
         }
         print(f"{'operation':<28} {'us':>10}  notes")
@@ -414,6 +491,9 @@ def main(argv=None) -> dict:
             if k.startswith("engine_"):
                 phase = k.split("_")[1]
                 note = engine_notes.get(phase, "")
+            if k.startswith("overlap_"):
+                mode, _, d = k.split("_")[1:]
+                note = f"wall per decode step, {mode} scheduling, device step {d[1:]}"
             print(f"{k:<28} {v:>10.1f}  {note}")
         print(
             f"page_size={args.page_size} context={args.context_len} steps={args.steps} "

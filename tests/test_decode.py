@@ -215,6 +215,49 @@ def test_target_logprobs_score_every_token_against_dense(params, is_decode):
         decode.step(params, cache, inp, backend="xla", num_prompt_top_logprobs=2)
 
 
+def test_tokens_fed_from_the_previous_step_on_the_device(params):
+    """StepInput.feed/token_src: a decode step takes its tokens from the previous step's
+    output without a host round trip, and gives the same result as feeding them."""
+    cfg, s = TINY, 4
+    cache_cfg = CacheConfig(page_size=s, num_pages=64, dtype="float32")
+    prompts = _prompts(cfg, (5, 3, 6), seed=8)
+    tables = [[1, 2], [3, 4], [5, 6]]
+    chunks = [decode.SeqChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)]
+    inp = decode.build_step_input(chunks, cfg, cache_cfg)
+    feed = np.zeros(16, np.int32)  # F = 16 >= the row bucket
+    inp = dataclasses.replace(inp, feed=feed, token_src=np.full(inp.token_ids.shape, -1, np.int32))
+    results = []
+    for fed in (False, True):
+        first, cache = decode.step(params, cache_lib.create(cfg, cache_cfg), inp, backend="xla")
+        toks = np.asarray(first.tokens)[:3]
+        b = first.tokens.shape[0]  # the row bucket, <= F
+        assert np.asarray(first.feed)[:b].tolist() == np.asarray(first.tokens).tolist()
+        # Rows in another order than the previous step's: row i feeds sequence order[i].
+        order = [2, 0, 1]
+        nxt = decode.build_step_input(
+            [
+                decode.SeqChunk([0 if fed else int(toks[b])], len(prompts[b]), tables[b])
+                for b in order
+            ],
+            cfg,
+            cache_cfg,
+        )
+        src = np.full(nxt.token_ids.shape, -1, np.int32)
+        if fed:
+            src[:3] = order
+        nxt = dataclasses.replace(nxt, feed=first.feed, token_src=src)
+        second, cache = decode.step(params, cache, nxt, backend="xla", return_logits=True)
+        results.append((np.asarray(second.tokens), np.asarray(second.logits)))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-6, atol=1e-6)
+    dense = np.asarray(jax.jit(model.forward)(params, jnp.asarray([prompts[2] + [int(toks[2])]])))
+    np.testing.assert_allclose(results[1][1][0], dense[0, -1], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"holds 2 tokens, fewer than the \d+ rows"):
+        decode.step(params, cache, dataclasses.replace(nxt, feed=np.zeros(2, np.int32)))
+    with pytest.raises(ValueError, match="both or neither"):
+        decode.step(params, cache, dataclasses.replace(nxt, feed=None))
+
+
 def test_compile_count_stays_within_the_buckets():
     # A fresh model (no program cached yet); one layer keeps the compiles cheap.
     cfg = dataclasses.replace(TINY, vocab_size=200, num_layers=1)

@@ -311,8 +311,8 @@ def test_every_step_input_carries_the_block_managers_page_tables(params, monkeyp
     checked = collections.Counter()
     finish = StepBatch.finish
 
-    def checked_finish(self, plan):
-        inp, *top_ks = finish(self, plan)
+    def checked_finish(self, plan, *args):
+        inp, *top_ks = finish(self, plan, *args)
         for i, r in enumerate(plan.rows):
             if r.seq is None:
                 continue
@@ -413,6 +413,60 @@ def test_stop_strings_and_stop_tokens(params, dense):
     assert out.outputs[0].token_ids == free[: free.index(free[3]) + 1]
     assert out.outputs[0].stop_reason == free[3]
     check_clean(llm)
+
+
+def test_async_scheduling_gives_the_sync_outputs(params, monkeypatch):
+    """Dispatching each step before the previous tokens arrive (the default) changes
+    nothing a request sees: stop tokens and strings learnt a step late, n samples, a beam
+    search (committed after its selection), logprobs, preemption and aborts."""
+    fed = collections.Counter()
+    finish = StepBatch.finish
+
+    def counting_finish(self, plan, *args):
+        inp, *rest = finish(self, plan, *args)
+        fed[inp.token_src is not None and bool((inp.token_src >= 0).any())] += 1
+        return inp, *rest
+
+    monkeypatch.setattr(StepBatch, "finish", counting_finish)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 256, size=int(n)).tolist() for n in rng.integers(4, 30, 12)]
+    sps = [greedy(40 - len(p)) for p in prompts]  # EOS (2) may stop them
+    sps[1] = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=25, logprobs=2)
+    sps[2] = SamplingParams(beam_width=2, max_tokens=6)
+    sps[3] = greedy(20, stop_token_ids=[prompts[3][-1], 7, 11, 13], prompt_logprobs=1)
+    sps[4] = SamplingParams(temperature=0.7, seed=8, max_tokens=30, stop=["a", "b", "c"])
+    runs = {}
+    for mode in (False, True):
+        fed.clear()
+        llm = LLM(
+            params,
+            async_scheduling=mode,
+            max_num_batched_tokens=16,
+            **(GEOMETRY | dict(num_pages=40, max_num_seqs=10)),
+        )
+
+        def abort_one(engine, done=[]):  # noqa: B006 - one abort per run
+            if engine.metrics.num_steps == 12 and not done:
+                done.append(engine.abort("11"))
+
+        outs = llm.generate(prompts, sps, on_step=abort_one)
+        runs[mode] = (outs, dict(fed), llm.summary())
+        check_clean(llm)
+    (sync, sync_fed, sync_sum), (asyn, async_fed, async_sum) = runs[False], runs[True]
+    assert sync_fed.get(True, 0) == 0 and async_fed[True] > 0
+    assert sync_sum["preemptions"] > 0 and async_sum["preemptions"] > 0
+    for a, b in zip(sync, asyn, strict=True):
+        assert a.prompt_logprobs == b.prompt_logprobs
+        got = [(c.token_ids, c.finish_reason, c.stop_reason, c.text) for c in b.outputs]
+        assert got == [(c.token_ids, c.finish_reason, c.stop_reason, c.text) for c in a.outputs]
+        for ca, cb in zip(a.outputs, b.outputs, strict=True):
+            assert (ca.logprobs is None) == (cb.logprobs is None)
+            np.testing.assert_allclose(ca.cumulative_logprob, cb.cumulative_logprob, rtol=1e-5)
+    reasons = {c.finish_reason for o in asyn for c in o.outputs}
+    assert {"stop", "length"} <= reasons
+    assert asyn[11].finished is False  # aborted
+    assert sync_sum["num_generated_tokens"] == async_sum["num_generated_tokens"]
+    assert async_sum["host_exposed_ms_per_step"] < sync_sum["host_exposed_ms_per_step"]
 
 
 @pytest.mark.parametrize(
