@@ -297,6 +297,11 @@ def parse_args(argv=None):
     p.add_argument("--kv-budget-tokens", type=int, default=4096, help="KV budget, token slots")
     p.add_argument("--max-batch", type=int, default=None, help="cap on the batch sizes run")
     p.add_argument("--reps", type=int, default=3, help="timed runs per point and system")
+    p.add_argument(
+        "--sync",
+        action="store_true",
+        help="the engine with async_scheduling=False (host applies tokens before each step)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--plot-dir", type=Path, default=DEFAULT_PLOT_DIR)
@@ -343,6 +348,7 @@ def main(argv=None) -> int:
         max_model_len=args.max_seq_len,
         backend=args.backend,
         seed=args.seed,
+        async_scheduling=not args.sync,
     )
     base = Contiguous(params, args.max_seq_len)
     rng = np.random.default_rng(args.seed)
