@@ -479,8 +479,9 @@ class BlockManager:
         for s, t in zip(seqs, toks.tolist(), strict=True):
             s.tokens[8 * s.unknown : 8 * s.unknown + 8] = _pack_token(t)
             s.unknown = -1
-            if s.chain.hash is not None:
-                register(s.chain, s.pages, s.tokens, s.num_computed // ps)
+            full = s.num_computed // ps
+            if s.chain.hash is not None and s.chain.num_pages < full:  # a page filled up
+                register(s.chain, s.pages, s.tokens, full)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Makes ``child_id`` share every page of ``parent_id`` (refcounts + 1)."""
