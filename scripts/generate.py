@@ -38,9 +38,10 @@ before any weights load.
     backend          the --backend flag
     resolved_backend what "auto" chose: "gpu", "tpu" or "xla"
     settings         page_size, num_pages, max_num_batched_tokens, max_num_seqs,
-                     enable_prefix_caching, tensor_parallel, compilation_cache (the
-                     directory, or null when off), chat (--chat), system (the
-                     --system text or null), and the sampling flags
+                     enable_prefix_caching, async_scheduling, tensor_parallel,
+                     compilation_cache (the directory, or null when off), chat
+                     (--chat), system (the --system text or null), and the
+                     sampling flags
     outputs          one per prompt: prompt, prompt_tokens, num_cached_tokens, ttft_s,
                      latency_s, prompt_logprobs, completions: [{text, token_ids,
                      finish_reason, cumulative_logprob, logprobs}]; logprobs is null
@@ -157,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="token budget of one step (decode tokens + prefill chunks)",
     )
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="apply each step's tokens on the host before dispatching the next",
+    )
     p.add_argument("--backend", default="auto", choices=("auto", "gpu", "tpu", "xla"))
     p.add_argument(
         "--tensor-parallel",
@@ -365,6 +371,7 @@ def run(args) -> int:
         backend=args.backend,
         seed=args.seed,
         tensor_parallel=args.tensor_parallel,
+        async_scheduling=not args.no_async_scheduling,
     )
     device = str(jax.devices()[0])
     note = sys.stderr if args.json else sys.stdout
@@ -396,6 +403,7 @@ def run(args) -> int:
                 max_num_batched_tokens=args.max_batch_tokens,
                 max_num_seqs=llm.scheduler.max_num_seqs,
                 enable_prefix_caching=not args.no_prefix_caching,
+                async_scheduling=llm.async_scheduling,
                 tensor_parallel=llm.tensor_parallel,
                 compilation_cache=cache_dir,
                 chat=args.chat,

@@ -91,6 +91,7 @@ def test_json_end_to_end(ckpt, capsys):
             total = sum(e[0]["logprob"] for e in c["logprobs"])
             np.testing.assert_allclose(total, c["cumulative_logprob"], rtol=1e-5)
     assert obj["settings"]["logprobs"] == 2 and obj["settings"]["prompt_logprobs"] == 1
+    assert obj["settings"]["async_scheduling"] is True
     for o in obj["outputs"]:
         plp = o["prompt_logprobs"]
         assert len(plp) == o["prompt_tokens"] and plp[0] is None and o["num_cached_tokens"] == 0
@@ -124,6 +125,7 @@ def test_streams_a_single_prompt_and_reports(ckpt, capsys):
 
 def test_logprobs_listing(ckpt, capsys):
     argv = ["--checkpoint", ckpt, "--prompt", "x", "--prompt", "yz", "--max-tokens", "3"]
+    argv += ["--no-async-scheduling"]  # the synchronous engine, from the CLI
     argv += ["--prompt-logprobs", "0"]
     rc, out, err = run([*argv, "--logprobs", "1", "--backend", "xla", *GEOMETRY], capsys)
     assert rc == 0, err
