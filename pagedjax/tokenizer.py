@@ -19,9 +19,11 @@ prepends BOS itself, so BOS appears exactly once whatever the tokenizer.json say
 Chat: `from_dir` also finds the checkpoint's chat template (`pagedjax.chat`, HF's
 order of precedence) and keeps the BOS/EOS token strings the template refers to.
 `apply_chat_template(messages)` renders the conversation to text and
-`encode_chat(messages)` to ids. Special-token strings in the rendered text (the
-template's `{{ bos_token }}`, headers like `<|start_header_id|>`) encode as their
-single ids, and BOS is prepended only when the text does not already start with it.
+`encode_chat(messages)` to ids; `with_chat_template(text, source)` is a copy that uses
+another template (a `--chat-template FILE` override). Special-token strings in the
+rendered text (the template's `{{ bos_token }}`, headers like `<|start_header_id|>`)
+encode as their single ids, and BOS is prepended only when the text does not already
+start with it.
 
 `StreamDecoder` turns token ids arriving one by one into text pieces whose
 concatenation equals `decode(all ids)`. A token can end inside a multi-byte UTF-8
@@ -34,6 +36,7 @@ context every time.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -163,6 +166,29 @@ class Tokenizer:
             chat_template=template,
             chat_template_source=source,
         )
+
+    def with_chat_template(self, template: str, source: str = "<given>") -> Tokenizer:
+        """A copy of this tokenizer that renders chats with `template` instead of its own.
+
+        The template is parsed at once, so a syntax error shows here rather than at the
+        first render.
+
+        Args:
+          template: the Jinja chat template text.
+          source: where it came from (a file path), for messages.
+
+        Raises:
+          TypeError: `template` or `source` is not a str.
+          ValueError: the template does not parse (the message names `source`).
+          ImportError: jinja2 is missing (`pip install 'pagedjax[chat]'`).
+        """
+        for name, value in (("template", template), ("source", source)):
+            if not isinstance(value, str):
+                raise TypeError(f"{name} must be a str, got {type(value).__name__}: {value!r:.80}")
+        chat._compile(template, source)  # parse (and cache) it now
+        new = copy.copy(self)
+        new.chat_template, new.chat_template_source = template, source
+        return new
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`, with BOS prepended when `add_bos` (default `self.add_bos`)."""

@@ -233,3 +233,21 @@ def test_missing_jinja2_says_how_to_install(tok, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_jinja)
     with pytest.raises(ImportError, match=r"pip install 'pagedjax\[chat\]'"):
         tok.apply_chat_template(MESSAGES)  # compiled earlier in the session or not
+
+
+def test_with_chat_template_replaces_the_template_in_a_copy(tok):
+    other = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}>"
+    new = tok.with_chat_template(other, "my.jinja")
+    assert new.apply_chat_template(MESSAGES) == "[system] Answer in Python.\n[user] def fib(n):\n>"
+    assert new.chat_template == other and new.chat_template_source == "my.jinja"
+    assert new.encode_chat(MESSAGES)[0] == BOS  # the rest of the tokenizer is the same
+    assert tok.apply_chat_template(MESSAGES) == RENDERED  # the original is unchanged
+    none = byte_tokenizer().with_chat_template(other)
+    assert none.chat_template_source == "<given>" and none.apply_chat_template(MESSAGES)
+
+
+def test_with_chat_template_parses_at_once(tok):
+    with pytest.raises(ValueError, match=r"\(bad.jinja\) has a syntax error at line 2: "):
+        tok.with_chat_template("ok\n{% for m in messages %}{{ m }", "bad.jinja")
+    with pytest.raises(TypeError, match="template must be a str, got bytes"):
+        tok.with_chat_template(b"{{ messages }}")
