@@ -71,6 +71,7 @@ class StepBatch:
         self.temperature = np.zeros(b, np.float32)
         self.top_k = np.zeros(b, np.int32)
         self.top_p = np.ones(b, np.float32)
+        self.min_p = np.zeros(b, np.float32)
         self.seeds = np.zeros(b, np.uint32)
         self.steps = np.zeros(b, np.int32)
         self.top_k_needed = 0
@@ -81,7 +82,7 @@ class StepBatch:
         # scalar store costs about as much as building the list entry, so at B=256 this
         # halves the packing time.
         starts, ctx, sampled, decoding, decoding_ids = [], [], [], [], []
-        temp, top_k, top_p, seeds, steps = [], [], [], [], []
+        temp, top_k, top_p, min_p, seeds, steps = [], [], [], [], [], []
         off = 0
         for i, r in enumerate(rows):
             starts.append(off)
@@ -99,6 +100,7 @@ class StepBatch:
                 temp.append(params.temperature)
                 top_k.append(params.top_k)
                 top_p.append(params.top_p)
+                min_p.append(params.min_p)
                 seeds.append(r.seq.seed)
                 steps.append(r.start + q - r.seq.num_prompt_tokens)
             if r.decode and not r.group.atomic:
@@ -122,6 +124,7 @@ class StepBatch:
             self.temperature[sampled] = temp
             self.top_k[sampled] = top_k
             self.top_p[sampled] = top_p
+            self.min_p[sampled] = min_p
             self.seeds[sampled] = seeds
             self.steps[sampled] = steps
         self.logits_indices = np.zeros(b, np.int32)
@@ -214,6 +217,7 @@ class StepBatch:
             temperature=self.temperature,
             top_k=self.top_k,
             top_p=self.top_p,
+            min_p=self.min_p,
             seeds=self.seeds,
             sample_steps=self.steps,
             target_ids=self.target_ids,

@@ -150,7 +150,7 @@ def _step(
             extra["target_top_logprobs"] = top_lp
         logits = logits[inp.logits_indices]
     tokens, logprobs = sampling.sample(
-        logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.sample_steps
+        logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.sample_steps, inp.min_p
     )
     top_ids = top_lp = None
     if num_top_logprobs:

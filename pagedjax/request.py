@@ -25,6 +25,8 @@ class SamplingParams:
       temperature: 0 is greedy; ignored by beam search.
       top_k: keep the k most likely tokens (0: off).
       top_p: nucleus mass in (0, 1] (1: off).
+      min_p: in [0, 1]: drop tokens less likely than min_p times the most likely one,
+        after the temperature and before top-k and top-p (0: off).
       max_tokens: most tokens to generate per completion.
       seed: sampling seed; None draws one from the engine's seed.
       stop_token_ids: extra tokens that end a completion (kept in its token ids).
@@ -56,6 +58,7 @@ class SamplingParams:
     cache_salt: str | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    min_p: float = 0.0
 
     def __post_init__(self):
         def positive_int(name):
@@ -73,6 +76,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 0 (0: off), got top_k={k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got top_p={self.top_p!r}")
+        m = self.min_p
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0: off), got min_p={m!r}")
         s = self.seed
         if s is not None and (not isinstance(s, (int, np.integer)) or not 0 <= s < 2**32):
             raise ValueError(f"seed must be None or an int in [0, 2**32), got seed={s!r}")

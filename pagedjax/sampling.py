@@ -4,10 +4,12 @@ Each row `b` of a batch has its own temperature, top-k, top-p and PRNG key, so o
 jitted step serves requests with different sampling settings:
 
 * `temperature[b] <= 0`: greedy (argmax of the raw logits);
-* otherwise the logits are divided by the temperature, then truncated to the top
-  `top_k[b]` tokens (`top_k <= 0` or `>= V`: off), then to the smallest set of the
-  remaining tokens whose probability reaches `top_p[b]` (`top_p >= 1`: off), and a
-  token is drawn from what is left (Gumbel-max). Ties at a threshold are kept.
+* otherwise the logits are divided by the temperature; tokens less likely than
+  `min_p[b]` times the most likely one are dropped (`min_p <= 0`: off); then the rest
+  is truncated to the top `top_k[b]` tokens (`top_k <= 0` or `>= V`: off), then to the
+  smallest set of the remaining tokens whose probability reaches `top_p[b]`
+  (`top_p >= 1`: off), and a token is drawn from what is left (Gumbel-max). Ties at a
+  threshold are kept.
 * The key of row `b` is `fold_in(key(seeds[b]), steps[b])`: a request's i-th token
   depends only on (its seed, i), not on which other requests share the batch.
 
@@ -30,6 +32,22 @@ def row_keys(seeds, steps):
     seeds = jnp.asarray(seeds).astype(jnp.uint32)
     steps = jnp.asarray(steps).astype(jnp.uint32)
     return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seeds, steps)
+
+
+def apply_min_p(logits, min_p):
+    """Masks tokens whose probability is below `min_p` times the row's most likely one.
+
+    Args:
+      logits: [B, V] float (already divided by the temperature).
+      min_p: [B] float32 in [0, 1]; `<= 0` keeps every token.
+
+    Returns:
+      [B, V] float32: the logits, with excluded tokens set to -inf.
+    """
+    x = logits.astype(jnp.float32)
+    # p_i / p_max = exp(x_i - x_max), so p_i < min_p * p_max <=> x_i < x_max + log(min_p).
+    floor = jnp.max(x, axis=-1, keepdims=True) + jnp.log(jnp.maximum(min_p, 1e-30))[:, None]
+    return jnp.where((min_p[:, None] > 0) & (x < floor), _NEG_INF, x)
 
 
 def apply_top_k_top_p(logits, top_k, top_p):
@@ -59,7 +77,7 @@ def apply_top_k_top_p(logits, top_k, top_p):
     return jnp.where(x >= pth, x, _NEG_INF)
 
 
-def sample(logits, temperature, top_k, top_p, seeds, steps):
+def sample(logits, temperature, top_k, top_p, seeds, steps, min_p=None):
     """Draws one token per row.
 
     Args:
@@ -69,6 +87,7 @@ def sample(logits, temperature, top_k, top_p, seeds, steps):
       top_p: [B] float32.
       seeds: [B] uint32 per-request seeds.
       steps: [B] int32 index of the token being drawn within its request.
+      min_p: [B] float32 in [0, 1] (see `apply_min_p`), or None: off for every row.
 
     Returns:
       (tokens [B] int32, logprobs [B] float32 of those tokens under the raw logits).
@@ -77,6 +96,8 @@ def sample(logits, temperature, top_k, top_p, seeds, steps):
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled_rows = temperature > 0
     scaled = logits / jnp.where(sampled_rows, temperature, 1.0)[:, None]
+    if min_p is not None:
+        scaled = apply_min_p(scaled, min_p)
 
     def truncate(x):
         return apply_top_k_top_p(x, top_k, top_p)
@@ -110,7 +131,9 @@ def top_logprobs(logits, k: int):
     return ids.astype(jnp.int32), lp
 
 
-def check_params(temperature: float, top_k: int, top_p: float, seed: int) -> None:
+def check_params(
+    temperature: float, top_k: int, top_p: float, seed: int, min_p: float = 0.0
+) -> None:
     """Host-side validation of one request's sampling parameters (ValueError if bad)."""
     if not np.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be finite and >= 0, got {temperature=}")
@@ -120,3 +143,5 @@ def check_params(temperature: float, top_k: int, top_p: float, seed: int) -> Non
         raise ValueError(f"top_p must be in (0, 1], got {top_p=}")
     if int(seed) != seed or not 0 <= seed < 2**32:
         raise ValueError(f"seed must be an int in [0, 2**32), got {seed=}")
+    if not 0 <= min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1] (0: off), got {min_p=}")

@@ -49,6 +49,7 @@ class StepInput:
     top_p: jax.Array  # [B] float32 (1: off)
     seeds: jax.Array  # [B] uint32
     sample_steps: jax.Array  # [B] int32 index of the token being drawn, per request
+    min_p: jax.Array | None = None  # [B] float32 (0: off; None: off for every row)
     # Prompt logprobs: the token after each fed token whose log-probability is wanted
     # (-1: none). None: logits only at `logits_indices` (given: at every token).
     target_ids: jax.Array | None = None  # [T] int32
@@ -92,7 +93,8 @@ class SeqChunk:
       start_pos: tokens of this sequence already in the cache (position of token_ids[0]).
       page_table: the sequence's physical pages in logical order, covering at least
         start_pos + len(token_ids) tokens.
-      temperature, top_k, top_p, seed: sampling parameters (see pagedjax.sampling).
+      temperature, top_k, top_p, seed, min_p: sampling parameters (see
+        pagedjax.sampling).
       sample_step: index of the token this step draws for the request (0 for the
         first generated token); with the seed it fixes the PRNG key.
     """
@@ -105,6 +107,7 @@ class SeqChunk:
     top_p: float = 1.0
     seed: int = 0
     sample_step: int = 0
+    min_p: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -219,20 +222,21 @@ def build_step_input(
     page_table = np.zeros((b, max_pages), np.int64)
     page_table[np.repeat(np.arange(n), n_pages), _ragged_arange(n_pages)] = np.concatenate(rows)
     _check_steps(toks, q_lens, start, n_pages, page_table, model_cfg, cache_cfg)
-    temperature, top_k, top_p, seeds, sample_steps = (
+    temperature, top_k, top_p, seeds, sample_steps, min_p = (
         np.array([getattr(c, f) for c in chunks], dt)
         for f, dt in (
             ("temperature", np.float64), ("top_k", np.float64), ("top_p", np.float64),
-            ("seed", np.float64), ("sample_step", np.int64),
+            ("seed", np.float64), ("sample_step", np.int64), ("min_p", np.float64),
         )
     )  # fmt: skip
     bad = ~(
         (temperature >= 0) & np.isfinite(temperature) & (top_k >= 0) & (top_k == np.floor(top_k))
         & (top_p > 0) & (top_p <= 1) & (seeds >= 0) & (seeds < 2**32) & (seeds == np.floor(seeds))
+        & (min_p >= 0) & (min_p <= 1)
     )  # fmt: skip
     if bad.any():
         c = chunks[_first(bad)]
-        sampling.check_params(c.temperature, c.top_k, c.top_p, c.seed)
+        sampling.check_params(c.temperature, c.top_k, c.top_p, c.seed, c.min_p)
 
     starts = np.full(b + 1, total, np.int32)
     starts[: n + 1] = np.concatenate([[0], np.cumsum(q_lens)])
@@ -272,6 +276,7 @@ def build_step_input(
         top_p=per_seq(top_p, np.float32, 1.0),
         seeds=per_seq(seeds, np.uint32, 0),
         sample_steps=per_seq(sample_steps, np.int32, 0),
+        min_p=per_seq(min_p, np.float32, 0.0),
         decode=decode,
     )
 

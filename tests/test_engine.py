@@ -150,6 +150,7 @@ def assert_drawn_by_the_sampler(dense, prompt, completions, sp):
         jnp.full(n, sp.top_p, jnp.float32),
         jnp.asarray(seeds, jnp.uint32),
         jnp.asarray(steps, jnp.int32),
+        jnp.full(n, sp.min_p, jnp.float32),
     )
     assert np.asarray(drawn).tolist() == want
     bounds = np.cumsum([0] + [len(c.token_ids) for c in completions[:-1]])
@@ -160,7 +161,9 @@ def assert_drawn_by_the_sampler(dense, prompt, completions, sp):
 def test_n_samples_share_the_prompt_and_match_the_sampler(params, dense):
     llm = LLM(params, max_num_batched_tokens=16, **GEOMETRY)
     prompt = np.random.default_rng(7).integers(3, 256, size=20).tolist()  # 2 full pages
-    sp = SamplingParams(n=4, temperature=0.9, top_k=40, top_p=0.95, seed=1234, max_tokens=10)
+    sp = SamplingParams(
+        n=4, temperature=0.9, top_k=40, top_p=0.95, min_p=0.1, seed=1234, max_tokens=10
+    )
     seen = []
 
     def on_step(engine):
@@ -477,6 +480,8 @@ def test_async_scheduling_gives_the_sync_outputs(params, monkeypatch):
         (dict(top_p=1.5), "top_p=1.5"),
         (dict(temperature=-0.5), "temperature=-0.5"),
         (dict(top_k=-1), "top_k=-1"),
+        (dict(min_p=1.01), "min_p=1.01"),
+        (dict(min_p=True), "min_p=True"),
         (dict(max_tokens=0), "max_tokens=0"),
         (dict(seed=-3), "seed=-3"),
         (dict(beam_width=2, n=3), "n=3"),

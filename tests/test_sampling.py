@@ -12,12 +12,15 @@ def _logits(b, v, seed=0, scale=3.0):
     return np.random.default_rng(seed).normal(size=(b, v)).astype(np.float32) * scale
 
 
-def _np_mask(row, k, p):
-    """Reference keep-mask for one row: top-k by value, then the top-p nucleus."""
+def _np_mask(row, k, p, min_p=0.0):
+    """Reference keep-mask for one row: min-p, then top-k by value, then the top-p nucleus."""
     v = row.size
     keep = np.ones(v, bool)
+    if min_p > 0:
+        probs = np.exp(row.astype(np.float64) - row.max())
+        keep &= probs >= min_p * probs.max()
     if 0 < k < v:
-        kth = np.sort(row)[::-1][k - 1]
+        kth = np.sort(np.where(keep, row, -np.inf))[::-1][k - 1]
         keep &= row >= kth
     if p < 1:
         kept = np.where(keep, row.astype(np.float64), -np.inf)
@@ -30,7 +33,7 @@ def _np_mask(row, k, p):
     return keep
 
 
-def _sample(logits, temperature, top_k, top_p, seeds, steps):
+def _sample(logits, temperature, top_k, top_p, seeds, steps, min_p=None):
     b = logits.shape[0]
     f = jax.jit(sampling.sample)
     return f(
@@ -40,6 +43,7 @@ def _sample(logits, temperature, top_k, top_p, seeds, steps):
         jnp.asarray(np.broadcast_to(top_p, (b,)), jnp.float32),
         jnp.asarray(np.broadcast_to(seeds, (b,)), jnp.uint32),
         jnp.asarray(np.broadcast_to(steps, (b,)), jnp.int32),
+        None if min_p is None else jnp.asarray(np.broadcast_to(min_p, (b,)), jnp.float32),
     )
 
 
@@ -106,16 +110,46 @@ def test_reproducible_per_seed_and_step_and_independent_of_batch():
     assert int(alone[0]) == a[2]
 
 
+def test_min_p_mask_matches_numpy():
+    b, v = 16, 300
+    logits = _logits(b, v, seed=12)
+    min_p = np.linspace(0.0, 0.9, b).astype(np.float32)  # row 0: off
+    got = np.isfinite(np.asarray(sampling.apply_min_p(jnp.asarray(logits), jnp.asarray(min_p))))
+    for r in range(b):
+        want = _np_mask(logits[r], 0, 1.0, float(min_p[r]))
+        ratio = np.exp(logits[r].astype(np.float64) - logits[r].max())
+        clear = np.abs(ratio - min_p[r]) > 1e-5  # away from the threshold (float32 rounding)
+        np.testing.assert_array_equal(got[r][clear], want[clear])
+    assert got[0].all() and got[-1].sum() < got[1].sum() < v
+    # Greedy rows ignore it; min_p = 1 keeps only the most likely token; 0 is None.
+    greedy, _ = _sample(logits, 0.0, 0, 1.0, np.arange(b), 0, min_p=0.99)
+    one, _ = _sample(logits, 2.0, 0, 1.0, np.arange(b), 0, min_p=1.0)
+    np.testing.assert_array_equal(np.asarray(greedy), logits.argmax(-1))
+    np.testing.assert_array_equal(np.asarray(one), logits.argmax(-1))
+    off, _ = _sample(logits, 1.0, 0, 1.0, np.arange(b), 3, min_p=0.0)
+    none, _ = _sample(logits, 1.0, 0, 1.0, np.arange(b), 3)
+    np.testing.assert_array_equal(np.asarray(off), np.asarray(none))
+
+
 @pytest.mark.parametrize(
-    "temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 3, 1.0), (1.3, 0, 0.8)]
+    "temperature,top_k,top_p,min_p",
+    [
+        (1.0, 0, 1.0, 0.0),
+        (0.7, 0, 1.0, 0.0),
+        (1.0, 3, 1.0, 0.0),
+        (1.3, 0, 0.8, 0.0),
+        (1.0, 0, 1.0, 0.3),
+        (1.5, 0, 0.9, 0.1),
+    ],
 )
-def test_distribution_matches_on_a_tiny_vocab(temperature, top_k, top_p):
+def test_distribution_matches_on_a_tiny_vocab(temperature, top_k, top_p, min_p):
     base = np.array([2.0, 1.5, 1.0, 0.2, -0.5, -1.0], np.float32)
     n = 20000
     logits = np.tile(base, (n, 1))
-    tokens, _ = _sample(logits, temperature, top_k, top_p, np.arange(n) % 97, np.arange(n))
+    seeds, steps = np.arange(n) % 97, np.arange(n)
+    tokens, _ = _sample(logits, temperature, top_k, top_p, seeds, steps, min_p=min_p)
     freq = np.bincount(np.asarray(tokens), minlength=base.size) / n
-    keep = _np_mask(base / temperature, top_k, top_p)
+    keep = _np_mask(base / temperature, top_k, top_p, min_p)
     expected = np.where(keep, np.exp(base / temperature), 0.0)
     expected /= expected.sum()
     assert freq[~keep].sum() == 0
@@ -145,6 +179,8 @@ def test_top_logprobs_match_numpy():
         (dict(top_p=1.5), "top_p=1.5"),
         (dict(seed=-1), "seed=-1"),
         (dict(seed=2**32), f"seed={2**32}"),
+        (dict(min_p=-0.1), "min_p=-0.1"),
+        (dict(min_p=1.5), "min_p=1.5"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):
