@@ -275,6 +275,7 @@ def generate(
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    min_p: float = 0.0,
     seed: int = 0,
     stop_token_ids: Sequence[int] | None = None,
     prefill_chunk: int | None = None,
@@ -295,7 +296,7 @@ def generate(
       prompts: token id lists (non-empty).
       max_new_tokens: tokens to generate per prompt (fewer if a stop token comes).
       page_size: tokens per page.
-      temperature, top_k, top_p: sampling (temperature 0: greedy).
+      temperature, top_k, top_p, min_p: sampling (temperature 0: greedy).
       seed: prompt b samples with seed + b.
       stop_token_ids: default: the config's eos_token_ids. The stop token is kept.
       prefill_chunk: prefill prompts at most this many tokens per step (default: all).
@@ -331,7 +332,7 @@ def generate(
     # Validate every prompt before allocating the cache or compiling anything.
     build_step_input(
         [
-            SeqChunk(p, 0, pages[i], temperature, top_k, top_p, seed + i)
+            SeqChunk(p, 0, pages[i], temperature, top_k, top_p, seed + i, min_p=min_p)
             for i, p in enumerate(prompts)
         ],
         cfg,
@@ -350,7 +351,15 @@ def generate(
             toks = p[pos : pos + chunk_len] if pos < len(p) else out.tokens[b][-1:]
             chunks.append(
                 SeqChunk(
-                    toks, pos, pages[b], temperature, top_k, top_p, seed + b, len(out.tokens[b])
+                    toks,
+                    pos,
+                    pages[b],
+                    temperature,
+                    top_k,
+                    top_p,
+                    seed + b,
+                    len(out.tokens[b]),
+                    min_p,
                 )
             )
         inp = build_step_input(chunks, cfg, cache_cfg, buckets=buckets)

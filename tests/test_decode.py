@@ -112,6 +112,13 @@ def test_sampling_is_reproducible_per_seed(params):
     for b_, seq in enumerate(a.tokens):
         for i, tok in enumerate(seq):
             assert (a.logits[b_][i] > a.logits[b_][i][tok]).sum() < 50
+    # min_p: every draw at least min_p times as likely as the step's top token.
+    m = _generate(params, prompts, seed=5, page_size=4, temperature=2.0, min_p=0.2)
+    assert m.tokens != a.tokens
+    for b_, seq in enumerate(m.tokens):
+        for i, tok in enumerate(seq):
+            x = m.logits[b_][i] / 2.0
+            assert x[tok] >= x.max() + np.log(0.2) - 1e-5
 
 
 def test_generation_stops_at_a_stop_token(params):
