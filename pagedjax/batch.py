@@ -91,7 +91,7 @@ class StepBatch:
             if r.group.atomic:
                 w = r.group.request.params.beam_width
                 k = num_candidates(w, len(r.group.request.stop_ids))
-                self.top_k_needed = max(self.top_k_needed, k)
+                self.top_k_needed = max(self.top_k_needed, k, r.group.request.params.logprobs or 0)
             elif r.samples:
                 params = r.group.request.params
                 if params.logprobs:

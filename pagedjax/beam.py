@@ -30,6 +30,7 @@ top that many.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -49,6 +50,7 @@ class Hypothesis:
     cumulative_logprob: float
     score: float
     finish_reason: str  # "stop" | "length"
+    logprobs: list[dict[int, float]] | None = None  # per token, when asked for
 
 
 @dataclasses.dataclass(slots=True)
@@ -74,8 +76,9 @@ class BeamSearch:
     def score(self, logprob_sum: float, length: int) -> float:
         return logprob_sum / length**self.length_penalty
 
-    def _add(self, token_ids: list[int], logprob_sum: float, reason: str) -> None:
-        h = Hypothesis(token_ids, logprob_sum, self.score(logprob_sum, len(token_ids)), reason)
+    def _add(self, token_ids: list[int], logprob_sum: float, reason: str, logprobs=None) -> None:
+        score = self.score(logprob_sum, len(token_ids))
+        h = Hypothesis(token_ids, logprob_sum, score, reason, logprobs)
         self.hyps.append(h)
         self.hyps.sort(key=lambda x: -x.score)  # stable: an earlier equal score stays first
         del self.hyps[self.width :]
@@ -86,14 +89,19 @@ class BeamSearch:
         sums: list[float],
         top_ids: np.ndarray,
         top_logprobs: np.ndarray,
-    ) -> list[tuple[int, int, float]]:
-        """One step: the next beams as (parent beam index, token, new logprob sum).
+        logprobs: list[list[dict]] | None = None,
+        entry: Callable[[int, int], dict] | None = None,
+    ) -> list[tuple[int, int, float, int]]:
+        """One step: the next beams as (parent beam index, token, new logprob sum, index
+        of the token among the parent's candidates).
 
         Args:
           generated: each live beam's generated tokens (equal lengths).
           sums: each beam's sum of log-probabilities.
           top_ids: [beams, k] int each beam's most likely next tokens, best first.
           top_logprobs: [beams, k] float their log-probabilities.
+          logprobs: each beam's per-token logprobs entries, to extend into the
+            hypotheses (with `entry(beam, j)`: the entry of candidate j of that beam).
 
         Returns:
           The new beams, best first; empty when the search is done. Sets `done`.
@@ -102,20 +110,20 @@ class BeamSearch:
         nb, k = total.shape
         order = np.lexsort((np.tile(np.arange(k), nb), np.repeat(np.arange(nb), k), -total.ravel()))
         length = len(generated[0]) + 1
-        new: list[tuple[int, int, float]] = []
+        new: list[tuple[int, int, float, int]] = []
         for rank, flat in enumerate(order.tolist()):
             b, j = divmod(flat, k)
             tok, s = int(top_ids[b, j]), float(total[b, j])
             if tok in self.stop_ids:
                 if rank < self.width:
-                    self._add([*generated[b], tok], s, "stop")
+                    self._add([*generated[b], tok], s, "stop", _extend(logprobs, entry, b, j))
                 continue
-            new.append((b, tok, s))
+            new.append((b, tok, s, j))
             if len(new) == self.width:
                 break
         if length >= self.max_new_tokens:
-            for b, tok, s in new:
-                self._add([*generated[b], tok], s, "length")
+            for b, tok, s, j in new:
+                self._add([*generated[b], tok], s, "length", _extend(logprobs, entry, b, j))
             new = []
         elif (
             new
@@ -129,3 +137,7 @@ class BeamSearch:
     def best(self, n: int) -> list[Hypothesis]:
         """The n best hypotheses, best first."""
         return self.hyps[:n]
+
+
+def _extend(logprobs, entry, b: int, j: int) -> list[dict] | None:
+    return None if logprobs is None else [*logprobs[b], entry(b, j)]

@@ -167,21 +167,32 @@ class OutputProcessor:
         seqs = [s for s, _, _ in results]
         p = len(req.prompt_ids)
         self.metrics.generated_tokens += len(seqs)
+        top_ids = np.stack([x for _, x, _ in results])
+        top_lps = np.stack([x for _, _, x in results])
+        k = req.params.logprobs
+
+        def entry(b: int, j: int) -> dict:
+            tok, lp = int(top_ids[b, j]), float(top_lps[b, j])
+            return logprobs_entry(tok, lp, k, top_ids, top_lps, b)
+
+        kept = None if k is None else [s.logprobs for s in seqs]
         new = bs.select(
             [s.token_ids[p:] for s in seqs],
             [s.cumulative_logprob for s in seqs],
-            np.stack([x for _, x, _ in results]),
-            np.stack([x for _, _, x in results]),
+            top_ids,
+            top_lps,
+            kept,
+            entry,
         )
         if not new:
             for s in list(g.seqs):
                 self.scheduler.drop(g, s)
             return True
-        picks: dict[int, list[tuple[int, float]]] = {}
-        for b, tok, total in new:
-            picks.setdefault(b, []).append((tok, total))
+        picks: dict[int, list[tuple[int, float, int]]] = {}
+        for b, tok, total, j in new:
+            picks.setdefault(b, []).append((tok, total, j))
         for b, parent in enumerate(seqs):
-            for tok, total in picks.get(b, [])[1:]:
+            for tok, total, j in picks.get(b, [])[1:]:
                 child = Seq(
                     next(self.seq_ids),
                     [*parent.token_ids, tok],
@@ -190,11 +201,15 @@ class OutputProcessor:
                     0,
                     parent.seed,
                     cumulative_logprob=total,
+                    logprobs=None if k is None else [*parent.logprobs, entry(b, j)],
                 )
                 self.scheduler.fork(g, parent, child)
             if b in picks:
-                parent.token_ids.append(picks[b][0][0])
-                parent.cumulative_logprob = picks[b][0][1]
+                tok, total, j = picks[b][0]
+                parent.token_ids.append(tok)
+                parent.cumulative_logprob = total
+                if k is not None:
+                    parent.logprobs.append(entry(b, j))
         for b, parent in enumerate(seqs):
             if b not in picks:
                 self.scheduler.drop(g, parent)
@@ -219,6 +234,7 @@ class OutputProcessor:
                         h.token_ids,
                         h.cumulative_logprob,
                         h.finish_reason,
+                        logprobs=h.logprobs,
                     )
                 )
         else:

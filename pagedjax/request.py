@@ -37,7 +37,7 @@ class SamplingParams:
       cache_salt: requests share prefix-cache pages only with equal salts.
       logprobs: None, or return each generated token's log-probability with those of the
         `logprobs` most likely tokens at its position (0 to MAX_LOGPROBS; 0: the sampled
-        token's only), in `CompletionOutput.logprobs`. Not with beam search.
+        token's only), in `CompletionOutput.logprobs`.
       prompt_logprobs: None, or return each prompt token's log-probability given the
         tokens before it, with those of the `prompt_logprobs` most likely tokens there
         (0 to MAX_LOGPROBS), in `RequestOutput.prompt_logprobs`. Such a request computes
@@ -109,12 +109,6 @@ class SamplingParams:
                 raise ValueError(
                     f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {name}={k!r}"
                 )
-        k = self.logprobs
-        if k is not None and self.beam_width > 1:
-            raise ValueError(
-                f"logprobs is not supported with beam search (beam_width={self.beam_width}); "
-                "each completion's cumulative_logprob is its score's numerator"
-            )
 
 
 @dataclasses.dataclass

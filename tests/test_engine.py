@@ -290,6 +290,7 @@ def test_beam_search_equals_exhaustive_dense_search(params, dense, width, length
         max_tokens=7,
         stop_token_ids=sorted(stops),
         ignore_eos=True,
+        logprobs=3,
     )
     llm = LLM(params, max_num_batched_tokens=16, **GEOMETRY)
     outs = llm.generate(prompts, sp)
@@ -302,6 +303,15 @@ def test_beam_search_equals_exhaustive_dense_search(params, dense, width, length
             [c.cumulative_logprob for c in o.outputs], [h[2] for h in want], rtol=1e-4
         )
         reasons |= {c.finish_reason for c in o.outputs}
+        for c in o.outputs:  # each hypothesis's own tokens, through its forks
+            lsm = dense_log_softmax(dense, [p + c.token_ids[:j] for j in range(len(c.token_ids))])
+            assert len(c.logprobs) == len(c.token_ids)
+            for tok, entry, w in zip(c.token_ids, c.logprobs, lsm, strict=True):
+                top = np.argsort(-w, kind="stable")[:3].tolist()
+                assert list(entry) == [tok] + [t for t in top if t != tok]
+                np.testing.assert_allclose([entry[t] for t in entry], w[list(entry)], atol=2e-5)
+            total = sum(e[t] for t, e in zip(c.token_ids, c.logprobs, strict=True))
+            np.testing.assert_allclose(total, c.cumulative_logprob, rtol=1e-5)
     assert reasons == {"stop", "length"}, reasons
     assert llm.block_manager.stats().cow_copies > 0  # beams forked and split pages
     check_clean(llm)
@@ -493,7 +503,6 @@ def test_async_scheduling_gives_the_sync_outputs(params, monkeypatch):
         (dict(logprobs=2.0), "got logprobs=2.0"),
         (dict(prompt_logprobs=-2), "got prompt_logprobs=-2"),
         (dict(prompt_logprobs=30), "prompt_logprobs must be None or an int in"),
-        (dict(logprobs=1, beam_width=2), "not supported with beam search"),
     ],
 )
 def test_sampling_params_validation(kwargs, match):
