@@ -27,9 +27,10 @@ a double quote is read as a JSON string, so a prompt can hold newlines.
 `--chat` (instruct checkpoints): each prompt becomes one user message, after a system
 message when `--system TEXT` is given, rendered with the checkpoint's chat template
 (`chat_template.jinja`, `chat_template.json` or tokenizer_config.json's; needs
-`pip install 'pagedjax[chat]'`) and sent to the engine as token ids. The output still
-shows the prompt as typed. A checkpoint without a template, or no jinja2, is an error
-before any weights load.
+`pip install 'pagedjax[chat]'`), or with the Jinja file `--chat-template FILE` instead,
+and sent to the engine as token ids. The output still shows the prompt as typed. A
+checkpoint without a template, a missing or unparsable template file, or no jinja2, is
+an error before any weights load. For a multi-turn conversation, see scripts/chat.py.
 
 `--json` prints one JSON object instead, with these keys:
 
@@ -40,8 +41,8 @@ before any weights load.
     settings         page_size, num_pages, max_num_batched_tokens, max_num_seqs,
                      enable_prefix_caching, async_scheduling, tensor_parallel,
                      compilation_cache (the directory, or null when off), chat
-                     (--chat), system (the --system text or null), and the
-                     sampling flags
+                     (--chat), chat_template (the --chat-template file or null),
+                     system (the --system text or null), and the sampling flags
     outputs          one per prompt: prompt, prompt_tokens, num_cached_tokens, ttft_s,
                      latency_s, prompt_logprobs, completions: [{text, token_ids,
                      finish_reason, cumulative_logprob, logprobs}]; logprobs is null
@@ -101,17 +102,19 @@ DEFAULT_PROMPTS = (
 )
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and status 2, like every other bad input
-        raise _BadInput(message)
+class Parser(argparse.ArgumentParser):
+    """Reports a bad flag as `BadInput` (one line and status 2, like every other bad input)."""
+
+    def error(self, message):
+        raise BadInput(message)
 
 
-class _BadInput(Exception):
-    pass
+class BadInput(Exception):
+    """Bad input on the command line: `main` prints it as one line and exits with 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="scripts/generate.py", description=__doc__.split("\n")[0])
+    p = Parser(prog="scripts/generate.py", description=__doc__.split("\n")[0])
     p.add_argument(
         "--checkpoint",
         help="HF directory or pagedjax orbax checkpoint (default: the embedded demo model)",
@@ -124,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="send each prompt as a user message through the checkpoint's chat template",
     )
     p.add_argument("--system", metavar="TEXT", help="a system message before each prompt (--chat)")
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="a Jinja chat template file to use instead of the checkpoint's (--chat)",
+    )
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per completion")
     p.add_argument("--n", type=int, default=1, help="completions per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
@@ -143,6 +151,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="show each prompt token's logprob and the K most likely alternatives",
     )
+    add_engine_flags(p)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="apply each step's tokens on the host before dispatching the next",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the engine's geometry, backend and compilation cache (scripts/chat.py too)."""
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--num-pages", type=int, help="KV pages")
@@ -157,12 +178,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=1024,
         help="token budget of one step (decode tokens + prefill chunks)",
     )
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument(
-        "--no-async-scheduling",
-        action="store_true",
-        help="apply each step's tokens on the host before dispatching the next",
-    )
     p.add_argument("--backend", default="auto", choices=("auto", "gpu", "tpu", "xla"))
     p.add_argument(
         "--tensor-parallel",
@@ -176,8 +191,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="persistent XLA compilation cache directory, or 'off' (default: see above)",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    return p
+
+
+def check_engine_flags(args) -> None:
+    """Checks `add_engine_flags`'s values and `--checkpoint` before anything loads."""
+    from pagedjax.resources import check_backend
+
+    check_backend(args.backend)
+    for name in ("page_size", "max_batch_tokens", "num_pages", "tensor_parallel"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise BadInput(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.checkpoint is not None:
+        check_checkpoint(args.checkpoint)
 
 
 def compilation_cache_dir(flag: str | None) -> str | None:
@@ -204,7 +230,7 @@ def enable_compilation_cache(path: str | None) -> None:
     try:
         Path(path).mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise _BadInput(f"--compilation-cache {path}: cannot create it ({e.strerror})") from None
+        raise BadInput(f"--compilation-cache {path}: cannot create it ({e.strerror})") from None
     jax.config.update("jax_compilation_cache_dir", path)
 
 
@@ -213,7 +239,7 @@ def read_prompts(args) -> list[str]:
     if args.prompts_file:
         path = Path(args.prompts_file)
         if not path.is_file():
-            raise _BadInput(f"prompts file not found: {path}")
+            raise BadInput(f"prompts file not found: {path}")
         for i, line in enumerate(path.read_text().splitlines()):
             if not line.strip():
                 continue
@@ -221,37 +247,60 @@ def read_prompts(args) -> list[str]:
                 try:
                     line = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise _BadInput(f"{path} line {i + 1}: bad JSON string: {e}") from None
+                    raise BadInput(f"{path} line {i + 1}: bad JSON string: {e}") from None
             prompts.append(line)
     return prompts if (args.prompt is not None or args.prompts_file) else list(DEFAULT_PROMPTS)
 
 
-def chat_prompts(args, prompts: list[str]) -> list[list[int]]:
-    """Token ids of each prompt as a user message (after `--system`), by the chat template.
+def chat_tokenizer(checkpoint: str | None, template_file: str | None, hint: str):
+    """The checkpoint's tokenizer (None: the demo model's), with the template of
+    `--chat-template FILE` in place of its own when given.
 
-    Runs before the weights load, so that a checkpoint without a template or a missing
-    jinja2 fails fast.
+    Runs before the weights load, so that a missing or broken template, a checkpoint
+    without one, or a missing jinja2 fails fast (`BadInput`; `hint` ends the message
+    when there is no template).
     """
     from pagedjax import demo
     from pagedjax.tokenizer import Tokenizer
 
-    path = args.checkpoint if args.checkpoint is not None else demo.demo_model_dir()
-    tok = Tokenizer.from_dir(path)
+    text = None
+    if template_file is not None:
+        path = Path(template_file)
+        if not path.is_file():
+            raise BadInput(f"--chat-template {path}: no such file")
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise BadInput(f"--chat-template {path}: cannot read it ({e})") from None
+    tok = Tokenizer.from_dir(checkpoint if checkpoint is not None else demo.demo_model_dir())
+    try:
+        if text is not None:
+            tok = tok.with_chat_template(text, str(template_file))
+    except ImportError as e:
+        raise BadInput(f"--chat-template: {e}") from None
     if tok.chat_template is None:
-        raise _BadInput(f"--chat: {tok.chat_template_source}; drop --chat to send raw text")
+        raise BadInput(f"{tok.chat_template_source}; {hint}")
+    return tok
+
+
+def chat_prompts(args, prompts: list[str]) -> list[list[int]]:
+    """Token ids of each prompt as a user message (after `--system`), by the chat template
+    (checked before the weights load: `chat_tokenizer`)."""
+    hint = "give --chat-template FILE, or drop --chat to send raw text"
+    tok = chat_tokenizer(args.checkpoint, args.chat_template, hint)
     system = [] if args.system is None else [{"role": "system", "content": args.system}]
     ids = []
     for i, p in enumerate(prompts):
         if not p:
-            raise _BadInput(f"prompt {i}: prompt is empty")
+            raise BadInput(f"prompt {i}: prompt is empty")
         try:
             ids.append(tok.encode_chat([*system, {"role": "user", "content": p}]))
         except ImportError as e:
-            raise _BadInput(f"--chat: {e}") from None
+            raise BadInput(f"--chat: {e}") from None
     return ids
 
 
-def _check_checkpoint(path: str) -> None:
+def check_checkpoint(path: str) -> None:
     """Fails fast on a directory that cannot serve text (before loading weights)."""
     from pagedjax import weights
     from pagedjax.tokenizer import TOKENIZER_FILE
@@ -328,10 +377,11 @@ def format_logprobs(tokenizer, token_ids, entries) -> str:
 def run(args) -> int:
     prompts = read_prompts(args)
     if args.system is not None and not args.chat:
-        raise _BadInput("--system needs --chat (it is the chat's system message)")
+        raise BadInput("--system needs --chat (it is the chat's system message)")
+    if args.chat_template is not None and not args.chat:
+        raise BadInput("--chat-template needs --chat")
     # Validate the cheap things before loading anything.
     from pagedjax.engine import LLM, SamplingParams
-    from pagedjax.resources import check_backend
     from pallas_kernels.dispatch import resolve_backend
 
     sp = SamplingParams(
@@ -345,13 +395,7 @@ def run(args) -> int:
         logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
     )
-    check_backend(args.backend)
-    for name in ("page_size", "max_batch_tokens", "num_pages", "tensor_parallel"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise _BadInput(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    if args.checkpoint is not None:
-        _check_checkpoint(args.checkpoint)
+    check_engine_flags(args)
     inputs = chat_prompts(args, prompts) if args.chat else prompts
     if args.temperature == 0 and args.n > 1 and args.beam_width == 1:
         print("note: --n > 1 with --temperature 0 gives identical completions", file=sys.stderr)
@@ -407,6 +451,7 @@ def run(args) -> int:
                 tensor_parallel=llm.tensor_parallel,
                 compilation_cache=cache_dir,
                 chat=args.chat,
+                chat_template=args.chat_template,
                 system=args.system,
                 n=args.n,
                 temperature=args.temperature,
@@ -468,7 +513,7 @@ def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return run(args)
-    except (_BadInput, ValueError, TypeError, FileNotFoundError, NotADirectoryError) as e:
+    except (BadInput, ValueError, TypeError, FileNotFoundError, NotADirectoryError) as e:
         msg = " ".join(str(e).split())  # multi-line errors (checkpoint listings) on one line
         print(f"error: {msg[:2000]}", file=sys.stderr)
         return 2

@@ -395,3 +395,43 @@ def test_chat_without_the_demo_template_or_jinja2(chat_ckpt, capsys, monkeypatch
     monkeypatch.setattr("builtins.__import__", no_jinja)
     rc, _, err = run(["--checkpoint", chat_ckpt, "--chat", "--prompt", "hi"], capsys)
     assert rc == 2 and "pip install 'pagedjax[chat]'" in err and err.count("\n") == 1, err
+
+
+def test_chat_template_file_replaces_the_checkpoints(chat_ckpt, tmp_path, capsys, monkeypatch):
+    from pagedjax.engine import LLM
+    from pagedjax.tokenizer import Tokenizer
+
+    sent = []
+    generate = LLM.generate
+
+    def spy(self, prompts, *args, **kwargs):
+        sent.extend(prompts)
+        return generate(self, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    f = tmp_path / "mine.jinja"
+    f.write_text("{% for m in messages %}MARKER {{ m['content'] }}|{% endfor %}")
+    argv = ["--checkpoint", chat_ckpt, "--chat", "--chat-template", f, "--prompt", "hi"]
+    rc, out, err = run(
+        [*argv, "--max-tokens", "2", "--json", "--backend", "xla", *GEOMETRY], capsys
+    )
+    assert rc == 0, err
+    assert [Tokenizer.from_dir(chat_ckpt).decode(ids) for ids in sent] == ["MARKER hi|"]
+    settings = json.loads(out)["settings"]
+    assert settings["chat_template"] == str(f) and settings["chat"] is True
+
+
+def test_chat_template_bad_input_before_loading_weights(ckpt, tmp_path, capsys, monkeypatch):
+    from pagedjax.engine import LLM
+
+    monkeypatch.setattr(LLM, "__init__", lambda *a, **k: pytest.fail("weights were loaded"))
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("ok\n{% for m in messages %}{{ m }")
+    for extra, match in (
+        (["--chat-template", broken], "--chat-template needs --chat"),
+        (["--chat", "--chat-template", tmp_path / "no.jinja"], "no.jinja: no such file"),
+        (["--chat", "--chat-template", broken], "broken.jinja) has a syntax error at line 2"),
+    ):
+        rc, out, err = run(["--checkpoint", ckpt, "--prompt", "hi", *extra], capsys)
+        assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+        assert match in err and out == "", err

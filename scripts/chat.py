@@ -1,0 +1,192 @@
+"""Chat with an instruct checkpoint in the terminal: the model loads once, then turn after turn.
+
+    python scripts/chat.py --checkpoint path/to/Llama-3.2-1B-Instruct --system "Be brief."
+    python scripts/chat.py --checkpoint path/to/dir --chat-template my_template.jinja
+    printf 'Hi!\\nAnd then?\\n' | python scripts/chat.py --checkpoint path/to/dir --temperature 0
+
+Each line read from stdin (after a `> ` prompt when stdin is a terminal) is a user
+message. The whole conversation so far, after the `--system TEXT` message when given,
+is rendered with the checkpoint's chat template (or the Jinja file `--chat-template
+FILE`; needs `pip install 'pagedjax[chat]'`), and the reply streams to stdout as it is
+generated, then joins the conversation. Every turn's prompt repeats the turns before
+it, so from the second turn on the engine's prefix cache serves most of it: the stats
+line after each reply (on stderr) says how many prompt tokens it served, with the
+reply's length, its time to first token and its tokens/s after the first token.
+
+Commands: `/reset` starts the conversation over (keeping the system message);
+`/exit`, or the end of stdin, ends the session. A conversation that no longer fits
+the model's length (`--max-model-len`, default the model's) is reported on stderr and
+its last message dropped: `/reset` and go on. Sampling: `--max-tokens` (per reply),
+`--temperature` (0.7; 0 is greedy), `--top-k`, `--top-p`, and `--seed`, the seed of
+every reply, so a session is reproducible.
+
+The engine flags (`--page-size`, `--num-pages` | `--kv-memory-fraction`,
+`--max-batch-tokens`, `--backend`, `--tensor-parallel`, `--compilation-cache`) are
+scripts/generate.py's. Bad input (a checkpoint or template that cannot serve a chat,
+a bad flag) ends with one line on stderr and exit status 2, before any weights load.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import generate as gen  # noqa: E402  (the sibling script: its flags, checks and cache helpers)
+
+COMMANDS = ("/reset", "/exit")
+NO_TEMPLATE_HINT = "give --chat-template FILE (a Jinja chat template)"
+
+
+def build_parser() -> gen.Parser:
+    p = gen.Parser(prog="scripts/chat.py", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--checkpoint",
+        help="HF directory or pagedjax orbax checkpoint (default: the embedded demo model)",
+    )
+    p.add_argument("--system", metavar="TEXT", help="a system message first in the conversation")
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="a Jinja chat template file to use instead of the checkpoint's",
+    )
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens per reply")
+    p.add_argument("--temperature", type=float, default=0.7, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1: off")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of every reply")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        metavar="N",
+        help="longest conversation in tokens (default: the model's)",
+    )
+    gen.add_engine_flags(p)
+    return p
+
+
+def stats_line(out) -> str:
+    """One line about a reply: prompt tokens (and how many the prefix cache served), reply
+    tokens and why it ended, time to first token, tokens/s after the first."""
+    c = out.outputs[0]
+    n = len(c.token_ids)
+    ttft = "n/a" if out.ttft_s is None else f"{out.ttft_s:.3f} s"
+    rate = "n/a"
+    if n > 1 and out.ttft_s is not None and out.latency_s > out.ttft_s:
+        rate = f"{(n - 1) / (out.latency_s - out.ttft_s):,.1f} tok/s"
+    return (
+        f"[prompt {len(out.prompt_token_ids)} tokens ({out.num_cached_tokens} cached), "
+        f"reply {n} tokens ({c.finish_reason}), TTFT {ttft}, {rate}]"
+    )
+
+
+def reply(llm, messages: list[dict], params) -> str | None:
+    """Streams the reply to `messages` to stdout and the stats line to stderr; returns
+    the reply's text, or None when the conversation cannot be sent (said on stderr)."""
+    try:
+        ids = llm.tokenizer.encode_chat(messages)
+    except (ValueError, TypeError) as e:  # the template rejected the conversation
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    decoder = llm.tokenizer.stream()
+
+    def on_token(_rid, _index, tok):
+        sys.stdout.write(decoder.add(tok))
+        sys.stdout.flush()
+
+    try:
+        (out,) = llm.generate([ids], params, on_token=on_token)
+    except ValueError as e:  # the conversation has outgrown max_model_len
+        print(
+            f"error: the conversation no longer fits ({e}); /reset starts it over", file=sys.stderr
+        )
+        return None
+    print(decoder.flush(), flush=True)
+    print(stats_line(out), file=sys.stderr, flush=True)
+    return out.outputs[0].text
+
+
+def run(args) -> int:
+    from pagedjax.engine import LLM, SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+    gen.check_engine_flags(args)
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise gen.BadInput(f"--max-model-len must be >= 2, got {args.max_model_len}")
+    tok = gen.chat_tokenizer(args.checkpoint, args.chat_template, NO_TEMPLATE_HINT)
+    system = [] if args.system is None else [{"role": "system", "content": args.system}]
+    try:  # a first turn renders, or the template is unusable (before the weights load)
+        tok.apply_chat_template([*system, {"role": "user", "content": "Hi!"}])
+    except ImportError as e:
+        raise gen.BadInput(str(e)) from None
+    except (ValueError, TypeError) as e:
+        raise gen.BadInput(f"the chat template cannot render a first turn: {e}") from None
+
+    gen.enable_compilation_cache(gen.compilation_cache_dir(args.compilation_cache))
+    llm = LLM(
+        args.checkpoint,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        kv_memory_fraction=args.kv_memory_fraction,
+        max_num_seqs=min(64, args.max_batch_tokens),
+        max_num_batched_tokens=args.max_batch_tokens,
+        backend=args.backend,
+        seed=args.seed,
+        max_model_len=args.max_model_len,
+        tokenizer=tok,
+        tensor_parallel=args.tensor_parallel,
+    )
+    tty = sys.stdin.isatty()
+    print(f"model: {llm.model_source} (template: {tok.chat_template_source})", file=sys.stderr)
+    if tty:
+        print("commands: /reset starts over, /exit (or Ctrl-D) ends", file=sys.stderr)
+    messages = list(system)
+    while True:
+        if tty:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line:  # end of input
+            if tty:
+                print()
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/") and len(text.split()) == 1:
+            if text == "/exit":
+                return 0
+            if text == "/reset":
+                messages = list(system)
+                print("(conversation reset)", file=sys.stderr)
+            else:
+                print(f"unknown command {text}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": text})
+        answer = reply(llm, messages, params)
+        if answer is None:
+            messages.pop()  # so that the user can go on with a shorter line, or /reset
+        else:
+            messages.append({"role": "assistant", "content": answer})
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return run(args)
+    except (gen.BadInput, ValueError, TypeError, FileNotFoundError, NotADirectoryError) as e:
+        msg = " ".join(str(e).split())  # multi-line errors (checkpoint listings) on one line
+        print(f"error: {msg[:2000]}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""scripts/chat.py end to end (in-process `main(argv)`, stdin and stdout replaced).
+
+The checkpoint is the `tiny` preset with random weights, a byte-level tokenizer and a
+plain-text chat template, served with the geometry of tests/test_generate_cli.py so
+that both share compiled programs. `LLM.generate` is wrapped to record what the
+engine received and returned.
+"""
+
+import importlib.util
+import io
+import re
+from pathlib import Path
+
+import pytest
+
+from pagedjax import model, weights
+from pagedjax.config import PRESETS
+from pagedjax.engine import LLM, SamplingParams
+from pagedjax.resources import byte_tokenizer
+from pagedjax.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+GEOMETRY = ["--page-size", "8", "--num-pages", "64", "--max-batch-tokens", "16"]
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+SYSTEM = {"role": "system", "content": "You write short Python."}
+STATS = re.compile(
+    r"\[prompt (\d+) tokens \((\d+) cached\), reply (\d+) tokens \((stop|length)\), "
+    r"TTFT \d+\.\d{3} s, (n/a|[\d,.]+ tok/s)\]"
+)
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("chat_script", ROOT / "scripts" / "chat.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+chat_cli = load_script()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_chat_ckpt")
+    cfg = PRESETS["tiny"]
+    weights.save_hf_checkpoint(model.init_params(cfg, seed=3), cfg, path)
+    byte_tokenizer().tokenizer.save(str(path / "tokenizer.json"))
+    (path / "chat_template.jinja").write_text(TEMPLATE)
+    return path
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """(token ids sent, RequestOutput) of every `LLM.generate` call."""
+    seen = []
+    generate = LLM.generate
+
+    def spy(self, prompts, *args, **kwargs):
+        outs = generate(self, prompts, *args, **kwargs)
+        seen.extend(zip(prompts, outs, strict=True))
+        return outs
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    return seen
+
+
+def run(argv, lines, capsys, monkeypatch, stdin_cls=io.StringIO):
+    monkeypatch.setattr("sys.stdin", stdin_cls("".join(f"{x}\n" for x in lines)))
+    rc = chat_cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def base(ckpt, *extra):
+    return ["--checkpoint", ckpt, "--backend", "xla", *GEOMETRY, "--temperature", "0", *extra]
+
+
+def test_two_turns_carry_the_conversation_and_hit_the_prefix_cache(
+    ckpt, calls, capsys, monkeypatch
+):
+    argv = base(ckpt, "--system", SYSTEM["content"], "--max-tokens", "6")
+    u1, u2 = "def add(a, b):", "now subtract"
+    rc, out, err = run(argv, [u1, "", u2], capsys, monkeypatch)  # a blank line is skipped
+    assert rc == 0, err
+    assert len(calls) == 2
+    replies = [o.outputs[0].text for _, o in calls]
+    conv1 = [SYSTEM, {"role": "user", "content": u1}]
+    conv2 = [*conv1, {"role": "assistant", "content": replies[0]}, {"role": "user", "content": u2}]
+    tok = Tokenizer.from_dir(ckpt)
+    assert [ids for ids, _ in calls] == [tok.encode_chat(conv1), tok.encode_chat(conv2)]
+    second = tok.decode(calls[1][0])
+    assert u1 in second and replies[0] in second and second.endswith(f"<user>{u2}\n<assistant>")
+    assert out == "".join(f"{r}\n" for r in replies)  # streamed text = the engine's text
+    stats = [STATS.fullmatch(line) for line in err.splitlines() if line.startswith("[prompt")]
+    assert len(stats) == 2 and all(stats), err
+    assert [int(m[1]) for m in stats] == [len(ids) for ids, _ in calls]
+    assert [int(m[3]) for m in stats] == [len(o.outputs[0].token_ids) for _, o in calls]
+    assert int(stats[0][2]) == 0 and int(stats[1][2]) >= 8  # the first turn's pages hit
+
+    # Each reply is what LLM.chat gives for the same conversation and sampling.
+    kw = dict(page_size=8, num_pages=64, max_num_seqs=16, max_num_batched_tokens=16)
+    llm = LLM(str(ckpt), backend="xla", **kw)  # as the script builds it
+    sp = SamplingParams(temperature=0, max_tokens=6, seed=0)
+    assert [o.outputs[0].text for o in llm.chat([conv1, conv2], sp)] == replies
+
+
+def test_reset_unknown_commands_and_exit_on_a_terminal(ckpt, calls, capsys, monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    lines = ["first line", "/reset", "/nope", "second line", "/exit", "never sent"]
+    argv = base(ckpt, "--system", SYSTEM["content"], "--max-tokens", "3")
+    rc, out, err = run(argv, lines, capsys, monkeypatch, Terminal)
+    assert rc == 0, err
+    tok = Tokenizer.from_dir(ckpt)
+    want = [tok.encode_chat([SYSTEM, {"role": "user", "content": x}]) for x in lines[::3]]
+    assert [ids for ids, _ in calls] == want  # after /reset: the system message and the new line
+    assert "(conversation reset)" in err and "unknown command /nope" in err
+    assert out.startswith("> ") and out.count("> ") == 5  # one prompt per line read
+
+
+def test_a_conversation_too_long_is_reported_and_the_loop_goes_on(ckpt, calls, capsys, monkeypatch):
+    lines = ["hi", "x" * 80, "ok"]
+    argv = base(ckpt, "--max-model-len", "64", "--max-tokens", "4")
+    rc, out, err = run(argv, lines, capsys, monkeypatch)
+    assert rc == 0, err
+    assert len(calls) == 2  # the long line was refused
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "max_model_len=64" in errors[0] and "/reset" in errors[0], err
+    tok = Tokenizer.from_dir(ckpt)
+    reply = calls[0][1].outputs[0].text
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": reply}]
+    assert calls[1][0] == tok.encode_chat([*conv, {"role": "user", "content": "ok"}])  # no "x"s
+    assert out == "".join(f"{o.outputs[0].text}\n" for _, o in calls)
+
+
+def test_chat_template_file_replaces_the_checkpoints(ckpt, calls, tmp_path, capsys, monkeypatch):
+    f = tmp_path / "mine.jinja"
+    f.write_text("{% for m in messages %}MARKER {{ m['content'] }}|{% endfor %}>>")
+    rc, out, err = run(
+        base(ckpt, "--chat-template", f, "--max-tokens", "2"), ["hi"], capsys, monkeypatch
+    )
+    assert rc == 0, err
+    assert [Tokenizer.from_dir(ckpt).decode(ids) for ids, _ in calls] == ["MARKER hi|>>"]
+    assert f"template: {f}" in err
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (["--chat-template", "missing.jinja"], "--chat-template missing.jinja: no such file"),
+        (["--chat-template", "broken.jinja"], "(broken.jinja) has a syntax error at line 2"),
+        (["--chat-template", "no_system.jinja", "--system", "x"], "cannot render a first turn"),
+        (["--checkpoint", "bare"], "has no chat template"),
+        (["--max-model-len", "1"], "--max-model-len must be >= 2, got 1"),
+        (["--page-size", "0"], "--page-size must be >= 1, got 0"),
+        (["--top-p", "0"], "top_p=0.0"),
+        (["--backend", "gpu"], "backend='gpu' needs a GPU"),
+        (["--checkpoint", "nowhere"], "not found"),
+    ],
+)
+def test_bad_input_is_one_line_before_loading_weights(
+    ckpt, tmp_path, capsys, monkeypatch, extra, match
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "broken.jinja").write_text("ok\n{% for m in messages %}{{ m }")
+    (tmp_path / "no_system.jinja").write_text(
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}"
+    )
+    (tmp_path / "bare").mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (tmp_path / "bare" / name).write_bytes((ckpt / name).read_bytes())
+    monkeypatch.setattr(LLM, "__init__", lambda *a, **k: pytest.fail("weights were loaded"))
+    rc, out, err = run(["--checkpoint", ckpt, *extra], ["hi"], capsys, monkeypatch)
+    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert match in err and out == "", err
+    if "bare" in extra:
+        assert "--chat-template FILE" in err
+
+
+def test_every_flag_is_in_the_docstring_and_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    paragraph = readme[readme.index("`scripts/chat.py` loads") :].split("```")[0]
+    flags = {
+        option
+        for action in chat_cli.build_parser()._actions
+        for option in action.option_strings
+        if option.startswith("--") and option != "--help"
+    }
+    assert not sorted(f for f in flags if f not in paragraph)
+    assert not sorted(f for f in flags if f not in chat_cli.__doc__)
+    assert "python scripts/chat.py --checkpoint" in readme
