@@ -17,8 +17,8 @@ Commands: `/reset` starts the conversation over (keeping the system message);
 `/exit`, or the end of stdin, ends the session. A conversation that no longer fits
 the model's length (`--max-model-len`, default the model's) is reported on stderr and
 its last message dropped: `/reset` and go on. Sampling: `--max-tokens` (per reply),
-`--temperature` (0.7; 0 is greedy), `--top-k`, `--top-p`, and `--seed`, the seed of
-every reply, so a session is reproducible.
+`--temperature` (0.7; 0 is greedy), `--top-k`, `--top-p`, `--min-p`, and `--seed`, the
+seed of every reply, so a session is reproducible.
 
 The engine flags (`--page-size`, `--num-pages` | `--kv-memory-fraction`,
 `--max-batch-tokens`, `--backend`, `--tensor-parallel`, `--compilation-cache`) are
@@ -54,6 +54,7 @@ def build_parser() -> gen.Parser:
     p.add_argument("--temperature", type=float, default=0.7, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--top-p", type=float, default=1.0, help="1: off")
+    p.add_argument("--min-p", type=float, default=0.0, help="0: off")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of every reply")
     p.add_argument(
         "--max-model-len",
@@ -113,6 +114,7 @@ def run(args) -> int:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
+        min_p=args.min_p,
         max_tokens=args.max_tokens,
         seed=args.seed,
     )

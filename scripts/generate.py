@@ -137,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--top-p", type=float, default=1.0, help="1: off")
+    p.add_argument("--min-p", type=float, default=0.0, help="0: off")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--beam-width", type=int, default=1, help="> 1: beam search")
     p.add_argument(
@@ -389,6 +390,7 @@ def run(args) -> int:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
+        min_p=args.min_p,
         max_tokens=args.max_tokens,
         seed=args.seed,
         beam_width=args.beam_width,
@@ -457,6 +459,7 @@ def run(args) -> int:
                 temperature=args.temperature,
                 top_k=args.top_k,
                 top_p=args.top_p,
+                min_p=args.min_p,
                 seed=args.seed,
                 beam_width=args.beam_width,
                 max_tokens=args.max_tokens,

@@ -54,7 +54,7 @@ def test_json_end_to_end(ckpt, capsys):
     prompts = ["def add(a, b):\n", "def add(a, b):\n    return", "import os\n"]
     argv = ["--checkpoint", ckpt, "--max-tokens", "5", "--n", "2", "--temperature", "0.7"]
     argv += ["--top-k", "50", "--seed", "3", "--backend", "xla", "--json", *GEOMETRY]
-    argv += ["--logprobs", "2", "--prompt-logprobs", "1"]
+    argv += ["--logprobs", "2", "--prompt-logprobs", "1", "--min-p", "0.05"]
     for p in prompts:
         argv += ["--prompt", p]
     rc, out, err = run(argv, capsys)
@@ -91,7 +91,7 @@ def test_json_end_to_end(ckpt, capsys):
             total = sum(e[0]["logprob"] for e in c["logprobs"])
             np.testing.assert_allclose(total, c["cumulative_logprob"], rtol=1e-5)
     assert obj["settings"]["logprobs"] == 2 and obj["settings"]["prompt_logprobs"] == 1
-    assert obj["settings"]["async_scheduling"] is True
+    assert obj["settings"]["async_scheduling"] is True and obj["settings"]["min_p"] == 0.05
     for o in obj["outputs"]:
         plp = o["prompt_logprobs"]
         assert len(plp) == o["prompt_tokens"] and plp[0] is None and o["num_cached_tokens"] == 0
@@ -210,6 +210,7 @@ def test_prompts_file(ckpt, tmp_path, capsys):
         (["--n", "0"], "n=0"),
         (["--top-p", "0"], "top_p=0.0"),
         (["--top-p", "1.5"], "top_p=1.5"),
+        (["--min-p", "1.5"], r"min_p must be in \[0, 1\] \(0: off\), got min_p=1.5"),
         (["--temperature", "-1"], "temperature=-1.0"),
         (["--backend", "gpu"], "backend='gpu' needs a GPU"),
         (["--num-pages", "8", "--kv-memory-fraction", "0.5"], "not allowed with"),
