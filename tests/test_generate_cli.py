@@ -210,7 +210,7 @@ def test_prompts_file(ckpt, tmp_path, capsys):
         (["--n", "0"], "n=0"),
         (["--top-p", "0"], "top_p=0.0"),
         (["--top-p", "1.5"], "top_p=1.5"),
-        (["--min-p", "1.5"], r"min_p must be in \[0, 1\] \(0: off\), got min_p=1.5"),
+        (["--min-p", "1.5"], "min_p must be in [0, 1] (0: off), got min_p=1.5"),
         (["--temperature", "-1"], "temperature=-1.0"),
         (["--backend", "gpu"], "backend='gpu' needs a GPU"),
         (["--num-pages", "8", "--kv-memory-fraction", "0.5"], "not allowed with"),
