@@ -1,4 +1,4 @@
-"""Random model weights for tests, shared by the model, decode, engine and TP tests."""
+"""Random model weights for tests, shared by the model, decode, engine, TP and CLI tests."""
 
 from __future__ import annotations
 
@@ -30,3 +30,30 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> model.Params:
             value = rng.normal(size=shape) / math.sqrt(shape[0])
         flat[key] = value.astype(np.float32)
     return model.params_from_flat(cfg, flat)
+
+
+def write_tiny_checkpoint(path) -> None:
+    """An HF checkpoint directory at `path`: the `tiny` preset with random weights
+    (`model.init_params`, seed 3) and a byte-level tokenizer.json."""
+    from pagedjax import weights
+    from pagedjax.config import PRESETS
+    from pagedjax.resources import byte_tokenizer
+
+    cfg = PRESETS["tiny"]
+    weights.save_hf_checkpoint(model.init_params(cfg, seed=3), cfg, path)
+    byte_tokenizer().tokenizer.save(str(path / "tokenizer.json"))
+
+
+def spy_generate(monkeypatch) -> list:
+    """Wraps `LLM.generate` to record every prompt it is sent; returns that list."""
+    from pagedjax.engine import LLM
+
+    sent = []
+    generate = LLM.generate
+
+    def spy(self, prompts, *args, **kwargs):
+        sent.extend(prompts)
+        return generate(self, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    return sent

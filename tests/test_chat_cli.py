@@ -12,11 +12,9 @@ import re
 from pathlib import Path
 
 import pytest
+from params_helpers import write_tiny_checkpoint
 
-from pagedjax import model, weights
-from pagedjax.config import PRESETS
 from pagedjax.engine import LLM, SamplingParams
-from pagedjax.resources import byte_tokenizer
 from pagedjax.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,9 +43,7 @@ chat_cli = load_script()
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_chat_ckpt")
-    cfg = PRESETS["tiny"]
-    weights.save_hf_checkpoint(model.init_params(cfg, seed=3), cfg, path)
-    byte_tokenizer().tokenizer.save(str(path / "tokenizer.json"))
+    write_tiny_checkpoint(path)
     (path / "chat_template.jinja").write_text(TEMPLATE)
     return path
 

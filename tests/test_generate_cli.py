@@ -14,9 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from params_helpers import spy_generate, write_tiny_checkpoint
 
-from pagedjax import model, weights
-from pagedjax.config import PRESETS
 from pagedjax.metrics import SUMMARY_KEYS
 from pagedjax.resources import byte_tokenizer
 
@@ -38,9 +37,7 @@ gen = load_script()
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_ckpt")
-    cfg = PRESETS["tiny"]
-    weights.save_hf_checkpoint(model.init_params(cfg, seed=3), cfg, path)
-    byte_tokenizer().tokenizer.save(str(path / "tokenizer.json"))
+    write_tiny_checkpoint(path)
     return path
 
 
@@ -313,17 +310,9 @@ def chat_ckpt(tmp_path_factory):
 
 
 def test_chat_sends_the_rendered_ids_and_shows_the_prompt(chat_ckpt, capsys, monkeypatch):
-    from pagedjax.engine import LLM
     from pagedjax.tokenizer import Tokenizer
 
-    sent = []
-    generate = LLM.generate
-
-    def spy(self, prompts, *args, **kwargs):
-        sent.extend(prompts)
-        return generate(self, prompts, *args, **kwargs)
-
-    monkeypatch.setattr(LLM, "generate", spy)
+    sent = spy_generate(monkeypatch)
     prompts = ["def fib(n):", "import os"]
     argv = ["--checkpoint", chat_ckpt, "--chat", "--system", "Write Python.", "--max-tokens", "3"]
     argv += [
@@ -399,17 +388,9 @@ def test_chat_without_the_demo_template_or_jinja2(chat_ckpt, capsys, monkeypatch
 
 
 def test_chat_template_file_replaces_the_checkpoints(chat_ckpt, tmp_path, capsys, monkeypatch):
-    from pagedjax.engine import LLM
     from pagedjax.tokenizer import Tokenizer
 
-    sent = []
-    generate = LLM.generate
-
-    def spy(self, prompts, *args, **kwargs):
-        sent.extend(prompts)
-        return generate(self, prompts, *args, **kwargs)
-
-    monkeypatch.setattr(LLM, "generate", spy)
+    sent = spy_generate(monkeypatch)
     f = tmp_path / "mine.jinja"
     f.write_text("{% for m in messages %}MARKER {{ m['content'] }}|{% endfor %}")
     argv = ["--checkpoint", chat_ckpt, "--chat", "--chat-template", f, "--prompt", "hi"]
