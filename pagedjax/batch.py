@@ -27,7 +27,7 @@ from pagedjax import decode
 from pagedjax.beam import num_candidates
 from pagedjax.blocks import BlockManager
 from pagedjax.scheduler import StepPlan
-from pagedjax.step_input import pack_copies
+from pagedjax.step_input import pack_copies, pack_penalties
 
 __all__ = ["StepBatch"]
 
@@ -61,7 +61,7 @@ class StepBatch:
         t = b if self.decode else decode.bucket_size(total, bk.min_tokens)
         width = max(len(r.page_row) if not r.decode else r.start // ps + 1 for r in rows)
         width = decode.bucket_size(width, bk.min_pages)
-        self.min_copies = bk.min_copies
+        self.min_copies, self.min_history = bk.min_copies, bk.min_history
         self.token_ids = np.zeros(t, np.int32)
         self.positions = np.zeros(t, np.int32)
         self.slot_mapping = np.full(t, -1, np.int32)
@@ -78,6 +78,7 @@ class StepBatch:
         self.target_ids = None  # [T] int32 once a row wants prompt logprobs
         self.token_src = np.full(t, -1, np.int32)
         self.prompt_top_k = 0
+        self.penalised = []  # rows with penalties, packed in `finish` (histories grow)
         # Per-row values go through Python lists and one numpy assignment each: a numpy
         # scalar store costs about as much as building the list entry, so at B=256 this
         # halves the packing time.
@@ -101,6 +102,8 @@ class StepBatch:
                 top_k.append(params.top_k)
                 top_p.append(params.top_p)
                 min_p.append(params.min_p)
+                if params.penalised:
+                    self.penalised.append(i)
                 seeds.append(r.seq.seed)
                 steps.append(r.start + q - r.seq.num_prompt_tokens)
             if r.decode and not r.group.atomic:
@@ -204,6 +207,9 @@ class StepBatch:
         if self.prompt_top_k:
             pk = min(decode.bucket_size(self.prompt_top_k, 8), self.vocab)
         src, dst = pack_copies(plan.copies, decode.bucket_size(len(plan.copies), self.min_copies))
+        penalties = None
+        if self.penalised:
+            penalties = self._penalties(plan)
         inp = decode.StepInput(
             token_ids=self.token_ids,
             positions=self.positions,
@@ -218,6 +224,7 @@ class StepBatch:
             top_k=self.top_k,
             top_p=self.top_p,
             min_p=self.min_p,
+            penalties=penalties,
             seeds=self.seeds,
             sample_steps=self.steps,
             target_ids=self.target_ids,
@@ -226,3 +233,21 @@ class StepBatch:
             decode=self.decode,
         )
         return inp, k, pk
+
+    def _penalties(self, plan: StepPlan):
+        """The penalised rows' histories as the host knows them after the commit: the
+        prompt and the generated tokens, less a decode row's fed token (in flight: the
+        step adds it on the device)."""
+        rows = []
+        for i in self.penalised:
+            r = plan.rows[i]
+            s = r.seq
+            if s is None:
+                continue
+            p = r.group.request.params
+            n = s.num_prompt_tokens
+            ids = s.token_ids
+            rows.append(
+                (i, p.repetition_penalty, p.presence_penalty, p.frequency_penalty, ids[:n], ids[n:])
+            )
+        return pack_penalties(rows, len(self.temperature), self.min_history)

@@ -149,8 +149,20 @@ def _step(
             extra["target_top_ids"] = top_ids.astype(jnp.int32)
             extra["target_top_logprobs"] = top_lp
         logits = logits[inp.logits_indices]
+    fed = None  # asynchronous steps: each row's fed token, generated but not on the host
+    if inp.penalties is not None and inp.feed is not None:
+        li = inp.logits_indices
+        fed = jnp.where(inp.token_src[li] >= 0, token_ids[li], -1)
     tokens, logprobs = sampling.sample(
-        logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.sample_steps, inp.min_p
+        logits,
+        inp.temperature,
+        inp.top_k,
+        inp.top_p,
+        inp.seeds,
+        inp.sample_steps,
+        inp.min_p,
+        penalties=inp.penalties,
+        extra_ids=fed,
     )
     top_ids = top_lp = None
     if num_top_logprobs:
@@ -276,6 +288,9 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
     seed: int = 0,
     stop_token_ids: Sequence[int] | None = None,
     prefill_chunk: int | None = None,
@@ -297,6 +312,8 @@ def generate(
       max_new_tokens: tokens to generate per prompt (fewer if a stop token comes).
       page_size: tokens per page.
       temperature, top_k, top_p, min_p: sampling (temperature 0: greedy).
+      repetition_penalty, presence_penalty, frequency_penalty: penalties over each
+        prompt and its generated tokens (see `pagedjax.sampling`; 1, 0, 0: off).
       seed: prompt b samples with seed + b.
       stop_token_ids: default: the config's eos_token_ids. The stop token is kept.
       prefill_chunk: prefill prompts at most this many tokens per step (default: all).
@@ -330,9 +347,14 @@ def generate(
     chunk_len = prefill_chunk or max(len(p) for p in prompts)
 
     # Validate every prompt before allocating the cache or compiling anything.
+    penalties = dict(
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+    )
     build_step_input(
         [
-            SeqChunk(p, 0, pages[i], temperature, top_k, top_p, seed + i, min_p=min_p)
+            SeqChunk(p, 0, pages[i], temperature, top_k, top_p, seed + i, min_p=min_p, **penalties)
             for i, p in enumerate(prompts)
         ],
         cfg,
@@ -360,6 +382,9 @@ def generate(
                     seed + b,
                     len(out.tokens[b]),
                     min_p,
+                    **penalties,
+                    prompt_ids=p,
+                    output_ids=out.tokens[b],
                 )
             )
         inp = build_step_input(chunks, cfg, cache_cfg, buckets=buckets)

@@ -11,6 +11,8 @@ import math
 
 import numpy as np
 
+from pagedjax import sampling
+
 __all__ = ["MAX_LOGPROBS", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (as in vLLM)
@@ -42,6 +44,15 @@ class SamplingParams:
         tokens before it, with those of the `prompt_logprobs` most likely tokens there
         (0 to MAX_LOGPROBS), in `RequestOutput.prompt_logprobs`. Such a request computes
         its whole prompt (no prefix-cache hits) with logits at every prompt token.
+      repetition_penalty: > 0; tokens of the prompt or the output so far have their
+        logit divided by it when positive, multiplied when not (1: off; > 1
+        discourages repeats).
+      presence_penalty: in [-2, 2], subtracted from the logit of every token already
+        generated (0: off).
+      frequency_penalty: in [-2, 2], times how often a token was generated, subtracted
+        from its logit (0: off).
+        The three penalties apply before the temperature and truncation, greedy
+        included; returned logprobs stay the raw distribution's. Not with beam search.
     """
 
     n: int = 1
@@ -59,6 +70,18 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty is on."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     def __post_init__(self):
         def positive_int(name):
@@ -100,6 +123,16 @@ class SamplingParams:
             )
         if self.beam_width > 1 and stop:
             raise ValueError(f"stop strings are not supported with beam search, got stop={stop}")
+        sampling.check_penalties(
+            self.repetition_penalty, self.presence_penalty, self.frequency_penalty
+        )
+        if self.beam_width > 1 and self.penalised:
+            raise ValueError(
+                "penalties are not supported with beam search, got "
+                f"repetition_penalty={self.repetition_penalty}, "
+                f"presence_penalty={self.presence_penalty}, "
+                f"frequency_penalty={self.frequency_penalty}"
+            )
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError(f"cache_salt must be a str or None, got {self.cache_salt!r}")
         for name in ("logprobs", "prompt_logprobs"):

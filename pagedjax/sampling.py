@@ -12,19 +12,75 @@ jitted step serves requests with different sampling settings:
   threshold are kept.
 * The key of row `b` is `fold_in(key(seeds[b]), steps[b])`: a request's i-th token
   depends only on (its seed, i), not on which other requests share the batch.
+* Penalties (`Penalties`, optional), on the logits before everything above, greedy
+  rows included, with the conventions of vLLM and the OpenAI API: a token seen in the
+  row's prompt or output has its logit divided by `repetition[b]` when positive and
+  multiplied by it otherwise (1: off); a token generated c times loses
+  `frequency[b] * c + presence[b] * (c > 0)` (0: off).
 
 Returned log-probabilities are those of the model's raw distribution
-(`log_softmax(logits)`, temperature 1, no truncation), which is what beam search
-and cumulative logprobs need.
+(`log_softmax(logits)`, temperature 1, no penalties, no truncation), which is what
+beam search and cumulative logprobs need.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 _NEG_INF = float("-inf")
+MAX_PENALTY = 2.0  # bound on |presence| and |frequency| penalties (as in the OpenAI API)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Penalties:
+    """Per-row repetition, presence and frequency penalties and the tokens they count.
+
+    `ids[b]` lists row b's history: its first `prompt_lens[b]` entries are prompt
+    tokens (they count for the repetition penalty only), the rest generated tokens
+    (they count for all three), -1 is padding. Rows without penalties have
+    repetition 1, presence 0, frequency 0 and may leave `ids` empty.
+    """
+
+    repetition: jax.Array  # [B] float32 (1: off)
+    presence: jax.Array  # [B] float32 (0: off)
+    frequency: jax.Array  # [B] float32 (0: off)
+    ids: jax.Array  # [B, P] int32 prompt then generated tokens (-1: padding)
+    prompt_lens: jax.Array  # [B] int32 leading prompt entries of each row of `ids`
+
+
+def apply_penalties(logits, pen: Penalties, extra_ids=None):
+    """Penalised logits (see the module docstring).
+
+    Args:
+      logits: [B, V] float.
+      pen: the rows' penalties and histories.
+      extra_ids: [B] int32 one more generated token per row (-1: none); the engine's
+        asynchronous steps pass the fed token, which the host does not know yet.
+
+    Returns:
+      [B, V] float32.
+    """
+    x = logits.astype(jnp.float32)
+    b, v = x.shape
+    ids = pen.ids
+    generated = jnp.arange(ids.shape[1])[None, :] >= pen.prompt_lens[:, None]  # [B, P]
+    if extra_ids is not None:
+        ids = jnp.concatenate([ids, extra_ids[:, None]], axis=1)
+        generated = jnp.concatenate([generated, jnp.ones((b, 1), bool)], axis=1)
+    ids = jnp.where(ids >= 0, ids, v)  # padding scatters out of range: dropped
+    rows = jnp.arange(b)[:, None]
+    counts = (
+        jnp.zeros((b, v), jnp.int32).at[rows, ids].add(generated.astype(jnp.int32), mode="drop")
+    )
+    seen = jnp.zeros((b, v), bool).at[rows, ids].set(True, mode="drop")
+    rep = pen.repetition[:, None]
+    x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
+    return x - pen.frequency[:, None] * counts - pen.presence[:, None] * (counts > 0)
 
 
 def row_keys(seeds, steps):
@@ -77,7 +133,9 @@ def apply_top_k_top_p(logits, top_k, top_p):
     return jnp.where(x >= pth, x, _NEG_INF)
 
 
-def sample(logits, temperature, top_k, top_p, seeds, steps, min_p=None):
+def sample(
+    logits, temperature, top_k, top_p, seeds, steps, min_p=None, penalties=None, extra_ids=None
+):
     """Draws one token per row.
 
     Args:
@@ -88,11 +146,14 @@ def sample(logits, temperature, top_k, top_p, seeds, steps, min_p=None):
       seeds: [B] uint32 per-request seeds.
       steps: [B] int32 index of the token being drawn within its request.
       min_p: [B] float32 in [0, 1] (see `apply_min_p`), or None: off for every row.
+      penalties: `Penalties`, or None: off for every row.
+      extra_ids: with penalties, [B] int32 one more generated token per row (-1: none).
 
     Returns:
       (tokens [B] int32, logprobs [B] float32 of those tokens under the raw logits).
     """
-    logits = logits.astype(jnp.float32)
+    raw = logits.astype(jnp.float32)
+    logits = raw if penalties is None else apply_penalties(raw, penalties, extra_ids)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled_rows = temperature > 0
     scaled = logits / jnp.where(sampled_rows, temperature, 1.0)[:, None]
@@ -113,7 +174,7 @@ def sample(logits, temperature, top_k, top_p, seeds, steps, min_p=None):
 
     drawn = jax.lax.cond(jnp.any(sampled_rows), draw, lambda x: greedy, scaled)
     tokens = jnp.where(sampled_rows, drawn, greedy)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logprobs = jax.nn.log_softmax(raw, axis=-1)
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
 
@@ -132,7 +193,14 @@ def top_logprobs(logits, k: int):
 
 
 def check_params(
-    temperature: float, top_k: int, top_p: float, seed: int, min_p: float = 0.0
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
 ) -> None:
     """Host-side validation of one request's sampling parameters (ValueError if bad)."""
     if not np.isfinite(temperature) or temperature < 0:
@@ -145,3 +213,20 @@ def check_params(
         raise ValueError(f"seed must be an int in [0, 2**32), got {seed=}")
     if not 0 <= min_p <= 1:
         raise ValueError(f"min_p must be in [0, 1] (0: off), got {min_p=}")
+    check_penalties(repetition_penalty, presence_penalty, frequency_penalty)
+
+
+def check_penalties(repetition: float, presence: float, frequency: float) -> None:
+    """Host-side validation of penalties (ValueError naming the bad value)."""
+    is_num = isinstance(repetition, (int, float, np.number)) and not isinstance(repetition, bool)
+    if not (is_num and np.isfinite(repetition) and repetition > 0):
+        raise ValueError(
+            "repetition_penalty must be finite and > 0 (1: off), got "
+            f"repetition_penalty={repetition!r}"
+        )
+    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        is_num = isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
+        if not is_num or not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise ValueError(
+                f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}] (0: off), got {name}={value!r}"
+            )

@@ -50,6 +50,7 @@ class StepInput:
     seeds: jax.Array  # [B] uint32
     sample_steps: jax.Array  # [B] int32 index of the token being drawn, per request
     min_p: jax.Array | None = None  # [B] float32 (0: off; None: off for every row)
+    penalties: sampling.Penalties | None = None  # None: off for every row
     # Prompt logprobs: the token after each fed token whose log-probability is wanted
     # (-1: none). None: logits only at `logits_indices` (given: at every token).
     target_ids: jax.Array | None = None  # [T] int32
@@ -97,6 +98,12 @@ class SeqChunk:
         pagedjax.sampling).
       sample_step: index of the token this step draws for the request (0 for the
         first generated token); with the seed it fixes the PRNG key.
+      repetition_penalty, presence_penalty, frequency_penalty: penalties (see
+        pagedjax.sampling; 1, 0, 0: off).
+      prompt_ids, output_ids: the tokens the penalties count: the request's prompt
+        (repetition penalty only) and the tokens generated so far (all three). The
+        caller gives them whole (a chunk holds only part of a prompt); they are read
+        only when a penalty is on.
     """
 
     token_ids: Sequence[int]
@@ -108,6 +115,19 @@ class SeqChunk:
     seed: int = 0
     sample_step: int = 0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    prompt_ids: Sequence[int] = ()
+    output_ids: Sequence[int] = ()
+
+    @property
+    def penalised(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
 
 @dataclass(frozen=True)
@@ -118,9 +138,10 @@ class Buckets:
     min_seqs: int = 8
     min_pages: int = 8
     min_copies: int = 4
+    min_history: int = 64
 
     def __post_init__(self):
-        for name in ("min_tokens", "min_seqs", "min_pages", "min_copies"):
+        for name in ("min_tokens", "min_seqs", "min_pages", "min_copies", "min_history"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
@@ -237,6 +258,7 @@ def build_step_input(
     if bad.any():
         c = chunks[_first(bad)]
         sampling.check_params(c.temperature, c.top_k, c.top_p, c.seed, c.min_p)
+    penalties = _pack_penalties(chunks, b, buckets.min_history, model_cfg.vocab_size)
 
     starts = np.full(b + 1, total, np.int32)
     starts[: n + 1] = np.concatenate([[0], np.cumsum(q_lens)])
@@ -277,8 +299,69 @@ def build_step_input(
         seeds=per_seq(seeds, np.uint32, 0),
         sample_steps=per_seq(sample_steps, np.int32, 0),
         min_p=per_seq(min_p, np.float32, 0.0),
+        penalties=penalties,
         decode=decode,
     )
+
+
+def pack_penalties(
+    rows: Sequence[tuple[int, float, float, float, Sequence[int], Sequence[int]]],
+    b: int,
+    min_history: int,
+) -> sampling.Penalties | None:
+    """Penalty arrays for a batch of b rows; None when `rows` is empty.
+
+    Args:
+      rows: (row, repetition, presence, frequency, prompt_ids, output_ids) per
+        penalised row; prompt tokens are sent only when the repetition penalty is on.
+      b: rows in the batch.
+      min_history: floor of the padded history width.
+    """
+    if not rows:
+        return None
+    rep = np.ones(b, np.float32)
+    presence = np.zeros(b, np.float32)
+    frequency = np.zeros(b, np.float32)
+    prompt_lens = np.zeros(b, np.int32)
+    hist = []
+    for i, r, p, f, prompt, out in rows:
+        rep[i], presence[i], frequency[i] = r, p, f
+        prompt = prompt if r != 1.0 else ()
+        prompt_lens[i] = len(prompt)
+        hist.append((i, prompt, out))
+    width = bucket_size(max(len(p) + len(o) for _, p, o in hist), min_history)
+    ids = np.full((b, width), -1, np.int32)
+    for i, prompt, out in hist:
+        ids[i, : len(prompt)] = prompt
+        ids[i, len(prompt) : len(prompt) + len(out)] = out
+    return sampling.Penalties(rep, presence, frequency, ids, prompt_lens)
+
+
+def _pack_penalties(chunks, b, min_history, vocab_size) -> sampling.Penalties | None:
+    rows = []
+    for i, c in enumerate(chunks):
+        if not c.penalised:
+            continue
+        sampling.check_penalties(c.repetition_penalty, c.presence_penalty, c.frequency_penalty)
+        for name in ("prompt_ids", "output_ids"):
+            ids = np.asarray(getattr(c, name), np.int64).reshape(-1)
+            if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+                bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
+                raise ValueError(
+                    f"sequence {i}: {name} holds token id {bad}, outside the vocabulary "
+                    f"[0, {vocab_size})"
+                )
+        rows.append(
+            (
+                i,
+                c.repetition_penalty,
+                c.presence_penalty,
+                c.frequency_penalty,
+                np.asarray(c.prompt_ids, np.int32).reshape(-1),
+                np.asarray(c.output_ids, np.int32).reshape(-1),
+            )
+        )
+    return pack_penalties(rows, b, min_history)
 
 
 def _ragged_arange(lens):
