@@ -57,7 +57,7 @@ import collections
 import dataclasses
 import operator
 import struct
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 
@@ -528,6 +528,40 @@ class BlockManager:
         self._freed[seq_id] = None
         if len(self._freed) > _FREED_MEMORY:
             self._freed.popitem(last=False)
+
+    def free_all(self) -> int:
+        """Frees every live sequence (recovery after a failed engine step); returns how
+        many. Their cached pages stay cached (evictable), as with ``free``."""
+        ids = list(self._seqs)
+        for sid in ids:
+            self.free(sid)
+        return len(ids)
+
+    def uncache(self, pages: Iterable[int] | None = None) -> int:
+        """Forgets cached pages whose K/V is not on the device after all: ``pages`` (those
+        not cached are skipped) and every page cached under them; None: every cached
+        page (the device cache was re-created). Unreferenced ones become plain free pages.
+
+        Returns:
+            How many pages were uncached.
+        """
+        if pages is None:
+            todo = range(self.num_pages)
+        else:
+            todo = [operator.index(p) for p in pages]
+            bad = [p for p in todo if not 0 <= p < self.num_pages]
+            if bad:
+                raise InvalidArgument(f"pages {bad[:5]} are outside [0, {self.num_pages})")
+        entries, rc, n = self._prefix.entries, self._refcount, 0
+        for p in todo:
+            if entries[p] is None:
+                continue
+            for q in [p, *self._prefix.uncache(p)]:
+                n += 1
+                if rc[q] == 0:
+                    del self._evictable[q]
+                    self._free.append(q)
+        return n
 
     # --------------------------------------------------------------- internals
 

@@ -178,8 +178,7 @@ class LLM:
         self.cache = sharding.create_cache(cfg, self.cache_config, params.mesh)
         self.async_scheduling = bool(async_scheduling)
         # The previous step's sampled tokens, on the device, for rows that feed them.
-        rows = decode.bucket_size(max_num_seqs, self.buckets.min_seqs)
-        self._feed = sharding.replicate(np.zeros(rows, np.int32), params.mesh)
+        self._feed = self._new_feed()
         self.eos_ids = frozenset(cfg.eos_token_ids) | (
             self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         )
@@ -276,8 +275,9 @@ class LLM:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stops a request wherever it is and frees its pages; returns its partial output."""
         g = self.scheduler.abort(request_id)
-        if g is None:
-            return None
+        return None if g is None else self._aborted(g)
+
+    def _aborted(self, g: SequenceGroup) -> RequestOutput:
         for s in g.seqs + g.forks:
             s.finish_reason = "abort"
         out = self.outputs.output(g.request, aborted=True)
@@ -306,6 +306,15 @@ class LLM:
             it may call `abort`).
           on_token: called as `on_token(request_id, completion_index, token_id)` for
             each sampled token accepted (not for beam search).
+
+        Raises:
+          The exception of a failed step (a compile error, device OOM, an exception in
+          `on_token` or `on_step`, KeyboardInterrupt), unchanged, once the engine is
+          usable again (see `step`). A KeyboardInterrupt aborts only the requests of this
+          call: requests queued with `add_request` wait again (recomputed from their
+          prompt and the tokens they had, with the same outputs). Any other exception
+          in a step aborts every request (it may be theirs: an OOM from the batch they
+          share); one raised between steps (`on_step`) aborts this call's requests.
         """
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -332,14 +341,19 @@ class LLM:
         t0 = perf_counter()
         try:
             while not mine.issubset(self._outputs) and self.has_unfinished_requests():
-                done = self.step(on_token=on_token)
+                done = self._step(on_token, mine)
                 if bar is not None:
                     bar.update(sum(o.request_id in mine for o in done))
                 if on_step is not None:
                     on_step(self)
             while self._inflight is not None and not self.scheduler.has_unfinished():
-                self.step(on_token=on_token)  # nothing left to run: collect the last step
+                self._step(on_token, mine)  # nothing left to run: collect the last step
             return [self._outputs.pop(i) for i in ids]
+        except BaseException:
+            for i in ids:  # a failed step aborted them already; not an on_step error
+                if self.scheduler.get(i) is not None:
+                    self.abort(i)
+            raise
         finally:
             self.metrics.run_time_s += perf_counter() - t0
             self._collect.difference_update(ids)
@@ -412,31 +426,51 @@ class LLM:
     # --------------------------------------------------------------------- step
 
     def step(self, *, on_token=None) -> list[RequestOutput]:
-        """One engine step (see the module docstring); returns requests finished in it."""
-        t0 = perf_counter()
-        plan = self.scheduler.schedule()
-        batch = self._batch(plan) if plan.rows else None
-        t1 = perf_counter()
-        prev, self._inflight = self._inflight, None
-        # Asynchronous: commit and dispatch this step before the previous one's tokens
-        # arrive (beam rows need the previous selection: then after, as in sync mode).
-        early = (
-            self.async_scheduling
-            and prev is not None
-            and not any(r.decode and r.group.atomic for r in plan.rows)
-        )
-        finished: list[RequestOutput] = []
-        wait = applied = 0.0
-        if prev is not None and not early:
-            finished, wait, applied = self._complete(prev, on_token)
-        t2 = perf_counter()
-        self.scheduler.commit(plan, in_flight=early)
-        live = [r for r in plan.rows if not r.decode or r.seq is not None]
-        rec = None
-        if live:
-            rec, leaves = self._dispatch(plan, batch, live, prev[0] if early else None)
-        if early:
-            finished, wait, applied = self._complete(prev, on_token)
+        """One engine step (see the module docstring); returns requests finished in it.
+
+        If anything raises in it (a compile error, device OOM, an exception in the jitted
+        call or in `on_token`, KeyboardInterrupt), the engine recovers and the exception
+        propagates unchanged, with a note: every request is aborted (pages freed; the
+        outputs are lost), and if the failed call took the donated KV cache with it, the
+        cache is re-created and the prefix cache cleared (otherwise only the pages the
+        failed step was to write are uncached). The engine is then usable again.
+        """
+        return self._step(on_token, None)
+
+    def _step(self, on_token, only: set[str] | None) -> list[RequestOutput]:
+        """`step`; on a KeyboardInterrupt, recovery aborts only the requests in `only`
+        (None: all) and requeues the others."""
+        plan = None
+        sent = False  # whether `plan`'s step was dispatched (its K/V writes will happen)
+        try:
+            t0 = perf_counter()
+            plan = self.scheduler.schedule()
+            batch = self._batch(plan) if plan.rows else None
+            t1 = perf_counter()
+            prev, self._inflight = self._inflight, None
+            # Asynchronous: commit and dispatch this step before the previous one's tokens
+            # arrive (beam rows need the previous selection: then after, as in sync mode).
+            early = (
+                self.async_scheduling
+                and prev is not None
+                and not any(r.decode and r.group.atomic for r in plan.rows)
+            )
+            finished: list[RequestOutput] = []
+            wait = applied = 0.0
+            if prev is not None and not early:
+                finished, wait, applied = self._complete(prev, on_token)
+            t2 = perf_counter()
+            self.scheduler.commit(plan, in_flight=early)
+            live = [r for r in plan.rows if not r.decode or r.seq is not None]
+            rec = None
+            if live:
+                rec, leaves = self._dispatch(plan, batch, live, prev[0] if early else None)
+            sent = True
+            if early:
+                finished, wait, applied = self._complete(prev, on_token)
+        except BaseException as e:
+            self._recover(e, plan, sent, only)
+            raise
         if rec is None:
             self._idle_steps = 0 if prev is not None else self._idle_steps + 1
             if self._idle_steps > 2 and self.scheduler.has_unfinished():
@@ -452,6 +486,76 @@ class LLM:
         self.metrics.record(rec, rec.num_compilations)
         self._inflight = (plan, leaves, rec)
         return finished
+
+    def _recover(self, error: BaseException, plan: StepPlan | None, sent: bool, only) -> None:
+        """Makes the engine usable after `error` escaped a step (see `step`).
+
+        Args:
+          error: the exception; it gets a note saying what recovery did.
+          plan: the failed step's plan; None: `schedule()` itself failed.
+          sent: whether its step was dispatched. If not, the pages it was to write hold
+            no K/V but may be in the prefix cache already (`schedule` and `commit`
+            register them): they leave it. Without a plan, every cached page does.
+          only: on a KeyboardInterrupt, abort only these request ids (None: all).
+        """
+        try:
+            unwritten = None if sent else self._unwritten_pages(plan)
+            self._inflight = None
+            self._idle_steps = 0
+            keep = None
+            if only is not None and isinstance(error, KeyboardInterrupt):
+                keep = lambda g: g.request_id not in only  # noqa: E731
+            aborted = [self._aborted(g) for g in self.scheduler.recover(keep)]
+            lost = self._cache_lost()
+            if lost:
+                self.cache = None  # the old buffers go before the new ones are allocated
+                self.cache = sharding.create_cache(self.config, self.cache_config, self.params.mesh)
+                jax.block_until_ready(self.cache)
+                self.block_manager.uncache()
+            elif not sent:
+                self.block_manager.uncache(unwritten)
+            # The failed step may have left its output feed unusable; no row feeds on it now.
+            self._feed = self._new_feed()
+        except BaseException as again:
+            error.add_note(
+                f"pagedjax: recovering the engine from this failed too ({again!r}); "
+                "it is not usable: create a new LLM"
+            )
+            return
+        ids = [o.request_id for o in aborted]
+        waiting = len(self.scheduler.waiting)
+        error.add_note(
+            f"pagedjax: the engine recovered: aborted {len(ids)} request(s) {ids[:8]}"
+            + ("..." if len(ids) > 8 else "")
+            + (f"; {waiting} other(s) still queued" if waiting else "")
+            + ("; the KV cache was re-created and the prefix cache cleared" if lost else "")
+        )
+
+    def _unwritten_pages(self, plan: StepPlan | None) -> list[int] | None:
+        """The pages an undispatched step was to write K/V into (None: all pages): its
+        prefill rows' slots, and the last page of each decode row's sequence (`commit`
+        appends there; it may have been interrupted before giving the row its slot)."""
+        if plan is None:
+            return None
+        ps, bm, pages = self.cache_config.page_size, self.block_manager, set()
+        for r in plan.rows:
+            if r.slots is not None:
+                pages.update(int(x) // ps for x in r.slots if x >= 0)
+            if r.decode and r.seq is not None and r.seq.seq_id in bm:
+                pages.update(bm.page_table(r.seq.seq_id)[-1:])
+        return sorted(pages)
+
+    def _cache_lost(self) -> bool:
+        """Whether the KV cache is unusable: donated to a call that failed (deleted), or
+        the output of a step that failed on the device."""
+        leaves = jax.tree.leaves(self.cache)
+        if any(x.is_deleted() for x in leaves):
+            return True
+        try:
+            jax.block_until_ready(leaves)
+        except Exception:
+            return True
+        return False
 
     def _complete(self, inflight, on_token) -> tuple[list[RequestOutput], float, float]:
         """Waits for a dispatched step's results and applies them; returns the requests
@@ -513,6 +617,10 @@ class LLM:
             num_compilations=compiles,
         )
         return rec, leaves
+
+    def _new_feed(self) -> jax.Array:
+        rows = decode.bucket_size(self.scheduler.max_num_seqs, self.buckets.min_seqs)
+        return sharding.replicate(np.zeros(rows, np.int32), self.params.mesh)
 
     def _batch(self, plan: StepPlan) -> StepBatch:
         cc = self.cache_config

@@ -61,7 +61,7 @@ import collections
 import dataclasses
 import enum
 import itertools
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
@@ -333,6 +333,45 @@ class Scheduler:
         child.status = SeqStatus.RUNNING
         child.num_admitted, child.num_computed = parent.num_admitted, parent.num_computed
         group.seqs.append(child)
+
+    def recover(self, keep: Callable[[SequenceGroup], bool] | None = None) -> list[SequenceGroup]:
+        """Starts over after a step failed anywhere between `schedule()` and applying its
+        results (the engine's recovery): no step is open, the block manager holds no
+        sequence (`BlockManager.free_all`), and every request is aborted except those
+        `keep` accepts, which wait again (running ones preempted: recomputed on
+        readmission, running ones first, in admission order).
+
+        Returns:
+          The aborted groups (their sequences FINISHED, in their `seqs`, as `abort` leaves
+          them).
+        """
+        self.bm.free_all()
+        self._open = False
+        self._deferred.clear()
+        order = [*self.running, *(g for g in self.waiting if g not in self.running)]
+        order += [g for g in self._groups.values() if g not in order]  # none, unless a bug
+        was_running = {id(g) for g in self.running}
+        self.running, self.waiting = [], collections.deque()
+        aborted = []
+        for g in order:
+            g.epoch += 1
+            for s in g.seqs:
+                s.num_admitted = s.num_computed = s.pending = 0
+            if keep is not None and keep(g):
+                for s in g.seqs:
+                    s.status = SeqStatus.WAITING
+                g.status = SeqStatus.WAITING
+                if id(g) in was_running:
+                    g.num_preemptions += 1
+                    self.num_preemptions += 1
+                self.waiting.append(g)
+            else:
+                for s in g.seqs:
+                    s.status = SeqStatus.FINISHED
+                g.status = SeqStatus.FINISHED
+                self._groups.pop(g.request_id, None)
+                aborted.append(g)
+        return aborted
 
     def _retire(self, group: SequenceGroup) -> None:
         group.status = SeqStatus.FINISHED
