@@ -21,6 +21,10 @@ under the model's raw distribution and the K most likely tokens at its position;
 `--prompt-logprobs K` does the same for the prompt's tokens (given the tokens before
 each; such prompts are computed whole, without prefix-cache hits).
 
+`--repetition-penalty`, `--presence-penalty`, `--frequency-penalty` penalise tokens
+already seen (vLLM's and the OpenAI API's definitions; see `SamplingParams`), greedy
+decoding included; not with `--beam-width`.
+
 `--prompts-file`: one prompt per line (blank lines skipped); a line that starts with
 a double quote is read as a JSON string, so a prompt can hold newlines.
 
@@ -134,11 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per completion")
     p.add_argument("--n", type=int, default=1, help="completions per prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0: off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1: off")
-    p.add_argument("--min-p", type=float, default=0.0, help="0: off")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    add_sampling_flags(p, temperature=0.0, seed_help="sampling seed")
     p.add_argument("--beam-width", type=int, default=1, help="> 1: beam search")
     p.add_argument(
         "--logprobs",
@@ -161,6 +161,48 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
+
+
+def add_sampling_flags(p: argparse.ArgumentParser, *, temperature: float, seed_help: str) -> None:
+    """The sampling flags of generate.py and chat.py (`sampling_kwargs` reads them)."""
+    greedy = " (default)" if temperature == 0 else ""
+    p.add_argument("--temperature", type=float, default=temperature, help=f"0: greedy{greedy}")
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1: off")
+    p.add_argument("--min-p", type=float, default=0.0, help="0: off")
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="> 1 discourages tokens of the prompt and the output so far (1: off)",
+    )
+    p.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="in [-2, 2], subtracted from generated tokens' logits (0: off)",
+    )
+    p.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="in [-2, 2], times each token's count so far (0: off)",
+    )
+    p.add_argument("--seed", type=int, default=0, help=seed_help)
+
+
+def sampling_kwargs(args) -> dict:
+    """The `SamplingParams` fields that `add_sampling_flags` sets."""
+    return dict(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+    )
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -387,13 +429,9 @@ def run(args) -> int:
 
     sp = SamplingParams(
         n=args.n,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
         max_tokens=args.max_tokens,
-        seed=args.seed,
         beam_width=args.beam_width,
+        **sampling_kwargs(args),
         logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
     )
@@ -456,11 +494,7 @@ def run(args) -> int:
                 chat_template=args.chat_template,
                 system=args.system,
                 n=args.n,
-                temperature=args.temperature,
-                top_k=args.top_k,
-                top_p=args.top_p,
-                min_p=args.min_p,
-                seed=args.seed,
+                **sampling_kwargs(args),
                 beam_width=args.beam_width,
                 max_tokens=args.max_tokens,
                 logprobs=args.logprobs,

@@ -52,6 +52,7 @@ def test_json_end_to_end(ckpt, capsys):
     argv = ["--checkpoint", ckpt, "--max-tokens", "5", "--n", "2", "--temperature", "0.7"]
     argv += ["--top-k", "50", "--seed", "3", "--backend", "xla", "--json", *GEOMETRY]
     argv += ["--logprobs", "2", "--prompt-logprobs", "1", "--min-p", "0.05"]
+    argv += ["--repetition-penalty", "1.2", "--frequency-penalty", "0.5"]
     for p in prompts:
         argv += ["--prompt", p]
     rc, out, err = run(argv, capsys)
@@ -89,6 +90,9 @@ def test_json_end_to_end(ckpt, capsys):
             np.testing.assert_allclose(total, c["cumulative_logprob"], rtol=1e-5)
     assert obj["settings"]["logprobs"] == 2 and obj["settings"]["prompt_logprobs"] == 1
     assert obj["settings"]["async_scheduling"] is True and obj["settings"]["min_p"] == 0.05
+    assert obj["settings"]["repetition_penalty"] == 1.2
+    assert obj["settings"]["frequency_penalty"] == 0.5
+    assert obj["settings"]["presence_penalty"] == 0.0
     for o in obj["outputs"]:
         plp = o["prompt_logprobs"]
         assert len(plp) == o["prompt_tokens"] and plp[0] is None and o["num_cached_tokens"] == 0
@@ -209,6 +213,9 @@ def test_prompts_file(ckpt, tmp_path, capsys):
         (["--top-p", "1.5"], "top_p=1.5"),
         (["--min-p", "1.5"], "min_p must be in [0, 1] (0: off), got min_p=1.5"),
         (["--temperature", "-1"], "temperature=-1.0"),
+        (["--repetition-penalty", "0"], "got repetition_penalty=0.0"),
+        (["--presence-penalty", "2.5"], "got presence_penalty=2.5"),
+        (["--beam-width", "2", "--frequency-penalty", "1"], "not supported with beam search"),
         (["--backend", "gpu"], "backend='gpu' needs a GPU"),
         (["--num-pages", "8", "--kv-memory-fraction", "0.5"], "not allowed with"),
         (["--max-tokens", "ten"], "invalid int value"),
