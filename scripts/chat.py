@@ -14,11 +14,14 @@ line after each reply (on stderr) says how many prompt tokens it served, with th
 reply's length, its time to first token and its tokens/s after the first token.
 
 Commands: `/reset` starts the conversation over (keeping the system message);
-`/exit`, or the end of stdin, ends the session. A conversation that no longer fits
-the model's length (`--max-model-len`, default the model's) is reported on stderr and
-its last message dropped: `/reset` and go on. Sampling: `--max-tokens` (per reply),
-`--temperature` (0.7; 0 is greedy), `--top-k`, `--top-p`, `--min-p`, and `--seed`, the
-seed of every reply, so a session is reproducible.
+`/exit`, or the end of stdin, ends the session. Ctrl-C while a reply streams stops it
+(`[interrupted]` on stderr) and drops the turn: neither the message nor the partial
+reply joins the conversation, and the prompt comes back (the engine aborts the reply
+and stays usable); Ctrl-C at the prompt ends the session. A conversation that no
+longer fits the model's length (`--max-model-len`, default the model's) is reported on
+stderr and its last message dropped: `/reset` and go on. Sampling: `--max-tokens` (per
+reply), `--temperature` (0.7; 0 is greedy), `--top-k`, `--top-p`, `--min-p`, and
+`--seed`, the seed of every reply, so a session is reproducible.
 
 The engine flags (`--page-size`, `--num-pages` | `--kv-memory-fraction`,
 `--max-batch-tokens`, `--backend`, `--tensor-parallel`, `--compilation-cache`) are
@@ -35,11 +38,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import generate as gen  # noqa: E402  (the sibling script: its flags, checks and cache helpers)
 
 COMMANDS = ("/reset", "/exit")
+KEYS = (
+    "Ctrl-C while a reply streams stops it and drops the turn (message and partial reply); "
+    "Ctrl-C or Ctrl-D at the prompt ends the session."
+)
 NO_TEMPLATE_HINT = "give --chat-template FILE (a Jinja chat template)"
 
 
 def build_parser() -> gen.Parser:
-    p = gen.Parser(prog="scripts/chat.py", description=__doc__.split("\n")[0])
+    p = gen.Parser(prog="scripts/chat.py", description=__doc__.split("\n")[0], epilog=KEYS)
     p.add_argument(
         "--checkpoint",
         help="HF directory or pagedjax orbax checkpoint (default: the embedded demo model)",
@@ -147,7 +154,10 @@ def run(args) -> int:
     tty = sys.stdin.isatty()
     print(f"model: {llm.model_source} (template: {tok.chat_template_source})", file=sys.stderr)
     if tty:
-        print("commands: /reset starts over, /exit (or Ctrl-D) ends", file=sys.stderr)
+        print(
+            "commands: /reset starts over, /exit (or Ctrl-D) ends; Ctrl-C stops a reply",
+            file=sys.stderr,
+        )
     messages = list(system)
     while True:
         if tty:
@@ -170,7 +180,13 @@ def run(args) -> int:
                 print(f"unknown command {text}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": text})
-        answer = reply(llm, messages, params)
+        try:
+            answer = reply(llm, messages, params)
+        except KeyboardInterrupt:  # the engine recovered (aborted the reply); drop the turn
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            print("[interrupted]", file=sys.stderr, flush=True)
+            answer = None
         if answer is None:
             messages.pop()  # so that the user can go on with a shorter line, or /reset
         else:

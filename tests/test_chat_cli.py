@@ -134,6 +134,64 @@ def test_a_conversation_too_long_is_reported_and_the_loop_goes_on(ckpt, calls, c
     assert out == "".join(f"{o.outputs[0].text}\n" for _, o in calls)
 
 
+def test_ctrl_c_while_a_reply_streams_drops_that_turn(ckpt, capsys, monkeypatch):
+    """The second reply is interrupted (KeyboardInterrupt from its on_token, inside the
+    engine's step) after two tokens: the third turn's prompt has the first turn and not
+    the second; then Ctrl-C at the prompt ends the session (status 130)."""
+    seen = []  # (token ids sent, RequestOutput or None, engine)
+    generate = LLM.generate
+
+    def spy(self, prompts, sp, *, on_token):
+        n, interrupt = [0], len(seen) == 1
+
+        def tokens(rid, index, tok):
+            on_token(rid, index, tok)
+            n[0] += 1
+            if interrupt and n[0] == 2:
+                raise KeyboardInterrupt
+
+        try:
+            (out,) = generate(self, prompts, sp, on_token=tokens)
+        except KeyboardInterrupt:
+            seen.append((prompts[0], None, self))
+            raise
+        seen.append((prompts[0], out, self))
+        return [out]
+
+    class CtrlCAtTheEnd(io.StringIO):
+        def readline(self, *args):
+            line = super().readline(*args)
+            if not line:
+                raise KeyboardInterrupt
+            return line
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    u1, u2, u3 = "def add(a, b):", "now subtract", "and multiply"
+    argv = base(ckpt, "--system", SYSTEM["content"], "--max-tokens", "6")
+    rc, out, err = run(argv, [u1, u2, u3], capsys, monkeypatch, CtrlCAtTheEnd)
+    assert rc == 130, err
+    assert [o is None for _, o, _ in seen] == [False, True, False]
+    r1, r3 = seen[0][1].outputs[0].text, seen[2][1].outputs[0].text
+    conv3 = [
+        SYSTEM,
+        {"role": "user", "content": u1},
+        {"role": "assistant", "content": r1},
+        {"role": "user", "content": u3},
+    ]
+    tok = Tokenizer.from_dir(ckpt)
+    assert seen[2][0] == tok.encode_chat(conv3)  # the interrupted turn is gone
+    assert u2 not in tok.decode(seen[2][0])
+    assert err.count("[interrupted]") == 1 and len(STATS.findall(err)) == 2, err
+    assert out.startswith(f"{r1}\n") and out.endswith(f"\n{r3}\n") and out.count("\n") == 3
+    llm = seen[2][2]  # the engine is clean, and its third reply a fresh engine's
+    llm.block_manager.check_invariants()
+    assert llm.block_manager.stats().num_used_pages == 0 and not llm.has_unfinished_requests()
+    kw = dict(page_size=8, num_pages=64, max_num_seqs=16, max_num_batched_tokens=16)
+    fresh = LLM(str(ckpt), backend="xla", **kw)
+    sp = SamplingParams(temperature=0, max_tokens=6, seed=0)
+    assert [o.outputs[0].text for o in generate(fresh, [seen[2][0]], sp)] == [r3]
+
+
 def test_chat_template_file_replaces_the_checkpoints(ckpt, calls, tmp_path, capsys, monkeypatch):
     f = tmp_path / "mine.jinja"
     f.write_text("{% for m in messages %}MARKER {{ m['content'] }}|{% endfor %}>>")
