@@ -1,8 +1,9 @@
 """Model and cache configuration: frozen, hashable dataclasses (safe as jit static args).
 
 `ModelConfig.from_hf(config_dict)` reads a HuggingFace `config.json` of the Llama
-family (Llama 2/3/3.1/3.2, Qwen2); `PRESETS` names a few well-known shapes.
-Variants are made with `dataclasses.replace`.
+family (Llama 2/3/3.1/3.2, Qwen2, Qwen3 (dense), Mistral, with or without a sliding
+window on every layer); `PRESETS` names a few well-known shapes. Variants are made
+with `dataclasses.replace`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ _DTYPES = {
 }
 _DTYPE_ALIASES = {"f32": "float32", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+)
+_MODEL_TYPES = (None, "llama", "qwen2", "qwen3", "mistral")
+_QWEN_TYPES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
 
 def dtype_name(dtype) -> str:
@@ -67,6 +75,12 @@ class ModelConfig:
       norm_eps: RMSNorm epsilon.
       tie_embeddings: LM head shares the embedding matrix.
       qkv_bias: biases on the q/k/v projections (Qwen2).
+      qk_norm: per-head RMSNorm (over D, eps norm_eps) on queries and keys after the
+        projections and before RoPE (Qwen3).
+      sliding_window: W: a query at position p attends only to keys j with
+        p - W < j <= p (W keys, itself included), in every layer (Mistral-7B-v0.1);
+        None: full causal attention. Pages that fall out of the window are still kept
+        in the cache (freeing them is a later optimisation).
       dtype: parameter and activation dtype name ("bfloat16" or "float32").
       bos_token_id, eos_token_ids: special tokens (eos may be several).
     """
@@ -84,6 +98,8 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
     dtype: str = "bfloat16"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default=())
@@ -109,6 +125,13 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got head_dim={self.head_dim}")
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 1):
+            raise ValueError(
+                f"sliding_window must be None or a positive int, got sliding_window={w!r}"
+            )
+        if w is not None:
+            object.__setattr__(self, "sliding_window", int(w))
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
 
@@ -127,10 +150,13 @@ class ModelConfig:
 
         Accepts the classic `rope_theta` / `rope_scaling` keys and the newer
         `rope_parameters` form, a missing `head_dim` (hidden_size // heads), and
-        `eos_token_id` as an int or a list.
+        `eos_token_id` as an int or a list. Qwen3 means `qk_norm`; Qwen2 means
+        `qkv_bias`. The sliding window is read as HF does (see `_hf_sliding_window`);
+        only a window on every layer or on none is supported.
 
         Raises:
-          ValueError: unknown architecture, unsupported rope scaling, missing keys.
+          ValueError: unknown architecture, unsupported rope scaling, missing keys,
+            a different sliding window per layer.
         """
         archs = config.get("architectures") or []
         if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
@@ -138,8 +164,10 @@ class ModelConfig:
                 f"unsupported architecture {archs}; supported: {list(SUPPORTED_ARCHITECTURES)}"
             )
         model_type = config.get("model_type")
-        if not archs and model_type not in (None, "llama", "qwen2", "mistral"):
-            raise ValueError(f"unsupported model_type {model_type!r}")
+        if not archs and model_type not in _MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; supported: {list(_MODEL_TYPES[1:])}"
+            )
         missing = [
             k
             for k in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size")
@@ -147,15 +175,7 @@ class ModelConfig:
         ]
         if missing:
             raise ValueError(f"config.json is missing required keys: {missing}")
-        window = config.get("sliding_window")
-        if (
-            window is not None
-            and config.get("use_sliding_window", True)
-            and window < config.get("max_position_embeddings", float("inf"))
-        ):
-            raise ValueError(
-                f"sliding-window attention models are not supported, got sliding_window={window}"
-            )
+        family = next((_QWEN_TYPES[a] for a in archs if a in _QWEN_TYPES), model_type)
         num_heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         head_dim = config.get("head_dim") or hidden // num_heads
@@ -167,9 +187,7 @@ class ModelConfig:
         eos = config.get("eos_token_id")
         eos = () if eos is None else (eos if isinstance(eos, (list, tuple)) else (eos,))
         torch_dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
-        qkv_bias = bool(config.get("attention_bias", False)) or (
-            "Qwen2ForCausalLM" in archs or model_type == "qwen2"
-        )
+        qkv_bias = bool(config.get("attention_bias", False)) or family == "qwen2"
         return cls(
             num_layers=int(config["num_hidden_layers"]),
             num_heads=num_heads,
@@ -184,16 +202,31 @@ class ModelConfig:
             norm_eps=float(config.get("rms_norm_eps", 1e-5)),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
+            qk_norm=family == "qwen3",
+            sliding_window=_hf_sliding_window(config, family),
             dtype=dtype or _hf_dtype(torch_dtype),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=tuple(eos),
         )
 
     def to_hf(self) -> dict:
-        """The HuggingFace config.json dict for this config (inverse of from_hf)."""
+        """The HuggingFace config.json dict for this config (inverse of from_hf).
+
+        The architecture is Qwen3 with `qk_norm`, else Qwen2 with `qkv_bias`, else
+        Mistral with a sliding window, else Llama. A Qwen window is written both ways
+        HF has read it: `max_window_layers: 0` and an explicit `layer_types` list.
+        """
+        if self.qk_norm:
+            arch, model_type = "Qwen3ForCausalLM", "qwen3"
+        elif self.qkv_bias:
+            arch, model_type = "Qwen2ForCausalLM", "qwen2"
+        elif self.sliding_window is not None:
+            arch, model_type = "MistralForCausalLM", "mistral"
+        else:
+            arch, model_type = "LlamaForCausalLM", "llama"
         out = {
-            "architectures": ["Qwen2ForCausalLM" if self.qkv_bias else "LlamaForCausalLM"],
-            "model_type": "qwen2" if self.qkv_bias else "llama",
+            "architectures": [arch],
+            "model_type": model_type,
             "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
@@ -209,6 +242,14 @@ class ModelConfig:
             "torch_dtype": self.dtype,
             "hidden_act": "silu",
         }
+        if model_type in ("qwen2", "qwen3"):
+            out["use_sliding_window"] = self.sliding_window is not None
+            out["sliding_window"] = self.sliding_window
+            if self.sliding_window is not None:
+                out["max_window_layers"] = 0
+                out["layer_types"] = ["sliding_attention"] * self.num_layers
+        elif self.sliding_window is not None:
+            out["sliding_window"] = self.sliding_window
         if self.rope_scaling is not None:
             out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
         if self.bos_token_id is not None:
@@ -217,6 +258,52 @@ class ModelConfig:
             eos = self.eos_token_ids
             out["eos_token_id"] = eos[0] if len(eos) == 1 else list(eos)
         return out
+
+
+def _hf_sliding_window(config: dict, family: str | None) -> int | None:
+    """The one sliding window of every layer, or None; mixed layers are a ValueError.
+
+    HF's rules: Mistral (and Llama) slide every layer when `sliding_window` is set.
+    Qwen2/Qwen3 slide only with `use_sliding_window: true` (default false), and then
+    the layers that `layer_types` marks "sliding_attention", or, without that list,
+    layers `i >= max_window_layers` (default 28; older transformers read it the other
+    way round, which only matters for mixed cases, refused here). A window of at least
+    `max_position_embeddings` never masks anything and is dropped.
+    """
+    window = config.get("sliding_window")
+    qwen = family in ("qwen2", "qwen3")
+    if window is None or not config.get("use_sliding_window", not qwen):
+        return None
+    window = int(window)
+    num_layers = int(config["num_hidden_layers"])
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        sliding = [t == "sliding_attention" for t in layer_types]
+        unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+        if unknown or len(layer_types) != num_layers:
+            raise ValueError(
+                f"layer_types must list 'full_attention' or 'sliding_attention' for each of "
+                f"the {num_layers} layers, got layer_types={layer_types}"
+            )
+        how = f"layer_types={layer_types}"
+    elif qwen:
+        first = int(config.get("max_window_layers", 28))
+        sliding = [i >= first for i in range(num_layers)]
+        how = f"max_window_layers={first} with num_hidden_layers={num_layers}"
+    else:
+        sliding = [True] * num_layers
+        how = ""
+    if not any(sliding):
+        return None
+    if not all(sliding):
+        raise ValueError(
+            f"sliding_window={window} on only some layers ({how}: {sum(sliding)} of "
+            f"{num_layers} slide) is not supported; only a window on every layer or none"
+        )
+    if window < 1:
+        raise ValueError(f"sliding_window must be a positive int, got sliding_window={window}")
+    max_pos = config.get("max_position_embeddings")
+    return None if max_pos is not None and window >= int(max_pos) else window
 
 
 def _hf_dtype(torch_dtype: str) -> str:
@@ -301,6 +388,36 @@ PRESETS: dict[str, ModelConfig] = {
         qkv_bias=True,
         bos_token_id=151643,
         eos_token_ids=(151645, 151643),
+    ),
+    "qwen3-0.6b": ModelConfig(
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,  # H * D = 2048 != E = 1024
+        hidden_size=1024,
+        intermediate_size=3072,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        tie_embeddings=True,
+        qk_norm=True,
+        bos_token_id=151643,
+        eos_token_ids=(151645,),
+    ),
+    "mistral-7b-v0.1": ModelConfig(
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        hidden_size=4096,
+        intermediate_size=14336,
+        vocab_size=32000,
+        max_position_embeddings=32768,
+        rope_theta=10000.0,
+        sliding_window=4096,
+        bos_token_id=1,
+        eos_token_ids=(2,),
     ),
     "tiny": ModelConfig(
         num_layers=2,

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3/3.1/3.2, Qwen2) in Flax NNX, dense and paged.
+"""Llama-family decoder (Llama 2/3/3.1/3.2, Qwen2, Qwen3, Mistral) in Flax NNX, dense and paged.
 
 Two forward passes share one set of modules:
 
@@ -10,6 +10,13 @@ Two forward passes share one set of modules:
   then paged attention through `pallas_kernels` (`ragged_paged_attention` for mixed
   prefill/decode batches, `paged_decode_attention` when every sequence brings one
   token), then the MLP. Only the rows in `logits_indices` reach the LM head.
+
+Family options (`ModelConfig`): `qkv_bias` (Qwen2); `qk_norm` (Qwen3: an RMSNorm over
+each query and key head, weight `[D]`, after the projections and before RoPE);
+`sliding_window` (Mistral-7B-v0.1: every layer attends only to the last W positions,
+itself included; both forwards mask with it, and the paged one passes it to the
+kernels. Pages that fall out of the window stay allocated: freeing them is a later
+optimisation).
 
 Tensor parallelism: `pagedjax.sharding.shard_params` places the parameters on a
 "tp" mesh and records the mesh in `Params.mesh`; `forward_paged` then runs each
@@ -37,6 +44,8 @@ head-major (`[..., H * D]` reshapes to `[..., H, D]`, as in HF):
     layers.{i}.self_attn.k_proj.bias            [K * D]       ...self_attn.k_proj.bias (qkv_bias)
     layers.{i}.self_attn.v_proj.kernel          [E, K * D]    ...self_attn.v_proj.weight.T
     layers.{i}.self_attn.v_proj.bias            [K * D]       ...self_attn.v_proj.bias (qkv_bias)
+    layers.{i}.self_attn.q_norm.scale           [D]           ...self_attn.q_norm.weight (qk_norm)
+    layers.{i}.self_attn.k_norm.scale           [D]           ...self_attn.k_norm.weight (qk_norm)
     layers.{i}.self_attn.o_proj.kernel          [H * D, E]    ...self_attn.o_proj.weight.T
     layers.{i}.post_attention_layernorm.scale   [E]           ...post_attention_layernorm.weight
     layers.{i}.mlp.gate_proj.kernel             [E, I]        ...mlp.gate_proj.weight.T
@@ -136,6 +145,10 @@ class Attention(nnx.Module):
         self.k_proj = _linear(e, k * d, cfg, rngs, bias=cfg.qkv_bias)
         self.v_proj = _linear(e, k * d, cfg, rngs, bias=cfg.qkv_bias)
         self.o_proj = _linear(h * d, e, cfg, rngs)
+        if cfg.qk_norm:  # Qwen3: per-head RMSNorm over D, shared by all heads
+            self.q_norm = RMSNorm(d, cfg.norm_eps, cfg.jnp_dtype)
+            self.k_norm = RMSNorm(d, cfg.norm_eps, cfg.jnp_dtype)
+        self.qk_norm = cfg.qk_norm
         self.num_heads, self.num_kv_heads, self.head_dim = h, k, d
 
     def qkv(self, x, positions, inv_freq):
@@ -144,6 +157,8 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
     def out(self, o):
@@ -201,7 +216,8 @@ class Llama(nnx.Module):
         for layer in self.layers:
             attn = layer.self_attn
             q, k, v = attn.qkv(layer.input_layernorm(x), positions, inv_freq)
-            x = x + attn.out(dense_causal_attention(q, k, v))
+            o = dense_causal_attention(q, k, v, sliding_window=self.cfg.sliding_window)
+            x = x + attn.out(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.logits(x)
 
@@ -223,7 +239,13 @@ class Llama(nnx.Module):
     ):
         """One paged step; see `forward_paged` for the arguments (`mesh`: `Params.mesh`)."""
         inv_freq = rope_frequencies(self.cfg)
-        attend = partial(_write_and_attend, decode=decode, backend=backend, interpret=interpret)
+        attend = partial(
+            _write_and_attend,
+            decode=decode,
+            sliding_window=self.cfg.sliding_window,
+            backend=backend,
+            interpret=interpret,
+        )
         if mesh is not None:  # per shard: this device's heads and its slice of every page
             attend = sharding_lib.shard_attention(attend, mesh, self.cfg.num_kv_heads)
         meta = (slot_mapping, page_table, context_lens, query_start_loc)
@@ -255,6 +277,7 @@ def _write_and_attend(
     query_start_loc,
     *,
     decode,
+    sliding_window,
     backend,
     interpret,
 ):
@@ -270,6 +293,7 @@ def _write_and_attend(
             v_pages,
             context_lens,
             page_table,
+            sliding_window=sliding_window,
             backend=backend,
             interpret=interpret,
         )
@@ -281,19 +305,21 @@ def _write_and_attend(
             page_table,
             context_lens,
             query_start_loc,
+            sliding_window=sliding_window,
             backend=backend,
             interpret=interpret,
         )
     return o, k_pages, v_pages
 
 
-def dense_causal_attention(q, k, v):
+def dense_causal_attention(q, k, v, *, sliding_window: int | None = None):
     """Causal GQA attention over whole sequences, float32 inside.
 
     Args:
       q: [B, T, H, D]
       k: [B, T, K, D]
       v: [B, T, K, D]
+      sliding_window: W: position p sees only keys j with p - W < j <= p.
 
     Returns:
       [B, T, H, D] in q's dtype.
@@ -302,7 +328,10 @@ def dense_causal_attention(q, k, v):
     kh = k.shape[2]
     qg = q.reshape(b, t, kh, h // kh, d).astype(jnp.float32)
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) * d**-0.5
-    causal = jnp.tril(jnp.ones((t, t), bool))
+    pos = jnp.arange(t)
+    causal = pos[None, :] <= pos[:, None]  # [T, T] (query, key)
+    if sliding_window is not None:
+        causal &= pos[None, :] > pos[:, None] - sliding_window
     p = jax.nn.softmax(jnp.where(causal, s, _MASKED), axis=-1)
     o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
     return o.reshape(b, t, h, d).astype(q.dtype)

@@ -17,6 +17,8 @@ Layout over `tp` devices, with `H` query heads, `K` kv heads, `I` the MLP width 
     lm_head [E, V]                   split over V; the [B, V] logits are all-gathered
                                      once so that sampling sees whole rows
     norms                            replicated; the residual stream [T, E] is replicated
+    q_norm, k_norm [D] (Qwen3)       replicated: they normalise within a head, and heads
+                                     are never split across devices
 
 (V falls back to replicated when tp does not divide it.)
 

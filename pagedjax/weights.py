@@ -2,12 +2,12 @@
 
 HF directories (`config.json` plus `model.safetensors`, or shards listed by
 `model.safetensors.index.json`) map onto our parameter paths through `_RULES`, a
-declarative table of (HF name template, our path template, transpose). Loading runs in
-two passes: the first reads only the safetensors headers and checks every name, shape
-and dtype against `param_shapes(cfg)`, collecting all problems into one
-`CheckpointError`; the second reads tensors shard by shard, one tensor at a time,
-casting and moving each to the device before the next is read, so host memory peaks
-near one copy of the model.
+declarative table of (HF name template, our path template, transpose); the first
+matching row wins. Loading runs in two passes: the first reads only the safetensors
+headers and checks every name, shape and dtype against `param_shapes(cfg)`,
+collecting all problems into one `CheckpointError`; the second reads tensors shard
+by shard, one tensor at a time, casting and moving each to the device before the next
+is read, so host memory peaks near one copy of the model.
 
 Decisions:
 
@@ -80,6 +80,9 @@ class _Rule:
 _RULES = (
     _Rule("model.embed_tokens.weight", "embed_tokens.embedding"),
     _Rule("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_layernorm.scale"),
+    # Before the projections' rule, which would take these for `kernel`s (Qwen3 qk_norm).
+    _Rule("model.layers.{i}.self_attn.q_norm.weight", "layers.{i}.self_attn.q_norm.scale"),
+    _Rule("model.layers.{i}.self_attn.k_norm.weight", "layers.{i}.self_attn.k_norm.scale"),
     _Rule("model.layers.{i}.self_attn.{proj}.weight", "layers.{i}.self_attn.{proj}.kernel", True),
     _Rule("model.layers.{i}.self_attn.{proj}.bias", "layers.{i}.self_attn.{proj}.bias"),
     _Rule(

@@ -129,10 +129,21 @@ def test_cache_config_validation():
     assert CacheConfig(page_size=8, num_pages=4, dtype="bf16").dtype == "bfloat16"
 
 
-def test_sliding_window_models_are_refused_unless_disabled():
+def test_sliding_window_is_read_or_ignored_as_hf_does():
+    """Mistral slides every layer; a window of at least the context, or a Qwen config with
+    use_sliding_window false, means none (tests/test_model_families.py covers the rest)."""
     mistral = dict(LLAMA31_8B, architectures=["MistralForCausalLM"], sliding_window=4096)
-    with pytest.raises(ValueError, match="sliding_window=4096"):
-        ModelConfig.from_hf(mistral)
-    assert ModelConfig.from_hf(dict(mistral, sliding_window=None)).num_layers == 32
+    assert ModelConfig.from_hf(mistral).sliding_window == 4096
+    assert ModelConfig.from_hf(dict(mistral, sliding_window=None)).sliding_window is None
+    assert ModelConfig.from_hf(dict(mistral, sliding_window=131072)).sliding_window is None
     qwen = dict(LLAMA31_8B, sliding_window=4096, use_sliding_window=False)
-    assert ModelConfig.from_hf(qwen).num_layers == 32
+    assert ModelConfig.from_hf(qwen).sliding_window is None
+
+
+@pytest.mark.parametrize("window", [0, -4, 2.5, True])
+def test_sliding_window_must_be_a_positive_int(window):
+    with pytest.raises(
+        ValueError,
+        match=f"sliding_window must be None or a positive int, got sliding_window={window!r}",
+    ):
+        dataclasses.replace(PRESETS["tiny"], sliding_window=window)

@@ -48,7 +48,8 @@ def _run_cases(*pytest_args: str) -> str:
 
 
 def test_tensor_parallel_on_eight_simulated_devices():
-    """tp = 1, 2, 4, 8 (K = 2 and 8) agree; cache shares; HLO collectives (tests/tp_cases.py)."""
+    """tp = 1, 2, 4, 8 (K = 2 and 8; Qwen3 norms + window) agree; cache shares; HLO
+    collectives (tests/tp_cases.py)."""
     _run_cases()
 
 
@@ -72,6 +73,8 @@ def test_tensor_parallel_on_eight_simulated_devices_slow():
         ("layers.0.mlp.up_proj.kernel", 2, P(None, sharding.AXIS)),
         ("layers.0.mlp.down_proj.kernel", 2, P(sharding.AXIS, None)),
         ("layers.0.input_layernorm.scale", 2, P()),
+        ("layers.0.self_attn.q_norm.scale", 8, P()),  # Qwen3: within a head, never split
+        ("layers.1.self_attn.k_norm.scale", 2, P()),
         ("norm.scale", 2, P()),
         ("lm_head.kernel", 2, P(None, sharding.AXIS)),
     ],

@@ -8,12 +8,14 @@ so this module is not collected with the rest of the suite (its name does not ma
 
 Every case runs the same steps (a prefill, a mixed prefill/decode step with a
 copy-on-write page copy, then decode steps) at tp = 1 and at tp = N, on a tiny
-model with 8 query heads and 2 or 8 kv heads, and compares greedy tokens, logits,
-the cache each device holds, and the collectives in the compiled programs.
+model with 8 query heads and 2 or 8 kv heads (and one Qwen3-style variant with q/k
+norms and a sliding window), and compares greedy tokens, logits, the cache each device
+holds, and the collectives in the compiled programs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -59,9 +61,11 @@ COLLECTIVES = (
 )
 
 
-def tiny(num_kv_heads: int) -> ModelConfig:
-    """8 query heads; K=2 has q/k/v biases, K=8 a tied LM head (both rule variants)."""
-    return ModelConfig(
+def tiny(num_kv_heads: int, variant: str = "") -> ModelConfig:
+    """8 query heads; K=2 has q/k/v biases, K=8 a tied LM head (both rule variants);
+    variant "qk_norm_window" adds Qwen3's q/k norms and a window of 4 (shorter than
+    two of the three prompts, so it masks in prefill as well as in decode)."""
+    cfg = ModelConfig(
         num_layers=NUM_LAYERS,
         num_heads=8,
         num_kv_heads=num_kv_heads,
@@ -75,6 +79,10 @@ def tiny(num_kv_heads: int) -> ModelConfig:
         dtype="float32",
         eos_token_ids=(),
     )
+    if variant == "qk_norm_window":
+        return dataclasses.replace(cfg, qk_norm=True, sliding_window=4)
+    assert not variant, variant
+    return cfg
 
 
 def count_collectives(hlo: str) -> dict[str, int]:
@@ -89,13 +97,15 @@ def count_collectives(hlo: str) -> dict[str, int]:
 
 
 @functools.cache
-def run(num_kv_heads: int, tp: int, backend: str = "xla", interpret: bool = False):
+def run(
+    num_kv_heads: int, tp: int, backend: str = "xla", interpret: bool = False, variant: str = ""
+):
     """Runs the fixed step plan; returns (tokens, logits per step, cache, counts, params).
 
     Each program is compiled once with `.lower().compile()` (its HLO is inspected)
     and that executable runs the steps, so nothing is compiled twice.
     """
-    cfg = tiny(num_kv_heads)
+    cfg = tiny(num_kv_heads, variant)
     params = random_params(cfg)
     if tp > 1:
         params = sharding.shard_params(params, sharding.make_mesh(tp, cfg))
@@ -140,19 +150,21 @@ def rel_err(out, ref):
 
 
 CASES = [
-    pytest.param(2, 2, id="K2-tp2"),
-    pytest.param(2, 4, id="K2-tp4"),
-    pytest.param(2, 8, id="K2-tp8"),
-    pytest.param(8, 4, id="K8-tp4"),
-    pytest.param(8, 2, id="K8-tp2", marks=pytest.mark.slow),
-    pytest.param(8, 8, id="K8-tp8", marks=pytest.mark.slow),
+    pytest.param(2, 2, "", id="K2-tp2"),
+    pytest.param(2, 4, "", id="K2-tp4"),
+    pytest.param(2, 8, "", id="K2-tp8"),
+    pytest.param(8, 4, "", id="K8-tp4"),
+    pytest.param(2, 4, "qk_norm_window", id="K2-tp4-qk_norm-window"),
+    pytest.param(8, 2, "", id="K8-tp2", marks=pytest.mark.slow),
+    pytest.param(8, 8, "", id="K8-tp8", marks=pytest.mark.slow),
+    pytest.param(8, 2, "qk_norm_window", id="K8-tp2-qk_norm-window", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("num_kv_heads,tp", CASES)
-def test_greedy_tokens_and_logits_match_one_device(num_kv_heads, tp):
-    ref_tokens, ref_logits, *_ = run(num_kv_heads, 1)
-    tokens, logits, *_ = run(num_kv_heads, tp)
+@pytest.mark.parametrize("num_kv_heads,tp,variant", CASES)
+def test_greedy_tokens_and_logits_match_one_device(num_kv_heads, tp, variant):
+    ref_tokens, ref_logits, *_ = run(num_kv_heads, 1, variant=variant)
+    tokens, logits, *_ = run(num_kv_heads, tp, variant=variant)
     assert tokens == ref_tokens
     assert [len(t) for t in tokens] == [NEW_TOKENS + 2, NEW_TOKENS + 1, NEW_TOKENS + 2]
     for step, (out, ref) in enumerate(zip(logits, ref_logits, strict=True)):
@@ -160,12 +172,12 @@ def test_greedy_tokens_and_logits_match_one_device(num_kv_heads, tp):
         assert rel_err(out, ref) < 1e-4, f"step {step}"
 
 
-@pytest.mark.parametrize("num_kv_heads,tp", CASES)
-def test_each_device_holds_its_heads_slice_of_every_page(num_kv_heads, tp):
+@pytest.mark.parametrize("num_kv_heads,tp,variant", CASES)
+def test_each_device_holds_its_heads_slice_of_every_page(num_kv_heads, tp, variant):
     """K >= tp: device j holds kv heads [j*K/tp, (j+1)*K/tp), 1/tp of the cache.
     K < tp: device j holds the one kv head its query heads read, j // (tp/K)."""
-    *_, ref_cache, _, _ = run(num_kv_heads, 1)
-    *_, cache, _, params = run(num_kv_heads, tp)
+    *_, ref_cache, _, _ = run(num_kv_heads, 1, variant=variant)
+    *_, cache, _, params = run(num_kv_heads, tp, variant=variant)
     mesh_devices = list(params.mesh.devices.flat)
     per_device = max(num_kv_heads // tp, 1)
     single = ref_cache.k[0].nbytes  # one layer's K pool on one device
@@ -189,15 +201,15 @@ def test_each_device_holds_its_heads_slice_of_every_page(num_kv_heads, tp):
                 assert not data[:, COPY[1], 3:].any()
 
 
-@pytest.mark.parametrize("num_kv_heads,tp", CASES)
-def test_compiled_steps_hold_only_the_collectives_tp_needs(num_kv_heads, tp):
+@pytest.mark.parametrize("num_kv_heads,tp,variant", CASES)
+def test_compiled_steps_hold_only_the_collectives_tp_needs(num_kv_heads, tp, variant):
     """Per layer one all-reduce after o_proj and one after down_proj; plus one all-reduce
     for the vocab-split embedding lookup and one all-gather of the [B, V] logits for
     sampling. Nothing else: the cache write, attention and copy-on-write stay local."""
-    *_, counts, _ = run(num_kv_heads, tp)
+    *_, counts, _ = run(num_kv_heads, tp, variant=variant)
     expected = {"all-reduce": 2 * NUM_LAYERS + 1, "all-gather": 1}
     assert counts == {"prefill": expected, "decode": expected}
-    *_, ref_counts, _ = run(num_kv_heads, 1)
+    *_, ref_counts, _ = run(num_kv_heads, 1, variant=variant)
     assert ref_counts == {"prefill": {}, "decode": {}}
 
 
