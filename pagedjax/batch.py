@@ -29,7 +29,31 @@ from pagedjax.blocks import BlockManager
 from pagedjax.scheduler import StepPlan
 from pagedjax.step_input import pack_copies, pack_penalties
 
-__all__ = ["StepBatch"]
+__all__ = ["StepBatch", "TokenHistory"]
+
+
+class TokenHistory:
+    """A numpy copy of a sequence's `token_ids` that follows its appends, so that a
+    penalised row's history costs one array copy per step, not a list conversion."""
+
+    __slots__ = ("buf", "n")
+
+    def __init__(self):
+        self.buf = np.zeros(0, np.int32)
+        self.n = 0
+
+    def sync(self, ids: list[int]) -> np.ndarray:
+        """`ids` as an int32 array (a view; valid until the next sync)."""
+        m = len(ids)
+        if m > self.buf.size:
+            buf = np.zeros(max(2 * self.buf.size, m, 64), np.int32)
+            buf[: self.n] = self.buf[: self.n]
+            self.buf = buf
+        if m < self.n:  # not an append (not expected): copy it whole
+            self.n = 0
+        self.buf[self.n : m] = ids[self.n : m]
+        self.n = m
+        return self.buf[:m]
 
 
 class StepBatch:
@@ -246,7 +270,9 @@ class StepBatch:
                 continue
             p = r.group.request.params
             n = s.num_prompt_tokens
-            ids = s.token_ids
+            if s.history is None:
+                s.history = TokenHistory()
+            ids = s.history.sync(s.token_ids)
             rows.append(
                 (i, p.repetition_penalty, p.presence_penalty, p.frequency_penalty, ids[:n], ids[n:])
             )

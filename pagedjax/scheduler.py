@@ -121,6 +121,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     detok: Any = None  # the engine's incremental detokenizer, if any
+    history: Any = None  # penalised requests: token_ids as numpy (batch.TokenHistory)
 
     @property
     def num_generated(self) -> int:
