@@ -40,6 +40,12 @@ row whose sequence finished in them stays in the batch as a dead row (it writes
 nothing), so phase 1's layout never has to change. `metrics` times the parts of every
 step; `summary()` reports them.
 
+Failures: an exception escaping a step (a compile error, device OOM, KeyboardInterrupt,
+an `on_token` callback's) aborts the requests (`generate` on Ctrl-C: only its own; the
+others are recomputed), re-creates the KV cache if the failed call took the donated one
+with it, keeps the prefix cache only where its pages were written, and propagates
+unchanged: the engine stays usable (`LLM.step`, `LLM._recover`).
+
 Sampling: a request's i-th sample uses seed `(seed + i * 0x9E3779B1) mod 2**32` (so
 sample 0 uses `seed`), and its j-th token depends only on that seed and j; outputs
 are reproducible whatever else runs in the batch and across preemptions.
@@ -388,6 +394,7 @@ class LLM:
           ValueError: no tokenizer or no chat template, bad messages (naming the
             conversation), or the template rejected them.
           ImportError: jinja2 is missing (`pip install 'pagedjax[chat]'`).
+          Anything `generate` raises (a failed step, KeyboardInterrupt), as it does.
         """
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model has none")
@@ -430,10 +437,10 @@ class LLM:
 
         If anything raises in it (a compile error, device OOM, an exception in the jitted
         call or in `on_token`, KeyboardInterrupt), the engine recovers and the exception
-        propagates unchanged, with a note: every request is aborted (pages freed; the
-        outputs are lost), and if the failed call took the donated KV cache with it, the
-        cache is re-created and the prefix cache cleared (otherwise only the pages the
-        failed step was to write are uncached). The engine is then usable again.
+        propagates unchanged, with a note: every request is aborted (pages freed, outputs
+        lost); a KV cache lost with a failed call (donated, or poisoned by a device error)
+        is re-created and the prefix cache cleared, else only the pages the failed step
+        was to write leave the prefix cache.
         """
         return self._step(on_token, None)
 
