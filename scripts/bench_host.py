@@ -24,6 +24,8 @@ Measures microseconds per operation on this CPU:
   (`overlap_*`): wall time per decode step with synchronous scheduling (about the
   device time plus the exposed host phases) and asynchronous (the engine's default:
   about the larger of the device time and the whole host step).
+  `--engine-penalties` gives every request repetition, presence and frequency
+  penalties, whose histories `finish` packs (prompt and generated tokens per row).
 
 Each figure is the best (lowest) mean over ``--repeats`` rounds, so that other load on a
 shared machine inflates it less; ``--clock cpu`` counts only this process's CPU time.
@@ -266,6 +268,12 @@ def _engine(args, batch: int, async_scheduling: bool):
     )
 
 
+def _penalties(args) -> dict:
+    if not args.engine_penalties:
+        return {}
+    return dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.2)
+
+
 def bench_engine(args, rng, batch: int) -> dict[str, float]:
     """Host microseconds per engine decode step at `batch` running sequences, by phase
     (`async_scheduling=False`, where the phases after the wait are exposed; asynchronous
@@ -275,7 +283,7 @@ def bench_engine(args, rng, batch: int) -> dict[str, float]:
     prompt, gen = args.engine_prompt_len, args.engine_steps
     llm = _engine(args, batch, async_scheduling=False)
     vocab = llm.config.vocab_size
-    params = SamplingParams(max_tokens=gen, ignore_eos=True, temperature=1.0)
+    params = SamplingParams(max_tokens=gen, ignore_eos=True, temperature=1.0, **_penalties(args))
     timers = dict.fromkeys(_PHASES, 0.0)
     best = dict.fromkeys([*_PHASES, "step"], float("inf"))
     with _null_device(rng, vocab, timers, args.now):
@@ -313,7 +321,9 @@ def bench_overlap(args, rng, batch: int, device_ms: float) -> dict[str, float]:
     for mode in ("sync", "async"):
         llm = _engine(args, batch, async_scheduling=mode == "async")
         vocab = llm.config.vocab_size
-        params = SamplingParams(max_tokens=gen, ignore_eos=True, temperature=1.0)
+        params = SamplingParams(
+            max_tokens=gen, ignore_eos=True, temperature=1.0, **_penalties(args)
+        )
         timers = dict.fromkeys(_PHASES, 0.0)
         best = float("inf")
         with _null_device(rng, vocab, timers, time.perf_counter, device_ms / 1e3):
@@ -417,6 +427,11 @@ def main(argv=None) -> dict:
         help="simulated device step times for the sync/async overlap figures",
     )
     parser.add_argument("--engine-prompt-len", type=int, default=64)
+    parser.add_argument(
+        "--engine-penalties",
+        action="store_true",
+        help="engine requests with repetition, presence and frequency penalties",
+    )
     parser.add_argument("--engine-steps", type=int, default=64, help="tokens per request")
     parser.add_argument("--iters", type=int, default=50, help="operations per round")
     parser.add_argument("--repeats", type=int, default=5, help="rounds; the best is kept")
