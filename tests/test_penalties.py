@@ -14,6 +14,7 @@ import params_helpers
 import pytest
 
 from pagedjax import decode, model, sampling
+from pagedjax.batch import TokenHistory
 from pagedjax.config import PRESETS, CacheConfig
 from pagedjax.engine import LLM, SamplingParams
 
@@ -235,3 +236,13 @@ def test_engine_penalised_samples_match_the_sampler(params, dense):
     np.testing.assert_allclose(
         [c.cumulative_logprob for c in out.outputs], np.add.reduceat(raw, bounds), rtol=1e-4
     )
+
+
+def test_token_history_follows_appends():
+    h, ids = TokenHistory(), []
+    rng = np.random.default_rng(2)
+    for n in (0, 1, 63, 64, 65, 200, 1000):  # across the buffer's doublings
+        ids += rng.integers(0, 256, n - len(ids)).tolist()
+        np.testing.assert_array_equal(h.sync(ids), ids)
+    shorter = ids[:10] + [7]  # not an append: copied whole
+    np.testing.assert_array_equal(h.sync(shorter), shorter)
