@@ -252,3 +252,19 @@ def test_block_manager_free_all_and_uncache():
     assert bm.uncache() == 1 and bm.stats().num_free_pages == 16
     assert bm.admit("d", prompt) == 0  # nothing cached is found
     bm.check_invariants()
+
+
+def test_a_recovery_that_fails_says_so_on_the_original_exception(params, monkeypatch):
+    from pagedjax import sharding
+
+    llm = LLM(params, **GEOMETRY)
+    fail_on_call(monkeypatch, "prefill_step", 1, "deleted")
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("no room for a new cache")
+
+    monkeypatch.setattr(sharding, "create_cache", no_memory)
+    with pytest.raises(Injected) as info:
+        llm.generate(PROMPTS[:1], SPS[:1])
+    (note,) = info.value.__notes__
+    assert "MemoryError('no room for a new cache')" in note and "create a new LLM" in note
