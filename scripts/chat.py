@@ -20,8 +20,9 @@ reply joins the conversation, and the prompt comes back (the engine aborts the r
 and stays usable); Ctrl-C at the prompt ends the session. A conversation that no
 longer fits the model's length (`--max-model-len`, default the model's) is reported on
 stderr and its last message dropped: `/reset` and go on. Sampling: `--max-tokens` (per
-reply), `--temperature` (0.7; 0 is greedy), `--top-k`, `--top-p`, `--min-p`, and
-`--seed`, the seed of every reply, so a session is reproducible.
+reply), `--temperature` (0.7; 0 is greedy), `--top-k`, `--top-p`, `--min-p`,
+`--repetition-penalty`, `--presence-penalty`, `--frequency-penalty`, and `--seed`, the
+seed of every reply, so a session is reproducible.
 
 The engine flags (`--page-size`, `--num-pages` | `--kv-memory-fraction`,
 `--max-batch-tokens`, `--backend`, `--tensor-parallel`, `--compilation-cache`) are
@@ -58,11 +59,7 @@ def build_parser() -> gen.Parser:
         help="a Jinja chat template file to use instead of the checkpoint's",
     )
     p.add_argument("--max-tokens", type=int, default=256, help="most tokens per reply")
-    p.add_argument("--temperature", type=float, default=0.7, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0: off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1: off")
-    p.add_argument("--min-p", type=float, default=0.0, help="0: off")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed of every reply")
+    gen.add_sampling_flags(p, temperature=0.7, seed_help="sampling seed of every reply")
     p.add_argument(
         "--max-model-len",
         type=int,
@@ -117,14 +114,7 @@ def reply(llm, messages: list[dict], params) -> str | None:
 def run(args) -> int:
     from pagedjax.engine import LLM, SamplingParams
 
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-    )
+    params = SamplingParams(max_tokens=args.max_tokens, **gen.sampling_kwargs(args))
     gen.check_engine_flags(args)
     if args.max_model_len is not None and args.max_model_len < 2:
         raise gen.BadInput(f"--max-model-len must be >= 2, got {args.max_model_len}")

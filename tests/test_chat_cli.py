@@ -103,6 +103,22 @@ def test_two_turns_carry_the_conversation_and_hit_the_prefix_cache(
     assert [o.outputs[0].text for o in llm.chat([conv1, conv2], sp)] == replies
 
 
+def test_penalty_flags_reach_the_sampler(ckpt, calls, capsys, monkeypatch):
+    pen = dict(repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=0.5)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in pen.items()]
+    rc, out, err = run(
+        base(ckpt, "--max-tokens", "8", *flags), ["def add(a, b):"], capsys, monkeypatch
+    )
+    assert rc == 0, err
+    [(ids, got)] = calls
+    kw = dict(page_size=8, num_pages=64, max_num_seqs=16, max_num_batched_tokens=16)
+    llm = LLM(str(ckpt), backend="xla", **kw)
+    want = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, seed=0, **pen))
+    plain = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, seed=0))
+    assert got.outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert want[0].outputs[0].token_ids != plain[0].outputs[0].token_ids  # they matter here
+
+
 def test_reset_unknown_commands_and_exit_on_a_terminal(ckpt, calls, capsys, monkeypatch):
     class Terminal(io.StringIO):
         def isatty(self):
@@ -213,6 +229,7 @@ def test_chat_template_file_replaces_the_checkpoints(ckpt, calls, tmp_path, caps
         (["--max-model-len", "1"], "--max-model-len must be >= 2, got 1"),
         (["--page-size", "0"], "--page-size must be >= 1, got 0"),
         (["--top-p", "0"], "top_p=0.0"),
+        (["--repetition-penalty", "0"], "got repetition_penalty=0.0"),
         (["--backend", "gpu"], "backend='gpu' needs a GPU"),
         (["--checkpoint", "nowhere"], "not found"),
     ],
