@@ -281,8 +281,9 @@ def test_window_changes_the_models_logits():
     full_cfg = dataclasses.replace(MISTRAL, sliding_window=None)
     unwindowed = model.params_from_flat(full_cfg, model.params_to_flat(params))
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, 128, size=(1, 20)))
-    windowed = np.asarray(model.forward(params, tokens))[0]
-    full = np.asarray(model.forward(unwindowed, tokens))[0]
+    forward = jax.jit(model.forward)
+    windowed = np.asarray(forward(params, tokens))[0]
+    full = np.asarray(forward(unwindowed, tokens))[0]
     w = MISTRAL.sliding_window
     assert rel_err(windowed[:w], full[:w]) < 1e-6
     assert rel_err(windowed[w:], full[w:]) > 0.1
@@ -315,10 +316,17 @@ def random_prompts(cfg, lens, seed):
     return [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in lens]
 
 
-@pytest.mark.parametrize("name", ["qwen3", "mistral_window"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen3_bias_window",  # both features; the engine test below shares its programs
+        pytest.param("mistral_window", marks=pytest.mark.slow),
+        pytest.param("qwen3", marks=pytest.mark.slow),
+    ],
+)
 def test_generate_equals_dense_greedy(name):
-    """Page size 4, window 8, prompts of 6 to 29 tokens prefilled 5 at a time (less than the
-    window, not page aligned): the same tokens, and logits to f32 tolerance."""
+    """Page size 4, windows 5 and 8, prompts of 6 to 29 tokens prefilled 5 at a time (at
+    most the window, not page aligned): the same tokens, and logits to f32 tolerance."""
     cfg = VARIANTS[name]
     params = random_params(cfg, seed=5)
     prompts = random_prompts(cfg, (22, 29, 6), seed=6)
@@ -387,3 +395,53 @@ def test_hf_checkpoint_round_trip(tmp_path, name):
     assert flat.keys() == flat2.keys()
     for k in flat:
         np.testing.assert_array_equal(np.asarray(flat2[k]), np.asarray(flat[k]), err_msg=k)
+
+
+def test_checkpoint_q_k_norms_are_checked_by_name(tmp_path):
+    """A Qwen3 checkpoint without a k_norm lists it as missing (HF name and shape); read as
+    a Llama (no qk_norm), its norms are unexpected rather than taken for projections."""
+    from safetensors.numpy import load_file, save_file
+
+    cfg = QWEN3
+    weights.save_hf_checkpoint(random_params(cfg, seed=12), cfg, tmp_path)
+    file = tmp_path / weights.SAFETENSORS_FILE
+    tensors = load_file(str(file))
+    del tensors["model.layers.1.self_attn.k_norm.weight"]
+    save_file(tensors, str(file))
+    with pytest.raises(weights.CheckpointError) as err:
+        weights.load_hf_checkpoint(tmp_path)
+    assert err.value.missing == ["model.layers.1.self_attn.k_norm.weight [32]"]
+    assert not err.value.unexpected
+    hf = dict(cfg.to_hf(), architectures=["LlamaForCausalLM"], model_type="llama")
+    (tmp_path / weights.CONFIG_FILE).write_text(json.dumps(hf))
+    with pytest.raises(weights.CheckpointError) as err:
+        weights.load_hf_checkpoint(tmp_path)
+    assert not err.value.missing
+    assert err.value.unexpected == [
+        "model.layers.0.self_attn.k_norm.weight [32]",
+        "model.layers.0.self_attn.q_norm.weight [32]",
+        "model.layers.1.self_attn.q_norm.weight [32]",
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_generate_with_interpreted_kernels_equals_dense_greedy(backend):
+    """The Pallas kernels (interpret mode) with the window, through the model."""
+    cfg = QWEN3_WINDOW
+    params = random_params(cfg, seed=13)
+    prompts = random_prompts(cfg, (13, 4), seed=14)
+    want, want_logits = dense_greedy(params, prompts, 4)
+    out = decode.generate(
+        params,
+        prompts,
+        max_new_tokens=4,
+        page_size=4,
+        prefill_chunk=6,
+        backend=backend,
+        interpret=True,
+        return_logits=True,
+    )
+    assert out.tokens == want
+    for got, ref in zip(out.logits, want_logits, strict=True):
+        assert rel_err(got, ref) < 1e-4
