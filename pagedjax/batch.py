@@ -26,7 +26,7 @@ import numpy as np
 from pagedjax import decode
 from pagedjax.beam import num_candidates
 from pagedjax.blocks import BlockManager
-from pagedjax.scheduler import StepPlan
+from pagedjax.sequence import StepPlan
 from pagedjax.step_input import pack_copies, pack_penalties
 
 __all__ = ["StepBatch", "TokenHistory"]

@@ -71,8 +71,9 @@ from pagedjax.metrics import EngineMetrics, StepRecord
 from pagedjax.outputs import OutputProcessor, Request
 from pagedjax.request import CompletionOutput, RequestOutput, SamplingParams
 from pagedjax.resources import check_backend, load_model, peak_device_memory, plan_num_pages
-from pagedjax.scheduler import Scheduler, SequenceGroup, StepPlan
-from pagedjax.scheduler import Sequence as Seq
+from pagedjax.scheduler import Scheduler
+from pagedjax.sequence import Sequence as Seq
+from pagedjax.sequence import SequenceGroup, StepPlan
 from pagedjax.tokenizer import Tokenizer
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

@@ -21,8 +21,9 @@ import numpy as np
 from pagedjax.beam import BeamSearch
 from pagedjax.metrics import EngineMetrics
 from pagedjax.request import CompletionOutput, RequestOutput, SamplingParams
-from pagedjax.scheduler import Scheduler, SeqStatus, SequenceGroup, StepPlan
-from pagedjax.scheduler import Sequence as Seq
+from pagedjax.scheduler import Scheduler
+from pagedjax.sequence import SeqStatus, SequenceGroup, StepPlan
+from pagedjax.sequence import Sequence as Seq
 
 __all__ = ["OutputProcessor", "Request", "logprobs_entry"]
 
