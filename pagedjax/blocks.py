@@ -39,9 +39,10 @@ Contract:
 - ``fork`` needs a fully computed parent; the child shares every page.
 - A prefix hit may name pages whose K/V is being written in the current step, so the
   device step must write a layer's new K/V before attention reads it.
-- Errors: ``OutOfPages``; ``UnknownSequence`` (``SequenceFreed`` for double free or use
-  after free); ``SequenceExists``; ``InvalidArgument`` (a ``ValueError``); ``InvalidState``
-  (e.g. append mid-prefill); all ``BlockManagerError``. A bad salt type is a ``TypeError``.
+- Errors (``pagedjax.errors``, re-exported here): ``OutOfPages``; ``UnknownSequence``
+  (``SequenceFreed`` for double free or use after free); ``SequenceExists``;
+  ``InvalidArgument`` (a ``ValueError``); ``InvalidState`` (e.g. append mid-prefill); all
+  ``BlockManagerError``. A bad salt type is a ``TypeError``.
 
 Prefix cache: full, computed pages are registered in a ``PrefixCache``
 (``pagedjax.prefix_cache``, whose docstring has the details: salted SHA-256 hash chains,
@@ -61,47 +62,30 @@ from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 
+from pagedjax.errors import (  # re-exported: callers catch them as blocks.OutOfPages etc.
+    BlockManagerError,
+    InvalidArgument,
+    InvalidState,
+    InvariantViolation,
+    OutOfPages,
+    SequenceExists,
+    SequenceFreed,
+    UnknownSequence,
+)
 from pagedjax.prefix_cache import Chain, PrefixCache, salt_bytes
 
-
-class BlockManagerError(Exception):
-    """Base class of every error the block manager raises."""
-
-
-class OutOfPages(BlockManagerError):
-    """Not enough free or evictable pages; nothing was allocated. Preempt and retry."""
-
-    def __init__(self, needed: int, available: int, what: str):
-        super().__init__(f"{what} needs {needed} pages, only {available} free or evictable")
-        self.needed = needed
-        self.available = available
-
-
-class UnknownSequence(BlockManagerError, KeyError):
-    """The sequence id is not live (never admitted, or already freed)."""
-
-    def __str__(self) -> str:  # KeyError would quote the message.
-        return str(self.args[0])
-
-
-class SequenceFreed(UnknownSequence):
-    """The sequence was freed already: double free, or use after finish."""
-
-
-class SequenceExists(BlockManagerError, ValueError):
-    """Admit or fork to a sequence id that is live."""
-
-
-class InvalidArgument(BlockManagerError, ValueError):
-    """A bad value: empty or too long prompt, bad token id, bad count or range."""
-
-
-class InvalidState(BlockManagerError, RuntimeError):
-    """The call does not fit the sequence's state (e.g. append before prefill is done)."""
-
-
-class InvariantViolation(BlockManagerError, AssertionError):
-    """``check_invariants`` found inconsistent bookkeeping (a bug)."""
+__all__ = [
+    "BlockManager",
+    "BlockManagerError",
+    "BlockStats",
+    "InvalidArgument",
+    "InvalidState",
+    "InvariantViolation",
+    "OutOfPages",
+    "SequenceExists",
+    "SequenceFreed",
+    "UnknownSequence",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
