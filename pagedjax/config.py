@@ -149,10 +149,11 @@ class ModelConfig:
         """Builds a config from a HuggingFace config.json dict.
 
         Accepts the classic `rope_theta` / `rope_scaling` keys and the newer
-        `rope_parameters` form, a missing `head_dim` (hidden_size // heads), and
-        `eos_token_id` as an int or a list. Qwen3 means `qk_norm`; Qwen2 means
-        `qkv_bias`. The sliding window is read as HF does (see `_hf_sliding_window`);
-        only a window on every layer or on none is supported.
+        `rope_parameters` form, a missing `head_dim` (hidden_size // heads; 128 for
+        Qwen3, as HF's Qwen3Config), and `eos_token_id` as an int or a list. Qwen3
+        means `qk_norm`; Qwen2 means `qkv_bias`. The sliding window is read as HF
+        does (see `_hf_sliding_window`); only a window on every layer or on none is
+        supported.
 
         Raises:
           ValueError: unknown architecture, unsupported rope scaling, missing keys,
@@ -178,7 +179,8 @@ class ModelConfig:
         family = next((_QWEN_TYPES[a] for a in archs if a in _QWEN_TYPES), model_type)
         num_heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
-        head_dim = config.get("head_dim") or hidden // num_heads
+        # HF's Qwen3Config defaults head_dim to 128, not hidden_size // heads.
+        head_dim = config.get("head_dim") or (128 if family == "qwen3" else hidden // num_heads)
         rope = dict(config.get("rope_parameters") or {})
         theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
         scaling = config.get("rope_scaling") or (

@@ -98,8 +98,8 @@ def test_qwen3_config_matches_preset():
     assert cfg.num_heads * cfg.head_dim == 2048 != cfg.hidden_size
     # Qwen3 with biases, and a config known only by its model_type.
     assert ModelConfig.from_hf(dict(QWEN3_0_6B, attention_bias=True)).qkv_bias
-    bare = {k: v for k, v in QWEN3_0_6B.items() if k != "architectures"}
-    assert ModelConfig.from_hf(bare) == cfg
+    bare = {k: v for k, v in QWEN3_0_6B.items() if k not in ("architectures", "head_dim")}
+    assert ModelConfig.from_hf(bare) == cfg  # HF's Qwen3Config: head_dim 128 by default
 
 
 def test_mistral_v01_config_has_its_window():
