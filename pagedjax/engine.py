@@ -44,7 +44,7 @@ Failures: an exception escaping a step (a compile error, device OOM, KeyboardInt
 an `on_token` callback's) aborts the requests (`generate` on Ctrl-C: only its own; the
 others are recomputed), re-creates the KV cache if the failed call took the donated one
 with it, keeps the prefix cache only where its pages were written, and propagates
-unchanged: the engine stays usable (`LLM.step`, `LLM._recover`).
+unchanged: the engine stays usable (`LLM.step`, `pagedjax.recovery`).
 
 Sampling: a request's i-th sample uses seed `(seed + i * 0x9E3779B1) mod 2**32` (so
 sample 0 uses `seed`), and its j-th token depends only on that seed and j; outputs
@@ -62,14 +62,14 @@ from time import perf_counter
 import jax
 import numpy as np
 
-from pagedjax import decode, sharding
+from pagedjax import decode, recovery, sharding
 from pagedjax.batch import StepBatch
 from pagedjax.beam import BeamSearch
 from pagedjax.blocks import BlockManager
 from pagedjax.config import CacheConfig
 from pagedjax.metrics import EngineMetrics, StepRecord
 from pagedjax.outputs import OutputProcessor, Request
-from pagedjax.request import CompletionOutput, RequestOutput, SamplingParams
+from pagedjax.request import CompletionOutput, RequestOutput, SamplingParams, encode_prompt
 from pagedjax.resources import check_backend, load_model, peak_device_memory, plan_num_pages
 from pagedjax.scheduler import Scheduler
 from pagedjax.sequence import Sequence as Seq
@@ -205,29 +205,7 @@ class LLM:
 
     def encode(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a prompt, validated (ValueError / TypeError)."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass prompts as token id lists")
-            if not prompt:
-                raise ValueError("prompt is empty")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, list(prompt)
-            if any(not isinstance(i, (int, np.integer)) or isinstance(i, bool) for i in ids):
-                raise TypeError(f"token id prompts must be lists of ints, got {prompt!r:.80}")
-            ids = [int(i) for i in ids]
-        if not ids:
-            raise ValueError("prompt is empty (no tokens)")
-        v = self.config.vocab_size
-        bad = [i for i in ids if not 0 <= i < v]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {v})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
-                "room to generate"
-            )
-        return text, ids
+        return encode_prompt(prompt, self.tokenizer, self.config.vocab_size, self.max_model_len)
 
     def add_request(
         self,
@@ -507,14 +485,15 @@ class LLM:
           only: on a KeyboardInterrupt, abort only these request ids (None: all).
         """
         try:
-            unwritten = None if sent else self._unwritten_pages(plan)
+            ps = self.cache_config.page_size
+            unwritten = None if sent else recovery.unwritten_pages(plan, self.block_manager, ps)
             self._inflight = None
             self._idle_steps = 0
             keep = None
             if only is not None and isinstance(error, KeyboardInterrupt):
                 keep = lambda g: g.request_id not in only  # noqa: E731
             aborted = [self._aborted(g) for g in self.scheduler.recover(keep)]
-            lost = self._cache_lost()
+            lost = recovery.cache_lost(self.cache)
             if lost:
                 self.cache = None  # the old buffers go before the new ones are allocated
                 self.cache = sharding.create_cache(self.config, self.cache_config, self.params.mesh)
@@ -531,39 +510,7 @@ class LLM:
             )
             return
         ids = [o.request_id for o in aborted]
-        waiting = len(self.scheduler.waiting)
-        error.add_note(
-            f"pagedjax: the engine recovered: aborted {len(ids)} request(s) {ids[:8]}"
-            + ("..." if len(ids) > 8 else "")
-            + (f"; {waiting} other(s) still queued" if waiting else "")
-            + ("; the KV cache was re-created and the prefix cache cleared" if lost else "")
-        )
-
-    def _unwritten_pages(self, plan: StepPlan | None) -> list[int] | None:
-        """The pages an undispatched step was to write K/V into (None: all pages): its
-        prefill rows' slots, and the last page of each decode row's sequence (`commit`
-        appends there; it may have been interrupted before giving the row its slot)."""
-        if plan is None:
-            return None
-        ps, bm, pages = self.cache_config.page_size, self.block_manager, set()
-        for r in plan.rows:
-            if r.slots is not None:
-                pages.update(int(x) // ps for x in r.slots if x >= 0)
-            if r.decode and r.seq is not None and r.seq.seq_id in bm:
-                pages.update(bm.page_table(r.seq.seq_id)[-1:])
-        return sorted(pages)
-
-    def _cache_lost(self) -> bool:
-        """Whether the KV cache is unusable: donated to a call that failed (deleted), or
-        the output of a step that failed on the device."""
-        leaves = jax.tree.leaves(self.cache)
-        if any(x.is_deleted() for x in leaves):
-            return True
-        try:
-            jax.block_until_ready(leaves)
-        except Exception:
-            return True
-        return False
+        error.add_note(recovery.note(ids, len(self.scheduler.waiting), lost))
 
     def _complete(self, inflight, on_token) -> tuple[list[RequestOutput], float, float]:
         """Waits for a dispatched step's results and applies them; returns the requests

@@ -8,12 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
 from pagedjax import sampling
 
-__all__ = ["MAX_LOGPROBS", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "MAX_LOGPROBS",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "encode_prompt",
+]
 
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (as in vLLM)
 
@@ -178,3 +185,37 @@ class RequestOutput:
     # logprob} holding the prompt token first and the k most likely in rank order (raw
     # distribution, given the tokens before it).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+def encode_prompt(
+    prompt: str | Sequence[int], tokenizer, vocab_size: int, max_model_len: int
+) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a prompt given as text or ids, validated.
+
+    Raises:
+      ValueError: empty prompt, text without a tokenizer, ids outside the vocabulary,
+        or no room left to generate under `max_model_len`.
+      TypeError: ids that are not ints.
+    """
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass prompts as token id lists")
+        if not prompt:
+            raise ValueError("prompt is empty")
+        text, ids = prompt, tokenizer.encode(prompt)
+    else:
+        text, ids = None, list(prompt)
+        if any(not isinstance(i, (int, np.integer)) or isinstance(i, bool) for i in ids):
+            raise TypeError(f"token id prompts must be lists of ints, got {prompt!r:.80}")
+        ids = [int(i) for i in ids]
+    if not ids:
+        raise ValueError("prompt is empty (no tokens)")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"prompt has {len(ids)} tokens; max_model_len={max_model_len} leaves no room to "
+            "generate"
+        )
+    return text, ids
