@@ -27,9 +27,9 @@ from pagedjax import decode
 from pagedjax.beam import num_candidates
 from pagedjax.blocks import BlockManager
 from pagedjax.sequence import StepPlan
-from pagedjax.step_input import pack_copies, pack_penalties
+from pagedjax.step_input import pack_bias, pack_copies, pack_penalties
 
-__all__ = ["StepBatch", "TokenHistory"]
+__all__ = ["StepBatch", "TokenHistory", "request_bias"]
 
 
 class TokenHistory:
@@ -103,6 +103,7 @@ class StepBatch:
         self.token_src = np.full(t, -1, np.int32)
         self.prompt_top_k = 0
         self.penalised = []  # rows with penalties, packed in `finish` (histories grow)
+        self.biased = []  # rows with a logit bias or min_tokens, packed in `finish`
         # Per-row values go through Python lists and one numpy assignment each: a numpy
         # scalar store costs about as much as building the list entry, so at B=256 this
         # halves the packing time.
@@ -128,6 +129,8 @@ class StepBatch:
                 min_p.append(params.min_p)
                 if params.penalised:
                     self.penalised.append(i)
+                if r.group.request.banned is not None:
+                    self.biased.append(i)
                 seeds.append(r.seq.seed)
                 steps.append(r.start + q - r.seq.num_prompt_tokens)
             if r.decode and not r.group.atomic:
@@ -231,9 +234,8 @@ class StepBatch:
         if self.prompt_top_k:
             pk = min(decode.bucket_size(self.prompt_top_k, 8), self.vocab)
         src, dst = pack_copies(plan.copies, decode.bucket_size(len(plan.copies), self.min_copies))
-        penalties = None
-        if self.penalised:
-            penalties = self._penalties(plan)
+        penalties = self._penalties(plan) if self.penalised else None
+        bias = self._bias(plan) if self.biased else None
         inp = decode.StepInput(
             token_ids=self.token_ids,
             positions=self.positions,
@@ -249,6 +251,7 @@ class StepBatch:
             top_p=self.top_p,
             min_p=self.min_p,
             penalties=penalties,
+            logit_bias=bias,
             seeds=self.seeds,
             sample_steps=self.steps,
             target_ids=self.target_ids,
@@ -277,3 +280,37 @@ class StepBatch:
                 (i, p.repetition_penalty, p.presence_penalty, p.frequency_penalty, ids[:n], ids[n:])
             )
         return pack_penalties(rows, len(self.temperature), self.min_history)
+
+    def _bias(self, plan: StepPlan):
+        """The biased rows' logit bias, with the stop tokens banned for rows that draw
+        one of their first min_tokens tokens."""
+        rows = []
+        for i in self.biased:
+            r = plan.rows[i]
+            if r.seq is None:
+                continue
+            req = r.group.request
+            arrays = req.banned if self.steps[i] < req.params.min_tokens else req.bias
+            if arrays is not None:
+                rows.append((i, *arrays))
+        return pack_bias(rows, len(self.temperature))
+
+
+def request_bias(params, stop_ids, vocab_size: int):
+    """A request's (bias, banned) arrays (see `outputs.Request`), or (None, None) when it
+    has neither a logit bias nor min_tokens; ValueError for ids outside the vocabulary."""
+    bias = dict(params.logit_bias or {})
+    if not bias and not params.min_tokens:
+        return None, None
+    bad = [t for t in bias if t >= vocab_size]
+    if bad:
+        raise ValueError(
+            f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+        )
+
+    def arrays(d):
+        if not d:
+            return None
+        return np.fromiter(d, np.int32, len(d)), np.fromiter(d.values(), np.float32, len(d))
+
+    return arrays(bias), arrays(bias | dict.fromkeys(stop_ids, float("-inf")))

@@ -49,7 +49,7 @@ README example::
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -163,6 +163,7 @@ def _step(
         inp.min_p,
         penalties=inp.penalties,
         extra_ids=fed,
+        bias=inp.logit_bias,
     )
     top_ids = top_lp = None
     if num_top_logprobs:
@@ -291,6 +292,8 @@ def generate(
     repetition_penalty: float = 1.0,
     presence_penalty: float = 0.0,
     frequency_penalty: float = 0.0,
+    logit_bias: Mapping[int, float] | None = None,
+    min_tokens: int = 0,
     seed: int = 0,
     stop_token_ids: Sequence[int] | None = None,
     prefill_chunk: int | None = None,
@@ -314,6 +317,8 @@ def generate(
       temperature, top_k, top_p, min_p: sampling (temperature 0: greedy).
       repetition_penalty, presence_penalty, frequency_penalty: penalties over each
         prompt and its generated tokens (see `pagedjax.sampling`; 1, 0, 0: off).
+      logit_bias: token id -> value added to its logit before sampling (-inf bans it).
+      min_tokens: the stop tokens cannot be drawn before this many new tokens.
       seed: prompt b samples with seed + b.
       stop_token_ids: default: the config's eos_token_ids. The stop token is kept.
       prefill_chunk: prefill prompts at most this many tokens per step (default: all).
@@ -330,6 +335,8 @@ def generate(
         raise ValueError("prompts must be a non-empty list of non-empty token id lists")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens=}")
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+        raise ValueError(f"min_tokens must be an int >= 0, got {min_tokens=}")
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk=}")
     prompts = [np.asarray(p).reshape(-1) for p in prompts]
@@ -340,6 +347,12 @@ def generate(
                 f"exceeds max_position_embeddings={cfg.max_position_embeddings}"
             )
     stop = set(cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    bias = dict(logit_bias or {})
+    banned = bias | dict.fromkeys(stop, float("-inf"))  # before min_tokens new tokens
+
+    def bias_at(n_new: int) -> dict | None:
+        return (banned if n_new < min_tokens else bias) or None
+
     per_seq = -(-(max(len(p) for p in prompts) + max_new_tokens) // page_size)
     # Rounded up so that runs with similar batches share compiled programs.
     cache_cfg = CacheConfig(page_size, bucket_size(1 + len(prompts) * per_seq, 16), cfg.dtype)
@@ -354,7 +367,18 @@ def generate(
     )
     build_step_input(
         [
-            SeqChunk(p, 0, pages[i], temperature, top_k, top_p, seed + i, min_p=min_p, **penalties)
+            SeqChunk(
+                p,
+                0,
+                pages[i],
+                temperature,
+                top_k,
+                top_p,
+                seed + i,
+                min_p=min_p,
+                logit_bias=bias_at(0),
+                **penalties,
+            )
             for i, p in enumerate(prompts)
         ],
         cfg,
@@ -385,6 +409,7 @@ def generate(
                     **penalties,
                     prompt_ids=p,
                     output_ids=out.tokens[b],
+                    logit_bias=bias_at(len(out.tokens[b])),
                 )
             )
         inp = build_step_input(chunks, cfg, cache_cfg, buckets=buckets)

@@ -63,7 +63,7 @@ import jax
 import numpy as np
 
 from pagedjax import decode, recovery, sharding
-from pagedjax.batch import StepBatch
+from pagedjax.batch import StepBatch, request_bias
 from pagedjax.beam import BeamSearch
 from pagedjax.blocks import BlockManager
 from pagedjax.config import CacheConfig
@@ -219,6 +219,10 @@ class LLM:
         text, ids = self.encode(prompt)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
+        stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.eos_ids
+        )
+        bias, banned = request_bias(params, stop_ids, self.config.vocab_size)
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         p = len(ids)
         max_len = min(p + params.max_tokens, self.max_model_len)
@@ -234,9 +238,6 @@ class LLM:
                 s.logprobs = []
             return s
 
-        stop_ids = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else self.eos_ids
-        )
         beam = None
         if params.beam_width > 1:
             w = params.beam_width
@@ -250,6 +251,7 @@ class LLM:
                 rid, [seq(i) for i in range(params.n)], params.n, params.cache_salt
             )
         group.request = Request(rid, text, ids, params, stop_ids, group, beam, perf_counter())
+        group.request.bias, group.request.banned = bias, banned
         if params.prompt_logprobs is not None:
             group.request.prompt_logprobs = [None] * p
             group.request.prompt_logprobs_missing = p - 1

@@ -45,6 +45,10 @@ class Request:
     # token never has one), and how many are still to come.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprobs_missing: int = 0
+    # logit_bias / min_tokens: (ids, values) arrays of its logit bias, and of the bias
+    # with every stop token banned (before min_tokens tokens); None: no bias.
+    bias: tuple[np.ndarray, np.ndarray] | None = None
+    banned: tuple[np.ndarray, np.ndarray] | None = None
 
 
 class OutputProcessor:
@@ -148,14 +152,16 @@ class OutputProcessor:
             if s.status is not SeqStatus.RUNNING:
                 return  # the callback aborted the request
         reason = stop = None
-        if tok in req.stop_ids:
+        check = s.num_generated >= req.params.min_tokens  # no stop before min_tokens
+        if check and tok in req.stop_ids:
             reason, stop = "stop", tok
         elif s.detok is not None:
             piece = s.detok.add(tok)
             text = s.detok.text
             longest = max(map(len, req.params.stop))
             begin = max(0, len(text) - len(piece) - longest + 1)
-            stop = next((x for x in req.params.stop if text.find(x, begin) >= 0), None)
+            if check:
+                stop = next((x for x in req.params.stop if text.find(x, begin) >= 0), None)
             reason = "stop" if stop is not None else None
         if reason is None and len(s.token_ids) >= s.max_num_tokens:
             reason = "length"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -60,6 +60,11 @@ class SamplingParams:
         from its logit (0: off).
         The three penalties apply before the temperature and truncation, greedy
         included; returned logprobs stay the raw distribution's. Not with beam search.
+      min_tokens: no stop token (EOS, stop_token_ids) can be drawn, and no stop string
+        ends the completion, before this many tokens (<= max_tokens). Not with beam
+        search.
+      logit_bias: token id -> value in [-100, 100] added to its logit before sampling
+        (greedy included; -100 all but bans a token), or None. Not with beam search.
     """
 
     n: int = 1
@@ -80,6 +85,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    logit_bias: Mapping[int, float] | None = None
 
     @property
     def penalised(self) -> bool:
@@ -133,6 +140,21 @@ class SamplingParams:
         sampling.check_penalties(
             self.repetition_penalty, self.presence_penalty, self.frequency_penalty
         )
+        m = self.min_tokens
+        if not isinstance(m, (int, np.integer)) or isinstance(m, bool) or m < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got min_tokens={m!r}")
+        if m > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens, got min_tokens={m}, "
+                f"max_tokens={self.max_tokens}"
+            )
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
+        if self.beam_width > 1 and (m or self.logit_bias):
+            raise ValueError(
+                "min_tokens and logit_bias are not supported with beam search, got "
+                f"min_tokens={m}, logit_bias={self.logit_bias!r:.60}"
+            )
         if self.beam_width > 1 and self.penalised:
             raise ValueError(
                 "penalties are not supported with beam search, got "
@@ -185,6 +207,24 @@ class RequestOutput:
     # logprob} holding the prompt token first and the k most likely in rank order (raw
     # distribution, given the tokens before it).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+def _check_logit_bias(bias) -> dict[int, float]:
+    """`logit_bias` as {int: float}, validated (ValueError naming the bad entry)."""
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"logit_bias must be a mapping token id -> value, got {bias!r:.60}")
+    out = {}
+    for tok, value in bias.items():
+        if not isinstance(tok, (int, np.integer)) or isinstance(tok, bool) or tok < 0:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {tok!r}")
+        is_num = isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
+        if not is_num or not -sampling.MAX_LOGIT_BIAS <= value <= sampling.MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias values must be in [-{sampling.MAX_LOGIT_BIAS}, "
+                f"{sampling.MAX_LOGIT_BIAS}], got logit_bias[{tok}]={value!r}"
+            )
+        out[int(tok)] = float(value)
+    return out
 
 
 def encode_prompt(

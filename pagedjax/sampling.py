@@ -12,8 +12,11 @@ jitted step serves requests with different sampling settings:
   threshold are kept.
 * The key of row `b` is `fold_in(key(seeds[b]), steps[b])`: a request's i-th token
   depends only on (its seed, i), not on which other requests share the batch.
-* Penalties (`Penalties`, optional), on the logits before everything above, greedy
-  rows included, with the conventions of vLLM and the OpenAI API: a token seen in the
+* A logit bias (`LogitBias`, optional) is added to the logits first, greedy rows
+  included: per row, a few token ids and the values added to their logits (-inf bans
+  a token; the engine's `min_tokens` bans the stop tokens this way).
+* Penalties (`Penalties`, optional), on the logits before everything above but the
+  bias, greedy rows included, with the conventions of vLLM and the OpenAI API: a token seen in the
   row's prompt or output has its logit divided by `repetition[b]` when positive and
   multiplied by it otherwise (1: off); a token generated c times loses
   `frequency[b] * c + presence[b] * (c > 0)` (0: off).
@@ -33,6 +36,7 @@ import numpy as np
 
 _NEG_INF = float("-inf")
 MAX_PENALTY = 2.0  # bound on |presence| and |frequency| penalties (as in the OpenAI API)
+MAX_LOGIT_BIAS = 100.0  # bound on |logit_bias| values (as in the OpenAI API)
 
 
 @jax.tree_util.register_dataclass
@@ -51,6 +55,24 @@ class Penalties:
     frequency: jax.Array  # [B] float32 (0: off)
     ids: jax.Array  # [B, P] int32 prompt then generated tokens (-1: padding)
     prompt_lens: jax.Array  # [B] int32 leading prompt entries of each row of `ids`
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LogitBias:
+    """Per-row sparse additions to the logits: `values[b, j]` is added to token
+    `ids[b, j]` (-1: padding; ids are distinct within a row)."""
+
+    ids: jax.Array  # [B, K] int32
+    values: jax.Array  # [B, K] float32 (-inf bans)
+
+
+def apply_bias(logits, bias: LogitBias):
+    """logits [B, V] float -> [B, V] float32 with the bias added."""
+    x = logits.astype(jnp.float32)
+    b, v = x.shape
+    ids = jnp.where(bias.ids >= 0, bias.ids, v)  # padding scatters out of range: dropped
+    return x.at[jnp.arange(b)[:, None], ids].add(bias.values, mode="drop")
 
 
 def apply_penalties(logits, pen: Penalties, extra_ids=None):
@@ -134,7 +156,16 @@ def apply_top_k_top_p(logits, top_k, top_p):
 
 
 def sample(
-    logits, temperature, top_k, top_p, seeds, steps, min_p=None, penalties=None, extra_ids=None
+    logits,
+    temperature,
+    top_k,
+    top_p,
+    seeds,
+    steps,
+    min_p=None,
+    penalties=None,
+    extra_ids=None,
+    bias=None,
 ):
     """Draws one token per row.
 
@@ -148,12 +179,15 @@ def sample(
       min_p: [B] float32 in [0, 1] (see `apply_min_p`), or None: off for every row.
       penalties: `Penalties`, or None: off for every row.
       extra_ids: with penalties, [B] int32 one more generated token per row (-1: none).
+      bias: `LogitBias`, or None: no bias on any row.
 
     Returns:
       (tokens [B] int32, logprobs [B] float32 of those tokens under the raw logits).
     """
     raw = logits.astype(jnp.float32)
-    logits = raw if penalties is None else apply_penalties(raw, penalties, extra_ids)
+    logits = raw if bias is None else apply_bias(raw, bias)
+    if penalties is not None:
+        logits = apply_penalties(logits, penalties, extra_ids)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled_rows = temperature > 0
     scaled = logits / jnp.where(sampled_rows, temperature, 1.0)[:, None]

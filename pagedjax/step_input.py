@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -51,6 +51,7 @@ class StepInput:
     sample_steps: jax.Array  # [B] int32 index of the token being drawn, per request
     min_p: jax.Array | None = None  # [B] float32 (0: off; None: off for every row)
     penalties: sampling.Penalties | None = None  # None: off for every row
+    logit_bias: sampling.LogitBias | None = None  # None: no bias on any row
     # Prompt logprobs: the token after each fed token whose log-probability is wanted
     # (-1: none). None: logits only at `logits_indices` (given: at every token).
     target_ids: jax.Array | None = None  # [T] int32
@@ -104,6 +105,8 @@ class SeqChunk:
         (repetition penalty only) and the tokens generated so far (all three). The
         caller gives them whole (a chunk holds only part of a prompt); they are read
         only when a penalty is on.
+      logit_bias: token id -> value added to its logit before sampling (-inf bans it),
+        or None.
     """
 
     token_ids: Sequence[int]
@@ -120,6 +123,7 @@ class SeqChunk:
     frequency_penalty: float = 0.0
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
+    logit_bias: Mapping[int, float] | None = None
 
     @property
     def penalised(self) -> bool:
@@ -259,6 +263,8 @@ def build_step_input(
         c = chunks[_first(bad)]
         sampling.check_params(c.temperature, c.top_k, c.top_p, c.seed, c.min_p)
     penalties = _pack_penalties(chunks, b, buckets.min_history, model_cfg.vocab_size)
+    bias = [(i, _bias_arrays(c.logit_bias, i, model_cfg.vocab_size)) for i, c in enumerate(chunks)]
+    logit_bias = pack_bias([(i, *arrays) for i, arrays in bias if arrays is not None], b)
 
     starts = np.full(b + 1, total, np.int32)
     starts[: n + 1] = np.concatenate([[0], np.cumsum(q_lens)])
@@ -300,8 +306,45 @@ def build_step_input(
         sample_steps=per_seq(sample_steps, np.int32, 0),
         min_p=per_seq(min_p, np.float32, 0.0),
         penalties=penalties,
+        logit_bias=logit_bias,
         decode=decode,
     )
+
+
+def pack_bias(
+    rows: Sequence[tuple[int, np.ndarray, np.ndarray]], b: int
+) -> sampling.LogitBias | None:
+    """Logit-bias arrays for a batch of b rows from (row, ids, values) per biased row
+    (ids distinct within a row); None when `rows` is empty."""
+    if not rows:
+        return None
+    width = bucket_size(max(len(ids) for _, ids, _ in rows), 8)
+    ids = np.full((b, width), -1, np.int32)
+    values = np.zeros((b, width), np.float32)
+    for i, row_ids, row_values in rows:
+        ids[i, : len(row_ids)] = row_ids
+        values[i, : len(row_ids)] = row_values
+    return sampling.LogitBias(ids, values)
+
+
+def _bias_arrays(bias, i: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """A chunk's logit bias as (ids, values) arrays, validated; None when empty."""
+    if not bias:
+        return None
+    ids = np.fromiter((int(t) for t in bias), np.int64, len(bias))
+    values = np.fromiter(bias.values(), np.float64, len(bias))
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        raise ValueError(
+            f"sequence {i}: logit_bias token id {int(ids[bad][0])} is outside the "
+            f"vocabulary [0, {vocab_size})"
+        )
+    bad = np.isnan(values) | (values == np.inf)
+    if bad.any():
+        raise ValueError(
+            f"sequence {i}: logit_bias values must be finite or -inf, got {values[bad][0]}"
+        )
+    return ids.astype(np.int32), values.astype(np.float32)
 
 
 def pack_penalties(

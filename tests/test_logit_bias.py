@@ -1,0 +1,199 @@
+"""logit_bias and min_tokens against dense logits biased in numpy.
+
+The sampler's `apply_bias` against numpy; then `decode.generate` and the engine
+(synchronous and asynchronous steps, chunked prefill) against dense no-cache greedy
+decoding of logits with the bias added and, before `min_tokens` new tokens, every stop
+token banned.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import params_helpers
+import pytest
+
+from pagedjax import decode, model, sampling
+from pagedjax.config import PRESETS, CacheConfig
+from pagedjax.engine import LLM, SamplingParams
+
+TINY = PRESETS["tiny"]  # float32, vocab 256, EOS 2
+GEOMETRY = dict(page_size=8, num_pages=64, backend="xla", max_num_seqs=8)
+
+
+def test_apply_bias_matches_numpy():
+    rng = np.random.default_rng(0)
+    b, v, k = 5, 40, 8
+    logits = rng.normal(size=(b, v)).astype(np.float32)
+    ids = np.full((b, k), -1, np.int32)
+    values = np.zeros((b, k), np.float32)
+    want = logits.astype(np.float64).copy()
+    for i in range(b):
+        n = int(rng.integers(0, k + 1))
+        ids[i, :n] = rng.choice(v, n, replace=False)
+        values[i, :n] = rng.normal(size=n) * 5
+        if n:
+            values[i, 0] = -np.inf
+        want[i, ids[i, :n]] += values[i, :n]
+    got = jax.jit(sampling.apply_bias)(jnp.asarray(logits), sampling.LogitBias(ids, values))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+    assert np.isneginf(np.asarray(got)).sum() == sum((ids[i] >= 0).any() for i in range(b))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(min_tokens=-1), "min_tokens=-1"),
+        (dict(min_tokens=20, max_tokens=10), "min_tokens=20, max_tokens=10"),
+        (dict(min_tokens=True), "min_tokens=True"),
+        (dict(logit_bias={3: 150.0}), r"logit_bias\[3\]=150.0"),
+        (dict(logit_bias={3: float("nan")}), r"logit_bias\[3\]=nan"),
+        (dict(logit_bias={-1: 1.0}), "got -1"),
+        (dict(logit_bias={"7": 1.0}), "got '7'"),
+        (dict(logit_bias=[(3, 1.0)]), "must be a mapping"),
+        (dict(beam_width=2, min_tokens=2), "not supported with beam search"),
+        (dict(beam_width=2, logit_bias={1: 1.0}), "not supported with beam search"),
+    ],
+)
+def test_bad_params_are_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_build_step_input_checks_the_bias():
+    cache_cfg = CacheConfig(page_size=8, num_pages=8, dtype=TINY.dtype)
+    ok = decode.SeqChunk([5, 6], 0, [1], logit_bias={7: 2.0, 9: float("-inf")})
+    inp = decode.build_step_input([ok, decode.SeqChunk([5], 0, [2])], TINY, cache_cfg)
+    assert inp.logit_bias.ids[0, :3].tolist() == [7, 9, -1] and inp.logit_bias.ids.shape == (8, 8)
+    assert (inp.logit_bias.ids[1] == -1).all()
+    assert (
+        decode.build_step_input([decode.SeqChunk([5], 0, [2])], TINY, cache_cfg).logit_bias is None
+    )
+    for bias, match in (({256: 1.0}, "token id 256 is outside"), ({3: np.nan}, "got nan")):
+        with pytest.raises(ValueError, match=match):
+            decode.build_step_input(
+                [decode.SeqChunk([5], 0, [1], logit_bias=bias)], TINY, cache_cfg
+            )
+
+
+@pytest.fixture(scope="module")
+def params():
+    return params_helpers.random_params(TINY, 0)
+
+
+@pytest.fixture(scope="module")
+def dense(params):
+    fn = jax.jit(model.forward)
+
+    def last_logits(seqs):
+        buf = np.zeros((len(seqs), 64), np.int32)
+        for j, s in enumerate(seqs):
+            buf[j, : len(s)] = s
+        logits = np.asarray(fn(params, jnp.asarray(buf)), np.float64)
+        return np.stack([logits[j, len(s) - 1] for j, s in enumerate(seqs)])
+
+    return last_logits
+
+
+def dense_greedy(dense, prompts, max_tokens, biases, min_tokens, stops):
+    """Greedy continuations of dense logits with each prompt's bias added and, before
+    min_tokens[i] new tokens, its stop tokens banned."""
+    outs = [[] for _ in prompts]
+    active = list(range(len(prompts)))
+    while active:
+        rows = dense([prompts[i] + outs[i] for i in active])
+        for i, row in zip(list(active), rows, strict=True):
+            row = row.copy()
+            for t, value in biases[i].items():
+                row[t] += value
+            if len(outs[i]) < min_tokens[i]:
+                row[list(stops[i])] = -np.inf
+            tok = int(np.argmax(row))
+            outs[i].append(tok)
+            if tok in stops[i] or len(outs[i]) >= max_tokens:
+                active.remove(i)
+    return outs
+
+
+def prompts_(seed=4, lens=(3, 9, 17, 24)):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 256, n).tolist() for n in lens]
+
+
+def cases(dense, prompts):
+    """Per prompt: a stop token greedy decoding draws early (so min_tokens matters), a
+    bias that changes the output, and min_tokens."""
+    plain = dense_greedy(dense, prompts, 6, [{}] * 4, [0] * 4, [()] * 4)
+    stops = [{p[1]} for p in plain]  # the plain run would stop at its second token
+    biases = [{}, {int(plain[1][0]): -100.0}, {7: 8.0, 11: 3.0}, {int(plain[3][2]): -5.0}]
+    return stops, biases, [4, 0, 3, 5]
+
+
+def test_decode_generate_bias_and_min_tokens_equal_dense(params, dense):
+    prompts = prompts_()
+    stops, biases, mins = cases(dense, prompts)
+    for i, p in enumerate(prompts):  # one setting per call (generate shares them)
+        out = decode.generate(
+            params,
+            [p],
+            max_new_tokens=8,
+            prefill_chunk=5,
+            logit_bias=biases[i],
+            min_tokens=mins[i],
+            stop_token_ids=stops[i],
+        )
+        assert out.tokens == dense_greedy(dense, [p], 8, [biases[i]], [mins[i]], [stops[i]])
+    with pytest.raises(ValueError, match="min_tokens=-2"):
+        decode.generate(params, prompts, max_new_tokens=4, min_tokens=-2)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_bias_and_min_tokens_equal_dense(params, dense, async_scheduling):
+    llm = LLM(params, max_num_batched_tokens=11, async_scheduling=async_scheduling, **GEOMETRY)
+    prompts = prompts_()
+    stops, biases, mins = cases(dense, prompts)
+    sps = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=8,
+            ignore_eos=True,
+            stop_token_ids=tuple(stops[i]),
+            logit_bias=biases[i] or None,
+            min_tokens=mins[i],
+            logprobs=0,
+        )
+        for i in range(4)
+    ]
+    outs = llm.generate(prompts, sps)
+    want = dense_greedy(dense, prompts, 8, biases, mins, stops)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert [len(w) for w in want][::3] != [2, 2]  # min_tokens kept them from stopping early
+    assert all(len(w) >= m for w, m in zip(want, mins, strict=True))
+    # Raw logprobs: the bias changes the choice, not the reported distribution.
+    raw = np.asarray(jax.nn.log_softmax(jnp.asarray(dense([prompts[2]]))))[0]
+    entry = outs[2].outputs[0].logprobs[0]
+    assert want[2][0] in (7, 11) and raw.argmax() != want[2][0]  # the bias chose it
+    np.testing.assert_allclose(entry[want[2][0]], raw[want[2][0]], rtol=1e-5)
+
+
+def test_engine_rejects_out_of_vocab_bias_before_queueing(params):
+    llm = LLM(params, **GEOMETRY)
+    with pytest.raises(ValueError, match=r"logit_bias token ids \[300\] are outside"):
+        llm.add_request([5, 6], SamplingParams(logit_bias={300: 1.0}))
+    assert not llm.has_unfinished_requests()
+
+
+def test_min_tokens_defers_stop_strings():
+    """A stop string found before min_tokens does not end the completion."""
+    llm = LLM(**GEOMETRY)  # the demo model, with its tokenizer
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = llm.generate(["def add(a, b):"], sp)[0].outputs[0]
+    first = llm.tokenizer.decode(plain.token_ids[:1])
+    assert first, plain.text  # a first piece to stop on
+    stop = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=(first,))
+    early = llm.generate(["def add(a, b):"], stop)[0].outputs[0]
+    assert len(early.token_ids) == 1 and early.finish_reason == "stop"
+    held = SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True, stop=(first,), min_tokens=4
+    )
+    late = llm.generate(["def add(a, b):"], held)[0].outputs[0]
+    assert len(late.token_ids) >= 4 and late.token_ids == plain.token_ids[: len(late.token_ids)]
