@@ -1,0 +1,394 @@
+"""scripts/serve.py end to end: one server in-process on a free port, spoken to with urllib.
+
+The checkpoint is the `tiny` preset with random weights, a byte-level tokenizer and a
+plain-text chat template (as in tests/test_chat_cli.py), with the CLI tests' geometry.
+Every answer is checked against an `LLM` built the same way (`ref`) and the same
+SamplingParams.
+"""
+
+import http.client
+import importlib.util
+import json
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from params_helpers import write_tiny_checkpoint
+
+from pagedjax.engine import LLM, SamplingParams
+from pagedjax.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+MESSAGES = [
+    {"role": "system", "content": "You write short Python."},
+    {"role": "user", "content": "A function that adds two numbers."},
+]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("serve_script", ROOT / "scripts" / "serve.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+serve = load_script()
+
+
+def make_llm(path) -> LLM:
+    return LLM(
+        str(path),
+        page_size=8,
+        num_pages=64,
+        max_num_batched_tokens=16,
+        max_num_seqs=16,
+        backend="xla",
+    )
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_serve_ckpt")
+    write_tiny_checkpoint(path)
+    (path / "chat_template.jinja").write_text(TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ref(ckpt):
+    return make_llm(ckpt)
+
+
+@pytest.fixture(scope="module")
+def server(ckpt):
+    srv = serve.Server(("127.0.0.1", 0), model_name="tiny", quiet=True)
+    srv.start(make_llm(ckpt))
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.close()
+    thread.join(10)
+    assert not thread.is_alive() and not srv.engine.alive
+
+
+def request(srv, path, body=None, *, method=None, raw=None):
+    """(status, parsed JSON or text) of one request."""
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        srv.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            status, text, ctype = r.status, r.read().decode(), r.headers["Content-Type"]
+    except urllib.error.HTTPError as e:
+        status, text, ctype = e.code, e.read().decode(), e.headers["Content-Type"]
+    return status, json.loads(text) if ctype == "application/json" else text
+
+
+def ok(srv, path, body):
+    status, obj = request(srv, path, body)
+    assert status == 200, obj
+    return obj
+
+
+def stream(srv, path, body) -> list[dict]:
+    """The chunks of a streamed answer (checking the SSE framing and the final [DONE])."""
+    status, text = request(srv, path, {**body, "stream": True})
+    assert status == 200, text
+    events = text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""], events[-3:]
+    assert all(e.startswith("data: {") for e in events[:-2])
+    return [json.loads(e[len("data: ") :]) for e in events[:-2]]
+
+
+def engine_state(srv):
+    """(unfinished requests?, pages in use, tokens generated) read on the engine thread."""
+    return srv.engine.call(
+        lambda llm: (
+            llm.has_unfinished_requests(),
+            llm.block_manager.stats().num_used_pages,
+            llm.metrics.generated_tokens,
+        )
+    )
+
+
+def test_health_and_models(server):
+    assert request(server, "/health") == (200, "ok")
+    models = ok(server, "/v1/models", None)
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
+
+
+def test_completion_of_a_string_prompt(server, ref):
+    prompt = "def add(a, b):"
+    got = ok(server, "/v1/completions", dict(model="tiny", prompt=prompt, temperature=0))
+    (want,) = ref.generate([prompt], SamplingParams(temperature=0))  # max_tokens 16
+    c = want.outputs[0]
+    assert got["object"] == "text_completion" and got["model"] == "tiny"
+    assert got["id"].startswith("cmpl-") and isinstance(got["created"], int)
+    assert got["choices"] == [
+        dict(index=0, text=c.text, logprobs=None, finish_reason=c.finish_reason)
+    ]
+    p, n = len(want.prompt_token_ids), len(c.token_ids)
+    assert got["usage"] == dict(prompt_tokens=p, completion_tokens=n, total_tokens=p + n)
+
+
+def test_token_id_prompts_one_and_a_batch(server, ref):
+    a, b = [1, 100, 101, 102, 103], [1, 50, 60]
+    body = dict(temperature=0, max_tokens=7, stop_token_ids=[32])
+    sp = SamplingParams(temperature=0, max_tokens=7, stop_token_ids=(32,))
+    one = ok(server, "/v1/completions", dict(body, prompt=a))
+    two = ok(server, "/v1/completions", dict(body, prompt=[a, b]))
+    want = ref.generate([a, b], sp)
+    assert one["choices"][0]["text"] == want[0].outputs[0].text
+    assert [c["text"] for c in two["choices"]] == [o.outputs[0].text for o in want]
+    assert [c["index"] for c in two["choices"]] == [0, 1]
+    assert two["usage"]["prompt_tokens"] == len(a) + len(b)
+
+
+def test_batch_of_strings_with_n_2_seeded_sampling(server, ref):
+    prompts = ["import os\n", "class Config:"]
+    body = dict(prompt=prompts, n=2, seed=7, temperature=0.9, top_p=0.9, top_k=-1, max_tokens=6)
+    got = ok(server, "/v1/completions", body)
+    want = ref.generate(
+        prompts, SamplingParams(n=2, seed=7, temperature=0.9, top_p=0.9, max_tokens=6)
+    )
+    texts = [c.text for o in want for c in o.outputs]
+    assert len(set(texts)) > 1  # sampling, not four copies of one text
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in got["choices"]] == texts
+    assert got["usage"]["completion_tokens"] == sum(
+        len(c.token_ids) for o in want for c in o.outputs
+    )
+
+
+def test_logit_bias_and_min_tokens(server, ref):
+    prompt = "def g():"
+    body = dict(prompt=prompt, temperature=0, max_tokens=6, logit_bias={"65": 6.5, "66": -100})
+    body.update(min_tokens=3, stop_token_ids=[32])
+    got = ok(server, "/v1/completions", body)["choices"][0]
+    sp = SamplingParams(
+        temperature=0,
+        max_tokens=6,
+        logit_bias={65: 6.5, 66: -100},
+        min_tokens=3,
+        stop_token_ids=(32,),
+    )
+    (want,) = ref.generate([prompt], sp)
+    (plain,) = ref.generate([prompt], SamplingParams(temperature=0, max_tokens=6))
+    assert got["text"] == want.outputs[0].text != plain.outputs[0].text
+    assert "A" in got["text"]
+
+
+def test_completion_logprobs(server, ref, tok):
+    prompt = "x = [1, 2"
+    got = ok(
+        server, "/v1/completions", dict(prompt=prompt, temperature=0, max_tokens=5, logprobs=2)
+    )
+    (want,) = ref.generate([prompt], SamplingParams(temperature=0, max_tokens=5, logprobs=2))
+    lp, c = got["choices"][0]["logprobs"], want.outputs[0]
+    names = [tok.decode([t], skip_special_tokens=False) for t in c.token_ids]
+    assert lp["tokens"] == names
+    assert lp["token_logprobs"] == pytest.approx(
+        [e[t] for t, e in zip(c.token_ids, c.logprobs, strict=True)], rel=1e-6
+    )
+    offsets = [sum(map(len, names[:i])) for i in range(len(names))]
+    assert lp["text_offset"] == offsets
+    for top, entry in zip(lp["top_logprobs"], c.logprobs, strict=True):
+        best = {}  # keyed by text: two byte tokens can both show as U+FFFD
+        for t, x in sorted(entry.items(), key=lambda kv: -kv[1])[:2]:
+            best.setdefault(tok.decode([t], skip_special_tokens=False), x)
+        assert top == pytest.approx(best, rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tok(ckpt):
+    return Tokenizer.from_dir(ckpt)
+
+
+def test_chat_completion_renders_the_template(server, ref, tok, monkeypatch):
+    sent = []
+    llm = server.engine.llm
+    add = llm.add_request
+    monkeypatch.setattr(
+        llm, "add_request", lambda ids, *a, **k: sent.append(ids) or add(ids, *a, **k)
+    )
+    body = dict(
+        messages=MESSAGES, temperature=0, max_completion_tokens=8, logprobs=True, top_logprobs=1
+    )
+    got = ok(server, "/v1/chat/completions", body)
+    (want,) = ref.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=8, logprobs=1))
+    assert sent == [tok.encode_chat(MESSAGES)]
+    c = want.outputs[0]
+    assert got["object"] == "chat.completion" and got["id"].startswith("chatcmpl-")
+    (choice,) = got["choices"]
+    assert choice["message"] == dict(role="assistant", content=c.text)
+    assert choice["finish_reason"] == c.finish_reason
+    content = choice["logprobs"]["content"]
+    assert [x["logprob"] for x in content] == pytest.approx(
+        [e[t] for t, e in zip(c.token_ids, c.logprobs, strict=True)], rel=1e-6
+    )
+    assert all(len(x["top_logprobs"]) == 1 for x in content)
+    assert got["usage"]["prompt_tokens"] == len(sent[0])
+
+
+def test_streamed_completion_adds_up_with_and_without_stop_strings(server):
+    body = dict(prompt="def parse_line(line):", temperature=0, max_tokens=24)
+    plain = ok(server, "/v1/completions", body)["choices"][0]
+    chunks = stream(server, "/v1/completions", body)
+    assert all(c["object"] == "text_completion" and len(c["choices"]) == 1 for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["text"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == plain["finish_reason"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert len(chunks) > 3  # streamed piece by piece
+
+    text = plain["text"]
+    stop = next(text[i : i + 3] for i in range(6, len(text) - 3) if text[i : i + 3].strip())
+    cut = ok(server, "/v1/completions", dict(body, stop=[stop, "\x00never"]))["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["text"] == text[: text.find(stop)]
+    chunks = stream(server, "/v1/completions", dict(body, stop=[stop, "\x00never"]))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == cut["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_streamed_chat(server):
+    body = dict(messages=MESSAGES, temperature=0, max_tokens=12, n=2)
+    plain = ok(server, "/v1/chat/completions", body)
+    chunks = stream(
+        server, "/v1/chat/completions", dict(body, stream_options={"include_usage": True})
+    )
+    *chunks, usage = chunks
+    assert usage["choices"] == [] and usage["usage"] == plain["usage"]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    for i, want in enumerate(plain["choices"]):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert mine[0]["delta"] == dict(role="assistant", content="")
+        assert "".join(c["delta"].get("content", "") for c in mine) == want["message"]["content"]
+        assert [c["finish_reason"] for c in mine][-1] == want["finish_reason"]
+
+
+def test_concurrent_requests_equal_their_sequential_results(server, ref):
+    prompts = [f"def f{i}(x):\n    return x {'+-*/%<>&'[i]} " for i in range(8)]
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    want = [ref.generate([p], sp)[0].outputs[0].text for p in prompts]
+
+    def one(p):
+        return ok(server, "/v1/completions", dict(prompt=p, temperature=0, max_tokens=8))
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(one, prompts))
+    assert [g["choices"][0]["text"] for g in got] == want
+
+
+def test_a_client_that_disconnects_mid_stream_is_aborted(server):
+    before = engine_state(server)
+    aborted = server.engine.num_aborted
+    host, port = server.server_address[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=60)
+    body = dict(prompt="while True:", max_tokens=300, ignore_eos=True, stream=True, temperature=0)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.fp.readline()  # the first chunk's size line: generation has started
+    resp.close()
+    conn.close()
+    deadline = time.monotonic() + 30
+    while (state := engine_state(server))[:2] != (False, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert state[:2] == (False, 0)  # no request left, every page free
+    assert server.engine.num_aborted == aborted + 1
+    assert state[2] - before[2] < 300  # it did not run to the end
+
+
+def test_a_failing_step_is_a_500_and_the_server_goes_on(server, ref, monkeypatch):
+    llm = server.engine.llm
+    real_step, fired = llm.step, []
+
+    def step(*, on_token=None):
+        def failing(rid, index, token):  # fails once, inside the real step: real recovery
+            if not fired:
+                fired.append(rid)
+                raise RuntimeError("injected failure")
+            on_token(rid, index, token)
+
+        return real_step(on_token=failing if on_token else None)
+
+    monkeypatch.setattr(llm, "step", step)
+    body = dict(prompt="def fail():", temperature=0, max_tokens=6)
+    status, err = request(server, "/v1/completions", body)
+    assert status == 500 and fired
+    assert err["error"]["type"] == "server_error" and "injected failure" in err["error"]["message"]
+    assert server.engine.num_failed_steps == 1
+    (want,) = ref.generate(["def fail():"], SamplingParams(temperature=0, max_tokens=6))
+    assert ok(server, "/v1/completions", body)["choices"][0]["text"] == want.outputs[0].text
+    assert engine_state(server)[:2] == (False, 0)
+
+
+@pytest.mark.parametrize(
+    "path, body, status, words",
+    [
+        ("/v1/completions", dict(prompt="a", temperature=-1), 400, "temperature=-1"),
+        ("/v1/completions", dict(prompt="a", top_p=1.5), 400, "top_p=1.5"),
+        ("/v1/completions", dict(prompt="a", n=0), 400, "n=0"),
+        ("/v1/completions", dict(prompt="a", max_tokens="9"), 400, "max_tokens='9'"),
+        ("/v1/completions", dict(prompt="a", logprobs=21), 400, "logprobs=21"),
+        ("/v1/completions", dict(prompt="a", logit_bias={"x": 1}), 400, "'x'"),
+        ("/v1/completions", dict(prompt="a", logit_bias={"256": 1}), 400, "'256'"),
+        ("/v1/completions", dict(prompt="a", logit_bias={"5": 101}), 400, "=101"),
+        ("/v1/completions", dict(prompt="a", min_tokens=-1), 400, "min_tokens=-1"),
+        ("/v1/completions", dict(prompt="a", model="gpt-4"), 400, "'gpt-4'"),
+        ("/v1/completions", dict(prompt="a", echo=True), 400, "echo=true is not supported"),
+        ("/v1/completions", dict(prompt="a", logprobs=1, stream=True), 400, "stream"),
+        ("/v1/completions", dict(prompt="x" * 600), 400, "max_model_len=512"),
+        ("/v1/completions", dict(prompt=[]), 400, "prompt=[]"),
+        ("/v1/completions", dict(prompt=[[1, 2], [3, 999]]), 400, "prompt 1:"),
+        ("/v1/chat/completions", dict(messages="hi"), 400, "'hi'"),
+        ("/v1/chat/completions", dict(messages=MESSAGES, top_logprobs=2), 400, "logprobs=true"),
+        ("/v1/chat/completions", dict(messages=MESSAGES, tools=[{}]), 400, "tools"),
+    ],
+)
+def test_bad_fields_are_400s_naming_the_value(server, path, body, status, words):
+    got, err = request(server, path, body)
+    assert got == status and words in err["error"]["message"], err
+    assert err["error"]["type"] == "invalid_request_error"
+    assert set(err["error"]) == {"message", "type", "param", "code"}
+
+
+def test_bad_requests(server):
+    status, err = request(server, "/v1/completions", raw=b"{nope")
+    assert status == 400 and "not valid JSON" in err["error"]["message"]
+    status, err = request(server, "/v1/completions", raw=b"[1, 2]")
+    assert status == 400 and "JSON object" in err["error"]["message"]
+    status, err = request(server, "/v1/nothing")
+    assert status == 404 and "/v1/nothing" in err["error"]["message"]
+    status, err = request(server, "/v1/completions")
+    assert status == 405 and "GET" in err["error"]["message"]
+    status, err = request(server, "/v1/models", dict(x=1))
+    assert status == 405 and "POST" in err["error"]["message"]
+    status, err = request(server, "/v1/models", method="DELETE")
+    assert status == 405
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--port", "70000"], "--port"),
+        (["--bogus"], "--bogus"),
+        (["--page-size", "0"], "--page-size"),
+        (["--checkpoint", "/nonexistent/ckpt"], "/nonexistent/ckpt"),
+    ],
+)
+def test_bad_flags_are_one_line_and_status_2(argv, words, capsys):
+    assert serve.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and words in err
