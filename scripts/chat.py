@@ -21,8 +21,9 @@ and stays usable); Ctrl-C at the prompt ends the session. A conversation that no
 longer fits the model's length (`--max-model-len`, default the model's) is reported on
 stderr and its last message dropped: `/reset` and go on. Sampling: `--max-tokens` (per
 reply), `--temperature` (0.7; 0 is greedy), `--top-k`, `--top-p`, `--min-p`,
-`--repetition-penalty`, `--presence-penalty`, `--frequency-penalty`, and `--seed`, the
-seed of every reply, so a session is reproducible.
+`--repetition-penalty`, `--presence-penalty`, `--frequency-penalty`, `--min-tokens`,
+`--logit-bias JSON`, and `--seed`, the seed of every reply, so a session is
+reproducible.
 
 The engine flags (`--page-size`, `--num-pages` | `--kv-memory-fraction`,
 `--max-batch-tokens`, `--backend`, `--tensor-parallel`, `--compilation-cache`) are

@@ -23,7 +23,9 @@ each; such prompts are computed whole, without prefix-cache hits).
 
 `--repetition-penalty`, `--presence-penalty`, `--frequency-penalty` penalise tokens
 already seen (vLLM's and the OpenAI API's definitions; see `SamplingParams`), greedy
-decoding included; not with `--beam-width`.
+decoding included; not with `--beam-width`. `--min-tokens N` defers every stop (EOS,
+stop tokens and strings) until N tokens; `--logit-bias '{"13": -100}'` adds values to
+token logits. Neither with `--beam-width`.
 
 `--prompts-file`: one prompt per line (blank lines skipped); a line that starts with
 a double quote is read as a JSON string, so a prompt can hold newlines.
@@ -188,7 +190,34 @@ def add_sampling_flags(p: argparse.ArgumentParser, *, temperature: float, seed_h
         default=0.0,
         help="in [-2, 2], times each token's count so far (0: off)",
     )
+    p.add_argument(
+        "--min-tokens", type=int, default=0, help="no stop token or string before this many"
+    )
+    p.add_argument(
+        "--logit-bias",
+        metavar="JSON",
+        help="token id -> value in [-100, 100] added to its logit, e.g. '{\"13\": -100}'",
+    )
     p.add_argument("--seed", type=int, default=0, help=seed_help)
+
+
+def parse_logit_bias(text: str | None) -> dict[int, float] | None:
+    """`--logit-bias` JSON ({"token id": value}) as {int: float}; BadInput if malformed."""
+    if text is None:
+        return None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadInput(f"--logit-bias is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise BadInput(f"--logit-bias must be a JSON object, got {text!r}")
+    out = {}
+    for key, value in obj.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise BadInput(f"--logit-bias keys must be token ids, got {key!r}") from None
+    return out
 
 
 def sampling_kwargs(args) -> dict:
@@ -201,6 +230,8 @@ def sampling_kwargs(args) -> dict:
         repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
+        min_tokens=args.min_tokens,
+        logit_bias=parse_logit_bias(args.logit_bias),
         seed=args.seed,
     )
 

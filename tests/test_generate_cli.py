@@ -53,6 +53,7 @@ def test_json_end_to_end(ckpt, capsys):
     argv += ["--top-k", "50", "--seed", "3", "--backend", "xla", "--json", *GEOMETRY]
     argv += ["--logprobs", "2", "--prompt-logprobs", "1", "--min-p", "0.05"]
     argv += ["--repetition-penalty", "1.2", "--frequency-penalty", "0.5"]
+    argv += ["--min-tokens", "2", "--logit-bias", '{"10": 1.5}']
     for p in prompts:
         argv += ["--prompt", p]
     rc, out, err = run(argv, capsys)
@@ -93,6 +94,7 @@ def test_json_end_to_end(ckpt, capsys):
     assert obj["settings"]["repetition_penalty"] == 1.2
     assert obj["settings"]["frequency_penalty"] == 0.5
     assert obj["settings"]["presence_penalty"] == 0.0
+    assert obj["settings"]["min_tokens"] == 2 and obj["settings"]["logit_bias"] == {"10": 1.5}
     for o in obj["outputs"]:
         plp = o["prompt_logprobs"]
         assert len(plp) == o["prompt_tokens"] and plp[0] is None and o["num_cached_tokens"] == 0
@@ -216,6 +218,12 @@ def test_prompts_file(ckpt, tmp_path, capsys):
         (["--repetition-penalty", "0"], "got repetition_penalty=0.0"),
         (["--presence-penalty", "2.5"], "got presence_penalty=2.5"),
         (["--beam-width", "2", "--frequency-penalty", "1"], "not supported with beam search"),
+        (["--min-tokens", "100"], "min_tokens=100, max_tokens=64"),
+        (["--logit-bias", "{x"], "--logit-bias is not JSON"),
+        (["--logit-bias", "[1]"], "--logit-bias must be a JSON object"),
+        (["--logit-bias", '{"a": 1}'], "--logit-bias keys must be token ids, got 'a'"),
+        (["--logit-bias", '{"1": 200}'], "got logit_bias[1]=200"),
+        (["--logit-bias", '{"999": 1}'], "logit_bias token ids [999] are outside"),
         (["--backend", "gpu"], "backend='gpu' needs a GPU"),
         (["--num-pages", "8", "--kv-memory-fraction", "0.5"], "not allowed with"),
         (["--max-tokens", "ten"], "invalid int value"),
