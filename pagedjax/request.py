@@ -91,10 +91,8 @@ class SamplingParams:
     @property
     def penalised(self) -> bool:
         """Whether any penalty is on."""
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
+        return sampling.any_penalty(
+            self.repetition_penalty, self.presence_penalty, self.frequency_penalty
         )
 
     def __post_init__(self):

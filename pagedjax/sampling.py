@@ -250,6 +250,11 @@ def check_params(
     check_penalties(repetition_penalty, presence_penalty, frequency_penalty)
 
 
+def any_penalty(repetition: float, presence: float, frequency: float) -> bool:
+    """Whether any of the three penalties is on (1, 0, 0: all off)."""
+    return repetition != 1.0 or presence != 0.0 or frequency != 0.0
+
+
 def check_penalties(repetition: float, presence: float, frequency: float) -> None:
     """Host-side validation of penalties (ValueError naming the bad value)."""
     is_num = isinstance(repetition, (int, float, np.number)) and not isinstance(repetition, bool)

@@ -127,10 +127,9 @@ class SeqChunk:
 
     @property
     def penalised(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
+        """Whether any penalty is on."""
+        return sampling.any_penalty(
+            self.repetition_penalty, self.presence_penalty, self.frequency_penalty
         )
 
 
