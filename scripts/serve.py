@@ -517,6 +517,8 @@ class Handler(BaseHTTPRequestHandler):
             if method != allowed:
                 raise ApiError(405, f"{method} is not allowed on {path}; use {allowed}")
             if path == "/health":
+                if self.server.engine is None or not self.server.engine.alive:
+                    raise ApiError(503, "the engine is not running")
                 return self._send(200, b"ok", "text/plain; charset=utf-8")
             if path == "/v1/models":
                 return self._json(200, self._models())
@@ -629,27 +631,8 @@ class Handler(BaseHTTPRequestHandler):
                 raise ApiError(400, f"messages: {e}", "messages") from None
             except ImportError as e:
                 raise ApiError(500, str(e)) from None
-            want = body.get("logprobs")
-            if want not in (None, True, False):
-                raise ApiError(
-                    400, f"logprobs must be a boolean, got logprobs={want!r}", "logprobs"
-                )
-            k = _int_field(body, "top_logprobs", None)
-            if k is not None and not want:
-                raise ApiError(400, f"top_logprobs needs logprobs=true, got top_logprobs={k}")
-            logprobs = (k or 0) if want else None
-            room = srv.max_model_len - len(prompts[0])
-            limit = _int_field(body, "max_tokens", room)
-            limit = _int_field(body, "max_completion_tokens", limit)
         else:
             prompts = _completion_prompts(body.get("prompt"))
-            logprobs = body.get("logprobs")
-            limit = _int_field(body, "max_tokens", 16)
-        params = _sampling_params(
-            body, max_tokens=limit, logprobs=logprobs, stream=stream, vocab_size=srv.vocab_size
-        )
-        if params.stop and tok is None:
-            raise ApiError(400, "stop strings need a tokenizer; this model has none", "stop")
         ids = []
         for i, p in enumerate(prompts):
             try:
@@ -657,6 +640,25 @@ class Handler(BaseHTTPRequestHandler):
             except (ValueError, TypeError) as e:
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
                 raise ApiError(400, f"{where}{e}", "messages" if chat else "prompt") from None
+        if chat:
+            want = body.get("logprobs")
+            if want not in (None, True, False):
+                msg = f"logprobs must be a boolean, got logprobs={want!r}"
+                raise ApiError(400, msg, "logprobs")
+            k = _int_field(body, "top_logprobs", None)
+            if k is not None and not want:
+                raise ApiError(400, f"top_logprobs needs logprobs=true, got top_logprobs={k}")
+            logprobs = (k or 0) if want else None
+            limit = _int_field(body, "max_tokens", srv.max_model_len - len(ids[0]))
+            limit = _int_field(body, "max_completion_tokens", limit)
+        else:
+            logprobs = body.get("logprobs")
+            limit = _int_field(body, "max_tokens", 16)
+        params = _sampling_params(
+            body, max_tokens=limit, logprobs=logprobs, stream=stream, vocab_size=srv.vocab_size
+        )
+        if params.stop and tok is None:
+            raise ApiError(400, "stop strings need a tokenizer; this model has none", "stop")
         return Job(chat, ids, params, stream, include_usage)
 
     def _events(self, job: Job):

@@ -9,6 +9,7 @@ SamplingParams.
 import http.client
 import importlib.util
 import json
+import socket
 import sys
 import threading
 import time
@@ -353,6 +354,7 @@ def test_a_failing_step_is_a_500_and_the_server_goes_on(server, ref, monkeypatch
         ("/v1/completions", dict(prompt=[]), 400, "prompt=[]"),
         ("/v1/completions", dict(prompt=[[1, 2], [3, 999]]), 400, "prompt 1:"),
         ("/v1/chat/completions", dict(messages="hi"), 400, "'hi'"),
+        ("/v1/chat/completions", dict(messages=[MESSAGES[1]] * 40), 400, "max_model_len=512"),
         ("/v1/chat/completions", dict(messages=MESSAGES, top_logprobs=2), 400, "logprobs=true"),
         ("/v1/chat/completions", dict(messages=MESSAGES, tools=[{}]), 400, "tools"),
     ],
@@ -392,3 +394,18 @@ def test_bad_flags_are_one_line_and_status_2(argv, words, capsys):
     assert serve.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and words in err
+
+
+def test_a_port_in_use_is_one_line_before_loading(ckpt, monkeypatch, capsys):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr("pagedjax.engine.LLM", no_loading)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["--checkpoint", str(ckpt), "--port", str(port), "--backend", "xla"]
+        assert serve.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot listen on 127.0.0.1:{port}") and err.count("\n") == 1
