@@ -485,21 +485,6 @@ class Handler(BaseHTTPRequestHandler):
         "/v1/chat/completions": "POST",
     }
 
-    def do_GET(self):
-        self._dispatch("GET")
-
-    def do_POST(self):
-        self._dispatch("POST")
-
-    def do_PUT(self):
-        self._dispatch("PUT")
-
-    def do_DELETE(self):
-        self._dispatch("DELETE")
-
-    def do_PATCH(self):
-        self._dispatch("PATCH")
-
     def log_message(self, format, *args):
         if not self.server.quiet:
             super().log_message(format, *args)
@@ -507,7 +492,7 @@ class Handler(BaseHTTPRequestHandler):
     # ------------------------------------------------------------------- plumbing
 
     def _dispatch(self, method: str) -> None:
-        self._started = False  # whether a status line went out
+        self._streaming = False  # whether a stream's headers went out
         try:
             raw = self._read_body()
             path = urlsplit(self.path).path.rstrip("/") or "/"
@@ -550,7 +535,6 @@ class Handler(BaseHTTPRequestHandler):
         for k, v in headers:
             self.send_header(k, v)
         self.end_headers()
-        self._started = True
         self.wfile.write(data)
 
     def _json(self, status: int, obj) -> None:
@@ -558,7 +542,7 @@ class Handler(BaseHTTPRequestHandler):
         self._send(status, data, "application/json")
 
     def _error(self, e: ApiError) -> None:
-        if self._started:  # the stream is open: tell it there, then end it
+        if self._streaming:  # the stream is open: tell it there, then end it
             with contextlib.suppress(OSError):
                 self._chunk(b"data: " + json.dumps(e.body()).encode() + b"\n\n")
                 self._chunk(b"")
@@ -751,13 +735,13 @@ class Handler(BaseHTTPRequestHandler):
 
         outs = []
         for event in events:
-            if not self._started:
+            if not self._streaming:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Cache-Control", "no-cache")
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
-                self._started = True
+                self._streaming = True
                 if job.chat:
                     for c in range(len(job.rids) * n):
                         delta = dict(role="assistant", content="")
@@ -784,6 +768,10 @@ class Handler(BaseHTTPRequestHandler):
             self._event(dict(**head, choices=[], usage=self._usage(outs)))
         self._chunk(b"data: [DONE]\n\n")
         self._chunk(b"")
+
+
+for _method in ("GET", "POST", "PUT", "DELETE", "PATCH"):  # do_GET ... do_PATCH
+    setattr(Handler, f"do_{_method}", lambda self, m=_method: self._dispatch(m))
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -311,13 +311,15 @@ def test_a_client_that_disconnects_mid_stream_is_aborted(server):
     assert state[2] - before[2] < 300  # it did not run to the end
 
 
-def test_a_failing_step_is_a_500_and_the_server_goes_on(server, ref, monkeypatch):
-    llm = server.engine.llm
-    real_step, fired = llm.step, []
+def fail_at_token(monkeypatch, llm, n: int) -> list:
+    """Makes the engine's n-th accepted token from now raise inside the real `LLM.step`
+    (so the engine's own recovery runs), once; returns a list that records it."""
+    real_step, seen, fired = llm.step, [], []
 
     def step(*, on_token=None):
-        def failing(rid, index, token):  # fails once, inside the real step: real recovery
-            if not fired:
+        def failing(rid, index, token):
+            seen.append(token)
+            if len(seen) == n and not fired:
                 fired.append(rid)
                 raise RuntimeError("injected failure")
             on_token(rid, index, token)
@@ -325,13 +327,31 @@ def test_a_failing_step_is_a_500_and_the_server_goes_on(server, ref, monkeypatch
         return real_step(on_token=failing if on_token else None)
 
     monkeypatch.setattr(llm, "step", step)
+    return fired
+
+
+def test_a_failing_step_is_a_500_and_the_server_goes_on(server, ref, monkeypatch):
+    fired = fail_at_token(monkeypatch, server.engine.llm, 1)
+    failed = server.engine.num_failed_steps
     body = dict(prompt="def fail():", temperature=0, max_tokens=6)
     status, err = request(server, "/v1/completions", body)
     assert status == 500 and fired
     assert err["error"]["type"] == "server_error" and "injected failure" in err["error"]["message"]
-    assert server.engine.num_failed_steps == 1
+    assert server.engine.num_failed_steps == failed + 1
     (want,) = ref.generate(["def fail():"], SamplingParams(temperature=0, max_tokens=6))
     assert ok(server, "/v1/completions", body)["choices"][0]["text"] == want.outputs[0].text
+    assert engine_state(server)[:2] == (False, 0)
+
+
+def test_a_step_failing_mid_stream_ends_it_with_an_error_event(server, monkeypatch):
+    fired = fail_at_token(monkeypatch, server.engine.llm, 3)
+    body = dict(prompt="def fail():", temperature=0, max_tokens=8, stream=True)
+    status, text = request(server, "/v1/completions", body)
+    assert status == 200 and fired  # the stream had started
+    *chunks, last, end = text.split("\n\n")
+    assert end == "" and chunks and "[DONE]" not in text
+    err = json.loads(last[len("data: ") :])["error"]
+    assert err["type"] == "server_error" and "injected failure" in err["message"]
     assert engine_state(server)[:2] == (False, 0)
 
 
