@@ -21,7 +21,7 @@ the model's length), `temperature` (default 1), `top_p`, `n`, `stop` (a string o
 list), `seed`, `presence_penalty`, `frequency_penalty`, `stream`, `stream_options:
 {"include_usage"}`, `logit_bias` ({"token id": value in [-100, 100]}), and vLLM's
 `top_k` (-1 or 0: off), `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
-`min_tokens`. Logprobs: completions take `logprobs: K` and answer
+`min_tokens`, `cache_salt`. Logprobs: completions take `logprobs: K` and answer
 `{tokens, token_logprobs, top_logprobs, text_offset}` (offsets into the completion
 text); chat takes `logprobs: true` with `top_logprobs: K` and answers `{content:
 [{token, logprob, bytes, top_logprobs}]}`; K <= 20; all are the model's raw
@@ -102,7 +102,7 @@ MAX_BODY_BYTES = 32 * 2**20
 POLL_S = 0.5  # how often a waiting handler checks that its client is still connected
 DEMO_NAME = "pagedjax-demo"
 PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-# Request fields mapped one to one onto SamplingParams (when it has them).
+# Request fields passed as they are to SamplingParams (which validates them).
 SAMPLING_FIELDS = (
     "n",
     "temperature",
@@ -115,6 +115,7 @@ SAMPLING_FIELDS = (
     "repetition_penalty",
     "ignore_eos",
     "min_tokens",
+    "cache_salt",
 )
 
 

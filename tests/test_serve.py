@@ -242,6 +242,15 @@ def test_chat_completion_renders_the_template(server, ref, tok, monkeypatch):
     assert all(len(x["top_logprobs"]) == 1 for x in content)
     assert got["usage"]["prompt_tokens"] == len(sent[0])
 
+    parts = [{"type": "text", "text": "A function that adds"}, {"type": "text", "text": "two."}]
+    joined = [MESSAGES[0], {"role": "user", "content": "A function that adds\ntwo."}]
+    ok(
+        server,
+        "/v1/chat/completions",
+        dict(body, messages=[MESSAGES[0], {**MESSAGES[1], "content": parts}]),
+    )
+    assert sent[1] == tok.encode_chat(joined)  # text parts joined by newlines
+
 
 def test_streamed_completion_adds_up_with_and_without_stop_strings(server):
     body = dict(prompt="def parse_line(line):", temperature=0, max_tokens=24)
@@ -367,6 +376,9 @@ def test_a_step_failing_mid_stream_ends_it_with_an_error_event(server, monkeypat
         ("/v1/completions", dict(prompt="a", logit_bias={"256": 1}), 400, "'256'"),
         ("/v1/completions", dict(prompt="a", logit_bias={"5": 101}), 400, "=101"),
         ("/v1/completions", dict(prompt="a", min_tokens=-1), 400, "min_tokens=-1"),
+        ("/v1/completions", dict(prompt="a", cache_salt=5), 400, "cache_salt"),
+        ("/v1/completions", dict(prompt="a", stop=[""]), 400, "stop=['']"),
+        ("/v1/completions", dict(prompt="a", suffix="b"), 400, "suffix"),
         ("/v1/completions", dict(prompt="a", model="gpt-4"), 400, "'gpt-4'"),
         ("/v1/completions", dict(prompt="a", echo=True), 400, "echo=true is not supported"),
         ("/v1/completions", dict(prompt="a", logprobs=1, stream=True), 400, "stream"),
@@ -377,6 +389,12 @@ def test_a_step_failing_mid_stream_ends_it_with_an_error_event(server, monkeypat
         ("/v1/chat/completions", dict(messages=[MESSAGES[1]] * 40), 400, "max_model_len=512"),
         ("/v1/chat/completions", dict(messages=MESSAGES, top_logprobs=2), 400, "logprobs=true"),
         ("/v1/chat/completions", dict(messages=MESSAGES, tools=[{}]), 400, "tools"),
+        (
+            "/v1/chat/completions",
+            dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+            400,
+            "only text content parts",
+        ),
     ],
 )
 def test_bad_fields_are_400s_naming_the_value(server, path, body, status, words):
