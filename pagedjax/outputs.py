@@ -161,7 +161,8 @@ class OutputProcessor:
             longest = max(map(len, req.params.stop))
             begin = max(0, len(text) - len(piece) - longest + 1)
             if check:
-                stop = next((x for x in req.params.stop if text.find(x, begin) >= 0), None)
+                found = ((text.find(x, begin), x) for x in req.params.stop)
+                s.stop_pos, stop = min(((i, x) for i, x in found if i >= 0), default=(-1, None))
             reason = "stop" if stop is not None else None
         if reason is None and len(s.token_ids) >= s.max_num_tokens:
             reason = "length"
@@ -251,8 +252,11 @@ class OutputProcessor:
             for s in sorted(seqs, key=lambda s: s.index):
                 gen = s.token_ids[p:]
                 text = self.detokenize(gen)
-                if isinstance(s.stop_reason, str):
-                    text = text[: text.find(s.stop_reason)] if s.stop_reason in text else text
+                if isinstance(s.stop_reason, str):  # cut where it stopped (not earlier:
+                    # min_tokens may have let an earlier occurrence through)
+                    i = text.find(s.stop_reason, s.stop_pos)
+                    i = i if i >= 0 else text.rfind(s.stop_reason)
+                    text = text[:i] if i >= 0 else text
                 comps.append(
                     CompletionOutput(
                         s.index,

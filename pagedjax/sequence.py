@@ -62,6 +62,7 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    stop_pos: int = -1  # where the stop string starts in the text (stop_reason a str)
     detok: Any = None  # the engine's incremental detokenizer, if any
     history: Any = None  # penalised requests: token_ids as numpy (batch.TokenHistory)
 

@@ -197,3 +197,7 @@ def test_min_tokens_defers_stop_strings():
     )
     late = llm.generate(["def add(a, b):"], held)[0].outputs[0]
     assert len(late.token_ids) >= 4 and late.token_ids == plain.token_ids[: len(late.token_ids)]
+    # The text is cut where the completion stopped, after the occurrence min_tokens kept.
+    assert late.finish_reason == "stop" and late.stop_reason == first, late
+    full = llm.tokenizer.decode(late.token_ids)
+    assert late.text == full[: full.rindex(first)] and late.text.startswith(first)
