@@ -52,12 +52,10 @@ what was streamed, so the pieces always add up to the non-streamed text. The HTT
 status and headers go out with the first event: a step that fails before it is still
 a 500; one that fails later ends the stream with an `{"error"}` event.
 
-Threading: one engine thread owns the `LLM` and is the only code that touches it
-(JAX and the engine are not thread-safe). It loops `llm.step()` while there is work
-and otherwise blocks on a queue of commands (add requests, abort, stop, run a function
-on it). Each HTTP connection is a thread (`ThreadingHTTPServer`) that validates and
-tokenizes on its own (SamplingParams, prompts, the chat template: the tokenizer is
-Rust's `tokenizers` used only through read-only calls, and Jinja templates render
+Threading: one engine thread (`pagedjax.serving.EngineThread`, whose docstring has the
+details) owns the `LLM`; each HTTP connection is a thread (`ThreadingHTTPServer`) that
+validates and tokenizes on its own (`pagedjax.openai_api`: the tokenizer is Rust's
+`tokenizers` used only through read-only calls, and Jinja templates render
 concurrently), so bad requests never reach the engine; it then queues its requests and
 waits on its own queue for token events and the final outputs. A client that goes
 away (a failed write, or its socket closed while waiting) has its requests aborted.
@@ -78,17 +76,13 @@ status 2, before any weights load.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
-import math
 import queue
 import select
 import socket
 import sys
-import threading
 import time
 import traceback
-import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -96,347 +90,17 @@ from urllib.parse import urlsplit
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import generate as gen  # noqa: E402  (the sibling script: its flags, checks and cache helpers)
 
-from pagedjax.request import SamplingParams, encode_prompt  # noqa: E402
+from pagedjax import openai_api as api  # noqa: E402
+from pagedjax.openai_api import ApiError, Job  # noqa: E402
+from pagedjax.serving import EngineStopped, EngineThread  # noqa: E402
 
 MAX_BODY_BYTES = 32 * 2**20
 POLL_S = 0.5  # how often a waiting handler checks that its client is still connected
 DEMO_NAME = "pagedjax-demo"
-PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-# Request fields passed as they are to SamplingParams (which validates them).
-SAMPLING_FIELDS = (
-    "n",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "ignore_eos",
-    "min_tokens",
-    "cache_salt",
-)
-
-
-class ApiError(Exception):
-    """An error answered as OpenAI's `{"error": {...}}` with an HTTP status."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return dict(error=dict(message=self.message, type=kind, param=self.param, code=self.code))
 
 
 class ClientGone(Exception):
     """The HTTP client closed its connection."""
-
-
-# ------------------------------------------------------------------ engine thread
-
-
-class EngineThread:
-    """The one thread that touches the `LLM`: steps it while it has work, else waits
-    for commands. Events go to each request's sink (a queue): `("token", rid, index,
-    token_id)` (only for sinks that asked for tokens), `("done", rid, RequestOutput)`,
-    `("error", rid, status, message)`.
-
-    Attributes:
-      num_aborted: requests aborted because their client went away.
-      num_failed_steps: engine steps that raised (their requests got a 500).
-    """
-
-    def __init__(self, llm):
-        self.llm = llm
-        self.num_aborted = 0
-        self.num_failed_steps = 0
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, tuple[queue.SimpleQueue, bool]] = {}  # rid -> (sink, tokens)
-        self._lock = threading.Lock()
-        self._alive = True
-        self._thread = threading.Thread(target=self._run, name="pagedjax-engine", daemon=True)
-        self._thread.start()
-
-    def submit(self, requests: list[tuple[str, list[int], SamplingParams]], sink, *, tokens: bool):
-        """Queues `(request id, prompt ids, params)` requests, all or none (an error event)."""
-        self._put(("add", requests, sink, tokens))
-
-    def abort(self, request_ids) -> None:
-        """Aborts requests (those already finished are ignored)."""
-        self._put(("abort", list(request_ids)))
-
-    def call(self, fn, timeout: float | None = 60.0):
-        """`fn(llm)` run on the engine thread between steps; returns its result."""
-        box: queue.SimpleQueue = queue.SimpleQueue()
-        self._put(("call", fn, box))
-        ok, value = box.get(timeout=timeout)
-        if not ok:
-            raise value
-        return value
-
-    def stop(self, timeout: float = 60.0) -> None:
-        """Aborts every request (their clients get a 503) and ends the thread."""
-        with contextlib.suppress(ApiError):
-            self._put(("stop",))
-        self._thread.join(timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self._alive
-
-    def _put(self, command) -> None:
-        with self._lock:
-            if not self._alive:
-                raise ApiError(503, "the engine is not running (the server is shutting down)")
-            self._commands.put(command)
-
-    def _run(self) -> None:
-        try:
-            while True:
-                commands = [] if self.llm.has_unfinished_requests() else [self._commands.get()]
-                with contextlib.suppress(queue.Empty):
-                    while True:
-                        commands.append(self._commands.get_nowait())
-                for command in commands:
-                    if command[0] == "stop":
-                        return
-                    self._handle(command)
-                if self.llm.has_unfinished_requests():
-                    self._step()
-        finally:
-            with self._lock:
-                self._alive = False
-            self._fail_all(503, "the server is shutting down")
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    command = self._commands.get_nowait()
-                    if command[0] == "add":
-                        command[2].put(("error", None, 503, "the server is shutting down"))
-                    elif command[0] == "call":
-                        command[2].put((False, ApiError(503, "the engine stopped")))
-
-    def _handle(self, command) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, requests, sink, tokens = command
-            added = []
-            try:
-                for rid, ids, params in requests:
-                    self.llm.add_request(ids, params, request_id=rid)
-                    added.append(rid)
-                    self._sinks[rid] = (sink, tokens)
-            except Exception as e:  # noqa: BLE001  (answered, and the engine goes on)
-                for rid in added:
-                    self.llm.abort(rid)
-                    self._sinks.pop(rid, None)
-                status = 400 if isinstance(e, (ValueError, TypeError)) else 500
-                sink.put(("error", None, status, str(e)))
-        elif kind == "abort":
-            for rid in command[1]:
-                if self._sinks.pop(rid, None) is not None:
-                    self.llm.abort(rid)
-                    self.num_aborted += 1
-        elif kind == "call":
-            try:
-                command[2].put((True, command[1](self.llm)))
-            except Exception as e:  # noqa: BLE001  (raised again in the caller)
-                command[2].put((False, e))
-
-    def _step(self) -> None:
-        try:
-            finished = self.llm.step(on_token=self._on_token)
-        except Exception as e:  # noqa: BLE001  (LLM.step recovered; its requests fail)
-            self.num_failed_steps += 1
-            traceback.print_exc(file=sys.stderr)
-            self._fail_all(500, f"the engine step failed: {type(e).__name__}: {e}")
-            return
-        for out in finished:
-            entry = self._sinks.pop(out.request_id, None)
-            if entry is not None:
-                entry[0].put(("done", out.request_id, out))
-
-    def _on_token(self, rid: str, index: int, token: int) -> None:
-        entry = self._sinks.get(rid)
-        if entry is not None and entry[1]:
-            entry[0].put(("token", rid, index, token))
-
-    def _fail_all(self, status: int, message: str) -> None:
-        for rid, (sink, _) in list(self._sinks.items()):
-            with contextlib.suppress(Exception):
-                self.llm.abort(rid)  # a failed step aborted them already; a stop did not
-            sink.put(("error", rid, status, message))
-        self._sinks.clear()
-
-
-# ------------------------------------------------------ requests (handler threads)
-
-
-def _sampling_params(body: dict, *, max_tokens, logprobs, stream: bool, vocab_size: int):
-    """The request's SamplingParams (ApiError 400 naming the field and value)."""
-    for name, bad, why in (
-        ("echo", bool(body.get("echo")), "echo=true is not supported (the prompt is not returned)"),
-        ("best_of", body.get("best_of") not in (None, 1), "best_of is not supported"),
-        ("suffix", body.get("suffix") is not None, "suffix is not supported"),
-        ("tools", bool(body.get("tools")), "tools (function calling) are not supported"),
-        ("functions", bool(body.get("functions")), "function calling is not supported"),
-        (
-            "response_format",
-            body.get("response_format") not in (None, {"type": "text"}),
-            "response_format other than text is not supported",
-        ),
-        (
-            "logprobs",
-            stream and logprobs is not None,
-            "logprobs are not supported with stream=true; ask without streaming",
-        ),
-    ):
-        if bad:
-            raise ApiError(400, f"{why}, got {name}={body.get(name)!r}", name)
-    kw = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
-    if kw.get("top_k") == -1:  # vLLM's "off"
-        kw["top_k"] = 0
-    stop = body.get("stop")
-    if stop is not None:
-        if not isinstance(stop, (str, list)):
-            raise ApiError(400, f"stop must be a string or a list of strings, got {stop!r}", "stop")
-        kw["stop"] = stop
-    ids = body.get("stop_token_ids")
-    if ids is not None:
-        if not isinstance(ids, list):
-            raise ApiError(
-                400, f"stop_token_ids must be a list of ints, got {ids!r}", "stop_token_ids"
-            )
-        kw["stop_token_ids"] = ids
-    bias = body.get("logit_bias")
-    if isinstance(bias, dict) and bias:  # JSON keys are strings; the engine wants ids
-        kw["logit_bias"] = {}
-        for key, value in bias.items():
-            t = int(key) if key.isdigit() else -1
-            if not 0 <= t < vocab_size:
-                msg = f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}"
-                raise ApiError(400, msg, "logit_bias")
-            kw["logit_bias"][t] = value
-    elif bias not in (None, {}):
-        kw["logit_bias"] = bias  # SamplingParams says what is wrong with it
-    try:
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kw)
-    except (ValueError, TypeError) as e:
-        name = str(e).split(" ", 1)[0]
-        raise ApiError(400, str(e), name if name in PARAM_FIELDS else None) from None
-
-
-def _int_field(body: dict, name: str, default):
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise ApiError(400, f"{name} must be an int, got {name}={v!r}", name)
-    return v
-
-
-def _completion_prompts(prompt) -> list:
-    """The prompts of a completions request: strings or token id lists."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
-            return [prompt]
-        if all(isinstance(x, str) for x in prompt) or all(isinstance(x, list) for x in prompt):
-            return prompt
-    raise ApiError(
-        400,
-        "prompt must be a string, a list of strings, a list of token ids or a list of token "
-        f"id lists, got prompt={prompt!r:.80}",
-        "prompt",
-    )
-
-
-def _chat_messages(messages) -> list[dict]:
-    """`messages` with list-of-parts contents joined into strings."""
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, f"messages must be a non-empty list, got {messages!r:.80}", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ApiError(400, f"messages[{i}] must be an object, got {m!r:.80}", "messages")
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = []
-            for p in content:
-                if not (isinstance(p, dict) and p.get("type") == "text" and "text" in p):
-                    raise ApiError(
-                        400, f"messages[{i}]: only text content parts are supported, got {p!r:.80}"
-                    )
-                parts.append(p["text"])
-            content = "\n".join(parts)
-        out.append({**m, "content": "" if content is None else content})
-    return out
-
-
-def _token_text(tok, token_id: int) -> str:
-    return tok.decode([token_id], skip_special_tokens=False) if tok is not None else ""
-
-
-def _lp(x: float) -> float:
-    return x if math.isfinite(x) else -9999.0  # JSON has no -inf; OpenAI's convention
-
-
-def _top(entry: dict, k: int) -> list[tuple[int, float]]:
-    """The k most likely of a logprobs entry (the sampled token first, then the top k)."""
-    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
-
-
-def completion_logprobs(tok, c, k: int) -> dict:
-    """OpenAI completions-style logprobs of one completion."""
-    tokens = [_token_text(tok, t) for t in c.token_ids]
-    offsets, at = [], 0
-    for s in tokens:
-        offsets.append(at)
-        at += len(s)
-    top = []  # dicts keyed by text: of two tokens with one text, the likelier stays
-    for e in c.logprobs:
-        top.append({})
-        for t, x in _top(e, k):
-            top[-1].setdefault(_token_text(tok, t), _lp(x))
-    return dict(
-        tokens=tokens,
-        token_logprobs=[_lp(e[t]) for t, e in zip(c.token_ids, c.logprobs, strict=True)],
-        top_logprobs=top,
-        text_offset=offsets,
-    )
-
-
-def chat_logprobs(tok, c, k: int) -> dict:
-    """OpenAI chat-style logprobs of one completion."""
-
-    def item(t, x):
-        s = _token_text(tok, t)
-        return dict(token=s, logprob=_lp(x), bytes=list(s.encode()))
-
-    content = []
-    for t, e in zip(c.token_ids, c.logprobs, strict=True):
-        content.append({**item(t, e[t]), "top_logprobs": [item(*kv) for kv in _top(e, k)]})
-    return dict(content=content)
-
-
-@dataclasses.dataclass
-class Job:
-    """One HTTP request's work: its engine requests and how to answer."""
-
-    chat: bool
-    prompts: list[list[int]]
-    params: SamplingParams
-    stream: bool
-    include_usage: bool
-    id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:24])
-    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
-
-    @property
-    def rids(self) -> list[str]:
-        return [f"{self.id}-{i}" for i in range(len(self.prompts))]
 
 
 # ---------------------------------------------------------------------------- HTTP
@@ -592,70 +256,29 @@ class Handler(BaseHTTPRequestHandler):
 
     def _job(self, path: str, body: dict) -> Job:
         """Validates a request and tokenizes its prompts (no engine involved)."""
-        srv, chat = self.server, path == "/v1/chat/completions"
-        model = body.get("model")
-        if model is not None and model != srv.model_name:
-            raise ApiError(
-                400,
-                f"model {model!r} is not served here; it is {srv.model_name!r}",
-                "model",
-                "model_not_found",
-            )
-        stream = bool(body.get("stream"))
-        opts = body.get("stream_options") or {}
-        include_usage = stream and isinstance(opts, dict) and bool(opts.get("include_usage"))
-        tok = srv.tokenizer
-        if chat:
-            if tok is None or tok.chat_template is None:
-                why = "no tokenizer" if tok is None else tok.chat_template_source
-                raise ApiError(400, f"this model cannot chat: {why}; use /v1/completions")
-            messages = _chat_messages(body.get("messages"))
-            try:
-                prompts = [tok.encode_chat(messages)]
-            except (ValueError, TypeError) as e:
-                raise ApiError(400, f"messages: {e}", "messages") from None
-            except ImportError as e:
-                raise ApiError(500, str(e)) from None
-        else:
-            prompts = _completion_prompts(body.get("prompt"))
-        ids = []
-        for i, p in enumerate(prompts):
-            try:
-                ids.append(encode_prompt(p, tok, srv.vocab_size, srv.max_model_len)[1])
-            except (ValueError, TypeError) as e:
-                where = f"prompt {i}: " if len(prompts) > 1 else ""
-                raise ApiError(400, f"{where}{e}", "messages" if chat else "prompt") from None
-        if chat:
-            want = body.get("logprobs")
-            if want not in (None, True, False):
-                msg = f"logprobs must be a boolean, got logprobs={want!r}"
-                raise ApiError(400, msg, "logprobs")
-            k = _int_field(body, "top_logprobs", None)
-            if k is not None and not want:
-                raise ApiError(400, f"top_logprobs needs logprobs=true, got top_logprobs={k}")
-            logprobs = (k or 0) if want else None
-            limit = _int_field(body, "max_tokens", srv.max_model_len - len(ids[0]))
-            limit = _int_field(body, "max_completion_tokens", limit)
-        else:
-            logprobs = body.get("logprobs")
-            limit = _int_field(body, "max_tokens", 16)
-        params = _sampling_params(
-            body, max_tokens=limit, logprobs=logprobs, stream=stream, vocab_size=srv.vocab_size
+        srv = self.server
+        return api.parse_job(
+            body,
+            chat=path == "/v1/chat/completions",
+            model_name=srv.model_name,
+            tokenizer=srv.tokenizer,
+            vocab_size=srv.vocab_size,
+            max_model_len=srv.max_model_len,
         )
-        if params.stop and tok is None:
-            raise ApiError(400, "stop strings need a tokenizer; this model has none", "stop")
-        return Job(chat, ids, params, stream, include_usage)
 
     def _events(self, job: Job):
         """Yields the engine's events for the job's requests until all are done; aborts
         what is left when the caller stops early (a client gone, an error)."""
         engine, sink = self.server.engine, queue.SimpleQueue()
         pending = set(job.rids)
-        engine.submit(
-            [(rid, ids, job.params) for rid, ids in zip(job.rids, job.prompts, strict=True)],
-            sink,
-            tokens=job.stream,
-        )
+        try:
+            engine.submit(
+                [(rid, ids, job.params) for rid, ids in zip(job.rids, job.prompts, strict=True)],
+                sink,
+                tokens=job.stream,
+            )
+        except EngineStopped as e:
+            raise ApiError(503, f"{e} (the server is shutting down)") from None
         checked = time.monotonic()
         try:
             while pending:
@@ -676,48 +299,21 @@ class Handler(BaseHTTPRequestHandler):
                 yield event
         finally:
             if pending:
-                with contextlib.suppress(ApiError):
+                with contextlib.suppress(EngineStopped):
                     engine.abort(pending)
 
     def _generate(self, job: Job) -> None:
         if self.server.engine is None:
             raise ApiError(503, "the engine is not started")
-        kind = "chat.completion" if job.chat else "text_completion"
-        head = dict(
-            id=("chatcmpl-" if job.chat else "cmpl-") + job.id,
-            object=kind + (".chunk" if job.stream and job.chat else ""),
-            created=job.created,
-            model=self.server.model_name,
-        )
-        index = {rid: i for i, rid in enumerate(job.rids)}
-        n = job.params.n
+        head = api.response_head(job, self.server.model_name)
         with contextlib.closing(self._events(job)) as events:
             if job.stream:
-                return self._stream(job, head, index, events)
+                return self._stream(job, head, events)
             outs = {ev[1]: ev[2] for ev in events if ev[0] == "done"}
-        tok, k = self.server.tokenizer, job.params.logprobs
-        choices = []
-        for rid in job.rids:
-            for c in outs[rid].outputs:
-                choice = dict(index=index[rid] * n + c.index)
-                if job.chat:
-                    choice["message"] = dict(role="assistant", content=c.text)
-                    choice["logprobs"] = None if k is None else chat_logprobs(tok, c, k)
-                else:
-                    choice["text"] = c.text
-                    choice["logprobs"] = None if k is None else completion_logprobs(tok, c, k)
-                choice["finish_reason"] = c.finish_reason
-                choices.append(choice)
-        self._json(200, dict(**head, choices=choices, usage=self._usage(outs.values())))
+        self._json(200, api.response_body(job, head, outs, self.server.tokenizer))
 
-    @staticmethod
-    def _usage(outs) -> dict:
-        p = sum(len(o.prompt_token_ids) for o in outs)
-        c = sum(len(x.token_ids) for o in outs for x in o.outputs)
-        return dict(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
-
-    def _stream(self, job: Job, head: dict, index: dict, events) -> None:
-        n, tok = job.params.n, self.server.tokenizer
+    def _stream(self, job: Job, head: dict, events) -> None:
+        tok = self.server.tokenizer
         hold = max(map(len, job.params.stop), default=1) - 1
         if job.params.stop and job.params.min_tokens:
             hold = sys.maxsize  # see the module docstring
@@ -725,14 +321,8 @@ class Handler(BaseHTTPRequestHandler):
         sent = {}  # (rid, completion index) -> characters streamed
 
         def chunk(rid, i, text, finish=None):
-            choice = dict(index=index[rid] * n + i)
-            if job.chat:
-                choice["delta"] = {"content": text} if text or finish is None else {}
-                choice["logprobs"] = None
-            else:
-                choice.update(text=text, logprobs=None)
-            choice["finish_reason"] = finish
-            self._event(dict(**head, choices=[choice]))
+            index = api.choice_index(job, rid, i)
+            self._event(api.stream_chunk(job, head, index, text, finish))
 
         outs = []
         for event in events:
@@ -743,11 +333,8 @@ class Handler(BaseHTTPRequestHandler):
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
                 self._streaming = True
-                if job.chat:
-                    for c in range(len(job.rids) * n):
-                        delta = dict(role="assistant", content="")
-                        choice = dict(index=c, delta=delta, logprobs=None, finish_reason=None)
-                        self._event(dict(**head, choices=[choice]))
+                for role in api.role_chunks(job, head):
+                    self._event(role)
             if event[0] == "token":
                 _, rid, i, token = event
                 key = (rid, i)
@@ -766,7 +353,7 @@ class Handler(BaseHTTPRequestHandler):
                     done = sent.get((rid, c.index), 0)
                     chunk(rid, c.index, c.text[done:], c.finish_reason or "stop")
         if job.include_usage:
-            self._event(dict(**head, choices=[], usage=self._usage(outs)))
+            self._event(dict(**head, choices=[], usage=api.usage(outs)))
         self._chunk(b"data: [DONE]\n\n")
         self._chunk(b"")
 

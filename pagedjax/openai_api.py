@@ -1,0 +1,395 @@
+"""OpenAI's completions and chat completions protocol, without the HTTP.
+
+`parse_job` turns a request body (a parsed JSON object) into a `Job`: its prompts as
+token ids (chat messages rendered with the tokenizer's chat template) and its
+`SamplingParams`, or raises `ApiError` (400 naming the bad field and value). The
+response builders turn the engine's `RequestOutput`s back into OpenAI's shapes: a whole
+answer (`response_body`), or the chunks of a streamed one (`role_chunks`,
+`stream_chunk`, `usage`). Nothing here touches the engine, so it runs on any thread.
+scripts/serve.py documents the fields and answers as a user sees them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+
+from pagedjax.request import SamplingParams, encode_prompt
+
+__all__ = [
+    "SAMPLING_FIELDS",
+    "ApiError",
+    "Job",
+    "chat_logprobs",
+    "chat_messages",
+    "choice_index",
+    "completion_logprobs",
+    "completion_prompts",
+    "int_field",
+    "parse_job",
+    "response_body",
+    "response_head",
+    "role_chunks",
+    "sampling_params",
+    "stream_chunk",
+    "usage",
+]
+
+PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+# Request fields passed as they are to SamplingParams (which validates them).
+SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+    "min_tokens",
+    "cache_salt",
+)
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's `{"error": {...}}` with an HTTP status.
+
+    Args:
+      status: the HTTP status (< 500: the client's fault, "invalid_request_error").
+      message: says what is wrong, naming the bad value.
+      param: the request field at fault, if one is.
+      code: OpenAI's error code, if any (e.g. "model_not_found").
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        """The JSON error object."""
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return dict(error=dict(message=self.message, type=kind, param=self.param, code=self.code))
+
+
+# ------------------------------------------------------------------------ requests
+
+
+@dataclasses.dataclass
+class Job:
+    """One API request's work: its engine requests and how to answer.
+
+    Attributes:
+      chat: a chat completion (else a completion).
+      prompts: each prompt's token ids; each is one engine request.
+      params: the sampling parameters of every prompt.
+      stream: answer with Server-Sent Events.
+      include_usage: streamed answers end with a usage chunk.
+      id: the response id's suffix; `rids` derive from it.
+      created: the Unix time of the request.
+    """
+
+    chat: bool
+    prompts: list[list[int]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @property
+    def rids(self) -> list[str]:
+        """The engine request id of each prompt."""
+        return [f"{self.id}-{i}" for i in range(len(self.prompts))]
+
+
+def parse_job(
+    body: dict, *, chat: bool, model_name: str, tokenizer, vocab_size: int, max_model_len: int
+) -> Job:
+    """Validates a request body and tokenizes its prompts (no engine involved).
+
+    Args:
+      body: the request's JSON object.
+      chat: a chat completions request (`messages`), else a completions one (`prompt`).
+      model_name: the served model; a body naming another is refused.
+      tokenizer: the model's `Tokenizer`, or None (token id prompts only, no chat).
+      vocab_size: the model's vocabulary size (token ids, logit_bias keys).
+      max_model_len: the longest sequence; chat's default max_tokens fills it up.
+
+    Raises:
+      ApiError: 400 naming the bad field and value (500 if the chat template cannot
+        be rendered for want of a package).
+    """
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise ApiError(
+            400,
+            f"model {model!r} is not served here; it is {model_name!r}",
+            "model",
+            "model_not_found",
+        )
+    stream = bool(body.get("stream"))
+    opts = body.get("stream_options") or {}
+    include_usage = stream and isinstance(opts, dict) and bool(opts.get("include_usage"))
+    tok = tokenizer
+    if chat:
+        if tok is None or tok.chat_template is None:
+            why = "no tokenizer" if tok is None else tok.chat_template_source
+            raise ApiError(400, f"this model cannot chat: {why}; use /v1/completions")
+        messages = chat_messages(body.get("messages"))
+        try:
+            prompts = [tok.encode_chat(messages)]
+        except (ValueError, TypeError) as e:
+            raise ApiError(400, f"messages: {e}", "messages") from None
+        except ImportError as e:
+            raise ApiError(500, str(e)) from None
+    else:
+        prompts = completion_prompts(body.get("prompt"))
+    ids = []
+    for i, p in enumerate(prompts):
+        try:
+            ids.append(encode_prompt(p, tok, vocab_size, max_model_len)[1])
+        except (ValueError, TypeError) as e:
+            where = f"prompt {i}: " if len(prompts) > 1 else ""
+            raise ApiError(400, f"{where}{e}", "messages" if chat else "prompt") from None
+    if chat:
+        want = body.get("logprobs")
+        if want not in (None, True, False):
+            msg = f"logprobs must be a boolean, got logprobs={want!r}"
+            raise ApiError(400, msg, "logprobs")
+        k = int_field(body, "top_logprobs", None)
+        if k is not None and not want:
+            raise ApiError(400, f"top_logprobs needs logprobs=true, got top_logprobs={k}")
+        logprobs = (k or 0) if want else None
+        limit = int_field(body, "max_tokens", max_model_len - len(ids[0]))
+        limit = int_field(body, "max_completion_tokens", limit)
+    else:
+        logprobs = body.get("logprobs")
+        limit = int_field(body, "max_tokens", 16)
+    params = sampling_params(
+        body, max_tokens=limit, logprobs=logprobs, stream=stream, vocab_size=vocab_size
+    )
+    if params.stop and tok is None:
+        raise ApiError(400, "stop strings need a tokenizer; this model has none", "stop")
+    return Job(chat, ids, params, stream, include_usage)
+
+
+def sampling_params(
+    body: dict, *, max_tokens, logprobs, stream: bool, vocab_size: int
+) -> SamplingParams:
+    """The request's SamplingParams (ApiError 400 naming the field and value)."""
+    for name, bad, why in (
+        ("echo", bool(body.get("echo")), "echo=true is not supported (the prompt is not returned)"),
+        ("best_of", body.get("best_of") not in (None, 1), "best_of is not supported"),
+        ("suffix", body.get("suffix") is not None, "suffix is not supported"),
+        ("tools", bool(body.get("tools")), "tools (function calling) are not supported"),
+        ("functions", bool(body.get("functions")), "function calling is not supported"),
+        (
+            "response_format",
+            body.get("response_format") not in (None, {"type": "text"}),
+            "response_format other than text is not supported",
+        ),
+        (
+            "logprobs",
+            stream and logprobs is not None,
+            "logprobs are not supported with stream=true; ask without streaming",
+        ),
+    ):
+        if bad:
+            raise ApiError(400, f"{why}, got {name}={body.get(name)!r}", name)
+    kw = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+    if kw.get("top_k") == -1:  # vLLM's "off"
+        kw["top_k"] = 0
+    stop = body.get("stop")
+    if stop is not None:
+        if not isinstance(stop, (str, list)):
+            raise ApiError(400, f"stop must be a string or a list of strings, got {stop!r}", "stop")
+        kw["stop"] = stop
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list):
+            raise ApiError(
+                400, f"stop_token_ids must be a list of ints, got {ids!r}", "stop_token_ids"
+            )
+        kw["stop_token_ids"] = ids
+    bias = body.get("logit_bias")
+    if isinstance(bias, dict) and bias:  # JSON keys are strings; the engine wants ids
+        kw["logit_bias"] = {}
+        for key, value in bias.items():
+            t = int(key) if key.isdigit() else -1
+            if not 0 <= t < vocab_size:
+                msg = f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}"
+                raise ApiError(400, msg, "logit_bias")
+            kw["logit_bias"][t] = value
+    elif bias not in (None, {}):
+        kw["logit_bias"] = bias  # SamplingParams says what is wrong with it
+    try:
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kw)
+    except (ValueError, TypeError) as e:
+        name = str(e).split(" ", 1)[0]
+        raise ApiError(400, str(e), name if name in PARAM_FIELDS else None) from None
+
+
+def int_field(body: dict, name: str, default):
+    """`body[name]` if it is an int, `default` if absent or null (else ApiError 400)."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ApiError(400, f"{name} must be an int, got {name}={v!r}", name)
+    return v
+
+
+def completion_prompts(prompt) -> list:
+    """The prompts of a completions request: strings or token id lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+            return [prompt]
+        if all(isinstance(x, str) for x in prompt) or all(isinstance(x, list) for x in prompt):
+            return prompt
+    raise ApiError(
+        400,
+        "prompt must be a string, a list of strings, a list of token ids or a list of token "
+        f"id lists, got prompt={prompt!r:.80}",
+        "prompt",
+    )
+
+
+def chat_messages(messages) -> list[dict]:
+    """`messages` with list-of-parts contents joined into strings."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, f"messages must be a non-empty list, got {messages!r:.80}", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}] must be an object, got {m!r:.80}", "messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for p in content:
+                if not (isinstance(p, dict) and p.get("type") == "text" and "text" in p):
+                    raise ApiError(
+                        400, f"messages[{i}]: only text content parts are supported, got {p!r:.80}"
+                    )
+                parts.append(p["text"])
+            content = "\n".join(parts)
+        out.append({**m, "content": "" if content is None else content})
+    return out
+
+
+# ----------------------------------------------------------------------- responses
+
+
+def _token_text(tok, token_id: int) -> str:
+    return tok.decode([token_id], skip_special_tokens=False) if tok is not None else ""
+
+
+def _lp(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0  # JSON has no -inf; OpenAI's convention
+
+
+def _top(entry: dict, k: int) -> list[tuple[int, float]]:
+    """The k most likely of a logprobs entry (the sampled token first, then the top k)."""
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+
+def completion_logprobs(tok, c, k: int) -> dict:
+    """OpenAI completions-style logprobs of one completion (a `CompletionOutput`)."""
+    tokens = [_token_text(tok, t) for t in c.token_ids]
+    offsets, at = [], 0
+    for s in tokens:
+        offsets.append(at)
+        at += len(s)
+    top = []  # dicts keyed by text: of two tokens with one text, the likelier stays
+    for e in c.logprobs:
+        top.append({})
+        for t, x in _top(e, k):
+            top[-1].setdefault(_token_text(tok, t), _lp(x))
+    return dict(
+        tokens=tokens,
+        token_logprobs=[_lp(e[t]) for t, e in zip(c.token_ids, c.logprobs, strict=True)],
+        top_logprobs=top,
+        text_offset=offsets,
+    )
+
+
+def chat_logprobs(tok, c, k: int) -> dict:
+    """OpenAI chat-style logprobs of one completion (a `CompletionOutput`)."""
+
+    def item(t, x):
+        s = _token_text(tok, t)
+        return dict(token=s, logprob=_lp(x), bytes=list(s.encode()))
+
+    content = []
+    for t, e in zip(c.token_ids, c.logprobs, strict=True):
+        content.append({**item(t, e[t]), "top_logprobs": [item(*kv) for kv in _top(e, k)]})
+    return dict(content=content)
+
+
+def usage(outs) -> dict:
+    """The token counts of some `RequestOutput`s."""
+    p = sum(len(o.prompt_token_ids) for o in outs)
+    c = sum(len(x.token_ids) for o in outs for x in o.outputs)
+    return dict(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+def response_head(job: Job, model_name: str) -> dict:
+    """The fields every answer (and every chunk) of the job starts with."""
+    kind = "chat.completion" if job.chat else "text_completion"
+    return dict(
+        id=("chatcmpl-" if job.chat else "cmpl-") + job.id,
+        object=kind + (".chunk" if job.stream and job.chat else ""),
+        created=job.created,
+        model=model_name,
+    )
+
+
+def choice_index(job: Job, rid: str, completion: int) -> int:
+    """The choice index of a prompt's completion: `prompt * n + completion`."""
+    return int(rid.rpartition("-")[2]) * job.params.n + completion  # rid: f"{job.id}-{prompt}"
+
+
+def response_body(job: Job, head: dict, outs: dict, tokenizer) -> dict:
+    """The whole (non-streamed) answer, from each request id's `RequestOutput`."""
+    k, choices = job.params.logprobs, []
+    for rid in job.rids:
+        for c in outs[rid].outputs:
+            choice = dict(index=choice_index(job, rid, c.index))
+            if job.chat:
+                choice["message"] = dict(role="assistant", content=c.text)
+                choice["logprobs"] = None if k is None else chat_logprobs(tokenizer, c, k)
+            else:
+                choice["text"] = c.text
+                choice["logprobs"] = None if k is None else completion_logprobs(tokenizer, c, k)
+            choice["finish_reason"] = c.finish_reason
+            choices.append(choice)
+    return dict(**head, choices=choices, usage=usage(outs.values()))
+
+
+def role_chunks(job: Job, head: dict) -> list[dict]:
+    """A chat stream's first chunks: `delta: {role}` for each choice (none for completions)."""
+    if not job.chat:
+        return []
+    chunks = []
+    for c in range(len(job.prompts) * job.params.n):
+        delta = dict(role="assistant", content="")
+        choice = dict(index=c, delta=delta, logprobs=None, finish_reason=None)
+        chunks.append(dict(**head, choices=[choice]))
+    return chunks
+
+
+def stream_chunk(job: Job, head: dict, index: int, text: str, finish: str | None = None) -> dict:
+    """A stream's chunk: choice `index`'s next piece of text, or its last (`finish`)."""
+    choice = dict(index=index)
+    if job.chat:
+        choice["delta"] = {"content": text} if text or finish is None else {}
+        choice["logprobs"] = None
+    else:
+        choice.update(text=text, logprobs=None)
+    choice["finish_reason"] = finish
+    return dict(**head, choices=[choice])

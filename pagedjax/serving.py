@@ -1,0 +1,221 @@
+"""An engine thread: one thread owns an `LLM`, and callers on any thread feed it.
+
+JAX and the engine are not thread-safe, so `EngineThread` is the only code that touches
+its `LLM`. It loops `llm.step()` while there is work and otherwise blocks on a queue of
+commands (add requests, abort, stop, run a function on it). Callers never wait on the
+engine itself: each passes a sink (any object with `put`, e.g. a `queue.SimpleQueue`)
+with its requests and reads events from it:
+
+    ("token", request_id, completion_index, token_id)   only when submitted with tokens=True
+    ("done", request_id, RequestOutput)
+    ("error", request_id or None, status, message)
+
+An error's status follows HTTP's meaning: 400 when the engine refused a request
+(`LLM.add_request` raised ValueError or TypeError; `request_id` is None and none of the
+batch was added), 500 when a step failed, 503 when the thread stopped. If a step raises,
+`LLM.step` recovers the engine by itself: the requests it held get a 500 and the thread
+goes on. Work that a caller does not need the engine for (validating, tokenizing,
+rendering chat templates) stays on the caller's thread, so a bad request never reaches
+the engine. scripts/serve.py runs one per HTTP server, with a thread per connection.
+
+Usage (from a notebook, or a web framework's handler threads):
+
+    import queue
+    from pagedjax.engine import LLM, SamplingParams
+    from pagedjax.serving import EngineThread
+
+    engine = EngineThread(LLM("path/to/checkpoint"))
+    sink = queue.SimpleQueue()
+    ids = engine.call(lambda llm: llm.tokenizer.encode("def add(a, b):"))
+    engine.submit([("r0", ids, SamplingParams(max_tokens=32))], sink, tokens=True)
+    while (event := sink.get())[0] == "token":
+        ...  # stream event[3], the next token id of completion event[2]
+    kind, rid, out = event  # ("done", "r0", RequestOutput) or ("error", ...)
+    engine.abort(["r1"])  # a request whose caller went away (unknown ids are ignored)
+    used = engine.call(lambda llm: llm.block_manager.stats().num_used_pages)
+    engine.stop()  # unfinished requests get a 503 error event
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from pagedjax.request import SamplingParams
+
+__all__ = ["EngineStopped", "EngineThread"]
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread is not running (stopped, or stopping), so it takes no command."""
+
+
+class EngineThread:
+    """The one thread that touches an `LLM`: steps it while it has work, else waits
+    for commands. Events go to each request's sink (see the module docstring).
+
+    Args:
+      llm: the engine; nothing else may touch it once the thread started (use `call`).
+
+    Attributes:
+      llm: the engine (read it only through `call`).
+      num_aborted: requests aborted through `abort` (e.g. their client went away).
+      num_failed_steps: engine steps that raised (their requests got a 500).
+    """
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.num_aborted = 0
+        self.num_failed_steps = 0
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, tuple[Any, bool]] = {}  # rid -> (sink, tokens)
+        self._lock = threading.Lock()
+        self._alive = True
+        self._thread = threading.Thread(target=self._run, name="pagedjax-engine", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self, requests: list[tuple[str, list[int], SamplingParams]], sink, *, tokens: bool
+    ) -> None:
+        """Queues requests for the engine, all or none.
+
+        Args:
+          requests: `(request id, prompt token ids, params)` triples; the ids must be
+            unique among the engine's unfinished requests.
+          sink: gets the requests' events (`put(event)`, called on the engine thread).
+          tokens: also send a "token" event for each generated token.
+
+        Raises:
+          EngineStopped: the thread is not running. A request the engine refuses is an
+            ("error", None, 400, message) event instead, and none of the batch is added.
+        """
+        self._put(("add", requests, sink, tokens))
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Aborts requests; they get no further events (finished or unknown ids are ignored).
+
+        Raises:
+          EngineStopped: the thread is not running.
+        """
+        self._put(("abort", list(request_ids)))
+
+    def call(self, fn: Callable[[Any], Any], timeout: float | None = 60.0):
+        """Runs `fn(llm)` on the engine thread between two steps and returns its result.
+
+        Args:
+          fn: a function of the `LLM`; what it raises is raised here.
+          timeout: seconds to wait for the result (None: no limit).
+
+        Raises:
+          EngineStopped: the thread is not running, or stopped before running `fn`.
+          queue.Empty: no result within `timeout`.
+        """
+        box: queue.SimpleQueue = queue.SimpleQueue()
+        self._put(("call", fn, box))
+        ok, value = box.get(timeout=timeout)
+        if not ok:
+            raise value
+        return value
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Ends the thread once its current step is done; unfinished requests get a 503.
+
+        Args:
+          timeout: seconds to wait for the thread to end. Stopping twice is harmless.
+        """
+        with contextlib.suppress(EngineStopped):
+            self._put(("stop",))
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread takes commands."""
+        return self._alive
+
+    def _put(self, command) -> None:
+        with self._lock:
+            if not self._alive:
+                raise EngineStopped("the engine is not running (it was stopped)")
+            self._commands.put(command)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                commands = [] if self.llm.has_unfinished_requests() else [self._commands.get()]
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        commands.append(self._commands.get_nowait())
+                for command in commands:
+                    if command[0] == "stop":
+                        return
+                    self._handle(command)
+                if self.llm.has_unfinished_requests():
+                    self._step()
+        finally:
+            with self._lock:
+                self._alive = False
+            self._fail_all(503, "the engine is stopping")
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    command = self._commands.get_nowait()
+                    if command[0] == "add":
+                        command[2].put(("error", None, 503, "the engine is stopping"))
+                    elif command[0] == "call":
+                        command[2].put((False, EngineStopped("the engine stopped")))
+
+    def _handle(self, command) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, requests, sink, tokens = command
+            added = []
+            try:
+                for rid, ids, params in requests:
+                    self.llm.add_request(ids, params, request_id=rid)
+                    added.append(rid)
+                    self._sinks[rid] = (sink, tokens)
+            except Exception as e:  # noqa: BLE001  (answered, and the engine goes on)
+                for rid in added:
+                    self.llm.abort(rid)
+                    self._sinks.pop(rid, None)
+                status = 400 if isinstance(e, (ValueError, TypeError)) else 500
+                sink.put(("error", None, status, str(e)))
+        elif kind == "abort":
+            for rid in command[1]:
+                if self._sinks.pop(rid, None) is not None:
+                    self.llm.abort(rid)
+                    self.num_aborted += 1
+        elif kind == "call":
+            try:
+                command[2].put((True, command[1](self.llm)))
+            except Exception as e:  # noqa: BLE001  (raised again in the caller)
+                command[2].put((False, e))
+
+    def _step(self) -> None:
+        try:
+            finished = self.llm.step(on_token=self._on_token)
+        except Exception as e:  # noqa: BLE001  (LLM.step recovered; its requests fail)
+            self.num_failed_steps += 1
+            traceback.print_exc(file=sys.stderr)
+            self._fail_all(500, f"the engine step failed: {type(e).__name__}: {e}")
+            return
+        for out in finished:
+            entry = self._sinks.pop(out.request_id, None)
+            if entry is not None:
+                entry[0].put(("done", out.request_id, out))
+
+    def _on_token(self, rid: str, index: int, token: int) -> None:
+        entry = self._sinks.get(rid)
+        if entry is not None and entry[1]:
+            entry[0].put(("token", rid, index, token))
+
+    def _fail_all(self, status: int, message: str) -> None:
+        for rid, (sink, _) in list(self._sinks.items()):
+            with contextlib.suppress(Exception):
+                self.llm.abort(rid)  # a failed step aborted them already; a stop did not
+            sink.put(("error", rid, status, message))
+        self._sinks.clear()
