@@ -42,15 +42,16 @@ text (`text_completion` chunks, or `chat.completion.chunk` with `delta: {role}` 
 then `delta: {content}`), a last chunk per choice with its `finish_reason`, a usage
 chunk when `stream_options.include_usage`, then `data: [DONE]`. Pieces come from an
 incremental detokenizer per completion (`Tokenizer.stream()`), so a multi-byte
-character is never split. With stop strings, the last `max(len(stop)) - 1` characters
-are held back until more text comes or the completion ends: the engine stops on the
-token that completes a stop string and cuts the text at it, so no text streamed can
-be cut later. (With `min_tokens` too, the engine cuts at a stop string's first
-occurrence, which may come before the one it stopped on: such completions stream as
-one piece at the end.) The last chunk carries what the engine's final text has beyond
-what was streamed, so the pieces always add up to the non-streamed text. The HTTP
-status and headers go out with the first event: a step that fails before it is still
-a 500; one that fails later ends the stream with an `{"error"}` event.
+character is never split. With stop strings, a token's text is streamed only once the
+next token shows that the engine did not stop on it, less the last `max(len(stop)) - 1`
+characters: the engine stops on the token that completes a stop string and cuts the
+text where the string begins, so no text streamed can be cut later. (With `min_tokens`
+too, the engine cuts at a stop string's first occurrence, which may come before the
+one it stopped on: such completions stream as one piece at the end.) The last chunk
+carries what the engine's final text has beyond what was streamed, so the pieces
+always add up to the non-streamed text. The HTTP status and headers go out with the
+first event: a step that fails before it is still a 500; one that fails later ends
+the stream with an `{"error"}` event.
 
 Threading: one engine thread (`pagedjax.serving.EngineThread`, whose docstring has the
 details) owns the `LLM`; each HTTP connection is a thread (`ThreadingHTTPServer`) that
@@ -340,9 +341,12 @@ class Handler(BaseHTTPRequestHandler):
                 key = (rid, i)
                 if key not in decoders:
                     decoders[key], sent[key] = tok.stream(), 0
+                before = len(decoders[key].text)
                 decoders[key].add(token)
                 text = decoders[key].text
-                end = len(text) - hold
+                # With stop strings, this token's text waits for the next token: the engine
+                # may stop on it and cut the text where its stop string begins.
+                end = before - hold if job.params.stop else len(text)
                 if end > sent[key]:
                     chunk(rid, i, text[sent[key] : end])
                     sent[key] = end

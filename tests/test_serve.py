@@ -271,6 +271,17 @@ def test_streamed_completion_adds_up_with_and_without_stop_strings(server):
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_a_lone_stop_string_is_never_streamed(server):
+    body = dict(prompt="def parse_line(line):", temperature=0, max_tokens=24)
+    text = ok(server, "/v1/completions", body)["choices"][0]["text"]
+    stop = next(text[i : i + 3] for i in range(6, len(text) - 3) if text[i : i + 3].strip())
+    body["stop"] = stop  # alone (no longer stop string holds more back)
+    cut = ok(server, "/v1/completions", body)["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["text"] == text[: text.find(stop)]
+    pieces = [c["choices"][0]["text"] for c in stream(server, "/v1/completions", body)]
+    assert "".join(pieces) == cut["text"] and sum(map(bool, pieces[:-1])) > 1
+
+
 def test_streamed_chat(server):
     body = dict(messages=MESSAGES, temperature=0, max_tokens=12, n=2)
     plain = ok(server, "/v1/chat/completions", body)
