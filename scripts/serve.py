@@ -45,9 +45,8 @@ incremental detokenizer per completion (`Tokenizer.stream()`), so a multi-byte
 character is never split. With stop strings, a token's text is streamed only once the
 next token shows that the engine did not stop on it, less the last `max(len(stop)) - 1`
 characters: the engine stops on the token that completes a stop string and cuts the
-text where the string begins, so no text streamed can be cut later. (With `min_tokens`
-too, the engine cuts at a stop string's first occurrence, which may come before the
-one it stopped on: such completions stream as one piece at the end.) The last chunk
+text where the string begins (with `min_tokens` too: not at an earlier occurrence that
+`min_tokens` let through), so no text streamed can be cut later. The last chunk
 carries what the engine's final text has beyond what was streamed, so the pieces
 always add up to the non-streamed text. The HTTP status and headers go out with the
 first event: a step that fails before it is still a 500; one that fails later ends
@@ -316,8 +315,6 @@ class Handler(BaseHTTPRequestHandler):
     def _stream(self, job: Job, head: dict, events) -> None:
         tok = self.server.tokenizer
         hold = max(map(len, job.params.stop), default=1) - 1
-        if job.params.stop and job.params.min_tokens:
-            hold = sys.maxsize  # see the module docstring
         decoders = {}  # (rid, completion index) -> StreamDecoder
         sent = {}  # (rid, completion index) -> characters streamed
 

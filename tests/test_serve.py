@@ -6,6 +6,7 @@ Every answer is checked against an `LLM` built the same way (`ref`) and the same
 SamplingParams.
 """
 
+import dataclasses
 import http.client
 import importlib.util
 import json
@@ -280,6 +281,29 @@ def test_a_lone_stop_string_is_never_streamed(server):
     assert cut["finish_reason"] == "stop" and cut["text"] == text[: text.find(stop)]
     pieces = [c["choices"][0]["text"] for c in stream(server, "/v1/completions", body)]
     assert "".join(pieces) == cut["text"] and sum(map(bool, pieces[:-1])) > 1
+
+
+def test_streamed_stop_string_let_through_by_min_tokens(server, ref, tok):
+    prompt, sp = "import os\n", SamplingParams(temperature=0, max_tokens=32)
+    (full,) = ref.generate([prompt], sp)
+    ids, text = full.outputs[0].token_ids, full.outputs[0].text
+    stop = next(  # 3 characters that occur twice, apart
+        s
+        for i in range(len(text) - 3)
+        if "\ufffd" not in (s := text[i : i + 3]) and text.find(s) == i and text.find(s, i + 3) > 0
+    )
+    first = next(n for n in range(len(ids) + 1) if stop in tok.decode(ids[:n]))
+    (want,) = ref.generate([prompt], dataclasses.replace(sp, stop=(stop,), min_tokens=first + 1))
+    want = want.outputs[0]
+    assert want.finish_reason == "stop" and stop in want.text  # cut at a later occurrence
+    body = dict(prompt=prompt, temperature=0, max_tokens=32, stop=stop, min_tokens=first + 1)
+    plain = ok(server, "/v1/completions", body)["choices"][0]
+    assert (plain["text"], plain["finish_reason"]) == (want.text, "stop")
+    chunks = stream(server, "/v1/completions", body)
+    pieces = [c["choices"][0]["text"] for c in chunks]
+    assert "".join(pieces) == want.text
+    assert stop in "".join(pieces[:-1])  # the earlier occurrence streamed before the end
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 def test_streamed_chat(server):
