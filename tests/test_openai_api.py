@@ -1,0 +1,271 @@
+"""pagedjax/openai_api.py on its own: request bodies to Jobs, outputs to OpenAI's shapes.
+
+No engine and no HTTP: a stand-in byte tokenizer (one token per character code) and
+hand-built `RequestOutput`s. tests/test_serve.py checks the same code end to end.
+"""
+
+import math
+
+import pytest
+
+from pagedjax import openai_api as api
+from pagedjax.request import CompletionOutput, RequestOutput, SamplingParams
+
+VOCAB, MAX_LEN = 256, 64
+
+
+class CharTokenizer:
+    """Token id = character code; chat: "<role>content\\n" per message, then "<assistant>"."""
+
+    chat_template = "(stand-in)"
+    chat_template_source = "the stand-in template"
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(map(chr, ids))
+
+    def encode_chat(self, messages) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return self.encode(text + "<assistant>")
+
+
+TOK = CharTokenizer()
+
+
+def job(body: dict, *, chat: bool = False, tokenizer=TOK) -> api.Job:
+    return api.parse_job(
+        body,
+        chat=chat,
+        model_name="tiny",
+        tokenizer=tokenizer,
+        vocab_size=VOCAB,
+        max_model_len=MAX_LEN,
+    )
+
+
+def raises_400(fn, *args, words: str, param: str | None = None, **kwargs) -> api.ApiError:
+    with pytest.raises(api.ApiError) as info:
+        fn(*args, **kwargs)
+    e = info.value
+    assert e.status == 400 and words in e.message, e.message
+    assert e.param == param, (e.param, e.message)
+    assert e.body()["error"]["type"] == "invalid_request_error"
+    return e
+
+
+# ------------------------------------------------------------------------ requests
+
+
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        (dict(temperature=-1), "temperature", "temperature=-1"),
+        (dict(top_p=1.5), "top_p", "top_p=1.5"),
+        (dict(top_k=-2), "top_k", "top_k=-2"),
+        (dict(n=0), "n", "n=0"),
+        (dict(seed="s"), "seed", "seed='s'"),
+        (dict(min_tokens=-1), "min_tokens", "min_tokens=-1"),
+        (dict(min_tokens=20), "min_tokens", "max_tokens=16"),
+        (dict(cache_salt=5), "cache_salt", "5"),
+        (dict(stop=5), "stop", "got 5"),
+        (dict(stop=[""]), "stop", "stop=['']"),
+        (dict(stop_token_ids="3"), "stop_token_ids", "'3'"),
+        (dict(logit_bias={"x": 1}), "logit_bias", "'x'"),
+        (dict(logit_bias={"256": 1}), "logit_bias", "'256'"),
+        (dict(logit_bias={"5": 101}), "logit_bias", "101"),
+        (dict(logit_bias=[1]), "logit_bias", "[1]"),
+        (dict(logprobs=21), "logprobs", "logprobs=21"),
+        (dict(logprobs=1, stream=True), "logprobs", "stream=true"),
+        (dict(echo=True), "echo", "echo=True"),
+        (dict(best_of=2), "best_of", "best_of=2"),
+        (dict(suffix="b"), "suffix", "suffix='b'"),
+        (dict(tools=[{}]), "tools", "tools"),
+        (dict(functions=[{}]), "functions", "function calling"),
+        (dict(response_format={"type": "json_object"}), "response_format", "json_object"),
+        (dict(max_tokens="9"), "max_tokens", "max_tokens='9'"),
+        (dict(max_tokens=True), "max_tokens", "max_tokens=True"),
+        (dict(model="gpt-4"), "model", "'gpt-4'"),
+    ],
+)
+def test_bad_completion_fields_are_400s_naming_field_and_value(body, param, words):
+    raises_400(job, dict(prompt="a", **body), words=words, param=param)
+
+
+@pytest.mark.parametrize(
+    "prompt, words",
+    [
+        (None, "prompt=None"),
+        (5, "prompt=5"),
+        ([], "prompt=[]"),
+        ([1, "a"], "prompt=[1, 'a']"),
+        ([True], "prompt=[True]"),
+        ("", "prompt is empty"),
+        ([[1, 2], [3, 999]], "prompt 1: "),
+        ("x" * MAX_LEN, f"max_model_len={MAX_LEN}"),
+    ],
+)
+def test_bad_prompts_are_400s(prompt, words):
+    raises_400(job, dict(prompt=prompt), words=words, param="prompt")
+
+
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        (dict(messages="hi"), "messages", "'hi'"),
+        (dict(messages=[]), "messages", "non-empty list"),
+        (dict(messages=["hi"]), "messages", "messages[0] must be an object"),
+        (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), None, "text"),
+        (dict(messages=[{"role": "user", "content": "x" * MAX_LEN}]), "messages", "max_model_len"),
+        (dict(logprobs="yes"), "logprobs", "logprobs='yes'"),
+        (dict(top_logprobs=2), None, "logprobs=true"),
+        (dict(top_logprobs="2", logprobs=True), "top_logprobs", "top_logprobs='2'"),
+        (dict(max_completion_tokens=1.5), "max_completion_tokens", "=1.5"),
+    ],
+)
+def test_bad_chat_fields_are_400s(body, param, words):
+    body = {"messages": [{"role": "user", "content": "hi"}], **body}
+    raises_400(job, body, chat=True, words=words, param=param)
+
+
+def test_without_a_tokenizer_there_is_no_chat_and_no_stop_strings():
+    raises_400(
+        job,
+        dict(messages=[{"role": "user", "content": "hi"}]),
+        chat=True,
+        tokenizer=None,
+        words="cannot chat: no tokenizer",
+    )
+    raises_400(job, dict(prompt=[1, 2], stop="x"), tokenizer=None, words="tokenizer", param="stop")
+    assert job(dict(prompt=[1, 2]), tokenizer=None).prompts == [[1, 2]]
+
+
+def test_a_completion_body_becomes_its_job():
+    body = dict(prompt=["ab", "c"], n=2, top_k=-1, seed=3, stop="x", stream=True)
+    body.update(stream_options={"include_usage": True}, logit_bias={"65": -100, "66": 2.5})
+    j = job(body)
+    assert j.prompts == [[97, 98], [99]] and not j.chat and j.stream and j.include_usage
+    assert j.params == SamplingParams(
+        n=2, top_k=0, seed=3, stop=("x",), max_tokens=16, logit_bias={65: -100, 66: 2.5}
+    )
+    assert j.rids == [f"{j.id}-0", f"{j.id}-1"] and len(set(job(body).rids) & set(j.rids)) == 0
+    assert job(dict(prompt=[[1], [2, 3]], stream_options={"include_usage": True})).prompts == [
+        [1],
+        [2, 3],
+    ]
+    assert not job(dict(prompt="a", stream_options={"include_usage": True})).include_usage
+
+
+def test_a_chat_body_becomes_its_job():
+    parts = [{"type": "text", "text": "two"}, {"type": "text", "text": "parts"}]
+    messages = [{"role": "system", "content": None}, {"role": "user", "content": parts}]
+    j = job(dict(messages=messages, logprobs=True), chat=True)
+    (ids,) = j.prompts
+    assert TOK.decode(ids) == "<system>\n<user>two\nparts\n<assistant>"
+    assert j.params.max_tokens == MAX_LEN - len(ids)  # up to the model's length
+    assert j.params.logprobs == 0  # logprobs without top_logprobs: the sampled token only
+    body = dict(messages=messages, max_tokens=5, max_completion_tokens=7, top_logprobs=3)
+    j = job(dict(body, logprobs=True), chat=True)
+    assert (j.params.max_tokens, j.params.logprobs) == (7, 3)
+
+
+def test_int_field():
+    assert api.int_field({}, "k", 4) == 4 and api.int_field({"k": None}, "k", 4) == 4
+    assert api.int_field({"k": 0}, "k", 4) == 0
+    raises_400(api.int_field, {"k": 2.0}, "k", 4, words="k must be an int, got k=2.0", param="k")
+
+
+def test_api_error_body():
+    e = api.ApiError(503, "down")
+    assert e.body() == dict(error=dict(message="down", type="server_error", param=None, code=None))
+
+
+# ----------------------------------------------------------------------- responses
+
+
+def completion(index=0, text="hi", logprobs=None, finish="length"):
+    ids = [ord(c) for c in text]
+    return CompletionOutput(index, text, ids, -1.0, finish, logprobs=logprobs)
+
+
+def output(rid, prompt_ids, comps):
+    return RequestOutput(rid, None, prompt_ids, comps, True, 0, 0, None, None)
+
+
+def test_completion_logprobs():
+    lps = [{ord("h"): -0.5, ord("a"): -0.25, ord("b"): -3.0}, {ord("i"): -math.inf, 7: -1.0}]
+    got = api.completion_logprobs(TOK, completion(text="hi", logprobs=lps), 2)
+    assert got == dict(
+        tokens=["h", "i"],
+        token_logprobs=[-0.5, -9999.0],  # JSON has no -inf
+        top_logprobs=[{"a": -0.25, "h": -0.5}, {"\x07": -1.0, "i": -9999.0}],
+        text_offset=[0, 1],
+    )
+
+
+def test_chat_logprobs():
+    lps = [{ord("é"): -0.5, ord("a"): -0.25}]
+    got = api.chat_logprobs(TOK, completion(text="é", logprobs=lps), 1)
+    item = dict(token="é", logprob=-0.5, bytes=[0xC3, 0xA9])
+    assert got == dict(
+        content=[{**item, "top_logprobs": [dict(token="a", logprob=-0.25, bytes=[97])]}]
+    )
+
+
+def test_response_body_orders_choices_prompt_by_prompt():
+    j = job(dict(prompt=["ab", "c"], n=2))
+    outs = {
+        j.rids[1]: output(j.rids[1], [99], [completion(1, "w", finish="stop"), completion(0, "z")]),
+        j.rids[0]: output(j.rids[0], [97, 98], [completion(0, "x"), completion(1, "yy")]),
+    }
+    head = api.response_head(j, "tiny")
+    assert head == dict(
+        id="cmpl-" + j.id, object="text_completion", created=j.created, model="tiny"
+    )
+    body = api.response_body(j, head, outs, TOK)
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "x", "length"),
+        (1, "yy", "length"),
+        (3, "w", "stop"),  # prompt 1's completion 1
+        (2, "z", "length"),
+    ]
+    assert all(c["logprobs"] is None for c in body["choices"])
+    assert body["usage"] == dict(prompt_tokens=3, completion_tokens=5, total_tokens=8)
+    assert api.choice_index(j, j.rids[1], 1) == 3
+
+
+def test_chat_response_and_chunks():
+    j = job(dict(messages=[{"role": "user", "content": "hi"}], n=2, stream=True), chat=True)
+    head = api.response_head(j, "tiny")
+    assert head["object"] == "chat.completion.chunk" and head["id"] == "chatcmpl-" + j.id
+    roles = api.role_chunks(j, head)
+    assert [c["choices"][0]["index"] for c in roles] == [0, 1]
+    assert roles[0]["choices"][0]["delta"] == dict(role="assistant", content="")
+    assert api.stream_chunk(j, head, 1, "ab")["choices"] == [
+        dict(index=1, delta={"content": "ab"}, logprobs=None, finish_reason=None)
+    ]
+    last = api.stream_chunk(j, head, 0, "", "stop")["choices"][0]
+    assert last["delta"] == {} and last["finish_reason"] == "stop"
+
+    j = job(dict(messages=[{"role": "user", "content": "hi"}]), chat=True)
+    outs = {j.rids[0]: output(j.rids[0], [1, 2], [completion(0, "ok", finish="stop")])}
+    body = api.response_body(j, api.response_head(j, "tiny"), outs, TOK)
+    assert body["object"] == "chat.completion"
+    assert body["choices"] == [
+        dict(
+            index=0,
+            message=dict(role="assistant", content="ok"),
+            logprobs=None,
+            finish_reason="stop",
+        )
+    ]
+
+
+def test_completion_chunks():
+    j = job(dict(prompt="a", stream=True))
+    head = api.response_head(j, "tiny")
+    assert head["object"] == "text_completion" and api.role_chunks(j, head) == []
+    assert api.stream_chunk(j, head, 0, "", "length")["choices"] == [
+        dict(index=0, text="", logprobs=None, finish_reason="length")
+    ]
