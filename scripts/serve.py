@@ -277,8 +277,8 @@ class Handler(BaseHTTPRequestHandler):
                 sink,
                 tokens=job.stream,
             )
-        except EngineStopped as e:
-            raise ApiError(503, f"{e} (the server is shutting down)") from None
+        except EngineStopped:
+            raise ApiError(503, "the engine is not running (the server is shutting down)") from None
         checked = time.monotonic()
         try:
             while pending:
