@@ -22,6 +22,12 @@ The price of the `[K, P, S, D]` layout is that writing one token touches `K`
 separate `[D]` rows instead of one `[K, D]` row; a step writes a handful of tokens
 per layer, so the scatter is negligible next to the attention read.
 
+Storage dtype: the model's, or FP8 (`CacheConfig(dtype="fp8")`, `float8_e4m3fn`: half
+of bf16's bytes, so twice the tokens per byte and half the K/V traffic of a decode
+step). FP8 pages are written without scales: values are clipped to the format's
+largest finite value (448; an out-of-range cast would be NaN) and rounded to nearest
+(`to_storage`); the kernels upcast each tile to the query's dtype.
+
 Slots: token position `pos` of a sequence lives in slot
 `page_table[pos // S] * S + pos % S`; a slot of -1 means padding and is dropped.
 Every function here is pure and works under `jax.jit` with the cache donated.
@@ -119,6 +125,22 @@ def _check_new_tokens(k, v, slots, num_kv_heads, head_dim):
             )
 
 
+def is_fp8(dtype) -> bool:
+    """Whether `dtype` is an FP8 storage dtype (the kernels upcast its tiles)."""
+    dtype = jnp.dtype(dtype)
+    return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1
+
+
+def to_storage(x, dtype):
+    """`x` in the cache's storage dtype: a plain cast, or for FP8 a cast of `x` clipped
+    to the format's finite range (scale-free quantisation)."""
+    dtype = jnp.dtype(dtype)
+    if is_fp8(dtype):
+        top = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x.astype(jnp.float32), -top, top)
+    return x.astype(dtype)
+
+
 def write_layer(k_pages, v_pages, k, v, slots):
     """Scatters new tokens' K/V into one layer's pages.
 
@@ -138,7 +160,8 @@ def write_layer(k_pages, v_pages, k, v, slots):
 
     def put(pages, new):
         flat = pages.reshape(kh, p * s, d)
-        flat = flat.at[:, idx].set(new.astype(pages.dtype).transpose(1, 0, 2), mode="drop")
+        new = to_storage(new, pages.dtype).transpose(1, 0, 2)
+        flat = flat.at[:, idx].set(new, mode="drop")
         return flat.reshape(kh, p, s, d)
 
     return put(k_pages, k), put(v_pages, v)

@@ -19,7 +19,17 @@ _DTYPES = {
     "bfloat16": jnp.bfloat16,
     "float16": jnp.float16,
 }
-_DTYPE_ALIASES = {"f32": "float32", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# KV cache storage only: FP8 pages (half of bf16's bytes), written without scales,
+# clipped to the format's range (`cache.to_storage`); the kernels upcast them.
+_KV_DTYPES = {**_DTYPES, "float8_e4m3fn": jnp.float8_e4m3fn}
+_DTYPE_ALIASES = {
+    "f32": "float32",
+    "fp32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+}
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -31,20 +41,26 @@ _MODEL_TYPES = (None, "llama", "qwen2", "qwen3", "mistral")
 _QWEN_TYPES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
 
-def dtype_name(dtype) -> str:
-    """Canonical name of a dtype given as a string, numpy or jnp dtype."""
+def dtype_name(dtype, *, kv: bool = False) -> str:
+    """Canonical name of a dtype given as a string, numpy or jnp dtype.
+
+    Args:
+      dtype: e.g. "bf16", "bfloat16", jnp.bfloat16.
+      kv: also accept the KV-cache-only dtypes ("fp8" = "float8_e4m3fn").
+    """
     if isinstance(dtype, str):
         name = _DTYPE_ALIASES.get(dtype, dtype)
     else:
         name = np.dtype(dtype).name
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    known = _KV_DTYPES if kv else _DTYPES
+    if name not in known:
+        raise ValueError(f"dtype must be one of {sorted(known)}, got {dtype!r}")
     return name
 
 
 def dtype_size(dtype) -> int:
-    """Bytes per element of a dtype given by name or object."""
-    return np.dtype(_DTYPES[dtype_name(dtype)]).itemsize
+    """Bytes per element of a dtype given by name or object (KV dtypes included)."""
+    return np.dtype(_KV_DTYPES[dtype_name(dtype, kv=True)]).itemsize
 
 
 @dataclass(frozen=True)
@@ -452,7 +468,7 @@ class CacheConfig:
     Attributes:
       page_size: tokens per page (S); a power of two.
       num_pages: physical pages in the pool (P), shared by all sequences.
-      dtype: K/V storage dtype name.
+      dtype: K/V storage dtype name: the model's dtype, or "float8_e4m3fn" ("fp8").
     """
 
     page_size: int = 16
@@ -465,11 +481,11 @@ class CacheConfig:
             raise ValueError(f"page_size must be a power of two, got page_size={s!r}")
         if not isinstance(self.num_pages, (int, np.integer)) or self.num_pages <= 0:
             raise ValueError(f"num_pages must be a positive int, got num_pages={self.num_pages!r}")
-        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        object.__setattr__(self, "dtype", dtype_name(self.dtype, kv=True))
 
     @property
     def jnp_dtype(self):
-        return _DTYPES[self.dtype]
+        return _KV_DTYPES[self.dtype]
 
     @property
     def num_slots(self) -> int:

@@ -301,6 +301,7 @@ def generate(
     interpret: bool = False,
     buckets: Buckets = Buckets(),
     return_logits: bool = False,
+    kv_cache_dtype: str | None = None,
 ) -> GenerateOutput:
     """Static-batch generation with no scheduler (research use).
 
@@ -325,6 +326,8 @@ def generate(
       backend, interpret: attention backend (see `prefill_step`).
       buckets: padding floors for the step shapes.
       return_logits: also return the logits of every generated token.
+      kv_cache_dtype: the cache's storage dtype (default the model's; "fp8": see
+        `pagedjax.cache`).
 
     Raises:
       ValueError: empty prompts, token ids outside the vocabulary, or a prompt plus
@@ -355,7 +358,8 @@ def generate(
 
     per_seq = -(-(max(len(p) for p in prompts) + max_new_tokens) // page_size)
     # Rounded up so that runs with similar batches share compiled programs.
-    cache_cfg = CacheConfig(page_size, bucket_size(1 + len(prompts) * per_seq, 16), cfg.dtype)
+    num_pages = bucket_size(1 + len(prompts) * per_seq, 16)
+    cache_cfg = CacheConfig(page_size, num_pages, kv_cache_dtype or cfg.dtype)
     pages = [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(len(prompts))]
     chunk_len = prefill_chunk or max(len(p) for p in prompts)
 

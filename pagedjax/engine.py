@@ -62,11 +62,11 @@ from time import perf_counter
 import jax
 import numpy as np
 
-from pagedjax import decode, recovery, sharding
+from pagedjax import decode, planner, recovery, sharding
 from pagedjax.batch import StepBatch, request_bias
 from pagedjax.beam import BeamSearch
 from pagedjax.blocks import BlockManager
-from pagedjax.config import CacheConfig
+from pagedjax.config import CacheConfig, dtype_name
 from pagedjax.metrics import EngineMetrics, StepRecord
 from pagedjax.outputs import OutputProcessor, Request
 from pagedjax.request import CompletionOutput, RequestOutput, SamplingParams, encode_prompt
@@ -109,6 +109,9 @@ class LLM:
         first of `jax.devices()`; `pagedjax.sharding`). 1: `Params` are used as given
         (already sharded ones keep their mesh). ValueError if there are fewer devices,
         or it does not divide the heads and MLP width.
+      kv_cache_dtype: "auto" (the model's dtype) or "fp8" (`float8_e4m3fn` pages: twice
+        the tokens in the same memory, half the K/V bytes a decode step reads; values
+        rounded to FP8 without scales, see `pagedjax.cache`).
       async_scheduling: dispatch each step before the previous one's tokens reach the
         host (the device feeds them), so that applying them overlaps the device; a
         sequence that stops computes one more token, discarded. False: the host applies
@@ -135,6 +138,7 @@ class LLM:
         tokenizer: Tokenizer | None = None,
         tensor_parallel: int = 1,
         async_scheduling: bool = True,
+        kv_cache_dtype: str = "auto",
     ):
         t0 = perf_counter()
         self.backend = check_backend(backend, interpret)
@@ -144,6 +148,8 @@ class LLM:
                 f"give num_pages or kv_memory_fraction, not both ({num_pages=}, "
                 f"{kv_memory_fraction=})"
             )
+        if kv_cache_dtype != "auto":  # checked before loading anything
+            kv_cache_dtype = dtype_name(kv_cache_dtype, kv=True)
         mesh = None  # checked before loading anything: an int, and that many devices
         if tensor_parallel != 1 or isinstance(tensor_parallel, bool):
             mesh = sharding.make_mesh(tensor_parallel)
@@ -160,6 +166,7 @@ class LLM:
         self.max_model_len = limit if max_model_len is None else max_model_len
         if not isinstance(self.max_model_len, int) or not 1 < self.max_model_len <= limit:
             raise ValueError(f"max_model_len must be an int in [2, {limit}], got {max_model_len=}")
+        kv_dtype = cfg.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
         if num_pages is None:
             num_pages = plan_num_pages(
                 sharding.device_kv_config(cfg, self.tensor_parallel),  # one device's share
@@ -167,8 +174,9 @@ class LLM:
                 kv_memory_fraction=kv_memory_fraction or 0.8,
                 max_num_seqs=max_num_seqs,
                 max_model_len=self.max_model_len,
+                kv_dtype=kv_dtype,
             )
-        self.cache_config = CacheConfig(page_size, num_pages, cfg.dtype)
+        self.cache_config = CacheConfig(page_size, num_pages, kv_dtype)
         self.block_manager = BlockManager(
             num_pages,
             page_size,
@@ -189,7 +197,9 @@ class LLM:
         self.eos_ids = frozenset(cfg.eos_token_ids) | (
             self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         )
-        self.metrics = EngineMetrics(cfg.kv_bytes_per_token)
+        self.metrics = EngineMetrics(
+            planner.kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+        )
         self._rng = np.random.default_rng(seed)
         self._ids = itertools.count()
         self._seq_ids = itertools.count()

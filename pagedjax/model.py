@@ -208,14 +208,21 @@ class Llama(nnx.Module):
         w = self.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head.kernel[...]
         return jnp.dot(h, w, preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens):
-        """Dense causal forward with no cache: tokens [B, T] int -> logits [B, T, V] float32."""
+    def __call__(self, tokens, *, kv_dtype=None):
+        """Dense causal forward with no cache: tokens [B, T] int -> logits [B, T, V] float32.
+
+        `kv_dtype` rounds K and V through a cache storage dtype (e.g. FP8) before
+        attention, as a paged step reading them from such a cache sees them.
+        """
         inv_freq = rope_frequencies(self.cfg)
         positions = jnp.arange(tokens.shape[-1])
         x = self.embed_tokens(tokens)  # [B, T, E]
         for layer in self.layers:
             attn = layer.self_attn
             q, k, v = attn.qkv(layer.input_layernorm(x), positions, inv_freq)
+            if kv_dtype is not None:
+                k = cache_lib.to_storage(k, kv_dtype).astype(k.dtype)
+                v = cache_lib.to_storage(v, kv_dtype).astype(v.dtype)
             o = dense_causal_attention(q, k, v, sliding_window=self.cfg.sliding_window)
             x = x + attn.out(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -285,7 +292,8 @@ def _write_and_attend(
     [K, P, S, D] (one device's shard of each under tensor parallelism) -> (o [T, H, D],
     k_pages, v_pages)."""
     k_pages, v_pages = cache_lib.write_layer(k_pages, v_pages, k, v, slot_mapping)
-    q = q.astype(k_pages.dtype)
+    if not cache_lib.is_fp8(k_pages.dtype):  # FP8 pages: q keeps its dtype, tiles upcast
+        q = q.astype(k_pages.dtype)
     if decode:
         o = pallas_kernels.paged_decode_attention(
             q,
@@ -481,9 +489,12 @@ def params_from_flat(cfg: ModelConfig, flat: dict) -> Params:
     return Params(graphdef=graphdef, state=nnx.from_flat_state(pairs), config=cfg)
 
 
-def forward(params: Params, tokens):
-    """Dense causal forward (pure): tokens [B, T] int -> logits [B, T, V] float32."""
-    return params.merge()(tokens)
+def forward(params: Params, tokens, *, kv_dtype=None):
+    """Dense causal forward (pure): tokens [B, T] int -> logits [B, T, V] float32.
+
+    `kv_dtype`: round K/V through this cache storage dtype first (see `Llama.__call__`).
+    """
+    return params.merge()(tokens, kv_dtype=kv_dtype)
 
 
 def forward_paged(

@@ -108,18 +108,20 @@ def plan_num_pages(
     max_num_seqs: int,
     max_model_len: int,
     device=None,
+    kv_dtype: str | None = None,
 ) -> int:
     """Pages that fit in `kv_memory_fraction` of the device's free memory.
 
     Free memory is `bytes_limit - bytes_in_use` from the device's `memory_stats()`
     (call it after the weights are loaded). Where there are no stats (the CPU), the
     fraction applies to a 4 GiB budget, capped at what `max_num_seqs` sequences of
-    `max_model_len` tokens can use.
+    `max_model_len` tokens can use. `kv_dtype`: the cache's storage dtype (default the
+    model's).
     """
     if not 0 < kv_memory_fraction <= 1:
         raise ValueError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction=}")
     per_token = planner.kv_bytes_per_token(
-        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype or cfg.dtype
     )
     per_page = per_token * page_size
     device = device or jax.devices()[0]

@@ -141,6 +141,7 @@ def run(args) -> int:
         max_model_len=args.max_model_len,
         tokenizer=tok,
         tensor_parallel=args.tensor_parallel,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     tty = sys.stdin.isatty()
     print(f"model: {llm.model_source} (template: {tok.chat_template_source})", file=sys.stderr)

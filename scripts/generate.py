@@ -46,6 +46,7 @@ an error before any weights load. For a multi-turn conversation, see scripts/cha
     resolved_backend what "auto" chose: "gpu", "tpu" or "xla"
     settings         page_size, num_pages, max_num_batched_tokens, max_num_seqs,
                      enable_prefix_caching, async_scheduling, tensor_parallel,
+                     kv_cache_dtype (the pages' storage dtype),
                      compilation_cache (the directory, or null when off), chat
                      (--chat), chat_template (the --chat-template file or null),
                      system (the --system text or null), and the sampling flags
@@ -252,6 +253,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=1024,
         help="token budget of one step (decode tokens + prefill chunks)",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp8"),
+        help="KV page storage: the model's dtype, or FP8 (twice the tokens per byte)",
+    )
     p.add_argument("--backend", default="auto", choices=("auto", "gpu", "tpu", "xla"))
     p.add_argument(
         "--tensor-parallel",
@@ -413,7 +420,7 @@ def report(llm, summary: dict, device: str) -> str:
         f"({s['kv_bytes_read'] / 1e6:,.1f} MB in {s['device_time_s']:.2f} s of device time)",
         f"peak memory  {'n/a' if peak is None else f'{peak / 2**30:.2f} GiB'}",
         f"KV pages     {s['kv_pages_used']} / {s['kv_pages_total']} at peak "
-        f"({100 * s['kv_utilization']:.1f}% utilization)",
+        f"({100 * s['kv_utilization']:.1f}% utilization; {llm.cache_config.dtype})",
         f"prefix cache {100 * hit:.1f}% of prompt tokens hit",
         f"preemptions  {s['preemptions']}",
         f"host         {_fmt(s['host_hidden_ms_per_step'], ' ms')} hidden, "
@@ -486,6 +493,7 @@ def run(args) -> int:
         backend=args.backend,
         seed=args.seed,
         tensor_parallel=args.tensor_parallel,
+        kv_cache_dtype=args.kv_cache_dtype,
         async_scheduling=not args.no_async_scheduling,
     )
     device = str(jax.devices()[0])
@@ -520,6 +528,7 @@ def run(args) -> int:
                 enable_prefix_caching=not args.no_prefix_caching,
                 async_scheduling=llm.async_scheduling,
                 tensor_parallel=llm.tensor_parallel,
+                kv_cache_dtype=llm.cache_config.dtype,
                 compilation_cache=cache_dir,
                 chat=args.chat,
                 chat_template=args.chat_template,

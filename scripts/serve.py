@@ -432,6 +432,7 @@ def run(args) -> int:
             max_model_len=args.max_model_len,
             tokenizer=tok,
             tensor_parallel=args.tensor_parallel,
+            kv_cache_dtype=args.kv_cache_dtype,
             async_scheduling=not args.no_async_scheduling,
         )
         server.start(llm)
