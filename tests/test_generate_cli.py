@@ -77,6 +77,7 @@ def test_json_end_to_end(ckpt, capsys):
     assert m["ttft_p50_s"] <= m["ttft_p99_s"] and m["preemptions"] == 0
     assert m["kv_bytes_read"] > 0 and m["decode_tokens_per_s"] > 0
     assert obj["settings"]["num_pages"] == 64 and obj["settings"]["page_size"] == 8
+    assert obj["settings"]["kv_cache_dtype"] == "float32"  # auto: the model's dtype
     assert [o["prompt"] for o in obj["outputs"]] == prompts
     for o in obj["outputs"]:
         assert len(o["completions"]) == 2
@@ -106,10 +107,11 @@ def test_json_end_to_end(ckpt, capsys):
 
 def test_streams_a_single_prompt_and_reports(ckpt, capsys):
     argv = ["--checkpoint", ckpt, "--prompt", "class A:", "--max-tokens", "6", *GEOMETRY]
-    rc, out, err = run([*argv, "--backend", "xla"], capsys)
+    rc, out, err = run([*argv, "--backend", "xla", "--kv-cache-dtype", "fp8"], capsys)
     assert rc == 0, err
     lines = out.splitlines()
     assert lines[0] == f"model: checkpoint {ckpt}"
+    assert "utilization; float8_e4m3fn)" in out  # the FP8 cache, reported
     assert lines[1].startswith("class A:")  # the prompt, then the streamed text
     for key in (
         "load ",
@@ -219,6 +221,7 @@ def test_prompts_file(ckpt, tmp_path, capsys):
         (["--presence-penalty", "2.5"], "got presence_penalty=2.5"),
         (["--beam-width", "2", "--frequency-penalty", "1"], "not supported with beam search"),
         (["--min-tokens", "100"], "min_tokens=100, max_tokens=64"),
+        (["--kv-cache-dtype", "int8"], "invalid choice: 'int8'"),
         (["--logit-bias", "{x"], "--logit-bias is not JSON"),
         (["--logit-bias", "[1]"], "--logit-bias must be a JSON object"),
         (["--logit-bias", '{"a": 1}'], "--logit-bias keys must be token ids, got 'a'"),
