@@ -155,7 +155,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=4096, help="mean tokens per sequence")
     parser.add_argument("--max-seq-len", type=int, help="contiguous preallocation per sequence")
-    parser.add_argument("--dtype", default=None, help="bfloat16 | float32 | float16")
+    parser.add_argument(
+        "--dtype", default=None, help="KV dtype: bfloat16 | float32 | float16 | fp8"
+    )
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--memory-gb", type=float, help="KV memory budget in GiB")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -174,7 +176,7 @@ def main(argv=None) -> int:
                 + ", ".join("--" + m.replace("_", "-") for m in missing)
                 + ")"
             )
-        args.dtype = dtype_name(args.dtype or "bfloat16")
+        args.dtype = dtype_name(args.dtype or "bfloat16", kv=True)
         memory = None if args.memory_gb is None else int(args.memory_gb * GIB)
         p = plan(
             layers=args.layers,

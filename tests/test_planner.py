@@ -18,6 +18,20 @@ def test_hand_computed_small_example():
     assert planner.kv_cache_bytes(3, 2, 16, seq_len=10, batch=5, dtype="float32") == 768 * 50
 
 
+def test_fp8_halves_bf16():
+    bf16 = planner.kv_cache_bytes(80, 8, 128, seq_len=4096, batch=32, dtype="bfloat16")
+    assert planner.kv_cache_bytes(80, 8, 128, seq_len=4096, batch=32, dtype="fp8") == bf16 // 2
+
+
+def test_cli_takes_the_fp8_kv_dtype(capsys):
+    args = ["--model", "llama3-8b", "--batch", "32", "--seq-len", "4096", "--json"]
+    assert planner.main([*args, "--dtype", "fp8"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["dtype"] == "float8_e4m3fn" and out["kv_cache_gib"] == 8.0
+    assert planner.main([*args, "--dtype", "int8"]) == 2
+    assert "'int8'" in capsys.readouterr().err
+
+
 def test_pages_needed():
     assert planner.pages_needed(0, 16) == 0
     assert planner.pages_needed(1, 16) == 1
