@@ -468,6 +468,17 @@ def test_engine_gpu_backend_equals_xla(xla_tokens):
     check_greedy_equal(llm, got, xla_tokens)
 
 
+def test_engine_fp8_kv_gpu_backend_equals_xla():
+    """FP8 KV pages (float8_e4m3fn): the Pallas kernels upcast them as the XLA path does."""
+    want = greedy_tokens(engine("xla", kv_cache_dtype="fp8"), NUM_TOKENS)
+    with kernel_spy() as calls:
+        llm = engine("gpu", kv_cache_dtype="fp8")
+        got = greedy_tokens(llm, NUM_TOKENS)
+    assert llm.cache.k[0].dtype == jnp.float8_e4m3fn
+    assert calls["ragged"] > 0 and calls["decode"] > 0, f"kernels traced: {dict(calls)}"
+    check_greedy_equal(llm, got, want)
+
+
 @pytest.mark.skipif(INTERPRET, reason="device memory planning needs a GPU's memory_stats()")
 def test_kv_memory_fraction_fits_device_memory(xla_tokens):
     """LLM() sizes its cache from kv_memory_fraction (0.8 of free memory) and runs."""
