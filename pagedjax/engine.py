@@ -389,26 +389,9 @@ class LLM:
         """
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model has none")
-        if self.tokenizer.chat_template is None:
-            raise ValueError(
-                f"chat needs a chat template and the tokenizer has none "
-                f"({self.tokenizer.chat_template_source}); use generate() for raw text"
-            )
-        one = isinstance(messages, Sequence) and bool(messages) and isinstance(messages[0], Mapping)
-        convs = [messages] if one else messages
-        if isinstance(convs, (str, bytes)) or not isinstance(convs, Sequence) or not convs:
-            raise TypeError(
-                "messages must be a conversation (a list of {'role', 'content'} dicts) or a "
-                f"non-empty list of them, got {messages!r:.80}"
-            )
-        texts, ids = [], []
-        for i, conv in enumerate(convs):
-            kw = dict(add_generation_prompt=add_generation_prompt, **template_vars)
-            try:
-                texts.append(self.tokenizer.apply_chat_template(conv, **kw))
-            except (ValueError, TypeError) as e:
-                raise type(e)(f"conversation {i}: {e}") from None
-            ids.append(self.tokenizer.encode_rendered(texts[-1]))
+        texts, ids = self.tokenizer.encode_conversations(
+            messages, add_generation_prompt=add_generation_prompt, **template_vars
+        )
         outs = self.generate(ids, sampling_params, use_tqdm=use_tqdm)
         return [dataclasses.replace(o, prompt=t) for o, t in zip(outs, texts, strict=True)]
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import tokenizers
@@ -249,6 +249,43 @@ class Tokenizer:
             messages, add_generation_prompt=add_generation_prompt, **extra
         )
         return self.encode_rendered(text, add_bos=add_bos)
+
+    def encode_conversations(
+        self, messages, *, add_generation_prompt: bool = True, **extra
+    ) -> tuple[list[str], list[list[int]]]:
+        """(rendered texts, token ids) of one conversation or a list of them.
+
+        Args:
+          messages: a conversation (a list of `{"role", "content"}` dicts) or a non-empty
+            list of conversations.
+          add_generation_prompt, **extra: as for `apply_chat_template`.
+
+        Raises:
+          ValueError: no chat template, bad messages or a failed render (naming the
+            conversation).
+          TypeError: `messages` is neither.
+        """
+        if self.chat_template is None:
+            raise ValueError(
+                f"chat needs a chat template and the tokenizer has none "
+                f"({self.chat_template_source}); use generate() for raw text"
+            )
+        one = isinstance(messages, Sequence) and bool(messages) and isinstance(messages[0], Mapping)
+        convs = [messages] if one else messages
+        if isinstance(convs, (str, bytes)) or not isinstance(convs, Sequence) or not convs:
+            raise TypeError(
+                "messages must be a conversation (a list of {'role', 'content'} dicts) or a "
+                f"non-empty list of them, got {messages!r:.80}"
+            )
+        texts, ids = [], []
+        for i, conv in enumerate(convs):
+            kw = dict(add_generation_prompt=add_generation_prompt, **extra)
+            try:
+                texts.append(self.apply_chat_template(conv, **kw))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"conversation {i}: {e}") from None
+            ids.append(self.encode_rendered(texts[-1]))
+        return texts, ids
 
     def encode_rendered(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of text a chat template rendered (`encode_chat` without the render).
