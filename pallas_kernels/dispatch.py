@@ -8,7 +8,14 @@
 * `"auto"`: the GPU kernel on CUDA, the TPU kernel on TPU, XLA elsewhere.
 
 Both entry points validate shapes, dtypes and (when concrete) values on the host
-before tracing, then call the chosen implementation. The implementations share
+before tracing, then call the chosen implementation.
+
+Page pools may be FP8 (`validation.FP8_DTYPES`: `float8_e4m3fn`, `float8_e5m2`,
+unscaled) with a bfloat16 or float32 q; every backend upcasts K/V tiles to q's
+dtype and returns q's dtype. On CUDA the GPU kernels need sm89+ for e4m3fn; on
+TPU, "auto" runs the TPU kernels, which convert fp8 blocks in VMEM (lowered and
+interpreted on the CPU, not yet compiled on a TPU: see their module docstrings;
+`backend="xla"` is the fallback). The implementations share
 one signature, so a second GPU lowering can slot in behind the same name.
 """
 
@@ -78,8 +85,9 @@ def paged_decode_attention(
 
     Args:
       q: [B, H, D] the query of each sequence's newest token (position lengths[b] - 1).
-      k_pages: [K, P, S, D] one layer's key pages.
-      v_pages: [K, P, S, D] one layer's value pages.
+      k_pages: [K, P, S, D] one layer's key pages, in q's dtype or fp8
+        (`validation.FP8_DTYPES`, then q must be bfloat16 or float32).
+      v_pages: [K, P, S, D] one layer's value pages, same dtype as k_pages.
       lengths: [B] int32 tokens in the cache per sequence, this token included.
       page_table: [B, max_pages] int32 physical page ids in logical order.
       scale: logit scale, default D ** -0.5.
@@ -148,8 +156,8 @@ def ragged_paged_attention(
 
     Args:
       q: [T, H, D] all sequences' query tokens back to back.
-      k_pages: [K, P, S, D]
-      v_pages: [K, P, S, D]
+      k_pages: [K, P, S, D] in q's dtype or fp8 (then q is bfloat16 or float32).
+      v_pages: [K, P, S, D] same dtype as k_pages.
       page_table: [B, max_pages] int32.
       context_lens: [B] int32.
       query_start_loc: [B + 1] int32, non-decreasing, from 0 to at most T.

@@ -19,6 +19,10 @@ Conventions shared by every function (and every kernel):
 * Logits are `scale * q.k` (default `scale = D ** -0.5`), then, with
   `soft_cap=c`, `c * tanh(logits / c)`.
 * Rows with nothing to attend to (length 0, or padding query rows) return zeros.
+* K/V (dense or paged) may be FP8 (`validation.FP8_DTYPES`, an FP8 KV cache) with
+  a bfloat16 or float32 q: they are upcast to q's dtype before any math, as the
+  kernels do. The upcast is exact (every e4m3fn/e5m2 value is a bfloat16 value),
+  so the result is attention over the fp8-rounded K/V.
 """
 
 from __future__ import annotations
@@ -26,7 +30,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.validation import FP8_DTYPES
+
 _NEG_INF = float("-inf")
+
+
+def _upcast(x, dtype):
+    """FP8 K/V -> `dtype` (q's); anything else unchanged."""
+    return x.astype(dtype) if jnp.dtype(x.dtype) in FP8_DTYPES else x
 
 
 def _logits(q, k, scale, soft_cap):
@@ -95,6 +106,7 @@ def attention_chunk(q, k, v, *, context_len=None, scale=None, soft_cap=None, sli
     tq, h, d = q.shape
     tk, kh, _ = k.shape
     _check_heads(h, kh)
+    k, v = _upcast(k, q.dtype), _upcast(v, q.dtype)
     context_len = tk if context_len is None else context_len
     q_pos = context_len - tq + jnp.arange(tq)
     mask = _visible(q_pos, jnp.arange(tk), context_len, sliding_window)
@@ -120,6 +132,7 @@ def causal_prefill(q, k, v, lengths=None, *, scale=None, soft_cap=None, sliding_
     """
     b, t, h, d = q.shape
     _check_heads(h, k.shape[2])
+    k, v = _upcast(k, q.dtype), _upcast(v, q.dtype)
     lengths = jnp.full((b,), t, jnp.int32) if lengths is None else jnp.asarray(lengths)
     pos = jnp.arange(t)
 
@@ -150,6 +163,7 @@ def decode(q, k, v, lengths, *, scale=None, soft_cap=None, sliding_window=None):
     b, h, d = q.shape
     t, kh = k.shape[1], k.shape[2]
     _check_heads(h, kh)
+    k, v = _upcast(k, q.dtype), _upcast(v, q.dtype)
     lengths = jnp.asarray(lengths, jnp.int32)
     k_pos = jnp.arange(t)
 
@@ -186,16 +200,16 @@ def paged_attention_xla(
 
     Args:
       q: [B, H, D] one query token per sequence (at position lengths[b] - 1).
-      k_pages: [K, P, S, D]
-      v_pages: [K, P, S, D]
+      k_pages: [K, P, S, D] in q's dtype or fp8.
+      v_pages: [K, P, S, D] same dtype as k_pages.
       lengths: [B] int32 tokens in the cache per sequence.
       page_table: [B, max_pages] int32.
 
     Returns:
       [B, H, D] in q's dtype.
     """
-    k = gather_pages(k_pages, page_table)
-    v = gather_pages(v_pages, page_table)
+    k = _upcast(gather_pages(k_pages, page_table), q.dtype)  # [B, max_pages * S, K, D]
+    v = _upcast(gather_pages(v_pages, page_table), q.dtype)
     return decode(q, k, v, lengths, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
 
 
@@ -220,8 +234,8 @@ def ragged_paged_attention_xla(
 
     Args:
       q: [T, H, D] all sequences' query tokens back to back.
-      k_pages: [K, P, S, D]
-      v_pages: [K, P, S, D]
+      k_pages: [K, P, S, D] in q's dtype or fp8.
+      v_pages: [K, P, S, D] same dtype as k_pages.
       page_table: [B, max_pages] int32.
       context_lens: [B] int32.
       query_start_loc: [B + 1] int32, non-decreasing, starting at 0.
@@ -242,8 +256,8 @@ def ragged_paged_attention_xla(
     q_len = query_start_loc[seq + 1] - query_start_loc[seq]
     q_pos = context_lens[seq] - q_len + (row - query_start_loc[seq])  # [T]
 
-    k = gather_pages(k_pages, page_table)  # [B, s_len, K, D]
-    v = gather_pages(v_pages, page_table)
+    k = _upcast(gather_pages(k_pages, page_table), q.dtype)  # [B, s_len, K, D]
+    v = _upcast(gather_pages(v_pages, page_table), q.dtype)
     k_pos = jnp.arange(s_len)
     mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < context_lens[seq][:, None])
     if sliding_window is not None:

@@ -4,12 +4,23 @@ Shape and dtype checks always run. Value checks (page ids in range, lengths with
 the page table's capacity, monotone `query_start_loc`) run only when the arrays
 are concrete: under an outer `jax.jit` they are tracers and the caller (the block
 manager and the step builder) is responsible for them.
+
+Dtypes: q and the page pools share a dtype, except that the pools may be FP8
+(`FP8_DTYPES`, an FP8 KV cache) with a bfloat16 or float32 q; K/V tiles are then
+upcast to q's dtype inside every backend and the output is in q's dtype.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+# KV-cache dtypes accepted with a wider q: the pools are stored in FP8, unscaled
+# (the cache clips to the format's range before casting).
+FP8_DTYPES = frozenset({jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)})
+# Query dtypes that fp8 pools may be read with.
+FP8_QUERY_DTYPES = frozenset({jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)})
 
 
 def _concrete(x):
@@ -46,9 +57,21 @@ def check_pages(q, k_pages, v_pages):
         raise ValueError(f"kv heads must divide query heads, got {num_heads=} and {num_kv_heads=}")
     if page_size <= 0 or page_size & (page_size - 1):
         raise ValueError(f"page_size must be a power of two, got {page_size=}")
-    if q.dtype != k_pages.dtype:
-        raise TypeError(f"q dtype {q.dtype} != k_pages dtype {k_pages.dtype}")
+    check_dtypes(q.dtype, k_pages.dtype)
     return num_heads, num_kv_heads, head_dim
+
+
+def check_dtypes(q_dtype, kv_dtype) -> None:
+    """Raises TypeError unless q_dtype may be used with pages of kv_dtype."""
+    q_dtype, kv_dtype = jnp.dtype(q_dtype), jnp.dtype(kv_dtype)
+    if kv_dtype in FP8_DTYPES:
+        if q_dtype not in FP8_QUERY_DTYPES:
+            raise TypeError(
+                f"q dtype {q_dtype} with k_pages dtype {kv_dtype}: fp8 pages need a "
+                "bfloat16 or float32 q"
+            )
+    elif q_dtype != kv_dtype:
+        raise TypeError(f"q dtype {q_dtype} != k_pages dtype {kv_dtype}")
 
 
 def check_options(scale, soft_cap, sliding_window):

@@ -21,6 +21,10 @@ from pallas_kernels import reference
 from pallas_kernels.paged_decode.gpu import TUNING_KNOBS, default_tuning, paged_decode_gpu
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
+# FP8 pages vs the unquantised K/V they were cast from: the relative error is above
+# bf16's whole tolerance (so the kernel really read fp8-rounded pages) and below the
+# format's unit roundoff, 2**-4 for e4m3fn and 2**-3 for e5m2 (measured: ~2.8% and ~5.7%).
+FP8_BOUNDS = {jnp.float8_e4m3fn: (1e-2, 2**-4), jnp.float8_e5m2: (1e-2, 2**-3)}
 ref_decode = jax.jit(
     reference.paged_attention_xla, static_argnames=("scale", "soft_cap", "sliding_window")
 )
@@ -111,6 +115,53 @@ def check(
     err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     assert err < TOL[dtype], f"relative error {err}"
     return out
+
+
+def check_fp8(
+    kv_dtype=jnp.float8_e4m3fn,
+    dtype=jnp.bfloat16,
+    seed=0,
+    batch=3,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=64,
+    page_size=16,
+    max_pages=4,
+    lengths=None,
+    scale=None,
+    soft_cap=None,
+    sliding_window=None,
+    **tuning,
+):
+    """FP8 pages with a `dtype` query: tight against the reference on the same fp8 values,
+    loose (FP8_BOUNDS) against the unquantised K/V they were rounded from."""
+    q, k, v, k_bad, v_bad, lengths, page_table = make_case(
+        seed,
+        batch,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        max_pages,
+        jnp.float32,
+        lengths,
+        sliding_window,
+    )
+    q = q.astype(dtype)
+    k8, v8, k8_bad, v8_bad = (x.astype(kv_dtype) for x in (k, v, k_bad, v_bad))
+    opts = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    out = paged_decode_gpu(q, k8_bad, v8_bad, lengths, page_table, interpret=True, **opts, **tuning)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    out = np.asarray(out.astype(jnp.float32))
+    assert not np.isnan(out).any()
+    f32 = jnp.float32
+    same = ref_decode(q.astype(f32), k8.astype(f32), v8.astype(f32), lengths, page_table, **opts)
+    err = np.linalg.norm(out - same) / np.linalg.norm(same)
+    assert err < TOL[dtype], f"relative error {err} vs the same fp8 values"
+    unquantised = ref_decode(q.astype(f32), k, v, lengths, page_table, **opts)
+    err = np.linalg.norm(out - unquantised) / np.linalg.norm(unquantised)
+    low, high = FP8_BOUNDS[kv_dtype]
+    assert low < err < high, f"relative error {err} vs unquantised K/V, expected in {low, high}"
 
 
 # ---------------------------------------------------------------- default grid
@@ -214,6 +265,43 @@ def test_empty_batch_and_empty_page_table():
     assert out.shape == q.shape and not out.any()
 
 
+@pytest.mark.parametrize(
+    ("dtype", "shape", "options"),
+    [
+        # Llama-like GQA 4, D=128, split-K, with the default (fp8-sized) tiles.
+        (jnp.bfloat16, dict(num_heads=8, num_kv_heads=2, head_dim=128), {}),
+        # f32 q, MQA, small pages, a window and a soft cap.
+        (
+            jnp.float32,
+            dict(num_heads=4, num_kv_heads=1, page_size=8, max_pages=6),
+            dict(soft_cap=5.0, sliding_window=20, block_kv=16, num_splits=2),
+        ),
+    ],
+)
+def test_fp8_pages(dtype, shape, options):
+    check_fp8(dtype=dtype, batch=4, **shape, **options)
+
+
+def test_fp8_pages_through_dispatcher_e5m2():
+    q, k, v, _, _, lengths, page_table = make_case(5, 3, 8, 2, 64, 16, 3, jnp.float32)
+    k8, v8 = k.astype(jnp.float8_e5m2), v.astype(jnp.float8_e5m2)
+    q = q.astype(jnp.bfloat16)
+    out = pallas_kernels.paged_decode_attention(
+        q, k8, v8, lengths, page_table, backend="gpu", interpret=True
+    )
+    f32 = jnp.float32
+    ref = ref_decode(q.astype(f32), k8.astype(f32), v8.astype(f32), lengths, page_table)
+    assert out.dtype == jnp.bfloat16 and np.isfinite(np.asarray(out, np.float32)).all()
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_default_tuning_sizes_tiles_by_the_pages_itemsize():
+    bf16 = default_tuning(4, 32, 8, 128, 16, 256, jnp.bfloat16, sms=132)
+    fp8 = default_tuning(4, 32, 8, 128, 16, 256, jnp.float8_e4m3fn, sms=132)
+    assert fp8["block_kv"] == 2 * bf16["block_kv"] == 128  # the same 16 KiB K tile
+    assert fp8["num_stages"] == bf16["num_stages"]
+
+
 # ---------------------------------------------------------------- tuning
 
 
@@ -282,6 +370,33 @@ def test_lowers_for_cuda(shape, dtype, options):
     assert "triton" in text
 
 
+@pytest.mark.parametrize(
+    ("dtype", "kv_dtype", "options"),
+    [
+        (jnp.bfloat16, jnp.float8_e4m3fn, {}),  # Llama-3-8B layer, split-K
+        (jnp.float32, jnp.float8_e4m3fn, dict(soft_cap=30.0, sliding_window=100)),
+        (jnp.bfloat16, jnp.float8_e5m2, {}),
+    ],
+)
+def test_fp8_lowers_for_cuda(dtype, kv_dtype, options):
+    # The Triton lowering assumes an sm90 GPU on a CPU-only machine (fp8 casts need sm89+).
+    batch, num_heads, num_kv_heads, head_dim, page_size, max_pages = 4, 32, 8, 128, 16, 64
+    q = jax.ShapeDtypeStruct((batch, num_heads, head_dim), dtype)
+    pages = jax.ShapeDtypeStruct((num_kv_heads, 256, page_size, head_dim), kv_dtype)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    page_table = jax.ShapeDtypeStruct((batch, max_pages), jnp.int32)
+
+    def f(q, k, v, lengths, page_table):
+        return paged_decode_gpu(q, k, v, lengths, page_table, **options)
+
+    text = jax.jit(f).trace(q, pages, pages, lengths, page_table)
+    text = text.lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text
+    # The pages reach the kernel as fp8: no upcast copy of the cache outside it.
+    fp8 = "f8E4M3FN" if kv_dtype == jnp.float8_e4m3fn else "f8E5M2"
+    assert f"tensor<8x4096x128x{fp8}>" in text
+
+
 # ---------------------------------------------------------------- slow: full grid
 
 
@@ -332,4 +447,34 @@ def test_options_grid(sliding_window, soft_cap, dtype, num_splits):
         soft_cap=soft_cap,
         sliding_window=sliding_window,
         num_splits=num_splits,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("ratio", "head_dim", "page_size", "dtype", "kv_dtype", "options"),
+    [
+        ((8, 8), 64, 8, jnp.float32, jnp.float8_e4m3fn, {}),
+        ((8, 2), 128, 16, jnp.bfloat16, jnp.float8_e4m3fn, dict(soft_cap=2.0)),
+        ((16, 2), 256, 32, jnp.bfloat16, jnp.float8_e4m3fn, dict(sliding_window=40)),
+        ((4, 1), 128, 64, jnp.float32, jnp.float8_e4m3fn, dict(num_splits=3)),
+        ((4, 1), 64, 128, jnp.bfloat16, jnp.float8_e4m3fn, dict(sliding_window=7, soft_cap=1.5)),
+        ((8, 2), 256, 8, jnp.float32, jnp.float8_e5m2, dict(sliding_window=33)),
+        ((16, 2), 64, 16, jnp.bfloat16, jnp.float8_e5m2, dict(soft_cap=3.0, num_splits=2)),
+    ],
+    ids=_grid_id,
+)
+def test_fp8_grid(ratio, head_dim, page_size, dtype, kv_dtype, options):
+    num_heads, num_kv_heads = ratio
+    check_fp8(
+        kv_dtype=kv_dtype,
+        dtype=dtype,
+        seed=head_dim + page_size,
+        batch=5,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        max_pages=max(2, 256 // page_size),
+        **options,
     )

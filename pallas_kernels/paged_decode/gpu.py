@@ -17,7 +17,15 @@ the kernel is built around reading every live K/V byte exactly once:
   and pages wholly before the window, are never touched; page-table padding is
   never read.
 * Online softmax in float32 (in base 2: `log2(e)` is folded into the scale),
-  the second `dot` in the K/V dtype with float32 accumulation.
+  the second `dot` in q's dtype with float32 accumulation.
+* FP8 pages (`float8_e4m3fn` or `float8_e5m2`, an FP8 KV cache) with a bfloat16
+  or float32 q: each K/V tile is loaded as fp8 (half the bytes of bf16) and
+  converted to q's dtype right after the load, so the dots are those of the
+  unquantised kernel. The defaults size block_kv and num_stages from the pages'
+  itemsize, so fp8 gets twice the tokens per tile (128 at D=128).
+  Triton converts e4m3fn only on sm89+ (Ada, Hopper: the H100/H200 are fine);
+  on older GPUs the Triton lowering raises "cannot cast from `float8_e4m3fn`".
+  e5m2 pages are checked in the interpreter and lowered, never run on a GPU.
 * Split-K (flash-decoding): when `B * K` programs cannot fill the GPU, each
   sequence's live blocks are divided into `num_splits` contiguous ranges whose
   partial `(o, m, l)` are merged afterwards in a few jnp ops. The ranges are
@@ -42,7 +50,8 @@ every value inside the kernel has power-of-two dimensions; integer division uses
 Not supported: head dims that are not a power of two or are below 16 (the
 Triton `dot` needs power-of-two tiles of at least 16), and page sizes below 8
 are untested. float32 inputs use exact (IEEE) dots, which are correct but do not
-use tensor cores; bfloat16 is the fast path.
+use tensor cores; bfloat16 is the fast path. No scaled (per-tensor or per-head)
+FP8: pages hold the values themselves.
 
 Status: checked in the interpreter and lowered to Triton IR on CPU-only
 machines; compiling that IR (Triton -> PTX) and timing happen only on a GPU, in
@@ -100,7 +109,7 @@ def default_tuning(
     """Per-shape defaults of the tuning knobs.
 
     * `block_kv`: tokens per inner iteration; a K tile of about 16 KiB
-      (64 tokens at D=128 in bf16), so that K and V tiles of 3 pipeline stages
+      (64 tokens at D=128 in bf16, 128 in fp8), so that K and V tiles of 3 pipeline stages
       fit twice in an SM's shared memory; at least 16 for the dot.
     * `block_h`: query heads per program; the group G padded to a power of two
       of at least 16, capped at 64 to bound registers.
@@ -113,7 +122,7 @@ def default_tuning(
 
     Args:
       batch, num_heads, num_kv_heads, head_dim, page_size, max_pages: the shape.
-      dtype: the K/V dtype.
+      dtype: the K/V (pages') dtype, which sizes the tiles moved.
       sms: streaming multiprocessors to fill (default: `num_sms()`).
       block_kv: a caller's block_kv, which the other defaults then fit.
 
@@ -203,6 +212,8 @@ def _decode_kernel(
     exact = q.dtype == jnp.float32
     precision = lax.Precision.HIGHEST if exact else lax.Precision.DEFAULT
     log2_scale = scale if soft_cap is not None else scale * _LOG2E
+    # Masked K/V lanes read as 0 in the pages' dtype (Triton cannot cast an int 0 to fp8).
+    kv_zero = jnp.zeros((), k_ref.dtype)
 
     def body(i, carry):
         o, m, denom = carry  # [block_h, D], [block_h], [block_h] float32
@@ -212,8 +223,11 @@ def _decode_kernel(
             page_table_ref.at[b, lax.div(tok, page_size)], mask=live, other=0
         )  # [block_kv]
         rows = (page * page_size + lax.rem(tok, page_size))[:, None]  # [block_kv, 1]
-        k = plgpu.load(k_ref.at[kv_head, rows, cols], mask=live[:, None], other=0)
-        v = plgpu.load(v_ref.at[kv_head, rows, cols], mask=live[:, None], other=0)
+        # FP8 pages are upcast right after the load: the bytes moved stay fp8.
+        k = plgpu.load(k_ref.at[kv_head, rows, cols], mask=live[:, None], other=kv_zero)
+        k = k.astype(q.dtype)  # [block_kv, D]
+        v = plgpu.load(v_ref.at[kv_head, rows, cols], mask=live[:, None], other=kv_zero)
+        v = v.astype(q.dtype)
         s = lax.dot_general(
             q,
             k,
@@ -377,8 +391,8 @@ def paged_decode_gpu(
 
     Args:
       q: [B, H, D] one query token per sequence, at position lengths[b] - 1.
-      k_pages: [K, P, S, D] one layer's key pages.
-      v_pages: [K, P, S, D] one layer's value pages.
+      k_pages: [K, P, S, D] one layer's key pages, in q's dtype or fp8.
+      v_pages: [K, P, S, D] one layer's value pages, same dtype as k_pages.
       lengths: [B] int32 tokens in the cache per sequence (0 gives a zero row).
       page_table: [B, max_pages] int32 physical page ids in logical order.
       scale: logit scale, default D ** -0.5.
