@@ -21,6 +21,10 @@ from pallas_kernels import ragged_paged_attention, reference
 from pallas_kernels.ragged.gpu import default_tuning, ragged_paged_attention_gpu
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
+# FP8 pages vs the unquantised K/V they were cast from: the relative error is above
+# bf16's whole tolerance (so the kernel really read fp8-rounded pages) and below the
+# format's unit roundoff, 2**-4 for e4m3fn and 2**-3 for e5m2 (measured: ~2.8% and ~5.7%).
+FP8_BOUNDS = {jnp.float8_e4m3fn: (1e-2, 2**-4), jnp.float8_e5m2: (1e-2, 2**-3)}
 
 
 def _batch(
@@ -38,14 +42,19 @@ def _batch(
     num_rows=None,
     poison=False,
     window=None,
+    kv_dtype=None,
 ):
     """Random sequences written into a page pool with shuffled page tables.
 
     Returns (kernel args, dense per-sequence (q, k, v) in float32). `num_rows`
     (default: the real rows plus `pad_rows`) and `num_pages` fix the shapes so that
     tests can share one compiled kernel. With `poison`, every pool slot no query
-    can see is NaN and page-table padding points at NaN pages.
+    can see is NaN and page-table padding points at NaN pages. `kv_dtype` (default
+    `dtype`) is the pools' dtype; the dense K/V hold the same values in float32. The
+    random draws do not depend on the dtypes, so one seed with two `kv_dtype`s gives
+    the same K/V, rounded or not.
     """
+    kv_dtype = kv_dtype or dtype
     num_heads, num_kv_heads = heads
     b = len(q_lens)
     max_pages = max_pages or max(1, max(-(-c // page_size) for c in ctx_lens))
@@ -55,7 +64,7 @@ def _batch(
     pad_rows = pad_rows if num_rows is None else num_rows - sum(q_lens)
     fill = np.nan if poison else 0.0
 
-    def rnd(*shape):  # values as the kernel will see them (rounded to dtype)
+    def rnd(*shape, dtype=dtype):  # values as the kernel will see them (rounded to dtype)
         x = jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
         return np.array(x.astype(jnp.float32))
 
@@ -74,7 +83,8 @@ def _batch(
         pages = perm[off : off + n]
         off += n
         table[len(dense), :n] = pages
-        k, v = rnd(ctx, num_kv_heads, head_dim), rnd(ctx, num_kv_heads, head_dim)
+        k = rnd(ctx, num_kv_heads, head_dim, dtype=kv_dtype)
+        v = rnd(ctx, num_kv_heads, head_dim, dtype=kv_dtype)
         lo = 0 if window is None or not poison else max(0, ctx - q_len - window + 1)
         for pool, x in zip(pools, (k, v), strict=True):
             t = np.arange(lo, ctx)
@@ -85,8 +95,8 @@ def _batch(
     qs.append(rnd(pad_rows, num_heads, head_dim))
     args = (
         jnp.asarray(np.concatenate(qs), dtype),
-        jnp.asarray(pools[0], dtype),
-        jnp.asarray(pools[1], dtype),
+        jnp.asarray(pools[0], kv_dtype),
+        jnp.asarray(pools[1], kv_dtype),
         jnp.asarray(table),
         jnp.asarray(ctx_lens, jnp.int32),
         jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
@@ -185,6 +195,66 @@ def test_matches_dense_reference(heads, head_dim, page_size, dtype):
 
 
 PAGE_SIZES = (8, 16, 32, 64, 128)
+
+
+def _fp8_case(seed, heads, head_dim, page_size, dtype, kv_dtype, **opts):
+    """FP8 pages with a `dtype` query (dead slots NaN): tight against dense attention on the
+    same fp8 values, loose (FP8_BOUNDS) against the unquantised K/V."""
+    max_pages = 4
+    cap = max_pages * page_size
+    q_lens = [1, 3, 0, 1, 7, 2]
+    ctx_lens = [1, 2 * page_size, 5, cap, cap - 3, page_size + 2]
+    shape = dict(
+        heads=heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        max_pages=max_pages,
+        dtype=dtype,
+        pad_rows=3,
+        poison=True,
+        window=opts.get("sliding_window"),
+    )
+    args, dense = _batch(np.random.default_rng(seed), q_lens, ctx_lens, kv_dtype=kv_dtype, **shape)
+    assert args[1].dtype == kv_dtype and args[2].dtype == kv_dtype
+    _, unquantised = _batch(
+        np.random.default_rng(seed), q_lens, ctx_lens, kv_dtype=jnp.float32, **shape
+    )
+    out = _run(args, **opts)
+    assert out.dtype == dtype
+    _check(out, _dense_ref(dense, args[0].shape[0], **opts), dtype)
+    ref = _dense_ref(unquantised, args[0].shape[0], **opts)
+    out = np.asarray(out.astype(jnp.float32))
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    low, high = FP8_BOUNDS[kv_dtype]
+    assert low < err < high, f"relative error {err} vs unquantised K/V, expected in {low, high}"
+
+
+@pytest.mark.parametrize(
+    "heads,head_dim,page_size,dtype,opts",
+    [
+        ("g4", 128, 16, jnp.bfloat16, {}),
+        ("mqa", 64, 8, jnp.float32, dict(soft_cap=4.0, sliding_window=11)),
+    ],
+)
+def test_fp8_pages(heads, head_dim, page_size, dtype, opts):
+    _fp8_case(20, HEADS[heads], head_dim, page_size, dtype, jnp.float8_e4m3fn, **opts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "heads,head_dim,page_size,dtype,kv_dtype,opts",
+    [
+        ("g1", 64, 8, jnp.bfloat16, jnp.float8_e4m3fn, dict(sliding_window=5)),
+        ("g4", 128, 32, jnp.float32, jnp.float8_e4m3fn, dict(soft_cap=5.0)),
+        ("g8", 256, 64, jnp.bfloat16, jnp.float8_e4m3fn, {}),
+        ("mqa", 128, 128, jnp.bfloat16, jnp.float8_e4m3fn, dict(soft_cap=3.0, sliding_window=9)),
+        ("g3", 64, 16, jnp.float32, jnp.float8_e4m3fn, {}),
+        ("g4", 256, 8, jnp.float32, jnp.float8_e5m2, dict(sliding_window=13)),
+        ("g8", 64, 32, jnp.bfloat16, jnp.float8_e5m2, dict(soft_cap=2.0)),
+    ],
+)
+def test_fp8_pages_grid(heads, head_dim, page_size, dtype, kv_dtype, opts):
+    _fp8_case(21, HEADS[heads], head_dim, page_size, dtype, kv_dtype, **opts)
 
 
 @pytest.mark.slow
@@ -372,3 +442,26 @@ def test_lowers_for_cuda(heads, head_dim, page_size, dtype, opts):
     f = functools.partial(ragged_paged_attention_gpu, **opts)
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
+
+
+@pytest.mark.parametrize(
+    "dtype,kv_dtype", [(jnp.bfloat16, jnp.float8_e4m3fn), (jnp.float32, jnp.float8_e5m2)]
+)
+def test_fp8_lowers_for_cuda(dtype, kv_dtype):
+    # The Triton lowering assumes an sm90 GPU on a CPU-only machine (fp8 casts need sm89+).
+    t, b, num_pages, max_pages, (h, kh), d, s = 37, 5, 40, 7, (32, 8), 128, 16
+    sds = jax.ShapeDtypeStruct
+    args = (
+        sds((t, h, d), dtype),
+        sds((kh, num_pages, s, d), kv_dtype),
+        sds((kh, num_pages, s, d), kv_dtype),
+        sds((b, max_pages), jnp.int32),
+        sds((b,), jnp.int32),
+        sds((b + 1,), jnp.int32),
+    )
+    f = functools.partial(ragged_paged_attention_gpu, sliding_window=100)
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text
+    # The pages reach the kernel as fp8: no upcast copy of the cache outside it.
+    fp8 = "f8E4M3FN" if kv_dtype == jnp.float8_e4m3fn else "f8E5M2"
+    assert f"tensor<8x640x128x{fp8}>" in text

@@ -36,10 +36,18 @@ launched, each reading two scalars. There is no split over the KV axis: a batch 
 long decode rows occupies only `B * K` programs; the paged decode kernel is the
 better choice for pure decode.
 
+FP8 pages (`float8_e4m3fn` or `float8_e5m2`, an FP8 KV cache) with a bfloat16 or
+float32 q: each K/V tile is loaded as fp8 (half the bytes of bf16) and converted
+to q's dtype right after the load, so the dots are those of the unquantised
+kernel and the tuning defaults (register-bound, sized by q's dtype) are unchanged.
+Triton converts e4m3fn only on sm89+ (Ada, Hopper: the H100/H200 are fine); on
+older GPUs the Triton lowering raises "cannot cast from `float8_e4m3fn`". e5m2
+pages are checked in the interpreter and lowered, never run on a GPU.
+
 Supported: everything in `pallas_kernels.reference`'s conventions (GQA/MQA with
 any group size, soft cap, sliding window, float32 and bfloat16, any page size,
-batch, T and max_pages). Not supported: quantized KV pages, a split over the KV
-axis for few long sequences.
+batch, T and max_pages), and unscaled FP8 pages. Not supported: scaled (int8 or
+per-head-scaled fp8) KV pages, a split over the KV axis for few long sequences.
 """
 
 from __future__ import annotations
@@ -130,6 +138,8 @@ def _kernel(
 
         page_base = jnp.minimum(seg, num_seqs - 1) * max_pages
         dot_precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+        # Masked K/V lanes read as 0 in the pages' dtype (Triton cannot cast an int 0 to fp8).
+        kv_zero = jnp.zeros((), k_ref.dtype)
 
         def body(i, carry, masked):
             acc, m_i, l_i = carry
@@ -138,7 +148,9 @@ def _kernel(
             page_idx = jnp.where(kv_ok, kv_pos // page_size, 0)
             page = plgpu.load(pt_ref.at[page_base + page_idx], mask=kv_ok, other=0)
             kv_rows = jnp.where(kv_ok, page * page_size + kv_pos % page_size, 0)[:, None]
-            k = plgpu.load(k_ref.at[kv_rows, col], mask=kv_ok[:, None], other=0)  # [bkv, D]
+            # FP8 pages are upcast right after the load: the bytes moved stay fp8.
+            k = plgpu.load(k_ref.at[kv_rows, col], mask=kv_ok[:, None], other=kv_zero)
+            k = k.astype(q.dtype)  # [bkv, D]
             s = lax.dot_general(
                 q,
                 k,
@@ -161,7 +173,8 @@ def _kernel(
             if masked:
                 p = jnp.where(visible, p, 0.0)
             l_new = l_i * alpha + jnp.sum(p, axis=1)
-            v = plgpu.load(v_ref.at[kv_rows, col], mask=kv_ok[:, None], other=0)  # [bkv, D]
+            v = plgpu.load(v_ref.at[kv_rows, col], mask=kv_ok[:, None], other=kv_zero)
+            v = v.astype(q.dtype)  # [bkv, D]
             pv = lax.dot_general(
                 p.astype(v.dtype),
                 v,
@@ -274,8 +287,8 @@ def ragged_paged_attention_gpu(
 
     Args:
       q: [T, H, D] all sequences' query tokens back to back.
-      k_pages: [K, P, S, D] one layer's key pages.
-      v_pages: [K, P, S, D] one layer's value pages.
+      k_pages: [K, P, S, D] one layer's key pages, in q's dtype or fp8.
+      v_pages: [K, P, S, D] one layer's value pages, same dtype as k_pages.
       page_table: [B, max_pages] int32.
       context_lens: [B] int32 tokens in the cache per sequence, this step's included.
       query_start_loc: [B + 1] int32; rows past query_start_loc[B] return zeros.
