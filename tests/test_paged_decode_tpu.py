@@ -24,6 +24,10 @@ from pallas_kernels.paged_decode import tpu
 from pallas_kernels.paged_decode.tpu import paged_decode_tpu
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
+# FP8 pages vs the unquantised K/V they were cast from: the relative error is above
+# bf16's whole tolerance (so the kernel really read fp8-rounded pages) and below the
+# format's unit roundoff, 2**-4 for e4m3fn and 2**-3 for e5m2 (measured: ~2.8% and ~5.7%).
+FP8_BOUNDS = {jnp.float8_e4m3fn: (1e-2, 2**-4), jnp.float8_e5m2: (1e-2, 2**-3)}
 
 
 @pytest.fixture(autouse=True)
@@ -215,6 +219,78 @@ def test_nan_in_dead_slots_does_not_leak():
     _check(out, args, jnp.bfloat16, sliding_window=window)
 
 
+def _dead_slots(lengths, page_table, num_pages, page_size, window=None):
+    """[1, P, S, 1] bool: True where no visible key lives (NaN goes there)."""
+    live = np.zeros((num_pages, page_size), bool)
+    table = np.asarray(page_table)
+    for b, n in enumerate(np.asarray(lengths)):
+        lo = 0 if window is None else max(int(n) - window, 0)
+        for t in range(lo, int(n)):
+            live[table[b, t // page_size], t % page_size] = True
+    return jnp.asarray(~live)[None, :, :, None]
+
+
+def _fp8_case(dtype, kv_dtype, kv_heads, group, head_dim, page_size, *, max_pages=5, **kwargs):
+    """FP8 pages (NaN in every dead slot) with a `dtype` query: tight against the reference
+    on the same fp8 values, loose (FP8_BOUNDS) against the unquantised K/V."""
+    lengths = _ragged_lengths(5, page_size, max_pages, 3)
+    q, k, v, lens, page_table = _make_inputs(
+        3,
+        batch=len(lengths),
+        kv_heads=kv_heads,
+        group=group,
+        head_dim=head_dim,
+        page_size=page_size,
+        max_pages=max_pages,
+        dtype=jnp.float32,
+        lengths=lengths,
+    )
+    q = q.astype(dtype)
+    options = {k: kwargs.pop(k) for k in ("scale", "soft_cap", "sliding_window") if k in kwargs}
+    dead = _dead_slots(lens, page_table, k.shape[1], page_size, options.get("sliding_window"))
+    k8, v8 = k.astype(kv_dtype), v.astype(kv_dtype)
+    k8_nan, v8_nan = (jnp.where(dead, jnp.nan, x).astype(kv_dtype) for x in (k, v))
+    out = _run(q, k8_nan, v8_nan, lens, page_table, interpret=SHARP, **options, **kwargs)
+    assert out.dtype == dtype
+    _check(out, (q, k8, v8, lens, page_table), dtype, **options)
+    f32 = jnp.float32
+    ref = reference.paged_attention_xla(q.astype(f32), k, v, lens, page_table, **options)
+    out, ref = np.asarray(out.astype(f32)), np.asarray(ref)
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    low, high = FP8_BOUNDS[kv_dtype]
+    assert low < err < high, f"relative error {err} vs unquantised K/V, expected in {low, high}"
+
+
+@pytest.mark.parametrize(
+    "dtype, kv_heads, group, head_dim, page_size, kwargs",
+    [
+        # Two blocks per sequence: the double buffer cycles through fp8 pages.
+        (jnp.bfloat16, 2, 4, 128, 16, {"pages_per_block": 2}),
+        # f32 q, MQA, S = 8 (a quarter of an fp8 tile), window and soft cap.
+        (jnp.float32, 1, 8, 64, 8, {"soft_cap": 5.0, "sliding_window": 19}),
+    ],
+)
+def test_fp8_pages(dtype, kv_heads, group, head_dim, page_size, kwargs):
+    _fp8_case(dtype, jnp.float8_e4m3fn, kv_heads, group, head_dim, page_size, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "dtype, kv_dtype, kv_heads, group, head_dim, page_size, kwargs",
+    [
+        (jnp.bfloat16, jnp.float8_e4m3fn, 2, 1, 64, 32, {"pages_per_block": 3}),
+        (jnp.float32, jnp.float8_e4m3fn, 1, 4, 128, 64, {"soft_cap": 2.0}),
+        (jnp.bfloat16, jnp.float8_e4m3fn, 2, 8, 256, 16, {"sliding_window": 30}),
+        (jnp.bfloat16, jnp.float8_e4m3fn, 1, 4, 128, 128, {}),
+        (jnp.float32, jnp.float8_e4m3fn, 3, 1, 256, 8, {"pages_per_block": 1}),
+        (jnp.bfloat16, jnp.float8_e5m2, 2, 4, 128, 16, {"soft_cap": 8.0, "sliding_window": 21}),
+        (jnp.float32, jnp.float8_e5m2, 1, 8, 64, 32, {"pages_per_block": 2}),
+    ],
+)
+def test_fp8_pages_grid(dtype, kv_dtype, kv_heads, group, head_dim, page_size, kwargs):
+    _fp8_case(dtype, kv_dtype, kv_heads, group, head_dim, page_size, max_pages=6, **kwargs)
+
+
 def test_dispatcher_routes_to_the_kernel():
     """Same shapes and knobs as the float32 S = 128 grid case, so the interpreter is reused."""
     args = _make_inputs(
@@ -276,6 +352,8 @@ def test_default_tuning():
     assert tpu.default_pages_per_block(16, 128, jnp.bfloat16, 3) == 8  # 48 -> 128 tokens
     assert tpu.default_pages_per_block(128, 128, jnp.bfloat16, 3) == 3
     assert tpu.default_num_cores() == 1  # CPU
+    # Blocks are sized in the pages' bytes: fp8 pages get twice the tokens (up to 1024).
+    assert tpu.default_pages_per_block(16, 128, jnp.float8_e4m3fn, 1000) == 64  # 1024 tokens
 
 
 def _lower(dtype, kv_heads, group, head_dim, page_size, **kwargs):
@@ -305,6 +383,32 @@ def _lower(dtype, kv_heads, group, head_dim, page_size, **kwargs):
 )
 def test_lowers_for_tpu(dtype, kv_heads, group, head_dim, page_size, kwargs):
     _lower(dtype, kv_heads, group, head_dim, page_size, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "dtype, kv_dtype, page_size, kwargs",
+    [
+        (jnp.bfloat16, jnp.float8_e4m3fn, 16, {}),
+        (jnp.float32, jnp.float8_e4m3fn, 64, {"soft_cap": 30.0, "sliding_window": 100}),
+        (jnp.bfloat16, jnp.float8_e5m2, 32, {"num_cores": 2}),
+    ],
+)
+def test_fp8_lowers_for_tpu(dtype, kv_dtype, page_size, kwargs):
+    kv_heads, group, head_dim, batch, num_pages, max_pages = 8, 4, 128, 7, 64, 33
+    pool = jax.ShapeDtypeStruct((kv_heads, num_pages, page_size, head_dim), kv_dtype)
+    args = (
+        jax.ShapeDtypeStruct((batch, kv_heads * group, head_dim), dtype),
+        pool,
+        pool,
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+        jax.ShapeDtypeStruct((batch, max_pages), jnp.int32),
+    )
+    f = functools.partial(paged_decode_tpu, **kwargs)
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text
+    # The pools reach the kernel as fp8 (DMA'd as such): no upcast copy outside it.
+    fp8 = "f8E4M3FN" if kv_dtype == jnp.float8_e4m3fn else "f8E5M2"
+    assert f"tensor<8x64x{page_size}x128x{fp8}>" in text
 
 
 _SHAPES = [

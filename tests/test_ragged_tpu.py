@@ -25,6 +25,10 @@ from pallas_kernels import ragged_paged_attention, reference
 from pallas_kernels.ragged.tpu import default_tuning, ragged_paged_attention_tpu
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
+# FP8 pages vs the unquantised K/V they were cast from: the relative error is above
+# bf16's whole tolerance (so the kernel really read fp8-rounded pages) and below the
+# format's unit roundoff, 2**-4 for e4m3fn and 2**-3 for e5m2 (measured: ~2.8% and ~5.7%).
+FP8_BOUNDS = {jnp.float8_e4m3fn: (1e-2, 2**-4), jnp.float8_e5m2: (1e-2, 2**-3)}
 
 
 @pytest.fixture(autouse=True)
@@ -61,12 +65,16 @@ def build_batch(
     pad_rows=0,
     max_pages=None,
     poison_before=None,
+    kv_dtype=None,
 ):
     """A ragged batch written into a shuffled page pool.
 
     `poison_before[b]`, if given, is a key position below which whole pages of sequence b are
     overwritten with NaN after writing (pages the kernel must skip for a sliding window).
+    `kv_dtype` (default `dtype`) is the pools' dtype; the random draws do not depend on the
+    dtypes, so one seed with two `kv_dtype`s gives the same K/V, rounded or not.
     """
+    kv_dtype = kv_dtype or dtype
     kh, d, s = num_kv_heads, head_dim, page_size
     need = [_cdiv(c, s) for c in ctx_lens]
     max_pages = max_pages or max(max(need), 1)
@@ -79,10 +87,10 @@ def build_batch(
     v_pool[:, nan_page] = np.nan
     page_table = np.full((len(q_lens), max_pages), nan_page, np.int32)
     dense_k, dense_v = [], []
-    rnd = lambda x: np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+    rnd = lambda x, dt=dtype: np.asarray(jnp.asarray(x, dt).astype(jnp.float32))
     for b, ctx in enumerate(ctx_lens):
-        kb = rnd(rng.standard_normal((ctx, kh, d)))
-        vb = rnd(rng.standard_normal((ctx, kh, d)))
+        kb = rnd(rng.standard_normal((ctx, kh, d)), kv_dtype)
+        vb = rnd(rng.standard_normal((ctx, kh, d)), kv_dtype)
         dense_k.append(kb)
         dense_v.append(vb)
         for j in range(need[b]):
@@ -101,8 +109,8 @@ def build_batch(
     loc = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     args = (
         jnp.asarray(q, dtype),
-        jnp.asarray(k_pool, dtype),
-        jnp.asarray(v_pool, dtype),
+        jnp.asarray(k_pool, kv_dtype),
+        jnp.asarray(v_pool, kv_dtype),
         jnp.asarray(page_table),
         jnp.asarray(ctx_lens, jnp.int32),
         jnp.asarray(loc),
@@ -225,6 +233,84 @@ def test_matches_dense_reference_grid(num_kv_heads, group, head_dim, page_size, 
         page_size=page_size,
         dtype=dtype,
     )
+
+
+def fp8_case(seed, *, dtype, kv_dtype, opts=None, **shape):
+    """FP8 pages (NaN tails and padding page) with a `dtype` query: tight against dense
+    attention on the same fp8 values, loose (FP8_BOUNDS) against the unquantised K/V."""
+    q_lens, ctx_lens = [1, 13, 0, 1, 6], [30, 25, 3, 1, 40]
+    kw = dict(dtype=dtype, pad_rows=3, **shape)
+    batch = build_batch(np.random.default_rng(seed), q_lens, ctx_lens, kv_dtype=kv_dtype, **kw)
+    assert batch.args[1].dtype == kv_dtype and batch.args[2].dtype == kv_dtype
+    unquantised = build_batch(
+        np.random.default_rng(seed), q_lens, ctx_lens, kv_dtype=jnp.float32, **kw
+    )
+    out = check(batch, dtype, opts=opts, block_q=16, pages_per_block=2)
+    ref = expected(unquantised, **(opts or {}))
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    low, high = FP8_BOUNDS[kv_dtype]
+    assert low < err < high, f"relative error {err} vs unquantised K/V, expected in {low, high}"
+
+
+@pytest.mark.parametrize(
+    "dtype,shape,opts",
+    [
+        (jnp.bfloat16, dict(num_kv_heads=2, group=4, head_dim=128, page_size=16), None),
+        (
+            jnp.float32,
+            dict(num_kv_heads=1, group=2, head_dim=64, page_size=8),
+            dict(sliding_window=9, soft_cap=5.0),
+        ),
+    ],
+)
+def test_fp8_pages(dtype, shape, opts):
+    fp8_case(30, dtype=dtype, kv_dtype=jnp.float8_e4m3fn, opts=opts, **shape)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "dtype,kv_dtype,shape,opts",
+    [
+        (
+            jnp.bfloat16,
+            jnp.float8_e4m3fn,
+            dict(num_kv_heads=2, group=1, head_dim=64, page_size=32),
+            {},
+        ),
+        (
+            jnp.float32,
+            jnp.float8_e4m3fn,
+            dict(num_kv_heads=1, group=8, head_dim=256, page_size=16),
+            dict(soft_cap=3.0),
+        ),
+        (
+            jnp.bfloat16,
+            jnp.float8_e4m3fn,
+            dict(num_kv_heads=4, group=1, head_dim=128, page_size=64),
+            dict(sliding_window=13),
+        ),
+        (
+            jnp.bfloat16,
+            jnp.float8_e4m3fn,
+            dict(num_kv_heads=1, group=4, head_dim=128, page_size=128),
+            {},
+        ),
+        (
+            jnp.float32,
+            jnp.float8_e5m2,
+            dict(num_kv_heads=2, group=4, head_dim=128, page_size=8),
+            dict(sliding_window=7),
+        ),
+        (
+            jnp.bfloat16,
+            jnp.float8_e5m2,
+            dict(num_kv_heads=2, group=8, head_dim=64, page_size=16),
+            dict(soft_cap=8.0, scale=0.2),
+        ),
+    ],
+)
+def test_fp8_pages_grid(dtype, kv_dtype, shape, opts):
+    fp8_case(31, dtype=dtype, kv_dtype=kv_dtype, opts=opts, **shape)
 
 
 def _prefill_sequence(rng, length, page_size=8, num_kv_heads=2, group=2, head_dim=64):
@@ -416,6 +502,29 @@ def test_lowers_for_tpu(page_size, dtype, head_dim, group):
     f = functools.partial(ragged_paged_attention_tpu, sliding_window=64, soft_cap=30.0)
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in text
+
+
+@pytest.mark.parametrize(
+    "dtype,kv_dtype,page_size",
+    [(jnp.bfloat16, jnp.float8_e4m3fn, 16), (jnp.float32, jnp.float8_e5m2, 64)],
+)
+def test_fp8_lowers_for_tpu(dtype, kv_dtype, page_size):
+    kh, group, head_dim, num_pages, batch, max_pages, t = 2, 4, 128, 64, 5, 16, 100
+    sds = jax.ShapeDtypeStruct
+    args = (
+        sds((t, kh * group, head_dim), dtype),
+        sds((kh, num_pages, page_size, head_dim), kv_dtype),
+        sds((kh, num_pages, page_size, head_dim), kv_dtype),
+        sds((batch, max_pages), jnp.int32),
+        sds((batch,), jnp.int32),
+        sds((batch + 1,), jnp.int32),
+    )
+    f = functools.partial(ragged_paged_attention_tpu, sliding_window=64, soft_cap=30.0)
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text
+    # The pools reach the kernel as fp8 (DMA'd as such): no upcast copy outside it.
+    fp8 = "f8E4M3FN" if kv_dtype == jnp.float8_e4m3fn else "f8E5M2"
+    assert f"tensor<2x64x{page_size}x128x{fp8}>" in text
 
 
 def test_race_detector_is_live():

@@ -46,10 +46,22 @@ What Mosaic's tiling forces, and how it is handled (nothing reaches the caller):
   divide it, the batch is padded with length-0 sequences. Any `max_pages` works:
   a block's page range is clipped to the sequence's pages.
 
+FP8 pages (`float8_e4m3fn` or `float8_e5m2`, an FP8 KV cache) with a bfloat16 or
+float32 q: pages are DMA'd as fp8 (half the bytes of bf16) into fp8 VMEM buffers,
+and each block is converted in VMEM to float32, folded to `[block_kv, D]` there
+(which also sidesteps fp8's 32-row packed tiles) and cast to q's dtype before
+the dots. Float32 is the route because Mosaic's canonicalisation supports fp8 ->
+f32 on every TPU generation, while fp8 -> bf16 is native only on TPU7x (older
+chips decompose it through f32 anyway). The CPU lowering for "tpu" accepts this
+and the interpreter runs it with race detection; no real TPU has compiled it,
+so Mosaic's layout passes (fp8 vectors of S < 32 rows are sub-tile) are
+unverified. `backend="auto"` on a TPU with fp8 pages runs this kernel; if Mosaic
+rejects it on some chip, `backend="xla"` is the fallback.
+
 Not supported / caveats:
 
 * Page sizes that are not powers of two (the validation layer rejects them);
-  quantized (int8/fp8) pools; K/V in a dtype other than q's.
+  int8 or scaled fp8 pools; K/V in a dtype other than q's, except unscaled fp8.
 * One DMA per page: pages are scattered, so small pages mean many small DMAs
   (S = 8, D = 64, bf16 is 1 KiB each) and a DMA-issue-bound kernel.
 * float32 matmuls run at HIGHEST precision (multi-pass on the MXU). With small
@@ -200,12 +212,16 @@ def _kernel(
         state_ref[1] = go.astype(jnp.int32)
 
     q = q_ref[...]
-    dtype = k_buf.dtype
+    dtype = q.dtype  # of the dots; the buffers hold the pages' dtype (fp8 or the same)
     precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
     def fold(buf, slot):
-        """The block's pages as one [bt, D] matrix."""
+        """The block's pages as one [bt, D] matrix in q's dtype."""
         x = buf[slot]  # [pages_per_block, S, D]
+        if x.dtype != dtype:
+            # FP8 pages, upcast in VMEM after the DMA (the bytes moved stay fp8). Mosaic
+            # converts fp8 to and from float32 only, so fold in float32, then cast.
+            return x.astype(jnp.float32).reshape(block_tokens, head_dim).astype(dtype)
         if page_size % _sublane_tile(dtype):
             # Half-tile pages (bf16, S = 8): fold them in float32, then pack back.
             return x.astype(jnp.float32).reshape(block_tokens, head_dim).astype(dtype)
@@ -393,8 +409,8 @@ def paged_decode_tpu(
 
     Args:
       q: [B, H, D] the query of each sequence's newest token (position lengths[b] - 1).
-      k_pages: [K, P, S, D] one layer's key pages, same dtype as q.
-      v_pages: [K, P, S, D] one layer's value pages.
+      k_pages: [K, P, S, D] one layer's key pages, in q's dtype or fp8.
+      v_pages: [K, P, S, D] one layer's value pages, same dtype as k_pages.
       lengths: [B] int tokens in the cache per sequence, this token included.
       page_table: [B, max_pages] int physical page ids in logical order.
       scale: logit scale, default D ** -0.5.
@@ -403,7 +419,8 @@ def paged_decode_tpu(
       interpret: True runs the kernel in the TPU interpreter on the CPU with race
         detection on; a `pltpu.InterpretParams` is used as given.
       pages_per_block: pages per compute block (one DMA double-buffer slot).
-        Default: about 128 KiB of K per block (see `default_pages_per_block`).
+        Default: about 128 KiB of K per block, in the pages' dtype (see
+        `default_pages_per_block`).
         Values beyond a whole page-table row (rounded up to 128 tokens) are
         clipped to it.
       num_cores: TensorCores to split the (sequence, kv head) work over.

@@ -54,7 +54,20 @@ grid step (~256 dot rows: 128 for G <= 2, 64 for G=4, 32 for G=8, 16 beyond; nev
 T rounded up), `pages_per_block` pages per KV block (`block_kv` ~512 keys, 256 for D=256, at
 least 128 keys, at most the page table's capacity), `vmem_limit_bytes`.
 
-Not supported: K/V dtype differing from q (no fp8/int8 cache); the page table must fit in SMEM
+FP8 pages (`float8_e4m3fn` or `float8_e5m2`, an FP8 KV cache) with a bfloat16 or
+float32 q: pages are DMA'd as fp8 (half the bytes of bf16) into fp8 VMEM buffers,
+and each block is converted in VMEM to float32, folded to `[block_kv, D]` there
+(which also sidesteps fp8's 32-row packed tiles) and cast to q's dtype before
+the dots. Float32 is the route because Mosaic's canonicalisation supports fp8 ->
+f32 on every TPU generation, while fp8 -> bf16 is native only on TPU7x (older
+chips decompose it through f32 anyway). The CPU lowering for "tpu" accepts this
+and the interpreter runs it with race detection; no real TPU has compiled it,
+so Mosaic's layout passes (fp8 vectors of S < 32 rows are sub-tile) are
+unverified. `backend="auto"` on a TPU with fp8 pages runs this kernel; if Mosaic
+rejects it on some chip, `backend="xla"` is the fallback.
+
+Not supported: K/V dtype differing from q other than unscaled fp8 (no int8 or scaled fp8
+cache); the page table must fit in SMEM
 as scalar prefetch (`B * max_pages` int32 words); page sizes that are not powers of two
 (rejected by validation); page sizes below 8 work in interpret mode but are below Mosaic's
 sublane tile. Not yet verified on TPU hardware: only interpret mode and lowering
@@ -173,8 +186,13 @@ def _kernel(
         lax.fori_loop(i_lo, i_hi, body, 0)
 
     def collapse(buf):
-        # [ppb, S, D] -> [block_kv, D]; sub-tile packed pages are collapsed in float32.
+        # [ppb, S, D] -> [block_kv, D] in q's dtype; sub-tile packed pages are collapsed
+        # in float32.
         x = buf[...]
+        if x.dtype != q_ref.dtype:
+            # FP8 pages, upcast in VMEM after the DMA (the bytes moved stay fp8). Mosaic
+            # converts fp8 to and from float32 only, so collapse in float32, then cast.
+            return x.astype(jnp.float32).reshape(block_kv, head_dim).astype(q_ref.dtype)
         packing = 4 // jnp.dtype(x.dtype).itemsize
         if page_size % (8 * packing):
             return x.astype(jnp.float32).reshape(block_kv, head_dim).astype(x.dtype)
@@ -421,8 +439,8 @@ def ragged_paged_attention_tpu(
 
     Args:
       q: [T, H, D] all sequences' query tokens back to back.
-      k_pages: [K, P, S, D] one layer's key pages (HBM).
-      v_pages: [K, P, S, D] one layer's value pages.
+      k_pages: [K, P, S, D] one layer's key pages (HBM), in q's dtype or fp8.
+      v_pages: [K, P, S, D] one layer's value pages, same dtype as k_pages.
       page_table: [B, max_pages] int32 physical page ids in logical order.
       context_lens: [B] int32 tokens in the cache per sequence, this step's included.
       query_start_loc: [B + 1] int32; sequence b owns rows [loc[b], loc[b + 1]).
