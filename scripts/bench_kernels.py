@@ -20,6 +20,11 @@ On a CUDA GPU it
    executable of several calls (distinct queries, so nothing is deduplicated),
    and the reported time is the median over `--iters` runs divided by the calls.
 
+One decode row has an FP8 KV cache (`float8_e4m3fn` pages, bf16 queries): its
+GB/s and fraction of copy bandwidth count the fp8 bytes actually read, its dense
+baseline upcasts the fp8 K/V in XLA, and JAX's bundled kernel has no fp8 path
+("n/a").
+
 With `--out DIR`, DIR/bench_kernels.jsonl gets a "meta" line (jax version, device,
 copy bandwidth, matmul TFLOP/s) before the first case, one "row" line per result
 row as soon as it is complete, and an "end" line (ok, wall time), each flushed: a
@@ -28,8 +33,9 @@ error, out of memory) becomes a failed row with the error text, and the run goes
 on with the next case.
 
 Without a GPU it runs the correctness part in the Pallas interpreter on small
-shapes (our kernel, the TPU kernel if `pallas_kernels.paged_decode.tpu` imports,
-JAX's bundled kernel unless --quick) and says that timing needs a GPU.
+shapes, fp8 pages included (our kernel, the TPU kernel if
+`pallas_kernels.paged_decode.tpu` imports, JAX's bundled kernel unless --quick
+or the pages are fp8) and says that timing needs a GPU.
 
 Case families: `main()` runs every `Family` in `FAMILIES`. A family is a name, a
 function `run(env) -> Iterable[dict]` of result rows (a generator, so that each row
@@ -215,11 +221,19 @@ class DecodeCase:
     num_heads: int = 32  # Llama-3-8B: 32 query heads, 8 kv heads, D=128
     num_kv_heads: int = 8
     head_dim: int = 128
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # of the queries (and of the pages unless kv_dtype is set)
+    kv_dtype: str | None = None  # of the pages, e.g. "float8_e4m3fn" (an FP8 KV cache)
+
+    @property
+    def page_dtype(self) -> str:
+        return self.kv_dtype or self.dtype
 
     @property
     def name(self) -> str:
-        return f"B={self.batch} S={self.seq_len} page={self.page_size}"
+        name = f"B={self.batch} S={self.seq_len} page={self.page_size}"
+        if self.page_dtype == self.dtype:
+            return name
+        return f"{name} {'fp8' if self.page_dtype == 'float8_e4m3fn' else self.page_dtype}"
 
     @property
     def max_pages(self) -> int:
@@ -227,13 +241,13 @@ class DecodeCase:
 
     @property
     def kv_bytes(self) -> int:
-        itemsize = jnp.dtype(self.dtype).itemsize
+        itemsize = jnp.dtype(self.page_dtype).itemsize
         return 2 * self.batch * self.seq_len * self.num_kv_heads * self.head_dim * itemsize
 
     def tuning(self) -> dict:
         """Our kernel's default knobs for this shape."""
         shape = (self.batch, self.num_heads, self.num_kv_heads, self.head_dim, self.page_size)
-        return default_tuning(*shape, self.max_pages, self.dtype)
+        return default_tuning(*shape, self.max_pages, self.page_dtype)
 
 
 GPU_DECODE_CASES = [
@@ -243,20 +257,29 @@ GPU_DECODE_CASES = [
     DecodeCase(128, 2048),
     DecodeCase(256, 512),
     DecodeCase(32, 4096, page_size=64),
+    DecodeCase(32, 4096, kv_dtype="float8_e4m3fn"),  # FP8 KV cache, bf16 queries
 ]
-CPU_DECODE_CASES = [DecodeCase(3, 80), DecodeCase(2, 40, page_size=8, num_heads=8, head_dim=64)]
+CPU_DECODE_CASES = [
+    DecodeCase(3, 80),
+    DecodeCase(3, 80, kv_dtype="float8_e4m3fn"),
+    DecodeCase(2, 40, page_size=8, num_heads=8, head_dim=64),
+]
+QUICK_CPU_CASES = 2  # --quick on the CPU: the first bf16 case and the fp8 one
 
 
 def make_decode_inputs(case: DecodeCase, seed: int):
-    """Random pools with a shuffled page table; returns (q, k_pages, v_pages, page_table)."""
+    """Random pools with a shuffled page table; returns (q, k_pages, v_pages, page_table).
+
+    FP8 pages are drawn in q's dtype and cast (N(0, 1) values fit e4m3fn's range).
+    """
     key = jax.random.key(seed)
     kq, kk, kv = jax.random.split(key, 3)
     num_pages = case.batch * case.max_pages
     dtype = jnp.dtype(case.dtype)
     shape = (case.num_kv_heads, num_pages, case.page_size, case.head_dim)
     q = jax.random.normal(kq, (case.batch, case.num_heads, case.head_dim), dtype)
-    k_pages = jax.random.normal(kk, shape, dtype)
-    v_pages = jax.random.normal(kv, shape, dtype)
+    k_pages = jax.random.normal(kk, shape, dtype).astype(case.page_dtype)
+    v_pages = jax.random.normal(kv, shape, dtype).astype(case.page_dtype)
     perm = np.random.default_rng(seed).permutation(num_pages).astype(np.int32)
     page_table = jnp.asarray(perm.reshape(case.batch, case.max_pages))
     return q, k_pages, v_pages, page_table
@@ -281,11 +304,12 @@ def dense_decode(q, k, v, lengths):
     """Decode attention over contiguous K/V in plain XLA.
 
     Args:
-      q: [B, H, D]; k, v: [B, K, T, D]; lengths: [B] int32 (>= 1).
+      q: [B, H, D]; k, v: [B, K, T, D] (fp8 is upcast to q's dtype); lengths: [B] int32 (>= 1).
 
     Returns:
       [B, H, D] in q's dtype.
     """
+    k, v = k.astype(q.dtype), v.astype(q.dtype)
     b, h, d = q.shape
     kh, t = k.shape[1], k.shape[2]
     qg = q.reshape(b, kh, h // kh, d)
@@ -446,7 +470,9 @@ def decode_case_gpu(case: DecodeCase, env: BenchEnv, sweep_until: float) -> dict
             row["paged_over_dense"] = t_ours / t_dense
 
     fn, why = bundled_kernel()
-    if fn is None:
+    if case.page_dtype != case.dtype:
+        row["bundled_us"] = "n/a"  # JAX's bundled kernel has no fp8 (mixed-dtype) path
+    elif fn is None:
         row["error_bundled"] = f"missing: {why}"
     else:
         best = None
@@ -496,7 +522,7 @@ def decode_cases_cpu(env: BenchEnv) -> Iterable[dict]:
             kernels["bundled"] = lambda *a: run_bundled(
                 fn, *a, interpret=True, k_splits=1, pages_per_compute_block=1
             )
-    for case in CPU_DECODE_CASES[:1] if env.quick else CPU_DECODE_CASES:
+    for case in CPU_DECODE_CASES[:QUICK_CPU_CASES] if env.quick else CPU_DECODE_CASES:
         q, k, v, pt = make_decode_inputs(case, 0)
         lengths = ragged_lengths(case, 0)
         f32 = jnp.float32
@@ -507,6 +533,8 @@ def decode_cases_cpu(env: BenchEnv) -> Iterable[dict]:
         errors, ok = {}, True
         tol = _tolerance(case)
         for name, kernel in kernels.items():
+            if name == "bundled" and case.page_dtype != case.dtype:
+                continue  # no fp8 path
             log(f"  {case.name}: {name} (interpret)")
             passed = _check(name, partial(kernel, *args), ref, slice(None), tol, errors)
             ok &= passed or name == "bundled"  # JAX's kernel is reported, not ours to fix

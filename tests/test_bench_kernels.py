@@ -60,15 +60,18 @@ def test_cpu_path_json(bench, capsys):
     assert bench.main(["--quick", "--json"], families=[bench.DECODE]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["timed"] is False and "timing needs a CUDA GPU" in result["note"]
-    (row,) = result["results"]["decode"]
-    assert row["ok"] is True
-    assert 0 < row["err_ours"] < 1e-2 and 0 < row["err_tpu"] < 1e-2 and row["err_dense"] < 1e-2
+    bf16, fp8 = result["results"]["decode"]  # --quick: one bf16 case and the fp8 one
+    assert fp8["case"].endswith(" fp8") and not bf16["case"].endswith(" fp8")
+    for row in (bf16, fp8):
+        assert row["ok"] is True
+        assert 0 < row["err_ours"] < 1e-2 and 0 < row["err_tpu"] < 1e-2 and row["err_dense"] < 1e-2
 
 
 def test_cpu_path_reports_broken_tpu_kernel(bench, capsys, monkeypatch):
     def broken(q, *args, **kwargs):
         return jnp.zeros_like(q) + 1
 
+    monkeypatch.setattr(bench, "CPU_DECODE_CASES", bench.CPU_DECODE_CASES[:1])
     monkeypatch.setattr(sys.modules["pallas_kernels.paged_decode.tpu"], "paged_decode_tpu", broken)
     assert bench.main(["--quick"], families=[bench.DECODE]) == 1
     out = capsys.readouterr().out
@@ -101,6 +104,42 @@ def test_gpu_path_logic_on_cpu(bench, capsys, monkeypatch):
         assert row[key] > 0, key
     assert row["err_ours"] < 1e-2 and row["err_bundled"] < 1e-2 and row["err_dense"] < 1e-2
     assert row["ok"] is True and row["tuning"]["num_splits"] >= 1
+
+
+def test_fp8_row_in_the_gpu_table(bench):
+    """The Llama-3-8B layer at (B, S) = (32, 4096), page 16, with fp8 pages: half the bytes."""
+    fp8 = [c for c in bench.GPU_DECODE_CASES if c.kv_dtype == "float8_e4m3fn"]
+    assert len(fp8) == 1
+    (case,) = fp8
+    assert (case.batch, case.seq_len, case.page_size, case.dtype) == (32, 4096, 16, "bfloat16")
+    assert (case.num_heads, case.num_kv_heads, case.head_dim) == (32, 8, 128)
+    bf16 = bench.DecodeCase(32, 4096)
+    assert bf16 in bench.GPU_DECODE_CASES
+    assert 2 * case.kv_bytes == bf16.kv_bytes == 2 * 32 * 4096 * 8 * 128 * 2
+    assert case.tuning()["block_kv"] == 2 * bf16.tuning()["block_kv"]  # same bytes per tile
+
+
+def test_gpu_path_fp8_case_on_cpu(bench, capsys, monkeypatch):
+    # Our kernel in the interpreter; the bundled kernel must not be called for fp8 pages.
+    def bundled(*args, **kwargs):
+        raise AssertionError("the bundled kernel has no fp8 path")
+
+    case = bench.DecodeCase(
+        2, 64, num_heads=4, num_kv_heads=2, head_dim=64, kv_dtype="float8_e4m3fn"
+    )
+    fake_gpu(bench, monkeypatch, [case])
+    monkeypatch.setattr(
+        bench, "paged_decode_gpu", functools.partial(paged_decode_gpu, interpret=True)
+    )
+    monkeypatch.setattr(bench, "bundled_kernel", lambda: (bundled, None))
+    assert bench.main(["--quick", "--json", "--iters", "1"], families=[bench.DECODE]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["results"]["decode"]
+    assert row["case"] == "B=2 S=64 page=16 fp8" and row["ok"] is True
+    assert row["bundled_us"] == "n/a" and "speedup_vs_bundled" not in row
+    assert row["kv_mb"] * 2**20 == 2 * 2 * 64 * 2 * 64  # fp8: 1 byte per element
+    assert row["ours_gbps"] == pytest.approx(case.kv_bytes / row["ours_us"] / 1e3)
+    assert row["ours_frac_copy"] == pytest.approx(row["ours_gbps"])  # copy stubbed at 1 GB/s
+    assert row["err_ours"] < 1e-2 and row["err_dense"] < 1e-2 and row["dense_us"] > 0
 
 
 def test_gpu_path_survives_failing_kernels(bench, capsys, monkeypatch):
@@ -154,7 +193,8 @@ def test_gpu_path_full_sweeps_with_stub_kernels(bench, capsys, monkeypatch):
     assert {"num_splits", "block_kv", "num_stages"} <= {k for t in seen["ours"] for k in t}
 
 
-def test_out_streams_rows_as_they_finish(bench, capsys, tmp_path):
+def test_out_streams_rows_as_they_finish(bench, capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "CPU_DECODE_CASES", bench.CPU_DECODE_CASES[:1])
     out = tmp_path / "new_dir"
     path = out / "bench_kernels.jsonl"
     seen_before_second = []

@@ -282,6 +282,7 @@ def test_fp8_pages(dtype, shape, options):
     check_fp8(dtype=dtype, batch=4, **shape, **options)
 
 
+@pytest.mark.slow
 def test_fp8_pages_through_dispatcher_e5m2():
     q, k, v, _, _, lengths, page_table = make_case(5, 3, 8, 2, 64, 16, 3, jnp.float32)
     k8, v8 = k.astype(jnp.float8_e5m2), v.astype(jnp.float8_e5m2)

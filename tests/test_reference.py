@@ -4,7 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels
 from pallas_kernels import reference as ref
+from pallas_kernels import validation
+from pallas_kernels.validation import FP8_DTYPES
 
 
 def naive_attention(q, k, v, q_pos, k_len, *, scale=None, soft_cap=None, window=None):
@@ -225,3 +228,140 @@ def test_gqa_heads_must_divide():
     rng = np.random.default_rng(7)
     with pytest.raises(ValueError, match="kv heads must divide query heads"):
         ref.decode(randn(rng, 1, 6, 8), randn(rng, 1, 4, 4, 8), randn(rng, 1, 4, 4, 8), [2])
+
+
+# ---------------------------------------------------------------- fp8 K/V
+
+FP8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]
+
+
+def fp8_round(x, kv_dtype):
+    """x rounded to the fp8 format, as float32 numpy (what a kernel sees after the upcast)."""
+    return np.asarray(jnp.asarray(x, kv_dtype).astype(jnp.float32))
+
+
+def test_fp8_dtypes_exported():
+    assert jnp.dtype(jnp.float8_e4m3fn) in FP8_DTYPES
+    assert jnp.dtype(jnp.float8_e5m2) in FP8_DTYPES
+    assert jnp.dtype(jnp.bfloat16) not in FP8_DTYPES
+
+
+@pytest.mark.parametrize(
+    "q_dtype,kv_dtype", [(jnp.float32, jnp.float8_e4m3fn), (jnp.bfloat16, jnp.float8_e5m2)]
+)
+def test_dense_references_upcast_fp8_kv(q_dtype, kv_dtype):
+    """fp8 K/V give exactly what their upcast to q's dtype gives, in q's dtype."""
+    rng = np.random.default_rng(9)
+    q = jnp.asarray(randn(rng, 2, 8, 16), q_dtype)
+    k8, v8 = (jnp.asarray(randn(rng, 2, 12, 2, 16), kv_dtype) for _ in "kv")
+    k, v = k8.astype(q_dtype), v8.astype(q_dtype)
+    lengths = np.array([5, 12])
+    out = ref.decode(q, k8, v8, lengths, soft_cap=4.0)
+    assert out.dtype == q_dtype
+    np.testing.assert_array_equal(out, ref.decode(q, k, v, lengths, soft_cap=4.0))
+    out = ref.attention_chunk(q[0, None], k8[0], v8[0], context_len=7, sliding_window=3)
+    want = ref.attention_chunk(q[0, None], k[0], v[0], context_len=7, sliding_window=3)
+    assert out.dtype == q_dtype
+    np.testing.assert_array_equal(out, want)
+    qp = jnp.asarray(randn(rng, 2, 12, 8, 16), q_dtype)
+    out = ref.causal_prefill(qp, k8, v8, lengths)
+    assert out.dtype == q_dtype
+    np.testing.assert_array_equal(out, ref.causal_prefill(qp, k, v, lengths))
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
+def test_paged_xla_paths_with_fp8_pages_match_naive(kv_dtype):
+    """Both XLA paged paths on fp8 pages (f32 q) equal naive attention over the fp8-rounded
+    K/V, and fp8 slots no sequence owns may be NaN (e4m3fn has NaN, no inf)."""
+    rng = np.random.default_rng(10)
+    page_size, heads, kv_heads, d = 4, 8, 2, 16
+    context = np.array([9, 1, 17, 6])
+    k_pages, v_pages, table, dk, dv = make_paged(rng, context, kv_heads, d, page_size)
+    k_pages, v_pages = _poison_dead_slots(k_pages, v_pages, table, context, page_size)
+    k8, v8 = jnp.asarray(k_pages, kv_dtype), jnp.asarray(v_pages, kv_dtype)
+    dk = [fp8_round(x, kv_dtype) for x in dk]
+    dv = [fp8_round(x, kv_dtype) for x in dv]
+    q = randn(rng, len(context), heads, d)
+    out = np.asarray(ref.paged_attention_xla(q, k8, v8, context, table))
+    for b in range(len(context)):
+        want = naive_attention(q[b][None], dk[b], dv[b], [context[b] - 1], context[b])[0]
+        assert rel_err(out[b], want) < 1e-5
+
+    q_lens = np.array([3, 1, 5, 2])
+    loc = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = randn(rng, int(loc[-1]) + 2, heads, d)
+    out = ref.ragged_paged_attention_xla(q, k8, v8, table, context, loc, soft_cap=3.0)
+    assert out.dtype == jnp.float32
+    out = np.asarray(out)
+    for b in range(len(context)):
+        rows = slice(loc[b], loc[b + 1])
+        pos = context[b] - q_lens[b] + np.arange(q_lens[b])
+        want = naive_attention(q[rows], dk[b], dv[b], pos, context[b], soft_cap=3.0)
+        assert rel_err(out[rows], want) < 1e-5
+    assert (out[loc[-1] :] == 0).all()
+
+
+def test_paged_xla_bf16_query_fp8_pages():
+    """bf16 q with fp8 pages: bf16 out, within bf16's tolerance of the float64 naive result
+    on the same fp8 values, and ~3% away from the unquantised K/V (e4m3fn keeps 3 mantissa
+    bits; the bound is its unit roundoff 2**-4)."""
+    rng = np.random.default_rng(11)
+    page_size, heads, kv_heads, d = 8, 8, 2, 64
+    context = np.array([1, 8, 30, 17])
+    k_pages, v_pages, table, dk, dv = make_paged(rng, context, kv_heads, d, page_size)
+    q = jnp.asarray(randn(rng, len(context), heads, d), jnp.bfloat16)
+    k8, v8 = (jnp.asarray(x, jnp.float8_e4m3fn) for x in (k_pages, v_pages))
+    out = ref.paged_attention_xla(q, k8, v8, context, table)
+    assert out.dtype == jnp.bfloat16
+    out = np.asarray(out.astype(jnp.float32))
+    qf = np.asarray(q.astype(jnp.float32))
+    for b, n in enumerate(context):
+        dk8, dv8 = fp8_round(dk[b], jnp.float8_e4m3fn), fp8_round(dv[b], jnp.float8_e4m3fn)
+        assert rel_err(out[b], naive_attention(qf[b][None], dk8, dv8, [n - 1], n)[0]) < 1e-2
+    exact = np.concatenate(
+        [naive_attention(qf[b][None], dk[b], dv[b], [n - 1], n) for b, n in enumerate(context)]
+    )
+    assert 1e-2 < rel_err(out, exact) < 2**-4
+
+
+def _validate(q_dtype, k_dtype, v_dtype=None, check=None):
+    """Runs both entry points' checks (`check`) or the entry points themselves (None)."""
+    rng = np.random.default_rng(12)
+    q = jnp.asarray(randn(rng, 2, 4, 16), q_dtype)
+    kp = jnp.asarray(randn(rng, 2, 6, 4, 16), k_dtype)
+    vp = jnp.asarray(randn(rng, 2, 6, 4, 16), v_dtype or k_dtype)
+    lengths, table = np.array([3, 5], np.int32), np.array([[0, 1], [2, 3]], np.int32)
+    loc = np.array([0, 1, 2], np.int32)
+    if check:
+        validation.check_decode(q, kp, vp, lengths, table, None, None, None)
+        validation.check_ragged(q, kp, vp, table, lengths, loc, None, None, None)
+        return
+    pallas_kernels.paged_decode_attention(q, kp, vp, lengths, table, backend="xla")
+    pallas_kernels.ragged_paged_attention(q, kp, vp, table, lengths, loc, backend="xla")
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16])
+def test_validation_accepts_fp8_pages(q_dtype, kv_dtype):
+    _validate(q_dtype, kv_dtype, check=True)
+
+
+@pytest.mark.parametrize(
+    "q_dtype,k_dtype,v_dtype,match",
+    [
+        (jnp.int8, jnp.float8_e4m3fn, None, "q dtype int8 with k_pages dtype float8_e4m3fn"),
+        (jnp.float16, jnp.float8_e4m3fn, None, "q dtype float16 with k_pages dtype float8_e4m3fn"),
+        (jnp.float8_e4m3fn, jnp.float8_e4m3fn, None, "q dtype float8_e4m3fn with k_pages"),
+        (jnp.bfloat16, jnp.float8_e4m3fn, jnp.bfloat16, "v_pages dtype bfloat16 != k_pages dtype"),
+        (
+            jnp.bfloat16,
+            jnp.float8_e5m2,
+            jnp.float8_e4m3fn,
+            "float8_e4m3fn != k_pages dtype float8_e5m2",
+        ),
+        (jnp.float8_e4m3fn, jnp.bfloat16, None, "q dtype float8_e4m3fn != k_pages dtype bfloat16"),
+    ],
+)
+def test_validation_rejects_other_fp8_mixes(q_dtype, k_dtype, v_dtype, match):
+    with pytest.raises(TypeError, match=match):
+        _validate(q_dtype, k_dtype, v_dtype)
