@@ -15,8 +15,10 @@ unscaled) with a bfloat16 or float32 q; every backend upcasts K/V tiles to q's
 dtype and returns q's dtype. On CUDA the GPU kernels need sm89+ for e4m3fn; on
 TPU, "auto" runs the TPU kernels, which convert fp8 blocks in VMEM (lowered and
 interpreted on the CPU, not yet compiled on a TPU: see their module docstrings;
-`backend="xla"` is the fallback). The implementations share
-one signature, so a second GPU lowering can slot in behind the same name.
+`backend="xla"` is the fallback).
+
+The implementations share one signature, so a second GPU lowering can slot in
+behind the same name.
 """
 
 from __future__ import annotations

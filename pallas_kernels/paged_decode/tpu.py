@@ -218,12 +218,10 @@ def _kernel(
     def fold(buf, slot):
         """The block's pages as one [bt, D] matrix in q's dtype."""
         x = buf[slot]  # [pages_per_block, S, D]
-        if x.dtype != dtype:
-            # FP8 pages, upcast in VMEM after the DMA (the bytes moved stay fp8). Mosaic
-            # converts fp8 to and from float32 only, so fold in float32, then cast.
-            return x.astype(jnp.float32).reshape(block_tokens, head_dim).astype(dtype)
-        if page_size % _sublane_tile(dtype):
-            # Half-tile pages (bf16, S = 8): fold them in float32, then pack back.
+        if x.dtype != dtype or page_size % _sublane_tile(dtype):
+            # FP8 pages (upcast here in VMEM, so the DMA moved fp8 bytes; Mosaic converts
+            # fp8 to and from float32 only) or half-tile pages (bf16, S = 8): fold them
+            # in float32, then cast to q's dtype.
             return x.astype(jnp.float32).reshape(block_tokens, head_dim).astype(dtype)
         return x.reshape(block_tokens, head_dim)
 

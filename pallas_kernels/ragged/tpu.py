@@ -189,13 +189,11 @@ def _kernel(
         # [ppb, S, D] -> [block_kv, D] in q's dtype; sub-tile packed pages are collapsed
         # in float32.
         x = buf[...]
-        if x.dtype != q_ref.dtype:
-            # FP8 pages, upcast in VMEM after the DMA (the bytes moved stay fp8). Mosaic
-            # converts fp8 to and from float32 only, so collapse in float32, then cast.
-            return x.astype(jnp.float32).reshape(block_kv, head_dim).astype(q_ref.dtype)
         packing = 4 // jnp.dtype(x.dtype).itemsize
-        if page_size % (8 * packing):
-            return x.astype(jnp.float32).reshape(block_kv, head_dim).astype(x.dtype)
+        if x.dtype != q_ref.dtype or page_size % (8 * packing):
+            # FP8 pages (upcast here in VMEM, so the DMA moved fp8 bytes; Mosaic converts
+            # fp8 to and from float32 only) or sub-tile packed pages: collapse in float32.
+            return x.astype(jnp.float32).reshape(block_kv, head_dim).astype(q_ref.dtype)
         return x.reshape(block_kv, head_dim)
 
     def compute(c, j, slot):
