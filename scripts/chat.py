@@ -26,8 +26,8 @@ reply), `--temperature` (0.7; 0 is greedy), `--top-k`, `--top-p`, `--min-p`,
 reproducible.
 
 The engine flags (`--page-size`, `--num-pages` | `--kv-memory-fraction`,
-`--max-batch-tokens`, `--backend`, `--tensor-parallel`, `--compilation-cache`) are
-scripts/generate.py's. Bad input (a checkpoint or template that cannot serve a chat,
+`--kv-cache-dtype`, `--max-batch-tokens`, `--backend`, `--tensor-parallel`,
+`--compilation-cache`) are scripts/generate.py's. Bad input (a checkpoint or template that cannot serve a chat,
 a bad flag) ends with one line on stderr and exit status 2, before any weights load.
 """
 

@@ -66,8 +66,8 @@ For trusted networks only: there is no authentication and no rate limit; bind to
 127.0.0.1 (the default) unless the network is yours. Flags: `--checkpoint`, `--host`,
 `--port`, `--served-model-name`, `--chat-template FILE`, `--max-model-len N`, `--seed`
 (for requests without one), scripts/generate.py's engine flags (`--page-size`,
-`--num-pages` | `--kv-memory-fraction`, `--max-batch-tokens`, `--backend`,
-`--tensor-parallel`, `--compilation-cache`), `--no-prefix-caching`,
+`--num-pages` | `--kv-memory-fraction`, `--kv-cache-dtype`, `--max-batch-tokens`,
+`--backend`, `--tensor-parallel`, `--compilation-cache`), `--no-prefix-caching`,
 `--no-async-scheduling`, `--quiet` (no request log). Bad flags, a checkpoint that
 cannot serve text or a port that cannot be bound end with one line on stderr and exit
 status 2, before any weights load.
