@@ -27,8 +27,9 @@ reproducible.
 
 The engine flags (`--page-size`, `--num-pages` | `--kv-memory-fraction`,
 `--kv-cache-dtype`, `--max-batch-tokens`, `--backend`, `--tensor-parallel`,
-`--compilation-cache`) are scripts/generate.py's. Bad input (a checkpoint or template that cannot serve a chat,
-a bad flag) ends with one line on stderr and exit status 2, before any weights load.
+`--compilation-cache`) are scripts/generate.py's. Bad input (a checkpoint or template
+that cannot serve a chat, a bad flag) ends with one line on stderr and exit status 2,
+before any weights load.
 """
 
 from __future__ import annotations
