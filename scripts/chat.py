@@ -132,17 +132,10 @@ def run(args) -> int:
     gen.enable_compilation_cache(gen.compilation_cache_dir(args.compilation_cache))
     llm = LLM(
         args.checkpoint,
-        page_size=args.page_size,
-        num_pages=args.num_pages,
-        kv_memory_fraction=args.kv_memory_fraction,
-        max_num_seqs=min(64, args.max_batch_tokens),
-        max_num_batched_tokens=args.max_batch_tokens,
-        backend=args.backend,
         seed=args.seed,
         max_model_len=args.max_model_len,
         tokenizer=tok,
-        tensor_parallel=args.tensor_parallel,
-        kv_cache_dtype=args.kv_cache_dtype,
+        **gen.engine_kwargs(args),
     )
     tty = sys.stdin.isatty()
     print(f"model: {llm.model_source} (template: {tok.chat_template_source})", file=sys.stderr)

@@ -274,6 +274,20 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def engine_kwargs(args) -> dict:
+    """The `LLM` arguments that `add_engine_flags` sets (scripts/chat.py, serve.py too)."""
+    return dict(
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        kv_memory_fraction=args.kv_memory_fraction,
+        max_num_seqs=min(64, args.max_batch_tokens),
+        max_num_batched_tokens=args.max_batch_tokens,
+        backend=args.backend,
+        tensor_parallel=args.tensor_parallel,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
+
+
 def check_engine_flags(args) -> None:
     """Checks `add_engine_flags`'s values and `--checkpoint` before anything loads."""
     from pagedjax.resources import check_backend
@@ -484,17 +498,10 @@ def run(args) -> int:
     enable_compilation_cache(cache_dir)
     llm = LLM(
         args.checkpoint,
-        page_size=args.page_size,
-        num_pages=args.num_pages,
-        kv_memory_fraction=args.kv_memory_fraction,
-        max_num_seqs=min(64, args.max_batch_tokens),
-        max_num_batched_tokens=args.max_batch_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
-        backend=args.backend,
         seed=args.seed,
-        tensor_parallel=args.tensor_parallel,
-        kv_cache_dtype=args.kv_cache_dtype,
         async_scheduling=not args.no_async_scheduling,
+        **engine_kwargs(args),
     )
     device = str(jax.devices()[0])
     note = sys.stderr if args.json else sys.stdout

@@ -421,19 +421,12 @@ def run(args) -> int:
         gen.enable_compilation_cache(gen.compilation_cache_dir(args.compilation_cache))
         llm = LLM(
             args.checkpoint,
-            page_size=args.page_size,
-            num_pages=args.num_pages,
-            kv_memory_fraction=args.kv_memory_fraction,
-            max_num_seqs=min(64, args.max_batch_tokens),
-            max_num_batched_tokens=args.max_batch_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
-            backend=args.backend,
             seed=args.seed,
             max_model_len=args.max_model_len,
             tokenizer=tok,
-            tensor_parallel=args.tensor_parallel,
-            kv_cache_dtype=args.kv_cache_dtype,
             async_scheduling=not args.no_async_scheduling,
+            **gen.engine_kwargs(args),
         )
         server.start(llm)
         print(
