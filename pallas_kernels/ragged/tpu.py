@@ -54,17 +54,11 @@ grid step (~256 dot rows: 128 for G <= 2, 64 for G=4, 32 for G=8, 16 beyond; nev
 T rounded up), `pages_per_block` pages per KV block (`block_kv` ~512 keys, 256 for D=256, at
 least 128 keys, at most the page table's capacity), `vmem_limit_bytes`.
 
-FP8 pages (`float8_e4m3fn` or `float8_e5m2`, an FP8 KV cache) with a bfloat16 or
-float32 q: pages are DMA'd as fp8 (half the bytes of bf16) into fp8 VMEM buffers,
-and each block is converted in VMEM to float32, folded to `[block_kv, D]` there
-(which also sidesteps fp8's 32-row packed tiles) and cast to q's dtype before
-the dots. Float32 is the route because Mosaic's canonicalisation supports fp8 ->
-f32 on every TPU generation, while fp8 -> bf16 is native only on TPU7x (older
-chips decompose it through f32 anyway). The CPU lowering for "tpu" accepts this
-and the interpreter runs it with race detection; no real TPU has compiled it,
-so Mosaic's layout passes (fp8 vectors of S < 32 rows are sub-tile) are
-unverified. `backend="auto"` on a TPU with fp8 pages runs this kernel; if Mosaic
-rejects it on some chip, `backend="xla"` is the fallback.
+FP8 pages (`float8_e4m3fn` or `float8_e5m2`) with a bfloat16 or float32 q, as in
+`pallas_kernels.paged_decode.tpu` (whose docstring says why and what is unverified):
+DMA'd as fp8, each block converted in VMEM to float32, folded to `[block_kv, D]` and
+cast to q's dtype before the dots; `backend="xla"` is the fallback if Mosaic rejects
+it on some chip.
 
 Not supported: K/V dtype differing from q other than unscaled fp8 (no int8 or scaled fp8
 cache); the page table must fit in SMEM
