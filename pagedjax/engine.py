@@ -167,6 +167,8 @@ class LLM:
         if not isinstance(self.max_model_len, int) or not 1 < self.max_model_len <= limit:
             raise ValueError(f"max_model_len must be an int in [2, {limit}], got {max_model_len=}")
         kv_dtype = cfg.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+        if kv_dtype == "float8_e4m3fn" and cfg.dtype == "float16":  # kernels upcast to q's
+            raise ValueError(f"an fp8 KV cache needs a bfloat16 or float32 model, got {cfg.dtype}")
         if num_pages is None:
             num_pages = plan_num_pages(
                 sharding.device_kv_config(cfg, self.tensor_parallel),  # one device's share

@@ -146,6 +146,10 @@ def test_engine_rejects_a_bad_kv_dtype_before_loading(monkeypatch):
     monkeypatch.setattr("pagedjax.engine.load_model", boom)
     with pytest.raises(ValueError, match="'int8'"):
         LLM(ModelConfig(**dataclasses.asdict(TINY)), kv_cache_dtype="int8")
+    monkeypatch.undo()
+    f16 = dataclasses.replace(TINY, dtype="float16", num_layers=1)
+    with pytest.raises(ValueError, match="needs a bfloat16 or float32 model, got float16"):
+        LLM(f16, kv_cache_dtype="fp8", **GEOMETRY)
 
 
 @pytest.mark.slow
