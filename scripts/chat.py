@@ -181,12 +181,7 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
     try:
-        args = build_parser().parse_args(argv)
-        return run(args)
-    except (gen.BadInput, ValueError, TypeError, FileNotFoundError, NotADirectoryError) as e:
-        msg = " ".join(str(e).split())  # multi-line errors (checkpoint listings) on one line
-        print(f"error: {msg[:2000]}", file=sys.stderr)
-        return 2
+        return gen.run_cli(build_parser, run, argv)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130

@@ -593,7 +593,9 @@ def run(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def run_cli(build_parser, run, argv=None) -> int:
+    """Parses `argv` and runs; bad input ends as one line on stderr and status 2 (the
+    `main` of generate.py, chat.py and serve.py)."""
     try:
         args = build_parser().parse_args(argv)
         return run(args)
@@ -601,6 +603,10 @@ def main(argv=None) -> int:
         msg = " ".join(str(e).split())  # multi-line errors (checkpoint listings) on one line
         print(f"error: {msg[:2000]}", file=sys.stderr)
         return 2
+
+
+def main(argv=None) -> int:
+    return run_cli(build_parser, run, argv)
 
 
 if __name__ == "__main__":
