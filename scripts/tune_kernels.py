@@ -1,0 +1,293 @@
+"""Tuning sweeps for the GPU kernels: a grid of knobs per shape, timed in one run.
+
+    python scripts/tune_kernels.py --out DIR [--budget-s 150]   # on a CUDA GPU
+    python scripts/tune_kernels.py --dry-run                    # the plumbing, on a CPU
+
+`bench_kernels.py` times each kernel at its default knobs and a few one-knob
+changes; this script searches the knobs jointly, to choose the defaults
+(`default_tuning` in each kernel's module) from measurements. It
+
+1. measures the device's bandwidth ceilings several ways (an elementwise `x + 1`
+   over bf16 and over f32 arrays, an XLA copy, each counting bytes read plus
+   written; and a read-only reduction), since one way can fall short of what a
+   kernel reaches;
+2. times our paged decode kernel over a grid of `block_kv x num_splits x
+   num_stages x num_warps` for each decode shape (the default timed first and
+   again last: the spread of those two is the noise), then checks the fastest
+   configuration against the reference;
+3. times the ragged kernel over `block_q x block_kv x num_warps x num_stages`
+   for the prefill-chunk shapes.
+
+Timing is `bench_kernels.time_calls` (cold L2: rotating caches; medians).
+`--out DIR` streams one JSON line per measurement to DIR/tune.jsonl, so a run cut
+short keeps what it measured; the script stops starting new measurements at
+`--budget-s`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_kernels as bk  # noqa: E402 - scripts/ is not a package
+import bench_ragged_cases as rc  # noqa: E402
+
+from pallas_kernels import reference  # noqa: E402
+from pallas_kernels.paged_decode.gpu import paged_decode_gpu  # noqa: E402
+from pallas_kernels.ragged.gpu import ragged_paged_attention_gpu  # noqa: E402
+
+GIB = 2**30
+
+
+class Run:
+    """The run's clock, options and output stream."""
+
+    def __init__(self, args):
+        self.args = args
+        self.deadline = time.monotonic() + args.budget_s
+        self.interpret = args.dry_run
+        self.iters = 3 if args.dry_run else args.iters
+        self.path = args.out / "tune.jsonl" if args.out else None
+        if self.path:
+            args.out.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
+        self.records: list[dict] = []
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def share(self, weight: float, weights_left: float) -> float:
+        """A sweep's own deadline: its weight's share of the time left."""
+        return time.monotonic() + max(0.0, self.left()) * weight / weights_left
+
+    def emit(self, **record) -> None:
+        self.records.append(record)
+        if self.path:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record, default=str) + "\n")
+
+
+# ---------------------------------------------------------------- ceilings
+
+
+def ceilings(run: Run, nbytes: int) -> dict:
+    """Bandwidth in GB/s, several ways; copies count bytes read plus bytes written."""
+    n = nbytes // 2
+    found = {}
+
+    def measure(name, fn, sets, moved):
+        try:
+            t = bk.time_calls(fn, sets, run.iters)
+        except Exception as e:  # noqa: BLE001 - reported, the others still run
+            run.emit(kind="ceiling", name=name, error=bk.short_error(e))
+            return
+        found[name] = moved / t / 1e9
+        run.emit(kind="ceiling", name=name, gbps=found[name], us=t * 1e6)
+        bk.log(f"ceiling {name}: {found[name]:.0f} GB/s")
+
+    keys = jax.random.split(jax.random.key(7), 4)
+    bf = [jax.random.normal(k, (n,), jnp.bfloat16) for k in keys]
+    measure("add_bf16", lambda x: x + 1, [(x,) for x in bf], 2 * nbytes)
+    measure("copy_bf16", lambda x: jnp.copy(x) * 1, [(x,) for x in bf], 2 * nbytes)
+    # Read-only: a reduction reads every byte and writes 4.
+    measure("read_sum_bf16", lambda x: jnp.sum(x, dtype=jnp.float32), [(x,) for x in bf], nbytes)
+    del bf
+    f32 = [jax.random.normal(k, (n // 2,), jnp.float32) for k in keys]
+    measure("add_f32", lambda x: x + 1, [(x,) for x in f32], 2 * nbytes)
+    measure("read_sum_f32", lambda x: jnp.sum(x), [(x,) for x in f32], nbytes)
+    del f32
+    return found
+
+
+# ---------------------------------------------------------------- decode
+
+
+def decode_cases(dry_run: bool):
+    D = bk.DecodeCase
+    if dry_run:
+        return [(D(3, 80), [dict(block_kv=16), dict(block_kv=32, num_splits=2)], 1)]
+
+    def grid(block_kvs, splits, stages=(2, 3, 4), warps=(4,)):
+        return [
+            dict(block_kv=b, num_splits=s, num_stages=st, num_warps=w)
+            for b, s, st, w in itertools.product(block_kvs, splits, stages, warps)
+        ]
+
+    return [
+        (D(32, 4096), grid((128, 64), (1, 2, 4)) + grid((64, 128), (1, 2), (3,), (8,)), 4),
+        (D(32, 4096, page_size=64), grid((128, 64), (1, 2, 4)), 2),
+        (D(8, 8192), grid((128, 64), (10, 20, 5), (3, 4)), 1),
+        (D(1, 32768), grid((128, 64), (33, 66, 16), (3, 4)), 1),
+        (D(128, 2048), grid((128, 64), (1, 2), (2, 3)), 1),
+        (D(256, 512), grid((128, 64), (1, 2), (2, 3)), 1),
+        (D(32, 4096, kv_dtype="float8_e4m3fn"), grid((256, 128), (1, 2), (2, 3, 4)), 1),
+    ]
+
+
+def decode_sweep(run: Run, case, configs, until: float) -> None:
+    copies = 2 if run.interpret else bk.rotating_copies(case.kv_bytes)
+    calls = copies * math.ceil(min(16, max(4, 2 * GIB / case.kv_bytes)) / copies)
+    if run.interpret:
+        calls = copies
+    inputs = [bk.make_decode_inputs(case, seed) for seed in range(copies)]
+    full = jnp.full((case.batch,), case.seq_len, jnp.int32)
+    q0 = inputs[0][0]
+    qs = [jax.random.normal(jax.random.key(100 + i), q0.shape, q0.dtype) for i in range(calls)]
+    sets = [(qs[i], *inputs[i % copies][1:3], full, inputs[i % copies][3]) for i in range(calls)]
+    kernel = partial(paged_decode_gpu, interpret=run.interpret)
+    default = case.tuning()
+    bk.log(f"decode {case.name}: default {default}")
+    results = []
+    for config in [None, *configs, None]:  # the default first and last: its spread is noise
+        if config is not None and time.monotonic() > until:
+            continue
+        name = "default" if config is None else config
+        try:
+            t = bk.time_calls(partial(kernel, **(config or {})), sets, run.iters)
+        except Exception as e:  # noqa: BLE001 - a config that fails to compile is reported
+            run.emit(kind="decode", case=case.name, config=name, error=bk.short_error(e))
+            bk.log(f"    {name} failed: {bk.short_error(e)}")
+            continue
+        gbps = case.kv_bytes / t / 1e9
+        results.append((t, config))
+        run.emit(kind="decode", case=case.name, config=name, us=t * 1e6, gbps=gbps)
+        bk.log(f"    {name}: {t * 1e6:.1f} us  {gbps:.0f} GB/s")
+    if not results:
+        return
+    t, best = min(results, key=lambda r: r[0])
+    # The fastest configuration must still be right: against the reference on ragged lengths.
+    q, k, v, pt = inputs[0]
+    lengths = bk.ragged_lengths(case, 1)
+    rows = np.unique(np.linspace(0, case.batch - 1, min(case.batch, 8)).astype(int))
+    f32 = jnp.float32
+    ref = jax.jit(reference.paged_attention_xla)(
+        q[rows].astype(f32), k.astype(f32), v.astype(f32), lengths[rows], pt[rows]
+    )
+    out = kernel(q, k, v, lengths, pt, **(best or {}))[rows]
+    err = bk.rel_error(out, ref)
+    defaults = [r[0] for r in results if r[1] is None]
+    run.emit(
+        kind="decode_best",
+        case=case.name,
+        config=best or "default",
+        us=t * 1e6,
+        gbps=case.kv_bytes / t / 1e9,
+        default_us=[d * 1e6 for d in defaults],
+        default_tuning=default,
+        err=err,
+        ok=bool(err <= bk._tolerance(case)),
+    )
+
+
+# ---------------------------------------------------------------- ragged
+
+
+def ragged_cases(dry_run: bool):
+    if dry_run:
+        case = rc.cases(gpu=False)[0]
+        return [(case, [dict(block_q=4, block_kv=16)], 1)]
+    grid = [
+        dict(block_q=bq, block_kv=bkv, num_warps=w, num_stages=st)
+        for bq, bkv, w, st in itertools.product((16, 32, 8), (64, 128, 32), (8, 4), (2, 3))
+    ]
+    by_name = {c.name: c for c in rc.cases(gpu=True)}
+    return [
+        (by_name["chunk 512 over 4096, 8 seqs"], grid, 1.5),
+        (by_name["fresh prefill 2048, 4 seqs"], grid, 1.5),
+    ]
+
+
+def ragged_sweep(run: Run, case, configs, until: float) -> None:
+    copies = 2 if run.interpret else bk.rotating_copies(case.kv_bytes)
+    sets = [rc.make_inputs(case, jax.random.key(seed)) for seed in range(copies)]
+    calls = copies if run.interpret else copies * math.ceil(4 / copies)
+    arg_sets = [rc.arrays(sets[i % copies]) for i in range(calls)]
+    kernel = partial(ragged_paged_attention_gpu, interpret=run.interpret)
+    nflops = rc.flops(case)
+    bk.log(f"ragged {case.name}")
+    results = []
+    for config in [None, *configs, None]:
+        if config is not None and time.monotonic() > until:
+            continue
+        name = "default" if config is None else config
+        try:
+            t = bk.time_calls(partial(kernel, **(config or {})), arg_sets, run.iters)
+        except Exception as e:  # noqa: BLE001 - reported
+            run.emit(kind="ragged", case=case.name, config=name, error=bk.short_error(e))
+            bk.log(f"    {name} failed: {bk.short_error(e)}")
+            continue
+        results.append((t, config))
+        run.emit(kind="ragged", case=case.name, config=name, us=t * 1e6, tflops=nflops / t / 1e12)
+        bk.log(f"    {name}: {t * 1e6:.1f} us  {nflops / t / 1e12:.1f} TFLOP/s")
+    if not results:
+        return
+    t, best = min(results, key=lambda r: r[0])
+    ref = rc.run_reference(sets[0])
+    err = rc.rel_error(kernel(*rc.arrays(sets[0]), **(best or {})), ref)
+    run.emit(
+        kind="ragged_best",
+        case=case.name,
+        config=best or "default",
+        us=t * 1e6,
+        tflops=nflops / t / 1e12,
+        default_us=[r[0] * 1e6 for r in results if r[1] is None],
+        err=err,
+        ok=bool(err <= rc.tolerance(case)),
+    )
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="write DIR/tune.jsonl")
+    parser.add_argument("--budget-s", type=float, default=150.0, help="stop sweeping after this")
+    parser.add_argument("--iters", type=int, default=20, help="timed runs per measurement")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes, Pallas interpreter")
+    parser.add_argument("--skip-ceilings", action="store_true")
+    args = parser.parse_args(argv)
+    if not args.dry_run and jax.default_backend() != "gpu":
+        parser.error("timing needs a CUDA GPU; use --dry-run to check the plumbing on a CPU")
+    run = Run(args)
+    device = jax.devices()[0]
+    run.emit(kind="meta", jax=jax.__version__, device=getattr(device, "device_kind", "?"))
+    if not args.skip_ceilings:
+        ceilings(run, 2**20 if args.dry_run else GIB)
+    sweeps = [(decode_sweep, *c) for c in decode_cases(args.dry_run)]
+    sweeps += [(ragged_sweep, *c) for c in ragged_cases(args.dry_run)]
+    weights_left = sum(weight for *_, weight in sweeps)
+    for sweep, case, configs, weight in sweeps:
+        until = run.share(weight, weights_left)
+        weights_left -= weight
+        try:
+            sweep(run, case, configs, until)
+        except Exception as e:  # noqa: BLE001 - one broken case must not hide the others
+            run.emit(kind="error", case=case.name, error=bk.short_error(e))
+            bk.log(f"{case.name} failed: {bk.short_error(e)}")
+    print("\nbest per case (us; default first/last run)")
+    ok = True
+    for r in run.records:
+        if r["kind"] in ("decode_best", "ragged_best"):
+            ok &= r["ok"]
+            defaults = "/".join(f"{d:.1f}" for d in r["default_us"])
+            line = f"{r['us']:8.1f} (default {defaults}) err {r['err']:.1e} {r['config']}"
+            print(f"  {r['case']:32} {line}")
+        elif r["kind"] == "ceiling" and "gbps" in r:
+            print(f"  ceiling {r['name']:24} {r['gbps']:8.0f} GB/s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
