@@ -34,6 +34,7 @@ def fake_gpu(bench, monkeypatch, cases):
     """The GPU path on the CPU: no ceilings to measure, tiny rotations, `cases`."""
     monkeypatch.setattr(bench, "has_gpu", lambda: True)
     monkeypatch.setattr(bench, "measure_copy_gbps", lambda iters: 1.0)
+    monkeypatch.setattr(bench, "measure_read_gbps", lambda iters: 1.0)
     monkeypatch.setattr(bench, "measure_matmul_tflops", lambda iters: 1.0)
     monkeypatch.setattr(bench, "L2_BYTES", 1)
     monkeypatch.setattr(bench, "CALLS", (2, 2))
@@ -91,6 +92,7 @@ def test_gpu_path_logic_on_cpu(bench, capsys, monkeypatch):
         lambda: (functools.partial(bundled.paged_attention, interpret=True), None),
     )
     monkeypatch.setattr(bench, "measure_copy_gbps", lambda iters: 1.0)
+    monkeypatch.setattr(bench, "measure_read_gbps", lambda iters: 1.0)
     monkeypatch.setattr(bench, "measure_matmul_tflops", lambda iters: 1.0)
     monkeypatch.setattr(bench, "L2_BYTES", 1)
     monkeypatch.setattr(bench, "CALLS", (2, 2))
@@ -116,7 +118,7 @@ def test_fp8_row_in_the_gpu_table(bench):
     bf16 = bench.DecodeCase(32, 4096)
     assert bf16 in bench.GPU_DECODE_CASES
     assert 2 * case.kv_bytes == bf16.kv_bytes == 2 * 32 * 4096 * 8 * 128 * 2
-    assert case.tuning()["block_kv"] == 2 * bf16.tuning()["block_kv"]  # same bytes per tile
+    assert case.tuning()["block_kv"] == bf16.tuning()["block_kv"] == 128  # the tile's cap
 
 
 def test_gpu_path_fp8_case_on_cpu(bench, capsys, monkeypatch):
@@ -150,6 +152,7 @@ def test_gpu_path_survives_failing_kernels(bench, capsys, monkeypatch):
     monkeypatch.setattr(bench, "paged_decode_gpu", broken)
     monkeypatch.setattr(bench, "bundled_kernel", lambda: (None, "ImportError: gone"))
     monkeypatch.setattr(bench, "measure_copy_gbps", lambda iters: 1.0)
+    monkeypatch.setattr(bench, "measure_read_gbps", lambda iters: 1.0)
     monkeypatch.setattr(bench, "measure_matmul_tflops", lambda iters: 1.0)
     monkeypatch.setattr(bench, "L2_BYTES", 1)
     monkeypatch.setattr(bench, "CALLS", (2, 2))
@@ -179,6 +182,7 @@ def test_gpu_path_full_sweeps_with_stub_kernels(bench, capsys, monkeypatch):
     monkeypatch.setattr(bench, "paged_decode_gpu", ours)
     monkeypatch.setattr(bench, "bundled_kernel", lambda: (bundled, None))
     monkeypatch.setattr(bench, "measure_copy_gbps", lambda iters: 1.0)
+    monkeypatch.setattr(bench, "measure_read_gbps", lambda iters: 1.0)
     monkeypatch.setattr(bench, "measure_matmul_tflops", lambda iters: 1.0)
     monkeypatch.setattr(bench, "L2_BYTES", 1)
     monkeypatch.setattr(bench, "CALLS", (2, 2))
@@ -245,7 +249,8 @@ def test_gpu_path_out_records_a_raising_case_and_goes_on(bench, capsys, monkeypa
     argv = ["--quick", "--iters", "1", "--out", str(tmp_path)]
     assert bench.main(argv, families=[bench.DECODE]) == 1
     meta, failed, row, end = read_jsonl(tmp_path / "bench_kernels.jsonl")
-    assert meta["copy_gbps"] == 1.0 and meta["matmul_tflops"] == 1.0 and meta["timed"] is True
+    assert meta["copy_gbps"] == meta["read_gbps"] == meta["matmul_tflops"] == 1.0
+    assert meta["timed"] is True
     assert failed["case"] == oom.name and failed["ok"] is False
     assert "RESOURCE_EXHAUSTED" in failed["error"]
     assert row["case"] == fine.name and row["ok"] is True and row["ours_us"] > 0
@@ -272,3 +277,25 @@ def test_ragged_family_records_a_raising_case_and_goes_on(bench, monkeypatch):
     rows = list(ragged.run_family(env))
     assert rows[0]["ok"] is False and "ValueError: triton compile failed" in rows[0]["error"]
     assert rows[1] == dict(case=two[1].name, ok=True)
+
+
+def test_tune_kernels_dry_run(tmp_path, monkeypatch):
+    """scripts/tune_kernels.py on the CPU: each grid times, and the winners are checked."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location(
+        "tune_under_test", SCRIPT.parent / "tune_kernels.py"
+    )
+    tune = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, tune)
+    spec.loader.exec_module(tune)
+    assert tune.main(["--dry-run", "--skip-ceilings", "--out", str(tmp_path)]) == 0
+    records = read_jsonl(tmp_path / "tune.jsonl")
+    assert records[0]["kind"] == "meta"
+    timed = [r for r in records if r["kind"] in ("decode", "ragged")]
+    assert timed and all(r["us"] > 0 for r in timed)
+    # The default is timed first and last, around every config of the grid.
+    configs = [r["config"] for r in timed if r["kind"] == "decode"]
+    assert configs[0] == configs[-1] == "default" and len(configs) == 4
+    best = {r["kind"]: r for r in records if r["kind"].endswith("_best")}
+    assert set(best) == {"decode_best", "ragged_best"}
+    assert all(r["ok"] and 0 < r["err"] < 1e-2 for r in best.values())
