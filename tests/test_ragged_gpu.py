@@ -417,6 +417,16 @@ def test_default_tuning_tiles():
         knobs = default_tuning(t, b, h, kh, d, jnp.bfloat16)
         m = knobs["block_q"] * 2 ** math.ceil(math.log2(h // kh))
         assert 16 <= m <= 128 and knobs["block_kv"] >= 16
+    # Rows of M per shape: decode 16, mixed 64, mostly prefill 128 (the H200 sweep's best).
+    rows = lambda t, b, dtype=jnp.bfloat16, d=128: (
+        default_tuning(t, b, 32, 8, d, dtype)["block_q"] * 4
+    )  # noqa: E731
+    assert (rows(128, 128), rows(640, 129), rows(4096, 8), rows(8192, 4)) == (16, 64, 128, 128)
+    assert default_tuning(4096, 8, 32, 8, 128, jnp.bfloat16) == dict(
+        block_q=32, block_kv=128, num_warps=8, num_stages=3
+    )
+    # float32 and D = 256 keep M = 64 even for prefill (registers).
+    assert rows(4096, 8, jnp.float32) == rows(4096, 8, d=256) == 64
 
 
 @pytest.mark.parametrize(

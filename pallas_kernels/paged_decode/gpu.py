@@ -21,8 +21,10 @@ the kernel is built around reading every live K/V byte exactly once:
 * FP8 pages (`float8_e4m3fn` or `float8_e5m2`, an FP8 KV cache) with a bfloat16
   or float32 q: each K/V tile is loaded as fp8 (half the bytes of bf16) and
   converted to q's dtype right after the load, so the dots are those of the
-  unquantised kernel. The defaults size block_kv and num_stages from the pages'
-  itemsize, so fp8 gets twice the tokens per tile (128 at D=128).
+  unquantised kernel. The defaults size block_kv from the pages' itemsize, so
+  fp8 gets twice the tokens per tile where the 128-token cap allows.
+  On the H200 the fp8 kernel moves half the bytes but is not twice as fast:
+  the upcast costs ALU time (BENCHMARKS.md, "Kernels").
   Triton converts e4m3fn only on sm89+ (Ada, Hopper: the H100/H200 are fine);
   on older GPUs the Triton lowering raises "cannot cast from `float8_e4m3fn`".
   e5m2 pages are checked in the interpreter and lowered, never run on a GPU.
@@ -54,8 +56,10 @@ use tensor cores; bfloat16 is the fast path. No scaled (per-tensor or per-head)
 FP8: pages hold the values themselves.
 
 Status: checked in the interpreter and lowered to Triton IR on CPU-only
-machines; compiling that IR (Triton -> PTX) and timing happen only on a GPU, in
-`scripts/bench_kernels.py`. The tuning defaults are reasoned, not yet measured.
+machines (the test suite), and compiled, checked against the reference and timed
+on an H200 with jax 0.11.2 (`tests/test_gpu_device.py`,
+`scripts/bench_kernels.py`; figures in BENCHMARKS.md). The tuning defaults come
+from the joint sweep of `scripts/tune_kernels.py` on that H200.
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ from jax.experimental.pallas import triton as plgpu
 # The GPU we tune for by default (H200); the real count is read from the device.
 _DEFAULT_NUM_SMS = 132
 _MIN_DOT = 16  # smallest tile dimension of a Triton tensor-core dot
+_TILE_BYTES = 16384  # default K tile (and V tile) per inner iteration, x2 when splitting
+_PROGRAMS_PER_SM = 8  # split-K fills the GPU up to this many programs per SM
 _LOG2E = math.log2(math.e)
 TUNING_KNOBS = ("block_kv", "block_h", "num_splits", "num_warps", "num_stages")
 
@@ -106,19 +112,23 @@ def default_tuning(
     sms: int | None = None,
     block_kv: int | None = None,
 ) -> dict:
-    """Per-shape defaults of the tuning knobs.
+    """Per-shape defaults of the tuning knobs, from a sweep on an H200 (BENCHMARKS.md).
 
-    * `block_kv`: tokens per inner iteration; a K tile of about 16 KiB
-      (64 tokens at D=128 in bf16, 128 in fp8), so that K and V tiles of 3 pipeline stages
-      fit twice in an SM's shared memory; at least 16 for the dot.
+    Two regimes, by whether `B * K` programs alone make about 8 per SM:
+
+    * They do not (few or short batches): split-K (flash-decoding) up to about
+      8 programs per SM, keeping >= 4 blocks per split, with 32 KiB K tiles (128
+      tokens at D=128) and 2 pipeline stages. At (B, S) = (32, 4096) this ran in
+      183-186 us against 192-246 us for one split of 16 KiB tiles and 3 stages.
+    * They do (B * K >= 8 * SMs): no split, 16 KiB tiles (64 tokens at D=128),
+      3 stages (2 up to 32 KiB, else 1), which were as fast as anything in the
+      sweep at (128, 2048) and (256, 512) within its 5-10% run-to-run noise.
+
+    In both, tiles hold at most 128 tokens and at least 16 (the smallest dot),
+    so fp8 pages get twice the tokens of bf16 where the cap allows.
     * `block_h`: query heads per program; the group G padded to a power of two
       of at least 16, capped at 64 to bound registers.
-    * `num_splits`: 1 when `B * K` programs already cover every SM; otherwise
-      enough to give about two programs per SM, keeping >= 4 blocks per split.
     * `num_warps`: 4, or 8 for large `block_h * D` accumulators.
-    * `num_stages`: software-pipelining depth of the K/V loads: 3 for K tiles
-      up to 16 KiB, 2 up to 32 KiB, else 1 (shared memory holds K and V tiles
-      of every stage).
 
     Args:
       batch, num_heads, num_kv_heads, head_dim, page_size, max_pages: the shape.
@@ -131,24 +141,29 @@ def default_tuning(
     """
     itemsize = jnp.dtype(dtype).itemsize
     group = num_heads // num_kv_heads
-    if block_kv is None:
-        tile_tokens = 16384 // (head_dim * itemsize)
-        block_kv = max(_MIN_DOT, min(128, 1 << (tile_tokens.bit_length() - 1)))
     block_h = min(max(_MIN_DOT, _next_pow2(group)), 64)
     head_blocks = -(-group // block_h)
     programs = batch * num_kv_heads * head_blocks
-    sms = num_sms() if sms is None else sms
+    target = _PROGRAMS_PER_SM * (num_sms() if sms is None else sms)
+    split = 0 < programs < target
+    if block_kv is None:
+        tile_tokens = (2 * _TILE_BYTES if split else _TILE_BYTES) // (head_dim * itemsize)
+        block_kv = max(_MIN_DOT, min(128, 1 << (tile_tokens.bit_length() - 1)))
     num_splits = 1
-    if 0 < programs < sms:
+    if split:
         max_blocks = -(-max_pages * page_size // block_kv)
-        num_splits = max(1, min(-(-2 * sms // programs), max_blocks // 4))
+        num_splits = max(1, min(target // programs, max_blocks // 4))
     tile_bytes = block_kv * head_dim * itemsize
+    if num_splits > 1:
+        num_stages = 2
+    else:
+        num_stages = 3 if tile_bytes <= _TILE_BYTES else 2 if tile_bytes <= 2 * _TILE_BYTES else 1
     return dict(
         block_kv=block_kv,
         block_h=block_h,
         num_splits=num_splits,
         num_warps=8 if block_h * head_dim >= 64 * 128 else 4,
-        num_stages=3 if tile_bytes <= 16384 else 2 if tile_bytes <= 32768 else 1,
+        num_stages=num_stages,
     )
 
 

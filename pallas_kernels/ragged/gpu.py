@@ -225,21 +225,28 @@ def _schedule(query_start_loc, num_tokens, block_q, num_q_blocks):
 
 
 def default_tuning(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, dtype):
-    """Per-shape defaults for the tuning knobs (all static).
+    """Per-shape defaults for the tuning knobs (all static), measured on an H200.
 
     `block_q * G` (the dots' M) is 64 rows: a decode row then does 64x the MMA work
-    it needs, which keeps it just under the H200's bf16 ridge point (the kernel
-    stays bound by its KV loads), while a prefill chunk gets 64-row tiles and
-    re-reads its KV once per 64 query rows. 128 rows would halve those re-reads but
-    make decode rows compute-bound. When T <= B (a decode batch, padded or not)
-    M drops to 16, the smallest tensor-core tile. float32 (a correctness path:
-    exact IEEE dots, no tensor cores) and D = 256 use smaller KV blocks to keep
-    the tiles in registers.
+    it needs, which keeps it just under the ridge point the kernel reaches (about
+    250 TFLOP/s over 3.5 TB/s: the kernel stays bound by its KV loads), while a
+    prefill chunk gets 64-row tiles and re-reads its KV once per 64 query rows.
+    When T <= B (a decode batch, padded or not) M drops to 16, the smallest
+    tensor-core tile. When the batch is mostly prefill (T >= 128 B: on average 128
+    query tokens per sequence, so few decode rows to slow down) M is 128 with
+    128-token KV blocks, 8 warps and 3 stages: on the H200 (BENCHMARKS.md,
+    "Kernels") 1.3x faster than M = 64 for a 512-token chunk over 4,096 cached
+    tokens x 8 (1,193 vs 1,581 us) and 1.25x for a fresh 2,048-token prefill x 4.
+    float32 (a correctness path: exact IEEE dots, no tensor cores) and D = 256 use
+    smaller KV blocks to keep the tiles in registers, and never M = 128.
     """
     group_pad = _pow2(num_heads // num_kv_heads)
+    wide = head_dim > 128 or (jnp.dtype(dtype) == jnp.float32 and head_dim > 64)
+    fast = jnp.dtype(dtype) != jnp.float32 and head_dim <= 128
+    if fast and num_tokens >= 128 * num_seqs:
+        return dict(block_q=max(1, 128 // group_pad), block_kv=128, num_warps=8, num_stages=3)
     rows = 16 if num_tokens <= num_seqs else 64
     block_q = max(1, rows // group_pad)
-    wide = head_dim > 128 or (jnp.dtype(dtype) == jnp.float32 and head_dim > 64)
     return dict(
         block_q=block_q,
         block_kv=32 if wide else 64,
