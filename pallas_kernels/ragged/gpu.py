@@ -8,7 +8,11 @@ memory. Mosaic GPU (TMA, wgmma) would be faster on Hopper for the prefill part,
 but its interpreter is private API and a TMA copy moves one rectangular box, so
 small pages mean one copy per page; it can slot in behind the same signature
 later. float32 inputs use exact IEEE dots (no TF32, which would miss the 1e-4
-tolerance), a correctness path rather than a fast one.
+tolerance), a correctness path rather than a fast one. Checked against the
+reference and timed on an H200 with jax 0.11.2 (`tests/test_gpu_device.py`;
+BENCHMARKS.md, "Kernels"): 128 decode rows over 4,096 tokens stream K/V at 0.98 of
+the copy bandwidth, prefill chunks reach about 245 TFLOP/s (a third of XLA's
+matmul rate: the Triton lowering emits no wgmma).
 
 Work decomposition. Query rows are cut into *query blocks*: `block_q` consecutive
 tokens of one sequence times all `G = H // K` query heads of one kv head, which
