@@ -458,11 +458,15 @@ def decode_case_gpu(case: DecodeCase, env: BenchEnv, sweep_until: float) -> dict
         _, k, v, pt = inputs[i % copies]
         paged.append((qs[i], k, v, full, pt))
 
-    def timed(name, fn, sets):
+    def timed(name, fn, sets, sweep=False):
+        """Median seconds per call, or None; failures go into the row (a sweep's as notes)."""
         try:
             t = time_calls(fn, sets, env.iters)
         except Exception as e:  # noqa: BLE001 - reported in the row
-            row.setdefault(f"error_{name.split()[0]}", short_error(e))
+            if sweep:  # one configuration of a sweep: not a failure of the kernel
+                row.setdefault("failed_configs", []).append(f"{name}: {short_error(e)}")
+            else:
+                row.setdefault(f"error_{name.split()[0]}", short_error(e))
             log(f"    {name} failed: {short_error(e)}")
             return None
         log(f"    {name}: {t * 1e6:.1f} us")
@@ -495,10 +499,13 @@ def decode_case_gpu(case: DecodeCase, env: BenchEnv, sweep_until: float) -> dict
             for config in bundled_sweep(case, stage, best and best[1], env.quick):
                 if best and (time.monotonic() > sweep_until or config == best[1]):
                     continue
-                t = timed(f"bundled {config}", partial(run_bundled, fn, **config), paged)
+                run = partial(run_bundled, fn, **config)
+                t = timed(f"bundled {config}", run, paged, sweep=True)
                 if t and (best is None or t < best[0]):
                     best = (t, config)
-        if best:
+        if best is None:
+            row["error_bundled"] = "every configuration failed (see failed_configs)"
+        else:
             row.update(bundled_us=best[0] * 1e6, bundled_cfg=best[1])
             if t_ours:
                 row["speedup_vs_bundled"] = best[0] / t_ours
@@ -513,7 +520,7 @@ def decode_case_gpu(case: DecodeCase, env: BenchEnv, sweep_until: float) -> dict
         for alt in ours_sweep(case):
             if time.monotonic() > sweep_until:
                 break
-            t = timed(f"ours {alt}", partial(paged_decode_gpu, **alt), paged)
+            t = timed(f"ours {alt}", partial(paged_decode_gpu, **alt), paged, sweep=True)
             if t and t < best[0]:
                 best = (t, alt)
         row.update(ours_best_us=best[0] * 1e6, ours_best_cfg=best[1])
@@ -593,7 +600,7 @@ DECODE = Family(
         ("err_tpu", "err tpu", ".1e"),
         ("ok", "ok", ""),
     ),
-    details=("tuning", "ours_best_cfg", "bundled_cfg"),
+    details=("tuning", "ours_best_cfg", "bundled_cfg", "failed_configs"),
 )
 
 

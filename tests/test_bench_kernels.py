@@ -165,6 +165,34 @@ def test_gpu_path_survives_failing_kernels(bench, capsys, monkeypatch):
     assert "error_ours: RuntimeError: triton says no" in out
 
 
+def test_gpu_path_a_failing_bundled_config_is_a_note(bench, capsys, monkeypatch, tmp_path):
+    """One sweep configuration of JAX's kernel failing (e.g. out of shared memory) is noted
+    in failed_configs; only when every configuration fails is it an error_bundled."""
+
+    def bundled(q, k, v, page_table, lengths, *, k_splits, **config):
+        if k_splits == 4 or fail_all:
+            raise RuntimeError(f"RESOURCE_EXHAUSTED k_splits={k_splits}")
+        return reference.paged_attention_xla(q, k, v, lengths, page_table, scale=1.0)
+
+    fake_gpu(
+        bench, monkeypatch, [bench.DecodeCase(1, 64, num_heads=2, num_kv_heads=1, head_dim=16)]
+    )
+    monkeypatch.setattr(bench, "bundled_kernel", lambda: (bundled, None))
+    ours = lambda q, k, v, n, pt, **tuning: reference.paged_attention_xla(q, k, v, n, pt)  # noqa: E731
+    monkeypatch.setattr(bench, "paged_decode_gpu", ours)
+    rows = {}
+    for fail_all in (False, True):
+        out = tmp_path / str(fail_all)
+        assert bench.main(["--quick", "--iters", "1", "--out", str(out)], [bench.DECODE]) == 0
+        rows[fail_all] = read_jsonl(out / "bench_kernels.jsonl")[1]
+    some, every = rows[False], rows[True]
+    assert "error_bundled" not in some and some["bundled_us"] > 0 and some["err_bundled"] < 1e-2
+    assert len(some["failed_configs"]) == 1 and "k_splits=4" in some["failed_configs"][0]
+    assert "bundled_us" not in every and "every configuration failed" in every["error_bundled"]
+    assert len(every["failed_configs"]) == 2  # quick, 4 pages: k_splits 1 and 4
+    assert "failed_configs: [" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_gpu_path_full_sweeps_with_stub_kernels(bench, capsys, monkeypatch):
     # The tuning sweeps (skipped by --quick) with cheap stand-ins that record their knobs.
