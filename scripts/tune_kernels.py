@@ -13,8 +13,9 @@ changes; this script searches the knobs jointly, to choose the defaults
    kernel reaches;
 2. times our paged decode kernel over a grid of `block_kv x num_splits x
    num_stages x num_warps` for each decode shape (the default timed first and
-   again last: the spread of those two is the noise), then checks the fastest
-   configuration against the reference;
+   again last: the spread of those two is the noise; where the default splits,
+   the split merge is also timed alone), then checks the fastest configuration
+   against the reference;
 3. times the ragged kernel over `block_q x block_kv x num_warps x num_stages`
    for the prefill-chunk shapes.
 
@@ -44,7 +45,7 @@ import bench_kernels as bk  # noqa: E402 - scripts/ is not a package
 import bench_ragged_cases as rc  # noqa: E402
 
 from pallas_kernels import reference  # noqa: E402
-from pallas_kernels.paged_decode.gpu import paged_decode_gpu  # noqa: E402
+from pallas_kernels.paged_decode.gpu import _merge_splits, paged_decode_gpu  # noqa: E402
 from pallas_kernels.ragged.gpu import ragged_paged_attention_gpu  # noqa: E402
 
 GIB = 2**30
@@ -116,7 +117,8 @@ def ceilings(run: Run, nbytes: int) -> dict:
 def decode_cases(dry_run: bool):
     D = bk.DecodeCase
     if dry_run:
-        return [(D(3, 80), [dict(block_kv=16), dict(block_kv=32, num_splits=2)], 1)]
+        case = D(2, 1024, num_heads=4, num_kv_heads=1, head_dim=32)  # default: 2 splits
+        return [(case, [dict(num_splits=1), dict(block_kv=64)], 1)]
 
     def grid(block_kvs, splits, stages=(2, 3, 4), warps=(4,)):
         return [
@@ -135,6 +137,23 @@ def decode_cases(dry_run: bool):
     ]
 
 
+def time_merge(run: Run, case, splits: int) -> None:
+    """The split-K merge alone (the XLA ops after the kernel), to see its share of a call."""
+    shape = (splits, case.batch, case.num_heads)
+    sets = []
+    for i in range(4):
+        ko, km, kl = jax.random.split(jax.random.key(50 + i), 3)
+        o = jax.random.normal(ko, (*shape, case.head_dim), jnp.float32)
+        m = jax.random.normal(km, shape, jnp.float32)
+        denom = jax.random.uniform(kl, shape, jnp.float32, 1.0, 2.0)
+        sets.append((o, m, denom))
+    t = bk.time_calls(
+        lambda o, m, d: _merge_splits(o, m, d, jnp.dtype(case.dtype)), sets, run.iters
+    )
+    run.emit(kind="merge", case=case.name, splits=splits, us=t * 1e6)
+    bk.log(f"    split merge alone ({splits} splits): {t * 1e6:.1f} us")
+
+
 def decode_sweep(run: Run, case, configs, until: float) -> None:
     copies = 2 if run.interpret else bk.rotating_copies(case.kv_bytes)
     calls = copies * math.ceil(min(16, max(4, 2 * GIB / case.kv_bytes)) / copies)
@@ -148,6 +167,8 @@ def decode_sweep(run: Run, case, configs, until: float) -> None:
     kernel = partial(paged_decode_gpu, interpret=run.interpret)
     default = case.tuning()
     bk.log(f"decode {case.name}: default {default}")
+    if default["num_splits"] > 1:
+        time_merge(run, case, default["num_splits"])
     results = []
     for config in [None, *configs, None]:  # the default first and last: its spread is noise
         if config is not None and time.monotonic() > until:

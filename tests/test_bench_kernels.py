@@ -324,6 +324,8 @@ def test_tune_kernels_dry_run(tmp_path, monkeypatch):
     # The default is timed first and last, around every config of the grid.
     configs = [r["config"] for r in timed if r["kind"] == "decode"]
     assert configs[0] == configs[-1] == "default" and len(configs) == 4
+    # The dry-run case's default splits in 2: the merge is timed alone too.
+    assert [(r["splits"], r["us"] > 0) for r in records if r["kind"] == "merge"] == [(2, True)]
     best = {r["kind"]: r for r in records if r["kind"].endswith("_best")}
     assert set(best) == {"decode_best", "ragged_best"}
     assert all(r["ok"] and 0 < r["err"] < 1e-2 for r in best.values())
