@@ -10,6 +10,10 @@ with its requests and reads events from it:
     ("done", request_id, RequestOutput)
     ("error", request_id or None, status, message)
 
+A token event of a request whose params ask for logprobs carries a fifth element: the
+token's logprobs entry `{token_id: logprob, ...}` (the token first, then the
+`params.logprobs` most likely), as its `CompletionOutput.logprobs` will have it.
+
 An error's status follows HTTP's meaning: 400 when the engine refused a request
 (`LLM.add_request` raised ValueError or TypeError; `request_id` is None and none of the
 batch was added), 500 when a step failed, 503 when the thread stopped. If a step raises,
@@ -73,7 +77,7 @@ class EngineThread:
         self.num_aborted = 0
         self.num_failed_steps = 0
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, tuple[Any, bool]] = {}  # rid -> (sink, tokens)
+        self._sinks: dict[str, tuple[Any, bool, bool]] = {}  # rid -> (sink, tokens, logprobs)
         self._lock = threading.Lock()
         self._alive = True
         self._thread = threading.Thread(target=self._run, name="pagedjax-engine", daemon=True)
@@ -88,7 +92,8 @@ class EngineThread:
           requests: `(request id, prompt token ids, params)` triples; the ids must be
             unique among the engine's unfinished requests.
           sink: gets the requests' events (`put(event)`, called on the engine thread).
-          tokens: also send a "token" event for each generated token.
+          tokens: also send a "token" event for each generated token (with its logprobs
+            entry when the request's params ask for logprobs).
 
         Raises:
           EngineStopped: the thread is not running. A request the engine refuses is an
@@ -177,7 +182,7 @@ class EngineThread:
                 for rid, ids, params in requests:
                     self.llm.add_request(ids, params, request_id=rid)
                     added.append(rid)
-                    self._sinks[rid] = (sink, tokens)
+                    self._sinks[rid] = (sink, tokens, params.logprobs is not None)
             except Exception as e:  # noqa: BLE001  (answered, and the engine goes on)
                 for rid in added:
                     self.llm.abort(rid)
@@ -210,11 +215,26 @@ class EngineThread:
 
     def _on_token(self, rid: str, index: int, token: int) -> None:
         entry = self._sinks.get(rid)
-        if entry is not None and entry[1]:
-            entry[0].put(("token", rid, index, token))
+        if entry is None or not entry[1]:
+            return
+        sink, _, logprobs = entry
+        if logprobs:
+            sink.put(("token", rid, index, token, self._logprobs_entry(rid, index)))
+        else:
+            sink.put(("token", rid, index, token))
+
+    def _logprobs_entry(self, rid: str, index: int) -> dict[int, float]:
+        """The logprobs entry of the token that `on_token` reports: `LLM.step` appends it
+        to its sequence's `logprobs` before the callback (so `on_token` keeps its
+        signature)."""
+        group = self.llm.scheduler.get(rid)
+        for seq in group.seqs if group is not None else ():
+            if seq.index == index:
+                return seq.logprobs[-1]
+        raise RuntimeError(f"no running completion {index} of request {rid!r} (a bug)")
 
     def _fail_all(self, status: int, message: str) -> None:
-        for rid, (sink, _) in list(self._sinks.items()):
+        for rid, (sink, *_) in list(self._sinks.items()):
             with contextlib.suppress(Exception):
                 self.llm.abort(rid)  # a failed step aborted them already; a stop did not
             sink.put(("error", rid, status, message))
