@@ -5,7 +5,9 @@ token ids (chat messages rendered with the tokenizer's chat template) and its
 `SamplingParams`, or raises `ApiError` (400 naming the bad field and value). The
 response builders turn the engine's `RequestOutput`s back into OpenAI's shapes: a whole
 answer (`response_body`), or the chunks of a streamed one (`role_chunks`,
-`stream_chunk`, `usage`). Nothing here touches the engine, so it runs on any thread.
+`stream_chunk`, `usage`); `render_logprobs` renders the logprobs of any run of a
+completion's tokens (all of them, or a chunk's). Nothing here touches the engine, so
+it runs on any thread.
 scripts/serve.py documents the fields and answers as a user sees them.
 """
 
@@ -29,6 +31,7 @@ __all__ = [
     "completion_prompts",
     "int_field",
     "parse_job",
+    "render_logprobs",
     "response_body",
     "response_head",
     "role_chunks",
@@ -169,17 +172,13 @@ def parse_job(
     else:
         logprobs = body.get("logprobs")
         limit = int_field(body, "max_tokens", 16)
-    params = sampling_params(
-        body, max_tokens=limit, logprobs=logprobs, stream=stream, vocab_size=vocab_size
-    )
+    params = sampling_params(body, max_tokens=limit, logprobs=logprobs, vocab_size=vocab_size)
     if params.stop and tok is None:
         raise ApiError(400, "stop strings need a tokenizer; this model has none", "stop")
     return Job(chat, ids, params, stream, include_usage)
 
 
-def sampling_params(
-    body: dict, *, max_tokens, logprobs, stream: bool, vocab_size: int
-) -> SamplingParams:
+def sampling_params(body: dict, *, max_tokens, logprobs, vocab_size: int) -> SamplingParams:
     """The request's SamplingParams (ApiError 400 naming the field and value)."""
     for name, bad, why in (
         ("echo", bool(body.get("echo")), "echo=true is not supported (the prompt is not returned)"),
@@ -191,11 +190,6 @@ def sampling_params(
             "response_format",
             body.get("response_format") not in (None, {"type": "text"}),
             "response_format other than text is not supported",
-        ),
-        (
-            "logprobs",
-            stream and logprobs is not None,
-            "logprobs are not supported with stream=true; ask without streaming",
         ),
     ):
         if bad:
@@ -300,35 +294,55 @@ def _top(entry: dict, k: int) -> list[tuple[int, float]]:
 
 def completion_logprobs(tok, c, k: int) -> dict:
     """OpenAI completions-style logprobs of one completion (a `CompletionOutput`)."""
-    tokens = [_token_text(tok, t) for t in c.token_ids]
-    offsets, at = [], 0
+    return render_logprobs(tok, c.token_ids, c.logprobs, k, chat=False)
+
+
+def chat_logprobs(tok, c, k: int) -> dict:
+    """OpenAI chat-style logprobs of one completion (a `CompletionOutput`)."""
+    return render_logprobs(tok, c.token_ids, c.logprobs, k, chat=True)
+
+
+def render_logprobs(
+    tok, token_ids: list[int], entries: list[dict], k: int, *, chat: bool, offset: int = 0
+) -> dict:
+    """OpenAI-style logprobs of a run of a completion's tokens (all, or a stream chunk's).
+
+    Args:
+      tok: the tokenizer that names the tokens (None: every name is "").
+      token_ids: the run's tokens.
+      entries: their logprobs entries ({token id: logprob}, the token first).
+      k: how many of the most likely tokens each entry lists.
+      chat: chat's `{content: [...]}`, else completions' `{tokens, token_logprobs,
+        top_logprobs, text_offset}`.
+      offset: completions' text_offset of the run's first token (the lengths of the
+        completion's earlier token names), so chunks' offsets continue each other's.
+    """
+    if chat:
+
+        def item(t, x):
+            s = _token_text(tok, t)
+            return dict(token=s, logprob=_lp(x), bytes=list(s.encode()))
+
+        content = []
+        for t, e in zip(token_ids, entries, strict=True):
+            content.append({**item(t, e[t]), "top_logprobs": [item(*kv) for kv in _top(e, k)]})
+        return dict(content=content)
+    tokens = [_token_text(tok, t) for t in token_ids]
+    offsets, at = [], offset
     for s in tokens:
         offsets.append(at)
         at += len(s)
     top = []  # dicts keyed by text: of two tokens with one text, the likelier stays
-    for e in c.logprobs:
+    for e in entries:
         top.append({})
         for t, x in _top(e, k):
             top[-1].setdefault(_token_text(tok, t), _lp(x))
     return dict(
         tokens=tokens,
-        token_logprobs=[_lp(e[t]) for t, e in zip(c.token_ids, c.logprobs, strict=True)],
+        token_logprobs=[_lp(e[t]) for t, e in zip(token_ids, entries, strict=True)],
         top_logprobs=top,
         text_offset=offsets,
     )
-
-
-def chat_logprobs(tok, c, k: int) -> dict:
-    """OpenAI chat-style logprobs of one completion (a `CompletionOutput`)."""
-
-    def item(t, x):
-        s = _token_text(tok, t)
-        return dict(token=s, logprob=_lp(x), bytes=list(s.encode()))
-
-    content = []
-    for t, e in zip(c.token_ids, c.logprobs, strict=True):
-        content.append({**item(t, e[t]), "top_logprobs": [item(*kv) for kv in _top(e, k)]})
-    return dict(content=content)
 
 
 def usage(outs) -> dict:
@@ -383,13 +397,19 @@ def role_chunks(job: Job, head: dict) -> list[dict]:
     return chunks
 
 
-def stream_chunk(job: Job, head: dict, index: int, text: str, finish: str | None = None) -> dict:
-    """A stream's chunk: choice `index`'s next piece of text, or its last (`finish`)."""
+def stream_chunk(
+    job: Job, head: dict, index: int, text: str, finish: str | None = None, logprobs=None
+) -> dict:
+    """A stream's chunk: choice `index`'s next piece of text, or its last (`finish`).
+
+    `logprobs` (from `render_logprobs`, or None) are those of the tokens whose text is
+    complete with this piece (see scripts/serve.py).
+    """
     choice = dict(index=index)
     if job.chat:
         choice["delta"] = {"content": text} if text or finish is None else {}
-        choice["logprobs"] = None
+        choice["logprobs"] = logprobs
     else:
-        choice.update(text=text, logprobs=None)
+        choice.update(text=text, logprobs=logprobs)
     choice["finish_reason"] = finish
     return dict(**head, choices=[choice])

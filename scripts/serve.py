@@ -33,9 +33,8 @@ names the value), a prompt too long for `--max-model-len`, an unknown model or b
 JSON; 404 for an unknown path; 405 for a wrong method; 500 when the engine failed.
 
 Not supported (400 when asked for): `echo: true`, `best_of` > 1, `suffix`, tools
-and function calling, a `response_format` other than text, beam search, and logprobs
-with `stream` (the engine's per-token callback does not carry them). Other unknown
-fields are ignored.
+and function calling, a `response_format` other than text, and beam search. Other
+unknown fields are ignored.
 
 Streaming (`stream: true`): Server-Sent Events, one `data: {chunk}` per new piece of
 text (`text_completion` chunks, or `chat.completion.chunk` with `delta: {role}` first,
@@ -48,9 +47,13 @@ characters: the engine stops on the token that completes a stop string and cuts 
 text where the string begins (with `min_tokens` too: not at an earlier occurrence that
 `min_tokens` let through), so no text streamed can be cut later. The last chunk
 carries what the engine's final text has beyond what was streamed, so the pieces
-always add up to the non-streamed text. The HTTP status and headers go out with the
-first event: a step that fails before it is still a 500; one that fails later ends
-the stream with an `{"error"}` event.
+always add up to the non-streamed text. With logprobs, each chunk's `logprobs` (in the
+non-streamed answer's format) are those of the tokens whose text that chunk completes
+(a token whose text is held back waits with it), and the last chunk has the rest (as
+in the non-streamed answer, the tokens that complete a stop string are there though
+their text is cut), so they too add up to the non-streamed answer's. The HTTP status
+and headers go out with the first event: a step that fails before it is still a 500;
+one that fails later ends the stream with an `{"error"}` event.
 
 Threading: one engine thread (`pagedjax.serving.EngineThread`, whose docstring has the
 details) owns the `LLM`; each HTTP connection is a thread (`ThreadingHTTPServer`) that
@@ -313,14 +316,18 @@ class Handler(BaseHTTPRequestHandler):
         self._json(200, api.response_body(job, head, outs, self.server.tokenizer))
 
     def _stream(self, job: Job, head: dict, events) -> None:
-        tok = self.server.tokenizer
+        tok, k = self.server.tokenizer, job.params.logprobs
         hold = max(map(len, job.params.stop), default=1) - 1
-        decoders = {}  # (rid, completion index) -> StreamDecoder
-        sent = {}  # (rid, completion index) -> characters streamed
+        choices: dict[tuple[str, int], StreamedChoice] = {}  # by (rid, completion index)
 
-        def chunk(rid, i, text, finish=None):
+        def chunk(rid, i, c: StreamedChoice, text, ids=(), entries=(), finish=None):
+            lp = None
+            if k is not None:
+                lp = api.render_logprobs(tok, ids, entries, k, chat=job.chat, offset=c.offset)
+                c.offset += 0 if job.chat else sum(map(len, lp["tokens"]))
+                c.num_tokens += len(ids)
             index = api.choice_index(job, rid, i)
-            self._event(api.stream_chunk(job, head, index, text, finish))
+            self._event(api.stream_chunk(job, head, index, text, finish, lp))
 
         outs = []
         for event in events:
@@ -334,29 +341,59 @@ class Handler(BaseHTTPRequestHandler):
                 for role in api.role_chunks(job, head):
                     self._event(role)
             if event[0] == "token":
-                _, rid, i, token = event
-                key = (rid, i)
-                if key not in decoders:
-                    decoders[key], sent[key] = tok.stream(), 0
-                before = len(decoders[key].text)
-                decoders[key].add(token)
-                text = decoders[key].text
+                _, rid, i, token, *entry = event  # the entry: with logprobs only
+                c = choices.get((rid, i))
+                if c is None:
+                    c = choices[rid, i] = StreamedChoice(tok)
+                before = len(c.decoder.text)
+                c.decoder.add(token)
+                text = c.decoder.text
+                if k is not None:
+                    c.pending.append((token, entry[0], len(text)))
                 # With stop strings, this token's text waits for the next token: the engine
                 # may stop on it and cut the text where its stop string begins.
                 end = before - hold if job.params.stop else len(text)
-                if end > sent[key]:
-                    chunk(rid, i, text[sent[key] : end])
-                    sent[key] = end
+                if end > c.sent:
+                    # A token's logprobs go with the piece that completes its text.
+                    n = sum(1 for _, _, token_end in c.pending if token_end <= end)
+                    done, c.pending = c.pending[:n], c.pending[n:]
+                    ids, entries = [t for t, _, _ in done], [e for _, e, _ in done]
+                    chunk(rid, i, c, text[c.sent : end], ids, entries)
+                    c.sent = end
             else:
                 _, rid, out = event
                 outs.append(out)
-                for c in out.outputs:
-                    done = sent.get((rid, c.index), 0)
-                    chunk(rid, c.index, c.text[done:], c.finish_reason or "stop")
+                for o in out.outputs:
+                    c = choices.get((rid, o.index)) or StreamedChoice(None)
+                    # The rest, from the final output: its text and tokens as not streamed.
+                    ids = o.token_ids[c.num_tokens :]
+                    entries = o.logprobs[c.num_tokens :] if k is not None else ()
+                    finish = o.finish_reason or "stop"
+                    chunk(rid, o.index, c, o.text[c.sent :], ids, entries, finish)
         if job.include_usage:
             self._event(dict(**head, choices=[], usage=api.usage(outs)))
         self._chunk(b"data: [DONE]\n\n")
         self._chunk(b"")
+
+
+class StreamedChoice:
+    """What a stream sent of one completion.
+
+    Attributes:
+      decoder: its incremental detokenizer (`Tokenizer.stream()`), None without tokens.
+      sent: characters of its text streamed.
+      pending: with logprobs, (token id, logprobs entry, where its text ends in the
+        decoder's text) of each token received whose logprobs are not streamed yet.
+      num_tokens: tokens whose logprobs were streamed.
+      offset: completions' `text_offset` of the next token whose logprobs are streamed.
+    """
+
+    __slots__ = ("decoder", "sent", "pending", "num_tokens", "offset")
+
+    def __init__(self, tok):
+        self.decoder = tok.stream() if tok is not None else None
+        self.sent = self.num_tokens = self.offset = 0
+        self.pending: list[tuple[int, dict, int]] = []
 
 
 for _method in ("GET", "POST", "PUT", "DELETE", "PATCH"):  # do_GET ... do_PATCH

@@ -10,6 +10,7 @@ import dataclasses
 import http.client
 import importlib.util
 import json
+import queue
 import socket
 import sys
 import threading
@@ -322,6 +323,151 @@ def test_streamed_chat(server):
         assert [c["finish_reason"] for c in mine][-1] == want["finish_reason"]
 
 
+def choice_pieces(chunks, index: int, chat: bool) -> list[tuple[str, dict]]:
+    """(text, logprobs) of each chunk of choice `index` (not a chat's role chunk)."""
+    pieces = []
+    for chunk in chunks:
+        (c,) = chunk["choices"]
+        if c["index"] == index and not (chat and "role" in c["delta"]):
+            pieces.append((c["delta"].get("content", "") if chat else c["text"], c["logprobs"]))
+    return pieces
+
+
+def logprob_items(lp: dict, chat: bool) -> list[tuple]:
+    """(token, logprob, [(top token, logprob)], text offset or bytes) of each token."""
+    if chat:
+        return [
+            (
+                x["token"],
+                x["logprob"],
+                [(y["token"], y["logprob"]) for y in x["top_logprobs"]],
+                x["bytes"],
+            )
+            for x in lp["content"]
+        ]
+    fields = (lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], lp["text_offset"])
+    return [(t, x, sorted(top.items()), o) for t, x, top, o in zip(*fields, strict=True)]
+
+
+def assert_same_logprobs(got: list[tuple], want: list[tuple]) -> None:
+    """Same tokens (names, top names, offsets or bytes); logprobs within 1e-6."""
+
+    def names(items):
+        return [(t, [n for n, _ in top], extra) for t, _, top, extra in items]
+
+    def values(items):
+        return [v for _, x, top, _ in items for v in (x, *(y for _, y in top))]
+
+    assert names(got) == names(want)
+    assert values(got) == pytest.approx(values(want), rel=1e-6, abs=1e-6)
+
+
+def check_streamed_logprobs(chunks, plain: dict, ids: list[list[int]], tok, *, chat: bool):
+    """Each choice's streamed pieces add up to its non-streamed text and logprobs, and
+    every chunk carries the logprobs of the tokens whose text it completes. With
+    `ends[j]` the length of the streamed text once token j is in (what the server's
+    incremental decoder shows), after a chunk that brings the text streamed to `sent`
+    characters, the tokens whose logprobs were streamed are a prefix that holds every
+    token of some text with `ends[j] <= sent` (none late) and none with `ends[j] >
+    sent` (none early: not one whose text is held back). A token of no text of its own
+    (a byte of an unfinished character) may go with the chunk before it or after it."""
+    assert len(ids) == len(plain["choices"])
+    for want, token_ids in zip(plain["choices"], ids, strict=True):
+        pieces = choice_pieces(chunks, want["index"], chat)
+        assert "".join(t for t, _ in pieces) == (
+            want["message"]["content"] if chat else want["text"]
+        )
+        items = [logprob_items(lp, chat) for _, lp in pieces]  # None would raise here
+        whole = logprob_items(want["logprobs"], chat)
+        assert_same_logprobs([x for chunk in items for x in chunk], whole)
+        names = [tok.decode([t], skip_special_tokens=False) for t in token_ids]
+        assert [x[0] for x in whole] == names  # `ids` are the answer's tokens
+        decoder, ends = tok.stream(), []
+        for t in token_ids:
+            decoder.add(t)
+            ends.append(len(decoder.text))
+        starts, sent, count = [0, *ends[:-1]], 0, 0
+        for (piece, _), chunk in zip(pieces[:-1], items[:-1], strict=True):
+            sent, count = sent + len(piece), count + len(chunk)
+            done = [j for j, e in enumerate(ends) if starts[j] < e <= sent]  # of some text
+            assert max(done, default=-1) < count <= sum(e <= sent for e in ends)
+        assert len(pieces) > 2 and count > 0  # streamed, not all at the end
+
+
+def a_stop_string(texts: list[str], width: int) -> tuple[int, str]:
+    """(j, s): s, `width` whole characters of `texts[j]` first found past its 4th."""
+    for j, text in enumerate(texts):
+        for i in range(4, len(text) - width):
+            s = text[i : i + width]
+            if "\ufffd" not in s and text.find(s) == i:
+                return j, s
+    raise AssertionError(f"no stop string to take from {texts}")
+
+
+def test_streamed_completion_logprobs_add_up_to_the_answer(server, ref, tok):
+    prompts = ["def parse_line(line):", "x = [1, 2"]
+    greedy = dict(prompt=prompts[0], temperature=0, max_tokens=16, logprobs=2)
+    sp = SamplingParams(temperature=0, max_tokens=16, logprobs=2)
+    plain = ok(server, "/v1/completions", greedy)
+    ids = [ref.generate([prompts[0]], sp)[0].outputs[0].token_ids]
+    check_streamed_logprobs(stream(server, "/v1/completions", greedy), plain, ids, tok, chat=False)
+
+    # Seeded sampling, n=2, and a stop string that cuts a completion in its middle: the
+    # tokens that complete it have logprobs in the answer but no text; the text before
+    # it is held back by 2 characters.
+    body = dict(prompt=prompts, n=2, seed=3, temperature=0.8, max_tokens=16, logprobs=2)
+    sp = dataclasses.replace(sp, n=2, seed=3, temperature=0.8)
+    texts = [c["text"] for c in ok(server, "/v1/completions", body)["choices"]]
+    j, stop = a_stop_string(texts, 3)
+    body, sp = dict(body, stop=stop), dataclasses.replace(sp, stop=(stop,))
+    plain = ok(server, "/v1/completions", body)
+    cut = plain["choices"][j]
+    assert cut["finish_reason"] == "stop" and cut["text"] == texts[j][: texts[j].find(stop)]
+    ids = [c.token_ids for o in ref.generate(prompts, sp) for c in o.outputs]
+    assert stop in tok.decode(ids[j]) and len(cut["logprobs"]["tokens"]) == len(ids[j])
+    check_streamed_logprobs(stream(server, "/v1/completions", body), plain, ids, tok, chat=False)
+
+
+def test_streamed_chat_logprobs_add_up_to_the_answer(server, ref, tok):
+    greedy = dict(messages=MESSAGES, temperature=0, max_tokens=12, logprobs=True, top_logprobs=1)
+    sp = SamplingParams(temperature=0, max_tokens=12, logprobs=1)
+    plain = ok(server, "/v1/chat/completions", greedy)
+    ids = [ref.chat(MESSAGES, sp)[0].outputs[0].token_ids]
+    check_streamed_logprobs(
+        stream(server, "/v1/chat/completions", greedy), plain, ids, tok, chat=True
+    )
+
+    body = dict(greedy, n=2, seed=3, temperature=0.8, max_tokens=16)
+    sp = dataclasses.replace(sp, n=2, seed=3, temperature=0.8, max_tokens=16)
+    texts = [c["message"]["content"] for c in ok(server, "/v1/chat/completions", body)["choices"]]
+    j, stop = a_stop_string(texts, 2)
+    body, sp = dict(body, stop=stop), dataclasses.replace(sp, stop=(stop,))
+    plain = ok(server, "/v1/chat/completions", body)
+    assert plain["choices"][j]["finish_reason"] == "stop"
+    ids = [c.token_ids for c in ref.chat(MESSAGES, sp)[0].outputs]
+    check_streamed_logprobs(
+        stream(server, "/v1/chat/completions", body), plain, ids, tok, chat=True
+    )
+
+
+def test_engine_thread_token_events_carry_logprobs_only_when_asked(server):
+    sink = queue.SimpleQueue()
+    with_lp = SamplingParams(temperature=0, max_tokens=4, logprobs=2)
+    requests = [("lp-0", [1, 70, 71], with_lp), ("lp-1", [1, 70, 71], SamplingParams(max_tokens=4))]
+    server.engine.submit(requests, sink, tokens=True)
+    events, done = {"lp-0": [], "lp-1": []}, {}
+    while len(done) < 2:
+        event = sink.get(timeout=60)
+        assert event[0] in ("token", "done"), event
+        if event[0] == "done":
+            done[event[1]] = event[2].outputs[0]
+        else:
+            events[event[1]].append(event[2:])
+    lp, plain = done["lp-0"], done["lp-1"]
+    assert events["lp-0"] == [(0, *e) for e in zip(lp.token_ids, lp.logprobs, strict=True)]
+    assert events["lp-1"] == [(0, t) for t in plain.token_ids]  # as before: four elements
+
+
 def test_concurrent_requests_equal_their_sequential_results(server, ref):
     prompts = [f"def f{i}(x):\n    return x {'+-*/%<>&'[i]} " for i in range(8)]
     sp = SamplingParams(temperature=0, max_tokens=8)
@@ -416,13 +562,25 @@ def test_a_step_failing_mid_stream_ends_it_with_an_error_event(server, monkeypat
         ("/v1/completions", dict(prompt="a", suffix="b"), 400, "suffix"),
         ("/v1/completions", dict(prompt="a", model="gpt-4"), 400, "'gpt-4'"),
         ("/v1/completions", dict(prompt="a", echo=True), 400, "echo=true is not supported"),
-        ("/v1/completions", dict(prompt="a", logprobs=1, stream=True), 400, "stream"),
+        ("/v1/completions", dict(prompt="a", logprobs=21, stream=True), 400, "logprobs=21"),
         ("/v1/completions", dict(prompt="x" * 600), 400, "max_model_len=512"),
         ("/v1/completions", dict(prompt=[]), 400, "prompt=[]"),
         ("/v1/completions", dict(prompt=[[1, 2], [3, 999]]), 400, "prompt 1:"),
         ("/v1/chat/completions", dict(messages="hi"), 400, "'hi'"),
         ("/v1/chat/completions", dict(messages=[MESSAGES[1]] * 40), 400, "max_model_len=512"),
         ("/v1/chat/completions", dict(messages=MESSAGES, top_logprobs=2), 400, "logprobs=true"),
+        (
+            "/v1/chat/completions",
+            dict(messages=MESSAGES, top_logprobs=2, stream=True),
+            400,
+            "logprobs=true",
+        ),
+        (
+            "/v1/chat/completions",
+            dict(messages=MESSAGES, logprobs=True, top_logprobs=21, stream=True),
+            400,
+            "logprobs=21",
+        ),
         ("/v1/chat/completions", dict(messages=MESSAGES, tools=[{}]), 400, "tools"),
         (
             "/v1/chat/completions",
