@@ -77,7 +77,7 @@ def raises_400(fn, *args, words: str, param: str | None = None, **kwargs) -> api
         (dict(logit_bias={"5": 101}), "logit_bias", "101"),
         (dict(logit_bias=[1]), "logit_bias", "[1]"),
         (dict(logprobs=21), "logprobs", "logprobs=21"),
-        (dict(logprobs=1, stream=True), "logprobs", "stream=true"),
+        (dict(logprobs=21, stream=True), "logprobs", "logprobs=21"),
         (dict(echo=True), "echo", "echo=True"),
         (dict(best_of=2), "best_of", "best_of=2"),
         (dict(suffix="b"), "suffix", "suffix='b'"),
