@@ -119,7 +119,7 @@ def default_tuning(
     * They do not (few or short batches): split-K (flash-decoding) up to about
       8 programs per SM, keeping >= 4 blocks per split, with 32 KiB K tiles (128
       tokens at D=128) and 2 pipeline stages. At (B, S) = (32, 4096) this ran in
-      183-186 us against 192-246 us for one split of 16 KiB tiles and 3 stages.
+      183-186 us against 192-247 us for one split of 16 KiB tiles and 3 stages.
     * They do (B * K >= 8 * SMs): no split, 16 KiB tiles (64 tokens at D=128),
       3 stages (2 up to 32 KiB, else 1), which were as fast as anything in the
       sweep at (128, 2048) and (256, 512) within its 5-10% run-to-run noise.
