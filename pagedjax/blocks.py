@@ -18,6 +18,7 @@ Life of a sequence, as the engine drives it::
     slots, copies = bm.append_tokens(seqs, tokens)   # [B] int32, [(src, dst)] page copies
     tables = bm.page_tables(seqs)                    # [B, max_pages] int32
     bm.fork(seq, child)                              # n > 1 sampling, beam search
+    bm.release_before(seq, computed - window + 1)    # sliding window: drop unreachable pages
     bm.free(seq)                                     # finished, aborted or preempted
 
 Contract:
@@ -50,11 +51,17 @@ every hit verified against the stored token ids, so requests with different salt
 share a page and a colliding hash cannot reuse a wrong page). Freed cached pages stay
 findable in an LRU (freed tail-first, so a shared prefix's head lives longest) until
 allocation evicts them; evicting a page uncaches the pages cached under it.
+
+Sliding window: ``release_before`` gives back the pages of a live sequence that no later
+query can see, as ``free`` would. Their entries read ``PAD_PAGE`` (the page-table padding)
+in ``page_tables``, a valid page that the window masks; freeing, forking, caching and
+``slot_mapping`` skip or refuse them.
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import operator
 import struct
@@ -82,6 +89,7 @@ __all__ = [
     "InvalidState",
     "InvariantViolation",
     "OutOfPages",
+    "PAD_PAGE",
     "SequenceExists",
     "SequenceFreed",
     "UnknownSequence",
@@ -106,6 +114,7 @@ class BlockStats:
     cow_copies: int
 
 
+PAD_PAGE = 0  # page-table padding (as in the step inputs), also for released entries
 _FREED_MEMORY = 4096  # freed ids remembered to tell "double free" from "unknown"
 _pack_token = struct.Struct("<q").pack
 
@@ -131,6 +140,7 @@ class _Seq:
     num_computed: int  # tokens whose K/V is on the device (or written this step)
     chain: Chain  # the prefix cache's position in this sequence (salt included)
     unknown: int = -1  # position of the token whose value is not known yet (-1: none)
+    released: int = 0  # leading pages given back (window): -1 in pages, PAD_PAGE in table
 
 
 class BlockManager:
@@ -200,11 +210,11 @@ class BlockManager:
         return self._get(seq_id).num_computed
 
     def page_table(self, seq_id: Hashable) -> list[int]:
-        """The sequence's physical pages, logical order (a copy)."""
+        """The sequence's physical pages, logical order (a copy); -1 where released."""
         return list(self._get(seq_id).pages)
 
     def page_tables(
-        self, seq_ids: Sequence[Hashable], *, width: int | None = None, pad: int = 0
+        self, seq_ids: Sequence[Hashable], *, width: int | None = None, pad: int = PAD_PAGE
     ) -> np.ndarray:
         """Page tables of many sequences as one ``[B, width]`` int32 array.
 
@@ -212,7 +222,8 @@ class BlockManager:
             seq_ids: the sequences, one row each.
             width: columns; default the longest table. Must fit every table.
             pad: value for columns past a sequence's last page (a valid page id by default,
-                so a kernel that reads past the context length stays in bounds).
+                so a kernel that reads past the context length stays in bounds). Released
+                entries (``release_before``) read ``PAD_PAGE`` whatever ``pad`` is.
         """
         get = self._seqs.get
         seqs = [get(sid) or self._get(sid) for sid in seq_ids]
@@ -232,6 +243,11 @@ class BlockManager:
         if not 0 <= start <= end <= s.num_tokens:
             raise InvalidArgument(
                 f"slot range [{start}, {end}) of {seq_id!r} is outside [0, {s.num_tokens}]"
+            )
+        if start < min(end, s.released * self.page_size):
+            raise InvalidArgument(
+                f"slot range [{start}, {end}) of {seq_id!r} reaches its released pages "
+                f"(positions < {s.released * self.page_size})"
             )
         pos = np.arange(start, end)
         ps = self.page_size
@@ -276,7 +292,8 @@ class BlockManager:
         Free + evictable + referenced pages == all pages, each in exactly one place;
         refcounts equal page-table occurrences; every registered page is indexed under
         the chain hash of its tokens and of a registered parent (same salt); every
-        sequence's cached prefix pages hold exactly its tokens.
+        sequence's cached prefix pages hold exactly its tokens; released entries lead the
+        page table, hold only computed positions, never the last page, and count nowhere.
         """
 
         def require(ok: bool, msg: str) -> None:
@@ -287,18 +304,26 @@ class BlockManager:
         free, lru, entries = set(self._free), self._evictable, cache.entries
         require(len(free) == len(self._free), f"a page is twice in the free list {self._free}")
         holders = [0] * self.num_pages
+        # Released entries (-1) check as uncached pages: here entries[-1] is an extra None.
+        view = copy.copy(cache)
+        view.entries = [*entries, None]
         for sid, s in self._seqs.items():
-            k = len(s.pages)
-            require(len(set(s.pages)) == k, f"{sid!r} holds a page twice: {s.pages}")
+            k, r = len(s.pages), s.released
+            held = s.pages[r:]
+            require(0 <= r < k and r * ps <= s.num_computed, f"{sid!r}: released {r} of {k}")
+            require(s.pages[:r] == [-1] * r and min(held) >= 0, f"{sid!r}: released {s.pages}")
+            require(len(set(held)) == len(held), f"{sid!r} holds a page twice: {s.pages}")
             require(k == -(-s.num_tokens // ps), f"{sid!r}: {k} pages for {s.num_tokens} tokens")
-            require(s.table[:k].tolist() == s.pages, f"{sid!r}: table mirror is stale")
+            table = s.table[:k].tolist()
+            require(table == [PAD_PAGE] * r + held, f"{sid!r}: table mirror is stale")
             require(len(s.tokens) == 8 * s.num_tokens, f"{sid!r}: token buffer length")
             require(0 <= s.num_computed <= s.num_tokens, f"{sid!r}: num_computed out of range")
             require(-1 <= s.unknown < s.num_tokens, f"{sid!r}: unknown token out of range")
-            for p in s.pages:
+            for p in held:
                 holders[p] += 1
             known = s.num_computed if s.unknown < 0 else min(s.num_computed, s.unknown)
-            cache.check_chain(repr(sid), s.chain, s.pages, s.tokens, known, require)
+            checker = view if r else cache
+            checker.check_chain(repr(sid), s.chain, s.pages, s.tokens, known, require)
         for p in range(self.num_pages):
             e = entries[p]
             where = (p in free) + (p in lru) + (rc[p] > 0)
@@ -482,7 +507,7 @@ class BlockManager:
                 f"cannot fork {parent_id!r}: token {parent.unknown} has no value yet"
             )
         rc = self._refcount
-        for p in parent.pages:
+        for p in parent.pages[parent.released :]:
             rc[p] += 1
         self._seqs[child_id] = dataclasses.replace(
             parent,
@@ -501,17 +526,45 @@ class BlockManager:
         """
         s = self._get(seq_id)
         del self._seqs[seq_id]
-        rc, entry = self._refcount, self._prefix.entries
-        for p in reversed(s.pages):
-            rc[p] -= 1
-            if rc[p] == 0:
-                if entry[p] is not None:
-                    self._evictable[p] = None
-                else:
-                    self._free.append(p)
+        self._decref(reversed(s.pages[s.released :]))
         self._freed[seq_id] = None
         if len(self._freed) > _FREED_MEMORY:
             self._freed.popitem(last=False)
+
+    def release_before(self, seq_id: Hashable, position: int) -> int:
+        """Gives back the sequence's pages that hold only positions below ``position``.
+
+        For sliding-window attention: once ``num_computed_tokens`` is ``c``, every later
+        query sits at ``>= c`` and sees keys ``> c - W``, so the engine calls this with
+        ``c - W + 1``. Pages go as in ``free`` (refcount down; shared pages stay with their
+        other holders, cached ones become evictable); their entries then read -1 in
+        ``page_table`` and ``PAD_PAGE`` in ``page_tables``. The last page is always kept.
+
+        Args:
+            seq_id: a live sequence.
+            position: the lowest position still read, in ``[0, num_computed_tokens]``.
+
+        Returns:
+            Pages released by this call (tail first, as in ``free``); 0 if none.
+
+        Raises:
+            InvalidArgument: ``position`` is out of range; nothing changed.
+        """
+        s = self._get(seq_id)
+        pos = operator.index(position)
+        if not 0 <= pos <= s.num_computed:
+            raise InvalidArgument(
+                f"position={pos} for sequence {seq_id!r} must be in [0, {s.num_computed}] "
+                "(its computed tokens)"
+            )
+        start, end = s.released, min(pos // self.page_size, len(s.pages) - 1)
+        if end <= start:
+            return 0
+        self._decref(reversed(s.pages[start:end]))
+        s.pages[start:end] = [-1] * (end - start)
+        s.table[start:end] = PAD_PAGE
+        s.released = end
+        return end - start
 
     def free_all(self) -> int:
         """Frees every live sequence (recovery after a failed engine step); returns how
@@ -594,6 +647,18 @@ class BlockManager:
         for p, c in shared.items():
             needed += c - (c == rc[p])
         return seqs, needed
+
+    def _decref(self, pages: Iterable[int]) -> None:
+        """Drops one reference to each page; unreferenced ones become evictable (cached)
+        or free, in the order given."""
+        rc, entry = self._refcount, self._prefix.entries
+        for p in pages:
+            rc[p] -= 1
+            if rc[p] == 0:
+                if entry[p] is not None:
+                    self._evictable[p] = None
+                else:
+                    self._free.append(p)
 
     def _alloc(self) -> int:
         if self._free:

@@ -95,8 +95,8 @@ class ModelConfig:
         projections and before RoPE (Qwen3).
       sliding_window: W: a query at position p attends only to keys j with
         p - W < j <= p (W keys, itself included), in every layer (Mistral-7B-v0.1);
-        None: full causal attention. Pages that fall out of the window are still kept
-        in the cache (freeing them is a later optimisation).
+        None: full causal attention. The engine gives back pages that fall out of
+        every later query's window (`BlockManager.release_before`).
       dtype: parameter and activation dtype name ("bfloat16" or "float32").
       bos_token_id, eos_token_ids: special tokens (eos may be several).
     """

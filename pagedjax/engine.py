@@ -190,6 +190,7 @@ class LLM:
             self.block_manager,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            sliding_window=cfg.sliding_window,  # pages out of the window are given back
         )
         self.buckets = buckets or decode.Buckets()
         self.cache = sharding.create_cache(cfg, self.cache_config, params.mesh)

@@ -15,8 +15,8 @@ Family options (`ModelConfig`): `qkv_bias` (Qwen2); `qk_norm` (Qwen3: an RMSNorm
 each query and key head, weight `[D]`, after the projections and before RoPE);
 `sliding_window` (Mistral-7B-v0.1: every layer attends only to the last W positions,
 itself included; both forwards mask with it, and the paged one passes it to the
-kernels. Pages that fall out of the window stay allocated: freeing them is a later
-optimisation).
+kernels. The engine releases pages that fall out of the window; their page-table
+entries then name the padding page, which the window masks).
 
 Tensor parallelism: `pagedjax.sharding.shard_params` places the parameters on a
 "tp" mesh and records the mesh in `Params.mesh`; `forward_paged` then runs each

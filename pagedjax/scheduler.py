@@ -48,6 +48,13 @@ sequence (the device runs steps in order, so a later step never sees its writes)
 Beam groups need the previous step's selection to bind their rows: plans with beam
 rows are committed after it (the default).
 
+Sliding window (`sliding_window=W`): `schedule()` first gives back each running
+sequence's pages that hold only positions below `c - W + 1` (`BlockManager.release_before`,
+`c` its computed tokens): this step's queries and all later ones sit at `>= c`, and the
+page tables this step reads are taken after the release. A step still in flight may name
+those pages, but it runs before any step that reuses them. Admission is unchanged (a
+prompt still reserves all its pages); the pages released come back to the free pool.
+
 Frees requested between `schedule()` and the end of `commit()` (a sequence that
 finishes, an aborted request, a dropped beam) are deferred to the end of `commit()`:
 this step may still write K/V into those pages (a prefill chunk already counted as
@@ -82,10 +89,17 @@ class Scheduler:
       max_num_seqs: most sequences running at once (also the most rows a step).
       max_num_batched_tokens: most tokens a step feeds (decode rows plus prefill
         chunks); at least `max_num_seqs`.
+      sliding_window: the model's window W (every layer); pages out of every sequence's
+        window are released each step. None: full attention, every page is kept.
     """
 
     def __init__(
-        self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        sliding_window: int | None = None,
     ):
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -93,6 +107,11 @@ class Scheduler:
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+        w = sliding_window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ValueError(
+                f"sliding_window must be None or a positive int, got sliding_window={w!r}"
+            )
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
                 "max_num_batched_tokens must be >= max_num_seqs (every running sequence "
@@ -101,6 +120,7 @@ class Scheduler:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.sliding_window = sliding_window
         self.waiting: collections.deque[SequenceGroup] = collections.deque()
         self.running: list[SequenceGroup] = []  # admission order
         self.num_preemptions = 0
@@ -254,6 +274,8 @@ class Scheduler:
             raise RuntimeError("schedule() called twice without commit()")
         self._open = True
         bm = self.bm
+        if self.sliding_window is not None:
+            self._release_out_of_window()
         preempted = set()
         while True:
             cands, reserve = self._decode_candidates()
@@ -308,6 +330,14 @@ class Scheduler:
                     break
                 budget -= self._prefill_chunk(plan, g, s, budget)
         return plan
+
+    def _release_out_of_window(self) -> None:
+        """Gives back pages no query of this step or a later one reads (module docstring)."""
+        bm, w = self.bm, self.sliding_window
+        for g in self.running:
+            for s in g.seqs:
+                if s.num_admitted and (c := bm.num_computed_tokens(s.seq_id)) >= w:
+                    bm.release_before(s.seq_id, c - w + 1)
 
     def _admit_len(self, g: SequenceGroup, s: Sequence) -> int:
         """Tokens to prefill on admission; the rest is fed as a decode row."""
