@@ -264,8 +264,15 @@ def ragged_paged_attention_xla(
         mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
     mask &= valid[:, None]  # [T, s_len]
 
-    # Slots past each context are zeroed: a recycled page's stale tail may hold NaN/inf.
-    live = (k_pos[None, :] < context_lens[:, None])[:, :, None, None]  # [B, s_len, 1, 1]
+    # Slots no query of their sequence sees are zeroed: a recycled page's stale tail may
+    # hold NaN/inf, and so may a page released below the sliding window (the page table
+    # then names the padding page there).
+    live = k_pos[None, :] < context_lens[:, None]  # [B, s_len]
+    if sliding_window is not None:
+        seq_q_len = query_start_loc[1:] - query_start_loc[:-1]  # [B]
+        first_pos = context_lens - seq_q_len  # of each sequence's first query
+        live &= k_pos[None, :] > (first_pos - sliding_window)[:, None]
+    live = live[:, :, None, None]  # [B, s_len, 1, 1]
     k = jnp.where(live, k, 0)
     v = jnp.where(live, v, 0)
     kr = _repeat_kv(k.transpose(0, 2, 1, 3), h)  # [B, H, s_len, D]

@@ -224,6 +224,44 @@ def test_xla_paths_keep_stale_nan_out():
     assert (out[loc[-1] :] == 0).all()
 
 
+def test_xla_paths_ignore_pages_released_below_the_window():
+    """Pages wholly below every query's window may be released: the page table then names
+    a padding page, which may hold anything (NaN here); the outputs must not change."""
+    rng = np.random.default_rng(9)
+    page_size, heads, kv_heads, d, window = 4, 8, 2, 16, 6
+    context = np.array([23, 5, 18])
+    q_lens = np.array([3, 1, 2])
+    k_pages, v_pages, table, dk, dv = make_paged(rng, context, kv_heads, d, page_size)
+    pad = max(set(range(k_pages.shape[1])) - set(table.ravel()))  # stands in for padding
+    k_pages[:, pad], v_pages[:, pad] = np.nan, np.inf
+    released = table.copy()
+    for b, (n, q) in enumerate(zip(context, q_lens, strict=True)):
+        below = max(0, n - q - window + 1) // page_size  # pages no query of b can see
+        released[b, :below] = pad
+    loc = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = randn(rng, int(loc[-1]), heads, d)
+    out = np.asarray(
+        ref.ragged_paged_attention_xla(
+            q, k_pages, v_pages, released, context, loc, sliding_window=window
+        )
+    )
+    assert (released != table).sum() >= 4  # the test releases pages of two sequences
+    for b in range(len(context)):
+        rows = slice(loc[b], loc[b + 1])
+        pos = context[b] - q_lens[b] + np.arange(q_lens[b])
+        want = naive_attention(q[rows], dk[b], dv[b], pos, context[b], window=window)
+        assert rel_err(out[rows], want) < 1e-5
+    last = q[loc[1:] - 1]  # each sequence's last query: the decode path
+    out = np.asarray(
+        ref.paged_attention_xla(last, k_pages, v_pages, context, released, sliding_window=window)
+    )
+    for b in range(len(context)):
+        want = naive_attention(
+            last[b][None], dk[b], dv[b], [context[b] - 1], context[b], window=window
+        )
+        assert rel_err(out[b], want[0]) < 1e-5
+
+
 def test_gqa_heads_must_divide():
     rng = np.random.default_rng(7)
     with pytest.raises(ValueError, match="kv heads must divide query heads"):
