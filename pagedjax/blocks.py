@@ -61,7 +61,6 @@ in ``page_tables``, a valid page that the window masks; freeing, forking, cachin
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 import operator
 import struct
@@ -304,9 +303,6 @@ class BlockManager:
         free, lru, entries = set(self._free), self._evictable, cache.entries
         require(len(free) == len(self._free), f"a page is twice in the free list {self._free}")
         holders = [0] * self.num_pages
-        # Released entries (-1) check as uncached pages: here entries[-1] is an extra None.
-        view = copy.copy(cache)
-        view.entries = [*entries, None]
         for sid, s in self._seqs.items():
             k, r = len(s.pages), s.released
             held = s.pages[r:]
@@ -322,8 +318,7 @@ class BlockManager:
             for p in held:
                 holders[p] += 1
             known = s.num_computed if s.unknown < 0 else min(s.num_computed, s.unknown)
-            checker = view if r else cache
-            checker.check_chain(repr(sid), s.chain, s.pages, s.tokens, known, require)
+            cache.check_chain(repr(sid), s.chain, s.pages, s.tokens, known, require)
         for p in range(self.num_pages):
             e = entries[p]
             where = (p in free) + (p in lru) + (rc[p] > 0)

@@ -216,7 +216,8 @@ class PrefixCache:
 
         Args:
             name: the sequence, as messages should name it.
-            chain, pages, tokens: the sequence's chain, physical pages and token bytes.
+            chain, pages, tokens: the sequence's chain, physical pages (-1: a page released
+                below a sliding window, which checks as uncached) and token bytes.
             num_computed: the sequence's computed tokens.
             require: called as ``require(ok, message)`` for every check.
         """
@@ -224,7 +225,7 @@ class PrefixCache:
         require(chain.num_pages <= num_computed // ps, f"{name}: hashed uncomputed pages")
         h = root_hash(chain.salt)
         for i, p in enumerate(pages):
-            e = entries[p]
+            e = entries[p] if p >= 0 else None
             if i >= chain.num_pages:
                 require(e is None, f"{name}: page {p} cached past its hashed prefix")
                 continue
