@@ -272,10 +272,12 @@ def test_scheduler_checks_the_window():
 # --------------------------------------------------------------- attention paths
 
 
+@pytest.mark.parametrize("backend", ["xla", "gpu"])
 @pytest.mark.parametrize("path", ["ragged", "decode"])
-def test_released_entries_cannot_change_attention(path):
+def test_released_entries_cannot_change_attention(path, backend):
     """A window of 6 over pages of 4: entries below the window replaced by the padding
-    page, which holds large random (finite) K/V, give the same output."""
+    page, which holds NaN keys and inf values, give the same output (XLA paths, and the
+    GPU kernels in the interpreter)."""
     k_heads, h, d, ps, num_pages, w = 2, 4, 16, 4, 12, 6
     rng = np.random.default_rng(3)
     k_pages = rng.normal(size=(k_heads, num_pages, ps, d)).astype(np.float32)
@@ -288,19 +290,27 @@ def test_released_entries_cannot_change_attention(path):
         first_read = n - ql - w + 1
         released[b, : first_read // ps] = PAD_PAGE
     garbage_k, garbage_v = k_pages.copy(), v_pages.copy()
-    garbage_k[:, PAD_PAGE] = 1e4 * rng.normal(size=(k_heads, ps, d))
-    garbage_v[:, PAD_PAGE] = 1e4 * rng.normal(size=(k_heads, ps, d))
+    garbage_k[:, PAD_PAGE] = np.nan
+    garbage_v[:, PAD_PAGE] = np.inf
     assert PAD_PAGE not in table[0] and (released[0] == PAD_PAGE).sum() >= 3
 
     def run(tab, kp, vp):
         if path == "decode":
             q = rng_q[: len(lens)]
             return pallas_kernels.paged_decode_attention(
-                q, kp, vp, lens, tab, sliding_window=w, backend="xla"
+                q, kp, vp, lens, tab, sliding_window=w, backend=backend, interpret=True
             )
         starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         return pallas_kernels.ragged_paged_attention(
-            rng_q[: sum(q_lens)], kp, vp, tab, lens, starts, sliding_window=w, backend="xla"
+            rng_q[: sum(q_lens)],
+            kp,
+            vp,
+            tab,
+            lens,
+            starts,
+            sliding_window=w,
+            backend=backend,
+            interpret=True,
         )
 
     rng_q = rng.normal(size=(4, h, d)).astype(np.float32)
