@@ -58,7 +58,7 @@ class Run:
         self.args = args
         self.deadline = time.monotonic() + args.budget_s
         self.interpret = args.dry_run
-        self.iters = 3 if args.dry_run else args.iters
+        self.iters = 1 if args.dry_run else args.iters
         self.path = args.out / "tune.jsonl" if args.out else None
         if self.path:
             args.out.mkdir(parents=True, exist_ok=True)
@@ -118,7 +118,7 @@ def decode_cases(dry_run: bool):
     D = bk.DecodeCase
     if dry_run:
         case = D(2, 1024, num_heads=4, num_kv_heads=1, head_dim=32)  # default: 2 splits
-        return [(case, [dict(num_splits=1), dict(block_kv=64)], 1)]
+        return [(case, [dict(num_splits=1)], 1)]
 
     def grid(block_kvs, splits, stages=(2, 3, 4), warps=(4,)):
         return [
