@@ -258,7 +258,7 @@ def test_state_machine_with_releases():
 
 @pytest.mark.slow
 def test_state_machine_with_releases_long():
-    assert run_window_machine(250, 100) >= 15_000
+    assert run_window_machine(150, 100) >= 9_000
 
 
 def test_scheduler_checks_the_window():
