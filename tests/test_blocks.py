@@ -805,7 +805,13 @@ def run_machine(monkeypatch, digest, examples, steps, check_hits=True) -> int:
     """Runs the machine; returns the number of rule steps it took."""
     if digest is not None:
         monkeypatch.setattr(prefix_cache, "_digest", digest)
-    machine = type("Machine", (BlockMachine,), {"check_hits": check_hits})
+    return run_stateful(BlockMachine, examples, steps, check_hits=check_hits)
+
+
+def run_stateful(base, examples, steps, **attrs) -> int:
+    """Runs a fresh subclass of the machine `base` (with `attrs`), derandomized; returns
+    the number of rule steps it took."""
+    machine = type("Machine", (base,), attrs)
     run_state_machine_as_test(
         machine,
         settings=settings(

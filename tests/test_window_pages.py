@@ -7,11 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import invariant, precondition, rule
 from params_helpers import random_params
-from test_blocks import BlockMachine, snapshot
+from test_blocks import BlockMachine, run_stateful, snapshot
 
 import pallas_kernels
 from pagedjax import model
@@ -237,19 +236,7 @@ class WindowMachine(BlockMachine):
 
 
 def run_window_machine(examples, steps):
-    machine = type("Machine", (WindowMachine,), {})
-    run_state_machine_as_test(
-        machine,
-        settings=settings(
-            max_examples=examples,
-            stateful_step_count=steps,
-            deadline=None,
-            derandomize=True,
-            database=None,
-            suppress_health_check=list(HealthCheck),
-        ),
-    )
-    return machine.checks - machine.runs
+    return run_stateful(WindowMachine, examples, steps)
 
 
 def test_state_machine_with_releases():
