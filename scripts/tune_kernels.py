@@ -7,10 +7,7 @@
 changes; this script searches the knobs jointly, to choose the defaults
 (`default_tuning` in each kernel's module) from measurements. It
 
-1. measures the device's bandwidth ceilings several ways (an elementwise `x + 1`
-   over bf16 and over f32 arrays, an XLA copy, each counting bytes read plus
-   written; and a read-only reduction), since one way can fall short of what a
-   kernel reaches;
+1. measures the device's copy and read bandwidth as `bench_kernels.py` does;
 2. times our paged decode kernel over a grid of `block_kv x num_splits x
    num_stages x num_warps` for each decode shape (the default timed first and
    again last: the spread of those two is the noise; where the default splits,
@@ -82,33 +79,16 @@ class Run:
 # ---------------------------------------------------------------- ceilings
 
 
-def ceilings(run: Run, nbytes: int) -> dict:
-    """Bandwidth in GB/s, several ways; copies count bytes read plus bytes written."""
-    n = nbytes // 2
-    found = {}
-
-    def measure(name, fn, sets, moved):
+def ceilings(run: Run, nbytes: int) -> None:
+    """Copy (read + write) and read bandwidth, GB/s, as `bench_kernels.py` measures them."""
+    for name, measure in (("copy", bk.measure_copy_gbps), ("read", bk.measure_read_gbps)):
         try:
-            t = bk.time_calls(fn, sets, run.iters)
-        except Exception as e:  # noqa: BLE001 - reported, the others still run
+            gbps = measure(run.iters, nbytes)
+        except Exception as e:  # noqa: BLE001 - reported, the sweeps still run
             run.emit(kind="ceiling", name=name, error=bk.short_error(e))
-            return
-        found[name] = moved / t / 1e9
-        run.emit(kind="ceiling", name=name, gbps=found[name], us=t * 1e6)
-        bk.log(f"ceiling {name}: {found[name]:.0f} GB/s")
-
-    keys = jax.random.split(jax.random.key(7), 4)
-    bf = [jax.random.normal(k, (n,), jnp.bfloat16) for k in keys]
-    measure("add_bf16", lambda x: x + 1, [(x,) for x in bf], 2 * nbytes)
-    measure("copy_bf16", lambda x: jnp.copy(x) * 1, [(x,) for x in bf], 2 * nbytes)
-    # Read-only: a reduction reads every byte and writes 4.
-    measure("read_sum_bf16", lambda x: jnp.sum(x, dtype=jnp.float32), [(x,) for x in bf], nbytes)
-    del bf
-    f32 = [jax.random.normal(k, (n // 2,), jnp.float32) for k in keys]
-    measure("add_f32", lambda x: x + 1, [(x,) for x in f32], 2 * nbytes)
-    measure("read_sum_f32", lambda x: jnp.sum(x), [(x,) for x in f32], nbytes)
-    del f32
-    return found
+            continue
+        run.emit(kind="ceiling", name=name, gbps=gbps)
+        bk.log(f"ceiling {name}: {gbps:.0f} GB/s")
 
 
 # ---------------------------------------------------------------- decode
@@ -154,6 +134,35 @@ def time_merge(run: Run, case, splits: int) -> None:
     bk.log(f"    split merge alone ({splits} splits): {t * 1e6:.1f} us")
 
 
+def time_grid(run: Run, kind: str, case, kernel, arg_sets, configs, until: float, rate):
+    """Times `kernel(*args, **config)` over `arg_sets` at its default knobs, then at each
+    config until `until`, then at its default again (the two defaults' spread is the
+    noise); emits one `kind` record each (a config that fails is recorded with its error).
+
+    Args:
+      rate: seconds -> (record key, value, unit) of the achieved rate.
+
+    Returns:
+      [(seconds, config)] of the configurations that ran; config None is the default.
+    """
+    results = []
+    for config in [None, *configs, None]:
+        if config is not None and time.monotonic() > until:
+            continue
+        name = "default" if config is None else config
+        try:
+            t = bk.time_calls(partial(kernel, **(config or {})), arg_sets, run.iters)
+        except Exception as e:  # noqa: BLE001 - a config that fails to compile is reported
+            run.emit(kind=kind, case=case.name, config=name, error=bk.short_error(e))
+            bk.log(f"    {name} failed: {bk.short_error(e)}")
+            continue
+        key, value, unit = rate(t)
+        results.append((t, config))
+        run.emit(kind=kind, case=case.name, config=name, us=t * 1e6, **{key: value})
+        bk.log(f"    {name}: {t * 1e6:.1f} us  {value:.1f} {unit}")
+    return results
+
+
 def decode_sweep(run: Run, case, configs, until: float) -> None:
     copies = 2 if run.interpret else bk.rotating_copies(case.kv_bytes)
     calls = copies * math.ceil(min(16, max(4, 2 * GIB / case.kv_bytes)) / copies)
@@ -169,21 +178,8 @@ def decode_sweep(run: Run, case, configs, until: float) -> None:
     bk.log(f"decode {case.name}: default {default}")
     if default["num_splits"] > 1:
         time_merge(run, case, default["num_splits"])
-    results = []
-    for config in [None, *configs, None]:  # the default first and last: its spread is noise
-        if config is not None and time.monotonic() > until:
-            continue
-        name = "default" if config is None else config
-        try:
-            t = bk.time_calls(partial(kernel, **(config or {})), sets, run.iters)
-        except Exception as e:  # noqa: BLE001 - a config that fails to compile is reported
-            run.emit(kind="decode", case=case.name, config=name, error=bk.short_error(e))
-            bk.log(f"    {name} failed: {bk.short_error(e)}")
-            continue
-        gbps = case.kv_bytes / t / 1e9
-        results.append((t, config))
-        run.emit(kind="decode", case=case.name, config=name, us=t * 1e6, gbps=gbps)
-        bk.log(f"    {name}: {t * 1e6:.1f} us  {gbps:.0f} GB/s")
+    rate = lambda t: ("gbps", case.kv_bytes / t / 1e9, "GB/s")  # noqa: E731
+    results = time_grid(run, "decode", case, kernel, sets, configs, until, rate)
     if not results:
         return
     t, best = min(results, key=lambda r: r[0])
@@ -237,20 +233,8 @@ def ragged_sweep(run: Run, case, configs, until: float) -> None:
     kernel = partial(ragged_paged_attention_gpu, interpret=run.interpret)
     nflops = rc.flops(case)
     bk.log(f"ragged {case.name}")
-    results = []
-    for config in [None, *configs, None]:
-        if config is not None and time.monotonic() > until:
-            continue
-        name = "default" if config is None else config
-        try:
-            t = bk.time_calls(partial(kernel, **(config or {})), arg_sets, run.iters)
-        except Exception as e:  # noqa: BLE001 - reported
-            run.emit(kind="ragged", case=case.name, config=name, error=bk.short_error(e))
-            bk.log(f"    {name} failed: {bk.short_error(e)}")
-            continue
-        results.append((t, config))
-        run.emit(kind="ragged", case=case.name, config=name, us=t * 1e6, tflops=nflops / t / 1e12)
-        bk.log(f"    {name}: {t * 1e6:.1f} us  {nflops / t / 1e12:.1f} TFLOP/s")
+    rate = lambda t: ("tflops", nflops / t / 1e12, "TFLOP/s")  # noqa: E731
+    results = time_grid(run, "ragged", case, kernel, arg_sets, configs, until, rate)
     if not results:
         return
     t, best = min(results, key=lambda r: r[0])
