@@ -8,7 +8,13 @@ answer (`response_body`), or the chunks of a streamed one (`role_chunks`,
 `stream_chunk`, `usage`); `render_logprobs` renders the logprobs of any run of a
 completion's tokens (all of them, or a chunk's). Nothing here touches the engine, so
 it runs on any thread.
-scripts/serve.py documents the fields and answers as a user sees them.
+
+A model without a tokenizer (`tokenizer=None`) serves completions of token id prompts:
+its texts are "", so every choice carries its generated `token_ids` (a pagedjax
+extension; with a tokenizer, only when the request has `return_token_ids: true`, which
+also adds `prompt_token_ids` as vLLM does), and logprobs name each token
+`"token_id:<id>"` (vLLM's convention) with every `text_offset` 0 (offsets into the
+empty text). scripts/serve.py documents the fields and answers as a user sees them.
 """
 
 from __future__ import annotations
@@ -91,6 +97,9 @@ class Job:
       params: the sampling parameters of every prompt.
       stream: answer with Server-Sent Events.
       include_usage: streamed answers end with a usage chunk.
+      token_ids: each choice (and each streamed chunk) carries its generated token ids
+        (asked for with `return_token_ids`, or the model has no tokenizer).
+      prompt_token_ids: answers carry the prompts' token ids (`return_token_ids`).
       id: the response id's suffix; `rids` derive from it.
       created: the Unix time of the request.
     """
@@ -100,6 +109,8 @@ class Job:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    token_ids: bool = False
+    prompt_token_ids: bool = False
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -118,7 +129,8 @@ def parse_job(
       body: the request's JSON object.
       chat: a chat completions request (`messages`), else a completions one (`prompt`).
       model_name: the served model; a body naming another is refused.
-      tokenizer: the model's `Tokenizer`, or None (token id prompts only, no chat).
+      tokenizer: the model's `Tokenizer`, or None (token id prompts only, no chat, no
+        stop strings; choices carry their token ids).
       vocab_size: the model's vocabulary size (token ids, logit_bias keys).
       max_model_len: the longest sequence; chat's default max_tokens fills it up.
 
@@ -137,6 +149,10 @@ def parse_job(
     stream = bool(body.get("stream"))
     opts = body.get("stream_options") or {}
     include_usage = stream and isinstance(opts, dict) and bool(opts.get("include_usage"))
+    want_ids = body.get("return_token_ids")
+    if want_ids is not None and not isinstance(want_ids, bool):
+        msg = f"return_token_ids must be a boolean, got return_token_ids={want_ids!r}"
+        raise ApiError(400, msg, "return_token_ids")
     tok = tokenizer
     if chat:
         if tok is None or tok.chat_template is None:
@@ -175,7 +191,9 @@ def parse_job(
     params = sampling_params(body, max_tokens=limit, logprobs=logprobs, vocab_size=vocab_size)
     if params.stop and tok is None:
         raise ApiError(400, "stop strings need a tokenizer; this model has none", "stop")
-    return Job(chat, ids, params, stream, include_usage)
+    return Job(
+        chat, ids, params, stream, include_usage, bool(want_ids) or tok is None, bool(want_ids)
+    )
 
 
 def sampling_params(body: dict, *, max_tokens, logprobs, vocab_size: int) -> SamplingParams:
@@ -280,7 +298,9 @@ def chat_messages(messages) -> list[dict]:
 
 
 def _token_text(tok, token_id: int) -> str:
-    return tok.decode([token_id], skip_special_tokens=False) if tok is not None else ""
+    if tok is None:
+        return f"token_id:{token_id}"  # vLLM's name for a token without a tokenizer
+    return tok.decode([token_id], skip_special_tokens=False)
 
 
 def _lp(x: float) -> float:
@@ -308,7 +328,8 @@ def render_logprobs(
     """OpenAI-style logprobs of a run of a completion's tokens (all, or a stream chunk's).
 
     Args:
-      tok: the tokenizer that names the tokens (None: every name is "").
+      tok: the tokenizer that names the tokens (None: "token_id:<id>", and every
+        text_offset is 0, the length of the empty text).
       token_ids: the run's tokens.
       entries: their logprobs entries ({token id: logprob}, the token first).
       k: how many of the most likely tokens each entry lists.
@@ -331,7 +352,7 @@ def render_logprobs(
     offsets, at = [], offset
     for s in tokens:
         offsets.append(at)
-        at += len(s)
+        at += len(s) if tok is not None else 0
     top = []  # dicts keyed by text: of two tokens with one text, the likelier stays
     for e in entries:
         top.append({})
@@ -371,7 +392,7 @@ def choice_index(job: Job, rid: str, completion: int) -> int:
 def response_body(job: Job, head: dict, outs: dict, tokenizer) -> dict:
     """The whole (non-streamed) answer, from each request id's `RequestOutput`."""
     k, choices = job.params.logprobs, []
-    for rid in job.rids:
+    for rid, prompt in zip(job.rids, job.prompts, strict=True):
         for c in outs[rid].outputs:
             choice = dict(index=choice_index(job, rid, c.index))
             if job.chat:
@@ -380,9 +401,16 @@ def response_body(job: Job, head: dict, outs: dict, tokenizer) -> dict:
             else:
                 choice["text"] = c.text
                 choice["logprobs"] = None if k is None else completion_logprobs(tokenizer, c, k)
+                if job.prompt_token_ids:  # vLLM: on each completions choice
+                    choice["prompt_token_ids"] = list(prompt)
+            if job.token_ids:
+                choice["token_ids"] = list(c.token_ids)
             choice["finish_reason"] = c.finish_reason
             choices.append(choice)
-    return dict(**head, choices=choices, usage=usage(outs.values()))
+    body = dict(**head, choices=choices, usage=usage(outs.values()))
+    if job.chat and job.prompt_token_ids:  # vLLM: once, beside the choices
+        body["prompt_token_ids"] = list(job.prompts[0])
+    return body
 
 
 def role_chunks(job: Job, head: dict) -> list[dict]:
@@ -393,17 +421,31 @@ def role_chunks(job: Job, head: dict) -> list[dict]:
     for c in range(len(job.prompts) * job.params.n):
         delta = dict(role="assistant", content="")
         choice = dict(index=c, delta=delta, logprobs=None, finish_reason=None)
+        if job.token_ids:
+            choice["token_ids"] = []
         chunks.append(dict(**head, choices=[choice]))
+        if job.prompt_token_ids:
+            chunks[-1]["prompt_token_ids"] = list(job.prompts[0])
     return chunks
 
 
 def stream_chunk(
-    job: Job, head: dict, index: int, text: str, finish: str | None = None, logprobs=None
+    job: Job,
+    head: dict,
+    index: int,
+    text: str,
+    finish: str | None = None,
+    logprobs=None,
+    *,
+    token_ids=(),
+    prompt_token_ids=None,
 ) -> dict:
     """A stream's chunk: choice `index`'s next piece of text, or its last (`finish`).
 
     `logprobs` (from `render_logprobs`, or None) are those of the tokens whose text is
-    complete with this piece (see scripts/serve.py).
+    complete with this piece (see scripts/serve.py); so are `token_ids`, in the chunk
+    when `job.token_ids`. `prompt_token_ids`: the prompt's, for a completions choice's
+    first chunk when `job.prompt_token_ids` (None: none).
     """
     choice = dict(index=index)
     if job.chat:
@@ -411,5 +453,9 @@ def stream_chunk(
         choice["logprobs"] = logprobs
     else:
         choice.update(text=text, logprobs=logprobs)
+        if prompt_token_ids is not None:
+            choice["prompt_token_ids"] = list(prompt_token_ids)
+    if job.token_ids:
+        choice["token_ids"] = list(token_ids)
     choice["finish_reason"] = finish
     return dict(**head, choices=[choice])

@@ -21,16 +21,25 @@ the model's length), `temperature` (default 1), `top_p`, `n`, `stop` (a string o
 list), `seed`, `presence_penalty`, `frequency_penalty`, `stream`, `stream_options:
 {"include_usage"}`, `logit_bias` ({"token id": value in [-100, 100]}), and vLLM's
 `top_k` (-1 or 0: off), `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
-`min_tokens`, `cache_salt`. Logprobs: completions take `logprobs: K` and answer
-`{tokens, token_logprobs, top_logprobs, text_offset}` (offsets into the completion
-text); chat takes `logprobs: true` with `top_logprobs: K` and answers `{content:
-[{token, logprob, bytes, top_logprobs}]}`; K <= 20; all are the model's raw
-log-probabilities (before temperature and truncation). Each prompt of a completions
-batch is one engine request; choice `i * n + j` is completion j of prompt i.
-`finish_reason` is "stop" (EOS, a stop string or a stop token) or "length". Errors are
-OpenAI's `{"error": {message, type, param, code}}`: 400 for a bad field (the message
-names the value), a prompt too long for `--max-model-len`, an unknown model or bad
-JSON; 404 for an unknown path; 405 for a wrong method; 500 when the engine failed.
+`min_tokens`, `cache_salt`, `return_token_ids` (a boolean, as in vLLM: each choice gets
+`token_ids`, its generated token ids, and completions choices `prompt_token_ids`; a chat
+answer has `prompt_token_ids` beside its choices). Logprobs: completions take
+`logprobs: K` and answer `{tokens, token_logprobs, top_logprobs, text_offset}`
+(offsets into the completion text); chat takes `logprobs: true` with `top_logprobs:
+K` and answers `{content: [{token, logprob, bytes, top_logprobs}]}`; K <= 20; all are
+the model's raw log-probabilities (before temperature and truncation). Each prompt of
+a completions batch is one engine request; choice `i * n + j` is completion j of
+prompt i. `finish_reason` is "stop" (EOS, a stop string or a stop token) or
+"length". Errors are OpenAI's `{"error": {message, type, param, code}}`: 400 for a bad
+field (the message names the value), a prompt too long for `--max-model-len`, an
+unknown model or bad JSON; 404 for an unknown path; 405 for a wrong method; 500 when
+the engine failed.
+
+A checkpoint without a tokenizer (no tokenizer.json) serves completions of token id
+prompts only, as vLLM with `skip_tokenizer_init`: a string prompt, chat and `stop`
+strings are 400s. Its `text` is always "", so every choice carries `token_ids` (with or
+without `return_token_ids`); logprobs name a token `"token_id:<id>"` in `tokens` and as
+the keys of `top_logprobs`, and every `text_offset` is 0 (offsets into the empty text).
 
 Not supported (400 when asked for): `echo: true`, `best_of` > 1, `suffix`, tools
 and function calling, a `response_format` other than text, and beam search. Other
@@ -51,9 +60,15 @@ always add up to the non-streamed text. With logprobs, each chunk's `logprobs` (
 non-streamed answer's format) are those of the tokens whose text that chunk completes
 (a token whose text is held back waits with it), and the last chunk has the rest (as
 in the non-streamed answer, the tokens that complete a stop string are there though
-their text is cut), so they too add up to the non-streamed answer's. The HTTP status
-and headers go out with the first event: a step that fails before it is still a 500;
-one that fails later ends the stream with an `{"error"}` event.
+their text is cut), so they too add up to the non-streamed answer's. So do the chunks'
+`token_ids` when the answer has them (the same tokens as the chunk's logprobs; `[]` in
+chat's role chunks); with `return_token_ids`, a completions choice's first chunk
+carries its `prompt_token_ids`, and a chat's role chunks the prompt's. Without a
+tokenizer, each token is a chunk of its own (text "", `token_ids: [id]`, its
+logprobs), and the last chunk of a choice has `token_ids: []` (or the tokens not
+streamed yet, if any) and its `finish_reason`. The HTTP status and headers go out with
+the first event: a step that fails before it is still a 500; one that fails later ends
+the stream with an `{"error"}` event.
 
 Threading: one engine thread (`pagedjax.serving.EngineThread`, whose docstring has the
 details) owns the `LLM`; each HTTP connection is a thread (`ThreadingHTTPServer`) that
@@ -319,15 +334,29 @@ class Handler(BaseHTTPRequestHandler):
         tok, k = self.server.tokenizer, job.params.logprobs
         hold = max(map(len, job.params.stop), default=1) - 1
         choices: dict[tuple[str, int], StreamedChoice] = {}  # by (rid, completion index)
+        prompts = dict(zip(job.rids, job.prompts, strict=True))
 
         def chunk(rid, i, c: StreamedChoice, text, ids=(), entries=(), finish=None):
             lp = None
             if k is not None:
                 lp = api.render_logprobs(tok, ids, entries, k, chat=job.chat, offset=c.offset)
-                c.offset += 0 if job.chat else sum(map(len, lp["tokens"]))
-                c.num_tokens += len(ids)
+                c.offset += 0 if job.chat or tok is None else sum(map(len, lp["tokens"]))
+            c.num_tokens += len(ids)
+            first = job.prompt_token_ids and not job.chat and not c.started
+            c.started = True
             index = api.choice_index(job, rid, i)
-            self._event(api.stream_chunk(job, head, index, text, finish, lp))
+            self._event(
+                api.stream_chunk(
+                    job,
+                    head,
+                    index,
+                    text,
+                    finish,
+                    lp,
+                    token_ids=ids,
+                    prompt_token_ids=prompts[rid] if first else None,
+                )
+            )
 
         outs = []
         for event in events:
@@ -345,16 +374,18 @@ class Handler(BaseHTTPRequestHandler):
                 c = choices.get((rid, i))
                 if c is None:
                     c = choices[rid, i] = StreamedChoice(tok)
+                if c.decoder is None:  # no tokenizer: no text, a chunk per token
+                    chunk(rid, i, c, "", [token], entry)
+                    continue
                 before = len(c.decoder.text)
                 c.decoder.add(token)
                 text = c.decoder.text
-                if k is not None:
-                    c.pending.append((token, entry[0], len(text)))
+                c.pending.append((token, entry[0] if entry else None, len(text)))
                 # With stop strings, this token's text waits for the next token: the engine
                 # may stop on it and cut the text where its stop string begins.
                 end = before - hold if job.params.stop else len(text)
                 if end > c.sent:
-                    # A token's logprobs go with the piece that completes its text.
+                    # A token's id and logprobs go with the piece that completes its text.
                     n = sum(1 for _, _, token_end in c.pending if token_end <= end)
                     done, c.pending = c.pending[:n], c.pending[n:]
                     ids, entries = [t for t, _, _ in done], [e for _, e, _ in done]
@@ -380,20 +411,23 @@ class StreamedChoice:
     """What a stream sent of one completion.
 
     Attributes:
-      decoder: its incremental detokenizer (`Tokenizer.stream()`), None without tokens.
+      decoder: its incremental detokenizer (`Tokenizer.stream()`), None without a
+        tokenizer (or without tokens).
       sent: characters of its text streamed.
-      pending: with logprobs, (token id, logprobs entry, where its text ends in the
-        decoder's text) of each token received whose logprobs are not streamed yet.
-      num_tokens: tokens whose logprobs were streamed.
+      pending: (token id, logprobs entry or None, where its text ends in the decoder's
+        text) of each token received but not streamed yet (its text held back).
+      num_tokens: tokens streamed (their ids and logprobs).
       offset: completions' `text_offset` of the next token whose logprobs are streamed.
+      started: a chunk of it went out.
     """
 
-    __slots__ = ("decoder", "sent", "pending", "num_tokens", "offset")
+    __slots__ = ("decoder", "sent", "pending", "num_tokens", "offset", "started")
 
     def __init__(self, tok):
         self.decoder = tok.stream() if tok is not None else None
         self.sent = self.num_tokens = self.offset = 0
-        self.pending: list[tuple[int, dict, int]] = []
+        self.pending: list[tuple[int, dict | None, int]] = []
+        self.started = False
 
 
 for _method in ("GET", "POST", "PUT", "DELETE", "PATCH"):  # do_GET ... do_PATCH

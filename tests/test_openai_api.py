@@ -4,6 +4,7 @@ No engine and no HTTP: a stand-in byte tokenizer (one token per character code) 
 hand-built `RequestOutput`s. tests/test_serve.py checks the same code end to end.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -87,6 +88,8 @@ def raises_400(fn, *args, words: str, param: str | None = None, **kwargs) -> api
         (dict(max_tokens="9"), "max_tokens", "max_tokens='9'"),
         (dict(max_tokens=True), "max_tokens", "max_tokens=True"),
         (dict(model="gpt-4"), "model", "'gpt-4'"),
+        (dict(return_token_ids=1), "return_token_ids", "return_token_ids=1"),
+        (dict(return_token_ids="true"), "return_token_ids", "return_token_ids='true'"),
     ],
 )
 def test_bad_completion_fields_are_400s_naming_field_and_value(body, param, words):
@@ -138,7 +141,18 @@ def test_without_a_tokenizer_there_is_no_chat_and_no_stop_strings():
         words="cannot chat: no tokenizer",
     )
     raises_400(job, dict(prompt=[1, 2], stop="x"), tokenizer=None, words="tokenizer", param="stop")
-    assert job(dict(prompt=[1, 2]), tokenizer=None).prompts == [[1, 2]]
+    j = job(dict(prompt=[1, 2], return_token_ids=False), tokenizer=None)
+    assert j.prompts == [[1, 2]]
+    assert (j.token_ids, j.prompt_token_ids) == (True, False)  # the ids are all there is
+
+
+def test_return_token_ids_asks_for_the_ids():
+    j = job(dict(prompt="a"))
+    assert (j.token_ids, j.prompt_token_ids) == (False, False)
+    j = job(dict(prompt="a", return_token_ids=True))
+    assert (j.token_ids, j.prompt_token_ids) == (True, True)
+    j = job(dict(prompt=[1, 2], return_token_ids=True), tokenizer=None)
+    assert (j.token_ids, j.prompt_token_ids) == (True, True)
 
 
 def test_a_completion_body_becomes_its_job():
@@ -269,3 +283,61 @@ def test_completion_chunks():
     assert api.stream_chunk(j, head, 0, "", "length")["choices"] == [
         dict(index=0, text="", logprobs=None, finish_reason="length")
     ]
+
+
+def test_logprobs_without_a_tokenizer_name_token_ids():
+    lps = [{104: -0.5, 97: -0.25, 98: -3.0}, {105: -math.inf, 7: -1.0}]
+    c = completion(text="", logprobs=lps)
+    c.token_ids = [104, 105]
+    assert api.completion_logprobs(None, c, 2) == dict(
+        tokens=["token_id:104", "token_id:105"],
+        token_logprobs=[-0.5, -9999.0],
+        top_logprobs=[
+            {"token_id:97": -0.25, "token_id:104": -0.5},
+            {"token_id:7": -1.0, "token_id:105": -9999.0},
+        ],
+        text_offset=[0, 0],  # offsets into the empty text
+    )
+    run = api.render_logprobs(None, [105], lps[1:], 1, chat=False, offset=0)
+    assert run["tokens"] == ["token_id:105"] and run["text_offset"] == [0]
+
+
+def test_token_ids_in_answers_and_chunks():
+    j = job(dict(prompt=[[1, 2], [3]], n=2), tokenizer=None)
+    outs = {
+        rid: output(rid, p, [completion(0, "", finish="stop"), completion(1, "", finish="length")])
+        for rid, p in zip(j.rids, j.prompts, strict=True)
+    }
+    for o in outs.values():
+        o.outputs[0].token_ids, o.outputs[1].token_ids = [5, 6], [7]
+    body = api.response_body(j, api.response_head(j, "tiny"), outs, None)
+    assert [(c["text"], c["token_ids"]) for c in body["choices"]] == [("", [5, 6]), ("", [7])] * 2
+    assert all("prompt_token_ids" not in c for c in body["choices"])
+    head = api.response_head(dataclasses.replace(j, stream=True), "tiny")
+    assert api.stream_chunk(j, head, 3, "", token_ids=[9])["choices"] == [
+        dict(index=3, text="", logprobs=None, token_ids=[9], finish_reason=None)
+    ]
+
+    j = job(dict(prompt=["ab", "c"], return_token_ids=True))
+    outs = {
+        rid: output(rid, p, [completion(0, "x")]) for rid, p in zip(j.rids, j.prompts, strict=True)
+    }
+    body = api.response_body(j, api.response_head(j, "tiny"), outs, TOK)
+    assert [(c["prompt_token_ids"], c["token_ids"]) for c in body["choices"]] == [
+        ([97, 98], [120]),
+        ([99], [120]),
+    ]
+    chunk = api.stream_chunk(j, head, 0, "x", token_ids=[120], prompt_token_ids=[97, 98])
+    assert chunk["choices"][0]["prompt_token_ids"] == [97, 98]
+    assert chunk["choices"][0]["token_ids"] == [120]
+
+    messages = [{"role": "user", "content": "hi"}]
+    j = job(dict(messages=messages, return_token_ids=True, stream=True), chat=True)
+    head = api.response_head(j, "tiny")
+    (role,) = api.role_chunks(j, head)
+    assert role["prompt_token_ids"] == j.prompts[0] and role["choices"][0]["token_ids"] == []
+    outs = {j.rids[0]: output(j.rids[0], j.prompts[0], [completion(0, "ok")])}
+    body = api.response_body(j, head, outs, TOK)
+    assert body["prompt_token_ids"] == j.prompts[0]
+    assert body["choices"][0]["token_ids"] == [111, 107]
+    assert "prompt_token_ids" not in body["choices"][0]

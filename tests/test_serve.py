@@ -3,7 +3,8 @@
 The checkpoint is the `tiny` preset with random weights, a byte-level tokenizer and a
 plain-text chat template (as in tests/test_chat_cli.py), with the CLI tests' geometry.
 Every answer is checked against an `LLM` built the same way (`ref`) and the same
-SamplingParams.
+SamplingParams. `bare_server` serves a copy of that checkpoint without its tokenizer.json
+and chat template (`LLM.tokenizer is None`): the same weights, so the same token ids.
 """
 
 import dataclasses
@@ -11,6 +12,7 @@ import http.client
 import importlib.util
 import json
 import queue
+import shutil
 import socket
 import sys
 import threading
@@ -72,10 +74,10 @@ def ref(ckpt):
     return make_llm(ckpt)
 
 
-@pytest.fixture(scope="module")
-def server(ckpt):
-    srv = serve.Server(("127.0.0.1", 0), model_name="tiny", quiet=True)
-    srv.start(make_llm(ckpt))
+def serving(llm, name: str):
+    """Yields a `serve.Server` over `llm` on a free port, serving on a thread."""
+    srv = serve.Server(("127.0.0.1", 0), model_name=name, quiet=True)
+    srv.start(llm)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     yield srv
@@ -83,6 +85,20 @@ def server(ckpt):
     srv.close()
     thread.join(10)
     assert not thread.is_alive() and not srv.engine.alive
+
+
+@pytest.fixture(scope="module")
+def server(ckpt):
+    yield from serving(make_llm(ckpt), "tiny")
+
+
+@pytest.fixture(scope="module")
+def bare_server(ckpt, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_serve_bare") / "ckpt"
+    shutil.copytree(ckpt, path, ignore=shutil.ignore_patterns("tokenizer*", "chat_template*"))
+    llm = make_llm(path)
+    assert llm.tokenizer is None
+    yield from serving(llm, "bare")
 
 
 def request(srv, path, body=None, *, method=None, raw=None):
@@ -562,6 +578,7 @@ def test_a_step_failing_mid_stream_ends_it_with_an_error_event(server, monkeypat
         ("/v1/completions", dict(prompt="a", suffix="b"), 400, "suffix"),
         ("/v1/completions", dict(prompt="a", model="gpt-4"), 400, "'gpt-4'"),
         ("/v1/completions", dict(prompt="a", echo=True), 400, "echo=true is not supported"),
+        ("/v1/completions", dict(prompt="a", return_token_ids="y"), 400, "return_token_ids='y'"),
         ("/v1/completions", dict(prompt="a", logprobs=21, stream=True), 400, "logprobs=21"),
         ("/v1/completions", dict(prompt="x" * 600), 400, "max_model_len=512"),
         ("/v1/completions", dict(prompt=[]), 400, "prompt=[]"),
@@ -640,3 +657,113 @@ def test_a_port_in_use_is_one_line_before_loading(ckpt, monkeypatch, capsys):
         assert serve.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot listen on 127.0.0.1:{port}") and err.count("\n") == 1
+
+
+# ------------------------------------------------------------------- token ids
+
+
+def check_token_id_stream(chunks, plain: dict) -> None:
+    """A stream without a tokenizer: per choice, one chunk per token (text "", its id,
+    its logprobs), then a last one with no token and the finish_reason; the chunks' ids
+    and logprobs add up to the non-streamed answer's."""
+    assert {c["choices"][0]["index"] for c in chunks} == {c["index"] for c in plain["choices"]}
+    for want in plain["choices"]:
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == want["index"]]
+        *pieces, last = mine
+        assert [len(p["token_ids"]) for p in pieces] == [1] * len(want["token_ids"])
+        assert all(p["text"] == "" and p["finish_reason"] is None for p in pieces)
+        assert (last["text"], last["token_ids"]) == ("", [])
+        assert last["finish_reason"] == want["finish_reason"]
+        assert [t for p in mine for t in p["token_ids"]] == want["token_ids"]
+        if want["logprobs"] is None:
+            assert all(p["logprobs"] is None for p in mine)
+            continue
+        for p in pieces:  # each chunk's logprobs are its own token's
+            assert p["logprobs"]["tokens"] == [f"token_id:{t}" for t in p["token_ids"]]
+        items = [x for p in mine for x in logprob_items(p["logprobs"], chat=False)]
+        assert_same_logprobs(items, logprob_items(want["logprobs"], chat=False))
+
+
+def test_without_a_tokenizer_choices_carry_token_ids_streamed_or_not(bare_server, ref):
+    prompts = [[1, 100, 101, 102, 103], [1, 50, 60]]
+    sp = SamplingParams(temperature=0, max_tokens=6, logprobs=2)
+    body = dict(prompt=prompts, temperature=0, max_tokens=6, logprobs=2)
+    plain = ok(bare_server, "/v1/completions", body)
+    want = [o.outputs[0] for o in ref.generate(prompts, sp)]
+    assert [c["index"] for c in plain["choices"]] == [0, 1]
+    for got, c in zip(plain["choices"], want, strict=True):
+        assert set(got) == {"index", "text", "logprobs", "token_ids", "finish_reason"}
+        assert (got["text"], got["token_ids"]) == ("", c.token_ids)
+        assert got["finish_reason"] == c.finish_reason
+        lp = got["logprobs"]
+        assert lp["tokens"] == [f"token_id:{t}" for t in c.token_ids]
+        assert lp["text_offset"] == [0] * len(c.token_ids)
+        assert lp["token_logprobs"] == pytest.approx(
+            [e[t] for t, e in zip(c.token_ids, c.logprobs, strict=True)], rel=1e-6
+        )
+        for top, entry in zip(lp["top_logprobs"], c.logprobs, strict=True):
+            best = sorted(entry.items(), key=lambda kv: -kv[1])[:2]
+            assert top == pytest.approx({f"token_id:{t}": x for t, x in best}, rel=1e-6)
+    check_token_id_stream(stream(bare_server, "/v1/completions", body), plain)
+
+    # Seeded sampling, n=2, with a usage chunk; and without logprobs.
+    body = dict(prompt=prompts, n=2, seed=5, temperature=0.8, max_tokens=6, logprobs=1)
+    sp = SamplingParams(n=2, seed=5, temperature=0.8, max_tokens=6, logprobs=1)
+    plain = ok(bare_server, "/v1/completions", body)
+    want = [c.token_ids for o in ref.generate(prompts, sp) for c in o.outputs]
+    assert [c["token_ids"] for c in plain["choices"]] == want and len(set(map(tuple, want))) > 1
+    *chunks, usage = stream(
+        bare_server, "/v1/completions", dict(body, stream_options={"include_usage": True})
+    )
+    assert usage["choices"] == [] and usage["usage"] == plain["usage"]
+    check_token_id_stream(chunks, plain)
+    body.pop("logprobs")
+    plain = ok(bare_server, "/v1/completions", body)
+    assert [c["token_ids"] for c in plain["choices"]] == want
+    check_token_id_stream(stream(bare_server, "/v1/completions", body), plain)
+
+
+@pytest.mark.parametrize(
+    "path, body, words",
+    [
+        ("/v1/completions", dict(prompt="def f():"), "tokenizer"),
+        ("/v1/completions", dict(prompt=[1, 2], stop="x"), "stop strings need a tokenizer"),
+        ("/v1/completions", dict(prompt=[1, 2], return_token_ids=1), "return_token_ids=1"),
+        ("/v1/chat/completions", dict(messages=MESSAGES), "cannot chat: no tokenizer"),
+    ],
+)
+def test_without_a_tokenizer_text_is_a_400(bare_server, path, body, words):
+    status, err = request(bare_server, path, body)
+    assert status == 400 and words in err["error"]["message"], err
+
+
+def test_return_token_ids_with_a_tokenizer(server, ref, tok):
+    prompt = "def parse_line(line):"
+    body = dict(prompt=prompt, temperature=0, max_tokens=16, logprobs=1, return_token_ids=True)
+    sp = SamplingParams(temperature=0, max_tokens=16, logprobs=1)
+    (full,) = ref.generate([prompt], sp)
+    _, stop = a_stop_string([full.outputs[0].text], 3)
+    (want,) = ref.generate([prompt], dataclasses.replace(sp, stop=(stop,)))
+    c = want.outputs[0]
+    body["stop"] = stop  # a stop string: its tokens are in token_ids, not its text
+    (got,) = ok(server, "/v1/completions", body)["choices"]
+    assert (got["text"], got["token_ids"], got["finish_reason"]) == (c.text, c.token_ids, "stop")
+    assert got["prompt_token_ids"] == want.prompt_token_ids == tok.encode(prompt)
+    chunks = [x["choices"][0] for x in stream(server, "/v1/completions", body)]
+    assert chunks[0]["prompt_token_ids"] == want.prompt_token_ids
+    assert not any("prompt_token_ids" in x for x in chunks[1:])
+    assert "".join(x["text"] for x in chunks) == c.text and len(chunks) > 2
+    assert [t for x in chunks for t in x["token_ids"]] == c.token_ids
+    # A chunk's ids are the tokens of its logprobs (those whose text it completes).
+    assert [len(x["token_ids"]) for x in chunks] == [len(x["logprobs"]["tokens"]) for x in chunks]
+
+    body = dict(messages=MESSAGES, temperature=0, max_tokens=8, return_token_ids=True)
+    (want,) = ref.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=8))
+    plain = ok(server, "/v1/chat/completions", body)
+    assert plain["prompt_token_ids"] == want.prompt_token_ids == tok.encode_chat(MESSAGES)
+    assert plain["choices"][0]["token_ids"] == want.outputs[0].token_ids
+    role, *chunks = stream(server, "/v1/chat/completions", body)
+    assert role["prompt_token_ids"] == want.prompt_token_ids
+    assert role["choices"][0]["token_ids"] == []
+    assert [t for x in chunks for t in x["choices"][0]["token_ids"]] == want.outputs[0].token_ids
+    assert not any("prompt_token_ids" in x for x in chunks)
