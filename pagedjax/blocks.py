@@ -19,15 +19,23 @@ Life of a sequence, as the engine drives it::
     tables = bm.page_tables(seqs)                    # [B, max_pages] int32
     bm.fork(seq, child)                              # n > 1 sampling, beam search
     bm.release_before(seq, computed - window + 1)    # sliding window: drop unreachable pages
+    # sliding window, pages as prefill reaches them (R pages reserved, at most R held):
+    cached = bm.admit(seq, prompt, peak_pages=R, window=W)
+    bm.grow(seq, end)                                # before slot_mapping(seq, start, end)
     bm.free(seq)                                     # finished, aborted or preempted
 
 Contract:
 
 - Every mutating call is all-or-nothing: on any exception the state (stats included)
   is exactly as before. Running out of pages raises ``OutOfPages``; preempt and retry.
-- ``admit`` reserves pages for the whole prompt and returns how many leading tokens are
+- ``admit`` allocates pages for the whole prompt and returns how many leading tokens are
   already cached: a multiple of ``page_size`` and always < ``len(token_ids)``. Their K/V is
   on the device; prefill only the rest, then report progress with ``mark_computed``.
+- ``admit(..., peak_pages=R)`` allocates only the cached pages (those in the ``window``)
+  and the next token's page, and reserves R pages: ``grow`` then allocates out of them as
+  prefill reaches further tokens, holding at most R pages at once, until the prompt is
+  computed. ``num_reserved_pages`` of the free pages are promised this way; no other
+  allocation takes them.
 - ``append_token(s)`` feeds the token at position ``num_tokens`` (the token sampled last
   step) and counts it as computed at once: the step that writes it runs before anything
   can attend to it. Appending needs a fully computed sequence. The token's value may
@@ -53,7 +61,8 @@ findable in an LRU (freed tail-first, so a shared prefix's head lives longest) u
 allocation evicts them; evicting a page uncaches the pages cached under it.
 
 Sliding window: ``release_before`` gives back the pages of a live sequence that no later
-query can see, as ``free`` would. Their entries read ``PAD_PAGE`` (the page-table padding)
+query can see, as ``free`` would; ``admit(..., window=W)`` does not take the cached pages
+below the first token's window. Their entries read ``PAD_PAGE`` (the page-table padding)
 in ``page_tables``, a valid page that the window masks; freeing, forking, caching and
 ``slot_mapping`` skip or refuse them.
 """
@@ -140,6 +149,7 @@ class _Seq:
     chain: Chain  # the prefix cache's position in this sequence (salt included)
     unknown: int = -1  # position of the token whose value is not known yet (-1: none)
     released: int = 0  # leading pages given back (window): -1 in pages, PAD_PAGE in table
+    peak: int = 0  # admitted with peak_pages, prompt not computed: most pages held (else 0)
 
 
 class BlockManager:
@@ -178,6 +188,7 @@ class BlockManager:
         self._max_pages_per_seq = None if max_model_len is None else -(-max_model_len // page_size)
 
         self._seqs: dict[Hashable, _Seq] = {}
+        self._reserving: dict[Hashable, _Seq] = {}  # those with a peak (a reservation)
         self._freed: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # stack: pops page 0 first
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU
@@ -199,6 +210,16 @@ class BlockManager:
     def num_free_pages(self) -> int:
         """Pages allocatable now: free plus evictable cached pages."""
         return len(self._free) + len(self._evictable)
+
+    @property
+    def num_reserved_pages(self) -> int:
+        """Free pages promised to sequences admitted with ``peak_pages`` (``admit``).
+
+        Each such sequence reserves its peak; a page it holds counts as taken out of the
+        reservations while only reserving sequences hold it (one they share with another
+        sequence may stay in use after they let it go). Always <= ``num_free_pages``.
+        """
+        return self._reservation()[0]
 
     def num_tokens(self, seq_id: Hashable) -> int:
         """Tokens of the sequence that have a slot (prompt plus appended)."""
@@ -248,6 +269,11 @@ class BlockManager:
                 f"slot range [{start}, {end}) of {seq_id!r} reaches its released pages "
                 f"(positions < {s.released * self.page_size})"
             )
+        if end > len(s.pages) * self.page_size:
+            raise InvalidArgument(
+                f"slot range [{start}, {end}) of {seq_id!r} reaches past its pages (positions "
+                f"< {len(s.pages) * self.page_size}); grow it first"
+            )
         pos = np.arange(start, end)
         ps = self.page_size
         return (s.table[pos // ps] * ps + pos % ps).astype(np.int32)
@@ -260,7 +286,8 @@ class BlockManager:
         """
         n = operator.index(num_prompt_tokens)
         self._check_prompt_len(n)
-        return self.num_free_pages - (-(-n // self.page_size)) >= self.watermark_pages
+        free = self.num_free_pages - self.num_reserved_pages
+        return free - (-(-n // self.page_size)) >= self.watermark_pages
 
     def num_append_pages(self, seq_ids: Sequence[Hashable]) -> int:
         """Pages that ``append_tokens(seq_ids, ...)`` would allocate (new and copies)."""
@@ -292,7 +319,9 @@ class BlockManager:
         refcounts equal page-table occurrences; every registered page is indexed under
         the chain hash of its tokens and of a registered parent (same salt); every
         sequence's cached prefix pages hold exactly its tokens; released entries lead the
-        page table, hold only computed positions, never the last page, and count nowhere.
+        page table, hold only computed positions, never the last page, and count nowhere;
+        only a reserving sequence (``peak_pages``, prompt not computed) lacks pages, it
+        holds at most its peak, and the reservations fit in the free pages.
         """
 
         def require(ok: bool, msg: str) -> None:
@@ -309,7 +338,11 @@ class BlockManager:
             require(0 <= r < k and r * ps <= s.num_computed, f"{sid!r}: released {r} of {k}")
             require(s.pages[:r] == [-1] * r and min(held) >= 0, f"{sid!r}: released {s.pages}")
             require(len(set(held)) == len(held), f"{sid!r} holds a page twice: {s.pages}")
-            require(k == -(-s.num_tokens // ps), f"{sid!r}: {k} pages for {s.num_tokens} tokens")
+            lo = -(-s.num_computed // ps) if s.peak else -(-s.num_tokens // ps)
+            require(lo <= k <= -(-s.num_tokens // ps), f"{sid!r}: {k} pages, {s.num_tokens} tokens")
+            require((sid in self._reserving) == (s.peak > 0), f"{sid!r}: stale reservation")
+            require(not s.peak or s.num_computed < s.num_tokens, f"{sid!r}: reserves, computed")
+            require(k - r <= s.peak or not s.peak, f"{sid!r} holds {k - r} > {s.peak} pages")
             table = s.table[:k].tolist()
             require(table == [PAD_PAGE] * r + held, f"{sid!r}: table mirror is stale")
             require(len(s.tokens) == 8 * s.num_tokens, f"{sid!r}: token buffer length")
@@ -329,6 +362,9 @@ class BlockManager:
             if e is not None:
                 cache.check_page(p, require)
         cache.check_index(require)
+        reserved = self.num_reserved_pages
+        require(self._reserving.keys() <= self._seqs.keys(), "a reserving sequence is not live")
+        require(reserved <= self.num_free_pages, f"{reserved} pages reserved, fewer free")
 
     # --------------------------------------------------------------- mutation
 
@@ -339,8 +375,10 @@ class BlockManager:
         *,
         cache_salt: str | bytes | None = None,
         read_cache: bool = True,
+        peak_pages: int | None = None,
+        window: int | None = None,
     ) -> int:
-        """Reserves pages for every prompt token, reusing cached full prefix pages.
+        """Allocates pages for the prompt, reusing cached full prefix pages.
 
         Args:
             seq_id: a new (not live) sequence id; a freed id may be readmitted.
@@ -348,40 +386,103 @@ class BlockManager:
             cache_salt: requests share cached pages only with requests of equal salt.
             read_cache: reuse cached pages (False: compute the whole prompt; its full
                 pages are still registered for later requests).
+            peak_pages: None: pages for every prompt token. R: pages for the cached tokens
+                and the first one to compute only, and R pages reserved, out of which
+                ``grow`` allocates; until its prompt is computed the sequence holds at most
+                R pages at once (``release_before`` makes room).
+            window: sliding window W: cached pages below the first token's window (all
+                their positions < ``cached - W + 1``) are not taken; they read as released.
 
         Returns:
             Leading prompt tokens whose K/V is already cached (a multiple of
             ``page_size``, < T). Prefill starts there.
 
         Raises:
-            OutOfPages: not enough pages; nothing was reserved.
+            OutOfPages: not enough unreserved pages; nothing changed.
+            InvalidArgument: a bad argument, or the admission alone would hold more than
+                ``peak_pages``.
         """
         if seq_id in self._seqs:
             raise SequenceExists(f"sequence {seq_id!r} is already live")
+        for name, v in (("peak_pages", peak_pages), ("window", window)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise InvalidArgument(f"{name} must be None or a positive int, got {name}={v!r}")
         toks = _token_array(token_ids, "token_ids")
         n = toks.shape[0]
         self._check_prompt_len(n)
-        buf, ps = toks.tobytes(), self.page_size
+        buf, ps, rc = toks.tobytes(), self.page_size, self._refcount
         # At least one token is left to compute, so the last page is never a hit.
         max_hits = (n - 1) // ps if read_cache else 0
         hits, chain = self._prefix.lookup(buf, salt_bytes(cache_salt), max_hits)
-        num_new = -(-n // ps) - len(hits)
-        available = self.num_free_pages - sum(self._refcount[p] == 0 for p in hits)
-        if num_new > available:
-            raise OutOfPages(num_new, available, f"admitting {n} tokens of {seq_id!r}")
-        for p in hits:
-            if self._refcount[p] == 0:
+        cached = len(hits) * ps
+        r = max(cached - window + 1, 0) // ps if window else 0
+        kept = hits[r:]
+        reserved, only = self._reservation()
+        if peak_pages is None:
+            num_new = -(-n // ps) - len(hits)
+            # A hit on a page only reserving sequences hold takes it out of their reservations.
+            need = num_new + sum(p in only for p in kept)
+            available = self.num_free_pages - sum(rc[p] == 0 for p in kept) - reserved
+        else:
+            num_new, need, available = 1, peak_pages, self.num_free_pages - reserved
+            if len(kept) + 1 > peak_pages:
+                raise InvalidArgument(
+                    f"admitting {seq_id!r} holds {len(kept) + 1} pages, more than {peak_pages=}"
+                )
+        if need > available:
+            raise OutOfPages(need, available, f"admitting {n} tokens of {seq_id!r}")
+        for p in kept:
+            if rc[p] == 0:
                 del self._evictable[p]
-            self._refcount[p] += 1
-        pages = hits + [self._alloc() for _ in range(num_new)]
-        cap = self._max_pages_per_seq or max(4, 2 * len(pages))
-        table = np.zeros(cap, np.int32)
-        table[: len(pages)] = pages
-        self._seqs[seq_id] = _Seq(pages, table, bytearray(buf), n, len(hits) * ps, chain)
+            rc[p] += 1
+        pages = [-1] * r + kept + [self._alloc() for _ in range(num_new)]
+        table = np.full(self._max_pages_per_seq or max(4, 2 * len(pages)), PAD_PAGE, np.int32)
+        table[r : len(pages)] = pages[r:]
+        seq = _Seq(pages, table, bytearray(buf), n, cached, chain, released=r)
+        self._seqs[seq_id] = seq
+        if peak_pages is not None:
+            seq.peak = peak_pages
+            self._reserving[seq_id] = seq
         self._freed.pop(seq_id, None)
         self._prefix_queries += n
-        self._prefix_hits += len(hits) * ps
-        return len(hits) * ps
+        self._prefix_hits += cached
+        return cached
+
+    def grow(self, seq_id: Hashable, num_tokens: int) -> int:
+        """Allocates the pages a sequence admitted with ``peak_pages`` lacks for its tokens
+        below ``num_tokens``, out of its reservation (before a prefill chunk's slots).
+
+        Returns:
+            Pages allocated (0: it had them).
+
+        Raises:
+            InvalidArgument: ``num_tokens`` is outside ``[0, num_tokens(seq_id)]``.
+            InvalidState: it would hold more than its ``peak_pages`` (release first).
+            OutOfPages: not enough free pages (never while reservations hold).
+            Nothing changes on any error.
+        """
+        s = self._get(seq_id)
+        n = operator.index(num_tokens)
+        if not 0 <= n <= s.num_tokens:
+            raise InvalidArgument(
+                f"num_tokens={n} for sequence {seq_id!r} must be in [0, {s.num_tokens}]"
+            )
+        k = len(s.pages)
+        need = -(-n // self.page_size) - k
+        if need <= 0:
+            return 0
+        if k - s.released + need > s.peak:
+            raise InvalidState(
+                f"growing {seq_id!r} to {n} tokens would hold {k - s.released + need} pages, "
+                f"more than its peak_pages={s.peak} (release_before first)"
+            )
+        if need > self.num_free_pages:
+            raise OutOfPages(need, self.num_free_pages, f"growing {seq_id!r} to {n} tokens")
+        s.pages += [self._alloc() for _ in range(need)]
+        if k + need > s.table.shape[0]:
+            s.table = np.concatenate([s.table, np.zeros(k + need, np.int32)])
+        s.table[k : k + need] = s.pages[k:]
+        return need
 
     def mark_computed(self, seq_id: Hashable, num_computed_tokens: int) -> None:
         """Records that the K/V of the first ``num_computed_tokens`` tokens is on the device.
@@ -391,12 +492,16 @@ class BlockManager:
         """
         s = self._get(seq_id)
         n = operator.index(num_computed_tokens)
-        if not s.num_computed <= n <= s.num_tokens:
+        if not s.num_computed <= n <= min(s.num_tokens, len(s.pages) * self.page_size):
             raise InvalidArgument(
                 f"num_computed_tokens={n} for sequence {seq_id!r} must be in "
-                f"[{s.num_computed}, {s.num_tokens}]"
+                f"[{s.num_computed}, {s.num_tokens}] and within its pages "
+                f"(< {len(s.pages) * self.page_size + 1}; grow it first)"
             )
         s.num_computed = n
+        if n == s.num_tokens and s.peak:  # prefilled: an ordinary sequence from now on
+            s.peak = 0
+            del self._reserving[seq_id]
         known = n if s.unknown < 0 else min(n, s.unknown)  # cache only known content
         self._prefix.register(s.chain, s.pages, s.tokens, known // self.page_size)
 
@@ -426,8 +531,9 @@ class BlockManager:
         if toks.shape[0] != len(seq_ids):
             raise InvalidArgument(f"{len(seq_ids)} seq_ids but {toks.shape[0]} token_ids")
         seqs, needed = self._append_plan(seq_ids)
-        if needed > self.num_free_pages:
-            raise OutOfPages(needed, self.num_free_pages, f"appending to {len(seq_ids)} sequences")
+        available = self.num_free_pages - self.num_reserved_pages
+        if needed > available:
+            raise OutOfPages(needed, available, f"appending to {len(seq_ids)} sequences")
 
         ps, rc, alloc, pack = self.page_size, self._refcount, self._alloc, _pack_token
         register = self._prefix.register
@@ -521,6 +627,7 @@ class BlockManager:
         """
         s = self._get(seq_id)
         del self._seqs[seq_id]
+        self._reserving.pop(seq_id, None)
         self._decref(reversed(s.pages[s.released :]))
         self._freed[seq_id] = None
         if len(self._freed) > _FREED_MEMORY:
@@ -642,6 +749,15 @@ class BlockManager:
         for p, c in shared.items():
             needed += c - (c == rc[p])
         return seqs, needed
+
+    def _reservation(self) -> tuple[int, set[int]]:
+        """``(num_reserved_pages, the pages only reserving sequences hold)``."""
+        if not self._reserving:
+            return 0, set()
+        seqs, rc = self._reserving.values(), self._refcount
+        held = collections.Counter(p for s in seqs for p in s.pages[s.released :])
+        only = {p for p, c in held.items() if c == rc[p]}
+        return sum(s.peak for s in seqs) - len(only), only
 
     def _decref(self, pages: Iterable[int]) -> None:
         """Drops one reference to each page; unreferenced ones become evictable (cached)

@@ -16,7 +16,8 @@ most `max_num_seqs` sequences running:
 
 1. Decode: every running sequence whose next token is known or in flight gets one
    token (a beam group gets `beam_width` rows, bound to its beams in `commit`). The
-   pages those appends may need are reserved; while they exceed the free pages, the
+   pages those appends may need are reserved; while they exceed the free pages (less
+   those reserved for window prompts, below), the
    most recently admitted running group is preempted by recompute: its pages are
    freed and it goes back to the FRONT of the waiting queue, keeping its prompt and
    generated tokens, which are prefilled again on readmission (cheaply where the
@@ -28,8 +29,9 @@ most `max_num_seqs` sequences running:
 3. Admission: waiting groups, first come first served (a group that does not fit
    blocks those behind it, so nothing starves), while seats, budget and pages allow.
    Admission keeps the block manager's watermark of pages free on top of the decode
-   reservation, and reserves pages for each whole prompt, so a long prompt prefilled
-   over several steps never runs out mid-prompt.
+   reservation, and reserves pages for each whole prompt (a window model: for the most
+   it holds at once, below), so a long prompt prefilled over several steps never runs
+   out mid-prompt.
 
 A request is a `SequenceGroup`: one sequence; `n` samples, which fork off the prompt
 (`prompt[:-1]` is prefilled once, then every sample shares its pages and feeds the
@@ -52,8 +54,16 @@ Sliding window (`sliding_window=W`): `schedule()` first gives back each running
 sequence's pages that hold only positions below `c - W + 1` (`BlockManager.release_before`,
 `c` its computed tokens): this step's queries and all later ones sit at `>= c`, and the
 page tables this step reads are taken after the release. A step still in flight may name
-those pages, but it runs before any step that reuses them. Admission is unchanged (a
-prompt still reserves all its pages); the pages released come back to the free pool.
+those pages, but it runs before any step that reuses them. A prompt does not get all its
+pages on admission: a sequence holds at most `window_pages` = ceil((W - 2 +
+max_num_batched_tokens) / page_size) + 1 pages at once (the W - 1 positions a chunk's
+first query sees, then the chunk), so admission reserves min(that, the prompt's pages)
+(`BlockManager.admit(..., peak_pages=, window=W)`: only the cached pages in the first
+chunk's window and one more are taken), and each chunk, after the release, allocates its
+pages out of that reservation (`BlockManager.grow`). Decode reserves and later admissions
+leave the reservations (`num_reserved_pages`) free; preemption, abort and finish drop them
+with the sequence, a computed prompt ends its own. `add` bounds a sequence by
+`window_pages`, not its length, so a cache of a few windows serves prompts of any length.
 
 Frees requested between `schedule()` and the end of `commit()` (a sequence that
 finishes, an aborted request, a dropped beam) are deferred to the end of `commit()`:
@@ -143,10 +153,23 @@ class Scheduler:
 
     def max_pages_needed(self, group: SequenceGroup) -> int:
         """Pages the group could hold at once, with no sharing, plus a decode reserve."""
-        ps = self.bm.page_size
         seqs = group.seqs + group.forks
-        longest = max(s.max_num_tokens for s in seqs)
-        return group.num_seats * (-(-longest // ps) + 1)
+        return group.num_seats * (self._peak_pages(max(s.max_num_tokens for s in seqs)) + 1)
+
+    @property
+    def window_pages(self) -> int | None:
+        """Most pages a sequence holds at once under the sliding window (None: no window):
+        the W - 1 positions before a chunk and the chunk, L = W - 1 + budget positions, span
+        at most ceil((L - 1) / page_size) + 1 pages (W = 1: the last page is kept too)."""
+        w = self.sliding_window
+        if w is None:
+            return None
+        return -(-(max(w, 2) - 2 + self.max_num_batched_tokens) // self.bm.page_size) + 1
+
+    def _peak_pages(self, num_tokens: int) -> int:
+        """Most pages a sequence of `num_tokens` holds at once (a window: `window_pages`)."""
+        pages = -(-num_tokens // self.bm.page_size)
+        return pages if self.window_pages is None else min(pages, self.window_pages)
 
     # --------------------------------------------------------------- requests
 
@@ -164,9 +187,16 @@ class Scheduler:
         need = self.max_pages_needed(group)
         have = self.bm.num_pages - self.bm.watermark_pages
         if need > have:
+            w = self.sliding_window
+            held = (
+                ""
+                if w is None
+                else f", each holding at most {self.window_pages} pages under the window of {w} "
+                f"tokens prefilled {self.max_num_batched_tokens} a step"
+            )
             raise ValueError(
                 f"request {group.request_id!r} may need {need} KV pages ({group.num_seats} "
-                f"sequences of up to {max(s.max_num_tokens for s in group.seqs)} tokens), "
+                f"sequences of up to {max(s.max_num_tokens for s in group.seqs)} tokens{held}), "
                 f"more than the {have} the cache can give; raise num_pages or lower max_tokens"
             )
         group.status = SeqStatus.WAITING
@@ -279,7 +309,7 @@ class Scheduler:
         preempted = set()
         while True:
             cands, reserve = self._decode_candidates()
-            if reserve <= bm.num_free_pages or not self.running:
+            if reserve <= bm.num_free_pages - bm.num_reserved_pages or not self.running:
                 break
             preempted.add(id(self.running[-1]))
             self._preempt(self.running[-1])
@@ -308,8 +338,8 @@ class Scheduler:
             if seats + g.seats > self.max_num_seqs or id(g) in preempted:
                 break  # (readmitting a group just preempted would only thrash)
             lens = [self._admit_len(g, s) for s in g.seqs]
-            need = sum(-(-n // bm.page_size) for n in lens)
-            if bm.num_free_pages - reserve - need < bm.watermark_pages:
+            need = sum(self._peak_pages(n) for n in lens)
+            if bm.num_free_pages - bm.num_reserved_pages - reserve - need < bm.watermark_pages:
                 break
             self.waiting.popleft()
             g.status = SeqStatus.RUNNING
@@ -322,6 +352,8 @@ class Scheduler:
                     s.token_ids[:n],
                     cache_salt=g.cache_salt,
                     read_cache=g.read_prefix_cache,
+                    peak_pages=None if self.window_pages is None else self._peak_pages(n),
+                    window=self.sliding_window,
                 )
                 s.status = SeqStatus.RUNNING
                 s.num_admitted, s.num_computed, s.num_cached_tokens = n, cached, cached
@@ -367,6 +399,7 @@ class Scheduler:
         bm = self.bm
         start = s.num_computed
         end = min(s.num_admitted, start + budget)
+        bm.grow(s.seq_id, end)  # window models: pages as prefill reaches them
         row = ScheduledRow(g, s, g.epoch, start, end - start, False, False)
         row.slots = bm.slot_mapping(s.seq_id, start, end)
         row.page_row = bm.page_tables([s.seq_id])[0]
