@@ -1,43 +1,69 @@
 #!/usr/bin/env bash
 # The one command a GPU session runs, from the repository root:
 #
-#     bash scripts/device_check.sh              # on the GPU machine (about 8-9 minutes)
+#     bash scripts/device_check.sh              # on the GPU machine (about 8 minutes)
 #     bash scripts/device_check.sh --dry-run    # the same stages on a CPU, in the Pallas
-#                                               # interpreter (about 2 minutes)
+#                                               # interpreter (about 3 minutes)
+#     bash scripts/device_check.sh --stages env,bench,profile   # some stages only
 #
-# Stages, each under its own `timeout`, each logged into $OUT; a failing stage is
-# recorded and the next one still runs:
-#   env     nvidia-smi, python / jax / jaxlib versions, jax.devices()      -> env.log
-#   pytest  tests/test_gpu_device.py: compiled kernels vs the reference,
-#           the engine with backend="gpu" vs "xla", kv_memory_fraction     -> pytest.log,
-#                                                                             gpu_test_errors.jsonl
-#   bench   scripts/bench_kernels.py --out $OUT: copy bandwidth, matmul
-#           TFLOP/s, decode cases vs JAX's bundled kernel and dense XLA,
-#           ragged cases; one JSON line per finished row                   -> bench.log,
+# Stages, in this order, each under its own `timeout`, each logged into $OUT; a failing
+# stage is recorded and the next one still runs:
+#   env      nvidia-smi, python / jax / jaxlib versions, jax.devices()     -> env.log
+#   pytest   tests/test_gpu_device.py in 3 pytest processes at once
+#            (scripts/run_device_tests.py): compiled kernels vs the
+#            reference, the engine with backend="gpu" vs "xla", then
+#            kv_memory_fraction alone                                      -> pytest.log,
+#                                                          pytest_shard*.log, gpu_test_errors.jsonl
+#   bench    scripts/bench_kernels.py --out $OUT: copy bandwidth, matmul
+#            TFLOP/s, decode cases vs JAX's bundled kernel and dense XLA,
+#            ragged cases; one JSON line per finished row                  -> bench.log,
 #                                                                             bench_kernels.jsonl
+#   profile  scripts/profile_decode.py at (32, 4096), page 16: where the
+#            time goes (kernel, merge, scattered pages, fixed cost)        -> profile.log,
+#                                                                             profile_decode.jsonl
+#   ncu      one launch of that kernel under Nsight Compute (counters:
+#            DRAM throughput, occupancy, stall reasons), if ncu is there   -> ncu.log
 # and a summary (each stage's exit code and duration, the test counts, the bench
-# rows) printed at the end and written to summary.txt: 6 flat files in all.
+# rows) printed at the end and written to summary.txt.
 #
 # Environment: OUT (default ./device_out); PYTHON (default python3);
 # DEVICE_CHECK_DEADLINE_S (default 540): the whole run's time, which clips each
-# stage's limit; DEVICE_CHECK_DRY_RUN=1 is --dry-run. Nothing is installed: the code
-# runs from the tree with PYTHONPATH=.
+# stage's limit; DEVICE_CHECK_DRY_RUN=1 is --dry-run; DEVICE_TEST_SHARDS (default 3;
+# 2 in a dry run). Nothing is installed: the code runs from the tree with PYTHONPATH=.
 set -u
 
 DRY_RUN=${DEVICE_CHECK_DRY_RUN:-0}
-for arg in "$@"; do
-  case "$arg" in
+STAGES=env,pytest,bench,profile,ncu
+while (($#)); do
+  case "$1" in
     --dry-run) DRY_RUN=1 ;;
+    --stages)
+      STAGES=${2:-}
+      shift
+      ;;
+    --stages=*) STAGES=${1#--stages=} ;;
     -h | --help)
-      sed -n '2,24p' "$0"
+      sed -n '2,32p' "$0"
       exit 0
       ;;
     *)
-      echo "device_check.sh: unknown argument $arg (try --help)" >&2
+      echo "device_check.sh: unknown argument $1 (try --help)" >&2
+      exit 2
+      ;;
+  esac
+  shift
+done
+for stage in ${STAGES//,/ }; do
+  case "$stage" in
+    env | pytest | bench | profile | ncu) ;;
+    *)
+      echo "device_check.sh: unknown stage '$stage' in --stages $STAGES" \
+        "(stages: env,pytest,bench,profile,ncu)" >&2
       exit 2
       ;;
   esac
 done
+wants() { [[ ",$STAGES," == *",$1,"* ]]; }
 
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-./device_out}
@@ -48,8 +74,12 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export PAGEDJAX_GPU_TESTS_LOG="$OUT/gpu_test_errors.jsonl"
 : >"$PAGEDJAX_GPU_TESTS_LOG"
+SHARDS=${DEVICE_TEST_SHARDS:-3}
+DRY=()
 if [ "$DRY_RUN" = 1 ]; then
   export PAGEDJAX_GPU_TESTS_INTERPRET=1
+  SHARDS=${DEVICE_TEST_SHARDS:-2}
+  DRY=(--dry-run)
 fi
 
 SUMMARY=()
@@ -111,20 +141,27 @@ EOF
 }
 export -f env_report
 export DRY_RUN PY
-run_stage env 60 env.log bash -c env_report
+wants env && run_stage env 60 env.log bash -c env_report
 
-# (1) the device tests: about 255 s on the H200 (2026-11-29), mostly compiling; -v names
-# each test as it starts, so a stage cut short shows where.
-run_stage pytest 290 pytest.log "$PY" -m pytest -v -p no:cacheprovider --maxfail=5 -rfEs \
-  --durations=15 tests/test_gpu_device.py
+# (1) the device tests: about 255 s in one process on the H200 (2026-11-29), mostly
+# compiling on the host; 3 processes at once share the GPU. -v names each test as it
+# starts, so a stage cut short shows where.
+wants pytest && run_stage pytest 220 pytest.log "$PY" scripts/run_device_tests.py \
+  --shards "$SHARDS" --log-dir "$OUT" -- --maxfail=5 --durations=15
 
 # (2) the kernel benchmark: tuning sweeps stop at --budget-s, leaving ~130 s of the
 # stage for the fixed part (every case's checks and default timings, the ragged cases).
-bench_limit=$((DEADLINE_S - SECONDS - 5))
+# The profile and ncu stages after it need ~150 s.
+after=0
+wants profile && after=$((after + 90))
+wants ncu && after=$((after + 60))
+bench_limit=$((DEADLINE_S - SECONDS - 5 - after))
 ((bench_limit > 250)) && bench_limit=250
 budget=$((bench_limit - 130))
 ((budget < 60)) && budget=60
-if [ "$DRY_RUN" = 1 ]; then
+if ! wants bench; then
+  :
+elif [ "$DRY_RUN" = 1 ]; then
   run_stage bench "$bench_limit" bench.log "$PY" scripts/bench_kernels.py --quick --interpret \
     --out "$OUT"
 else
@@ -132,14 +169,58 @@ else
     --budget-s "$budget"
 fi
 
+# (3) where the decode time goes at (32, 4096): leave-one-out timings.
+wants profile && run_stage profile 90 profile.log "$PY" scripts/profile_decode.py \
+  --out "$OUT" ${DRY[@]+"${DRY[@]}"}
+
+# (4) Nsight Compute on one launch of that kernel (clocks left alone, as METHOD.md says).
+ncu_stage() {
+  local ncu
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)
+  if [ -z "$ncu" ]; then
+    echo "ncu: not found (no PATH entry, nothing under /opt/nvidia/nsight-compute)"
+    return 0
+  fi
+  local sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
+    --section LaunchStats --section SchedulerStats --section WarpStateStats)
+  "$ncu" --clock-control none --target-processes all -k regex:'paged_decode|decode_kernel' \
+    --launch-skip 3 --launch-count 1 "${sections[@]}" \
+    "$PY" scripts/profile_decode.py --ncu 2>&1 | tee "$OUT/ncu_raw.log"
+  local rc=${PIPESTATUS[0]}
+  if grep -q "No kernels were profiled" "$OUT/ncu_raw.log"; then
+    # The name filter matched nothing: list what ran, so the next run can fix it.
+    echo "=== no kernel matched the filter; the kernels that ran (LaunchStats only):"
+    "$ncu" --clock-control none --target-processes all --section LaunchStats \
+      --launch-count 40 "$PY" scripts/profile_decode.py --ncu 2>&1 |
+      grep -E '^  [A-Za-z_].*\(|==PROF==|==ERROR==' | head -n 60
+  fi
+  rm -f "$OUT/ncu_raw.log"
+  return "$rc"
+}
+if wants ncu; then
+  if [ "$DRY_RUN" = 1 ]; then
+    SUMMARY+=("$(printf '%-7s skipped in a dry run (no GPU to count)' ncu)")
+  else
+    export -f ncu_stage
+    export OUT DRY_RUN
+    run_stage ncu 60 ncu.log bash -c ncu_stage
+  fi
+fi
+
 # Summary: stages, test counts, bench rows.
 {
   echo "=== summary (dry_run=$DRY_RUN, ${SECONDS}s in all, deadline ${DEADLINE_S}s)"
   printf '%s\n' "${SUMMARY[@]}"
-  result=$(grep -E '^(=+ )?[0-9]+ (passed|failed|errors?|skipped)|no tests ran' "$OUT/pytest.log" |
-    tail -n 1)
-  echo "pytest: ${result:-no result line (cut short?)}"
-  "$PY" - "$OUT/bench_kernels.jsonl" <<'EOF'
+  if wants pytest; then
+    result=$(grep -E '^(=+ )?[0-9]+ (passed|failed|errors?|skipped)|no tests ran' \
+      "$OUT/pytest.log" 2>/dev/null | tail -n 1)
+    echo "pytest: ${result:-no result line (cut short?)}"
+  fi
+  if wants profile; then
+    echo "profile:"
+    grep -E -A10 '^variant ' "$OUT/profile.log" 2>/dev/null || echo "  no table (cut short?)"
+  fi
+  wants bench && "$PY" - "$OUT/bench_kernels.jsonl" <<'EOF'
 import json
 import sys
 

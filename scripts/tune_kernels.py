@@ -42,7 +42,7 @@ import bench_kernels as bk  # noqa: E402 - scripts/ is not a package
 import bench_ragged_cases as rc  # noqa: E402
 
 from pallas_kernels import reference  # noqa: E402
-from pallas_kernels.paged_decode.gpu import _merge_splits, paged_decode_gpu  # noqa: E402
+from pallas_kernels.paged_decode.gpu import merge_splits, paged_decode_gpu  # noqa: E402
 from pallas_kernels.ragged.gpu import ragged_paged_attention_gpu  # noqa: E402
 
 GIB = 2**30
@@ -127,9 +127,7 @@ def time_merge(run: Run, case, splits: int) -> None:
         m = jax.random.normal(km, shape, jnp.float32)
         denom = jax.random.uniform(kl, shape, jnp.float32, 1.0, 2.0)
         sets.append((o, m, denom))
-    t = bk.time_calls(
-        lambda o, m, d: _merge_splits(o, m, d, jnp.dtype(case.dtype)), sets, run.iters
-    )
+    t = bk.time_calls(lambda o, m, d: merge_splits(o, m, d, jnp.dtype(case.dtype)), sets, run.iters)
     run.emit(kind="merge", case=case.name, splits=splits, us=t * 1e6)
     bk.log(f"    split merge alone ({splits} splits): {t * 1e6:.1f} us")
 

@@ -329,3 +329,43 @@ def test_tune_kernels_dry_run(tmp_path, monkeypatch):
     best = {r["kind"]: r for r in records if r["kind"].endswith("_best")}
     assert set(best) == {"decode_best", "ragged_best"}
     assert all(r["ok"] and 0 < r["err"] < 1e-2 for r in best.values())
+
+
+def load_script(name: str, monkeypatch) -> types.ModuleType:
+    """scripts/<name>.py as a module (scripts/ is not a package)."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location(
+        f"{name}_under_test", SCRIPT.parent / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_profile_decode_dry_run(tmp_path, monkeypatch):
+    """scripts/profile_decode.py on the CPU: every variant times, the checks pass."""
+    profile = load_script("profile_decode", monkeypatch)
+    assert profile.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    records = read_jsonl(tmp_path / "profile_decode.jsonl")
+    assert records[0]["kind"] == "meta" and records[0]["tuning"]["num_splits"] == 2
+    (check,) = [r for r in records if r["kind"] == "check"]
+    assert check["ok"] and set(check["errors"]) == {"default", "kernel+merge", "contiguous"}
+    assert all(0 < e < 1e-2 for e in check["errors"].values())
+    variants = {r["name"]: r for r in records if r["kind"] == "variant"}
+    names = ["default", "kernel", "merge", "one_split", "contiguous", "fixed_cost", "dense_xla"]
+    assert list(variants) == names
+    assert all(r["us"] > 0 for r in variants.values())
+    # GB/s only where the variant reads the whole cache.
+    assert {n for n, r in variants.items() if "gbps" not in r} == {"merge", "fixed_cost"}
+
+
+def test_run_device_tests_tally(monkeypatch):
+    """The device-test runner's counts: pytest's summary line, else the -v verdicts."""
+    runner = load_script("run_device_tests", monkeypatch)
+    summary = "x.py::t PASSED\n==== 1 failed, 9 passed, 2 skipped, 1 error in 50.2s ===="
+    assert runner.tally(summary) == dict(failed=1, passed=9, skipped=2, error=1)
+    killed = "t.py::a[x] PASSED [ 10%]\nt.py::b FAILED [ 20%]\nt.py::c PASSED\nt.py::d "
+    assert runner.tally(killed) == dict(passed=2, failed=1)
+    assert runner.tally("") == {}

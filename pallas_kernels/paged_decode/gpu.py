@@ -285,7 +285,7 @@ def _decode_kernel(
         plgpu.store(l_ref.at[split, b, heads[:, 0]], denom, mask=row_ok)
 
 
-def _merge_splits(o, m, denom, dtype):
+def merge_splits(o, m, denom, dtype):
     """Combines per-split partial softmax states.
 
     Args:
@@ -303,21 +303,21 @@ def _merge_splits(o, m, denom, dtype):
     return (num / jnp.where(total > 0, total, 1.0)[..., None]).astype(dtype)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "scale",
-        "soft_cap",
-        "sliding_window",
-        "interpret",
-        "block_kv",
-        "block_h",
-        "num_splits",
-        "num_warps",
-        "num_stages",
-    ),
+_STATIC = (
+    "scale",
+    "soft_cap",
+    "sliding_window",
+    "interpret",
+    "block_kv",
+    "block_h",
+    "num_splits",
+    "num_warps",
+    "num_stages",
 )
-def _paged_decode(
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def decode_partials(
     q,
     k_pages,
     v_pages,
@@ -334,6 +334,13 @@ def _paged_decode(
     num_warps,
     num_stages,
 ):
+    """The kernel alone, every knob given (see `paged_decode_gpu`).
+
+    Returns:
+      [B, H, D] in q's dtype when `num_splits == 1`; else the split partials
+      `(o [splits, B, H, D], m [splits, B, H], l [splits, B, H])` in float32 that
+      `merge_splits` combines. (scripts/profile_decode.py times the two apart.)
+    """
     batch, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     max_pages = page_table.shape[1]
@@ -376,9 +383,15 @@ def _paged_decode(
         k_pages.reshape(num_kv_heads, rows, head_dim),
         v_pages.reshape(num_kv_heads, rows, head_dim),
     )
-    if num_splits == 1:
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _paged_decode(q, k_pages, v_pages, lengths, page_table, **static):
+    out = decode_partials(q, k_pages, v_pages, lengths, page_table, **static)
+    if static["num_splits"] == 1:
         return out
-    return _merge_splits(*out, q.dtype)
+    return merge_splits(*out, q.dtype)
 
 
 def paged_decode_gpu(

@@ -1,0 +1,196 @@
+"""Where the time of one paged-decode shape goes: leave-one-out timings, and `ncu`.
+
+    python scripts/profile_decode.py [--batch 32 --seq-len 4096 --page-size 16]  # GPU
+    python scripts/profile_decode.py --out DIR       # also DIR/profile_decode.jsonl
+    python scripts/profile_decode.py --dry-run       # tiny shape, Pallas interpreter
+    ncu --clock-control none -k regex:paged_decode --launch-skip 3 --launch-count 1 \\
+        --section SpeedOfLight ... python scripts/profile_decode.py --ncu   # one launch
+
+`bench_kernels.py` says how fast our kernel is; this script says where a call's
+time goes, without hardware counters, by timing variants that leave one part out
+(each at the default knobs of `default_tuning`, cold L2, medians of
+`bench_kernels.time_calls`):
+
+  default       the public path: the kernel and, when it splits, the merge
+  kernel        the kernel alone (the split partials, no merge)
+  merge         the merge alone, on the kernel's partials
+  one_split     the default's tiles without split-K
+  contiguous    the default over an identity page table: each sequence's pages
+                adjacent, so default - contiguous is what scattered pages cost
+  fixed_cost    every length 1: launch, per-program set-up, q in, out, merge
+  dense_xla     XLA's decode attention over contiguous K/V of the same bytes
+
+beside the device's measured read and copy bandwidth. GB/s counts the K/V bytes of
+the whole cache for every variant that reads it. `--ncu` instead runs the default
+path a few times for Nsight Compute (scripts/device_check.sh's profile stage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_kernels as bk  # noqa: E402 - scripts/ is not a package
+
+from pallas_kernels import reference  # noqa: E402
+from pallas_kernels.paged_decode.gpu import (  # noqa: E402
+    decode_partials,
+    merge_splits,
+    paged_decode_gpu,
+)
+
+NCU_CALLS = 6  # --ncu: launches of the default path (profile one after the warm-ups)
+
+
+def variants(case: bk.DecodeCase, interpret: bool, copies: int, calls: int):
+    """(name, fn, arg sets, reads the whole cache) of each variant, built lazily."""
+    tuning = case.tuning()
+    splits = tuning["num_splits"]
+    static = dict(scale=case.head_dim**-0.5, soft_cap=None, sliding_window=None, **tuning)
+    inputs = [bk.make_decode_inputs(case, seed) for seed in range(copies)]
+    full = jnp.full((case.batch,), case.seq_len, jnp.int32)
+    ones = jnp.ones((case.batch,), jnp.int32)
+    identity = jnp.arange(case.batch * case.max_pages, dtype=jnp.int32).reshape(case.batch, -1)
+    q0 = inputs[0][0]
+    qs = [jax.random.normal(jax.random.key(100 + i), q0.shape, q0.dtype) for i in range(calls)]
+
+    def sets(lengths, table=None):
+        out = []
+        for i, q in enumerate(qs):
+            _, k, v, pt = inputs[i % copies]
+            out.append((q, k, v, lengths, pt if table is None else table))
+        return out
+
+    public = partial(paged_decode_gpu, interpret=interpret)
+    kernel = partial(decode_partials, interpret=interpret, **static)
+    yield "default", public, sets(full), True
+    yield "kernel", kernel, sets(full), True
+    if splits > 1:
+        partials = [kernel(*args) for args in sets(full)[:copies]]
+        dtype = jnp.dtype(case.dtype)
+        yield "merge", lambda o, m, d: merge_splits(o, m, d, dtype), partials, False
+        one = partial(paged_decode_gpu, interpret=interpret, **{**tuning, "num_splits": 1})
+        yield "one_split", one, sets(full), True
+    yield "contiguous", public, sets(full, identity), True
+    yield "fixed_cost", public, sets(ones), False
+    dense = [(bk.to_dense(k, pt), bk.to_dense(v, pt)) for _, k, v, pt in inputs]
+    yield (
+        "dense_xla",
+        bk.dense_decode,
+        [(q, *dense[i % copies], full) for i, q in enumerate(qs)],
+        True,
+    )
+
+
+def check(case: bk.DecodeCase, interpret: bool) -> dict:
+    """The default path and the partials + merge vs the float32 reference, on random
+    lengths; the identity table too. Returns {name: relative error}."""
+    q, k, v, pt = bk.make_decode_inputs(case, 0)
+    lengths = bk.ragged_lengths(case, 0)
+    identity = jnp.arange(pt.size, dtype=jnp.int32).reshape(pt.shape)
+    tuning = case.tuning()
+    static = dict(scale=case.head_dim**-0.5, soft_cap=None, sliding_window=None, **tuning)
+    f32 = jnp.float32
+    errors = {}
+    for name, table in (("default", pt), ("contiguous", identity)):
+        ref = jax.jit(reference.paged_attention_xla)(
+            q.astype(f32), k.astype(f32), v.astype(f32), lengths, table
+        )
+        out = paged_decode_gpu(q, k, v, lengths, table, interpret=interpret)
+        errors[name] = bk.rel_error(out, ref)
+        if name == "default":
+            part = decode_partials(q, k, v, lengths, table, interpret=interpret, **static)
+            merged = part if tuning["num_splits"] == 1 else merge_splits(*part, q.dtype)
+            errors["kernel+merge"] = bk.rel_error(merged, ref)
+    return errors
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-dtype", default=None, help="page dtype, e.g. float8_e4m3fn")
+    p.add_argument("--iters", type=int, default=30, help="timed runs per measurement")
+    p.add_argument("--out", type=Path, default=None, help="write DIR/profile_decode.jsonl")
+    p.add_argument("--json", action="store_true", help="print the records as JSON")
+    p.add_argument("--ncu", action="store_true", help=f"run the default {NCU_CALLS} times")
+    p.add_argument("--dry-run", action="store_true", help="tiny shape, Pallas interpreter")
+    args = p.parse_args(argv)
+    on_gpu = jax.default_backend() == "gpu"
+    if not (on_gpu or args.dry_run):
+        p.error("timing needs a CUDA GPU; use --dry-run to check the plumbing on a CPU")
+    if args.dry_run:
+        # Small enough for the interpreter, long enough to split (and merge).
+        case = bk.DecodeCase(3, 1024, num_heads=4, num_kv_heads=1, head_dim=16)
+        iters, copies, calls, nbytes = 1, 2, 2, 2**20
+    else:
+        case = bk.DecodeCase(args.batch, args.seq_len, args.page_size, kv_dtype=args.kv_dtype)
+        iters = args.iters
+        copies = bk.rotating_copies(case.kv_bytes)
+        calls = copies * max(1, bk.CALLS[0] // copies)
+        nbytes = bk.GIB
+    interpret = not on_gpu
+    bk.log(f"{case.name}: tuning {case.tuning()}, {case.kv_bytes / 2**20:.0f} MiB of K/V")
+
+    if args.ncu:
+        q, k, v, pt = bk.make_decode_inputs(case, 0)
+        full = jnp.full((case.batch,), case.seq_len, jnp.int32)
+        for _ in range(NCU_CALLS):
+            jax.block_until_ready(paged_decode_gpu(q, k, v, full, pt, interpret=interpret))
+        return 0
+
+    records = [dict(kind="meta", case=case.name, jax=jax.__version__, tuning=case.tuning())]
+    records[0]["device"] = getattr(jax.devices()[0], "device_kind", "?")
+    errors = check(case, interpret)
+    ok = all(e <= bk._tolerance(case) for e in errors.values())
+    records.append(dict(kind="check", errors=errors, ok=ok))
+    read = bk.measure_read_gbps(iters, nbytes)
+    copy = bk.measure_copy_gbps(iters, nbytes)
+    records.append(dict(kind="ceiling", read_gbps=read, copy_gbps=copy))
+    default_us = None
+    for name, fn, sets, whole in variants(case, interpret, copies, calls):
+        t0 = time.monotonic()
+        us = bk.time_calls(fn, sets, iters) * 1e6
+        rec = dict(kind="variant", name=name, us=us)
+        if whole:
+            rec["gbps"] = case.kv_bytes / us / 1e3
+            rec.update(frac_read=rec["gbps"] / read, frac_copy=rec["gbps"] / copy)
+        default_us = default_us or us
+        rec["of_default"] = us / default_us
+        records.append(rec)
+        bk.log(f"  {name}: {us:.1f} us ({time.monotonic() - t0:.0f} s)")
+
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        lines = "".join(json.dumps(r, default=str) + "\n" for r in records)
+        (args.out / "profile_decode.jsonl").write_text(lines)
+    if args.json:
+        print(json.dumps(records, indent=1, default=str))
+        return 0 if ok else 1
+    print(f"\n{case.name}, {records[0]['device']}, jax {jax.__version__}")
+    print(f"ceilings: read {read:,.0f} GB/s, copy {copy:,.0f} GB/s; checks {errors} ok={ok}")
+    print(f"{'variant':12} {'us':>9} {'GB/s':>8} {'of read':>8} {'of copy':>8} {'of default':>10}")
+    for r in records:
+        if r["kind"] == "variant":
+            cells = [f"{r[k]:.2f}" if k in r else "-" for k in ("frac_read", "frac_copy")]
+            gbps = f"{r['gbps']:,.0f}" if "gbps" in r else "-"
+            print(
+                f"{r['name']:12} {r['us']:9.1f} {gbps:>8} {cells[0]:>8} {cells[1]:>8} "
+                f"{r['of_default']:10.2f}"
+            )
+    if not on_gpu:
+        print("(interpreter times on a CPU: the plumbing only, not a measurement)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
