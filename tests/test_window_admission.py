@@ -286,6 +286,23 @@ def test_random_windows_with_aborts_and_preemption(in_flight):
     assert preempted > 0
 
 
+@pytest.mark.parametrize("in_flight", [False, True], ids=["sync", "async"])
+def test_decode_pages_preempt_the_newest_group_not_its_reservation(in_flight):
+    """Window 16 (a decoding sequence grows to 5 pages), 8 pages: a long prompt admitted
+    while the decoder holds 2 pages reserves 6; once the decoder needs more, `schedule`
+    preempts the newest group (the prompt, dropping its reservation), as for full
+    attention; appends never take reserved pages."""
+    sim = WindowSim(16, num_pages=8, max_num_seqs=2, budget=4, in_flight=in_flight)
+    d = sim.add("d", [5], 40)
+    sim.step()
+    sim.step()
+    p = sim.add("p", list(range(3, 63)), 2)
+    sim.run()
+    assert (d.num_preemptions, p.num_preemptions) == (0, 1)
+    assert sim.done["d"].finished[0].token_ids == reference([5], 40)
+    assert sim.done["p"].finished[0].token_ids == reference(range(3, 63), 2)
+
+
 def full_attention_plans(in_flight: bool) -> str:
     """SHA-256 of every plan (rows, slots, page tables, copies) of a full-attention run
     with chunked prefill, prefix hits, n=2, stops and preemption."""

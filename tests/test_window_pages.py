@@ -1,16 +1,17 @@
 """Sliding-window page release: `BlockManager.release_before` unit tests and a state
-machine, the attention paths reading released (padding) entries, and the engine with a
-tiny sliding-window model (tokens equal to the dense model's greedy decoding, pages held
-per sequence bounded by the window, a cache too small for the full contexts)."""
+machine (also admitting with a window and a reservation, then growing), the attention
+paths reading released (padding) entries, and the engine with a tiny sliding-window model
+(tokens equal to the dense model's greedy decoding, pages held per sequence bounded by the
+window, a cache too small for the full contexts)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import strategies as st
-from hypothesis.stateful import precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
 from params_helpers import random_params
-from test_blocks import BlockMachine, run_stateful, snapshot
+from test_blocks import STEMS, BlockMachine, run_stateful, snapshot
 
 import pallas_kernels
 from pagedjax import model
@@ -18,6 +19,8 @@ from pagedjax.blocks import (
     PAD_PAGE,
     BlockManager,
     InvalidArgument,
+    InvalidState,
+    OutOfPages,
     SequenceFreed,
     UnknownSequence,
 )
@@ -196,7 +199,82 @@ def test_check_invariants_catches_a_released_page_still_counted():
 
 class WindowMachine(BlockMachine):
     """The block state machine, plus releases at random positions: every computed slot
-    from the first kept page on must still hold its K/V after every step."""
+    from the first kept page on must still hold its K/V after every step; plus admissions
+    with a window and a reservation (``peak_pages``), whose prefill releases out of the
+    window and grows before each chunk, as the scheduler does. Reserving sequences hold at
+    most their peak, and the reservations always fit in the free pages."""
+
+    def windows(self) -> dict:
+        return vars(self).setdefault("_windows", {})  # seq -> window (lazy admissions)
+
+    @rule(
+        stem=st.sampled_from(STEMS),
+        cut=st.integers(0, 12),
+        tokens=st.lists(st.integers(0, 2), max_size=16),
+        salt=st.sampled_from([None, "a"]),
+        window=st.integers(1, 8),
+        peak=st.integers(1, 8),
+    )
+    def admit_with_window(self, stem, cut, tokens, salt, window, peak):
+        tokens, bm, ps, sid = (stem[:cut] + tokens or [0])[:24], self.bm, self.ps, self.next_id
+        want = self.lower_bound_hits(salt, tokens) if self.check_hits else 0
+        room, before = bm.num_free_pages - bm.num_reserved_pages, snapshot(bm)
+        try:
+            cached = bm.admit(sid, tokens, cache_salt=salt, peak_pages=peak, window=window)
+        except OutOfPages:
+            assert peak > room and snapshot(bm) == before
+            return
+        except InvalidArgument:  # the cached pages in the window and one more exceed peak
+            assert peak < -(-(window - 1) // ps) + 1 and snapshot(bm) == before
+            return
+        self.next_id += 1
+        assert cached % ps == 0 and want <= cached < len(tokens)
+        r = max(cached - window + 1, 0) // ps
+        table = bm.page_table(sid)
+        assert len(table) == cached // ps + 1 and table[:r] == [-1] * r and min(table[r:]) >= 0
+        assert bm.num_free_pages - bm.num_reserved_pages == room - peak
+        ids = self.prefix_ids(salt, tokens)
+        self.live[sid] = (salt, list(tokens), ids)
+        self.windows()[sid] = window
+        slots = bm.slot_mapping(sid, r * ps, cached)
+        assert [self.dev[x] for x in slots] == ids[r * ps : cached], "prefix hit on wrong K/V"
+
+    def prefill(self, s, chunk):
+        bm, ps = self.bm, self.ps
+        if s in self.windows():  # the scheduler's order: release, then grow
+            bm.release_before(s, max(bm.num_computed_tokens(s) - self.windows()[s] + 1, 0))
+        start = bm.num_computed_tokens(s)
+        end = min(start + chunk, bm.num_tokens(s))
+        table, peak = bm.page_table(s), bm._seqs[s].peak
+        released = sum(p < 0 for p in table)
+        if peak and -(-end // ps) - released > peak:
+            self.expect_error(InvalidState, lambda: bm.grow(s, end))
+            end = (released + peak) * ps  # >= start: the pages held cover the computed
+        room = bm.num_free_pages - bm.num_reserved_pages
+        assert bm.grow(s, end) == max(-(-end // ps) - len(table), 0)
+        assert bm.num_free_pages - bm.num_reserved_pages == room  # out of the reservation
+        super().prefill(s, end - start)
+
+    def append(self, batch, tokens, unknown=False):
+        """Appends cannot take reserved pages: OutOfPages even where free pages are left."""
+        bm = self.bm
+        batch = [s for s in batch if bm.num_tokens(s) < 24]
+        need = bm.num_append_pages(batch)  # the base predicts it independently below
+        if bm.num_free_pages >= need > bm.num_free_pages - bm.num_reserved_pages:
+            self.expect_error(OutOfPages, lambda: bm.append_tokens(batch, tokens[: len(batch)]))
+            return False
+        return super().append(batch, tokens, unknown)
+
+    @invariant()
+    def reservations_fit(self):
+        if self.bm is None:
+            return
+        bm = self.bm
+        assert bm.num_reserved_pages <= bm.num_free_pages
+        for s in self.live:
+            if peak := bm._seqs[s].peak:
+                assert len(held(bm, s)) <= peak
+                assert bm.num_computed_tokens(s) < bm.num_tokens(s)
 
     def lower_bound_hits(self, salt, tokens):
         keep = self.live  # a sequence with released pages may have lost their cache entries
@@ -231,12 +309,12 @@ def run_window_machine(examples, steps):
 
 
 def test_state_machine_with_releases():
-    assert run_window_machine(40, 50) >= 1000
+    assert run_window_machine(40, 50) >= 1800
 
 
 @pytest.mark.slow
 def test_state_machine_with_releases_long():
-    assert run_window_machine(150, 100) >= 9_000
+    assert run_window_machine(120, 100) >= 8_000  # 6 s, as 150 took without the admissions
 
 
 def test_scheduler_checks_the_window():
