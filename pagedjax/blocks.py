@@ -492,11 +492,11 @@ class BlockManager:
         """
         s = self._get(seq_id)
         n = operator.index(num_computed_tokens)
-        if not s.num_computed <= n <= min(s.num_tokens, len(s.pages) * self.page_size):
+        top = min(s.num_tokens, len(s.pages) * self.page_size)
+        if not s.num_computed <= n <= top:
             raise InvalidArgument(
                 f"num_computed_tokens={n} for sequence {seq_id!r} must be in "
-                f"[{s.num_computed}, {s.num_tokens}] and within its pages "
-                f"(< {len(s.pages) * self.page_size + 1}; grow it first)"
+                f"[{s.num_computed}, {top}]" + ("" if top == s.num_tokens else " (grow it first)")
             )
         s.num_computed = n
         if n == s.num_tokens and s.peak:  # prefilled: an ordinary sequence from now on
