@@ -336,6 +336,11 @@ def full_attention_plans(in_flight: bool) -> str:
 
 
 # Computed with the scheduler and block manager before window admission (commit df80790).
+# A regression pin, not a reference: the hashes of this run's plans computed at df80790,
+# before window admission existed, so full attention provably plans as it did. The
+# simulated device checks every plan's K/V (test_scheduler.Sim); a deliberate change of
+# the full-attention policy changes these: recompute them with full_attention_plans()
+# and say so in that commit.
 FULL_ATTENTION_PLANS = {False: "d678f68cdb8009b3", True: "022f8beb84ec66e8"}
 
 
