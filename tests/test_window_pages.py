@@ -309,12 +309,12 @@ def run_window_machine(examples, steps):
 
 
 def test_state_machine_with_releases():
-    assert run_window_machine(40, 50) >= 1800
+    assert run_window_machine(40, 50) >= 1_500  # ~1,900 (the count varies with the seed)
 
 
 @pytest.mark.slow
 def test_state_machine_with_releases_long():
-    assert run_window_machine(120, 100) >= 8_000  # 6 s, as 150 took without the admissions
+    assert run_window_machine(120, 100) >= 6_000  # 7,900-8,900 steps in 6-9 s
 
 
 def test_scheduler_checks_the_window():
