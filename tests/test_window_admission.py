@@ -10,15 +10,14 @@ whose prompts are 3x the cache equals dense greedy decoding.
 
 import hashlib
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from params_helpers import random_params
 from test_blocks import snapshot
 from test_scheduler import Sim, next_token, reference
+from test_window_pages import dense_greedy
 
-from pagedjax import decode, model
+from pagedjax import decode
 from pagedjax.blocks import (
     BlockManager,
     InvalidArgument,
@@ -376,20 +375,6 @@ def params():
     return random_params(CFG, seed=21)
 
 
-def dense_greedy(params, prompts, max_tokens, width=128):
-    """Greedy continuations by the dense forward, recomputed from scratch each token."""
-    fn = jax.jit(model.forward)
-    seqs = [list(p) for p in prompts]
-    for _ in range(max_tokens):
-        buf = np.zeros((len(seqs), width), np.int32)
-        for b, s in enumerate(seqs):
-            buf[b, : len(s)] = s
-        out = np.asarray(fn(params, jnp.asarray(buf)))
-        for b, s in enumerate(seqs):
-            s.append(int(out[b, len(s) - 1].argmax()))
-    return [s[len(p) :] for s, p in zip(seqs, prompts, strict=True)]
-
-
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_engine_prompts_three_times_the_cache(params, async_scheduling):
     """A 24-token prompt, then (n=2) one that extends it to 100 tokens, starting from its
@@ -399,7 +384,7 @@ def test_engine_prompts_three_times_the_cache(params, async_scheduling):
     long_ = [shared + RNG.integers(0, CFG.vocab_size, 76).tolist()]
     long_.append(RNG.integers(0, CFG.vocab_size, 104).tolist())
     assert min(map(len, long_)) > 3 * CACHE_PAGES * PS
-    want = dense_greedy(params, [shared, *long_], 8)
+    want = dense_greedy(params, [shared, *long_], 8, rows=3, width=128)
     llm = LLM(
         params,
         page_size=PS,

@@ -400,12 +400,13 @@ def params():
     return random_params(CFG, seed=21)
 
 
-def dense_greedy(params, prompts, max_tokens):
-    """Greedy continuations by the dense forward, recomputed from scratch each token."""
+def dense_greedy(params, prompts, max_tokens, rows=ROWS, width=WIDTH):
+    """Greedy continuations by the dense forward, recomputed from scratch each token (in
+    a `[rows, width]` buffer, fixed so that one program serves every call)."""
     fn = jax.jit(model.forward)
     seqs = [list(p) for p in prompts]
     for _ in range(max_tokens):
-        buf = np.zeros((ROWS, WIDTH), np.int32)
+        buf = np.zeros((rows, width), np.int32)
         for b, s in enumerate(seqs):
             buf[b, : len(s)] = s
         out = np.asarray(fn(params, jnp.asarray(buf)))
