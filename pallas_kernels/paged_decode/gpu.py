@@ -316,8 +316,7 @@ _STATIC = (
 )
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def decode_partials(
+def _decode_call(
     q,
     k_pages,
     v_pages,
@@ -334,7 +333,8 @@ def decode_partials(
     num_warps,
     num_stages,
 ):
-    """The kernel alone, every knob given (see `paged_decode_gpu`).
+    """The kernel alone, every knob given (see `paged_decode_gpu`); `decode_partials`
+    is it jitted.
 
     Returns:
       [B, H, D] in q's dtype when `num_splits == 1`; else the split partials
@@ -386,9 +386,14 @@ def decode_partials(
     return out
 
 
+# Not called by _paged_decode: a nested jit would be a second function call per layer in
+# the lowered step (tests/test_step_lowering.py counts one per layer).
+decode_partials = jax.jit(_decode_call, static_argnames=_STATIC)
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _paged_decode(q, k_pages, v_pages, lengths, page_table, **static):
-    out = decode_partials(q, k_pages, v_pages, lengths, page_table, **static)
+    out = _decode_call(q, k_pages, v_pages, lengths, page_table, **static)
     if static["num_splits"] == 1:
         return out
     return merge_splits(*out, q.dtype)
