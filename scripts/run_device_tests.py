@@ -82,8 +82,9 @@ class Runner:
             )
         self.procs.append((name, proc, log))
 
-    def wait(self) -> list[tuple[str, int | None, str]]:
-        """(name, exit code or None if killed, output) of each process started."""
+    def wait(self) -> list[tuple[str, int, str]]:
+        """(name, exit code (negative: the signal that killed it), output) of each
+        process started."""
         done = []
         for name, proc, log in self.procs:
             rc = proc.wait()
