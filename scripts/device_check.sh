@@ -3,7 +3,7 @@
 #
 #     bash scripts/device_check.sh              # on the GPU machine (about 8 minutes)
 #     bash scripts/device_check.sh --dry-run    # the same stages on a CPU, in the Pallas
-#                                               # interpreter (about 3 minutes)
+#                                               # interpreter (about 2 minutes)
 #     bash scripts/device_check.sh --stages env,bench,profile   # some stages only
 #
 # Stages, in this order, each under its own `timeout`, each logged into $OUT; a failing
