@@ -176,7 +176,7 @@ def parse_job(
             raise ApiError(400, f"{where}{e}", "messages" if chat else "prompt") from None
     if chat:
         want = body.get("logprobs")
-        if want not in (None, True, False):
+        if want is not None and not isinstance(want, bool):  # 1 == True, but not a boolean
             msg = f"logprobs must be a boolean, got logprobs={want!r}"
             raise ApiError(400, msg, "logprobs")
         k = int_field(body, "top_logprobs", None)

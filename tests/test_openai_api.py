@@ -122,6 +122,8 @@ def test_bad_prompts_are_400s(prompt, words):
         (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), None, "text"),
         (dict(messages=[{"role": "user", "content": "x" * MAX_LEN}]), "messages", "max_model_len"),
         (dict(logprobs="yes"), "logprobs", "logprobs='yes'"),
+        (dict(logprobs=1), "logprobs", "logprobs=1"),
+        (dict(logprobs=0.0), "logprobs", "logprobs=0.0"),
         (dict(top_logprobs=2), None, "logprobs=true"),
         (dict(top_logprobs="2", logprobs=True), "top_logprobs", "top_logprobs='2'"),
         (dict(max_completion_tokens=1.5), "max_completion_tokens", "=1.5"),
