@@ -9,3 +9,25 @@ of the cache (tests/test_generate_cli.py) passes a temporary directory.
 import os
 
 os.environ["PAGEDJAX_COMPILATION_CACHE"] = "off"
+
+
+# Modules holding the longest tests (each 15-46 s on CI's 2 cores), collected first:
+# pytest-xdist hands tests out in collection order, so a long test collected late can
+# start last and leave the other worker idle for its whole run. Whole modules move, so
+# their module-scoped fixtures are still set up once. A module missing here only keeps
+# its place.
+LONG_MODULES = (
+    "test_tensor_parallel.py",  # tp = 1..8 in a subprocess: 44 s, 46 s in -m slow
+    "test_readme.py",  # three README examples, 14-21 s each
+    "test_blocks.py",  # -m slow: the state machines, 29 s (sha256)
+    "test_demo_model.py",  # -m slow: long interpreted-kernel runs, 20 s
+    "test_decode.py",  # -m slow: long interpreted-kernel runs, 18 s
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        name = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
+        return LONG_MODULES.index(name) if name in LONG_MODULES else len(LONG_MODULES)
+
+    items.sort(key=rank)  # stable: the order within each module is kept
