@@ -32,7 +32,11 @@ def test_bench_host_json(capsys):
     want |= {f"engine_{k}_b4" for k in ("schedule", "pack", "apply", "commit", "finish", "step")}
     want |= {"overlap_sync_b4_d3ms", "overlap_async_b4_d3ms"}
     assert want <= set(us)
-    # A step cannot beat the simulated device; synchronous adds the exposed host work.
-    assert min(us["overlap_async_b4_d3ms"], us["overlap_sync_b4_d3ms"]) >= 3000
+    # A synchronous step waits for its own 3 ms on the simulated device. Asynchronous
+    # steps overlap: the first timed one finds the device part-way through the step
+    # dispatched before it, so their mean can fall below 3 ms by up to 3 ms / steps
+    # (2,917 us was seen on CI), but the device still bounds them.
+    assert us["overlap_sync_b4_d3ms"] >= 3000
+    assert us["overlap_async_b4_d3ms"] >= 2000
     assert all(v > 0 for v in us.values()), us
     assert out["config"]["batch"] == [3, 5]
