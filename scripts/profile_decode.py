@@ -50,11 +50,16 @@ from pallas_kernels.paged_decode.gpu import (  # noqa: E402
 NCU_CALLS = 6  # --ncu: launches of the default path (profile one after the warm-ups)
 
 
+def kernel_args(case: bk.DecodeCase) -> dict:
+    """Every static argument of `decode_partials` for the case, at the default knobs."""
+    return dict(scale=case.head_dim**-0.5, soft_cap=None, sliding_window=None, **case.tuning())
+
+
 def variants(case: bk.DecodeCase, interpret: bool, copies: int, calls: int):
     """(name, fn, arg sets, reads the whole cache) of each variant, built lazily."""
     tuning = case.tuning()
     splits = tuning["num_splits"]
-    static = dict(scale=case.head_dim**-0.5, soft_cap=None, sliding_window=None, **tuning)
+    static = kernel_args(case)
     inputs = [bk.make_decode_inputs(case, seed) for seed in range(copies)]
     full = jnp.full((case.batch,), case.seq_len, jnp.int32)
     ones = jnp.ones((case.batch,), jnp.int32)
@@ -96,8 +101,7 @@ def check(case: bk.DecodeCase, interpret: bool) -> dict:
     q, k, v, pt = bk.make_decode_inputs(case, 0)
     lengths = bk.ragged_lengths(case, 0)
     identity = jnp.arange(pt.size, dtype=jnp.int32).reshape(pt.shape)
-    tuning = case.tuning()
-    static = dict(scale=case.head_dim**-0.5, soft_cap=None, sliding_window=None, **tuning)
+    static = kernel_args(case)
     f32 = jnp.float32
     errors = {}
     for name, table in (("default", pt), ("contiguous", identity)):
@@ -108,7 +112,7 @@ def check(case: bk.DecodeCase, interpret: bool) -> dict:
         errors[name] = bk.rel_error(out, ref)
         if name == "default":
             part = decode_partials(q, k, v, lengths, table, interpret=interpret, **static)
-            merged = part if tuning["num_splits"] == 1 else merge_splits(*part, q.dtype)
+            merged = part if static["num_splits"] == 1 else merge_splits(*part, q.dtype)
             errors["kernel+merge"] = bk.rel_error(merged, ref)
     return errors
 
