@@ -4,10 +4,10 @@
 #     bash scripts/device_check.sh              # on the GPU machine (about 8 minutes)
 #     bash scripts/device_check.sh --dry-run    # the same stages on a CPU, in the Pallas
 #                                               # interpreter (about 2 minutes)
-#     bash scripts/device_check.sh --stages env,bench,profile   # some stages only
+#     bash scripts/device_check.sh --stages env,bench,profile   # some stages, in this order
 #
-# Stages, in this order, each under its own `timeout`, each logged into $OUT; a failing
-# stage is recorded and the next one still runs:
+# Stages (by default in this order; --stages gives any order), each under its own
+# `timeout`, each logged into $OUT; a failing stage is recorded and the next one still runs:
 #   env      nvidia-smi, python / jax / jaxlib versions, jax.devices()     -> env.log
 #   pytest   tests/test_gpu_device.py in 3 pytest processes at once
 #            (scripts/run_device_tests.py): compiled kernels vs the
@@ -23,13 +23,19 @@
 #                                                                             profile_decode.jsonl
 #   ncu      one launch of that kernel under Nsight Compute (counters:
 #            DRAM throughput, occupancy, stall reasons), if ncu is there   -> ncu.log
+#   tune     (only when named in --stages) scripts/tune_kernels.py: joint
+#            sweeps of the knobs per shape, to choose the defaults         -> tune.log,
+#                                                                             tune.jsonl
 # and a summary (each stage's exit code and duration, the test counts, the bench
-# rows) printed at the end and written to summary.txt.
+# rows) printed at the end and written to summary.txt. Everything in $OUT is also packed
+# into $OUT.tgz beside it (the device tool brings back at most 8 files).
 #
 # Environment: OUT (default ./device_out); PYTHON (default python3);
 # DEVICE_CHECK_DEADLINE_S (default 540): the whole run's time, which clips each
-# stage's limit; DEVICE_CHECK_DRY_RUN=1 is --dry-run; DEVICE_TEST_SHARDS (default 3;
-# 2 in a dry run). Nothing is installed: the code runs from the tree with PYTHONPATH=.
+# stage's limit; DEVICE_CHECK_LIMITS (e.g. pytest=200,ncu=45): other stage limits
+# (defaults env 60, pytest 220, bench 250, profile 90, ncu 60, tune 200);
+# DEVICE_CHECK_DRY_RUN=1 is --dry-run; DEVICE_TEST_SHARDS (default 3; 2 in a dry run).
+# Nothing is installed: the code runs from the tree with PYTHONPATH=.
 set -u
 
 DRY_RUN=${DEVICE_CHECK_DRY_RUN:-0}
@@ -43,7 +49,7 @@ while (($#)); do
       ;;
     --stages=*) STAGES=${1#--stages=} ;;
     -h | --help)
-      sed -n '2,32p' "$0"
+      sed -n '2,38p' "$0"
       exit 0
       ;;
     *)
@@ -55,10 +61,10 @@ while (($#)); do
 done
 for stage in ${STAGES//,/ }; do
   case "$stage" in
-    env | pytest | bench | profile | ncu) ;;
+    env | pytest | bench | profile | ncu | tune) ;;
     *)
       echo "device_check.sh: unknown stage '$stage' in --stages $STAGES" \
-        "(stages: env,pytest,bench,profile,ncu)" >&2
+        "(stages: env,pytest,bench,profile,ncu,tune)" >&2
       exit 2
       ;;
   esac
@@ -95,7 +101,8 @@ run_stage() {
     limit=$left
   fi
   if ((limit < 10)); then
-    SUMMARY+=("$(printf '%-7s skipped: %ss left of the %ss deadline' "$name" "$left" "$DEADLINE_S")")
+    SUMMARY+=("$(printf '%-7s skipped: a %ss limit (%ss left of the %ss deadline)' \
+      "$name" "$limit" "$left" "$DEADLINE_S")")
     FAILED=1
     return
   fi
@@ -141,39 +148,52 @@ EOF
 }
 export -f env_report
 export DRY_RUN PY
-wants env && run_stage env 60 env.log bash -c env_report
+# Each stage's usual limit in seconds; the bench stage gets what the stages after it leave.
+declare -A LIMIT=([env]=60 [pytest]=220 [bench]=250 [profile]=90 [ncu]=60 [tune]=200)
+LIMITS=${DEVICE_CHECK_LIMITS:-}
+for item in ${LIMITS//,/ }; do # e.g. DEVICE_CHECK_LIMITS=pytest=200,ncu=45
+  name=${item%%=*} value=${item#*=}
+  if [ -z "${LIMIT[$name]+set}" ] || ! [[ "$value" =~ ^[0-9]+$ ]]; then
+    echo "device_check.sh: bad DEVICE_CHECK_LIMITS entry '$item' (want STAGE=SECONDS)" >&2
+    exit 2
+  fi
+  LIMIT[$name]=$value
+done
 
-# (1) the device tests: about 255 s in one process on the H200 (2026-11-29), mostly
+stage_env() { run_stage env "${LIMIT[env]}" env.log bash -c env_report; }
+
+# The device tests: about 255 s in one process on the H200 (2026-11-29), mostly
 # compiling on the host; 3 processes at once share the GPU. -v names each test as it
 # starts, so a stage cut short shows where.
-wants pytest && run_stage pytest 220 pytest.log "$PY" scripts/run_device_tests.py \
-  --shards "$SHARDS" --log-dir "$OUT" -- --maxfail=5 --durations=15
+stage_pytest() {
+  run_stage pytest "${LIMIT[pytest]}" pytest.log "$PY" scripts/run_device_tests.py \
+    --shards "$SHARDS" --log-dir "$OUT" -- --maxfail=5 --durations=15
+}
 
-# (2) the kernel benchmark: tuning sweeps stop at --budget-s, leaving ~130 s of the
-# stage for the fixed part (every case's checks and default timings, the ragged cases).
-# The profile and ncu stages after it need ~150 s.
-after=0
-wants profile && after=$((after + 90))
-wants ncu && after=$((after + 60))
-bench_limit=$((DEADLINE_S - SECONDS - 5 - after))
-((bench_limit > 250)) && bench_limit=250
-budget=$((bench_limit - 130))
-((budget < 60)) && budget=60
-if ! wants bench; then
-  :
-elif [ "$DRY_RUN" = 1 ]; then
-  run_stage bench "$bench_limit" bench.log "$PY" scripts/bench_kernels.py --quick --interpret \
-    --out "$OUT"
-else
-  run_stage bench "$bench_limit" bench.log "$PY" scripts/bench_kernels.py --out "$OUT" \
-    --budget-s "$budget"
-fi
+# The kernel benchmark: tuning sweeps stop at --budget-s, leaving ~130 s of the stage
+# for the fixed part (every case's checks and default timings, the ragged cases).
+stage_bench() {
+  local after=$1 limit budget
+  limit=$((DEADLINE_S - SECONDS - 5 - after))
+  ((limit > LIMIT[bench])) && limit=${LIMIT[bench]}
+  budget=$((limit - 130))
+  ((budget < 60)) && budget=60
+  if [ "$DRY_RUN" = 1 ]; then
+    run_stage bench "$limit" bench.log "$PY" scripts/bench_kernels.py --quick --interpret \
+      --out "$OUT"
+  else
+    run_stage bench "$limit" bench.log "$PY" scripts/bench_kernels.py --out "$OUT" \
+      --budget-s "$budget"
+  fi
+}
 
-# (3) where the decode time goes at (32, 4096): leave-one-out timings.
-wants profile && run_stage profile 90 profile.log "$PY" scripts/profile_decode.py \
-  --out "$OUT" ${DRY[@]+"${DRY[@]}"}
+# Where the decode time goes at (32, 4096): leave-one-out timings.
+stage_profile() {
+  run_stage profile "${LIMIT[profile]}" profile.log "$PY" scripts/profile_decode.py \
+    --out "$OUT" ${DRY[@]+"${DRY[@]}"}
+}
 
-# (4) Nsight Compute on one launch of that kernel (clocks left alone, as METHOD.md says).
+# Nsight Compute on one launch of that kernel (clocks left alone, as METHOD.md says).
 ncu_stage() {
   local ncu
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)
@@ -197,15 +217,36 @@ ncu_stage() {
   rm -f "$OUT/ncu_raw.log"
   return "$rc"
 }
-if wants ncu; then
+stage_ncu() {
   if [ "$DRY_RUN" = 1 ]; then
     SUMMARY+=("$(printf '%-7s skipped in a dry run (no GPU to count)' ncu)")
   else
     export -f ncu_stage
     export OUT DRY_RUN
-    run_stage ncu 60 ncu.log bash -c ncu_stage
+    run_stage ncu "${LIMIT[ncu]}" ncu.log bash -c ncu_stage
   fi
-fi
+}
+
+# Joint sweeps of the knobs; stops starting measurements 30 s before its limit.
+stage_tune() {
+  local limit=$((DEADLINE_S - SECONDS - 5))
+  ((limit > LIMIT[tune])) && limit=${LIMIT[tune]}
+  run_stage tune "$limit" tune.log "$PY" scripts/tune_kernels.py --out "$OUT" \
+    --budget-s $((limit > 60 ? limit - 30 : 30)) ${DRY[@]+"${DRY[@]}"}
+}
+
+read -r -a ORDER <<<"${STAGES//,/ }"
+for i in "${!ORDER[@]}"; do
+  if [ "${ORDER[i]}" = bench ]; then
+    after=0
+    for later in "${ORDER[@]:i+1}"; do
+      after=$((after + LIMIT[$later]))
+    done
+    stage_bench "$after"
+  else
+    "stage_${ORDER[i]}"
+  fi
+done
 
 # Summary: stages, test counts, bench rows.
 {
@@ -244,4 +285,5 @@ for r in (r for r in lines if r.get("kind") == "row"):
 EOF
   echo "files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 } 2>&1 | tee "$OUT/summary.txt"
+tar czf "$OUT.tgz" -C "$OUT" . && echo "packed into $OUT.tgz"
 exit "$FAILED"

@@ -107,13 +107,13 @@ def decode_cases(dry_run: bool):
         ]
 
     return [
-        (D(32, 4096), grid((128, 64), (1, 2, 4)) + grid((64, 128), (1, 2), (3,), (8,)), 4),
-        (D(32, 4096, page_size=64), grid((128, 64), (1, 2, 4)), 2),
-        (D(8, 8192), grid((128, 64), (10, 20, 5), (3, 4)), 1),
-        (D(1, 32768), grid((128, 64), (33, 66, 16), (3, 4)), 1),
-        (D(128, 2048), grid((128, 64), (1, 2), (2, 3)), 1),
-        (D(256, 512), grid((128, 64), (1, 2), (2, 3)), 1),
-        (D(32, 4096, kv_dtype="float8_e4m3fn"), grid((256, 128), (1, 2), (2, 3, 4)), 1),
+        (D(32, 4096), grid((64, 128), (2, 4, 8)) + grid((32,), (4, 8), (3, 5)), 4),
+        (D(32, 4096, page_size=64), grid((64, 128), (4,)), 1),
+        (D(8, 8192), grid((64, 128), (8, 16, 32), (3, 4)), 1),
+        (D(1, 32768), grid((64, 128), (32, 64, 128), (3, 4)), 1),
+        (D(128, 2048), grid((64, 128), (1, 2)), 1),
+        (D(256, 512), grid((64, 128), (1, 2)), 1),
+        (D(32, 4096, kv_dtype="float8_e4m3fn"), grid((128, 256), (2, 4)), 1),
     ]
 
 
@@ -163,7 +163,9 @@ def time_grid(run: Run, kind: str, case, kernel, arg_sets, configs, until: float
 
 def decode_sweep(run: Run, case, configs, until: float) -> None:
     copies = 2 if run.interpret else bk.rotating_copies(case.kv_bytes)
-    calls = copies * math.ceil(min(16, max(4, 2 * GIB / case.kv_bytes)) / copies)
+    calls = copies * math.ceil(
+        min(bk.CALLS[1], max(bk.CALLS[0], bk.RUN_BYTES / case.kv_bytes)) / copies
+    )
     if run.interpret:
         calls = copies
     inputs = [bk.make_decode_inputs(case, seed) for seed in range(copies)]

@@ -118,7 +118,8 @@ def test_fp8_row_in_the_gpu_table(bench):
     bf16 = bench.DecodeCase(32, 4096)
     assert bf16 in bench.GPU_DECODE_CASES
     assert 2 * case.kv_bytes == bf16.kv_bytes == 2 * 32 * 4096 * 8 * 128 * 2
-    assert case.tuning()["block_kv"] == bf16.tuning()["block_kv"] == 128  # the tile's cap
+    # The same 16 KiB tile: twice the fp8 tokens.
+    assert case.tuning()["block_kv"] == 2 * bf16.tuning()["block_kv"] == 128
 
 
 def test_gpu_path_fp8_case_on_cpu(bench, capsys, monkeypatch):

@@ -299,9 +299,9 @@ def test_fp8_pages_through_dispatcher_e5m2():
 def test_default_tuning_sizes_tiles_by_the_pages_itemsize():
     bf16 = default_tuning(4, 32, 8, 256, 16, 256, jnp.bfloat16, sms=132)
     fp8 = default_tuning(4, 32, 8, 256, 16, 256, jnp.float8_e4m3fn, sms=132)
-    assert fp8["block_kv"] == 2 * bf16["block_kv"] == 128  # the same 32 KiB K tile
-    assert fp8["num_stages"] == bf16["num_stages"] == 2
-    # At D=128 both hit the 128-token cap.
+    assert fp8["block_kv"] == 2 * bf16["block_kv"] == 64  # the same 16 KiB K tile
+    assert fp8["num_stages"] == bf16["num_stages"] == 3
+    # At D=128 fp8 hits the 128-token cap.
     assert default_tuning(4, 32, 8, 128, 16, 256, jnp.float8_e4m3fn)["block_kv"] == 128
 
 
@@ -312,18 +312,22 @@ def test_default_tuning():
     small = default_tuning(1, 32, 8, 128, 16, 2048, jnp.bfloat16, sms=132)
     large = default_tuning(256, 32, 8, 128, 16, 32, jnp.bfloat16, sms=132)
     assert set(small) == set(TUNING_KNOBS)
-    assert small["num_splits"] > 8 and small["block_kv"] == 128 and small["block_h"] == 16
-    # The H200 sweep's best at (B, S) = (32, 4096): 4 splits of 128-token blocks, 2 stages.
+    assert small["block_kv"] == 64 and small["block_h"] == 16
+    # (B, S) = (32, 4096): 256 programs fill 132 SMs with 4 splits; 16 KiB tiles, 3 stages.
     mid = default_tuning(32, 32, 8, 128, 16, 256, jnp.bfloat16, sms=132)
-    assert mid == dict(block_kv=128, block_h=16, num_splits=4, num_warps=4, num_stages=2)
-    # B * K >= 8 programs per SM: no split, 64-token tiles, 3 stages.
+    assert mid == dict(block_kv=64, block_h=16, num_splits=4, num_warps=4, num_stages=3)
+    # B * K >= 8 programs per SM: no split.
     assert large == dict(block_kv=64, block_h=16, num_splits=1, num_warps=4, num_stages=3)
-    # Splits keep >= 4 blocks each: a 32k context at B=1 gets 64, not 132.
-    assert small["num_splits"] == 32768 // 128 // 4
+    # Splits keep >= 512 tokens each: a 32k context at B=1 gets 64, not 132.
+    assert small["num_splits"] == 32768 // 512
     # Tiny contexts are not split into slivers; big heads and f32 get smaller tiles.
     assert default_tuning(1, 8, 8, 64, 8, 2, jnp.float32, sms=132)["num_splits"] == 1
-    assert default_tuning(1, 8, 8, 256, 8, 64, jnp.float32, sms=132)["block_kv"] == 32
+    assert default_tuning(1, 8, 8, 256, 8, 64, jnp.float32, sms=132)["block_kv"] == 16
     assert default_tuning(1, 128, 1, 64, 8, 64, jnp.bfloat16)["block_h"] == 64
+    # Caller-chosen big tiles get fewer stages, to bound shared memory.
+    assert default_tuning(1, 8, 8, 256, 8, 64, jnp.float32, block_kv=128)["num_stages"] == 1
+    assert default_tuning(1, 8, 8, 256, 8, 64, jnp.bfloat16, block_kv=128)["num_stages"] == 2
+    assert default_tuning(1, 8, 8, 128, 8, 64, jnp.bfloat16, block_kv=128)["num_stages"] == 3
 
 
 @pytest.mark.parametrize(

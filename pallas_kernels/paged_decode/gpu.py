@@ -16,6 +16,15 @@ the kernel is built around reading every live K/V byte exactly once:
   come from the sequence's length (and sliding window): pages past the length,
   and pages wholly before the window, are never touched; page-table padding is
   never read.
+* The page ids of block i + 1 are read in iteration i and carried in the loop
+  state, so the K/V loads of an iteration depend on the loop state rather than
+  on a load of the same iteration. Triton's pipeliner splits the stages among
+  the loads of a dependent chain (page id, then K/V row); for this loop it kept
+  one K/V buffer at 2, 3 and 4 stages, so a program requested its next tile only
+  after using the current one. With the ids carried, the K/V loads start the
+  chain: from `num_stages=3` the TTGIR for sm90 (Triton 3.9, compiled on a CPU)
+  has 2 buffers per tile, with the copies of block i + 1 and i + 2 in flight
+  while block i is used; at 2 stages it still keeps one.
 * Online softmax in float32 (in base 2: `log2(e)` is folded into the scale),
   the second `dot` in q's dtype with float32 accumulation.
 * FP8 pages (`float8_e4m3fn` or `float8_e5m2`, an FP8 KV cache) with a bfloat16
@@ -39,7 +48,7 @@ interpreter (`interpret=True`), so the kernel is tested on CPU-only CI, and it
 runs on both jax 0.10 and 0.11 (where it is deprecated but supported). Mosaic
 GPU would give TMA and wgmma on Hopper, but its interpreter is private API, and
 for a gather-bound decode loop Triton's software pipelining (`num_stages`) of
-the indirect loads is what matters. `compiler_params=plgpu.CompilerParams(...)`
+the gathered loads is what matters. `compiler_params=plgpu.CompilerParams(...)`
 pins the Triton lowering even where Mosaic GPU becomes the default. The public
 signature does not depend on the lowering, so a Mosaic GPU version can slot in.
 
@@ -76,7 +85,8 @@ from jax.experimental.pallas import triton as plgpu
 # The GPU we tune for by default (H200); the real count is read from the device.
 _DEFAULT_NUM_SMS = 132
 _MIN_DOT = 16  # smallest tile dimension of a Triton tensor-core dot
-_TILE_BYTES = 16384  # default K tile (and V tile) per inner iteration, x2 when splitting
+_TILE_BYTES = 16384  # default K tile (and V tile) per inner iteration
+_MIN_SPLIT_TOKENS = 512  # split-K leaves at least this many tokens to each split
 _PROGRAMS_PER_SM = 8  # split-K fills the GPU up to this many programs per SM
 _LOG2E = math.log2(math.e)
 TUNING_KNOBS = ("block_kv", "block_h", "num_splits", "num_warps", "num_stages")
@@ -112,20 +122,18 @@ def default_tuning(
     sms: int | None = None,
     block_kv: int | None = None,
 ) -> dict:
-    """Per-shape defaults of the tuning knobs, from a sweep on an H200 (BENCHMARKS.md).
+    """Per-shape defaults of the tuning knobs (BENCHMARKS.md, "Kernels", has the sweeps).
 
-    Two regimes, by whether `B * K` programs alone make about 8 per SM:
-
-    * They do not (few or short batches): split-K (flash-decoding) up to about
-      8 programs per SM, keeping >= 4 blocks per split, with 32 KiB K tiles (128
-      tokens at D=128) and 2 pipeline stages. At (B, S) = (32, 4096) this ran in
-      183-186 us against 192-247 us for one split of 16 KiB tiles and 3 stages.
-    * They do (B * K >= 8 * SMs): no split, 16 KiB tiles (64 tokens at D=128),
-      3 stages (2 up to 32 KiB, else 1), which were as fast as anything in the
-      sweep at (128, 2048) and (256, 512) within its 5-10% run-to-run noise.
-
-    In both, tiles hold at most 128 tokens and at least 16 (the smallest dot),
-    so fp8 pages get twice the tokens of bf16 where the cap allows.
+    * `block_kv`: 16 KiB K tiles (and V tiles): 64 tokens at D=128 in bf16, 128 in
+      fp8; at most 128 tokens and at least 16 (the smallest dot).
+    * `num_stages`: 3, the smallest depth at which Triton double-buffers the K/V
+      tiles of this loop (at 2 it keeps one buffer, so a program's next tile is
+      requested only after the current one is used; Triton 3.x, checked in its
+      TTGIR); 2 for caller-chosen tiles over 32 KiB, 1 over 64 KiB, to bound shared
+      memory.
+    * `num_splits`: split-K (flash-decoding) when `B * K` programs make fewer than
+      about 8 per SM: up to that many programs, each split covering >= 512 tokens
+      (at (B, S) = (32, 4096): 4 splits; (8, 8192): 16; (1, 32768): 64).
     * `block_h`: query heads per program; the group G padded to a power of two
       of at least 16, capped at 64 to bound registers.
     * `num_warps`: 4, or 8 for large `block_h * D` accumulators.
@@ -145,19 +153,14 @@ def default_tuning(
     head_blocks = -(-group // block_h)
     programs = batch * num_kv_heads * head_blocks
     target = _PROGRAMS_PER_SM * (num_sms() if sms is None else sms)
-    split = 0 < programs < target
     if block_kv is None:
-        tile_tokens = (2 * _TILE_BYTES if split else _TILE_BYTES) // (head_dim * itemsize)
+        tile_tokens = _TILE_BYTES // (head_dim * itemsize)
         block_kv = max(_MIN_DOT, min(128, 1 << (tile_tokens.bit_length() - 1)))
     num_splits = 1
-    if split:
-        max_blocks = -(-max_pages * page_size // block_kv)
-        num_splits = max(1, min(target // programs, max_blocks // 4))
+    if 0 < programs < target:
+        num_splits = max(1, min(target // programs, max_pages * page_size // _MIN_SPLIT_TOKENS))
     tile_bytes = block_kv * head_dim * itemsize
-    if num_splits > 1:
-        num_stages = 2
-    else:
-        num_stages = 3 if tile_bytes <= _TILE_BYTES else 2 if tile_bytes <= 2 * _TILE_BYTES else 1
+    num_stages = 3 if tile_bytes <= 2 * _TILE_BYTES else 2 if tile_bytes <= 4 * _TILE_BYTES else 1
     return dict(
         block_kv=block_kv,
         block_h=block_h,
@@ -230,18 +233,24 @@ def _decode_kernel(
     # Masked K/V lanes read as 0 in the pages' dtype (Triton cannot cast an int 0 to fp8).
     kv_zero = jnp.zeros((), k_ref.dtype)
 
+    def rows_of(i):
+        # K/V rows of block i, through the page table (masked past the live tokens).
+        tok = i * block_kv + lax.iota(jnp.int32, block_kv)
+        live = (tok >= lo) & (tok < hi)
+        page = plgpu.load(page_table_ref.at[b, lax.div(tok, page_size)], mask=live, other=0)
+        return page * page_size + lax.rem(tok, page_size)
+
     def body(i, carry):
-        o, m, denom = carry  # [block_h, D], [block_h], [block_h] float32
+        o, m, denom, rows = carry  # [block_h, D], [block_h], [block_h] float32; [block_kv]
         tok = i * block_kv + lax.iota(jnp.int32, block_kv)  # [block_kv]
         live = (tok >= lo) & (tok < hi)
-        page = plgpu.load(
-            page_table_ref.at[b, lax.div(tok, page_size)], mask=live, other=0
-        )  # [block_kv]
-        rows = (page * page_size + lax.rem(tok, page_size))[:, None]  # [block_kv, 1]
+        # The next block's rows are looked up now and carried, so the K/V loads below
+        # depend on the loop state, not on a load of this iteration.
+        next_rows = rows_of(i + 1)
         # FP8 pages are upcast right after the load: the bytes moved stay fp8.
-        k = plgpu.load(k_ref.at[kv_head, rows, cols], mask=live[:, None], other=kv_zero)
+        k = plgpu.load(k_ref.at[kv_head, rows[:, None], cols], mask=live[:, None], other=kv_zero)
         k = k.astype(q.dtype)  # [block_kv, D]
-        v = plgpu.load(v_ref.at[kv_head, rows, cols], mask=live[:, None], other=kv_zero)
+        v = plgpu.load(v_ref.at[kv_head, rows[:, None], cols], mask=live[:, None], other=kv_zero)
         v = v.astype(q.dtype)
         s = lax.dot_general(
             q,
@@ -265,14 +274,15 @@ def _decode_kernel(
             precision=precision,
             preferred_element_type=jnp.float32,
         )  # [block_h, D]
-        return alpha[:, None] * o + pv, m_new, denom
+        return alpha[:, None] * o + pv, m_new, denom, next_rows
 
     init = (
         jnp.zeros((block_h, head_dim), jnp.float32),
         jnp.full((block_h,), -jnp.inf, jnp.float32),
         jnp.zeros((block_h,), jnp.float32),
+        rows_of(start),
     )
-    o, m, denom = lax.fori_loop(start, stop, body, init)
+    o, m, denom, _ = lax.fori_loop(start, stop, body, init)
 
     if num_splits == 1:
         (o_ref,) = out_refs
