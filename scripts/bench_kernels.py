@@ -19,7 +19,13 @@ On a CUDA GPU it
    contiguous K/V of the same bytes. L2 is kept cold by rotating among enough
    copies of the cache to exceed 3x the L2 size, each timed run is one jitted
    executable of several calls (distinct queries, so nothing is deduplicated),
-   and the reported time is the median over `--iters` runs divided by the calls.
+   and a time is the median over `--iters` runs divided by the calls;
+4. times ours, the best bundled configuration, dense, the fastest of our sweep,
+   ours with one K/V buffer (2 stages) and the copy ceiling once more, in
+   `--iters` interleaved rounds (`time_rounds`): these are the reported figures,
+   and the ratios (x bundled, paged/dense, of copy) are medians of per-round
+   ratios. The device drifts within a run (the same kernel 10% apart minutes
+   later on the H200), so only figures from the same rounds are compared.
 
 One decode row has an FP8 KV cache (`float8_e4m3fn` pages, bf16 queries): its
 GB/s and fraction of copy bandwidth count the fp8 bytes actually read, its dense
@@ -41,14 +47,15 @@ or the pages are fp8) and says that timing needs a GPU.
 Case families: `main()` runs every `Family` in `FAMILIES`. A family is a name, a
 function `run(env) -> Iterable[dict]` of result rows (a generator, so that each row
 is streamed to --out when it is complete) and the columns to print; it can
-live in another module and reuse `BenchEnv`, `time_calls`, `rel_error` and
-`rotating_copies` from here.
+live in another module and reuse `BenchEnv`, `time_calls`, `time_rounds`,
+`rel_error` and `rotating_copies` from here.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import json
 import math
@@ -88,6 +95,7 @@ class BenchEnv:
     deadline: float  # time.monotonic() after which optional sweeps are skipped
     device: str
     copy_gbps: float | None = None  # measured read+write bandwidth, GB/s
+    copy_run: tuple | None = None  # (thunk, calls, bytes per call) of that measurement
     read_gbps: float | None = None  # measured read-only bandwidth, GB/s
     matmul_tflops: float | None = None  # measured bf16 matmul throughput
 
@@ -151,31 +159,62 @@ def rotating_copies(nbytes: int) -> int:
     return max(2, math.ceil(3 * L2_BYTES / max(nbytes, 1)))
 
 
-def time_calls(fn, arg_sets, iters: int) -> float:
-    """Median seconds per call of `fn(*args)` over `arg_sets`, all calls in one executable.
-
-    One jitted function makes every call in `arg_sets` (callers rotate caches and
-    vary the query so no two calls are identical); it is run `iters` times after
-    a warm-up, each run bracketed by `block_until_ready`.
-    """
+def compile_calls(fn, arg_sets):
+    """A thunk that makes every call `fn(*args)` of `arg_sets` in one executable,
+    compiled (and run once) now; callers rotate caches and vary the query so that
+    no two calls are identical."""
     run = jax.jit(lambda sets: [fn(*args) for args in sets])
-    jax.block_until_ready(run(arg_sets))  # compiles
-    # Warm up for at least WARMUP_S, so the clocks have left idle after the compile.
+    jax.block_until_ready(run(arg_sets))
+    return functools.partial(run, arg_sets)
+
+
+def time_rounds(runs: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each run, measured in `rounds` interleaved rounds.
+
+    Args:
+      runs: name -> (thunk, calls per run), e.g. from `compile_calls`.
+
+    Returns:
+      name -> one figure per round: the run's time over its calls. Each round
+      runs every entry once (in an order rotated by one each round), bracketed by
+      `block_until_ready`, after a warm-up of `WARMUP_S` (so the clocks have left
+      idle after the compile). The device's state drifts within a run (the same
+      kernel timed 10% apart minutes later on the H200), and drift moves the
+      entries of one round alike: compare them by ratios within rounds.
+    """
+    names = list(runs)
     t0 = time.perf_counter()
     while True:
-        jax.block_until_ready(run(arg_sets))
+        for name in names:
+            jax.block_until_ready(runs[name][0]())
         if time.perf_counter() - t0 >= WARMUP_S:
             break
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(arg_sets))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / len(arg_sets)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            thunk, calls = runs[name]
+            t0 = time.perf_counter()
+            jax.block_until_ready(thunk())
+            times[name].append((time.perf_counter() - t0) / calls)
+    return times
 
 
-def measure_copy_gbps(iters: int, nbytes: int = GIB) -> float:
-    """Device copy bandwidth in GB/s (bytes read + written), the best of two ways.
+def time_calls(fn, arg_sets, iters: int) -> float:
+    """Median seconds per call of `fn(*args)` over `arg_sets`, all calls in one executable
+    (`compile_calls`), over `iters` runs (`time_rounds`)."""
+    run = compile_calls(fn, arg_sets)
+    return statistics.median(time_rounds({"run": (run, len(arg_sets))}, iters)["run"])
+
+
+def paired_ratio(num: list[float], den: list[float]) -> float:
+    """The median over rounds of num / den (two entries of one `time_rounds`)."""
+    return statistics.median(a / b for a, b in zip(num, den, strict=True))
+
+
+def measure_copy(iters: int, nbytes: int = GIB):
+    """Device copy bandwidth in GB/s (bytes read + written), the best of two ways, and
+    that way's run for `time_rounds`: (GB/s, (thunk, calls, bytes moved per call)).
 
     An elementwise `x + 1` over float32 arrays and an XLA copy of bfloat16 arrays,
     each over 4 distinct arrays of `nbytes`. On the H200 (jax 0.11.2) both gave
@@ -183,13 +222,21 @@ def measure_copy_gbps(iters: int, nbytes: int = GIB) -> float:
     slower), below what the decode kernels themselves reached.
     """
     keys = jax.random.split(jax.random.key(7), 4)
-    best = 0.0
+    best = (0.0, None)
     for dtype, fn in ((jnp.float32, lambda x: x + 1), (jnp.bfloat16, lambda x: jnp.copy(x) * 1)):
         n = nbytes // jnp.dtype(dtype).itemsize
         arrays = [(jax.random.normal(k, (n,), dtype),) for k in keys]
-        best = max(best, 2 * nbytes / time_calls(fn, arrays, iters) / 1e9)
-        del arrays
+        run = compile_calls(fn, arrays)
+        t = statistics.median(time_rounds({"copy": (run, len(arrays))}, iters)["copy"])
+        if 2 * nbytes / t / 1e9 > best[0]:
+            best = (2 * nbytes / t / 1e9, (run, len(arrays), 2 * nbytes))
+        del arrays, run
     return best
+
+
+def measure_copy_gbps(iters: int, nbytes: int = GIB) -> float:
+    """`measure_copy`'s GB/s alone."""
+    return measure_copy(iters, nbytes)[0]
 
 
 def measure_read_gbps(iters: int, nbytes: int = GIB) -> float:
@@ -468,10 +515,14 @@ def decode_case_gpu(case: DecodeCase, env: BenchEnv, sweep_until: float) -> dict
         _, k, v, pt = inputs[i % copies]
         paged.append((qs[i], k, v, full, pt))
 
-    def timed(name, fn, sets, sweep=False):
-        """Median seconds per call, or None; failures go into the row (a sweep's as notes)."""
+    runs = {}  # name -> (thunk, calls): the compiled runs the head-to-head compares
+
+    def timed(name, fn, sets, sweep=False, keep=None):
+        """Median seconds per call, or None; failures go into the row (a sweep's as notes).
+        The compiled run is kept as runs[keep] when `keep` is given."""
         try:
-            t = time_calls(fn, sets, env.iters)
+            run = compile_calls(fn, sets)
+            t = statistics.median(time_rounds({name: (run, len(sets))}, env.iters)[name])
         except Exception as e:  # noqa: BLE001 - reported in the row
             if sweep:  # one configuration of a sweep: not a failure of the kernel
                 row.setdefault("failed_configs", []).append(f"{name}: {short_error(e)}")
@@ -479,20 +530,21 @@ def decode_case_gpu(case: DecodeCase, env: BenchEnv, sweep_until: float) -> dict
                 row.setdefault(f"error_{name.split()[0]}", short_error(e))
             log(f"    {name} failed: {short_error(e)}")
             return None
+        if keep:
+            runs[keep] = (run, len(sets))
         log(f"    {name}: {t * 1e6:.1f} us")
         return t
 
-    t_ours = timed("ours", paged_decode_gpu, paged)
+    t_ours = timed("ours", paged_decode_gpu, paged, keep="ours")
     if t_ours:
         row.update(ours_us=t_ours * 1e6, ours_gbps=case.kv_bytes / t_ours / 1e9)
         if env.copy_gbps:
             row["ours_frac_copy"] = row["ours_gbps"] / env.copy_gbps
 
     dense = [(to_dense(k, pt), to_dense(v, pt)) for _, k, v, pt in inputs]
-    t_dense = timed(
-        "dense", dense_decode, [(q, *dense[i % copies], full) for i, q in enumerate(qs)]
-    )
-    del dense
+    dense_sets = [(q, *dense[i % copies], full) for i, q in enumerate(qs)]
+    t_dense = timed("dense", dense_decode, dense_sets, keep="dense")
+    del dense, dense_sets
     if t_dense:
         row["dense_us"] = t_dense * 1e6
         if t_ours:
@@ -510,9 +562,11 @@ def decode_case_gpu(case: DecodeCase, env: BenchEnv, sweep_until: float) -> dict
                 if best and (time.monotonic() > sweep_until or config == best[1]):
                     continue
                 run = partial(run_bundled, fn, **config)
-                t = timed(f"bundled {config}", run, paged, sweep=True)
+                t = timed(f"bundled {config}", run, paged, sweep=True, keep="candidate")
                 if t and (best is None or t < best[0]):
                     best = (t, config)
+                    runs["bundled"] = runs["candidate"]
+                runs.pop("candidate", None)
         if best is None:
             row["error_bundled"] = "every configuration failed (see failed_configs)"
         else:
@@ -531,17 +585,59 @@ def decode_case_gpu(case: DecodeCase, env: BenchEnv, sweep_until: float) -> dict
         for alt in ours_sweep(case):
             if time.monotonic() > sweep_until:
                 break
-            t = timed(f"ours {alt}", partial(paged_decode_gpu, **alt), paged, sweep=True)
+            fn = partial(paged_decode_gpu, **alt)
+            t = timed(f"ours {alt}", fn, paged, sweep=True, keep="candidate")
             if t:
                 swept[", ".join(f"{k}={v}" for k, v in alt.items())] = t * 1e6
             if t and t < best[0]:
                 best = (t, alt)
-        if swept:  # the default once more: the spread of its two timings is the noise
-            t = timed("ours (again)", paged_decode_gpu, paged)
-            if t:
-                row["ours_again_us"] = t * 1e6
+                runs["ours_alt"] = runs["candidate"]
+            if t and alt == dict(num_stages=2):  # one K/V buffer: what carrying the ids gained
+                runs["ours_1buf"] = runs["candidate"]
+            runs.pop("candidate", None)
         row.update(ours_best_us=best[0] * 1e6, ours_best_cfg=best[1])
+    if t_ours and not env.quick:
+        head_to_head(case, env, runs, row)
     return row
+
+
+def head_to_head(case: DecodeCase, env: BenchEnv, runs: dict, row: dict) -> None:
+    """Ours, the best bundled configuration, dense, our best alternative and the copy
+    ceiling, timed again in interleaved rounds (`time_rounds`): the row's reported
+    figures. The separate timings above only chose the configurations (they drift
+    apart by up to 10% within a run on the H200)."""
+    if env.copy_run:
+        thunk, calls, moved = env.copy_run
+        runs = {**runs, "copy": (thunk, calls)}
+    times = time_rounds(runs, env.iters)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    first = row["ours_us"]
+    row.update(ours_first_us=first, ours_us=med["ours"] * 1e6, h2h_rounds=env.iters)
+    row["ours_gbps"] = case.kv_bytes / med["ours"] / 1e9
+    if "copy" in times:
+        # Both in the same rounds: the fraction is a paired ratio too.
+        row["copy_gbps_h2h"] = moved / med["copy"] / 1e9
+        row["ours_frac_copy"] = case.kv_bytes / moved / paired_ratio(times["ours"], times["copy"])
+    if "dense" in times:
+        row["dense_us"] = med["dense"] * 1e6
+        row["paged_over_dense"] = paired_ratio(times["ours"], times["dense"])
+    if "bundled" in times:
+        row["bundled_us"] = med["bundled"] * 1e6
+        row["speedup_vs_bundled"] = paired_ratio(times["bundled"], times["ours"])
+    if "ours_alt" in times:
+        row["ours_best_us"] = med["ours_alt"] * 1e6
+        row["alt_over_default"] = paired_ratio(times["ours_alt"], times["ours"])
+    else:
+        row["ours_best_us"] = row["ours_us"]
+    if "ours_1buf" in times:
+        row["one_buffer_over_default"] = paired_ratio(times["ours_1buf"], times["ours"])
+    spread = sorted(times["ours"])
+    row["ours_iqr_us"] = [spread[len(spread) // 4] * 1e6, spread[(3 * len(spread)) // 4] * 1e6]
+    log(
+        "    head-to-head: "
+        + ", ".join(f"{name} {t * 1e6:.1f} us" for name, t in med.items())
+        + f" ({env.iters} rounds)"
+    )
 
 
 def decode_cases_cpu(env: BenchEnv) -> Iterable[dict]:
@@ -611,13 +707,14 @@ DECODE = Family(
         ("dense_us", "dense us", ".1f"),
         ("paged_over_dense", "paged/dense", ".2f"),
         ("ours_best_us", "best us", ".1f"),
+        ("one_buffer_over_default", "1buf/def", ".2f"),
         ("err_ours", "err ours", ".1e"),
         ("err_bundled", "err bundled", ".1e"),
         ("err_dense", "err dense", ".1e"),
         ("err_tpu", "err tpu", ".1e"),
         ("ok", "ok", ""),
     ),
-    details=("tuning", "ours_best_cfg", "bundled_cfg", "failed_configs"),
+    details=("tuning", "ours_best_cfg", "bundled_cfg", "ours_iqr_us", "failed_configs"),
 )
 
 
@@ -686,16 +783,18 @@ def main(argv=None, families=None) -> int:
     meta = dict(jax_version=jax.__version__, device=env.device, platform=jax.default_backend())
     if on_gpu:
         ceilings = [
-            ("copy_gbps", measure_copy_gbps),
-            ("read_gbps", measure_read_gbps),
-            ("matmul_tflops", measure_matmul_tflops),
+            (("copy_gbps", "copy_run"), measure_copy),
+            (("read_gbps",), measure_read_gbps),
+            (("matmul_tflops",), measure_matmul_tflops),
         ]
-        for name, measure in ceilings:
+        for names, measure in ceilings:
             try:
-                setattr(env, name, measure(env.iters))
+                values = measure(env.iters)
+                for name, value in zip(names, values if len(names) > 1 else (values,), strict=True):
+                    setattr(env, name, value)
             except Exception as e:  # noqa: BLE001 - the cases still run, without ratios
-                meta[f"error_{name}"] = short_error(e)
-                log(f"measuring {name} failed: {short_error(e)}")
+                meta[f"error_{names[0]}"] = short_error(e)
+                log(f"measuring {names[0]} failed: {short_error(e)}")
         log(
             f"copy {ceiling(env.copy_gbps)} GB/s, read {ceiling(env.read_gbps)} GB/s, "
             f"bf16 matmul {ceiling(env.matmul_tflops)} TFLOP/s"

@@ -23,6 +23,7 @@
 #                                                                             profile_decode.jsonl
 #   ncu      one launch of that kernel under Nsight Compute (counters:
 #            DRAM throughput, occupancy, stall reasons), if ncu is there   -> ncu.log
+# and, on a GPU, nvidia-smi dmon (clocks, power, temperature) throughout -> dmon.log
 #   tune     (only when named in --stages) scripts/tune_kernels.py: joint
 #            sweeps of the knobs per shape, to choose the defaults         -> tune.log,
 #                                                                             tune.jsonl
@@ -201,8 +202,9 @@ ncu_stage() {
     echo "ncu: not found (no PATH entry, nothing under /opt/nvidia/nsight-compute)"
     return 0
   fi
-  local sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
-    --section LaunchStats --section SchedulerStats --section WarpStateStats)
+  # Few sections: each needs its own replay passes of the kernel, and six of them did
+  # not finish within 45 s on the H200 (2026-11-30).
+  local sections=(--section SpeedOfLight --section Occupancy --section WarpStateStats)
   "$ncu" --clock-control none --target-processes all -k regex:'paged_decode|decode_kernel' \
     --launch-skip 3 --launch-count 1 "${sections[@]}" \
     "$PY" scripts/profile_decode.py --ncu 2>&1 | tee "$OUT/ncu_raw.log"
@@ -235,6 +237,14 @@ stage_tune() {
     --budget-s $((limit > 60 ? limit - 30 : 30)) ${DRY[@]+"${DRY[@]}"}
 }
 
+# The GPU's clocks, power and temperature every 2 s for the whole run (drift explains
+# timings that move within a run).
+DMON_PID=
+if [ "$DRY_RUN" != 1 ] && command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi dmon -s pc -d 2 -o T >"$OUT/dmon.log" 2>&1 &
+  DMON_PID=$!
+fi
+
 read -r -a ORDER <<<"${STAGES//,/ }"
 for i in "${!ORDER[@]}"; do
   if [ "${ORDER[i]}" = bench ]; then
@@ -247,6 +257,8 @@ for i in "${!ORDER[@]}"; do
     "stage_${ORDER[i]}"
   fi
 done
+
+[ -n "$DMON_PID" ] && kill "$DMON_PID" 2>/dev/null
 
 # Summary: stages, test counts, bench rows.
 {
@@ -275,7 +287,10 @@ print(
     f"{meta.get('copy_gbps')} GB/s, matmul {meta.get('matmul_tflops')} TFLOP/s; "
     + ("finished" if lines and lines[-1].get("kind") == "end" else "CUT SHORT (no end line)")
 )
-keys = ("ours_us", "ours_frac_copy", "speedup_vs_bundled", "paged_over_dense", "err_ours")
+keys = (
+    "ours_us", "ours_first_us", "ours_frac_copy", "speedup_vs_bundled", "paged_over_dense",
+    "one_buffer_over_default", "ours_best_us", "err_ours",
+)
 for r in (r for r in lines if r.get("kind") == "row"):
     shown = ", ".join(
         f"{k}={r[k]:.3g}" if isinstance(r[k], float) else f"{k}={r[k]}" for k in keys if k in r

@@ -8,13 +8,17 @@
 
 `bench_kernels.py` says how fast our kernel is; this script says where a call's
 time goes, without hardware counters, by timing variants that leave one part out
-(each at the default knobs of `default_tuning`, cold L2, medians of
-`bench_kernels.time_calls`):
+(each at the default knobs of `default_tuning`, cold L2), all compiled first and
+then timed in interleaved rounds (`bench_kernels.time_rounds`) together with the
+read and copy ceilings, so that drift of the device moves them alike; ratios are
+medians of per-round ratios:
 
   default       the public path: the kernel and, when it splits, the merge
   kernel        the kernel alone (the split partials, no merge)
-  merge         the merge alone, on the kernel's partials
+  merge         the merge alone, on random partials of the default's shape
   one_split     the default's tiles without split-K
+  one_buffer    the default at 2 stages: Triton keeps one K/V buffer, so each
+                program requests its next tile only after using the current one
   contiguous    the default over an identity page table: each sequence's pages
                 adjacent, so default - contiguous is what scattered pages cost
   fixed_cost    every length 1: launch, per-program set-up, q in, out, merge
@@ -29,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import sys
 import time
 from functools import partial
@@ -48,6 +54,7 @@ from pallas_kernels.paged_decode.gpu import (  # noqa: E402
 )
 
 NCU_CALLS = 6  # --ncu: launches of the default path (profile one after the warm-ups)
+SMALL_CALLS = 32  # calls per timed run of the variants that read little (merge, fixed cost)
 
 
 def kernel_args(case: bk.DecodeCase) -> dict:
@@ -55,8 +62,10 @@ def kernel_args(case: bk.DecodeCase) -> dict:
     return dict(scale=case.head_dim**-0.5, soft_cap=None, sliding_window=None, **case.tuning())
 
 
-def variants(case: bk.DecodeCase, interpret: bool, copies: int, calls: int):
-    """(name, fn, arg sets, reads the whole cache) of each variant, built lazily."""
+def variants(case: bk.DecodeCase, interpret: bool, copies: int, calls: int, small: int):
+    """(name, fn, arg sets, reads the whole cache) of each variant, built lazily.
+    The variants that read little (merge, fixed cost) get `small` calls per run, so a
+    run outlasts its launch and sync; every call of a run has distinct inputs."""
     tuning = case.tuning()
     splits = tuning["num_splits"]
     static = kernel_args(case)
@@ -65,11 +74,12 @@ def variants(case: bk.DecodeCase, interpret: bool, copies: int, calls: int):
     ones = jnp.ones((case.batch,), jnp.int32)
     identity = jnp.arange(case.batch * case.max_pages, dtype=jnp.int32).reshape(case.batch, -1)
     q0 = inputs[0][0]
-    qs = [jax.random.normal(jax.random.key(100 + i), q0.shape, q0.dtype) for i in range(calls)]
+    n = max(calls, small)
+    qs = [jax.random.normal(jax.random.key(100 + i), q0.shape, q0.dtype) for i in range(n)]
 
-    def sets(lengths, table=None):
+    def sets(lengths, table=None, count=calls):
         out = []
-        for i, q in enumerate(qs):
+        for i, q in enumerate(qs[:count]):
             _, k, v, pt = inputs[i % copies]
             out.append((q, k, v, lengths, pt if table is None else table))
         return out
@@ -79,20 +89,37 @@ def variants(case: bk.DecodeCase, interpret: bool, copies: int, calls: int):
     yield "default", public, sets(full), True
     yield "kernel", kernel, sets(full), True
     if splits > 1:
-        partials = [kernel(*args) for args in sets(full)[:copies]]
-        dtype = jnp.dtype(case.dtype)
-        yield "merge", lambda o, m, d: merge_splits(o, m, d, dtype), partials, False
+        yield (
+            "merge",
+            partial(merge_splits, dtype=jnp.dtype(case.dtype)),
+            merge_inputs(case, small),
+            False,
+        )
         one = partial(paged_decode_gpu, interpret=interpret, **{**tuning, "num_splits": 1})
         yield "one_split", one, sets(full), True
+    yield "one_buffer", partial(public, num_stages=2), sets(full), True
     yield "contiguous", public, sets(full, identity), True
-    yield "fixed_cost", public, sets(ones), False
+    yield "fixed_cost", public, sets(ones, count=small), False
     dense = [(bk.to_dense(k, pt), bk.to_dense(v, pt)) for _, k, v, pt in inputs]
     yield (
         "dense_xla",
         bk.dense_decode,
-        [(q, *dense[i % copies], full) for i, q in enumerate(qs)],
+        [(q, *dense[i % copies], full) for i, q in enumerate(qs[:calls])],
         True,
     )
+
+
+def merge_inputs(case: bk.DecodeCase, count: int) -> list:
+    """`count` distinct random split partials `(o, m, l)` of the case's default tuning."""
+    shape = (case.tuning()["num_splits"], case.batch, case.num_heads)
+    out = []
+    for i in range(count):
+        ko, km, kl = jax.random.split(jax.random.key(50 + i), 3)
+        o = jax.random.normal(ko, (*shape, case.head_dim), jnp.float32)
+        m = jax.random.normal(km, shape, jnp.float32)
+        denom = jax.random.uniform(kl, shape, jnp.float32, 1.0, 2.0)
+        out.append((o, m, denom))
+    return out
 
 
 def check(case: bk.DecodeCase, interpret: bool) -> dict:
@@ -135,12 +162,13 @@ def main(argv=None) -> int:
     if args.dry_run:
         # Small enough for the interpreter, long enough to split (and merge).
         case = bk.DecodeCase(3, 1024, num_heads=4, num_kv_heads=1, head_dim=16)
-        iters, copies, calls, nbytes = 1, 2, 2, 2**20
+        iters, copies, calls, small, nbytes = 1, 2, 2, 2, 2**20
     else:
         case = bk.DecodeCase(args.batch, args.seq_len, args.page_size, kv_dtype=args.kv_dtype)
         iters = args.iters
         copies = bk.rotating_copies(case.kv_bytes)
-        calls = copies * max(1, bk.CALLS[0] // copies)
+        calls = copies * max(1, math.ceil(bk.RUN_BYTES / case.kv_bytes / copies))
+        small = SMALL_CALLS
         nbytes = bk.GIB
     interpret = not on_gpu
     bk.log(f"{case.name}: tuning {case.tuning()}, {case.kv_bytes / 2**20:.0f} MiB of K/V")
@@ -157,21 +185,32 @@ def main(argv=None) -> int:
     errors = check(case, interpret)
     ok = all(e <= bk._tolerance(case) for e in errors.values())
     records.append(dict(kind="check", errors=errors, ok=ok))
-    read = bk.measure_read_gbps(iters, nbytes)
-    copy = bk.measure_copy_gbps(iters, nbytes)
-    records.append(dict(kind="ceiling", read_gbps=read, copy_gbps=copy))
-    default_us = None
-    for name, fn, sets, whole in variants(case, interpret, copies, calls):
+    runs, whole = {}, {}
+    for name, fn, sets, reads_all in variants(case, interpret, copies, calls, small):
         t0 = time.monotonic()
-        us = bk.time_calls(fn, sets, iters) * 1e6
+        runs[name] = (bk.compile_calls(fn, sets), len(sets))
+        whole[name] = reads_all
+        bk.log(f"  {name}: compiled ({time.monotonic() - t0:.0f} s)")
+    del sets
+    keys = jax.random.split(jax.random.key(8), 4)
+    arrays = [(jax.random.normal(k, (nbytes // 4,), jnp.float32),) for k in keys]
+    runs["read"] = (bk.compile_calls(jnp.sum, arrays), len(arrays))
+    _, (copy_run, copy_calls, copied) = bk.measure_copy(iters, nbytes)
+    runs["copy"] = (copy_run, copy_calls)
+    times = bk.time_rounds(runs, iters)
+    read = nbytes / statistics.median(times["read"]) / 1e9
+    copy = copied / statistics.median(times["copy"]) / 1e9
+    records.append(dict(kind="ceiling", read_gbps=read, copy_gbps=copy, rounds=iters))
+    for name in whole:
+        us = statistics.median(times[name]) * 1e6
         rec = dict(kind="variant", name=name, us=us)
-        if whole:
+        # Ratios are medians of per-round ratios (bk.time_rounds): drift cancels.
+        if whole[name]:
             rec["gbps"] = case.kv_bytes / us / 1e3
-            rec.update(frac_read=rec["gbps"] / read, frac_copy=rec["gbps"] / copy)
-        default_us = default_us or us
-        rec["of_default"] = us / default_us
+            rec["frac_read"] = case.kv_bytes / nbytes / bk.paired_ratio(times[name], times["read"])
+            rec["frac_copy"] = case.kv_bytes / copied / bk.paired_ratio(times[name], times["copy"])
+        rec["of_default"] = bk.paired_ratio(times[name], times["default"])
         records.append(rec)
-        bk.log(f"  {name}: {us:.1f} us ({time.monotonic() - t0:.0f} s)")
 
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ def read_jsonl(path: Path) -> list[dict]:
 def fake_gpu(bench, monkeypatch, cases):
     """The GPU path on the CPU: no ceilings to measure, tiny rotations, `cases`."""
     monkeypatch.setattr(bench, "has_gpu", lambda: True)
-    monkeypatch.setattr(bench, "measure_copy_gbps", lambda iters: 1.0)
+    monkeypatch.setattr(bench, "measure_copy", lambda iters: (1.0, None))
     monkeypatch.setattr(bench, "measure_read_gbps", lambda iters: 1.0)
     monkeypatch.setattr(bench, "measure_matmul_tflops", lambda iters: 1.0)
     monkeypatch.setattr(bench, "L2_BYTES", 1)
@@ -91,7 +91,7 @@ def test_gpu_path_logic_on_cpu(bench, capsys, monkeypatch):
         "bundled_kernel",
         lambda: (functools.partial(bundled.paged_attention, interpret=True), None),
     )
-    monkeypatch.setattr(bench, "measure_copy_gbps", lambda iters: 1.0)
+    monkeypatch.setattr(bench, "measure_copy", lambda iters: (1.0, None))
     monkeypatch.setattr(bench, "measure_read_gbps", lambda iters: 1.0)
     monkeypatch.setattr(bench, "measure_matmul_tflops", lambda iters: 1.0)
     monkeypatch.setattr(bench, "L2_BYTES", 1)
@@ -152,7 +152,7 @@ def test_gpu_path_survives_failing_kernels(bench, capsys, monkeypatch):
     monkeypatch.setattr(bench, "has_gpu", lambda: True)
     monkeypatch.setattr(bench, "paged_decode_gpu", broken)
     monkeypatch.setattr(bench, "bundled_kernel", lambda: (None, "ImportError: gone"))
-    monkeypatch.setattr(bench, "measure_copy_gbps", lambda iters: 1.0)
+    monkeypatch.setattr(bench, "measure_copy", lambda iters: (1.0, None))
     monkeypatch.setattr(bench, "measure_read_gbps", lambda iters: 1.0)
     monkeypatch.setattr(bench, "measure_matmul_tflops", lambda iters: 1.0)
     monkeypatch.setattr(bench, "L2_BYTES", 1)
@@ -207,19 +207,32 @@ def test_gpu_path_full_sweeps_with_stub_kernels(bench, capsys, monkeypatch):
         seen["bundled"].append(config)
         return reference.paged_attention_xla(q, k, v, lengths, page_table, scale=1.0)
 
+    def measure_copy(iters):  # a real (tiny) copy run: the head-to-head times it too
+        arrays = [(jnp.arange(1024, dtype=jnp.float32),)]
+        return 1.0, (bench.compile_calls(lambda x: x + 1, arrays), 1, 8192)
+
     monkeypatch.setattr(bench, "has_gpu", lambda: True)
     monkeypatch.setattr(bench, "paged_decode_gpu", ours)
     monkeypatch.setattr(bench, "bundled_kernel", lambda: (bundled, None))
-    monkeypatch.setattr(bench, "measure_copy_gbps", lambda iters: 1.0)
+    monkeypatch.setattr(bench, "measure_copy", measure_copy)
     monkeypatch.setattr(bench, "measure_read_gbps", lambda iters: 1.0)
     monkeypatch.setattr(bench, "measure_matmul_tflops", lambda iters: 1.0)
     monkeypatch.setattr(bench, "L2_BYTES", 1)
     monkeypatch.setattr(bench, "CALLS", (2, 2))
     case = bench.DecodeCase(1, 512, num_heads=2, num_kv_heads=1, head_dim=16)
     monkeypatch.setattr(bench, "GPU_DECODE_CASES", [case])
-    assert bench.main(["--iters", "1", "--budget-s", "600"], families=[bench.DECODE]) == 0
+    args = ["--iters", "3", "--budget-s", "600"]
+    assert bench.main(args + ["--json"], families=[bench.DECODE]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["results"]["decode"]
+    # The reported figures come from the interleaved head-to-head of the compiled runs.
+    assert row["h2h_rounds"] == 3 and row["ours_first_us"] > 0 and row["copy_gbps_h2h"] > 0
+    for key in ("speedup_vs_bundled", "paged_over_dense", "one_buffer_over_default"):
+        assert row[key] > 0, key
+    assert row["ours_frac_copy"] > 0 and len(row["ours_iqr_us"]) == 2
+    assert row["ours_gbps"] == pytest.approx(case.kv_bytes / row["ours_us"] / 1e3)
+    assert bench.main(args, families=[bench.DECODE]) == 0
     out = capsys.readouterr().out
-    assert "x bundled" in out and "paged/dense" in out
+    assert "x bundled" in out and "paged/dense" in out and "1buf/def" in out
     tried = {tuple(sorted(c.items())) for c in seen["bundled"]}
     assert len(tried) >= 10  # k_splits, then blocks, then warps/stages
     assert any("num_warps" in c for c in seen["bundled"])
