@@ -67,8 +67,10 @@ FP8: pages hold the values themselves.
 Status: checked in the interpreter and lowered to Triton IR on CPU-only
 machines (the test suite), and compiled, checked against the reference and timed
 on an H200 with jax 0.11.2 (`tests/test_gpu_device.py`,
-`scripts/bench_kernels.py`; figures in BENCHMARKS.md). The tuning defaults come
-from the joint sweep of `scripts/tune_kernels.py` on that H200.
+`scripts/bench_kernels.py`; figures in BENCHMARKS.md). The defaults were timed
+against one-knob alternatives, in interleaved rounds, on that H200 (2026-11-30): at
+(B, S) = (32, 4096) the kernel alone streams at 86% of DRAM peak (Nsight Compute) and
+a whole call is 1.5x JAX's bundled kernel.
 """
 
 from __future__ import annotations
