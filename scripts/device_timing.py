@@ -24,7 +24,6 @@ from pathlib import Path
 import jax
 from jax.profiler import ProfileData
 
-GAP_SPLIT_US = 50.0  # idle time above this is a host sync between runs, not a launch gap
 STREAM = "Stream"  # CUDA device lines are "Stream #<id>(<kinds>)"; others derive from them
 
 
@@ -102,20 +101,23 @@ def trace_events(
 
 
 def summarize(
-    events: list[Event], calls: int, *, runs: int = 1, gap_split_us: float = GAP_SPLIT_US
+    events: list[Event], calls: int, *, runs: int = 1, gap_split_us: float | None = None
 ) -> dict:
     """Per-call device figures of `runs` traced runs of `calls` calls each.
 
     Events are taken in order of start; "idle" is the time from the latest end so
     far to the next start (overlapping events, e.g. on two streams, leave none).
-    An idle stretch longer than `gap_split_us` is taken for the host sync between
-    two runs and splits the trace into segments; shorter ones are launch gaps.
+    Each run ends in a host sync, so the trace falls into segments, one per run:
+    by default it is split at its `runs - 1` longest idle stretches (a sync is a
+    host round trip, longer than any launch gap inside one executable, however
+    short it is); with `gap_split_us`, at every idle stretch longer than that.
+    The other idle stretches are the gaps within a run.
 
     Args:
       events: e.g. from `trace_events`, in any order.
       calls: calls per run.
       runs: runs traced; every `*_per_call` figure divides by `calls * runs`.
-      gap_split_us: the longest idle stretch counted as a gap within a run.
+      gap_split_us: if given, the longest idle stretch counted as a gap.
 
     Returns:
       A dict of
@@ -124,12 +126,13 @@ def summarize(
           and the median duration of one event;
         busy_us_per_call: the total duration of all events per call (events that
           overlap count each);
-        gaps_us_per_call: the idle stretches up to `gap_split_us` per call: launch
-          gaps and dispatch within a run;
+        gaps_us_per_call: the idle stretches within runs per call: launch gaps
+          and whatever else keeps the device waiting inside an executable;
+        max_gap_us: the longest of those stretches;
         span_us_per_call: the segments' first start to last end, summed, per call
           (busy + gaps when nothing overlaps): the device-side time of a call;
-        segments: the number of segments, which should equal `runs` (more means
-          idle stretches above `gap_split_us` within a run: raise it);
+        segments: the number of segments (with `gap_split_us`, more than `runs`
+          means idle stretches above it within a run);
         events: the number of events.
 
     Raises:
@@ -149,30 +152,35 @@ def summarize(
         for name, us in by_name.items()
     }
     kernels = dict(sorted(kernels.items(), key=lambda kv: -kv[1]["us_per_call"]))
-    gaps_ns, span_ns, segments = 0.0, 0.0, 1
-    first, end = ordered[0].start_ns, ordered[0].start_ns + ordered[0].duration_ns
+    idle, end = [0.0], ordered[0].start_ns + ordered[0].duration_ns  # idle[i]: before event i
     for e in ordered[1:]:
-        idle = e.start_ns - end
-        if idle > gap_split_us * 1e3:
+        idle.append(max(0.0, e.start_ns - end))
+        end = max(end, e.start_ns + e.duration_ns)
+    if gap_split_us is None:
+        longest = sorted(range(1, len(idle)), key=lambda i: -idle[i])[: runs - 1]
+        splits = {i for i in longest if idle[i] > 0}
+    else:
+        splits = {i for i, t in enumerate(idle) if t > gap_split_us * 1e3}
+    gaps = [t for i, t in enumerate(idle) if i not in splits]
+    span_ns, first, end = 0.0, ordered[0].start_ns, ordered[0].start_ns
+    for i, e in enumerate(ordered):
+        if i in splits:
             span_ns += end - first
-            segments += 1
             first = e.start_ns
-        elif idle > 0:
-            gaps_ns += idle
         end = max(end, e.start_ns + e.duration_ns)
     span_ns += end - first
-    busy_us = sum(e.duration_ns for e in ordered) / 1e3
     return dict(
         kernels=kernels,
-        busy_us_per_call=busy_us / total,
-        gaps_us_per_call=gaps_ns / 1e3 / total,
+        busy_us_per_call=sum(e.duration_ns for e in ordered) / 1e3 / total,
+        gaps_us_per_call=sum(gaps) / 1e3 / total,
+        max_gap_us=max(gaps) / 1e3,
         span_us_per_call=span_ns / 1e3 / total,
-        segments=segments,
+        segments=len(splits) + 1,
         events=len(ordered),
     )
 
 
-def device_times(thunk, calls: int, runs: int = 5, *, gap_split_us: float = GAP_SPLIT_US, **kw):
+def device_times(thunk, calls: int, runs: int = 5, *, gap_split_us: float | None = None, **kw):
     """`summarize` of `trace_events`: device figures per call of a run of `calls` calls.
 
     Args:

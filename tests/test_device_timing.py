@@ -55,7 +55,7 @@ def test_trace_events_no_plane(dt):
 
 def test_summarize_synthetic(dt):
     """Two runs of 2 calls: kernel 10 us, gap 1, merge 2, gap 2, kernel 12, gap 1, merge 2;
-    a 1 ms host sync; then the same run shifted, with a 3 us gap on a second stream."""
+    a 1 ms host sync; then the same run again, with a copy on a second stream."""
     E = dt.Event
 
     def run(t0, line="s0"):
@@ -66,21 +66,28 @@ def test_summarize_synthetic(dt):
             E("merge", t0 + 28e3, 2e3, line),
         ]
 
-    events = run(0.0) + run(1_030e3)
-    # Overlaps the first kern of run 2 entirely: no idle time, busy counts it.
-    events.append(E("copy", 1_031e3, 4e3, "s1"))
-    got = dt.summarize(events[::-1], calls=2, runs=2)
-    assert got["events"] == 9 and got["segments"] == 2
-    assert list(got["kernels"]) == ["kern", "merge", "copy"]
-    assert got["kernels"]["kern"] == dict(count=4, us_per_call=11.0, median_us=11.0)
-    assert got["kernels"]["merge"] == dict(count=4, us_per_call=2.0, median_us=2.0)
-    assert got["kernels"]["copy"] == dict(count=1, us_per_call=1.0, median_us=4.0)
-    assert got["busy_us_per_call"] == pytest.approx((2 * 26 + 4) / 4)
-    # Gaps 1 + 2 + 1 per run; the 1,000 us sync is not a gap.
-    assert got["gaps_us_per_call"] == pytest.approx(2 * 4 / 4)
-    assert got["span_us_per_call"] == pytest.approx(2 * 30 / 4)
-    # A split threshold above the sync makes it one segment, the sync a gap.
+    # The copy overlaps the first kern of run 2 entirely: no idle time, busy counts it.
+    events = run(0.0) + run(1_030e3) + [E("copy", 1_031e3, 4e3, "s1")]
+    for split in (None, 50.0):
+        got = dt.summarize(events[::-1], calls=2, runs=2, gap_split_us=split)
+        assert got["events"] == 9 and got["segments"] == 2
+        assert list(got["kernels"]) == ["kern", "merge", "copy"]
+        assert got["kernels"]["kern"] == dict(count=4, us_per_call=11.0, median_us=11.0)
+        assert got["kernels"]["merge"] == dict(count=4, us_per_call=2.0, median_us=2.0)
+        assert got["kernels"]["copy"] == dict(count=1, us_per_call=1.0, median_us=4.0)
+        assert got["busy_us_per_call"] == pytest.approx((2 * 26 + 4) / 4)
+        # Gaps 1 + 2 + 1 per run; the 1,000 us sync is not a gap.
+        assert got["gaps_us_per_call"] == pytest.approx(2 * 4 / 4)
+        assert got["max_gap_us"] == pytest.approx(2.0)
+        assert got["span_us_per_call"] == pytest.approx(2 * 30 / 4)
+    # A threshold above the sync: one segment, the sync a gap.
     one = dt.summarize(events, calls=2, runs=2, gap_split_us=2_000)
     assert one["segments"] == 1 and one["gaps_us_per_call"] == pytest.approx((8 + 1000) / 4)
+    # A sync shorter than the threshold: the default still splits there, at the longest.
+    short = run(0.0) + run(60e3) + run(93e3)  # syncs of 30 and 3 us
+    got = dt.summarize(short, calls=2, runs=3)
+    assert got["segments"] == 3 and got["gaps_us_per_call"] == pytest.approx(3 * 4 / 6)
+    assert got["span_us_per_call"] == pytest.approx(3 * 30 / 6)
+    assert dt.summarize(short, calls=2, runs=3, gap_split_us=50)["segments"] == 1
     with pytest.raises(ValueError, match="calls=0"):
         dt.summarize(events, calls=0)
