@@ -191,7 +191,7 @@ stage_bench() {
 # Where the decode time goes at (32, 4096): leave-one-out timings.
 stage_profile() {
   run_stage profile "${LIMIT[profile]}" profile.log "$PY" scripts/profile_decode.py \
-    --out "$OUT" ${DRY[@]+"${DRY[@]}"}
+    --out "$OUT" --device-times ${DRY[@]+"${DRY[@]}"}
 }
 
 # Nsight Compute on one launch of that kernel (clocks left alone, as METHOD.md says).

@@ -3,6 +3,7 @@
     python scripts/profile_decode.py [--batch 32 --seq-len 4096 --page-size 16]  # GPU
     python scripts/profile_decode.py --out DIR       # also DIR/profile_decode.jsonl
     python scripts/profile_decode.py --dry-run       # tiny shape, Pallas interpreter
+    python scripts/profile_decode.py --device-times  # also each kernel's device time
     ncu --clock-control none -k regex:paged_decode --launch-skip 3 --launch-count 1 \\
         --section SpeedOfLight ... python scripts/profile_decode.py --ncu   # one launch
 
@@ -27,6 +28,14 @@ medians of per-round ratios:
 beside the device's measured read and copy bandwidth. GB/s counts the K/V bytes of
 the whole cache for every variant that reads it. `--ncu` instead runs the default
 path a few times for Nsight Compute (scripts/device_check.sh's profile stage).
+
+`--device-times` then runs the default, kernel, one_split, one_buffer, dense_xla
+and copy runs again under JAX's profiler (`device_timing.device_times`, 5 runs
+each) and reports, per call, the device's busy time (the sum of its kernels'
+durations), the idle gaps between kernels within a run, the span (busy + gaps:
+what a call costs on the device; the host timing above adds dispatch and sync),
+and each kernel's share: one "device" record per variant and a table. In a dry
+run it reads the events of the "/host:CPU" plane, one run each: the plumbing only.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels as bk  # noqa: E402 - scripts/ is not a package
+import device_timing as dt  # noqa: E402
 
 from pallas_kernels import reference  # noqa: E402
 from pallas_kernels.paged_decode.gpu import (  # noqa: E402
@@ -55,6 +65,9 @@ from pallas_kernels.paged_decode.gpu import (  # noqa: E402
 
 NCU_CALLS = 6  # --ncu: launches of the default path (profile one after the warm-ups)
 SMALL_CALLS = 32  # calls per timed run of the variants that read little (merge, fixed cost)
+DEVICE_VARIANTS = ("default", "kernel", "one_split", "one_buffer", "dense_xla", "copy")
+DEVICE_RUNS = 5  # --device-times: traced runs per variant
+TOP_KERNELS = 3  # --device-times: kernels named per variant in the table
 
 
 def kernel_args(case: bk.DecodeCase) -> dict:
@@ -144,6 +157,48 @@ def check(case: bk.DecodeCase, interpret: bool) -> dict:
     return errors
 
 
+def device_records(runs: dict, on_gpu: bool) -> list[dict]:
+    """A "device" record (`device_timing.summarize`'s figures) per variant of
+    `DEVICE_VARIANTS` in `runs`; on a CPU from the host plane's events of one run
+    each. A variant whose trace fails gets its error instead; the others still run."""
+    if on_gpu:
+        kw = dict(runs=DEVICE_RUNS)
+    else:
+        # Every line: XLA runs small executables on the caller's thread, whose line
+        # also holds the host's own events (nested), so the CPU figures mean nothing.
+        kw = dict(runs=1, warmup=0, plane_prefix="/host:CPU")
+    records = []
+    for name in (n for n in DEVICE_VARIANTS if n in runs):
+        thunk, calls = runs[name]
+        try:
+            summary = dt.device_times(thunk, calls, **kw)
+        except Exception as e:  # noqa: BLE001 - keep the timings already measured
+            bk.log(f"  {name}: device times failed: {e!r}")
+            records.append(dict(kind="device", name=name, error=repr(e)))
+            continue
+        records.append(dict(kind="device", name=name, **summary))
+    return records
+
+
+def print_device_table(records: list[dict]) -> None:
+    """The "device" records: busy and gap time per call and the top kernels."""
+    rows = [r for r in records if r["kind"] == "device"]
+    if not rows:
+        return
+    print("\ndevice time per call (jax.profiler): busy = kernels, gaps = idle within a run")
+    print(f"{'variant':12} {'span us':>8} {'busy us':>8} {'gaps us':>8}  top kernels: us per call")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']:12} {r['error']}")
+            continue
+        top = list(r["kernels"].items())[:TOP_KERNELS]
+        names = "; ".join(f"{k[:40]} {v['us_per_call']:.1f}" for k, v in top)
+        print(
+            f"{r['name']:12} {r['span_us_per_call']:8.1f} {r['busy_us_per_call']:8.1f} "
+            f"{r['gaps_us_per_call']:8.1f}  {names}"
+        )
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=32)
@@ -155,6 +210,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print the records as JSON")
     p.add_argument("--ncu", action="store_true", help=f"run the default {NCU_CALLS} times")
     p.add_argument("--dry-run", action="store_true", help="tiny shape, Pallas interpreter")
+    p.add_argument(
+        "--device-times", action="store_true", help="per-kernel device times (jax.profiler)"
+    )
     args = p.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     if not (on_gpu or args.dry_run):
@@ -211,6 +269,8 @@ def main(argv=None) -> int:
             rec["frac_copy"] = case.kv_bytes / copied / bk.paired_ratio(times[name], times["copy"])
         rec["of_default"] = bk.paired_ratio(times[name], times["default"])
         records.append(rec)
+    if args.device_times:
+        records += device_records(runs, on_gpu)
 
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -230,6 +290,7 @@ def main(argv=None) -> int:
                 f"{r['name']:12} {r['us']:9.1f} {gbps:>8} {cells[0]:>8} {cells[1]:>8} "
                 f"{r['of_default']:10.2f}"
             )
+    print_device_table(records)
     if not on_gpu:
         print("(interpreter times on a CPU: the plumbing only, not a measurement)")
     return 0 if ok else 1

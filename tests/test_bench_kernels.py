@@ -359,20 +359,26 @@ def load_script(name: str, monkeypatch) -> types.ModuleType:
 
 @pytest.mark.slow
 def test_profile_decode_dry_run(tmp_path, monkeypatch):
-    """scripts/profile_decode.py on the CPU: every variant times, the checks pass."""
+    """scripts/profile_decode.py on the CPU: every variant times, the checks pass; the
+    device times' plumbing (the "/host:CPU" plane in a dry run)."""
     profile = load_script("profile_decode", monkeypatch)
-    assert profile.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    assert profile.main(["--dry-run", "--device-times", "--out", str(tmp_path)]) == 0
     records = read_jsonl(tmp_path / "profile_decode.jsonl")
     assert records[0]["kind"] == "meta" and records[0]["tuning"]["num_splits"] == 2
     (check,) = [r for r in records if r["kind"] == "check"]
     assert check["ok"] and set(check["errors"]) == {"default", "kernel+merge", "contiguous"}
     assert all(0 < e < 1e-2 for e in check["errors"].values())
     variants = {r["name"]: r for r in records if r["kind"] == "variant"}
-    names = ["default", "kernel", "merge", "one_split", "contiguous", "fixed_cost", "dense_xla"]
-    assert list(variants) == names
+    names = ["default", "kernel", "merge", "one_split", "one_buffer", "contiguous", "fixed_cost"]
+    assert list(variants) == [*names, "dense_xla"]
     assert all(r["us"] > 0 for r in variants.values())
     # GB/s only where the variant reads the whole cache.
     assert {n for n, r in variants.items() if "gbps" not in r} == {"merge", "fixed_cost"}
+    device = {r["name"]: r for r in records if r["kind"] == "device"}
+    assert list(device) == ["default", "kernel", "one_split", "one_buffer", "dense_xla", "copy"]
+    for r in device.values():
+        assert "error" not in r and r["segments"] == 1 and r["busy_us_per_call"] > 0, r
+        assert sum(k["count"] for k in r["kernels"].values()) == r["events"] > 0
 
 
 def test_run_device_tests_tally(monkeypatch):
