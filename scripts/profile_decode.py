@@ -16,7 +16,10 @@ medians of per-round ratios:
 
   default       the public path: the kernel and, when it splits, the merge
   kernel        the kernel alone (the split partials, no merge)
-  merge         the merge alone, on random partials of the default's shape
+  merge         the merge alone (`merge_splits_gpu`, one Pallas launch), on random
+                partials of the default's shape
+  merge_xla     the same merge as jnp ops (`merge_splits`, several XLA fusions; what
+                the public path ran until 2026-11-30)
   one_split     the default's tiles without split-K
   one_buffer    the default at 2 stages: Triton keeps one K/V buffer, so each
                 program requests its next tile only after using the current one
@@ -60,12 +63,22 @@ from pallas_kernels import reference  # noqa: E402
 from pallas_kernels.paged_decode.gpu import (  # noqa: E402
     decode_partials,
     merge_splits,
+    merge_splits_gpu,
     paged_decode_gpu,
 )
 
 NCU_CALLS = 6  # --ncu: launches of the default path (profile one after the warm-ups)
 SMALL_CALLS = 32  # calls per timed run of the variants that read little (merge, fixed cost)
-DEVICE_VARIANTS = ("default", "kernel", "one_split", "one_buffer", "dense_xla", "copy")
+DEVICE_VARIANTS = (
+    "default",
+    "kernel",
+    "merge",
+    "merge_xla",
+    "one_split",
+    "one_buffer",
+    "dense_xla",
+    "copy",
+)
 DEVICE_RUNS = 5  # --device-times: traced runs per variant
 TOP_KERNELS = 3  # --device-times: kernels named per variant in the table
 
@@ -102,12 +115,12 @@ def variants(case: bk.DecodeCase, interpret: bool, copies: int, calls: int, smal
     yield "default", public, sets(full), True
     yield "kernel", kernel, sets(full), True
     if splits > 1:
-        yield (
-            "merge",
-            partial(merge_splits, dtype=jnp.dtype(case.dtype)),
-            merge_inputs(case, small),
-            False,
-        )
+        dtype = jnp.dtype(case.dtype)
+        group = case.num_heads // case.num_kv_heads
+        partials = merge_inputs(case, small)
+        merge = partial(merge_splits_gpu, dtype=dtype, group=group, interpret=interpret)
+        yield "merge", partial(merge, block_h=tuning["block_h"]), partials, False
+        yield "merge_xla", partial(merge_splits, dtype=dtype), partials, False
         one = partial(paged_decode_gpu, interpret=interpret, **{**tuning, "num_splits": 1})
         yield "one_split", one, sets(full), True
     yield "one_buffer", partial(public, num_stages=2), sets(full), True
@@ -152,8 +165,11 @@ def check(case: bk.DecodeCase, interpret: bool) -> dict:
         errors[name] = bk.rel_error(out, ref)
         if name == "default":
             part = decode_partials(q, k, v, lengths, table, interpret=interpret, **static)
-            merged = part if static["num_splits"] == 1 else merge_splits(*part, q.dtype)
-            errors["kernel+merge"] = bk.rel_error(merged, ref)
+            if static["num_splits"] > 1:
+                group = case.num_heads // case.num_kv_heads
+                merge = partial(merge_splits_gpu, *part, dtype=q.dtype, group=group)
+                part = merge(block_h=static["block_h"], interpret=interpret)
+            errors["kernel+merge"] = bk.rel_error(part, ref)
     return errors
 
 

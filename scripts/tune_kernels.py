@@ -42,7 +42,7 @@ import bench_kernels as bk  # noqa: E402 - scripts/ is not a package
 import bench_ragged_cases as rc  # noqa: E402
 
 from pallas_kernels import reference  # noqa: E402
-from pallas_kernels.paged_decode.gpu import merge_splits, paged_decode_gpu  # noqa: E402
+from pallas_kernels.paged_decode.gpu import merge_splits_gpu, paged_decode_gpu  # noqa: E402
 from pallas_kernels.ragged.gpu import ragged_paged_attention_gpu  # noqa: E402
 
 GIB = 2**30
@@ -118,7 +118,8 @@ def decode_cases(dry_run: bool):
 
 
 def time_merge(run: Run, case, splits: int) -> None:
-    """The split-K merge alone (the XLA ops after the kernel), to see its share of a call."""
+    """The split-K merge alone (`merge_splits_gpu`, the launch after the kernel), to see
+    its share of a call."""
     shape = (splits, case.batch, case.num_heads)
     sets = []
     for i in range(4):
@@ -127,7 +128,14 @@ def time_merge(run: Run, case, splits: int) -> None:
         m = jax.random.normal(km, shape, jnp.float32)
         denom = jax.random.uniform(kl, shape, jnp.float32, 1.0, 2.0)
         sets.append((o, m, denom))
-    t = bk.time_calls(lambda o, m, d: merge_splits(o, m, d, jnp.dtype(case.dtype)), sets, run.iters)
+    merge = partial(
+        merge_splits_gpu,
+        dtype=jnp.dtype(case.dtype),
+        group=case.num_heads // case.num_kv_heads,
+        block_h=case.tuning()["block_h"],
+        interpret=run.interpret,
+    )
+    t = bk.time_calls(merge, sets, run.iters)
     run.emit(kind="merge", case=case.name, splits=splits, us=t * 1e6)
     bk.log(f"    split merge alone ({splits} splits): {t * 1e6:.1f} us")
 

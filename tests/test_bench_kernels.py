@@ -369,13 +369,19 @@ def test_profile_decode_dry_run(tmp_path, monkeypatch):
     assert check["ok"] and set(check["errors"]) == {"default", "kernel+merge", "contiguous"}
     assert all(0 < e < 1e-2 for e in check["errors"].values())
     variants = {r["name"]: r for r in records if r["kind"] == "variant"}
-    names = ["default", "kernel", "merge", "one_split", "one_buffer", "contiguous", "fixed_cost"]
-    assert list(variants) == [*names, "dense_xla"]
+    names = ["default", "kernel", "merge", "merge_xla", "one_split", "one_buffer", "contiguous"]
+    assert list(variants) == [*names, "fixed_cost", "dense_xla"]
     assert all(r["us"] > 0 for r in variants.values())
     # GB/s only where the variant reads the whole cache.
-    assert {n for n, r in variants.items() if "gbps" not in r} == {"merge", "fixed_cost"}
+    assert {n for n, r in variants.items() if "gbps" not in r} == {
+        "merge",
+        "merge_xla",
+        "fixed_cost",
+    }
     device = {r["name"]: r for r in records if r["kind"] == "device"}
-    assert list(device) == ["default", "kernel", "one_split", "one_buffer", "dense_xla", "copy"]
+    assert list(device) == [
+        "default", "kernel", "merge", "merge_xla", "one_split", "one_buffer", "dense_xla", "copy"
+    ]  # fmt: skip
     for r in device.values():
         assert "error" not in r and r["segments"] == 1 and r["busy_us_per_call"] > 0, r
         assert sum(k["count"] for k in r["kernels"].values()) == r["events"] > 0

@@ -19,6 +19,7 @@ import pytest
 import pallas_kernels
 from pallas_kernels import reference
 from pallas_kernels.paged_decode.gpu import TUNING_KNOBS, default_tuning, paged_decode_gpu
+from pallas_kernels.paged_decode.gpu_merge import merge_splits, merge_splits_gpu
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
 # FP8 pages vs the unquantised K/V they were cast from: the relative error is above
@@ -303,6 +304,41 @@ def test_default_tuning_sizes_tiles_by_the_pages_itemsize():
     assert fp8["num_stages"] == bf16["num_stages"] == 3
     # At D=128 fp8 hits the 128-token cap.
     assert default_tuning(4, 32, 8, 128, 16, 256, jnp.float8_e4m3fn)["block_kv"] == 128
+
+
+# ---------------------------------------------------------------- split merge
+
+
+@pytest.mark.parametrize(
+    ("splits", "batch", "num_kv_heads", "group", "block_h", "dtype"),
+    [
+        (4, 3, 2, 4, 16, jnp.float32),  # GQA group padded to 16 rows
+        (3, 2, 1, 40, 16, jnp.bfloat16),  # a group over 3 head blocks, the last partial
+        (1, 2, 3, 1, 16, jnp.float32),  # one split, MHA
+    ],
+)
+def test_merge_kernel_matches_jnp_merge(splits, batch, num_kv_heads, group, block_h, dtype):
+    """The Pallas merge equals the jnp reference merge on random partials, with empty
+    splits (m = -inf) and rows whose every split is empty (zeros out)."""
+    heads, head_dim = num_kv_heads * group, 32
+    ko, km, kl = jax.random.split(jax.random.key(splits * 7 + group), 3)
+    o = jax.random.normal(ko, (splits, batch, heads, head_dim), jnp.float32)
+    m = 4 * jax.random.normal(km, (splits, batch, heads), jnp.float32)
+    denom = jax.random.uniform(kl, (splits, batch, heads), jnp.float32, 0.5, 2.0)
+    empty = np.zeros((splits, batch, heads), bool)
+    empty[-1, 0, :] = True  # the last split of sequence 0 saw no key
+    empty[:, batch - 1, 0] = True  # head 0 of the last sequence: nothing at all
+    o = jnp.where(empty[..., None], 0.0, o)
+    m = jnp.where(empty, -jnp.inf, m)
+    denom = jnp.where(empty, 0.0, denom)
+    ref = merge_splits(o, m, denom, jnp.float32)
+    out = merge_splits_gpu(o, m, denom, dtype=dtype, group=group, block_h=block_h, interpret=True)
+    assert out.shape == (batch, heads, head_dim) and out.dtype == dtype
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all()
+    assert (out[batch - 1, 0] == 0).all()  # all splits empty: zeros, not NaN
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(out, np.asarray(ref), rtol=tol, atol=tol)
 
 
 # ---------------------------------------------------------------- tuning

@@ -39,9 +39,10 @@ the kernel is built around reading every live K/V byte exactly once:
   e5m2 pages are checked in the interpreter and lowered, never run on a GPU.
 * Split-K (flash-decoding): when `B * K` programs cannot fill the GPU, each
   sequence's live blocks are divided into `num_splits` contiguous ranges whose
-  partial `(o, m, l)` are merged afterwards in a few jnp ops. The ranges are
-  cut from the actual length at run time, so short sequences in a wide page
-  table are not imbalanced.
+  partial `(o, m, l)` are merged afterwards by one small Pallas kernel
+  (`gpu_merge.py`; XLA's fusions of the same few jnp ops took a seventh of a
+  call on the H200). The ranges are cut from the actual length at run time, so
+  short sequences in a wide page table are not imbalanced.
 
 Why the Triton lowering: it is the Pallas GPU lowering with a public CPU
 interpreter (`interpret=True`), so the kernel is tested on CPU-only CI, and it
@@ -83,6 +84,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.paged_decode.gpu_merge import merge_splits, merge_splits_gpu
+
+__all__ = [
+    "TUNING_KNOBS",
+    "decode_partials",
+    "default_tuning",
+    "merge_splits",
+    "merge_splits_gpu",
+    "paged_decode_gpu",
+]
 
 # The GPU we tune for by default (H200); the real count is read from the device.
 _DEFAULT_NUM_SMS = 132
@@ -297,24 +309,6 @@ def _decode_kernel(
         plgpu.store(l_ref.at[split, b, heads[:, 0]], denom, mask=row_ok)
 
 
-def merge_splits(o, m, denom, dtype):
-    """Combines per-split partial softmax states.
-
-    Args:
-      o: [splits, B, H, D] float32 unnormalised outputs.
-      m: [splits, B, H] float32 running maxima (base 2), -inf for empty splits.
-      denom: [splits, B, H] float32 softmax denominators.
-
-    Returns:
-      [B, H, D] in `dtype`; zeros for rows with nothing to attend to.
-    """
-    m_max = jnp.max(m, axis=0)
-    weight = jnp.exp2(m - jnp.where(jnp.isfinite(m_max), m_max, 0.0))  # 0 for empty splits
-    total = jnp.sum(weight * denom, axis=0)
-    num = jnp.sum(weight[..., None] * o, axis=0)
-    return (num / jnp.where(total > 0, total, 1.0)[..., None]).astype(dtype)
-
-
 _STATIC = (
     "scale",
     "soft_cap",
@@ -351,7 +345,8 @@ def _decode_call(
     Returns:
       [B, H, D] in q's dtype when `num_splits == 1`; else the split partials
       `(o [splits, B, H, D], m [splits, B, H], l [splits, B, H])` in float32 that
-      `merge_splits` combines. (scripts/profile_decode.py times the two apart.)
+      `merge_splits_gpu` (or its reference `merge_splits`) combines.
+      (scripts/profile_decode.py times the two apart.)
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -408,7 +403,10 @@ def _paged_decode(q, k_pages, v_pages, lengths, page_table, **static):
     out = _decode_call(q, k_pages, v_pages, lengths, page_table, **static)
     if static["num_splits"] == 1:
         return out
-    return merge_splits(*out, q.dtype)
+    group = q.shape[1] // k_pages.shape[0]
+    return merge_splits_gpu(
+        *out, dtype=q.dtype, group=group, block_h=static["block_h"], interpret=static["interpret"]
+    )
 
 
 def paged_decode_gpu(

@@ -1,0 +1,116 @@
+"""The split-K merge of the GPU paged decode kernel: partial softmax states -> output.
+
+With `num_splits > 1` each program of `gpu._decode_kernel` attends to one range of
+a sequence's context and writes an unnormalised output `o`, its running maximum
+`m` (base 2) and denominator `l`. The output is
+
+    out = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s,   M = max_s m_s,
+
+with empty splits (`m_s = -inf`) weighted 0 and rows with no key at all 0.
+
+Two implementations of the same function:
+
+* `merge_splits`: a few jnp ops, the reference. XLA runs them as several small
+  fusions: on the H200 at (B, S) = (32, 4096), 4 splits, it took 25.6 us per call
+  (timed alone, BENCHMARKS.md "Kernels", 2026-11-30) for 2 MiB of partials, about
+  a seventh of the whole call: launches and latency, not bytes.
+* `merge_splits_gpu`: one Pallas (Triton) launch, one program per (sequence, kv
+  head, head block) that walks the splits with an online rescale, reading each
+  partial once. This is what `paged_decode_gpu` runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+def merge_splits(o, m, denom, dtype):
+    """Combines per-split partial softmax states with jnp ops (the reference).
+
+    Args:
+      o: [splits, B, H, D] float32 unnormalised outputs.
+      m: [splits, B, H] float32 running maxima (base 2), -inf for empty splits.
+      denom: [splits, B, H] float32 softmax denominators.
+      dtype: the output dtype.
+
+    Returns:
+      [B, H, D] in `dtype`; zeros for rows with nothing to attend to.
+    """
+    m_max = jnp.max(m, axis=0)
+    weight = jnp.exp2(m - jnp.where(jnp.isfinite(m_max), m_max, 0.0))  # 0 for empty splits
+    total = jnp.sum(weight * denom, axis=0)
+    num = jnp.sum(weight[..., None] * o, axis=0)
+    return (num / jnp.where(total > 0, total, 1.0)[..., None]).astype(dtype)
+
+
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, group, block_h, head_blocks, num_splits):
+    b = pl.program_id(0)
+    kv_head = lax.div(pl.program_id(1), head_blocks)
+    head_block = lax.rem(pl.program_id(1), head_blocks)
+    row = head_block * block_h + lax.iota(jnp.int32, block_h)  # [block_h]
+    row_ok = row < group
+    heads = kv_head * group + row  # [block_h]
+    cols = lax.iota(jnp.int32, o_ref.shape[-1])[None, :]  # [1, D]
+
+    def body(s, carry):
+        acc, m_run, l_run = carry  # [block_h, D], [block_h], [block_h]
+        m_s = plgpu.load(m_ref.at[s, b, heads], mask=row_ok, other=-jnp.inf)
+        l_s = plgpu.load(l_ref.at[s, b, heads], mask=row_ok, other=0.0)
+        o_s = plgpu.load(o_ref.at[s, b, heads[:, None], cols], mask=row_ok[:, None], other=0.0)
+        m_new = jnp.maximum(m_run, m_s)
+        # Both -inf (nothing seen yet, or empty rows): shift by 0, so both weights are 0.
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m_run - shift)
+        weight = jnp.exp2(m_s - shift)
+        acc = acc * alpha[:, None] + o_s * weight[:, None]
+        return acc, m_new, l_run * alpha + l_s * weight
+
+    init = (
+        jnp.zeros((block_h, o_ref.shape[-1]), jnp.float32),
+        jnp.full((block_h,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_h,), jnp.float32),
+    )
+    acc, _, total = lax.fori_loop(0, num_splits, body, init)
+    out = acc / jnp.where(total > 0, total, 1.0)[:, None]
+    out_idx = out_ref.at[b, heads[:, None], cols]
+    plgpu.store(out_idx, out.astype(out_ref.dtype), mask=row_ok[:, None])
+
+
+def merge_splits_gpu(o, m, denom, *, dtype, group: int, block_h: int, interpret: bool = False):
+    """`merge_splits` as one Pallas (Triton) kernel (not jitted itself: it is traced
+    inside the caller's jit, as one more custom call).
+
+    Args:
+      o, m, denom: as for `merge_splits`.
+      dtype: the output dtype.
+      group: query heads per kv head (H // K).
+      block_h: query heads per program (a power of two >= 16, as in the decode
+        kernel); a group larger than block_h is cut into ceil(group / block_h) programs.
+      interpret: run in the Pallas interpreter (CPU testing).
+
+    Returns:
+      [B, H, D] in `dtype`.
+    """
+    num_splits, batch, num_heads, head_dim = o.shape
+    head_blocks = -(-group // block_h)
+    kernel = functools.partial(
+        _merge_kernel,
+        group=group,
+        block_h=block_h,
+        head_blocks=head_blocks,
+        num_splits=num_splits,
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((batch, num_heads, head_dim), dtype),
+        grid=(batch, (num_heads // group) * head_blocks),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="paged_decode_merge",
+    )(o, m, denom)
