@@ -16,10 +16,11 @@ medians of per-round ratios:
 
   default       the public path: the kernel and, when it splits, the merge
   kernel        the kernel alone (the split partials, no merge)
-  merge         the merge alone (`merge_splits_gpu`, one Pallas launch), on random
-                partials of the default's shape
-  merge_xla     the same merge as jnp ops (`merge_splits`, several XLA fusions; what
-                the public path ran until 2026-11-30)
+  merge         the merge alone (`merge_splits_gpu`, one Pallas launch: what the
+                public path runs up to 8 splits), on random partials of the
+                default's shape
+  merge_xla     the same merge as jnp ops (`merge_splits`, several XLA fusions: what
+                the public path runs beyond 8 splits, and ran always before 2026-11-30)
   one_split     the default's tiles without split-K
   one_buffer    the default at 2 stages: Triton keeps one K/V buffer, so each
                 program requests its next tile only after using the current one

@@ -42,7 +42,12 @@ import bench_kernels as bk  # noqa: E402 - scripts/ is not a package
 import bench_ragged_cases as rc  # noqa: E402
 
 from pallas_kernels import reference  # noqa: E402
-from pallas_kernels.paged_decode.gpu import merge_splits_gpu, paged_decode_gpu  # noqa: E402
+from pallas_kernels.paged_decode.gpu import paged_decode_gpu  # noqa: E402
+from pallas_kernels.paged_decode.gpu_merge import (  # noqa: E402
+    UNROLLED_SPLITS,
+    merge_splits,
+    merge_splits_gpu,
+)
 from pallas_kernels.ragged.gpu import ragged_paged_attention_gpu  # noqa: E402
 
 GIB = 2**30
@@ -118,8 +123,8 @@ def decode_cases(dry_run: bool):
 
 
 def time_merge(run: Run, case, splits: int) -> None:
-    """The split-K merge alone (`merge_splits_gpu`, the launch after the kernel), to see
-    its share of a call."""
+    """The split-K merge alone (the one `paged_decode_gpu` runs after the kernel at this
+    many splits), to see its share of a call."""
     shape = (splits, case.batch, case.num_heads)
     sets = []
     for i in range(4):
@@ -128,13 +133,13 @@ def time_merge(run: Run, case, splits: int) -> None:
         m = jax.random.normal(km, shape, jnp.float32)
         denom = jax.random.uniform(kl, shape, jnp.float32, 1.0, 2.0)
         sets.append((o, m, denom))
-    merge = partial(
-        merge_splits_gpu,
-        dtype=jnp.dtype(case.dtype),
-        group=case.num_heads // case.num_kv_heads,
-        block_h=case.tuning()["block_h"],
-        interpret=run.interpret,
-    )
+    dtype = jnp.dtype(case.dtype)
+    if splits > UNROLLED_SPLITS:  # what paged_decode_gpu runs beyond that
+        merge = partial(merge_splits, dtype=dtype)
+    else:
+        group = case.num_heads // case.num_kv_heads
+        merge = partial(merge_splits_gpu, dtype=dtype, group=group, interpret=run.interpret)
+        merge = partial(merge, block_h=case.tuning()["block_h"])
     t = bk.time_calls(merge, sets, run.iters)
     run.emit(kind="merge", case=case.name, splits=splits, us=t * 1e6)
     bk.log(f"    split merge alone ({splits} splits): {t * 1e6:.1f} us")

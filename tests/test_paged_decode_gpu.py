@@ -315,6 +315,7 @@ def test_default_tuning_sizes_tiles_by_the_pages_itemsize():
         (4, 3, 2, 4, 16, jnp.float32),  # GQA group padded to 16 rows
         (3, 2, 1, 40, 16, jnp.bfloat16),  # a group over 3 head blocks, the last partial
         (1, 2, 3, 1, 16, jnp.float32),  # one split, MHA
+        (10, 2, 1, 2, 16, jnp.float32),  # more than UNROLLED_SPLITS: the fori_loop walk
     ],
 )
 def test_merge_kernel_matches_jnp_merge(splits, batch, num_kv_heads, group, block_h, dtype):

@@ -39,10 +39,11 @@ the kernel is built around reading every live K/V byte exactly once:
   e5m2 pages are checked in the interpreter and lowered, never run on a GPU.
 * Split-K (flash-decoding): when `B * K` programs cannot fill the GPU, each
   sequence's live blocks are divided into `num_splits` contiguous ranges whose
-  partial `(o, m, l)` are merged afterwards by one small Pallas kernel
-  (`gpu_merge.py`; XLA's fusions of the same few jnp ops took a seventh of a
-  call on the H200). The ranges are cut from the actual length at run time, so
-  short sequences in a wide page table are not imbalanced.
+  partial `(o, m, l)` are merged afterwards: up to 8 splits by one small Pallas
+  kernel (`gpu_merge.py`; XLA's fusions of the same few jnp ops took a seventh of
+  a call on the H200 at 4 splits), beyond that by those jnp ops. The ranges are
+  cut from the actual length at run time, so short sequences in a wide page
+  table are not imbalanced.
 
 Why the Triton lowering: it is the Pallas GPU lowering with a public CPU
 interpreter (`interpret=True`), so the kernel is tested on CPU-only CI, and it
@@ -85,7 +86,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_decode.gpu_merge import merge_splits, merge_splits_gpu
+from pallas_kernels.paged_decode.gpu_merge import UNROLLED_SPLITS, merge_splits, merge_splits_gpu
 
 __all__ = [
     "TUNING_KNOBS",
@@ -403,6 +404,8 @@ def _paged_decode(q, k_pages, v_pages, lengths, page_table, **static):
     out = _decode_call(q, k_pages, v_pages, lengths, page_table, **static)
     if static["num_splits"] == 1:
         return out
+    if static["num_splits"] > UNROLLED_SPLITS:
+        return merge_splits(*out, q.dtype)
     group = q.shape[1] // k_pages.shape[0]
     return merge_splits_gpu(
         *out, dtype=q.dtype, group=group, block_h=static["block_h"], interpret=static["interpret"]

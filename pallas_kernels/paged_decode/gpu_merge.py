@@ -16,7 +16,11 @@ Two implementations of the same function:
   a seventh of the whole call: launches and latency, not bytes.
 * `merge_splits_gpu`: one Pallas (Triton) launch, one program per (sequence, kv
   head, head block) that walks the splits with an online rescale, reading each
-  partial once. This is what `paged_decode_gpu` runs.
+  partial once; the walk is unrolled up to `UNROLLED_SPLITS` splits, so their
+  loads can all be in flight at once. `paged_decode_gpu` runs it up to that many
+  splits and `merge_splits` beyond: with 64 splits (B = 1, S = 32768) a program's
+  64 dependent steps would each wait for a load, where XLA's reduction spreads the
+  work over many more threads. Neither choice has been timed on a GPU yet.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+UNROLLED_SPLITS = 8  # up to this many splits the merge kernel's loop is unrolled
 
 
 def merge_splits(o, m, denom, dtype):
@@ -76,7 +82,14 @@ def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, group, block_h, head_blocks, 
         jnp.full((block_h,), -jnp.inf, jnp.float32),
         jnp.zeros((block_h,), jnp.float32),
     )
-    acc, _, total = lax.fori_loop(0, num_splits, body, init)
+    if num_splits <= UNROLLED_SPLITS:
+        # Unrolled: no split's loads wait for the previous split's arithmetic.
+        carry = init
+        for s in range(num_splits):
+            carry = body(s, carry)
+        acc, _, total = carry
+    else:
+        acc, _, total = lax.fori_loop(0, num_splits, body, init)
     out = acc / jnp.where(total > 0, total, 1.0)[:, None]
     out_idx = out_ref.at[b, heads[:, None], cols]
     plgpu.store(out_idx, out.astype(out_ref.dtype), mask=row_ok[:, None])
