@@ -205,7 +205,8 @@ ncu_stage() {
   # Few sections: each needs its own replay passes of the kernel, and six of them did
   # not finish within 45 s on the H200 (2026-11-30).
   local sections=(--section SpeedOfLight --section Occupancy --section WarpStateStats)
-  "$ncu" --clock-control none --target-processes all -k regex:'paged_decode|decode_kernel' \
+  # The decode kernel only: its split merge is the launch "paged_decode_merge".
+  "$ncu" --clock-control none --target-processes all -k regex:'paged_decode_gpu' \
     --launch-skip 3 --launch-count 1 "${sections[@]}" \
     "$PY" scripts/profile_decode.py --ncu 2>&1 | tee "$OUT/ncu_raw.log"
   local rc=${PIPESTATUS[0]}

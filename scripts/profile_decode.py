@@ -4,7 +4,7 @@
     python scripts/profile_decode.py --out DIR       # also DIR/profile_decode.jsonl
     python scripts/profile_decode.py --dry-run       # tiny shape, Pallas interpreter
     python scripts/profile_decode.py --device-times  # also each kernel's device time
-    ncu --clock-control none -k regex:paged_decode --launch-skip 3 --launch-count 1 \\
+    ncu --clock-control none -k regex:paged_decode_gpu --launch-skip 3 --launch-count 1 \\
         --section SpeedOfLight ... python scripts/profile_decode.py --ncu   # one launch
 
 `bench_kernels.py` says how fast our kernel is; this script says where a call's
