@@ -200,11 +200,29 @@ def time_rounds(runs: dict, rounds: int) -> dict[str, list[float]]:
     return times
 
 
+def time_run(thunk, calls: int, iters: int) -> float:
+    """Median seconds per call of one compiled run over `iters` runs (`time_rounds`)."""
+    return statistics.median(time_rounds({"run": (thunk, calls)}, iters)["run"])
+
+
 def time_calls(fn, arg_sets, iters: int) -> float:
     """Median seconds per call of `fn(*args)` over `arg_sets`, all calls in one executable
     (`compile_calls`), over `iters` runs (`time_rounds`)."""
-    run = compile_calls(fn, arg_sets)
-    return statistics.median(time_rounds({"run": (run, len(arg_sets))}, iters)["run"])
+    return time_run(compile_calls(fn, arg_sets), len(arg_sets), iters)
+
+
+def random_partials(case, splits: int, count: int) -> list:
+    """`count` distinct random split-K partials `(o, m, l)` of `splits` splits of the
+    decode case's shape, for timing a merge alone."""
+    shape = (splits, case.batch, case.num_heads)
+    out = []
+    for i in range(count):
+        ko, km, kl = jax.random.split(jax.random.key(50 + i), 3)
+        o = jax.random.normal(ko, (*shape, case.head_dim), jnp.float32)
+        m = jax.random.normal(km, shape, jnp.float32)
+        denom = jax.random.uniform(kl, shape, jnp.float32, 1.0, 2.0)
+        out.append((o, m, denom))
+    return out
 
 
 def paired_ratio(num: list[float], den: list[float]) -> float:
@@ -227,7 +245,7 @@ def measure_copy(iters: int, nbytes: int = GIB):
         n = nbytes // jnp.dtype(dtype).itemsize
         arrays = [(jax.random.normal(k, (n,), dtype),) for k in keys]
         run = compile_calls(fn, arrays)
-        t = statistics.median(time_rounds({"copy": (run, len(arrays))}, iters)["copy"])
+        t = time_run(run, len(arrays), iters)
         if 2 * nbytes / t / 1e9 > best[0]:
             best = (2 * nbytes / t / 1e9, (run, len(arrays), 2 * nbytes))
         del arrays, run
@@ -524,7 +542,7 @@ def decode_case_gpu(case: DecodeCase, env: BenchEnv, sweep_until: float) -> dict
         The compiled run is kept as runs[keep] when `keep` is given."""
         try:
             run = compile_calls(fn, sets)
-            t = statistics.median(time_rounds({name: (run, len(sets))}, env.iters)[name])
+            t = time_run(run, len(sets), env.iters)
         except Exception as e:  # noqa: BLE001 - reported in the row
             if sweep:  # one configuration of a sweep: not a failure of the kernel
                 row.setdefault("failed_configs", []).append(f"{name}: {short_error(e)}")

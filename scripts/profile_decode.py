@@ -119,7 +119,7 @@ def variants(case: bk.DecodeCase, interpret: bool, copies: int, calls: int, smal
     if splits > 1:
         dtype = jnp.dtype(case.dtype)
         group = case.num_heads // case.num_kv_heads
-        partials = merge_inputs(case, small)
+        partials = bk.random_partials(case, splits, small)
         merge = partial(merge_splits_gpu, dtype=dtype, group=group, interpret=interpret)
         yield "merge", partial(merge, block_h=tuning["block_h"]), partials, False
         yield "merge_xla", partial(merge_splits, dtype=dtype), partials, False
@@ -135,19 +135,6 @@ def variants(case: bk.DecodeCase, interpret: bool, copies: int, calls: int, smal
         [(q, *dense[i % copies], full) for i, q in enumerate(qs[:calls])],
         True,
     )
-
-
-def merge_inputs(case: bk.DecodeCase, count: int) -> list:
-    """`count` distinct random split partials `(o, m, l)` of the case's default tuning."""
-    shape = (case.tuning()["num_splits"], case.batch, case.num_heads)
-    out = []
-    for i in range(count):
-        ko, km, kl = jax.random.split(jax.random.key(50 + i), 3)
-        o = jax.random.normal(ko, (*shape, case.head_dim), jnp.float32)
-        m = jax.random.normal(km, shape, jnp.float32)
-        denom = jax.random.uniform(kl, shape, jnp.float32, 1.0, 2.0)
-        out.append((o, m, denom))
-    return out
 
 
 def check(case: bk.DecodeCase, interpret: bool) -> dict:

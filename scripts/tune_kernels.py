@@ -28,7 +28,6 @@ import argparse
 import itertools
 import json
 import math
-import statistics
 import sys
 import time
 from functools import partial
@@ -44,11 +43,7 @@ import bench_ragged_cases as rc  # noqa: E402
 
 from pallas_kernels import reference  # noqa: E402
 from pallas_kernels.paged_decode.gpu import paged_decode_gpu  # noqa: E402
-from pallas_kernels.paged_decode.gpu_merge import (  # noqa: E402
-    UNROLLED_SPLITS,
-    merge_splits,
-    merge_splits_gpu,
-)
+from pallas_kernels.paged_decode.gpu_merge import merge_partials  # noqa: E402
 from pallas_kernels.ragged.gpu import ragged_paged_attention_gpu  # noqa: E402
 
 GIB = 2**30
@@ -126,21 +121,14 @@ def decode_cases(dry_run: bool):
 def time_merge(run: Run, case, splits: int) -> None:
     """The split-K merge alone (the one `paged_decode_gpu` runs after the kernel at this
     many splits), to see its share of a call."""
-    shape = (splits, case.batch, case.num_heads)
-    sets = []
-    for i in range(4):
-        ko, km, kl = jax.random.split(jax.random.key(50 + i), 3)
-        o = jax.random.normal(ko, (*shape, case.head_dim), jnp.float32)
-        m = jax.random.normal(km, shape, jnp.float32)
-        denom = jax.random.uniform(kl, shape, jnp.float32, 1.0, 2.0)
-        sets.append((o, m, denom))
-    dtype = jnp.dtype(case.dtype)
-    if splits > UNROLLED_SPLITS:  # what paged_decode_gpu runs beyond that
-        merge = partial(merge_splits, dtype=dtype)
-    else:
-        group = case.num_heads // case.num_kv_heads
-        merge = partial(merge_splits_gpu, dtype=dtype, group=group, interpret=run.interpret)
-        merge = partial(merge, block_h=case.tuning()["block_h"])
+    sets = bk.random_partials(case, splits, 4)
+    merge = partial(
+        merge_partials,
+        dtype=jnp.dtype(case.dtype),
+        group=case.num_heads // case.num_kv_heads,
+        block_h=case.tuning()["block_h"],
+        interpret=run.interpret,
+    )
     t = bk.time_calls(merge, sets, run.iters)
     run.emit(kind="merge", case=case.name, splits=splits, us=t * 1e6)
     bk.log(f"    split merge alone ({splits} splits): {t * 1e6:.1f} us")
@@ -164,13 +152,13 @@ def time_grid(run: Run, kind: str, case, kernel, arg_sets, configs, until: float
             continue
         name = "default" if config is None else config
         try:
-            if config is None and default_run is not None:
+            if config is None and default_run is None:
+                default_run = bk.compile_calls(kernel, arg_sets)
+            if config is None:
                 thunk = default_run
             else:
-                thunk = bk.compile_calls(partial(kernel, **(config or {})), arg_sets)
-                default_run = thunk if config is None else default_run
-            times = bk.time_rounds({"run": (thunk, len(arg_sets))}, run.iters)["run"]
-            t = statistics.median(times)
+                thunk = bk.compile_calls(partial(kernel, **config), arg_sets)
+            t = bk.time_run(thunk, len(arg_sets), run.iters)
         except Exception as e:  # noqa: BLE001 - a config that fails to compile is reported
             run.emit(kind=kind, case=case.name, config=name, error=bk.short_error(e))
             bk.log(f"    {name} failed: {bk.short_error(e)}")

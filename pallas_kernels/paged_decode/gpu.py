@@ -86,12 +86,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_decode.gpu_merge import UNROLLED_SPLITS, merge_splits, merge_splits_gpu
+from pallas_kernels.paged_decode.gpu_merge import merge_partials, merge_splits, merge_splits_gpu
 
 __all__ = [
     "TUNING_KNOBS",
     "decode_partials",
     "default_tuning",
+    "merge_partials",
     "merge_splits",
     "merge_splits_gpu",
     "paged_decode_gpu",
@@ -404,10 +405,8 @@ def _paged_decode(q, k_pages, v_pages, lengths, page_table, **static):
     out = _decode_call(q, k_pages, v_pages, lengths, page_table, **static)
     if static["num_splits"] == 1:
         return out
-    if static["num_splits"] > UNROLLED_SPLITS:
-        return merge_splits(*out, q.dtype)
     group = q.shape[1] // k_pages.shape[0]
-    return merge_splits_gpu(
+    return merge_partials(
         *out, dtype=q.dtype, group=group, block_h=static["block_h"], interpret=static["interpret"]
     )
 

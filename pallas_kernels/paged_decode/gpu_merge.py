@@ -127,3 +127,13 @@ def merge_splits_gpu(o, m, denom, *, dtype, group: int, block_h: int, interpret:
         interpret=interpret,
         name="paged_decode_merge",
     )(o, m, denom)
+
+
+def merge_partials(o, m, denom, *, dtype, group: int, block_h: int, interpret: bool = False):
+    """The merge `paged_decode_gpu` runs: `merge_splits_gpu` up to `UNROLLED_SPLITS`
+    splits, `merge_splits` beyond (arguments as for `merge_splits_gpu`)."""
+    if o.shape[0] > UNROLLED_SPLITS:
+        return merge_splits(o, m, denom, dtype)
+    return merge_splits_gpu(
+        o, m, denom, dtype=dtype, group=group, block_h=block_h, interpret=interpret
+    )
