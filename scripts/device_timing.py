@@ -9,8 +9,12 @@ cannot tell the kernels of a call from the idle time between them. Here the run
 goes under `jax.profiler.trace`, and the trace's device events (one per kernel
 launch or memcpy, on a CUDA GPU the planes "/device:GPU:<n>", one line per
 stream, "Stream #<id>(...)") give each kernel's own time and the gaps between
-launches. On a CPU the XLA ops are events of the "/host:CPU" plane: pass
-`plane_prefix="/host:CPU"` to exercise the plumbing there.
+launches. Those names are XLA's CUPTI collector's (`GetDeviceXLineName` in
+cupti_collector.cc: "Stream #<id>", then the event kinds in parentheses; its own
+"CUPTI overhead" line and the lines derived later, e.g. "XLA Ops", have no "Stream"),
+read in the source, not yet seen in a trace from a GPU. On a CPU the XLA ops are
+events of the "/host:CPU" plane: pass `plane_prefix="/host:CPU"` to exercise the
+plumbing there.
 """
 
 from __future__ import annotations
