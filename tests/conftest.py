@@ -10,6 +10,14 @@ import os
 
 os.environ["PAGEDJAX_COMPILATION_CACHE"] = "off"
 
+# The tests check numerics, not the speed of the CPU code XLA generates: LLVM at -O0
+# compiles the many small programs (every interpreted kernel shape is one) faster,
+# which takes 15-25% off the suite on CI's 2 cores. Set before JAX creates its CPU
+# client; subprocesses (scripts run by the tests, tests/tp_cases.py) inherit it.
+_O0 = "--xla_backend_optimization_level=0"
+if _O0 not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_O0}".strip()
+
 
 # Modules holding the longest tests (each 15-46 s on CI's 2 cores), collected first:
 # pytest-xdist hands tests out in collection order, so a long test collected late can
