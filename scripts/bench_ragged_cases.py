@@ -280,6 +280,7 @@ COLUMNS = (
     ("speedup_vs_bundled", "x bundled", ".2f"),
     ("xla_us", "xla ref us", ".1f"),
     ("ours_best_us", "best us", ".1f"),
+    ("prefetch_over_default", "prefetch/def", ".2f"),
     ("err_ours", "err ours", ".1e"),
     ("err_bundled", "err bundled", ".1e"),
     ("ok", "ok", ""),
@@ -378,6 +379,8 @@ def gpu_case(case: RaggedCase, env, bk) -> dict:
             row["bundled_us"] = tb * 1e6
             if t:
                 row["speedup_vs_bundled"] = tb / t
+    if t and not env.quick and env.time_left() > 0:
+        row.update(prefetch_ab(paged, row["tuning"], env, bk))
     if not env.quick:
         ref_fn = lambda *a: run_reference(dict(zip(ARG_NAMES, a, strict=True), case=case))  # noqa: E731
         tx = timed("xla ref", ref_fn, paged[: max(2, copies)])
@@ -393,6 +396,25 @@ def gpu_case(case: RaggedCase, env, bk) -> dict:
                     best = (ta, alt)
             row.update(ours_best_us=best[0] * 1e6, ours_best_cfg=best[1])
     return row
+
+
+def prefetch_ab(paged, tuning: dict, env, bk) -> dict:
+    """`prefetch_rows=True` (at 3 stages or more, where Triton overlaps the loads with
+    the dots) against the default, in the same interleaved rounds: the row's
+    `prefetch_over_default` (below 1: faster), or its error."""
+    alt = dict(prefetch_rows=True, num_stages=max(3, tuning["num_stages"]))
+    try:
+        runs = {
+            name: (bk.compile_calls(partial(ragged_paged_attention_gpu, **kw), paged), len(paged))
+            for name, kw in (("default", {}), ("prefetch", alt))
+        }
+        times = bk.time_rounds(runs, env.iters)
+    except Exception as e:  # noqa: BLE001 - reported in the row
+        bk.log(f"    prefetch A/B failed: {bk.short_error(e)}")
+        return dict(error_prefetch=bk.short_error(e))
+    ratio = bk.paired_ratio(times["prefetch"], times["default"])
+    bk.log(f"    {alt} / default, {env.iters} interleaved rounds: {ratio:.3f}")
+    return dict(prefetch_over_default=ratio, prefetch_cfg=alt)
 
 
 def run_family(env) -> Iterator[dict]:

@@ -13,8 +13,8 @@ changes; this script searches the knobs jointly, to choose the defaults
    again last: the spread of those two is the noise; where the default splits,
    the split merge is also timed alone), then checks the fastest configuration
    against the reference;
-3. times the ragged kernel over `block_q x block_kv x num_warps x num_stages`
-   for the prefill-chunk shapes.
+3. times the ragged kernel with `prefetch_rows=True`, then over `block_q x
+   block_kv x num_warps x num_stages`, for the prefill-chunk shapes.
 
 Timing is `bench_kernels.time_calls` (cold L2: rotating caches; medians).
 `--out DIR` streams one JSON line per measurement to DIR/tune.jsonl, so a run cut
@@ -223,7 +223,9 @@ def ragged_cases(dry_run: bool):
     if dry_run:
         case = rc.cases(gpu=False)[0]
         return [(case, [dict(block_q=4, block_kv=16)], 1)]
-    grid = [
+    # The page ids carried one block ahead first (the defaults' knobs, then half the KV
+    # tile: 128 instead of 224 KiB of shared memory), then the grid.
+    grid = [dict(prefetch_rows=True), dict(prefetch_rows=True, block_kv=64)] + [
         dict(block_q=bq, block_kv=bkv, num_warps=w, num_stages=st)
         for bq, bkv, w, st in itertools.product((16, 32, 8), (64, 128, 32), (8, 4), (2, 3))
     ]

@@ -321,6 +321,32 @@ def test_ragged_family_records_a_raising_case_and_goes_on(bench, monkeypatch):
     assert rows[1] == dict(case=two[1].name, ok=True)
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_ragged_prefetch_ab(bench, monkeypatch, fails):
+    """The paired A/B of `prefetch_rows` (a stand-in kernel records its knobs)."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import bench_ragged_cases as ragged
+
+    seen = []
+
+    def kernel(q, *args, **knobs):
+        seen.append(knobs)
+        if fails and knobs:
+            raise ValueError("out of resource: shared memory")
+        return q * 2
+
+    monkeypatch.setattr(ragged, "ragged_paged_attention_gpu", kernel)
+    env = bench.BenchEnv(on_gpu=True, quick=False, iters=3, deadline=0.0, device="fake")
+    paged = [(jnp.full((4, 2), float(i)), None) for i in range(2)]
+    out = ragged.prefetch_ab(paged, dict(num_stages=2), env, bench)
+    assert {} in seen and dict(prefetch_rows=True, num_stages=3) in seen
+    if fails:
+        assert "out of resource" in out["error_prefetch"]
+    else:
+        assert out["prefetch_over_default"] > 0
+        assert out["prefetch_cfg"] == dict(prefetch_rows=True, num_stages=3)
+
+
 def test_tune_kernels_dry_run(tmp_path, monkeypatch):
     """scripts/tune_kernels.py on the CPU: each grid times, and the winners are checked."""
     monkeypatch.syspath_prepend(str(SCRIPT.parent))

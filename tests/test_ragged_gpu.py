@@ -156,10 +156,11 @@ def _run(args, **kw):
 HEADS = {"g1": (4, 4), "g4": (8, 2), "g8": (8, 1), "mqa": (4, 1), "g3": (6, 2)}
 
 
-def _grid_case(rng, heads, head_dim, page_size, dtype, **opts):
+def _grid_case(rng, heads, head_dim, page_size, dtype, tuning=None, **opts):
     """A batch mixing decode rows, chunks, q_len 0 and padding rows.
 
     Context lengths include 1, exactly a page boundary and the table's maximum.
+    `tuning` (knobs) goes to the kernel only, `opts` to the reference too.
     """
     max_pages = 4
     cap = max_pages * page_size
@@ -176,7 +177,7 @@ def _grid_case(rng, heads, head_dim, page_size, dtype, **opts):
         dtype=dtype,
         pad_rows=3,
     )
-    out = _run(args, **opts)
+    out = _run(args, **opts, **(tuning or {}))
     _check(out, _dense_ref(dense, args[0].shape[0], **opts), dtype)
 
 
@@ -197,7 +198,7 @@ def test_matches_dense_reference(heads, head_dim, page_size, dtype):
 PAGE_SIZES = (8, 16, 32, 64, 128)
 
 
-def _fp8_case(seed, heads, head_dim, page_size, dtype, kv_dtype, **opts):
+def _fp8_case(seed, heads, head_dim, page_size, dtype, kv_dtype, tuning=None, **opts):
     """FP8 pages with a `dtype` query (dead slots NaN): tight against dense attention on the
     same fp8 values, loose (FP8_BOUNDS) against the unquantised K/V."""
     max_pages = 4
@@ -219,7 +220,7 @@ def _fp8_case(seed, heads, head_dim, page_size, dtype, kv_dtype, **opts):
     _, unquantised = _batch(
         np.random.default_rng(seed), q_lens, ctx_lens, kv_dtype=jnp.float32, **shape
     )
-    out = _run(args, **opts)
+    out = _run(args, **opts, **(tuning or {}))
     assert out.dtype == dtype
     _check(out, _dense_ref(dense, args[0].shape[0], **opts), dtype)
     ref = _dense_ref(unquantised, args[0].shape[0], **opts)
@@ -403,8 +404,41 @@ def test_through_dispatcher():
 
 
 @pytest.mark.parametrize(
+    "seed,q_lens,ctx_lens,window",
+    [
+        (8, [1, 9, 1, 4, 0], [13, 29, 40, 4, 0], 6),  # all three loops: window, full, causal
+        (5, [1, 12, 1, 9, 1], [33, 40, 9, 9, 64], None),
+        (6, [17, 1, 0, 2, 0], [38, 20, 5, 8, 0], 50),  # a window wider than every context
+    ],
+)
+def test_prefetch_rows_gives_the_same_output(seed, q_lens, ctx_lens, window):
+    """Page ids carried one block ahead through the loops: exactly the default's output
+    (same arithmetic, other load order), on poisoned pools."""
+    args, ref = _std_case(seed, q_lens, ctx_lens, window=window)
+    out = _run(args, sliding_window=window, prefetch_rows=True, **STD_KNOBS)
+    _check(out, ref, jnp.float32)
+    same = _run(args, sliding_window=window, **STD_KNOBS)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(same))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heads,opts", [("g1", {}), ("g3", dict(soft_cap=5.0, sliding_window=3))])
+def test_prefetch_rows_grid(heads, opts):
+    prefetch = dict(prefetch_rows=True)
+    _grid_case(np.random.default_rng(13), HEADS[heads], 64, 8, jnp.bfloat16, prefetch, **opts)
+    _fp8_case(14, HEADS[heads], 64, 16, jnp.bfloat16, jnp.float8_e4m3fn, prefetch, **opts)
+
+
+@pytest.mark.parametrize(
     "knob,value",
-    [("block_q", 3), ("block_q", 2), ("block_kv", 8), ("block_kv", 48), ("num_warps", 3)],
+    [
+        ("block_q", 3),
+        ("block_q", 2),
+        ("block_kv", 8),
+        ("block_kv", 48),
+        ("num_warps", 3),
+        ("prefetch_rows", 1),
+    ],
 )
 def test_bad_tuning_knobs(knob, value):
     args, _ = _batch(np.random.default_rng(10), [1], [3], heads=(4, 1))  # G = 4
@@ -436,6 +470,7 @@ def test_default_tuning_tiles():
         ((8, 8), 64, 8, jnp.float32, dict(soft_cap=30.0, sliding_window=100)),
         ((6, 2), 256, 128, jnp.bfloat16, {}),
         ((8, 1), 128, 32, jnp.bfloat16, dict(block_q=2, block_kv=128)),
+        ((32, 8), 128, 16, jnp.bfloat16, dict(prefetch_rows=True, sliding_window=100)),
     ],
 )
 def test_lowers_for_cuda(heads, head_dim, page_size, dtype, opts):

@@ -40,6 +40,22 @@ launched, each reading two scalars. There is no split over the KV axis: a batch 
 long decode rows occupies only `B * K` programs; the paged decode kernel is the
 better choice for pure decode.
 
+Load pipelining and `prefetch_rows` (untimed). Each KV block's rows come through
+page ids loaded in the same iteration, and Triton's pipeliner splits its stages
+over that chain (page id, then K/V): in the TTGIR that Triton 3.9 makes for sm90
+(compiled on a CPU), every configuration the defaults pick waits for all copies
+in flight at the top of each iteration (`async_wait num = 0`), so the next tile's
+K/V loads never overlap this tile's dots. `prefetch_rows=True` looks the ids up
+one block ahead and carries them in the loop state, as the paged decode kernel
+does: from `num_stages=3` the wait keeps the next tile's copies in flight
+(`num = 2`) and the K/V tiles get 3 buffers. At 2 stages nothing changes. It is off
+by default because it is untimed, and at the mostly-prefill defaults (M = 128,
+128-token KV blocks, 3 stages) those buffers take 224 KiB of shared memory, 3 KiB
+under the H200's 227 KiB per program: a different Triton could miss it and fail to
+compile. `bench_ragged_cases.py` times it against the default in the same rounds
+(`prefetch_over_default`), `tune_kernels.py` in its ragged grid. Off, the kernel's
+Triton IR is unchanged, byte for byte.
+
 FP8 pages (`float8_e4m3fn` or `float8_e5m2`, an FP8 KV cache) with a bfloat16 or
 float32 q: each K/V tile is loaded as fp8 (half the bytes of bf16) and converted
 to q's dtype right after the load, so the dots are those of the unquantised
@@ -98,6 +114,7 @@ def _kernel(
     scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
+    prefetch_rows: bool,
 ):
     j = pl.program_id(0)
     kv_head = pl.program_id(1)
@@ -145,13 +162,27 @@ def _kernel(
         # Masked K/V lanes read as 0 in the pages' dtype (Triton cannot cast an int 0 to fp8).
         kv_zero = jnp.zeros((), k_ref.dtype)
 
-        def body(i, carry, masked):
-            acc, m_i, l_i = carry
+        def block(i):
+            # Token positions of KV block i and which of them are in [kv_lo, kv_hi).
             kv_pos = i * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
-            kv_ok = (kv_pos >= kv_lo) & (kv_pos < kv_hi)  # [block_kv]
+            return kv_pos, (kv_pos >= kv_lo) & (kv_pos < kv_hi)
+
+        def rows_of(kv_pos, kv_ok):
+            # K/V rows of those tokens through the page table (0 where masked).
             page_idx = jnp.where(kv_ok, kv_pos // page_size, 0)
             page = plgpu.load(pt_ref.at[page_base + page_idx], mask=kv_ok, other=0)
-            kv_rows = jnp.where(kv_ok, page * page_size + kv_pos % page_size, 0)[:, None]
+            return jnp.where(kv_ok, page * page_size + kv_pos % page_size, 0)
+
+        def body(i, carry, masked):
+            acc, m_i, l_i = carry[:3]
+            kv_pos, kv_ok = block(i)  # [block_kv]
+            if prefetch_rows:
+                # The next block's rows are looked up now and carried, so this block's
+                # K/V loads depend on the loop state, not on a load of this iteration.
+                rows, next_rows = carry[3], rows_of(*block(i + 1))
+            else:
+                rows = rows_of(kv_pos, kv_ok)
+            kv_rows = rows[:, None]
             # FP8 pages are upcast right after the load: the bytes moved stay fp8.
             k = plgpu.load(k_ref.at[kv_rows, col], mask=kv_ok[:, None], other=kv_zero)
             k = k.astype(q.dtype)  # [bkv, D]
@@ -186,18 +217,22 @@ def _kernel(
                 precision=dot_precision,
                 preferred_element_type=jnp.float32,
             )  # [M, D]
-            return acc * alpha[:, None] + pv, m_new, l_new
+            new = (acc * alpha[:, None] + pv, m_new, l_new)
+            return (*new, next_rows) if prefetch_rows else new
 
         carry = (
             jnp.zeros((m_rows, head_dim), jnp.float32),
             jnp.full((m_rows,), _NEG, jnp.float32),
             jnp.zeros((m_rows,), jnp.float32),
         )
+        if prefetch_rows:
+            # Each loop ends holding the rows of its stop block, the next loop's start.
+            carry = (*carry, rows_of(*block(b0)))
         if sliding_window is not None:
             carry = lax.fori_loop(b0, b1, functools.partial(body, masked=True), carry)
         carry = lax.fori_loop(b1, b2, functools.partial(body, masked=False), carry)
         carry = lax.fori_loop(b2, b3, functools.partial(body, masked=True), carry)
-        acc, _, l_i = carry
+        acc, _, l_i = carry[:3]
         # Every real query sees at least itself, so l > 0 except on padding rows.
         out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
         # Masked rows point past the end: the interpreter's scatter drops them, and
@@ -290,6 +325,7 @@ def ragged_paged_attention_gpu(
     block_kv: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    prefetch_rows: bool = False,
 ):
     """Ragged paged attention with the Pallas Triton kernel.
 
@@ -310,6 +346,8 @@ def ragged_paged_attention_gpu(
       block_q: query tokens per program (power of two; block_q * G >= 16).
       block_kv: KV tokens per inner step (power of two >= 16; need not match pages).
       num_warps, num_stages: Triton launch parameters.
+      prefetch_rows: look each KV block's page ids up one iteration ahead and carry
+        them in the loop state (an experiment, untimed: see the module docstring).
 
     Returns:
       [T, H, D] in q's dtype.
@@ -323,6 +361,8 @@ def ragged_paged_attention_gpu(
     knobs = dict(block_q=block_q, block_kv=block_kv, num_warps=num_warps, num_stages=num_stages)
     knobs = {name: defaults[name] if val is None else val for name, val in knobs.items()}
     _check_knobs(**knobs, group_pad=_pow2(num_heads // num_kv_heads))
+    if not isinstance(prefetch_rows, bool):
+        raise ValueError(f"prefetch_rows must be a bool, got {prefetch_rows=}")
     if num_tokens == 0 or num_seqs == 0:
         return jnp.zeros_like(q)
     return _ragged_call(
@@ -336,6 +376,7 @@ def ragged_paged_attention_gpu(
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=None if sliding_window is None else int(sliding_window),
         interpret=bool(interpret),
+        prefetch_rows=prefetch_rows,
         **knobs,
     )
 
@@ -351,6 +392,7 @@ def ragged_paged_attention_gpu(
         "block_kv",
         "num_warps",
         "num_stages",
+        "prefetch_rows",
     ),
 )
 def _ragged_call(
@@ -369,6 +411,7 @@ def _ragged_call(
     block_kv,
     num_warps,
     num_stages,
+    prefetch_rows,
 ):
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -394,6 +437,7 @@ def _ragged_call(
         scale=scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
+        prefetch_rows=prefetch_rows,
     )
     whole = pl.no_block_spec
     kv_spec = pl.BlockSpec((None, kv_rows, head_dim), lambda j, h: (h, 0, 0))
