@@ -290,13 +290,14 @@ print(
 )
 keys = (
     "ours_us", "ours_first_us", "ours_frac_copy", "speedup_vs_bundled", "paged_over_dense",
-    "one_buffer_over_default", "ours_best_us", "err_ours",
+    "one_buffer_over_default", "ours_frac_matmul", "prefetch_over_default", "ours_best_us",
+    "err_ours",
 )
 for r in (r for r in lines if r.get("kind") == "row"):
     shown = ", ".join(
         f"{k}={r[k]:.3g}" if isinstance(r[k], float) else f"{k}={r[k]}" for k in keys if k in r
     )
-    error = r.get("error") or r.get("error_ours") or ""
+    error = " ".join(r[k] for k in ("error", "error_ours", "error_prefetch") if r.get(k))
     print(f"  {r.get('family', '?'):6} {r.get('case', '?'):30} ok={r.get('ok')} {shown} {error}")
 EOF
   echo "files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
