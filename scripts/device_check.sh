@@ -290,14 +290,15 @@ print(
 )
 keys = (
     "ours_us", "ours_first_us", "ours_frac_copy", "speedup_vs_bundled", "paged_over_dense",
-    "one_buffer_over_default", "ours_frac_matmul", "prefetch_over_default", "ours_best_us",
-    "err_ours",
+    "one_buffer_over_default", "ours_frac_matmul", "prefetch_over_default",
+    "prefetch_kv64_over_default", "ours_best_us", "err_ours",
 )
 for r in (r for r in lines if r.get("kind") == "row"):
     shown = ", ".join(
         f"{k}={r[k]:.3g}" if isinstance(r[k], float) else f"{k}={r[k]}" for k in keys if k in r
     )
-    error = " ".join(r[k] for k in ("error", "error_ours", "error_prefetch") if r.get(k))
+    errors = ("error", "error_ours", "error_prefetch", "error_prefetch_kv64")
+    error = " ".join(r[k] for k in errors if r.get(k))
     print(f"  {r.get('family', '?'):6} {r.get('case', '?'):30} ok={r.get('ok')} {shown} {error}")
 EOF
   echo "files in $OUT: $(ls "$OUT" | tr '\n' ' ')"

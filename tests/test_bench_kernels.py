@@ -323,7 +323,8 @@ def test_ragged_family_records_a_raising_case_and_goes_on(bench, monkeypatch):
 
 @pytest.mark.parametrize("fails", [False, True])
 def test_ragged_prefetch_ab(bench, monkeypatch, fails):
-    """The paired A/B of `prefetch_rows` (a stand-in kernel records its knobs)."""
+    """The paired A/B of `prefetch_rows` (a stand-in kernel records its knobs; with
+    `fails`, the 128-token one cannot compile and the 64-token one still runs)."""
     monkeypatch.syspath_prepend(str(SCRIPT.parent))
     import bench_ragged_cases as ragged
 
@@ -331,20 +332,27 @@ def test_ragged_prefetch_ab(bench, monkeypatch, fails):
 
     def kernel(q, *args, **knobs):
         seen.append(knobs)
-        if fails and knobs:
+        if fails and knobs.get("prefetch_rows") and "block_kv" not in knobs:
             raise ValueError("out of resource: shared memory")
         return q * 2
 
     monkeypatch.setattr(ragged, "ragged_paged_attention_gpu", kernel)
     env = bench.BenchEnv(on_gpu=True, quick=False, iters=3, deadline=0.0, device="fake")
     paged = [(jnp.full((4, 2), float(i)), None) for i in range(2)]
-    out = ragged.prefetch_ab(paged, dict(num_stages=2), env, bench)
-    assert {} in seen and dict(prefetch_rows=True, num_stages=3) in seen
+    out = ragged.prefetch_ab(paged, dict(num_stages=2, block_kv=128), env, bench)
+    kv64 = dict(prefetch_rows=True, num_stages=3, block_kv=64)
+    assert {} in seen and dict(prefetch_rows=True, num_stages=3) in seen and kv64 in seen
+    assert out["prefetch_kv64_over_default"] > 0 and out["prefetch_kv64_cfg"] == kv64
     if fails:
-        assert "out of resource" in out["error_prefetch"]
+        assert "out of resource" in out["error_prefetch"] and "prefetch_cfg" not in out
     else:
         assert out["prefetch_over_default"] > 0
-        assert out["prefetch_cfg"] == dict(prefetch_rows=True, num_stages=3)
+    # A default tile of 64 tokens or fewer: the one alternative.
+    assert set(ragged.prefetch_ab(paged, dict(num_stages=3, block_kv=64), env, bench)) <= {
+        "prefetch_over_default",
+        "prefetch_cfg",
+        "error_prefetch",
+    }
 
 
 def test_tune_kernels_dry_run(tmp_path, monkeypatch):

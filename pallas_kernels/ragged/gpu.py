@@ -52,9 +52,11 @@ does: from `num_stages=3` the wait keeps the next tile's copies in flight
 by default because it is untimed, and at the mostly-prefill defaults (M = 128,
 128-token KV blocks, 3 stages) those buffers take 224 KiB of shared memory, 3 KiB
 under the H200's 227 KiB per program: a different Triton could miss it and fail to
-compile. `bench_ragged_cases.py` times it against the default in the same rounds
-(`prefetch_over_default`), `tune_kernels.py` in its ragged grid. Off, the kernel's
-Triton IR is unchanged, byte for byte.
+compile; with 64-token KV blocks it needs 128 KiB and spills no registers (the
+128-token default spills a little; BENCHMARKS.md, "Kernels", has the table).
+`bench_ragged_cases.py` times both against the default in the same rounds,
+`tune_kernels.py` in its ragged grid. Off, the kernel's Triton IR is unchanged,
+byte for byte.
 
 FP8 pages (`float8_e4m3fn` or `float8_e5m2`, an FP8 KV cache) with a bfloat16 or
 float32 q: each K/V tile is loaded as fp8 (half the bytes of bf16) and converted
