@@ -427,8 +427,12 @@ def prefetch_ab(paged, tuning: dict, env, bk) -> dict:
         runs[name] = (thunk, len(paged))
     if "default" not in runs or len(runs) < 2:
         return out
-    times = bk.time_rounds(runs, env.iters)
-    for name in runs.keys() - {"default"}:
+    try:
+        times = bk.time_rounds(runs, env.iters)
+    except Exception as e:  # noqa: BLE001 - reported in the row
+        bk.log(f"    prefetch A/B failed: {bk.short_error(e)}")
+        return {**out, "error_prefetch": bk.short_error(e)}
+    for name in (name for name in runs if name != "default"):
         ratio = bk.paired_ratio(times[name], times["default"])
         bk.log(f"    {alts[name]} / default, {env.iters} interleaved rounds: {ratio:.3f}")
         out.update({f"{name}_over_default": ratio, f"{name}_cfg": alts[name]})
