@@ -32,9 +32,9 @@ TINY8 = ModelConfig(
 
 
 def _run_cases(*pytest_args: str) -> str:
-    # The cases check numerics and partitioning, not codegen speed: LLVM -O0 halves
-    # the compile time of the CPU programs.
-    flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    # XLA_FLAGS already holds conftest.py's -O0 (the cases check numerics and
+    # partitioning, not codegen speed); the subprocess inherits it.
+    flags = "--xla_force_host_platform_device_count=8"
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
     env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/tp_cases.py"]
