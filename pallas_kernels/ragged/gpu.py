@@ -43,20 +43,20 @@ better choice for pure decode.
 Load pipelining and `prefetch_rows` (untimed). Each KV block's rows come through
 page ids loaded in the same iteration, and Triton's pipeliner splits its stages
 over that chain (page id, then K/V): in the TTGIR that Triton 3.9 makes for sm90
-(compiled on a CPU), every configuration the defaults pick waits for all copies
-in flight at the top of each iteration (`async_wait num = 0`), so the next tile's
-K/V loads never overlap this tile's dots. `prefetch_rows=True` looks the ids up
-one block ahead and carries them in the loop state, as the paged decode kernel
-does: from `num_stages=3` the wait keeps the next tile's copies in flight
-(`num = 2`) and the K/V tiles get 3 buffers. At 2 stages nothing changes. It is off
-by default because it is untimed, and at the mostly-prefill defaults (M = 128,
-128-token KV blocks, 3 stages) those buffers take 224 KiB of shared memory, 3 KiB
-under the H200's 227 KiB per program: a different Triton could miss it and fail to
-compile; with 64-token KV blocks it needs 128 KiB and spills no registers (the
-128-token default spills a little; BENCHMARKS.md, "Kernels", has the table).
-`bench_ragged_cases.py` times both against the default in the same rounds,
-`tune_kernels.py` in its ragged grid. Off, the kernel's Triton IR is unchanged,
-byte for byte.
+(compiled on a CPU: `scripts/triton_ir.py`), every configuration the defaults
+pick waits for all copies in flight at the top of each iteration (`async_wait
+num = 0`), so the next tile's K/V loads never overlap this tile's dots.
+`prefetch_rows=True` looks the ids up one block ahead and carries them in the loop
+state, as the paged decode kernel does: from `num_stages=3` the wait keeps the
+next tile's copies in flight (`num = 2`) and the K/V tiles get 3 buffers. At 2
+stages nothing changes. It is off by default because it is untimed, and at the
+mostly-prefill defaults (M = 128, 128-token KV blocks, 3 stages) those buffers
+take 224 KiB of shared memory, 3 KiB under the H200's 227 KiB per program: a
+different Triton could miss it and fail to compile; with 64-token KV blocks it
+needs 128 KiB and spills no registers (the 128-token default spills a little;
+BENCHMARKS.md, "Kernels", has the table). `bench_ragged_cases.py` times both
+against the default in the same rounds, `tune_kernels.py` in its ragged grid.
+Off, the kernel's Triton IR is unchanged, byte for byte.
 
 FP8 pages (`float8_e4m3fn` or `float8_e5m2`, an FP8 KV cache) with a bfloat16 or
 float32 q: each K/V tile is loaded as fp8 (half the bytes of bf16) and converted
