@@ -12,7 +12,9 @@ tolerance), a correctness path rather than a fast one. Checked against the
 reference and timed on an H200 with jax 0.11.2 (`tests/test_gpu_device.py`;
 BENCHMARKS.md, "Kernels"): 128 decode rows over 4,096 tokens stream K/V at 0.98 of
 the copy bandwidth, prefill chunks reach about 245 TFLOP/s (a third of XLA's
-matmul rate: the Triton lowering emits no wgmma).
+matmul rate). Why, from compile-only evidence (pip Triton 3.9's sm90 build, not
+jaxlib's): the dots are Hopper's wgmma, but the K/V loads never overlap them and
+the prefill defaults spill registers (see "Load pipelining" below).
 
 Work decomposition. Query rows are cut into *query blocks*: `block_q` consecutive
 tokens of one sequence times all `G = H // K` query heads of one kv head, which
