@@ -86,7 +86,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_decode.gpu_merge import merge_partials, merge_splits, merge_splits_gpu
+from pallas_kernels.paged_decode.gpu_merge import (
+    merge_partials,
+    merge_splits,
+    merge_splits_gpu,
+    program_heads,
+)
 
 __all__ = [
     "TUNING_KNOBS",
@@ -222,15 +227,12 @@ def _decode_kernel(
     sliding_window,
 ):
     b = pl.program_id(0)
-    kv_head = lax.div(pl.program_id(1), head_blocks)
-    head_block = lax.rem(pl.program_id(1), head_blocks)
     split = pl.program_id(2)
     head_dim = q_ref.shape[-1]
 
     # Query heads of this program: rows of the tile; rows past the group are padding.
-    row = head_block * block_h + lax.iota(jnp.int32, block_h)  # [block_h]
-    row_ok = row < group
-    heads = (kv_head * group + row)[:, None]  # [block_h, 1]
+    kv_head, heads, row_ok = program_heads(group, block_h, head_blocks)  # [block_h]
+    heads = heads[:, None]  # [block_h, 1]
     cols = lax.iota(jnp.int32, head_dim)[None, :]  # [1, D]
     q = plgpu.load(q_ref.at[b, heads, cols], mask=row_ok[:, None], other=0)  # [block_h, D]
 

@@ -55,13 +55,24 @@ def merge_splits(o, m, denom, dtype):
     return (num / jnp.where(total > 0, total, 1.0)[..., None]).astype(dtype)
 
 
-def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, group, block_h, head_blocks, num_splits):
-    b = pl.program_id(0)
+def program_heads(group: int, block_h: int, head_blocks: int):
+    """This program's query heads, for the decode kernel and the merge alike: grid axis
+    1 is (kv head, head block), and the block's heads are the rows of the tile.
+
+    Returns:
+      (kv_head, heads [block_h] int32, row_ok [block_h] bool): rows past the group are
+      padding.
+    """
     kv_head = lax.div(pl.program_id(1), head_blocks)
     head_block = lax.rem(pl.program_id(1), head_blocks)
     row = head_block * block_h + lax.iota(jnp.int32, block_h)  # [block_h]
     row_ok = row < group
-    heads = kv_head * group + row  # [block_h]
+    return kv_head, kv_head * group + row, row_ok
+
+
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, group, block_h, head_blocks, num_splits):
+    b = pl.program_id(0)
+    _, heads, row_ok = program_heads(group, block_h, head_blocks)  # [block_h]
     cols = lax.iota(jnp.int32, o_ref.shape[-1])[None, :]  # [1, D]
 
     def body(s, carry):
