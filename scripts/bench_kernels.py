@@ -74,7 +74,7 @@ import numpy as np
 
 from pallas_kernels import reference
 from pallas_kernels.paged_decode.gpu import default_tuning, paged_decode_gpu
-from pallas_kernels.paged_decode.gpu_merge import UNROLLED_SPLITS
+from pallas_kernels.paged_decode.gpu_merge import UNROLLED_SPLITS, merge_partials, merge_splits
 
 L2_BYTES = 50 * 2**20  # H100/H200 L2; caches rotate over >= 3x this
 GIB = 2**30
@@ -82,6 +82,7 @@ CALLS = (4, 16)  # kernel calls per timed executable: at least, at most
 RUN_BYTES = 4 * GIB  # K/V read per timed executable (within CALLS): launch and sync overhead
 #                      is then ~1-2% of a run
 WARMUP_S = 0.05  # seconds of warm-up runs before timing
+MERGE_CALLS = 32  # merges per timed run: a merge alone reads little
 
 # ---------------------------------------------------------------- shared machinery
 
@@ -469,8 +470,8 @@ def ours_sweep(case: DecodeCase) -> list[dict]:
     # before the page ids were carried across iterations (BENCHMARKS.md, "Kernels").
     alts = [dict(num_stages=2), dict(block_kv=2 * block_kv, num_stages=2)]
     if splits > UNROLLED_SPLITS:
-        # First, while the budget lasts: fewer, longer splits whose merge is the one
-        # Pallas launch, against many splits merged by XLA's fusions (B = 1, 8).
+        # First, while the budget lasts: fewer, longer splits (more work per program,
+        # fewer programs than SMs at B = 1) and the 8-split merge (B = 1, 8).
         alts.insert(0, dict(num_splits=UNROLLED_SPLITS))
     if splits > 1:  # no merge: 0.93 of the default's time at (32, 4096) once, 1.04 once
         alts.append(dict(num_splits=1))
@@ -566,6 +567,18 @@ def decode_case_gpu(case: DecodeCase, env: BenchEnv, sweep_until: float) -> dict
         if env.copy_gbps:
             row["ours_frac_copy"] = row["ours_gbps"] / env.copy_gbps
 
+    splits = case.tuning()["num_splits"]
+    if t_ours and splits > 1 and not env.quick:
+        # The merge the default runs after the kernel, and XLA's fusions of the same
+        # jnp ops (what ran before 2026-11-30), alone on random partials.
+        sets = random_partials(case, splits, MERGE_CALLS)
+        group, block_h = case.num_heads // case.num_kv_heads, case.tuning()["block_h"]
+        dtype = jnp.dtype(case.dtype)
+        picked = partial(merge_partials, dtype=dtype, group=group, block_h=block_h)
+        timed("merge", picked, sets, keep="merge")
+        timed("merge_xla", partial(merge_splits, dtype=dtype), sets, keep="merge_xla")
+        del sets
+
     dense = [(to_dense(k, pt), to_dense(v, pt)) for _, k, v, pt in inputs]
     dense_sets = [(q, *dense[i % copies], full) for i, q in enumerate(qs)]
     t_dense = timed("dense", dense_decode, dense_sets, keep="dense")
@@ -627,8 +640,9 @@ def decode_case_gpu(case: DecodeCase, env: BenchEnv, sweep_until: float) -> dict
 
 
 def head_to_head(case: DecodeCase, env: BenchEnv, runs: dict, row: dict) -> None:
-    """Ours, the best bundled configuration, dense, our best alternative and the copy
-    ceiling, timed again in interleaved rounds (`time_rounds`): the row's reported
+    """Ours, the best bundled configuration, dense, our best alternative, the two
+    merges (when the default splits) and the copy ceiling, timed again in interleaved
+    rounds (`time_rounds`): the row's reported
     figures. The separate timings above only chose the configurations (they drift
     apart by up to 10% within a run on the H200)."""
     if env.copy_run:
@@ -656,6 +670,9 @@ def head_to_head(case: DecodeCase, env: BenchEnv, runs: dict, row: dict) -> None
         row["ours_best_us"] = row["ours_us"]
     if "ours_1buf" in times:
         row["one_buffer_over_default"] = paired_ratio(times["ours_1buf"], times["ours"])
+    if "merge" in times and "merge_xla" in times:
+        row.update(merge_us=med["merge"] * 1e6, merge_xla_us=med["merge_xla"] * 1e6)
+        row["merge_over_xla"] = paired_ratio(times["merge"], times["merge_xla"])
     spread = sorted(times["ours"])
     row["ours_iqr_us"] = [spread[len(spread) // 4] * 1e6, spread[(3 * len(spread)) // 4] * 1e6]
     log(
@@ -733,6 +750,8 @@ DECODE = Family(
         ("paged_over_dense", "paged/dense", ".2f"),
         ("ours_best_us", "best us", ".1f"),
         ("one_buffer_over_default", "1buf/def", ".2f"),
+        ("merge_us", "merge us", ".1f"),
+        ("merge_xla_us", "xla merge us", ".1f"),
         ("err_ours", "err ours", ".1e"),
         ("err_bundled", "err bundled", ".1e"),
         ("err_dense", "err dense", ".1e"),

@@ -290,7 +290,8 @@ print(
 )
 keys = (
     "ours_us", "ours_first_us", "ours_frac_copy", "speedup_vs_bundled", "paged_over_dense",
-    "one_buffer_over_default", "ours_frac_matmul", "prefetch_over_default",
+    "one_buffer_over_default", "merge_us", "merge_over_xla", "ours_frac_matmul",
+    "prefetch_over_default",
     "prefetch_kv64_over_default", "ours_best_us", "err_ours",
 )
 for r in (r for r in lines if r.get("kind") == "row"):

@@ -16,11 +16,11 @@ medians of per-round ratios:
 
   default       the public path: the kernel and, when it splits, the merge
   kernel        the kernel alone (the split partials, no merge)
-  merge         the merge alone (`merge_splits_gpu`, one Pallas launch: what the
-                public path runs up to 8 splits), on random partials of the
-                default's shape
+  merge         the merge alone (`merge_partials`, the one Pallas launch the public
+                path runs: `merge_splits_gpu` up to 8 splits, `merge_splits_wide`
+                beyond), on random partials of the default's shape
   merge_xla     the same merge as jnp ops (`merge_splits`, several XLA fusions: what
-                the public path runs beyond 8 splits, and ran always before 2026-11-30)
+                the public path ran before 2026-11-30)
   one_split     the default's tiles without split-K
   one_buffer    the default at 2 stages: Triton keeps one K/V buffer, so each
                 program requests its next tile only after using the current one
@@ -66,7 +66,6 @@ from pallas_kernels.paged_decode.gpu import (  # noqa: E402
     decode_partials,
     merge_partials,
     merge_splits,
-    merge_splits_gpu,
     paged_decode_gpu,
 )
 
@@ -121,7 +120,7 @@ def variants(case: bk.DecodeCase, interpret: bool, copies: int, calls: int, smal
         dtype = jnp.dtype(case.dtype)
         group = case.num_heads // case.num_kv_heads
         partials = bk.random_partials(case, splits, small)
-        merge = partial(merge_splits_gpu, dtype=dtype, group=group, interpret=interpret)
+        merge = partial(merge_partials, dtype=dtype, group=group, interpret=interpret)
         yield "merge", partial(merge, block_h=tuning["block_h"]), partials, False
         yield "merge_xla", partial(merge_splits, dtype=dtype), partials, False
         one = partial(paged_decode_gpu, interpret=interpret, **{**tuning, "num_splits": 1})

@@ -108,6 +108,29 @@ def test_gpu_path_logic_on_cpu(bench, capsys, monkeypatch):
     assert row["ok"] is True and row["tuning"]["num_splits"] >= 1
 
 
+def test_gpu_path_head_to_head_on_cpu(bench, capsys, monkeypatch):
+    """The full GPU path (not --quick) with the sweeps' budget spent: the head-to-head
+    rounds, and both merges timed where the default splits."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as bundled
+
+    interpret = functools.partial(paged_decode_gpu, interpret=True)
+    monkeypatch.setattr(bench, "paged_decode_gpu", interpret)
+    merge = functools.partial(bench.merge_partials, interpret=True)
+    monkeypatch.setattr(bench, "merge_partials", merge)
+    run = functools.partial(bundled.paged_attention, interpret=True)
+    monkeypatch.setattr(bench, "bundled_kernel", lambda: (run, None))
+    case = bench.DecodeCase(1, 1024, num_heads=4, num_kv_heads=2, head_dim=64)
+    assert case.tuning()["num_splits"] == 2
+    fake_gpu(bench, monkeypatch, [case])
+    argv = ["--json", "--iters", "2", "--budget-s", "0"]
+    assert bench.main(argv, families=[bench.DECODE]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["results"]["decode"]
+    assert row["ok"] is True and row["h2h_rounds"] == 2
+    for key in ("ours_us", "bundled_us", "dense_us", "merge_us", "merge_xla_us", "merge_over_xla"):
+        assert row[key] > 0, key
+    assert row["ours_best_cfg"] == "default" and row["ours_sweep_us"] == {}  # no budget
+
+
 def test_fp8_row_in_the_gpu_table(bench):
     """The Llama-3-8B layer at (B, S) = (32, 4096), page 16, with fp8 pages: half the bytes."""
     fp8 = [c for c in bench.GPU_DECODE_CASES if c.kv_dtype == "float8_e4m3fn"]

@@ -18,8 +18,9 @@ import pytest
 
 import pallas_kernels
 from pallas_kernels import reference
+from pallas_kernels.paged_decode import gpu_merge
 from pallas_kernels.paged_decode.gpu import TUNING_KNOBS, default_tuning, paged_decode_gpu
-from pallas_kernels.paged_decode.gpu_merge import merge_splits, merge_splits_gpu
+from pallas_kernels.paged_decode.gpu_merge import merge_splits, merge_splits_gpu, merge_splits_wide
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
 # FP8 pages vs the unquantised K/V they were cast from: the relative error is above
@@ -192,7 +193,7 @@ def test_head_dims_and_page_sizes(head_dim, page_size, max_pages, dtype):
     check(head_dim=head_dim, page_size=page_size, max_pages=max_pages, dtype=dtype, batch=4)
 
 
-@pytest.mark.parametrize("num_splits", [2, 5])
+@pytest.mark.parametrize("num_splits", [2, 5, 12])  # 12: more than 8, the wide merge
 def test_split_k(num_splits):
     # 7 sequences: lengths 0 (a zero row), 1, page boundaries, max, odd.
     lengths = [0, 1, 16, 64, 37, 48, 3]
@@ -309,6 +310,23 @@ def test_default_tuning_sizes_tiles_by_the_pages_itemsize():
 # ---------------------------------------------------------------- split merge
 
 
+def random_partials(seed, splits, batch, heads, head_dim):
+    """Random split partials (o, m, denom) with empty splits: the last split of
+    sequence 0 and, for head 0 of the last sequence, every split (zeros out)."""
+    ko, km, kl = jax.random.split(jax.random.key(seed), 3)
+    o = jax.random.normal(ko, (splits, batch, heads, head_dim), jnp.float32)
+    m = 4 * jax.random.normal(km, (splits, batch, heads), jnp.float32)
+    denom = jax.random.uniform(kl, (splits, batch, heads), jnp.float32, 0.5, 2.0)
+    empty = np.zeros((splits, batch, heads), bool)
+    empty[-1, 0, :] = True
+    empty[:, batch - 1, 0] = True
+    return (
+        jnp.where(empty[..., None], 0.0, o),
+        jnp.where(empty, -jnp.inf, m),
+        jnp.where(empty, 0.0, denom),
+    )
+
+
 @pytest.mark.parametrize(
     ("splits", "batch", "num_kv_heads", "group", "block_h", "dtype"),
     [
@@ -322,16 +340,7 @@ def test_merge_kernel_matches_jnp_merge(splits, batch, num_kv_heads, group, bloc
     """The Pallas merge equals the jnp reference merge on random partials, with empty
     splits (m = -inf) and rows whose every split is empty (zeros out)."""
     heads, head_dim = num_kv_heads * group, 32
-    ko, km, kl = jax.random.split(jax.random.key(splits * 7 + group), 3)
-    o = jax.random.normal(ko, (splits, batch, heads, head_dim), jnp.float32)
-    m = 4 * jax.random.normal(km, (splits, batch, heads), jnp.float32)
-    denom = jax.random.uniform(kl, (splits, batch, heads), jnp.float32, 0.5, 2.0)
-    empty = np.zeros((splits, batch, heads), bool)
-    empty[-1, 0, :] = True  # the last split of sequence 0 saw no key
-    empty[:, batch - 1, 0] = True  # head 0 of the last sequence: nothing at all
-    o = jnp.where(empty[..., None], 0.0, o)
-    m = jnp.where(empty, -jnp.inf, m)
-    denom = jnp.where(empty, 0.0, denom)
+    o, m, denom = random_partials(splits * 7 + group, splits, batch, heads, head_dim)
     ref = merge_splits(o, m, denom, jnp.float32)
     out = merge_splits_gpu(o, m, denom, dtype=dtype, group=group, block_h=block_h, interpret=True)
     assert out.shape == (batch, heads, head_dim) and out.dtype == dtype
@@ -340,6 +349,44 @@ def test_merge_kernel_matches_jnp_merge(splits, batch, num_kv_heads, group, bloc
     assert (out[batch - 1, 0] == 0).all()  # all splits empty: zeros, not NaN
     tol = 1e-6 if dtype == jnp.float32 else 1e-2
     np.testing.assert_allclose(out, np.asarray(ref), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    ("splits", "head_dim", "wide_tile", "dtype"),
+    [
+        (64, 128, 8192, jnp.bfloat16),  # B = 1, S = 32768's split count: one 64 x 128 tile
+        (12, 64, 8192, jnp.float32),  # a tile of 16 splits, 4 of them padding
+        (40, 32, 256, jnp.float32),  # tiles of 8: a fori_loop over 5 tiles
+        (21, 32, 256, jnp.bfloat16),  # 3 tiles, the last one 5 splits and 3 padding
+    ],
+)
+def test_wide_merge_matches_jnp_merge(monkeypatch, splits, head_dim, wide_tile, dtype):
+    """The many-split merge equals the jnp reference on random partials, in one tile
+    and walked a tile at a time (a smaller WIDE_TILE forces the walk)."""
+    monkeypatch.setattr(gpu_merge, "WIDE_TILE", wide_tile)
+    batch, heads = 2, 3
+    o, m, denom = random_partials(splits + head_dim, splits, batch, heads, head_dim)
+    # Sequence 1, head 1: its maximum sits in the last tile, every earlier split empty.
+    first = np.arange(splits) < splits - 1
+    m = m.at[:, 1, 1].set(jnp.where(first, -jnp.inf, 30.0))
+    denom = denom.at[:, 1, 1].set(jnp.where(first, 0.0, denom[:, 1, 1]))
+    ref = merge_splits(o, m, denom, jnp.float32)
+    out = merge_splits_wide(o, m, denom, dtype=dtype, interpret=True)
+    assert out.shape == (batch, heads, head_dim) and out.dtype == dtype
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all()
+    assert (out[batch - 1, 0] == 0).all()  # all splits empty: zeros, not NaN
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(out, np.asarray(ref), rtol=tol, atol=tol)
+
+
+def test_wide_tile_is_a_power_of_two_within_the_budget():
+    assert gpu_merge.wide_tile(64, 128) == 64  # B = 1, S = 32768 at D = 128: one tile
+    assert gpu_merge.wide_tile(16, 128) == 16
+    assert gpu_merge.wide_tile(12, 64) == 16
+    assert gpu_merge.wide_tile(200, 64) == 128  # capped at WIDE_TILE // D
+    assert gpu_merge.wide_tile(100, 256) == 32
+    assert gpu_merge.wide_tile(3, 16384) == 1
 
 
 # ---------------------------------------------------------------- tuning
@@ -403,6 +450,7 @@ def test_unknown_knob_and_bad_head_dim():
         ((64, 32, 8, 128, 16, 8), jnp.bfloat16, dict(soft_cap=30.0)),  # no split
         ((2, 8, 8, 256, 64, 4), jnp.bfloat16, dict(sliding_window=100)),
         ((3, 4, 1, 64, 8, 16), jnp.float32, {}),  # MQA, f32 (exact dots)
+        ((1, 32, 8, 128, 16, 64), jnp.bfloat16, dict(num_splits=16)),  # the wide merge
     ],
 )
 def test_lowers_for_cuda(shape, dtype, options):
@@ -418,6 +466,8 @@ def test_lowers_for_cuda(shape, dtype, options):
     lowered = jax.jit(f).trace(q, pages, pages, lengths, page_table)
     text = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
+    splits = options.get("num_splits", 0)
+    assert ("paged_decode_merge_wide" in text) == (splits > gpu_merge.UNROLLED_SPLITS)
 
 
 @pytest.mark.parametrize(

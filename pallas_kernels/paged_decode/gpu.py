@@ -39,9 +39,9 @@ the kernel is built around reading every live K/V byte exactly once:
   e5m2 pages are checked in the interpreter and lowered, never run on a GPU.
 * Split-K (flash-decoding): when `B * K` programs cannot fill the GPU, each
   sequence's live blocks are divided into `num_splits` contiguous ranges whose
-  partial `(o, m, l)` are merged afterwards: up to 8 splits by one small Pallas
-  kernel (`gpu_merge.py`; XLA's fusions of the same few jnp ops took a seventh of
-  a call on the H200 at 4 splits), beyond that by those jnp ops. The ranges are
+  partial `(o, m, l)` are merged afterwards by one small Pallas kernel
+  (`gpu_merge.py`: one for up to 8 splits, one for more; XLA's fusions of the
+  same few jnp ops took a seventh of a call on the H200 at 4 splits). The ranges are
   cut from the actual length at run time, so short sequences in a wide page
   table are not imbalanced.
 
@@ -90,6 +90,7 @@ from pallas_kernels.paged_decode.gpu_merge import (
     merge_partials,
     merge_splits,
     merge_splits_gpu,
+    merge_splits_wide,
     program_heads,
 )
 
@@ -100,6 +101,7 @@ __all__ = [
     "merge_partials",
     "merge_splits",
     "merge_splits_gpu",
+    "merge_splits_wide",
     "paged_decode_gpu",
 ]
 
@@ -349,7 +351,7 @@ def _decode_call(
     Returns:
       [B, H, D] in q's dtype when `num_splits == 1`; else the split partials
       `(o [splits, B, H, D], m [splits, B, H], l [splits, B, H])` in float32 that
-      `merge_splits_gpu` (or its reference `merge_splits`) combines.
+      `merge_partials` (or its reference `merge_splits`) combines.
       (scripts/profile_decode.py times the two apart.)
     """
     batch, num_heads, head_dim = q.shape

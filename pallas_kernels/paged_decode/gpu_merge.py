@@ -8,7 +8,7 @@ a sequence's context and writes an unnormalised output `o`, its running maximum
 
 with empty splits (`m_s = -inf`) weighted 0 and rows with no key at all 0.
 
-Two implementations of the same function:
+Three implementations of the same function:
 
 * `merge_splits`: a few jnp ops, the reference. XLA runs them as several small
   fusions: on the H200 at (B, S) = (32, 4096), 4 splits, it took 25.6 us per call
@@ -17,10 +17,18 @@ Two implementations of the same function:
 * `merge_splits_gpu`: one Pallas (Triton) launch, one program per (sequence, kv
   head, head block) that walks the splits with an online rescale, reading each
   partial once; the walk is unrolled up to `UNROLLED_SPLITS` splits, so their
-  loads can all be in flight at once. `paged_decode_gpu` runs it up to that many
-  splits and `merge_splits` beyond: with 64 splits (B = 1, S = 32768) a program's
-  64 dependent steps would each wait for a load, where XLA's reduction spreads the
-  work over many more threads. Neither choice has been timed on a GPU yet.
+  loads can all be in flight at once.
+* `merge_splits_wide`: one Pallas launch for many splits (B = 1, S = 32768 splits
+  64 ways by default), where the walk above would be a chain of dependent steps
+  each waiting for a load: one program per (sequence, query head) loads up to
+  `WIDE_TILE` floats of partials, a [splits, D] tile, at once and reduces it along
+  the split axis; more splits than fit are walked a tile at a time.
+
+`merge_partials`, the merge `paged_decode_gpu` runs, picks `merge_splits_gpu` up
+to `UNROLLED_SPLITS` splits and `merge_splits_wide` beyond. Neither kernel has
+been timed on a GPU yet (XLA's fusions merged every split count when the H200
+last ran); `scripts/profile_decode.py` times the picked merge against
+`merge_splits` in the same rounds, and `scripts/bench_kernels.py` does so per row.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 UNROLLED_SPLITS = 8  # up to this many splits the merge kernel's loop is unrolled
+WIDE_TILE = 8192  # float32 elements of partials per tile of `merge_splits_wide` (32 KiB)
 
 
 def merge_splits(o, m, denom, dtype):
@@ -140,11 +149,82 @@ def merge_splits_gpu(o, m, denom, *, dtype, group: int, block_h: int, interpret:
     )(o, m, denom)
 
 
+def _wide_merge_kernel(o_ref, m_ref, l_ref, out_ref, *, num_splits, tile):
+    b, h = pl.program_id(0), pl.program_id(1)
+    cols = lax.iota(jnp.int32, o_ref.shape[-1])[None, :]  # [1, D]
+
+    def body(t, carry):
+        acc, m_run, l_run = carry  # [D], [], []
+        split = t * tile + lax.iota(jnp.int32, tile)  # [tile]
+        ok = split < num_splits
+        m_s = plgpu.load(m_ref.at[split, b, h], mask=ok, other=-jnp.inf)  # [tile]
+        l_s = plgpu.load(l_ref.at[split, b, h], mask=ok, other=0.0)
+        o_s = plgpu.load(o_ref.at[split[:, None], b, h, cols], mask=ok[:, None], other=0.0)
+        m_new = jnp.maximum(m_run, jnp.max(m_s))
+        # Nothing seen yet (or only empty splits): shift by 0, so every weight is 0.
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m_run - shift)
+        weight = jnp.exp2(m_s - shift)  # [tile]; 0 for empty and padding splits
+        acc = acc * alpha + jnp.sum(o_s * weight[:, None], axis=0)
+        return acc, m_new, l_run * alpha + jnp.sum(l_s * weight)
+
+    init = (
+        jnp.zeros((o_ref.shape[-1],), jnp.float32),
+        jnp.float32(-jnp.inf),
+        jnp.float32(0.0),
+    )
+    tiles = -(-num_splits // tile)
+    if tiles == 1:
+        acc, _, total = body(0, init)
+    else:
+        acc, _, total = lax.fori_loop(0, tiles, body, init)
+    out = acc / jnp.where(total > 0, total, 1.0)
+    plgpu.store(out_ref.at[b, h, cols[0]], out.astype(out_ref.dtype))
+
+
+def wide_tile(num_splits: int, head_dim: int) -> int:
+    """Splits per tile of `merge_splits_wide`: a power of two (Triton's tiles are), at
+    most `WIDE_TILE // head_dim` (>= 1) and no more than `num_splits` needs."""
+    cap = max(1, WIDE_TILE // head_dim)
+    tile = 1
+    while tile < num_splits and tile * 2 <= cap:
+        tile *= 2
+    return tile
+
+
+def merge_splits_wide(o, m, denom, *, dtype, interpret: bool = False):
+    """`merge_splits` as one Pallas (Triton) kernel for many splits: one program per
+    (sequence, query head), reducing a [splits, D] tile of partials at once (traced in
+    the caller's jit, like `merge_splits_gpu`).
+
+    Args:
+      o, m, denom: as for `merge_splits`; D a power of two (the decode kernel's head
+        dims are).
+      dtype: the output dtype.
+      interpret: run in the Pallas interpreter (CPU testing).
+
+    Returns:
+      [B, H, D] in `dtype`.
+    """
+    num_splits, batch, num_heads, head_dim = o.shape
+    kernel = functools.partial(
+        _wide_merge_kernel, num_splits=num_splits, tile=wide_tile(num_splits, head_dim)
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((batch, num_heads, head_dim), dtype),
+        grid=(batch, num_heads),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="paged_decode_merge_wide",
+    )(o, m, denom)
+
+
 def merge_partials(o, m, denom, *, dtype, group: int, block_h: int, interpret: bool = False):
     """The merge `paged_decode_gpu` runs: `merge_splits_gpu` up to `UNROLLED_SPLITS`
-    splits, `merge_splits` beyond (arguments as for `merge_splits_gpu`)."""
+    splits, `merge_splits_wide` beyond (arguments as for `merge_splits_gpu`)."""
     if o.shape[0] > UNROLLED_SPLITS:
-        return merge_splits(o, m, denom, dtype)
+        return merge_splits_wide(o, m, denom, dtype=dtype, interpret=interpret)
     return merge_splits_gpu(
         o, m, denom, dtype=dtype, group=group, block_h=block_h, interpret=interpret
     )
