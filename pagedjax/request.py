@@ -36,11 +36,12 @@ class SamplingParams:
       top_p: nucleus mass in (0, 1] (1: off).
       min_p: in [0, 1]: drop tokens less likely than min_p times the most likely one,
         after the temperature and before top-k and top-p (0: off).
+        top_k, top_p and min_p are not supported with beam search (ValueError).
       max_tokens: most tokens to generate per completion.
       seed: sampling seed; None draws one from the engine's seed.
       stop_token_ids: extra tokens that end a completion (kept in its token ids).
       stop: strings that end a completion (cut from its text; needs a tokenizer).
-      ignore_eos: do not stop on the model's EOS tokens.
+      ignore_eos: do not stop on the model's EOS tokens (a bool).
       beam_width: > 1 runs beam search with this many beams.
       length_penalty: beam score = logprob_sum / length ** length_penalty.
       cache_salt: requests share prefix-cache pages only with equal salts.
@@ -104,29 +105,32 @@ class SamplingParams:
         for name in ("n", "max_tokens", "beam_width"):
             positive_int(name)
         t = self.temperature
-        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        if not _is_number(t) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be finite and >= 0, got temperature={t!r}")
         k = self.top_k
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0: off), got top_k={k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got top_p={self.top_p!r}")
         m = self.min_p
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1:
+        if not _is_number(m) or not 0 <= m <= 1:
             raise ValueError(f"min_p must be in [0, 1] (0: off), got min_p={m!r}")
         s = self.seed
-        if s is not None and (not isinstance(s, (int, np.integer)) or not 0 <= s < 2**32):
+        is_int = isinstance(s, (int, np.integer)) and not isinstance(s, bool)
+        if s is not None and (not is_int or not 0 <= s < 2**32):
             raise ValueError(f"seed must be None or an int in [0, 2**32), got seed={s!r}")
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise ValueError(f"ignore_eos must be a bool, got ignore_eos={self.ignore_eos!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(x, str) or not x for x in stop):
             raise ValueError(f"stop must be non-empty strings, got stop={self.stop!r}")
         object.__setattr__(self, "stop", stop)
         ids = tuple(self.stop_token_ids)
-        if any(not isinstance(i, (int, np.integer)) or i < 0 for i in ids):
+        if any(not isinstance(i, (int, np.integer)) or isinstance(i, bool) or i < 0 for i in ids):
             raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
         lp = self.length_penalty
-        if not isinstance(lp, (int, float)) or not math.isfinite(lp):
+        if not _is_number(lp) or not math.isfinite(lp):
             raise ValueError(f"length_penalty must be a finite number, got length_penalty={lp!r}")
         if self.beam_width > 1 and self.n > self.beam_width:
             raise ValueError(
@@ -135,6 +139,11 @@ class SamplingParams:
             )
         if self.beam_width > 1 and stop:
             raise ValueError(f"stop strings are not supported with beam search, got stop={stop}")
+        if self.beam_width > 1 and (self.top_k or self.top_p < 1 or self.min_p):
+            raise ValueError(  # beam search ranks by logprob: it would ignore them
+                "top_k, top_p and min_p are not supported with beam search, got "
+                f"top_k={self.top_k}, top_p={self.top_p}, min_p={self.min_p}"
+            )
         sampling.check_penalties(
             self.repetition_penalty, self.presence_penalty, self.frequency_penalty
         )
@@ -205,6 +214,11 @@ class RequestOutput:
     # logprob} holding the prompt token first and the k most likely in rank order (raw
     # distribution, given the tokens before it).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+def _is_number(x) -> bool:
+    """A real number, not a bool (JSON's true must not pass as 1)."""
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
 
 def _check_logit_bias(bias) -> dict[int, float]:

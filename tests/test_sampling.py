@@ -1,11 +1,14 @@
 """pagedjax.sampling against numpy on random logits."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pagedjax import sampling
+from pagedjax.request import SamplingParams
 
 
 def _logits(b, v, seed=0, scale=3.0):
@@ -187,3 +190,25 @@ def test_bad_sampling_params(kwargs, match):
     args = dict(temperature=1.0, top_k=0, top_p=1.0, seed=0) | kwargs
     with pytest.raises(ValueError, match=match):
         sampling.check_params(**args)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(temperature=True), "temperature=True"),
+        (dict(top_p=True), "top_p=True"),
+        (dict(seed=True), "seed=True"),
+        (dict(ignore_eos="yes"), "ignore_eos='yes'"),
+        (dict(ignore_eos=1), "ignore_eos=1"),
+        (dict(stop_token_ids=[True]), "[True]"),
+        (dict(length_penalty=True), "length_penalty=True"),
+        (dict(beam_width=2, top_p=0.9), "top_p=0.9"),
+        (dict(beam_width=2, top_k=5), "top_k=5"),
+        (dict(beam_width=2, min_p=0.1), "min_p=0.1"),
+    ],
+)
+def test_sampling_params_refuse_bools_and_what_beam_search_would_ignore(kwargs, match):
+    # JSON's true is not a number, and beam search ranks by logprob: top-k, top-p and min-p
+    # would be silently ignored.
+    with pytest.raises(ValueError, match=re.escape(match)):
+        SamplingParams(**kwargs)
