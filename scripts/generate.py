@@ -27,6 +27,9 @@ decoding included; not with `--beam-width`. `--min-tokens N` defers every stop (
 stop tokens and strings) until N tokens; `--logit-bias '{"13": -100}'` adds values to
 token logits. Neither with `--beam-width`.
 
+`--beam-width N` (> 1) runs beam search, which ranks by log-probability and does not
+sample: not with `--temperature` > 0, `--top-k`, `--top-p` or `--min-p`.
+
 `--prompts-file`: one prompt per line (blank lines skipped); a line that starts with
 a double quote is read as a JSON string, so a prompt can hold newlines.
 
@@ -76,9 +79,10 @@ set, else `$XDG_CACHE_HOME/pagedjax/xla` (`~/.cache/pagedjax/xla`); `off` disabl
 jax caches only programs that took at least `jax_persistent_cache_min_compile_time_secs`
 (1 s by default) to compile.
 
-Bad input (an empty or too long prompt, n < 1, top_p outside (0, 1], a negative
-temperature, a checkpoint directory missing files, --backend gpu without a GPU) ends
-with one line on stderr and exit status 2.
+Bad input (an empty or too long prompt, a prompts file without prompts, n < 1, top_p
+outside (0, 1], a negative temperature, a checkpoint directory missing files, --backend
+gpu without a GPU) ends with one line on stderr and exit status 2, before anything is
+printed on stdout.
 """
 
 from __future__ import annotations
@@ -245,7 +249,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     kv.add_argument(
         "--kv-memory-fraction",
         type=float,
-        help="share of free device memory for the KV cache (default 0.8)",
+        help="share in (0, 1] of free device memory for the KV cache (default 0.8)",
     )
     p.add_argument(
         "--max-batch-tokens",
@@ -297,6 +301,9 @@ def check_engine_flags(args) -> None:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise BadInput(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    f = args.kv_memory_fraction
+    if f is not None and not 0 < f <= 1:  # LLM would take 0 for "not given"
+        raise BadInput(f"--kv-memory-fraction must be in (0, 1], got {f}")
     if args.checkpoint is not None:
         check_checkpoint(args.checkpoint)
 
@@ -335,7 +342,12 @@ def read_prompts(args) -> list[str]:
         path = Path(args.prompts_file)
         if not path.is_file():
             raise BadInput(f"prompts file not found: {path}")
-        for i, line in enumerate(path.read_text().splitlines()):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise BadInput(f"prompts file {path}: cannot read it ({e})") from None
+        before = len(prompts)
+        for i, line in enumerate(text.splitlines()):
             if not line.strip():
                 continue
             if line.startswith('"'):
@@ -344,6 +356,8 @@ def read_prompts(args) -> list[str]:
                 except json.JSONDecodeError as e:
                     raise BadInput(f"{path} line {i + 1}: bad JSON string: {e}") from None
             prompts.append(line)
+        if len(prompts) == before:
+            raise BadInput(f"prompts file {path} has no prompts (blank lines are skipped)")
     return prompts if (args.prompt is not None or args.prompts_file) else list(DEFAULT_PROMPTS)
 
 
@@ -475,6 +489,11 @@ def run(args) -> int:
         raise BadInput("--system needs --chat (it is the chat's system message)")
     if args.chat_template is not None and not args.chat:
         raise BadInput("--chat-template needs --chat")
+    if args.beam_width > 1 and args.temperature > 0:  # beam search ranks by logprob
+        raise BadInput(
+            f"--temperature {args.temperature} with --beam-width {args.beam_width}: beam "
+            "search does not sample; drop --temperature"
+        )
     # Validate the cheap things before loading anything.
     from pagedjax.engine import LLM, SamplingParams
     from pallas_kernels.dispatch import resolve_backend
@@ -503,6 +522,11 @@ def run(args) -> int:
         async_scheduling=not args.no_async_scheduling,
         **engine_kwargs(args),
     )
+    for i, p in enumerate(inputs):  # e.g. too long for the model: before anything prints
+        try:
+            llm.encode(p)
+        except (ValueError, TypeError) as e:
+            raise BadInput(f"prompt {i}: {e}") from None
     device = str(jax.devices()[0])
     note = sys.stderr if args.json else sys.stdout
     print(f"model: {llm.model_source}", file=note)

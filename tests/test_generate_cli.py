@@ -229,6 +229,9 @@ def test_prompts_file(ckpt, tmp_path, capsys):
         (["--logit-bias", '{"999": 1}'], "logit_bias token ids [999] are outside"),
         (["--backend", "gpu"], "backend='gpu' needs a GPU"),
         (["--num-pages", "8", "--kv-memory-fraction", "0.5"], "not allowed with"),
+        (["--kv-memory-fraction", "0"], "--kv-memory-fraction must be in (0, 1], got 0.0"),
+        (["--beam-width", "2", "--temperature", "0.5"], "--temperature 0.5 with --beam-width 2"),
+        (["--beam-width", "2", "--top-p", "0.5"], "top_p=0.5"),
         (["--max-tokens", "ten"], "invalid int value"),
     ],
 )
@@ -237,6 +240,23 @@ def test_bad_input_is_one_line(ckpt, capsys, extra, match):
     assert rc == 2
     assert err.count("\n") == 1 and err.startswith("error: ") and match in err, err
     assert "Traceback" not in err + out
+
+
+def test_a_prompt_too_long_is_refused_before_anything_is_printed(ckpt, capsys):
+    argv = ["--checkpoint", ckpt, "--prompt", "x" * 600, "--backend", "xla", *GEOMETRY]
+    rc, out, err = run(argv, capsys)
+    assert rc == 2 and err.count("\n") == 1 and "prompt 0: prompt has 600 tokens" in err, err
+    assert out == ""  # not the model line and the prompt, as if it streamed
+
+
+def test_prompts_files_without_prompts_or_unreadable_are_bad_input(ckpt, tmp_path, capsys):
+    for name, data in (("empty.txt", b""), ("blank.txt", b"\n  \n"), ("latin1.txt", b"caf\xe9\n")):
+        f = tmp_path / name
+        f.write_bytes(data)
+        rc, out, err = run(["--checkpoint", ckpt, "--prompts-file", f], capsys)
+        assert rc == 2 and err.count("\n") == 1 and str(f) in err, (name, err)
+        assert ("no prompts" in err) == (name != "latin1.txt"), err
+        assert "Traceback" not in err + out
 
 
 def test_bad_checkpoints(ckpt, tmp_path, capsys):
