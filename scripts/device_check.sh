@@ -80,6 +80,9 @@ DEADLINE_S=${DEVICE_CHECK_DEADLINE_S:-540}
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export PAGEDJAX_GPU_TESTS_LOG="$OUT/gpu_test_errors.jsonl"
+# A stage that fails before writing must not leave an earlier run's results in $OUT
+# for the summary to report as this run's.
+rm -f "$OUT"/{bench_kernels,profile_decode,tune}.jsonl "$OUT"/*.log "$OUT/summary.txt"
 : >"$PAGEDJAX_GPU_TESTS_LOG"
 SHARDS=${DEVICE_TEST_SHARDS:-3}
 DRY=()
