@@ -40,15 +40,18 @@ def snapshot(bm: BlockManager):
     seqs = {
         sid: (list(s.pages), s.table.tolist(), bytes(s.tokens), s.num_tokens, s.num_computed)
         + (s.chain.num_pages, s.chain.hash, s.chain.node, s.chain.salt)
+        + (s.unknown, s.released, s.peak)
         for sid, s in bm._seqs.items()
     }
     entries = [None if e is None else dataclasses.astuple(e) for e in bm._prefix.entries]
     return (
         bm.stats(),
         seqs,
+        list(bm._reserving),
         list(bm._free),
         list(bm._evictable),
         dict(bm._prefix._index),
+        dict(bm._prefix._node_page),
         list(bm._refcount),
         entries,
         {k: set(v) for k, v in bm._prefix._children.items()},
