@@ -522,11 +522,21 @@ def run(args) -> int:
         async_scheduling=not args.no_async_scheduling,
         **engine_kwargs(args),
     )
+    cut = []  # prompts that leave less room than --max-tokens under the model's length
     for i, p in enumerate(inputs):  # e.g. too long for the model: before anything prints
         try:
-            llm.encode(p)
+            n = len(llm.encode(p)[1])
         except (ValueError, TypeError) as e:
             raise BadInput(f"prompt {i}: {e}") from None
+        if n + args.max_tokens > llm.max_model_len:
+            cut.append(f"{i} ({llm.max_model_len - n})")
+    if cut:
+        print(
+            f"note: the model's length ({llm.max_model_len} tokens) leaves less than "
+            f"--max-tokens {args.max_tokens} after prompt {', '.join(cut[:8])}"
+            f"{', ...' if len(cut) > 8 else ''}: they end there (finish_reason length)",
+            file=sys.stderr,
+        )
     device = str(jax.devices()[0])
     note = sys.stderr if args.json else sys.stdout
     print(f"model: {llm.model_source}", file=note)

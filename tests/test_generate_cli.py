@@ -249,6 +249,15 @@ def test_a_prompt_too_long_is_refused_before_anything_is_printed(ckpt, capsys):
     assert out == ""  # not the model line and the prompt, as if it streamed
 
 
+def test_max_tokens_cut_by_the_models_length_is_said(ckpt, capsys):
+    argv = ["--checkpoint", ckpt, "--prompt", "x" * 505, "--max-tokens", "20", "--json"]
+    rc, out, err = run([*argv, "--backend", "xla", *GEOMETRY, "--num-pages", "128"], capsys)
+    assert rc == 0, err
+    (c,) = json.loads(out)["outputs"][0]["completions"]
+    assert len(c["token_ids"]) == 512 - 505 or c["finish_reason"] == "stop"  # 7: the room
+    assert "leaves less than --max-tokens 20 after prompt 0 (7)" in err, err
+
+
 def test_prompts_files_without_prompts_or_unreadable_are_bad_input(ckpt, tmp_path, capsys):
     for name, data in (("empty.txt", b""), ("blank.txt", b"\n  \n"), ("latin1.txt", b"caf\xe9\n")):
         f = tmp_path / name
