@@ -24,7 +24,7 @@ import math
 import time
 import uuid
 
-from pagedjax.request import SamplingParams, encode_prompt
+from pagedjax.request import MAX_LOGPROBS, SamplingParams, encode_prompt
 
 __all__ = [
     "SAMPLING_FIELDS",
@@ -34,6 +34,7 @@ __all__ = [
     "chat_messages",
     "choice_index",
     "completion_logprobs",
+    "bool_field",
     "completion_prompts",
     "int_field",
     "parse_job",
@@ -146,9 +147,14 @@ def parse_job(
             "model",
             "model_not_found",
         )
-    stream = bool(body.get("stream"))
-    opts = body.get("stream_options") or {}
-    include_usage = stream and isinstance(opts, dict) and bool(opts.get("include_usage"))
+    stream = bool_field(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None:  # (without stream: no usage chunk to add, so it is moot)
+        usage_ = opts.get("include_usage") if isinstance(opts, dict) else None
+        if not isinstance(opts, dict) or not isinstance(usage_, (bool, type(None))):
+            msg = f"stream_options must be {{include_usage: bool}}, got stream_options={opts!r:.80}"
+            raise ApiError(400, msg, "stream_options")
+    include_usage = stream and bool((opts or {}).get("include_usage"))
     want_ids = body.get("return_token_ids")
     if want_ids is not None and not isinstance(want_ids, bool):
         msg = f"return_token_ids must be a boolean, got return_token_ids={want_ids!r}"
@@ -182,6 +188,9 @@ def parse_job(
         k = int_field(body, "top_logprobs", None)
         if k is not None and not want:
             raise ApiError(400, f"top_logprobs needs logprobs=true, got top_logprobs={k}")
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            msg = f"top_logprobs must be in [0, {MAX_LOGPROBS}], got top_logprobs={k}"
+            raise ApiError(400, msg, "top_logprobs")
         logprobs = (k or 0) if want else None
         limit = int_field(body, "max_tokens", max_model_len - len(ids[0]))
         limit = int_field(body, "max_completion_tokens", limit)
@@ -191,6 +200,17 @@ def parse_job(
     params = sampling_params(body, max_tokens=limit, logprobs=logprobs, vocab_size=vocab_size)
     if params.stop and tok is None:
         raise ApiError(400, "stop strings need a tokenizer; this model has none", "stop")
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else None
+    for i, p in enumerate(ids):  # as vLLM: never cut max_tokens short without saying so
+        if len(p) + params.max_tokens > max_model_len:
+            where = f"prompt {i}: " if len(ids) > 1 else ""
+            raise ApiError(
+                400,
+                f"{where}the prompt's {len(p)} tokens and {field or 'max_tokens'}="
+                f"{params.max_tokens} are more than max_model_len={max_model_len}; lower "
+                f"{field or 'max_tokens'} to at most {max_model_len - len(p)}",
+                field or "max_tokens",
+            )
     return Job(
         chat, ids, params, stream, include_usage, bool(want_ids) or tok is None, bool(want_ids)
     )
@@ -202,6 +222,7 @@ def sampling_params(body: dict, *, max_tokens, logprobs, vocab_size: int) -> Sam
         ("echo", bool(body.get("echo")), "echo=true is not supported (the prompt is not returned)"),
         ("best_of", body.get("best_of") not in (None, 1), "best_of is not supported"),
         ("suffix", body.get("suffix") is not None, "suffix is not supported"),
+        ("use_beam_search", bool(body.get("use_beam_search")), "beam search is not supported"),
         ("tools", bool(body.get("tools")), "tools (function calling) are not supported"),
         ("functions", bool(body.get("functions")), "function calling is not supported"),
         (
@@ -226,6 +247,10 @@ def sampling_params(body: dict, *, max_tokens, logprobs, vocab_size: int) -> Sam
             raise ApiError(
                 400, f"stop_token_ids must be a list of ints, got {ids!r}", "stop_token_ids"
             )
+        outside = [t for t in ids if isinstance(t, int) and t >= vocab_size]
+        if outside:  # they could never stop anything
+            msg = f"stop_token_ids must be in [0, {vocab_size}), got {outside[:5]}"
+            raise ApiError(400, msg, "stop_token_ids")
         kw["stop_token_ids"] = ids
     bias = body.get("logit_bias")
     if isinstance(bias, dict) and bias:  # JSON keys are strings; the engine wants ids
@@ -243,6 +268,14 @@ def sampling_params(body: dict, *, max_tokens, logprobs, vocab_size: int) -> Sam
     except (ValueError, TypeError) as e:
         name = str(e).split(" ", 1)[0]
         raise ApiError(400, str(e), name if name in PARAM_FIELDS else None) from None
+
+
+def bool_field(body: dict, name: str) -> bool:
+    """`body[name]` if it is a boolean, False if absent or null (else ApiError 400)."""
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise ApiError(400, f"{name} must be a boolean, got {name}={v!r}", name)
+    return bool(v)
 
 
 def int_field(body: dict, name: str, default):
@@ -280,7 +313,10 @@ def chat_messages(messages) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ApiError(400, f"messages[{i}] must be an object, got {m!r:.80}", "messages")
-        content = m.get("content")
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str):
+            msg = f"messages[{i}] must have a string role, got role={role!r:.80}"
+            raise ApiError(400, msg, "messages")
         if isinstance(content, list):
             parts = []
             for p in content:
@@ -288,8 +324,17 @@ def chat_messages(messages) -> list[dict]:
                     raise ApiError(
                         400, f"messages[{i}]: only text content parts are supported, got {p!r:.80}"
                     )
+                if not isinstance(p["text"], str):
+                    msg = f"messages[{i}]: a text part's text must be a string, got {p!r:.80}"
+                    raise ApiError(400, msg, "messages")
                 parts.append(p["text"])
             content = "\n".join(parts)
+        elif content is not None and not isinstance(content, str):
+            msg = (
+                f"messages[{i}] content must be a string, a list of text parts or null, "
+                f"got content={content!r:.80}"
+            )
+            raise ApiError(400, msg, "messages")
         out.append({**m, "content": "" if content is None else content})
     return out
 

@@ -31,9 +31,10 @@ the model's raw log-probabilities (before temperature and truncation). Each prom
 a completions batch is one engine request; choice `i * n + j` is completion j of
 prompt i. `finish_reason` is "stop" (EOS, a stop string or a stop token) or
 "length". Errors are OpenAI's `{"error": {message, type, param, code}}`: 400 for a bad
-field (the message names the value), a prompt too long for `--max-model-len`, an
-unknown model or bad JSON; 404 for an unknown path; 405 for a wrong method; 500 when
-the engine failed.
+field (the message names the value; a field of the wrong JSON type is bad), a prompt
+too long for `--max-model-len` or one that leaves less room than `max_tokens` (as vLLM
+answers: max_tokens is never cut short silently), an unknown model or bad JSON; 404
+for an unknown path; 405 for a wrong method; 500 when the engine failed.
 
 A checkpoint without a tokenizer (no tokenizer.json) serves completions of token id
 prompts only, as vLLM with `skip_tokenizer_init`: a string prompt, chat and `stop`
@@ -42,8 +43,8 @@ without `return_token_ids`); logprobs name a token `"token_id:<id>"` in `tokens`
 the keys of `top_logprobs`, and every `text_offset` is 0 (offsets into the empty text).
 
 Not supported (400 when asked for): `echo: true`, `best_of` > 1, `suffix`, tools
-and function calling, a `response_format` other than text, and beam search. Other
-unknown fields are ignored.
+and function calling, a `response_format` other than text, and beam search
+(`use_beam_search: true`). Other unknown fields are ignored.
 
 Streaming (`stream: true`): Server-Sent Events, one `data: {chunk}` per new piece of
 text (`text_completion` chunks, or `chat.completion.chunk` with `delta: {role}` first,

@@ -97,6 +97,29 @@ def test_bad_completion_fields_are_400s_naming_field_and_value(body, param, word
 
 
 @pytest.mark.parametrize(
+    "body, param, words",
+    [
+        (dict(temperature=True), "temperature", "temperature=True"),
+        (dict(top_p=True), "top_p", "top_p=True"),
+        (dict(seed=True), "seed", "seed=True"),
+        (dict(ignore_eos="yes"), "ignore_eos", "ignore_eos='yes'"),
+        (dict(stop_token_ids=[True]), "stop_token_ids", "[True]"),
+        (dict(stop_token_ids=[VOCAB]), "stop_token_ids", f"[{VOCAB}]"),
+        (dict(stream="false"), "stream", "stream='false'"),
+        (dict(stream=True, stream_options=[1]), "stream_options", "stream_options=[1]"),
+        (dict(stream=True, stream_options={"include_usage": "no"}), "stream_options", "'no'"),
+        (dict(use_beam_search=True), "use_beam_search", "beam search is not supported"),
+        (dict(max_tokens=MAX_LEN), "max_tokens", f"max_tokens={MAX_LEN}"),
+        (dict(prompt="a" * (MAX_LEN - 8)), "max_tokens", "max_tokens=16"),
+    ],
+)
+def test_wrong_types_and_what_would_be_ignored_or_cut_are_400s(body, param, words):
+    # Each was accepted: a bool as a number, a string as a flag, a field silently ignored,
+    # or max_tokens silently cut to what the model's length leaves.
+    raises_400(job, {"prompt": "a", **body}, words=words, param=param)
+
+
+@pytest.mark.parametrize(
     "prompt, words",
     [
         (None, "prompt=None"),
@@ -127,6 +150,19 @@ def test_bad_prompts_are_400s(prompt, words):
         (dict(top_logprobs=2), None, "logprobs=true"),
         (dict(top_logprobs="2", logprobs=True), "top_logprobs", "top_logprobs='2'"),
         (dict(max_completion_tokens=1.5), "max_completion_tokens", "=1.5"),
+        # These were a 500 (KeyError, TypeError) or rendered as if they were strings.
+        (dict(messages=[{"content": "hi"}]), "messages", "messages[0]"),
+        (dict(messages=[{"role": 5, "content": "hi"}]), "messages", "role=5"),
+        (dict(messages=[{"role": "user", "content": 5}]), "messages", "content=5"),
+        (
+            dict(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+            "messages",
+            "'text': 5",
+        ),
+        (dict(logprobs=True, top_logprobs=-1), "top_logprobs", "top_logprobs=-1"),
+        (dict(logprobs=True, top_logprobs=21), "top_logprobs", "top_logprobs=21"),
+        (dict(max_completion_tokens=MAX_LEN), "max_completion_tokens", f"={MAX_LEN}"),
+        (dict(max_tokens=MAX_LEN), "max_tokens", f"max_tokens={MAX_LEN}"),
     ],
 )
 def test_bad_chat_fields_are_400s(body, param, words):
