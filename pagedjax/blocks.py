@@ -131,11 +131,18 @@ def _token_array(token_ids, what: str, *, allow_unknown: bool = False) -> np.nda
     arr = np.asarray(token_ids)
     if arr.ndim != 1:
         raise InvalidArgument(f"{what} must be 1-D, got shape {arr.shape}")
+    lowest = "-1 (not known yet)" if allow_unknown else "0"
     if arr.size and arr.dtype.kind not in "iu":
+        if isinstance(token_ids, (list, tuple)):  # Python ints past int64 turn float or object
+            big = [t for t in token_ids if type(t) is int and not -(2**63) <= t < 2**63]
+            if big:
+                bound = f">= {lowest}" if big[0] < 0 else "< 2**63 (int64)"
+                raise InvalidArgument(f"{what} must be {bound}, got {big[0]}")
         raise InvalidArgument(f"{what} must be integers, got dtype {arr.dtype}")
     if arr.size and int(arr.min()) < -int(allow_unknown):
-        lowest = "-1 (not known yet)" if allow_unknown else "0"
         raise InvalidArgument(f"{what} must be >= {lowest}, got {int(arr.min())}")
+    if arr.size and arr.dtype == np.uint64 and int(arr.max()) >= 2**63:  # would wrap negative
+        raise InvalidArgument(f"{what} must be < 2**63 (int64), got {int(arr.max())}")
     return arr.astype("<i8", copy=False)
 
 

@@ -442,6 +442,9 @@ def test_bad_config(kwargs, match):
         BlockManager(**kwargs)
 
 
+BIG = (InvalidArgument, r"< 2\*\*63 \(int64\), got (9223372036854775808|1844674407370955161[56])")
+
+
 def scenario():
     bm = BlockManager(8, 4, max_model_len=12)
     computed(bm, "done", prompt(6))
@@ -484,6 +487,13 @@ BAD_CALLS = [
     (lambda bm: bm.slot_mapping("run", 2, 9), InvalidArgument, r"\[2, 9\)"),
     (lambda bm: bm.can_admit(0), InvalidArgument, "at least one token, got 0"),
     (lambda bm: bm.num_tokens("done"), SequenceFreed, "done"),
+    # token ids past int64 used to wrap around: 2**64 - 1 became -1, "not known yet"
+    (lambda bm: bm.append_tokens(["run"], np.array([2**64 - 1], np.uint64)), *BIG),
+    (lambda bm: bm.append_token("run", 2**63), *BIG),
+    (lambda bm: bm.admit("x", [2**63]), *BIG),
+    (lambda bm: bm.admit("x", [1, 2**63]), *BIG),  # numpy makes that float64
+    (lambda bm: bm.admit("x", [2**64, 1]), *BIG),  # and that object
+    (lambda bm: bm.set_tokens(["run"], np.array([2**63], np.uint64)), *BIG),
 ]
 
 
