@@ -51,7 +51,8 @@ Contract:
 - Errors (``pagedjax.errors``, re-exported here): ``OutOfPages``; ``UnknownSequence``
   (``SequenceFreed`` for double free or use after free); ``SequenceExists``;
   ``InvalidArgument`` (a ``ValueError``); ``InvalidState`` (e.g. append mid-prefill); all
-  ``BlockManagerError``. A bad salt type is a ``TypeError``.
+  ``BlockManagerError``. A bad salt type, or a count or position that is not an int (a
+  bool, a float), is a ``TypeError``.
 
 Prefix cache: full, computed pages are registered in a ``PrefixCache``
 (``pagedjax.prefix_cache``, whose docstring has the details: salted SHA-256 hash chains,
@@ -71,6 +72,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import numbers
 import operator
 import struct
 from collections.abc import Hashable, Iterable, Sequence
@@ -146,6 +148,25 @@ def _token_array(token_ids, what: str, *, allow_unknown: bool = False) -> np.nda
     return arr.astype("<i8", copy=False)
 
 
+def _int(value, name: str) -> int:
+    """``value`` as an int (Python or numpy integer); a bool or a float is a TypeError."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, got {name}={value!r} (a bool)")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be an int, got {name}={value!r} ({type(value).__name__})"
+        ) from None
+
+
+def _ids(seq_ids, name: str = "seq_ids"):
+    """Rejects one id (a str or bytes) passed where a batch of ids is expected."""
+    if isinstance(seq_ids, (str, bytes)):
+        raise InvalidArgument(f"{name} must be a sequence of ids, not the single id {seq_ids!r}")
+    return seq_ids
+
+
 @dataclasses.dataclass(slots=True)
 class _Seq:
     pages: list[int]  # logical page -> physical page
@@ -182,11 +203,17 @@ class BlockManager:
         for name, value in (("num_pages", num_pages), ("page_size", page_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidArgument(f"{name} must be a positive int, got {name}={value!r}")
-        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 1):
+        m = max_model_len
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
             raise InvalidArgument(f"max_model_len must be a positive int, got {max_model_len=}")
+        if not isinstance(enable_prefix_caching, (bool, np.bool_)):
+            raise InvalidArgument(
+                f"enable_prefix_caching must be a bool, got {enable_prefix_caching=}"
+            )
         if num_pages * page_size >= 2**31:
             raise InvalidArgument(f"{num_pages=} * {page_size=} slots overflow int32 slot ids")
-        if not 0.0 <= watermark < 1.0:
+        w = watermark
+        if isinstance(w, (bool, np.bool_)) or not isinstance(w, numbers.Real) or not 0 <= w < 1:
             raise InvalidArgument(f"watermark must be in [0, 1), got {watermark=}")
         self.num_pages = num_pages
         self.page_size = page_size
@@ -253,12 +280,14 @@ class BlockManager:
                 entries (``release_before``) read ``PAD_PAGE`` whatever ``pad`` is.
         """
         get = self._seqs.get
-        seqs = [get(sid) or self._get(sid) for sid in seq_ids]
+        seqs = [get(sid) or self._get(sid) for sid in _ids(seq_ids)]
         lens = [len(s.pages) for s in seqs]
         longest = max(lens, default=0)
-        width = longest if width is None else width
+        width = longest if width is None else _int(width, "width")
         if width < longest:
             raise InvalidArgument(f"width={width} is less than the longest page table {longest}")
+        if not -(2**31) <= _int(pad, "pad") < 2**31:
+            raise InvalidArgument(f"pad={pad} does not fit in int32")
         out = np.full((len(seqs), width), pad, np.int32)
         for row, s, k in zip(out, seqs, lens, strict=True):
             row[:k] = s.table[:k]
@@ -266,7 +295,7 @@ class BlockManager:
 
     def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> np.ndarray:
         """Device slots of positions ``[start, end)``: ``[end - start]`` int32."""
-        s, start, end = self._get(seq_id), operator.index(start), operator.index(end)
+        s, start, end = self._get(seq_id), _int(start, "start"), _int(end, "end")
         if not 0 <= start <= end <= s.num_tokens:
             raise InvalidArgument(
                 f"slot range [{start}, {end}) of {seq_id!r} is outside [0, {s.num_tokens}]"
@@ -291,7 +320,7 @@ class BlockManager:
         Conservative: ignores prefix-cache hits, so True also means ``admit`` will not
         raise ``OutOfPages`` (unless other allocations happen in between).
         """
-        n = operator.index(num_prompt_tokens)
+        n = _int(num_prompt_tokens, "num_prompt_tokens")
         self._check_prompt_len(n)
         free = self.num_free_pages - self.num_reserved_pages
         return free - (-(-n // self.page_size)) >= self.watermark_pages
@@ -411,6 +440,8 @@ class BlockManager:
         """
         if seq_id in self._seqs:
             raise SequenceExists(f"sequence {seq_id!r} is already live")
+        if not isinstance(read_cache, (bool, np.bool_)):
+            raise InvalidArgument(f"read_cache must be a bool, got {read_cache=}")
         for name, v in (("peak_pages", peak_pages), ("window", window)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise InvalidArgument(f"{name} must be None or a positive int, got {name}={v!r}")
@@ -469,7 +500,7 @@ class BlockManager:
             Nothing changes on any error.
         """
         s = self._get(seq_id)
-        n = operator.index(num_tokens)
+        n = _int(num_tokens, "num_tokens")
         if not 0 <= n <= s.num_tokens:
             raise InvalidArgument(
                 f"num_tokens={n} for sequence {seq_id!r} must be in [0, {s.num_tokens}]"
@@ -498,7 +529,7 @@ class BlockManager:
         are registered in the prefix cache. Never decreases; at most ``num_tokens``.
         """
         s = self._get(seq_id)
-        n = operator.index(num_computed_tokens)
+        n = _int(num_computed_tokens, "num_computed_tokens")
         top = min(s.num_tokens, len(s.pages) * self.page_size)
         if not s.num_computed <= n <= top:
             raise InvalidArgument(
@@ -535,7 +566,7 @@ class BlockManager:
             OutOfPages: the batch needs more pages than are left; nothing changed.
         """
         toks = _token_array(token_ids, "token_ids", allow_unknown=True)
-        if toks.shape[0] != len(seq_ids):
+        if toks.shape[0] != len(_ids(seq_ids)):
             raise InvalidArgument(f"{len(seq_ids)} seq_ids but {toks.shape[0]} token_ids")
         seqs, needed = self._append_plan(seq_ids)
         available = self.num_free_pages - self.num_reserved_pages
@@ -583,7 +614,7 @@ class BlockManager:
             token_ids: ``[B]`` their values.
         """
         toks = _token_array(token_ids, "token_ids")
-        if toks.shape[0] != len(seq_ids):
+        if toks.shape[0] != len(_ids(seq_ids)):
             raise InvalidArgument(f"{len(seq_ids)} seq_ids but {toks.shape[0]} token_ids")
         seqs = [self._get(sid) for sid in seq_ids]
         for sid, s in zip(seq_ids, seqs, strict=True):
@@ -660,7 +691,7 @@ class BlockManager:
             InvalidArgument: ``position`` is out of range; nothing changed.
         """
         s = self._get(seq_id)
-        pos = operator.index(position)
+        pos = _int(position, "position")
         if not 0 <= pos <= s.num_computed:
             raise InvalidArgument(
                 f"position={pos} for sequence {seq_id!r} must be in [0, {s.num_computed}] "
@@ -694,7 +725,9 @@ class BlockManager:
         if pages is None:
             todo = range(self.num_pages)
         else:
-            todo = [operator.index(p) for p in pages]
+            if not isinstance(pages, Iterable):
+                raise TypeError(f"pages must be an iterable of page ids or None, got {pages!r}")
+            todo = [_int(p, f"pages[{i}]") for i, p in enumerate(pages)]
             bad = [p for p in todo if not 0 <= p < self.num_pages]
             if bad:
                 raise InvalidArgument(f"pages {bad[:5]} are outside [0, {self.num_pages})")
@@ -732,7 +765,7 @@ class BlockManager:
         ps, rc, limit, get = self.page_size, self._refcount, self.max_model_len, self._seqs.get
         needed = 0
         shared: dict[int, int] = {}  # shared partial last page -> batch members holding it
-        seqs = [get(sid) or self._get(sid) for sid in seq_ids]
+        seqs = [get(sid) or self._get(sid) for sid in _ids(seq_ids)]
         for sid, s in zip(seq_ids, seqs, strict=True):
             if s.num_computed != s.num_tokens:
                 raise InvalidState(

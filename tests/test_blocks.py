@@ -435,6 +435,9 @@ def test_check_invariants_catches_corruption():
         (dict(num_pages=8, page_size=4, watermark=1.0), "watermark=1.0"),
         (dict(num_pages=8, page_size=4, max_model_len=0), "max_model_len=0"),
         (dict(num_pages=2**30, page_size=4), "overflow"),
+        (dict(num_pages=8, page_size=4, max_model_len=True), "max_model_len=True"),
+        (dict(num_pages=8, page_size=4, watermark="0.1"), "watermark='0.1'"),
+        (dict(num_pages=8, page_size=4, enable_prefix_caching="no"), "caching='no'"),
     ],
 )
 def test_bad_config(kwargs, match):
@@ -494,6 +497,26 @@ BAD_CALLS = [
     (lambda bm: bm.admit("x", [1, 2**63]), *BIG),  # numpy makes that float64
     (lambda bm: bm.admit("x", [2**64, 1]), *BIG),  # and that object
     (lambda bm: bm.set_tokens(["run"], np.array([2**63], np.uint64)), *BIG),
+    # a bool is not a count (it used to be taken as 0 or 1), a float not an int
+    (lambda bm: bm.mark_computed("pre", True), TypeError, "num_computed_tokens.*True"),
+    (lambda bm: bm.mark_computed("pre", 5.0), TypeError, "num_computed_tokens.*5.0"),
+    (lambda bm: bm.release_before("run", True), TypeError, "position.*True"),
+    (lambda bm: bm.grow("pre", np.True_), TypeError, "num_tokens.*True"),
+    (lambda bm: bm.slot_mapping("run", False, 1), TypeError, "start.*False"),
+    (lambda bm: bm.slot_mapping("run", 0, 2.0), TypeError, "end.*2.0"),
+    (lambda bm: bm.can_admit(True), TypeError, "num_prompt_tokens.*True"),
+    (lambda bm: bm.uncache([True]), TypeError, "pages.*True"),
+    (lambda bm: bm.uncache(3), TypeError, "pages.*iterable.*3"),
+    (lambda bm: bm.admit("x", [1], read_cache="no"), InvalidArgument, "read_cache='no'"),
+    # one id where a batch of ids is expected used to be read as its characters
+    (lambda bm: bm.page_tables("run"), InvalidArgument, "seq_ids.*'run'"),
+    (lambda bm: bm.append_tokens("run", [1, 2, 3]), InvalidArgument, "seq_ids.*'run'"),
+    (lambda bm: bm.set_tokens(b"ab", [1, 2]), InvalidArgument, "seq_ids.*b'ab'"),
+    (lambda bm: bm.num_append_pages("run"), InvalidArgument, "seq_ids.*'run'"),
+    (lambda bm: bm.page_tables(["run"], width=True), TypeError, "width.*True"),
+    (lambda bm: bm.page_tables([], width=-1), InvalidArgument, "width=-1"),
+    (lambda bm: bm.page_tables(["run"], width=4, pad=1.5), TypeError, "pad.*1.5"),
+    (lambda bm: bm.page_tables(["run"], width=4, pad=2**40), InvalidArgument, "pad=1099511"),
 ]
 
 
