@@ -468,7 +468,8 @@ class BlockManager:
                     f"admitting {seq_id!r} holds {len(kept) + 1} pages, more than {peak_pages=}"
                 )
         if need > available:
-            raise OutOfPages(need, available, f"admitting {n} tokens of {seq_id!r}")
+            what = f"admitting {n} tokens of {seq_id!r}"
+            raise OutOfPages(need, available, what, reserved=reserved)
         for p in kept:
             if rc[p] == 0:
                 del self._evictable[p]
@@ -569,9 +570,11 @@ class BlockManager:
         if toks.shape[0] != len(_ids(seq_ids)):
             raise InvalidArgument(f"{len(seq_ids)} seq_ids but {toks.shape[0]} token_ids")
         seqs, needed = self._append_plan(seq_ids)
-        available = self.num_free_pages - self.num_reserved_pages
+        reserved = self.num_reserved_pages
+        available = self.num_free_pages - reserved
         if needed > available:
-            raise OutOfPages(needed, available, f"appending to {len(seq_ids)} sequences")
+            what = f"appending to {len(seq_ids)} sequences"
+            raise OutOfPages(needed, available, what, reserved=reserved)
 
         ps, rc, alloc, pack = self.page_size, self._refcount, self._alloc, _pack_token
         register = self._prefix.register

@@ -24,12 +24,21 @@ class BlockManagerError(Exception):
 
 
 class OutOfPages(BlockManagerError):
-    """Not enough free or evictable pages; nothing was allocated. Preempt and retry."""
+    """Not enough free or evictable pages; nothing was allocated. Preempt and retry.
 
-    def __init__(self, needed: int, available: int, what: str):
-        super().__init__(f"{what} needs {needed} pages, only {available} free or evictable")
+    ``available`` excludes the ``reserved`` pages promised to prompts admitted with
+    ``peak_pages``, which are free but not for this call.
+    """
+
+    def __init__(self, needed: int, available: int, what: str, *, reserved: int = 0):
+        more = f" ({reserved} more are reserved for prompts admitted with peak_pages)"
+        super().__init__(
+            f"{what} needs {needed} pages, only {available} free or evictable"
+            + (more if reserved else "")
+        )
         self.needed = needed
         self.available = available
+        self.reserved = reserved
 
 
 class UnknownSequence(BlockManagerError, KeyError):

@@ -573,6 +573,31 @@ def test_out_of_pages_is_all_or_nothing_across_a_batch():
     bm.check_invariants()
 
 
+def test_out_of_pages_names_the_reserved_pages():
+    """Free pages reserved by a prompt admitted with peak_pages are not available; the
+    error used to say 'only 1 free or evictable' with 6 free."""
+    bm = BlockManager(8, 4, watermark=0)
+    bm.admit("r", prompt(20), peak_pages=6)  # holds 1 page, reserves 5 more
+    computed(bm, "a", prompt(4))
+    assert (bm.num_free_pages, bm.num_reserved_pages) == (6, 5)
+    calls = [
+        (lambda: bm.admit("x", prompt(8)), 1, "needs 2 pages, only 1 free .*5 more are reserved"),
+        (lambda: bm.admit("x", [1], peak_pages=3), 1, "needs 3 pages, only 1 free .*5 more"),
+        (lambda: computed(bm, "b", prompt(4)), 0, None),  # takes the last unreserved page
+        (lambda: bm.append_tokens(["a"], [1]), 0, "needs 1 pages, only 0 free .*5 more"),
+    ]
+    for call, available, match in calls:
+        before = snapshot(bm)
+        if match is None:
+            call()
+            continue
+        with pytest.raises(OutOfPages, match=match) as info:
+            call()
+        assert (info.value.available, info.value.reserved) == (available, 5)
+        assert snapshot(bm) == before
+    bm.check_invariants()
+
+
 # --------------------------------------------------------------- state machine
 
 
