@@ -85,22 +85,32 @@ def paged_decode_attention(
 ):
     """Decode attention: one query token per sequence over its paged K/V.
 
+    `scale`, `soft_cap` and `sliding_window` are compile-time constants: Python,
+    numpy or concrete jax numbers (not bools, not traced values).
+
     Args:
-      q: [B, H, D] the query of each sequence's newest token (position lengths[b] - 1).
+      q: [B, H, D] the query of each sequence's newest token (position lengths[b] - 1),
+        floating, 16 bits or wider. Every array argument is a jax or numpy array.
       k_pages: [K, P, S, D] one layer's key pages, in q's dtype or fp8
         (`validation.FP8_DTYPES`, then q must be bfloat16 or float32).
       v_pages: [K, P, S, D] one layer's value pages, same dtype as k_pages.
-      lengths: [B] int32 tokens in the cache per sequence, this token included.
+      lengths: [B] int32 tokens in the cache per sequence, this token included
+        (0 gives a zero row).
       page_table: [B, max_pages] int32 physical page ids in logical order.
-      scale: logit scale, default D ** -0.5.
-      soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap).
-      sliding_window: if set, each query sees only its last `sliding_window` keys.
+      scale: logit scale, default D ** -0.5; positive and finite.
+      soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap); positive
+        and finite.
+      sliding_window: if set, each query sees only its last `sliding_window` keys; an
+        int in [1, 2**31).
       backend: "auto" | "gpu" | "tpu" | "xla" (see the module docstring).
       interpret: run a Pallas kernel in interpret mode (CPU testing).
       **tuning: kernel knobs (block sizes, split count...); defaults are chosen per shape.
 
     Returns:
       [B, H, D] in q's dtype.
+
+    Raises:
+      TypeError, ValueError: on the host, naming the bad input (see `validation`).
     """
     validation.check_decode(
         q, k_pages, v_pages, lengths, page_table, scale, soft_cap, sliding_window

@@ -23,6 +23,18 @@ FP8_DTYPES = frozenset({jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 FP8_QUERY_DTYPES = frozenset({jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)})
 
 
+# Positions and lengths are int32 inside every backend.
+_INT32_LIMIT = 2**31
+
+
+def _check_arrays(**arrays):
+    for name, x in arrays.items():
+        if not all(hasattr(x, a) for a in ("shape", "dtype", "ndim")):
+            raise TypeError(
+                f"{name} must be an array (jax.Array or numpy.ndarray), got {type(x).__name__}"
+            )
+
+
 def _concrete(x):
     """Returns x as a numpy array, or None when it is a tracer."""
     if isinstance(x, jax.core.Tracer):
@@ -53,6 +65,8 @@ def check_pages(q, k_pages, v_pages):
     num_kv_heads, _, page_size, kv_head_dim = k_pages.shape
     if head_dim != kv_head_dim:
         raise ValueError(f"q head_dim {head_dim} != k_pages head_dim {kv_head_dim}")
+    if head_dim == 0:
+        raise ValueError(f"head_dim must be positive, got {head_dim=}")
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"kv heads must divide query heads, got {num_heads=} and {num_kv_heads=}")
     if page_size <= 0 or page_size & (page_size - 1):
@@ -72,15 +86,55 @@ def check_dtypes(q_dtype, kv_dtype) -> None:
             )
     elif q_dtype != kv_dtype:
         raise TypeError(f"q dtype {q_dtype} != k_pages dtype {kv_dtype}")
+    # Same dtype: it must be one attention is computed in.
+    if not jnp.issubdtype(q_dtype, jnp.floating):
+        raise TypeError(f"q must be a floating array, got dtype {q_dtype}")
+    if q_dtype.itemsize < 2:
+        raise TypeError(f"q must be 16-bit or wider (only the pages may be fp8), got {q_dtype}")
+
+
+def _real_number(name, x):
+    """x as a numpy scalar, or a TypeError: the options are compile-time constants."""
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(
+            f"{name} must be a static number, not a traced array: it is a compile-time "
+            "constant of the kernels (pass a Python or numpy scalar)"
+        )
+    dtype = np.asarray(x).dtype
+    real = np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.floating)
+    if np.ndim(x) != 0 or not real:
+        raise TypeError(f"{name} must be a real number, got {name}={x!r}")
+    return np.asarray(x)[()]
+
+
+def _positive_finite(name, x):
+    value = _real_number(name, x)
+    with np.errstate(over="ignore"):
+        value32 = np.float32(value)  # what the kernels compute with
+    if not (value32 > 0 and np.isfinite(value32)):
+        note = "" if np.isinf(value32) == np.isinf(value) else f" ({value32} as a float32)"
+        raise ValueError(f"{name} must be positive and finite, got {name}={x!r}{note}")
 
 
 def check_options(scale, soft_cap, sliding_window):
-    if scale is not None and not scale > 0:
-        raise ValueError(f"scale must be positive, got {scale=}")
-    if soft_cap is not None and not soft_cap > 0:
-        raise ValueError(f"soft_cap must be positive, got {soft_cap=}")
-    if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 1):
-        raise ValueError(f"sliding_window must be a positive int, got {sliding_window=}")
+    """Checks the static options: positive finite scale and soft_cap, a positive int window.
+
+    Each may be a Python, numpy or concrete 0-d jax number (not a bool, not a tracer).
+    """
+    if scale is not None:
+        _positive_finite("scale", scale)
+    if soft_cap is not None:
+        _positive_finite("soft_cap", soft_cap)
+    if sliding_window is not None:
+        if isinstance(sliding_window, (bool, np.bool_)):
+            raise TypeError(f"sliding_window must be an int, got {sliding_window=}")
+        w = _real_number("sliding_window", sliding_window)
+        if not (np.isfinite(w) and w == np.floor(w) and w >= 1):
+            raise ValueError(f"sliding_window must be a positive int, got {sliding_window=}")
+        if w >= _INT32_LIMIT:
+            raise ValueError(
+                f"sliding_window must be < 2**31 (positions are int32), got {sliding_window=}"
+            )
 
 
 def check_page_table(page_table, num_pages, batch):
@@ -118,6 +172,7 @@ def check_lengths(name, lengths, batch, capacity):
 
 def check_decode(q, k_pages, v_pages, lengths, page_table, scale, soft_cap, sliding_window):
     """All checks for `paged_decode_attention`."""
+    _check_arrays(q=q, k_pages=k_pages, v_pages=v_pages, lengths=lengths, page_table=page_table)
     _check_rank("q", q, 3, "[B, H, D]")
     check_pages(q, k_pages, v_pages)
     check_options(scale, soft_cap, sliding_window)
@@ -130,6 +185,14 @@ def check_ragged(
     q, k_pages, v_pages, page_table, context_lens, query_start_loc, scale, soft_cap, sliding_window
 ):
     """All checks for `ragged_paged_attention`."""
+    _check_arrays(
+        q=q,
+        k_pages=k_pages,
+        v_pages=v_pages,
+        page_table=page_table,
+        context_lens=context_lens,
+        query_start_loc=query_start_loc,
+    )
     _check_rank("q", q, 3, "[T, H, D]")
     check_pages(q, k_pages, v_pages)
     check_options(scale, soft_cap, sliding_window)
