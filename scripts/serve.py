@@ -81,7 +81,8 @@ away (a failed write, or its socket closed while waiting) has its requests abort
 If a step raises, the engine recovers by itself (`LLM.step`): the requests it held
 fail with a 500 and the server goes on.
 
-For trusted networks only: there is no authentication and no rate limit; bind to
+Request bodies come with a `Content-Length` or `Transfer-Encoding: chunked` (at most
+32 MiB). For trusted networks only: there is no authentication and no rate limit; bind to
 127.0.0.1 (the default) unless the network is yours. Flags: `--checkpoint`, `--host`,
 `--port`, `--served-model-name`, `--chat-template FILE`, `--max-model-len N`, `--seed`
 (for requests without one), scripts/generate.py's engine flags (`--page-size`,
@@ -201,9 +202,13 @@ class Handler(BaseHTTPRequestHandler):
             self._error(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
 
     def _read_body(self) -> bytes:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            return self._read_chunked()
         n = self.headers.get("Content-Length")
         try:
             n = int(n or 0)
+            if n < 0:
+                raise ValueError
         except ValueError:
             self.close_connection = True
             raise ApiError(400, f"bad Content-Length {n!r}") from None
@@ -211,6 +216,26 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise ApiError(413, f"request body of {n} bytes is over {MAX_BODY_BYTES}")
         return self.rfile.read(n) if n > 0 else b""
+
+    def _read_chunked(self) -> bytes:
+        """A body sent with `Transfer-Encoding: chunked` (clients that stream uploads)."""
+        data = bytearray()
+        while True:
+            line = self.rfile.readline(1024)
+            try:
+                size = int(line.split(b";")[0].strip(), 16)
+            except ValueError:
+                self.close_connection = True
+                raise ApiError(400, f"bad chunk size {line[:40]!r} in a chunked body") from None
+            if size == 0:
+                while self.rfile.readline(65536) not in (b"\r\n", b"\n", b""):
+                    pass  # trailer fields: none are used
+                return bytes(data)
+            if size < 0 or len(data) + size > MAX_BODY_BYTES:
+                self.close_connection = True
+                raise ApiError(413, f"request body is over {MAX_BODY_BYTES} bytes")
+            data += self.rfile.read(size)
+            self.rfile.readline(64)  # the chunk's CRLF
 
     def _send(self, status: int, data: bytes, ctype: str, headers=()) -> None:
         self.send_response(status)

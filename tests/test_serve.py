@@ -619,6 +619,25 @@ def test_bad_fields_are_400s_naming_the_value(server, path, body, status, words)
     assert set(err["error"]) == {"message", "type", "param", "code"}
 
 
+def test_a_chunked_request_body_is_read(server, ref):
+    # It was read as an empty body (a 400 "not valid JSON"), and its chunks then as the
+    # next request on the connection (an HTML 400).
+    body = dict(prompt="def f():", temperature=0, max_tokens=3)
+    (want,) = ref.generate([body["prompt"]], SamplingParams(temperature=0, max_tokens=3))
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=60)
+    data = json.dumps(body).encode()
+    for _ in range(2):  # the connection stays in step
+        pieces = iter([data[:5], data[5:]])  # an iterator: http.client sends it chunked
+        conn.request("POST", "/v1/completions", body=pieces, headers={"X": "y"})
+        r = conn.getresponse()
+        got = json.loads(r.read())
+        assert r.status == 200, got
+        assert got["choices"][0]["text"] == want.outputs[0].text
+    conn.close()
+    status, err = request(server, "/v1/completions", raw=b"{}", method="POST")
+    assert status == 400  # (a plain body still works)
+
+
 def test_bad_requests(server):
     status, err = request(server, "/v1/completions", raw=b"{nope")
     assert status == 400 and "not valid JSON" in err["error"]["message"]
