@@ -24,6 +24,7 @@ behind the same name.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import reference, validation
 
@@ -191,6 +192,11 @@ def ragged_paged_attention(
         sliding_window,
     )
     impl = _ragged_impl(resolve_backend(backend))
+    if impl is not None and page_table.shape[1] == 0:
+        # No page table columns: every context_len and q_len is 0 (checked when
+        # concrete), so every row is padding. The GPU kernel cannot run on an empty
+        # table; answer here for every kernel alike.
+        return jnp.zeros(q.shape, q.dtype)
     if impl is None:
         if tuning:
             raise TypeError(f"the xla backend takes no tuning knobs, got {sorted(tuning)}")

@@ -56,7 +56,7 @@ def _masked_softmax_pv(s, mask, v):
     # tail may hold NaN/inf, and 0 * NaN would leak it into this sequence.
     v = jnp.where(jnp.any(mask, axis=-2)[..., None], v, 0)
     s = jnp.where(mask, s, _NEG_INF)
-    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.max(s, axis=-1, keepdims=True, initial=_NEG_INF)  # initial: Tk may be 0
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.where(mask, jnp.exp(s - m), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
@@ -247,6 +247,8 @@ def ragged_paged_attention_xla(
     _check_heads(h, k_pages.shape[0])
     b, max_pages = page_table.shape
     s_len = max_pages * k_pages.shape[2]
+    if b == 0 or s_len == 0:  # no sequences, or none with a cached token: all rows padding
+        return jnp.zeros(q.shape, q.dtype)
     query_start_loc = jnp.asarray(query_start_loc, jnp.int32)
     context_lens = jnp.asarray(context_lens, jnp.int32)
     # Which sequence each query row belongs to, and its absolute position.

@@ -134,3 +134,46 @@ def test_traced_options_under_jit_are_a_clear_type_error():
     g = jax.jit(lambda q, w: decode(q, kp, vp, lengths, table, sliding_window=w))
     with pytest.raises(TypeError, match="sliding_window must be a static number"):
         g(q, 2)
+
+
+def test_empty_batch_and_empty_page_table_give_zeros_on_every_path():
+    q, kp, vp, lengths, table = decode_inputs(2)
+    zero = np.zeros(q.shape, np.float32)
+    no_pages = table[:, :0]
+    no_lengths = np.zeros_like(lengths)
+    for out in (
+        decode(q, kp, vp, no_lengths, no_pages),
+        ref.paged_attention_xla(q, kp, vp, no_lengths, no_pages),
+        decode(q, kp[:, :0], vp[:, :0], no_lengths, no_pages),  # an empty pool too
+    ):
+        np.testing.assert_array_equal(np.asarray(out), zero)
+    assert decode(q[:0], kp, vp, lengths[:0], table[:0]).shape == (0, 4, 16)
+
+    rq, rkp, rvp, rtable, rlens, _ = ragged_inputs(2)
+    rzero = np.zeros(rq.shape, np.float32)
+    empty_loc = np.zeros(4, np.int32)
+    for out in (
+        ragged(rq, rkp, rvp, rtable[:, :0], np.zeros_like(rlens), empty_loc),
+        ref.ragged_paged_attention_xla(
+            rq, rkp, rvp, rtable[:, :0], np.zeros_like(rlens), empty_loc
+        ),
+        ragged(rq, rkp, rvp, rtable[:0], rlens[:0], empty_loc[:1]),
+        ref.ragged_paged_attention_xla(rq, rkp, rvp, rtable[:0], rlens[:0], empty_loc[:1]),
+    ):
+        np.testing.assert_array_equal(np.asarray(out), rzero)
+
+
+def test_ragged_gpu_kernel_with_an_empty_page_table_gives_zeros():
+    # The GPU ragged kernel itself fails on max_pages == 0; the dispatcher answers zeros.
+    rq, rkp, rvp, rtable, rlens, _ = ragged_inputs(3)
+    out = pk.ragged_paged_attention(
+        rq,
+        rkp,
+        rvp,
+        rtable[:, :0],
+        np.zeros_like(rlens),
+        np.zeros(4, np.int32),
+        backend="gpu",
+        interpret=True,
+    )
+    np.testing.assert_array_equal(np.asarray(out), np.zeros(rq.shape, np.float32))
