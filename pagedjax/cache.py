@@ -125,6 +125,32 @@ def _check_new_tokens(k, v, slots, num_kv_heads, head_dim):
             )
 
 
+def _check_int_ids(name, ids):
+    """ids as a numpy array when concrete (None for a tracer); TypeError unless integer."""
+    traced = isinstance(ids, jax.core.Tracer)
+    arr = ids if traced else np.asarray(ids)
+    if not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):  # [] is float64
+        raise TypeError(f"{name} must be an integer array, got dtype {arr.dtype}")
+    return None if traced else arr
+
+
+def _check_slots(slots, num_slots):
+    # A slot past the pool (or below -1) would be dropped by the scatter without a word.
+    s = _check_int_ids("slots", slots)
+    if s is None:
+        return
+    bad = (s < -1) | (s >= num_slots)
+    if bad.any():
+        i = _first(bad)
+        raise ValueError(
+            f"slot {int(s[i])} at index {i} is out of range [0, {num_slots}) (-1: padding)"
+        )
+
+
+def _first(mask) -> int:
+    return int(np.argmax(mask))
+
+
 def is_fp8(dtype) -> bool:
     """Whether `dtype` is an FP8 storage dtype (the kernels upcast its tiles)."""
     dtype = jnp.dtype(dtype)
@@ -149,13 +175,15 @@ def write_layer(k_pages, v_pages, k, v, slots):
       v_pages: [K, P, S, D]
       k: [T, K, D] new keys.
       v: [T, K, D] new values.
-      slots: [T] int32 destination slots (-1: drop).
+      slots: [T] int32 destination slots in [0, P * S), or -1 to drop the token
+        (anything else raises when slots are concrete).
 
     Returns:
       The updated (k_pages, v_pages).
     """
     kh, p, s, d = k_pages.shape
     _check_new_tokens(k, v, slots, kh, d)
+    _check_slots(slots, p * s)
     idx = _slot_index(slots, p * s)
 
     def put(pages, new):
@@ -184,17 +212,30 @@ def copy_pages(cache: PagedKVCache, src, dst) -> PagedKVCache:
     Args:
       src: [N] int32 source page ids.
       dst: [N] int32 destination page ids; -1 marks a padding pair (skipped).
-        Destinations must be distinct and disjoint from the sources.
+        Destinations must be distinct and disjoint from the sources (checked, like
+        the id ranges, when src and dst are concrete).
     """
     p = cache.num_pages
     if np.shape(src) != np.shape(dst) or np.ndim(src) != 1:
         raise ValueError(f"src and dst must be [N] alike, got {np.shape(src)} and {np.shape(dst)}")
     for name, ids in (("src", src), ("dst", dst)):
-        if not isinstance(ids, jax.core.Tracer):
-            ids = np.asarray(ids)
-            if ((ids >= p) | (ids < (0 if name == "src" else -1))).any():
-                bad = ids[(ids >= p) | (ids < 0)][0]
-                raise ValueError(f"{name} page id {int(bad)} is out of range [0, {p})")
+        ids = _check_int_ids(name, ids)
+        if ids is not None:
+            bad = (ids >= p) | (ids < (0 if name == "src" else -1))
+            if bad.any():
+                raise ValueError(f"{name} page id {int(ids[bad][0])} is out of range [0, {p})")
+    if not isinstance(src, jax.core.Tracer) and not isinstance(dst, jax.core.Tracer):
+        s_np, d_np = np.asarray(src), np.asarray(dst)
+        real = d_np >= 0  # padding pairs copy nothing
+        d_real = d_np[real]
+        if len(np.unique(d_real)) != len(d_real):
+            raise ValueError(f"copy destinations must be distinct, got dst {d_np}")
+        both = np.intersect1d(s_np[real], d_real)
+        if both.size:
+            raise ValueError(
+                f"page {int(both[0])} is both a source and a destination: copies would "
+                "depend on their order"
+            )
     src = jnp.asarray(src, jnp.int32)
     dst = jnp.asarray(dst, jnp.int32)
     dst = jnp.where(dst < 0, p, dst)
@@ -208,6 +249,8 @@ def copy_pages(cache: PagedKVCache, src, dst) -> PagedKVCache:
 
 def slots_for(page_table_row, start: int, end: int, page_size: int) -> np.ndarray:
     """Host helper: slots of positions [start, end) of one sequence ([end - start] int32)."""
+    if not 0 <= start <= end:
+        raise ValueError(f"start must be in [0, end], got {start=}, {end=}")
     pos = np.arange(start, end)
     row = np.asarray(page_table_row)
     if end > len(row) * page_size:

@@ -135,3 +135,45 @@ def test_bad_inputs():
         kvcache.slots_for([1, 2], 0, 9, 4)
     with pytest.raises(ValueError, match="exceeds the page table's capacity"):
         kvcache.gather_sequence(c, 0, [1], 5)
+
+
+@pytest.mark.parametrize(
+    "slots,error,match",
+    [
+        (
+            [3, 8 * 4 + 1],
+            ValueError,
+            r"slot 33 at index 1 is out of range \[0, 32\) \(-1: padding\)",
+        ),
+        ([-2, 5], ValueError, r"slot -2 at index 0 is out of range"),
+        (np.array([4.7, 5.2]), TypeError, "slots must be an integer array, got dtype float64"),
+    ],
+)
+def test_write_rejects_slots_it_would_drop_or_truncate(slots, error, match):
+    # mode="drop" used to discard an out-of-range slot silently, and float slots were
+    # truncated to the wrong slot.
+    _, c = tiny_cache()
+    k = np.ones((2, 2, 8), np.float32)
+    with pytest.raises(error, match=match):
+        kvcache.write(c, 0, k, k, slots)
+
+
+def test_copy_pages_names_the_bad_id_and_checks_its_contract():
+    _, c = tiny_cache()
+    with pytest.raises(ValueError, match="dst page id -2 is out of range"):  # not the -1 pad
+        kvcache.copy_pages(c, np.array([1, 2]), np.array([-1, -2]))
+    with pytest.raises(TypeError, match="src must be an integer array, got dtype float64"):
+        kvcache.copy_pages(c, np.array([1.6]), np.array([2]))
+    with pytest.raises(ValueError, match=r"copy destinations must be distinct, got dst \[3 3\]"):
+        kvcache.copy_pages(c, np.array([1, 2]), np.array([3, 3]))
+    with pytest.raises(ValueError, match="page 2 is both a source and a destination"):
+        kvcache.copy_pages(c, np.array([1, 2]), np.array([2, 3]))
+    # Padding pairs may repeat, and a padding source may be any valid id.
+    kvcache.copy_pages(c, np.array([0, 0, 1]), np.array([-1, -1, 0]))
+
+
+def test_slots_for_rejects_a_bad_range():
+    with pytest.raises(ValueError, match=r"start must be in \[0, end\], got start=-1, end=2"):
+        kvcache.slots_for([3, 4], -1, 2, 8)  # used to wrap around to the last page
+    with pytest.raises(ValueError, match="got start=5, end=2"):
+        kvcache.slots_for([3, 4], 5, 2, 8)
