@@ -78,6 +78,15 @@ def test_json_end_to_end(ckpt, capsys):
     assert m["kv_bytes_read"] > 0 and m["decode_tokens_per_s"] > 0
     assert obj["settings"]["num_pages"] == 64 and obj["settings"]["page_size"] == 8
     assert obj["settings"]["kv_cache_dtype"] == "float32"  # auto: the model's dtype
+    readme = (ROOT / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `settings` |"))
+    flags = {"n", "beam_width", "max_tokens", "logprobs", "prompt_logprobs"}
+    flags |= set(gen.sampling_kwargs(gen.build_parser().parse_args([])))
+    documented = [k for k in obj["settings"] if k in row and k in gen.__doc__]
+    undocumented = set(obj["settings"]) - flags - set(documented)
+    assert not undocumented, (
+        f"settings keys missing from the README or the docstring: {undocumented}"
+    )
     assert [o["prompt"] for o in obj["outputs"]] == prompts
     for o in obj["outputs"]:
         assert len(o["completions"]) == 2
