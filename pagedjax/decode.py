@@ -270,6 +270,10 @@ def step(params, cache, inp: StepInput, **kwargs):
     return (decode_step if inp.decode else prefill_step)(params, cache, inp, **kwargs)
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 @dataclass
 class GenerateOutput:
     """Per prompt: the new tokens, their logprobs, and (optionally) the logits they came from."""
@@ -330,20 +334,26 @@ def generate(
         `pagedjax.cache`).
 
     Raises:
-      ValueError: empty prompts, token ids outside the vocabulary, or a prompt plus
-        max_new_tokens longer than max_position_embeddings (before anything runs).
+      ValueError: empty or nested prompts, token ids outside the vocabulary, a prompt
+        plus max_new_tokens longer than max_position_embeddings, or a count
+        (max_new_tokens, min_tokens, page_size, prefill_chunk) that is not a positive
+        int (min_tokens: >= 0) (before anything runs).
     """
     cfg = params.config
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token id lists")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens=}")
-    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens=}")
+    if not _is_int(min_tokens) or min_tokens < 0:
         raise ValueError(f"min_tokens must be an int >= 0, got {min_tokens=}")
-    if prefill_chunk is not None and prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk=}")
-    prompts = [np.asarray(p).reshape(-1) for p in prompts]
+    if prefill_chunk is not None and (not _is_int(prefill_chunk) or prefill_chunk < 1):
+        raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk=}")
+    if not _is_int(page_size) or page_size < 1:  # CacheConfig checks it is a power of two
+        raise ValueError(f"page_size must be a positive int, got {page_size=}")
+    prompts = [np.asarray(p) for p in prompts]
     for i, p in enumerate(prompts):
+        if p.ndim != 1:
+            raise ValueError(f"prompt {i} must be a 1-D list of token ids, got shape {p.shape}")
         if len(p) + max_new_tokens > cfg.max_position_embeddings:
             raise ValueError(
                 f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it "

@@ -230,8 +230,8 @@ def build_step_input(
     n, s = len(chunks), cache_cfg.page_size
     toks = [np.asarray(c.token_ids) for c in chunks]
     q_lens = np.fromiter((t.size for t in toks), np.int64, n)
-    start = np.fromiter((c.start_pos for c in chunks), np.int64, n)
-    rows = [np.asarray(c.page_table, np.int64).reshape(-1) for c in chunks]
+    start = _int_array([c.start_pos for c in chunks], "start_pos").astype(np.int64)
+    rows = [_page_row(c.page_table, i) for i, c in enumerate(chunks)]
     n_pages = np.fromiter((r.size for r in rows), np.int64, n)
     if decode is None:
         decode = bool((q_lens == 1).all())
@@ -253,6 +253,10 @@ def build_step_input(
             ("seed", np.float64), ("sample_step", np.int64), ("min_p", np.float64),
         )
     )  # fmt: skip
+    steps = _int_array([c.sample_step for c in chunks], "sample_step")
+    if (steps < 0).any():
+        i = _first(steps < 0)
+        raise ValueError(f"sequence {i}: sample_step must be >= 0, got sample_step={steps[i]}")
     bad = ~(
         (temperature >= 0) & np.isfinite(temperature) & (top_k >= 0) & (top_k == np.floor(top_k))
         & (top_p > 0) & (top_p <= 1) & (seeds >= 0) & (seeds < 2**32) & (seeds == np.floor(seeds))
@@ -275,6 +279,7 @@ def build_step_input(
     positions[:total] = pos
     slot_mapping = np.full(t, -1, np.int32)
     slot_mapping[:total] = page_table[seq, pos // s] * s + pos % s
+    _check_distinct_slots(slot_mapping[:total], seq, pos)
     context_lens = np.zeros(b, np.int32)
     context_lens[:n] = start + q_lens
     logits_indices = np.zeros(b, np.int32)
@@ -406,6 +411,41 @@ def _pack_penalties(chunks, b, min_history, vocab_size) -> sampling.Penalties | 
     return pack_penalties(rows, b, min_history)
 
 
+def _int_array(values, name) -> np.ndarray:
+    """One int per sequence as an array; TypeError naming the sequence otherwise."""
+    out = np.asarray(values)
+    if not np.issubdtype(out.dtype, np.integer):
+        i = next(i for i, v in enumerate(values) if not _is_int(v))
+        raise TypeError(f"sequence {i}: {name} must be an int, got {name}={values[i]!r}")
+    return out
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _page_row(page_table, i) -> np.ndarray:
+    row = np.asarray(page_table)
+    if row.ndim != 1:
+        raise ValueError(f"sequence {i}: page_table must be 1-D, got shape {row.shape}")
+    if row.size and not np.issubdtype(row.dtype, np.integer):
+        raise TypeError(f"sequence {i}: page_table must hold int page ids, got dtype {row.dtype}")
+    return row.astype(np.int64)
+
+
+def _check_distinct_slots(slots, seq, pos):
+    """Two tokens of one step written to one slot: the later would silently win."""
+    order = np.argsort(slots, kind="stable")
+    same = np.flatnonzero(slots[order][1:] == slots[order][:-1])
+    if same.size:
+        a, b = order[same[0]], order[same[0] + 1]
+        raise ValueError(
+            f"sequences {int(seq[a])} and {int(seq[b])} both write cache slot {int(slots[a])} "
+            f"(positions {int(pos[a])} and {int(pos[b])}): a page this step writes is in "
+            "two page tables, or twice in one"
+        )
+
+
 def _ragged_arange(lens):
     """[0..lens[0]), [0..lens[1]), ... concatenated."""
     ends = np.cumsum(lens)
@@ -415,7 +455,11 @@ def _ragged_arange(lens):
 def _check_copies(copies, num_pages):
     if not copies:
         return
-    pairs = np.asarray(copies, np.int64).reshape(-1, 2)
+    pairs = np.asarray(copies)
+    if pairs.ndim != 2 or pairs.shape[1] != 2:
+        raise ValueError(f"copies must be (src_page, dst_page) pairs, got {copies}")
+    if not np.issubdtype(pairs.dtype, np.integer):
+        raise TypeError(f"copies must be int page ids, got {copies}")
     bad = (pairs < 0) | (pairs >= num_pages)
     if bad.any():
         i = int(np.argwhere(bad)[0][0])

@@ -342,10 +342,15 @@ def test_step_input_is_padded_to_buckets():
     np.testing.assert_array_equal(inp.top_k[:4], [5, 0, 0, 0])
     np.testing.assert_array_equal(inp.seeds[:2], [11, 0])
     np.testing.assert_array_equal(inp.sample_steps[:2], [0, 2])
-    dec = decode.build_step_input([chunks[1]] * 3, cfg, cache_cfg)
+    # Distinct pages per sequence: two tokens of a step may not write one slot.
+    dec = decode.build_step_input(
+        [decode.SeqChunk([4], 5, [1 + 2 * i, 2 + 2 * i]) for i in range(3)], cfg, cache_cfg
+    )
     assert dec.decode and dec.bucket == (8, 8, 8, 4, True)
     big = decode.build_step_input(
-        [decode.SeqChunk([1] * 40, 0, list(range(10)))] * 9, cfg, cache_cfg
+        [decode.SeqChunk([1] * 40, 0, list(range(10 * i, 10 * i + 10))) for i in range(9)],
+        cfg,
+        CacheConfig(page_size=4, num_pages=128, dtype="float32"),
     )
     assert big.bucket == (512, 16, 16, 4, False)
 
@@ -370,6 +375,68 @@ def test_build_step_input_rejects_bad_input(chunk, kwargs, match):
     cache_cfg = CacheConfig(page_size=4, num_pages=32, dtype="float32")
     with pytest.raises(ValueError, match=match):
         decode.build_step_input([chunk], TINY, cache_cfg, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "chunks,kwargs,error,match",
+    [
+        # Each of these was truncated or flattened without a word.
+        ([decode.SeqChunk([1], 2.5, [1])], {}, TypeError, "sequence 0: start_pos must be an int"),
+        ([decode.SeqChunk([1], True, [1])], {}, TypeError, "start_pos must be an int"),
+        ([decode.SeqChunk([1], 0, [3.7])], {}, TypeError, "sequence 0: page_table must hold"),
+        ([decode.SeqChunk([1], 0, [[3]])], {}, ValueError, r"page_table must be 1-D, got shape"),
+        ([decode.SeqChunk([1], 0, [1], sample_step=1.5)], {}, TypeError, "sample_step must be"),
+        ([decode.SeqChunk([1], 0, [1], sample_step=-1)], {}, ValueError, "sample_step=-1"),
+        ([decode.SeqChunk([1], 0, [1])], {"copies": [(1.5, 2)]}, TypeError, "copies must be int"),
+        ([decode.SeqChunk([1], 0, [1])], {"copies": [(1, 2, 4)]}, ValueError, "pairs"),
+        # Two tokens of one step written to the same cache slot: one overwrites the other.
+        (
+            [decode.SeqChunk([1, 2], 0, [3]), decode.SeqChunk([4], 1, [3])],
+            {},
+            ValueError,
+            r"sequences 0 and 1 both write cache slot 13 \(positions 1 and 1\)",
+        ),
+        (
+            [decode.SeqChunk([1] * 5, 0, [3, 3])],
+            {},
+            ValueError,
+            r"sequences 0 and 0 both write cache slot 12 \(positions 0 and 4\)",
+        ),
+    ],
+)
+def test_build_step_input_rejects_what_it_used_to_truncate(chunks, kwargs, error, match):
+    cache_cfg = CacheConfig(page_size=4, num_pages=32, dtype="float32")
+    with pytest.raises(error, match=match):
+        decode.build_step_input(chunks, TINY, cache_cfg, **kwargs)
+
+
+def test_build_step_input_allows_shared_read_only_pages():
+    # A shared prefix page (3) is read by both sequences and written by neither.
+    cache_cfg = CacheConfig(page_size=4, num_pages=32, dtype="float32")
+    inp = decode.build_step_input(
+        [decode.SeqChunk([1], 4, [3, 5]), decode.SeqChunk([2], 4, [3, 6])], TINY, cache_cfg
+    )
+    np.testing.assert_array_equal(inp.slot_mapping[:2], [20, 24])
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(max_new_tokens=1.5), "max_new_tokens must be an int >= 1, got max_new_tokens=1.5"),
+        (dict(max_new_tokens=True), "max_new_tokens must be an int >= 1"),
+        (dict(max_new_tokens=2, page_size=0), "page_size must be a positive int, got page_size=0"),
+        (dict(max_new_tokens=2, prefill_chunk=1.5), "prefill_chunk must be an int >= 1"),
+    ],
+)
+def test_generate_rejects_bad_arguments_before_running(params, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        decode.generate(params, [[1, 2]], **kwargs)
+
+
+def test_generate_rejects_a_nested_prompt(params):
+    # It used to be flattened into one prompt of the nested lists' tokens.
+    with pytest.raises(ValueError, match=r"prompt 0 must be a 1-D list of token ids, got shape"):
+        decode.generate(params, [[[1, 2], [3, 4]]], max_new_tokens=1)
 
 
 def test_generate_rejects_bad_prompts_before_running(params):
