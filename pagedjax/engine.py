@@ -148,6 +148,12 @@ class LLM:
                 f"give num_pages or kv_memory_fraction, not both ({num_pages=}, "
                 f"{kv_memory_fraction=})"
             )
+        if kv_memory_fraction is not None and (  # checked before loading anything
+            isinstance(kv_memory_fraction, bool)
+            or not isinstance(kv_memory_fraction, (int, float))
+            or not 0 < kv_memory_fraction <= 1
+        ):
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction=}")
         if kv_cache_dtype != "auto":  # checked before loading anything
             kv_cache_dtype = dtype_name(kv_cache_dtype, kv=True)
         mesh = None  # checked before loading anything: an int, and that many devices
@@ -173,7 +179,7 @@ class LLM:
             num_pages = plan_num_pages(
                 sharding.device_kv_config(cfg, self.tensor_parallel),  # one device's share
                 page_size,
-                kv_memory_fraction=kv_memory_fraction or 0.8,
+                kv_memory_fraction=0.8 if kv_memory_fraction is None else kv_memory_fraction,
                 max_num_seqs=max_num_seqs,
                 max_model_len=self.max_model_len,
                 kv_dtype=kv_dtype,
@@ -227,7 +233,11 @@ class LLM:
         *,
         request_id: str | None = None,
     ) -> str:
-        """Queues one prompt; returns its request id. Raises ValueError if it cannot run."""
+        """Queues one prompt; returns its request id. Raises ValueError if it cannot run.
+
+        A completion ends ("length") after `params.max_tokens` tokens or when prompt and
+        completion reach `max_model_len` tokens, whichever comes first.
+        """
         params = params or SamplingParams()
         text, ids = self.encode(prompt)
         if params.stop and self.tokenizer is None:

@@ -605,6 +605,9 @@ def test_bad_requests_fail_before_anything_runs(params):
         LLM(params, page_size=PS, num_pages=PAGES, backend="gpu")
     with pytest.raises(ValueError, match="not both"):
         LLM(params, num_pages=8, kv_memory_fraction=0.5)
+    for bad in (0, 0.0, -0.5, 1.5, float("nan"), True, "0.5"):  # 0 was silently 0.8
+        with pytest.raises(ValueError, match=r"kv_memory_fraction must be in \(0, 1\]"):
+            LLM(params, kv_memory_fraction=bad)
     with pytest.raises(ValueError, match="backend must be one of"):
         LLM(params, num_pages=8, backend="cuda")
 
