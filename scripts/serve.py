@@ -224,6 +224,8 @@ class Handler(BaseHTTPRequestHandler):
             line = self.rfile.readline(1024)
             try:
                 size = int(line.split(b";")[0].strip(), 16)
+                if size < 0:
+                    raise ValueError
             except ValueError:
                 self.close_connection = True
                 raise ApiError(400, f"bad chunk size {line[:40]!r} in a chunked body") from None
@@ -231,7 +233,7 @@ class Handler(BaseHTTPRequestHandler):
                 while self.rfile.readline(65536) not in (b"\r\n", b"\n", b""):
                     pass  # trailer fields: none are used
                 return bytes(data)
-            if size < 0 or len(data) + size > MAX_BODY_BYTES:
+            if len(data) + size > MAX_BODY_BYTES:
                 self.close_connection = True
                 raise ApiError(413, f"request body is over {MAX_BODY_BYTES} bytes")
             data += self.rfile.read(size)

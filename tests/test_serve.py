@@ -638,6 +638,19 @@ def test_a_chunked_request_body_is_read(server, ref):
     assert status == 400  # (a plain body still works)
 
 
+@pytest.mark.parametrize("size", [b"zz", b"-5"])
+def test_a_bad_chunk_size_is_a_400(server, size):
+    with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=60) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + size
+            + b"\r\n{}\r\n0\r\n\r\n"
+        )
+        reply = s.makefile("rb").read()
+    assert reply.startswith(b"HTTP/1.0 400") or reply.startswith(b"HTTP/1.1 400"), reply[:80]
+    assert b"bad chunk size" in reply
+
+
 def test_bad_requests(server):
     status, err = request(server, "/v1/completions", raw=b"{nope")
     assert status == 400 and "not valid JSON" in err["error"]["message"]
