@@ -423,6 +423,8 @@ def test_default_tuning():
         (dict(num_splits=0), "num_splits=0"),
         (dict(num_warps=3), "num_warps.*got 3"),
         (dict(num_stages=0), "num_stages=0"),
+        (dict(num_splits=True), "num_splits=True"),  # a bool is an int, not a count
+        (dict(num_warps=True), "num_warps.*got True"),
     ],
 )
 def test_bad_tuning(knobs, match):
@@ -438,6 +440,9 @@ def test_unknown_knob_and_bad_head_dim():
     q, k, v, _, _, lengths, page_table = make_case(0, 2, 4, 2, 96, 8, 2, jnp.float32)
     with pytest.raises(ValueError, match="head_dim=96"):
         paged_decode_gpu(q, k, v, lengths, page_table, interpret=True)
+    q, k, v, _, _, lengths, page_table = make_case(0, 2, 4, 2, 64, 8, 2, jnp.float32)
+    with pytest.raises(TypeError, match="interpret='no'"):  # was bool('no'): interpreted
+        paged_decode_gpu(q, k, v, lengths, page_table, interpret="no")
 
 
 # ---------------------------------------------------------------- cuda lowering

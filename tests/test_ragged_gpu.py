@@ -437,6 +437,7 @@ def test_prefetch_rows_grid(heads, opts):
         ("block_kv", 8),
         ("block_kv", 48),
         ("num_warps", 3),
+        ("num_stages", True),  # a bool is an int, not a count
         ("prefetch_rows", 1),
     ],
 )
@@ -444,6 +445,16 @@ def test_bad_tuning_knobs(knob, value):
     args, _ = _batch(np.random.default_rng(10), [1], [3], heads=(4, 1))  # G = 4
     with pytest.raises(ValueError, match=f"{knob}={value}"):
         _run(args, **{knob: value})
+    with pytest.raises(TypeError, match="interpret='no'"):
+        ragged_paged_attention_gpu(*args, interpret="no")
+
+
+def test_a_page_table_without_pages_gives_zeros():
+    """max_pages = 0 (every context empty): zeros, as the reference, not a gather error."""
+    args, _ = _batch(np.random.default_rng(11), [1, 2], [0, 0], heads=(4, 1))
+    q, k, v, table, ctx, qsl = args
+    out = _run((q, k, v, table[:, :0], ctx, qsl))
+    assert out.shape == q.shape and not np.asarray(out).any()
 
 
 def test_default_tuning_tiles():

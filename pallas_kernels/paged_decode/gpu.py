@@ -115,8 +115,12 @@ _LOG2E = math.log2(math.e)
 TUNING_KNOBS = ("block_kv", "block_h", "num_splits", "num_warps", "num_stages")
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # True is an int, not a knob
+
+
 def _is_pow2(x) -> bool:
-    return isinstance(x, int) and x > 0 and not x & (x - 1)
+    return _is_int(x) and x > 0 and not x & (x - 1)
 
 
 def _next_pow2(x: int) -> int:
@@ -200,7 +204,7 @@ def _check_tuning(tuning: dict, head_dim: int) -> None:
             raise ValueError(f"{name} must be a power of two >= {_MIN_DOT}, got {name}={value!r}")
     for name in ("num_splits", "num_stages"):
         value = tuning[name]
-        if not isinstance(value, int) or value < 1:
+        if not _is_int(value) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
     if not _is_pow2(tuning["num_warps"]) or tuning["num_warps"] > 32:
         raise ValueError(f"num_warps must be a power of two <= 32, got {tuning['num_warps']!r}")
@@ -468,7 +472,7 @@ def paged_decode_gpu(
         page_size,
         page_table.shape[1],
         k_pages.dtype,
-        block_kv=block_kv if isinstance(block_kv, int) and block_kv > 0 else None,
+        block_kv=block_kv if _is_int(block_kv) and block_kv > 0 else None,
     )
     given = dict(
         block_kv=block_kv,
@@ -479,6 +483,8 @@ def paged_decode_gpu(
     )
     tuning.update({k: v for k, v in given.items() if v is not None})
     _check_tuning(tuning, head_dim)
+    if not isinstance(interpret, bool):
+        raise TypeError(f"interpret must be a bool, got {interpret=}")
     if batch == 0 or page_table.shape[1] == 0:
         return jnp.zeros(q.shape, q.dtype)
     return _paged_decode(
@@ -490,6 +496,6 @@ def paged_decode_gpu(
         scale=float(head_dim**-0.5 if scale is None else scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=None if sliding_window is None else int(sliding_window),
-        interpret=bool(interpret),
+        interpret=interpret,
         **tuning,
     )

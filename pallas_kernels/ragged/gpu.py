@@ -93,8 +93,12 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _is_int(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool)  # True is an int, not a knob
+
+
 def _is_pow2(n) -> bool:
-    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+    return _is_int(n) and n > 0 and n & (n - 1) == 0
 
 
 def _kernel(
@@ -309,7 +313,7 @@ def _check_knobs(block_q, block_kv, num_warps, num_stages, group_pad):
         raise ValueError(f"block_kv must be a power of two >= 16, got {block_kv=}")
     if not _is_pow2(num_warps):
         raise ValueError(f"num_warps must be a power of two, got {num_warps=}")
-    if not isinstance(num_stages, int) or num_stages < 1:
+    if not _is_int(num_stages) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive int, got {num_stages=}")
 
 
@@ -367,8 +371,10 @@ def ragged_paged_attention_gpu(
     _check_knobs(**knobs, group_pad=_pow2(num_heads // num_kv_heads))
     if not isinstance(prefetch_rows, bool):
         raise ValueError(f"prefetch_rows must be a bool, got {prefetch_rows=}")
-    if num_tokens == 0 or num_seqs == 0:
-        return jnp.zeros_like(q)
+    if not isinstance(interpret, bool):
+        raise TypeError(f"interpret must be a bool, got {interpret=}")
+    if num_tokens == 0 or num_seqs == 0 or page_table.shape[1] == 0:
+        return jnp.zeros_like(q)  # (no pages: every context is empty)
     return _ragged_call(
         q,
         k_pages,
@@ -379,7 +385,7 @@ def ragged_paged_attention_gpu(
         scale=float(head_dim**-0.5 if scale is None else scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=None if sliding_window is None else int(sliding_window),
-        interpret=bool(interpret),
+        interpret=interpret,
         prefetch_rows=prefetch_rows,
         **knobs,
     )
