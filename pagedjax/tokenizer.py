@@ -339,7 +339,9 @@ class StreamDecoder:
     trailing U+FFFD run (an incomplete character), and `self.text + flush()` is
     `decode(ids)`. Each call decodes the window `ids[prefix:]`, which starts one
     character-aligned chunk back; `done` counts the window's characters already
-    emitted. The window slides whenever its text ends on a whole character.
+    emitted. The window slides whenever its text ends on a whole character, to the
+    last chunk if that chunk has text of its own (so the window never starts with
+    skipped special tokens alone).
     """
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True):
@@ -362,8 +364,14 @@ class StreamDecoder:
         stable = text.rstrip(_REPLACEMENT)
         piece = stable[self._done :]
         if len(stable) == len(text):
-            self._prefix, self._read = self._read, len(self.ids)
-            self._done = len(self._decode(self.ids[self._prefix :]))
+            # Slide to the last chunk only if it has text: a window of skipped special
+            # tokens alone would let the decoder strip the next token's leading space.
+            last = self._decode(self.ids[self._read :])
+            if last:
+                self._prefix, self._done = self._read, len(last)
+            else:
+                self._done = len(text)
+            self._read = len(self.ids)
         else:
             self._done = max(self._done, len(stable))
         self.text += piece

@@ -197,3 +197,29 @@ def test_stream_accepts_several_ids(bpe_dir):
     stream = tok.stream()
     out = "".join(stream.add(ids[k : k + 3]) for k in range(0, len(ids), 3)) + stream.flush()
     assert out == TEXTS[1]
+
+
+def test_stream_keeps_the_space_after_a_skipped_special_token(tmp_path):
+    """A window that starts at a skipped special token has no text of its own: the
+    decoder would strip the next token's leading space as if it began the text."""
+    tok = Tokenizer.from_dir(
+        write_dir(
+            tmp_path,
+            sentencepiece_style(),
+            tokenizer_config={"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True},
+        )
+    )
+    words = tok.encode("the hello", add_bos=False)
+    for special in ([2], [1], [2, 1]):
+        ids = [1, *words, *special, *tok.encode(" the ll", add_bos=False), *special, *words]
+        assert tok.decode(ids) == "the hello  the ll the hello"
+        check_stream(tok, ids)
+    rng = random.Random(0)
+    for _ in range(20):  # special tokens at random places in random text
+        # (a space before each byte-fallback character: HF's ByteFallback decodes a
+        # run of byte tokens all or nothing, so "€☃" is "\ufffd" * 4 until complete)
+        words = rng.choices(["the", " lo", "h", " €", " ☃"], k=rng.randint(1, 8))
+        ids = tok.encode("".join(words))
+        for _ in range(rng.randint(1, 3)):
+            ids.insert(rng.randint(0, len(ids)), rng.choice([1, 2]))
+        check_stream(tok, ids)
