@@ -169,16 +169,20 @@ class ModelConfig:
         Qwen3, as HF's Qwen3Config), and `eos_token_id` as an int or a list. Qwen3
         means `qk_norm`; Qwen2 means `qkv_bias`. The sliding window is read as HF
         does (see `_hf_sliding_window`); only a window on every layer or on none is
-        supported.
+        supported. Absent optional keys take HF's defaults (`rms_norm_eps` 1e-6).
 
         Raises:
-          ValueError: unknown architecture, unsupported rope scaling, missing keys,
-            a different sliding window per layer.
+          ValueError: an unsupported architecture anywhere in `architectures`, unsupported
+            or incomplete rope scaling, missing keys, a different sliding window per layer,
+            or a key the model does not implement (`hidden_act` other than silu,
+            `mlp_bias`, `partial_rotary_factor` < 1, `quantization_config`).
         """
         archs = config.get("architectures") or []
-        if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+        if unsupported:  # a second, unsupported class may be what the weights really are
             raise ValueError(
-                f"unsupported architecture {archs}; supported: {list(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {unsupported} (architectures={archs}); "
+                f"supported: {list(SUPPORTED_ARCHITECTURES)}"
             )
         model_type = config.get("model_type")
         if not archs and model_type not in _MODEL_TYPES:
@@ -192,6 +196,7 @@ class ModelConfig:
         ]
         if missing:
             raise ValueError(f"config.json is missing required keys: {missing}")
+        _refuse_unimplemented(config)
         family = next((_QWEN_TYPES[a] for a in archs if a in _QWEN_TYPES), model_type)
         num_heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
@@ -199,9 +204,7 @@ class ModelConfig:
         head_dim = config.get("head_dim") or (128 if family == "qwen3" else hidden // num_heads)
         rope = dict(config.get("rope_parameters") or {})
         theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-        scaling = config.get("rope_scaling") or (
-            rope if rope.get("rope_type", "default") != "default" else None
-        )
+        scaling = config.get("rope_scaling") or (rope if _rope_type(rope) != "default" else None)
         eos = config.get("eos_token_id")
         eos = () if eos is None else (eos if isinstance(eos, (list, tuple)) else (eos,))
         torch_dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
@@ -217,7 +220,7 @@ class ModelConfig:
             max_position_embeddings=int(config.get("max_position_embeddings", 8192)),
             rope_theta=theta,
             rope_scaling=_rope_scaling(scaling),
-            norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+            norm_eps=float(config.get("rms_norm_eps", 1e-6)),  # HF's default, every family
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             qk_norm=family == "qwen3",
@@ -324,6 +327,40 @@ def _hf_sliding_window(config: dict, family: str | None) -> int | None:
     return None if max_pos is not None and window >= int(max_pos) else window
 
 
+def _refuse_unimplemented(config: dict) -> None:
+    """Raises ValueError naming a config.json key that changes the model's math in a way
+    the model does not implement (reading past it would serve garbage without an error)."""
+    act = config.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):  # HF's ACT2FN: "swish" is SiLU too
+        raise ValueError(f"unsupported hidden_act={act!r}; the MLP is SwiGLU (hidden_act 'silu')")
+    if config.get("mlp_bias"):
+        raise ValueError(
+            f"unsupported mlp_bias={config['mlp_bias']!r}: MLP projection biases are not "
+            "implemented"
+        )
+    rope = config.get("rope_parameters") or {}
+    for prf in (config.get("partial_rotary_factor"), rope.get("partial_rotary_factor")):
+        if prf is not None and prf != 1:
+            raise ValueError(
+                f"unsupported partial_rotary_factor={prf!r}: RoPE rotates the whole head"
+            )
+    quant = config.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ValueError(
+            f"quantized checkpoints are not supported (quantization_config with "
+            f"quant_method={method!r}); use the unquantized (bf16/fp16/fp32) checkpoint"
+        )
+
+
+def _rope_type(scaling: dict) -> str:
+    """HF's "rope_type", or the older "type" key; "default" when neither is there."""
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
 def _hf_dtype(torch_dtype: str) -> str:
     name = str(torch_dtype).removeprefix("torch.")
     return "float32" if name == "float32" else "bfloat16"
@@ -332,16 +369,19 @@ def _hf_dtype(torch_dtype: str) -> str:
 def _rope_scaling(scaling: dict | None) -> RopeScaling | None:
     if not scaling:
         return None
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    kind = _rope_type(scaling)
     if kind == "default":
         return None
     if kind != "llama3":
         raise ValueError(f"unsupported rope scaling type {kind!r}; supported: 'llama3' (or none)")
+    missing = [k for k in _LLAMA3_KEYS if scaling.get(k) is None]
+    if missing:  # HF refuses these too; a guessed factor would be a different model
+        raise ValueError(f"rope scaling 'llama3' needs {missing}, got rope_scaling={scaling}")
     return RopeScaling(
-        factor=float(scaling.get("factor", 8.0)),
-        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
     )
 
 

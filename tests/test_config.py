@@ -147,3 +147,42 @@ def test_sliding_window_must_be_a_positive_int(window):
         match=f"sliding_window must be None or a positive int, got sliding_window={window!r}",
     ):
         dataclasses.replace(PRESETS["tiny"], sliding_window=window)
+
+
+def test_from_hf_absent_keys_take_hfs_defaults():
+    """Keys a hand-written config.json may leave out mean what HF's config classes say:
+    rms_norm_eps 1e-6 (Llama, Qwen2, Qwen3 and Mistral alike), rope_theta 10000, MHA."""
+    bare = {k: v for k, v in LLAMA31_8B.items() if k not in ("rms_norm_eps", "rope_theta")}
+    del bare["num_key_value_heads"]
+    cfg = ModelConfig.from_hf(bare)
+    assert cfg.norm_eps == 1e-6 and cfg.rope_theta == 10000.0 and cfg.num_kv_heads == 32
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("hidden_act", "gelu", "hidden_act='gelu'"),
+        ("mlp_bias", True, "mlp_bias=True"),
+        ("partial_rotary_factor", 0.5, "partial_rotary_factor=0.5"),
+        ("quantization_config", {"quant_method": "gptq", "bits": 4}, "quant_method.*'gptq'"),
+        ("architectures", ["MixtralForCausalLM", "LlamaForCausalLM"], "MixtralForCausalLM"),
+        ("rope_parameters", {"type": "linear", "factor": 2.0}, "rope scaling type 'linear'"),
+        ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "high_freq_factor"),
+    ],
+)
+def test_from_hf_refuses_what_it_would_ignore(key, value, match):
+    """Each of these changes the model's math; reading past it would load a model that
+    runs and writes garbage, so from_hf names the key and value instead."""
+    d = dict(LLAMA31_8B, **{key: value})
+    if key == "rope_parameters":  # the newer form, alone as transformers v5 writes it
+        del d["rope_scaling"], d["rope_theta"]
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf(d)
+
+
+def test_from_hf_accepts_the_harmless_forms():
+    ok = dict(LLAMA31_8B, hidden_act="silu", mlp_bias=False, partial_rotary_factor=1.0)
+    assert ModelConfig.from_hf(ok) == ModelConfig.from_hf(LLAMA31_8B)
+    assert ModelConfig.from_hf(dict(LLAMA31_8B, hidden_act="swish")) == PRESETS["llama3-8b"]
+    d = dict(LLAMA31_8B, rope_scaling=None, rope_parameters={"type": "default"})
+    assert ModelConfig.from_hf(d).rope_scaling is None
