@@ -157,11 +157,12 @@ class OutputProcessor:
             reason, stop = "stop", tok
         elif s.detok is not None:
             piece = s.detok.add(tok)
-            text = s.detok.text
-            longest = max(map(len, req.params.stop))
-            begin = max(0, len(text) - len(piece) - longest + 1)
-            if check:
-                found = ((text.find(x, begin), x) for x in req.params.stop)
+            if check and piece:
+                # Only an occurrence that ends in the new piece: the text before it was
+                # searched already, or min_tokens let its occurrences through.
+                text = s.detok.text
+                old = len(text) - len(piece)
+                found = ((text.find(x, max(0, old - len(x) + 1)), x) for x in req.params.stop)
                 s.stop_pos, stop = min(((i, x) for i, x in found if i >= 0), default=(-1, None))
             reason = "stop" if stop is not None else None
         if reason is None and len(s.token_ids) >= s.max_num_tokens:

@@ -1,8 +1,19 @@
-"""pagedjax/outputs.py: the logprobs entry of one token (the rest runs in test_engine.py)."""
+"""pagedjax/outputs.py: the logprobs entry of one token, and stop strings against a
+brute-force oracle on real tokenizers (the rest runs in test_engine.py)."""
+
+import itertools
+import random
 
 import numpy as np
+import pytest
+from test_tokenizer import byte_level_bpe, sentencepiece_style
 
-from pagedjax.outputs import logprobs_entry
+from pagedjax.metrics import EngineMetrics
+from pagedjax.outputs import OutputProcessor, Request, logprobs_entry
+from pagedjax.request import SamplingParams
+from pagedjax.sequence import SeqStatus, SequenceGroup
+from pagedjax.sequence import Sequence as Seq
+from pagedjax.tokenizer import Tokenizer
 
 
 def test_logprobs_entry_puts_the_sampled_token_first_then_the_top_k_in_rank_order():
@@ -13,3 +24,106 @@ def test_logprobs_entry_puts_the_sampled_token_first_then_the_top_k_in_rank_orde
     e = logprobs_entry(8, -5.5, 2, top_ids, top_lps, 1)  # outside the top-k: k + 1
     assert list(e) == [8, 3, 5] and e[5] == np.float32(-0.9)
     assert logprobs_entry(3, -0.2, 0, None, None, 1) == {3: -0.2}  # k = 0: no top-k
+
+
+# ---------------------------------------------------------------- stop strings
+
+
+@pytest.fixture(scope="module", params=["byte_level", "sentencepiece"])
+def tok(request):
+    if request.param == "byte_level":
+        return Tokenizer(byte_level_bpe(False), bos_token_id=0, eos_token_ids=[1])
+    return Tokenizer(sentencepiece_style(), bos_token_id=1, eos_token_ids=[2])
+
+
+class _Scheduler:
+    def finish(self, group, seq, reason, stop_reason=None):
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        group.finished.append(seq)
+        group.seqs.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+
+def accept_all(tok, gen, params):
+    """Feeds `gen` one token at a time as the engine does; (ids, text, finish, stop)."""
+    prompt = [5, 6]
+    s = Seq(0, list(prompt), 2, 2 + params.max_tokens, status=SeqStatus.RUNNING)
+    s.detok = tok.stream() if params.stop else None
+    g = SequenceGroup("r", [s])
+    req = Request("r", None, prompt, params, frozenset(params.stop_token_ids), g, None, 0.0)
+    proc = OutputProcessor(_Scheduler(), EngineMetrics(1), tok.decode, itertools.count(1))
+    for t in gen:
+        proc._accept(req, s, t, -0.5, None)
+        if s.status is SeqStatus.FINISHED:
+            break
+    assert s.status is SeqStatus.FINISHED, "ran out of tokens"
+    c = proc.output(req, aborted=False, now=1.0).outputs[0]
+    return c.token_ids, c.text, c.finish_reason, c.stop_reason
+
+
+def brute_force(tok, gen, params):
+    """Stops at the first token (from min_tokens on) that is a stop token or completes a
+    stop string (an occurrence that ends in the text this token added: earlier ones
+    were let through by min_tokens); the text is cut where the earliest such occurrence
+    begins (at a tie, the smaller string is the stop reason)."""
+    before = ""
+    for n in range(1, len(gen) + 1):
+        ids, check = gen[:n], n >= params.min_tokens
+        if check and gen[n - 1] in params.stop_token_ids:
+            return ids, tok.decode(ids), "stop", gen[n - 1]
+        full = tok.decode(ids)
+        text = full.rstrip("\ufffd")  # an incomplete last character is not text yet
+        if not text.startswith(before):  # nor does text seen go away (ByteFallback
+            text = before  # decodes an unfinished run of byte tokens as U+FFFD each)
+        new = [
+            (i, x)
+            for x in params.stop
+            for i in range(len(text))
+            if text.startswith(x, i) and i + len(x) > len(before)
+        ]
+        if check and new:
+            i, x = min(new)
+            return ids, full[:i], "stop", x
+        if n == params.max_tokens:
+            return ids, full, "length", None
+        before = text
+    raise AssertionError("ran out of tokens")
+
+
+def test_min_tokens_lets_earlier_stop_string_occurrences_through(tok):
+    """Only an occurrence that ends in a token's new text stops: one completed before
+    min_tokens (within the longest stop string's reach) neither stops nor cuts."""
+    a, b, c = (tok.encode(x, add_bos=False)[-1] for x in "abc")
+    assert tok.decode([a, b, c]) == "abc"
+    params = SamplingParams(max_tokens=3, stop=["b", "abcd"], min_tokens=3)
+    assert accept_all(tok, [a, b, c], params) == ([a, b, c], "abc", "length", None)
+    params = SamplingParams(max_tokens=5, stop=["b", "abcd"], min_tokens=3)
+    assert accept_all(tok, [a, b, b], params) == ([a, b, b], "ab", "stop", "b")
+    params = SamplingParams(max_tokens=5, stop=["bc", "ab", "abcd"], min_tokens=3)
+    assert accept_all(tok, [a, b, c], params) == ([a, b, c], "a", "stop", "bc")
+
+
+def test_stop_strings_against_brute_force(tok):
+    """Random texts (characters split across tokens), stop sets (spanning tokens,
+    overlapping, prefixes of each other, mid-character), min_tokens and stop tokens."""
+    rng = random.Random(0)
+    pieces = ["a", "b", "ab", "the", " ", "é", "日", "🙂", "\n", "c"]
+    for _ in range(150):
+        text = "".join(rng.choices(pieces, k=rng.randint(1, 10)))
+        gen = tok.encode(text, add_bos=False)
+        stops = []
+        for _ in range(rng.randint(1, 4)):
+            i = rng.randrange(len(text))
+            stops.append(text[i : rng.randint(i + 1, min(len(text), i + 4))])
+        if rng.random() < 0.3:
+            stops.append("".join(rng.choices(pieces, k=2)))
+        stop_ids = tuple(rng.sample(gen, 1)) if rng.random() < 0.2 else ()
+        mins = rng.choice([0, 0, 1, 2, 3, 5])
+        max_tokens = rng.randint(max(1, mins), len(gen)) if mins <= len(gen) else None
+        if max_tokens is None:
+            continue
+        params = SamplingParams(
+            max_tokens=max_tokens, stop=stops, min_tokens=mins, stop_token_ids=stop_ids
+        )
+        want = brute_force(tok, gen, params)
+        assert accept_all(tok, gen, params) == want, (text, gen, params)
