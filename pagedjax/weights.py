@@ -19,6 +19,9 @@ Decisions:
 * bf16: tensors are read with `safetensors`' numpy backend, which returns
   `ml_dtypes.bfloat16` arrays in current versions; if the installed version refuses a
   dtype, the tensor is read from the file's byte range given by its header instead.
+* Broken files are named from their headers before any tensor is read: a shard cut
+  short (an interrupted download), a git-lfs pointer in place of the weights, byte
+  ranges that disagree with a tensor's shape; malformed JSON names its file.
 * Known harmless extras (`rotary_emb.inv_freq` buffers) are ignored; any other
   unknown name is an error.
 
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import shutil
 import struct
@@ -65,6 +69,13 @@ _ST_DTYPES = {
     "F32": np.dtype("<f4"),
     "F64": np.dtype("<f8"),
 }
+_ST_ITEMSIZE = {  # every safetensors dtype, so that byte ranges of refused ones check too
+    **{k: 1 for k in ("BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2")},
+    **{k: 2 for k in ("I16", "U16", "F16", "BF16")},
+    **{k: 4 for k in ("I32", "U32", "F32")},
+    **{k: 8 for k in ("I64", "U64", "F64")},
+}
+_LFS_POINTER = b"version https://git-lfs"
 _MAX_LISTED = 40  # per problem kind, so a wrong-model error stays readable
 
 
@@ -134,14 +145,14 @@ class CheckpointError(ValueError):
       problems: every problem as one line (shape and dtype mismatches included).
     """
 
-    def __init__(self, where: str, missing, unexpected, other):
+    def __init__(self, where: str, missing, unexpected, other, *, what="does not match its config"):
         self.missing, self.unexpected = list(missing), list(unexpected)
         self.problems = (
             [f"missing: {m}" for m in self.missing]
             + [f"unexpected: {u}" for u in self.unexpected]
             + list(other)
         )
-        lines = [f"{where} does not match its config ({len(self.problems)} problems):"]
+        lines = [f"{where} {what} ({len(self.problems)} problems):"]
         for kind, items in (("missing", self.missing), ("unexpected", self.unexpected)):
             lines += [f"  {kind}: {x}" for x in items[:_MAX_LISTED]]
             if len(items) > _MAX_LISTED:
@@ -164,26 +175,59 @@ class _TensorInfo:
 
 
 def _read_header(file: Path) -> dict[str, _TensorInfo]:
-    """Tensor names -> info from a safetensors header (8-byte length, JSON, data)."""
-    try:
-        with open(file, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        base = 8 + n
-        return {
-            name: _TensorInfo(
-                name,
-                file,
-                v["dtype"],
-                tuple(v["shape"]),
-                base + v["data_offsets"][0],
-                base + v["data_offsets"][1],
+    """Tensor names -> info from a safetensors header (8-byte length, JSON, data).
+
+    Checks what safetensors itself would refuse only when the tensor is read: every byte
+    range must fit its dtype and shape, and the ranges must cover the data exactly (a
+    download cut short fails here, before any tensor is loaded).
+    """
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if (head + f.read(len(_LFS_POINTER) - 8)).startswith(_LFS_POINTER):
+            raise ValueError(
+                f"{file.name} is a git-lfs pointer, not the weights: fetch them with "
+                "`git lfs pull` (or download the checkpoint with huggingface-cli)"
             )
-            for name, v in header.items()
-            if name != "__metadata__"
-        }
-    except (struct.error, ValueError, UnicodeDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{file} is not a valid safetensors file ({e!r})") from None
+        try:
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise ValueError(f"header length {n} > the file's {size - 8} bytes after it")
+            f.seek(8)
+            header = json.loads(f.read(n))
+            infos = {
+                name: _TensorInfo(
+                    name,
+                    file,
+                    v["dtype"],
+                    tuple(int(d) for d in v["shape"]),
+                    8 + n + int(v["data_offsets"][0]),
+                    8 + n + int(v["data_offsets"][1]),
+                )
+                for name, v in header.items()
+                if name != "__metadata__"
+            }
+        except (struct.error, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{file.name} is not a valid safetensors file ({e!r})") from None
+    for info in infos.values():
+        nbytes = math.prod(info.shape) * _ST_ITEMSIZE.get(info.dtype, 0)
+        if info.stop < info.start or (
+            info.dtype in _ST_ITEMSIZE and info.stop - info.start != nbytes
+        ):
+            raise ValueError(
+                f"{file.name} is corrupt: {info.name}: its header gives "
+                f"{info.stop - info.start} bytes for {info.dtype} {list(info.shape)}, "
+                f"which takes {nbytes}"
+            )
+    end = max((i.stop for i in infos.values()), default=8 + n)
+    if end > size:
+        raise ValueError(
+            f"{file.name} is truncated: its header needs {end} bytes, the file has {size} "
+            "(an interrupted download? download it again)"
+        )
+    if end < size:
+        raise ValueError(f"{file.name} is corrupt: {size - end} bytes after its last tensor")
+    return infos
 
 
 def _read_tensor_raw(info: _TensorInfo) -> np.ndarray:
@@ -199,9 +243,12 @@ def _checkpoint_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
     """The safetensors files of an HF directory and the index's weight map, if any."""
     index = root / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no 'weight_map' object")
+        bad = {k: v for k, v in weight_map.items() if not isinstance(v, str)}
+        if bad:
+            raise ValueError(f"{index}: weight_map must map names to file names, got {bad}")
         return sorted({root / f for f in weight_map.values()}), weight_map
     if (root / SAFETENSORS_FILE).is_file():
         return [root / SAFETENSORS_FILE], None
@@ -213,16 +260,32 @@ def _checkpoint_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
     return files, None
 
 
+def _read_json(file: Path) -> dict:
+    """A JSON object from `file`; errors name the file."""
+    try:
+        data = json.loads(file.read_bytes())
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both
+        raise ValueError(f"{file} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} must hold a JSON object, got a {type(data).__name__}")
+    return data
+
+
 def _scan(root: Path) -> tuple[dict[str, _TensorInfo], list[str]]:
     """All tensors of an HF directory by name, and problems with the files themselves."""
     files, weight_map = _checkpoint_files(root)
     tensors: dict[str, _TensorInfo] = {}
-    problems = []
+    problems, broken = [], []
     for file in files:
         if not file.is_file():
-            problems.append(f"missing shard file: {file.name} (named in {INDEX_FILE})")
+            broken.append(f"missing shard file: {file.name} (named in {INDEX_FILE})")
             continue
-        for name, info in _read_header(file).items():
+        try:
+            header = _read_header(file)
+        except ValueError as e:
+            broken.append(str(e))
+            continue
+        for name, info in header.items():
             if name in tensors:
                 problems.append(
                     f"duplicate tensor {name} in {tensors[name].file.name}, {file.name}"
@@ -232,6 +295,8 @@ def _scan(root: Path) -> tuple[dict[str, _TensorInfo], list[str]]:
         info = tensors.get(name)
         if (root / fname).is_file() and (info is None or info.file.name != fname):
             problems.append(f"index error: {INDEX_FILE} puts {name} in {fname}, which lacks it")
+    if broken:  # not "missing" every tensor of an unreadable file: name the file alone
+        raise CheckpointError(f"HF checkpoint {root}", [], [], broken, what="has broken files")
     return tensors, problems
 
 
@@ -297,7 +362,7 @@ def load_hf_checkpoint(path, *, dtype=None) -> tuple[ModelConfig, Params]:
     cfg_file = root / CONFIG_FILE
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{root} is not an HF checkpoint: it has no {CONFIG_FILE}")
-    cfg = ModelConfig.from_hf(json.loads(cfg_file.read_text()), dtype=dtype)
+    cfg = ModelConfig.from_hf(_read_json(cfg_file), dtype=dtype)
     plan, tied_head = _plan(root, cfg)
     target = np.dtype(cfg.jnp_dtype)
     by_file: dict[Path, list[tuple[str, _TensorInfo, bool]]] = {}

@@ -9,6 +9,7 @@ are both checked against something independent of pagedjax.
 import importlib.util
 import json
 import math
+import struct
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -358,6 +359,59 @@ def test_missing_files(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="neither an HF checkpoint"):
         weights.load_checkpoint(tmp_path / "empty")
+
+
+def test_broken_weight_files_are_named_not_a_traceback(tmp_path):
+    """Real-world broken downloads: a shard cut short, git-lfs pointers instead of the
+    weights (a clone without git-lfs), a header whose byte ranges disagree with a shape.
+    Each is a CheckpointError (a ValueError the CLIs print as one line) naming the file,
+    from the headers alone, where safetensors raised its own error (or MemoryError)
+    mid-load."""
+    c = make_config()
+    t = hf_tensors(c)
+    cut = write_hf(tmp_path / "cut", c, t, num_shards=2)
+    shard = cut / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(weights.CheckpointError, match=r"model-00002-of-00002.safetensors is tr"):
+        weights.load_hf_checkpoint(cut)
+
+    lfs = write_hf(tmp_path / "lfs", c, t, num_shards=2)
+    for f in lfs.glob("*.safetensors"):
+        f.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 9\n")
+    with pytest.raises(weights.CheckpointError, match="git-lfs pointer.*git lfs pull") as info:
+        weights.load_hf_checkpoint(lfs)
+    assert len(info.value.problems) == 2  # both shards
+
+    bad = write_hf(tmp_path / "offsets", c, t)
+    f = bad / "model.safetensors"
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    start = header["model.norm.weight"]["data_offsets"][0]
+    header["model.norm.weight"]["data_offsets"] = [start, start + 4]  # 4 bytes for [32] f32
+    text = json.dumps(header).encode()
+    f.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+    with pytest.raises(weights.CheckpointError, match=r"model.norm.weight: .* 4 bytes.*128"):
+        weights.load_hf_checkpoint(bad)
+
+
+def test_malformed_json_files_are_named(tmp_path):
+    c = make_config()
+    ckpt = write_hf(tmp_path, c, hf_tensors(c), num_shards=2)
+    index = ckpt / "model.safetensors.index.json"
+    good_index = index.read_text()
+    for text, match in (("{bad", "is not valid JSON"), ("[1]", "must hold a JSON object")):
+        (ckpt / "config.json").write_text(text)
+        with pytest.raises(ValueError, match=f"config.json {match}"):
+            weights.load_hf_checkpoint(ckpt)
+        index.write_text(text)
+        (ckpt / "config.json").write_text(json.dumps(c))
+        with pytest.raises(ValueError, match=f"model.safetensors.index.json {match}"):
+            weights.load_hf_checkpoint(ckpt)
+    weight_map = json.loads(good_index)["weight_map"]
+    index.write_text(json.dumps({"weight_map": dict(weight_map, **{"model.norm.weight": 3})}))
+    with pytest.raises(ValueError, match="weight_map.*model.norm.weight.*3"):
+        weights.load_hf_checkpoint(ckpt)
 
 
 def test_bad_config_json(tmp_path):
