@@ -14,7 +14,8 @@ this order:
 
 `render` runs the template the way HF does, so a checkpoint's template gives the same
 text here as there: a sandboxed, immutable Jinja environment with `trim_blocks` and
-`lstrip_blocks`, the loop-control extension (`break`/`continue`), the globals
+`lstrip_blocks`, the loop-control extension (`break`/`continue`), HF's
+`{% generation %}` block (rendered as its body), the globals
 `raise_exception(msg)` and `strftime_now(fmt)`, and a `tojson` filter that keeps
 non-ASCII text (`json.dumps(..., ensure_ascii=False)`). jinja2 is an optional
 dependency (`pip install 'pagedjax[chat]'`), imported on first render; each template is
@@ -168,6 +169,26 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+@functools.cache
+def _generation_tag(jinja2):
+    """HF's `{% generation %}...{% endgeneration %}` block, which marks the assistant's
+    text for training masks: it renders its body unchanged (as a call block, like HF's)."""
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_render", [])
+            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _render(self, caller):
+            return caller()
+
+    return Generation
+
+
 @functools.lru_cache(maxsize=16)
 def _compile(template: str, source: str):
     jinja2 = _jinja()
@@ -176,7 +197,9 @@ def _compile(template: str, source: str):
         raise ValueError(f"chat template ({source}) rejected the messages: {message}")
 
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _generation_tag(jinja2)],
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = raise_exception

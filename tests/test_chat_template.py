@@ -251,3 +251,20 @@ def test_with_chat_template_parses_at_once(tok):
         tok.with_chat_template("ok\n{% for m in messages %}{{ m }", "bad.jinja")
     with pytest.raises(TypeError, match="template must be a str, got bytes"):
         tok.with_chat_template(b"{{ messages }}")
+
+
+def test_generation_blocks_render_their_body():
+    """HF's `{% generation %}` marks assistant text for training masks (templates saved
+    by SFT runs have it); HF renders its body unchanged, so must we."""
+    template = (
+        "{% for m in messages %}<{{ m.role }}>"
+        "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}!{% endgeneration %}"
+        "{% else %}{{ m.content }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    messages = [*MESSAGES, {"role": "assistant", "content": "pass"}, MESSAGES[1]]
+    out = chat.render(template, messages)
+    want = "<system>Answer in Python.<user>def fib(n):<assistant>pass!<user>def fib(n):"
+    assert out == want + "<assistant>"
+    with pytest.raises(ValueError, match="syntax error"):  # the block must be closed
+        chat.render("{% generation %}{{ messages }}", messages, source="open")
