@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import json
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -320,7 +321,11 @@ class Tokenizer:
         return added.content if added is not None and added.special else None
 
     def _check_ids(self, ids: Iterable[int]) -> list[int]:
-        ids = [int(i) for i in ids]
+        ids = list(ids)
+        for i in ids:  # int() would truncate 3.7 and parse "3"
+            if isinstance(i, bool) or not hasattr(type(i), "__index__"):
+                raise TypeError(f"token ids must be ints, got {type(i).__name__} {i!r:.40}")
+        ids = [operator.index(i) for i in ids]
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
             raise ValueError(f"token ids {bad[:10]} outside the vocabulary [0, {self.vocab_size})")

@@ -8,6 +8,7 @@ and a leading-space-stripping decoder (Llama 2 style).
 import json
 import random
 
+import numpy as np
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -223,3 +224,17 @@ def test_stream_keeps_the_space_after_a_skipped_special_token(tmp_path):
         for _ in range(rng.randint(1, 3)):
             ids.insert(rng.randint(0, len(ids)), rng.choice([1, 2]))
         check_stream(tok, ids)
+
+
+def test_token_ids_must_be_integers(bpe_dir):
+    """A float, bool or str id is an error naming it, not silently truncated to an int."""
+    tok = Tokenizer.from_dir(bpe_dir)
+    a = tok.encode("a", add_bos=False)[0]
+    for bad in (a + 0.9, True, str(a), None):
+        with pytest.raises(TypeError, match=r"token ids must be ints, got .*" + repr(bad)[:3]):
+            tok.decode([a, bad])
+        with pytest.raises(TypeError, match="token ids must be ints"):
+            tok.stream().add([bad])
+    assert tok.decode(np.array([a, a])) == tok.decode([a, a]) == "aa"  # numpy ints are fine
+    stream = tok.stream()
+    assert stream.add(np.int64(a)) + stream.add(np.array([a], np.int32)) == "aa"
