@@ -57,6 +57,19 @@ VARIANTS = {
     "qwen2_bias": dict(
         architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True
     ),
+    # q_norm/k_norm, H * D = 64 != E = 32, and an epsilon and theta far from the
+    # defaults, so that reading either key wrongly (or not at all) changes the logits.
+    "qwen3_norms": dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        head_dim=16,
+        rms_norm_eps=0.1,
+        rope_theta=500.0,
+        tie_word_embeddings=True,
+    ),
+    "mistral_window": dict(
+        architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4
+    ),
 }
 
 
@@ -69,7 +82,7 @@ def hf_tensors(c: dict, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     e, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     h, k = c["num_attention_heads"], c["num_key_value_heads"]
-    d = e // h
+    d = c.get("head_dim") or e // h
     bias = c.get("model_type") == "qwen2"
 
     def mat(*shape, scale=0.2):
@@ -83,6 +96,9 @@ def hf_tensors(c: dict, seed: int = 0) -> dict[str, np.ndarray]:
             t[p + f"self_attn.{proj}_proj.weight"] = mat(rows, e)
             if bias:
                 t[p + f"self_attn.{proj}_proj.bias"] = mat(rows, scale=0.5)
+        if c.get("model_type") == "qwen3":
+            t[p + "self_attn.q_norm.weight"] = 1 + mat(d, scale=0.3)
+            t[p + "self_attn.k_norm.weight"] = 1 + mat(d, scale=0.3)
         t[p + "self_attn.o_proj.weight"] = mat(e, h * d)
         t[p + "post_attention_layernorm.weight"] = 1 + mat(e, scale=0.1)
         t[p + "mlp.gate_proj.weight"] = mat(i, e)
@@ -116,7 +132,7 @@ def write_hf(path: Path, c: dict, tensors: dict, *, num_shards: int = 1) -> Path
 
 
 def rope_inv_freq(c: dict) -> np.ndarray:
-    d = c["hidden_size"] // c["num_attention_heads"]
+    d = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     inv = 1.0 / c["rope_theta"] ** (np.arange(0, d, 2) / d)
     rs = c.get("rope_scaling")
     if not rs:
@@ -138,10 +154,14 @@ def rope_inv_freq(c: dict) -> np.ndarray:
 
 
 def numpy_llama(t: dict, c: dict, tokens: np.ndarray) -> np.ndarray:
-    """HF Llama/Qwen2 forward in float64 numpy: tokens [T] -> logits [T, V]."""
+    """HF Llama/Qwen2/Qwen3/Mistral forward in float64 numpy: tokens [T] -> logits [T, V].
+
+    Qwen3 RMS-normalises each query and key head before RoPE; Mistral's sliding window
+    lets position p see keys j with p - W < j <= p.
+    """
     t = {k: np.asarray(v, np.float64) for k, v in t.items()}
     h, kh = c["num_attention_heads"], c["num_key_value_heads"]
-    d = c["hidden_size"] // h
+    d = c.get("head_dim") or c["hidden_size"] // h
     n = len(tokens)
 
     def rms(x, w):
@@ -161,11 +181,17 @@ def numpy_llama(t: dict, c: dict, tokens: np.ndarray) -> np.ndarray:
 
     x = t["model.embed_tokens.weight"][tokens]  # [T, E]
     causal = np.tril(np.ones((n, n), bool))
+    if c.get("model_type") == "mistral" and c.get("sliding_window"):
+        causal &= np.triu(np.ones((n, n), bool), 1 - c["sliding_window"])
     for layer in range(c["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         a = rms(x, t[p + "input_layernorm.weight"])
-        q = rope(linear(a, p + "self_attn.q_proj").reshape(n, h, d))
-        k = rope(linear(a, p + "self_attn.k_proj").reshape(n, kh, d))
+        q = linear(a, p + "self_attn.q_proj").reshape(n, h, d)
+        k = linear(a, p + "self_attn.k_proj").reshape(n, kh, d)
+        if c.get("model_type") == "qwen3":  # per head, over D, before RoPE
+            q = rms(q, t[p + "self_attn.q_norm.weight"])
+            k = rms(k, t[p + "self_attn.k_norm.weight"])
+        q, k = rope(q), rope(k)
         v = linear(a, p + "self_attn.v_proj").reshape(n, kh, d)
         o = np.zeros((n, h, d))
         for head in range(h):
@@ -206,7 +232,9 @@ def test_load_matches_numpy_llama(tmp_path, variant, num_shards):
     cfg, params = weights.load_hf_checkpoint(tmp_path)
     assert cfg.tie_embeddings == c["tie_word_embeddings"]
     assert cfg.qkv_bias == (variant == "qwen2_bias")
-    assert ("lm_head.kernel" in model.params_to_flat(params)) == (variant == "llama3_untied")
+    assert cfg.qk_norm == (variant == "qwen3_norms")
+    assert cfg.sliding_window == c.get("sliding_window")
+    assert ("lm_head.kernel" in model.params_to_flat(params)) == (not c["tie_word_embeddings"])
     logits = model.forward(params, jnp.asarray(TOKENS))[0]
     assert rel_err(logits, numpy_llama(t, c, TOKENS[0])) < 1e-4
 
