@@ -108,7 +108,7 @@ def test_stop_strings_against_brute_force(tok):
     overlapping, prefixes of each other, mid-character), min_tokens and stop tokens."""
     rng = random.Random(0)
     pieces = ["a", "b", "ab", "the", " ", "é", "日", "🙂", "\n", "c"]
-    for _ in range(150):
+    for _ in range(400):
         text = "".join(rng.choices(pieces, k=rng.randint(1, 10)))
         gen = tok.encode(text, add_bos=False)
         stops = []
