@@ -356,9 +356,7 @@ def load_hf_checkpoint(path, *, dtype=None) -> tuple[ModelConfig, Params]:
       CheckpointError: (a ValueError) missing, unexpected or mis-shaped tensors, all
         listed at once; checked from the file headers before any tensor is read.
     """
-    root = Path(path)
-    if not root.is_dir():
-        raise FileNotFoundError(f"checkpoint directory not found: {root}")
+    root = _checkpoint_dir(path)
     cfg_file = root / CONFIG_FILE
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{root} is not an HF checkpoint: it has no {CONFIG_FILE}")
@@ -573,9 +571,7 @@ def restore_params(path, cfg: ModelConfig | None = None, *, dtype=None) -> Param
 
 def checkpoint_format(path) -> str:
     """ "hf" or "orbax" for a checkpoint directory; errors say what is missing."""
-    root = Path(path)
-    if not root.is_dir():
-        raise FileNotFoundError(f"checkpoint directory not found: {root}")
+    root = _checkpoint_dir(path)
     if (root / ORBAX_META_FILE).is_file():
         return "orbax"
     if (root / CONFIG_FILE).is_file():
@@ -584,11 +580,30 @@ def checkpoint_format(path) -> str:
         raise FileNotFoundError(f"{root} has safetensors weights but no {CONFIG_FILE}")
     if (root / ORBAX_PARAMS_DIR).is_dir():
         raise FileNotFoundError(f"{root} has {ORBAX_PARAMS_DIR}/ but no {ORBAX_META_FILE}")
+    snapshots = sorted(p for p in root.glob("snapshots/*") if (p / CONFIG_FILE).is_file())
+    if snapshots:
+        raise FileNotFoundError(
+            f"{root} is a HuggingFace hub cache folder; pass a snapshot directory in it: "
+            + ", ".join(str(p) for p in snapshots)
+        )
     found = sorted(p.name for p in root.iterdir())[:10]
     raise FileNotFoundError(
         f"{root} is neither an HF checkpoint ({CONFIG_FILE} + *.safetensors) nor a pagedjax "
         f"orbax checkpoint ({ORBAX_META_FILE} + {ORBAX_PARAMS_DIR}/); it holds {found}"
     )
+
+
+def _checkpoint_dir(path) -> Path:
+    """`path` as a directory; a file or nothing there is a FileNotFoundError saying so."""
+    root = Path(path)
+    if root.is_file():
+        raise FileNotFoundError(
+            f"{root} is a file; a checkpoint is the directory holding it and its "
+            f"{CONFIG_FILE}: {root.parent}"
+        )
+    if not root.is_dir():
+        raise FileNotFoundError(f"checkpoint directory not found: {root}")
+    return root
 
 
 def load_checkpoint(path, *, dtype=None) -> tuple[ModelConfig, Params]:

@@ -442,6 +442,24 @@ def test_malformed_json_files_are_named(tmp_path):
         weights.load_hf_checkpoint(ckpt)
 
 
+def test_pointing_at_the_wrong_path_says_where_to_point(tmp_path):
+    """A weights file instead of its directory, and the HF hub cache's repo folder
+    (blobs/, refs/, snapshots/REV/) instead of the snapshot: each error names the path
+    to pass."""
+    c = make_config()
+    ckpt = write_hf(tmp_path / "ckpt", c, hf_tensors(c))
+    for load in (weights.load_checkpoint, weights.load_hf_checkpoint):
+        with pytest.raises(FileNotFoundError, match=f"is a file.*directory.*{ckpt}"):
+            load(ckpt / "model.safetensors")
+    repo = tmp_path / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    write_hf(repo / "snapshots" / "abc123", c, hf_tensors(c))
+    with pytest.raises(FileNotFoundError, match="hub cache.*snapshots/abc123"):
+        weights.load_checkpoint(repo)
+    weights.load_checkpoint(repo / "snapshots" / "abc123")
+
+
 def test_bad_config_json(tmp_path):
     c = make_config(architectures=["GPT2LMHeadModel"])
     write_hf(tmp_path, c, hf_tensors(make_config()))
