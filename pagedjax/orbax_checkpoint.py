@@ -1,0 +1,151 @@
+"""Orbax checkpoints of pagedjax params: save and restore, config included.
+
+Layout (`save_params` / `restore_params`), a directory holding:
+
+    pagedjax_checkpoint.json   {"format": "pagedjax.orbax", "version": 1, "config": {...}}
+    params/                    orbax StandardCheckpointer tree, nested like the dotted
+                               paths of `params_to_flat` (layers -> "0" -> self_attn ...)
+
+The config JSON is exactly the `ModelConfig` fields, so a restore needs no other
+argument; the JSON is written last and marks a complete checkpoint. HF checkpoints
+and `load_checkpoint`, which takes either kind, are in `pagedjax.weights`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import jax
+
+from pagedjax.config import ModelConfig, RopeScaling
+from pagedjax.model import Params, param_shapes, params_from_flat, params_to_flat
+
+__all__ = [
+    "ORBAX_META_FILE",
+    "ORBAX_PARAMS_DIR",
+    "config_from_json",
+    "config_to_json",
+    "read_orbax_config",
+    "restore_params",
+    "save_params",
+]
+
+ORBAX_META_FILE = "pagedjax_checkpoint.json"
+ORBAX_PARAMS_DIR = "params"
+_ORBAX_FORMAT = "pagedjax.orbax"
+_ORBAX_VERSION = 1
+
+
+def config_to_json(cfg: ModelConfig) -> dict:
+    """All `ModelConfig` fields as a JSON-able dict (exact, unlike the HF form)."""
+    return dataclasses.asdict(cfg)
+
+
+def config_from_json(d: dict) -> ModelConfig:
+    """Inverse of `config_to_json`; unknown fields are an error."""
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(d) - fields)
+    if unknown:
+        raise ValueError(f"unknown ModelConfig fields {unknown} in the stored config")
+    d = dict(d)
+    if d.get("rope_scaling") is not None:
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+    return ModelConfig(**d)
+
+
+def _nest(flat: dict) -> dict:
+    tree: dict = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = tree
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree
+
+
+def _unnest(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_unnest(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def save_params(params: Params, path, *, overwrite: bool = False) -> None:
+    """Saves params and their config as an orbax checkpoint directory (layout above).
+
+    Args:
+      params: the model; its `config` is stored beside the arrays.
+      path: the checkpoint directory; must not exist (or be empty) unless `overwrite`.
+      overwrite: replace an existing pagedjax orbax checkpoint at `path`. A non-empty
+        directory that is not one is never removed.
+    """
+    import orbax.checkpoint as ocp  # slow import; only here
+
+    root = Path(path).absolute()
+    if root.exists() and any(root.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{root} exists and is not empty (pass overwrite=True)")
+        if not (root / ORBAX_META_FILE).is_file():
+            raise FileExistsError(f"refusing to overwrite {root}: not a pagedjax checkpoint")
+        shutil.rmtree(root)
+    root.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(root / ORBAX_PARAMS_DIR, _nest(params_to_flat(params)))
+    meta = {
+        "format": _ORBAX_FORMAT,
+        "version": _ORBAX_VERSION,
+        "config": config_to_json(params.config),
+    }
+    (root / ORBAX_META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def read_orbax_config(path) -> ModelConfig:
+    """The config stored in a pagedjax orbax checkpoint directory."""
+    root = Path(path)
+    meta_file = root / ORBAX_META_FILE
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"{root} is not a pagedjax orbax checkpoint: no {ORBAX_META_FILE}")
+    meta = json.loads(meta_file.read_text())
+    if meta.get("format") != _ORBAX_FORMAT or meta.get("version") != _ORBAX_VERSION:
+        raise ValueError(
+            f"{meta_file}: unsupported format {meta.get('format')!r} version "
+            f"{meta.get('version')!r}; expected {_ORBAX_FORMAT!r} version {_ORBAX_VERSION}"
+        )
+    return config_from_json(meta["config"])
+
+
+def restore_params(path, cfg: ModelConfig | None = None, *, dtype=None) -> Params:
+    """Restores params saved by `save_params` onto the default device.
+
+    Args:
+      path: the checkpoint directory.
+      cfg: the config to build the model with; default the stored one. Its shapes must
+        match the stored arrays (use it to change e.g. the dtype or eos ids).
+      dtype: shorthand for `dataclasses.replace(cfg, dtype=dtype)`.
+    """
+    import orbax.checkpoint as ocp
+
+    root = Path(path).absolute()
+    stored = read_orbax_config(root)
+    if not (root / ORBAX_PARAMS_DIR).is_dir():
+        raise FileNotFoundError(f"{root} has {ORBAX_META_FILE} but no {ORBAX_PARAMS_DIR}/")
+    cfg = cfg or stored
+    if dtype is not None:
+        cfg = dataclasses.replace(cfg, dtype=dtype)
+    # An explicit target puts arrays on this machine's device, whatever saved them.
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
+        for k, v in param_shapes(stored).items()
+    }
+    with ocp.StandardCheckpointer() as ckptr:
+        tree = ckptr.restore(root / ORBAX_PARAMS_DIR, _nest(target))
+    return params_from_flat(cfg, _unnest(tree))
