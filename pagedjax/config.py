@@ -198,29 +198,33 @@ class ModelConfig:
             raise ValueError(f"config.json is missing required keys: {missing}")
         _refuse_unimplemented(config)
         family = next((_QWEN_TYPES[a] for a in archs if a in _QWEN_TYPES), model_type)
-        num_heads = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
+        num_heads = _hf_number(config, "num_attention_heads", int)
+        hidden = _hf_number(config, "hidden_size", int)
         # HF's Qwen3Config defaults head_dim to 128, not hidden_size // heads.
         head_dim = config.get("head_dim") or (128 if family == "qwen3" else hidden // num_heads)
         rope = dict(config.get("rope_parameters") or {})
-        theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+        theta = _hf_number(rope, "rope_theta", float, _hf_number(config, "rope_theta", float, 1e4))
         scaling = config.get("rope_scaling") or (rope if _rope_type(rope) != "default" else None)
         eos = config.get("eos_token_id")
         eos = () if eos is None else (eos if isinstance(eos, (list, tuple)) else (eos,))
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in eos):
+            raise ValueError(
+                f"config.json: eos_token_id must be ints, got {config['eos_token_id']}"
+            )
         torch_dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
         qkv_bias = bool(config.get("attention_bias", False)) or family == "qwen2"
         return cls(
-            num_layers=int(config["num_hidden_layers"]),
+            num_layers=_hf_number(config, "num_hidden_layers", int),
             num_heads=num_heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
+            num_kv_heads=_hf_number(config, "num_key_value_heads", int, num_heads, nullable=True),
+            head_dim=_hf_number({"head_dim": head_dim}, "head_dim", int),
             hidden_size=hidden,
-            intermediate_size=int(config.get("intermediate_size", 4 * hidden)),
-            vocab_size=int(config["vocab_size"]),
-            max_position_embeddings=int(config.get("max_position_embeddings", 8192)),
+            intermediate_size=_hf_number(config, "intermediate_size", int, 4 * hidden),
+            vocab_size=_hf_number(config, "vocab_size", int),
+            max_position_embeddings=_hf_number(config, "max_position_embeddings", int, 8192),
             rope_theta=theta,
             rope_scaling=_rope_scaling(scaling),
-            norm_eps=float(config.get("rms_norm_eps", 1e-6)),  # HF's default, every family
+            norm_eps=_hf_number(config, "rms_norm_eps", float, 1e-6),  # HF's, every family
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             qk_norm=family == "qwen3",
@@ -279,6 +283,20 @@ class ModelConfig:
             eos = self.eos_token_ids
             out["eos_token_id"] = eos[0] if len(eos) == 1 else list(eos)
         return out
+
+
+def _hf_number(config: dict, key: str, kind: type, default=None, *, nullable: bool = False):
+    """`config[key]` as `kind` (int or float), `default` when the key is absent (or null,
+    where HF reads null as its default: `nullable`). Anything else, null included, is a
+    ValueError naming the key: a broken config must not run on a guessed default."""
+    v = config.get(key)
+    if key not in config or (v is None and nullable):
+        return default
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    if not ok or (kind is int and v != int(v)):
+        what = "an int" if kind is int else "a number"
+        raise ValueError(f"config.json: {key} must be {what}, got {key}={v!r}")
+    return kind(v)
 
 
 def _hf_sliding_window(config: dict, family: str | None) -> int | None:

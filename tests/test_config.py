@@ -159,6 +159,28 @@ def test_from_hf_absent_keys_take_hfs_defaults():
 
 
 @pytest.mark.parametrize(
+    "key, value",
+    [
+        ("rope_theta", None),  # a TypeError from float(None) before, not named
+        ("rms_norm_eps", "1e-5"),
+        ("max_position_embeddings", 8192.5),
+        ("num_hidden_layers", True),
+        ("intermediate_size", None),
+        ("eos_token_id", [128001, None]),
+    ],
+)
+def test_from_hf_names_a_value_of_the_wrong_type(key, value):
+    with pytest.raises(ValueError, match=f"config.json: {key} must be"):
+        ModelConfig.from_hf({**LLAMA31_8B, key: value})
+
+
+def test_from_hf_reads_null_as_hf_does_where_hf_does():
+    # HF: a null num_key_value_heads means MHA, a null head_dim hidden_size // heads.
+    cfg = ModelConfig.from_hf({**LLAMA31_8B, "num_key_value_heads": None, "head_dim": None})
+    assert cfg.num_kv_heads == cfg.num_heads == 32 and cfg.head_dim == 128
+
+
+@pytest.mark.parametrize(
     "key, value, match",
     [
         ("hidden_act", "gelu", "hidden_act='gelu'"),
