@@ -190,7 +190,11 @@ def sample(
         logits = apply_penalties(logits, penalties, extra_ids)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled_rows = temperature > 0
-    scaled = logits / jnp.where(sampled_rows, temperature, 1.0)[:, None]
+    # Shift each row's maximum to 0 before scaling: huge logits or tiny temperatures
+    # would otherwise overflow to +inf or reach a float32 ulp that swamps the Gumbel noise.
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)  # a row of -inf (or with +inf) as is
+    scaled = (logits - top) / jnp.where(sampled_rows, temperature, 1.0)[:, None]
     if min_p is not None:
         scaled = apply_min_p(scaled, min_p)
 

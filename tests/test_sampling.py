@@ -212,3 +212,29 @@ def test_sampling_params_refuse_bools_and_what_beam_search_would_ignore(kwargs, 
     # would be silently ignored.
     with pytest.raises(ValueError, match=re.escape(match)):
         SamplingParams(**kwargs)
+
+
+def test_tiny_temperatures_and_huge_logits_keep_the_distribution():
+    # Gumbel noise is added to logits / temperature: at the scale of huge values its
+    # float32 ulp swamps the noise (ties always went to the lowest id, near-ties were
+    # distorted) and two large logits could both overflow to +inf.
+    n = 20000
+
+    def freq(row, temperature, **kw):
+        logits = np.tile(np.asarray(row, np.float32), (n, 1))
+        tokens, lp = _sample(logits, temperature, 0, 1.0, np.arange(n), 7, **kw)
+        assert np.isfinite(np.asarray(lp)).all()
+        return np.bincount(np.asarray(tokens), minlength=len(row)) / n
+
+    # 10 / 2e-38 and 20 / 2e-38 both overflow: token 0 was drawn every time.
+    np.testing.assert_array_equal(freq([10.0, 20.0, 0.0], 2e-38), [0, 1, 0])
+    np.testing.assert_array_equal(freq([10.0, 20.0, 0.0], 2e-38, min_p=0.5), [0, 1, 0])
+    # Two tied huge logits are equally likely (was always the first).
+    np.testing.assert_allclose(freq([1e30, 0.0, 1e30], 1.0), [0.5, 0, 0.5], atol=0.02)
+    # Logits one and two float32 ulps apart at temperature 1e-6: probabilities
+    # 0.019, 0.127, 0.854 (were drawn as 0.05, 0.24, 0.71).
+    a = np.float32(20.0)
+    row = np.array([a, np.nextafter(a, np.inf), np.nextafter(np.nextafter(a, np.inf), np.inf)])
+    x = (row.astype(np.float64) - row.max()) / np.float64(np.float32(1e-6))
+    want = np.exp(x) / np.exp(x).sum()
+    np.testing.assert_allclose(freq(row, 1e-6), want, atol=0.015)  # binomial std <= 0.0036
