@@ -3,7 +3,7 @@
 Each row `b` of a batch has its own temperature, top-k, top-p and PRNG key, so one
 jitted step serves requests with different sampling settings:
 
-* `temperature[b] <= 0`: greedy (argmax of the raw logits);
+* `temperature[b] <= 0`: greedy (argmax of the logits after bias and penalties);
 * otherwise the logits are divided by the temperature; tokens less likely than
   `min_p[b]` times the most likely one are dropped (`min_p <= 0`: off); then the rest
   is truncated to the top `top_k[b]` tokens (`top_k <= 0` or `>= V`: off), then to the
