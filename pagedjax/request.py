@@ -108,8 +108,9 @@ class SamplingParams:
         if not _is_number(t) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be finite and >= 0, got temperature={t!r}")
         k = self.top_k
-        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0: off), got top_k={k!r}")
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 0 <= k < 2**31:
+            # (a step packs it as int32; any k >= the vocabulary is off anyway)
+            raise ValueError(f"top_k must be an int in [0, 2**31) (0: off), got top_k={k!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got top_p={self.top_p!r}")
         m = self.min_p

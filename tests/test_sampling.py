@@ -255,3 +255,13 @@ def test_gumbel_noise_resolves_the_upper_tail():
     from scipy import stats
 
     assert stats.kstest(g[::40], stats.gumbel_r.cdf).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("top_k", [2**31, -1, True])
+def test_top_k_must_fit_the_int32_it_is_packed_in(top_k):
+    # 2**31 passed and then failed inside LLM.generate (OverflowError packing int32).
+    with pytest.raises(
+        ValueError, match=f"top_k must be an int in \\[0, 2\\*\\*31\\).*top_k={top_k}"
+    ):
+        SamplingParams(top_k=top_k)
+    assert SamplingParams(top_k=2**31 - 1).top_k == 2**31 - 1  # (off: >= any vocabulary)
