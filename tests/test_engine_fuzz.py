@@ -8,18 +8,21 @@ workload (prompts sharing prefixes, lengths around page boundaries, long enough 
 chunked prefill; greedy, seeded and unseeded sampling, n > 1, beam search, stop tokens
 and strings, min_tokens, logprobs, prompt logprobs, penalties, logit bias, max_tokens up
 to max_model_len; a full-attention or a sliding-window model) and runs it, step by step
-through `add_request` / `step` / `abort`, under a roomy reference engine (big cache and
-budget, synchronous, no prefix caching, everything queued at once, no aborts) and under a
-stressed one (a cache that forces preemption, a small budget and few seats, prefix
-caching, async on or off, staggered arrivals, aborts between steps and from `on_token`).
+through `add_request` / `step` / `abort`, under a reference engine that never preempts
+or chunks (2 seats, each with room for a whole sequence; a 64-token budget; synchronous;
+no prefix caching; everything queued at once; no aborts) and under a stressed one (up to
+8 seats in the same cache, so preemption; a budget of 1 to 16 tokens; prefix caching
+mostly on; async on or off; staggered arrivals; aborts between steps and from
+`on_token`), twice on the same engines (the second time from a warm prefix cache).
 Every request not aborted must give the reference's completions (token ids, texts,
-finish and stop reasons, logprobs to float tolerance); an aborted one returns nothing
-after its abort and what it had is a prefix of the reference's; at the end nothing is
-unfinished, no page is held and the block manager's invariants hold.
+finish and stop reasons, logprobs and prompt logprobs to float tolerance); an aborted
+one returns nothing after its abort, samples it had finished are the reference's and the
+others a prefix of theirs; at the end nothing is unfinished, every page is free or
+evictable and the block manager's invariants hold.
 
-Every engine shares one geometry per cache size (tiny model, f32, XLA, page size 4,
-prefill steps padded to 64 tokens, 8 rows, 8 page-table columns), so that examples
-share compiled programs.
+Every engine has one geometry (tiny model, f32, XLA, page size 4, 18 pages, prefill
+steps padded to 64 tokens, 8 rows, 8 page-table columns), so that the reference, the
+stressed engines and the examples share compiled programs.
 """
 
 import dataclasses
