@@ -878,22 +878,24 @@ def run_stateful(base, examples, steps, **attrs) -> int:
     """Runs a fresh subclass of the machine `base` (with `attrs`), derandomized; returns
     the number of rule steps it took."""
     machine = type("Machine", (base,), attrs)
-    run_state_machine_as_test(
-        machine,
-        settings=settings(
-            max_examples=examples,
-            stateful_step_count=steps,
-            deadline=None,
-            derandomize=True,
-            database=None,
-            suppress_health_check=[
-                HealthCheck.too_slow,
-                HealthCheck.filter_too_much,
-                HealthCheck.large_base_example,
-            ],
-        ),
-    )
+    run_state_machine_as_test(machine, settings=stateful_settings(examples, steps))
     return machine.checks - machine.runs
+
+
+def stateful_settings(examples: int, steps: int) -> settings:
+    """Derandomized, database-free settings for a state machine run as a test."""
+    return settings(
+        max_examples=examples,
+        stateful_step_count=steps,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.filter_too_much,
+            HealthCheck.large_base_example,
+        ],
+    )
 
 
 def page_only_digest(data: bytes) -> bytes:

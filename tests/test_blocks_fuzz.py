@@ -16,7 +16,6 @@ reservations, uncache and free_all), and requires that
 import hashlib
 
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -26,7 +25,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from test_blocks import snapshot
+from test_blocks import snapshot, stateful_settings
 
 from pagedjax import prefix_cache
 from pagedjax.blocks import BlockManager, BlockManagerError
@@ -166,17 +165,7 @@ class ChaosMachine(RuleBasedStateMachine):
 def run_chaos(examples: int, steps: int) -> int:
     """Runs a fresh machine derandomized; returns how many calls went through."""
     machine = type("Machine", (ChaosMachine,), {"ok": 0})
-    run_state_machine_as_test(
-        machine,
-        settings=settings(
-            max_examples=examples,
-            stateful_step_count=steps,
-            deadline=None,
-            derandomize=True,
-            database=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-        ),
-    )
+    run_state_machine_as_test(machine, settings=stateful_settings(examples, steps))
     return machine.ok
 
 

@@ -327,6 +327,16 @@ def random_partials(seed, splits, batch, heads, head_dim):
     )
 
 
+def assert_merged(out, ref, dtype):
+    """A merge's output vs the reference's, for `random_partials`' empty rows."""
+    assert out.shape == ref.shape and out.dtype == dtype
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all()
+    assert (out[-1, 0] == 0).all()  # all splits empty: zeros, not NaN
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(out, np.asarray(ref), rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize(
     ("splits", "batch", "num_kv_heads", "group", "block_h", "dtype"),
     [
@@ -343,12 +353,7 @@ def test_merge_kernel_matches_jnp_merge(splits, batch, num_kv_heads, group, bloc
     o, m, denom = random_partials(splits * 7 + group, splits, batch, heads, head_dim)
     ref = merge_splits(o, m, denom, jnp.float32)
     out = merge_splits_gpu(o, m, denom, dtype=dtype, group=group, block_h=block_h, interpret=True)
-    assert out.shape == (batch, heads, head_dim) and out.dtype == dtype
-    out = np.asarray(out, np.float32)
-    assert np.isfinite(out).all()
-    assert (out[batch - 1, 0] == 0).all()  # all splits empty: zeros, not NaN
-    tol = 1e-6 if dtype == jnp.float32 else 1e-2
-    np.testing.assert_allclose(out, np.asarray(ref), rtol=tol, atol=tol)
+    assert_merged(out, ref, dtype)
 
 
 @pytest.mark.parametrize(
@@ -372,12 +377,7 @@ def test_wide_merge_matches_jnp_merge(monkeypatch, splits, head_dim, wide_tile, 
     denom = denom.at[:, 1, 1].set(jnp.where(first, 0.0, denom[:, 1, 1]))
     ref = merge_splits(o, m, denom, jnp.float32)
     out = merge_splits_wide(o, m, denom, dtype=dtype, interpret=True)
-    assert out.shape == (batch, heads, head_dim) and out.dtype == dtype
-    out = np.asarray(out, np.float32)
-    assert np.isfinite(out).all()
-    assert (out[batch - 1, 0] == 0).all()  # all splits empty: zeros, not NaN
-    tol = 1e-6 if dtype == jnp.float32 else 1e-2
-    np.testing.assert_allclose(out, np.asarray(ref), rtol=tol, atol=tol)
+    assert_merged(out, ref, dtype)
 
 
 def test_wide_tile_is_a_power_of_two_within_the_budget():
