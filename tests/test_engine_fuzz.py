@@ -291,8 +291,11 @@ def test_outputs_do_not_depend_on_the_engine_config(models, workload):
     check_workload(models, workload)
 
 
+# Seeded and without shrinking too, so that CI is deterministic and a failure cannot
+# spend minutes shrinking; widen max_examples (and drop the seed) to hunt locally.
 @pytest.mark.slow
-@settings(max_examples=150, **FUZZ)
+@seed(2)
+@settings(max_examples=40, phases=[Phase.generate], **FUZZ)
 @given(workload=workloads())
 def test_outputs_do_not_depend_on_the_engine_config_slow(models, workload):
     check_workload(models, workload)
