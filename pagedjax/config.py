@@ -201,7 +201,8 @@ class ModelConfig:
         num_heads = _hf_number(config, "num_attention_heads", int)
         hidden = _hf_number(config, "hidden_size", int)
         # HF's Qwen3Config defaults head_dim to 128, not hidden_size // heads.
-        head_dim = config.get("head_dim") or (128 if family == "qwen3" else hidden // num_heads)
+        default_head_dim = 128 if family == "qwen3" else hidden // num_heads
+        head_dim = _hf_number(config, "head_dim", int, default_head_dim, nullable=True)
         rope = dict(config.get("rope_parameters") or {})
         theta = _hf_number(rope, "rope_theta", float, _hf_number(config, "rope_theta", float, 1e4))
         scaling = config.get("rope_scaling") or (rope if _rope_type(rope) != "default" else None)
@@ -217,7 +218,7 @@ class ModelConfig:
             num_layers=_hf_number(config, "num_hidden_layers", int),
             num_heads=num_heads,
             num_kv_heads=_hf_number(config, "num_key_value_heads", int, num_heads, nullable=True),
-            head_dim=_hf_number({"head_dim": head_dim}, "head_dim", int),
+            head_dim=head_dim,
             hidden_size=hidden,
             intermediate_size=_hf_number(config, "intermediate_size", int, 4 * hidden),
             vocab_size=_hf_number(config, "vocab_size", int),

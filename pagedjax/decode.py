@@ -68,6 +68,7 @@ from pagedjax.step_input import (
     StepOutput,
     bucket_size,
     build_step_input,
+    is_int,
 )
 
 __all__ = [
@@ -270,10 +271,6 @@ def step(params, cache, inp: StepInput, **kwargs):
     return (decode_step if inp.decode else prefill_step)(params, cache, inp, **kwargs)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
 @dataclass
 class GenerateOutput:
     """Per prompt: the new tokens, their logprobs, and (optionally) the logits they came from."""
@@ -342,13 +339,13 @@ def generate(
     cfg = params.config
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token id lists")
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens=}")
-    if not _is_int(min_tokens) or min_tokens < 0:
+    if not is_int(min_tokens) or min_tokens < 0:
         raise ValueError(f"min_tokens must be an int >= 0, got {min_tokens=}")
-    if prefill_chunk is not None and (not _is_int(prefill_chunk) or prefill_chunk < 1):
+    if prefill_chunk is not None and (not is_int(prefill_chunk) or prefill_chunk < 1):
         raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk=}")
-    if not _is_int(page_size) or page_size < 1:  # CacheConfig checks it is a power of two
+    if not is_int(page_size) or page_size < 1:  # CacheConfig checks it is a power of two
         raise ValueError(f"page_size must be a positive int, got {page_size=}")
     prompts = [np.asarray(p) for p in prompts]
     for i, p in enumerate(prompts):

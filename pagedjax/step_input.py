@@ -415,12 +415,13 @@ def _int_array(values, name) -> np.ndarray:
     """One int per sequence as an array; TypeError naming the sequence otherwise."""
     out = np.asarray(values)
     if not np.issubdtype(out.dtype, np.integer):
-        i = next(i for i, v in enumerate(values) if not _is_int(v))
+        i = next(i for i, v in enumerate(values) if not is_int(v))
         raise TypeError(f"sequence {i}: {name} must be an int, got {name}={values[i]!r}")
     return out
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
+    """A Python or numpy integer, not a bool."""
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 

@@ -27,6 +27,16 @@ FP8_QUERY_DTYPES = frozenset({jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)})
 _INT32_LIMIT = 2**31
 
 
+def is_int(x) -> bool:
+    """A Python int, not a bool (True is an int, but not a count or a knob)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_pow2(x) -> bool:
+    """A Python int that is a positive power of two (the kernels' tile sizes)."""
+    return is_int(x) and x > 0 and not x & (x - 1)
+
+
 def _check_arrays(**arrays):
     for name, x in arrays.items():
         if not all(hasattr(x, a) for a in ("shape", "dtype", "ndim")):

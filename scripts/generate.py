@@ -302,7 +302,7 @@ def check_engine_flags(args) -> None:
         if v is not None and v < 1:
             raise BadInput(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     f = args.kv_memory_fraction
-    if f is not None and not 0 < f <= 1:  # LLM would take 0 for "not given"
+    if f is not None and not 0 < f <= 1:  # (LLM checks it too, after the jax import)
         raise BadInput(f"--kv-memory-fraction must be in (0, 1], got {f}")
     if args.checkpoint is not None:
         check_checkpoint(args.checkpoint)

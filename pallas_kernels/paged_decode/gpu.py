@@ -93,6 +93,7 @@ from pallas_kernels.paged_decode.gpu_merge import (
     merge_splits_wide,
     program_heads,
 )
+from pallas_kernels.validation import is_int, is_pow2
 
 __all__ = [
     "TUNING_KNOBS",
@@ -113,14 +114,6 @@ _MIN_SPLIT_TOKENS = 512  # split-K leaves at least this many tokens to each spli
 _PROGRAMS_PER_SM = 8  # split-K fills the GPU up to this many programs per SM
 _LOG2E = math.log2(math.e)
 TUNING_KNOBS = ("block_kv", "block_h", "num_splits", "num_warps", "num_stages")
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)  # True is an int, not a knob
-
-
-def _is_pow2(x) -> bool:
-    return _is_int(x) and x > 0 and not x & (x - 1)
 
 
 def _next_pow2(x: int) -> int:
@@ -200,15 +193,15 @@ def default_tuning(
 def _check_tuning(tuning: dict, head_dim: int) -> None:
     for name in ("block_kv", "block_h"):
         value = tuning[name]
-        if not _is_pow2(value) or value < _MIN_DOT:
+        if not is_pow2(value) or value < _MIN_DOT:
             raise ValueError(f"{name} must be a power of two >= {_MIN_DOT}, got {name}={value!r}")
     for name in ("num_splits", "num_stages"):
         value = tuning[name]
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
-    if not _is_pow2(tuning["num_warps"]) or tuning["num_warps"] > 32:
+    if not is_pow2(tuning["num_warps"]) or tuning["num_warps"] > 32:
         raise ValueError(f"num_warps must be a power of two <= 32, got {tuning['num_warps']!r}")
-    if not _is_pow2(head_dim) or head_dim < _MIN_DOT:
+    if not is_pow2(head_dim) or head_dim < _MIN_DOT:
         raise ValueError(
             f"the GPU kernel needs a power-of-two head_dim >= {_MIN_DOT}, got {head_dim=}"
         )
@@ -472,7 +465,7 @@ def paged_decode_gpu(
         page_size,
         page_table.shape[1],
         k_pages.dtype,
-        block_kv=block_kv if _is_int(block_kv) and block_kv > 0 else None,
+        block_kv=block_kv if is_int(block_kv) and block_kv > 0 else None,
     )
     given = dict(
         block_kv=block_kv,

@@ -85,20 +85,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.validation import is_int, is_pow2
+
 _NEG = -1e30  # finite "minus infinity": keeps exp2(m_old - m_new) NaN-free
 _LOG2E = math.log2(math.e)
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
-
-
-def _is_int(n) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool)  # True is an int, not a knob
-
-
-def _is_pow2(n) -> bool:
-    return _is_int(n) and n > 0 and n & (n - 1) == 0
 
 
 def _kernel(
@@ -303,17 +297,17 @@ def default_tuning(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, dtyp
 
 
 def _check_knobs(block_q, block_kv, num_warps, num_stages, group_pad):
-    if not _is_pow2(block_q):
+    if not is_pow2(block_q):
         raise ValueError(f"block_q must be a power of two, got {block_q=}")
     if block_q * group_pad < 16:
         raise ValueError(
             f"block_q * G must be >= 16 (smallest dot tile), got {block_q=} with G={group_pad}"
         )
-    if not _is_pow2(block_kv) or block_kv < 16:
+    if not is_pow2(block_kv) or block_kv < 16:
         raise ValueError(f"block_kv must be a power of two >= 16, got {block_kv=}")
-    if not _is_pow2(num_warps):
+    if not is_pow2(num_warps):
         raise ValueError(f"num_warps must be a power of two, got {num_warps=}")
-    if not _is_int(num_stages) or num_stages < 1:
+    if not is_int(num_stages) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive int, got {num_stages=}")
 
 
