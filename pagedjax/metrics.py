@@ -23,7 +23,8 @@ Device time of a step, `device_s`, is observed on the host: from its dispatch (o
 previous step's tokens arriving, if later) to its own tokens arriving. Throughputs
 divide by it: prefill tokens/s over the steps that carried prefill chunks, decode
 tokens/s over the pure decode steps, KV bytes/s over all steps. `output_tokens_per_s`
-is the end-to-end figure: generated tokens over the run time less compile time.
+is the end-to-end figure: generated tokens over the run time less compile time (None
+when that is not positive: `run_time_s` counts `LLM.generate` calls only).
 
 KV bytes read follow the performance model in DESIGN.md: a step reads every live
 K/V byte of its rows' contexts once, `kv_bytes_per_token * sum(context lens)`.
@@ -174,7 +175,6 @@ class EngineMetrics:
         peak_device_memory_bytes: int | None,
     ) -> dict:
         """The run's figures, keyed by `SUMMARY_KEYS` (times in seconds unless `_ms`)."""
-        busy = max(self.run_time_s - self.compile_time_s, 1e-9)
         pre_s, pre_n, dec_s, dec_n, dev_s = self._timed
         rate = lambda n, t: n / t if t > 0 else None
         hidden, exposed, wait, n = self._host
@@ -197,7 +197,9 @@ class EngineMetrics:
             device_time_s=dev_s,
             prefill_tokens_per_s=rate(pre_n, pre_s),
             decode_tokens_per_s=rate(dec_n, dec_s),
-            output_tokens_per_s=self.generated_tokens / busy,
+            # None where no run time beyond the compiles was measured (only generate()
+            # counts run time; LLM.step() loops leave it at 0).
+            output_tokens_per_s=rate(self.generated_tokens, self.run_time_s - self.compile_time_s),
             kv_bytes_read=kv_bytes,
             kv_bytes_read_per_s=rate(kv_bytes, dev_s),
             peak_device_memory_bytes=peak_device_memory_bytes,
