@@ -313,4 +313,7 @@ def request_bias(params, stop_ids, vocab_size: int):
             return None
         return np.fromiter(d, np.int32, len(d)), np.fromiter(d.values(), np.float32, len(d))
 
-    return arrays(bias), arrays(bias | dict.fromkeys(stop_ids, float("-inf")))
+    # A stop id outside the vocabulary is never sampled: nothing to ban (and it may not
+    # fit the int32 arrays).
+    stops = (t for t in stop_ids if t < vocab_size)
+    return arrays(bias), arrays(bias | dict.fromkeys(stops, float("-inf")))
