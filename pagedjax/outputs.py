@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from collections.abc import Callable
 from time import perf_counter
 
@@ -156,12 +157,15 @@ class OutputProcessor:
         if check and tok in req.stop_ids:
             reason, stop = "stop", tok
         elif s.detok is not None:
-            piece = s.detok.add(tok)
-            if check and piece:
-                # Only an occurrence that ends in the new piece: the text before it was
-                # searched already, or min_tokens let its occurrences through.
-                text = s.detok.text
-                old = len(text) - len(piece)
+            old, held = len(s.detok.text), s.detok.pending.rstrip("\ufffd")
+            s.detok.add(tok)
+            # The text if it stopped here (it would): all of decode(ids), the run of byte
+            # tokens the decoder holds back too, less an incomplete last character.
+            text = (s.detok.text + s.detok.pending).rstrip("\ufffd") if check else ""
+            # Only an occurrence that ends past what this text shares with the previous
+            # token's: that was searched already, or min_tokens let its occurrences through.
+            old += len(os.path.commonprefix([held, text[old:]]))
+            if len(text) > old:
                 found = ((text.find(x, max(0, old - len(x) + 1)), x) for x in req.params.stop)
                 s.stop_pos, stop = min(((i, x) for i, x in found if i >= 0), default=(-1, None))
             reason = "stop" if stop is not None else None

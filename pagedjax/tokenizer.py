@@ -26,12 +26,15 @@ encode as their single ids, and BOS is prepended only when the text does not alr
 start with it.
 
 `StreamDecoder` turns token ids arriving one by one into text pieces whose
-concatenation equals `decode(all ids)`. A token can end inside a multi-byte UTF-8
-character (byte-level BPE, SentencePiece byte fallback), which decodes as a trailing
-U+FFFD; text is emitted up to the last whole character and the rest is held back.
-Each step decodes a short window that starts one emitted chunk back, so decoders that
-treat the first token specially (SentencePiece's leading-space strip) see the same
-context every time.
+concatenation equals `decode(all ids)`, wherever the ids stop. A token can end inside
+a multi-byte UTF-8 character (byte-level BPE, SentencePiece byte fallback), which
+decodes as a trailing U+FFFD; text is emitted up to the last whole character and the
+rest is held back. With byte fallback, HF decodes a run of `<0xXX>` tokens all or
+nothing (one U+FFFD per byte unless the whole run is valid UTF-8: "€" then the first
+byte of "☃" is four U+FFFD), so a trailing run of byte tokens is held back whole until
+a token of another kind ends it. Each step decodes a short window that starts one
+emitted chunk back, so decoders that treat the first token specially (SentencePiece's
+leading-space strip) see the same context every time.
 """
 
 from __future__ import annotations
@@ -96,6 +99,11 @@ class Tokenizer:
     ):
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # For StreamDecoder: which ids HF's decode may merge with the ids after them.
+        self._byte_ids = _byte_fallback_ids(tokenizer)
+        self._special_ids = frozenset(
+            i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
+        )
         for name, ids in (
             ("bos_token_id", _as_ids(bos_token_id)),
             ("eos_token_ids", eos_token_ids),
@@ -337,16 +345,33 @@ def _post_processor_adds(tok: tokenizers.Tokenizer, bos: int) -> bool:
     return bool(with_special) and with_special[0] == bos
 
 
+def _byte_fallback_ids(tok: tokenizers.Tokenizer) -> frozenset[int]:
+    """Ids of the `<0xXX>` tokens, when the decoder joins runs of them into bytes."""
+
+    def has_byte_fallback(node) -> bool:
+        if isinstance(node, dict):
+            return node.get("type") == "ByteFallback" or any(map(has_byte_fallback, node.values()))
+        return isinstance(node, list) and any(map(has_byte_fallback, node))
+
+    if tok.decoder is None or not has_byte_fallback(json.loads(tok.decoder.__getstate__())):
+        return frozenset()
+    names = (f"<0x{b:02X}>" for b in range(256))
+    ids = (tok.token_to_id(x) for name in names for x in (name, name[:3] + name[3:].lower()))
+    return frozenset(i for i in ids if i is not None)
+
+
 class StreamDecoder:
     """Incremental detokenizer: `add(ids)` returns only the newly stable text.
 
-    Invariants: `self.text` (everything returned so far) is `decode(ids)` without its
-    trailing U+FFFD run (an incomplete character), and `self.text + flush()` is
-    `decode(ids)`. Each call decodes the window `ids[prefix:]`, which starts one
-    character-aligned chunk back; `done` counts the window's characters already
-    emitted. The window slides whenever its text ends on a whole character, to the
-    last chunk if that chunk has text of its own (so the window never starts with
-    skipped special tokens alone).
+    Invariants: `self.text` (everything returned so far) is a prefix of the decode of
+    `ids` and of any ids that may follow them: `decode(ids)` without its trailing
+    U+FFFD run (an incomplete character), or, when `ids` end in a run of byte-fallback
+    tokens, without the run's text. `self.text + self.pending` is `decode(ids)`, the
+    text if the ids ended here, and `flush()` emits `pending`. Each call decodes the
+    window `ids[prefix:]`, which starts one character-aligned chunk back; `done` counts
+    the window's characters already emitted. The window slides whenever its text ends
+    on a whole character outside a byte run, to the last chunk if that chunk has text
+    of its own (so the window never starts with skipped special tokens alone).
     """
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True):
@@ -357,6 +382,7 @@ class StreamDecoder:
         self._read = 0  # end of the last chunk that ended on a whole character
         self._done = 0  # characters of decode(ids[prefix:]) already emitted
         self.text = ""
+        self.pending = ""  # held back: what flush() would emit now
 
     def _decode(self, ids) -> str:
         return self._tok.tokenizer.decode(ids, skip_special_tokens=self._skip)
@@ -365,10 +391,12 @@ class StreamDecoder:
         """Appends one id or several; returns the new text that is now final ("" if none)."""
         new = token_ids if isinstance(token_ids, Iterable) else [token_ids]
         self.ids.extend(self._tok._check_ids(new))
-        text = self._decode(self.ids[self._prefix :])
-        stable = text.rstrip(_REPLACEMENT)
+        window = self.ids[self._prefix :]
+        text = self._decode(window)
+        held = self._byte_run(window)
+        stable = (self._decode(window[:-held]) if held else text).rstrip(_REPLACEMENT)
         piece = stable[self._done :]
-        if len(stable) == len(text):
+        if not held and len(stable) == len(text):
             # Slide to the last chunk only if it has text: a window of skipped special
             # tokens alone would let the decoder strip the next token's leading space.
             last = self._decode(self.ids[self._read :])
@@ -377,14 +405,31 @@ class StreamDecoder:
             else:
                 self._done = len(text)
             self._read = len(self.ids)
+            self.pending = ""
         else:
             self._done = max(self._done, len(stable))
+            self.pending = text[self._done :]
         self.text += piece
         return piece
 
+    def _byte_run(self, window: list[int]) -> int:
+        """Length of the window's trailing run of byte-fallback tokens (with the skipped
+        special tokens inside or after it, which the decoder never sees), or 0."""
+        byte_ids, n, run = self._tok._byte_ids, 0, 0
+        if not byte_ids:
+            return 0
+        for i in reversed(window):
+            if i in byte_ids:
+                n = run = n + 1
+            elif self._skip and i in self._tok._special_ids:
+                n += 1
+            else:
+                break
+        return run
+
     def flush(self) -> str:
         """Emits whatever is held back (an incomplete character shows as U+FFFD)."""
-        piece = self._decode(self.ids[self._prefix :])[self._done :]
+        piece, self.pending = self.pending, ""
         self._done += len(piece)
         self.text += piece
         return piece

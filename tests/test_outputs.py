@@ -2,6 +2,7 @@
 brute-force oracle on real tokenizers (the rest runs in test_engine.py)."""
 
 import itertools
+import os
 import random
 
 import numpy as np
@@ -63,9 +64,10 @@ def accept_all(tok, gen, params):
 
 def brute_force(tok, gen, params):
     """Stops at the first token (from min_tokens on) that is a stop token or completes a
-    stop string (an occurrence that ends in the text this token added: earlier ones
-    were let through by min_tokens); the text is cut where the earliest such occurrence
-    begins (at a tie, the smaller string is the stop reason)."""
+    stop string: an occurrence in the text if it stopped there (its decode, less an
+    incomplete last character) that ends past what this text shares with the previous
+    token's (earlier ones were let through by min_tokens); the text is cut where the
+    earliest such occurrence begins (at a tie, the smaller string is the stop reason)."""
     before = ""
     for n in range(1, len(gen) + 1):
         ids, check = gen[:n], n >= params.min_tokens
@@ -73,13 +75,12 @@ def brute_force(tok, gen, params):
             return ids, tok.decode(ids), "stop", gen[n - 1]
         full = tok.decode(ids)
         text = full.rstrip("\ufffd")  # an incomplete last character is not text yet
-        if not text.startswith(before):  # nor does text seen go away (ByteFallback
-            text = before  # decodes an unfinished run of byte tokens as U+FFFD each)
+        same = len(os.path.commonprefix([before, text]))
         new = [
             (i, x)
             for x in params.stop
             for i in range(len(text))
-            if text.startswith(x, i) and i + len(x) > len(before)
+            if text.startswith(x, i) and i + len(x) > same
         ]
         if check and new:
             i, x = min(new)
@@ -101,6 +102,21 @@ def test_min_tokens_lets_earlier_stop_string_occurrences_through(tok):
     assert accept_all(tok, [a, b, b], params) == ([a, b, b], "ab", "stop", "b")
     params = SamplingParams(max_tokens=5, stop=["bc", "ab", "abcd"], min_tokens=3)
     assert accept_all(tok, [a, b, c], params) == ([a, b, c], "a", "stop", "bc")
+
+
+def test_stop_string_in_a_run_of_byte_fallback_tokens():
+    """A run of byte tokens decodes all or nothing, so the stream decoder holds it back
+    until it ends; the stop check still sees it, as the text would be if it stopped."""
+    tok = Tokenizer(sentencepiece_style(), bos_token_id=1, eos_token_ids=[2])
+    gen = tok.encode("x€☃☃☃ ok", add_bos=False)
+    assert len(gen) == 2 + 3 + 9 + 3  # "▁", "x", 12 byte tokens, "▁", "o", "k"
+    params = SamplingParams(max_tokens=len(gen), stop=["☃☃"])
+    assert accept_all(tok, gen, params) == (gen[:11], "x€", "stop", "☃☃")
+    params = SamplingParams(max_tokens=len(gen), stop=["€"], min_tokens=4)
+    assert accept_all(tok, gen, params) == (gen[:5], "x", "stop", "€")
+    # At the length limit the held-back run is final text, stop strings in it too.
+    params = SamplingParams(max_tokens=8, stop=["€☃", "☃☃☃"])
+    assert accept_all(tok, gen, params) == (gen[:8], "x", "stop", "€☃")
 
 
 def test_stop_strings_against_brute_force(tok):

@@ -7,6 +7,7 @@ and a leading-space-stripping decoder (Llama 2 style).
 
 import json
 import random
+import re
 
 import numpy as np
 import pytest
@@ -142,6 +143,21 @@ def test_bad_input(bpe_dir, tmp_path):
         Tokenizer.from_dir(d)
 
 
+def settled(tok: Tokenizer, ids: list[int]) -> str:
+    """The text of `ids` that no later id can change: `decode(ids)` without an
+    incomplete trailing character, and without a trailing run of byte-fallback tokens
+    (with the skipped special tokens in it), which HF decodes all or nothing."""
+    special = set(tok.tokenizer.get_added_tokens_decoder())
+    m, run_end = len(ids), len(ids)
+    while m and (
+        ids[m - 1] in special or re.fullmatch(r"<0x..>", tok.tokenizer.id_to_token(ids[m - 1]))
+    ):
+        m -= 1
+        if ids[m] not in special:
+            run_end = m
+    return tok.decode(ids[:run_end]).rstrip("\ufffd")
+
+
 def check_stream(tok: Tokenizer, ids: list[int]):
     """Feeds ids one at a time; checks every piece against a full decode."""
     stream = tok.stream()
@@ -149,8 +165,10 @@ def check_stream(tok: Tokenizer, ids: list[int]):
     for n, i in enumerate(ids, 1):
         pieces.append(stream.add(i))
         assert "\ufffd" not in pieces[-1], (ids[:n], pieces)
-        # Nothing held back except an incomplete trailing character, nothing early.
-        assert stream.text == tok.decode(ids[:n]).rstrip("\ufffd"), (ids[:n], pieces)
+        # Nothing held back that is already settled, nothing early.
+        assert stream.text == settled(tok, ids[:n]), (ids[:n], pieces)
+        assert stream.text + stream.pending == tok.decode(ids[:n])
+        assert tok.decode(ids).startswith(stream.text)
     pieces.append(stream.flush())
     assert "".join(pieces) == tok.decode(ids)
     return pieces
@@ -238,3 +256,44 @@ def test_token_ids_must_be_integers(bpe_dir):
     assert tok.decode(np.array([a, a])) == tok.decode([a, a]) == "aa"  # numpy ints are fine
     stream = tok.stream()
     assert stream.add(np.int64(a)) + stream.add(np.array([a], np.int32)) == "aa"
+
+
+@pytest.fixture(scope="module")
+def sp_dir(tmp_path_factory):
+    return write_dir(
+        tmp_path_factory.mktemp("sp"),
+        sentencepiece_style(),
+        tokenizer_config={"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True},
+    )
+
+
+@pytest.mark.parametrize("style", ["byte_level", "byte_fallback"])
+def test_stream_cut_inside_a_character_matches_decode(bpe_dir, sp_dir, style):
+    """Generation can stop after only some bytes of a character: what `add` returned
+    plus `flush()` is still exactly `decode(ids)` (HF's U+FFFD for the loose bytes; with
+    byte fallback a run of byte tokens that is not valid UTF-8 is one U+FFFD per byte,
+    whole characters in the run included)."""
+    tok = Tokenizer.from_dir(bpe_dir if style == "byte_level" else sp_dir)
+    rng = random.Random(0)
+    alphabet = ["a", " the", " ", "é", "€", "日", "本", "🙂", "🚀", "𝄞", "語"]
+    cuts_inside = 0
+    for _ in range(25):
+        ids = tok.encode("".join(rng.choices(alphabet, k=rng.randint(1, 10))))
+        for _ in range(3):  # special tokens (skipped) in random places, even mid-character
+            ids.insert(rng.randint(0, len(ids)), rng.choice(sorted(tok.eos_token_ids)))
+        for n in sorted(rng.sample(range(1, len(ids) + 1), min(len(ids), 6))):
+            want = tok.decode(ids[:n])
+            cuts_inside += want.endswith("\ufffd")
+            stream, pieces = tok.stream(), []
+            for k in range(n):
+                pieces.append(stream.add(ids[k]))
+                assert stream.text + stream.pending == tok.decode(ids[: k + 1])
+            pieces.append(stream.flush())
+            assert "".join(pieces) == want, (ids[:n], pieces)
+            # Several ids at a time, in random groups.
+            stream, out, k = tok.stream(), "", 0
+            while k < n:
+                step = rng.randint(1, 4)
+                out, k = out + stream.add(ids[k : min(n, k + step)]), k + step
+            assert out + stream.flush() == want, ids[:n]
+    assert cuts_inside > 20  # the cuts really fell inside characters
