@@ -122,6 +122,7 @@ def plan(
 
 
 def _format(p: Plan, args) -> str:
+    unused = p.pages_per_sequence * p.page_size - args.seq_len
     lines = [
         f"model          {args.model or 'custom'}: layers={args.layers} kv_heads={args.kv_heads} "
         f"head_dim={args.head_dim} dtype={args.dtype}",
@@ -129,8 +130,8 @@ def _format(p: Plan, args) -> str:
         f"KV cache       {p.kv_cache_bytes:,} bytes ({p.kv_cache_bytes / GIB:.2f} GiB) "
         f"for batch {args.batch} x seq_len {args.seq_len}",
         f"per page       {p.bytes_per_page:,} bytes (page_size {p.page_size}); "
-        f"{p.pages_per_sequence} pages per sequence, "
-        f"{100 * p.paged_waste_fraction:.2f}% of its last page unused",
+        f"{p.pages_per_sequence} pages per sequence, {unused} of its last page's "
+        f"{p.page_size} slots unused ({100 * p.paged_waste_fraction:.2f}% of its slots)",
     ]
     if p.memory_bytes is not None:
         lines += [

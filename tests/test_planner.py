@@ -1,5 +1,6 @@
 import json
 
+import numpy as np
 import pytest
 
 from pagedjax import planner
@@ -94,3 +95,18 @@ def test_bad_shapes(bad):
     ((name, value),) = bad.items()
     with pytest.raises(ValueError, match=f"{name}={value}"):
         planner.kv_bytes_per_token(**kw)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cli_text_says_how_much_of_the_last_page_is_unused(capsys, seed):
+    rng = np.random.default_rng(seed)
+    ps = 2 ** int(rng.integers(0, 8))
+    seq_len = int(rng.integers(1, 10_000))
+    args = ["--layers", "2", "--kv-heads", "2", "--head-dim", "8"]
+    assert planner.main([*args, "--seq-len", str(seq_len), "--page-size", str(ps)]) == 0
+    text = capsys.readouterr().out
+    pages = -(-seq_len // ps)
+    unused = pages * ps - seq_len
+    # (was "0.36% of its last page unused" for 15 of 16 slots: the waste over all pages)
+    assert f"{pages} pages per sequence, {unused} of its last page's {ps} slots unused" in text
+    assert f"({100 * unused / (pages * ps):.2f}% of its slots)" in text
