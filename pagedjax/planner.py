@@ -166,10 +166,14 @@ def main(argv=None) -> int:
     try:
         if args.model:
             cfg = PRESETS[args.model]
-            args.layers = args.layers or cfg.num_layers
-            args.kv_heads = args.kv_heads or cfg.num_kv_heads
-            args.head_dim = args.head_dim or cfg.head_dim
-            args.dtype = args.dtype or cfg.dtype
+            for field, value in (
+                ("layers", cfg.num_layers),
+                ("kv_heads", cfg.num_kv_heads),
+                ("head_dim", cfg.head_dim),
+                ("dtype", cfg.dtype),
+            ):
+                if getattr(args, field) is None:  # (a given 0 is checked, not replaced)
+                    setattr(args, field, value)
         missing = [f for f in ("layers", "kv_heads", "head_dim") if getattr(args, f) is None]
         if missing:
             parser.error(

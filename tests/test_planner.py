@@ -110,3 +110,12 @@ def test_cli_text_says_how_much_of_the_last_page_is_unused(capsys, seed):
     # (was "0.36% of its last page unused" for 15 of 16 slots: the waste over all pages)
     assert f"{pages} pages per sequence, {unused} of its last page's {ps} slots unused" in text
     assert f"({100 * unused / (pages * ps):.2f}% of its slots)" in text
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cli_bad_shape_with_a_model_is_an_error_not_the_presets(capsys, seed):
+    rng = np.random.default_rng(seed)
+    flag = ["--layers", "--kv-heads", "--head-dim"][seed]
+    for value in (0, -int(rng.integers(1, 5))):  # 0 fell back to the preset's value
+        assert planner.main(["--model", "llama3-8b", flag, str(value), "--json"]) == 2
+        assert f"{flag[2:].replace('-', '_')}={value}" in capsys.readouterr().err
