@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass
 
@@ -182,7 +183,10 @@ def main(argv=None) -> int:
                 + ")"
             )
         args.dtype = dtype_name(args.dtype or "bfloat16", kv=True)
-        memory = None if args.memory_gb is None else int(args.memory_gb * GIB)
+        gb = args.memory_gb
+        if gb is not None and not (math.isfinite(gb) and gb >= 0):
+            raise ValueError(f"--memory-gb must be a finite number >= 0, got --memory-gb {gb}")
+        memory = None if gb is None else int(gb * GIB)
         p = plan(
             layers=args.layers,
             kv_heads=args.kv_heads,

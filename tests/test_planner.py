@@ -119,3 +119,19 @@ def test_cli_bad_shape_with_a_model_is_an_error_not_the_presets(capsys, seed):
     for value in (0, -int(rng.integers(1, 5))):  # 0 fell back to the preset's value
         assert planner.main(["--model", "llama3-8b", flag, str(value), "--json"]) == 2
         assert f"{flag[2:].replace('-', '_')}={value}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["inf", "nan", "-inf", "-0.5"])
+def test_cli_bad_memory_budget_is_an_error_naming_the_flag(capsys, bad):
+    # inf was an OverflowError traceback; nan "cannot convert float NaN to integer"
+    assert planner.main(["--model", "tiny", f"--memory-gb={bad}"]) == 2
+    assert f"--memory-gb {bad}" in capsys.readouterr().err
+
+
+def test_cli_random_memory_budget(capsys):
+    rng = np.random.default_rng(3)
+    gb = float(rng.uniform(0.1, 200))
+    assert planner.main(["--model", "llama3-8b", "--memory-gb", repr(gb), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["memory_bytes"] == int(gb * 1024**3)
+    assert out["max_seqs_paged"] == out["memory_bytes"] // out["bytes_per_page"] // 256
