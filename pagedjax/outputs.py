@@ -166,8 +166,13 @@ class OutputProcessor:
             # token's: that was searched already, or min_tokens let its occurrences through.
             old += len(os.path.commonprefix([held, text[old:]]))
             if len(text) > old:
+                # Of several, the first completed wins (ending first, then starting first):
+                # what a check after every character would stop on, so neither how the
+                # text splits into tokens nor the list's order changes the cut.
                 found = ((text.find(x, max(0, old - len(x) + 1)), x) for x in req.params.stop)
-                s.stop_pos, stop = min(((i, x) for i, x in found if i >= 0), default=(-1, None))
+                hits = [(i + len(x), i, x) for i, x in found if i >= 0]
+                if hits:
+                    _, s.stop_pos, stop = min(hits, key=lambda h: h[:2])
             reason = "stop" if stop is not None else None
         if reason is None and len(s.token_ids) >= s.max_num_tokens:
             reason = "length"

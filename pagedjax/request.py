@@ -40,7 +40,10 @@ class SamplingParams:
       max_tokens: most tokens to generate per completion.
       seed: sampling seed; None draws one from the engine's seed.
       stop_token_ids: extra tokens that end a completion (kept in its token ids).
-      stop: strings that end a completion (cut from its text; needs a tokenizer).
+      stop: strings that end a completion (cut from its text where the string starts;
+        needs a tokenizer). Of several that one token completes, the one that ends
+        first in the text wins, then the one that starts first: what a check after
+        every character would stop on, whatever the tokens and the list's order.
       ignore_eos: do not stop on the model's EOS tokens (a bool).
       beam_width: > 1 runs beam search with this many beams.
       length_penalty: beam score = logprob_sum / length ** length_penalty.

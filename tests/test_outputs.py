@@ -66,8 +66,8 @@ def brute_force(tok, gen, params):
     """Stops at the first token (from min_tokens on) that is a stop token or completes a
     stop string: an occurrence in the text if it stopped there (its decode, less an
     incomplete last character) that ends past what this text shares with the previous
-    token's (earlier ones were let through by min_tokens); the text is cut where the
-    earliest such occurrence begins (at a tie, the smaller string is the stop reason)."""
+    token's (earlier ones were let through by min_tokens). Of several, the one that ends
+    first wins, then the one that starts first; the text is cut where it starts."""
     before = ""
     for n in range(1, len(gen) + 1):
         ids, check = gen[:n], n >= params.min_tokens
@@ -83,7 +83,7 @@ def brute_force(tok, gen, params):
             if text.startswith(x, i) and i + len(x) > same
         ]
         if check and new:
-            i, x = min(new)
+            i, x = min(new, key=lambda h: (h[0] + len(h[1]), h[0]))
             return ids, full[:i], "stop", x
         if n == params.max_tokens:
             return ids, full, "length", None
@@ -102,6 +102,28 @@ def test_min_tokens_lets_earlier_stop_string_occurrences_through(tok):
     assert accept_all(tok, [a, b, b], params) == ([a, b, b], "ab", "stop", "b")
     params = SamplingParams(max_tokens=5, stop=["bc", "ab", "abcd"], min_tokens=3)
     assert accept_all(tok, [a, b, c], params) == ([a, b, c], "a", "stop", "bc")
+
+
+def test_several_stop_strings_in_one_token_the_first_completed_wins():
+    """Of the stop strings one token completes, the one that ends first wins (then the
+    one that starts first): what a check after every character would stop on, so the
+    cut and the reason do not depend on how the text is split into tokens, nor on the
+    order or the alphabet of the strings."""
+    tok = Tokenizer(byte_level_bpe(False), bos_token_id=0, eos_token_ids=[1])
+    whole = tok.encode("hello", add_bos=False)
+    assert len(whole) == 1
+    chars = [i for c in "hello" for i in tok.encode(c, add_bos=False)]
+    for stops, text, reason in [
+        (["hello", "el"], "h", "el"),  # ends first, starts later
+        (["llo", "ello", "o"], "h", "ello"),  # same end: the longest, cut earliest
+        (["ll", "lo", "hel"], "", "hel"),
+        (["hell", "hel", "h"], "", "h"),
+    ]:
+        for order in (stops, stops[::-1], sorted(stops)):
+            for gen in (whole, chars):
+                params = SamplingParams(max_tokens=8, stop=order)
+                got = accept_all(tok, gen + [5, 6], params)[1:]
+                assert got == (text, "stop", reason), (order, gen, got)
 
 
 def test_stop_string_in_a_run_of_byte_fallback_tokens():
