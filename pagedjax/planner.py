@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import numbers
 import sys
 from dataclasses import asdict, dataclass
 
@@ -22,8 +23,20 @@ from pagedjax.config import PRESETS, dtype_name, dtype_size
 GIB = 1024**3
 
 
+def _int(name: str, value) -> int:
+    """`value` as an int; TypeError naming it unless it is an integer (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {name}={value!r}")
+    return int(value)
+
+
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype="bfloat16") -> int:
     """Bytes of K and V one token occupies across all layers."""
+    layers, kv_heads, head_dim = (
+        _int("layers", layers),
+        _int("kv_heads", kv_heads),
+        _int("head_dim", head_dim),
+    )
     for name, value in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {name}={value}")
@@ -34,6 +47,7 @@ def kv_cache_bytes(
     layers: int, kv_heads: int, head_dim: int, seq_len: int, batch: int, dtype="bfloat16"
 ) -> int:
     """Exact bytes of a KV cache holding `batch` sequences of `seq_len` tokens."""
+    seq_len, batch = _int("seq_len", seq_len), _int("batch", batch)
     if seq_len < 0 or batch < 0:
         raise ValueError(f"seq_len and batch must be >= 0, got {seq_len=}, {batch=}")
     return kv_bytes_per_token(layers, kv_heads, head_dim, dtype) * seq_len * batch
@@ -41,6 +55,7 @@ def kv_cache_bytes(
 
 def pages_needed(seq_len: int, page_size: int) -> int:
     """Pages a sequence of `seq_len` tokens occupies."""
+    seq_len, page_size = _int("seq_len", seq_len), _int("page_size", page_size)
     if seq_len < 0:
         raise ValueError(f"seq_len must be >= 0, got {seq_len=}")
     if page_size <= 0 or page_size & (page_size - 1):
@@ -91,6 +106,11 @@ def plan(
       `memory_bytes` with paged allocation; `max_seqs_contiguous` with
       `max_seq_len` slots preallocated each.
     """
+    seq_len, page_size = _int("seq_len", seq_len), _int("page_size", page_size)
+    if memory_bytes is not None:
+        memory_bytes = _int("memory_bytes", memory_bytes)
+    if max_seq_len is not None:
+        max_seq_len = _int("max_seq_len", max_seq_len)
     per_token = kv_bytes_per_token(layers, kv_heads, head_dim, dtype)
     total = kv_cache_bytes(layers, kv_heads, head_dim, seq_len, batch, dtype)
     max_seq_len = seq_len if max_seq_len is None else max_seq_len

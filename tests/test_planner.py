@@ -135,3 +135,27 @@ def test_cli_random_memory_budget(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["memory_bytes"] == int(gb * 1024**3)
     assert out["max_seqs_paged"] == out["memory_bytes"] // out["bytes_per_page"] // 256
+
+
+def test_non_integer_arguments_are_type_errors_naming_them():
+    # layers=2.5 gave bytes_per_token=160.0 and memory_bytes=80e9 max_seqs_paged=4464285.0
+    # ("all byte counts exact integers"); page_size=True planned pages of 1 token.
+    rng = np.random.default_rng(11)
+    good = dict(layers=2, kv_heads=2, head_dim=8, seq_len=100, batch=3, page_size=16)
+    good |= dict(memory_bytes=10**6, max_seq_len=128)
+    bads = [float(rng.integers(1, 9)) + 0.5, True, "4", float(rng.integers(1, 9))]
+    for name in good:
+        for bad in bads:
+            with pytest.raises(TypeError, match=f"{name}={bad!r}"):
+                planner.plan(**(good | {name: bad}))
+    with pytest.raises(TypeError, match="head_dim=8.0"):
+        planner.kv_bytes_per_token(2, 2, 8.0)
+    with pytest.raises(TypeError, match="batch=1.5"):
+        planner.kv_cache_bytes(2, 2, 8, seq_len=4, batch=1.5)
+    with pytest.raises(TypeError, match="page_size=False"):
+        planner.pages_needed(4, False)
+    p = planner.plan(
+        **(good | dict(layers=np.int64(2), seq_len=np.int32(100), memory_bytes=np.int64(10**6)))
+    )
+    assert p == planner.plan(**good)  # numpy integers are integers
+    assert all(type(v) is int for k, v in vars(p).items() if k.endswith(("bytes", "paged")))
