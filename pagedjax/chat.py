@@ -233,8 +233,9 @@ def render(
       bos_token, eos_token: the special-token strings; None leaves the variable
         undefined, as HF leaves unset special tokens, so `{{ bos_token }}` renders as
         "" rather than "None".
-      **variables: more template variables (`date_string`, `tools`, ...); `tools` and
-        `documents` are None unless given, as in HF.
+      **variables: more template variables: the other special tokens (`pad_token`,
+        `additional_special_tokens`, ...: `Tokenizer.special_tokens`), `date_string`,
+        `tools`, ...; `tools` and `documents` are None unless given, as in HF.
 
     Raises:
       ImportError: jinja2 is not installed (the message says how to install it).

@@ -17,7 +17,9 @@ tokens:
 prepends BOS itself, so BOS appears exactly once whatever the tokenizer.json says.
 
 Chat: `from_dir` also finds the checkpoint's chat template (`pagedjax.chat`, HF's
-order of precedence) and keeps the BOS/EOS token strings the template refers to.
+order of precedence) and keeps the special-token strings the template may refer to
+(all of tokenizer_config's named ones, `bos_token` to `additional_special_tokens`, as
+HF passes them).
 `apply_chat_template(messages)` renders the conversation to text and
 `encode_chat(messages)` to ids; `with_chat_template(text, source)` is a copy that uses
 another template (a `--chat-template FILE` override). Special-token strings in the
@@ -67,6 +69,35 @@ def _token_content(token) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
 
 
+# tokenizer_config.json's special-token attributes besides bos/eos; HF's
+# apply_chat_template passes them all to the template (`special_tokens_map`).
+SPECIAL_TOKEN_NAMES = (
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+    "additional_special_tokens",
+)
+
+
+def _special_tokens(tcfg: dict) -> dict[str, str | list[str]]:
+    """The named special tokens of a tokenizer_config besides bos/eos, as strings: the
+    standard attributes and the names of a dict-form `extra_special_tokens`."""
+    extra = tcfg.get("extra_special_tokens")
+    fields = {n: tcfg.get(n) for n in SPECIAL_TOKEN_NAMES}
+    fields.update(extra if isinstance(extra, dict) else {})
+    out = {}
+    for name, value in fields.items():
+        if isinstance(value, list):
+            value = [c for c in map(_token_content, value) if c]
+        else:
+            value = _token_content(value)
+        if value:  # HF leaves unset (null, empty) ones out
+            out[name] = value
+    return out
+
+
 def _as_ids(value) -> list[int]:
     if value is None:
         return []
@@ -81,6 +112,9 @@ class Tokenizer:
       eos_token_ids: frozenset of ids that end a sequence.
       add_bos: `encode`'s default for `add_bos`.
       bos_token, eos_token: the special-token strings chat templates refer to, or None.
+      special_tokens: every named special token a chat template sees, as HF passes
+        them: {"bos_token": str, "pad_token": str, "additional_special_tokens":
+        [str, ...], ...}, the unset ones left out.
       chat_template: the Jinja chat template text, or None.
       chat_template_source: where the template came from, or why there is none.
     """
@@ -94,6 +128,7 @@ class Tokenizer:
         add_bos: bool = False,
         bos_token: str | None = None,
         eos_token: str | None = None,
+        special_tokens: Mapping[str, str | Sequence[str]] | None = None,
         chat_template: str | None = None,
         chat_template_source: str | None = None,
     ):
@@ -123,6 +158,19 @@ class Tokenizer:
         self.bos_token = bos_token or self._special_token(bos_token_id)
         eos_single = next(iter(self.eos_token_ids)) if len(self.eos_token_ids) == 1 else None
         self.eos_token = eos_token or self._special_token(eos_single)
+        self.special_tokens = {}
+        for name, value in (special_tokens or {}).items():
+            ok = isinstance(value, str) or (
+                isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+            )
+            if not (isinstance(name, str) and ok):
+                raise TypeError(
+                    f"special_tokens[{name!r}] must be a str or a list of str, got {value!r:.80}"
+                )
+            self.special_tokens[name] = value if isinstance(value, str) else list(value)
+        for name, value in (("bos_token", self.bos_token), ("eos_token", self.eos_token)):
+            if value:
+                self.special_tokens[name] = value
         self.chat_template = chat_template
         self.chat_template_source = chat_template_source or (
             "<given>" if chat_template is not None else "this tokenizer was built without one"
@@ -172,6 +220,7 @@ class Tokenizer:
             add_bos=bool(add_bos and bos is not None),
             bos_token=_token_content(tcfg.get("bos_token")),
             eos_token=_token_content(tcfg.get("eos_token")),
+            special_tokens=_special_tokens(tcfg),
             chat_template=template,
             chat_template_source=source,
         )
@@ -217,7 +266,8 @@ class Tokenizer:
         Args:
           messages: a non-empty list of `{"role": str, "content": str}` dicts.
           add_generation_prompt: end with the header that opens the assistant's turn.
-          **extra: more template variables (`tools`, `date_string`, ...).
+          **extra: more template variables (`tools`, `date_string`, ...); they override
+            the special tokens (`special_tokens`), which the template sees too.
 
         Raises:
           ValueError: no chat template, bad messages, or the template failed.
@@ -235,9 +285,7 @@ class Tokenizer:
             messages,
             source=self.chat_template_source,
             add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-            **extra,
+            **{**self.special_tokens, **extra},
         )
 
     def encode_chat(

@@ -106,6 +106,38 @@ def test_added_token_dicts_in_the_config(tmp_path):
     assert tok.apply_chat_template(MESSAGES) == RENDERED
 
 
+def test_every_named_special_token_is_a_template_variable(tmp_path):
+    """As in HF (its `special_tokens_map`): pad, unk, sep, cls, mask and the additional
+    special tokens too, as strings (AddedToken dicts unwrapped); unset ones stay
+    undefined; the caller's variables win."""
+    names = ["pad", "unk", "sep", "cls", "mask", "bos", "eos"]
+    template = "|".join(f"{{{{ {n}_token }}}}" for n in names)
+    template += "|{{ additional_special_tokens | join(',') }}|{{ image_token }}"
+    d = checkpoint(tmp_path, jinja=template)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())  # pad: "<|pad|>" already
+    cfg["unk_token"] = {"content": "<unk>", "lstrip": False, "special": True}
+    cfg["mask_token"] = None
+    cfg["additional_special_tokens"] = ["<a>", {"content": "<b>", "special": True}]
+    cfg["extra_special_tokens"] = {"image_token": "<img>"}  # named ones (HF >= 4.48)
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = Tokenizer.from_dir(d)
+    want = "<|pad|>|<unk>||||<|bos|>|<|eos|>|<a>,<b>|<img>"
+    assert tok.apply_chat_template(MESSAGES) == want
+    assert tok.special_tokens["pad_token"] == "<|pad|>"
+    out = tok.apply_chat_template(MESSAGES, pad_token="P", bos_token="B")
+    assert out == want.replace("<|pad|>", "P").replace("<|bos|>", "B")
+    assert tok.with_chat_template(template).apply_chat_template(MESSAGES) == want
+    built = Tokenizer(
+        tok.tokenizer,
+        eos_token_ids=[EOS],
+        chat_template=template,
+        special_tokens={"sep_token": "S"},
+    )
+    assert built.apply_chat_template(MESSAGES) == "||S||||<|eos|>||"  # eos: from its id
+    with pytest.raises(TypeError, match=r"special_tokens\['sep_token'\] must be a str"):
+        Tokenizer(tok.tokenizer, special_tokens={"sep_token": 3})
+
+
 def test_constructor_takes_a_template_and_names_special_ids(tok):
     built = Tokenizer(tok.tokenizer, bos_token_id=BOS, eos_token_ids=[EOS], chat_template=TEMPLATE)
     assert (built.bos_token, built.eos_token) == ("<|bos|>", "<|eos|>")  # from the ids
