@@ -38,7 +38,12 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
 )
 _MODEL_TYPES = (None, "llama", "qwen2", "qwen3", "mistral")
-_QWEN_TYPES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_ARCH_FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
+}
 
 
 def dtype_name(dtype, *, kv: bool = False) -> str:
@@ -90,7 +95,11 @@ class ModelConfig:
       rope_scaling: llama3 frequency scaling, or None.
       norm_eps: RMSNorm epsilon.
       tie_embeddings: LM head shares the embedding matrix.
-      qkv_bias: biases on the q/k/v projections (Qwen2).
+      qkv_bias: biases on the q/k/v projections (Qwen2; Llama and Qwen3 with
+        `attention_bias`).
+      o_bias: a bias on the output projection o_proj (Llama and Qwen3 with
+        `attention_bias`, which biases q/k/v and o together; Qwen2 biases q/k/v only).
+        Needs `qkv_bias`, and with `qk_norm` equals it: no HF family has another mix.
       qk_norm: per-head RMSNorm (over D, eps norm_eps) on queries and keys after the
         projections and before RoPE (Qwen3).
       sliding_window: W: a query at position p attends only to keys j with
@@ -114,6 +123,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False
+    o_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
     dtype: str = "bfloat16"
@@ -148,6 +158,18 @@ class ModelConfig:
             )
         if w is not None:
             object.__setattr__(self, "sliding_window", int(w))
+        # No HF family has these mixes, so to_hf could not write them: refuse them here.
+        if self.o_bias and not self.qkv_bias:
+            raise ValueError(
+                "o_bias needs qkv_bias: HF's attention_bias biases q/k/v and o together and "
+                f"no family biases o_proj alone, got qkv_bias={self.qkv_bias}, "
+                f"o_bias={self.o_bias}"
+            )
+        if self.qk_norm and self.qkv_bias != self.o_bias:
+            raise ValueError(
+                "with qk_norm (Qwen3) qkv_bias and o_bias must be equal: Qwen3's "
+                f"attention_bias sets both, got qkv_bias={self.qkv_bias}, o_bias={self.o_bias}"
+            )
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
 
@@ -166,8 +188,12 @@ class ModelConfig:
 
         Accepts the classic `rope_theta` / `rope_scaling` keys and the newer
         `rope_parameters` form, a missing `head_dim` (hidden_size // heads; 128 for
-        Qwen3, as HF's Qwen3Config), and `eos_token_id` as an int or a list. Qwen3
-        means `qk_norm`; Qwen2 means `qkv_bias`. The sliding window is read as HF
+        Qwen3, as HF's Qwen3Config), and `eos_token_id` as an int or a list. The
+        family is named by `architectures` (its first entry), else by `model_type`.
+        Qwen3 means `qk_norm`. Biases follow HF's attention modules: `attention_bias`
+        biases q/k/v and o_proj in Llama and Qwen3 (`qkv_bias` and `o_bias`); Qwen2
+        always biases q/k/v and never o_proj; Mistral has no biases (HF ignores
+        `attention_bias` in both, and so does this). The sliding window is read as HF
         does (see `_hf_sliding_window`); only a window on every layer or on none is
         supported. Absent optional keys take HF's defaults (`rms_norm_eps` 1e-6).
 
@@ -197,7 +223,7 @@ class ModelConfig:
         if missing:
             raise ValueError(f"config.json is missing required keys: {missing}")
         _refuse_unimplemented(config)
-        family = next((_QWEN_TYPES[a] for a in archs if a in _QWEN_TYPES), model_type)
+        family = _ARCH_FAMILIES[archs[0]] if archs else model_type
         num_heads = _hf_number(config, "num_attention_heads", int)
         hidden = _hf_number(config, "hidden_size", int)
         # HF's Qwen3Config defaults head_dim to 128, not hidden_size // heads.
@@ -213,7 +239,9 @@ class ModelConfig:
                 f"config.json: eos_token_id must be ints, got {config['eos_token_id']}"
             )
         torch_dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
-        qkv_bias = bool(config.get("attention_bias", False)) or family == "qwen2"
+        attention_bias = bool(config.get("attention_bias", False))
+        if family in ("qwen2", "mistral"):  # their HF attention hard-codes its biases
+            attention_bias = False
         return cls(
             num_layers=_hf_number(config, "num_hidden_layers", int),
             num_heads=num_heads,
@@ -227,7 +255,8 @@ class ModelConfig:
             rope_scaling=_rope_scaling(scaling),
             norm_eps=_hf_number(config, "rms_norm_eps", float, 1e-6),  # HF's, every family
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
+            qkv_bias=attention_bias or family == "qwen2",
+            o_bias=attention_bias,
             qk_norm=family == "qwen3",
             sliding_window=_hf_sliding_window(config, family),
             dtype=dtype or _hf_dtype(torch_dtype),
@@ -238,15 +267,18 @@ class ModelConfig:
     def to_hf(self) -> dict:
         """The HuggingFace config.json dict for this config (inverse of from_hf).
 
-        The architecture is Qwen3 with `qk_norm`, else Qwen2 with `qkv_bias`, else
-        Mistral with a sliding window, else Llama. A Qwen window is written both ways
-        HF has read it: `max_window_layers: 0` and an explicit `layer_types` list.
+        The architecture is Qwen3 with `qk_norm`, else Qwen2 with q/k/v biases alone,
+        else Mistral with a sliding window and no biases, else Llama (with
+        `attention_bias` and a window, if set). `attention_bias` is written for Llama
+        and Qwen3 only, the families whose HF attention reads it. A Qwen window is
+        written both ways HF has read it: `max_window_layers: 0` and an explicit
+        `layer_types` list.
         """
         if self.qk_norm:
             arch, model_type = "Qwen3ForCausalLM", "qwen3"
-        elif self.qkv_bias:
+        elif self.qkv_bias and not self.o_bias:
             arch, model_type = "Qwen2ForCausalLM", "qwen2"
-        elif self.sliding_window is not None:
+        elif self.sliding_window is not None and not self.qkv_bias:
             arch, model_type = "MistralForCausalLM", "mistral"
         else:
             arch, model_type = "LlamaForCausalLM", "llama"
@@ -264,10 +296,11 @@ class ModelConfig:
             "rope_theta": self.rope_theta,
             "rms_norm_eps": self.norm_eps,
             "tie_word_embeddings": self.tie_embeddings,
-            "attention_bias": self.qkv_bias,
             "torch_dtype": self.dtype,
             "hidden_act": "silu",
         }
+        if model_type in ("llama", "qwen3"):
+            out["attention_bias"] = self.o_bias  # equal to qkv_bias in both
         if model_type in ("qwen2", "qwen3"):
             out["use_sliding_window"] = self.sliding_window is not None
             out["sliding_window"] = self.sliding_window

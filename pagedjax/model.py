@@ -11,7 +11,8 @@ Two forward passes share one set of modules:
   prefill/decode batches, `paged_decode_attention` when every sequence brings one
   token), then the MLP. Only the rows in `logits_indices` reach the LM head.
 
-Family options (`ModelConfig`): `qkv_bias` (Qwen2); `qk_norm` (Qwen3: an RMSNorm over
+Family options (`ModelConfig`): `qkv_bias` (Qwen2; with `o_bias` too, HF's
+`attention_bias` in Llama and Qwen3); `qk_norm` (Qwen3: an RMSNorm over
 each query and key head, weight `[D]`, after the projections and before RoPE);
 `sliding_window` (Mistral-7B-v0.1: every layer attends only to the last W positions,
 itself included; both forwards mask with it, and the paged one passes it to the
@@ -47,6 +48,7 @@ head-major (`[..., H * D]` reshapes to `[..., H, D]`, as in HF):
     layers.{i}.self_attn.q_norm.scale           [D]           ...self_attn.q_norm.weight (qk_norm)
     layers.{i}.self_attn.k_norm.scale           [D]           ...self_attn.k_norm.weight (qk_norm)
     layers.{i}.self_attn.o_proj.kernel          [H * D, E]    ...self_attn.o_proj.weight.T
+    layers.{i}.self_attn.o_proj.bias            [E]           ...self_attn.o_proj.bias (o_bias)
     layers.{i}.post_attention_layernorm.scale   [E]           ...post_attention_layernorm.weight
     layers.{i}.mlp.gate_proj.kernel             [E, I]        ...mlp.gate_proj.weight.T
     layers.{i}.mlp.up_proj.kernel               [E, I]        ...mlp.up_proj.weight.T
@@ -144,7 +146,7 @@ class Attention(nnx.Module):
         self.q_proj = _linear(e, h * d, cfg, rngs, bias=cfg.qkv_bias)
         self.k_proj = _linear(e, k * d, cfg, rngs, bias=cfg.qkv_bias)
         self.v_proj = _linear(e, k * d, cfg, rngs, bias=cfg.qkv_bias)
-        self.o_proj = _linear(h * d, e, cfg, rngs)
+        self.o_proj = _linear(h * d, e, cfg, rngs, bias=cfg.o_bias)
         if cfg.qk_norm:  # Qwen3: per-head RMSNorm over D, shared by all heads
             self.q_norm = RMSNorm(d, cfg.norm_eps, cfg.jnp_dtype)
             self.k_norm = RMSNorm(d, cfg.norm_eps, cfg.jnp_dtype)

@@ -11,6 +11,7 @@ Layout over `tp` devices, with `H` query heads, `K` kv heads, `I` the MLP width 
     q_proj [E, H*D] column-split     device j owns query heads [j*H/tp, (j+1)*H/tp)
     k_proj, v_proj [E, K*D]          column-split when K >= tp, else replicated
     o_proj [H*D, E] row-split        partial sums -> one all-reduce per layer
+    o_proj bias [E] (o_bias)         replicated: added once, to the reduced sum
     gate_proj, up_proj [E, I]        column-split (Megatron)
     down_proj [I, E] row-split       partial sums -> one all-reduce per layer
     embed_tokens [V, E]              split over V (vocab-parallel lookup: one all-reduce)
@@ -155,6 +156,7 @@ _RULES: tuple[tuple[str, P, str | None], ...] = (
     (r".*\.self_attn\.[kv]_proj\.kernel", P(None, AXIS), "kv"),
     (r".*\.self_attn\.[kv]_proj\.bias", P(AXIS), "kv"),
     (r".*\.self_attn\.o_proj\.kernel", P(AXIS, None), None),
+    (r".*\.self_attn\.o_proj\.bias", P(), None),  # after the all-reduce, not per shard
     (r".*\.mlp\.(gate|up)_proj\.kernel", P(None, AXIS), None),
     (r".*\.mlp\.down_proj\.kernel", P(AXIS, None), None),
     (r"lm_head\.kernel", P(None, AXIS), "vocab"),

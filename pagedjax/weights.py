@@ -112,6 +112,7 @@ _RULES = (
     _Rule("model.layers.{i}.self_attn.q_norm.weight", "layers.{i}.self_attn.q_norm.scale"),
     _Rule("model.layers.{i}.self_attn.k_norm.weight", "layers.{i}.self_attn.k_norm.scale"),
     _Rule("model.layers.{i}.self_attn.{proj}.weight", "layers.{i}.self_attn.{proj}.kernel", True),
+    # q/k/v_proj (qkv_bias) and o_proj (o_bias); the config decides which must be there.
     _Rule("model.layers.{i}.self_attn.{proj}.bias", "layers.{i}.self_attn.{proj}.bias"),
     _Rule(
         "model.layers.{i}.post_attention_layernorm.weight",

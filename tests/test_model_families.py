@@ -96,8 +96,10 @@ def test_qwen3_config_matches_preset():
     assert cfg == PRESETS["qwen3-0.6b"]
     assert cfg.qk_norm and not cfg.qkv_bias and cfg.sliding_window is None
     assert cfg.num_heads * cfg.head_dim == 2048 != cfg.hidden_size
-    # Qwen3 with biases, and a config known only by its model_type.
-    assert ModelConfig.from_hf(dict(QWEN3_0_6B, attention_bias=True)).qkv_bias
+    # Qwen3 with biases (q/k/v and o_proj, as Qwen3Attention), and a config known only by
+    # its model_type.
+    biased = ModelConfig.from_hf(dict(QWEN3_0_6B, attention_bias=True))
+    assert biased.qkv_bias and biased.o_bias
     bare = {k: v for k, v in QWEN3_0_6B.items() if k not in ("architectures", "head_dim")}
     assert ModelConfig.from_hf(bare) == cfg  # HF's Qwen3Config: head_dim 128 by default
 
@@ -152,24 +154,31 @@ def test_to_hf_round_trips_every_family():
     variants = {
         "qwen3": dataclasses.replace(tiny, qk_norm=True, head_dim=32),
         "qwen3_bias_window": dataclasses.replace(
-            tiny, qk_norm=True, qkv_bias=True, sliding_window=8
+            tiny, qk_norm=True, qkv_bias=True, o_bias=True, sliding_window=8
         ),
         "qwen2_window": dataclasses.replace(tiny, qkv_bias=True, sliding_window=8),
         "mistral": dataclasses.replace(tiny, sliding_window=8),
         "llama": tiny,
+        "llama_bias": dataclasses.replace(tiny, qkv_bias=True, o_bias=True),
     }
     archs = {}
     for name, cfg in variants.items():
         hf = cfg.to_hf()
         json.dumps(hf)
         assert ModelConfig.from_hf(hf) == cfg, name
-        archs[name] = (hf["architectures"], hf["model_type"], hf.get("sliding_window"))
+        archs[name] = (
+            hf["architectures"],
+            hf["model_type"],
+            hf.get("sliding_window"),
+            hf.get("attention_bias"),
+        )
     assert archs == {
-        "qwen3": (["Qwen3ForCausalLM"], "qwen3", None),
-        "qwen3_bias_window": (["Qwen3ForCausalLM"], "qwen3", 8),
-        "qwen2_window": (["Qwen2ForCausalLM"], "qwen2", 8),
-        "mistral": (["MistralForCausalLM"], "mistral", 8),
-        "llama": (["LlamaForCausalLM"], "llama", None),
+        "qwen3": (["Qwen3ForCausalLM"], "qwen3", None, False),
+        "qwen3_bias_window": (["Qwen3ForCausalLM"], "qwen3", 8, True),
+        "qwen2_window": (["Qwen2ForCausalLM"], "qwen2", 8, None),  # Qwen2 ignores the key
+        "mistral": (["MistralForCausalLM"], "mistral", 8, None),  # so does Mistral
+        "llama": (["LlamaForCausalLM"], "llama", None, False),
+        "llama_bias": (["LlamaForCausalLM"], "llama", None, True),
     }
     # HF's own rule on the Qwen form: every layer i >= max_window_layers slides.
     hf = variants["qwen2_window"].to_hf()
@@ -193,7 +202,8 @@ BASE = ModelConfig(
 )
 QWEN3 = dataclasses.replace(BASE, qk_norm=True, tie_embeddings=True)
 MISTRAL = dataclasses.replace(BASE, sliding_window=8)
-QWEN3_WINDOW = dataclasses.replace(BASE, qk_norm=True, qkv_bias=True, sliding_window=5)
+# Qwen3 with attention_bias: q/k/v and o_proj biases.
+QWEN3_WINDOW = dataclasses.replace(BASE, qk_norm=True, qkv_bias=True, o_bias=True, sliding_window=5)
 VARIANTS = {"qwen3": QWEN3, "mistral_window": MISTRAL, "qwen3_bias_window": QWEN3_WINDOW}
 
 
@@ -265,9 +275,14 @@ def test_dense_forward_matches_numpy(name):
     for b in range(2):
         ref = np_forward(flat, cfg, tokens[b])
         assert rel_err(out[b], ref) < 1e-5
-        # Each feature changes the logits, so the comparison above would see it missing.
+        # Each feature changes the logits by far more than the 1e-5 above, so the
+        # comparison would see it missing (qk_norm: 0.098 with the o_proj biases drawn).
+        if cfg.o_bias:
+            no_o = {k: v for k, v in flat.items() if not k.endswith("self_attn.o_proj.bias")}
+            assert len(no_o) == len(flat) - cfg.num_layers
+            assert rel_err(np_forward(no_o, cfg, tokens[b]), ref) > 0.05
         if cfg.qk_norm:
-            assert rel_err(np_forward(flat, cfg, tokens[b], qk_norm=False), ref) > 0.1
+            assert rel_err(np_forward(flat, cfg, tokens[b], qk_norm=False), ref) > 0.05
         if cfg.sliding_window is not None:
             full = np_forward(flat, cfg, tokens[b], window=None)
             w = cfg.sliding_window
@@ -388,6 +403,7 @@ def test_hf_checkpoint_round_trip(tmp_path, name):
             assert names[f"model.layers.1.self_attn.{norm}.weight"].shape == (cfg.head_dim,)
     else:
         assert not any("_norm.weight" in n and "self_attn" in n for n in names)
+    assert ("model.layers.1.self_attn.o_proj.bias" in names) == cfg.o_bias
     assert hf.get("sliding_window") == cfg.sliding_window
     cfg2, params2 = weights.load_hf_checkpoint(tmp_path)
     assert cfg2 == cfg

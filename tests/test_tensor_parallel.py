@@ -27,6 +27,7 @@ TINY8 = ModelConfig(
     intermediate_size=128,
     vocab_size=256,
     qkv_bias=True,
+    o_bias=True,  # so that every-parameter checks see o_proj.bias too
     dtype="float32",
 )
 
@@ -48,8 +49,8 @@ def _run_cases(*pytest_args: str) -> str:
 
 
 def test_tensor_parallel_on_eight_simulated_devices():
-    """tp = 1, 2, 4, 8 (K = 2 and 8; Qwen3 norms + window) agree; cache shares; HLO
-    collectives (tests/tp_cases.py)."""
+    """tp = 1, 2, 4, 8 (K = 2 and 8; Qwen3 norms + window + q/k/v and o_proj biases)
+    agree; cache shares; HLO collectives (tests/tp_cases.py)."""
     _run_cases()
 
 
@@ -69,6 +70,8 @@ def test_tensor_parallel_on_eight_simulated_devices_slow():
         ("layers.1.self_attn.v_proj.bias", 2, P()),
         ("layers.1.self_attn.v_proj.bias", 4, P(sharding.AXIS)),
         ("layers.0.self_attn.o_proj.kernel", 2, P(sharding.AXIS, None)),
+        ("layers.0.self_attn.o_proj.bias", 2, P()),  # added once, after the all-reduce
+        ("layers.1.self_attn.o_proj.bias", 8, P()),
         ("layers.0.mlp.gate_proj.kernel", 2, P(None, sharding.AXIS)),
         ("layers.0.mlp.up_proj.kernel", 2, P(None, sharding.AXIS)),
         ("layers.0.mlp.down_proj.kernel", 2, P(sharding.AXIS, None)),

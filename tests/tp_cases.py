@@ -9,8 +9,9 @@ so this module is not collected with the rest of the suite (its name does not ma
 Every case runs the same steps (a prefill, a mixed prefill/decode step with a
 copy-on-write page copy, then decode steps) at tp = 1 and at tp = N, on a tiny
 model with 8 query heads and 2 or 8 kv heads (and one Qwen3-style variant with q/k
-norms and a sliding window), and compares greedy tokens, logits, the cache each device
-holds, and the collectives in the compiled programs.
+norms and a sliding window, at K = 2 with attention_bias: an o_proj bias, replicated
+and added once after the row-split o_proj's all-reduce), and compares greedy tokens,
+logits, the cache each device holds, and the collectives in the compiled programs.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ COLLECTIVES = (
 def tiny(num_kv_heads: int, variant: str = "") -> ModelConfig:
     """8 query heads; K=2 has q/k/v biases, K=8 a tied LM head (both rule variants);
     variant "qk_norm_window" adds Qwen3's q/k norms and a window of 4 (shorter than
-    two of the three prompts, so it masks in prefill as well as in decode)."""
+    two of the three prompts, so it masks in prefill as well as in decode), and at K=2
+    an o_proj bias (Qwen3's attention_bias biases q/k/v and o_proj together)."""
     cfg = ModelConfig(
         num_layers=NUM_LAYERS,
         num_heads=8,
@@ -80,7 +82,7 @@ def tiny(num_kv_heads: int, variant: str = "") -> ModelConfig:
         eos_token_ids=(),
     )
     if variant == "qk_norm_window":
-        return dataclasses.replace(cfg, qk_norm=True, sliding_window=4)
+        return dataclasses.replace(cfg, qk_norm=True, o_bias=cfg.qkv_bias, sliding_window=4)
     assert not variant, variant
     return cfg
 
