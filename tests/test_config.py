@@ -208,3 +208,88 @@ def test_from_hf_accepts_the_harmless_forms():
     assert ModelConfig.from_hf(dict(LLAMA31_8B, hidden_act="swish")) == PRESETS["llama3-8b"]
     d = dict(LLAMA31_8B, rope_scaling=None, rope_parameters={"type": "default"})
     assert ModelConfig.from_hf(d).rope_scaling is None
+
+
+# --- attention biases: HF's attention modules per family ----------------------------------
+
+_FAMILIES = {  # family -> (architectures, model_type)
+    "llama": (["LlamaForCausalLM"], "llama"),
+    "qwen2": (["Qwen2ForCausalLM"], "qwen2"),
+    "qwen3": (["Qwen3ForCausalLM"], "qwen3"),
+    "mistral": (["MistralForCausalLM"], "mistral"),
+}
+
+
+@pytest.mark.parametrize(
+    "family, attention_bias, qkv_bias, o_bias",
+    [
+        # LlamaAttention and Qwen3Attention: q/k/v and o_proj all bias=config.attention_bias.
+        ("llama", None, False, False),
+        ("llama", False, False, False),
+        ("llama", True, True, True),
+        ("qwen3", False, False, False),
+        ("qwen3", True, True, True),
+        # Qwen2Attention: q/k/v bias=True and o_proj bias=False, attention_bias unread.
+        ("qwen2", None, True, False),
+        ("qwen2", True, True, False),
+        # MistralAttention: bias=False on all four, attention_bias unread.
+        ("mistral", None, False, False),
+        ("mistral", True, False, False),
+    ],
+)
+def test_from_hf_attention_bias_per_family(family, attention_bias, qkv_bias, o_bias):
+    archs, model_type = _FAMILIES[family]
+    d = dict(LLAMA31_8B, architectures=archs, model_type=model_type)
+    if attention_bias is not None:
+        d["attention_bias"] = attention_bias
+    cfg = ModelConfig.from_hf(d)
+    assert (cfg.qkv_bias, cfg.o_bias) == (qkv_bias, o_bias)
+    # The family comes from architectures, else from model_type alone.
+    del d["architectures"]
+    assert ModelConfig.from_hf(d) == cfg
+
+
+def _bias_combos():
+    for qkv in (False, True):
+        for o in (False, True):
+            for qk_norm in (False, True):
+                for window in (None, 8):
+                    yield qkv, o, qk_norm, window
+
+
+def test_to_hf_round_trips_every_bias_combination_hf_can_express():
+    """from_hf(to_hf(c)) == c for every mix of biases, q/k norms and window that some HF
+    family expresses; the rest (o_proj bias alone; Qwen3 with q/k/v biases but none on
+    o_proj) are refused when the config is made, so to_hf never writes a different model."""
+    tiny = PRESETS["tiny"]
+    written = {}
+    for qkv, o, qk_norm, window in _bias_combos():
+        changes = dict(qkv_bias=qkv, o_bias=o, qk_norm=qk_norm, sliding_window=window)
+        if (o and not qkv) or (qk_norm and qkv != o):
+            with pytest.raises(ValueError, match=f"qkv_bias={qkv}, o_bias={o}"):
+                dataclasses.replace(tiny, **changes)
+            continue
+        cfg = dataclasses.replace(tiny, **changes)
+        hf = cfg.to_hf()
+        assert ModelConfig.from_hf(hf) == cfg, changes
+        written[qkv, o, qk_norm, window] = (hf["model_type"], hf.get("attention_bias"))
+    assert written == {
+        (False, False, False, None): ("llama", False),
+        (False, False, False, 8): ("mistral", None),
+        (False, False, True, None): ("qwen3", False),
+        (False, False, True, 8): ("qwen3", False),
+        (True, False, False, None): ("qwen2", None),  # HF's Qwen2 never reads it
+        (True, False, False, 8): ("qwen2", None),
+        (True, True, False, None): ("llama", True),
+        (True, True, False, 8): ("llama", True),
+        (True, True, True, None): ("qwen3", True),
+        (True, True, True, 8): ("qwen3", True),
+    }
+
+
+def test_unexpressible_bias_mixes_are_refused_with_the_reason():
+    tiny = PRESETS["tiny"]
+    with pytest.raises(ValueError, match=r"o_bias needs qkv_bias: .* no family biases o_proj"):
+        dataclasses.replace(tiny, o_bias=True)
+    with pytest.raises(ValueError, match=r"with qk_norm \(Qwen3\) qkv_bias and o_bias must be"):
+        dataclasses.replace(tiny, qk_norm=True, qkv_bias=True)
