@@ -131,6 +131,8 @@ def test_apply_rope_matches_numpy_rotate_half():
 VARIANTS = {
     "gqa": TINY,
     "qwen_bias_tied": dataclasses.replace(TINY, qkv_bias=True, tie_embeddings=True),
+    # HF attention_bias (Llama, Qwen3): o_proj has a bias too.
+    "llama_attention_bias": dataclasses.replace(TINY, qkv_bias=True, o_bias=True),
     "llama3_mqa": dataclasses.replace(
         TINY, num_kv_heads=1, rope_theta=500000.0, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64)
     ),
@@ -148,6 +150,10 @@ def test_dense_forward_matches_numpy(name):
     flat = model.params_to_flat(params)
     for b in range(2):
         assert rel_err(out[b], np_forward(flat, cfg, tokens[b])) < 1e-5
+    if cfg.o_bias:  # the random o_proj biases move the logits: a model without them fails
+        no_o_bias = {k: v for k, v in flat.items() if not k.endswith("o_proj.bias")}
+        assert len(no_o_bias) == len(flat) - cfg.num_layers
+        assert rel_err(out[0], np_forward(no_o_bias, cfg, tokens[0])) > 0.05
 
 
 def test_forward_is_differentiable():
@@ -257,6 +263,8 @@ def _docstring_table(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             continue
         path, dims, note = m.groups()
         if "(qkv_bias)" in note and not cfg.qkv_bias:
+            continue
+        if "(o_bias)" in note and not cfg.o_bias:
             continue
         if "(qk_norm)" in note and not cfg.qk_norm:
             continue

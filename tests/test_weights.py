@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from pagedjax import model, weights
+from pagedjax.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = np.array([[3, 17, 41, 5, 9, 60, 22, 1, 33, 12, 7]])  # [B=1, T=11]
@@ -70,6 +71,8 @@ VARIANTS = {
     "mistral_window": dict(
         architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4
     ),
+    # LlamaAttention: q/k/v and o_proj all take bias=config.attention_bias.
+    "llama_attention_bias": dict(attention_bias=True),
 }
 
 
@@ -83,7 +86,11 @@ def hf_tensors(c: dict, seed: int = 0) -> dict[str, np.ndarray]:
     e, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     h, k = c["num_attention_heads"], c["num_key_value_heads"]
     d = c.get("head_dim") or e // h
-    bias = c.get("model_type") == "qwen2"
+    # HF: Llama and Qwen3 bias q/k/v and o_proj by attention_bias; Qwen2 always q/k/v
+    # and never o_proj; Mistral never (both ignore attention_bias).
+    family = c.get("model_type")
+    attention_bias = bool(c.get("attention_bias")) and family in ("llama", "qwen3")
+    bias = attention_bias or family == "qwen2"
 
     def mat(*shape, scale=0.2):
         return (scale * rng.standard_normal(shape)).astype(np.float32)
@@ -100,6 +107,8 @@ def hf_tensors(c: dict, seed: int = 0) -> dict[str, np.ndarray]:
             t[p + "self_attn.q_norm.weight"] = 1 + mat(d, scale=0.3)
             t[p + "self_attn.k_norm.weight"] = 1 + mat(d, scale=0.3)
         t[p + "self_attn.o_proj.weight"] = mat(e, h * d)
+        if attention_bias:
+            t[p + "self_attn.o_proj.bias"] = mat(e, scale=0.5)
         t[p + "post_attention_layernorm.weight"] = 1 + mat(e, scale=0.1)
         t[p + "mlp.gate_proj.weight"] = mat(i, e)
         t[p + "mlp.up_proj.weight"] = mat(i, e)
@@ -231,7 +240,8 @@ def test_load_matches_numpy_llama(tmp_path, variant, num_shards):
         assert len(set(index["weight_map"].values())) == num_shards
     cfg, params = weights.load_hf_checkpoint(tmp_path)
     assert cfg.tie_embeddings == c["tie_word_embeddings"]
-    assert cfg.qkv_bias == (variant == "qwen2_bias")
+    assert cfg.qkv_bias == (variant in ("qwen2_bias", "llama_attention_bias"))
+    assert cfg.o_bias == (variant == "llama_attention_bias")
     assert cfg.qk_norm == (variant == "qwen3_norms")
     assert cfg.sliding_window == c.get("sliding_window")
     assert ("lm_head.kernel" in model.params_to_flat(params)) == (not c["tie_word_embeddings"])
@@ -296,6 +306,45 @@ def test_missing_qkv_bias_for_qwen2(tmp_path):
         weights.load_hf_checkpoint(tmp_path)
     assert len(info.value.missing) == 6  # q, k, v biases in each of 2 layers
     assert all(".bias" in m for m in info.value.missing)
+
+
+def test_missing_o_proj_bias_with_attention_bias_is_named(tmp_path):
+    c = make_config(**VARIANTS["llama_attention_bias"])
+    t = hf_tensors(c)
+    assert sum(k.endswith("o_proj.bias") for k in t) == c["num_hidden_layers"]
+    del t["model.layers.1.self_attn.o_proj.bias"]
+    write_hf(tmp_path, c, t, num_shards=2)
+    with pytest.raises(weights.CheckpointError) as info:
+        weights.load_hf_checkpoint(tmp_path)
+    assert info.value.missing == ["model.layers.1.self_attn.o_proj.bias [32]"]
+    assert not info.value.unexpected
+    assert "missing: model.layers.1.self_attn.o_proj.bias [32]" in str(info.value)
+
+
+def test_qwen2_and_mistral_ignore_attention_bias_as_hf_does(tmp_path):
+    """HF's Qwen2Attention and MistralAttention hard-code their biases: attention_bias
+    true loads the bias-free (Mistral) or q/k/v-only (Qwen2) checkpoint, and an o_proj
+    bias there is refused rather than silently added or dropped."""
+    for name in ("mistral_window", "qwen2_bias"):
+        c = make_config(**VARIANTS[name], attention_bias=True)
+        t = hf_tensors(c)
+        assert not any(k.endswith("o_proj.bias") for k in t)
+        cfg, _ = weights.load_hf_checkpoint(write_hf(tmp_path / name, c, t))
+        assert (cfg.qkv_bias, cfg.o_bias) == (name == "qwen2_bias", False)
+        t["model.layers.0.self_attn.o_proj.bias"] = np.ones(32, np.float32)
+        write_hf(tmp_path / f"{name}_o", c, t)
+        with pytest.raises(weights.CheckpointError) as info:
+            weights.load_hf_checkpoint(tmp_path / f"{name}_o")
+        assert info.value.unexpected == ["model.layers.0.self_attn.o_proj.bias [32]"]
+
+
+def test_orbax_config_json_keeps_o_bias():
+    c = make_config(**VARIANTS["llama_attention_bias"])
+    cfg = weights.config_from_json(weights.config_to_json(ModelConfig.from_hf(c)))
+    assert cfg.qkv_bias and cfg.o_bias
+    older = weights.config_to_json(ModelConfig.from_hf(make_config()))
+    del older["o_bias"]  # written before the field existed: no o_proj bias
+    assert not weights.config_from_json(older).o_bias
 
 
 def test_unexpected_keys_and_ignored_extras(tmp_path):
