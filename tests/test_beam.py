@@ -1,0 +1,131 @@
+"""pagedjax.beam: `BeamSearch` fed only each beam's top `num_candidates` tokens equals a
+search over the whole vocabulary, on random toy models (tied log-probabilities, more stop
+tokens than beams, vocabularies smaller than the candidate count, every sign of length
+penalty)."""
+
+import numpy as np
+import pytest
+
+from pagedjax.beam import BeamSearch, num_candidates
+
+
+class ToyModel:
+    """Log-probabilities of the next token as a function of the generated prefix: random
+    logits rounded to a coarse grid, so that ties within and across beams are common,
+    some prefixes nearly flat (the walk then takes many candidates from one beam)."""
+
+    def __init__(self, vocab: int, seed: int, grid: float):
+        self.vocab, self.seed, self.grid = vocab, seed, grid
+
+    def logprobs(self, prefix: list[int]) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, len(prefix), *prefix])
+        scale = 0.3 if rng.random() < 0.5 else 3.0
+        x = np.round(rng.normal(0, scale, self.vocab) / self.grid) * self.grid
+        return x - x.max() - np.log(np.exp(x - x.max()).sum())
+
+
+def whole_vocabulary_search(model, width, max_new, stops, length_penalty):
+    """The documented selection, every (beam, token) of the vocabulary ranked each step.
+    Returns the finished hypotheses as (tokens, sum, reason), best first."""
+    live = [([], 0.0)]
+    hyps = []  # (score, tokens, sum, reason), best first; an earlier equal score first
+
+    def add(tokens, total, reason):
+        hyps.append((total / len(tokens) ** length_penalty, tokens, total, reason))
+        hyps.sort(key=lambda h: -h[0])
+        del hyps[width:]
+
+    for step in range(max_new):
+        rows = [model.logprobs(g) for g, _ in live]
+        ranked = sorted(
+            (s + float(rows[b][t]), b, -float(rows[b][t]), t)
+            for b, (_, s) in enumerate(live)
+            for t in range(model.vocab)
+        )
+        ranked.sort(key=lambda c: -c[0])  # stable: then beam, likelier, lower id
+        new = []
+        for rank, (total, b, _, t) in enumerate(ranked):
+            if t in stops:
+                if rank < width:
+                    add(live[b][0] + [t], total, "stop")
+                continue
+            new.append((live[b][0] + [t], total))
+            if len(new) == width:
+                break
+        if step + 1 == max_new:
+            for g, total in new:
+                add(g, total, "length")
+            break
+        best = None if not new else new[0][1] / (step + 1) ** length_penalty
+        if best is None or (len(hyps) == width and hyps[-1][0] >= best):
+            break
+        live = new
+    return [(h[1], h[2], h[3]) for h in hyps]
+
+
+def top_candidates(row: np.ndarray, k: int):
+    """A beam's k most likely tokens, best first, ties to the lower id (as top_k)."""
+    order = np.lexsort((np.arange(row.size), -row))[:k]
+    return order, row[order]
+
+
+def run_beam_search(model, width, max_new, stops, length_penalty):
+    bs = BeamSearch(width, length_penalty, frozenset(stops), max_new)
+    k = min(num_candidates(width, len(stops)), model.vocab)
+    beams = [([], 0.0)]
+    steps = 0
+    while True:
+        cands = [top_candidates(model.logprobs(g), k) for g, _ in beams]
+        new = bs.select(
+            [g for g, _ in beams],
+            [s for _, s in beams],
+            np.stack([c[0] for c in cands]),
+            np.stack([c[1] for c in cands]),
+        )
+        steps += 1
+        assert bs.done == (not new)
+        assert len(new) <= width and [x[2] for x in new] == sorted(
+            (x[2] for x in new), reverse=True
+        )
+        if not new:
+            break
+        for b, tok, total, j in new:
+            assert cands[b][0][j] == tok
+            assert total == pytest.approx(beams[b][1] + cands[b][1][j])
+        beams = [(beams[b][0] + [tok], total) for b, tok, total, _ in new]
+    assert steps <= max_new
+    return [(h.token_ids, h.cumulative_logprob, h.finish_reason) for h in bs.hyps], bs
+
+
+CASES = [
+    # width, vocab, number of stop ids, max_new, length_penalty, logit grid
+    (2, 40, 1, 6, 1.0, 0.5),
+    (3, 20, 5, 7, 0.5, 1.0),  # more stop ids than beams
+    (4, 9, 3, 5, -1.0, 1.0),  # vocabulary below the candidate count
+    (2, 6, 4, 6, 0.0, 2.0),  # nearly all stop tokens, heavy ties
+    (3, 30, 0, 5, 2.0, 0.25),
+    (5, 50, 2, 8, 1.0, 1.0),
+    (3, 12, 4, 9, 1.0, 0.5),  # early stopping with a length penalty
+    (2, 15, 3, 9, 2.0, 1.0),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("seed", range(12))
+def test_top_k_candidates_equal_the_whole_vocabulary(case, seed):
+    width, vocab, num_stops, max_new, length_penalty, grid = case
+    rng = np.random.default_rng(seed)
+    model = ToyModel(vocab, seed, grid)
+    stops = set(rng.choice(vocab, num_stops, replace=False).tolist())
+    got, bs = run_beam_search(model, width, max_new, stops, length_penalty)
+    want = whole_vocabulary_search(model, width, max_new, stops, length_penalty)
+    assert [(t, r) for t, _, r in got] == [(t, r) for t, _, r in want]
+    np.testing.assert_allclose([s for _, s, _ in got], [s for _, s, _ in want], rtol=1e-12)
+    for h in bs.hyps:
+        assert h.score == pytest.approx(h.cumulative_logprob / len(h.token_ids) ** length_penalty)
+        assert (h.finish_reason == "stop") == (h.token_ids[-1] in stops)
+        assert len(h.token_ids) <= max_new
+        assert all(t not in stops for t in h.token_ids[:-1])
+    scores = [h.score for h in bs.hyps]
+    assert scores == sorted(scores, reverse=True) and len(scores) <= width
+    assert bs.best(2) == bs.hyps[:2]
