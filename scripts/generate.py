@@ -523,11 +523,13 @@ def run(args) -> int:
         **engine_kwargs(args),
     )
     cut = []  # prompts that leave less room than --max-tokens under the model's length
+    encoded = []  # their token ids, for generate (which would tokenize text again)
     for i, p in enumerate(inputs):  # e.g. too long for the model: before anything prints
         try:
-            n = len(llm.encode(p)[1])
+            encoded.append(llm.encode(p)[1])
         except (ValueError, TypeError) as e:
             raise BadInput(f"prompt {i}: {e}") from None
+        n = len(encoded[-1])
         if n + args.max_tokens > llm.max_model_len:
             cut.append(f"{i} ({llm.max_model_len - n})")
     if cut:
@@ -551,7 +553,7 @@ def run(args) -> int:
             sys.stdout.write(decoder.add(tok))
             sys.stdout.flush()
 
-    outs = llm.generate(inputs, sp, use_tqdm=len(prompts) > 1, on_token=on_token)
+    outs = llm.generate(encoded, sp, use_tqdm=len(prompts) > 1, on_token=on_token)
     if stream:
         print(decoder.flush())
     summary = llm.summary()

@@ -18,6 +18,7 @@ from params_helpers import spy_generate, write_tiny_checkpoint
 
 from pagedjax.metrics import SUMMARY_KEYS
 from pagedjax.resources import byte_tokenizer
+from pagedjax.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "generate.py"
@@ -47,8 +48,22 @@ def run(argv, capsys):
     return rc, out, err
 
 
-def test_json_end_to_end(ckpt, capsys):
+def count_encodes(monkeypatch) -> list:
+    """Wraps `Tokenizer.encode` to record every text it tokenizes; returns that list."""
+    texts = []
+    encode = Tokenizer.encode
+
+    def spy(self, text, *args, **kwargs):
+        texts.append(text)
+        return encode(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "encode", spy)
+    return texts
+
+
+def test_json_end_to_end(ckpt, capsys, monkeypatch):
     prompts = ["def add(a, b):\n", "def add(a, b):\n    return", "import os\n"]
+    encoded, sent = count_encodes(monkeypatch), spy_generate(monkeypatch)
     argv = ["--checkpoint", ckpt, "--max-tokens", "5", "--n", "2", "--temperature", "0.7"]
     argv += ["--top-k", "50", "--seed", "3", "--backend", "xla", "--json", *GEOMETRY]
     argv += ["--logprobs", "2", "--prompt-logprobs", "1", "--min-p", "0.05"]
@@ -58,6 +73,10 @@ def test_json_end_to_end(ckpt, capsys):
         argv += ["--prompt", p]
     rc, out, err = run(argv, capsys)
     assert rc == 0, err
+    assert encoded == prompts  # each prompt tokenized once, its ids sent on
+    monkeypatch.undo()
+    tok = Tokenizer.from_dir(ckpt)
+    assert sent == [tok.encode(p) for p in prompts]
     obj = json.loads(out)  # stdout is exactly one JSON object
     assert set(obj) == {
         "model",
