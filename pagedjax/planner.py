@@ -162,7 +162,10 @@ def _format(p: Plan, args) -> str:
             f"{args.max_seq_len or args.seq_len} tokens",
         ]
         if p.capacity_ratio is not None:
-            lines.append(f"ratio          {p.capacity_ratio:.2f}x more sequences with paging")
+            lines.append(
+                f"ratio          paging fits {p.capacity_ratio:.2f}x as many sequences as "
+                "contiguous preallocation"
+            )
     return "\n".join(lines)
 
 

@@ -159,3 +159,21 @@ def test_non_integer_arguments_are_type_errors_naming_them():
     )
     assert p == planner.plan(**good)  # numpy integers are integers
     assert all(type(v) is int for k, v in vars(p).items() if k.endswith(("bytes", "paged")))
+
+
+def test_cli_ratio_line_reads_right_when_paging_fits_fewer(capsys):
+    # With the default --max-seq-len (= --seq-len), page rounding makes paging fit fewer
+    # sequences: the line said "0.50x more sequences with paging".
+    rng = np.random.default_rng(5)
+    ps = 16
+    seq_len = ps * int(rng.integers(1, 8)) + 1  # one token into a last page
+    per_page = planner.kv_bytes_per_token(2, 2, 8) * ps
+    pages = seq_len // ps + 1
+    memory = per_page * pages * int(rng.integers(20, 50))
+    p = planner.plan(layers=2, kv_heads=2, head_dim=8, seq_len=seq_len, memory_bytes=memory)
+    assert p.capacity_ratio < 1
+    args = ["--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--seq-len", str(seq_len)]
+    assert planner.main([*args, "--memory-gb", repr(memory / 1024**3)]) == 0
+    text = capsys.readouterr().out
+    assert "more sequences" not in text
+    assert f"paging fits {p.capacity_ratio:.2f}x as many sequences" in text
