@@ -152,9 +152,25 @@ class Scheduler:
         return sum(len(g.seqs) for g in self.running)
 
     def max_pages_needed(self, group: SequenceGroup) -> int:
-        """Pages the group could hold at once, with no sharing, plus a decode reserve."""
+        """Most pages the group can need at once, with no sharing (what `add` checks).
+
+        A sequence of `max_num_tokens` tokens never feeds its last one: sampling it ends
+        the sequence, and no step is planned behind a token in flight that will be the
+        last (`_will_decode`; a row after a stop token or string feeds a token before
+        the last). So its K/V fills at most `max_num_tokens - 1` slots, which is what a
+        readmission prefills at worst, and the decode reserves are the exact pages of
+        the appends.
+
+        A beam group is bounded by its decode steps instead: each reserves a page per
+        beam row before the rows are bound to beams (the selection forks and drops beams
+        after `schedule()`), on top of the beams' pages, which fill at most
+        `max_num_tokens - 2` slots then (the fed token's slot is the one appended).
+        """
         seqs = group.seqs + group.forks
-        return group.num_seats * (self._peak_pages(max(s.max_num_tokens for s in seqs)) + 1)
+        longest = max(s.max_num_tokens for s in seqs)
+        if group.atomic:
+            return group.num_seats * (self._peak_pages(longest - 2) + 1)
+        return group.num_seats * self._peak_pages(longest - 1)
 
     @property
     def window_pages(self) -> int | None:

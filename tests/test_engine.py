@@ -599,7 +599,7 @@ def test_bad_requests_fail_before_anything_runs(params):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([[5, 300]], greedy(2))
     with pytest.raises(ValueError, match="KV pages"):  # could never fit in 64 pages
-        llm.generate([[5] * 100], SamplingParams(max_tokens=500))
+        llm.generate([[5] * 100], SamplingParams(max_tokens=500, n=2))
     assert not llm.has_unfinished_requests()
     with pytest.raises(ValueError, match="backend='gpu'"):
         LLM(params, page_size=PS, num_pages=PAGES, backend="gpu")

@@ -305,11 +305,81 @@ def test_add_rejects_what_can_never_run():
     sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=8)
     with pytest.raises(ValueError, match="request 'x' runs 3 sequences.*max_num_seqs=2"):
         sched.add(SequenceGroup("x", [Sequence(0, [1], 1, 4)], 3))
-    with pytest.raises(ValueError, match="request 'y' may need 26 KV pages"):
+    with pytest.raises(ValueError, match="request 'y' may need 25 KV pages"):
         sched.add(SequenceGroup("y", [Sequence(1, [1, 2], 2, 100)], 1))
     sched.add(SequenceGroup("z", [Sequence(2, [1, 2], 2, 10)], 1))
     with pytest.raises(ValueError, match="'z' is already"):
         sched.add(SequenceGroup("z", [Sequence(3, [1, 2], 2, 10)], 1))
+
+
+@pytest.mark.parametrize("in_flight", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_add_admits_exactly_what_fits(in_flight, n):
+    """A sequence of `max_num_tokens` tokens never feeds its last one (it ends the
+    sequence; an asynchronous step is not planned behind it either), so it holds at most
+    ceil((max_num_tokens - 1) / page_size) pages. Requests needing the whole cache are
+    admitted and complete, both at once (preempting each other, readmitted with all
+    their tokens) and reaching the bound; one page more is refused."""
+    sim = Sim(num_pages=10, budget=8, watermark=0.2, in_flight=in_flight)  # 8 to give
+    max_len = (8 // n - 1) * PS + 2  # the max_len - 1 fed tokens: 1 in page 8 // n
+    for rid in ("a", "b"):
+        g = sim.add(rid, [3, 4, 5][: 2 + (rid == "b")], max_len - 2 - (rid == "b"), n=n)
+        assert sim.sched.max_pages_needed(g) == 8
+    most = 0  # the most distinct pages a request held
+    for _ in range(1000):
+        if not sim.sched.has_unfinished() and sim.inflight is None:
+            break
+        sim.step()
+        sim.bm.check_invariants()
+        for g in sim.sched.running:
+            tables = [sim.bm.page_table(s.seq_id) for s in g.seqs if s.num_admitted]
+            most = max(most, len({p for t in tables for p in t if p >= 0}))
+    assert set(sim.done) == {"a", "b"} and sim.sched.num_preemptions > 0
+    assert most == 8
+    for rid, p in (("a", [3, 4]), ("b", [3, 4, 5])):
+        for s in sim.done[rid].finished:
+            assert s.token_ids == reference(p, max_len - len(p))
+    with pytest.raises(ValueError, match=f"may need {8 + n} KV pages .* than the 8 the cache"):
+        sim.add("c", [3, 4], max_len - 2 + PS, n=n)
+
+
+def test_beam_groups_need_a_page_per_beam_more():
+    """A beam group's decode step reserves a page per beam on top of the beams' pages,
+    which hold at most max_num_tokens - 2 slots then (full attention and window)."""
+    sched = Scheduler(BlockManager(64, PS), max_num_seqs=4, max_num_batched_tokens=8)
+    for max_len, pages in ((17, 3 * 5), (18, 3 * 5), (19, 3 * 6)):
+        beams = SequenceGroup("b", [Sequence(0, [3, 4], 2, max_len)], 3, atomic=True)
+        assert sched.max_pages_needed(beams) == pages
+        assert sched.max_pages_needed(SequenceGroup("n", beams.seqs, 3)) == 3 * (
+            -(-(max_len - 1) // PS)
+        )
+    sched.sliding_window = 6  # window_pages = ceil((6 - 2 + 8) / 4) + 1 = 4
+    beams = SequenceGroup("b", [Sequence(0, [3, 4], 2, 100)], 3, atomic=True)
+    assert sched.max_pages_needed(beams) == 3 * (4 + 1)
+
+
+@pytest.mark.parametrize("in_flight", [False, True], ids=["sync", "async"])
+def test_add_bounds_a_window_sequence_by_the_tokens_it_feeds(in_flight):
+    """Under a sliding window: the fewer of ceil((max_num_tokens - 1) / page_size) and
+    `window_pages`; requests needing every page run to completion, reaching the bound."""
+    from test_window_admission import WindowSim  # (it imports this module)
+
+    sim = WindowSim(6, num_pages=4, budget=7, in_flight=in_flight)
+    assert sim.sched.window_pages == 4
+    prompt = list(range(3, 40))
+    long_ = sim.add("long", prompt, 20)  # 57 tokens, 4 pages at most
+    assert sim.sched.max_pages_needed(long_) == 4
+    sim.run()
+    assert sim.most == 4
+    assert sim.done["long"].finished[0].token_ids == reference(prompt, 20)
+    sim = WindowSim(6, num_pages=3, budget=7, in_flight=in_flight)
+    short = sim.add("short", [3, 4], 11)  # 13 tokens: 12 fed, 3 pages
+    assert sim.sched.max_pages_needed(short) == 3
+    sim.run()
+    assert sim.most == 3
+    assert sim.done["short"].finished[0].token_ids == reference([3, 4], 11)
+    with pytest.raises(ValueError, match="may need 4 KV pages"):
+        sim.add("one_more", [3, 4], 12)
 
 
 @pytest.mark.parametrize(

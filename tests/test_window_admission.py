@@ -243,9 +243,9 @@ def test_prompts_longer_than_the_cache(in_flight):
     }
     for (rid, p), n in zip(prompts.items(), (2, 1), strict=True):
         g = sim.add(rid, p, 12, n=n)
-        assert sim.sched.max_pages_needed(g) == n * 5
+        assert sim.sched.max_pages_needed(g) == n * 4
     sim.sched.sliding_window = None
-    assert sim.sched.max_pages_needed(g) == 24 > 12  # what add refused without the window
+    assert sim.sched.max_pages_needed(g) == 23 > 12  # what add refused without the window
     sim.sched.sliding_window = 6
     sim.run()
     prompts["first"] = first
@@ -349,16 +349,16 @@ def test_full_attention_plans_are_unchanged(in_flight):
 
 
 def test_add_bounds_a_window_request_by_its_window():
-    bm = BlockManager(8, PS, max_model_len=4096)
+    bm = BlockManager(7, PS, max_model_len=4096)
     sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=8, sliding_window=6)
     assert sched.window_pages == 4  # 5 positions before a chunk of 8: 13 positions
     sched.add(SequenceGroup("long", [Sequence(0, [1] * 3000, 3000, 4000)], 1))  # 1000 pages
-    assert sched.max_pages_needed(SequenceGroup("short", [Sequence(1, [1], 1, 6)], 1)) == 3
+    assert sched.max_pages_needed(SequenceGroup("short", [Sequence(1, [1], 1, 6)], 1)) == 2
     with pytest.raises(
         ValueError,
-        match=r"request 'n2' may need 10 KV pages \(2 sequences of up to 4000 tokens, each "
+        match=r"request 'n2' may need 8 KV pages \(2 sequences of up to 4000 tokens, each "
         r"holding at most 4 pages under the window of 6 tokens prefilled 8 a step\), more "
-        r"than the 8 the cache can give",
+        r"than the 7 the cache can give",
     ):
         sched.add(SequenceGroup("n2", [Sequence(2, [1] * 3000, 3000, 4000)], 2))
 
@@ -367,7 +367,7 @@ def test_add_bounds_a_window_request_by_its_window():
 
 from test_window_pages import CFG  # noqa: E402  (the window-6 model)
 
-CACHE_PAGES = 8  # 32 tokens: 3 pages a sequence (window 6, 4 tokens a step) + 1, n=2
+CACHE_PAGES = 8  # 32 tokens: n=2 sequences of at most 3 pages (window 6, 4 tokens a step)
 
 
 @pytest.fixture(scope="module")
