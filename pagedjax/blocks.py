@@ -114,6 +114,13 @@ __all__ = [
 ]
 
 
+def _positive_int(value, name: str, allowed: str = "") -> int:
+    """``value`` (a Python or numpy integer >= 1) as an int; else InvalidArgument."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < 1:
+        raise InvalidArgument(f"{name} must be {allowed}a positive int, got {name}={value!r}")
+    return int(value)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockStats:
     """A snapshot of page usage and prefix-cache counters (tokens, not pages)."""
@@ -152,12 +159,10 @@ class BlockManager(SeqTables):
         max_model_len: int | None = None,
         watermark: float = 0.01,
     ):
-        for name, value in (("num_pages", num_pages), ("page_size", page_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidArgument(f"{name} must be a positive int, got {name}={value!r}")
-        m = max_model_len
-        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
-            raise InvalidArgument(f"max_model_len must be a positive int, got {max_model_len=}")
+        num_pages = _positive_int(num_pages, "num_pages")
+        page_size = _positive_int(page_size, "page_size")
+        if max_model_len is not None:
+            max_model_len = _positive_int(max_model_len, "max_model_len")
         if not isinstance(enable_prefix_caching, (bool, np.bool_)):
             raise InvalidArgument(
                 f"enable_prefix_caching must be a bool, got {enable_prefix_caching=}"
@@ -280,9 +285,10 @@ class BlockManager(SeqTables):
             raise SequenceExists(f"sequence {seq_id!r} is already live")
         if not isinstance(read_cache, (bool, np.bool_)):
             raise InvalidArgument(f"read_cache must be a bool, got {read_cache=}")
-        for name, v in (("peak_pages", peak_pages), ("window", window)):
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise InvalidArgument(f"{name} must be None or a positive int, got {name}={v!r}")
+        if peak_pages is not None:
+            peak_pages = _positive_int(peak_pages, "peak_pages", "None or ")
+        if window is not None:
+            window = _positive_int(window, "window", "None or ")
         toks = token_array(token_ids, "token_ids")
         n = toks.shape[0]
         self._check_prompt_len(n)

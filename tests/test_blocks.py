@@ -438,11 +438,27 @@ def test_check_invariants_catches_corruption():
         (dict(num_pages=8, page_size=4, max_model_len=True), "max_model_len=True"),
         (dict(num_pages=8, page_size=4, watermark="0.1"), "watermark='0.1'"),
         (dict(num_pages=8, page_size=4, enable_prefix_caching="no"), "caching='no'"),
+        (dict(num_pages=np.bool_(True), page_size=4), "num_pages=.*True"),
+        # numpy ints become Python ints first: int32 arithmetic would wrap past the check
+        (dict(num_pages=np.int32(2**30), page_size=np.int32(4)), "overflow"),
     ],
 )
 def test_bad_config(kwargs, match):
     with pytest.raises(InvalidArgument, match=match):
         BlockManager(**kwargs)
+
+
+def test_numpy_integers_are_counts_too():
+    # Sizes and admit's peak_pages/window take numpy integers, as every position does.
+    bm = BlockManager(np.int64(8), np.int32(4), max_model_len=np.int16(16))
+    assert type(bm.num_pages) is int and type(bm.page_size) is int
+    bm.admit("a", prompt(6), peak_pages=np.int64(3), window=np.int32(5))
+    assert bm.num_free_pages == 7  # one page now, two more promised
+    with pytest.raises(OutOfPages):  # 7 free less 2 promised
+        bm.admit("c", prompt(6), peak_pages=np.int64(6))
+    with pytest.raises(InvalidArgument, match=r"peak_pages=np.int64\(0\)"):
+        bm.admit("b", prompt(6), peak_pages=np.int64(0))
+    bm.check_invariants()
 
 
 BIG = (InvalidArgument, r"< 2\*\*63 \(int64\), got (9223372036854775808|1844674407370955161[56])")
