@@ -269,8 +269,8 @@ class ModelConfig:
 
         The architecture is Qwen3 with `qk_norm`, else Qwen2 with q/k/v biases alone,
         else Mistral with a sliding window and no biases, else Llama (with
-        `attention_bias` and a window, if set). `attention_bias` is written for Llama
-        and Qwen3 only, the families whose HF attention reads it. A Qwen window is
+        `attention_bias`, and a window as `layer_types`, if set). `attention_bias` is
+        written for Llama and Qwen3 only, the families whose HF attention reads it. A Qwen window is
         written both ways HF has read it: `max_window_layers: 0` and an explicit
         `layer_types` list.
         """
@@ -309,6 +309,8 @@ class ModelConfig:
                 out["layer_types"] = ["sliding_attention"] * self.num_layers
         elif self.sliding_window is not None:
             out["sliding_window"] = self.sliding_window
+            if model_type == "llama":  # HF's Llama reads no window; vLLM's reads layer_types
+                out["layer_types"] = ["sliding_attention"] * self.num_layers
         if self.rope_scaling is not None:
             out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
         if self.bos_token_id is not None:
@@ -336,7 +338,10 @@ def _hf_number(config: dict, key: str, kind: type, default=None, *, nullable: bo
 def _hf_sliding_window(config: dict, family: str | None) -> int | None:
     """The one sliding window of every layer, or None; mixed layers are a ValueError.
 
-    HF's rules: Mistral (and Llama) slide every layer when `sliding_window` is set.
+    HF's rules: Mistral slides every layer when `sliding_window` is set. HF's Llama
+    ignores `sliding_window` (its attention passes none: "the main diff" of Mistral's),
+    so a Llama config slides only the layers its `layer_types` marks, as vLLM's Llama
+    reads it; without that list, a stray `sliding_window` key is ignored.
     Qwen2/Qwen3 slide only with `use_sliding_window: true` (default false), and then
     the layers that `layer_types` marks "sliding_attention", or, without that list,
     layers `i >= max_window_layers` (default 28; older transformers read it the other
@@ -359,6 +364,8 @@ def _hf_sliding_window(config: dict, family: str | None) -> int | None:
                 f"the {num_layers} layers, got layer_types={layer_types}"
             )
         how = f"layer_types={layer_types}"
+    elif family in ("llama", None):  # None: neither architectures nor model_type
+        return None
     elif qwen:
         first = int(config.get("max_window_layers", 28))
         sliding = [i >= first for i in range(num_layers)]

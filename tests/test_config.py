@@ -140,6 +140,26 @@ def test_sliding_window_is_read_or_ignored_as_hf_does():
     assert ModelConfig.from_hf(qwen).sliding_window is None
 
 
+def test_llama_slides_only_where_layer_types_says():
+    """HF's Llama ignores `sliding_window`; vLLM's reads it for the layers `layer_types`
+    marks. A stray key (Llama, or no family named at all) is no window."""
+    llama = dict(LLAMA31_8B, sliding_window=4096)
+    assert ModelConfig.from_hf(llama).sliding_window is None
+    bare = {k: v for k, v in llama.items() if k not in ("architectures", "model_type")}
+    assert ModelConfig.from_hf(bare).sliding_window is None
+    marked = dict(llama, layer_types=["sliding_attention"] * 32)
+    assert ModelConfig.from_hf(marked).sliding_window == 4096
+    with pytest.raises(ValueError, match="on only some layers"):
+        ModelConfig.from_hf(
+            dict(marked, layer_types=["full_attention"] + ["sliding_attention"] * 31)
+        )
+    # A Llama-shaped config with a window and biases is written so that it reads back.
+    cfg = dataclasses.replace(PRESETS["tiny"], qkv_bias=True, o_bias=True, sliding_window=8)
+    hf = cfg.to_hf()
+    assert hf["model_type"] == "llama" and hf["layer_types"] == ["sliding_attention"] * 2
+    assert ModelConfig.from_hf(hf) == cfg
+
+
 @pytest.mark.parametrize("window", [0, -4, 2.5, True])
 def test_sliding_window_must_be_a_positive_int(window):
     with pytest.raises(
