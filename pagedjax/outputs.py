@@ -245,6 +245,8 @@ class OutputProcessor:
         comps = []
         if req.beam is not None and req.beam.hyps:
             for i, h in enumerate(req.beam.best(req.params.n)):
+                # Ended on a stop token (EOS or stop_token_ids): that token, as sampling.
+                stop = h.token_ids[-1] if h.finish_reason == "stop" else None
                 comps.append(
                     CompletionOutput(
                         i,
@@ -252,7 +254,8 @@ class OutputProcessor:
                         h.token_ids,
                         h.cumulative_logprob,
                         h.finish_reason,
-                        logprobs=h.logprobs,
+                        stop,
+                        h.logprobs,
                     )
                 )
         else:

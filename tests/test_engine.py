@@ -317,6 +317,29 @@ def test_beam_search_equals_exhaustive_dense_search(params, dense, width, length
     check_clean(llm)
 
 
+def test_beam_search_reports_the_stop_token_it_ended_on(params):
+    """A beam hypothesis ending on a stop token gives it as stop_reason, as sampling does
+    (they reported None)."""
+    llm = LLM(params, max_num_batched_tokens=16, **GEOMETRY)
+    sp = SamplingParams(
+        n=2,
+        beam_width=2,
+        max_tokens=6,
+        ignore_eos=True,
+        stop_token_ids=[158, 32],
+        length_penalty=-1.0,  # favours short hypotheses: these random weights stop at once
+    )
+    outs = llm.generate([[5, 6, 7, 8, 9]], sp)[0].outputs
+    assert [(c.token_ids, c.finish_reason, c.stop_reason) for c in outs] == [
+        ([158], "stop", 158),
+        ([32], "stop", 32),
+    ]
+    greedy = SamplingParams(max_tokens=6, temperature=0, stop_token_ids=[158, 32])
+    out = llm.generate([[5, 6, 7, 8, 9]], greedy)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == ([158], "stop", 158)
+    check_clean(llm)
+
+
 def test_every_step_input_carries_the_block_managers_page_tables(params, monkeypatch):
     """After each commit, every live row's page table and slots in the packed step are the
     block manager's, for prefill chunks, decode rows over pages they share copy-on-write

@@ -1,5 +1,6 @@
-"""pagedjax/outputs.py: the logprobs entry of one token, and stop strings against a
-brute-force oracle on real tokenizers (the rest runs in test_engine.py)."""
+"""pagedjax/outputs.py: the logprobs entry of one token, stop strings against a
+brute-force oracle on real tokenizers, and the stop reason of beam hypotheses (the rest
+runs in test_engine.py)."""
 
 import itertools
 import os
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 from test_tokenizer import byte_level_bpe, sentencepiece_style
 
+from pagedjax.beam import BeamSearch
 from pagedjax.metrics import EngineMetrics
 from pagedjax.outputs import OutputProcessor, Request, logprobs_entry
 from pagedjax.request import SamplingParams
@@ -165,3 +167,50 @@ def test_stop_strings_against_brute_force(tok):
         )
         want = brute_force(tok, gen, params)
         assert accept_all(tok, gen, params) == want, (text, gen, params)
+
+
+# ------------------------------------------------------------------ beam search
+
+
+def test_beam_hypotheses_report_their_stop_token_as_sampling_does():
+    """A hypothesis that ended on a stop token (EOS or a stop_token_ids entry: both are
+    in the request's stop ids) reports that token as its stop_reason, as a sampled
+    completion does; one that reached the length limit reports None."""
+    eos, stop, vocab = 2, 7, 40
+    stop_ids = frozenset({eos, stop})
+    params = SamplingParams(n=3, beam_width=3, max_tokens=3, stop_token_ids=[stop])
+    rng = np.random.default_rng(0)
+    prompt = [5, 6]
+    s = Seq(0, list(prompt), 2, 2 + params.max_tokens, status=SeqStatus.RUNNING)
+    g = SequenceGroup("r", [s], 3, atomic=True)
+    beam = BeamSearch(3, 0.0, stop_ids, params.max_tokens)
+    req = Request("r", None, prompt, params, stop_ids, g, beam, 0.0)
+    proc = OutputProcessor(_Scheduler(), EngineMetrics(1), lambda ids: "", itertools.count(1))
+
+    def step(generated, sums, first):
+        """Each beam's candidates, best first: `first` ranked top on beam 0."""
+        top_lps = np.sort(rng.uniform(-3.0, -1.0, (len(generated), 6)))[:, ::-1]
+        top_ids = np.stack([rng.permutation(np.arange(10, vocab))[:6] for _ in generated])
+        top_ids[0, 0], top_lps[0, 0] = first, -0.01
+        return beam.select(generated, sums, top_ids, top_lps)
+
+    new = step([[]], [0.0], eos)  # [eos] ends at once
+    gen = [[tok] for _, tok, _, _ in new]
+    new = step(gen, [total for *_, total, _ in new], stop)  # [gen[0], stop] too
+    gen = [[*gen[b], tok] for b, tok, _, _ in new]
+    assert step(gen, [total for *_, total, _ in new], 8) == []  # the rest: length
+    comps = proc.output(req, aborted=False, now=1.0).outputs
+    assert {c.finish_reason for c in comps} == {"stop", "length"}
+    assert {c.stop_reason for c in comps} == {eos, stop, None}
+    for c in comps:
+        assert c.stop_reason == (c.token_ids[-1] if c.finish_reason == "stop" else None)
+    # What the sampling path reports for the same tokens.
+    sampled = SamplingParams(max_tokens=3, stop_token_ids=[stop])
+    for c in comps:
+        s = Seq(1, list(prompt), 2, 2 + sampled.max_tokens, status=SeqStatus.RUNNING)
+        g = SequenceGroup("s", [s])
+        req = Request("s", None, prompt, sampled, stop_ids, g, None, 0.0)
+        for t in c.token_ids:
+            proc._accept(req, s, t, -0.5, None)
+        got = proc.output(req, aborted=False, now=1.0).outputs[0]
+        assert (got.finish_reason, got.stop_reason) == (c.finish_reason, c.stop_reason)
