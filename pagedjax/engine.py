@@ -428,8 +428,15 @@ class LLM:
         lost); a KV cache lost with a failed call (donated, or poisoned by a device error)
         is re-created and the prefix cache cleared, else only the pages the failed step
         was to write leave the prefix cache.
+
+        Its wall time counts in `metrics.run_time_s`, as a `generate` call's does (whose
+        steps go through `_step`, not counted twice).
         """
-        return self._step(on_token, None)
+        t0 = perf_counter()
+        try:
+            return self._step(on_token, None)
+        finally:
+            self.metrics.run_time_s += perf_counter() - t0
 
     def _step(self, on_token, only: set[str] | None) -> list[RequestOutput]:
         """`step`; on a KeyboardInterrupt, recovery aborts only the requests in `only`

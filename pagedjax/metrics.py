@@ -23,8 +23,9 @@ Device time of a step, `device_s`, is observed on the host: from its dispatch (o
 previous step's tokens arriving, if later) to its own tokens arriving. Throughputs
 divide by it: prefill tokens/s over the steps that carried prefill chunks, decode
 tokens/s over the pure decode steps, KV bytes/s over all steps. `output_tokens_per_s`
-is the end-to-end figure: generated tokens over the run time less compile time (None
-when that is not positive: `run_time_s` counts `LLM.generate` calls only).
+is the end-to-end figure: generated tokens over the run time (the wall time of
+`LLM.generate` and `LLM.step` calls) less compile time; None when that is not positive
+(nothing ran).
 
 KV bytes read follow the performance model in DESIGN.md: a step reads every live
 K/V byte of its rows' contexts once, `kv_bytes_per_token * sum(context lens)`.
@@ -197,8 +198,7 @@ class EngineMetrics:
             device_time_s=dev_s,
             prefill_tokens_per_s=rate(pre_n, pre_s),
             decode_tokens_per_s=rate(dec_n, dec_s),
-            # None where no run time beyond the compiles was measured (only generate()
-            # counts run time; LLM.step() loops leave it at 0).
+            # None where no run time beyond the compiles was measured (nothing ran).
             output_tokens_per_s=rate(self.generated_tokens, self.run_time_s - self.compile_time_s),
             kv_bytes_read=kv_bytes,
             kv_bytes_read_per_s=rate(kv_bytes, dev_s),

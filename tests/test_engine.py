@@ -11,6 +11,7 @@ page size 8, 64 pages, default buckets) so that the tests share compiled program
 
 import collections
 import dataclasses
+from time import perf_counter
 
 import jax
 import jax.numpy as jnp
@@ -337,6 +338,34 @@ def test_beam_search_reports_the_stop_token_it_ended_on(params):
     greedy = SamplingParams(max_tokens=6, temperature=0, stop_token_ids=[158, 32])
     out = llm.generate([[5, 6, 7, 8, 9]], greedy)[0].outputs[0]
     assert (out.token_ids, out.finish_reason, out.stop_reason) == ([158], "stop", 158)
+    check_clean(llm)
+
+
+def test_step_loops_count_run_time_as_generate_does(params):
+    """run_time_s counts the wall time of step() calls (serving.py's engine thread loops
+    step(); run_time_s stayed 0 and output_tokens_per_s None) and of generate() calls,
+    each once; output_tokens_per_s is the generated tokens over run time less compiles."""
+    llm = LLM(params, max_num_batched_tokens=16, **GEOMETRY)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 256, size=n).tolist() for n in (6, 11)]
+    for p in prompts:
+        llm.add_request(p, greedy(5, ignore_eos=True))
+    done, t0 = [], perf_counter()
+    while llm.has_unfinished_requests():
+        done += llm.step()
+    wall = perf_counter() - t0
+    s = llm.summary()
+    assert len(done) == 2 and s["num_generated_tokens"] == 10
+    assert s["compile_time_s"] < s["run_time_s"] <= wall
+    net = s["run_time_s"] - s["compile_time_s"]
+    assert s["output_tokens_per_s"] == pytest.approx(10 / net)
+    t0 = perf_counter()
+    llm.generate(prompts, greedy(4, ignore_eos=True))
+    wall = perf_counter() - t0
+    g = llm.summary()
+    assert 0 < g["run_time_s"] - s["run_time_s"] <= wall  # its steps are not counted twice
+    net = g["run_time_s"] - g["compile_time_s"]
+    assert g["output_tokens_per_s"] == pytest.approx(18 / net)
     check_clean(llm)
 
 

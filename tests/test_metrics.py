@@ -117,9 +117,10 @@ def test_percentile():
 
 @pytest.mark.parametrize("run_time_s", [0.0, 0.5])
 def test_no_output_rate_without_a_measured_run_time(run_time_s):
-    # LLM.step() loops (serving.py's engine thread) leave run_time_s at 0, which only
-    # generate() accumulates; the compile took longer than the run time that was measured.
-    # Generated tokens over max(run - compile, 1e-9) s reported 4e9 tokens/s.
+    # No run time measured, or less than the compile time (the engine counts both over
+    # the same step() and generate() calls, so this is a guard; before LLM.step() counted
+    # its time, step() loops left run_time_s at 0). Generated tokens over
+    # max(run - compile, 1e-9) s reported 4e9 tokens/s.
     rng = np.random.default_rng(1)
     m = EngineMetrics(kv_bytes_per_token=64)
     rec = StepRecord(1, 7, 0, False, 7, 1, True, 0.0, 0.0, 0.0, 1.0 + float(rng.random()), 1.0)
