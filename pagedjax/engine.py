@@ -238,8 +238,17 @@ class LLM:
         A completion ends ("length") after `params.max_tokens` tokens or when prompt and
         completion reach `max_model_len` tokens, whichever comes first.
         """
+        return self._add(*self.encode(prompt), params, request_id)
+
+    def _add(
+        self,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams | None,
+        request_id: str | None,
+    ) -> str:
+        """`add_request` for a prompt `encode` checked: (text or None, token ids)."""
         params = params or SamplingParams()
-        text, ids = self.encode(prompt)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
         stop_ids = frozenset(params.stop_token_ids) | (
@@ -335,12 +344,13 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        encoded = []
         for i, p in enumerate(prompts):  # validate all before queueing any
             try:
-                self.encode(p)
+                encoded.append(self.encode(p))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        ids = [self._add(*e, sp, None) for e, sp in zip(encoded, params, strict=True)]
         self._collect.update(ids)
         bar = None
         if use_tqdm:

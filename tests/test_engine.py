@@ -640,6 +640,32 @@ def test_prompt_logprobs_score_every_prompt_token(params, dense):
     check_clean(llm)
 
 
+def test_generate_tokenizes_each_text_prompt_once(params, monkeypatch):
+    """generate() checks every prompt before queueing any, then queues the ids it checked
+    (it encoded each text twice: in the check and again in add_request)."""
+    llm = LLM(params, max_num_batched_tokens=16, **GEOMETRY)  # byte tokenizer
+    prompts = ["def f(x):", "import os"]
+    want = [llm.tokenizer.encode(p) for p in prompts]
+    encoded = []
+    encode = Tokenizer.encode
+
+    def spy(self, text, *args, **kwargs):
+        encoded.append(text)
+        return encode(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "encode", spy)
+    outs = llm.generate([prompts[0], want[1], prompts[1]], greedy(2))
+    assert encoded == [prompts[0], prompts[1]]
+    assert [o.prompt for o in outs] == [prompts[0], None, prompts[1]]
+    assert [o.prompt_token_ids for o in outs] == [want[0], want[1], want[1]]
+    assert outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
+    encoded.clear()
+    with pytest.raises(ValueError, match="prompt 1: prompt is empty"):
+        llm.generate(["ok", ""], greedy(2))
+    assert encoded == ["ok"] and not llm.has_unfinished_requests()
+    check_clean(llm)
+
+
 def test_bad_requests_fail_before_anything_runs(params):
     llm = LLM(params, max_num_batched_tokens=16, **GEOMETRY)
     with pytest.raises(ValueError, match="prompt 1: prompt is empty"):
