@@ -443,7 +443,7 @@ def report(llm, summary: dict, device: str) -> str:
         f"p99 {_fmt(s['ttft_p99_s'], ' s')}",
         f"throughput   prefill {_rate(s['prefill_tokens_per_s'], ' tok/s')}, decode "
         f"{_rate(s['decode_tokens_per_s'], ' tok/s')} (device time of those steps); "
-        f"output {s['output_tokens_per_s']:,.0f} tok/s end to end",
+        f"output {_rate(s['output_tokens_per_s'], ' tok/s')} end to end",
         f"KV read      {_fmt(s['kv_bytes_read_per_s'], ' GB/s', 1e-9)} "
         f"({s['kv_bytes_read'] / 1e6:,.1f} MB in {s['device_time_s']:.2f} s of device time)",
         f"peak memory  {'n/a' if peak is None else f'{peak / 2**30:.2f} GiB'}",

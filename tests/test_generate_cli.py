@@ -10,13 +10,14 @@ import json
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 from params_helpers import spy_generate, write_tiny_checkpoint
 
-from pagedjax.metrics import SUMMARY_KEYS
+from pagedjax.metrics import SUMMARY_KEYS, EngineMetrics
 from pagedjax.resources import byte_tokenizer
 from pagedjax.tokenizer import Tokenizer
 
@@ -154,6 +155,26 @@ def test_streams_a_single_prompt_and_reports(ckpt, capsys):
     ):
         assert any(line.startswith(key) for line in lines), key
     assert "jit compilations" in out
+
+
+def test_report_prints_rates_that_are_none_as_na():
+    """The summary of an engine that ran nothing has every rate None (output_tokens_per_s
+    too since 2b1e57f: the report crashed formatting it); with values, they print."""
+    llm = types.SimpleNamespace(
+        model_source="stub", backend="xla", cache_config=types.SimpleNamespace(dtype="float32")
+    )
+    s = EngineMetrics(kv_bytes_per_token=64).summary(
+        kv_pages_total=8, prefix_cache_hit_rate=0.0, preemptions=0, peak_device_memory_bytes=None
+    )
+    assert s["output_tokens_per_s"] is None and s["decode_tokens_per_s"] is None
+    lines = gen.report(llm, s, "cpu").splitlines()
+    (line,) = [x for x in lines if x.startswith("throughput ")]
+    assert line.endswith("decode n/a (device time of those steps); output n/a end to end")
+    rng = np.random.default_rng(0)
+    rates = {k: float(rng.uniform(1e3, 1e5)) for k in s if k.endswith("_tokens_per_s")}
+    text = gen.report(llm, s | rates, "cpu")
+    for k, v in rates.items():
+        assert f"{v:,.0f} tok/s" in text, k
 
 
 def test_logprobs_listing(ckpt, capsys):
