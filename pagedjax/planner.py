@@ -2,9 +2,13 @@
 
     bytes = 2 (K and V) x bytes_per_element x layers x kv_heads x head_dim x seq_len x batch
 
-Paged allocation reserves whole pages per sequence (at most one partly used page
-each); contiguous preallocation reserves `max_seq_len` slots per sequence whatever
-its real length. `plan()` compares the two for a mean sequence length.
+`plan()` compares, for sequences of `seq_len` tokens (prompt + output), the engine's
+paged cache with contiguous preallocation. Both count the K/V a sequence writes:
+`seq_len - 1` tokens (its last token is sampled, never fed). Paged: the most pages the
+scheduler lets one sequence hold at once (`peak_pages`, the bound `Scheduler.add` and
+admission use; with a sliding window, `window_pages`), out of the pages left once the
+block manager's watermark is kept free. Contiguous: `max_seq_len - 1` slots per
+sequence whatever its real length; with a window, a ring of at most W slots.
 
 Run `python -m pagedjax.planner --help`.
 """
@@ -21,6 +25,9 @@ from dataclasses import asdict, dataclass
 from pagedjax.config import PRESETS, dtype_name, dtype_size
 
 GIB = 1024**3
+# The engine's defaults (`LLM`'s kwargs; tests/test_planner.py checks they still are).
+MAX_NUM_BATCHED_TOKENS = 1024
+WATERMARK = 0.01
 
 
 def _int(name: str, value) -> int:
@@ -54,7 +61,7 @@ def kv_cache_bytes(
 
 
 def pages_needed(seq_len: int, page_size: int) -> int:
-    """Pages a sequence of `seq_len` tokens occupies."""
+    """Pages that hold `seq_len` tokens' K/V (a sequence of N tokens holds N - 1)."""
     seq_len, page_size = _int("seq_len", seq_len), _int("page_size", page_size)
     if seq_len < 0:
         raise ValueError(f"seq_len must be >= 0, got {seq_len=}")
@@ -63,17 +70,82 @@ def pages_needed(seq_len: int, page_size: int) -> int:
     return -(-seq_len // page_size)
 
 
+def _window_args(sliding_window, max_num_batched_tokens) -> tuple[int | None, int]:
+    w = None if sliding_window is None else _int("sliding_window", sliding_window)
+    budget = _int("max_num_batched_tokens", max_num_batched_tokens)
+    if w is not None and w < 1:
+        raise ValueError(f"sliding_window must be None or positive, got sliding_window={w}")
+    if budget < 1:
+        raise ValueError(f"max_num_batched_tokens must be positive, got {budget=}")
+    return w, budget
+
+
+def window_pages(
+    sliding_window: int, page_size: int, max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
+) -> int:
+    """Most pages a sequence holds at once under a sliding window of W tokens.
+
+    A copy of `Scheduler.window_pages` (pagedjax/scheduler.py; tests/test_planner.py checks
+    the two agree): the W - 1 positions a prefill chunk's first query sees, then the chunk
+    of up to `max_num_batched_tokens` tokens, span at most
+    ceil((max(W, 2) - 2 + max_num_batched_tokens) / page_size) + 1 pages.
+    """
+    w, budget = _window_args(sliding_window, max_num_batched_tokens)
+    if w is None:
+        raise ValueError("sliding_window must be a positive int, got sliding_window=None")
+    return pages_needed(max(w, 2) - 2 + budget, page_size) + 1
+
+
+def peak_pages(
+    seq_len: int,
+    page_size: int,
+    *,
+    sliding_window: int | None = None,
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
+) -> int:
+    """Most pages a sequence of `seq_len` tokens (prompt + output) holds at once.
+
+    A copy of `Scheduler.max_pages_needed` for a one-sample request of
+    `max_num_tokens = seq_len` (tests/test_planner.py checks the two agree): its K/V fills
+    at most `seq_len - 1` slots, ceil((seq_len - 1) / page_size) pages; with a window, at
+    most `window_pages` of them.
+    """
+    seq_len = _int("seq_len", seq_len)
+    if seq_len < 0:
+        raise ValueError(f"seq_len must be >= 0, got {seq_len=}")
+    pages = pages_needed(max(seq_len - 1, 0), page_size)
+    w, budget = _window_args(sliding_window, max_num_batched_tokens)
+    return pages if w is None else min(pages, window_pages(w, page_size, budget))
+
+
 @dataclass(frozen=True)
 class Plan:
-    """Answers of `plan()`; all byte counts exact integers."""
+    """Answers of `plan()`; all byte and page counts exact integers.
+
+    `pages_per_sequence`: `peak_pages`. `num_pages`: pages in the budget, of which
+    `watermark_pages` admission keeps free (`BlockManager.watermark_pages`).
+    `max_seqs_paged`: sequences that fit in the rest each at its peak, what
+    `Scheduler.add` accepts as one request of that many samples: so many never preempt
+    one another (the engine also runs at most `max_num_seqs`; a windowed sequence holds
+    its peak while its prompt is prefilled, fewer pages after, so more may run then).
+    `contiguous_slots_per_sequence`: what contiguous preallocation reserves a sequence.
+    `paged_waste_fraction`: share of the slots of a sequence's peak pages that hold no
+    K/V at that peak.
+    """
 
     bytes_per_token: int
     kv_cache_bytes: int
     memory_bytes: int | None
     page_size: int
+    sliding_window: int | None
+    max_num_batched_tokens: int
+    window_pages: int | None
     pages_per_sequence: int
     bytes_per_page: int
+    num_pages: int | None
+    watermark_pages: int | None
     max_seqs_paged: int | None
+    contiguous_slots_per_sequence: int
     max_seqs_contiguous: int | None
     capacity_ratio: float | None
     paged_waste_fraction: float
@@ -90,42 +162,62 @@ def plan(
     memory_bytes: int | None = None,
     page_size: int = 16,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
+    watermark: float = WATERMARK,
 ) -> Plan:
     """Capacity plan for a cache.
 
     Args:
       layers, kv_heads, head_dim, dtype: the model's KV shape.
-      seq_len: mean tokens per sequence (prompt + output).
+      seq_len: tokens per sequence (prompt + output).
       batch: sequences for the `kv_cache_bytes` figure.
       memory_bytes: KV memory budget; None skips the capacity answers.
       page_size: tokens per page for paged allocation.
-      max_seq_len: what contiguous preallocation reserves per sequence (default seq_len).
+      max_seq_len: contiguous preallocation's longest sequence (default seq_len); it
+        reserves `max_seq_len - 1` K/V slots a sequence.
+      sliding_window: the model's window W (None: full attention). A paged sequence then
+        holds at most `window_pages`; contiguous preallocation a ring of
+        min(W, max_seq_len - 1) slots.
+      max_num_batched_tokens: the engine's token budget of one step, which bounds a
+        prefill chunk (`LLM(max_num_batched_tokens=)`, default 1024); matters only with
+        a window.
+      watermark: fraction of the pages admission keeps free (`LLM(watermark=)`, 0.01).
 
     Returns:
-      A Plan. `max_seqs_paged` counts sequences of `seq_len` tokens that fit in
-      `memory_bytes` with paged allocation; `max_seqs_contiguous` with
-      `max_seq_len` slots preallocated each.
+      A Plan (see its docstring).
     """
     seq_len, page_size = _int("seq_len", seq_len), _int("page_size", page_size)
     if memory_bytes is not None:
         memory_bytes = _int("memory_bytes", memory_bytes)
     if max_seq_len is not None:
         max_seq_len = _int("max_seq_len", max_seq_len)
+    w, budget = _window_args(sliding_window, max_num_batched_tokens)
+    if isinstance(watermark, bool) or not isinstance(watermark, numbers.Real):
+        raise TypeError(f"watermark must be a number, got watermark={watermark!r}")
+    if not 0 <= watermark < 1:
+        raise ValueError(f"watermark must be in [0, 1), got {watermark=}")
     per_token = kv_bytes_per_token(layers, kv_heads, head_dim, dtype)
     total = kv_cache_bytes(layers, kv_heads, head_dim, seq_len, batch, dtype)
     max_seq_len = seq_len if max_seq_len is None else max_seq_len
     if max_seq_len < seq_len:
-        raise ValueError(f"max_seq_len {max_seq_len} < mean seq_len {seq_len}")
-    pages = pages_needed(seq_len, page_size)
+        raise ValueError(f"max_seq_len {max_seq_len} < seq_len {seq_len}")
+    pages = peak_pages(seq_len, page_size, sliding_window=w, max_num_batched_tokens=budget)
+    win = None if w is None else window_pages(w, page_size, budget)
+    held = max(seq_len - 1, 0)  # K/V tokens at the peak: with a window, W - 1 + a chunk
+    held = held if w is None else min(held, w - 1 + budget)
+    waste = 0.0 if pages == 0 else 1.0 - held / (pages * page_size)
+    slots = max(max_seq_len - 1, 0)  # a ring of W slots serves every query's window
+    slots = slots if w is None else min(slots, w)
     page_bytes = per_token * page_size
-    waste = 0.0 if pages == 0 else 1.0 - seq_len / (pages * page_size)
-    paged = contiguous = ratio = None
+    num_pages = kept = paged = contiguous = ratio = None
     if memory_bytes is not None:
         if memory_bytes < 0:
             raise ValueError(f"memory_bytes must be >= 0, got {memory_bytes=}")
         num_pages = memory_bytes // page_bytes
-        paged = num_pages // pages if pages else None
-        contiguous = memory_bytes // (per_token * max_seq_len) if max_seq_len else None
+        kept = int(watermark * num_pages)  # as BlockManager.watermark_pages
+        paged = (num_pages - kept) // pages if pages else None
+        contiguous = memory_bytes // (per_token * slots) if slots else None
         if paged is not None and contiguous:
             ratio = paged / contiguous
     return Plan(
@@ -133,9 +225,15 @@ def plan(
         kv_cache_bytes=total,
         memory_bytes=memory_bytes,
         page_size=page_size,
+        sliding_window=w,
+        max_num_batched_tokens=budget,
+        window_pages=win,
         pages_per_sequence=pages,
         bytes_per_page=page_bytes,
+        num_pages=num_pages,
+        watermark_pages=kept,
         max_seqs_paged=paged,
+        contiguous_slots_per_sequence=slots,
         max_seqs_contiguous=contiguous,
         capacity_ratio=ratio,
         paged_waste_fraction=waste,
@@ -143,23 +241,41 @@ def plan(
 
 
 def _format(p: Plan, args) -> str:
-    unused = p.pages_per_sequence * p.page_size - args.seq_len
+    kv = max(args.seq_len - 1, 0)
+    full = pages_needed(kv, p.page_size)
+    window = "" if p.sliding_window is None else f" sliding_window={p.sliding_window}"
     lines = [
         f"model          {args.model or 'custom'}: layers={args.layers} kv_heads={args.kv_heads} "
-        f"head_dim={args.head_dim} dtype={args.dtype}",
+        f"head_dim={args.head_dim} dtype={args.dtype}{window}",
         f"per token      {p.bytes_per_token:,} bytes",
         f"KV cache       {p.kv_cache_bytes:,} bytes ({p.kv_cache_bytes / GIB:.2f} GiB) "
         f"for batch {args.batch} x seq_len {args.seq_len}",
-        f"per page       {p.bytes_per_page:,} bytes (page_size {p.page_size}); "
-        f"{p.pages_per_sequence} pages per sequence, {unused} of its last page's "
-        f"{p.page_size} slots unused ({100 * p.paged_waste_fraction:.2f}% of its slots)",
+        f"per page       {p.bytes_per_page:,} bytes (page_size {p.page_size})",
     ]
+    if p.pages_per_sequence < full:
+        lines.append(
+            f"per sequence   at most {p.pages_per_sequence} pages at once under the window "
+            f"({p.sliding_window - 1} earlier positions and a prefill chunk of up to "
+            f"{p.max_num_batched_tokens} tokens), not the {full} its {kv} K/V tokens fill"
+        )
+    else:
+        unused = p.pages_per_sequence * p.page_size - kv
+        lines.append(
+            f"per sequence   {p.pages_per_sequence} pages for its {kv} K/V tokens "
+            f"(its last token is sampled, never fed), {unused} of its last page's "
+            f"{p.page_size} slots unused ({100 * p.paged_waste_fraction:.2f}% of its slots)"
+        )
     if p.memory_bytes is not None:
+        longest = args.max_seq_len or args.seq_len
+        ring = p.contiguous_slots_per_sequence < longest - 1  # the window, not the length
+        ring = f" (a ring of the {p.sliding_window}-token window)" if ring else ""
         lines += [
-            f"budget         {p.memory_bytes / GIB:.2f} GiB",
-            f"paged          {p.max_seqs_paged} sequences of {args.seq_len} tokens",
+            f"budget         {p.memory_bytes / GIB:.2f} GiB: {p.num_pages} pages, "
+            f"{p.watermark_pages} of them the watermark admission keeps free",
+            f"paged          {p.max_seqs_paged} sequences of {args.seq_len} tokens at their "
+            f"peak at once ({p.num_pages - p.watermark_pages} pages // {p.pages_per_sequence})",
             f"contiguous     {p.max_seqs_contiguous} sequences preallocated at "
-            f"{args.max_seq_len or args.seq_len} tokens",
+            f"{p.contiguous_slots_per_sequence} K/V slots{ring} for up to {longest} tokens",
         ]
         if p.capacity_ratio is not None:
             lines.append(
@@ -178,13 +294,39 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-heads", type=int)
     parser.add_argument("--head-dim", type=int)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq-len", type=int, default=4096, help="mean tokens per sequence")
-    parser.add_argument("--max-seq-len", type=int, help="contiguous preallocation per sequence")
+    parser.add_argument(
+        "--seq-len", type=int, default=4096, help="tokens per sequence (prompt + output)"
+    )
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        help="longest sequence contiguous preallocation serves (default --seq-len)",
+    )
     parser.add_argument(
         "--dtype", default=None, help="KV dtype: bfloat16 | float32 | float16 | fp8"
     )
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--memory-gb", type=float, help="KV memory budget in GiB")
+    parser.add_argument(
+        "--sliding-window",
+        type=int,
+        help="the model's window W, 0 for none (default: the --model preset's)",
+    )
+    parser.add_argument(
+        "--max-batch-tokens",
+        "--max-num-batched-tokens",
+        dest="max_num_batched_tokens",
+        type=int,
+        default=MAX_NUM_BATCHED_TOKENS,
+        help="the engine's token budget of one step, which bounds a prefill chunk "
+        "(generate.py --max-batch-tokens; default %(default)s); matters with a window",
+    )
+    parser.add_argument(
+        "--watermark",
+        type=float,
+        default=WATERMARK,
+        help="fraction of the pages admission keeps free (LLM's watermark; default %(default)s)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     try:
@@ -195,6 +337,7 @@ def main(argv=None) -> int:
                 ("kv_heads", cfg.num_kv_heads),
                 ("head_dim", cfg.head_dim),
                 ("dtype", cfg.dtype),
+                ("sliding_window", cfg.sliding_window or 0),
             ):
                 if getattr(args, field) is None:  # (a given 0 is checked, not replaced)
                     setattr(args, field, value)
@@ -220,6 +363,9 @@ def main(argv=None) -> int:
             memory_bytes=memory,
             page_size=args.page_size,
             max_seq_len=args.max_seq_len,
+            sliding_window=args.sliding_window or None,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            watermark=args.watermark,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

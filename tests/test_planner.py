@@ -1,9 +1,12 @@
+import itertools
 import json
 
 import numpy as np
 import pytest
 
 from pagedjax import planner
+from pagedjax.blocks import BlockManager
+from pagedjax.scheduler import Scheduler, Sequence, SequenceGroup
 
 
 def test_llama3_70b_seed_example():
@@ -52,11 +55,13 @@ def test_plan_paged_vs_contiguous():
         page_size=16,
         max_seq_len=1000,
     )
-    assert p.pages_per_sequence == 7  # 112 slots for 100 tokens
+    assert p.pages_per_sequence == 7  # 112 slots for the K/V of 99 tokens (the 100th: none)
+    assert p.num_pages == 70 and p.watermark_pages == 0  # int(0.01 * 70)
     assert p.max_seqs_paged == 10  # 70 pages // 7
-    assert p.max_seqs_contiguous == 1  # 1120 slots // 1000
+    assert p.contiguous_slots_per_sequence == 999
+    assert p.max_seqs_contiguous == 1  # 1120 slots // 999
     assert p.capacity_ratio == 10.0
-    assert p.paged_waste_fraction == pytest.approx(12 / 112)
+    assert p.paged_waste_fraction == pytest.approx(13 / 112)
 
 
 def test_cli_json_prints_exact_integer(capsys):
@@ -74,7 +79,9 @@ def test_cli_explicit_shape_and_budget(capsys):
     assert planner.main(args) == 0
     text = capsys.readouterr().out
     assert "42,949,672,960 bytes (40.00 GiB)" in text
-    assert "paged          64 sequences" in text
+    # 16384 pages, 163 of them the watermark: 16221 // 256 (64 before the watermark counted)
+    assert "budget         80.00 GiB: 16384 pages, 163 of them the watermark" in text
+    assert "paged          63 sequences" in text
 
 
 def test_cli_missing_shape_is_an_error(capsys):
@@ -101,14 +108,16 @@ def test_bad_shapes(bad):
 def test_cli_text_says_how_much_of_the_last_page_is_unused(capsys, seed):
     rng = np.random.default_rng(seed)
     ps = 2 ** int(rng.integers(0, 8))
-    seq_len = int(rng.integers(1, 10_000))
+    seq_len = int(rng.integers(2, 10_000))
     args = ["--layers", "2", "--kv-heads", "2", "--head-dim", "8"]
     assert planner.main([*args, "--seq-len", str(seq_len), "--page-size", str(ps)]) == 0
     text = capsys.readouterr().out
-    pages = -(-seq_len // ps)
-    unused = pages * ps - seq_len
+    kv = seq_len - 1  # the last token is sampled, never fed: no K/V
+    pages = -(-kv // ps)
+    unused = pages * ps - kv
     # (was "0.36% of its last page unused" for 15 of 16 slots: the waste over all pages)
-    assert f"{pages} pages per sequence, {unused} of its last page's {ps} slots unused" in text
+    assert f"{pages} pages for its {kv} K/V tokens" in text
+    assert f"{unused} of its last page's {ps} slots unused" in text
     assert f"({100 * unused / (pages * ps):.2f}% of its slots)" in text
 
 
@@ -134,7 +143,9 @@ def test_cli_random_memory_budget(capsys):
     assert planner.main(["--model", "llama3-8b", "--memory-gb", repr(gb), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["memory_bytes"] == int(gb * 1024**3)
-    assert out["max_seqs_paged"] == out["memory_bytes"] // out["bytes_per_page"] // 256
+    num_pages = out["memory_bytes"] // out["bytes_per_page"]
+    assert out["num_pages"] == num_pages and out["watermark_pages"] == int(0.01 * num_pages)
+    assert out["max_seqs_paged"] == (num_pages - out["watermark_pages"]) // 256
 
 
 def test_non_integer_arguments_are_type_errors_naming_them():
@@ -142,7 +153,8 @@ def test_non_integer_arguments_are_type_errors_naming_them():
     # ("all byte counts exact integers"); page_size=True planned pages of 1 token.
     rng = np.random.default_rng(11)
     good = dict(layers=2, kv_heads=2, head_dim=8, seq_len=100, batch=3, page_size=16)
-    good |= dict(memory_bytes=10**6, max_seq_len=128)
+    good |= dict(memory_bytes=10**6, max_seq_len=128, sliding_window=40)
+    good |= dict(max_num_batched_tokens=32)
     bads = [float(rng.integers(1, 9)) + 0.5, True, "4", float(rng.integers(1, 9))]
     for name in good:
         for bad in bads:
@@ -158,7 +170,11 @@ def test_non_integer_arguments_are_type_errors_naming_them():
         **(good | dict(layers=np.int64(2), seq_len=np.int32(100), memory_bytes=np.int64(10**6)))
     )
     assert p == planner.plan(**good)  # numpy integers are integers
-    assert all(type(v) is int for k, v in vars(p).items() if k.endswith(("bytes", "paged")))
+    ints = ("bytes", "paged", "pages", "window", "tokens", "sequence")
+    assert all(type(v) is int for k, v in vars(p).items() if k.endswith(ints))
+    for bad in (True, "0.01", None):
+        with pytest.raises(TypeError, match=f"watermark={bad!r}"):
+            planner.plan(**good, watermark=bad)
 
 
 def test_cli_ratio_line_reads_right_when_paging_fits_fewer(capsys):
@@ -166,7 +182,7 @@ def test_cli_ratio_line_reads_right_when_paging_fits_fewer(capsys):
     # sequences: the line said "0.50x more sequences with paging".
     rng = np.random.default_rng(5)
     ps = 16
-    seq_len = ps * int(rng.integers(1, 8)) + 1  # one token into a last page
+    seq_len = ps * int(rng.integers(1, 8)) + 2  # K/V (seq_len - 1) one token into a last page
     per_page = planner.kv_bytes_per_token(2, 2, 8) * ps
     pages = seq_len // ps + 1
     memory = per_page * pages * int(rng.integers(20, 50))
@@ -177,3 +193,138 @@ def test_cli_ratio_line_reads_right_when_paging_fits_fewer(capsys):
     text = capsys.readouterr().out
     assert "more sequences" not in text
     assert f"paging fits {p.capacity_ratio:.2f}x as many sequences" in text
+
+
+# ------------------------------------------ the engine's admission: sliding window, watermark
+
+
+def test_defaults_are_the_engines():
+    import inspect
+
+    from pagedjax.blocks import BlockManager
+    from pagedjax.engine import LLM
+
+    llm = inspect.signature(LLM).parameters
+    assert llm["max_num_batched_tokens"].default == planner.MAX_NUM_BATCHED_TOKENS
+    assert llm["watermark"].default == planner.WATERMARK
+    assert inspect.signature(BlockManager).parameters["watermark"].default == planner.WATERMARK
+    p = inspect.signature(planner.plan).parameters
+    assert p["max_num_batched_tokens"].default == planner.MAX_NUM_BATCHED_TOKENS
+    assert p["watermark"].default == planner.WATERMARK
+
+
+def _group(ids, rid, prompt_len, seq_len, n):
+    """A request of `n` samples of `seq_len` tokens (as the engine builds it)."""
+    prompt = list(range(3, 3 + prompt_len))
+    seqs = [Sequence(next(ids), list(prompt), prompt_len, seq_len, i) for i in range(n)]
+    return SequenceGroup(rid, seqs[:1], n, forks=seqs[1:])
+
+
+def test_max_seqs_paged_is_what_the_scheduler_admits():
+    # planner.py copies Scheduler.window_pages / max_pages_needed and BlockManager's
+    # watermark; a real Scheduler over a real BlockManager (no model) keeps them in sync:
+    # a request of max_seqs_paged samples is accepted, one more sample is refused.
+    rng = np.random.default_rng(21)
+    ids = itertools.count()
+    per_token = planner.kv_bytes_per_token(1, 1, 8, "float32")
+    windowed = watermarked = 0
+    for case in range(150):
+        ps = 2 ** int(rng.integers(0, 8))
+        w = None if case % 3 == 0 else int(rng.integers(1, 3000))
+        budget = int(rng.integers(2, 2049))
+        seq_len = int(rng.integers(2, 20_000))
+        wm = planner.WATERMARK if case % 2 else float(rng.uniform(0, 0.3))
+        kw = dict(sliding_window=w, max_num_batched_tokens=budget)
+        probe = Scheduler(BlockManager(1, ps), max_num_seqs=1, **kw)
+        need = probe.max_pages_needed(_group(ids, "p", int(rng.integers(1, seq_len)), seq_len, 1))
+        assert planner.peak_pages(seq_len, ps, **kw) == need, (ps, seq_len, kw)
+        if w is not None:
+            assert planner.window_pages(w, ps, budget) == probe.window_pages
+        n_target = int(rng.integers(0, min(budget - 2, 60) + 1))
+        num_pages = int(rng.integers(n_target * need + 1, (n_target + 1) * need + 2))
+        bm = BlockManager(num_pages, ps, enable_prefix_caching=False, watermark=wm)
+        sched = Scheduler(bm, max_num_seqs=budget, **kw)
+        memory = num_pages * per_token * ps + int(rng.integers(0, per_token * ps))
+        p = planner.plan(
+            layers=1, kv_heads=1, head_dim=8, dtype="float32", seq_len=seq_len,
+            memory_bytes=memory, page_size=ps, watermark=wm, **kw,
+        )  # fmt: skip
+        assert (p.num_pages, p.watermark_pages) == (bm.num_pages, bm.watermark_pages)
+        n = p.max_seqs_paged
+        assert n + 1 <= sched.max_num_seqs  # so that only pages can refuse n + 1
+        if n:
+            sched.add(_group(ids, "fits", int(rng.integers(1, seq_len)), seq_len, n))
+        with pytest.raises(ValueError, match="may need"):
+            sched.add(_group(ids, "over", int(rng.integers(1, seq_len)), seq_len, n + 1))
+        windowed += p.pages_per_sequence < planner.pages_needed(seq_len - 1, ps)
+        watermarked += n < num_pages // need
+    assert windowed >= 30 and watermarked >= 30  # both cases are exercised
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_admission_takes_max_seqs_paged_prompts_in_one_step(seed):
+    # Full attention: prompts of seq_len - 1 tokens with 1 token to generate each reserve
+    # their peak on admission; a budget that prefills them all in one step admits exactly
+    # max_seqs_paged of them (the watermark stops the next).
+    rng = np.random.default_rng(seed)
+    ids = itertools.count()
+    ps = 2 ** int(rng.integers(0, 6))
+    seq_len = int(rng.integers(2, 300))
+    need = planner.peak_pages(seq_len, ps)
+    num_pages = int(rng.integers(need, 60 * need))
+    wm = float(rng.uniform(0.01, 0.2))
+    p = planner.plan(
+        layers=1, kv_heads=1, head_dim=8, seq_len=seq_len, page_size=ps, watermark=wm,
+        memory_bytes=num_pages * planner.kv_bytes_per_token(1, 1, 8) * ps,
+    )  # fmt: skip
+    n = p.max_seqs_paged
+    bm = BlockManager(num_pages, ps, enable_prefix_caching=False, watermark=wm)
+    budget = (n + 2) * seq_len
+    sched = Scheduler(bm, max_num_seqs=n + 2, max_num_batched_tokens=budget)
+    for i in range(n + 2):
+        sched.add(_group(ids, i, seq_len - 1, seq_len, 1))
+    sched.schedule()
+    assert len(sched.running) == n and len(sched.waiting) == 2
+    assert bm.num_free_pages - bm.num_reserved_pages >= bm.watermark_pages
+
+
+def test_cli_mistral_window_and_watermark(capsys):
+    # 16 GiB of 2 MiB pages: 8192, 81 kept free. The window (4096 tokens, chunks of 1024)
+    # bounds a sequence at ceil(5118 / 16) + 1 = 321 pages: 8111 // 321 = 25 (the planner
+    # said 1024 pages and 8 sequences). Contiguous: a ring of 4096 slots, 32 sequences.
+    args = ["--model", "mistral-7b-v0.1", "--seq-len", "16384", "--memory-gb", "16"]
+    assert planner.main(args) == 0
+    text = capsys.readouterr().out
+    assert "sliding_window=4096" in text
+    assert "at most 321 pages at once under the window" in text
+    assert "not the 1024 its 16383 K/V tokens fill" in text
+    assert "budget         16.00 GiB: 8192 pages, 81 of them the watermark" in text
+    assert "paged          25 sequences of 16384 tokens at their peak at once" in text
+    assert "contiguous     32 sequences preallocated at 4096 K/V slots (a ring" in text
+    assert "paging fits 0.78x" in text
+    assert planner.main([*args, "--max-batch-tokens", "4096", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["window_pages"] == out["pages_per_sequence"] == 513  # ceil(8190 / 16) + 1
+    assert out["max_seqs_paged"] == 8111 // 513
+    assert planner.main([*args, "--sliding-window", "0", "--watermark", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["sliding_window"] is None and out["pages_per_sequence"] == 1024
+    assert (out["watermark_pages"], out["max_seqs_paged"], out["max_seqs_contiguous"]) == (
+        0,
+        8,
+        8,
+    )
+
+
+@pytest.mark.parametrize(
+    "flag,value,err",
+    [
+        ("--sliding-window", "-3", "sliding_window=-3"),
+        ("--max-batch-tokens", "0", "budget=0"),
+        ("--watermark", "1.5", "watermark=1.5"),
+        ("--watermark", "nan", "watermark=nan"),
+    ],
+)
+def test_cli_bad_window_budget_watermark(capsys, flag, value, err):
+    assert planner.main(["--model", "mistral-7b-v0.1", "--memory-gb", "1", flag, value]) == 2
+    assert err in capsys.readouterr().err
