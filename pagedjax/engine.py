@@ -327,6 +327,8 @@ class LLM:
             each sampled token accepted (not for beam search).
 
         Raises:
+          ValueError, TypeError: a prompt or its sampling params are refused (named by
+            index); no prompt of the call is queued then.
           The exception of a failed step (a compile error, device OOM, an exception in
           `on_token` or `on_step`, KeyboardInterrupt), unchanged, once the engine is
           usable again (see `step`). A KeyboardInterrupt aborts only the requests of this
@@ -350,7 +352,16 @@ class LLM:
                 encoded.append(self.encode(p))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
-        ids = [self._add(*e, sp, None) for e, sp in zip(encoded, params, strict=True)]
+        ids = []
+        try:  # all or none: a request refused while queueing unqueues the ones before it
+            for e, sp in zip(encoded, params, strict=True):
+                ids.append(self._add(*e, sp, None))
+        except BaseException as e:
+            for i in ids:
+                self.abort(i)
+            if isinstance(e, (ValueError, TypeError)):
+                raise type(e)(f"prompt {len(ids)}: {e}") from None
+            raise
         self._collect.update(ids)
         bar = None
         if use_tqdm:

@@ -679,6 +679,10 @@ def test_bad_requests_fail_before_anything_runs(params):
     with pytest.raises(ValueError, match="KV pages"):  # could never fit in 64 pages
         llm.generate([[5] * 100], SamplingParams(max_tokens=500, n=2))
     assert not llm.has_unfinished_requests()
+    # Refused while queueing, after prompt 0 was queued: all or none, prompt 0 unqueued.
+    with pytest.raises(ValueError, match="prompt 1: .*KV pages"):
+        llm.generate([[5, 6], [5] * 100], [greedy(2), SamplingParams(max_tokens=500, n=2)])
+    assert not llm.has_unfinished_requests() and not llm.step()
     with pytest.raises(ValueError, match="backend='gpu'"):
         LLM(params, page_size=PS, num_pages=PAGES, backend="gpu")
     with pytest.raises(ValueError, match="not both"):
