@@ -53,7 +53,9 @@ def salt_bytes(cache_salt: str | bytes | None) -> bytes:
     if cache_salt is None:
         return b"\x00"
     if isinstance(cache_salt, str):
-        return b"\x01" + cache_salt.encode()
+        # surrogatepass: a lone surrogate (JSON "\ud800") is a valid str; strict UTF-8
+        # refuses it. The encoding stays one-to-one (it decodes back the same way).
+        return b"\x01" + cache_salt.encode("utf-8", "surrogatepass")
     if isinstance(cache_salt, bytes):
         return b"\x02" + cache_salt
     raise TypeError(f"cache_salt must be str, bytes or None, got {type(cache_salt).__name__}")

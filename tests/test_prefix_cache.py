@@ -158,3 +158,21 @@ def test_checks_name_the_corruption():
     chain.num_pages = 2
     cache._children[cache.entries[6].parent_node].discard(6)
     assert check(cache) == ["page 6 unknown to parent", "1 child links for 2 pages"]
+
+
+def test_any_str_salt_encodes_and_distinct_salts_stay_distinct():
+    # A lone surrogate (JSON's "\ud800" decodes to one) is a valid Python str: str.encode()
+    # refused it with a UnicodeEncodeError inside BlockManager.admit, mid-schedule.
+    rng = np.random.default_rng(2)
+    alphabet = ["a", "\x00", "é", "😀", "\ud800", "\udfff", "\ud83d", "\ude00", "\x01"]
+    salts = {"".join(rng.choice(alphabet, rng.integers(0, 5))) for _ in range(300)}
+    salts |= {"\ud83d\ude00", "😀", "\ud800"}  # a surrogate pair is not its code point
+    encoded = {salt_bytes(s) for s in salts}
+    assert len(encoded) == len(salts)
+    assert not encoded & {salt_bytes(s.encode("utf-8", "surrogatepass")) for s in salts}
+    cache = PrefixCache(8, PS)
+    toks = page() + page()
+    cached(cache, [0, 1], toks, salt_bytes("\ud800"))
+    assert cache.lookup(toks, salt_bytes("\ud800"), 2)[0] == [0, 1]
+    assert cache.lookup(toks, salt_bytes("\udfff"), 2)[0] == []
+    assert cache.lookup(toks, salt_bytes(b"\xed\xa0\x80"), 2)[0] == []  # its UTF-8 bytes
