@@ -100,6 +100,12 @@ class SamplingParams:
         )
 
     def __post_init__(self):
+        # numpy integers are stored as Python ints: fixed-width ones wrap in the engine's
+        # arithmetic (len(prompt) + np.int32(2**31 - 1) max_tokens went negative).
+        for name in _INT_FIELDS:
+            if isinstance(getattr(self, name), np.integer):
+                object.__setattr__(self, name, int(getattr(self, name)))
+
         def positive_int(name):
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
@@ -125,6 +131,7 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an int in [0, 2**32), got seed={s!r}")
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             raise ValueError(f"ignore_eos must be a bool, got ignore_eos={self.ignore_eos!r}")
+        object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(x, str) or not x for x in stop):
             raise ValueError(f"stop must be non-empty strings, got stop={self.stop!r}")
@@ -218,6 +225,18 @@ class RequestOutput:
     # logprob} holding the prompt token first and the k most likely in rank order (raw
     # distribution, given the tokens before it).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+_INT_FIELDS = (
+    "n",
+    "max_tokens",
+    "beam_width",
+    "top_k",
+    "seed",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+)
 
 
 def _is_number(x) -> bool:

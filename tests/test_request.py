@@ -1,0 +1,38 @@
+"""Tests for pagedjax.request: SamplingParams validation and normalisation.
+
+Sampling behaviour itself is tested in tests/test_sampling.py; these pin what
+SamplingParams accepts, refuses and stores, on random inputs.
+"""
+
+import numpy as np
+
+from pagedjax.request import MAX_LOGPROBS, SamplingParams
+
+RNG = np.random.default_rng(0)
+INT_DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
+
+
+def test_numpy_integers_are_stored_as_python_ints():
+    # np.int32 max_tokens stayed np.int32: LLM's `len(prompt) + max_tokens` wrapped
+    # negative (max_tokens=np.int32(2**31 - 1) generated 1 token, finish "length").
+    for _ in range(200):
+        dt = RNG.choice(INT_DTYPES)
+        top = min(int(np.iinfo(dt).max), 2**63 - 1)
+        mt = int(RNG.integers(1, top, endpoint=True))
+        kw = dict(
+            n=int(RNG.integers(1, min(top, 8), endpoint=True)),
+            max_tokens=mt,
+            min_tokens=int(RNG.integers(0, min(mt, 100), endpoint=True)),
+            top_k=int(RNG.integers(0, min(top, 2**31 - 1), endpoint=True)),
+            seed=int(RNG.integers(0, min(top, 2**32 - 1), endpoint=True)),
+            logprobs=int(RNG.integers(0, min(top, MAX_LOGPROBS), endpoint=True)),
+            prompt_logprobs=int(RNG.integers(0, min(top, MAX_LOGPROBS), endpoint=True)),
+        )
+        p = SamplingParams(**{k: dt(v) for k, v in kw.items()})
+        for k, v in kw.items():
+            got = getattr(p, k)
+            assert type(got) is int and got == v, (k, dt, got)
+        assert 1000 + p.max_tokens == 1000 + mt  # no fixed-width wraparound
+    beam = SamplingParams(beam_width=np.uint8(3), n=np.int64(2))
+    assert (type(beam.beam_width), type(beam.n)) == (int, int)
+    assert type(SamplingParams(ignore_eos=np.bool_(True)).ignore_eos) is bool
