@@ -114,7 +114,7 @@ class SamplingParams:
         for name in ("n", "max_tokens", "beam_width"):
             positive_int(name)
         t = self.temperature
-        if not _is_number(t) or not math.isfinite(t) or t < 0:
+        if not _is_finite(t) or t < 0:
             raise ValueError(f"temperature must be finite and >= 0, got temperature={t!r}")
         k = self.top_k
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 0 <= k < 2**31:
@@ -141,7 +141,7 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
         lp = self.length_penalty
-        if not _is_number(lp) or not math.isfinite(lp):
+        if not _is_finite(lp):
             raise ValueError(f"length_penalty must be a finite number, got length_penalty={lp!r}")
         if self.beam_width > 1 and self.n > self.beam_width:
             raise ValueError(
@@ -242,6 +242,15 @@ _INT_FIELDS = (
 def _is_number(x) -> bool:
     """A real number, not a bool (JSON's true must not pass as 1)."""
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+def _is_finite(x) -> bool:
+    """A finite real number, not a bool; an int too big for a float is not one (math.isfinite
+    raises OverflowError for it)."""
+    try:
+        return _is_number(x) and math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def _check_logit_bias(bias) -> dict[int, float]:

@@ -5,6 +5,7 @@ SamplingParams accepts, refuses and stores, on random inputs.
 """
 
 import numpy as np
+import pytest
 
 from pagedjax.request import MAX_LOGPROBS, SamplingParams
 
@@ -36,3 +37,14 @@ def test_numpy_integers_are_stored_as_python_ints():
     beam = SamplingParams(beam_width=np.uint8(3), n=np.int64(2))
     assert (type(beam.beam_width), type(beam.n)) == (int, int)
     assert type(SamplingParams(ignore_eos=np.bool_(True)).ignore_eos) is bool
+
+
+@pytest.mark.parametrize("name", ["temperature", "length_penalty"])
+def test_ints_too_big_for_a_float_are_a_value_error(name):
+    # math.isfinite(10**400) raises OverflowError, which the OpenAI server (catching
+    # ValueError and TypeError) answered as a 500, not a 400 naming the field.
+    for _ in range(20):
+        v = int(RNG.integers(10, 10**6)) ** int(RNG.integers(310, 400)) * int(RNG.choice([-1, 1]))
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            SamplingParams(**{name: v})
+    assert SamplingParams(**{name: 2}).__getattribute__(name) == 2  # a plain int is fine
