@@ -261,8 +261,10 @@ def _check_logit_bias(bias) -> dict[int, float]:
     for tok, value in bias.items():
         if not isinstance(tok, (int, np.integer)) or isinstance(tok, bool) or tok < 0:
             raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {tok!r}")
-        is_num = isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
-        if not is_num or not -sampling.MAX_LOGIT_BIAS <= value <= sampling.MAX_LOGIT_BIAS:
+        if (
+            not _is_number(value)
+            or not -sampling.MAX_LOGIT_BIAS <= value <= sampling.MAX_LOGIT_BIAS
+        ):
             raise ValueError(
                 f"logit_bias values must be in [-{sampling.MAX_LOGIT_BIAS}, "
                 f"{sampling.MAX_LOGIT_BIAS}], got logit_bias[{tok}]={value!r}"

@@ -4,6 +4,8 @@ Sampling behaviour itself is tested in tests/test_sampling.py; these pin what
 SamplingParams accepts, refuses and stores, on random inputs.
 """
 
+import re
+
 import numpy as np
 import pytest
 
@@ -48,3 +50,19 @@ def test_ints_too_big_for_a_float_are_a_value_error(name):
         with pytest.raises(ValueError, match=f"^{name} must be"):
             SamplingParams(**{name: v})
     assert SamplingParams(**{name: 2}).__getattribute__(name) == 2  # a plain int is fine
+
+
+def test_complex_logit_bias_values_are_refused():
+    # numpy complex scalars are np.number: they passed, their imaginary part silently
+    # dropped by float() (with a ComplexWarning).
+    for _ in range(20):
+        dt = RNG.choice([np.complex64, np.complex128])
+        tok = int(RNG.integers(0, 1000))
+        value = dt(complex(RNG.uniform(-100, 100), RNG.uniform(-100, 100)))
+        with pytest.raises(ValueError, match=re.escape(f"logit_bias[{tok}]=")):
+            SamplingParams(logit_bias={tok: value})
+    real = {
+        int(t): RNG.choice([np.float32, np.float64, float])(v)
+        for t, v in zip(RNG.integers(0, 1000, 5), RNG.uniform(-100, 100, 5), strict=True)
+    }
+    assert SamplingParams(logit_bias=real).logit_bias == {t: float(v) for t, v in real.items()}
