@@ -132,11 +132,14 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             raise ValueError(f"ignore_eos must be a bool, got ignore_eos={self.ignore_eos!r}")
         object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        stop = self.stop
+        stop = (
+            (stop,) if isinstance(stop, str) else _as_tuple(stop, "stop", "a str or a list of strs")
+        )
         if any(not isinstance(x, str) or not x for x in stop):
             raise ValueError(f"stop must be non-empty strings, got stop={self.stop!r}")
         object.__setattr__(self, "stop", stop)
-        ids = tuple(self.stop_token_ids)
+        ids = _as_tuple(self.stop_token_ids, "stop_token_ids", "a list of ints")
         if any(not isinstance(i, (int, np.integer)) or isinstance(i, bool) or i < 0 for i in ids):
             raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
@@ -251,6 +254,14 @@ def _is_finite(x) -> bool:
         return _is_number(x) and math.isfinite(x)
     except OverflowError:
         return False
+
+
+def _as_tuple(value, name: str, what: str) -> tuple:
+    """`tuple(value)`; a ValueError naming the field when `value` is not iterable."""
+    try:
+        return tuple(value)
+    except TypeError:
+        raise ValueError(f"{name} must be {what}, got {name}={value!r}") from None
 
 
 def _check_logit_bias(bias) -> dict[int, float]:

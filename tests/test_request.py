@@ -66,3 +66,11 @@ def test_complex_logit_bias_values_are_refused():
         for t, v in zip(RNG.integers(0, 1000, 5), RNG.uniform(-100, 100, 5), strict=True)
     }
     assert SamplingParams(logit_bias=real).logit_bias == {t: float(v) for t, v in real.items()}
+
+
+@pytest.mark.parametrize("name", ["stop", "stop_token_ids"])
+def test_non_iterable_stop_fields_are_named(name):
+    # tuple(5) raised "TypeError: 'int' object is not iterable", naming neither field nor value.
+    for value in [None, int(RNG.integers(0, 1000)), float(RNG.uniform(0, 10)), object()]:
+        with pytest.raises(ValueError, match=f"^{name} must be .*{re.escape(repr(value))}"):
+            SamplingParams(**{name: value})
