@@ -27,6 +27,24 @@ TOKENIZER_FILES = (
 )
 
 
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """Refuses OUT_DIR up front, as `weights.save_params` would after the whole load."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"OUT_DIR {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ValueError(
+                f"OUT_DIR {out} exists and is not empty; pass --overwrite to replace it"
+            )
+        from pagedjax.orbax_checkpoint import ORBAX_META_FILE
+
+        if not (out / ORBAX_META_FILE).is_file():
+            raise ValueError(
+                f"refusing to overwrite OUT_DIR {out}: not a pagedjax checkpoint "
+                f"(no {ORBAX_META_FILE}), so --overwrite does not remove it"
+            )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="convert_checkpoint.py",
@@ -40,7 +58,9 @@ def main(argv=None) -> int:
         help="parameter dtype (default: config.json's torch_dtype)",
     )
     parser.add_argument(
-        "--overwrite", action="store_true", help="replace an existing checkpoint at OUT_DIR"
+        "--overwrite",
+        action="store_true",
+        help="replace a pagedjax checkpoint at OUT_DIR (any other non-empty OUT_DIR is refused)",
     )
     args = parser.parse_args(argv)
 
@@ -51,6 +71,7 @@ def main(argv=None) -> int:
     try:
         if Path(args.out_dir).resolve() == Path(args.hf_dir).resolve():
             raise ValueError(f"OUT_DIR must differ from HF_DIR, got {args.out_dir}")
+        check_out_dir(Path(args.out_dir), args.overwrite)  # before a load of many GB
         cfg, params = weights.load_hf_checkpoint(args.hf_dir, dtype=args.dtype)
         weights.save_params(params, args.out_dir, overwrite=args.overwrite)
     except (ValueError, OSError) as e:

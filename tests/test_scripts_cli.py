@@ -1,0 +1,61 @@
+"""Command-line errors of the CPU-runnable scripts: one line naming the bad flag, exit
+status 2 (argparse) or 1, no traceback, and nothing slow run before the check."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def load(name: str, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location(f"{name}_cli_test", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def usage_error(fn, argv, capsys) -> str:
+    """Runs an argument parser expected to reject argv; returns its one-line error."""
+    with pytest.raises(SystemExit) as info:
+        fn(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+# ------------------------------------------------------------------ convert_checkpoint
+
+
+def test_convert_refuses_out_dir_before_loading(tmp_path, capsys, monkeypatch):
+    cli = load("convert_checkpoint", monkeypatch)
+    from pagedjax import weights
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded the HF checkpoint before checking OUT_DIR")
+
+    monkeypatch.setattr(weights, "load_hf_checkpoint", no_load)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    assert cli.main([str(hf), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--overwrite" in err and str(out) in err, err
+    assert cli.main([str(hf), str(out), "--overwrite"]) == 1  # not a pagedjax checkpoint
+    err = capsys.readouterr().err
+    assert "refusing to overwrite" in err and str(out) in err, err
+    assert (out / "notes.txt").read_text() == "keep me"
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert cli.main([str(hf), str(a_file)]) == 1
+    err = capsys.readouterr().err
+    assert "not a directory" in err and str(a_file) in err, err
