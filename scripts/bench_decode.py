@@ -61,6 +61,7 @@ from pagedjax import decode  # noqa: E402
 from pagedjax import model as model_lib  # noqa: E402
 from pagedjax.config import PRESETS, preset  # noqa: E402
 from pagedjax.engine import LLM, SamplingParams  # noqa: E402
+from pagedjax.resources import BACKENDS  # noqa: E402
 
 DEFAULT_PLOT_DIR = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 
@@ -288,8 +289,13 @@ def make_plot(rows: list[dict], out_dir: Path, title: str) -> list[str]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", choices=sorted(PRESETS))
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the model's)")
-    p.add_argument("--backend", default="auto", help="engine attention backend")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="default: the model's",
+    )
+    p.add_argument("--backend", default="auto", choices=BACKENDS, help="engine attention backend")
     p.add_argument("--max-seq-len", type=int, default=512, help="contiguous preallocation")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen-len", type=int, default=64)
@@ -320,6 +326,22 @@ def parse_args(argv=None):
         p.error(f"--kv-budget-tokens {args.kv_budget_tokens} < --max-seq-len {args.max_seq_len}")
     if args.reps < 1:
         p.error(f"--reps must be >= 1, got {args.reps}")
+    ps = args.page_size
+    if ps < 1 or ps & (ps - 1):
+        p.error(f"--page-size must be a power of two, got {ps}")
+    if args.max_batch is not None and args.max_batch < 1:
+        p.error(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.seed < 0:
+        p.error(f"--seed must be >= 0, got {args.seed}")
+    num_pages = args.kv_budget_tokens // ps
+    usable = num_pages - int(0.01 * num_pages)  # the engine keeps its watermark free
+    seq_pages = -(-(args.prompt_len + args.gen_len) // ps)
+    if usable < seq_pages:
+        p.error(
+            f"--kv-budget-tokens {args.kv_budget_tokens} gives {usable} usable pages of "
+            f"{ps}, fewer than the {seq_pages} one sequence of --prompt-len + --gen-len "
+            f"{args.prompt_len + args.gen_len} tokens needs"
+        )
     return args
 
 

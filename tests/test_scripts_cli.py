@@ -59,3 +59,39 @@ def test_convert_refuses_out_dir_before_loading(tmp_path, capsys, monkeypatch):
     assert cli.main([str(hf), str(a_file)]) == 1
     err = capsys.readouterr().err
     assert "not a directory" in err and str(a_file) in err, err
+
+
+# ------------------------------------------------------------------ bench_decode
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
+        (["--max-batch", "-1"], "--max-batch must be >= 1, got -1"),
+        (["--page-size", "0"], "--page-size must be a power of two, got 0"),
+        (["--page-size", "-8"], "--page-size must be a power of two, got -8"),
+        (["--page-size", "3"], "--page-size must be a power of two, got 3"),
+        (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+        (["--backend", "nope"], "argument --backend: invalid choice: 'nope'"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
+        # 40 // 16 = 2 pages, one 40-token sequence needs 3.
+        (
+            [
+                "--kv-budget-tokens",
+                "40",
+                "--max-seq-len",
+                "40",
+                "--prompt-len",
+                "8",
+                "--gen-len",
+                "32",
+            ],
+            "--kv-budget-tokens 40 gives 2 usable pages of 16, fewer than the 3",
+        ),
+    ],
+)
+def test_decode_bad_flags(argv, want, capsys, monkeypatch):
+    bench = load("bench_decode", monkeypatch)
+    err = usage_error(bench.parse_args, argv, capsys)
+    assert want in err, err
