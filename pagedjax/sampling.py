@@ -28,6 +28,8 @@ beam search and cumulative logprobs need.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import jax
@@ -273,17 +275,29 @@ def any_penalty(repetition: float, presence: float, frequency: float) -> bool:
     return repetition != 1.0 or presence != 0.0 or frequency != 0.0
 
 
+def _as_real(value) -> float | None:
+    """`value` as a float if it is a real number (not a bool or complex), else None; an
+    int too large for a float is +-inf."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def check_penalties(repetition: float, presence: float, frequency: float) -> None:
     """Host-side validation of penalties (ValueError naming the bad value)."""
-    is_num = isinstance(repetition, (int, float, np.number)) and not isinstance(repetition, bool)
-    if not (is_num and np.isfinite(repetition) and repetition > 0):
+    r = _as_real(repetition)
+    if r is None or not math.isfinite(r) or r <= 0:
         raise ValueError(
             "repetition_penalty must be finite and > 0 (1: off), got "
-            f"repetition_penalty={repetition!r}"
+            f"repetition_penalty={repetition!r:.80}"
         )
     for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
-        is_num = isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
-        if not is_num or not -MAX_PENALTY <= value <= MAX_PENALTY:
+        v = _as_real(value)
+        if v is None or not -MAX_PENALTY <= v <= MAX_PENALTY:
             raise ValueError(
-                f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}] (0: off), got {name}={value!r}"
+                f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}] (0: off), got "
+                f"{name}={value!r:.80}"
             )

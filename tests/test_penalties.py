@@ -107,12 +107,25 @@ def test_greedy_rows_take_the_penalised_argmax_and_logprobs_stay_raw():
         (dict(frequency_penalty=-3), "frequency_penalty=-3"),
         (dict(frequency_penalty=float("nan")), "frequency_penalty=nan"),
         (dict(presence_penalty=True), "presence_penalty=True"),
+        # ints past a float (JSON carries them): a ValueError, not numpy's TypeError
+        (dict(repetition_penalty=10**400), "repetition_penalty=1000000"),
+        (dict(frequency_penalty=-(10**400)), "frequency_penalty=-1000000"),
+        (dict(repetition_penalty=np.complex64(1.2 + 1j)), "repetition_penalty=np.complex64"),
+        (dict(presence_penalty=np.complex128(0.5)), "presence_penalty=np.complex128"),
         (dict(beam_width=2, repetition_penalty=1.2), "not supported with beam search"),
     ],
 )
 def test_bad_penalties_are_rejected(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as err:
         SamplingParams(**kwargs)
+    assert len(str(err.value)) < 200  # a 400-digit value is cut
+
+
+def test_numpy_real_penalties_are_accepted():
+    p = SamplingParams(
+        repetition_penalty=np.float32(1.25), presence_penalty=np.int8(1), frequency_penalty=-1
+    )
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.25, 1, -1)
 
 
 def test_build_step_input_checks_penalty_histories():
