@@ -683,6 +683,12 @@ def test_bad_requests_fail_before_anything_runs(params):
     with pytest.raises(ValueError, match="prompt 1: .*KV pages"):
         llm.generate([[5, 6], [5] * 100], [greedy(2), SamplingParams(max_tokens=500, n=2)])
     assert not llm.has_unfinished_requests() and not llm.step()
+    # More seats than max_num_seqs: refused by _add before it builds n sequences (the
+    # scheduler's refusal came after them: n=10**6 took 4 s, n=10**9 would take an hour).
+    for params_, n in ((SamplingParams(n=10**6), 10**6), (SamplingParams(beam_width=9, n=2), 9)):
+        with pytest.raises(ValueError, match=rf"{n} sequences at once \(n=.*max_num_seqs=8"):
+            llm.add_request([5, 6], params_)
+    assert not llm.has_unfinished_requests()
     with pytest.raises(ValueError, match="backend='gpu'"):
         LLM(params, page_size=PS, num_pages=PAGES, backend="gpu")
     with pytest.raises(ValueError, match="not both"):
