@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
@@ -61,6 +62,7 @@ import workloads  # noqa: E402
 from pagedjax import decode  # noqa: E402
 from pagedjax.config import PRESETS, preset  # noqa: E402
 from pagedjax.engine import LLM, SamplingParams  # noqa: E402
+from pagedjax.resources import BACKENDS  # noqa: E402
 
 DEFAULT_PLOT_DIR = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 
@@ -178,6 +180,11 @@ def chat_hit_rate(llm: LLM, args) -> dict:
         vocab=vocab,
         max_turns=args.chat_max_turns,
     )
+    if not reqs:
+        raise SystemExit(
+            f"error: no chat conversation fits a context of {llm.max_model_len} tokens after "
+            f"the {args.system_tokens}-token system prompt; raise --max-model-len"
+        )
     # Each request: its new message (the prompt past its parent's prompt + reply).
     turns: dict[int, list[tuple[np.ndarray, int]]] = {}
     for r in reqs:
@@ -260,8 +267,13 @@ def make_plot(out: dict, out_dir: Path) -> list[str]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", choices=["demo", *sorted(PRESETS)])
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the model's)")
-    p.add_argument("--backend", default="auto", help="auto | gpu | tpu | xla")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="default: the model's",
+    )
+    p.add_argument("--backend", default="auto", choices=BACKENDS)
     p.add_argument("--system-tokens", type=int, default=2000)
     p.add_argument("--message-tokens", type=int, default=24)
     p.add_argument("--reps", type=int, default=3, help="timed cold and warm requests each")
@@ -284,11 +296,38 @@ def parse_args(argv=None):
     p.add_argument("--plot-dir", type=Path, default=DEFAULT_PLOT_DIR)
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
-    for name in ("system_tokens", "message_tokens", "reps", "num_pages"):
+    for name in (
+        "system_tokens",
+        "message_tokens",
+        "reps",
+        "num_pages",
+        "max_num_seqs",
+        "bucket_min_seqs",
+        "chat_max_turns",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.chat_conversations < 0:
         p.error(f"--chat-conversations must be >= 0, got {args.chat_conversations}")
+    if not (math.isfinite(args.chat_reply_median) and args.chat_reply_median > 0):
+        p.error(f"--chat-reply-median must be a finite number > 0, got {args.chat_reply_median}")
+    if args.seed < 0:
+        p.error(f"--seed must be >= 0, got {args.seed}")
+    ps = args.page_size
+    if ps < 1 or ps & (ps - 1):
+        p.error(f"--page-size must be a power of two, got {ps}")
+    # The engine admits a request whose K/V (all its tokens but the last) fits the pages
+    # left after its watermark (1% of them).
+    usable = args.num_pages - int(0.01 * args.num_pages)
+    longest = args.system_tokens + args.message_tokens + 1
+    if args.chat_conversations and args.model != "demo":
+        longest = max(longest, args.max_model_len)  # a chat turn can grow to the limit
+    if usable < -(-(longest - 1) // ps):
+        p.error(
+            f"--num-pages {args.num_pages} ({usable} usable) cannot hold a request of "
+            f"{longest} tokens in pages of {ps} (it needs {-(-(longest - 1) // ps)}; "
+            "raise --num-pages, or lower --max-model-len or --system-tokens)"
+        )
     if args.max_num_batched_tokens < args.system_tokens + args.message_tokens:
         p.error(
             f"--max-num-batched-tokens {args.max_num_batched_tokens} must hold the whole cold "

@@ -95,3 +95,53 @@ def test_decode_bad_flags(argv, want, capsys, monkeypatch):
     bench = load("bench_decode", monkeypatch)
     err = usage_error(bench.parse_args, argv, capsys)
     assert want in err, err
+
+
+# ------------------------------------------------------------------ bench_prefix
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (["--page-size", "0"], "--page-size must be a power of two, got 0"),
+        (["--page-size", "3"], "--page-size must be a power of two, got 3"),
+        (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),
+        (["--bucket-min-seqs", "0"], "--bucket-min-seqs must be >= 1, got 0"),
+        (["--chat-max-turns", "0"], "--chat-max-turns must be >= 1, got 0"),
+        (["--chat-reply-median", "nan"], "--chat-reply-median must be a finite number > 0"),
+        (["--chat-reply-median", "-1"], "--chat-reply-median must be a finite number > 0"),
+        (["--chat-reply-median", "inf"], "--chat-reply-median must be a finite number > 0"),
+        (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+        (["--backend", "nope"], "argument --backend: invalid choice: 'nope'"),
+        (["--seed", "-2"], "--seed must be >= 0, got -2"),
+        # 2,024 tokens of K/V need 127 pages of 16; 128 pages keep 127 (watermark 1).
+        (["--num-pages", "100", "--chat-conversations", "0"], "--num-pages 100 (99 usable)"),
+        # A chat turn can reach --max-model-len 4096: 256 pages.
+        (["--num-pages", "200"], "cannot hold a request of 4096 tokens"),
+    ],
+)
+def test_prefix_bad_flags(argv, want, capsys, monkeypatch):
+    bench = load("bench_prefix", monkeypatch)
+    err = usage_error(bench.parse_args, argv, capsys)
+    assert want in err, err
+
+
+def test_prefix_accepts_just_enough_pages(monkeypatch):
+    bench = load("bench_prefix", monkeypatch)
+    bench.parse_args(["--num-pages", "128", "--chat-conversations", "0"])  # 127 usable
+    bench.parse_args(["--num-pages", "259"])  # 257 usable, 256 needed
+
+
+def test_prefix_chat_that_fits_nothing_is_an_error(monkeypatch):
+    bench = load("bench_prefix", monkeypatch)
+
+    class Engine:  # the chat refuses before anything reaches the engine
+        max_model_len = 41
+
+        class config:
+            vocab_size = 100
+
+    argv = ["--system-tokens", "32", "--message-tokens", "8", "--max-model-len", "8"]
+    args = bench.parse_args([*argv, "--max-num-batched-tokens", "64", "--num-pages", "8"])
+    with pytest.raises(SystemExit, match="no chat conversation fits a context of 41 tokens"):
+        bench.chat_hit_rate(Engine(), args)
