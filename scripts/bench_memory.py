@@ -56,6 +56,7 @@ import collections
 import dataclasses
 import heapq
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -564,12 +565,24 @@ def parse_args(argv=None):
         args.page_sizes = [int(x) for x in args.page_sizes.split(",") if x]
     except ValueError:
         p.error(f"--page-sizes must be comma-separated ints, got {args.page_sizes!r}")
+    if any(ps < 1 for ps in args.page_sizes):
+        p.error(f"--page-sizes must be >= 1, got {args.page_sizes}")
     if 16 not in args.page_sizes:
         p.error(f"--page-sizes must include 16 (the headline), got {args.page_sizes}")
     if args.budget_tokens < args.max_seq_len:
         p.error(f"--budget-tokens {args.budget_tokens} < --max-seq-len {args.max_seq_len}")
     if args.requests < 1:
         p.error(f"--requests must be >= 1, got {args.requests}")
+    if args.max_seq_len < 2:  # a prompt and an output token
+        p.error(f"--max-seq-len must be >= 2, got {args.max_seq_len}")
+    if not (math.isfinite(args.rate) and args.rate > 0):
+        p.error(f"--rate must be a finite number > 0, got {args.rate}")
+    if not 0 <= args.watermark < 1:
+        p.error(f"--watermark must be in [0, 1), got {args.watermark}")
+    if args.horizon < 0:
+        p.error(f"--horizon must be >= 0, got {args.horizon}")
+    if args.seed < 0:
+        p.error(f"--seed must be >= 0, got {args.seed}")
     names = list(workloads.WORKLOADS) if args.workload == "all" else [args.workload]
     args.names = names
     args.headline = "sharegpt" if "sharegpt" in names else names[0]

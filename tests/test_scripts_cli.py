@@ -145,3 +145,28 @@ def test_prefix_chat_that_fits_nothing_is_an_error(monkeypatch):
     args = bench.parse_args([*argv, "--max-num-batched-tokens", "64", "--num-pages", "8"])
     with pytest.raises(SystemExit, match="no chat conversation fits a context of 41 tokens"):
         bench.chat_hit_rate(Engine(), args)
+
+
+# ------------------------------------------------------------------ bench_memory
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (["--page-sizes", "0,16"], "--page-sizes must be >= 1, got [0, 16]"),
+        (["--rate", "0"], "--rate must be a finite number > 0, got 0.0"),
+        (["--rate", "-1"], "--rate must be a finite number > 0, got -1.0"),
+        (["--rate", "nan"], "--rate must be a finite number > 0, got nan"),
+        (["--rate", "inf"], "--rate must be a finite number > 0, got inf"),
+        (["--watermark", "nan"], "--watermark must be in [0, 1), got nan"),
+        (["--watermark", "1"], "--watermark must be in [0, 1), got 1.0"),
+        (["--horizon", "-5"], "--horizon must be >= 0, got -5"),
+        (["--max-seq-len", "1", "--budget-tokens", "100"], "--max-seq-len must be >= 2, got 1"),
+        (["--max-seq-len", "0"], "--max-seq-len must be >= 2, got 0"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    ],
+)
+def test_memory_bad_flags(argv, want, capsys, monkeypatch):
+    bench = load("bench_memory", monkeypatch)
+    err = usage_error(bench.parse_args, argv, capsys)
+    assert want in err, err
