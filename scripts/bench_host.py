@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import time
@@ -47,6 +48,7 @@ import time
 import numpy as np
 
 from pagedjax.blocks import BlockManager
+from pagedjax.config import PRESETS
 
 
 def best_mean_us(run, repeats: int) -> float:
@@ -406,6 +408,33 @@ def bench_dispatch(args) -> dict[str, float]:
     return {f"dispatch_decode_step_l{layers}_b{b}": float(np.median(times)) * 1e6}
 
 
+def check_args(parser: argparse.ArgumentParser, args) -> None:
+    """Exits with a usage error naming the first bad flag (nothing is run before)."""
+    ps = args.page_size
+    if ps < 1 or ps & (ps - 1):
+        parser.error(f"--page-size must be a power of two, got {ps}")
+    for name in (
+        "prompt_len",
+        "context_len",
+        "steps",
+        "dispatch_layers",
+        "dispatch_batch",
+        "engine_prompt_len",
+        "engine_steps",
+        "iters",
+        "repeats",
+    ):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("batch", "engine_batch"):
+        if any(b < 1 for b in getattr(args, name)):
+            parser.error(f"--{name.replace('_', '-')} must all be >= 1, got {getattr(args, name)}")
+    if not all(math.isfinite(d) and d >= 0 for d in args.device_ms):
+        parser.error(f"--device-ms must all be finite and >= 0, got {args.device_ms}")
+    if args.seed < 0:
+        parser.error(f"--seed must be >= 0, got {args.seed}")
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--page-size", type=int, default=16)
@@ -416,7 +445,12 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--engine-batch", type=int, nargs="*", default=[64, 256], help="engine step batches"
     )
-    parser.add_argument("--params-preset", nargs="*", default=["llama3-8b", "llama3-70b"])
+    parser.add_argument(
+        "--params-preset",
+        nargs="*",
+        choices=sorted(PRESETS),
+        default=["llama3-8b", "llama3-70b"],
+    )
     parser.add_argument("--dispatch-layers", type=int, default=32)
     parser.add_argument("--dispatch-batch", type=int, default=256)
     parser.add_argument(
@@ -444,6 +478,7 @@ def main(argv=None) -> dict:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    check_args(parser, args)
     args.now = time.process_time if args.clock == "cpu" else time.perf_counter
     rng = np.random.default_rng(args.seed)
 

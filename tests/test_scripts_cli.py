@@ -170,3 +170,31 @@ def test_memory_bad_flags(argv, want, capsys, monkeypatch):
     bench = load("bench_memory", monkeypatch)
     err = usage_error(bench.parse_args, argv, capsys)
     assert want in err, err
+
+
+# ------------------------------------------------------------------ bench_host
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (["--page-size", "0"], "--page-size must be a power of two, got 0"),
+        (["--page-size", "3"], "--page-size must be a power of two, got 3"),
+        (["--iters", "0"], "--iters must be >= 1, got 0"),
+        # --repeats 0 printed Infinity for every figure: not JSON.
+        (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--prompt-len", "0"], "--prompt-len must be >= 1, got 0"),
+        (["--batch", "4", "0"], "--batch must all be >= 1, got [4, 0]"),
+        (["--engine-batch", "0"], "--engine-batch must all be >= 1, got [0]"),
+        (["--device-ms", "nan"], "--device-ms must all be finite and >= 0, got [nan]"),
+        (["--device-ms", "-1"], "--device-ms must all be finite and >= 0, got [-1.0]"),
+        (["--params-preset", "nope"], "argument --params-preset: invalid choice: 'nope'"),
+        (["--dispatch-layers", "0"], "--dispatch-layers must be >= 1, got 0"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    ],
+)
+def test_host_bad_flags(argv, want, capsys, monkeypatch):
+    bench = load("bench_host", monkeypatch)
+    err = usage_error(bench.main, argv, capsys)  # fails before any benchmark runs
+    assert want in err, err
