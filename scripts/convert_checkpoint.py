@@ -69,8 +69,12 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     try:
-        if Path(args.out_dir).resolve() == Path(args.hf_dir).resolve():
-            raise ValueError(f"OUT_DIR must differ from HF_DIR, got {args.out_dir}")
+        hf, out = Path(args.hf_dir).resolve(), Path(args.out_dir).resolve()
+        if hf == out or out in hf.parents:  # --overwrite would delete the source
+            raise ValueError(
+                f"OUT_DIR must not be HF_DIR or contain it, got OUT_DIR {args.out_dir} "
+                f"and HF_DIR {args.hf_dir}"
+            )
         check_out_dir(Path(args.out_dir), args.overwrite)  # before a load of many GB
         cfg, params = weights.load_hf_checkpoint(args.hf_dir, dtype=args.dtype)
         weights.save_params(params, args.out_dir, overwrite=args.overwrite)

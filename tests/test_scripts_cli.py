@@ -59,6 +59,13 @@ def test_convert_refuses_out_dir_before_loading(tmp_path, capsys, monkeypatch):
     assert cli.main([str(hf), str(a_file)]) == 1
     err = capsys.readouterr().err
     assert "not a directory" in err and str(a_file) in err, err
+    # The source inside OUT_DIR (or OUT_DIR itself): --overwrite would delete it.
+    for src in (out / "hf", out):
+        src.mkdir(exist_ok=True)
+        assert cli.main([str(src), str(out), "--overwrite"]) == 1
+        err = capsys.readouterr().err
+        assert "must not be HF_DIR or contain it" in err, err
+    assert (out / "notes.txt").read_text() == "keep me"
 
 
 # ------------------------------------------------------------------ bench_decode
