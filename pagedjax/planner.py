@@ -85,15 +85,30 @@ def window_pages(
 ) -> int:
     """Most pages a sequence holds at once under a sliding window of W tokens.
 
-    A copy of `Scheduler.window_pages` (pagedjax/scheduler.py; tests/test_planner.py checks
-    the two agree): the W - 1 positions a prefill chunk's first query sees, then the chunk
-    of up to `max_num_batched_tokens` tokens, span at most
-    ceil((max(W, 2) - 2 + max_num_batched_tokens) / page_size) + 1 pages.
+    The engine's own bound (`Scheduler.window_pages` returns it): the W - 1 positions a
+    prefill chunk's first query sees, then the chunk of up to `max_num_batched_tokens`
+    tokens, span at most ceil((max(W, 2) - 2 + max_num_batched_tokens) / page_size) + 1
+    pages (W = 1: the last page is kept too).
     """
     w, budget = _window_args(sliding_window, max_num_batched_tokens)
     if w is None:
         raise ValueError("sliding_window must be a positive int, got sliding_window=None")
     return pages_needed(max(w, 2) - 2 + budget, page_size) + 1
+
+
+def held_pages(
+    kv_tokens: int,
+    page_size: int,
+    *,
+    sliding_window: int | None = None,
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
+) -> int:
+    """Most pages a sequence holds at once while its K/V fills up to `kv_tokens` slots:
+    ceil(kv_tokens / page_size), with a window at most `window_pages` of them (the
+    scheduler's bound: `Scheduler.max_pages_needed` counts with it)."""
+    pages = pages_needed(kv_tokens, page_size)
+    w, budget = _window_args(sliding_window, max_num_batched_tokens)
+    return pages if w is None else min(pages, window_pages(w, page_size, budget))
 
 
 def peak_pages(
@@ -105,17 +120,19 @@ def peak_pages(
 ) -> int:
     """Most pages a sequence of `seq_len` tokens (prompt + output) holds at once.
 
-    A copy of `Scheduler.max_pages_needed` for a one-sample request of
-    `max_num_tokens = seq_len` (tests/test_planner.py checks the two agree): its K/V fills
-    at most `seq_len - 1` slots, ceil((seq_len - 1) / page_size) pages; with a window, at
-    most `window_pages` of them.
+    What `Scheduler.max_pages_needed` admits a one-sample request of
+    `max_num_tokens = seq_len` by: its K/V fills at most `seq_len - 1` slots (its last
+    token is sampled, never fed), so `held_pages(seq_len - 1)`.
     """
     seq_len = _int("seq_len", seq_len)
     if seq_len < 0:
         raise ValueError(f"seq_len must be >= 0, got {seq_len=}")
-    pages = pages_needed(max(seq_len - 1, 0), page_size)
-    w, budget = _window_args(sliding_window, max_num_batched_tokens)
-    return pages if w is None else min(pages, window_pages(w, page_size, budget))
+    return held_pages(
+        max(seq_len - 1, 0),
+        page_size,
+        sliding_window=sliding_window,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,7 @@ import collections
 import itertools
 from collections.abc import Callable, Hashable
 
+from pagedjax import planner
 from pagedjax.blocks import BlockManager, OutOfPages
 from pagedjax.sequence import ScheduledRow, SeqStatus, Sequence, SequenceGroup, StepPlan
 
@@ -176,16 +177,22 @@ class Scheduler:
     def window_pages(self) -> int | None:
         """Most pages a sequence holds at once under the sliding window (None: no window):
         the W - 1 positions before a chunk and the chunk, L = W - 1 + budget positions, span
-        at most ceil((L - 1) / page_size) + 1 pages (W = 1: the last page is kept too)."""
+        at most ceil((L - 1) / page_size) + 1 pages (`planner.window_pages`, which the
+        capacity planner reports)."""
         w = self.sliding_window
         if w is None:
             return None
-        return -(-(max(w, 2) - 2 + self.max_num_batched_tokens) // self.bm.page_size) + 1
+        return planner.window_pages(w, self.bm.page_size, self.max_num_batched_tokens)
 
     def _peak_pages(self, num_tokens: int) -> int:
-        """Most pages a sequence of `num_tokens` holds at once (a window: `window_pages`)."""
-        pages = -(-num_tokens // self.bm.page_size)
-        return pages if self.window_pages is None else min(pages, self.window_pages)
+        """Most pages a sequence whose K/V fills `num_tokens` slots holds at once (a
+        window: at most `window_pages`; `planner.held_pages`)."""
+        return planner.held_pages(
+            num_tokens,
+            self.bm.page_size,
+            sliding_window=self.sliding_window,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        )
 
     # --------------------------------------------------------------- requests
 

@@ -221,9 +221,9 @@ def _group(ids, rid, prompt_len, seq_len, n):
 
 
 def test_max_seqs_paged_is_what_the_scheduler_admits():
-    # planner.py copies Scheduler.window_pages / max_pages_needed and BlockManager's
-    # watermark; a real Scheduler over a real BlockManager (no model) keeps them in sync:
-    # a request of max_seqs_paged samples is accepted, one more sample is refused.
+    # The scheduler counts pages with planner.held_pages / window_pages; plan() adds
+    # BlockManager's watermark. A real Scheduler over a real BlockManager (no model): a
+    # request of max_seqs_paged samples is accepted, one more sample is refused.
     rng = np.random.default_rng(21)
     ids = itertools.count()
     per_token = planner.kv_bytes_per_token(1, 1, 8, "float32")
