@@ -191,6 +191,10 @@ class BlockManager(SeqTables):
 
         Conservative: ignores prefix-cache hits, so True also means ``admit`` will not
         raise ``OutOfPages`` (unless other allocations happen in between).
+
+        Raises:
+            InvalidArgument: a prompt ``admit`` refuses whatever the free pages (empty,
+                or longer than ``max_model_len``), as ``admit`` would.
         """
         n = as_int(num_prompt_tokens, "num_prompt_tokens")
         self._check_prompt_len(n)
