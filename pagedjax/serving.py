@@ -14,6 +14,9 @@ A token event of a request whose params ask for logprobs carries a fifth element
 token's logprobs entry `{token_id: logprob, ...}` (the token first, then the
 `params.logprobs` most likely), as its `CompletionOutput.logprobs` will have it.
 
+A sink whose `put` raises (its client went away) loses its request alone: the request is
+aborted and gets no further events; the other requests and the thread go on.
+
 An error's status follows HTTP's meaning: 400 when the engine refused a request
 (`LLM.add_request` raised ValueError or TypeError; `request_id` is None and none of the
 batch was added), 500 when a step failed, 503 when the thread stopped. If a step raises,
@@ -77,14 +80,25 @@ class EngineThread:
         self.num_aborted = 0
         self.num_failed_steps = 0
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, tuple[Any, bool, bool]] = {}  # rid -> (sink, tokens, logprobs)
+        self._sinks: dict[
+            str, tuple[Any, bool, bool]
+        ] = {}  # rid -> (sink, tokens, logprobs)
+        self._broken: list[
+            str
+        ] = []  # requests whose sink raised during the current step
         self._lock = threading.Lock()
         self._alive = True
-        self._thread = threading.Thread(target=self._run, name="pagedjax-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="pagedjax-engine", daemon=True
+        )
         self._thread.start()
 
     def submit(
-        self, requests: list[tuple[str, list[int], SamplingParams]], sink, *, tokens: bool
+        self,
+        requests: list[tuple[str, list[int], SamplingParams]],
+        sink,
+        *,
+        tokens: bool,
     ) -> None:
         """Queues requests for the engine, all or none.
 
@@ -151,7 +165,9 @@ class EngineThread:
     def _run(self) -> None:
         try:
             while True:
-                commands = [] if self.llm.has_unfinished_requests() else [self._commands.get()]
+                commands = (
+                    [] if self.llm.has_unfinished_requests() else [self._commands.get()]
+                )
                 with contextlib.suppress(queue.Empty):
                     while True:
                         commands.append(self._commands.get_nowait())
@@ -169,7 +185,9 @@ class EngineThread:
                 while True:
                     command = self._commands.get_nowait()
                     if command[0] == "add":
-                        command[2].put(("error", None, 503, "the engine is stopping"))
+                        _send(
+                            command[2], ("error", None, 503, "the engine is stopping")
+                        )
                     elif command[0] == "call":
                         command[2].put((False, EngineStopped("the engine stopped")))
 
@@ -188,7 +206,7 @@ class EngineThread:
                     self.llm.abort(rid)
                     self._sinks.pop(rid, None)
                 status = 400 if isinstance(e, (ValueError, TypeError)) else 500
-                sink.put(("error", None, status, str(e)))
+                _send(sink, ("error", None, status, str(e)))
         elif kind == "abort":
             for rid in command[1]:
                 if self._sinks.pop(rid, None) is not None:
@@ -208,10 +226,15 @@ class EngineThread:
             traceback.print_exc(file=sys.stderr)
             self._fail_all(500, f"the engine step failed: {type(e).__name__}: {e}")
             return
+        finally:
+            # Aborted after the step, not from inside its on_token callback.
+            broken, self._broken = self._broken, []
+            for rid in broken:
+                self.llm.abort(rid)
         for out in finished:
             entry = self._sinks.pop(out.request_id, None)
             if entry is not None:
-                entry[0].put(("done", out.request_id, out))
+                _send(entry[0], ("done", out.request_id, out))
 
     def _on_token(self, rid: str, index: int, token: int) -> None:
         entry = self._sinks.get(rid)
@@ -219,9 +242,12 @@ class EngineThread:
             return
         sink, _, logprobs = entry
         if logprobs:
-            sink.put(("token", rid, index, token, self._logprobs_entry(rid, index)))
+            event = ("token", rid, index, token, self._logprobs_entry(rid, index))
         else:
-            sink.put(("token", rid, index, token))
+            event = ("token", rid, index, token)
+        if not _send(sink, event):  # its caller is gone: drop it, not the whole step
+            self._sinks.pop(rid, None)
+            self._broken.append(rid)
 
     def _logprobs_entry(self, rid: str, index: int) -> dict[int, float]:
         """The logprobs entry of the token that `on_token` reports: `LLM.step` appends it
@@ -236,6 +262,22 @@ class EngineThread:
     def _fail_all(self, status: int, message: str) -> None:
         for rid, (sink, *_) in list(self._sinks.items()):
             with contextlib.suppress(Exception):
-                self.llm.abort(rid)  # a failed step aborted them already; a stop did not
-            sink.put(("error", rid, status, message))
+                self.llm.abort(
+                    rid
+                )  # a failed step aborted them already; a stop did not
+            _send(sink, ("error", rid, status, message))
         self._sinks.clear()
+
+
+def _send(sink, event) -> bool:
+    """`sink.put(event)`; False (with the traceback on stderr) if it raised, so that one
+    caller's broken sink never fails the engine thread or another request."""
+    try:
+        sink.put(event)
+    except Exception:  # noqa: BLE001
+        print(
+            f"pagedjax: a sink's put raised on a {event[0]!r} event:", file=sys.stderr
+        )
+        traceback.print_exc(file=sys.stderr)
+        return False
+    return True

@@ -1,0 +1,165 @@
+"""pagedjax.serving: the engine thread's contract with its callers under concurrency.
+
+Most tests drive `EngineThread` with `FakeLLM`, a stand-in with the engine's interface
+and its failure rule (anything raised in a step, `on_token` included, aborts every
+request and propagates), so they run in milliseconds and each interleaving is forced
+with events rather than left to timing. One test runs a real tiny `LLM`.
+"""
+
+import queue
+import threading
+import types
+
+import numpy as np
+from pagedjax.config import PRESETS
+from pagedjax.engine import LLM
+from pagedjax.request import SamplingParams
+from pagedjax.serving import EngineThread
+
+WAIT = 10.0  # seconds: a bound on every wait, never reached when the code is right
+
+
+class FakeLLM:
+    """One token per running request per step; a request ends after `max_tokens`."""
+
+    def __init__(self, seed: int = 0):
+        self.rng = np.random.default_rng(seed)
+        self.running: dict[str, list] = {}  # rid -> [params, tokens]
+        self.aborted: list[str] = []
+
+    def add_request(self, ids, params, *, request_id):
+        if request_id in self.running:
+            raise ValueError(f"request id {request_id!r} is already queued or running")
+        if not ids:
+            raise ValueError("empty prompt")
+        self.running[str(request_id)] = [params, []]
+        return str(request_id)
+
+    def abort(self, rid):
+        if self.running.pop(rid, None) is not None:
+            self.aborted.append(rid)
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def step(self, *, on_token=None):
+        finished = []
+        try:
+            for rid, (params, toks) in list(self.running.items()):
+                toks.append(int(self.rng.integers(3, 256)))
+                if on_token is not None:
+                    on_token(rid, 0, toks[-1])
+                if len(toks) >= params.max_tokens:
+                    del self.running[rid]
+                    finished.append(
+                        types.SimpleNamespace(request_id=rid, tokens=list(toks))
+                    )
+        except BaseException:
+            self.running.clear()  # LLM.step's recovery: every request is aborted
+            raise
+        return finished
+
+
+def events(sink, stop_kinds=("done", "error")):
+    """A request's events up to and including its first done/error event."""
+    out = []
+    while True:
+        out.append(sink.get(timeout=WAIT))
+        if out[-1][0] in stop_kinds:
+            return out
+
+
+def blocked(engine):
+    """Holds the engine thread inside a `call` until the returned event is set."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hold(_):
+        entered.set()
+        release.wait(WAIT)
+
+    threading.Thread(target=engine.call, args=(hold,), daemon=True).start()
+    assert entered.wait(WAIT)
+    return release
+
+
+class Broken:
+    """A sink whose put raises once it sees a token (a client gone mid-stream)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def put(self, event):
+        self.seen.append(event)
+        if event[0] == "token":
+            raise ConnectionResetError("client gone")
+
+
+def test_a_sink_that_raises_fails_only_its_own_request(capsys):
+    """One caller's sink raising mid-stream aborts that request alone: the others
+    stream to the end and the thread keeps serving."""
+    llm = FakeLLM()
+    engine = EngineThread(llm)
+    rng = np.random.default_rng(0)
+    lens = rng.integers(4, 9, size=3).tolist()
+    sinks = [queue.SimpleQueue() for _ in lens]
+    release = blocked(engine)  # all submitted before the first step
+    for i, n in enumerate(lens):
+        engine.submit(
+            [(f"ok{i}", [1, 2], SamplingParams(max_tokens=n))], sinks[i], tokens=True
+        )
+    bad = Broken()
+    engine.submit([("bad", [1, 2], SamplingParams(max_tokens=8))], bad, tokens=True)
+    release.set()
+    for sink, n in zip(sinks, lens, strict=True):
+        evs = events(sink)
+        assert [e[0] for e in evs] == ["token"] * n + ["done"], evs[-1]
+    assert engine.call(lambda llm: llm.aborted) == ["bad"]
+    assert engine.alive
+    assert [e[0] for e in bad.seen] == ["token"]  # nothing after the put that raised
+    sink = queue.SimpleQueue()
+    engine.submit([("after", [1], SamplingParams(max_tokens=2))], sink, tokens=False)
+    assert events(sink)[-1][:2] == ("done", "after")
+    engine.stop()
+    assert "client gone" in capsys.readouterr().err
+
+
+def test_a_sink_that_raises_on_error_events_does_not_stop_the_thread():
+    """A refused request's sink raising on its 400 event leaves the thread running,
+    and a raising sink does not keep the others from their 503 at stop."""
+
+    class Raising:
+        def put(self, event):
+            raise RuntimeError("closed")
+
+    engine = EngineThread(FakeLLM())
+    engine.submit(
+        [("r", [], SamplingParams(max_tokens=2))], Raising(), tokens=False
+    )  # 400
+    assert engine.call(lambda llm: 7) == 7
+    release = blocked(engine)
+    engine.submit([("a", [1], SamplingParams(max_tokens=99))], Raising(), tokens=False)
+    sink = queue.SimpleQueue()
+    engine.submit([("b", [1], SamplingParams(max_tokens=99))], sink, tokens=False)
+    engine.stop(timeout=0)
+    release.set()
+    assert sink.get(timeout=WAIT)[:3] == ("error", "b", 503)
+
+
+def test_real_engine_one_broken_stream_leaves_the_other_intact():
+    """The same isolation with a real tiny LLM: the good request's tokens equal a run
+    on its own (greedy)."""
+    llm = LLM(PRESETS["tiny"], page_size=8, num_pages=32, backend="xla", max_num_seqs=4)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = np.random.default_rng(1).integers(3, 256, size=5).tolist()
+    alone = llm.generate([prompt], params)[0].outputs[0].token_ids
+    engine = EngineThread(llm)
+    release = blocked(engine)
+    sink, bad = queue.SimpleQueue(), Broken()
+    engine.submit([("good", prompt, params)], sink, tokens=True)
+    engine.submit([("bad", prompt[::-1], params)], bad, tokens=True)
+    release.set()
+    evs = events(sink)
+    assert evs[-1][0] == "done", evs[-1]
+    assert [e[3] for e in evs[:-1]] == list(alone)
+    assert list(evs[-1][2].outputs[0].token_ids) == list(alone)
+    engine.stop()
