@@ -45,6 +45,7 @@ Usage (from a notebook, or a web framework's handler threads):
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import sys
@@ -163,15 +164,16 @@ class EngineThread:
             self._commands.put(command)
 
     def _run(self) -> None:
+        commands: collections.deque = collections.deque()  # read, not yet handled
         try:
             while True:
-                commands = (
-                    [] if self.llm.has_unfinished_requests() else [self._commands.get()]
-                )
+                if not self.llm.has_unfinished_requests():
+                    commands.append(self._commands.get())
                 with contextlib.suppress(queue.Empty):
                     while True:
                         commands.append(self._commands.get_nowait())
-                for command in commands:
+                while commands:
+                    command = commands.popleft()
                     if command[0] == "stop":
                         return
                     self._handle(command)
@@ -181,15 +183,16 @@ class EngineThread:
             with self._lock:
                 self._alive = False
             self._fail_all(503, "the engine is stopping")
+            # Commands read with the stop (behind it) and those still queued: no caller
+            # may wait forever on a sink or a call's result.
             with contextlib.suppress(queue.Empty):
                 while True:
-                    command = self._commands.get_nowait()
-                    if command[0] == "add":
-                        _send(
-                            command[2], ("error", None, 503, "the engine is stopping")
-                        )
-                    elif command[0] == "call":
-                        command[2].put((False, EngineStopped("the engine stopped")))
+                    commands.append(self._commands.get_nowait())
+            for command in commands:
+                if command[0] == "add":
+                    _send(command[2], ("error", None, 503, "the engine is stopping"))
+                elif command[0] == "call":
+                    command[2].put((False, EngineStopped("the engine stopped")))
 
     def _handle(self, command) -> None:
         kind = command[0]

@@ -14,7 +14,7 @@ import numpy as np
 from pagedjax.config import PRESETS
 from pagedjax.engine import LLM
 from pagedjax.request import SamplingParams
-from pagedjax.serving import EngineThread
+from pagedjax.serving import EngineStopped, EngineThread
 
 WAIT = 10.0  # seconds: a bound on every wait, never reached when the code is right
 
@@ -80,6 +80,32 @@ def blocked(engine):
     threading.Thread(target=engine.call, args=(hold,), daemon=True).start()
     assert entered.wait(WAIT)
     return release
+
+
+def test_commands_queued_behind_stop_are_answered():
+    """A submit and a call that reach the queue after stop() but before the thread
+    reads it are answered (503, EngineStopped), not dropped with their callers waiting
+    forever."""
+    engine = EngineThread(FakeLLM())
+    release = blocked(engine)
+    engine.stop(timeout=0)  # queued while the thread is busy
+    sink = queue.SimpleQueue()
+    engine.submit([("r0", [5, 6], SamplingParams(max_tokens=3))], sink, tokens=True)
+    result = queue.SimpleQueue()
+
+    def call():
+        try:
+            result.put(engine.call(lambda llm: 1, timeout=WAIT))
+        except Exception as e:  # noqa: BLE001
+            result.put(e)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    release.set()
+    assert sink.get(timeout=WAIT)[:3] == ("error", None, 503)
+    assert isinstance(result.get(timeout=2 * WAIT), EngineStopped)
+    engine.stop()
+    assert not engine.alive
 
 
 class Broken:
