@@ -120,9 +120,10 @@ class EngineThread:
         """Aborts requests; they get no further events (finished or unknown ids are ignored).
 
         Raises:
+          TypeError: `request_ids` is a str or not an iterable of str ids.
           EngineStopped: the thread is not running.
         """
-        self._put(("abort", list(request_ids)))
+        self._put(("abort", _check_ids(request_ids)))
 
     def call(self, fn: Callable[[Any], Any], timeout: float | None = 60.0):
         """Runs `fn(llm)` on the engine thread between two steps and returns its result.
@@ -284,3 +285,16 @@ def _send(sink, event) -> bool:
         traceback.print_exc(file=sys.stderr)
         return False
     return True
+
+
+def _check_ids(request_ids) -> list[str]:
+    """`request_ids` as a list, or a TypeError: a str would be taken for its characters."""
+    if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Iterable):
+        raise TypeError(
+            f"request_ids must be an iterable of str request ids, got {request_ids!r:.80}"
+        )
+    ids = list(request_ids)
+    for rid in ids:
+        if not isinstance(rid, str):
+            raise TypeError(f"request_ids must hold str request ids, got {rid!r:.80}")
+    return ids

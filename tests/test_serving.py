@@ -11,6 +11,7 @@ import threading
 import types
 
 import numpy as np
+import pytest
 from pagedjax.config import PRESETS
 from pagedjax.engine import LLM
 from pagedjax.request import SamplingParams
@@ -169,6 +170,18 @@ def test_a_sink_that_raises_on_error_events_does_not_stop_the_thread():
     engine.stop(timeout=0)
     release.set()
     assert sink.get(timeout=WAIT)[:3] == ("error", "b", 503)
+
+
+@pytest.mark.parametrize("bad", ["r0", b"r0", None, 5, [["r0"]]])
+def test_abort_refuses_anything_but_an_iterable_of_str_ids(bad):
+    """abort("r0") used to abort requests "r" and "0"; an unhashable id killed the
+    engine thread. Both are a TypeError in the caller, and the engine runs on."""
+    llm = FakeLLM()
+    engine = EngineThread(llm)
+    with pytest.raises(TypeError, match="request_ids"):
+        engine.abort(bad)
+    assert engine.alive and engine.call(lambda llm: 1) == 1
+    engine.stop()
 
 
 def test_real_engine_one_broken_stream_leaves_the_other_intact():
