@@ -111,9 +111,16 @@ class EngineThread:
             entry when the request's params ask for logprobs).
 
         Raises:
+          TypeError: `requests` is not a list of triples with str ids, or `sink` has no
+            `put` (checked here, on the caller's thread).
           EngineStopped: the thread is not running. A request the engine refuses is an
             ("error", None, 400, message) event instead, and none of the batch is added.
         """
+        requests = _check_requests(requests)
+        if not callable(getattr(sink, "put", None)):
+            raise TypeError(
+                f"sink must have a put(event) method, got {type(sink).__name__}"
+            )
         self._put(("add", requests, sink, tokens))
 
     def abort(self, request_ids: Iterable[str]) -> None:
@@ -298,3 +305,24 @@ def _check_ids(request_ids) -> list[str]:
         if not isinstance(rid, str):
             raise TypeError(f"request_ids must hold str request ids, got {rid!r:.80}")
     return ids
+
+
+def _check_requests(requests) -> list[tuple[str, Any, Any]]:
+    """`requests` as a list of triples with str ids (the engine keys a request by
+    `str(id)`: any other id's events would never reach its sink)."""
+    if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
+        raise TypeError(
+            f"requests must be a list of (request id, token ids, params), got {requests!r:.80}"
+        )
+    out = []
+    for i, r in enumerate(requests):
+        if not isinstance(r, (tuple, list)) or len(r) != 3:
+            raise TypeError(
+                f"requests[{i}] must be a (request id, token ids, params) triple, got {r!r:.80}"
+            )
+        if not isinstance(r[0], str):
+            raise TypeError(
+                f"requests[{i}]: the request id must be a str, got {r[0]!r:.80}"
+            )
+        out.append(tuple(r))
+    return out

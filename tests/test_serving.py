@@ -184,6 +184,25 @@ def test_abort_refuses_anything_but_an_iterable_of_str_ids(bad):
     engine.stop()
 
 
+def test_submit_refuses_bad_request_ids_and_sinks():
+    """A request id that is not a str (the engine keys it by str(id), so its events
+    never reached the sink) and a sink without put() are TypeErrors in the caller."""
+    engine = EngineThread(FakeLLM())
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(TypeError, match="request id"):
+        engine.submit([(5, [1, 2], params)], queue.SimpleQueue(), tokens=False)
+    with pytest.raises(TypeError, match="sink"):
+        engine.submit([("r", [1, 2], params)], None, tokens=False)
+    with pytest.raises(TypeError, match="requests"):
+        engine.submit([("r", [1, 2])], queue.SimpleQueue(), tokens=False)
+    with pytest.raises(TypeError, match="requests"):
+        engine.submit("r", queue.SimpleQueue(), tokens=False)
+    sink = queue.SimpleQueue()
+    engine.submit([("r", [1, 2], params)], sink, tokens=False)
+    assert events(sink)[-1][:2] == ("done", "r")
+    engine.stop()
+
+
 def test_real_engine_one_broken_stream_leaves_the_other_intact():
     """The same isolation with a real tiny LLM: the good request's tokens equal a run
     on its own (greedy)."""
