@@ -139,8 +139,18 @@ def make_mesh(
 
 
 def tensor_parallel_size(mesh: Mesh | None) -> int:
-    """Devices on the "tp" axis (1 without a mesh)."""
-    return 1 if mesh is None else mesh.shape[AXIS]
+    """Devices on the "tp" axis (1 without a mesh).
+
+    Raises:
+      ValueError: `mesh` has no "tp" axis (`make_mesh` builds one).
+    """
+    if mesh is None:
+        return 1
+    if AXIS not in mesh.shape:
+        raise ValueError(
+            f"the mesh needs a {AXIS!r} axis (sharding.make_mesh), got axes {tuple(mesh.shape)}"
+        )
+    return mesh.shape[AXIS]
 
 
 def cache_kv_heads(cfg: ModelConfig, tensor_parallel: int) -> int:

@@ -1,0 +1,35 @@
+"""pagedjax.sharding: bad meshes and sizes are clear errors (one device; no subprocess)."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from pagedjax import sharding
+from pagedjax.config import CacheConfig, ModelConfig
+
+CFG = ModelConfig(
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    hidden_size=32,
+    intermediate_size=64,
+    vocab_size=64,
+    dtype="float32",
+)
+
+
+@pytest.mark.parametrize("axis", ["model", "x", "TP"])
+def test_a_mesh_without_a_tp_axis_is_a_value_error(axis):
+    """A mesh whose axis is not named "tp" was a bare KeyError: 'tp'."""
+    mesh = Mesh(np.array(jax.devices()[:1]), (axis,))
+    with pytest.raises(ValueError, match=rf"'tp'.*{axis}"):
+        sharding.tensor_parallel_size(mesh)
+    with pytest.raises(ValueError, match="'tp'"):
+        sharding.create_cache(CFG, CacheConfig(page_size=4, num_pages=4, dtype="float32"), mesh)
+
+
+def test_tp_mesh_still_sized():
+    assert sharding.tensor_parallel_size(None) == 1
+    assert sharding.tensor_parallel_size(sharding.make_mesh(1)) == 1
