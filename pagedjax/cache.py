@@ -151,6 +151,14 @@ def _first(mask) -> int:
     return int(np.argmax(mask))
 
 
+def _check_layer(cache: PagedKVCache, layer) -> None:
+    # Python would take -1 as the last layer and True as layer 1.
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+        raise TypeError(f"layer must be an int, got layer={layer!r}")
+    if not 0 <= layer < cache.num_layers:
+        raise ValueError(f"layer {layer} is out of range [0, {cache.num_layers})")
+
+
 def is_fp8(dtype) -> bool:
     """Whether `dtype` is an FP8 storage dtype (the kernels upcast its tiles)."""
     dtype = jnp.dtype(dtype)
@@ -197,8 +205,7 @@ def write_layer(k_pages, v_pages, k, v, slots):
 
 def write(cache: PagedKVCache, layer: int, k, v, slots) -> PagedKVCache:
     """Writes new tokens' K/V ([T, K, D] each) for `layer` through `slots` ([T])."""
-    if not 0 <= layer < cache.num_layers:
-        raise ValueError(f"layer {layer} is out of range [0, {cache.num_layers})")
+    _check_layer(cache, layer)
     k_pages, v_pages = write_layer(cache.k[layer], cache.v[layer], k, v, slots)
     return PagedKVCache(
         k=cache.k[:layer] + (k_pages,) + cache.k[layer + 1 :],
@@ -266,10 +273,18 @@ def gather_sequence(cache: PagedKVCache, layer: int, page_table_row, length: int
     Returns:
       (k, v), each [length, K, D].
     """
+    _check_layer(cache, layer)
     s = cache.page_size
-    row = np.asarray(page_table_row)
+    row = _check_int_ids("page_table_row", page_table_row)
     if length > len(row) * s:
         raise ValueError(f"length {length} exceeds the page table's capacity {len(row) * s}")
+    used = row[: -(-max(length, 0) // s)]  # a gather would clamp or wrap a bad id silently
+    bad = (used < 0) | (used >= cache.num_pages)
+    if bad.any():
+        raise ValueError(
+            f"page id {int(used[bad][0])} is out of range [0, {cache.num_pages}) "
+            f"(page_table_row index {_first(bad)})"
+        )
     slots = slots_for(row, 0, length, s)
     out = []
     for pool in (cache.k[layer], cache.v[layer]):

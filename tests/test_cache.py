@@ -177,3 +177,34 @@ def test_slots_for_rejects_a_bad_range():
         kvcache.slots_for([3, 4], -1, 2, 8)  # used to wrap around to the last page
     with pytest.raises(ValueError, match="got start=5, end=2"):
         kvcache.slots_for([3, 4], 5, 2, 8)
+
+
+@pytest.mark.parametrize(
+    "table,match",
+    [
+        ([1, 8], "page id 8"),  # past the pool: the gather clamped it to another page
+        ([1, 20], "page id 20"),
+        ([1, -1], "page id -1"),  # negative: wrapped around to the pool's end
+        ([1.0, 2.0], "integer"),  # float ids were truncated
+    ],
+)
+def test_gather_sequence_rejects_page_ids_it_would_misread(table, match):
+    """gather_sequence read a page id outside [0, P) (or a float one) from some other
+    page without a word; the ids the length covers are checked."""
+    _, c = tiny_cache()
+    with pytest.raises((ValueError, TypeError), match=match):
+        kvcache.gather_sequence(c, 0, table, 6)
+    kvcache.gather_sequence(c, 0, [1, 8], 4)  # an unused entry past the length is fine
+
+
+@pytest.mark.parametrize("layer", [-1, 2, True, 1.0])
+def test_gather_and_write_reject_a_bad_layer(layer):
+    """gather_sequence(layer=-1) read the last layer, layer=2 was an IndexError, and
+    write(layer=True) wrote layer 1."""
+    _, c = tiny_cache()
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((1, 2, 8)).astype(np.float32)
+    with pytest.raises((ValueError, TypeError), match="layer"):
+        kvcache.gather_sequence(c, layer, [1, 2], 3)
+    with pytest.raises((ValueError, TypeError), match="layer"):
+        kvcache.write(c, layer, k, k, np.array([5], np.int32))
