@@ -243,7 +243,7 @@ def render(
         an error raised by the template (`raise_exception`) or while rendering it.
     """
     messages = check_messages(messages)
-    jinja2 = _jinja()  # before the cache, so a missing jinja2 is reported every time
+    _jinja()  # before the cache, so a missing jinja2 is reported every time
     compiled = _compile(template, source)
     specials = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v}
     context = {"tools": None, "documents": None, **specials, **variables}
@@ -251,5 +251,7 @@ def render(
         return compiled.render(
             messages=messages, add_generation_prompt=bool(add_generation_prompt), **context
         )
-    except jinja2.TemplateError as e:
+    except (ValueError, TypeError):
+        raise  # raise_exception's message, or a bad value: already what callers catch
+    except Exception as e:  # TemplateError, and what the template's code raised (1/0, ...)
         raise ValueError(f"chat template ({source}) failed: {type(e).__name__}: {e}") from None

@@ -300,3 +300,20 @@ def test_generation_blocks_render_their_body():
     assert out == want + "<assistant>"
     with pytest.raises(ValueError, match="syntax error"):  # the block must be closed
         chat.render("{% generation %}{{ messages }}", messages, source="open")
+
+
+@pytest.mark.parametrize(
+    "template,match",
+    [
+        ("{{ (messages | length) / 0 }}", "ZeroDivisionError"),
+        ("{% for i in range(10 ** 7) %}{% endfor %}", "OverflowError"),  # the sandbox's cap
+        ("{{ messages[0].content | int // 0 }}", "ZeroDivisionError"),
+    ],
+)
+def test_any_error_while_rendering_is_a_value_error(template, match):
+    """render promises ValueError/TypeError for an error while rendering (the OpenAI
+    server answers those with a 400); ZeroDivisionError and the sandbox's OverflowError
+    escaped as themselves."""
+    msgs = [{"role": "user", "content": "7"}]
+    with pytest.raises(ValueError, match=rf"chat template \(<string>\) failed: {match}"):
+        chat.render(template, msgs)
