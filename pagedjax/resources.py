@@ -55,6 +55,9 @@ def byte_tokenizer(bos_token_id: int = 1, eos_token_id: int = 2) -> Tokenizer:
 def load_model(source, *, dtype=None, seed: int = 0):
     """(config, params, tokenizer or None, description) for `LLM`'s first argument.
 
+    `dtype` (None: the source's) is the parameters' dtype: a checkpoint loads in it, a
+    ModelConfig's random weights are drawn in it, given `Params` are cast to it.
+
     Raises:
       FileNotFoundError, weights.CheckpointError: a bad checkpoint directory.
       TypeError: any other kind of source.
@@ -78,8 +81,17 @@ def load_model(source, *, dtype=None, seed: int = 0):
         tok = byte_tokenizer() if cfg.vocab_size >= 256 else None
         return cfg, model_lib.init_params(cfg, seed), tok, "random weights (a ModelConfig)"
     if isinstance(source, model_lib.Params):
-        tok = byte_tokenizer() if source.config.vocab_size >= 256 else None
-        return source.config, source, tok, "given params"
+        cfg = source.config if dtype is None else dataclasses.replace(source.config, dtype=dtype)
+        tok = byte_tokenizer() if cfg.vocab_size >= 256 else None
+        if cfg.dtype == source.config.dtype:
+            return cfg, source, tok, "given params"
+        if source.mesh is not None:
+            raise ValueError(
+                f"dtype={dtype!r} differs from the given params' {source.config.dtype}, which "
+                "are sharded over a mesh; cast them before sharding"
+            )
+        params = model_lib.params_from_flat(cfg, model_lib.params_to_flat(source))
+        return cfg, params, tok, f"given params cast to {cfg.dtype}"
     raise TypeError(
         "LLM's first argument must be None (demo model), a checkpoint path, a ModelConfig "
         f"or model Params, got {type(source).__name__}"
