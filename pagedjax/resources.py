@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import warnings
 from pathlib import Path
 
@@ -132,6 +133,13 @@ def plan_num_pages(
     """
     if not 0 < kv_memory_fraction <= 1:
         raise ValueError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction=}")
+    for name, value in (
+        ("page_size", page_size),
+        ("max_num_seqs", max_num_seqs),
+        ("max_model_len", max_model_len),
+    ):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
     per_token = planner.kv_bytes_per_token(
         cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype or cfg.dtype
     )

@@ -28,3 +28,20 @@ def test_given_params_are_cast_to_the_dtype_asked_for():
 def test_a_bad_dtype_for_given_params_is_named():
     with pytest.raises(ValueError, match="int8"):
         resources.load_model(model.init_params(PRESETS["tiny"], seed=3), dtype="int8")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(page_size=0), "page_size=0"),  # was a ZeroDivisionError
+        (dict(max_num_seqs=0), "max_num_seqs=0"),  # blamed kv_memory_fraction
+        (dict(max_model_len=-3), "max_model_len=-3"),
+        (dict(page_size=True), "page_size=True"),
+        (dict(kv_memory_fraction=1.5), "kv_memory_fraction=1.5"),
+    ],
+)
+def test_plan_num_pages_names_a_bad_size(kwargs, match):
+    args = dict(page_size=16, kv_memory_fraction=0.5, max_num_seqs=4, max_model_len=64)
+    with pytest.raises(ValueError, match=match):
+        resources.plan_num_pages(PRESETS["tiny"], **(args | kwargs))
+    assert resources.plan_num_pages(PRESETS["tiny"], **args) == 16  # 4 x 64 tokens / 16
