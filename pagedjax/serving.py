@@ -81,17 +81,12 @@ class EngineThread:
         self.num_aborted = 0
         self.num_failed_steps = 0
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[
-            str, tuple[Any, bool, bool]
-        ] = {}  # rid -> (sink, tokens, logprobs)
-        self._broken: list[
-            str
-        ] = []  # requests whose sink raised during the current step
+        self._sinks: dict[str, tuple[Any, bool, bool]] = {}  # rid -> (sink, tokens, logprobs)
+        self._broken: list[str] = []  # requests whose sink raised during the current step
         self._lock = threading.Lock()
         self._alive = True
-        self._thread = threading.Thread(
-            target=self._run, name="pagedjax-engine", daemon=True
-        )
+        self._ended = "it was stopped"  # why it takes no commands, once it does not
+        self._thread = threading.Thread(target=self._run, name="pagedjax-engine", daemon=True)
         self._thread.start()
 
     def submit(
@@ -118,9 +113,7 @@ class EngineThread:
         """
         requests = _check_requests(requests)
         if not callable(getattr(sink, "put", None)):
-            raise TypeError(
-                f"sink must have a put(event) method, got {type(sink).__name__}"
-            )
+            raise TypeError(f"sink must have a put(event) method, got {type(sink).__name__}")
         self._put(("add", requests, sink, tokens))
 
     def abort(self, request_ids: Iterable[str]) -> None:
@@ -142,7 +135,10 @@ class EngineThread:
         Raises:
           EngineStopped: the thread is not running, or stopped before running `fn`.
           queue.Empty: no result within `timeout`.
+          RuntimeError: called on the engine thread itself (from a `call`'s function or a
+            sink), where waiting for the result would wait forever.
         """
+        self._not_on_engine_thread("call")
         box: queue.SimpleQueue = queue.SimpleQueue()
         self._put(("call", fn, box))
         ok, value = box.get(timeout=timeout)
@@ -155,10 +151,13 @@ class EngineThread:
 
         Args:
           timeout: seconds to wait for the thread to end. Stopping twice is harmless.
+            On the engine thread itself (a `call`'s function, a sink) it does not wait:
+            the thread ends after the current command.
         """
         with contextlib.suppress(EngineStopped):
             self._put(("stop",))
-        self._thread.join(timeout)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
     @property
     def alive(self) -> bool:
@@ -168,8 +167,15 @@ class EngineThread:
     def _put(self, command) -> None:
         with self._lock:
             if not self._alive:
-                raise EngineStopped("the engine is not running (it was stopped)")
+                raise EngineStopped(f"the engine is not running ({self._ended})")
             self._commands.put(command)
+
+    def _not_on_engine_thread(self, what: str) -> None:
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(
+                f"EngineThread.{what} on the engine thread itself (from a call's function or "
+                "a sink) would wait for that thread forever"
+            )
 
     def _run(self) -> None:
         commands: collections.deque = collections.deque()  # read, not yet handled
@@ -187,6 +193,9 @@ class EngineThread:
                     self._handle(command)
                 if self.llm.has_unfinished_requests():
                     self._step()
+        except BaseException as e:
+            self._ended = f"its thread died: {type(e).__name__}: {e}"
+            raise
         finally:
             with self._lock:
                 self._alive = False
@@ -226,8 +235,8 @@ class EngineThread:
         elif kind == "call":
             try:
                 command[2].put((True, command[1](self.llm)))
-            except Exception as e:  # noqa: BLE001  (raised again in the caller)
-                command[2].put((False, e))
+            except BaseException as e:  # noqa: BLE001  (raised again in the caller's thread,
+                command[2].put((False, e))  # SystemExit included: it is the caller's to act on)
 
     def _step(self) -> None:
         try:
@@ -273,9 +282,7 @@ class EngineThread:
     def _fail_all(self, status: int, message: str) -> None:
         for rid, (sink, *_) in list(self._sinks.items()):
             with contextlib.suppress(Exception):
-                self.llm.abort(
-                    rid
-                )  # a failed step aborted them already; a stop did not
+                self.llm.abort(rid)  # a failed step aborted them already; a stop did not
             _send(sink, ("error", rid, status, message))
         self._sinks.clear()
 
@@ -286,9 +293,7 @@ def _send(sink, event) -> bool:
     try:
         sink.put(event)
     except Exception:  # noqa: BLE001
-        print(
-            f"pagedjax: a sink's put raised on a {event[0]!r} event:", file=sys.stderr
-        )
+        print(f"pagedjax: a sink's put raised on a {event[0]!r} event:", file=sys.stderr)
         traceback.print_exc(file=sys.stderr)
         return False
     return True
@@ -321,8 +326,6 @@ def _check_requests(requests) -> list[tuple[str, Any, Any]]:
                 f"requests[{i}] must be a (request id, token ids, params) triple, got {r!r:.80}"
             )
         if not isinstance(r[0], str):
-            raise TypeError(
-                f"requests[{i}]: the request id must be a str, got {r[0]!r:.80}"
-            )
+            raise TypeError(f"requests[{i}]: the request id must be a str, got {r[0]!r:.80}")
         out.append(tuple(r))
     return out

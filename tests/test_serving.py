@@ -6,12 +6,14 @@ request and propagates), so they run in milliseconds and each interleaving is fo
 with events rather than left to timing. One test runs a real tiny `LLM`.
 """
 
+import contextlib
 import queue
 import threading
 import types
 
 import numpy as np
 import pytest
+
 from pagedjax.config import PRESETS
 from pagedjax.engine import LLM
 from pagedjax.request import SamplingParams
@@ -52,9 +54,7 @@ class FakeLLM:
                     on_token(rid, 0, toks[-1])
                 if len(toks) >= params.max_tokens:
                     del self.running[rid]
-                    finished.append(
-                        types.SimpleNamespace(request_id=rid, tokens=list(toks))
-                    )
+                    finished.append(types.SimpleNamespace(request_id=rid, tokens=list(toks)))
         except BaseException:
             self.running.clear()  # LLM.step's recovery: every request is aborted
             raise
@@ -109,6 +109,44 @@ def test_commands_queued_behind_stop_are_answered():
     assert not engine.alive
 
 
+def test_calls_from_the_engine_thread_do_not_deadlock():
+    """call() on the engine thread would wait for itself: a RuntimeError; stop() there
+    ends the thread after the current command instead of joining itself."""
+    engine = EngineThread(FakeLLM())
+    with pytest.raises(RuntimeError, match="engine thread itself"):
+        engine.call(lambda llm: engine.call(lambda llm: 1), timeout=WAIT)
+    assert engine.call(lambda llm: 2, timeout=WAIT) == 2  # still serving
+    engine.call(lambda llm: engine.stop(), timeout=WAIT)
+    engine._thread.join(WAIT)
+    assert not engine.alive
+    with pytest.raises(EngineStopped, match="it was stopped"):
+        engine.call(lambda llm: 3)
+
+
+def test_a_call_raising_system_exit_reaches_its_caller_and_the_thread_goes_on():
+    engine = EngineThread(FakeLLM())
+
+    def leave(_):
+        raise SystemExit(3)
+
+    with pytest.raises(SystemExit):
+        engine.call(leave, timeout=WAIT)  # it waited the whole timeout before
+    assert engine.call(lambda llm: 4, timeout=WAIT) == 4
+    engine.stop()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_after_the_thread_died_commands_say_why():
+    engine = EngineThread(FakeLLM())
+    engine.llm.has_unfinished_requests = lambda: 1 / 0  # the loop itself fails
+    with contextlib.suppress(EngineStopped):  # wake it, unless it died already
+        engine._put(("call", lambda llm: None, queue.SimpleQueue()))
+    engine._thread.join(WAIT)
+    assert not engine.alive
+    with pytest.raises(EngineStopped, match="died: ZeroDivisionError"):
+        engine.submit([("r", [1], SamplingParams(max_tokens=2))], queue.SimpleQueue(), tokens=False)
+
+
 class Broken:
     """A sink whose put raises once it sees a token (a client gone mid-stream)."""
 
@@ -131,9 +169,7 @@ def test_a_sink_that_raises_fails_only_its_own_request(capsys):
     sinks = [queue.SimpleQueue() for _ in lens]
     release = blocked(engine)  # all submitted before the first step
     for i, n in enumerate(lens):
-        engine.submit(
-            [(f"ok{i}", [1, 2], SamplingParams(max_tokens=n))], sinks[i], tokens=True
-        )
+        engine.submit([(f"ok{i}", [1, 2], SamplingParams(max_tokens=n))], sinks[i], tokens=True)
     bad = Broken()
     engine.submit([("bad", [1, 2], SamplingParams(max_tokens=8))], bad, tokens=True)
     release.set()
@@ -159,9 +195,7 @@ def test_a_sink_that_raises_on_error_events_does_not_stop_the_thread():
             raise RuntimeError("closed")
 
     engine = EngineThread(FakeLLM())
-    engine.submit(
-        [("r", [], SamplingParams(max_tokens=2))], Raising(), tokens=False
-    )  # 400
+    engine.submit([("r", [], SamplingParams(max_tokens=2))], Raising(), tokens=False)  # 400
     assert engine.call(lambda llm: 7) == 7
     release = blocked(engine)
     engine.submit([("a", [1], SamplingParams(max_tokens=99))], Raising(), tokens=False)
