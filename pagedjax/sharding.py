@@ -76,13 +76,16 @@ __all__ = [
 ]
 
 
-def _check_size(tp, num_devices: int) -> None:
+def _check_size(tp, num_devices: int | None, where: str = "") -> None:
+    """`where`: which devices were counted (default: every host's `jax.devices()`)."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor_parallel must be a positive int, got tensor_parallel={tp!r}")
+    if num_devices is None:
+        num_devices, where = len(jax.devices()), f"{jax.default_backend()}: jax.devices()"
     if tp > num_devices:
         raise ValueError(
             f"tensor_parallel={tp} needs {tp} devices, but only {num_devices} are present "
-            f"({jax.default_backend()}: jax.devices())"
+            f"({where or 'the devices given'})"
         )
 
 
@@ -97,7 +100,7 @@ def check_tensor_parallel(
       num_devices: devices available (default: `len(jax.devices())`, every host's).
     """
     tp = tensor_parallel
-    _check_size(tp, len(jax.devices()) if num_devices is None else num_devices)
+    _check_size(tp, num_devices)
     if cfg.num_heads % tp:
         raise ValueError(
             f"tensor_parallel={tp} must divide the number of query heads, num_heads={cfg.num_heads}"
@@ -129,11 +132,12 @@ def make_mesh(
       ValueError: tensor_parallel is not a positive int, exceeds the devices present,
         or (with cfg) does not divide the model's heads or MLP width.
     """
-    devices = list(jax.devices() if devices is None else devices)
+    given = None if devices is None else len(devices := list(devices))
     if cfg is None:
-        _check_size(tensor_parallel, len(devices))
+        _check_size(tensor_parallel, given)
     else:
-        check_tensor_parallel(cfg, tensor_parallel, len(devices))
+        check_tensor_parallel(cfg, tensor_parallel, given)
+    devices = list(jax.devices()) if devices is None else devices
     # Auto axes: XLA propagates shardings from the parameters (no sharding-in-types).
     return jax.make_mesh((tensor_parallel,), (AXIS,), axis_types=(AxisType.Auto,), devices=devices)
 

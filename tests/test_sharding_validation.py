@@ -33,3 +33,15 @@ def test_a_mesh_without_a_tp_axis_is_a_value_error(axis):
 def test_tp_mesh_still_sized():
     assert sharding.tensor_parallel_size(None) == 1
     assert sharding.tensor_parallel_size(sharding.make_mesh(1)) == 1
+
+
+def test_too_few_devices_names_which_devices_were_counted():
+    one = jax.devices()[:1]
+    with pytest.raises(ValueError, match=r"only 1 are present \(the devices given\)"):
+        sharding.make_mesh(2, devices=one)
+    with pytest.raises(ValueError, match=r"only 1 are present \(the devices given\)"):
+        sharding.make_mesh(2, CFG, devices=one)
+    n = len(jax.devices())
+    with pytest.raises(ValueError, match=rf"only {n} are present \(cpu: jax.devices\(\)\)"):
+        sharding.make_mesh(n + 1)
+    assert sharding.tensor_parallel_size(sharding.make_mesh(1, CFG, devices=one)) == 1
