@@ -85,12 +85,13 @@ _MASK = -1e30
 
 
 def _lanes(x, n):
-    """Lane-replicated [M, 128] -> [M, n] (n a power of two or a multiple of 128)."""
+    """Lane-replicated [M, 128] -> [M, n], any n >= 1 (block_kv, or head_dim: e.g. 192)."""
     if n == _LANES:
         return x
     if n < _LANES:
         return x[:, :n]
-    return jnp.concatenate([x] * (n // _LANES), axis=1)
+    x = jnp.concatenate([x] * -(-n // _LANES), axis=1)
+    return x if n % _LANES == 0 else x[:, :n]
 
 
 def _seq_bounds(c, blk_start, *, qs_ref, qe_ref, ctx_ref, block_q, block_kv, window):
