@@ -5,7 +5,9 @@
 * `"gpu"`: the Pallas GPU kernel (runs on CUDA, or anywhere with `interpret=True`);
 * `"tpu"`: the Pallas TPU kernel (runs on TPU, or anywhere with `interpret=True`);
 * `"xla"`: the plain-jnp reference in `pallas_kernels.reference`;
-* `"auto"`: the GPU kernel on CUDA, the TPU kernel on TPU, XLA elsewhere.
+* `"auto"`: the GPU kernel on CUDA, the TPU kernel on TPU, XLA elsewhere; on
+  CUDA also XLA for a head dim the GPU kernels do not take (not a power of two of at
+  least 16, e.g. 80 or 96), which `"gpu"` refuses with a ValueError.
 
 Both entry points validate shapes, dtypes and (when concrete) values on the host
 before tracing, then call the chosen implementation.
@@ -44,6 +46,15 @@ def resolve_backend(backend: str = "auto", platform: str | None = None) -> str:
         return backend
     platform = platform or jax.default_backend()
     return {"gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}.get(platform, "xla")
+
+
+def _kernel_backend(backend: str, head_dim: int) -> str:
+    """`resolve_backend`, with "auto" on CUDA falling back to XLA for a head dim the GPU
+    kernels cannot tile (an explicit "gpu" raises there instead)."""
+    concrete = resolve_backend(backend)
+    if backend == "auto" and concrete == "gpu" and not validation.gpu_head_dim_ok(head_dim):
+        return "xla"
+    return concrete
 
 
 def _decode_impl(backend):
@@ -116,7 +127,7 @@ def paged_decode_attention(
     validation.check_decode(
         q, k_pages, v_pages, lengths, page_table, scale, soft_cap, sliding_window
     )
-    impl = _decode_impl(resolve_backend(backend))
+    impl = _decode_impl(_kernel_backend(backend, q.shape[-1]))
     if impl is None:
         if tuning:
             raise TypeError(f"the xla backend takes no tuning knobs, got {sorted(tuning)}")
@@ -191,7 +202,7 @@ def ragged_paged_attention(
         soft_cap,
         sliding_window,
     )
-    impl = _ragged_impl(resolve_backend(backend))
+    impl = _ragged_impl(_kernel_backend(backend, q.shape[-1]))
     if impl is not None and page_table.shape[1] == 0:
         # No page table columns: every context_len and q_len is 0 (checked when
         # concrete), so every row is padding. The GPU kernel cannot run on an empty

@@ -37,6 +37,22 @@ def is_pow2(x) -> bool:
     return is_int(x) and x > 0 and not x & (x - 1)
 
 
+def gpu_head_dim_ok(head_dim: int) -> bool:
+    """Whether the GPU (Triton) kernels take this head dim: their `dot` tiles need a
+    power of two of at least 16."""
+    return is_pow2(head_dim) and head_dim >= 16
+
+
+def check_gpu_head_dim(head_dim: int) -> None:
+    """ValueError naming `head_dim` unless `gpu_head_dim_ok` (`backend="auto"` runs XLA
+    for such head dims on CUDA instead)."""
+    if not gpu_head_dim_ok(head_dim):
+        raise ValueError(
+            f"the GPU kernels need a power-of-two head_dim >= 16, got {head_dim=} "
+            "(backend='auto' runs XLA's attention for it)"
+        )
+
+
 def _check_arrays(**arrays):
     for name, x in arrays.items():
         if not all(hasattr(x, a) for a in ("shape", "dtype", "ndim")):

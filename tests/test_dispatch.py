@@ -28,6 +28,36 @@ def test_resolve_backend():
         pk.resolve_backend("triton")
 
 
+@pytest.mark.parametrize("head_dim, auto_runs", [(96, "xla"), (80, "xla"), (8, "xla"), (32, "gpu")])
+def test_auto_on_cuda_runs_xla_for_head_dims_the_gpu_kernels_cannot_tile(
+    monkeypatch, head_dim, auto_runs
+):
+    """A CUDA platform (faked) with a head dim that is not a power of two >= 16: "auto"
+    runs XLA's attention (same result as the reference), "gpu" names the head dim."""
+    from pallas_kernels import dispatch
+
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "cuda")
+    ran = []
+    for name in ("_decode_impl", "_ragged_impl"):
+        real = getattr(dispatch, name)
+        monkeypatch.setattr(dispatch, name, lambda b, real=real: ran.append(b) or real(b))
+    rng = np.random.default_rng(head_dim)
+    q, kp, vp, lengths, table = inputs(rng, d=head_dim)
+    out = pk.paged_decode_attention(q, kp, vp, lengths, table, interpret=True)
+    want = ref.paged_attention_xla(q, kp, vp, lengths, table)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
+    loc = np.array([0, 1, 3, 3], np.int32)
+    out = pk.ragged_paged_attention(q, kp, vp, table, lengths, loc, interpret=True)
+    want = ref.ragged_paged_attention_xla(q, kp, vp, table, lengths, loc)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
+    assert ran == [auto_runs] * 2
+    if auto_runs == "xla":
+        with pytest.raises(ValueError, match=f"head_dim={head_dim}"):
+            pk.paged_decode_attention(q, kp, vp, lengths, table, backend="gpu", interpret=True)
+        with pytest.raises(ValueError, match=f"head_dim={head_dim}"):
+            pk.ragged_paged_attention(q, kp, vp, table, lengths, loc, backend="gpu", interpret=True)
+
+
 def test_xla_backend_is_the_reference():
     q, kp, vp, lengths, table = inputs(np.random.default_rng(0))
     out = pk.paged_decode_attention(q, kp, vp, lengths, table, backend="xla")

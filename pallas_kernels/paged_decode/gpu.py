@@ -93,7 +93,7 @@ from pallas_kernels.paged_decode.gpu_merge import (
     merge_splits_wide,
     program_heads,
 )
-from pallas_kernels.validation import is_int, is_pow2
+from pallas_kernels.validation import check_gpu_head_dim, is_int, is_pow2
 
 __all__ = [
     "TUNING_KNOBS",
@@ -201,10 +201,7 @@ def _check_tuning(tuning: dict, head_dim: int) -> None:
             raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
     if not is_pow2(tuning["num_warps"]) or tuning["num_warps"] > 32:
         raise ValueError(f"num_warps must be a power of two <= 32, got {tuning['num_warps']!r}")
-    if not is_pow2(head_dim) or head_dim < _MIN_DOT:
-        raise ValueError(
-            f"the GPU kernel needs a power-of-two head_dim >= {_MIN_DOT}, got {head_dim=}"
-        )
+    check_gpu_head_dim(head_dim)
 
 
 def _decode_kernel(
