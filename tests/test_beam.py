@@ -5,6 +5,7 @@ penalty)."""
 
 import numpy as np
 import pytest
+from beam_oracle import whole_vocabulary_search
 
 from pagedjax.beam import BeamSearch, num_candidates
 
@@ -22,45 +23,6 @@ class ToyModel:
         scale = 0.3 if rng.random() < 0.5 else 3.0
         x = np.round(rng.normal(0, scale, self.vocab) / self.grid) * self.grid
         return x - x.max() - np.log(np.exp(x - x.max()).sum())
-
-
-def whole_vocabulary_search(model, width, max_new, stops, length_penalty):
-    """The documented selection, every (beam, token) of the vocabulary ranked each step.
-    Returns the finished hypotheses as (tokens, sum, reason), best first."""
-    live = [([], 0.0)]
-    hyps = []  # (score, tokens, sum, reason), best first; an earlier equal score first
-
-    def add(tokens, total, reason):
-        hyps.append((total / len(tokens) ** length_penalty, tokens, total, reason))
-        hyps.sort(key=lambda h: -h[0])
-        del hyps[width:]
-
-    for step in range(max_new):
-        rows = [model.logprobs(g) for g, _ in live]
-        ranked = sorted(
-            (s + float(rows[b][t]), b, -float(rows[b][t]), t)
-            for b, (_, s) in enumerate(live)
-            for t in range(model.vocab)
-        )
-        ranked.sort(key=lambda c: -c[0])  # stable: then beam, likelier, lower id
-        new = []
-        for rank, (total, b, _, t) in enumerate(ranked):
-            if t in stops:
-                if rank < width:
-                    add(live[b][0] + [t], total, "stop")
-                continue
-            new.append((live[b][0] + [t], total))
-            if len(new) == width:
-                break
-        if step + 1 == max_new:
-            for g, total in new:
-                add(g, total, "length")
-            break
-        best = None if not new else new[0][1] / (step + 1) ** length_penalty
-        if best is None or (len(hyps) == width and hyps[-1][0] >= best):
-            break
-        live = new
-    return [(h[1], h[2], h[3]) for h in hyps]
 
 
 def top_candidates(row: np.ndarray, k: int):
@@ -118,7 +80,11 @@ def test_top_k_candidates_equal_the_whole_vocabulary(case, seed):
     model = ToyModel(vocab, seed, grid)
     stops = set(rng.choice(vocab, num_stops, replace=False).tolist())
     got, bs = run_beam_search(model, width, max_new, stops, length_penalty)
-    want = whole_vocabulary_search(model, width, max_new, stops, length_penalty)
+
+    def rows(prefixes):
+        return [model.logprobs(g) for g in prefixes]
+
+    want = [h[1:] for h in whole_vocabulary_search(rows, width, max_new, stops, length_penalty)]
     assert [(t, r) for t, _, r in got] == [(t, r) for t, _, r in want]
     np.testing.assert_allclose([s for _, s, _ in got], [s for _, s, _ in want], rtol=1e-12)
     for h in bs.hyps:

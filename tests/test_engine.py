@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import params_helpers
 import pytest
+from beam_oracle import whole_vocabulary_search
 
 from pagedjax import demo, model, resources, sampling
 from pagedjax.batch import StepBatch
@@ -191,45 +192,15 @@ def test_n_samples_share_the_prompt_and_match_the_sampler(params, dense):
 
 
 def dense_beam_search(dense, prompt, width, max_tokens, stop_ids, length_penalty):
-    """Exhaustive: every beam's whole-vocabulary log-probabilities, HF-style selection."""
-    live = [([], 0.0)]
-    hyps = []  # (score, tokens, sum)
+    """Exhaustive: every beam's whole-vocabulary log-probabilities, HF-style selection;
+    (score, tokens, sum, reason) per hypothesis, best first."""
 
-    def add(tokens, total, reason):
-        hyps.append((total / len(tokens) ** length_penalty, tokens, total, reason))
-        hyps.sort(key=lambda h: -h[0])
-        del hyps[width:]
-
-    for _ in range(max_tokens):
-        logits = dense.last_logits([prompt + g for g, _ in live]).astype(np.float64)
+    def logprobs(prefixes):
+        logits = dense.last_logits([prompt + g for g in prefixes]).astype(np.float64)
         m = logits.max(-1, keepdims=True)
-        logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
-        cands = sorted(
-            (
-                (s + logp[b, t], b, -logp[b, t], t)
-                for b, (_, s) in enumerate(live)
-                for t in range(logp.shape[1])
-            ),
-            key=lambda c: (-c[0], c[1], c[2], c[3]),
-        )
-        length = len(live[0][0]) + 1
-        new = []
-        for rank, (total, b, _, t) in enumerate(cands):
-            if t in stop_ids:
-                if rank < width:
-                    add(live[b][0] + [t], total, "stop")
-                continue
-            new.append((live[b][0] + [t], total))
-            if len(new) == width:
-                break
-        if length >= max_tokens:
-            for g, total in new:
-                add(g, total, "length")
-            break
-        if not new or (len(hyps) >= width and hyps[-1][0] >= new[0][1] / length**length_penalty):
-            break
-        live = new
-    return hyps
+        return logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+
+    return whole_vocabulary_search(logprobs, width, max_tokens, stop_ids, length_penalty)
 
 
 def run_under_preemption(params, dense, beam: bool):
