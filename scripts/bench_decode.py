@@ -57,7 +57,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads  # noqa: E402
 
-from pagedjax import decode  # noqa: E402
+from pagedjax import decode, planner  # noqa: E402
 from pagedjax import model as model_lib  # noqa: E402
 from pagedjax.config import PRESETS, preset  # noqa: E402
 from pagedjax.engine import LLM, SamplingParams  # noqa: E402
@@ -334,7 +334,7 @@ def parse_args(argv=None):
     if args.seed < 0:
         p.error(f"--seed must be >= 0, got {args.seed}")
     num_pages = args.kv_budget_tokens // ps
-    usable = num_pages - int(0.01 * num_pages)  # the engine keeps its watermark free
+    usable = num_pages - int(planner.WATERMARK * num_pages)  # the engine keeps it free
     seq_pages = -(-(args.prompt_len + args.gen_len) // ps)
     if usable < seq_pages:
         p.error(

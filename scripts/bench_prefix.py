@@ -59,7 +59,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads  # noqa: E402
 
-from pagedjax import decode  # noqa: E402
+from pagedjax import decode, planner  # noqa: E402
 from pagedjax.config import PRESETS, preset  # noqa: E402
 from pagedjax.engine import LLM, SamplingParams  # noqa: E402
 from pagedjax.resources import BACKENDS  # noqa: E402
@@ -317,15 +317,16 @@ def parse_args(argv=None):
     if ps < 1 or ps & (ps - 1):
         p.error(f"--page-size must be a power of two, got {ps}")
     # The engine admits a request whose K/V (all its tokens but the last) fits the pages
-    # left after its watermark (1% of them).
-    usable = args.num_pages - int(0.01 * args.num_pages)
+    # left after its watermark.
+    usable = args.num_pages - int(planner.WATERMARK * args.num_pages)
     longest = args.system_tokens + args.message_tokens + 1
     if args.chat_conversations and args.model != "demo":
         longest = max(longest, args.max_model_len)  # a chat turn can grow to the limit
-    if usable < -(-(longest - 1) // ps):
+    need = planner.peak_pages(longest, ps)
+    if usable < need:
         p.error(
             f"--num-pages {args.num_pages} ({usable} usable) cannot hold a request of "
-            f"{longest} tokens in pages of {ps} (it needs {-(-(longest - 1) // ps)}; "
+            f"{longest} tokens in pages of {ps} (it needs {need}; "
             "raise --num-pages, or lower --max-model-len or --system-tokens)"
         )
     if args.max_num_batched_tokens < args.system_tokens + args.message_tokens:
