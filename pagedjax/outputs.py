@@ -160,19 +160,23 @@ class OutputProcessor:
             old, held = len(s.detok.text), s.detok.pending.rstrip("\ufffd")
             s.detok.add(tok)
             # The text if it stopped here (it would): all of decode(ids), the run of byte
-            # tokens the decoder holds back too, less an incomplete last character.
-            text = (s.detok.text + s.detok.pending).rstrip("\ufffd") if check else ""
+            # tokens the decoder holds back too, less an incomplete last character; from
+            # `base` on, the part a new occurrence can overlap (not the whole text a token).
+            base = max(0, old - max(map(len, req.params.stop), default=1) + 1)
+            tail = (s.detok.text[base:] + s.detok.pending).rstrip("\ufffd") if check else ""
             # Only an occurrence that ends past what this text shares with the previous
             # token's: that was searched already, or min_tokens let its occurrences through.
-            old += len(os.path.commonprefix([held, text[old:]]))
-            if len(text) > old:
+            old -= base
+            old += len(os.path.commonprefix([held, tail[old:]]))
+            if len(tail) > old:
                 # Of several, the first completed wins (ending first, then starting first):
                 # what a check after every character would stop on, so neither how the
                 # text splits into tokens nor the list's order changes the cut.
-                found = ((text.find(x, max(0, old - len(x) + 1)), x) for x in req.params.stop)
+                found = ((tail.find(x, max(0, old - len(x) + 1)), x) for x in req.params.stop)
                 hits = [(i + len(x), i, x) for i, x in found if i >= 0]
                 if hits:
-                    _, s.stop_pos, stop = min(hits, key=lambda h: h[:2])
+                    _, i, stop = min(hits, key=lambda h: h[:2])
+                    s.stop_pos = base + i
             reason = "stop" if stop is not None else None
         if reason is None and len(s.token_ids) >= s.max_num_tokens:
             reason = "length"
