@@ -258,6 +258,8 @@ class StepBatch:
             token_src=None if feed is None else self.token_src,
             feed=feed,
             decode=self.decode,
+            page_size=self.page_size,
+            num_pages=self.bm.num_pages,
         )
         return inp, k, pk
 

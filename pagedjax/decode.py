@@ -70,6 +70,7 @@ from pagedjax.step_input import (
     build_step_input,
     is_int,
 )
+from pallas_kernels.validation import check_dtypes
 
 __all__ = [
     "Buckets",
@@ -79,6 +80,7 @@ __all__ = [
     "StepOutput",
     "bucket_size",
     "build_step_input",
+    "check_cache",
     "compile_counts",
     "decode_step",
     "generate",
@@ -92,6 +94,73 @@ _TRACES: collections.Counter = collections.Counter()
 def compile_counts() -> dict[str, int]:
     """How many programs each step function has traced (= compiled) in this process."""
     return dict(_TRACES)
+
+
+def check_cache(
+    params: model_lib.Params, cache: cache_lib.PagedKVCache, inp: StepInput | None = None
+) -> None:
+    """Raises unless `cache` fits `params` and the geometry `inp` was built for.
+
+    The steps call it on the host before tracing: a cache made for another model, page
+    size or page count, or not split over the params' mesh, would otherwise fail deep in
+    tracing or, worse, run: slots of another page size, page ids past the pool.
+
+    Raises:
+      ValueError: layers, kv heads, head dim, page size or page count differ; the K and
+        V pools differ; a tensor-parallel model's cache is not split over kv heads on
+        its mesh (`sharding.create_cache`), or a single-device model's is spread.
+      TypeError: a storage dtype the model's attention cannot read (`CacheConfig`).
+    """
+    cfg = params.config
+    if not isinstance(cache, cache_lib.PagedKVCache):
+        raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+    tp = sharding.tensor_parallel_size(params.mesh)
+    k, v = cache.k, cache.v
+    if len(k) != cfg.num_layers or len(v) != cfg.num_layers:
+        raise ValueError(
+            f"the cache has {len(k)} K and {len(v)} V layers; the model has {cfg.num_layers}"
+        )
+    shape, kv_heads = k[0].shape, sharding.cache_kv_heads(cfg, tp)
+    if len(shape) != 4 or shape[0] != kv_heads or shape[3] != cfg.head_dim:
+        over = f" over {tp} devices" if tp > 1 else ""
+        raise ValueError(
+            f"cache pools must be [K, P, S, D] with K={kv_heads} kv heads and "
+            f"D={cfg.head_dim} for this model{over}, got {shape}"
+        )
+    if v[0].shape != shape or v[0].dtype != k[0].dtype:
+        raise ValueError(
+            f"V pools {v[0].shape} {v[0].dtype} differ from K pools {shape} {k[0].dtype}"
+        )
+    try:
+        check_dtypes(cfg.jnp_dtype, k[0].dtype)
+    except TypeError as e:
+        raise TypeError(f"a {k[0].dtype} cache for a {cfg.dtype} model: {e}") from None
+    if inp is not None:
+        for name, built, got in (
+            ("page_size", inp.page_size, shape[2]),
+            ("num_pages", inp.num_pages, shape[1]),
+        ):
+            if built and built != got:
+                raise ValueError(
+                    f"the step was built for {name}={built}, but the cache has {name}={got}"
+                )
+    leaf = k[0]
+    if isinstance(leaf, jax.core.Tracer) or not isinstance(leaf, jax.Array):
+        return  # under an outer trace, or numpy: placement is jit's
+    devices = leaf.sharding.device_set
+    if params.mesh is None:
+        if len(devices) > 1:
+            raise ValueError(
+                f"the cache is spread over {len(devices)} devices but the model has no "
+                "mesh; shard both (LLM(tensor_parallel=...), sharding.shard_params and "
+                "sharding.create_cache) or neither"
+            )
+    elif not leaf.sharding.is_equivalent_to(sharding.cache_sharding(params.mesh), leaf.ndim):
+        raise ValueError(
+            f"the cache is placed as {leaf.sharding}, not split over kv heads on the model's "
+            f"mesh {dict(params.mesh.shape)}; create it with "
+            "sharding.create_cache(cfg, cache_cfg, params.mesh)"
+        )
 
 
 def _step(
@@ -207,6 +276,7 @@ def prefill_step(
     """One mixed step (prefill chunks and decode rows) with ragged paged attention.
 
     Jitted; `cache` is donated (do not use it after the call; use the returned one).
+    `check_cache` runs first, on the host.
 
     Args:
       params: the split model (`pagedjax.model.split_model`).
@@ -226,6 +296,7 @@ def prefill_step(
     Returns:
       (StepOutput, new cache).
     """
+    check_cache(params, cache, inp)
     return _prefill_jit(
         params,
         cache,
@@ -254,6 +325,7 @@ def decode_step(
     `inp` must come from `build_step_input(..., decode=True)` (the default when every
     chunk has one token). Arguments and result as for `prefill_step`.
     """
+    check_cache(params, cache, inp)
     return _decode_jit(
         params,
         cache,

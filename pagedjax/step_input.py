@@ -60,6 +60,10 @@ class StepInput:
     token_src: jax.Array | None = None  # [T] int32
     feed: jax.Array | None = None  # [F] int32, F >= B
     decode: bool = _static(default=False)  # one token per sequence and T == B
+    # The cache geometry the step was built and checked for (0: not recorded); the
+    # steps refuse a cache of another page size or page count (`decode.check_cache`).
+    page_size: int = _static(default=0)
+    num_pages: int = _static(default=0)
 
     @property
     def bucket(self) -> tuple[int, int, int, int, bool]:
@@ -312,6 +316,8 @@ def build_step_input(
         penalties=penalties,
         logit_bias=logit_bias,
         decode=decode,
+        page_size=cache_cfg.page_size,
+        num_pages=cache_cfg.num_pages,
     )
 
 

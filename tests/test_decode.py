@@ -460,6 +460,39 @@ def test_decode_step_rejects_a_prefill_batch(params):
         decode.decode_step(params, cache, inp, backend="xla")
 
 
+@pytest.mark.parametrize(
+    "model_changes,cache_cfg,error,match",
+    [
+        (
+            dict(num_layers=1),
+            CacheConfig(4, 8, "float32"),
+            ValueError,
+            r"1 K and 1 V layers; the model has 2",
+        ),
+        (dict(num_kv_heads=1), CacheConfig(4, 8, "float32"), ValueError, r"K=2 kv heads.*\(1, 8"),
+        (dict(head_dim=8), CacheConfig(4, 8, "float32"), ValueError, r"D=16 .*got \(2, 8, 4, 8\)"),
+        ({}, CacheConfig(8, 8, "float32"), ValueError, "built for page_size=4, .* page_size=8"),
+        ({}, CacheConfig(4, 4, "float32"), ValueError, "built for num_pages=8, .* num_pages=4"),
+        ({}, CacheConfig(4, 8, "bfloat16"), TypeError, "a bfloat16 cache for a float32 model"),
+    ],
+)
+def test_steps_refuse_a_cache_of_another_model_or_geometry(
+    params, model_changes, cache_cfg, error, match
+):
+    """A cache made for another model, page size or page count fails on the host, by name,
+    and is not donated; before the check, a wrong page size or a short pool ran and wrote
+    to the wrong slots (or past the pool)."""
+    built_for = CacheConfig(page_size=4, num_pages=8, dtype="float32")
+    cache = cache_lib.create(dataclasses.replace(TINY, **model_changes), cache_cfg)
+    before = decode.compile_counts()
+    for tokens in ([1, 2, 3], [1]):
+        inp = decode.build_step_input([decode.SeqChunk(tokens, 0, [7])], TINY, built_for)
+        with pytest.raises(error, match=match):
+            decode.step(params, cache, inp, backend="xla")
+    assert decode.compile_counts() == before
+    assert not cache.k[0].is_deleted()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 2, 16, 32])
 def test_long_greedy_decode_equals_dense_recompute_sweep(params, page_size):

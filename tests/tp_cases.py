@@ -235,6 +235,27 @@ def test_bad_tensor_parallel_sizes_are_rejected():
         sharding.make_mesh(16)
 
 
+def test_steps_refuse_a_cache_placed_off_the_models_mesh():
+    """A tensor-parallel model with a one-device cache, or a one-device model with a
+    cache split over a mesh, fails on the host by name (not inside jit)."""
+    cfg = tiny(2)
+    one = random_params(cfg)
+    tp2 = sharding.shard_params(one, sharding.make_mesh(2, cfg))
+    inp = decode.build_step_input([decode.SeqChunk([1, 2, 3], 0, [1])], cfg, CACHE)
+    with pytest.raises(ValueError, match=r"not split over kv heads on the model's mesh"):
+        decode.prefill_step(tp2, sharding.create_cache(cfg, CACHE), inp)
+    split = sharding.create_cache(cfg, CACHE, tp2.mesh)
+    with pytest.raises(ValueError, match=r"spread over 2 devices but the model has no mesh"):
+        decode.prefill_step(one, split, inp)
+    other = sharding.create_cache(
+        cfg, CACHE, sharding.make_mesh(2, cfg, devices=jax.devices()[2:4])
+    )
+    with pytest.raises(ValueError, match=r"not split over kv heads on the model's mesh"):
+        decode.prefill_step(tp2, other, inp)
+    out, split = decode.prefill_step(tp2, split, inp)  # the matching cache runs
+    assert out.tokens.shape[0] >= 1
+
+
 # --- the engine at tp = 4: tests/test_engine.py's equality tests, unchanged ---------------
 # The tiny preset has 4 query heads and 2 kv heads, so at tp = 4 each kv head is
 # replicated on 2 devices. LLM(params) with sharded params runs tensor parallel.
