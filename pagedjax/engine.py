@@ -217,6 +217,7 @@ class LLM:
         self._outputs: dict[str, RequestOutput] = {}  # finished, for a running generate()
         self._collect: set[str] = set()  # request ids a generate() call waits for
         self._idle_steps = 0
+        self._timing = False  # a _run_clock is counting
         jax.block_until_ready(self.cache)
         self.metrics.load_time_s = perf_counter() - t0
 
@@ -375,16 +376,16 @@ class LLM:
 
             bar = tqdm(total=len(ids), desc="requests", unit="req")
         mine = set(ids)
-        t0 = perf_counter()
         try:
-            while not mine.issubset(self._outputs) and self.has_unfinished_requests():
-                done = self._step(on_token, mine)
-                if bar is not None:
-                    bar.update(sum(o.request_id in mine for o in done))
-                if on_step is not None:
-                    on_step(self)
-            while self._inflight is not None and not self.scheduler.has_unfinished():
-                self._step(on_token, mine)  # nothing left to run: collect the last step
+            with self._run_clock():
+                while not mine.issubset(self._outputs) and self.has_unfinished_requests():
+                    done = self._step(on_token, mine)
+                    if bar is not None:
+                        bar.update(sum(o.request_id in mine for o in done))
+                    if on_step is not None:
+                        on_step(self)
+                while self._inflight is not None and not self.scheduler.has_unfinished():
+                    self._step(on_token, mine)  # nothing left to run: collect the last step
             return [self._outputs.pop(i) for i in ids]
         except BaseException:
             for i in ids:  # a failed step aborted them already; not an on_step error
@@ -392,7 +393,6 @@ class LLM:
                     self.abort(i)
             raise
         finally:
-            self.metrics.run_time_s += perf_counter() - t0
             self._collect.difference_update(ids)
             for i in ids:
                 self._outputs.pop(i, None)
@@ -456,14 +456,24 @@ class LLM:
         is re-created and the prefix cache cleared, else only the pages the failed step
         was to write leave the prefix cache.
 
-        Its wall time counts in `metrics.run_time_s`, as a `generate` call's does (whose
-        steps go through `_step`, not counted twice).
+        Its wall time counts in `metrics.run_time_s`, as a `generate` call's does; a
+        step called inside a `generate` (from `on_step`) is counted once, as its part.
         """
+        with self._run_clock():
+            return self._step(on_token, None)
+
+    @contextlib.contextmanager
+    def _run_clock(self):
+        """Adds the block's wall time to `metrics.run_time_s`, unless an enclosing block
+        (a `generate` whose `on_step` calls `step` or `generate`) already counts it."""
+        outer, self._timing = not self._timing, True
         t0 = perf_counter()
         try:
-            return self._step(on_token, None)
+            yield
         finally:
-            self.metrics.run_time_s += perf_counter() - t0
+            if outer:
+                self._timing = False
+                self.metrics.run_time_s += perf_counter() - t0
 
     def _step(self, on_token, only: set[str] | None) -> list[RequestOutput]:
         """`step`; on a KeyboardInterrupt, recovery aborts only the requests in `only`

@@ -337,6 +337,14 @@ def test_step_loops_count_run_time_as_generate_does(params):
     assert 0 < g["run_time_s"] - s["run_time_s"] <= wall  # its steps are not counted twice
     net = g["run_time_s"] - g["compile_time_s"]
     assert g["output_tokens_per_s"] == pytest.approx(18 / net)
+    # An on_step that steps the engine itself: those steps are part of the generate
+    # call's time, not added a second time (they were: about 1.5x the wall time here).
+    nested = []
+    t0 = perf_counter()
+    llm.generate(prompts, greedy(4, ignore_eos=True), on_step=lambda e: nested.append(e.step()))
+    wall = perf_counter() - t0
+    assert len(nested) >= 2
+    assert 0 < llm.summary()["run_time_s"] - g["run_time_s"] <= wall
     check_clean(llm)
 
 
