@@ -255,12 +255,11 @@ class LLM:
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else self.eos_ids
         )
-        seats = max(params.n, params.beam_width)
-        if seats > self.scheduler.max_num_seqs:  # before building n sequences (n=10**9)
-            raise ValueError(
-                f"request runs {seats} sequences at once (n={params.n}, beam_width="
-                f"{params.beam_width}), more than max_num_seqs={self.scheduler.max_num_seqs}"
-            )
+        self.scheduler.check_seats(  # before building n sequences (n=10**9)
+            max(params.n, params.beam_width),
+            request_id,
+            f" (n={params.n}, beam_width={params.beam_width})",
+        )
         bias, banned = request_bias(params, stop_ids, self.config.vocab_size)
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         p = len(ids)

@@ -202,11 +202,7 @@ class Scheduler:
             raise ValueError(f"request id {group.request_id!r} is already queued or running")
         if not group.seqs:
             raise ValueError(f"request {group.request_id!r} has no sequences")
-        if group.seats > self.max_num_seqs or group.num_seats > self.max_num_seqs:
-            raise ValueError(
-                f"request {group.request_id!r} runs {group.num_seats} sequences at once, "
-                f"more than max_num_seqs={self.max_num_seqs}"
-            )
+        self.check_seats(max(group.seats, group.num_seats), group.request_id)
         need = self.max_pages_needed(group)
         have = self.bm.num_pages - self.bm.watermark_pages
         if need > have:
@@ -225,6 +221,16 @@ class Scheduler:
         group.status = SeqStatus.WAITING
         self.waiting.append(group)
         self._groups[group.request_id] = group
+
+    def check_seats(self, seats: int, request_id: Hashable = None, why: str = "") -> None:
+        """Raises ValueError if a request running `seats` sequences at once (`why`: what
+        asks for them) could never be scheduled."""
+        if seats > self.max_num_seqs:
+            name = "request" if request_id is None else f"request {request_id!r}"
+            raise ValueError(
+                f"{name} runs {seats} sequences at once{why}, more than "
+                f"max_num_seqs={self.max_num_seqs}"
+            )
 
     def abort(self, request_id: Hashable) -> SequenceGroup | None:
         """Removes a request wherever it is and frees its pages; returns it (or None)."""
