@@ -44,6 +44,29 @@ _ARCH_FAMILIES = {
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
 }
+# What HF's config class of each family reads a key as when config.json leaves it out
+# (None: neither architectures nor model_type, read as Llama). A null
+# num_key_value_heads is MHA in every family; only an absent one takes these. The
+# Qwen windows apply only with `use_sliding_window: true`.
+_HF_ABSENT = {
+    "llama": dict(
+        max_position_embeddings=2048, intermediate_size=11008, num_key_value_heads=None,
+        head_dim=None, sliding_window=None,
+    ),
+    "mistral": dict(
+        max_position_embeddings=131072, intermediate_size=14336, num_key_value_heads=8,
+        head_dim=None, sliding_window=4096,
+    ),
+    "qwen2": dict(
+        max_position_embeddings=32768, intermediate_size=22016, num_key_value_heads=32,
+        head_dim=None, sliding_window=4096,
+    ),
+    "qwen3": dict(
+        max_position_embeddings=32768, intermediate_size=22016, num_key_value_heads=32,
+        head_dim=128, sliding_window=4096,
+    ),
+}  # fmt: skip
+_HF_ABSENT[None] = _HF_ABSENT["llama"]
 
 
 def dtype_name(dtype, *, kv: bool = False) -> str:
@@ -195,7 +218,12 @@ class ModelConfig:
         always biases q/k/v and never o_proj; Mistral has no biases (HF ignores
         `attention_bias` in both, and so does this). The sliding window is read as HF
         does (see `_hf_sliding_window`); only a window on every layer or on none is
-        supported. Absent optional keys take HF's defaults (`rms_norm_eps` 1e-6).
+        supported. Absent optional keys take the defaults of the family's HF config class
+        (`_HF_ABSENT`: `max_position_embeddings` 2048 for Llama, 131072 for Mistral,
+        32768 for Qwen; `intermediate_size`, `num_key_value_heads`, the window; and
+        `rms_norm_eps` 1e-6, `rope_theta` 10000 in all); absent `bos_token_id` and
+        `eos_token_id` are None (HF's Llama and Mistral say 1 and 2; the tokenizer's
+        and generation_config's count instead).
 
         Raises:
           ValueError: an unsupported architecture anywhere in `architectures`, unsupported
@@ -224,11 +252,20 @@ class ModelConfig:
             raise ValueError(f"config.json is missing required keys: {missing}")
         _refuse_unimplemented(config)
         family = _ARCH_FAMILIES[archs[0]] if archs else model_type
+        absent = _HF_ABSENT[family]
         num_heads = _hf_number(config, "num_attention_heads", int)
         hidden = _hf_number(config, "hidden_size", int)
-        # HF's Qwen3Config defaults head_dim to 128, not hidden_size // heads.
-        default_head_dim = 128 if family == "qwen3" else hidden // num_heads
-        head_dim = _hf_number(config, "head_dim", int, default_head_dim, nullable=True)
+        # An absent head_dim is 128 in HF's Qwen3Config, else hidden_size // heads (null too).
+        head_dim = _hf_number(config, "head_dim", int, absent["head_dim"], nullable=True)
+        head_dim = hidden // num_heads if head_dim is None else head_dim
+        if config.get("num_key_value_heads", 0) is None:  # null: MHA in every family
+            kv_heads = num_heads
+        else:
+            kv = absent["num_key_value_heads"] or num_heads
+            kv_heads = _hf_number(config, "num_key_value_heads", int, kv)
+        max_pos = _hf_number(
+            config, "max_position_embeddings", int, absent["max_position_embeddings"]
+        )
         rope = dict(config.get("rope_parameters") or {})
         theta = _hf_number(rope, "rope_theta", float, _hf_number(config, "rope_theta", float, 1e4))
         scaling = config.get("rope_scaling") or (rope if _rope_type(rope) != "default" else None)
@@ -245,12 +282,14 @@ class ModelConfig:
         return cls(
             num_layers=_hf_number(config, "num_hidden_layers", int),
             num_heads=num_heads,
-            num_kv_heads=_hf_number(config, "num_key_value_heads", int, num_heads, nullable=True),
+            num_kv_heads=kv_heads,
             head_dim=head_dim,
             hidden_size=hidden,
-            intermediate_size=_hf_number(config, "intermediate_size", int, 4 * hidden),
+            intermediate_size=_hf_number(
+                config, "intermediate_size", int, absent["intermediate_size"]
+            ),
             vocab_size=_hf_number(config, "vocab_size", int),
-            max_position_embeddings=_hf_number(config, "max_position_embeddings", int, 8192),
+            max_position_embeddings=max_pos,
             rope_theta=theta,
             rope_scaling=_rope_scaling(scaling),
             norm_eps=_hf_number(config, "rms_norm_eps", float, 1e-6),  # HF's, every family
@@ -258,7 +297,7 @@ class ModelConfig:
             qkv_bias=attention_bias or family == "qwen2",
             o_bias=attention_bias,
             qk_norm=family == "qwen3",
-            sliding_window=_hf_sliding_window(config, family),
+            sliding_window=_hf_sliding_window(config, family, max_pos),
             dtype=dtype or _hf_dtype(torch_dtype),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=tuple(eos),
@@ -335,7 +374,7 @@ def _hf_number(config: dict, key: str, kind: type, default=None, *, nullable: bo
     return kind(v)
 
 
-def _hf_sliding_window(config: dict, family: str | None) -> int | None:
+def _hf_sliding_window(config: dict, family: str | None, max_pos: int) -> int | None:
     """The one sliding window of every layer, or None; mixed layers are a ValueError.
 
     HF's rules: Mistral slides every layer when `sliding_window` is set. HF's Llama
@@ -346,9 +385,10 @@ def _hf_sliding_window(config: dict, family: str | None) -> int | None:
     the layers that `layer_types` marks "sliding_attention", or, without that list,
     layers `i >= max_window_layers` (default 28; older transformers read it the other
     way round, which only matters for mixed cases, refused here). A window of at least
-    `max_position_embeddings` never masks anything and is dropped.
+    `max_position_embeddings` (`max_pos`) never masks anything and is dropped. An absent
+    `sliding_window` is HF's default: 4096 for Mistral and Qwen, none for Llama.
     """
-    window = config.get("sliding_window")
+    window = config.get("sliding_window", _HF_ABSENT[family]["sliding_window"])
     qwen = family in ("qwen2", "qwen3")
     if window is None or not config.get("use_sliding_window", not qwen):
         return None
@@ -382,8 +422,7 @@ def _hf_sliding_window(config: dict, family: str | None) -> int | None:
         )
     if window < 1:
         raise ValueError(f"sliding_window must be a positive int, got sliding_window={window}")
-    max_pos = config.get("max_position_embeddings")
-    return None if max_pos is not None and window >= int(max_pos) else window
+    return None if window >= max_pos else window
 
 
 def _refuse_unimplemented(config: dict) -> None:

@@ -178,6 +178,53 @@ def test_from_hf_absent_keys_take_hfs_defaults():
     assert cfg.norm_eps == 1e-6 and cfg.rope_theta == 10000.0 and cfg.num_kv_heads == 32
 
 
+_OPTIONAL = (
+    "max_position_embeddings",
+    "intermediate_size",
+    "num_key_value_heads",
+    "head_dim",
+    "sliding_window",
+)
+
+
+@pytest.mark.parametrize(
+    "family, max_pos, intermediate, kv_heads, head_dim, window",
+    [  # the defaults of LlamaConfig, MistralConfig, Qwen2Config and Qwen3Config
+        ("llama", 2048, 11008, 32, 128, None),
+        (None, 2048, 11008, 32, 128, None),  # neither architectures nor model_type
+        ("mistral", 131072, 14336, 8, 128, 4096),
+        ("qwen2", 32768, 22016, 32, 128, None),  # use_sliding_window defaults to false
+        ("qwen3", 32768, 22016, 32, 128, None),
+    ],
+)
+def test_from_hf_absent_keys_take_each_familys_defaults(
+    family, max_pos, intermediate, kv_heads, head_dim, window
+):
+    """An absent key is the family's HF default, not one guess for all (every family
+    had 8192 positions, 4 * hidden MLP width, MHA; a Mistral config without
+    `sliding_window` ran with no window, where HF slides 4096)."""
+    bare = {k: v for k, v in LLAMA31_8B.items() if k not in _OPTIONAL}
+    bare = {**bare, "hidden_size": 4096 if family != "qwen3" else 1024, "rope_scaling": None}
+    bare.pop("architectures")
+    bare.pop("model_type")
+    if family is not None:
+        bare["architectures"], bare["model_type"] = _FAMILIES[family]
+    cfg = ModelConfig.from_hf(bare)
+    got = (
+        cfg.max_position_embeddings,
+        cfg.intermediate_size,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.sliding_window,
+    )
+    assert got == (max_pos, intermediate, kv_heads, head_dim, window)
+    if family in ("qwen2", "qwen3"):  # their window, once switched on
+        on = {**bare, "use_sliding_window": True, "max_window_layers": 0}
+        assert ModelConfig.from_hf(on).sliding_window == 4096
+    # A null num_key_value_heads is MHA in every family (Mistral's and Qwen's too).
+    assert ModelConfig.from_hf({**bare, "num_key_value_heads": None}).num_kv_heads == 32
+
+
 @pytest.mark.parametrize(
     "key, value",
     [
