@@ -1,0 +1,323 @@
+"""HuggingFace `config.json` <-> `ModelConfig`: what each supported family's keys mean.
+
+`from_hf` reads the Llama family as HF's config classes and attention modules do
+(Llama 2/3/3.1/3.2, Qwen2, Qwen3 (dense), Mistral): which biases exist, how the
+sliding window is switched on, what an absent key defaults to, and which keys the
+model does not implement (refused by name rather than served wrong). `to_hf` writes
+the inverse. `ModelConfig.from_hf` / `ModelConfig.to_hf` call these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pagedjax.config import ModelConfig, RopeScaling
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+)
+_MODEL_TYPES = (None, "llama", "qwen2", "qwen3", "mistral")
+_ARCH_FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
+}
+# What HF's config class of each family reads a key as when config.json leaves it out
+# (None: neither architectures nor model_type, read as Llama). A null
+# num_key_value_heads is MHA in every family; only an absent one takes these. The
+# Qwen windows apply only with `use_sliding_window: true`.
+_HF_ABSENT = {
+    "llama": dict(
+        max_position_embeddings=2048, intermediate_size=11008, num_key_value_heads=None,
+        head_dim=None, sliding_window=None,
+    ),
+    "mistral": dict(
+        max_position_embeddings=131072, intermediate_size=14336, num_key_value_heads=8,
+        head_dim=None, sliding_window=4096,
+    ),
+    "qwen2": dict(
+        max_position_embeddings=32768, intermediate_size=22016, num_key_value_heads=32,
+        head_dim=None, sliding_window=4096,
+    ),
+    "qwen3": dict(
+        max_position_embeddings=32768, intermediate_size=22016, num_key_value_heads=32,
+        head_dim=128, sliding_window=4096,
+    ),
+}  # fmt: skip
+_HF_ABSENT[None] = _HF_ABSENT["llama"]
+
+
+def from_hf(config: dict, *, dtype: str | None = None) -> ModelConfig:
+    """Builds a config from a HuggingFace config.json dict.
+
+    Accepts the classic `rope_theta` / `rope_scaling` keys and the newer
+    `rope_parameters` form, a missing `head_dim` (hidden_size // heads; 128 for
+    Qwen3, as HF's Qwen3Config), and `eos_token_id` as an int or a list. The
+    family is named by `architectures` (its first entry), else by `model_type`.
+    Qwen3 means `qk_norm`. Biases follow HF's attention modules: `attention_bias`
+    biases q/k/v and o_proj in Llama and Qwen3 (`qkv_bias` and `o_bias`); Qwen2
+    always biases q/k/v and never o_proj; Mistral has no biases (HF ignores
+    `attention_bias` in both, and so does this). The sliding window is read as HF
+    does (see `_hf_sliding_window`); only a window on every layer or on none is
+    supported. Absent optional keys take the defaults of the family's HF config class
+    (`_HF_ABSENT`: `max_position_embeddings` 2048 for Llama, 131072 for Mistral,
+    32768 for Qwen; `intermediate_size`, `num_key_value_heads`, the window; and
+    `rms_norm_eps` 1e-6, `rope_theta` 10000 in all); absent `bos_token_id` and
+    `eos_token_id` are None (HF's Llama and Mistral say 1 and 2; the tokenizer's
+    and generation_config's count instead).
+
+    Raises:
+      ValueError: an unsupported architecture anywhere in `architectures`, unsupported
+        or incomplete rope scaling, missing keys, a different sliding window per layer,
+        or a key the model does not implement (`hidden_act` other than silu,
+        `mlp_bias`, `partial_rotary_factor` < 1, `quantization_config`).
+    """
+    archs = config.get("architectures") or []
+    unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+    if unsupported:  # a second, unsupported class may be what the weights really are
+        raise ValueError(
+            f"unsupported architecture {unsupported} (architectures={archs}); "
+            f"supported: {list(SUPPORTED_ARCHITECTURES)}"
+        )
+    model_type = config.get("model_type")
+    if not archs and model_type not in _MODEL_TYPES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; supported: {list(_MODEL_TYPES[1:])}"
+        )
+    missing = [
+        k
+        for k in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size")
+        if k not in config
+    ]
+    if missing:
+        raise ValueError(f"config.json is missing required keys: {missing}")
+    _refuse_unimplemented(config)
+    family = _ARCH_FAMILIES[archs[0]] if archs else model_type
+    absent = _HF_ABSENT[family]
+    num_heads = _hf_number(config, "num_attention_heads", int)
+    hidden = _hf_number(config, "hidden_size", int)
+    # An absent head_dim is 128 in HF's Qwen3Config, else hidden_size // heads (null too).
+    head_dim = _hf_number(config, "head_dim", int, absent["head_dim"], nullable=True)
+    head_dim = hidden // num_heads if head_dim is None else head_dim
+    if config.get("num_key_value_heads", 0) is None:  # null: MHA in every family
+        kv_heads = num_heads
+    else:
+        kv = absent["num_key_value_heads"] or num_heads
+        kv_heads = _hf_number(config, "num_key_value_heads", int, kv)
+    max_pos = _hf_number(config, "max_position_embeddings", int, absent["max_position_embeddings"])
+    rope = dict(config.get("rope_parameters") or {})
+    theta = _hf_number(rope, "rope_theta", float, _hf_number(config, "rope_theta", float, 1e4))
+    scaling = config.get("rope_scaling") or (rope if _rope_type(rope) != "default" else None)
+    eos = config.get("eos_token_id")
+    eos = () if eos is None else (eos if isinstance(eos, (list, tuple)) else (eos,))
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in eos):
+        raise ValueError(f"config.json: eos_token_id must be ints, got {config['eos_token_id']}")
+    torch_dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+    attention_bias = bool(config.get("attention_bias", False))
+    if family in ("qwen2", "mistral"):  # their HF attention hard-codes its biases
+        attention_bias = False
+    return ModelConfig(
+        num_layers=_hf_number(config, "num_hidden_layers", int),
+        num_heads=num_heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden_size=hidden,
+        intermediate_size=_hf_number(config, "intermediate_size", int, absent["intermediate_size"]),
+        vocab_size=_hf_number(config, "vocab_size", int),
+        max_position_embeddings=max_pos,
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(scaling),
+        norm_eps=_hf_number(config, "rms_norm_eps", float, 1e-6),  # HF's, every family
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=attention_bias or family == "qwen2",
+        o_bias=attention_bias,
+        qk_norm=family == "qwen3",
+        sliding_window=_hf_sliding_window(config, family, max_pos),
+        dtype=dtype or _hf_dtype(torch_dtype),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=tuple(eos),
+    )
+
+
+def to_hf(cfg: ModelConfig) -> dict:
+    """The HuggingFace config.json dict for this config (inverse of from_hf).
+
+    The architecture is Qwen3 with `qk_norm`, else Qwen2 with q/k/v biases alone,
+    else Mistral with a sliding window and no biases, else Llama (with
+    `attention_bias`, and a window as `layer_types`, if set). `attention_bias` is
+    written for Llama and Qwen3 only, the families whose HF attention reads it. A Qwen window is
+    written both ways HF has read it: `max_window_layers: 0` and an explicit
+    `layer_types` list.
+    """
+    if cfg.qk_norm:
+        arch, model_type = "Qwen3ForCausalLM", "qwen3"
+    elif cfg.qkv_bias and not cfg.o_bias:
+        arch, model_type = "Qwen2ForCausalLM", "qwen2"
+    elif cfg.sliding_window is not None and not cfg.qkv_bias:
+        arch, model_type = "MistralForCausalLM", "mistral"
+    else:
+        arch, model_type = "LlamaForCausalLM", "llama"
+    out = {
+        "architectures": [arch],
+        "model_type": model_type,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "torch_dtype": cfg.dtype,
+        "hidden_act": "silu",
+    }
+    if model_type in ("llama", "qwen3"):
+        out["attention_bias"] = cfg.o_bias  # equal to qkv_bias in both
+    if model_type in ("qwen2", "qwen3"):
+        out["use_sliding_window"] = cfg.sliding_window is not None
+        out["sliding_window"] = cfg.sliding_window
+        if cfg.sliding_window is not None:
+            out["max_window_layers"] = 0
+            out["layer_types"] = ["sliding_attention"] * cfg.num_layers
+    elif cfg.sliding_window is not None:
+        out["sliding_window"] = cfg.sliding_window
+        if model_type == "llama":  # HF's Llama reads no window; vLLM's reads layer_types
+            out["layer_types"] = ["sliding_attention"] * cfg.num_layers
+    if cfg.rope_scaling is not None:
+        out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
+    if cfg.bos_token_id is not None:
+        out["bos_token_id"] = cfg.bos_token_id
+    if cfg.eos_token_ids:
+        eos = cfg.eos_token_ids
+        out["eos_token_id"] = eos[0] if len(eos) == 1 else list(eos)
+    return out
+
+
+def _hf_number(config: dict, key: str, kind: type, default=None, *, nullable: bool = False):
+    """`config[key]` as `kind` (int or float), `default` when the key is absent (or null,
+    where HF reads null as its default: `nullable`). Anything else, null included, is a
+    ValueError naming the key: a broken config must not run on a guessed default."""
+    v = config.get(key)
+    if key not in config or (v is None and nullable):
+        return default
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    if not ok or (kind is int and v != int(v)):
+        what = "an int" if kind is int else "a number"
+        raise ValueError(f"config.json: {key} must be {what}, got {key}={v!r}")
+    return kind(v)
+
+
+def _hf_sliding_window(config: dict, family: str | None, max_pos: int) -> int | None:
+    """The one sliding window of every layer, or None; mixed layers are a ValueError.
+
+    HF's rules: Mistral slides every layer when `sliding_window` is set. HF's Llama
+    ignores `sliding_window` (its attention passes none: "the main diff" of Mistral's),
+    so a Llama config slides only the layers its `layer_types` marks, as vLLM's Llama
+    reads it; without that list, a stray `sliding_window` key is ignored.
+    Qwen2/Qwen3 slide only with `use_sliding_window: true` (default false), and then
+    the layers that `layer_types` marks "sliding_attention", or, without that list,
+    layers `i >= max_window_layers` (default 28; older transformers read it the other
+    way round, which only matters for mixed cases, refused here). A window of at least
+    `max_position_embeddings` (`max_pos`) never masks anything and is dropped. An absent
+    `sliding_window` is HF's default: 4096 for Mistral and Qwen, none for Llama.
+    """
+    window = config.get("sliding_window", _HF_ABSENT[family]["sliding_window"])
+    qwen = family in ("qwen2", "qwen3")
+    if window is None or not config.get("use_sliding_window", not qwen):
+        return None
+    window = int(window)
+    num_layers = int(config["num_hidden_layers"])
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        sliding = [t == "sliding_attention" for t in layer_types]
+        unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+        if unknown or len(layer_types) != num_layers:
+            raise ValueError(
+                f"layer_types must list 'full_attention' or 'sliding_attention' for each of "
+                f"the {num_layers} layers, got layer_types={layer_types}"
+            )
+        how = f"layer_types={layer_types}"
+    elif family in ("llama", None):  # None: neither architectures nor model_type
+        return None
+    elif qwen:
+        first = int(config.get("max_window_layers", 28))
+        sliding = [i >= first for i in range(num_layers)]
+        how = f"max_window_layers={first} with num_hidden_layers={num_layers}"
+    else:
+        sliding = [True] * num_layers
+        how = ""
+    if not any(sliding):
+        return None
+    if not all(sliding):
+        raise ValueError(
+            f"sliding_window={window} on only some layers ({how}: {sum(sliding)} of "
+            f"{num_layers} slide) is not supported; only a window on every layer or none"
+        )
+    if window < 1:
+        raise ValueError(f"sliding_window must be a positive int, got sliding_window={window}")
+    return None if window >= max_pos else window
+
+
+def _refuse_unimplemented(config: dict) -> None:
+    """Raises ValueError naming a config.json key that changes the model's math in a way
+    the model does not implement (reading past it would serve garbage without an error)."""
+    act = config.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):  # HF's ACT2FN: "swish" is SiLU too
+        raise ValueError(f"unsupported hidden_act={act!r}; the MLP is SwiGLU (hidden_act 'silu')")
+    if config.get("mlp_bias"):
+        raise ValueError(
+            f"unsupported mlp_bias={config['mlp_bias']!r}: MLP projection biases are not "
+            "implemented"
+        )
+    rope = config.get("rope_parameters") or {}
+    for prf in (config.get("partial_rotary_factor"), rope.get("partial_rotary_factor")):
+        if prf is not None and prf != 1:
+            raise ValueError(
+                f"unsupported partial_rotary_factor={prf!r}: RoPE rotates the whole head"
+            )
+    quant = config.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ValueError(
+            f"quantized checkpoints are not supported (quantization_config with "
+            f"quant_method={method!r}); use the unquantized (bf16/fp16/fp32) checkpoint"
+        )
+
+
+def _rope_type(scaling: dict) -> str:
+    """HF's "rope_type", or the older "type" key; "default" when neither is there."""
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _hf_dtype(torch_dtype: str) -> str:
+    name = str(torch_dtype).removeprefix("torch.")
+    return "float32" if name == "float32" else "bfloat16"
+
+
+def _rope_scaling(scaling: dict | None) -> RopeScaling | None:
+    if not scaling:
+        return None
+    kind = _rope_type(scaling)
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope scaling type {kind!r}; supported: 'llama3' (or none)")
+    missing = [k for k in _LLAMA3_KEYS if scaling.get(k) is None]
+    if missing:  # HF refuses these too; a guessed factor would be a different model
+        raise ValueError(f"rope scaling 'llama3' needs {missing}, got rope_scaling={scaling}")
+    return RopeScaling(
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    )
