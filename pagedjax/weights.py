@@ -15,7 +15,7 @@ Decisions:
   `lm_head.weight`. If it has one, it is accepted only when it equals
   `model.embed_tokens.weight` exactly (some exporters write the shared matrix twice);
   a different matrix is an error, since silently dropping a trained head would change
-  the model.
+  the model. The two are compared between the passes, before the long second one.
 * bf16: tensors are read with `safetensors`' numpy backend, which returns
   `ml_dtypes.bfloat16` arrays in current versions; if the installed version refuses a
   dtype, the tensor is read from the file's byte range given by its header instead.
@@ -124,6 +124,8 @@ _RULES = (
 )
 _IGNORED = (re.compile(r"(.+\.)?rotary_emb\.inv_freq"),)
 _TIED_HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
+_EMBED_PATH = "embed_tokens.embedding"
+_COMPARE_BYTES = 64 << 20  # per block of rows when comparing a tied head with the embedding
 
 
 def _template_regex(template: str) -> re.Pattern:
@@ -271,6 +273,13 @@ def _checkpoint_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
     if (root / SAFETENSORS_FILE).is_file():
         return [root / SAFETENSORS_FILE], None
     files = sorted(root.glob("*.safetensors"))
+    pickles = sorted(p.name for p in root.glob("*.bin") if p.name.startswith("pytorch_model"))
+    if not files and pickles:
+        raise FileNotFoundError(
+            f"{root} has PyTorch pickle weights ({', '.join(pickles[:3])}), which pagedjax "
+            "does not read: download the repo's *.safetensors files instead, or convert them "
+            "(transformers: from_pretrained, then save_pretrained(..., safe_serialization=True))"
+        )
     if not files:
         raise FileNotFoundError(
             f"no weights in {root}: expected {SAFETENSORS_FILE}, {INDEX_FILE} or *.safetensors"
@@ -372,7 +381,9 @@ def load_hf_checkpoint(path, *, dtype=None) -> tuple[ModelConfig, Params]:
     Raises:
       FileNotFoundError: the directory, config.json or the weight files are missing.
       CheckpointError: (a ValueError) missing, unexpected or mis-shaped tensors, all
-        listed at once; checked from the file headers before any tensor is read.
+        listed at once; checked from the file headers before any tensor is read. Also
+        a tied model's `lm_head.weight` that differs from the embedding, checked before
+        any other tensor is read.
     """
     root = _checkpoint_dir(path)
     cfg_file = root / CONFIG_FILE
@@ -381,26 +392,37 @@ def load_hf_checkpoint(path, *, dtype=None) -> tuple[ModelConfig, Params]:
     cfg = ModelConfig.from_hf(_read_json(cfg_file), dtype=dtype)
     plan, tied_head = _plan(root, cfg)
     target = np.dtype(cfg.jnp_dtype)
+    # Before the long pass 2: a tied model's extra head must equal the embedding.
+    if tied_head is not None and not _same_values(tied_head, plan[_EMBED_PATH][0], target):
+        raise CheckpointError(
+            f"HF checkpoint {root}",
+            [],
+            [],
+            [
+                f"config.json has tie_word_embeddings=true but {_TIED_HEAD} differs from "
+                f"{_EMBED}; set tie_word_embeddings=false to use the separate head"
+            ],
+        )
     by_file: dict[Path, list[tuple[str, _TensorInfo, bool]]] = {}
     for our, (info, transpose) in plan.items():
         by_file.setdefault(info.file, []).append((our, info, transpose))
     flat = {}
     for file, items in sorted(by_file.items()):
         flat.update(_load_shard(file, items, target))
-    if tied_head is not None:
-        head = _read_tensor_raw(tied_head).astype(target)
-        embed = np.asarray(flat["embed_tokens.embedding"])
-        if not np.array_equal(head, embed):
-            raise CheckpointError(
-                f"HF checkpoint {root}",
-                [],
-                [],
-                [
-                    f"config.json has tie_word_embeddings=true but {_TIED_HEAD} differs from "
-                    f"{_EMBED}; set tie_word_embeddings=false to use the separate head"
-                ],
-            )
     return cfg, params_from_flat(cfg, flat)
+
+
+def _same_values(a: _TensorInfo, b: _TensorInfo, target: np.dtype) -> bool:
+    """Whether two tensors of one shape are equal once cast to `target`.
+
+    Reads both from their files through memory maps, `_COMPARE_BYTES` of rows at a time.
+    """
+    x, y = (np.memmap(i.file, _ST_DTYPES[i.dtype], "r", i.start, i.shape) for i in (a, b))
+    step = max(1, _COMPARE_BYTES // max(1, x[:1].nbytes))
+    return all(
+        np.array_equal(x[r : r + step].astype(target), y[r : r + step].astype(target))
+        for r in range(0, len(x), step)
+    )
 
 
 def _load_shard(file: Path, items, target: np.dtype) -> dict[str, jax.Array]:
