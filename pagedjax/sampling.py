@@ -10,6 +10,8 @@ jitted step serves requests with different sampling settings:
   smallest set of the remaining tokens whose probability reaches `top_p[b]`
   (`top_p >= 1`: off), and a token is drawn from what is left (Gumbel-max). Ties at a
   threshold are kept.
+* A NaN logit is never drawn (it counts as -inf, greedy rows included); a row with
+  +inf logits draws among them only, each equally likely (greedy: the first).
 * The key of row `b` is `fold_in(key(seeds[b]), steps[b])`: a request's i-th token
   depends only on (its seed, i), not on which other requests share the batch.
 * A logit bias (`LogitBias`, optional) is added to the logits first, greedy rows
@@ -204,13 +206,19 @@ def sample(
     logits = raw if bias is None else apply_bias(raw, bias)
     if penalties is not None:
         logits = apply_penalties(logits, penalties, extra_ids)
+    # argmax picks a NaN, and a neighbour's truncation (which masks it) would change the
+    # row's draw: a NaN counts as -inf.
+    logits = jnp.where(jnp.isnan(logits), _NEG_INF, logits)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled_rows = temperature > 0
     # Shift each row's maximum to 0 before scaling: huge logits or tiny temperatures
     # would otherwise overflow to +inf or reach a float32 ulp that swamps the Gumbel noise.
     top = jnp.max(logits, axis=-1, keepdims=True)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)  # a row of -inf (or with +inf) as is
-    scaled = (logits - top) / jnp.where(sampled_rows, temperature, 1.0)[:, None]
+    scaled = (logits - jnp.where(jnp.isfinite(top), top, 0.0)) / jnp.where(
+        sampled_rows, temperature, 1.0
+    )[:, None]
+    # +inf logits take all the mass; the noise cannot break their tie (inf + g = inf).
+    scaled = jnp.where(top == jnp.inf, jnp.where(logits == jnp.inf, 0.0, _NEG_INF), scaled)
     if min_p is not None:
         scaled = apply_min_p(scaled, min_p)
 
@@ -257,15 +265,16 @@ def check_params(
     frequency_penalty: float = 0.0,
 ) -> None:
     """Host-side validation of one request's sampling parameters (ValueError if bad)."""
-    if not np.isfinite(temperature) or temperature < 0:
+    t, k, p, s, m = map(_as_real, (temperature, top_k, top_p, seed, min_p))
+    if t is None or not math.isfinite(t) or t < 0:
         raise ValueError(f"temperature must be finite and >= 0, got {temperature=}")
-    if int(top_k) != top_k or top_k < 0:
-        raise ValueError(f"top_k must be an int >= 0 (0: off), got {top_k=}")
-    if not 0 < top_p <= 1:
+    if k is None or not (0 <= k < 2**31 and k == math.floor(k)):  # (packed as int32)
+        raise ValueError(f"top_k must be an int in [0, 2**31) (0: off), got {top_k=}")
+    if p is None or not 0 < p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p=}")
-    if int(seed) != seed or not 0 <= seed < 2**32:
+    if s is None or not (0 <= s < 2**32 and s == math.floor(s)):
         raise ValueError(f"seed must be an int in [0, 2**32), got {seed=}")
-    if not 0 <= min_p <= 1:
+    if m is None or not 0 <= m <= 1:
         raise ValueError(f"min_p must be in [0, 1] (0: off), got {min_p=}")
     check_penalties(repetition_penalty, presence_penalty, frequency_penalty)
 

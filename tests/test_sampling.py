@@ -7,8 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax import sampling
+from pagedjax import decode, sampling
+from pagedjax.config import PRESETS, CacheConfig
 from pagedjax.request import SamplingParams
+
+TINY = PRESETS["tiny"]
 
 
 def _logits(b, v, seed=0, scale=3.0):
@@ -184,12 +187,29 @@ def test_top_logprobs_match_numpy():
         (dict(seed=2**32), f"seed={2**32}"),
         (dict(min_p=-0.1), "min_p=-0.1"),
         (dict(min_p=1.5), "min_p=1.5"),
+        # were OverflowError, numpy's TypeError or "cannot convert float NaN to integer"
+        (dict(seed=float("inf")), "seed=inf"),
+        (dict(seed=float("nan")), "seed=nan"),
+        (dict(top_k=float("nan")), "top_k=nan"),
+        (dict(top_k=float("inf")), "top_k=inf"),
+        (dict(top_k=2**31), f"top_k={2**31}"),
+        (dict(top_k=None), "top_k=None"),
+        (dict(temperature=None), "temperature=None"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):
     args = dict(temperature=1.0, top_k=0, top_p=1.0, seed=0) | kwargs
     with pytest.raises(ValueError, match=match):
         sampling.check_params(**args)
+
+
+def test_build_step_input_names_a_non_finite_seed():
+    # The step's vectorised check sends a bad chunk to check_params, which raised
+    # OverflowError ("cannot convert float infinity to integer") for this one.
+    cache_cfg = CacheConfig(page_size=8, num_pages=8, dtype=TINY.dtype)
+    chunk = decode.SeqChunk([5], 0, [1], temperature=1.0, seed=float("inf"))
+    with pytest.raises(ValueError, match="seed=inf"):
+        decode.build_step_input([chunk], TINY, cache_cfg)
 
 
 @pytest.mark.parametrize(
@@ -238,6 +258,38 @@ def test_tiny_temperatures_and_huge_logits_keep_the_distribution():
     x = (row.astype(np.float64) - row.max()) / np.float64(np.float32(1e-6))
     want = np.exp(x) / np.exp(x).sum()
     np.testing.assert_allclose(freq(row, 1e-6), want, atol=0.015)  # binomial std <= 0.0036
+
+
+def test_nan_logits_are_never_drawn_whatever_the_neighbours():
+    # argmax picks a NaN: a NaN row drew its NaN token alone, and another token (the
+    # NaN masked by the sort) beside a neighbour that truncates.
+    n, v = 256, 6
+    row = np.array([0.0, 1.0, np.nan, 2.0, 0.5, np.nan], np.float32)
+    x = np.tile(row, (n, 1))
+    seeds = np.arange(n)
+    alone, _ = _sample(x, 1.0, 0, 1.0, seeds, 3)
+    # Every other row a neighbour with top-p: the batch runs the truncating sort.
+    mixed = x.copy()
+    mixed[1::2] = np.linspace(0, 1, v)
+    beside, _ = _sample(mixed, 1.0, 0, np.where(np.arange(n) % 2, 0.5, 1.0), seeds, 3)
+    alone, beside = np.asarray(alone), np.asarray(beside)
+    np.testing.assert_array_equal(beside[::2], alone[::2])
+    counts = np.bincount(alone, minlength=v)
+    assert counts[[2, 5]].sum() == 0 and (counts[[0, 1, 3, 4]] > 0).all()
+    greedy, _ = _sample(x[:2], 0.0, 0, 1.0, 0, 0)
+    np.testing.assert_array_equal(np.asarray(greedy), [3, 3])
+
+
+def test_inf_logits_share_the_mass():
+    # inf + noise is inf: the first +inf logit was drawn every time.
+    n = 4000
+    x = np.tile(np.array([0.0, np.inf, 5.0, np.inf], np.float32), (n, 1))
+    for kw in (dict(), dict(top_p=0.5), dict(min_p=0.5)):
+        tokens, _ = _sample(x, 1.0, 0, kw.get("top_p", 1.0), np.arange(n), 0, kw.get("min_p"))
+        freq = np.bincount(np.asarray(tokens), minlength=4) / n
+        np.testing.assert_allclose(freq, [0, 0.5, 0, 0.5], atol=0.04)  # std 0.008
+    greedy, _ = _sample(x[:1], 0.0, 0, 1.0, 0, 0)
+    assert int(greedy[0]) == 1
 
 
 def test_gumbel_noise_resolves_the_upper_tail():
