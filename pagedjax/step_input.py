@@ -262,7 +262,8 @@ def build_step_input(
         i = _first(steps < 0)
         raise ValueError(f"sequence {i}: sample_step must be >= 0, got sample_step={steps[i]}")
     bad = ~(
-        (temperature >= 0) & np.isfinite(temperature) & (top_k >= 0) & (top_k == np.floor(top_k))
+        (temperature >= 0) & np.isfinite(temperature) & (top_k >= 0) & (top_k < 2**31)
+        & (top_k == np.floor(top_k))
         & (top_p > 0) & (top_p <= 1) & (seeds >= 0) & (seeds < 2**32) & (seeds == np.floor(seeds))
         & (min_p >= 0) & (min_p <= 1)
     )  # fmt: skip

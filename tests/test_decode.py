@@ -365,6 +365,8 @@ def test_step_input_is_padded_to_buckets():
         (decode.SeqChunk([1], 0, [32]), {}, "page id 32 is out of range"),
         (decode.SeqChunk([1], 0, [1], temperature=-0.5), {}, "temperature=-0.5"),
         (decode.SeqChunk([1], 0, [1], top_p=0.0), {}, "top_p=0.0"),
+        # packed as int32: 2**40 wrapped to a negative top_k (off) with a RuntimeWarning
+        (decode.SeqChunk([1], 0, [1], top_k=2**40), {}, r"top_k=1099511627776"),
         (decode.SeqChunk([], 0, [1]), {}, "non-empty"),
         (decode.SeqChunk([1, 2], 0, [1]), {"decode": True}, "one token per sequence"),
         (decode.SeqChunk([1], 0, [1]), {"copies": [(3, 40)]}, r"copy pair \(3, 40\)"),
