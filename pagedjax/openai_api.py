@@ -256,7 +256,7 @@ def sampling_params(body: dict, *, max_tokens, logprobs, vocab_size: int) -> Sam
     if isinstance(bias, dict) and bias:  # JSON keys are strings; the engine wants ids
         kw["logit_bias"] = {}
         for key, value in bias.items():
-            t = int(key) if key.isdigit() else -1
+            t = int(key) if key.isdecimal() else -1  # isdigit: "²" too, which int() refuses
             if not 0 <= t < vocab_size:
                 msg = f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}"
                 raise ApiError(400, msg, "logit_bias")
@@ -377,7 +377,8 @@ def render_logprobs(
         text_offset is 0, the length of the empty text).
       token_ids: the run's tokens.
       entries: their logprobs entries ({token id: logprob}, the token first).
-      k: how many of the most likely tokens each entry lists.
+      k: how many of the most likely tokens each entry lists (completions' add the
+        sampled token when it is not among them, as OpenAI's do).
       chat: chat's `{content: [...]}`, else completions' `{tokens, token_logprobs,
         top_logprobs, text_offset}`.
       offset: completions' text_offset of the run's first token (the lengths of the
@@ -399,10 +400,12 @@ def render_logprobs(
         offsets.append(at)
         at += len(s) if tok is not None else 0
     top = []  # dicts keyed by text: of two tokens with one text, the likelier stays
-    for e in entries:
+    for t, e in zip(token_ids, entries, strict=True):
         top.append({})
-        for t, x in _top(e, k):
-            top[-1].setdefault(_token_text(tok, t), _lp(x))
+        # OpenAI's completions: the k most likely and always the sampled token (k + 1 at
+        # most; chat's top_logprobs are the k most likely only).
+        for u, x in [*_top(e, k), (t, e[t])]:
+            top[-1].setdefault(_token_text(tok, u), _lp(x))
     return dict(
         tokens=tokens,
         token_logprobs=[_lp(e[t]) for t, e in zip(token_ids, entries, strict=True)],

@@ -25,16 +25,18 @@ list), `seed`, `presence_penalty`, `frequency_penalty`, `stream`, `stream_option
 `token_ids`, its generated token ids, and completions choices `prompt_token_ids`; a chat
 answer has `prompt_token_ids` beside its choices). Logprobs: completions take
 `logprobs: K` and answer `{tokens, token_logprobs, top_logprobs, text_offset}`
-(offsets into the completion text); chat takes `logprobs: true` with `top_logprobs:
-K` and answers `{content: [{token, logprob, bytes, top_logprobs}]}`; K <= 20; all are
-the model's raw log-probabilities (before temperature and truncation). Each prompt of
-a completions batch is one engine request; choice `i * n + j` is completion j of
-prompt i. `finish_reason` is "stop" (EOS, a stop string or a stop token) or
-"length". Errors are OpenAI's `{"error": {message, type, param, code}}`: 400 for a bad
-field (the message names the value; a field of the wrong JSON type is bad), a prompt
-too long for `--max-model-len` or one that leaves less room than `max_tokens` (as vLLM
-answers: max_tokens is never cut short silently), an unknown model or bad JSON; 404
-for an unknown path; 405 for a wrong method; 500 when the engine failed.
+(offsets into the completion text; as OpenAI's, each `top_logprobs` has the K most likely
+tokens and the sampled one, so K + 1 when it is not among them); chat takes `logprobs:
+true` with `top_logprobs: K` and answers `{content: [{token, logprob, bytes,
+top_logprobs}]}` (the K most likely only); K <= 20; all are the model's raw
+log-probabilities (before temperature and truncation). Each prompt of a completions
+batch is one engine request; choice `i * n + j` is completion j of prompt i.
+`finish_reason` is "stop" (EOS, a stop string or a stop token) or "length". Errors are
+OpenAI's `{"error": {message, type, param, code}}`: 400 for a bad field (the message
+names the value; a field of the wrong JSON type is bad), a prompt too long for
+`--max-model-len` or one that leaves less room than `max_tokens` (as vLLM answers:
+max_tokens is never cut short silently), an unknown model or bad JSON; 404 for an
+unknown path; 405 for a wrong method; 500 when the engine failed.
 
 A checkpoint without a tokenizer (no tokenizer.json) serves completions of token id
 prompts only, as vLLM with `skip_tokenizer_init`: a string prompt, chat and `stop`
@@ -98,7 +100,6 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
-import select
 import socket
 import sys
 import time
@@ -136,6 +137,9 @@ class Server(ThreadingHTTPServer):
     """
 
     daemon_threads = True
+    # The listen backlog (socketserver's default is 5): a burst of concurrent clients past
+    # it had their connections dropped and retried by the kernel a second or more later.
+    request_queue_size = 1024
 
     def __init__(self, address, *, model_name: str, quiet: bool = False):
         self.model_name, self.quiet = model_name, quiet
@@ -272,9 +276,12 @@ class Handler(BaseHTTPRequestHandler):
         self._chunk(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
 
     def _client_gone(self) -> bool:
+        # A non-blocking peek, not select(): select refuses a descriptor >= 1024, as a
+        # busy server's sockets get, and every request waiting on one failed with a 500.
         try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False  # nothing to read: still connected
         except OSError:
             return True
 
@@ -283,6 +290,8 @@ class Handler(BaseHTTPRequestHandler):
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        except RecursionError:  # (it was a 500)
+            raise ApiError(400, "the body's JSON is nested too deeply to parse") from None
         if not isinstance(body, dict):
             raise ApiError(400, f"the body must be a JSON object, got {type(body).__name__}")
         return body

@@ -105,6 +105,7 @@ def test_bad_completion_fields_are_400s_naming_field_and_value(body, param, word
         (dict(ignore_eos="yes"), "ignore_eos", "ignore_eos='yes'"),
         (dict(stop_token_ids=[True]), "stop_token_ids", "[True]"),
         (dict(stop_token_ids=[VOCAB]), "stop_token_ids", f"[{VOCAB}]"),
+        (dict(logit_bias={"²": 1}), "logit_bias", "'²'"),  # a 500: int("²") raised
         (dict(stream="false"), "stream", "stream='false'"),
         (dict(stream=True, stream_options=[1]), "stream_options", "stream_options=[1]"),
         (dict(stream=True, stream_options={"include_usage": "no"}), "stream_options", "'no'"),
@@ -254,6 +255,19 @@ def test_completion_logprobs():
         top_logprobs=[{"a": -0.25, "h": -0.5}, {"\x07": -1.0, "i": -9999.0}],
         text_offset=[0, 1],
     )
+
+
+def test_completion_top_logprobs_always_have_the_sampled_token():
+    # OpenAI's completions: "up to logprobs+1 elements". The sampled token was left out
+    # when it was not among the k most likely (logprobs=0: every top_logprobs was {}).
+    lps = [{ord("h"): -2.0, ord("a"): -0.25, ord("b"): -0.5}, {ord("i"): -0.1}]
+    c = completion(text="hi", logprobs=lps)
+    got = api.completion_logprobs(TOK, c, 1)["top_logprobs"]
+    assert got == [{"a": -0.25, "h": -2.0}, {"i": -0.1}]
+    assert api.completion_logprobs(TOK, c, 0)["top_logprobs"] == [{"h": -2.0}, {"i": -0.1}]
+    # Chat's top_logprobs are the k most likely only, as OpenAI's.
+    chat = api.chat_logprobs(TOK, c, 1)["content"][0]
+    assert [x["token"] for x in chat["top_logprobs"]] == ["a"]
 
 
 def test_chat_logprobs():

@@ -11,6 +11,7 @@ import dataclasses
 import http.client
 import importlib.util
 import json
+import os
 import queue
 import shutil
 import socket
@@ -140,6 +141,20 @@ def engine_state(srv):
             llm.metrics.generated_tokens,
         )
     )
+
+
+def test_a_burst_of_connections_is_queued_not_dropped():
+    # The listen backlog was socketserver's 5: the 7th of a burst of clients waited for
+    # the kernel to retry its connection (1 s, then 3 s, ...), at every request burst.
+    srv = serve.Server(("127.0.0.1", 0), model_name="tiny", quiet=True)  # not accepting
+    socks = []
+    try:
+        for _ in range(64):
+            socks.append(socket.create_connection(srv.server_address[:2], timeout=2))
+    finally:
+        for s in socks:
+            s.close()
+        srv.server_close()
 
 
 def test_health_and_models(server):
@@ -517,6 +532,36 @@ def test_a_client_that_disconnects_mid_stream_is_aborted(server):
     assert state[2] - before[2] < 300  # it did not run to the end
 
 
+def test_clients_on_descriptors_over_1024_are_served_and_watched(server, ref, monkeypatch):
+    # _client_gone used select(), which refuses a descriptor >= 1024 (a busy server's):
+    # every request that waited on one was a 500.
+    monkeypatch.setattr(serve, "POLL_S", 0.001)  # check the client at every wait
+    fds = [os.open(os.devnull, os.O_RDONLY)]
+    try:
+        while fds[-1] < 1024:  # (the soft limit here is 20000; a low one would fail here)
+            fds.append(os.open(os.devnull, os.O_RDONLY))
+        body = dict(prompt="def f(x):", temperature=0, max_tokens=8)
+        (want,) = ref.generate([body["prompt"]], SamplingParams(temperature=0, max_tokens=8))
+        assert ok(server, "/v1/completions", body)["choices"][0]["text"] == want.outputs[0].text
+        # A client that leaves while waiting for a whole answer is still seen to go.
+        aborted = server.engine.num_aborted
+        body = dict(prompt="while True:", max_tokens=300, ignore_eos=True)
+        with socket.create_connection(server.server_address[:2], timeout=60) as s:
+            data = json.dumps(body).encode()
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(data))
+            s.sendall(data)
+            deadline = time.monotonic() + 30
+            while not engine_state(server)[0] and time.monotonic() < deadline:
+                time.sleep(0.01)  # until it is in the engine
+        deadline = time.monotonic() + 30
+        while (state := engine_state(server))[:2] != (False, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert state[:2] == (False, 0) and server.engine.num_aborted == aborted + 1
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def fail_at_token(monkeypatch, llm, n: int) -> list:
     """Makes the engine's n-th accepted token from now raise inside the real `LLM.step`
     (so the engine's own recovery runs), once; returns a list that records it."""
@@ -656,6 +701,8 @@ def test_bad_requests(server):
     assert status == 400 and "not valid JSON" in err["error"]["message"]
     status, err = request(server, "/v1/completions", raw=b"[1, 2]")
     assert status == 400 and "JSON object" in err["error"]["message"]
+    status, err = request(server, "/v1/completions", raw=b"[" * 100_000)  # was a 500
+    assert status == 400 and "nested too deeply" in err["error"]["message"]
     status, err = request(server, "/v1/nothing")
     assert status == 404 and "/v1/nothing" in err["error"]["message"]
     status, err = request(server, "/v1/completions")
