@@ -68,7 +68,9 @@ def from_hf(config: dict, *, dtype: str | None = None) -> ModelConfig:
     32768 for Qwen; `intermediate_size`, `num_key_value_heads`, the window; and
     `rms_norm_eps` 1e-6, `rope_theta` 10000 in all); absent `bos_token_id` and
     `eos_token_id` are None (HF's Llama and Mistral say 1 and 2; the tokenizer's
-    and generation_config's count instead).
+    and generation_config's count instead). The model runs in `dtype`, else in
+    float32 for a float32 `torch_dtype` and in bfloat16 for any other (float16 too;
+    see `_hf_dtype`).
 
     Raises:
       ValueError: an unsupported architecture anywhere in `architectures`, unsupported
@@ -300,6 +302,9 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 
 
 def _hf_dtype(torch_dtype: str) -> str:
+    """The dtype a checkpoint runs in by default: float32 stays, anything else (float16
+    too) is bfloat16, the dtype the kernels are tuned and GPU-tested in (float16 runs,
+    in the interpreter too, but untimed; `dtype="float16"` asks for it)."""
     name = str(torch_dtype).removeprefix("torch.")
     return "float32" if name == "float32" else "bfloat16"
 
