@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import jax
@@ -81,6 +82,10 @@ def _unnest(tree: dict, prefix: str = "") -> dict:
 def save_params(params: Params, path, *, overwrite: bool = False) -> None:
     """Saves params and their config as an orbax checkpoint directory (layout above).
 
+    The checkpoint is written into a new directory beside `path` and moved into place
+    only once complete, so an interrupted or failed save leaves whatever was at `path`
+    as it was (and no partial checkpoint there).
+
     Args:
       params: the model; its `config` is stored beside the arrays.
       path: the checkpoint directory; must not exist (or be empty) unless `overwrite`.
@@ -90,21 +95,40 @@ def save_params(params: Params, path, *, overwrite: bool = False) -> None:
     import orbax.checkpoint as ocp  # slow import; only here
 
     root = Path(path).absolute()
-    if root.exists() and any(root.iterdir()):
+    replace = root.exists() and any(root.iterdir())
+    if replace:
         if not overwrite:
             raise FileExistsError(f"{root} exists and is not empty (pass overwrite=True)")
         if not (root / ORBAX_META_FILE).is_file():
             raise FileExistsError(f"refusing to overwrite {root}: not a pagedjax checkpoint")
-        shutil.rmtree(root)
-    root.mkdir(parents=True, exist_ok=True)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(root / ORBAX_PARAMS_DIR, _nest(params_to_flat(params)))
-    meta = {
-        "format": _ORBAX_FORMAT,
-        "version": _ORBAX_VERSION,
-        "config": config_to_json(params.config),
-    }
-    (root / ORBAX_META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    root.parent.mkdir(parents=True, exist_ok=True)
+    new = Path(tempfile.mkdtemp(prefix=f".{root.name}.saving-", dir=root.parent))
+    old = new.with_name(new.name.replace(".saving-", ".replaced-"))
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(new / ORBAX_PARAMS_DIR, _nest(params_to_flat(params)))
+        meta = {
+            "format": _ORBAX_FORMAT,
+            "version": _ORBAX_VERSION,
+            "config": config_to_json(params.config),
+        }
+        (new / ORBAX_META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        if replace:
+            root.rename(old)
+            try:
+                new.rename(root)
+            except BaseException:
+                old.rename(root)
+                raise
+        else:
+            if root.exists():
+                root.rmdir()  # empty
+            new.rename(root)
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    if replace:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def read_orbax_config(path) -> ModelConfig:
@@ -140,10 +164,11 @@ def restore_params(path, cfg: ModelConfig | None = None, *, dtype=None) -> Param
     cfg = cfg or stored
     if dtype is not None:
         cfg = dataclasses.replace(cfg, dtype=dtype)
-    # An explicit target puts arrays on this machine's device, whatever saved them.
+    # An explicit target puts arrays on this machine's device, whatever saved them, in
+    # cfg's dtype: orbax casts as it reads (a restore then a cast held both copies).
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = {
-        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
+        k: jax.ShapeDtypeStruct(v.shape, cfg.jnp_dtype, sharding=sharding)
         for k, v in param_shapes(stored).items()
     }
     with ocp.StandardCheckpointer() as ckptr:

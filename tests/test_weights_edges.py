@@ -1,14 +1,22 @@
-"""HF checkpoint edge cases a real download meets: PyTorch-only weights, a tied head
-that differs from the embedding (found before the long load)."""
+"""Checkpoint edge cases: PyTorch-only weights, a tied head that differs from the
+embedding (found before the long load), a failed orbax overwrite, a restore in
+another dtype."""
 
+import dataclasses
 import json
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 from test_weights import hf_tensors, make_config, write_hf
 
-from pagedjax import model, weights
+from pagedjax import model, orbax_checkpoint, weights
+from pagedjax.config import PRESETS
+
+
+def model_config():
+    return dataclasses.replace(PRESETS["tiny"], dtype="float32")
 
 
 def test_pytorch_bin_only_checkpoint_names_the_files(tmp_path):
@@ -50,3 +58,46 @@ def test_tied_head_differing_is_refused_before_any_tensor_loads(tmp_path, monkey
     cfg, params = weights.load_hf_checkpoint(tmp_path / "same")
     assert cfg.tie_embeddings and loaded
     assert "lm_head.kernel" not in model.params_to_flat(params)
+
+
+def test_a_failed_orbax_overwrite_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    """save_params writes beside the target and swaps it in once complete: a save that
+    fails halfway leaves the old checkpoint whole (it was deleted first) and no partial
+    directory behind."""
+    cfg = model_config()
+    old = model.init_params(cfg, seed=0)
+    weights.save_params(old, tmp_path / "ckpt")
+    new = model.init_params(cfg, seed=1)
+
+    def broken(params):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(orbax_checkpoint, "params_to_flat", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        weights.save_params(new, tmp_path / "ckpt", overwrite=True)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    _, back = weights.load_checkpoint(tmp_path / "ckpt")
+    for k, v in model.params_to_flat(old).items():
+        np.testing.assert_array_equal(np.asarray(model.params_to_flat(back)[k]), np.asarray(v))
+    weights.save_params(new, tmp_path / "ckpt", overwrite=True)  # and a good one replaces it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    _, back = weights.load_checkpoint(tmp_path / "ckpt")
+    emb = "embed_tokens.embedding"
+    np.testing.assert_array_equal(
+        np.asarray(model.params_to_flat(back)[emb]), np.asarray(model.params_to_flat(new)[emb])
+    )
+
+
+def test_orbax_restore_in_another_dtype_casts_as_it_reads(tmp_path):
+    """restore_params(dtype=...) asks orbax for that dtype (one copy in memory, not the
+    stored arrays and then their cast); the values are the stored ones, cast."""
+    cfg = model_config()
+    params = model.init_params(cfg, seed=0)
+    weights.save_params(params, tmp_path / "ckpt")
+    p16 = weights.restore_params(tmp_path / "ckpt", dtype="bfloat16")
+    got, want = model.params_to_flat(p16), model.params_to_flat(params)
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(v.astype(jnp.bfloat16)))
