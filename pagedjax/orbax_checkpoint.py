@@ -147,7 +147,8 @@ def read_orbax_config(path) -> ModelConfig:
 
 
 def restore_params(path, cfg: ModelConfig | None = None, *, dtype=None) -> Params:
-    """Restores params saved by `save_params` onto the default device.
+    """Restores params saved by `save_params` onto the default device (`jax.default_device`
+    if set, else the first device).
 
     Args:
       path: the checkpoint directory.
@@ -164,9 +165,10 @@ def restore_params(path, cfg: ModelConfig | None = None, *, dtype=None) -> Param
     cfg = cfg or stored
     if dtype is not None:
         cfg = dataclasses.replace(cfg, dtype=dtype)
-    # An explicit target puts arrays on this machine's device, whatever saved them, in
-    # cfg's dtype: orbax casts as it reads (a restore then a cast held both copies).
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    # An explicit target puts arrays on this machine's default device (the host under
+    # `sharding.host_staging`, for a model to be split), whatever saved them, in cfg's
+    # dtype: orbax casts as it reads (a restore then a cast held both copies).
+    sharding = jax.sharding.SingleDeviceSharding(_default_device())
     target = {
         k: jax.ShapeDtypeStruct(v.shape, cfg.jnp_dtype, sharding=sharding)
         for k, v in param_shapes(stored).items()
@@ -174,3 +176,11 @@ def restore_params(path, cfg: ModelConfig | None = None, *, dtype=None) -> Param
     with ocp.StandardCheckpointer() as ckptr:
         tree = ckptr.restore(root / ORBAX_PARAMS_DIR, _nest(target))
     return params_from_flat(cfg, _unnest(tree))
+
+
+def _default_device() -> jax.Device:
+    """Where new arrays land: `jax.default_device`'s device if one is set, else the first."""
+    dev = jax.config.jax_default_device
+    if isinstance(dev, str):  # a platform name
+        return jax.devices(dev)[0]
+    return dev if dev is not None else jax.devices()[0]

@@ -256,6 +256,21 @@ def test_steps_refuse_a_cache_placed_off_the_models_mesh():
     assert out.tokens.shape[0] >= 1
 
 
+def test_orbax_restore_lands_on_the_default_device(tmp_path):
+    """Under `jax.default_device` (as `sharding.host_staging` sets it before a model is
+    split) an orbax checkpoint restores there, not onto the first device: on a GPU host
+    that put a whole model meant for tp GPUs on GPU 0."""
+    from pagedjax import weights
+
+    cfg = tiny(2)
+    weights.save_params(random_params(cfg), tmp_path / "ckpt")
+    target = jax.devices()[3]
+    with jax.default_device(target):
+        _, params = weights.load_checkpoint(tmp_path / "ckpt")
+    placed = {d for x in jax.tree.leaves(params) for d in x.devices()}
+    assert placed == {target}
+
+
 # --- the engine at tp = 4: tests/test_engine.py's equality tests, unchanged ---------------
 # The tiny preset has 4 query heads and 2 kv heads, so at tp = 4 each kv head is
 # replicated on 2 devices. LLM(params) with sharded params runs tensor parallel.
