@@ -216,6 +216,8 @@ class LLM:
         self._inflight: tuple[StepPlan, tuple, StepRecord] | None = None
         self._outputs: dict[str, RequestOutput] = {}  # finished, for a running generate()
         self._collect: set[str] = set()  # request ids a generate() call waits for
+        # Finished inside a generate() call but not its own (add_request's): step() returns them.
+        self._unclaimed: list[RequestOutput] = []
         self._idle_steps = 0
         self._timing = False  # a _run_clock is counting
         jax.block_until_ready(self.cache)
@@ -261,7 +263,12 @@ class LLM:
             f" (n={params.n}, beam_width={params.beam_width})",
         )
         bias, banned = request_bias(params, stop_ids, self.config.vocab_size)
-        rid = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id is None:  # a counter's id that no queued or collected request has
+            rid = str(next(self._ids))
+            while self.scheduler.get(rid) is not None or rid in self._collect:
+                rid = str(next(self._ids))
+        else:
+            rid = str(request_id)
         p = len(ids)
         max_len = min(p + params.max_tokens, self.max_model_len)
         base = int(self._rng.integers(2**32)) if params.seed is None else int(params.seed)
@@ -298,8 +305,10 @@ class LLM:
         return rid
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stops a request wherever it is and frees its pages; returns its partial output."""
-        g = self.scheduler.abort(request_id)
+        """Stops a request wherever it is and frees its pages; returns its partial output
+        (None for an id not queued or running). Ids compare as `add_request` stores them,
+        as strings."""
+        g = self.scheduler.abort(str(request_id))
         return None if g is None else self._aborted(g)
 
     def _aborted(self, g: SequenceGroup) -> RequestOutput:
@@ -310,6 +319,12 @@ class LLM:
         return out
 
     def has_unfinished_requests(self) -> bool:
+        """Whether `step()` has more to do or return: requests queued or running, a step
+        in flight, or outputs of `add_request`'s requests that finished inside a
+        `generate` call (the next `step()` returns them)."""
+        return self._busy() or bool(self._unclaimed)
+
+    def _busy(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
     def generate(
@@ -322,6 +337,9 @@ class LLM:
         on_token: Callable[[str, int, int], None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns one `RequestOutput` per prompt, in order.
+
+        Requests queued with `add_request` run alongside; those that finish during the
+        call are returned by the next `step()`.
 
         Args:
           prompts: strings (needs a tokenizer) or token id lists.
@@ -377,14 +395,14 @@ class LLM:
         mine = set(ids)
         try:
             with self._run_clock():
-                while not mine.issubset(self._outputs) and self.has_unfinished_requests():
-                    done = self._step(on_token, mine)
+                while not mine.issubset(self._outputs) and self._busy():
+                    done = self._claim(self._step(on_token, mine))
                     if bar is not None:
                         bar.update(sum(o.request_id in mine for o in done))
                     if on_step is not None:
                         on_step(self)
                 while self._inflight is not None and not self.scheduler.has_unfinished():
-                    self._step(on_token, mine)  # nothing left to run: collect the last step
+                    self._claim(self._step(on_token, mine))  # nothing left: the last step
             return [self._outputs.pop(i) for i in ids]
         except BaseException:
             for i in ids:  # a failed step aborted them already; not an on_step error
@@ -446,7 +464,8 @@ class LLM:
     # --------------------------------------------------------------------- step
 
     def step(self, *, on_token=None) -> list[RequestOutput]:
-        """One engine step (see the module docstring); returns requests finished in it.
+        """One engine step (see the module docstring); returns requests finished in it,
+        after those of `add_request` that finished inside a `generate` call since.
 
         If anything raises in it (a compile error, device OOM, an exception in the jitted
         call or in `on_token`, KeyboardInterrupt), the engine recovers and the exception
@@ -459,7 +478,9 @@ class LLM:
         step called inside a `generate` (from `on_step`) is counted once, as its part.
         """
         with self._run_clock():
-            return self._step(on_token, None)
+            finished = self._step(on_token, None)
+        unclaimed, self._unclaimed = self._unclaimed, []
+        return unclaimed + finished
 
     @contextlib.contextmanager
     def _run_clock(self):
@@ -633,6 +654,12 @@ class LLM:
         return StepBatch(
             plan, self.buckets, cc.page_size, self.config.vocab_size, self.block_manager
         )
+
+    def _claim(self, finished: list[RequestOutput]) -> list[RequestOutput]:
+        """`finished` (a step's, inside `generate`); keeps those of requests that no
+        `generate` call collects for the next `step()`."""
+        self._unclaimed += [o for o in finished if o.request_id not in self._collect]
+        return finished
 
     def _keep(self, out: RequestOutput) -> None:
         if out.request_id in self._collect:

@@ -416,6 +416,39 @@ def test_abort_frees_everything(params, dense):
     check_clean(llm)
 
 
+def test_add_request_outputs_finished_inside_generate_come_from_the_next_step(params, dense):
+    """A request queued with add_request that finishes while a generate() runs is not
+    lost (it was: generate dropped it, and has_unfinished_requests() said False)."""
+    llm = LLM(params, max_num_batched_tokens=16, **GEOMETRY)
+    short, long = [5, 6, 7, 8], [9, 10, 11]
+    rid = llm.add_request(short, greedy(2, ignore_eos=True))
+    (out,) = llm.generate([long], greedy(12, ignore_eos=True))
+    assert out.outputs[0].token_ids == dense.greedy([long], 12, stop_ids=())[0]
+    assert llm.has_unfinished_requests()  # an output left for step() to return
+    (other,) = llm.step()
+    assert other.request_id == rid and other.finished
+    assert other.outputs[0].token_ids == dense.greedy([short], 2, stop_ids=())[0]
+    assert not llm.has_unfinished_requests() and llm.step() == []
+    check_clean(llm)
+
+
+def test_request_ids_given_and_drawn_never_collide(params):
+    """generate()'s own ids skip those add_request was given (the counter's next id was
+    refused as "already queued or running"); abort finds an int id as add_request
+    stored it, as a str (abort(7) returned None and the request ran on)."""
+    llm = LLM(params, max_num_batched_tokens=16, **GEOMETRY)
+    (first,) = llm.generate([[5, 6]], greedy(1))
+    nxt = str(int(first.request_id) + 1)
+    assert llm.add_request([5, 6, 7], greedy(30), request_id=nxt) == nxt
+    (out,) = llm.generate([[5, 6]], greedy(1))
+    assert out.request_id != nxt and out.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.add_request([5, 6, 7], greedy(30), request_id=7) == "7"
+    assert llm.abort(7).request_id == "7" and llm.abort(int(nxt)).request_id == nxt
+    assert llm.abort(7) is None
+    assert llm.step() == []  # the step still in flight
+    check_clean(llm)
+
+
 def test_cache_salt_separates_prefix_caches(params):
     llm = LLM(params, max_num_batched_tokens=16, **GEOMETRY)
     prompt = np.random.default_rng(3).integers(3, 256, size=33).tolist()
