@@ -292,7 +292,7 @@ def encode_prompt(
     Raises:
       ValueError: empty prompt, text without a tokenizer, ids outside the vocabulary,
         or no room left to generate under `max_model_len`.
-      TypeError: ids that are not ints.
+      TypeError: a prompt neither text nor a sequence of ids, or ids that are not ints.
     """
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -301,7 +301,15 @@ def encode_prompt(
             raise ValueError("prompt is empty")
         text, ids = prompt, tokenizer.encode(prompt)
     else:
-        text, ids = None, list(prompt)
+        # bytes would pass as ids (their byte values); an int as a prompt is most likely
+        # a flat list of ids given as the list of prompts ([[1, 2, 3]] is one prompt).
+        what = f"a prompt must be a str or a list of token ids, got {prompt!r:.80}"
+        if isinstance(prompt, (bytes, bytearray)):
+            raise TypeError(what)
+        try:
+            text, ids = None, list(prompt)
+        except TypeError:
+            raise TypeError(what) from None
         if any(not isinstance(i, (int, np.integer)) or isinstance(i, bool) for i in ids):
             raise TypeError(f"token id prompts must be lists of ints, got {prompt!r:.80}")
         ids = [int(i) for i in ids]

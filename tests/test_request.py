@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from pagedjax.request import MAX_LOGPROBS, SamplingParams
+from pagedjax.request import MAX_LOGPROBS, SamplingParams, encode_prompt
 
 RNG = np.random.default_rng(0)
 INT_DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
@@ -74,3 +74,12 @@ def test_non_iterable_stop_fields_are_named(name):
     for value in [None, int(RNG.integers(0, 1000)), float(RNG.uniform(0, 10)), object()]:
         with pytest.raises(ValueError, match=f"^{name} must be .*{re.escape(repr(value))}"):
             SamplingParams(**{name: value})
+
+
+@pytest.mark.parametrize("prompt", [5, None, 2.5, b"hi", bytearray(b"hi"), np.int64(3)])
+def test_a_prompt_neither_text_nor_ids_is_named(prompt):
+    # An int (a flat id list passed as the list of prompts) raised "'int' object is not
+    # iterable"; bytes passed as their byte values.
+    with pytest.raises(TypeError, match="a prompt must be a str or a list of token ids, got"):
+        encode_prompt(prompt, None, 256, 64)
+    assert encode_prompt(np.array([5, 6]), None, 256, 64) == (None, [5, 6])
