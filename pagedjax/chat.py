@@ -5,7 +5,9 @@ messages into the exact text the model was tuned on (headers, turn separators, t
 assistant prompt). `find_chat_template` looks for it where HF transformers does, in
 this order:
 
-1. `chat_template.jinja` in the checkpoint directory (the raw template);
+1. `chat_template.jinja` in the checkpoint directory (the raw template, named
+   "default") and the named ones in `additional_chat_templates/NAME.jinja` (where
+   transformers saves a list-form template's other entries);
 2. `chat_template.json`: `{"chat_template": "..."}`;
 3. tokenizer_config.json's `chat_template`: a string, or a list of
    `{"name": ..., "template": ...}` from which the one named "default" is used (or
@@ -17,9 +19,10 @@ text here as there: a sandboxed, immutable Jinja environment with `trim_blocks` 
 `lstrip_blocks`, the loop-control extension (`break`/`continue`), HF's
 `{% generation %}` block (rendered as its body), the globals
 `raise_exception(msg)` and `strftime_now(fmt)`, and a `tojson` filter that keeps
-non-ASCII text (`json.dumps(..., ensure_ascii=False)`). jinja2 is an optional
-dependency (`pip install 'pagedjax[chat]'`), imported on first render; each template is
-compiled once.
+non-ASCII text (`json.dumps(..., ensure_ascii=False)`); `continue_final_message`
+cuts the text after the last message, as HF does, for the model to continue it. jinja2
+is an optional dependency (`pip install 'pagedjax[chat]'`), imported on first render;
+each template is compiled once.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from datetime import datetime
 from pathlib import Path
 
 TEMPLATE_FILE = "chat_template.jinja"
+TEMPLATE_DIR = "additional_chat_templates"
 TEMPLATE_JSON = "chat_template.json"
 DEFAULT_NAME = "default"
 INSTALL_HINT = "pip install 'pagedjax[chat]'"
@@ -106,8 +110,21 @@ def find_chat_template(
     """
     root = Path(root)
     jinja_file = root / TEMPLATE_FILE
-    if jinja_file.is_file():
-        return _pick(jinja_file.read_text(), str(jinja_file), name)
+    extra_dir = root / TEMPLATE_DIR
+    files = {DEFAULT_NAME: jinja_file} if jinja_file.is_file() else {}
+    if extra_dir.is_dir():  # as transformers reads them: NAME.jinja, overriding the default
+        files |= {
+            f.name[: -len(".jinja")]: f for f in sorted(extra_dir.glob("*.jinja")) if f.is_file()
+        }
+    if list(files) == [DEFAULT_NAME]:
+        return _pick(files[DEFAULT_NAME].read_text(), str(files[DEFAULT_NAME]), name)
+    if files:
+        want = DEFAULT_NAME if name is None else name
+        if want in files:
+            return files[want].read_text(), str(files[want])
+        if name is not None:
+            raise ValueError(f"{root} has no chat template named {name!r}; it has {sorted(files)}")
+        return None, f"{extra_dir} has chat templates {sorted(files)} but none named 'default'"
     json_file = root / TEMPLATE_JSON
     if json_file.is_file():
         obj = _read_json(json_file)
@@ -218,6 +235,7 @@ def render(
     *,
     source: str = "<string>",
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
     bos_token: str | None = None,
     eos_token: str | None = None,
     **variables,
@@ -230,6 +248,11 @@ def render(
         keys are passed through to the template).
       source: where the template came from, for error messages.
       add_generation_prompt: end with the header that opens the assistant's turn.
+      continue_final_message: end the text with the last message's content, left open
+        (no end-of-turn after it) for the model to continue, e.g. an assistant reply
+        begun by the caller; needs `add_generation_prompt=False`. As in HF, the text is
+        cut after the last occurrence of the content (stripped of surrounding
+        whitespace, which the template may have trimmed).
       bos_token, eos_token: the special-token strings; None leaves the variable
         undefined, as HF leaves unset special tokens, so `{{ bos_token }}` renders as
         "" rather than "None".
@@ -243,15 +266,38 @@ def render(
         an error raised by the template (`raise_exception`) or while rendering it.
     """
     messages = check_messages(messages)
+    final = messages[-1]["content"]
+    if continue_final_message:
+        if add_generation_prompt:
+            raise ValueError(
+                "continue_final_message=True continues the last message and "
+                "add_generation_prompt=True opens a new assistant turn: pass "
+                "add_generation_prompt=False"
+            )
+        if not final.strip():
+            raise ValueError(
+                f"continue_final_message=True but the last message's content is {final!r}: "
+                "nothing to continue"
+            )
     _jinja()  # before the cache, so a missing jinja2 is reported every time
     compiled = _compile(template, source)
     specials = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v}
     context = {"tools": None, "documents": None, **specials, **variables}
     try:
-        return compiled.render(
+        text = compiled.render(
             messages=messages, add_generation_prompt=bool(add_generation_prompt), **context
         )
     except (ValueError, TypeError):
         raise  # raise_exception's message, or a bad value: already what callers catch
     except Exception as e:  # TemplateError, and what the template's code raised (1/0, ...)
         raise ValueError(f"chat template ({source}) failed: {type(e).__name__}: {e}") from None
+    if continue_final_message:  # HF's cut (render_jinja_template), whitespace rules and all
+        at = text.rfind(final.strip())
+        if at < 0:
+            raise ValueError(
+                f"continue_final_message=True but the chat template ({source}) did not "
+                f"write the last message's content {final.strip()!r:.80}"
+            )
+        kept = final.lstrip()
+        text = text[: at + len(kept if text[at : at + len(kept)] == final else final.strip())]
+    return text

@@ -14,7 +14,8 @@ tokens:
   own post-processor prepends BOS.
 
 `encode` never lets the post-processor add tokens: it encodes the raw text and
-prepends BOS itself, so BOS appears exactly once whatever the tokenizer.json says.
+prepends BOS itself unless the text starts with it, so BOS appears exactly once whatever
+the tokenizer.json says.
 
 Chat: `from_dir` also finds the checkpoint's chat template (`pagedjax.chat`, HF's
 order of precedence) and keeps the special-token strings the template may refer to
@@ -249,23 +250,38 @@ class Tokenizer:
         return new
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-        """Token ids of `text`, with BOS prepended when `add_bos` (default `self.add_bos`)."""
+        """Token ids of `text`, with BOS prepended when `add_bos` (default `self.add_bos`)
+        and the text does not already start with it (a prompt rendered by a chat
+        template, `<|begin_of_text|>...`: a second BOS degrades the model's output).
+
+        Special-token strings in the text encode as their own ids.
+        """
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         add_bos = self.add_bos if add_bos is None else add_bos
         if add_bos and self.bos_token_id is None:
             raise ValueError("add_bos=True but this tokenizer has no BOS token")
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return [self.bos_token_id, *ids] if add_bos else list(ids)
+        if add_bos and ids[:1] != [self.bos_token_id]:
+            return [self.bos_token_id, *ids]
+        return list(ids)
 
     def apply_chat_template(
-        self, messages: list[dict], *, add_generation_prompt: bool = True, **extra
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **extra,
     ) -> str:
         """Renders a conversation with this checkpoint's chat template.
 
         Args:
           messages: a non-empty list of `{"role": str, "content": str}` dicts.
           add_generation_prompt: end with the header that opens the assistant's turn.
+          continue_final_message: leave the last message open for the model to continue
+            (an assistant reply begun by the caller); needs `add_generation_prompt=False`
+            (`chat.render`).
           **extra: more template variables (`tools`, `date_string`, ...); they override
             the special tokens (`special_tokens`), which the template sees too.
 
@@ -285,6 +301,7 @@ class Tokenizer:
             messages,
             source=self.chat_template_source,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             **{**self.special_tokens, **extra},
         )
 
@@ -348,18 +365,13 @@ class Tokenizer:
         """Token ids of text a chat template rendered (`encode_chat` without the render).
 
         Special-token strings encode as their own ids; BOS is prepended when `add_bos`
-        (default `self.add_bos`) and the text does not already start with it.
+        (default `self.add_bos`) and the text does not already start with it: `encode`.
         """
-        add_bos = self.add_bos if add_bos is None else add_bos
-        if add_bos and self.bos_token_id is None:
-            raise ValueError("add_bos=True but this tokenizer has no BOS token")
-        ids = self.encode(text, add_bos=False)
-        if add_bos and ids[:1] != [self.bos_token_id]:
-            ids.insert(0, self.bos_token_id)
-        return ids
+        return self.encode(text, add_bos=add_bos)
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
-        """Text of `ids`; special tokens (BOS, EOS, ...) are dropped unless asked for."""
+        """Text of `ids`; special tokens (BOS, EOS, ...) are dropped unless asked for,
+        and ids past the vocabulary (a padded embedding's rows) decode to "", as in HF."""
         ids = self._check_ids(ids)
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -377,15 +389,21 @@ class Tokenizer:
         return added.content if added is not None and added.special else None
 
     def _check_ids(self, ids: Iterable[int]) -> list[int]:
+        """`ids` as ints, less those past the vocabulary.
+
+        A model's embedding is often padded past its tokenizer's vocabulary (Qwen2.5:
+        152064 rows, 151665 tokens) and sampling can pick a padded row; HF decodes such
+        an id to "" rather than failing the whole sequence, and so does this.
+        """
         ids = list(ids)
         for i in ids:  # int() would truncate 3.7 and parse "3"
             if isinstance(i, bool) or not hasattr(type(i), "__index__"):
                 raise TypeError(f"token ids must be ints, got {type(i).__name__} {i!r:.40}")
         ids = [operator.index(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        bad = [i for i in ids if i < 0]
         if bad:
-            raise ValueError(f"token ids {bad[:10]} outside the vocabulary [0, {self.vocab_size})")
-        return ids
+            raise ValueError(f"token ids must be >= 0, got {bad[:10]}")
+        return [i for i in ids if i < self.vocab_size]
 
 
 def _post_processor_adds(tok: tokenizers.Tokenizer, bos: int) -> bool:
@@ -436,7 +454,10 @@ class StreamDecoder:
         return self._tok.tokenizer.decode(ids, skip_special_tokens=self._skip)
 
     def add(self, token_ids: int | Iterable[int]) -> str:
-        """Appends one id or several; returns the new text that is now final ("" if none)."""
+        """Appends one id or several; returns the new text that is now final ("" if none).
+
+        Ids past the vocabulary are dropped (not kept in `ids`): they decode to "".
+        """
         new = token_ids if isinstance(token_ids, Iterable) else [token_ids]
         self.ids.extend(self._tok._check_ids(new))
         window = self.ids[self._prefix :]

@@ -317,3 +317,46 @@ def test_any_error_while_rendering_is_a_value_error(template, match):
     msgs = [{"role": "user", "content": "7"}]
     with pytest.raises(ValueError, match=rf"chat template \(<string>\) failed: {match}"):
         chat.render(template, msgs)
+
+
+def test_continue_final_message_leaves_the_last_message_open(tok):
+    """HF's `continue_final_message`: the text ends with the last message's content (no
+    end-of-turn) so that the model continues it; it was passed to the template as an
+    unused variable, which closed the turn."""
+    prefill = [*MESSAGES, {"role": "assistant", "content": "def fib(n):\n    "}]
+    kw = dict(continue_final_message=True, add_generation_prompt=False)
+    want = RENDERED + "def fib(n):\n    "  # the template keeps whitespace: so does the cut
+    assert tok.apply_chat_template(prefill, **kw) == want
+    assert tok.decode(tok.encode_chat(prefill, **kw), skip_special_tokens=False) == want
+    # The last occurrence is cut after (the content is also the user's message here).
+    trim = TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'] | trim }}")
+    assert tok.with_chat_template(trim).apply_chat_template(prefill, **kw) == want.rstrip()
+    with pytest.raises(ValueError, match="pass add_generation_prompt=False"):
+        tok.apply_chat_template(prefill, continue_final_message=True)
+    with pytest.raises(ValueError, match=r"content is ' ': nothing to continue"):
+        tok.apply_chat_template([*MESSAGES, {"role": "assistant", "content": " "}], **kw)
+    drops = "{% for m in messages %}{{ m['role'] }}{% endfor %}"
+    with pytest.raises(ValueError, match=r"\(<string>\) did not write the last message's"):
+        chat.render(drops, prefill, **kw)
+
+
+def test_named_templates_in_additional_chat_templates(tmp_path):
+    """transformers saves a list-form template as chat_template.jinja (the default) plus
+    additional_chat_templates/NAME.jinja; those files win over tokenizer_config.json."""
+    d = checkpoint(tmp_path, jinja=TEMPLATE, config="C")
+    (d / "additional_chat_templates").mkdir()
+    (d / "additional_chat_templates" / "tool_use.jinja").write_text("T")
+    tok = Tokenizer.from_dir(d)
+    assert tok.chat_template == TEMPLATE
+    assert tok.chat_template_source == str(d / "chat_template.jinja")
+    named = Tokenizer.from_dir(d, chat_template_name="tool_use")
+    assert named.chat_template == "T"
+    assert named.chat_template_source == str(d / "additional_chat_templates" / "tool_use.jinja")
+    with pytest.raises(
+        ValueError, match=r"no chat template named 'rag'.*\['default', 'tool_use'\]"
+    ):
+        Tokenizer.from_dir(d, chat_template_name="rag")
+    (d / "chat_template.jinja").unlink()  # named ones only: no default, as a list without one
+    tok = Tokenizer.from_dir(d)
+    assert tok.chat_template is None
+    assert tok.chat_template_source.endswith("['tool_use'] but none named 'default'")

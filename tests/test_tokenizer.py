@@ -11,8 +11,18 @@ import re
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import (
+    AddedToken,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from pagedjax.tokenizer import Tokenizer
 
@@ -128,10 +138,22 @@ def test_encode_decode_roundtrip_and_single_bos(bpe_dir):
     assert tok.decode(ids, skip_special_tokens=False) == "<|bos|>hello<|eot|>"
 
 
+def test_text_that_starts_with_bos_gets_no_second_one(bpe_dir):
+    """A prompt rendered by a chat template (`<|begin_of_text|>...`) passed as raw text
+    got BOS twice: the text's and the one encode prepends."""
+    tok = Tokenizer.from_dir(bpe_dir)
+    hello = tok.encode("hello", add_bos=False)
+    assert tok.encode("<|bos|>hello") == [0, *hello] == tok.encode("hello")
+    assert tok.encode("<|bos|>hello", add_bos=False) == [0, *hello]
+    assert tok.encode("<|bos|><|bos|>hello") == [0, 0, *hello]  # the text's own are kept
+    ids = tok.encode(" <|bos|>hello")  # BOS not first: the text is not a rendered prompt
+    assert ids[0] == 0 and ids[1] != 0 and ids.count(0) == 2
+
+
 def test_bad_input(bpe_dir, tmp_path):
     tok = Tokenizer.from_dir(bpe_dir)
-    with pytest.raises(ValueError, match=r"\[320\] outside the vocabulary \[0, 320\)"):
-        tok.decode([5, 320])
+    with pytest.raises(ValueError, match=r"token ids must be >= 0, got \[-1\]"):
+        tok.decode([5, -1])
     with pytest.raises(ValueError, match=r"\[-1\]"):
         tok.stream().add(-1)
     with pytest.raises(TypeError, match="must be a str"):
@@ -146,14 +168,16 @@ def test_bad_input(bpe_dir, tmp_path):
 def settled(tok: Tokenizer, ids: list[int]) -> str:
     """The text of `ids` that no later id can change: `decode(ids)` without an
     incomplete trailing character, and without a trailing run of byte-fallback tokens
-    (with the skipped special tokens in it), which HF decodes all or nothing."""
+    (with the skipped special tokens and ids past the vocabulary in it), which HF
+    decodes all or nothing."""
     special = set(tok.tokenizer.get_added_tokens_decoder())
+    skipped = lambda i: i in special or tok.tokenizer.id_to_token(i) is None
     m, run_end = len(ids), len(ids)
     while m and (
-        ids[m - 1] in special or re.fullmatch(r"<0x..>", tok.tokenizer.id_to_token(ids[m - 1]))
+        skipped(ids[m - 1]) or re.fullmatch(r"<0x..>", tok.tokenizer.id_to_token(ids[m - 1]))
     ):
         m -= 1
-        if ids[m] not in special:
+        if not skipped(ids[m]):
             run_end = m
     return tok.decode(ids[:run_end]).rstrip("\ufffd")
 
@@ -297,3 +321,75 @@ def test_stream_cut_inside_a_character_matches_decode(bpe_dir, sp_dir, style):
                 out, k = out + stream.add(ids[k : min(n, k + step)]), k + step
             assert out + stream.flush() == want, ids[:n]
     assert cuts_inside > 20  # the cuts really fell inside characters
+
+
+def test_ids_past_the_vocabulary_decode_to_nothing(bpe_dir, sp_dir):
+    """A model's embedding is often padded past its tokenizer (Qwen2.5: 152064 rows for
+    151665 tokens) and sampling can pick a padded row: HF decodes the id to "", here it
+    was a ValueError that failed the whole request."""
+    tok = Tokenizer.from_dir(bpe_dir)
+    v = tok.vocab_size
+    ids = tok.encode("hello world", add_bos=False)
+    padded = [*ids[:1], v, *ids[1:], v + 300, 2**40]
+    assert tok.decode(padded) == tok.decode(ids) == tok.tokenizer.decode(padded[:-1])
+    stream = tok.stream()
+    assert "".join(map(stream.add, padded)) + stream.flush() == "hello world"
+    # Inside a run of byte-fallback tokens too: the run still decodes as one.
+    tok = Tokenizer.from_dir(sp_dir)
+    ids = tok.encode("a €", add_bos=False)
+    padded = [*ids[:-1], tok.vocab_size, ids[-1]]
+    assert tok.decode(padded) == "a €"
+    check_stream(tok, padded)
+
+
+def metaspace_style() -> HFTokenizer:
+    """Newer Llama-2/Mistral conversions: the Metaspace pre-tokenizer and decoder
+    (prepend "▁" to the first word only) instead of the normalizer and a Strip."""
+    tok = sentencepiece_style()
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence(
+        [decoders.ByteFallback(), decoders.Metaspace(prepend_scheme="first", split=False)]
+    )
+    return tok
+
+
+def with_added_tokens(tok: HFTokenizer) -> HFTokenizer:
+    """Added tokens of each kind: special or not, stripping, normalized, non-ASCII."""
+    tok.add_tokens(
+        [
+            AddedToken("<tool>", special=False, normalized=False),
+            AddedToken(" sp", special=False, lstrip=True, rstrip=True, normalized=True),
+            AddedToken("[INST]", special=True, normalized=False),
+            AddedToken("日本", special=False, normalized=False),
+        ]
+    )
+    return tok
+
+
+STREAM_TOKENIZERS = {
+    (name, extra): Tokenizer(with_added_tokens(make()) if extra else make())
+    for name, make in [
+        ("byte_level", lambda: byte_level_bpe(post_bos=False)),
+        ("byte_fallback", sentencepiece_style),
+        ("metaspace", metaspace_style),
+    ]
+    for extra in (False, True)
+}
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(sorted(STREAM_TOKENIZERS)), st.booleans(), st.data())
+def test_stream_matches_decode_for_any_ids(key, skip, data):
+    """Any ids (not only those of real text: loose bytes, specials anywhere, padded ids),
+    added in any groups: `text + pending` is decode(ids) after every add, and what add
+    and flush return joins to decode(all ids)."""
+    tok = STREAM_TOKENIZERS[key]
+    ids = data.draw(st.lists(st.integers(0, tok.vocab_size), max_size=14))
+    stream, out, k = tok.stream(skip_special_tokens=skip), "", 0
+    while k < len(ids):
+        n = data.draw(st.integers(1, 4))
+        out, k = out + stream.add(ids[k : k + n]), k + n
+        assert stream.text == out
+        assert out + stream.pending == tok.decode(ids[:k], skip_special_tokens=skip)
+    assert out + stream.flush() == tok.decode(ids, skip_special_tokens=skip)
