@@ -278,7 +278,7 @@ class LLM:
                 next(self._seq_ids), list(ids), p, max_len, i, (base + i * _SEED_STRIDE) % 2**32
             )
             if params.stop:
-                s.detok = self.tokenizer.stream()
+                s.detok = self.tokenizer.stream(context=ids)
             if params.logprobs is not None:
                 s.logprobs = []
             return s
@@ -665,5 +665,7 @@ class LLM:
         if out.request_id in self._collect:
             self._outputs[out.request_id] = out
 
-    def _text(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+    def _text(self, ids: list[int], prompt_ids: list[int]) -> str:
+        """The text of generated `ids`, read after their prompt ("" without a tokenizer)."""
+        tok = self.tokenizer
+        return tok.decode(ids, context=prompt_ids) if tok is not None else ""

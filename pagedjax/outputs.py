@@ -58,7 +58,8 @@ class OutputProcessor:
     Args:
       scheduler: the engine's; finished, forked and dropped sequences go through it.
       metrics: counts generated tokens and finished requests.
-      detokenize: token ids -> text ("" without a tokenizer).
+      detokenize: (generated ids, prompt ids) -> the text the ids add after the prompt
+        ("" without a tokenizer).
       seq_ids: the engine's sequence id counter (beam forks draw from it).
     """
 
@@ -66,7 +67,7 @@ class OutputProcessor:
         self,
         scheduler: Scheduler,
         metrics: EngineMetrics,
-        detokenize: Callable[[list[int]], str],
+        detokenize: Callable[[list[int], list[int]], str],
         seq_ids: itertools.count,
     ):
         self.scheduler = scheduler
@@ -254,7 +255,7 @@ class OutputProcessor:
                 comps.append(
                     CompletionOutput(
                         i,
-                        self.detokenize(h.token_ids),
+                        self.detokenize(h.token_ids, req.prompt_ids),
                         h.token_ids,
                         h.cumulative_logprob,
                         h.finish_reason,
@@ -268,7 +269,7 @@ class OutputProcessor:
                 seqs = seqs[: req.params.n]
             for s in sorted(seqs, key=lambda s: s.index):
                 gen = s.token_ids[p:]
-                text = self.detokenize(gen)
+                text = self.detokenize(gen, req.prompt_ids)
                 if isinstance(s.stop_reason, str):  # cut where it stopped (not earlier:
                     # min_tokens may have let an earlier occurrence through)
                     i = text.find(s.stop_reason, s.stop_pos)

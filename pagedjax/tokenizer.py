@@ -29,7 +29,11 @@ encode as their single ids, and BOS is prepended only when the text does not alr
 start with it.
 
 `StreamDecoder` turns token ids arriving one by one into text pieces whose
-concatenation equals `decode(all ids)`, wherever the ids stop. A token can end inside
+concatenation equals `decode(all ids)`, wherever the ids stop. A completion is decoded
+after its prompt (`decode(ids, context=prompt_ids)`, `stream(context=prompt_ids)`), so
+that it reads as the prompt's continuation: SentencePiece decoders strip the leading
+space of a text's first token, which made a completion "Paris" where prompt +
+completion reads " Paris". A token can end inside
 a multi-byte UTF-8 character (byte-level BPE, SentencePiece byte fallback), which
 decodes as a trailing U+FFFD; text is emitted up to the last whole character and the
 rest is held back. With byte fallback, HF decodes a run of `<0xXX>` tokens all or
@@ -54,6 +58,9 @@ from pagedjax import chat
 
 TOKENIZER_FILE = "tokenizer.json"
 _REPLACEMENT = "\ufffd"
+# Prompt ids a completion is decoded after (`Tokenizer.decode(context=...)`): enough for
+# a decoder's first-token rules to see a token of text before the completion.
+CONTEXT_IDS = 8
 
 
 def _read_json(path: Path) -> dict:
@@ -369,18 +376,46 @@ class Tokenizer:
         """
         return self.encode(text, add_bos=add_bos)
 
-    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+    def decode(
+        self, ids: Iterable[int], *, skip_special_tokens: bool = True, context: Iterable[int] = ()
+    ) -> str:
         """Text of `ids`; special tokens (BOS, EOS, ...) are dropped unless asked for,
-        and ids past the vocabulary (a padded embedding's rows) decode to "", as in HF."""
+        and ids past the vocabulary (a padded embedding's rows) decode to "", as in HF.
+
+        `context`: the ids before them (a completion's prompt). The text is then what the
+        ids add after it, `decode(context + ids)` less `decode(context)`, so that a decoder
+        that treats a text's first token specially reads them as a continuation:
+        SentencePiece's leading-space strip made a completion "Paris" where prompt +
+        completion reads " Paris" (as vLLM and HF pipelines return it). Only the last
+        `CONTEXT_IDS` ids count, and only if their text is settled (see `_context`).
+        """
         ids = self._check_ids(ids)
+        ctx = self._context(context, skip_special_tokens)
+        if ctx is not None:
+            full = self.tokenizer.decode(ctx[0] + ids, skip_special_tokens=skip_special_tokens)
+            if full.startswith(ctx[1]):
+                return full[len(ctx[1]) :]
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _context(self, context: Iterable[int], skip: bool) -> tuple[list[int], str] | None:
+        """The last `CONTEXT_IDS` ids of `context` and their text, or None when that text
+        is empty or not settled: ending inside a character (U+FFFD) or in a byte-fallback
+        run, which the ids after it may still change."""
+        ids = self._check_ids(list(context)[-CONTEXT_IDS:])
+        if not ids or _byte_run(self, ids, skip):
+            return None
+        text = self.tokenizer.decode(ids, skip_special_tokens=skip)
+        return None if not text or text.endswith(_REPLACEMENT) else (ids, text)
 
     def is_eos(self, token_id: int) -> bool:
         return int(token_id) in self.eos_token_ids
 
-    def stream(self, *, skip_special_tokens: bool = True) -> StreamDecoder:
-        """A fresh incremental decoder for one sequence."""
-        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+    def stream(
+        self, *, skip_special_tokens: bool = True, context: Iterable[int] = ()
+    ) -> StreamDecoder:
+        """A fresh incremental decoder for one sequence; with `context` (its prompt's ids),
+        its text adds up to `decode(ids, context=context)`."""
+        return StreamDecoder(self, skip_special_tokens=skip_special_tokens, context=context)
 
     def _special_token(self, token_id: int | None) -> str | None:
         if token_id is None:
@@ -433,22 +468,35 @@ class StreamDecoder:
     `ids` and of any ids that may follow them: `decode(ids)` without its trailing
     U+FFFD run (an incomplete character), or, when `ids` end in a run of byte-fallback
     tokens, without the run's text. `self.text + self.pending` is `decode(ids)`, the
-    text if the ids ended here, and `flush()` emits `pending`. Each call decodes the
+    text if the ids ended here, and `flush()` emits `pending`. With a `context` (the
+    prompt's ids), `decode(ids)` here means `Tokenizer.decode(ids, context=context)`:
+    the context's settled tail is the first chunk, decoded and never emitted. Each call decodes the
     window `ids[prefix:]`, which starts one character-aligned chunk back; `done` counts
     the window's characters already emitted. The window slides whenever its text ends
     on a whole character outside a byte run, to the last chunk if that chunk has text
     of its own (so the window never starts with skipped special tokens alone).
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True):
+    def __init__(
+        self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True, context: Iterable[int] = ()
+    ):
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self.ids: list[int] = []
+        self._ids: list[int] = []  # the context's ids (see Tokenizer._context), then `ids`
         self._prefix = 0  # window start
         self._read = 0  # end of the last chunk that ended on a whole character
         self._done = 0  # characters of decode(ids[prefix:]) already emitted
         self.text = ""
         self.pending = ""  # held back: what flush() would emit now
+        ctx = tokenizer._context(context, skip_special_tokens)
+        if ctx is not None:  # a first chunk, already emitted
+            self._ids, self._read, self._done = list(ctx[0]), len(ctx[0]), len(ctx[1])
+        self._start = len(self._ids)
+
+    @property
+    def ids(self) -> list[int]:
+        """The ids added so far (the context's not included)."""
+        return self._ids[self._start :]
 
     def _decode(self, ids) -> str:
         return self._tok.tokenizer.decode(ids, skip_special_tokens=self._skip)
@@ -459,21 +507,21 @@ class StreamDecoder:
         Ids past the vocabulary are dropped (not kept in `ids`): they decode to "".
         """
         new = token_ids if isinstance(token_ids, Iterable) else [token_ids]
-        self.ids.extend(self._tok._check_ids(new))
-        window = self.ids[self._prefix :]
+        self._ids.extend(self._tok._check_ids(new))
+        window = self._ids[self._prefix :]
         text = self._decode(window)
-        held = self._byte_run(window)
+        held = _byte_run(self._tok, window, self._skip)
         stable = (self._decode(window[:-held]) if held else text).rstrip(_REPLACEMENT)
         piece = stable[self._done :]
         if not held and len(stable) == len(text):
             # Slide to the last chunk only if it has text: a window of skipped special
             # tokens alone would let the decoder strip the next token's leading space.
-            last = self._decode(self.ids[self._read :])
+            last = self._decode(self._ids[self._read :])
             if last:
                 self._prefix, self._done = self._read, len(last)
             else:
                 self._done = len(text)
-            self._read = len(self.ids)
+            self._read = len(self._ids)
             self.pending = ""
         else:
             self._done = max(self._done, len(stable))
@@ -481,24 +529,25 @@ class StreamDecoder:
         self.text += piece
         return piece
 
-    def _byte_run(self, window: list[int]) -> int:
-        """Length of the window's trailing run of byte-fallback tokens (with the skipped
-        special tokens inside or after it, which the decoder never sees), or 0."""
-        byte_ids, n, run = self._tok._byte_ids, 0, 0
-        if not byte_ids:
-            return 0
-        for i in reversed(window):
-            if i in byte_ids:
-                n = run = n + 1
-            elif self._skip and i in self._tok._special_ids:
-                n += 1
-            else:
-                break
-        return run
-
     def flush(self) -> str:
         """Emits whatever is held back (an incomplete character shows as U+FFFD)."""
         piece, self.pending = self.pending, ""
         self._done += len(piece)
         self.text += piece
         return piece
+
+
+def _byte_run(tok: Tokenizer, ids: list[int], skip: bool) -> int:
+    """Length of the trailing run of byte-fallback tokens in `ids` (with the skipped
+    special tokens inside or after it, which the decoder never sees), or 0."""
+    byte_ids, n, run = tok._byte_ids, 0, 0
+    if not byte_ids:
+        return 0
+    for i in reversed(ids):
+        if i in byte_ids:
+            n = run = n + 1
+        elif skip and i in tok._special_ids:
+            n += 1
+        else:
+            break
+    return run

@@ -95,7 +95,7 @@ def reply(llm, messages: list[dict], params) -> str | None:
     except (ValueError, TypeError) as e:  # the template rejected the conversation
         print(f"error: {e}", file=sys.stderr)
         return None
-    decoder = llm.tokenizer.stream()
+    decoder = llm.tokenizer.stream(context=ids)
 
     def on_token(_rid, _index, tok):
         sys.stdout.write(decoder.add(tok))

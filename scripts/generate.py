@@ -546,7 +546,7 @@ def run(args) -> int:
     on_token = None
     sep = "\n" if args.chat else ""  # a chat reply is a new turn, not a continuation
     if stream:
-        decoder = llm.tokenizer.stream()
+        decoder = llm.tokenizer.stream(context=encoded[0])
         print(prompts[0] + sep, end="", flush=True)
 
         def on_token(_rid, _index, tok):

@@ -410,7 +410,7 @@ class Handler(BaseHTTPRequestHandler):
                 _, rid, i, token, *entry = event  # the entry: with logprobs only
                 c = choices.get((rid, i))
                 if c is None:
-                    c = choices[rid, i] = StreamedChoice(tok)
+                    c = choices[rid, i] = StreamedChoice(tok, prompts[rid])
                 if c.decoder is None:  # no tokenizer: no text, a chunk per token
                     chunk(rid, i, c, "", [token], entry)
                     continue
@@ -432,7 +432,7 @@ class Handler(BaseHTTPRequestHandler):
                 _, rid, out = event
                 outs.append(out)
                 for o in out.outputs:
-                    c = choices.get((rid, o.index)) or StreamedChoice(None)
+                    c = choices.get((rid, o.index)) or StreamedChoice(None, ())
                     # The rest, from the final output: its text and tokens as not streamed.
                     ids = o.token_ids[c.num_tokens :]
                     entries = o.logprobs[c.num_tokens :] if k is not None else ()
@@ -448,8 +448,8 @@ class StreamedChoice:
     """What a stream sent of one completion.
 
     Attributes:
-      decoder: its incremental detokenizer (`Tokenizer.stream()`), None without a
-        tokenizer (or without tokens).
+      decoder: its incremental detokenizer (`Tokenizer.stream(context=prompt ids)`, as
+        the engine decodes the final text), None without a tokenizer (or without tokens).
       sent: characters of its text streamed.
       pending: (token id, logprobs entry or None, where its text ends in the decoder's
         text) of each token received but not streamed yet (its text held back).
@@ -460,8 +460,8 @@ class StreamedChoice:
 
     __slots__ = ("decoder", "sent", "pending", "num_tokens", "offset", "started")
 
-    def __init__(self, tok):
-        self.decoder = tok.stream() if tok is not None else None
+    def __init__(self, tok, prompt_ids):
+        self.decoder = tok.stream(context=prompt_ids) if tok is not None else None
         self.sent = self.num_tokens = self.offset = 0
         self.pending: list[tuple[int, dict | None, int]] = []
         self.started = False

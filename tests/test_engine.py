@@ -808,3 +808,34 @@ def test_demo_model_greedy_equals_dense_recompute():
         assert diff is None, f"prompt {i}: engine and dense differ first at token {diff}"
     assert len({t for o in outs for t in o.outputs[0].token_ids}) > 20  # a trained model
     check_clean(llm)
+
+
+def test_completion_text_reads_after_its_prompt(params):
+    """With a SentencePiece-style decoder (it strips a text's leading space), a completion
+    is decoded after its prompt: a first token "▁w" reads " w", as prompt + completion
+    does (decoded alone it lost the space), in the final text and in the stop-string
+    stream alike."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁": 3}
+    vocab.update({c: 4 + i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz")})
+    vocab["▁w"] = len(vocab)
+    hf = HFTokenizer(models.BPE(vocab, [("▁", "w")], unk_token="<unk>"))
+    hf.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    hf.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok = Tokenizer(hf, bos_token_id=1, eos_token_ids=[2], add_bos=True)
+    llm = LLM(params, tokenizer=tok, **GEOMETRY)
+    w = vocab["▁w"]
+    prompt = "hello"
+    assert tok.decode([w]) == "w"  # alone: the strip
+    for stop in ([], ["zz"]):  # the final text; with a stop string, the stream too
+        sp = greedy(3, logit_bias={w: 100.0}, stop=stop)
+        (out,) = llm.generate([prompt], sp)
+        assert out.outputs[0].token_ids == [w] * 3
+        assert out.outputs[0].text == " w w w"
+        assert tok.decode(out.prompt_token_ids + [w] * 3) == prompt + out.outputs[0].text
+    check_clean(llm)

@@ -39,6 +39,9 @@ def tok(request):
     return Tokenizer(sentencepiece_style(), bos_token_id=1, eos_token_ids=[2])
 
 
+PROMPT = [5, 6]  # the completions' prompt, which they are decoded after
+
+
 class _Scheduler:
     def finish(self, group, seq, reason, stop_reason=None):
         seq.finish_reason, seq.stop_reason = reason, stop_reason
@@ -49,12 +52,13 @@ class _Scheduler:
 
 def accept_all(tok, gen, params):
     """Feeds `gen` one token at a time as the engine does; (ids, text, finish, stop)."""
-    prompt = [5, 6]
+    prompt = PROMPT
     s = Seq(0, list(prompt), 2, 2 + params.max_tokens, status=SeqStatus.RUNNING)
-    s.detok = tok.stream() if params.stop else None
+    s.detok = tok.stream(context=prompt) if params.stop else None
     g = SequenceGroup("r", [s])
     req = Request("r", None, prompt, params, frozenset(params.stop_token_ids), g, None, 0.0)
-    proc = OutputProcessor(_Scheduler(), EngineMetrics(1), tok.decode, itertools.count(1))
+    detokenize = lambda ids, prompt_ids: tok.decode(ids, context=prompt_ids)  # noqa: E731
+    proc = OutputProcessor(_Scheduler(), EngineMetrics(1), detokenize, itertools.count(1))
     for t in gen:
         proc._accept(req, s, t, -0.5, None)
         if s.status is SeqStatus.FINISHED:
@@ -70,12 +74,12 @@ def brute_force(tok, gen, params):
     incomplete last character) that ends past what this text shares with the previous
     token's (earlier ones were let through by min_tokens). Of several, the one that ends
     first wins, then the one that starts first; the text is cut where it starts."""
-    before = ""
+    before, decode = "", lambda ids: tok.decode(ids, context=PROMPT)
     for n in range(1, len(gen) + 1):
         ids, check = gen[:n], n >= params.min_tokens
         if check and gen[n - 1] in params.stop_token_ids:
-            return ids, tok.decode(ids), "stop", gen[n - 1]
-        full = tok.decode(ids)
+            return ids, decode(ids), "stop", gen[n - 1]
+        full = decode(ids)
         text = full.rstrip("\ufffd")  # an incomplete last character is not text yet
         same = len(os.path.commonprefix([before, text]))
         new = [
@@ -185,7 +189,8 @@ def test_beam_hypotheses_report_their_stop_token_as_sampling_does():
     g = SequenceGroup("r", [s], 3, atomic=True)
     beam = BeamSearch(3, 0.0, stop_ids, params.max_tokens)
     req = Request("r", None, prompt, params, stop_ids, g, beam, 0.0)
-    proc = OutputProcessor(_Scheduler(), EngineMetrics(1), lambda ids: "", itertools.count(1))
+    no_text = lambda ids, prompt_ids: ""  # noqa: E731
+    proc = OutputProcessor(_Scheduler(), EngineMetrics(1), no_text, itertools.count(1))
 
     def step(generated, sums, first):
         """Each beam's candidates, best first: `first` ranked top on beam 0."""

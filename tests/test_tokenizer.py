@@ -393,3 +393,41 @@ def test_stream_matches_decode_for_any_ids(key, skip, data):
         assert stream.text == out
         assert out + stream.pending == tok.decode(ids[:k], skip_special_tokens=skip)
     assert out + stream.flush() == tok.decode(ids, skip_special_tokens=skip)
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(sorted(STREAM_TOKENIZERS)), st.booleans(), st.data())
+def test_stream_after_a_prompt_matches_decode_in_context(key, skip, data):
+    """A completion streamed after its prompt (`stream(context=prompt)`) joins to
+    `decode(ids, context=prompt)` after every add, for any prompt and any ids."""
+    tok = STREAM_TOKENIZERS[key]
+    prompt = data.draw(st.lists(st.integers(0, tok.vocab_size), max_size=12))
+    ids = data.draw(st.lists(st.integers(0, tok.vocab_size), max_size=12))
+    stream, out, k = tok.stream(skip_special_tokens=skip, context=prompt), "", 0
+    while k < len(ids):
+        n = data.draw(st.integers(1, 4))
+        out, k = out + stream.add(ids[k : k + n]), k + n
+        assert stream.ids == ids[:k] or tok.vocab_size in ids[:k]  # the context not in it
+        want = tok.decode(ids[:k], skip_special_tokens=skip, context=prompt)
+        assert out + stream.pending == want
+    assert out + stream.flush() == tok.decode(ids, skip_special_tokens=skip, context=prompt)
+
+
+@pytest.mark.parametrize("style", ["byte_fallback", "metaspace", "byte_level"])
+def test_a_completion_reads_as_the_prompts_continuation(style):
+    """SentencePiece decoders strip the first token's leading space: decoded alone, a
+    completion lost it ("Paris", where prompt + completion reads " Paris"). After its
+    prompt it keeps it, as vLLM and HF pipelines return it; byte-level BPE is unchanged."""
+    tok = STREAM_TOKENIZERS[style, False]
+    prompt = tok.encode("the hello", add_bos=False)
+    full = tok.encode("the hello world end", add_bos=False)
+    assert full[: len(prompt)] == prompt
+    gen = full[len(prompt) :]
+    text = tok.decode(gen, context=prompt)
+    assert text == " world end"
+    assert tok.decode(prompt) + text == tok.decode(full)
+    if style != "byte_level":
+        assert tok.decode(gen) == "world end"  # the strip, without the context
+    stream = tok.stream(context=prompt)
+    assert "".join(stream.add(i) for i in gen) + stream.flush() == text
+    assert tok.decode(gen, context=[]) == tok.decode(gen)
