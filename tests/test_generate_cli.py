@@ -7,6 +7,7 @@ tests/test_engine.py so that both share compiled programs.
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -372,12 +373,16 @@ def test_compilation_cache_dir_precedence(monkeypatch, tmp_path):
 def test_compilation_cache_is_written_and_reported(tmp_path):
     """A real run fills the directory it names and reports it in --json settings."""
     cache = tmp_path / "xla"
+    # jax caches only programs that took >= 1 s to compile (its default); at -O0 on the
+    # CPU the demo model's steps take about that, so the test was flaky: cache them all.
+    env = dict(os.environ, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--prompt", "def f(x):", "--max-tokens", "2", "--json"]
         + ["--compilation-cache", str(cache)],
         capture_output=True,
         text=True,
         cwd=ROOT,
+        env=env,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
