@@ -394,7 +394,8 @@ def generate(
       logit_bias: token id -> value added to its logit before sampling (-inf bans it).
       min_tokens: the stop tokens cannot be drawn before this many new tokens.
       seed: prompt b samples with seed + b.
-      stop_token_ids: default: the config's eos_token_ids. The stop token is kept.
+      stop_token_ids: default: the config's eos_token_ids. The stop token is kept; ids
+        past the vocabulary are allowed (never drawn, so never banned by min_tokens).
       prefill_chunk: prefill prompts at most this many tokens per step (default: all).
       backend, interpret: attention backend (see `prefill_step`).
       buckets: padding floors for the step shapes.
@@ -404,9 +405,10 @@ def generate(
 
     Raises:
       ValueError: empty or nested prompts, token ids outside the vocabulary, a prompt
-        plus max_new_tokens longer than max_position_embeddings, or a count
-        (max_new_tokens, min_tokens, page_size, prefill_chunk) that is not a positive
-        int (min_tokens: >= 0) (before anything runs).
+        plus max_new_tokens longer than max_position_embeddings, stop_token_ids that
+        are not ints >= 0, or a count (max_new_tokens, min_tokens, page_size,
+        prefill_chunk) that is not a positive int (min_tokens: >= 0) (before anything
+        runs).
     """
     cfg = params.config
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -428,9 +430,13 @@ def generate(
                 f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it "
                 f"exceeds max_position_embeddings={cfg.max_position_embeddings}"
             )
-    stop = set(cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    stop = np.asarray(list(cfg.eos_token_ids if stop_token_ids is None else stop_token_ids))
+    if stop.size and (not np.issubdtype(stop.dtype, np.integer) or stop.min() < 0):
+        raise ValueError(f"stop_token_ids must be ints >= 0, got {stop_token_ids=}")
+    stop = set(stop.reshape(-1).tolist())
     bias = dict(logit_bias or {})
-    banned = bias | dict.fromkeys(stop, float("-inf"))  # before min_tokens new tokens
+    # Before min_tokens new tokens; a stop id outside the vocabulary is never drawn.
+    banned = bias | dict.fromkeys((t for t in stop if t < cfg.vocab_size), float("-inf"))
 
     def bias_at(n_new: int) -> dict | None:
         return (banned if n_new < min_tokens else bias) or None

@@ -150,7 +150,7 @@ class Buckets:
     def __post_init__(self):
         for name in ("min_tokens", "min_seqs", "min_pages", "min_copies", "min_history"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
 
 
@@ -180,8 +180,11 @@ def _check_steps(toks, q_lens, start, n_pages, page_table, model_cfg, cache_cfg)
         raise ValueError(
             f"sequence {i}: token id {int(flat[j])} is outside the vocabulary [0, {v})"
         )
+    if (start < 0).any():
+        i = _first(start < 0)
+        raise ValueError(f"sequence {i}: start_pos must be >= 0, got start_pos={int(start[i])}")
     end = start + q_lens
-    bad = (start < 0) | (end > model_cfg.max_position_embeddings)
+    bad = end > model_cfg.max_position_embeddings
     if bad.any():
         i = _first(bad)
         raise ValueError(
@@ -226,8 +229,10 @@ def build_step_input(
 
     Raises:
       ValueError: token ids outside the vocabulary, positions past the model's
-        maximum, a page table too short or with bad ids, bad sampling parameters, bad
-        copy pairs, or decode=True with a multi-token chunk.
+        maximum, a page table too short or with bad ids, a page this step writes that
+        another page table (or the same one twice) reads in this step, bad sampling
+        parameters, bad copy pairs, or decode=True with a multi-token chunk.
+      TypeError: ids or counts that are not ints.
     """
     if not chunks:
         raise ValueError("a step needs at least one sequence, got chunks=[]")
@@ -250,17 +255,22 @@ def build_step_input(
     page_table = np.zeros((b, max_pages), np.int64)
     page_table[np.repeat(np.arange(n), n_pages), _ragged_arange(n_pages)] = np.concatenate(rows)
     _check_steps(toks, q_lens, start, n_pages, page_table, model_cfg, cache_cfg)
-    temperature, top_k, top_p, seeds, sample_steps, min_p = (
-        np.array([getattr(c, f) for c in chunks], dt)
-        for f, dt in (
-            ("temperature", np.float64), ("top_k", np.float64), ("top_p", np.float64),
-            ("seed", np.float64), ("sample_step", np.int64), ("min_p", np.float64),
-        )
-    )  # fmt: skip
     steps = _int_array([c.sample_step for c in chunks], "sample_step")
-    if (steps < 0).any():
-        i = _first(steps < 0)
-        raise ValueError(f"sequence {i}: sample_step must be >= 0, got sample_step={steps[i]}")
+    bad = (steps < 0) | (steps >= 2**31)  # packed as int32: larger ones would wrap
+    if bad.any():
+        i = _first(bad)
+        raise ValueError(
+            f"sequence {i}: sample_step must be in [0, 2**31), got sample_step={steps[i]}"
+        )
+    fields = ("temperature", "top_k", "top_p", "seed", "min_p")
+    try:
+        temperature, top_k, top_p, seeds, min_p = (
+            np.array([getattr(c, f) for c in chunks], np.float64) for f in fields
+        )
+    except (TypeError, ValueError):  # a str or other non-number: let the check name it
+        for c in chunks:
+            sampling.check_params(c.temperature, c.top_k, c.top_p, c.seed, c.min_p)
+        raise
     bad = ~(
         (temperature >= 0) & np.isfinite(temperature) & (top_k >= 0) & (top_k < 2**31)
         & (top_k == np.floor(top_k))
@@ -285,6 +295,10 @@ def build_step_input(
     slot_mapping = np.full(t, -1, np.int32)
     slot_mapping[:total] = page_table[seq, pos // s] * s + pos % s
     _check_distinct_slots(slot_mapping[:total], seq, pos)
+    _check_written_slots_unshared(
+        slot_mapping[:total], seq, pos, page_table, start, start + q_lens, s,
+        cache_cfg.num_pages, model_cfg.sliding_window,
+    )  # fmt: skip
     context_lens = np.zeros(b, np.int32)
     context_lens[:n] = start + q_lens
     logits_indices = np.zeros(b, np.int32)
@@ -312,7 +326,7 @@ def build_step_input(
         top_k=per_seq(top_k, np.int32, 0),
         top_p=per_seq(top_p, np.float32, 1.0),
         seeds=per_seq(seeds, np.uint32, 0),
-        sample_steps=per_seq(sample_steps, np.int32, 0),
+        sample_steps=per_seq(steps, np.int32, 0),
         min_p=per_seq(min_p, np.float32, 0.0),
         penalties=penalties,
         logit_bias=logit_bias,
@@ -342,6 +356,9 @@ def _bias_arrays(bias, i: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]
     """A chunk's logit bias as (ids, values) arrays, validated; None when empty."""
     if not bias:
         return None
+    bad = [t for t in bias if not is_int(t)]
+    if bad:  # int() would truncate 3.7 to token 3
+        raise TypeError(f"sequence {i}: logit_bias token ids must be ints, got {bad[0]!r}")
     ids = np.fromiter((int(t) for t in bias), np.int64, len(bias))
     values = np.fromiter(bias.values(), np.float64, len(bias))
     bad = (ids < 0) | (ids >= vocab_size)
@@ -398,7 +415,11 @@ def _pack_penalties(chunks, b, min_history, vocab_size) -> sampling.Penalties | 
             continue
         sampling.check_penalties(c.repetition_penalty, c.presence_penalty, c.frequency_penalty)
         for name in ("prompt_ids", "output_ids"):
-            ids = np.asarray(getattr(c, name), np.int64).reshape(-1)
+            ids = np.asarray(getattr(c, name)).reshape(-1)
+            if ids.size and not np.issubdtype(ids.dtype, np.integer):  # would be truncated
+                raise TypeError(
+                    f"sequence {i}: {name} must be int token ids, got dtype {ids.dtype}"
+                )
             if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
                 bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
                 raise ValueError(
@@ -419,12 +440,23 @@ def _pack_penalties(chunks, b, min_history, vocab_size) -> sampling.Penalties | 
 
 
 def _int_array(values, name) -> np.ndarray:
-    """One int per sequence as an array; TypeError naming the sequence otherwise."""
+    """One int per sequence as an int array; TypeError (ValueError past int64) naming
+    the sequence otherwise."""
     out = np.asarray(values)
-    if not np.issubdtype(out.dtype, np.integer):
-        i = next(i for i, v in enumerate(values) if not is_int(v))
-        raise TypeError(f"sequence {i}: {name} must be an int, got {name}={values[i]!r}")
-    return out
+    if np.issubdtype(out.dtype, np.integer):
+        return out
+    for i, v in enumerate(values):
+        if not is_int(v) and not (
+            np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype, np.integer)
+        ):
+            raise TypeError(f"sequence {i}: {name} must be an int, got {name}={v!r}")
+    # Every value is an int, but numpy found no integer dtype for them all (one past
+    # int64, or uint64 next to a signed int).
+    ints = [int(v) for v in values]
+    for i, v in enumerate(ints):
+        if not -(2**63) <= v < 2**63:
+            raise ValueError(f"sequence {i}: {name}={v} is out of range")
+    return np.array(ints, np.int64)
 
 
 def is_int(v) -> bool:
@@ -454,6 +486,44 @@ def _check_distinct_slots(slots, seq, pos):
         )
 
 
+def _check_written_slots_unshared(slots, seq, pos, page_table, start, end, s, num_pages, window):
+    """A slot written this step may be read only as the position written there.
+
+    Were a written page also in another page table (or twice in one) within what the
+    step attends to, that reader would see the new token in place of its own cached one,
+    without a word: a shared page must be copied before it is written (`copies`).
+    Vectorised over the page-table entries each sequence reads (positions [lo, end),
+    lo = 0, or its first query's window start) that name a written page; each written
+    slot must lie in exactly one of them (the writer's own).
+    """
+    n = len(start)
+    lo = np.zeros_like(start) if window is None else np.maximum(start - window + 1, 0)
+    written = np.zeros(num_pages, bool)
+    written[slots // s] = True
+    table = page_table[:n]
+    cols = np.arange(table.shape[1])
+    read = (cols >= (lo // s)[:, None]) & (cols < (-(-end // s))[:, None])  # pages read
+    ent_seq, ent_j = np.nonzero(read & written[table])  # only written pages can conflict
+    page = table[ent_seq, ent_j]
+    base = page * s - ent_j * s  # slot of position p in entry: base + p
+    read_lo = base + np.maximum(lo[ent_seq], ent_j * s)  # read slots [read_lo, read_hi)
+    read_hi = base + np.minimum(end[ent_seq], ent_j * s + s)
+    covered = np.searchsorted(np.sort(read_lo), slots, "right") - np.searchsorted(
+        np.sort(read_hi), slots, "right"
+    )  # the writer's own entry covers each written slot once
+    if (covered > 1).any():
+        w = _first(covered > 1)
+        slot, x, p = int(slots[w]), int(seq[w]), int(pos[w])
+        other = (read_lo <= slot) & (slot < read_hi) & ((ent_seq != x) | (ent_j != p // s))
+        k = _first(other)
+        y, q = int(ent_seq[k]), int(slot - base[k])
+        raise ValueError(
+            f"sequence {x} writes cache slot {slot} (position {p}), which sequence {y} reads "
+            f"as its position {q}: a page in two page tables, or twice in one, is written "
+            "(copy it first: copies=[(src, dst)])"
+        )
+
+
 def _ragged_arange(lens):
     """[0..lens[0]), [0..lens[1]), ... concatenated."""
     ends = np.cumsum(lens)
@@ -461,7 +531,7 @@ def _ragged_arange(lens):
 
 
 def _check_copies(copies, num_pages):
-    if not copies:
+    if len(copies) == 0:  # (a numpy array of pairs has no truth value)
         return
     pairs = np.asarray(copies)
     if pairs.ndim != 2 or pairs.shape[1] != 2:
@@ -482,7 +552,7 @@ def pack_copies(copies, c: int) -> tuple[np.ndarray, np.ndarray]:
     """(src, dst) [c] int32 page-copy arrays; padding pairs are (0, -1), which copy nothing."""
     src = np.zeros(c, np.int32)
     dst = np.full(c, -1, np.int32)
-    if copies:
+    if len(copies):
         pairs = np.asarray(copies, np.int32).reshape(-1, 2)
         src[: len(pairs)], dst[: len(pairs)] = pairs[:, 0], pairs[:, 1]
     return src, dst

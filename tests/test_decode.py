@@ -404,6 +404,42 @@ def test_build_step_input_rejects_bad_input(chunk, kwargs, match):
             ValueError,
             r"sequences 0 and 0 both write cache slot 12 \(positions 0 and 4\)",
         ),
+        # Packed as int32: sample_step 2**40 wrapped to 0 (step 0's PRNG key again).
+        (
+            [decode.SeqChunk([1], 0, [1], sample_step=2**40)],
+            {},
+            ValueError,
+            r"sample_step must be in \[0, 2\*\*31\), got sample_step=1099511627776",
+        ),
+        # Were StopIteration (every value an int, but no int64 array holds them).
+        ([decode.SeqChunk([1], 2**70, [1])], {}, ValueError, r"start_pos=1180591620717411303424"),
+        # Blamed max_position_embeddings.
+        (
+            [decode.SeqChunk([1], -1, [1])],
+            {},
+            ValueError,
+            "start_pos must be >= 0, got start_pos=-1",
+        ),
+        # int() truncated a float token id to another token.
+        (
+            [decode.SeqChunk([1], 0, [1], logit_bias={3.7: 1.0})],
+            {},
+            TypeError,
+            "logit_bias token ids must be ints, got 3.7",
+        ),
+        (
+            [decode.SeqChunk([1], 0, [1], repetition_penalty=1.2, prompt_ids=[1.5])],
+            {},
+            TypeError,
+            "prompt_ids must be int token ids, got dtype float64",
+        ),
+        # Was numpy's "could not convert string to float", naming no field.
+        (
+            [decode.SeqChunk([1], 0, [1], temperature="hot")],
+            {},
+            ValueError,
+            "temperature=.hot.",
+        ),
     ],
 )
 def test_build_step_input_rejects_what_it_used_to_truncate(chunks, kwargs, error, match):
@@ -419,6 +455,97 @@ def test_build_step_input_allows_shared_read_only_pages():
         [decode.SeqChunk([1], 4, [3, 5]), decode.SeqChunk([2], 4, [3, 6])], TINY, cache_cfg
     )
     np.testing.assert_array_equal(inp.slot_mapping[:2], [20, 24])
+
+
+@pytest.mark.parametrize(
+    "chunks,window,written,reader",
+    [
+        # One page twice in a table: position 4 overwrote position 0 (same offset).
+        ([decode.SeqChunk([1], 4, [3, 3])], None, (0, 12, 4), (0, 0)),
+        # A fork that forgot its copy: both write page 5, each reads the other's slot.
+        (
+            [decode.SeqChunk([1], 5, [3, 5]), decode.SeqChunk([2], 6, [3, 5])],
+            None,
+            (0, 21, 5),
+            (1, 5),
+        ),
+        # A page one sequence writes is an earlier page of another.
+        (
+            [decode.SeqChunk([1], 4, [3, 5]), decode.SeqChunk([2], 8, [5, 3, 6])],
+            None,
+            (0, 20, 4),
+            (1, 0),
+        ),
+        # Within the window: page 5 holds sequence 1's positions 8..11, all still seen.
+        (
+            [decode.SeqChunk([1], 4, [3, 5]), decode.SeqChunk([2], 12, [0, 0, 5, 6])],
+            8,
+            (0, 20, 4),
+            (1, 8),
+        ),
+    ],
+)
+def test_build_step_input_refuses_to_write_a_page_another_row_reads(
+    chunks, window, written, reader
+):
+    """A page written in a step and read elsewhere in it (another page table, or the same
+    one twice) gave the reader the writer's new K/V in place of its own, with no error
+    (relative logit error ~0.66 against dense in a two-sequence probe)."""
+    cfg = dataclasses.replace(TINY, sliding_window=window)
+    cache_cfg = CacheConfig(page_size=4, num_pages=32, dtype="float32")
+    (x, slot, p), (y, q) = written, reader
+    match = rf"sequence {x} writes cache slot {slot} \(position {p}\), which sequence {y} reads"
+    with pytest.raises(ValueError, match=match + rf" as its position {q}: "):
+        decode.build_step_input(chunks, cfg, cache_cfg)
+
+
+@pytest.mark.parametrize(
+    "chunks,window",
+    [
+        # Page 5 is in sequence 1's table past its length: not read.
+        ([decode.SeqChunk([1], 4, [3, 5]), decode.SeqChunk([2], 4, [3, 6, 5])], None),
+        # Window 4: sequence 1 at 12 sees 9..12, not page 5 (4..7) nor the released 0s.
+        ([decode.SeqChunk([1], 4, [3, 5]), decode.SeqChunk([2], 12, [0, 5, 7, 6])], 4),
+        ([decode.SeqChunk([1], 0, [0]), decode.SeqChunk([2], 12, [0, 0, 7, 6])], 4),
+    ],
+)
+def test_build_step_input_allows_pages_no_one_reads_where_they_are_written(chunks, window):
+    cfg = dataclasses.replace(TINY, sliding_window=window)
+    cache_cfg = CacheConfig(page_size=4, num_pages=32, dtype="float32")
+    decode.build_step_input(chunks, cfg, cache_cfg)
+
+
+def test_build_step_input_takes_numpy_copies_buckets_and_mixed_int_types():
+    cache_cfg = CacheConfig(page_size=4, num_pages=32, dtype="float32")
+    chunks = [decode.SeqChunk([1], 5, [1, 2]), decode.SeqChunk([2], 3, [4])]
+    want = decode.build_step_input(chunks, TINY, cache_cfg, copies=[(7, 8)])
+    # numpy pairs were "truth value of an array is ambiguous", and numpy ints in Buckets
+    # "must be a positive int".
+    got = decode.build_step_input(
+        chunks, TINY, cache_cfg, copies=np.array([[7, 8]]), buckets=decode.Buckets(np.int64(16))
+    )
+    for name in ("copy_src", "copy_dst", "positions", "slot_mapping"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+    assert got.bucket == want.bucket
+    # uint64 next to a Python int made a float64 array, then a bare StopIteration.
+    chunks[0].start_pos = np.uint64(5)
+    mixed = decode.build_step_input(chunks, TINY, cache_cfg, copies=np.zeros((0, 2), int))
+    np.testing.assert_array_equal(mixed.positions, want.positions)
+    np.testing.assert_array_equal(mixed.slot_mapping[:2], [9, 19])
+
+
+def test_generate_checks_stop_ids_and_bans_only_drawable_ones(params):
+    """A stop id past the vocabulary (an EOS of a model with a cut vocabulary) is never
+    drawn: min_tokens used to fail on it as a 'logit_bias token id'. A float or negative
+    stop id was truncated (1.5 banned token 1) or blamed on logit_bias."""
+    kw = dict(max_new_tokens=3, backend="xla", page_size=4, min_tokens=2)
+    cut = params.replace(config=dataclasses.replace(TINY, eos_token_ids=(128001,)))
+    out = decode.generate(cut, [[1, 2]], **kw)
+    assert out.tokens == decode.generate(params, [[1, 2]], stop_token_ids=[300], **kw).tokens
+    assert len(out.tokens[0]) == 3
+    for bad in ([1.5], [-1], ["2"]):
+        with pytest.raises(ValueError, match=r"stop_token_ids must be ints >= 0, got stop_tok"):
+            decode.generate(params, [[1, 2]], stop_token_ids=bad, **kw)
 
 
 @pytest.mark.parametrize(
