@@ -145,6 +145,10 @@ def _check_slots(slots, num_slots):
         raise ValueError(
             f"slot {int(s[i])} at index {i} is out of range [0, {num_slots}) (-1: padding)"
         )
+    real = np.sort(s[s >= 0])  # a scatter to one slot twice keeps either write
+    same = real[1:][real[1:] == real[:-1]]
+    if same.size:
+        raise ValueError(f"slot {int(same[0])} is written twice in one call")
 
 
 def _first(mask) -> int:
@@ -184,7 +188,7 @@ def write_layer(k_pages, v_pages, k, v, slots):
       k: [T, K, D] new keys.
       v: [T, K, D] new values.
       slots: [T] int32 destination slots in [0, P * S), or -1 to drop the token
-        (anything else raises when slots are concrete).
+        (anything else, or a slot twice, raises when slots are concrete).
 
     Returns:
       The updated (k_pages, v_pages).
@@ -259,12 +263,17 @@ def slots_for(page_table_row, start: int, end: int, page_size: int) -> np.ndarra
     if not 0 <= start <= end:
         raise ValueError(f"start must be in [0, end], got {start=}, {end=}")
     pos = np.arange(start, end)
-    row = np.asarray(page_table_row)
+    row = _check_int_ids("page_table_row", page_table_row)
+    if row.ndim != 1:
+        raise ValueError(f"page_table_row must be 1-D, got shape {row.shape}")
     if end > len(row) * page_size:
         raise ValueError(
             f"position {end - 1} is beyond the page table's capacity {len(row) * page_size}"
         )
-    return (row[pos // page_size] * page_size + pos % page_size).astype(np.int32)
+    pages = row[pos // page_size]
+    if (pages < 0).any():  # -1 would make a padding slot, dropped by `write`
+        raise ValueError(f"page id {int(pages[pages < 0][0])} is negative")
+    return (pages * page_size + pos % page_size).astype(np.int32)
 
 
 def gather_sequence(cache: PagedKVCache, layer: int, page_table_row, length: int):
@@ -275,7 +284,11 @@ def gather_sequence(cache: PagedKVCache, layer: int, page_table_row, length: int
     """
     _check_layer(cache, layer)
     s = cache.page_size
+    if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 0:
+        raise ValueError(f"length must be an int >= 0, got {length=}")
     row = _check_int_ids("page_table_row", page_table_row)
+    if row is None or row.ndim != 1:
+        raise ValueError(f"page_table_row must be a concrete 1-D array, got {page_table_row!r}")
     if length > len(row) * s:
         raise ValueError(f"length {length} exceeds the page table's capacity {len(row) * s}")
     used = row[: -(-max(length, 0) // s)]  # a gather would clamp or wrap a bad id silently

@@ -208,3 +208,30 @@ def test_gather_and_write_reject_a_bad_layer(layer):
         kvcache.gather_sequence(c, layer, [1, 2], 3)
     with pytest.raises((ValueError, TypeError), match="layer"):
         kvcache.write(c, layer, k, k, np.array([5], np.int32))
+
+
+def test_write_rejects_a_slot_written_twice():
+    """Two tokens scattered to one slot kept either one (which one is the backend's
+    choice); -1 padding may repeat."""
+    _, c = tiny_cache()
+    k = np.ones((3, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="slot 5 is written twice in one call"):
+        kvcache.write(c, 0, k, k, np.array([5, 6, 5]))
+    kvcache.write(c, 0, k, k, np.array([-1, 6, -1]))
+
+
+def test_slots_for_and_gather_reject_tables_and_lengths_they_would_misuse():
+    _, c = tiny_cache()
+    # A negative page id made slot -1, which write then dropped as padding.
+    with pytest.raises(ValueError, match="page id -1 is negative"):
+        kvcache.slots_for([-1, 2], 3, 5, 4)
+    assert kvcache.slots_for([-1, 2], 4, 6, 4).tolist() == [8, 9]  # the -1 is not used
+    # A 2-D row was 'exceeds the capacity 4'; a scalar was len() of unsized object.
+    for row in ([[1, 2]], 3):
+        with pytest.raises(ValueError, match="page_table_row must be a concrete 1-D array"):
+            kvcache.gather_sequence(c, 0, row, 2)
+    # A float length was a slice TypeError, a negative one a start/end error, True was 1.
+    for length in (5.0, -1, True):
+        with pytest.raises(ValueError, match=r"length must be an int >= 0, got length="):
+            kvcache.gather_sequence(c, 0, [1, 2], length)
+    assert kvcache.gather_sequence(c, 0, [1, 2], np.int64(5))[0].shape == (5, 2, 8)
