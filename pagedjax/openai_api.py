@@ -165,8 +165,15 @@ def parse_job(
             why = "no tokenizer" if tok is None else tok.chat_template_source
             raise ApiError(400, f"this model cannot chat: {why}; use /v1/completions")
         messages = chat_messages(body.get("messages"))
+        # vLLM's extensions: continue the last (assistant) message instead of opening a
+        # new turn; add_generation_prompt then defaults to false (true with it: a 400).
+        cont = bool_field(body, "continue_final_message")
+        gen = body.get("add_generation_prompt")
+        gen = not cont if gen is None else bool_field(body, "add_generation_prompt")
         try:
-            prompts = [tok.encode_chat(messages)]
+            prompts = [
+                tok.encode_chat(messages, add_generation_prompt=gen, continue_final_message=cont)
+            ]
         except (ValueError, TypeError) as e:
             raise ApiError(400, f"messages: {e}", "messages") from None
         except ImportError as e:

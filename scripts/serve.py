@@ -13,7 +13,10 @@ Point an OpenAI client at `http://HOST:PORT/v1` (any API key). Endpoints:
                                or a list of such lists
     POST /v1/chat/completions  messages, rendered with the checkpoint's chat template
                                (or --chat-template FILE); content is a string or a list
-                               of {"type": "text", "text"} parts
+                               of {"type": "text", "text"} parts; vLLM's
+                               `continue_final_message` (continue the last message) and
+                               `add_generation_prompt` (default: true, false with the
+                               former)
 
 Fields of both POSTs: `model` (optional; another name is a 400), `max_tokens` (default
 16 for completions; for chat `max_completion_tokens` or `max_tokens`, default: up to

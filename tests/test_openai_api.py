@@ -27,9 +27,14 @@ class CharTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(map(chr, ids))
 
-    def encode_chat(self, messages) -> list[int]:
+    def encode_chat(
+        self, messages, *, add_generation_prompt=True, continue_final_message=False
+    ) -> list[int]:
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message=True with add_generation_prompt=True")
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        return self.encode(text + "<assistant>")
+        text = text[:-1] if continue_final_message else text  # the last message left open
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
 
 
 TOK = CharTokenizer()
@@ -221,6 +226,23 @@ def test_a_chat_body_becomes_its_job():
     body = dict(messages=messages, max_tokens=5, max_completion_tokens=7, top_logprobs=3)
     j = job(dict(body, logprobs=True), chat=True)
     assert (j.params.max_tokens, j.params.logprobs) == (7, 3)
+
+
+def test_chat_can_continue_the_last_message_or_leave_the_turn_closed():
+    """vLLM's chat extensions: continue_final_message (add_generation_prompt then
+    defaults to false) and add_generation_prompt; they were ignored."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]
+    render = lambda **kw: TOK.decode(job(dict(messages=messages, **kw), chat=True).prompts[0])  # noqa: E731
+    assert render() == "<user>hi\n<assistant>Sure\n<assistant>"
+    assert render(continue_final_message=True) == "<user>hi\n<assistant>Sure"
+    assert render(add_generation_prompt=False) == "<user>hi\n<assistant>Sure\n"
+    both = dict(continue_final_message=True, add_generation_prompt=True)
+    raises_400(
+        job, dict(messages=messages, **both), chat=True, words="continue_final", param="messages"
+    )
+    for name in ("continue_final_message", "add_generation_prompt"):
+        bad = dict(messages=messages, **{name: "yes"})
+        raises_400(job, bad, chat=True, words=f"{name} must be a boolean", param=name)
 
 
 def test_int_field():
