@@ -9,7 +9,8 @@ K/V) or in use (``refcount`` > 0: that many page tables hold it).
 Allocation pops the free list (page 0 first) and only when it is empty evicts the least
 recently freed cached page; evicting a page uncaches the pages cached under it, and those no
 one holds become plain free pages. Freed cached pages enter the LRU in the order given (the
-manager frees a sequence tail first, so a shared prefix's head lives longest). Callers check
+manager frees a sequence tail first, so a shared prefix's head lives longest; ``refresh``
+moves the head a sliding window gave back early behind the tail). Callers check
 ``num_free`` before they allocate: nothing here raises ``OutOfPages``.
 """
 
@@ -90,6 +91,14 @@ class PagePool:
                     self.evictable[p] = None
                 else:
                     self.free.append(p)
+
+    def refresh(self, pages: Iterable[int]) -> None:
+        """Moves the evictable ones of these pages to the most recently freed end of the
+        LRU, in the order given."""
+        lru = self.evictable
+        for p in pages:
+            if p in lru:
+                lru.move_to_end(p)
 
     def uncache(self, pages: Iterable[int]) -> int:
         """Uncaches these pages (those not cached are skipped) and every page cached under

@@ -183,6 +183,15 @@ class PrefixCache:
             self._children.setdefault(chain.node, set()).add(p)
             chain.num_pages, chain.hash, chain.node = i + 1, h, node
 
+    def chain_pages(self, node: int) -> list[int]:
+        """The page registered as ``node`` and the pages its content is chained from,
+        deepest first (empty if ``node`` is not registered)."""
+        out, p = [], self._node_page.get(node)
+        while p is not None:
+            out.append(p)
+            p = self._node_page.get(self.entries[p].parent_node)
+        return out
+
     def uncache(self, page: int) -> list[int]:
         """Unregisters a cached ``page`` and every page cached under it.
 

@@ -301,12 +301,17 @@ class SeqTables:
         """Releases a finished, aborted or preempted sequence's pages.
 
         Unreferenced cached pages become evictable, tail first (a prefix's head is
-        evicted last); the others return to the free list.
+        evicted last; pages ``release_before`` gave back, still cached, move behind
+        them); the others return to the free list.
         """
         s = self._get(seq_id)
         del self._seqs[seq_id]
         self._reserving.pop(seq_id, None)
         self._pool.decref(reversed(s.pages[s.released :]))
+        if s.released:
+            # release_before freed the head first: evicting it would uncache the whole
+            # chain, so the chain's pages are freed again, tail first, as a full one is.
+            self._pool.refresh(self._prefix.chain_pages(s.chain.node))
         self._freed[seq_id] = None
         if len(self._freed) > _FREED_MEMORY:
             self._freed.popitem(last=False)

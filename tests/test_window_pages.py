@@ -149,6 +149,28 @@ def test_cached_pages_stay_cached_and_evictable():
     bm.check_invariants()
 
 
+def test_a_released_head_is_evicted_last_after_free():
+    """The window gives back a prompt's head first, but evicting the head uncaches its
+    whole chain: once the sequence is freed, eviction takes the tail first, as it does
+    for a sequence that released nothing, and the head stays a prefix hit."""
+    bm = BlockManager(12, 4, watermark=0)
+    prompt = RNG.integers(0, 1000, 32).tolist()  # 8 pages
+    bm.admit("a", prompt, peak_pages=4, window=5)
+    for end in range(4, 33, 4):  # prefilled 4 tokens a step, window 5
+        if (c := bm.num_computed_tokens("a")) >= 5:
+            bm.release_before("a", c - 5 + 1)
+        bm.grow("a", end)
+        bm.mark_computed("a", end)
+    pages = bm.page_table("a")[-2:]
+    bm.free("a")
+    assert list(bm._evictable)[:2] == pages[::-1]  # the tail goes first
+    computed_seq(bm, "x", 36)  # 9 pages: the 4 free ones and 5 evicted
+    assert (bm.stats().evictions, bm.stats().num_cached_pages) == (5, 3 + 9)
+    bm.free("x")
+    assert bm.admit("b", prompt + [1], window=5) == 12
+    bm.check_invariants()
+
+
 def test_errors_are_atomic_and_name_the_value():
     bm = BlockManager(8, 4)
     computed_seq(bm, "a", 9)
