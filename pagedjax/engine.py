@@ -183,6 +183,7 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 max_model_len=self.max_model_len,
                 kv_dtype=kv_dtype,
+                watermark=watermark,
             )
         self.cache_config = CacheConfig(page_size, num_pages, kv_dtype)
         self.block_manager = BlockManager(

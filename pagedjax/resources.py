@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import warnings
 from pathlib import Path
@@ -122,13 +123,15 @@ def plan_num_pages(
     max_model_len: int,
     device=None,
     kv_dtype: str | None = None,
+    watermark: float = planner.WATERMARK,
 ) -> int:
     """Pages that fit in `kv_memory_fraction` of the device's free memory.
 
     Free memory is `bytes_limit - bytes_in_use` from the device's `memory_stats()`
     (call it after the weights are loaded). Where there are no stats (the CPU), the
     fraction applies to a 4 GiB budget, capped at what `max_num_seqs` sequences of
-    `max_model_len` tokens can use. `kv_dtype`: the cache's storage dtype (default the
+    `max_model_len` tokens can use on top of the `watermark` (`LLM(watermark=)`) of
+    pages admission keeps free. `kv_dtype`: the cache's storage dtype (default the
     model's).
     """
     if not 0 < kv_memory_fraction <= 1:
@@ -149,19 +152,38 @@ def plan_num_pages(
         stats = device.memory_stats() or {}
     except Exception:  # some backends do not implement it
         stats = {}
+    free = None
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         pages = int(kv_memory_fraction * free) // per_page
     else:
-        most = max_num_seqs * -(-max_model_len // page_size)
-        pages = min(most, int(kv_memory_fraction * _CPU_KV_BUDGET) // per_page)
+        pages = min(
+            _pages_beside_watermark(max_num_seqs * -(-max_model_len // page_size), watermark),
+            int(kv_memory_fraction * _CPU_KV_BUDGET) // per_page,
+        )
     pages = min(pages, (2**31 - 1) // page_size - 1)
     if pages < 1:
+        where = (
+            f"the {_CPU_KV_BUDGET} bytes a device without memory stats budgets"
+            if free is None
+            else f"the {free} bytes free on {device} after the weights"
+        )
         raise ValueError(
-            f"kv_memory_fraction={kv_memory_fraction} of free device memory holds no page of "
-            f"{per_page} bytes"
+            f"kv_memory_fraction={kv_memory_fraction} of {where} holds no page of {per_page} bytes"
         )
     return pages
+
+
+def _pages_beside_watermark(need: int, watermark: float) -> int:
+    """Fewest pages N that leave `need` once `BlockManager` keeps int(watermark * N) free."""
+    if not 0 <= watermark < 1:
+        raise ValueError(f"watermark must be in [0, 1), got {watermark=}")
+    n = math.ceil(need / (1 - watermark))
+    while n - int(watermark * n) < need:  # float rounding
+        n += 1
+    while n > need and n - 1 - int(watermark * (n - 1)) >= need:
+        n -= 1
+    return n
 
 
 def peak_device_memory(device=None) -> int | None:

@@ -751,10 +751,20 @@ def test_chat_renders_conversations_and_generates_from_them(params, dense):
 
 
 def test_kv_memory_fraction_sizes_the_cache(params):
-    llm = LLM(params, kv_memory_fraction=0.5, max_num_seqs=4, max_num_batched_tokens=16)
-    # CPU: no device stats, so the cap is max_num_seqs full-length sequences.
-    assert llm.cache_config.num_pages == 4 * TINY.max_position_embeddings // 16
-    assert llm.cache.num_pages == llm.cache_config.num_pages
+    # CPU: no device stats, so the cap is max_num_seqs full-length sequences beside the
+    # watermark's pages (which admission keeps free): 128 pages, plus 1 at 0.01, 31 at 0.2.
+    for watermark, extra in ((0.01, 1), (0.2, 31)):
+        llm = LLM(
+            params,
+            kv_memory_fraction=0.5,
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+            watermark=watermark,
+        )
+        assert llm.cache_config.num_pages == 4 * TINY.max_position_embeddings // 16 + extra
+        assert llm.cache.num_pages == llm.cache_config.num_pages
+        bm = llm.block_manager
+        assert bm.num_pages - bm.watermark_pages == 4 * TINY.max_position_embeddings // 16
 
 
 @pytest.mark.slow  # Pallas interpret mode is slow on the CPU
