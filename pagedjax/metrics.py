@@ -22,7 +22,11 @@ the compile) and counted in `compile_time_s`.
 Device time of a step, `device_s`, is observed on the host: from its dispatch (or the
 previous step's tokens arriving, if later) to its own tokens arriving. Throughputs
 divide by it: prefill tokens/s over the steps that carried prefill chunks, decode
-tokens/s over the pure decode steps, KV bytes/s over all steps. `output_tokens_per_s`
+tokens/s over the pure decode steps, KV bytes/s over all steps. A step whose tokens
+were awaited across the next step's compile (asynchronous scheduling dispatches step
+N+1, compiling it if its shape is new, before it waits for step N's tokens) has no
+measured device time (`device_s` None): it is left out of `device_time_s` and of
+every throughput, its tokens and KV bytes as well as its time. `output_tokens_per_s`
 is the end-to-end figure: generated tokens over the run time (the wall time of
 `LLM.generate` and `LLM.step` calls) less compile time; None when that is not positive
 (nothing ran).
@@ -95,7 +99,9 @@ class StepRecord:
     dispatch_s: float
     dispatched_at: float = 0.0  # perf_counter() when the dispatch returned
     num_compilations: int = 0  # programs the dispatch compiled
-    device_s: float | None = None  # set when its tokens arrive (`EngineMetrics.complete`)
+    # Set when its tokens arrive (`EngineMetrics.complete`); None again if the host
+    # compiled the next step meanwhile (then the device's share is unknown).
+    device_s: float | None = None
 
 
 class EngineMetrics:
@@ -128,8 +134,12 @@ class EngineMetrics:
         self.latencies: list[float] = []
         self.num_prompt_tokens = 0
         self._host = [0.0, 0.0, 0.0, 0]  # hidden, exposed, wait, steps counted
-        self._timed = [0.0, 0, 0.0, 0, 0.0]  # prefill s, tokens; decode s, tokens; all s
+        # prefill s, tokens; decode s, tokens; all s, context tokens (of measured steps)
+        self._timed = [0.0, 0, 0.0, 0, 0.0, 0]
         self._last_ready = 0.0
+        # The last completed step, (record, span start, span end), until the next
+        # record() shows whether a compile fell in its span.
+        self._pending: tuple[StepRecord, float, float] | None = None
 
     def record(self, rec: StepRecord, num_compilations: int = 0) -> None:
         self.steps.append(rec)
@@ -141,25 +151,31 @@ class EngineMetrics:
         if rec.compiled:
             self.compile_time_s += rec.dispatch_s
             self.num_compilations += num_compilations
+            if self._pending is not None:
+                prev, start, ready = self._pending
+                if min(ready, rec.dispatched_at) > max(start, rec.dispatched_at - rec.dispatch_s):
+                    prev.device_s = None  # its span holds this compile
+                    self._pending = None
         else:
             h = self._host
             h[0] += rec.host_hidden_s
             h[1] += rec.host_exposed_s
             h[2] += rec.wait_s
             h[3] += 1
+        self._settle()
 
     def complete(self, rec: StepRecord, ready_at: float) -> None:
         """Records that `rec`'s tokens arrived on the host at `ready_at`."""
-        rec.device_s = ready_at - max(rec.dispatched_at, self._last_ready)
+        self._settle()
+        start = max(rec.dispatched_at, self._last_ready)
+        rec.device_s = ready_at - start
         self._last_ready = ready_at
-        t = self._timed
-        t[4] += rec.device_s
-        if rec.num_prefill_tokens:
-            t[0] += rec.device_s
-            t[1] += rec.num_prefill_tokens
-        else:
-            t[2] += rec.device_s
-            t[3] += rec.num_decode_tokens
+        self._pending = (rec, start, ready_at)
+
+    def _settle(self) -> None:
+        if self._pending is not None:
+            _add_timed(self._timed, self._pending[0])
+            self._pending = None
 
     def record_request(self, num_prompt_tokens: int, ttft: float | None, latency: float) -> None:
         self.num_prompt_tokens += num_prompt_tokens
@@ -176,7 +192,10 @@ class EngineMetrics:
         peak_device_memory_bytes: int | None,
     ) -> dict:
         """The run's figures, keyed by `SUMMARY_KEYS` (times in seconds unless `_ms`)."""
-        pre_s, pre_n, dec_s, dec_n, dev_s = self._timed
+        timed = list(self._timed)
+        if self._pending is not None:  # the last step, measured unless a compile follows
+            _add_timed(timed, self._pending[0])
+        pre_s, pre_n, dec_s, dec_n, dev_s, timed_context = timed
         rate = lambda n, t: n / t if t > 0 else None
         hidden, exposed, wait, n = self._host
         per_step = (lambda x: 1e3 * x / n) if n else (lambda x: None)
@@ -201,7 +220,7 @@ class EngineMetrics:
             # None where no run time beyond the compiles was measured (nothing ran).
             output_tokens_per_s=rate(self.generated_tokens, self.run_time_s - self.compile_time_s),
             kv_bytes_read=kv_bytes,
-            kv_bytes_read_per_s=rate(kv_bytes, dev_s),
+            kv_bytes_read_per_s=rate(timed_context * self.kv_bytes_per_token, dev_s),
             peak_device_memory_bytes=peak_device_memory_bytes,
             kv_pages_used=self.peak_used_pages,
             kv_pages_total=kv_pages_total,
@@ -217,3 +236,12 @@ class EngineMetrics:
             k: (None if isinstance(v, float) and not math.isfinite(v) else v)
             for k, v in out.items()
         }
+
+
+def _add_timed(timed: list, rec: StepRecord) -> None:
+    """Adds a measured step to `EngineMetrics._timed`-style totals."""
+    k = 0 if rec.num_prefill_tokens else 2
+    timed[k] += rec.device_s
+    timed[k + 1] += rec.num_prefill_tokens or rec.num_decode_tokens
+    timed[4] += rec.device_s
+    timed[5] += rec.context_tokens

@@ -30,7 +30,7 @@ def test_summary_equals_a_hand_computation(seed):
     n = int(rng.integers(5, 40))
     t = 100.0 * rng.random()
     last_ready = 0.0
-    want_dev = dict(pre_s=0.0, pre_n=0, dec_s=0.0, dec_n=0, all_s=0.0)
+    spans = []  # (record, start, ready, device s) of each completed step
     compile_s, compiles, ctx, used = 0.0, 0, 0, []
     for _ in range(n):
         pre = int(rng.integers(0, 50)) * int(rng.random() < 0.4)
@@ -57,20 +57,27 @@ def test_summary_equals_a_hand_computation(seed):
         if compiled:
             compile_s += rec.dispatch_s
             compiles += rec.num_compilations
+            if spans and min(spans[-1][2], t) > max(spans[-1][1], t - rec.dispatch_s):
+                assert spans[-1][0].device_s is None  # awaited across this compile
+                spans[-1] = None
         ready = t + float(rng.random()) * (2 if rng.random() < 0.5 else 0.1)
         ready = max(ready, last_ready + 1e-3)
         m.complete(rec, ready)
         dev = ready - max(t, last_ready)
         assert rec.device_s == pytest.approx(dev)
-        want_dev["all_s"] += dev
-        if pre:
-            want_dev["pre_s"] += dev
-            want_dev["pre_n"] += pre
-        else:
-            want_dev["dec_s"] += dev
-            want_dev["dec_n"] += dec
+        spans.append((rec, max(t, last_ready), ready, dev))
         last_ready = ready
         t += float(rng.random())  # the next dispatch: before or after these tokens arrive
+    measured = [x for x in spans if x is not None]
+    want_dev = dict(
+        pre_s=sum(d for r, _, _, d in measured if r.num_prefill_tokens),
+        pre_n=sum(r.num_prefill_tokens for r, *_ in measured),
+        dec_s=sum(d for r, _, _, d in measured if not r.num_prefill_tokens),
+        dec_n=sum(r.num_decode_tokens for r, *_ in measured if not r.num_prefill_tokens),
+        all_s=sum(d for *_, d in measured),
+    )
+    assert len(measured) < n  # every seed has a step awaited across a compile
+    timed_ctx = sum(r.context_tokens for r, *_ in measured)
     ttfts = rng.random(int(rng.integers(1, 30))).tolist()
     lat = [x + float(rng.random()) for x in ttfts]
     for a, b in zip(ttfts, lat, strict=True):
@@ -90,7 +97,8 @@ def test_summary_equals_a_hand_computation(seed):
     want_out = m.generated_tokens / (m.run_time_s - compile_s)
     assert s["output_tokens_per_s"] == pytest.approx(want_out)
     assert s["kv_bytes_read"] == ctx * m.kv_bytes_per_token
-    assert s["kv_bytes_read_per_s"] == pytest.approx(ctx * m.kv_bytes_per_token / want_dev["all_s"])
+    want_kv_rate = timed_ctx * m.kv_bytes_per_token / want_dev["all_s"]
+    assert s["kv_bytes_read_per_s"] == pytest.approx(want_kv_rate)
     assert s["kv_pages_used"] == max(used) and s["kv_utilization"] == max(used) / 64
     assert s["ttft_mean_s"] == pytest.approx(sum(ttfts) / len(ttfts))
     assert s["ttft_p50_s"] == pytest.approx(interpolated(ttfts, 50))
@@ -105,6 +113,37 @@ def test_summary_equals_a_hand_computation(seed):
     ):
         want = 1e3 * sum(getattr(r, field) for r in host_steps) / k if k else None
         assert s[key] == pytest.approx(want)
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_a_step_awaited_across_the_next_compile_has_no_device_time(asynchronous):
+    # Asynchronous scheduling dispatches step 2 (compiling a 3 s program) before it
+    # waits for step 1's tokens: step 1's 3.02 s span was its device time, and the one
+    # prefill step's 1000 tokens read 331 tokens/s instead of n/a (and device_time_s
+    # 3.03 s, nearly all compile).
+    m = EngineMetrics(kv_bytes_per_token=10)
+    prefill = StepRecord(1, 1000, 0, False, 1000, 4, True, 0, 0, 0, 2.0, 2.0, 1)
+    decode = StepRecord(1, 0, 1, True, 1001, 4, True, 0, 0, 0, 3.0, 5.01, 1)
+    m.record(prefill, 1)
+    if asynchronous:  # the engine's order: dispatch 2, complete 1, record 2
+        m.complete(prefill, 5.02)
+        m.record(decode, 1)
+    else:  # step 1's tokens arrive before step 2 is dispatched
+        m.complete(prefill, 2.01)
+        m.record(decode, 1)
+    m.complete(decode, 5.03 if asynchronous else 5.02)
+    s = summarize(m)
+    assert decode.device_s == pytest.approx(0.01)
+    assert s["decode_tokens_per_s"] == pytest.approx(100)
+    if asynchronous:
+        assert prefill.device_s is None and s["prefill_tokens_per_s"] is None
+        assert s["device_time_s"] == pytest.approx(0.01)
+        assert s["kv_bytes_read_per_s"] == pytest.approx(1001 * 10 / 0.01)
+    else:
+        assert prefill.device_s == pytest.approx(0.01)
+        assert s["prefill_tokens_per_s"] == pytest.approx(1000 / 0.01)
+        assert s["kv_bytes_read_per_s"] == pytest.approx(2001 * 10 / 0.02)
+    assert s["kv_bytes_read"] == 2001 * 10 and s["compile_time_s"] == 5.0
 
 
 def test_percentile():
