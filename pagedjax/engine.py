@@ -634,7 +634,7 @@ class LLM:
             num_prefill_tokens=plan.num_prefill_tokens,
             num_decode_tokens=sum(1 for r in live if r.decode),
             decode=inp.decode,
-            context_tokens=sum(r.start + r.num_tokens for r in live),
+            context_tokens=self._tokens_read(live),
             kv_used_pages=self.block_manager.stats().num_used_pages,
             compiled=compiles > 0,
             host_hidden_s=0.0,
@@ -645,6 +645,14 @@ class LLM:
             num_compilations=compiles,
         )
         return rec, leaves
+
+    def _tokens_read(self, live) -> int:
+        """K/V tokens the step's attention reads: each row's context, or under a sliding
+        window of W, its chunk's windows' union (W - 1 positions before the chunk)."""
+        w = self.config.sliding_window
+        if w is None:
+            return sum(r.start + r.num_tokens for r in live)
+        return sum(min(r.start, w - 1) + r.num_tokens for r in live)
 
     def _new_feed(self) -> jax.Array:
         rows = decode.bucket_size(self.scheduler.max_num_seqs, self.buckets.min_seqs)

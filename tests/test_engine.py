@@ -849,3 +849,16 @@ def test_completion_text_reads_after_its_prompt(params):
         assert out.outputs[0].text == " w w w"
         assert tok.decode(out.prompt_token_ids + [w] * 3) == prompt + out.outputs[0].text
     check_clean(llm)
+
+
+def test_kv_bytes_read_under_a_sliding_window_count_only_the_windows():
+    """Under a window of W, a row reads its chunk's windows: W - 1 positions before the
+    chunk and the chunk, not its whole context (kv_bytes_read was overstated)."""
+    windowed = params_helpers.random_params(dataclasses.replace(TINY, sliding_window=4), 0)
+    llm = LLM(windowed, max_num_batched_tokens=16, async_scheduling=False, **GEOMETRY)
+    rng = np.random.default_rng(3)
+    llm.generate([rng.integers(3, 256, size=20).tolist()], greedy(5, ignore_eos=True))
+    # Prefill 16 from 0, then 4 from 16 (its 1st token sampled), then 4 decode steps.
+    assert [r.context_tokens for r in llm.metrics.steps] == [16, 3 + 4, 4, 4, 4, 4]
+    s = llm.summary()
+    assert s["kv_bytes_read"] == (16 + 7 + 4 * 4) * llm.metrics.kv_bytes_per_token
