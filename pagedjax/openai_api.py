@@ -25,6 +25,7 @@ import time
 import uuid
 
 from pagedjax.request import MAX_LOGPROBS, SamplingParams, encode_prompt
+from pagedjax.tokenizer import CONTEXT_IDS
 
 __all__ = [
     "SAMPLING_FIELDS",
@@ -349,10 +350,21 @@ def chat_messages(messages) -> list[dict]:
 # ----------------------------------------------------------------------- responses
 
 
-def _token_text(tok, token_id: int) -> str:
+def _token_text(tok, token_id: int, context: list[int]) -> str:
+    """A token's name: its text where it stands, after `context` (the ids before it), so
+    that a SentencePiece token keeps the leading space a lone decode strips."""
     if tok is None:
         return f"token_id:{token_id}"  # vLLM's name for a token without a tokenizer
-    return tok.decode([token_id], skip_special_tokens=False)
+    return tok.decode([token_id], skip_special_tokens=False, context=context)
+
+
+def _contexts(context, token_ids) -> list[list[int]]:
+    """The ids before each of `token_ids` (the last `CONTEXT_IDS` of them)."""
+    before, out = list(context)[-CONTEXT_IDS:], []
+    for t in token_ids:
+        out.append(before)
+        before = [*before, t][-CONTEXT_IDS:]
+    return out
 
 
 def _lp(x: float) -> float:
@@ -364,18 +376,27 @@ def _top(entry: dict, k: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
 
 
-def completion_logprobs(tok, c, k: int) -> dict:
-    """OpenAI completions-style logprobs of one completion (a `CompletionOutput`)."""
-    return render_logprobs(tok, c.token_ids, c.logprobs, k, chat=False)
+def completion_logprobs(tok, c, k: int, prompt_ids=()) -> dict:
+    """OpenAI completions-style logprobs of one completion (a `CompletionOutput`) of the
+    prompt `prompt_ids`."""
+    return render_logprobs(tok, c.token_ids, c.logprobs, k, chat=False, context=prompt_ids)
 
 
-def chat_logprobs(tok, c, k: int) -> dict:
-    """OpenAI chat-style logprobs of one completion (a `CompletionOutput`)."""
-    return render_logprobs(tok, c.token_ids, c.logprobs, k, chat=True)
+def chat_logprobs(tok, c, k: int, prompt_ids=()) -> dict:
+    """OpenAI chat-style logprobs of one completion (a `CompletionOutput`) of the prompt
+    `prompt_ids`."""
+    return render_logprobs(tok, c.token_ids, c.logprobs, k, chat=True, context=prompt_ids)
 
 
 def render_logprobs(
-    tok, token_ids: list[int], entries: list[dict], k: int, *, chat: bool, offset: int = 0
+    tok,
+    token_ids: list[int],
+    entries: list[dict],
+    k: int,
+    *,
+    chat: bool,
+    offset: int = 0,
+    context=(),
 ) -> dict:
     """OpenAI-style logprobs of a run of a completion's tokens (all, or a stream chunk's).
 
@@ -390,29 +411,33 @@ def render_logprobs(
         top_logprobs, text_offset}`.
       offset: completions' text_offset of the run's first token (the lengths of the
         completion's earlier token names), so chunks' offsets continue each other's.
+      context: the ids before the run (the prompt's, then the completion's earlier
+        ones): each token, and each alternative to it, is named as it reads there.
     """
+    ctx = _contexts(context, token_ids)
     if chat:
 
-        def item(t, x):
-            s = _token_text(tok, t)
+        def item(t, x, before):
+            s = _token_text(tok, t, before)
             return dict(token=s, logprob=_lp(x), bytes=list(s.encode()))
 
         content = []
-        for t, e in zip(token_ids, entries, strict=True):
-            content.append({**item(t, e[t]), "top_logprobs": [item(*kv) for kv in _top(e, k)]})
+        for t, e, b in zip(token_ids, entries, ctx, strict=True):
+            alternatives = [item(u, x, b) for u, x in _top(e, k)]
+            content.append({**item(t, e[t], b), "top_logprobs": alternatives})
         return dict(content=content)
-    tokens = [_token_text(tok, t) for t in token_ids]
+    tokens = [_token_text(tok, t, b) for t, b in zip(token_ids, ctx, strict=True)]
     offsets, at = [], offset
     for s in tokens:
         offsets.append(at)
         at += len(s) if tok is not None else 0
     top = []  # dicts keyed by text: of two tokens with one text, the likelier stays
-    for t, e in zip(token_ids, entries, strict=True):
+    for t, e, b in zip(token_ids, entries, ctx, strict=True):
         top.append({})
         # OpenAI's completions: the k most likely and always the sampled token (k + 1 at
         # most; chat's top_logprobs are the k most likely only).
         for u, x in [*_top(e, k), (t, e[t])]:
-            top[-1].setdefault(_token_text(tok, u), _lp(x))
+            top[-1].setdefault(_token_text(tok, u, b), _lp(x))
     return dict(
         tokens=tokens,
         token_logprobs=[_lp(e[t]) for t, e in zip(token_ids, entries, strict=True)],
@@ -452,10 +477,12 @@ def response_body(job: Job, head: dict, outs: dict, tokenizer) -> dict:
             choice = dict(index=choice_index(job, rid, c.index))
             if job.chat:
                 choice["message"] = dict(role="assistant", content=c.text)
-                choice["logprobs"] = None if k is None else chat_logprobs(tokenizer, c, k)
+                lp = None if k is None else chat_logprobs(tokenizer, c, k, prompt)
+                choice["logprobs"] = lp
             else:
                 choice["text"] = c.text
-                choice["logprobs"] = None if k is None else completion_logprobs(tokenizer, c, k)
+                lp = None if k is None else completion_logprobs(tokenizer, c, k, prompt)
+                choice["logprobs"] = lp
                 if job.prompt_token_ids:  # vLLM: on each completions choice
                     choice["prompt_token_ids"] = list(prompt)
             if job.token_ids:

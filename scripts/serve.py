@@ -117,6 +117,7 @@ import generate as gen  # noqa: E402  (the sibling script: its flags, checks and
 from pagedjax import openai_api as api  # noqa: E402
 from pagedjax.openai_api import ApiError, Job  # noqa: E402
 from pagedjax.serving import EngineStopped, EngineThread  # noqa: E402
+from pagedjax.tokenizer import CONTEXT_IDS  # noqa: E402
 
 MAX_BODY_BYTES = 32 * 2**20
 POLL_S = 0.5  # how often a waiting handler checks that its client is still connected
@@ -379,8 +380,11 @@ class Handler(BaseHTTPRequestHandler):
         def chunk(rid, i, c: StreamedChoice, text, ids=(), entries=(), finish=None):
             lp = None
             if k is not None:
-                lp = api.render_logprobs(tok, ids, entries, k, chat=job.chat, offset=c.offset)
+                lp = api.render_logprobs(
+                    tok, ids, entries, k, chat=job.chat, offset=c.offset, context=c.before
+                )
                 c.offset += 0 if job.chat or tok is None else sum(map(len, lp["tokens"]))
+            c.before = [*c.before, *ids][-CONTEXT_IDS:]
             c.num_tokens += len(ids)
             first = job.prompt_token_ids and not job.chat and not c.started
             c.started = True
@@ -459,12 +463,15 @@ class StreamedChoice:
       num_tokens: tokens streamed (their ids and logprobs).
       offset: completions' `text_offset` of the next token whose logprobs are streamed.
       started: a chunk of it went out.
+      before: the last ids before its next chunk (the prompt's, then its own), which
+        name that chunk's tokens (`render_logprobs(context=)`).
     """
 
-    __slots__ = ("decoder", "sent", "pending", "num_tokens", "offset", "started")
+    __slots__ = ("decoder", "sent", "pending", "num_tokens", "offset", "started", "before")
 
     def __init__(self, tok, prompt_ids):
         self.decoder = tok.stream(context=prompt_ids) if tok is not None else None
+        self.before = list(prompt_ids)[-CONTEXT_IDS:]  # the ids before the next chunk's
         self.sent = self.num_tokens = self.offset = 0
         self.pending: list[tuple[int, dict | None, int]] = []
         self.started = False

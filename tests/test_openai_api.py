@@ -8,9 +8,11 @@ import dataclasses
 import math
 
 import pytest
+from test_tokenizer import sentencepiece_style
 
 from pagedjax import openai_api as api
 from pagedjax.request import CompletionOutput, RequestOutput, SamplingParams
+from pagedjax.tokenizer import Tokenizer
 
 VOCAB, MAX_LEN = 256, 64
 
@@ -24,8 +26,8 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
 
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return "".join(map(chr, ids))
+    def decode(self, ids, skip_special_tokens: bool = True, context=()) -> str:
+        return "".join(map(chr, ids))  # one char a token: the context changes nothing
 
     def encode_chat(
         self, messages, *, add_generation_prompt=True, continue_final_message=False
@@ -415,3 +417,25 @@ def test_token_ids_in_answers_and_chunks():
     assert body["prompt_token_ids"] == j.prompts[0]
     assert body["choices"][0]["token_ids"] == [111, 107]
     assert "prompt_token_ids" not in body["choices"][0]
+
+
+def test_logprobs_name_sentencepiece_tokens_as_they_read_in_the_text():
+    """A SentencePiece token decoded alone loses its leading space ("▁w" -> "w"): named
+    after the tokens before it (the prompt's, then the completion's), "▁w" is " w" and
+    the completions' text_offsets index the completion's text."""
+    tok = Tokenizer(sentencepiece_style(), bos_token_id=1, eos_token_ids=[2])
+    prompt = tok.encode("the hello", add_bos=False)
+    gen = tok.encode("the hello world", add_bos=False)[len(prompt) :]
+    text = tok.decode(gen, context=prompt)
+    assert text == " world" and tok.decode(gen[:1]) != tok.decode(gen[:1], context=prompt)
+    entries = [{t: -0.5} for t in gen]
+    lp = api.render_logprobs(tok, gen, entries, 0, chat=False, context=prompt)
+    assert "".join(lp["tokens"]) == text
+    spans = zip(lp["text_offset"], lp["tokens"], strict=True)
+    assert [text[o : o + len(s)] for o, s in spans] == lp["tokens"]
+    chat = api.render_logprobs(tok, gen, entries, 0, chat=True, context=prompt)
+    assert "".join(c["token"] for c in chat["content"]) == text
+    # In chunks, each chunk named after the ids before it: the same names.
+    head = api.render_logprobs(tok, gen[:2], entries[:2], 0, chat=False, context=prompt)
+    tail = api.render_logprobs(tok, gen[2:], entries[2:], 0, chat=False, context=prompt + gen[:2])
+    assert head["tokens"] + tail["tokens"] == lp["tokens"]
