@@ -79,6 +79,8 @@ set, else `$XDG_CACHE_HOME/pagedjax/xla` (`~/.cache/pagedjax/xla`); `off` disabl
 jax caches only programs that took at least `jax_persistent_cache_min_compile_time_secs`
 (1 s by default) to compile.
 
+Ctrl-C stops the run with "interrupted" on stderr and exit status 130.
+
 Bad input (an empty or too long prompt, a prompts file without prompts, n < 1, top_p
 outside (0, 1], a negative temperature, a checkpoint directory missing files, --backend
 gpu without a GPU) ends with one line on stderr and exit status 2, before anything is
@@ -642,7 +644,11 @@ def run_cli(build_parser, run, argv=None) -> int:
 
 
 def main(argv=None) -> int:
-    return run_cli(build_parser, run, argv)
+    try:
+        return run_cli(build_parser, run, argv)
+    except KeyboardInterrupt:  # the engine aborted the requests; no traceback for a Ctrl-C
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

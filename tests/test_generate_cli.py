@@ -335,6 +335,22 @@ def test_bad_checkpoints(ckpt, tmp_path, capsys):
     assert rc == 2 and "tokenizer.json" in err and err.count("\n") == 1
 
 
+def test_ctrl_c_ends_with_one_line_and_status_130(ckpt, capsys, monkeypatch):
+    """A Ctrl-C mid-generation printed a KeyboardInterrupt traceback."""
+    from pagedjax.engine import LLM
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LLM, "generate", interrupted)
+    try:
+        rc, out, err = run(["--checkpoint", ckpt, "--prompt", "class A:", *GEOMETRY], capsys)
+    except KeyboardInterrupt:  # (caught here, or it would stop the whole test session)
+        pytest.fail("main let the KeyboardInterrupt through: a traceback")
+    assert rc == 130 and err.strip() == "interrupted", err
+    assert out.startswith(f"model: checkpoint {ckpt}")  # what streamed before stays
+
+
 def test_subprocess_exits_with_one_line():
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--backend", "gpu", "--prompt", "hi"],
