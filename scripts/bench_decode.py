@@ -26,8 +26,10 @@ both alike. Each run stamps the end of every step in which the whole batch decod
 (the engine: its `on_step` hook after pure decode steps of B rows; the baseline:
 when the step's tokens reach the host), and the decode rate is B / median(interval
 between stamps): the steady-state rate, robust to the stalls a shared machine
-causes. `e2e` is B * gen_len / (best wall time of a whole `generate`, prefill and
-ramp-up included).
+causes (null, "n/a" in the table, where no two consecutive steps decoded the whole
+batch: a batch whose prompts take several prefill steps, with a short `--gen-len`;
+`--gen-len` must be at least 3). `e2e` is B * gen_len / (best wall time of a whole
+`generate`, prefill and ramp-up included).
 
 Capacity: in a KV budget of `--kv-budget-tokens` token slots (bytes: that times the
 model's K+V bytes per token), the contiguous cache holds `budget // max_seq_len`
@@ -227,8 +229,11 @@ def measure(runners: dict, batches: dict, gen_len: int, reps: int) -> dict:
                 extras[name] = value + extras.get(name, 0) if name == "preemptions" else value
     out = {"compiles_during_timing": _compiles() - before, **extras}
     for key in runners:
+        # No gaps: no two consecutive steps decoded the whole batch (its prompts took
+        # several prefill steps, which desynchronises the rows, and --gen-len is short).
+        g = gaps[key]
         out[key] = {
-            "tokens_per_s": batches[key] / float(np.median(gaps[key])),
+            "tokens_per_s": batches[key] / float(np.median(g)) if g else None,
             "e2e_tokens_per_s": batches[key] * gen_len / min(totals[key]),
             "decode_steps_timed": len(gaps[key]),
         }
@@ -236,6 +241,15 @@ def measure(runners: dict, batches: dict, gen_len: int, reps: int) -> dict:
 
 
 # ------------------------------------------------------------------ main
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None (JSON null) where `measure` has no rate."""
+    return None if a is None or b is None else a / b
+
+
+def _rate(x: float | None) -> str:
+    return f"{'n/a':>9}" if x is None else f"{x:9.1f}"
 
 
 def batch_sizes(max_paged: int, max_contig: int, limit: int | None) -> list[int]:
@@ -260,7 +274,7 @@ def make_plot(rows: list[dict], out_dir: Path, title: str) -> list[str]:
         pts = [
             (r["batch"], r[f"{key}_tokens_per_s"])
             for r in rows
-            if key == "paged" or r["contiguous_fits"]
+            if (key == "paged" or r["contiguous_fits"]) and r[f"{key}_tokens_per_s"] is not None
         ]
         if pts:
             ax.plot(*zip(*pts, strict=True), style, label=label)
@@ -313,9 +327,9 @@ def parse_args(argv=None):
     p.add_argument("--plot-dir", type=Path, default=DEFAULT_PLOT_DIR)
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
-    if args.prompt_len < 1 or args.gen_len < 2:
+    if args.prompt_len < 1 or args.gen_len < 3:  # the decode rate needs two decode steps
         p.error(
-            f"need --prompt-len >= 1 and --gen-len >= 2, got {args.prompt_len=} {args.gen_len=}"
+            f"need --prompt-len >= 1 and --gen-len >= 3, got {args.prompt_len=} {args.gen_len=}"
         )
     if args.prompt_len + args.gen_len > args.max_seq_len:
         p.error(
@@ -333,6 +347,11 @@ def parse_args(argv=None):
         p.error(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.seed < 0:
         p.error(f"--seed must be >= 0, got {args.seed}")
+    if not args.no_plots:  # now, not after the run: a bad --plot-dir would lose its results
+        try:
+            args.plot_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            p.error(f"--plot-dir {args.plot_dir}: cannot create it ({e.strerror or e})")
     num_pages = args.kv_budget_tokens // ps
     usable = num_pages - int(planner.WATERMARK * num_pages)  # the engine keeps it free
     seq_pages = -(-(args.prompt_len + args.gen_len) // ps)
@@ -394,15 +413,15 @@ def main(argv=None) -> int:
             contiguous_batch=cb,
             contiguous_tokens_per_s=ct["tokens_per_s"],
             contiguous_e2e_tokens_per_s=ct["e2e_tokens_per_s"],
-            paged_over_contiguous=pg["tokens_per_s"] / ct["tokens_per_s"],
+            paged_over_contiguous=_ratio(pg["tokens_per_s"], ct["tokens_per_s"]),
             e2e_paged_over_contiguous=pg["e2e_tokens_per_s"] / ct["e2e_tokens_per_s"],
         )
         if row["contiguous_fits"]:
             ref = base.generate(m["prompts"], args.gen_len)
             row["tokens_match"] = float(np.mean(ref == m["tokens"]))
         log(
-            f"batch {b:4d}: paged {row['paged_tokens_per_s']:9.1f} tok/s, contiguous "
-            f"(batch {cb}) {row['contiguous_tokens_per_s']:9.1f} tok/s"
+            f"batch {b:4d}: paged {_rate(row['paged_tokens_per_s'])} tok/s, contiguous "
+            f"(batch {cb}) {_rate(row['contiguous_tokens_per_s'])} tok/s"
         )
         rows.append(row)
     top = rows[-1]
@@ -433,23 +452,28 @@ def main(argv=None) -> int:
     out["plots"] = [] if args.no_plots else make_plot(rows, args.plot_dir, title)
     out["elapsed_s"] = time.perf_counter() - t0
     if args.json:
-        print(json.dumps(out, indent=1))
+        print(json.dumps(out, indent=1, allow_nan=False))
         return 0
     print(f"decode throughput: {title}")
-    ref = rows[0]["contiguous_tokens_per_s"]
+    ref = rows[0]["contiguous_tokens_per_s"]  # never None: the baseline times every step
+
+    def rel(x: float | None, digits: int) -> str:
+        return f"{'n/a':>{digits}}" if x is None else f"{x:{digits}.2f}"
+
     print("decode rates relative to contiguous at batch 1 (absolute tok/s in --json)")
     print(f"{'batch':>6} {'paged':>8} {'contig (batch)':>15} {'paged/contig':>13} {'match':>6}")
     for r in rows:
         match = f"{r['tokens_match']:6.3f}" if "tokens_match" in r else f"{'-':>6}"
         print(
-            f"{r['batch']:6d} {r['paged_tokens_per_s'] / ref:8.2f} "
+            f"{r['batch']:6d} {rel(_ratio(r['paged_tokens_per_s'], ref), 8)} "
             f"{r['contiguous_tokens_per_s'] / ref:8.2f} ({r['contiguous_batch']:4d}) "
-            f"{r['paged_over_contiguous']:13.2f} {match}"
+            f"{rel(r['paged_over_contiguous'], 13)} {match}"
         )
+    top_ratio = out["throughput_at_max_batch_ratio"]
     print(
         f"largest batch in the budget: paged {max_paged}, contiguous {max_contig} "
         f"({out['max_batch_ratio']:.2f}x); throughput at each one's largest batch: "
-        f"{out['throughput_at_max_batch_ratio']:.2f}x"
+        + ("n/a" if top_ratio is None else f"{top_ratio:.2f}x")
     )
     for path in out["plots"]:
         print(f"plot: {path}")

@@ -29,7 +29,11 @@ sequences to grow: the head is admitted when the pages free after its prompt cov
 reserve of `--horizon` tokens per running sequence (default 16: about one page each
 at page size 16; BENCHMARKS.md shows the sweep). If a step still lacks pages, the
 sequences that need one stall for that step (not counted in capacity); only if no
-sequence at all can advance is the newest one preempted. Both are counted.
+sequence at all can advance is the newest one preempted. Both are counted. A request
+that a policy cannot admit, or cannot grow to its full length, even with nothing else
+running (`budget // page_size` pages that hold fewer slots than its tokens, or a
+`--watermark` or `--horizon` reserve that takes the whole pool) would wait or restart
+forever: the run stops with an error naming it.
 
 Metrics, summed over the *saturated* steps (a request is waiting after admission, so
 memory is what limits the batch; all busy steps if there are none):
@@ -74,6 +78,10 @@ DEFAULT_PLOT_DIR = Path(__file__).resolve().parent.parent / "docs" / "benchmarks
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+class Unservable(Exception):
+    """A request that a policy cannot serve even with nothing else running."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -297,6 +305,12 @@ def replay(requests: list[workloads.Request], alloc, budget: int, trace: Trace |
         logical += len(advanced)
         if running and not advanced:  # deadlock: nobody can grow; recompute the newest later
             victim = running.pop()
+            if not running:  # alone and stuck: it would restart from its prompt forever
+                raise Unservable(
+                    f"{alloc.name} cannot hold request {victim.req.rid} "
+                    f"({victim.req.total_len} tokens) even alone in a budget of {budget} "
+                    f"slots; raise --budget-tokens or lower --max-seq-len"
+                )
             alloc.release(victim)
             logical -= victim.num_tokens
             queue.appendleft(victim.req)
@@ -309,6 +323,13 @@ def replay(requests: list[workloads.Request], alloc, budget: int, trace: Trace |
             queue.popleft()
             running.append(seq)
             logical += seq.num_tokens
+        if queue and not running:  # nothing will free memory: the head would wait forever
+            head = queue[0]
+            raise Unservable(
+                f"{alloc.name} cannot admit request {head.rid} ({head.prompt_len} prompt + "
+                f"{head.output_len} output tokens) even with nothing else running in a budget "
+                f"of {budget} slots; raise --budget-tokens or lower --watermark or --horizon"
+            )
 
         reserved = alloc.reserved()
         live = alloc.live(running, logical)
@@ -584,6 +605,11 @@ def parse_args(argv=None):
         p.error(f"--horizon must be >= 0, got {args.horizon}")
     if args.seed < 0:
         p.error(f"--seed must be >= 0, got {args.seed}")
+    if not args.no_plots:  # now, not after the run: a bad --plot-dir would lose its results
+        try:
+            args.plot_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            p.error(f"--plot-dir {args.plot_dir}: cannot create it ({e.strerror or e})")
     names = list(workloads.WORKLOADS) if args.workload == "all" else [args.workload]
     args.names = names
     args.headline = "sharegpt" if "sharegpt" in names else names[0]
@@ -598,7 +624,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
     traces = None if args.no_plots else {}
-    results = {name: run_workload(name, args, traces) for name in args.names}
+    try:
+        results = {name: run_workload(name, args, traces) for name in args.names}
+    except Unservable as e:
+        print(f"bench_memory.py: error: {e}", file=sys.stderr)
+        return 2
     rows = results[args.headline]["policies"]
     maxlen, paged16 = _find(rows, "contiguous-maxlen"), _find(rows, "paged-16")
     out = {

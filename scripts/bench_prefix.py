@@ -265,7 +265,7 @@ def make_plot(out: dict, out_dir: Path) -> list[str]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--model", default="tiny", choices=["demo", *sorted(PRESETS)])
     p.add_argument(
         "--dtype",
@@ -316,6 +316,11 @@ def parse_args(argv=None):
     ps = args.page_size
     if ps < 1 or ps & (ps - 1):
         p.error(f"--page-size must be a power of two, got {ps}")
+    if not args.no_plots:  # now, not after the run: a bad --plot-dir would lose its results
+        try:
+            args.plot_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            p.error(f"--plot-dir {args.plot_dir}: cannot create it ({e.strerror or e})")
     # The engine admits a request whose K/V (all its tokens but the last) fits the pages
     # left after its watermark.
     usable = args.num_pages - int(planner.WATERMARK * args.num_pages)

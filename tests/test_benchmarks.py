@@ -7,8 +7,10 @@ they must be), plus the allocator simulators against hand-worked cases.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -130,6 +132,42 @@ def test_paged_prefix_sharing_counts_pages_once(memory):
     assert on["prefix_hit_rate"] == pytest.approx(2 * 32 / (3 * 33))
     assert on["tokens_per_live_slot"] > 2.0 and off["tokens_per_live_slot"] == 1.0
     assert 0 < on["utilization"] <= 1 and 0 < off["utilization"] <= 1
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int):
+    """Turns a hang into a failure (the replays below once looped forever)."""
+
+    def fail(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_replay_stops_on_a_request_that_cannot_run_even_alone(memory, capsys):
+    w = memory.workloads
+    # A growth reserve larger than the pool: the request is never admitted.
+    paged = memory.Paged(16, 4, False, watermark=0.0, horizon=100, max_len=16)
+    with _deadline(20), pytest.raises(memory.Unservable, match="cannot admit request 0"):
+        memory.replay([_req(w, 0, 4, 3)], paged, 16)
+    # 15 slots make 3 pages of 4: 12 of the request's 16 tokens; it restarted forever.
+    paged = memory.Paged(15, 4, False, watermark=0.0, horizon=0, max_len=16)
+    with _deadline(20), pytest.raises(memory.Unservable, match=r"request 0 \(16 tokens\)"):
+        memory.replay([_req(w, 0, 4, 12)], paged, 15)
+    argv = ["--workload", "sharegpt", "--requests", "2", "--budget-tokens", "2048"]
+    argv += ["--max-seq-len", "256", "--page-sizes", "16", "--no-plots", "--horizon", "100000"]
+    with _deadline(60):
+        assert memory.main([*argv, "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err.strip().splitlines()[-1]
+    assert err.startswith("bench_memory.py: error: paged-16 cannot admit request"), err
 
 
 def test_main_json(memory, capsys, tmp_path):
@@ -257,6 +295,19 @@ def test_decode_main_json(decode_bench, capsys, tmp_path):
     assert out["throughput_at_max_batch_ratio"] == rows[2]["paged_over_contiguous"]
     if out["plots"]:
         assert Path(out["plots"][0]).is_file()
+
+
+def test_decode_rate_without_two_whole_batch_steps_is_null(decode_bench):
+    """It was NaN (with a RuntimeWarning), which --json printed as `NaN`: not JSON."""
+    runners = {
+        "paged": lambda: (1.0, [], {"preemptions": 0}),  # no two whole-batch decode steps
+        "contiguous": lambda: (2.0, [0.5, 0.5], {}),
+    }
+    m = decode_bench.measure(runners, {"paged": 2, "contiguous": 2}, gen_len=3, reps=2)
+    assert m["paged"]["tokens_per_s"] is None and m["contiguous"]["tokens_per_s"] == 4.0
+    assert m["paged"]["e2e_tokens_per_s"] == 2 * 3 / 1.0
+    assert decode_bench._ratio(m["paged"]["tokens_per_s"], 4.0) is None
+    json.dumps(m, allow_nan=False)
 
 
 @pytest.mark.slow  # test_decode_main_json already compares the baseline with the engine

@@ -82,6 +82,8 @@ def test_convert_refuses_out_dir_before_loading(tmp_path, capsys, monkeypatch):
         (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
         (["--backend", "nope"], "argument --backend: invalid choice: 'nope'"),
         (["--seed", "-1"], "--seed must be >= 0, got -1"),
+        # One decode step leaves no interval to time: the rates were NaN (not JSON).
+        (["--gen-len", "2"], "need --prompt-len >= 1 and --gen-len >= 3"),
         # 40 // 16 = 2 pages, one 40-token sequence needs 3.
         (
             [
@@ -104,7 +106,32 @@ def test_decode_bad_flags(argv, want, capsys, monkeypatch):
     assert want in err, err
 
 
+@pytest.mark.parametrize("name", ["bench_decode", "bench_memory", "bench_prefix"])
+def test_a_plot_dir_that_cannot_be_made_is_refused_before_the_run(
+    name, tmp_path, capsys, monkeypatch
+):
+    """It was found only when the plots were written, after the whole run: a traceback,
+    and the results (JSON included) lost."""
+    bench = load(name, monkeypatch)
+    bad = tmp_path / "a_file" / "plots"
+    bad.parent.write_text("")
+    err = usage_error(bench.parse_args, ["--plot-dir", str(bad)], capsys)
+    assert f"--plot-dir {bad}: cannot create it" in err, err
+    bench.parse_args(["--plot-dir", str(bad), "--no-plots"])  # no plots: not needed
+    bench.parse_args(["--plot-dir", str(tmp_path / "new" / "plots")])
+    assert (tmp_path / "new" / "plots").is_dir()
+
+
 # ------------------------------------------------------------------ bench_prefix
+
+
+def test_prefix_help_describes_the_whole_benchmark(capsys, monkeypatch):
+    """--help's description stopped mid-sentence ("... system prompt, and the")."""
+    bench = load("bench_prefix", monkeypatch)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "and the prefix-cache hit rate of a simulated multi-turn chat" in out, out
 
 
 @pytest.mark.parametrize(
