@@ -26,10 +26,10 @@ reply), `--temperature` (0.7; 0 is greedy), `--top-k`, `--top-p`, `--min-p`,
 reproducible.
 
 The engine flags (`--page-size`, `--num-pages` | `--kv-memory-fraction`,
-`--kv-cache-dtype`, `--max-batch-tokens`, `--backend`, `--tensor-parallel`,
-`--compilation-cache`) are scripts/generate.py's. Bad input (a checkpoint or template
-that cannot serve a chat, a bad flag) ends with one line on stderr and exit status 2,
-before any weights load.
+`--kv-cache-dtype`, `--max-batch-tokens`, `--max-model-len`, `--backend`,
+`--tensor-parallel`, `--compilation-cache`) are scripts/generate.py's. Bad input (a
+checkpoint or template that cannot serve a chat, a bad flag) ends with one line on stderr
+and exit status 2, before any weights load.
 """
 
 from __future__ import annotations
@@ -62,12 +62,6 @@ def build_parser() -> gen.Parser:
     )
     p.add_argument("--max-tokens", type=int, default=256, help="most tokens per reply")
     gen.add_sampling_flags(p, temperature=0.7, seed_help="sampling seed of every reply")
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        metavar="N",
-        help="longest conversation in tokens (default: the model's)",
-    )
     gen.add_engine_flags(p)
     return p
 
@@ -118,8 +112,6 @@ def run(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, **gen.sampling_kwargs(args))
     gen.check_engine_flags(args)
-    if args.max_model_len is not None and args.max_model_len < 2:
-        raise gen.BadInput(f"--max-model-len must be >= 2, got {args.max_model_len}")
     tok = gen.chat_tokenizer(args.checkpoint, args.chat_template, NO_TEMPLATE_HINT)
     system = [] if args.system is None else [{"role": "system", "content": args.system}]
     try:  # a first turn renders, or the template is unusable (before the weights load)
@@ -133,7 +125,6 @@ def run(args) -> int:
     llm = LLM(
         args.checkpoint,
         seed=args.seed,
-        max_model_len=args.max_model_len,
         tokenizer=tok,
         **gen.engine_kwargs(args),
     )

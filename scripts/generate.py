@@ -48,7 +48,7 @@ an error before any weights load. For a multi-turn conversation, see scripts/cha
     backend          the --backend flag
     resolved_backend what "auto" chose: "gpu", "tpu" or "xla"
     settings         page_size, num_pages, max_num_batched_tokens, max_num_seqs,
-                     enable_prefix_caching, async_scheduling, tensor_parallel,
+                     max_model_len, enable_prefix_caching, async_scheduling, tensor_parallel,
                      kv_cache_dtype (the pages' storage dtype),
                      compilation_cache (the directory, or null when off), chat
                      (--chat), chat_template (the --chat-template file or null),
@@ -260,6 +260,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="token budget of one step (decode tokens + prefill chunks)",
     )
     p.add_argument(
+        "--max-model-len",
+        type=int,
+        metavar="N",
+        help="longest sequence, prompt and completion, in tokens (default: the model's)",
+    )
+    p.add_argument(
         "--kv-cache-dtype",
         default="auto",
         choices=("auto", "fp8"),
@@ -291,6 +297,7 @@ def engine_kwargs(args) -> dict:
         backend=args.backend,
         tensor_parallel=args.tensor_parallel,
         kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=args.max_model_len,
     )
 
 
@@ -303,6 +310,8 @@ def check_engine_flags(args) -> None:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise BadInput(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise BadInput(f"--max-model-len must be >= 2, got {args.max_model_len}")
     f = args.kv_memory_fraction
     if f is not None and not 0 < f <= 1:  # (LLM checks it too, after the jax import)
         raise BadInput(f"--kv-memory-fraction must be in (0, 1], got {f}")
@@ -570,6 +579,7 @@ def run(args) -> int:
                 num_pages=llm.cache_config.num_pages,
                 max_num_batched_tokens=args.max_batch_tokens,
                 max_num_seqs=llm.scheduler.max_num_seqs,
+                max_model_len=llm.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching,
                 async_scheduling=llm.async_scheduling,
                 tensor_parallel=llm.tensor_parallel,

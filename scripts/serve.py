@@ -89,9 +89,9 @@ fail with a 500 and the server goes on.
 Request bodies come with a `Content-Length` or `Transfer-Encoding: chunked` (at most
 32 MiB). For trusted networks only: there is no authentication and no rate limit; bind to
 127.0.0.1 (the default) unless the network is yours. Flags: `--checkpoint`, `--host`,
-`--port`, `--served-model-name`, `--chat-template FILE`, `--max-model-len N`, `--seed`
-(for requests without one), scripts/generate.py's engine flags (`--page-size`,
-`--num-pages` | `--kv-memory-fraction`, `--kv-cache-dtype`, `--max-batch-tokens`,
+`--port`, `--served-model-name`, `--chat-template FILE`, `--seed` (for requests without
+one), scripts/generate.py's engine flags (`--page-size`, `--num-pages` |
+`--kv-memory-fraction`, `--kv-cache-dtype`, `--max-batch-tokens`, `--max-model-len N`,
 `--backend`, `--tensor-parallel`, `--compilation-cache`), `--no-prefix-caching`,
 `--no-async-scheduling`, `--quiet` (no request log). Bad flags, a checkpoint that
 cannot serve text or a port that cannot be bound end with one line on stderr and exit
@@ -498,9 +498,6 @@ def build_parser() -> gen.Parser:
         metavar="FILE",
         help="a Jinja chat template file to use instead of the checkpoint's",
     )
-    p.add_argument(
-        "--max-model-len", type=int, metavar="N", help="longest sequence (default: the model's)"
-    )
     p.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
     gen.add_engine_flags(p)
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -525,8 +522,6 @@ def run(args) -> int:
     gen.check_engine_flags(args)
     if not 0 <= args.port < 2**16:
         raise gen.BadInput(f"--port must be in [0, 65535], got {args.port}")
-    if args.max_model_len is not None and args.max_model_len < 2:
-        raise gen.BadInput(f"--max-model-len must be >= 2, got {args.max_model_len}")
     tok = None
     if args.chat_template is not None:
         hint = "give a Jinja chat template file"
@@ -541,7 +536,6 @@ def run(args) -> int:
             args.checkpoint,
             enable_prefix_caching=not args.no_prefix_caching,
             seed=args.seed,
-            max_model_len=args.max_model_len,
             tokenizer=tok,
             async_scheduling=not args.no_async_scheduling,
             **gen.engine_kwargs(args),

@@ -99,6 +99,7 @@ def test_json_end_to_end(ckpt, capsys, monkeypatch):
     assert m["kv_bytes_read"] > 0 and m["decode_tokens_per_s"] > 0
     assert obj["settings"]["num_pages"] == 64 and obj["settings"]["page_size"] == 8
     assert obj["settings"]["kv_cache_dtype"] == "float32"  # auto: the model's dtype
+    assert obj["settings"]["max_model_len"] == 512  # the model's, by default
     readme = (ROOT / "README.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| `settings` |"))
     flags = {"n", "beam_width", "max_tokens", "logprobs", "prompt_logprobs"}
@@ -283,6 +284,9 @@ def test_prompts_file(ckpt, tmp_path, capsys):
         (["--beam-width", "2", "--temperature", "0.5"], "--temperature 0.5 with --beam-width 2"),
         (["--beam-width", "2", "--top-p", "0.5"], "top_p=0.5"),
         (["--max-tokens", "ten"], "invalid int value"),
+        (["--max-model-len", "1"], "--max-model-len must be >= 2, got 1"),
+        (["--max-model-len", "600"], "max_model_len must be an int in [2, 512]"),
+        (["--max-model-len", "8", "--prompt", "x" * 10], "max_model_len=8"),
     ],
 )
 def test_bad_input_is_one_line(ckpt, capsys, extra, match):
