@@ -22,19 +22,29 @@ One step with beam width `W`, every beam holding `g` generated tokens:
    kept hypothesis (HF's `early_stopping=False` heuristic).
 
 `k = num_candidates(W, num_stop_ids)` candidates per beam are enough for this to
-match a search over the whole vocabulary: the walk stops within the first
-`W + (number of stop tokens)` candidates overall, and those are within each beam's own
-top that many.
+match a search over the whole vocabulary: the walk stops after `W` non-stop candidates,
+so it never reaches past any beam's own top `W + (number of stop tokens)`.
+
+`length ** length_penalty` must stay well inside the float range for every length up to
+`max_new_tokens` (`|length_penalty| * log10(max_new_tokens) <= 300`): past it a score
+cannot be computed (`3 ** 1000.0` raises OverflowError, `10 ** -400.0` is 0.0 and the
+division raises ZeroDivisionError, both mid-search), so `BeamSearch` refuses such a
+penalty when it is built (ValueError).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import numpy as np
 
 __all__ = ["BeamSearch", "Hypothesis", "num_candidates"]
+
+# Bound on log10(length ** |length_penalty|): scores (sums of logprobs, far below 1e8
+# in size) divided by the normaliser stay finite and nonzero.
+MAX_LOG10_NORMALISER = 300
 
 
 def num_candidates(width: int, num_stop_ids: int) -> int:
@@ -72,6 +82,15 @@ class BeamSearch:
     max_new_tokens: int
     hyps: list[Hypothesis] = dataclasses.field(default_factory=list)
     done: bool = False
+
+    def __post_init__(self):
+        lp, m = self.length_penalty, self.max_new_tokens
+        if not math.isfinite(lp) or abs(lp) * math.log10(max(m, 1)) > MAX_LOG10_NORMALISER:
+            raise ValueError(
+                f"length_penalty={lp!r} is out of range for max_new_tokens={m}: "
+                f"{m} ** {lp!r} leaves the float range (need |length_penalty| * "
+                f"log10(max_new_tokens) <= {MAX_LOG10_NORMALISER})"
+            )
 
     def score(self, logprob_sum: float, length: int) -> float:
         return logprob_sum / length**self.length_penalty

@@ -69,6 +69,8 @@ CASES = [
     (5, 50, 2, 8, 1.0, 1.0),
     (3, 12, 4, 9, 1.0, 0.5),  # early stopping with a length penalty
     (2, 15, 3, 9, 2.0, 1.0),
+    (3, 12, 2, 9, 100.0, 0.5),  # extreme penalties, still inside the float range
+    (3, 12, 2, 9, -100.0, 0.5),
 ]
 
 
@@ -95,3 +97,14 @@ def test_top_k_candidates_equal_the_whole_vocabulary(case, seed):
     scores = [h.score for h in bs.hyps]
     assert scores == sorted(scores, reverse=True) and len(scores) <= width
     assert bs.best(2) == bs.hyps[:2]
+
+
+@pytest.mark.parametrize("length_penalty,max_new", [(1000.0, 50), (-400.0, 50), (301.0, 10)])
+def test_a_length_penalty_past_the_float_range_is_refused_when_built(length_penalty, max_new):
+    """max_new ** length_penalty past the float range: the search raised OverflowError
+    (3 ** 1000.0) or ZeroDivisionError (10 ** -400.0 == 0.0) mid-search, in the engine's
+    step, taking the batch's other requests down with it."""
+    with pytest.raises(ValueError, match=rf"length_penalty={length_penalty}.*{max_new}"):
+        BeamSearch(2, length_penalty, frozenset({0}), max_new)
+    BeamSearch(2, length_penalty, frozenset({0}), 1)  # 1 ** anything is 1
+    BeamSearch(2, 300.0, frozenset({0}), 10)  # the bound itself
