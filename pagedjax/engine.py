@@ -272,6 +272,10 @@ class LLM:
             rid = str(request_id)
         p = len(ids)
         max_len = min(p + params.max_tokens, self.max_model_len)
+        beam = None
+        if params.beam_width > 1:  # (it may refuse the length penalty: before the rng draw)
+            w = params.beam_width
+            beam = BeamSearch(w, float(params.length_penalty), stop_ids, max_len - p)
         base = int(self._rng.integers(2**32)) if params.seed is None else int(params.seed)
 
         def seq(i: int) -> Seq:
@@ -284,10 +288,7 @@ class LLM:
                 s.logprobs = []
             return s
 
-        beam = None
-        if params.beam_width > 1:
-            w = params.beam_width
-            beam = BeamSearch(w, float(params.length_penalty), stop_ids, max_len - p)
+        if beam is not None:
             group = SequenceGroup(rid, [seq(0)], w, params.cache_salt, atomic=True)
         elif params.n > 1 and p > 1:
             forks = [seq(i) for i in range(1, params.n)]

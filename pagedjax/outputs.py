@@ -265,9 +265,10 @@ class OutputProcessor:
                 )
         else:
             seqs = g.finished + (g.seqs + g.forks if aborted else [])
-            if req.beam is not None:
-                seqs = seqs[: req.params.n]
-            for s in sorted(seqs, key=lambda s: s.index):
+            seqs = sorted(seqs, key=lambda s: s.index)
+            if req.beam is not None:  # aborted before any hypothesis: the n best beams
+                seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: req.params.n]
+            for rank, s in enumerate(seqs):
                 gen = s.token_ids[p:]
                 text = self.detokenize(gen, req.prompt_ids)
                 if isinstance(s.stop_reason, str):  # cut where it stopped (not earlier:
@@ -277,7 +278,7 @@ class OutputProcessor:
                     text = text[:i] if i >= 0 else text
                 comps.append(
                     CompletionOutput(
-                        s.index,
+                        rank if req.beam is not None else s.index,  # beams all have index 0
                         text,
                         gen,
                         s.cumulative_logprob,

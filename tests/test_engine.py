@@ -862,3 +862,23 @@ def test_kv_bytes_read_under_a_sliding_window_count_only_the_windows():
     assert [r.context_tokens for r in llm.metrics.steps] == [16, 3 + 4, 4, 4, 4, 4]
     s = llm.summary()
     assert s["kv_bytes_read"] == (16 + 7 + 4 * 4) * llm.metrics.kv_bytes_per_token
+
+
+def test_a_beam_search_aborted_before_any_hypothesis_returns_its_n_best_beams(params):
+    """Aborted with no finished hypothesis, the output lists the running beams best first,
+    numbered 0..n-1 (they all had index 0, in the group's order)."""
+    llm = LLM(params, **GEOMETRY)
+    sp = SamplingParams(beam_width=3, n=2, max_tokens=20, ignore_eos=True, temperature=0.0)
+    rid = llm.add_request([5, 6, 7], sp)
+    for _ in range(5):
+        llm.step()
+    out = llm.abort(rid)
+    assert [c.index for c in out.outputs] == [0, 1]
+    sums = [c.cumulative_logprob for c in out.outputs]
+    assert sums == sorted(sums, reverse=True) and all(
+        c.finish_reason == "abort" for c in out.outputs
+    )
+    assert all(len(c.token_ids) >= 3 for c in out.outputs)
+    while llm.has_unfinished_requests():  # the step in flight
+        assert llm.step() == []
+    check_clean(llm)
