@@ -26,7 +26,7 @@ behind the same name.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import reference, validation
 
@@ -55,6 +55,41 @@ def _kernel_backend(backend: str, head_dim: int) -> str:
     if backend == "auto" and concrete == "gpu" and not validation.gpu_head_dim_ok(head_dim):
         return "xla"
     return concrete
+
+
+def _static_knobs(tuning: dict) -> dict:
+    """Numpy and concrete 0-d jax ints and bools as Python ones: the kernels check their knobs
+    with `isinstance(x, int)` (and `bool`), which rejected `block_kv=np.int64(32)` with
+    "block_kv must be a power of two >= 16, got block_kv=np.int64(32)"."""
+    out = {}
+    for name, value in tuning.items():
+        concrete = isinstance(value, np.generic) or (
+            isinstance(value, jax.Array)
+            and not isinstance(value, jax.core.Tracer)
+            and value.ndim == 0
+        )
+        if concrete and (
+            np.issubdtype(value.dtype, np.integer) or np.issubdtype(value.dtype, np.bool_)
+        ):
+            value = value.item()
+        out[name] = value
+    return out
+
+
+def _no_xla_knobs(backend: str, head_dim: int, tuning: dict) -> None:
+    """TypeError when knobs reach the XLA path, saying why "auto" chose it."""
+    if not tuning:
+        return
+    why = ""
+    if backend == "auto":
+        platform = jax.default_backend()
+        reason = (
+            f"for {head_dim=}, which the GPU kernels cannot tile"
+            if resolve_backend("auto", platform) == "gpu"
+            else f"on platform {platform!r}"
+        )
+        why = f" (backend='auto' chose it {reason}; pass knobs with an explicit backend)"
+    raise TypeError(f"the xla backend takes no tuning knobs, got {sorted(tuning)}{why}")
 
 
 def _decode_impl(backend):
@@ -116,7 +151,9 @@ def paged_decode_attention(
         int in [1, 2**31).
       backend: "auto" | "gpu" | "tpu" | "xla" (see the module docstring).
       interpret: run a Pallas kernel in interpret mode (CPU testing).
-      **tuning: kernel knobs (block sizes, split count...); defaults are chosen per shape.
+      **tuning: the chosen kernel's knobs (block sizes, split count...), Python, numpy or
+        concrete jax ints; defaults are chosen per shape. A knob the kernel does not
+        take is a TypeError, as is any knob on the XLA path (also when "auto" picks it).
 
     Returns:
       [B, H, D] in q's dtype.
@@ -129,8 +166,7 @@ def paged_decode_attention(
     )
     impl = _decode_impl(_kernel_backend(backend, q.shape[-1]))
     if impl is None:
-        if tuning:
-            raise TypeError(f"the xla backend takes no tuning knobs, got {sorted(tuning)}")
+        _no_xla_knobs(backend, q.shape[-1], tuning)
         return reference.paged_attention_xla(
             q,
             k_pages,
@@ -151,7 +187,7 @@ def paged_decode_attention(
         soft_cap=soft_cap,
         sliding_window=sliding_window,
         interpret=interpret,
-        **tuning,
+        **_static_knobs(tuning),
     )
 
 
@@ -203,14 +239,8 @@ def ragged_paged_attention(
         sliding_window,
     )
     impl = _ragged_impl(_kernel_backend(backend, q.shape[-1]))
-    if impl is not None and page_table.shape[1] == 0:
-        # No page table columns: every context_len and q_len is 0 (checked when
-        # concrete), so every row is padding. The GPU kernel cannot run on an empty
-        # table; answer here for every kernel alike.
-        return jnp.zeros(q.shape, q.dtype)
     if impl is None:
-        if tuning:
-            raise TypeError(f"the xla backend takes no tuning knobs, got {sorted(tuning)}")
+        _no_xla_knobs(backend, q.shape[-1], tuning)
         return reference.ragged_paged_attention_xla(
             q,
             k_pages,
@@ -233,5 +263,5 @@ def ragged_paged_attention(
         soft_cap=soft_cap,
         sliding_window=sliding_window,
         interpret=interpret,
-        **tuning,
+        **_static_knobs(tuning),
     )

@@ -93,6 +93,8 @@ def check_pages(q, k_pages, v_pages):
         raise ValueError(f"q head_dim {head_dim} != k_pages head_dim {kv_head_dim}")
     if head_dim == 0:
         raise ValueError(f"head_dim must be positive, got {head_dim=}")
+    if num_heads == 0:  # 0 % K == 0 passes the GQA check below; the kernels fail on G = 0
+        raise ValueError(f"q must have query heads, got {num_heads=}")
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"kv heads must divide query heads, got {num_heads=} and {num_kv_heads=}")
     if page_size <= 0 or page_size & (page_size - 1):

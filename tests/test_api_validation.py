@@ -164,7 +164,8 @@ def test_empty_batch_and_empty_page_table_give_zeros_on_every_path():
 
 
 def test_ragged_gpu_kernel_with_an_empty_page_table_gives_zeros():
-    # The GPU ragged kernel itself fails on max_pages == 0; the dispatcher answers zeros.
+    # max_pages == 0: the GPU ragged kernel answers zeros itself (the dispatcher no longer
+    # short-cuts it, so its knobs are checked: see the test below).
     rq, rkp, rvp, rtable, rlens, _ = ragged_inputs(3)
     out = pk.ragged_paged_attention(
         rq,
@@ -177,3 +178,57 @@ def test_ragged_gpu_kernel_with_an_empty_page_table_gives_zeros():
         interpret=True,
     )
     np.testing.assert_array_equal(np.asarray(out), np.zeros(rq.shape, np.float32))
+
+
+def test_zero_query_heads_is_rejected():
+    # H = 0 passes "kv heads must divide query heads" (0 % K == 0); the GPU kernels then
+    # failed in a gather and the TPU kernels with a ZeroDivisionError.
+    q, kp, vp, lengths, table = decode_inputs()
+    rq, rkp, rvp, rtable, rlens, loc = ragged_inputs()
+    for backend in ("xla", "gpu", "tpu"):
+        with pytest.raises(ValueError, match="q must have query heads, got num_heads=0"):
+            pk.paged_decode_attention(
+                q[:, :0], kp, vp, lengths, table, backend=backend, interpret=True
+            )
+        with pytest.raises(ValueError, match="q must have query heads, got num_heads=0"):
+            pk.ragged_paged_attention(
+                rq[:, :0], rkp, rvp, rtable, rlens, loc, backend=backend, interpret=True
+            )
+
+
+@pytest.mark.parametrize(
+    "op,backend,knobs",
+    [
+        ("decode", "gpu", dict(block_kv=np.int64(16), num_splits=np.int32(2))),
+        ("decode", "tpu", dict(pages_per_block=np.int64(2), num_cores=jnp.int32(2))),
+        ("ragged", "gpu", dict(block_q=np.int64(8), block_kv=np.int32(16))),
+    ],
+)
+def test_numpy_and_jax_int_knobs_are_taken(op, backend, knobs):
+    # The kernels check knobs with isinstance(x, int): a numpy or jax int was refused with
+    # "block_kv must be a power of two >= 16, got block_kv=np.int64(16)".
+    if op == "decode":
+        q, kp, vp, lengths, table = decode_inputs(4)
+        got = pk.paged_decode_attention(
+            q, kp, vp, lengths, table, backend=backend, interpret=True, **knobs
+        )
+        want = ref.paged_attention_xla(q, kp, vp, lengths, table)
+    else:
+        q, kp, vp, table, lengths, loc = ragged_inputs(4)
+        got = pk.ragged_paged_attention(
+            q, kp, vp, table, lengths, loc, backend=backend, interpret=True, **knobs
+        )
+        want = ref.ragged_paged_attention_xla(q, kp, vp, table, lengths, loc)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_ragged_knobs_are_checked_with_an_empty_page_table(backend):
+    # The dispatcher answered zeros for a table with no columns before the kernel saw its
+    # knobs, so a misspelt or bad knob passed silently there.
+    rq, rkp, rvp, rtable, rlens, _ = ragged_inputs(3)
+    args = (rq, rkp, rvp, rtable[:, :0], np.zeros_like(rlens), np.zeros(4, np.int32))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'blok_q'"):
+        pk.ragged_paged_attention(*args, backend=backend, interpret=True, blok_q=8)
+    with pytest.raises(ValueError, match="block_q"):
+        pk.ragged_paged_attention(*args, backend=backend, interpret=True, block_q=3)

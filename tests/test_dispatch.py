@@ -150,3 +150,18 @@ def test_ragged_context_beyond_capacity():
     lengths[1] = 100
     with pytest.raises(ValueError, match=r"context_lens\[1\] = 100 exceeds"):
         pk.ragged_paged_attention(q, kp, vp, table, lengths, np.arange(4, dtype=np.int32))
+
+
+def test_knobs_on_auto_xla_say_why_auto_chose_xla(monkeypatch):
+    from pallas_kernels import dispatch
+
+    q, kp, vp, lengths, table = inputs(np.random.default_rng(6))
+    with pytest.raises(TypeError, match="backend='auto' chose it on platform 'cpu'"):
+        pk.paged_decode_attention(q, kp, vp, lengths, table, block_kv=16)
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "cuda")
+    q, kp, vp, lengths, table = inputs(np.random.default_rng(6), d=80)
+    loc = np.arange(4, dtype=np.int32)
+    with pytest.raises(TypeError, match="chose it for head_dim=80, which the GPU kernels"):
+        pk.ragged_paged_attention(q, kp, vp, table, lengths, loc, block_q=4)
+    with pytest.raises(TypeError, match=r"no tuning knobs, got \['block_kv'\]$"):
+        pk.paged_decode_attention(q, kp, vp, lengths, table, backend="xla", block_kv=16)
