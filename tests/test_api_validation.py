@@ -232,3 +232,11 @@ def test_ragged_knobs_are_checked_with_an_empty_page_table(backend):
         pk.ragged_paged_attention(*args, backend=backend, interpret=True, blok_q=8)
     with pytest.raises(ValueError, match="block_q"):
         pk.ragged_paged_attention(*args, backend=backend, interpret=True, block_q=3)
+    # No query rows, or no sequences: the TPU kernel answered zeros before its checks.
+    empty_q = (rq[:0], rkp, rvp, rtable, rlens, np.zeros(4, np.int32))
+    no_seqs = (rq, rkp, rvp, rtable[:0], rlens[:0], np.zeros(1, np.int32))
+    for empty in (empty_q, no_seqs):
+        with pytest.raises(ValueError, match="block_q"):
+            pk.ragged_paged_attention(*empty, backend=backend, interpret=True, block_q=3)
+        out = pk.ragged_paged_attention(*empty, backend=backend, interpret=True)
+        assert out.shape == empty[0].shape and not np.asarray(out).any()

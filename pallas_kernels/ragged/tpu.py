@@ -453,12 +453,12 @@ def ragged_paged_attention_tpu(
     t, h, d = q.shape
     kv, _, page_size, _ = k_pages.shape
     batch, max_pages = page_table.shape
-    if t == 0 or batch == 0:
-        return jnp.zeros(q.shape, q.dtype)
-    defaults = default_tuning(t, h, kv, d, page_size, max_pages, q.dtype)
+    defaults = default_tuning(max(t, 1), h, kv, d, page_size, max(max_pages, 1), q.dtype)
     block_q = defaults["block_q"] if block_q is None else block_q
     pages_per_block = defaults["pages_per_block"] if pages_per_block is None else pages_per_block
-    _check_tuning(block_q, pages_per_block, vmem_limit_bytes, q.dtype)
+    _check_tuning(block_q, pages_per_block, vmem_limit_bytes, q.dtype)  # (empty calls too)
+    if t == 0 or batch == 0:
+        return jnp.zeros(q.shape, q.dtype)
     return _ragged_tpu(
         q,
         k_pages,
