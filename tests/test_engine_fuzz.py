@@ -14,6 +14,8 @@ no prefix caching; everything queued at once; no aborts) and under a stressed on
 8 seats in the same cache, so preemption; a budget of 1 to 16 tokens; prefix caching
 mostly on; async on or off; staggered arrivals; aborts between steps and from
 `on_token`), twice on the same engines (the second time from a warm prefix cache).
+The reference's own completions are held to the dense forward (no cache): cumulative
+logprobs, greedy argmax and prompt logprobs.
 Every request not aborted must give the reference's completions (token ids, texts,
 finish and stop reasons, logprobs and prompt logprobs to float tolerance); an aborted
 one returns nothing after its abort, samples it had finished are the reference's and the
@@ -27,13 +29,15 @@ stressed engines and the examples share compiled programs.
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import params_helpers
 import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from pagedjax import decode
+from pagedjax import decode, model
 from pagedjax.config import PRESETS
 from pagedjax.engine import LLM, SamplingParams
 
@@ -58,6 +62,8 @@ REF = dict(
     async_scheduling=False,
 )
 MAX_STEPS = 2000
+DENSE_ROWS = 8  # sequences per dense forward (one program for every check)
+dense_forward = jax.jit(model.forward)
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +244,40 @@ def assert_same_output(got, want, what):
         assert_same_logprobs(g.logprobs, w.logprobs, f"{what} completion {w.index} logprobs")
 
 
+def check_against_dense(params, requests, want):
+    """The reference engine against the dense forward (`model.forward`, no cache): every
+    sampled or greedy completion's cumulative logprob is the sum of its tokens' raw
+    log-softmax there, a plain greedy one takes the argmax each step, and prompt logprobs
+    score each prompt token. (The stressed engine is then held to the reference's.)"""
+    seqs = [
+        (i, c, requests[i][0] + c.token_ids)
+        for i in sorted(want)
+        if requests[i][1].beam_width == 1
+        for c in want[i].outputs
+    ]
+    seqs += [(i, None, requests[i][0]) for i in sorted(want) if want[i].prompt_logprobs]
+    for k in range(0, len(seqs), DENSE_ROWS):
+        part = seqs[k : k + DENSE_ROWS]
+        buf = np.zeros((DENSE_ROWS, MAX_LEN), np.int32)
+        for row, (_, _, toks) in enumerate(part):
+            buf[row, : len(toks)] = toks
+        lps = np.asarray(jax.nn.log_softmax(dense_forward(params, jnp.asarray(buf)), axis=-1))
+        for row, (i, c, toks) in enumerate(part):
+            prompt, sp = requests[i][:2]
+            n, what = len(prompt), f"request {i} ({sp}) against the dense model"
+            if c is None:  # prompt logprobs: entry j scores prompt token j
+                for j, entry in enumerate(want[i].prompt_logprobs[1:], 1):
+                    close(entry[toks[j]], lps[row, j - 1, toks[j]], f"{what}: prompt {j}")
+                continue
+            gen = lps[row, np.arange(n - 1, len(toks) - 1)]  # [len(c.token_ids), V]
+            close(gen[np.arange(len(c.token_ids)), c.token_ids].sum(), c.cumulative_logprob, what)
+            plain = not (sp.logit_bias or sp.min_tokens or sp.penalised)
+            if sp.temperature == 0.0 and plain:
+                best = gen.max(axis=-1)
+                picked = gen[np.arange(len(c.token_ids)), c.token_ids]
+                close(picked, best, f"{what}: greedy is not the argmax")
+
+
 def check_workload(models, workload):
     window, requests, stressed = workload
     params = models[window]
@@ -245,6 +285,7 @@ def check_workload(models, workload):
     for _ in range(2):  # the second time from a warm prefix cache (and new seeds for None)
         want, none = drive(ref, requests, staggered=False, aborts=False)
         assert not none and ref.scheduler.num_preemptions == 0  # the reference is roomy
+        check_against_dense(params, requests, want)
         got, aborted = drive(llm, requests, staggered=True, aborts=True)
         check_outputs(requests, want, got, aborted)
     return llm
