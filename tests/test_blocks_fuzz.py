@@ -169,6 +169,26 @@ def run_chaos(examples: int, steps: int) -> int:
     return machine.ok
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_token_without_a_value_is_never_cached(page_size):
+    """A page holding a token appended without its value (an asynchronous commit) is
+    cached only once ``set_tokens`` gives the value, whatever ``mark_computed`` says (the
+    chaos machine seldom calls them in that order)."""
+    bm = BlockManager(8, page_size, watermark=0)
+    prompt = list(range(3, 2 + 2 * page_size))  # one page and all but a token of the next
+    bm.admit("a", prompt)
+    bm.mark_computed("a", len(prompt))
+    bm.append_token("a", -1)  # fills the second page
+    bm.mark_computed("a", bm.num_tokens("a"))
+    assert bm.stats().num_cached_pages == 1
+    bm.check_invariants()
+    bm.set_tokens(["a"], [7])
+    assert bm.stats().num_cached_pages == 2
+    bm.check_invariants()
+    bm.free("a")
+    assert bm.admit("b", [*prompt, 7, 9]) == 2 * page_size  # the value is what was cached
+
+
 def page_only_digest(data: bytes) -> bytes:
     return hashlib.sha256(data[-8:]).digest()  # collides across parents, salts and pages
 

@@ -139,6 +139,36 @@ def test_a_failed_step_call_aborts_everything_and_the_engine_goes_on(
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_commit_interrupted_after_its_append_uncaches_the_page_it_filled(
+    params, monkeypatch, async_scheduling
+):
+    """The commit's append fills (and caches) a page, then fails before the row gets its
+    slot: the step never runs, so recovery uncaches that page (the decode row's last)."""
+    llm = LLM(params, async_scheduling=async_scheduling, **GEOMETRY)
+    bm, prompt = llm.block_manager, PREFIX[: PS - 1]  # the first decode token fills a page
+    real = bm.append_tokens
+
+    def append_tokens(seq_ids, token_ids):
+        out = real(seq_ids, token_ids)
+        if len(seq_ids):
+            raise Injected("in commit, after the append")
+        return out
+
+    monkeypatch.setattr(bm, "append_tokens", append_tokens)
+    with pytest.raises(Injected):
+        llm.generate([prompt], SPS[0])
+    check_recovered(llm)
+    assert bm.stats().num_cached_pages == 0
+    monkeypatch.undo()
+    fresh = LLM(params, **GEOMETRY)
+    (full,) = fresh.generate([prompt], SPS[0])
+    longer = prompt + full.outputs[0].token_ids[:3]  # would hit the unwritten page
+    (got,) = llm.generate([longer], SPS[0])
+    assert got.num_cached_tokens == 0
+    assert tokens([got]) == tokens(fresh.generate([longer], SPS[0]))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("exc", [Injected, KeyboardInterrupt])
 def test_step_that_raises_in_on_token_aborts_all_its_requests(params, want, async_scheduling, exc):
     llm = LLM(params, async_scheduling=async_scheduling, **GEOMETRY)

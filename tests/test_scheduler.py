@@ -208,6 +208,31 @@ def test_preempts_the_newest_group_and_requeues_it_first():
     assert sim.done["b"].finished[0].token_ids == reference([9, 8, 7, 6, 5, 4, 3], 20)
 
 
+def test_commit_out_of_pages_preempts_the_newest_decoding_group():
+    """Pages taken between `schedule()` and `commit()` (not expected from the engine): the
+    commit preempts the newest groups until the appends fit, requeued in order, and every
+    request still completes with the reference tokens."""
+    sim = Sim(num_pages=16, max_num_seqs=4, budget=16)
+    prompts = {r: [3 + i] * PS for i, r in enumerate("abc")}  # a full page: appends need one
+    a, b, c = (sim.add(r, p, 6) for r, p in prompts.items())
+    sim.step()  # prefill all three
+    plan = sim.sched.schedule()
+    assert [r.group for r in plan.rows] == [a, b, c]
+    prev, toks = sim.inflight
+    sim.apply(prev, toks, None)
+    sim.bm.admit("thief", list(range(sim.bm.num_free_pages * PS)))  # every free page
+    sim.sched.commit(plan)
+    assert [r.seq is not None for r in plan.rows] == [True, False, False]
+    assert sim.sched.running == [a] and list(sim.sched.waiting) == [b, c]
+    assert (b.num_preemptions, c.num_preemptions) == (1, 1)
+    sim.bm.free("thief")
+    sim.plans.append(plan)
+    sim.inflight = (plan, sim.write_and_check(plan, {}))
+    sim.run()
+    for rid, p in prompts.items():
+        assert sim.done[rid].finished[0].token_ids == reference(p, 6)
+
+
 def test_admission_keeps_the_watermark():
     sim = Sim(num_pages=20, max_num_seqs=4, budget=64, watermark=0.25)  # 5 pages kept free
     sim.add("a", list(range(3, 40)), 1)  # 37 tokens: 10 pages
