@@ -237,11 +237,13 @@ def test_padding_page_table_and_wide_table():
 
 
 def test_dispatcher_gpu_backend():
-    q, k, v, _, _, lengths, page_table = make_case(3, 2, 8, 2, 64, 16, 3, jnp.float32)
+    """The dispatcher forwards scale, soft cap and window to the kernel (lengths 1, 16, 48)."""
+    q, k, v, _, _, lengths, page_table = make_case(3, 3, 8, 2, 64, 16, 3, jnp.float32)
+    opts = dict(scale=0.3, soft_cap=5.0, sliding_window=7)
     out = pallas_kernels.paged_decode_attention(
-        q, k, v, lengths, page_table, backend="gpu", interpret=True, soft_cap=5.0
+        q, k, v, lengths, page_table, backend="gpu", interpret=True, **opts
     )
-    ref = ref_decode(q, k, v, lengths, page_table, soft_cap=5.0)
+    ref = ref_decode(q, k, v, lengths, page_table, **opts)
     assert np.isfinite(np.asarray(out)).all()  # assert_allclose lets NaN equal NaN
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
 

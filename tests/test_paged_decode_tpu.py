@@ -292,7 +292,7 @@ def test_fp8_pages_grid(dtype, kv_dtype, kv_heads, group, head_dim, page_size, k
 
 
 def test_dispatcher_routes_to_the_kernel():
-    """Same shapes and knobs as the float32 S = 128 grid case, so the interpreter is reused."""
+    """The float32 S = 128 grid case's shapes; scale, soft cap and window reach the kernel."""
     args = _make_inputs(
         0,
         batch=5,
@@ -304,10 +304,11 @@ def test_dispatcher_routes_to_the_kernel():
         dtype=jnp.float32,
         lengths=_ragged_lengths(5, 128, 5, 0),
     )
-    out = dispatch.paged_decode_attention(*args, backend="tpu", interpret=True)
+    opts = dict(scale=0.3, soft_cap=5.0, sliding_window=100)
+    out = dispatch.paged_decode_attention(*args, backend="tpu", interpret=True, **opts)
     out = jax.block_until_ready(out)
     assert_no_race()
-    _check(out, args, jnp.float32)
+    _check(out, args, jnp.float32, **opts)
 
 
 def test_race_detector_catches_a_racy_copy():

@@ -398,9 +398,13 @@ def test_never_reads_past_context_or_before_window(window):
 
 
 def test_through_dispatcher():
-    args, ref = _std_case(9, [2, 1, 5, 1, 1], [7, 30, 5, 64, 1])
-    out = ragged_paged_attention(*args, backend="gpu", interpret=True, **STD_KNOBS)
-    _check(out, ref, jnp.float32)
+    """The dispatcher forwards scale, soft cap and window to the kernel."""
+    opts = dict(scale=0.3, soft_cap=4.0, sliding_window=6)
+    args, dense = _batch(
+        np.random.default_rng(9), [2, 1, 5, 1, 1], [7, 30, 5, 64, 1], poison=True, window=6, **STD
+    )
+    out = ragged_paged_attention(*args, backend="gpu", interpret=True, **opts, **STD_KNOBS)
+    _check(out, _dense_ref(dense, args[0].shape[0], **opts), jnp.float32)
 
 
 @pytest.mark.parametrize(

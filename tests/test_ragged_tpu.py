@@ -433,14 +433,16 @@ def test_soft_cap_and_scale():
 
 
 def test_default_tuning_and_dispatch():
-    """The dispatcher's backend="tpu" reaches this kernel (per-shape defaults, inside jit)."""
+    """The dispatcher's backend="tpu" reaches this kernel (per-shape defaults, inside jit)
+    with the scale, soft cap and window it was given."""
     rng = np.random.default_rng(9)
     batch = build_batch(rng, [1, 6, 1], [7, 30, 12], page_size=16, group=4, dtype=jnp.bfloat16)
+    opts = dict(scale=0.3, soft_cap=5.0, sliding_window=9)
     # Under an outer jit, as the engine calls it: lengths and locations are tracers.
-    f = jax.jit(functools.partial(ragged_paged_attention, backend="tpu", interpret=True))
+    f = jax.jit(functools.partial(ragged_paged_attention, backend="tpu", interpret=True, **opts))
     out = jax.block_until_ready(f(*batch.args))
     assert_no_race()
-    assert_close(np.asarray(out.astype(jnp.float32)), expected(batch), jnp.bfloat16)
+    assert_close(np.asarray(out.astype(jnp.float32)), expected(batch, **opts), jnp.bfloat16)
 
 
 @pytest.mark.parametrize(
