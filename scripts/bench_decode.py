@@ -347,11 +347,7 @@ def parse_args(argv=None):
         p.error(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.seed < 0:
         p.error(f"--seed must be >= 0, got {args.seed}")
-    if not args.no_plots:  # now, not after the run: a bad --plot-dir would lose its results
-        try:
-            args.plot_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            p.error(f"--plot-dir {args.plot_dir}: cannot create it ({e.strerror or e})")
+    workloads.make_plot_dir(p, args)
     num_pages = args.kv_budget_tokens // ps
     usable = num_pages - int(planner.WATERMARK * num_pages)  # the engine keeps it free
     seq_pages = -(-(args.prompt_len + args.gen_len) // ps)

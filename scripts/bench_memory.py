@@ -605,11 +605,7 @@ def parse_args(argv=None):
         p.error(f"--horizon must be >= 0, got {args.horizon}")
     if args.seed < 0:
         p.error(f"--seed must be >= 0, got {args.seed}")
-    if not args.no_plots:  # now, not after the run: a bad --plot-dir would lose its results
-        try:
-            args.plot_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            p.error(f"--plot-dir {args.plot_dir}: cannot create it ({e.strerror or e})")
+    workloads.make_plot_dir(p, args)
     names = list(workloads.WORKLOADS) if args.workload == "all" else [args.workload]
     args.names = names
     args.headline = "sharegpt" if "sharegpt" in names else names[0]

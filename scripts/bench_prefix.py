@@ -316,11 +316,7 @@ def parse_args(argv=None):
     ps = args.page_size
     if ps < 1 or ps & (ps - 1):
         p.error(f"--page-size must be a power of two, got {ps}")
-    if not args.no_plots:  # now, not after the run: a bad --plot-dir would lose its results
-        try:
-            args.plot_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            p.error(f"--plot-dir {args.plot_dir}: cannot create it ({e.strerror or e})")
+    workloads.make_plot_dir(p, args)
     # The engine admits a request whose K/V (all its tokens but the last) fits the pages
     # left after its watermark.
     usable = args.num_pages - int(planner.WATERMARK * args.num_pages)

@@ -261,3 +261,14 @@ def environment() -> dict:
     if hasattr(os, "getloadavg"):
         env["load_avg_1m"] = round(os.getloadavg()[0], 2)
     return env
+
+
+def make_plot_dir(parser, args) -> None:
+    """Creates `args.plot_dir` unless `args.no_plots`, before a benchmark runs (a bad
+    --plot-dir found after the run lost its results); a usage error if it cannot be."""
+    if args.no_plots:
+        return
+    try:
+        args.plot_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--plot-dir {args.plot_dir}: cannot create it ({e.strerror or e})")
