@@ -350,12 +350,14 @@ def chat_messages(messages) -> list[dict]:
 # ----------------------------------------------------------------------- responses
 
 
-def _token_text(tok, token_id: int, context: list[int]) -> str:
-    """A token's name: its text where it stands, after `context` (the ids before it), so
-    that a SentencePiece token keeps the leading space a lone decode strips."""
-    if tok is None:
-        return f"token_id:{token_id}"  # vLLM's name for a token without a tokenizer
-    return tok.decode([token_id], skip_special_tokens=False, context=context)
+def _token_names(tok, context: list[int], token_ids: list[int]) -> dict[int, str]:
+    """The names of one position's candidate tokens (the sampled one, its alternatives):
+    each one's text where it stands, after `context` (the ids before it), so that a
+    SentencePiece token keeps the leading space a lone decode strips."""
+    if tok is None:  # vLLM's name for a token without a tokenizer
+        return {t: f"token_id:{t}" for t in token_ids}
+    texts = tok.decode_each(token_ids, skip_special_tokens=False, context=context)
+    return dict(zip(token_ids, texts, strict=True))
 
 
 def _contexts(context, token_ids) -> list[list[int]]:
@@ -414,34 +416,38 @@ def render_logprobs(
       context: the ids before the run (the prompt's, then the completion's earlier
         ones): each token, and each alternative to it, is named as it reads there.
     """
-    ctx = _contexts(context, token_ids)
+    # Per position: its k most likely, and the names of those and the sampled token.
+    tops = [_top(e, k) for e in entries]
+    names = [
+        _token_names(tok, b, [t, *(u for u, _ in top)])
+        for t, top, b in zip(token_ids, tops, _contexts(context, token_ids), strict=True)
+    ]
     if chat:
 
-        def item(t, x, before):
-            s = _token_text(tok, t, before)
+        def item(s, x):
             return dict(token=s, logprob=_lp(x), bytes=list(s.encode()))
 
-        content = []
-        for t, e, b in zip(token_ids, entries, ctx, strict=True):
-            alternatives = [item(u, x, b) for u, x in _top(e, k)]
-            content.append({**item(t, e[t], b), "top_logprobs": alternatives})
+        content = [
+            {**item(name[t], e[t]), "top_logprobs": [item(name[u], x) for u, x in top]}
+            for t, e, top, name in zip(token_ids, entries, tops, names, strict=True)
+        ]
         return dict(content=content)
-    tokens = [_token_text(tok, t, b) for t, b in zip(token_ids, ctx, strict=True)]
+    tokens = [name[t] for t, name in zip(token_ids, names, strict=True)]
     offsets, at = [], offset
     for s in tokens:
         offsets.append(at)
         at += len(s) if tok is not None else 0
-    top = []  # dicts keyed by text: of two tokens with one text, the likelier stays
-    for t, e, b in zip(token_ids, entries, ctx, strict=True):
-        top.append({})
+    top_logprobs = []  # dicts keyed by text: of two tokens with one text, the likelier stays
+    for t, e, top, name in zip(token_ids, entries, tops, names, strict=True):
         # OpenAI's completions: the k most likely and always the sampled token (k + 1 at
         # most; chat's top_logprobs are the k most likely only).
-        for u, x in [*_top(e, k), (t, e[t])]:
-            top[-1].setdefault(_token_text(tok, u, b), _lp(x))
+        top_logprobs.append({})
+        for u, x in [*top, (t, e[t])]:
+            top_logprobs[-1].setdefault(name[u], _lp(x))
     return dict(
         tokens=tokens,
         token_logprobs=[_lp(e[t]) for t, e in zip(token_ids, entries, strict=True)],
-        top_logprobs=top,
+        top_logprobs=top_logprobs,
         text_offset=offsets,
     )
 

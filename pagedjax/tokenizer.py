@@ -390,12 +390,31 @@ class Tokenizer:
         `CONTEXT_IDS` ids count, and only if their text is settled (see `_context`).
         """
         ids = self._check_ids(ids)
+        return self._after(self._context(context, skip_special_tokens), ids, skip_special_tokens)
+
+    def decode_each(
+        self, ids: Iterable[int], *, skip_special_tokens: bool = True, context: Iterable[int] = ()
+    ) -> list[str]:
+        """Each id's own text after `context`: `[decode([i], context=context) for i in ids]`
+        (same arguments), with the context resolved once and each distinct id decoded
+        once: naming a position's n candidates for logprobs (the sampled token and its
+        alternatives) takes n + 1 tokenizer decodes where decode per id takes 2n.
+        """
+        ids = self._index_ids(ids)
         ctx = self._context(context, skip_special_tokens)
+        texts: dict[int, str] = {}
+        for i in ids:
+            if i not in texts:  # past the vocabulary: "", as decode drops it
+                texts[i] = self._after(ctx, [i], skip_special_tokens) if i < self.vocab_size else ""
+        return [texts[i] for i in ids]
+
+    def _after(self, ctx: tuple[list[int], str] | None, ids: list[int], skip: bool) -> str:
+        """The text `ids` add after a resolved context (`_context`; None: none)."""
         if ctx is not None:
-            full = self.tokenizer.decode(ctx[0] + ids, skip_special_tokens=skip_special_tokens)
+            full = self.tokenizer.decode(ctx[0] + ids, skip_special_tokens=skip)
             if full.startswith(ctx[1]):
                 return full[len(ctx[1]) :]
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip)
 
     def _context(self, context: Iterable[int], skip: bool) -> tuple[list[int], str] | None:
         """The last `CONTEXT_IDS` ids of `context` and their text, or None when that text
@@ -430,6 +449,11 @@ class Tokenizer:
         152064 rows, 151665 tokens) and sampling can pick a padded row; HF decodes such
         an id to "" rather than failing the whole sequence, and so does this.
         """
+        return [i for i in self._index_ids(ids) if i < self.vocab_size]
+
+    @staticmethod
+    def _index_ids(ids: Iterable[int]) -> list[int]:
+        """`ids` as ints, all of them; raises on a non-int or a negative id."""
         ids = list(ids)
         for i in ids:  # int() would truncate 3.7 and parse "3"
             if isinstance(i, bool) or not hasattr(type(i), "__index__"):
@@ -438,7 +462,7 @@ class Tokenizer:
         bad = [i for i in ids if i < 0]
         if bad:
             raise ValueError(f"token ids must be >= 0, got {bad[:10]}")
-        return [i for i in ids if i < self.vocab_size]
+        return ids
 
 
 def _post_processor_adds(tok: tokenizers.Tokenizer, bos: int) -> bool:

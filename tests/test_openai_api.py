@@ -6,13 +6,14 @@ hand-built `RequestOutput`s. tests/test_serve.py checks the same code end to end
 
 import dataclasses
 import math
+import random
 
 import pytest
 from test_tokenizer import sentencepiece_style
 
 from pagedjax import openai_api as api
 from pagedjax.request import CompletionOutput, RequestOutput, SamplingParams
-from pagedjax.tokenizer import Tokenizer
+from pagedjax.tokenizer import CONTEXT_IDS, Tokenizer
 
 VOCAB, MAX_LEN = 256, 64
 
@@ -28,6 +29,9 @@ class CharTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True, context=()) -> str:
         return "".join(map(chr, ids))  # one char a token: the context changes nothing
+
+    def decode_each(self, ids, skip_special_tokens: bool = True, context=()) -> list[str]:
+        return list(map(chr, ids))
 
     def encode_chat(
         self, messages, *, add_generation_prompt=True, continue_final_message=False
@@ -439,3 +443,53 @@ def test_logprobs_name_sentencepiece_tokens_as_they_read_in_the_text():
     head = api.render_logprobs(tok, gen[:2], entries[:2], 0, chat=False, context=prompt)
     tail = api.render_logprobs(tok, gen[2:], entries[2:], 0, chat=False, context=prompt + gen[:2])
     assert head["tokens"] + tail["tokens"] == lp["tokens"]
+
+
+class CountingDecodes:
+    """An HF tokenizer that counts its `decode` calls (everything else passes through)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decodes = tokenizer, 0
+
+    def decode(self, *args, **kwargs):
+        self.decodes += 1
+        return self.tokenizer.decode(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_logprobs_decode_each_candidate_once_after_one_context_decode(chat):
+    """Naming a position's sampled token and k alternatives decoded their shared context
+    again for each, and the sampled token twice: about 2(k + 2) decodes a token where
+    k + 2 do. Now the context once, then each distinct candidate in the vocabulary once;
+    the names are still each candidate's `decode([id], context=)`."""
+    tok = Tokenizer(sentencepiece_style(), bos_token_id=1, eos_token_ids=[2])
+    prompt = tok.encode("the hello", add_bos=False)
+    gen = tok.encode("the hello world end", add_bos=False)[len(prompt) :]
+    rng, k = random.Random(0), 6
+    entries = []
+    for i, t in enumerate(gen):  # the sampled token among the top k or not, a padded id
+        others = rng.sample([u for u in range(tok.vocab_size) if u != t], k + 2)
+        others.append(tok.vocab_size)
+        entries.append({t: -1.0 if i % 2 else -50.0, **{u: -rng.random() for u in others}})
+    tok.tokenizer = CountingDecodes(tok.tokenizer)
+    got = api.render_logprobs(tok, gen, entries, k, chat=chat, context=prompt)
+    ids = [{t, *(u for u, _ in api._top(e, k))} for t, e in zip(gen, entries, strict=True)]
+    assert tok.tokenizer.decodes == sum(1 + len(c - {tok.vocab_size}) for c in ids)
+
+    def name(u, before):
+        return tok.decode([u], skip_special_tokens=False, context=before)
+
+    befores = [(prompt + gen[:i])[-CONTEXT_IDS:] for i in range(len(gen))]
+    if chat:
+        for t, e, b, c in zip(gen, entries, befores, got["content"], strict=True):
+            assert c["token"] == name(t, b)
+            assert [x["token"] for x in c["top_logprobs"]] == [
+                name(u, b) for u, _ in api._top(e, k)
+            ]
+    else:
+        assert got["tokens"] == [name(t, b) for t, b in zip(gen, befores, strict=True)]
+        for t, e, b, top in zip(gen, entries, befores, got["top_logprobs"], strict=True):
+            assert set(top) == {name(u, b) for u, _ in [*api._top(e, k), (t, e[t])]}

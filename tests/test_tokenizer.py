@@ -431,3 +431,42 @@ def test_a_completion_reads_as_the_prompts_continuation(style):
     stream = tok.stream(context=prompt)
     assert "".join(stream.add(i) for i in gen) + stream.flush() == text
     assert tok.decode(gen, context=[]) == tok.decode(gen)
+
+
+def each_by_decode(tok: Tokenizer, ids, skip: bool, context) -> list[str]:
+    return [tok.decode([i], skip_special_tokens=skip, context=context) for i in ids]
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(sorted(STREAM_TOKENIZERS)), st.booleans(), st.data())
+def test_decode_each_is_decode_of_each_id_in_context(key, skip, data):
+    """`decode_each` (logprobs' names for a position's candidates, the context resolved
+    once) is `decode([i], context=)` for each id: any context, any ids, repeats, specials,
+    ids past the vocabulary."""
+    tok = STREAM_TOKENIZERS[key]
+    context = data.draw(st.lists(st.integers(0, tok.vocab_size + 1), max_size=12))
+    ids = data.draw(st.lists(st.integers(0, tok.vocab_size + 1), max_size=8))
+    got = tok.decode_each(ids, skip_special_tokens=skip, context=context)
+    assert got == each_by_decode(tok, ids, skip, context)
+
+
+@pytest.mark.parametrize("key", sorted(STREAM_TOKENIZERS))
+def test_decode_each_on_unsettled_and_empty_contexts(key):
+    """The contexts `decode` does not decode after (empty, all skipped, ending inside a
+    character or in a byte-fallback run) give `decode_each` the same names as decode."""
+    tok = STREAM_TOKENIZERS[key]
+    v, special = tok.vocab_size, sorted(tok._special_ids)
+    euro = tok.encode("a €", add_bos=False)
+    contexts = [[], special, euro, euro[:-1], [*euro[:-1], *special], tok.encode("the hel")]
+    ids = [*tok.encode("x the € 日本 [INST]"), *special, v, v + 5, *euro, *euro[::-1]]
+    unsettled = 0
+    for skip in (True, False):
+        for context in contexts:
+            unsettled += tok._context(context, skip) is None
+            got = tok.decode_each(ids, skip_special_tokens=skip, context=context)
+            assert got == each_by_decode(tok, ids, skip, context), (context, skip)
+    assert unsettled >= 4  # the edge cases were there, not only settled contexts
+    with pytest.raises(ValueError, match=r"token ids must be >= 0, got \[-1\]"):
+        tok.decode_each([5, -1], context=contexts[-1])
+    with pytest.raises(TypeError, match="token ids must be ints"):
+        tok.decode_each([5, 2.0])
