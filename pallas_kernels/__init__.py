@@ -2,6 +2,8 @@
 
 Importable without `pagedjax`. The two entry points take one layer's page pools
 `[K, P, S, D]` and pick a backend with `backend="auto" | "gpu" | "tpu" | "xla"`.
+Page-table entries a sequence does not read (past its last page, wholly before its
+sliding window) are padding and may hold any id, such as -1.
 """
 
 from pallas_kernels.dispatch import (

@@ -143,7 +143,9 @@ def paged_decode_attention(
       v_pages: [K, P, S, D] one layer's value pages, same dtype as k_pages.
       lengths: [B] int32 tokens in the cache per sequence, this token included
         (0 gives a zero row).
-      page_table: [B, max_pages] int32 physical page ids in logical order.
+      page_table: [B, max_pages] int32 physical page ids in logical order. Entries no
+        query reads (past a sequence's last page, wholly before its sliding window) are
+        padding and may hold any id, -1 included; the ids read must be in [0, P).
       scale: logit scale, default D ** -0.5; positive and finite.
       soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap); positive
         and finite.
@@ -218,7 +220,8 @@ def ragged_paged_attention(
       q: [T, H, D] all sequences' query tokens back to back.
       k_pages: [K, P, S, D] in q's dtype or fp8 (then q is bfloat16 or float32).
       v_pages: [K, P, S, D] same dtype as k_pages.
-      page_table: [B, max_pages] int32.
+      page_table: [B, max_pages] int32; padding as for `paged_decode_attention` (the
+        window starts at each sequence's first query).
       context_lens: [B] int32.
       query_start_loc: [B + 1] int32, non-decreasing, from 0 to at most T.
       scale, soft_cap, sliding_window, backend, interpret, **tuning: as for

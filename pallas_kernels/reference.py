@@ -189,7 +189,9 @@ def gather_pages(pages, page_table):
     """
     k, _, s, d = pages.shape
     b, max_pages = page_table.shape
-    g = pages[:, page_table]  # [K, B, max_pages, S, D]
+    # jnp, even for numpy pools: padding entries may hold any id (-1, or past P), and
+    # XLA's gather wraps or clamps them where numpy indexing would raise.
+    g = jnp.asarray(pages)[:, jnp.asarray(page_table)]  # [K, B, max_pages, S, D]
     return g.transpose(1, 2, 3, 0, 4).reshape(b, max_pages * s, k, d)
 
 

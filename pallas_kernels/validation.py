@@ -5,6 +5,15 @@ the page table's capacity, monotone `query_start_loc`) run only when the arrays
 are concrete: under an outer `jax.jit` they are tracers and the caller (the block
 manager and the step builder) is responsible for them.
 
+Page ids are checked only where a call reads them (`read_tokens`): sequence `b`
+reads the pages holding its tokens `[lo, hi)`, `hi` its length and `lo` the first
+key any of its queries sees (0, or the sliding window's start for its first query).
+No backend uses any other entry: the Pallas kernels load or DMA no other page (a
+ragged sequence without queries reads none; its pages are checked all the same),
+and the XLA path gathers whole rows, where XLA wraps -1 and clamps other
+out-of-range ids, then masks every key no query sees. So entries past a sequence's
+last page or wholly before its window are padding and may hold any id, -1 included.
+
 Dtypes: q and the page pools share a dtype, except that the pools may be FP8
 (`FP8_DTYPES`, an FP8 KV cache) with a bfloat16 or float32 q; K/V tiles are then
 upcast to q's dtype inside every backend and the output is in q's dtype.
@@ -165,19 +174,75 @@ def check_options(scale, soft_cap, sliding_window):
             )
 
 
-def check_page_table(page_table, num_pages, batch):
+def check_page_table(page_table, batch):
+    """Shape and dtype of the page table; its ids are checked by `check_page_ids`."""
     _check_rank("page_table", page_table, 2, "[B, max_pages]")
     _check_int("page_table", page_table)
     if page_table.shape[0] != batch:
         raise ValueError(f"page_table has {page_table.shape[0]} rows for a batch of {batch}")
+
+
+def read_tokens(lengths, sliding_window, q_lens=1):
+    """The tokens `[lo, hi)` whose pages each sequence's queries read, or None if unknown.
+
+    A query at position `p` sees keys `p - W < j <= p`, so with a window sequence `b`
+    reads from its first query's window start, `lengths[b] - q_lens[b] - W + 1`; `hi`
+    is `lengths[b]`. The kernels read no page outside these tokens' pages (the page
+    holding `lo` included, even when `lo` is mid page).
+
+    Args:
+      lengths: [B] int tokens in the cache per sequence (already checked), or a tracer.
+      sliding_window: None or the (already checked) window W.
+      q_lens: query tokens per sequence, [B] or a scalar: 1 for decode; None when
+        unknown (a traced `query_start_loc`): then `lo` is 0, the window start of the
+        longest possible chunk (q_len = lengths[b]).
+
+    Returns:
+      (lo, hi), both [B] int64 numpy arrays; None when `lengths` is traced.
+    """
+    n = _concrete(lengths)
+    if n is None:
+        return None
+    hi = n.astype(np.int64)
+    if sliding_window is None or q_lens is None:
+        return np.zeros_like(hi), hi
+    w = int(np.asarray(sliding_window))
+    return np.maximum(hi - np.asarray(q_lens, np.int64) - w + 1, 0), hi
+
+
+def check_page_ids(page_table, num_pages, page_size, reads):
+    """ValueError naming the first out-of-range page id among the entries a call reads.
+
+    Args:
+      page_table: [B, max_pages] int; not checked when traced.
+      num_pages: P, ids must be in [0, P).
+      page_size: S.
+      reads: `read_tokens`'s (lo, hi), or None (unknown: every entry is checked).
+    """
     pt = _concrete(page_table)
-    if pt is not None and pt.size:
-        bad = (pt < 0) | (pt >= num_pages)
-        if bad.any():
-            b, i = map(int, np.argwhere(bad)[0])
-            raise ValueError(
-                f"page id {int(pt[b, i])} at page_table[{b}, {i}] is out of range [0, {num_pages})"
-            )
+    if pt is None or not pt.size:
+        return
+    bad = (pt < 0) | (pt >= num_pages)  # [B, max_pages]
+    if not bad.any():  # the common case costs no more than checking every entry
+        return
+    if reads is not None:
+        lo, hi = reads
+        first, end = lo // page_size, -(-hi // page_size)  # [B]: pages [first, end)
+        idx = np.arange(pt.shape[1])
+        bad &= (idx >= first[:, None]) & (idx < end[:, None])
+        if not bad.any():
+            return
+    b, i = map(int, np.argwhere(bad)[0])
+    if reads is None:
+        why = "every entry is checked: the lengths are traced"
+    else:
+        why = (
+            f"sequence {b} reads pages [{int(first[b])}, {int(end[b])}) of its row "
+            f"(tokens [{int(lo[b])}, {int(hi[b])})); entries outside them may hold any id"
+        )
+    raise ValueError(
+        f"page id {int(pt[b, i])} at page_table[{b}, {i}] is out of range [0, {num_pages}) ({why})"
+    )
 
 
 def check_lengths(name, lengths, batch, capacity):
@@ -205,8 +270,10 @@ def check_decode(q, k_pages, v_pages, lengths, page_table, scale, soft_cap, slid
     check_pages(q, k_pages, v_pages)
     check_options(scale, soft_cap, sliding_window)
     batch = q.shape[0]
-    check_page_table(page_table, k_pages.shape[1], batch)
-    check_lengths("lengths", lengths, batch, page_table.shape[1] * k_pages.shape[2])
+    _, num_pages, page_size, _ = k_pages.shape
+    check_page_table(page_table, batch)
+    check_lengths("lengths", lengths, batch, page_table.shape[1] * page_size)
+    check_page_ids(page_table, num_pages, page_size, read_tokens(lengths, sliding_window))
 
 
 def check_ragged(
@@ -225,8 +292,9 @@ def check_ragged(
     check_pages(q, k_pages, v_pages)
     check_options(scale, soft_cap, sliding_window)
     batch = page_table.shape[0] if page_table.ndim == 2 else -1
-    check_page_table(page_table, k_pages.shape[1], batch)
-    check_lengths("context_lens", context_lens, batch, page_table.shape[1] * k_pages.shape[2])
+    _, num_pages, page_size, _ = k_pages.shape
+    check_page_table(page_table, batch)
+    check_lengths("context_lens", context_lens, batch, page_table.shape[1] * page_size)
     _check_rank("query_start_loc", query_start_loc, 1, "[B + 1]")
     _check_int("query_start_loc", query_start_loc)
     if query_start_loc.shape[0] != batch + 1:
@@ -234,9 +302,15 @@ def check_ragged(
             f"query_start_loc has {query_start_loc.shape[0]} entries, expected B + 1 = {batch + 1}"
         )
     loc = _concrete(query_start_loc)
-    ctx = _concrete(context_lens)
-    if loc is None:
-        return
+    if loc is not None:
+        _check_query_start_loc(loc, _concrete(context_lens), q.shape[0])
+    q_lens = None if loc is None else np.diff(loc)
+    reads = read_tokens(context_lens, sliding_window, q_lens)
+    check_page_ids(page_table, num_pages, page_size, reads)
+
+
+def _check_query_start_loc(loc, ctx, num_rows):
+    """Values of a concrete `query_start_loc` (and q_len <= context_len when ctx is concrete)."""
     if loc[0] != 0:
         raise ValueError(f"query_start_loc must start at 0, got {int(loc[0])}")
     q_lens = np.diff(loc)
@@ -246,9 +320,9 @@ def check_ragged(
             f"query_start_loc must be non-decreasing, got {int(loc[b])} then {int(loc[b + 1])} "
             f"at index {b}"
         )
-    if loc[-1] > q.shape[0]:
+    if loc[-1] > num_rows:
         raise ValueError(
-            f"query_start_loc ends at {int(loc[-1])}, beyond the {q.shape[0]} query rows"
+            f"query_start_loc ends at {int(loc[-1])}, beyond the {num_rows} query rows"
         )
     if ctx is not None and (q_lens > ctx).any():
         b = int(np.argmax(q_lens > ctx))

@@ -1,5 +1,7 @@
 """Backend resolution and the host-side input checks of the attention entry points."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,8 +84,8 @@ def test_works_under_jit_with_traced_values():
     "mutate,message",
     [
         (
-            lambda a: a.update(table=a["table"].at[1, 2].set(10)),
-            r"page id 10 at page_table\[1, 2\]",
+            lambda a: a.update(table=a["table"].at[2, 2].set(10)),  # length 12 reads it
+            r"page id 10 at page_table\[2, 2\] is out of range \[0, 10\)",
         ),
         (lambda a: a.update(table=a["table"].at[0, 0].set(-1)), "page id -1"),
         (lambda a: a.update(lengths=a["lengths"].at[2].set(13)), r"lengths\[2\] = 13 exceeds"),
@@ -111,6 +113,95 @@ def test_decode_bad_input(mutate, message):
     mutate(a)
     with pytest.raises(ValueError, match=message):
         pk.paged_decode_attention(a["q"], a["kp"], a["vp"], a["lengths"], a["table"])
+
+
+# Page size 4, lengths [1, 4, 12]: sequence 2 fills pages 0-2. Decode reads tokens
+# [max(n - W, 0), n); ragged (q_lens [1, 2, 3]) from its first query's window start,
+# max(ctx - q_len - W + 1, 0): for sequence 2 with W = 6, token 4 (page 1's first).
+READS = {
+    ("decode", None): "pages [0, 3) of its row (tokens [0, 12))",
+    ("decode", 6): "pages [1, 3) of its row (tokens [6, 12))",  # the window starts mid page 1
+    ("decode", 8): "pages [1, 3) of its row (tokens [4, 12))",  # ... on page 1's first token
+    ("ragged", None): "pages [0, 3) of its row (tokens [0, 12))",
+    ("ragged", 6): "pages [1, 3) of its row (tokens [4, 12))",
+    ("ragged", 7): "pages [0, 3) of its row (tokens [3, 12))",  # decode's W = 7 skips page 0
+}
+
+
+def _call(op, table, window):
+    q, kp, vp, lengths, _ = inputs(np.random.default_rng(7))
+    kw = dict(sliding_window=window, backend="xla")
+    if op == "decode":
+        return pk.paged_decode_attention(q, kp, vp, lengths, table, **kw)
+    q = np.concatenate([q, q])  # rows for q_lens [1, 2, 3]
+    loc = np.array([0, 1, 3, 6], np.int32)
+    return pk.ragged_paged_attention(q, kp, vp, table, lengths, loc, **kw)
+
+
+@pytest.mark.parametrize(
+    "op, window, entry, bad_id, read",
+    [
+        ("decode", None, (2, 2), -1, True),
+        ("decode", None, (1, 1), -1, False),  # past length 4
+        ("decode", None, (0, 2), 1 << 20, False),
+        ("decode", 6, (2, 1), 10, True),  # the window's first page, read from token 6
+        ("decode", 6, (2, 0), -1, False),  # wholly before the window
+        ("decode", 8, (2, 1), -1, True),
+        ("decode", 8, (2, 0), 10, False),
+        ("decode", 7, (2, 0), -1, False),
+        ("ragged", None, (2, 0), -1, True),
+        ("ragged", None, (1, 2), -1, False),
+        ("ragged", 6, (2, 1), -1, True),  # the window starts on this page's first token
+        ("ragged", 6, (2, 0), -(1 << 20), False),
+        ("ragged", 7, (2, 0), 10, True),  # the first query (position 9) sees token 3
+    ],
+)
+def test_page_ids_are_checked_where_the_call_reads_them(op, window, entry, bad_id, read):
+    """Out-of-range ids were refused anywhere in a concrete page table, padding included
+    ("page id -1 at page_table[1, 1] is out of range" for a row of length 4 that reads
+    only entry 0), though no backend reads padding and the same call ran under jit. Now
+    only the entries covering a sequence's visible tokens are checked: a bad one is still
+    refused, naming the id, its position, the range and the pages the sequence reads; a
+    bad one elsewhere runs, with the result of valid padding."""
+    _, _, _, _, table = inputs(np.random.default_rng(7))
+    bad = table.copy()
+    bad[entry] = bad_id
+    if read:
+        b, i = entry
+        message = re.escape(
+            f"page id {bad_id} at page_table[{b}, {i}] is out of range [0, 10) "
+            f"(sequence {b} reads {READS[op, window]}"
+        )
+        with pytest.raises(ValueError, match=message):
+            _call(op, bad, window)
+    else:
+        np.testing.assert_array_equal(
+            np.asarray(_call(op, bad, window)), np.asarray(_call(op, table, window))
+        )
+
+
+def test_page_ids_with_traced_lengths_are_all_checked():
+    """A concrete table with traced lengths: which entries are read is unknown, so every
+    entry is checked; with a traced query_start_loc, every entry up to each length."""
+    q, kp, vp, lengths, table = inputs(np.random.default_rng(8))
+    table[1, 2] = -1  # padding for length 4, but the lengths are not known on the host
+    f = jax.jit(lambda n: pk.paged_decode_attention(q, kp, vp, n, table, backend="xla"))
+    with pytest.raises(ValueError, match=r"page_table\[1, 2\] .* the lengths are traced"):
+        f(lengths)
+    # Traced query_start_loc with a window: q_len may be up to the context, so the
+    # window may start at token 0 and every page up to the length is checked.
+    table[1, 2], table[2, 0] = 0, -1  # decode's W = 6 would not read page 0 of row 2
+    q = np.concatenate([q, q])
+    g = jax.jit(
+        lambda loc: pk.ragged_paged_attention(
+            q, kp, vp, table, lengths, loc, sliding_window=6, backend="xla"
+        )
+    )
+    with pytest.raises(
+        ValueError,
+        match=re.escape("page_table[2, 0] is out of range [0, 10) (sequence 2 reads pages [0, 3)"),
+    ):
+        g(np.array([0, 1, 3, 6], np.int32))
 
 
 def test_decode_bad_dtypes():

@@ -7,9 +7,10 @@ of 1, equal to the length, longer than it and ending on a page boundary, with a 
 cap; split-K with more splits than live blocks (empty splits, m = -inf partials) and
 splits that do not divide the blocks, through both merges; group sizes that are not
 powers of two (3, 6, 12), MQA and MHA; page-table padding that is out of range (under
-an outer jit, where it cannot be checked) and pools that are NaN wherever no visible
-key lives; fp8 pages; ragged batches with empty sequences, decode rows next to long
-chunks, fresh prefills and chunks that start and end mid page.
+an outer jit, and in eager calls, whose host check skips unread entries) and pools
+that are NaN wherever no visible key lives; fp8 pages; ragged batches with empty
+sequences, decode rows next to long chunks, fresh prefills and chunks that start and
+end mid page.
 
 Every kernel reads NaN-poisoned pools (dead slots, slots before the window, pages
 nobody owns); the reference reads the clean pools, in float32. Tolerances are
@@ -32,7 +33,7 @@ from pallas_kernels import reference
 
 TOL = {jnp.dtype(jnp.float32): 1e-4, jnp.dtype(jnp.bfloat16): 1e-2}
 F32 = jnp.float32
-BIG_ID = 1 << 20  # an out-of-range page id for padding entries (only under an outer jit)
+BIG_ID = 1 << 20  # an out-of-range page id for padding entries (never read)
 
 _ref_decode = jax.jit(
     reference.paged_attention_xla, static_argnames=("scale", "soft_cap", "sliding_window")
@@ -330,6 +331,79 @@ def test_tpu_ragged_head_dim_not_a_multiple_of_128():
     # incompatible shapes for broadcasting: (32, 192), (32, 128)" at trace time (in the
     # interpreter and in the lowering for TPU) while the TPU decode kernel ran.
     ragged_case("tpu", [1, 9, 0], [20, 9, 3], heads=(2, 1), head_dim=192, max_pages=3)
+
+
+# ------------------------------------------- eager calls with invalid page-table padding
+
+# Page size 8, max_pages 4, window 9. Decode row b reads tokens [max(n - 9, 0), n);
+# ragged sequence b from its first query's window start, max(ctx - q_len - 9 + 1, 0).
+PAD_LENGTHS = [0, 1, 13, 32, 20, 16]  # 32: pages 0-1 are before the window; 16: lo = 7
+PAD_Q = [0, 1, 5, 3, 4, 2]  # ... an empty sequence, a decode row, a fresh prefill
+PAD_CTX = [7, 32, 20, 3, 13, 26]  # 26 - 2 - 9 + 1 = 16: the window starts on page 2
+
+
+def _read_pages(lo, hi, page_size=8):
+    """Per sequence, the page-table entries [first, end) covering tokens [lo, hi)."""
+    return [(a // page_size, -(-b // page_size)) for a, b in zip(lo, hi, strict=True)]
+
+
+def _padded_tables(rng, reads, num_pages, max_pages=4):
+    """A table with valid ids everywhere, and a copy whose unread entries are invalid."""
+    valid = rng.integers(0, num_pages, (len(reads), max_pages)).astype(np.int32)
+    bad = valid.copy()
+    junk = np.array([-1, BIG_ID, -BIG_ID, num_pages], np.int32)
+    for b, (first, end) in enumerate(reads):
+        unread = [i for i in range(max_pages) if not first <= i < end]
+        bad[b, unread] = junk[np.arange(len(unread)) % len(junk)]
+    return valid, bad
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu", "xla"])
+def test_eager_decode_with_invalid_padding_equals_valid_padding(backend):
+    """-1 and out-of-range ids past each length and before each window, called eagerly
+    (the page table concrete): the host check used to refuse any of them ("page id -1 at
+    page_table[0, 0] is out of range") though no backend reads them and the same call
+    under jit ran. Now it runs and equals, bit for bit, the call whose padding names
+    valid (other) pages: a backend reading padding would differ or fault."""
+    rng = np.random.default_rng(11)
+    window, n = 9, np.array(PAD_LENGTHS)
+    lo = np.maximum(n - window, 0)
+    valid, bad = _padded_tables(rng, _read_pages(lo, n), num_pages=12)
+    q = jnp.asarray(rng.standard_normal((len(n), 4, 16)), F32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 12, 8, 16)), F32) for _ in range(2))
+    kw = dict(sliding_window=window, backend=backend)
+    if backend != "xla":
+        kw["interpret"] = True
+    lengths = jnp.asarray(n, jnp.int32)
+    out = pallas_kernels.paged_decode_attention(q, k, v, lengths, jnp.asarray(bad), **kw)
+    if backend == "tpu":
+        assert_no_race()
+    want = pallas_kernels.paged_decode_attention(q, k, v, lengths, jnp.asarray(valid), **kw)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    ref = _ref_decode(q, k, v, lengths, jnp.asarray(valid), sliding_window=window)
+    _assert_close(out, ref, F32, zero_rows=[0])
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu", "xla"])
+def test_eager_ragged_with_invalid_padding_equals_valid_padding(backend):
+    rng = np.random.default_rng(12)
+    window, q_lens, ctx = 9, np.array(PAD_Q), np.array(PAD_CTX)
+    lo = np.maximum(ctx - q_lens - window + 1, 0)
+    valid, bad = _padded_tables(rng, _read_pages(lo, ctx), num_pages=12)
+    q = jnp.asarray(rng.standard_normal((int(q_lens.sum()) + 2, 4, 16)), F32)  # 2 pad rows
+    k, v = (jnp.asarray(rng.standard_normal((2, 12, 8, 16)), F32) for _ in range(2))
+    loc = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    kw = dict(sliding_window=window, backend=backend)
+    if backend != "xla":
+        kw["interpret"] = True
+    ctx_j = jnp.asarray(ctx, jnp.int32)
+    out = pallas_kernels.ragged_paged_attention(q, k, v, jnp.asarray(bad), ctx_j, loc, **kw)
+    if backend == "tpu":
+        assert_no_race()
+    want = pallas_kernels.ragged_paged_attention(q, k, v, jnp.asarray(valid), ctx_j, loc, **kw)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    ref = _ref_ragged(q, k, v, jnp.asarray(valid), ctx_j, loc, sliding_window=window)
+    _assert_close(out, ref, F32, zero_rows=range(int(q_lens.sum()), q.shape[0]))
 
 
 # ---------------------------------------------------------------- slow: more edges
