@@ -8,7 +8,8 @@ well-known shapes. Variants are made with `dataclasses.replace`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import KW_ONLY, dataclass, field, fields
 
 import jax.numpy as jnp
 import numpy as np
@@ -53,14 +54,114 @@ def dtype_size(dtype) -> int:
     return np.dtype(_KV_DTYPES[dtype_name(dtype, kv=True)]).itemsize
 
 
+# Which parameters each rope_type takes (HF's names): (required, optional). The other
+# fields of a RopeScaling must be None for that type.
+ROPE_SCALING_PARAMS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "linear": (("factor",), ()),
+    "llama3": (
+        ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+        (),
+    ),
+    "yarn": (
+        ("factor", "original_max_position_embeddings"),
+        ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"),
+    ),
+}
+_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}  # HF's and the paper's
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3-style RoPE frequency scaling (rope_type "llama3")."""
+    """RoPE frequency scaling, as HF's `rope_scaling` dict: a kind and its parameters.
 
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    Kinds (`rope_type`) and what they change (`pagedjax.model.rope_frequencies` and
+    `rope_attention_factor` compute them as HF's `modeling_rope_utils` does):
+
+    * "linear": every inverse frequency divided by `factor` (position interpolation).
+    * "llama3": frequencies with wavelength above `original_max_position_embeddings /
+      low_freq_factor` divided by `factor`, below `original / high_freq_factor` kept,
+      interpolated in between (Llama 3.1+).
+    * "yarn": frequencies turning more than `beta_fast` times over the original
+      context (`original_max_position_embeddings`) kept, fewer than `beta_slow` times
+      divided by `factor`, a linear ramp between (`truncate`: its ends rounded out to
+      whole dimensions); cos and sin multiplied by an attention factor
+      (`attention_factor`, else derived from `factor`, `mscale` and `mscale_all_dim`).
+      Absent `beta_fast`, `beta_slow` and `truncate` take HF's defaults 32, 1 and True.
+
+    Fields a kind does not take must be None (`ROPE_SCALING_PARAMS`); values are
+    checked here: `factor` and the lengths positive, `high_freq_factor >
+    low_freq_factor`, `beta_fast >= beta_slow > 0`, ...; ValueError names a bad one.
+    """
+
+    rope_type: str
+    factor: float
+    _: KW_ONLY
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool | None = None
+
+    def __post_init__(self):
+        kind = self.rope_type
+        if kind not in ROPE_SCALING_PARAMS:
+            raise ValueError(
+                f"rope_type must be one of {sorted(ROPE_SCALING_PARAMS)}, got rope_type={kind!r}"
+            )
+        if kind == "yarn":
+            for name, default in _YARN_DEFAULTS.items():
+                if getattr(self, name) is None:
+                    object.__setattr__(self, name, default)
+        required, optional = ROPE_SCALING_PARAMS[kind]
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "rope_type"}
+        takes = required + optional
+        extra = [f"{k}={v!r}" for k, v in values.items() if v is not None and k not in takes]
+        if extra:
+            raise ValueError(
+                f"rope_scaling {kind!r} takes only {list(takes)}, got {', '.join(extra)}"
+            )
+        missing = [k for k in required if values[k] is None]
+        if missing:
+            raise ValueError(f"rope_scaling {kind!r} needs {missing}")
+        for name, value in values.items():
+            if value is not None:
+                object.__setattr__(self, name, _rope_param(kind, name, value))
+        if kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                "rope_scaling 'llama3': high_freq_factor must exceed low_freq_factor, got "
+                f"high_freq_factor={self.high_freq_factor}, low_freq_factor={self.low_freq_factor}"
+            )
+        if kind == "yarn" and self.beta_fast < self.beta_slow:
+            raise ValueError(
+                "rope_scaling 'yarn': beta_fast must be at least beta_slow, got "
+                f"beta_fast={self.beta_fast}, beta_slow={self.beta_slow}"
+            )
+
+
+def _rope_param(kind: str, name: str, value):
+    """A RopeScaling field's value as its type (float, int or bool); ValueError naming it."""
+    if name == "truncate":
+        ok, what, cast = isinstance(value, (bool, np.bool_)), "a bool", bool
+    elif name == "original_max_position_embeddings":
+        ok = _is_number(value) and value == int(value) and value > 0
+        what, cast = "a positive int", int
+    elif name in ("mscale", "mscale_all_dim"):  # 0 means "not set" in HF's mscale rule
+        ok, what, cast = _is_number(value) and value >= 0, "a number >= 0", float
+    else:  # factors and betas divide, or take the log of, something
+        ok, what, cast = _is_number(value) and value > 0, "a positive number", float
+    if not ok:
+        raise ValueError(f"rope_scaling {kind!r}: {name} must be {what}, got {name}={value!r}")
+    return cast(value)
+
+
+def _is_number(v) -> bool:
+    """A finite real number; bools are not (JSON true is no factor)."""
+    number = isinstance(v, (int, float, np.integer, np.floating))
+    return number and not isinstance(v, (bool, np.bool_)) and math.isfinite(v)
 
 
 @dataclass(frozen=True)
@@ -77,7 +178,7 @@ class ModelConfig:
       vocab_size: V.
       max_position_embeddings: longest sequence the model accepts.
       rope_theta: RoPE base.
-      rope_scaling: llama3 frequency scaling, or None.
+      rope_scaling: RoPE frequency scaling ("linear", "llama3" or "yarn"), or None.
       norm_eps: RMSNorm epsilon.
       tie_embeddings: LM head shares the embedding matrix.
       qkv_bias: biases on the q/k/v projections (Qwen2; Llama and Qwen3 with
@@ -136,6 +237,9 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got head_dim={self.head_dim}")
+        rs = self.rope_scaling
+        if rs is not None and not isinstance(rs, RopeScaling):
+            raise ValueError(f"rope_scaling must be a RopeScaling or None, got rope_scaling={rs!r}")
         w = self.sliding_window
         if w is not None and (isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 1):
             raise ValueError(
@@ -182,7 +286,17 @@ class ModelConfig:
         return hf_config.to_hf(self)
 
 
-_LLAMA3_SCALING = RopeScaling(8.0, 1.0, 4.0, 8192)
+def _llama3_scaling(factor: float) -> RopeScaling:
+    return RopeScaling(
+        "llama3",
+        factor,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
+
+
+_LLAMA3_SCALING = _llama3_scaling(8.0)
 
 PRESETS: dict[str, ModelConfig] = {
     "llama3-70b": ModelConfig(
@@ -223,7 +337,7 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=128256,
         max_position_embeddings=131072,
         rope_theta=500000.0,
-        rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192),
+        rope_scaling=_llama3_scaling(32.0),
         tie_embeddings=True,
         bos_token_id=128000,
         eos_token_ids=(128001, 128008, 128009),

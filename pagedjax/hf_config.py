@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pagedjax.config import ModelConfig, RopeScaling
+from pagedjax.config import ROPE_SCALING_PARAMS, ModelConfig, RopeScaling
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -55,7 +55,10 @@ def from_hf(config: dict, *, dtype: str | None = None) -> ModelConfig:
     """Builds a config from a HuggingFace config.json dict.
 
     Accepts the classic `rope_theta` / `rope_scaling` keys and the newer
-    `rope_parameters` form, a missing `head_dim` (hidden_size // heads; 128 for
+    `rope_parameters` form (scaling "linear", "llama3" or "yarn", read as current
+    transformers reads them: `_rope_scaling`; with yarn, `max_position_embeddings`
+    becomes at least `original_max_position_embeddings * factor`, the context YaRN
+    extends to, as vLLM serves it), a missing `head_dim` (hidden_size // heads; 128 for
     Qwen3, as HF's Qwen3Config), and `eos_token_id` as an int or a list. The
     family is named by `architectures` (its first entry), else by `model_type`.
     Qwen3 means `qk_norm`. Biases follow HF's attention modules: `attention_bias`
@@ -114,6 +117,12 @@ def from_hf(config: dict, *, dtype: str | None = None) -> ModelConfig:
     rope = dict(config.get("rope_parameters") or {})
     theta = _hf_number(rope, "rope_theta", float, _hf_number(config, "rope_theta", float, 1e4))
     scaling = config.get("rope_scaling") or (rope if _rope_type(rope) != "default" else None)
+    rope_scaling = _rope_scaling(scaling, max_pos)
+    if rope_scaling is not None and rope_scaling.rope_type == "yarn":
+        # Qwen's cards add yarn to a config whose max_position_embeddings is the original
+        # context; the model then serves factor times that (vLLM's rule; HF has no limit).
+        yarn_len = rope_scaling.original_max_position_embeddings * rope_scaling.factor
+        max_pos = max(max_pos, int(yarn_len))
     eos = config.get("eos_token_id")
     eos = () if eos is None else (eos if isinstance(eos, (list, tuple)) else (eos,))
     if any(isinstance(t, bool) or not isinstance(t, int) for t in eos):
@@ -132,7 +141,7 @@ def from_hf(config: dict, *, dtype: str | None = None) -> ModelConfig:
         vocab_size=_hf_number(config, "vocab_size", int),
         max_position_embeddings=max_pos,
         rope_theta=theta,
-        rope_scaling=_rope_scaling(scaling),
+        rope_scaling=rope_scaling,
         norm_eps=_hf_number(config, "rms_norm_eps", float, 1e-6),  # HF's, every family
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=attention_bias or family == "qwen2",
@@ -153,7 +162,9 @@ def to_hf(cfg: ModelConfig) -> dict:
     `attention_bias`, and a window as `layer_types`, if set). `attention_bias` is
     written for Llama and Qwen3 only, the families whose HF attention reads it. A Qwen window is
     written both ways HF has read it: `max_window_layers: 0` and an explicit
-    `layer_types` list.
+    `layer_types` list. `rope_scaling` is the kind and its parameters (HF's names);
+    from_hf reads it back equal, though with yarn a `max_position_embeddings` below
+    `original_max_position_embeddings * factor` reads back raised to that.
     """
     if cfg.qk_norm:
         arch, model_type = "Qwen3ForCausalLM", "qwen3"
@@ -192,8 +203,9 @@ def to_hf(cfg: ModelConfig) -> dict:
         out["sliding_window"] = cfg.sliding_window
         if model_type == "llama":  # HF's Llama reads no window; vLLM's reads layer_types
             out["layer_types"] = ["sliding_attention"] * cfg.num_layers
-    if cfg.rope_scaling is not None:
-        out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
+    if cfg.rope_scaling is not None:  # its kind and the parameters that kind takes
+        rs = dataclasses.asdict(cfg.rope_scaling)
+        out["rope_scaling"] = {k: v for k, v in rs.items() if v is not None}
     if cfg.bos_token_id is not None:
         out["bos_token_id"] = cfg.bos_token_id
     if cfg.eos_token_ids:
@@ -298,9 +310,6 @@ def _rope_type(scaling: dict) -> str:
     return scaling.get("rope_type", scaling.get("type", "default"))
 
 
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
 def _hf_dtype(torch_dtype: str) -> str:
     """The dtype a checkpoint runs in by default: float32 stays, anything else (float16
     too) is bfloat16, the dtype the kernels are tuned and GPU-tested in (float16 runs,
@@ -309,20 +318,40 @@ def _hf_dtype(torch_dtype: str) -> str:
     return "float32" if name == "float32" else "bfloat16"
 
 
-def _rope_scaling(scaling: dict | None) -> RopeScaling | None:
+def _rope_scaling(scaling: dict | None, max_pos: int) -> RopeScaling | None:
+    """HF's `rope_scaling` (or `rope_parameters`) dict as a RopeScaling; None for none.
+
+    Read as current transformers (5.x; 4.x since its PR #40320, Aug 2025) reads it.
+    yarn: `factor` is used as given (4.x releases before that PR replaced it by
+    max_position_embeddings / original_max_position_embeddings whenever the latter was
+    set, which left Qwen's recommended config, whose two lengths are equal, unscaled;
+    HF now only warns when they differ); a null `factor` is that ratio (5.x); an
+    absent `original_max_position_embeddings` is `max_pos`. Absent beta_fast /
+    beta_slow / truncate are HF's 32 / 1 / True (`RopeScaling`).
+
+    Raises:
+      ValueError: an unsupported kind ("dynamic", "longrope", ...), a missing required
+        key (HF raises too), or a bad value (`RopeScaling` names it). Keys the kind
+        does not read (yarn's `finetuned`, linear's `original_max_position_embeddings`)
+        are ignored, as HF ignores them: they do not change HF's model either.
+    """
     if not scaling:
         return None
     kind = _rope_type(scaling)
     if kind == "default":
         return None
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope scaling type {kind!r}; supported: 'llama3' (or none)")
-    missing = [k for k in _LLAMA3_KEYS if scaling.get(k) is None]
+    if kind not in ROPE_SCALING_PARAMS:
+        raise ValueError(
+            f"unsupported rope scaling type {kind!r}; supported: "
+            f"{sorted(ROPE_SCALING_PARAMS)} (or none)"
+        )
+    required, optional = ROPE_SCALING_PARAMS[kind]
+    values = {k: scaling[k] for k in required + optional if k in scaling}
+    if kind == "yarn":
+        original = values.setdefault("original_max_position_embeddings", max_pos)
+        if "factor" in values and values["factor"] is None and isinstance(original, int):
+            values["factor"] = max_pos / original
+    missing = [k for k in required if values.get(k) is None]
     if missing:  # HF refuses these too; a guessed factor would be a different model
-        raise ValueError(f"rope scaling 'llama3' needs {missing}, got rope_scaling={scaling}")
-    return RopeScaling(
-        factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-    )
+        raise ValueError(f"rope scaling {kind!r} needs {missing}, got rope_scaling={scaling}")
+    return RopeScaling(kind, **values)

@@ -53,9 +53,19 @@ def config_from_json(d: dict) -> ModelConfig:
         raise ValueError(f"unknown ModelConfig fields {unknown} in the stored config")
     d = dict(d)
     if d.get("rope_scaling") is not None:
-        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        d["rope_scaling"] = _rope_scaling_from_json(d["rope_scaling"])
     d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
     return ModelConfig(**d)
+
+
+def _rope_scaling_from_json(d: dict) -> RopeScaling:
+    """A stored `RopeScaling`; one without `rope_type` was saved when llama3 was the only
+    kind (its fields then: factor, low/high_freq_factor, original_max_position_embeddings)."""
+    d = {"rope_type": "llama3", **d}
+    unknown = sorted(set(d) - {f.name for f in dataclasses.fields(RopeScaling)})
+    if unknown:
+        raise ValueError(f"unknown RopeScaling fields {unknown} in the stored config: {d}")
+    return RopeScaling(**d)
 
 
 def _nest(flat: dict) -> dict:

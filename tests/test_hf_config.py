@@ -1,6 +1,7 @@
 """pagedjax.hf_config: HF config.json of each family to a ModelConfig and back."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -45,7 +46,13 @@ def test_from_hf_rope_parameters_form():
     d["eos_token_id"] = 128001
     cfg = ModelConfig.from_hf(d)
     assert cfg.rope_theta == 500000.0
-    assert cfg.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)
+    assert cfg.rope_scaling == RopeScaling(
+        "llama3",
+        8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
     assert cfg.eos_token_ids == (128001,)
 
 
@@ -87,8 +94,8 @@ def test_unknown_architecture():
 
 
 def test_unsupported_rope_scaling():
-    d = dict(LLAMA31_8B, rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(ValueError, match="unsupported rope scaling type 'yarn'"):
+    d = dict(LLAMA31_8B, rope_scaling={"rope_type": "longrope", "factor": 4.0})
+    with pytest.raises(ValueError, match="unsupported rope scaling type 'longrope'"):
         ModelConfig.from_hf(d)
 
 
@@ -215,7 +222,7 @@ def test_from_hf_reads_null_as_hf_does_where_hf_does():
         ("partial_rotary_factor", 0.5, "partial_rotary_factor=0.5"),
         ("quantization_config", {"quant_method": "gptq", "bits": 4}, "quant_method.*'gptq'"),
         ("architectures", ["MixtralForCausalLM", "LlamaForCausalLM"], "MixtralForCausalLM"),
-        ("rope_parameters", {"type": "linear", "factor": 2.0}, "rope scaling type 'linear'"),
+        ("rope_parameters", {"type": "dynamic", "factor": 2.0}, "rope scaling type 'dynamic'"),
         ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "high_freq_factor"),
     ],
 )
@@ -310,3 +317,198 @@ def test_to_hf_round_trips_every_bias_combination_hf_can_express():
         (True, True, True, None): ("qwen3", True),
         (True, True, True, 8): ("qwen3", True),
     }
+
+
+# --- rope scaling: linear and yarn (the math: tests/test_model.py) ------------------------
+
+QWEN25_7B = {  # Qwen/Qwen2.5-7B-Instruct config.json, with the model card's yarn added
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "max_position_embeddings": 32768,
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "vocab_size": 152064,
+    "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"},
+}
+QWEN_YARN = RopeScaling("yarn", 4.0, original_max_position_embeddings=32768)
+
+
+def yarn_config(max_pos=32768, **rope_scaling):
+    return dict(QWEN25_7B, max_position_embeddings=max_pos, rope_scaling=rope_scaling)
+
+
+def test_from_hf_reads_qwens_yarn():
+    """The Qwen2.5 and Qwen3 cards' yarn: factor 4 over 32768 positions, HF's defaults for
+    the rest, and 4 * 32768 positions served (vLLM's rule; max_position_embeddings is
+    32768 in Qwen2.5's config.json and 40960 in Qwen3's)."""
+    cfg = ModelConfig.from_hf(QWEN25_7B)
+    assert cfg.rope_scaling == QWEN_YARN
+    assert (cfg.rope_scaling.beta_fast, cfg.rope_scaling.beta_slow) == (32.0, 1.0)
+    assert cfg.rope_scaling.truncate is True and cfg.rope_scaling.attention_factor is None
+    assert cfg.max_position_embeddings == 131072
+    # The factor is used as written, not max_position_embeddings / original (40960 /
+    # 32768 = 1.25 for Qwen3; 1, no scaling at all, for Qwen2.5), as transformers 4.x
+    # did until its PR #40320.
+    qwen3 = yarn_config(40960, rope_type="yarn", factor=4.0, original_max_position_embeddings=32768)
+    cfg3 = ModelConfig.from_hf(qwen3)
+    assert cfg3.rope_scaling == QWEN_YARN and cfg3.max_position_embeddings == 131072
+    # transformers 5's rope_parameters form (theta inside) reads the same.
+    v5 = {k: v for k, v in qwen3.items() if k not in ("rope_scaling", "rope_theta")}
+    v5["rope_parameters"] = dict(qwen3["rope_scaling"], rope_theta=1e6)
+    assert ModelConfig.from_hf(v5) == cfg3
+    for c in (cfg, cfg3):
+        assert ModelConfig.from_hf(c.to_hf()) == c
+
+
+def test_from_hf_yarn_keys_and_defaults_as_hf_reads_them():
+    # DeepSeek-V3's keys (mscale, mscale_all_dim, "type"); 4096 * 40 = 163840 positions.
+    deepseek = yarn_config(
+        163840, type="yarn", factor=40, original_max_position_embeddings=4096,
+        beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0,
+    )  # fmt: skip
+    cfg = ModelConfig.from_hf(deepseek)
+    assert cfg.rope_scaling == RopeScaling(
+        "yarn", 40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0
+    )
+    assert cfg.max_position_embeddings == 163840
+    # No original_max_position_embeddings: max_position_embeddings (HF standardizes it so);
+    # a null factor: max_position_embeddings / original (transformers 5).
+    no_original = ModelConfig.from_hf(yarn_config(8192, rope_type="yarn", factor=2.0))
+    assert no_original.rope_scaling.original_max_position_embeddings == 8192
+    assert no_original.max_position_embeddings == 16384
+    null_factor = yarn_config(
+        163840, rope_type="yarn", factor=None, original_max_position_embeddings=4096
+    )
+    assert ModelConfig.from_hf(null_factor).rope_scaling.factor == 40.0
+    # gpt-oss's truncate: false, and an explicit attention_factor.
+    explicit = yarn_config(
+        rope_type="yarn", factor=32.0, original_max_position_embeddings=4096,
+        truncate=False, attention_factor=1.2, beta_fast=16, beta_slow=2,
+    )  # fmt: skip
+    rs = ModelConfig.from_hf(explicit).rope_scaling
+    assert (rs.truncate, rs.attention_factor, rs.beta_fast, rs.beta_slow) == (False, 1.2, 16, 2)
+
+
+def test_from_hf_reads_linear_scaling():
+    d = dict(LLAMA31_8B, max_position_embeddings=4096)
+    d["rope_scaling"] = {"type": "linear", "factor": 4.0}  # e.g. vicuna-13b-v1.5-16k
+    cfg = ModelConfig.from_hf(d)
+    assert cfg.rope_scaling == RopeScaling("linear", 4.0)
+    assert cfg.max_position_embeddings == 4096  # as written: HF reads no length from it
+    assert cfg.to_hf()["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+
+
+@pytest.mark.parametrize(
+    "rope_scaling, match",
+    [
+        ({"rope_type": "yarn"}, r"rope scaling 'yarn' needs \['factor'\]"),
+        ({"type": "linear"}, r"rope scaling 'linear' needs \['factor'\]"),
+        (
+            dict(_YARN, original_max_position_embeddings=None),
+            r"needs \['original_max_position_embeddings'\]",
+        ),
+        (dict(_YARN, factor=0), "factor must be a positive number, got factor=0"),
+        ({"type": "linear", "factor": -2.0}, "got factor=-2.0"),
+        (dict(_YARN, factor="4"), "factor must be a positive number, got factor='4'"),
+        (dict(_YARN, factor=True), "got factor=True"),
+        (
+            dict(_YARN, original_max_position_embeddings=0),
+            "original_max_position_embeddings must be a positive int, got "
+            "original_max_position_embeddings=0",
+        ),
+        (
+            dict(_YARN, beta_fast=1, beta_slow=32),
+            "beta_fast must be at least beta_slow, got beta_fast=1.0, beta_slow=32.0",
+        ),
+        (dict(_YARN, beta_slow=0), "beta_slow must be a positive number, got beta_slow=0"),
+        (dict(_YARN, truncate="false"), "truncate must be a bool, got truncate='false'"),
+        (dict(_YARN, attention_factor=0.0), "got attention_factor=0.0"),
+        (dict(_YARN, mscale=-1), "mscale must be a number >= 0, got mscale=-1"),
+        (dict(_YARN, rope_type="dynamic"), "unsupported rope scaling type 'dynamic'"),
+    ],
+)
+def test_from_hf_refuses_bad_rope_scaling_by_name(rope_scaling, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf(dict(QWEN25_7B, rope_scaling=rope_scaling))
+
+
+@pytest.mark.parametrize(
+    "rope_scaling, extra",
+    [
+        (_YARN, dict(finetuned=True, low_freq_factor=1.0)),  # NousResearch Yarn-Llama's
+        ({"type": "linear", "factor": 2.0}, dict(original_max_position_embeddings=4096)),
+    ],
+)
+def test_from_hf_ignores_rope_keys_the_kind_does_not_read(rope_scaling, extra):
+    """HF warns and ignores them, so its model is the one without them: so is ours."""
+    plain = ModelConfig.from_hf(dict(QWEN25_7B, rope_scaling=rope_scaling))
+    more = ModelConfig.from_hf(dict(QWEN25_7B, rope_scaling={**rope_scaling, **extra}))
+    assert more == plain and plain.rope_scaling is not None
+
+
+_ROUND_TRIP = {
+    "llama3": PRESETS["llama3-8b"].rope_scaling,
+    "linear": RopeScaling("linear", 2.0),
+    "yarn": RopeScaling("yarn", 4.0, original_max_position_embeddings=128),
+    "yarn_every_option": RopeScaling(
+        "yarn", 8.0, original_max_position_embeddings=64, beta_fast=16, beta_slow=2,
+        mscale=1.0, mscale_all_dim=0.5, attention_factor=1.3, truncate=False,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(_ROUND_TRIP))
+def test_rope_scaling_round_trips_through_hf_and_orbax_configs(name):
+    from pagedjax.orbax_checkpoint import config_from_json, config_to_json
+
+    cfg = dataclasses.replace(PRESETS["tiny"], rope_scaling=_ROUND_TRIP[name])
+    hf = json.loads(json.dumps(cfg.to_hf()))
+    assert hf["rope_scaling"]["rope_type"] == name.split("_")[0]
+    assert None not in hf["rope_scaling"].values()  # only the kind's own parameters
+    assert ModelConfig.from_hf(hf) == cfg
+    assert config_from_json(json.loads(json.dumps(config_to_json(cfg)))) == cfg
+
+
+def test_orbax_configs_saved_before_other_kinds_load_as_llama3():
+    from pagedjax.orbax_checkpoint import config_from_json, config_to_json
+
+    cfg = PRESETS["llama3-8b"]
+    old = config_to_json(cfg)
+    old["rope_scaling"] = {  # what version 1 stored: RopeScaling's four llama3 fields
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    assert config_from_json(old) == cfg
+    old["rope_scaling"]["smooth"] = 1.0
+    with pytest.raises(ValueError, match=r"unknown RopeScaling fields \['smooth'\]"):
+        config_from_json(old)
+
+
+def test_rope_scaling_fields_are_checked_per_kind():
+    assert RopeScaling("yarn", 4, original_max_position_embeddings=64) == RopeScaling(
+        "yarn", 4.0, original_max_position_embeddings=64, beta_fast=32, beta_slow=1,
+        truncate=True,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"'linear' takes only \['factor'\], got beta_fast=32"):
+        RopeScaling("linear", 2.0, beta_fast=32)
+    with pytest.raises(ValueError, match=r"'llama3' needs \['original_max_position_embeddings'"):
+        RopeScaling("llama3", 8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+    with pytest.raises(ValueError, match="high_freq_factor must exceed low_freq_factor"):
+        RopeScaling(
+            "llama3", 8.0, low_freq_factor=4.0, high_freq_factor=1.0,
+            original_max_position_embeddings=8192,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="rope_type must be one of .*got rope_type='ntk'"):
+        RopeScaling("ntk", 2.0)
+    with pytest.raises(ValueError, match="rope_scaling must be a RopeScaling or None"):
+        dataclasses.replace(PRESETS["tiny"], rope_scaling={"rope_type": "linear", "factor": 2})

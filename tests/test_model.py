@@ -11,7 +11,7 @@ import pytest
 from params_helpers import random_params
 
 from pagedjax import cache as cache_lib
-from pagedjax import model
+from pagedjax import decode, model
 from pagedjax.config import PRESETS, CacheConfig, ModelConfig, RopeScaling
 
 TINY = PRESETS["tiny"]
@@ -21,12 +21,34 @@ TINY = PRESETS["tiny"]
 
 
 def np_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    d = cfg.head_dim
+    """HF's `_compute_{linear_scaling,llama3,yarn}_parameters` inverse frequencies, one
+    pair at a time in float64."""
+    d, rs = cfg.head_dim, cfg.rope_scaling
+    if rs is not None and rs.rope_type == "yarn":
+        # find_correction_dim: the dimension whose frequency turns n times over the
+        # original context; the ramp runs from beta_fast's to beta_slow's.
+        def correction_dim(n):
+            turns = rs.original_max_position_embeddings / (n * 2 * math.pi)
+            return (d * math.log(turns)) / (2 * math.log(cfg.rope_theta))
+
+        low, high = correction_dim(rs.beta_fast), correction_dim(rs.beta_slow)
+        if rs.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001  # HF: "prevent singularity"
     out = []
     for i in range(0, d, 2):
         f = 1.0 / cfg.rope_theta ** (i / d)
-        rs = cfg.rope_scaling
-        if rs is not None:
+        if rs is None:
+            pass
+        elif rs.rope_type == "linear":
+            f = f / rs.factor
+        elif rs.rope_type == "yarn":
+            ramp = min(max((i // 2 - low) / (high - low), 0.0), 1.0)
+            extrapolation = 1 - ramp  # HF's inv_freq_extrapolation_factor
+            f = (f / rs.factor) * (1 - extrapolation) + f * extrapolation
+        else:  # llama3
             wavelen = 2 * math.pi / f
             old = rs.original_max_position_embeddings
             if wavelen < old / rs.high_freq_factor:
@@ -42,11 +64,27 @@ def np_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return np.array(out)
 
 
-def np_rope(x, positions, inv_freq):
-    # x: [T, N, D]; HF: x * cos + rotate_half(x) * sin, cos = cat(freqs, freqs).
+def np_attention_factor(cfg: ModelConfig) -> float:
+    """HF's attention_factor (cos and sin are multiplied by it): 1 unless yarn."""
+    rs = cfg.rope_scaling
+    if rs is None or rs.rope_type != "yarn":
+        return 1.0
+    if rs.attention_factor is not None:
+        return rs.attention_factor
+
+    def get_mscale(scale, mscale=1.0):
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    if rs.mscale and rs.mscale_all_dim:
+        return get_mscale(rs.factor, rs.mscale) / get_mscale(rs.factor, rs.mscale_all_dim)
+    return get_mscale(rs.factor)
+
+
+def np_rope(x, positions, inv_freq, attention_factor=1.0):
+    # x: [T, N, D]; HF: x * cos + rotate_half(x) * sin, cos = cat(freqs, freqs) * factor.
     ang = positions[:, None] * inv_freq[None, :]
-    cos = np.cos(np.concatenate([ang, ang], -1))[:, None, :]
-    sin = np.sin(np.concatenate([ang, ang], -1))[:, None, :]
+    cos = np.cos(np.concatenate([ang, ang], -1))[:, None, :] * attention_factor
+    sin = np.sin(np.concatenate([ang, ang], -1))[:, None, :] * attention_factor
     half = x.shape[-1] // 2
     rotated = np.concatenate([-x[..., half:], x[..., :half]], -1)
     return x * cos + rotated * sin
@@ -55,7 +93,7 @@ def np_rope(x, positions, inv_freq):
 def np_forward(flat, cfg: ModelConfig, tokens):
     f = {k: np.asarray(v, np.float64) for k, v in flat.items()}
     t, h, kh, d = len(tokens), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    inv = np_inv_freq(cfg)
+    inv, scale = np_inv_freq(cfg), np_attention_factor(cfg)
     pos = np.arange(t, dtype=np.float64)
 
     def rms(x, w):
@@ -69,8 +107,8 @@ def np_forward(flat, cfg: ModelConfig, tokens):
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         a = rms(x, f[p + "input_layernorm.scale"])
-        q = np_rope(lin(a, p + "self_attn.q_proj").reshape(t, h, d), pos, inv)
-        k = np_rope(lin(a, p + "self_attn.k_proj").reshape(t, kh, d), pos, inv)
+        q = np_rope(lin(a, p + "self_attn.q_proj").reshape(t, h, d), pos, inv, scale)
+        k = np_rope(lin(a, p + "self_attn.k_proj").reshape(t, kh, d), pos, inv, scale)
         v = lin(a, p + "self_attn.v_proj").reshape(t, kh, d)
         o = np.zeros((t, h, d))
         for head in range(h):
@@ -96,9 +134,20 @@ def rel_err(out, ref):
 
 # --- RoPE ------------------------------------------------------------------------------
 
+
+def llama3_scaling(factor, original):
+    return RopeScaling(
+        "llama3",
+        factor,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=original,
+    )
+
+
 LLAMA3 = dataclasses.replace(
     TINY, head_dim=128, num_heads=2, hidden_size=256, rope_theta=500000.0,
-    rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192),
+    rope_scaling=llama3_scaling(8.0, 8192),
 )  # fmt: skip
 
 
@@ -124,6 +173,91 @@ def test_apply_rope_matches_numpy_rotate_half():
     ref = np_rope(x.astype(np.float64), pos.astype(np.float64), inv.astype(np.float64))
     assert rel_err(out, ref) < 1e-5
     np.testing.assert_allclose(np.asarray(out)[0], x[0], rtol=1e-6)  # position 0 is identity
+    # yarn's attention factor multiplies cos and sin, so every rotated vector by it.
+    scaled = model.apply_rope(jnp.asarray(x), jnp.asarray(pos), inv, 1.25)
+    assert rel_err(scaled, np_rope(x.astype(np.float64), pos.astype(np.float64), inv, 1.25)) < 1e-5
+    assert rel_err(scaled, 1.25 * np.asarray(out)) < 1e-6
+
+
+def yarn(factor, original, **options):
+    return RopeScaling("yarn", factor, original_max_position_embeddings=original, **options)
+
+
+ROPE_CASES = {
+    "llama3": LLAMA3,
+    "linear": dataclasses.replace(LLAMA3, rope_theta=1e4, rope_scaling=RopeScaling("linear", 2.0)),
+    # The Qwen2.5 / Qwen3 model cards' yarn: factor 4 over their 32768-token pretraining.
+    "qwen3_yarn": dataclasses.replace(LLAMA3, rope_theta=1e6, rope_scaling=yarn(4.0, 32768)),
+    # DeepSeek-style: the attention factor from mscale / mscale_all_dim.
+    "deepseek_yarn": dataclasses.replace(
+        LLAMA3, head_dim=64, rope_theta=1e4,
+        rope_scaling=yarn(40.0, 4096, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.707),
+    ),
+    # gpt-oss-style: the correction range not rounded out to whole pairs.
+    "yarn_no_truncate": dataclasses.replace(
+        LLAMA3, head_dim=64, rope_theta=150000.0, rope_scaling=yarn(32.0, 4096, truncate=False)
+    ),
+    "yarn_explicit": dataclasses.replace(
+        LLAMA3,
+        rope_scaling=yarn(8.0, 8192, beta_fast=16, beta_slow=2, attention_factor=1.25, mscale=1),
+    ),
+    # Both ends of the range clip to pair 0 (original context 4): HF widens it by 0.001.
+    "yarn_empty_range": dataclasses.replace(LLAMA3, head_dim=16, rope_scaling=yarn(4.0, 4)),
+    "yarn_factor_below_1": dataclasses.replace(LLAMA3, head_dim=64, rope_scaling=yarn(0.5, 4096)),
+    # A range wider than the D / 2 pairs: [3, 16] clipped to [3, D - 1 = 15] (HF clips
+    # to the head dim, not the pair count), so the ramp ends at 4/12 on the last pair.
+    "yarn_wide_range": dataclasses.replace(
+        LLAMA3, head_dim=16, rope_theta=10.0, rope_scaling=yarn(4.0, 512)
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(ROPE_CASES))
+def test_rope_scaling_matches_numpy(name):
+    cfg = ROPE_CASES[name]
+    ref = np_inv_freq(cfg)
+    np.testing.assert_allclose(model.rope_frequencies(cfg), ref, rtol=1e-6)
+    assert model.rope_attention_factor(cfg) == pytest.approx(np_attention_factor(cfg), rel=1e-12)
+    # Each case exercises what it is named for: kept, divided and blended pairs.
+    rs, d = cfg.rope_scaling, cfg.head_dim
+    ratio = ref / (1.0 / cfg.rope_theta ** (np.arange(0, d, 2) / d))
+    kept, divided = np.isclose(ratio, 1), np.isclose(ratio, 1 / rs.factor)
+    blended = ~kept & ~divided
+    if name == "linear":
+        assert divided.all()
+    elif name == "yarn_empty_range":
+        assert kept[0] and divided[1:].all()
+    elif name == "yarn_wide_range":
+        assert kept[:4].all() and blended[4:].all()
+        np.testing.assert_allclose(ratio[-1], 1 - 4 / 12 * (1 - 1 / 4))
+    else:
+        assert kept.any() and divided.any() and blended.any()
+
+
+def test_yarn_values_by_hand():
+    """Qwen3's yarn (D 128, theta 1e6, factor 4, original 32768) worked by hand from HF's
+    formulas: the pair turning n times over the original context is
+    D ln(32768 / (2 pi n)) / (2 ln 1e6): 128 * 5.09359 / 27.63102 = 23.596 for n =
+    beta_fast = 32 and 128 * 8.55933 / 27.63102 = 39.651 for n = beta_slow = 1, rounded
+    out to [23, 40]. Pair 23 keeps 1e6^(-46/128), pair 40 is 1e6^(-80/128) / 4, pair
+    30 blends 7/17 of the way: 1e6^(-60/128) * (10/17 + 7/17 / 4) = 1e6^(-60/128) * 47/68
+    = 1.06436e-3. The attention factor is 0.1 ln 4 + 1 = 1.1386294361."""
+    inv = model.rope_frequencies(ROPE_CASES["qwen3_yarn"])
+    want = [1.0, 6.978306e-3, 1.0643610e-3, 4.445699e-5]
+    np.testing.assert_allclose(inv[[0, 23, 30, 40]], want, rtol=1e-6)
+    np.testing.assert_allclose(inv[30], 1e6 ** (-60 / 128) * 47 / 68, rtol=1e-6)
+    assert model.rope_attention_factor(ROPE_CASES["qwen3_yarn"]) == pytest.approx(1.1386294361)
+    # mscale 1, mscale_all_dim 0.707, factor 40 (ln 40 = 3.68888):
+    # (0.1 * 3.68888 + 1) / (0.0707 * 3.68888 + 1) = 1.368888 / 1.260804 = 1.085726.
+    assert model.rope_attention_factor(ROPE_CASES["deepseek_yarn"]) == pytest.approx(1.085726)
+    # Equal mscales (DeepSeek-V3's 1 and 1) cancel; factor <= 1 scales nothing; an
+    # explicit attention_factor wins over mscale; linear and llama3 never scale.
+    v3 = dataclasses.replace(LLAMA3, rope_scaling=yarn(40.0, 4096, mscale=1, mscale_all_dim=1))
+    assert model.rope_attention_factor(v3) == 1.0
+    assert model.rope_attention_factor(ROPE_CASES["yarn_factor_below_1"]) == 1.0
+    assert model.rope_attention_factor(ROPE_CASES["yarn_explicit"]) == 1.25
+    assert model.rope_attention_factor(ROPE_CASES["linear"]) == 1.0
+    assert model.rope_attention_factor(LLAMA3) == 1.0
 
 
 # --- dense forward against numpy ---------------------------------------------------------
@@ -134,8 +268,14 @@ VARIANTS = {
     # HF attention_bias (Llama, Qwen3): o_proj has a bias too.
     "llama_attention_bias": dataclasses.replace(TINY, qkv_bias=True, o_bias=True),
     "llama3_mqa": dataclasses.replace(
-        TINY, num_kv_heads=1, rope_theta=500000.0, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64)
+        TINY, num_kv_heads=1, rope_theta=500000.0, rope_scaling=llama3_scaling(8.0, 64)
     ),
+    # head_dim 16, original context 64: pair 0 kept, pairs 1 and 2 blended, 3 to 7
+    # divided by 4; cos and sin times 0.1 ln 4 + 1, so the q.k logits times 1.296.
+    "yarn": dataclasses.replace(
+        TINY, rope_scaling=RopeScaling("yarn", 4.0, original_max_position_embeddings=64)
+    ),
+    "linear": dataclasses.replace(TINY, rope_scaling=RopeScaling("linear", 2.0)),
     "mha": dataclasses.replace(TINY, num_kv_heads=4, num_layers=1),
 }
 
@@ -150,6 +290,13 @@ def test_dense_forward_matches_numpy(name):
     flat = model.params_to_flat(params)
     for b in range(2):
         assert rel_err(out[b], np_forward(flat, cfg, tokens[b])) < 1e-5
+    if cfg.rope_scaling is not None:  # as does the scaling, and yarn's attention factor
+        unscaled = dataclasses.replace(cfg, rope_scaling=None)
+        assert rel_err(out[0], np_forward(flat, unscaled, tokens[0])) > 0.05
+    if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "yarn":
+        rs = dataclasses.replace(cfg.rope_scaling, attention_factor=1.0)
+        no_factor = dataclasses.replace(cfg, rope_scaling=rs)
+        assert rel_err(out[0], np_forward(flat, no_factor, tokens[0])) > 0.05
     if cfg.o_bias:  # the random o_proj biases move the logits: a model without them fails
         no_o_bias = {k: v for k, v in flat.items() if not k.endswith("o_proj.bias")}
         assert len(no_o_bias) == len(flat) - cfg.num_layers
@@ -246,6 +393,35 @@ def test_paged_forward_matches_dense_for_a_ragged_batch():
         assert np.isfinite(np.asarray(k)).all() and float(jnp.abs(k).min(axis=(1, 2)).min()) > 0
     untouched = np.setdiff1d(np.arange(12), page_table[:3])
     assert float(jnp.abs(jnp.stack(cache.k)[:, :, untouched]).max()) == 0
+
+
+def test_generate_with_yarn_equals_dense_greedy():
+    """decode.generate (chunked paged prefill on 4-token pages, then paged decode) with
+    yarn on gives the dense forward's greedy tokens and logits; the dense forward
+    matches numpy above, so the paged steps rotate and scale q and k as HF does."""
+    cfg = VARIANTS["yarn"]
+    params = random_params(cfg, seed=5)
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in (11, 3)]
+    out = decode.generate(
+        params,
+        prompts,
+        max_new_tokens=6,
+        page_size=4,
+        prefill_chunk=5,
+        backend="xla",
+        return_logits=True,
+    )
+    # Causal: the dense logits of prompt + generated tokens at position n - 1 + j are
+    # what greedy token j was chosen from.
+    full = np.zeros((2, 17), np.int32)
+    for b, p in enumerate(prompts):
+        full[b, : len(p) + 6] = p + out.tokens[b]
+    dense = np.asarray(jax.jit(model.forward)(params, jnp.asarray(full)))
+    for b, p in enumerate(prompts):
+        want = dense[b, len(p) - 1 : len(p) + 5]
+        assert out.tokens[b] == want.argmax(-1).tolist()
+        assert rel_err(out.logits[b], want) < 1e-4
 
 
 # --- parameter table ---------------------------------------------------------------------
