@@ -74,7 +74,7 @@ _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}  # HF's
 class RopeScaling:
     """RoPE frequency scaling, as HF's `rope_scaling` dict: a kind and its parameters.
 
-    Kinds (`rope_type`) and what they change (`pagedjax.model.rope_frequencies` and
+    Kinds (`rope_type`) and what they change (`pagedjax.rope.rope_frequencies` and
     `rope_attention_factor` compute them as HF's `modeling_rope_utils` does):
 
     * "linear": every inverse frequency divided by `factor` (position interpolation).
