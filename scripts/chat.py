@@ -128,6 +128,7 @@ def run(args) -> int:
         tokenizer=tok,
         **gen.engine_kwargs(args),
     )
+    gen.check_logit_bias(params.logit_bias, llm.config.vocab_size)  # not each turn's error
     tty = sys.stdin.isatty()
     print(f"model: {llm.model_source} (template: {tok.chat_template_source})", file=sys.stderr)
     if tty:

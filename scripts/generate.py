@@ -282,7 +282,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compilation-cache",
         metavar="DIR",
-        help="persistent XLA compilation cache directory, or 'off' (default: see above)",
+        help="persistent XLA compilation cache directory, or 'off' (default: "
+        "$PAGEDJAX_COMPILATION_CACHE, $JAX_COMPILATION_CACHE_DIR or ~/.cache/pagedjax/xla)",
     )
 
 
@@ -301,8 +302,10 @@ def engine_kwargs(args) -> dict:
     )
 
 
-def check_engine_flags(args) -> None:
-    """Checks `add_engine_flags`'s values and `--checkpoint` before anything loads."""
+def check_engine_flags(args, *, tokenizer: bool = True) -> None:
+    """Checks `add_engine_flags`'s values and `--checkpoint` (its tokenizer.json too, unless
+    `tokenizer` is False: serve.py serves token id prompts without one) before anything
+    loads."""
     from pagedjax.resources import check_backend
 
     check_backend(args.backend)
@@ -316,7 +319,17 @@ def check_engine_flags(args) -> None:
     if f is not None and not 0 < f <= 1:  # (LLM checks it too, after the jax import)
         raise BadInput(f"--kv-memory-fraction must be in (0, 1], got {f}")
     if args.checkpoint is not None:
-        check_checkpoint(args.checkpoint)
+        check_checkpoint(args.checkpoint, tokenizer=tokenizer)
+
+
+def check_logit_bias(bias: dict[int, float] | None, vocab_size: int) -> None:
+    """`--logit-bias` token ids past the loaded model's vocabulary are bad input (checked
+    before anything is printed; `LLM.generate` would refuse them as a prompt's error)."""
+    bad = sorted(t for t in bias or () if t >= vocab_size)
+    if bad:
+        raise BadInput(
+            f"--logit-bias token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+        )
 
 
 def compilation_cache_dir(flag: str | None) -> str | None:
@@ -420,13 +433,14 @@ def chat_prompts(args, prompts: list[str]) -> list[list[int]]:
     return ids
 
 
-def check_checkpoint(path: str) -> None:
-    """Fails fast on a directory that cannot serve text (before loading weights)."""
+def check_checkpoint(path: str, *, tokenizer: bool = True) -> None:
+    """Fails fast on a directory that cannot serve (text, unless `tokenizer` is False)
+    before loading weights."""
     from pagedjax import weights
     from pagedjax.tokenizer import TOKENIZER_FILE
 
     weights.checkpoint_format(path)  # FileNotFoundError naming what is missing
-    if not (Path(path) / TOKENIZER_FILE).is_file():
+    if tokenizer and not (Path(path) / TOKENIZER_FILE).is_file():
         raise FileNotFoundError(f"{path} has no {TOKENIZER_FILE}; it is needed to encode prompts")
 
 
@@ -518,6 +532,13 @@ def run(args) -> int:
         prompt_logprobs=args.prompt_logprobs,
     )
     check_engine_flags(args)
+    seats, most = max(args.n, args.beam_width), engine_kwargs(args)["max_num_seqs"]
+    if seats > most:  # (LLM.generate would refuse it, after the weights load)
+        flag = "--n" if args.n >= args.beam_width else "--beam-width"
+        raise BadInput(
+            f"{flag} {seats}: at most {most} sequences run at once (64, or --max-batch-tokens "
+            "when lower)"
+        )
     inputs = chat_prompts(args, prompts) if args.chat else prompts
     if args.temperature == 0 and args.n > 1 and args.beam_width == 1:
         print("note: --n > 1 with --temperature 0 gives identical completions", file=sys.stderr)
@@ -533,6 +554,7 @@ def run(args) -> int:
         async_scheduling=not args.no_async_scheduling,
         **engine_kwargs(args),
     )
+    check_logit_bias(sp.logit_bias, llm.config.vocab_size)
     cut = []  # prompts that leave less room than --max-tokens under the model's length
     encoded = []  # their token ids, for generate (which would tokenize text again)
     for i, p in enumerate(inputs):  # e.g. too long for the model: before anything prints

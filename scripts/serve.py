@@ -93,9 +93,9 @@ Request bodies come with a `Content-Length` or `Transfer-Encoding: chunked` (at 
 one), scripts/generate.py's engine flags (`--page-size`, `--num-pages` |
 `--kv-memory-fraction`, `--kv-cache-dtype`, `--max-batch-tokens`, `--max-model-len N`,
 `--backend`, `--tensor-parallel`, `--compilation-cache`), `--no-prefix-caching`,
-`--no-async-scheduling`, `--quiet` (no request log). Bad flags, a checkpoint that
-cannot serve text or a port that cannot be bound end with one line on stderr and exit
-status 2, before any weights load.
+`--no-async-scheduling`, `--quiet` (no request log). Bad flags, a checkpoint
+directory missing files or a port that cannot be bound end with one line on stderr and
+exit status 2, before any weights load.
 """
 
 from __future__ import annotations
@@ -519,7 +519,7 @@ def model_name(args) -> str:
 def run(args) -> int:
     from pagedjax.engine import LLM
 
-    gen.check_engine_flags(args)
+    gen.check_engine_flags(args, tokenizer=False)  # without one it serves token id prompts
     if not 0 <= args.port < 2**16:
         raise gen.BadInput(f"--port must be in [0, 65535], got {args.port}")
     tok = None

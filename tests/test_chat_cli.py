@@ -150,6 +150,15 @@ def test_a_conversation_too_long_is_reported_and_the_loop_goes_on(ckpt, calls, c
     assert out == "".join(f"{o.outputs[0].text}\n" for _, o in calls)
 
 
+def test_a_logit_bias_outside_the_vocabulary_is_bad_input(ckpt, calls, capsys, monkeypatch):
+    """It was refused turn after turn as "the conversation no longer fits", status 0."""
+    argv = base(ckpt, "--logit-bias", '{"256": 1}')
+    rc, out, err = run(argv, ["hi", "again"], capsys, monkeypatch)
+    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "--logit-bias token ids [256] are outside the vocabulary [0, 256)" in err, err
+    assert out == "" and not calls
+
+
 def test_ctrl_c_while_a_reply_streams_drops_that_turn(ckpt, capsys, monkeypatch):
     """The second reply is interrupted (KeyboardInterrupt from its on_token, inside the
     engine's step) after two tokens: the third turn's prompt has the first turn and not

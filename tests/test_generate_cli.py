@@ -277,7 +277,7 @@ def test_prompts_file(ckpt, tmp_path, capsys):
         (["--logit-bias", "[1]"], "--logit-bias must be a JSON object"),
         (["--logit-bias", '{"a": 1}'], "--logit-bias keys must be token ids, got 'a'"),
         (["--logit-bias", '{"1": 200}'], "got logit_bias[1]=200"),
-        (["--logit-bias", '{"999": 1}'], "logit_bias token ids [999] are outside"),
+        (["--logit-bias", '{"3": 1, "999": 1}'], "--logit-bias token ids [999] are outside"),
         (["--backend", "gpu"], "backend='gpu' needs a GPU"),
         (["--num-pages", "8", "--kv-memory-fraction", "0.5"], "not allowed with"),
         (["--kv-memory-fraction", "0"], "--kv-memory-fraction must be in (0, 1], got 0.0"),
@@ -290,10 +290,11 @@ def test_prompts_file(ckpt, tmp_path, capsys):
     ],
 )
 def test_bad_input_is_one_line(ckpt, capsys, extra, match):
+    """Nothing on stdout: a logit bias past the vocabulary printed the model line first."""
     rc, out, err = run(["--checkpoint", ckpt, *extra], capsys)
     assert rc == 2
     assert err.count("\n") == 1 and err.startswith("error: ") and match in err, err
-    assert "Traceback" not in err + out
+    assert out == ""
 
 
 def test_a_prompt_too_long_is_refused_before_anything_is_printed(ckpt, capsys):
@@ -301,6 +302,22 @@ def test_a_prompt_too_long_is_refused_before_anything_is_printed(ckpt, capsys):
     rc, out, err = run(argv, capsys)
     assert rc == 2 and err.count("\n") == 1 and "prompt 0: prompt has 600 tokens" in err, err
     assert out == ""  # not the model line and the prompt, as if it streamed
+
+
+def test_more_sequences_than_the_engine_runs_is_refused_before_loading(ckpt, capsys, monkeypatch):
+    """--n or --beam-width past max_num_seqs was refused by LLM.generate: after the weights
+    loaded and the model line was printed, in the engine's words ("prompt 0: request ...")."""
+    from pagedjax.engine import LLM
+
+    monkeypatch.setattr(LLM, "__init__", lambda *a, **k: pytest.fail("weights were loaded"))
+    base = ["--checkpoint", ckpt, "--prompt", "hi", "--backend", "xla", *GEOMETRY]  # 16 seqs
+    for extra, match in (
+        (["--n", "17", "--temperature", "0.5"], "--n 17: at most 16 sequences"),
+        (["--beam-width", "17"], "--beam-width 17: at most 16 sequences"),
+    ):
+        rc, out, err = run([*base, *extra], capsys)
+        assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+        assert match in err and "--max-batch-tokens" in err and out == "", err
 
 
 def test_max_tokens_cut_by_the_models_length_is_said(ckpt, capsys):

@@ -94,10 +94,15 @@ def server(ckpt):
 
 
 @pytest.fixture(scope="module")
-def bare_server(ckpt, tmp_path_factory):
+def bare_ckpt(ckpt, tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_serve_bare") / "ckpt"
     shutil.copytree(ckpt, path, ignore=shutil.ignore_patterns("tokenizer*", "chat_template*"))
-    llm = make_llm(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def bare_server(bare_ckpt):
+    llm = make_llm(bare_ckpt)
     assert llm.tokenizer is None
     yield from serving(llm, "bare")
 
@@ -741,6 +746,22 @@ def test_a_port_in_use_is_one_line_before_loading(ckpt, monkeypatch, capsys):
         assert serve.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot listen on 127.0.0.1:{port}") and err.count("\n") == 1
+
+
+def test_the_cli_serves_a_checkpoint_without_a_tokenizer(bare_ckpt, monkeypatch, capsys):
+    """serve.py refused it ("has no tokenizer.json; it is needed to encode prompts"),
+    though such a checkpoint serves token id prompts."""
+    started = []
+    start = serve.Server.start
+    monkeypatch.setattr(
+        serve.Server, "start", lambda srv, llm: started.append(llm) or start(srv, llm)
+    )
+    monkeypatch.setattr(serve.Server, "serve_forever", lambda srv, *a, **k: None)
+    argv = ["--checkpoint", bare_ckpt, "--port", "0", "--quiet", "--backend", "xla"]
+    argv += ["--page-size", "8", "--num-pages", "64", "--max-batch-tokens", "16"]
+    argv += ["--compilation-cache", "off"]
+    assert serve.main([str(a) for a in argv]) == 0, capsys.readouterr().err
+    assert len(started) == 1 and started[0].tokenizer is None
 
 
 # ------------------------------------------------------------------- token ids
