@@ -21,7 +21,7 @@ text here as there: a sandboxed, immutable Jinja environment with `trim_blocks` 
 `raise_exception(msg)` and `strftime_now(fmt)`, and a `tojson` filter that keeps
 non-ASCII text (`json.dumps(..., ensure_ascii=False)`); `continue_final_message`
 cuts the text after the last message, as HF does, for the model to continue it. jinja2
-is an optional dependency (`pip install 'pagedjax[chat]'`), imported on first render;
+is an optional dependency (the `chat` extra), imported on first render;
 each template is compiled once.
 """
 
@@ -37,7 +37,8 @@ TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = "additional_chat_templates"
 TEMPLATE_JSON = "chat_template.json"
 DEFAULT_NAME = "default"
-INSTALL_HINT = "pip install 'pagedjax[chat]'"
+# The chat extra is jinja2 alone; from a checkout, `pip install -e ".[chat]"` installs it.
+INSTALL_HINT = "pip install 'jinja2>=3.1' (the chat extra: pip install -e '.[chat]')"
 
 
 def _jinja():

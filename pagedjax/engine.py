@@ -7,7 +7,7 @@
     outs = llm.generate(["def add(a, b):", "import os\\n"], SamplingParams(max_tokens=32))
     print(outs[0].outputs[0].text, llm.summary())
 
-    # An instruct checkpoint: conversations through its chat template (pagedjax[chat]).
+    # An instruct checkpoint: conversations through its chat template (the chat extra: jinja2).
     chat_llm = LLM("path/to/Llama-3.2-1B-Instruct")
     outs = chat_llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=32))
 
@@ -443,7 +443,7 @@ class LLM:
         Raises:
           ValueError: no tokenizer or no chat template, bad messages (naming the
             conversation), or the template rejected them.
-          ImportError: jinja2 is missing (`pip install 'pagedjax[chat]'`).
+          ImportError: jinja2 is missing (the `chat` extra).
           Anything `generate` raises (a failed step, KeyboardInterrupt), as it does.
         """
         if self.tokenizer is None:

@@ -246,7 +246,7 @@ class Tokenizer:
         Raises:
           TypeError: `template` or `source` is not a str.
           ValueError: the template does not parse (the message names `source`).
-          ImportError: jinja2 is missing (`pip install 'pagedjax[chat]'`).
+          ImportError: jinja2 is missing (the `chat` extra).
         """
         for name, value in (("template", template), ("source", source)):
             if not isinstance(value, str):
@@ -295,7 +295,7 @@ class Tokenizer:
         Raises:
           ValueError: no chat template, bad messages, or the template failed.
           TypeError: messages of the wrong type.
-          ImportError: jinja2 is missing (`pip install 'pagedjax[chat]'`).
+          ImportError: jinja2 is missing (the `chat` extra).
         """
         if self.chat_template is None:
             raise ValueError(

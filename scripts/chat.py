@@ -7,7 +7,7 @@
 Each line read from stdin (after a `> ` prompt when stdin is a terminal) is a user
 message. The whole conversation so far, after the `--system TEXT` message when given,
 is rendered with the checkpoint's chat template (or the Jinja file `--chat-template
-FILE`; needs `pip install 'pagedjax[chat]'`), and the reply streams to stdout as it is
+FILE`; needs jinja2, the `chat` extra), and the reply streams to stdout as it is
 generated, then joins the conversation. Every turn's prompt repeats the turns before
 it, so from the second turn on the engine's prefix cache serves most of it: the stats
 line after each reply (on stderr) says how many prompt tokens it served, with the

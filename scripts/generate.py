@@ -36,7 +36,7 @@ a double quote is read as a JSON string, so a prompt can hold newlines.
 `--chat` (instruct checkpoints): each prompt becomes one user message, after a system
 message when `--system TEXT` is given, rendered with the checkpoint's chat template
 (`chat_template.jinja`, `chat_template.json` or tokenizer_config.json's; needs
-`pip install 'pagedjax[chat]'`), or with the Jinja file `--chat-template FILE` instead,
+jinja2, the `chat` extra), or with the Jinja file `--chat-template FILE` instead,
 and sent to the engine as token ids. The output still shows the prompt as typed. A
 checkpoint without a template, a missing or unparsable template file, or no jinja2, is
 an error before any weights load. For a multi-turn conversation, see scripts/chat.py.

@@ -248,7 +248,7 @@ def environment() -> dict:
         "nproc": os.cpu_count(),
         "cpu": cpu,
         "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
     try:
         import jax

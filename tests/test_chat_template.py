@@ -263,7 +263,7 @@ def test_missing_jinja2_says_how_to_install(tok, monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_jinja)
-    with pytest.raises(ImportError, match=r"pip install 'pagedjax\[chat\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'jinja2>=3.1' \(the chat extra"):
         tok.apply_chat_template(MESSAGES)  # compiled earlier in the session or not
 
 

@@ -522,7 +522,7 @@ def test_chat_without_the_demo_template_or_jinja2(chat_ckpt, capsys, monkeypatch
 
     monkeypatch.setattr("builtins.__import__", no_jinja)
     rc, _, err = run(["--checkpoint", chat_ckpt, "--chat", "--prompt", "hi"], capsys)
-    assert rc == 2 and "pip install 'pagedjax[chat]'" in err and err.count("\n") == 1, err
+    assert rc == 2 and "pip install 'jinja2>=3.1'" in err and err.count("\n") == 1, err
 
 
 def test_chat_template_file_replaces_the_checkpoints(chat_ckpt, tmp_path, capsys, monkeypatch):
