@@ -41,6 +41,15 @@ DEFAULT_NAME = "default"
 INSTALL_HINT = "pip install 'jinja2>=3.1' (the chat extra: pip install -e '.[chat]')"
 
 
+def jinja_missing() -> str | None:
+    """None when chat templates can render, else why not and how to fix it."""
+    try:
+        _jinja()
+    except ImportError as e:
+        return str(e)
+    return None
+
+
 def _jinja():
     """The jinja2 modules a render needs, or an ImportError that says how to get them."""
     try:

@@ -115,6 +115,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import generate as gen  # noqa: E402  (the sibling script: its flags, checks and cache helpers)
 
 from pagedjax import openai_api as api  # noqa: E402
+from pagedjax.chat import jinja_missing  # noqa: E402
 from pagedjax.openai_api import ApiError, Job  # noqa: E402
 from pagedjax.serving import EngineStopped, EngineThread  # noqa: E402
 from pagedjax.tokenizer import CONTEXT_IDS  # noqa: E402
@@ -541,6 +542,9 @@ def run(args) -> int:
             **gen.engine_kwargs(args),
         )
         server.start(llm)
+        tok = llm.tokenizer
+        if tok is not None and tok.chat_template is not None and (why := jinja_missing()):
+            print(f"note: /v1/chat/completions will fail: {why}", file=sys.stderr)
         print(
             f"serving {server.model_name} ({llm.model_source}) at {server.url}/v1; Ctrl-C stops",
             file=sys.stderr,

@@ -262,9 +262,11 @@ def test_missing_jinja2_says_how_to_install(tok, monkeypatch):
             raise ImportError(f"No module named {name!r}")
         return real_import(name, *args, **kwargs)
 
+    assert chat.jinja_missing() is None
     monkeypatch.setattr(builtins, "__import__", no_jinja)
     with pytest.raises(ImportError, match=r"pip install 'jinja2>=3.1' \(the chat extra"):
         tok.apply_chat_template(MESSAGES)  # compiled earlier in the session or not
+    assert "pip install 'jinja2>=3.1'" in chat.jinja_missing()
 
 
 def test_with_chat_template_replaces_the_template_in_a_copy(tok):

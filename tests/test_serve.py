@@ -764,6 +764,27 @@ def test_the_cli_serves_a_checkpoint_without_a_tokenizer(bare_ckpt, monkeypatch,
     assert len(started) == 1 and started[0].tokenizer is None
 
 
+def run_cli_without_serving(path, monkeypatch, capsys) -> str:
+    """serve.py's main on `path`, returning at once instead of serving; its stderr."""
+    monkeypatch.setattr(serve.Server, "serve_forever", lambda srv, *a, **k: None)
+    argv = ["--checkpoint", path, "--port", "0", "--quiet", "--backend", "xla"]
+    argv += ["--page-size", "8", "--num-pages", "64", "--max-batch-tokens", "16"]
+    argv += ["--compilation-cache", "off"]
+    rc = serve.main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    return err
+
+
+def test_a_chat_checkpoint_without_jinja2_is_noted_at_start(ckpt, monkeypatch, capsys):
+    """Chat requests fail without jinja2 (a 500 naming the fix); the server says so when
+    it starts, not first at a client's request."""
+    assert "will fail" not in run_cli_without_serving(ckpt, monkeypatch, capsys)
+    monkeypatch.setattr(serve, "jinja_missing", lambda: "chat templates need jinja2")
+    err = run_cli_without_serving(ckpt, monkeypatch, capsys)
+    assert "note: /v1/chat/completions will fail: chat templates need jinja2" in err, err
+
+
 # ------------------------------------------------------------------- token ids
 
 
