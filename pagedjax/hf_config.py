@@ -117,7 +117,8 @@ def from_hf(config: dict, *, dtype: str | None = None) -> ModelConfig:
     rope = dict(config.get("rope_parameters") or {})
     theta = _hf_number(rope, "rope_theta", float, _hf_number(config, "rope_theta", float, 1e4))
     scaling = config.get("rope_scaling") or (rope if _rope_type(rope) != "default" else None)
-    rope_scaling = _rope_scaling(scaling, max_pos)
+    top_original = config.get("original_max_position_embeddings")  # Phi-3's place for it
+    rope_scaling = _rope_scaling(scaling, max_pos, top_original)
     if rope_scaling is not None and rope_scaling.rope_type == "yarn":
         # Qwen's cards add yarn to a config whose max_position_embeddings is the original
         # context; the model then serves factor times that (vLLM's rule; HF has no limit).
@@ -318,7 +319,7 @@ def _hf_dtype(torch_dtype: str) -> str:
     return "float32" if name == "float32" else "bfloat16"
 
 
-def _rope_scaling(scaling: dict | None, max_pos: int) -> RopeScaling | None:
+def _rope_scaling(scaling: dict | None, max_pos: int, top_original=None) -> RopeScaling | None:
     """HF's `rope_scaling` (or `rope_parameters`) dict as a RopeScaling; None for none.
 
     Read as current transformers (5.x; 4.x since its PR #40320, Aug 2025) reads it.
@@ -326,7 +327,10 @@ def _rope_scaling(scaling: dict | None, max_pos: int) -> RopeScaling | None:
     max_position_embeddings / original_max_position_embeddings whenever the latter was
     set, which left Qwen's recommended config, whose two lengths are equal, unscaled;
     HF now only warns when they differ); a null `factor` is that ratio (5.x); an
-    absent `original_max_position_embeddings` is `max_pos`. Absent beta_fast /
+    absent `original_max_position_embeddings` is `max_pos`. llama3 and yarn: a
+    top-level `original_max_position_embeddings` in config.json (`top_original`; None:
+    absent or null) replaces the dict's, as transformers 5 reads it (its
+    `standardize_rope_params` gives it priority; 4.x ignored it). Absent beta_fast /
     beta_slow / truncate are HF's 32 / 1 / True (`RopeScaling`).
 
     Raises:
@@ -347,6 +351,8 @@ def _rope_scaling(scaling: dict | None, max_pos: int) -> RopeScaling | None:
         )
     required, optional = ROPE_SCALING_PARAMS[kind]
     values = {k: scaling[k] for k in required + optional if k in scaling}
+    if top_original is not None and kind in ("llama3", "yarn"):
+        values["original_max_position_embeddings"] = top_original
     if kind == "yarn":
         original = values.setdefault("original_max_position_embeddings", max_pos)
         if "factor" in values and values["factor"] is None and isinstance(original, int):

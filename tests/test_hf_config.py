@@ -393,6 +393,36 @@ def test_from_hf_yarn_keys_and_defaults_as_hf_reads_them():
     assert (rs.truncate, rs.attention_factor, rs.beta_fast, rs.beta_slow) == (False, 1.2, 16, 2)
 
 
+def test_from_hf_top_level_original_max_position_embeddings_wins_as_in_transformers_5():
+    """transformers 5 (`standardize_rope_params`; 5.24 checked with
+    scripts/check_hf_parity.py) gives a top-level original_max_position_embeddings (where
+    Phi-3 keeps it) priority over rope_scaling's, for llama3 and yarn. It was ignored:
+    another RoPE than HF's (logits 15% off on a tiny llama3 model over 256 positions)."""
+    from_hf = ModelConfig.from_hf
+    cfg = from_hf(dict(LLAMA31_8B, original_max_position_embeddings=4096))
+    want = dataclasses.replace(
+        PRESETS["llama3-8b"].rope_scaling, original_max_position_embeddings=4096
+    )
+    assert cfg.rope_scaling == want
+    # Only at the top level: HF 5 reads it there.
+    only_top = dict(LLAMA31_8B, original_max_position_embeddings=8192)
+    only_top["rope_scaling"] = dict(LLAMA31_8B["rope_scaling"])
+    del only_top["rope_scaling"]["original_max_position_embeddings"]
+    assert from_hf(only_top) == from_hf(LLAMA31_8B)
+    # yarn: it sets the ramp and the length served (16384 * 4).
+    yarn = from_hf(dict(QWEN25_7B, original_max_position_embeddings=16384))
+    assert yarn.rope_scaling == dataclasses.replace(
+        QWEN_YARN, original_max_position_embeddings=16384
+    )
+    assert yarn.max_position_embeddings == 65536
+    # null is absent; linear scaling reads no length.
+    assert from_hf(dict(QWEN25_7B, original_max_position_embeddings=None)) == from_hf(QWEN25_7B)
+    linear = dict(LLAMA31_8B, rope_scaling={"type": "linear", "factor": 2.0})
+    assert from_hf(dict(linear, original_max_position_embeddings=4096)) == from_hf(linear)
+    with pytest.raises(ValueError, match="original_max_position_embeddings must be a positive int"):
+        from_hf(dict(QWEN25_7B, original_max_position_embeddings=0))
+
+
 def test_from_hf_reads_linear_scaling():
     d = dict(LLAMA31_8B, max_position_embeddings=4096)
     d["rope_scaling"] = {"type": "linear", "factor": 4.0}  # e.g. vicuna-13b-v1.5-16k
