@@ -391,6 +391,55 @@ def test_auto_backend_runs_the_gpu_kernels(monkeypatch):
     assert_close(ragged_out, ref, "float32")
 
 
+@pytest.mark.parametrize("kind", ["decode", "ragged"])
+def test_invalid_page_table_padding_is_never_read(kind):
+    """-1 and out-of-range ids in the page-table entries a call does not read (past each
+    length, wholly before each window), called eagerly: the compiled kernel gives the
+    same bits as with valid ids there (a load through a padding entry would fault, read
+    the NaN that poisons every page no read entry names, or differ)."""
+    rng = np.random.default_rng(21)
+    page_size, max_pages, num_pages, window = 16, 8, 56, 40
+    ctx = np.array([0, 1, 17, 128, 100, 64])  # 128: pages 0-4 wholly before the window
+    q_lens = np.array([0, 1, 1, 1, 30, 64]) if kind == "ragged" else np.ones_like(ctx)
+    lo = np.maximum(ctx - q_lens - window + 1, 0)
+    first, end = lo // page_size, -(-ctx // page_size)
+    valid = rng.permutation(num_pages)[: len(ctx) * max_pages].reshape(len(ctx), max_pages)
+    bad = valid.copy()
+    for b in range(len(ctx)):
+        unread = [i for i in range(max_pages) if not first[b] <= i < end[b]]
+        bad[b, unread] = np.resize([-1, 1 << 20, num_pages], len(unread))
+    read = {int(valid[b, i]) for b in range(len(ctx)) for i in range(first[b], end[b])}
+    k, v = (rng.standard_normal((2, num_pages, page_size, 64)).astype(np.float32) for _ in "kv")
+    k_bad, v_bad = k.copy(), v.copy()
+    dead = [p for p in range(num_pages) if p not in read]
+    k_bad[:, dead], v_bad[:, dead] = np.nan, np.nan
+    k, v, k_bad, v_bad = (jnp.asarray(x, jnp.bfloat16) for x in (k, v, k_bad, v_bad))
+    valid, bad = (jnp.asarray(t, jnp.int32) for t in (valid, bad))
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    opts = dict(sliding_window=window, backend="gpu", interpret=INTERPRET)
+    q = jnp.asarray(rng.standard_normal((int(q_lens.sum()), 8, 64)), jnp.bfloat16)
+    ctx_j = jnp.asarray(ctx, jnp.int32)
+    if kind == "decode":
+        out, same = (
+            paged_decode_attention(q, k_bad, v_bad, ctx_j, t, **opts) for t in (bad, valid)
+        )
+        with F32_MATMULS():
+            want = reference.paged_attention_xla(
+                f32(q), f32(k), f32(v), ctx_j, valid, sliding_window=window
+            )
+    else:
+        loc = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+        out, same = (
+            ragged_paged_attention(q, k_bad, v_bad, t, ctx_j, loc, **opts) for t in (bad, valid)
+        )
+        with F32_MATMULS():
+            want = reference.ragged_paged_attention_xla(
+                f32(q), f32(k), f32(v), valid, ctx_j, loc, sliding_window=window
+            )
+    np.testing.assert_array_equal(np.asarray(f32(out)), np.asarray(f32(same)))
+    assert_close(out, want, "bfloat16", kind=kind)
+
+
 # ---------------------------------------------------------------- the engine
 
 PROMPTS = ("def main():\n", "import os\n", "class Config:\n    def __init__(self")
