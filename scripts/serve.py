@@ -39,7 +39,8 @@ OpenAI's `{"error": {message, type, param, code}}`: 400 for a bad field (the mes
 names the value; a field of the wrong JSON type is bad), a prompt too long for
 `--max-model-len` or one that leaves less room than `max_tokens` (as vLLM answers:
 max_tokens is never cut short silently), an unknown model or bad JSON; 404 for an
-unknown path; 405 for a wrong method; 500 when the engine failed.
+unknown path; 405 for a wrong method; 500 when the engine failed. HEAD answers a GET
+path's status and headers; OPTIONS, 204 with the path's `Allow` methods.
 
 A checkpoint without a tokenizer (no tokenizer.json) serves completions of token id
 prompts only, as vLLM with `skip_tokenizer_init`: a string prompt, chat and `stop`
@@ -187,13 +188,16 @@ class Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         self._streaming = False  # whether a stream's headers went out
+        self._head = method == "HEAD"  # a GET's status and headers, no body
         try:
             raw = self._read_body()
             path = urlsplit(self.path).path.rstrip("/") or "/"
             allowed = self.ROUTES.get(path)
             if allowed is None:
                 raise ApiError(404, f"no such path {path!r}; try {', '.join(self.ROUTES)}")
-            if method != allowed:
+            if method == "OPTIONS":
+                return self._send(204, b"", "text/plain", [("Allow", _allow(allowed))])
+            if method != allowed and not (self._head and allowed == "GET"):
                 raise ApiError(405, f"{method} is not allowed on {path}; use {allowed}")
             if path == "/health":
                 if self.server.engine is None or not self.server.engine.alive:
@@ -255,7 +259,8 @@ class Handler(BaseHTTPRequestHandler):
         for k, v in headers:
             self.send_header(k, v)
         self.end_headers()
-        self.wfile.write(data)
+        if not self._head:
+            self.wfile.write(data)
 
     def _json(self, status: int, obj) -> None:
         data = json.dumps(obj, ensure_ascii=False).encode()
@@ -268,7 +273,7 @@ class Handler(BaseHTTPRequestHandler):
                 self._chunk(b"")
             self.close_connection = True
             return
-        headers = [("Allow", self.ROUTES.get(urlsplit(self.path).path.rstrip("/"), ""))]
+        headers = [("Allow", _allow(self.ROUTES.get(urlsplit(self.path).path.rstrip("/"), "")))]
         with contextlib.suppress(OSError):
             data = json.dumps(e.body(), ensure_ascii=False).encode()
             self._send(e.status, data, "application/json", headers if e.status == 405 else ())
@@ -478,7 +483,12 @@ class StreamedChoice:
         self.started = False
 
 
-for _method in ("GET", "POST", "PUT", "DELETE", "PATCH"):  # do_GET ... do_PATCH
+def _allow(method: str) -> str:
+    """The Allow header of a path served by `method` (GET paths answer HEAD too)."""
+    return f"{method}, HEAD, OPTIONS" if method == "GET" else f"{method}, OPTIONS"
+
+
+for _method in ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"):  # do_GET ...
     setattr(Handler, f"do_{_method}", lambda self, m=_method: self._dispatch(m))
 
 

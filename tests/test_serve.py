@@ -718,6 +718,31 @@ def test_bad_requests(server):
     assert status == 405
 
 
+def test_head_and_options(server):
+    """HEAD is a GET without its body, OPTIONS names the methods (both were 501s)."""
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+    try:
+        for path, allow in [("/health", "GET, HEAD, OPTIONS"), ("/v1/models", "GET, HEAD, OPTIONS"),
+                            ("/v1/chat/completions", "POST, OPTIONS")]:  # fmt: skip
+            conn.request("OPTIONS", path)
+            r = conn.getresponse()
+            assert (r.status, r.getheader("Allow"), r.read()) == (204, allow, b"")
+        conn.request("GET", "/v1/models")
+        r = conn.getresponse()
+        body = r.read()
+        conn.request("HEAD", "/v1/models")  # same connection: no body may follow
+        h = conn.getresponse()
+        assert h.status == 200 and h.getheader("Content-Length") == str(len(body)) != "0"
+        assert h.read() == b""
+        conn.request("HEAD", "/v1/completions")
+        h = conn.getresponse()
+        assert (h.status, h.getheader("Allow"), h.read()) == (405, "POST, OPTIONS", b"")
+        conn.request("GET", "/health")  # the connection is still in step
+        assert conn.getresponse().read() == b"ok"
+    finally:
+        conn.close()
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [
