@@ -2,17 +2,19 @@
 
 Instruct checkpoints ship a Jinja template that turns a list of `{"role", "content"}`
 messages into the exact text the model was tuned on (headers, turn separators, the
-assistant prompt). `find_chat_template` looks for it where HF transformers does, in
-this order:
+assistant prompt). `find_chat_template` looks for it where HF transformers' tokenizer
+(`AutoTokenizer`, which vLLM uses for text models) does, in this order:
 
 1. `chat_template.jinja` in the checkpoint directory (the raw template, named
    "default") and the named ones in `additional_chat_templates/NAME.jinja` (where
    transformers saves a list-form template's other entries);
-2. `chat_template.json`: `{"chat_template": "..."}`;
-3. tokenizer_config.json's `chat_template`: a string, or a list of
+2. tokenizer_config.json's `chat_template`: a string, or a list of
    `{"name": ..., "template": ...}` from which the one named "default" is used (or
    the one asked for by name). A list without "default" gives no template rather
-   than a guess.
+   than a guess;
+3. only when neither has one, `chat_template.json` (`{"chat_template": "..."}`): a
+   processor's file (multimodal checkpoints), which the tokenizer never reads; HF's
+   processor would use it.
 
 `render` runs the template the way HF does, so a checkpoint's template gives the same
 text here as there: a sandboxed, immutable Jinja environment with `trim_blocks` and
@@ -20,9 +22,9 @@ text here as there: a sandboxed, immutable Jinja environment with `trim_blocks` 
 `{% generation %}` block (rendered as its body), the globals
 `raise_exception(msg)` and `strftime_now(fmt)`, and a `tojson` filter that keeps
 non-ASCII text (`json.dumps(..., ensure_ascii=False)`); `continue_final_message`
-cuts the text after the last message, as HF does, for the model to continue it. jinja2
-is an optional dependency (the `chat` extra), imported on first render;
-each template is compiled once.
+cuts the text where the last message's content ends, as transformers 5 does, for the
+model to continue it. jinja2 is an optional dependency (the `chat` extra), imported on
+first render; each template is compiled once.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = "additional_chat_templates"
 TEMPLATE_JSON = "chat_template.json"
 DEFAULT_NAME = "default"
+TOOL_USE_NAME = "tool_use"  # the named template HF's apply_chat_template picks for `tools`
+# transformers' marker of the end of the message to continue (render_jinja_template).
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 # The chat extra is jinja2 alone; from a checkout, `pip install -e ".[chat]"` installs it.
 INSTALL_HINT = "pip install 'jinja2>=3.1' (the chat extra: pip install -e '.[chat]')"
 
@@ -135,20 +140,20 @@ def find_chat_template(
         if name is not None:
             raise ValueError(f"{root} has no chat template named {name!r}; it has {sorted(files)}")
         return None, f"{extra_dir} has chat templates {sorted(files)} but none named 'default'"
+    value = tokenizer_config.get("chat_template")
+    if value is not None:
+        return _pick(value, str(root / "tokenizer_config.json"), name)
     json_file = root / TEMPLATE_JSON
     if json_file.is_file():
         obj = _read_json(json_file)
         if "chat_template" not in obj:
             raise ValueError(f"{json_file} has no 'chat_template' key (keys: {sorted(obj)})")
         return _pick(obj["chat_template"], str(json_file), name)
-    value = tokenizer_config.get("chat_template")
-    if value is not None:
-        return _pick(value, str(root / "tokenizer_config.json"), name)
     if name is not None:
         raise ValueError(f"{root} has no chat template, so none named {name!r}")
     return None, (
-        f"{root} has no chat template ({TEMPLATE_FILE}, {TEMPLATE_JSON} or tokenizer_config.json "
-        "'chat_template')"
+        f"{root} has no chat template ({TEMPLATE_FILE}, tokenizer_config.json 'chat_template' "
+        f"or {TEMPLATE_JSON})"
     )
 
 
@@ -182,6 +187,22 @@ def check_messages(messages) -> list[dict]:
             raise ValueError(f"messages[{i}]['role'] is empty")
         out.append(dict(m))
     return out
+
+
+# A message's reasoning, by the names transformers 5 reads it under (the first is the one
+# templates read: Qwen3's `reasoning_content`; gpt-oss's read `thinking`).
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _as_hf_renders(message: dict) -> dict:
+    """`message` as transformers 5 passes it to a template: keys whose value is None left
+    out (an OpenAI client's `"tool_calls": null`; Llama 3.1's template tests `'tool_calls'
+    in message`), and its reasoning under each name templates read it by."""
+    message = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((message[k] for k in REASONING_KEYS if k in message), None)
+    if reasoning is not None:
+        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    return message
 
 
 def _tojson(value, indent=None, separators=None, sort_keys=False) -> str:
@@ -255,14 +276,18 @@ def render(
     Args:
       template: the Jinja template text.
       messages: a non-empty list of `{"role": str, "content": str, ...}` dicts (other
-        keys are passed through to the template).
+        keys are passed through to the template, as transformers 5 passes them: those
+        whose value is None left out, and the reasoning (`reasoning_content`, else
+        `thinking`, else `reasoning`) also as `reasoning_content` and, unless given,
+        as `thinking`).
       source: where the template came from, for error messages.
       add_generation_prompt: end with the header that opens the assistant's turn.
       continue_final_message: end the text with the last message's content, left open
         (no end-of-turn after it) for the model to continue, e.g. an assistant reply
-        begun by the caller; needs `add_generation_prompt=False`. As in HF, the text is
-        cut after the last occurrence of the content (stripped of surrounding
-        whitespace, which the template may have trimmed).
+        begun by the caller; needs `add_generation_prompt=False`. As in transformers
+        5, the content is rendered with a marker (`CONTINUE_TAG`) after it and the text
+        is cut at the marker's last occurrence, the content's whitespace kept unless
+        the template trimmed it (then the text is cut before the trimmed whitespace).
       bos_token, eos_token: the special-token strings; None leaves the variable
         undefined, as HF leaves unset special tokens, so `{{ bos_token }}` renders as
         "" rather than "None".
@@ -275,7 +300,7 @@ def render(
       TypeError, ValueError: bad messages (`check_messages`), a template syntax error,
         an error raised by the template (`raise_exception`) or while rendering it.
     """
-    messages = check_messages(messages)
+    messages = [_as_hf_renders(m) for m in check_messages(messages)]
     final = messages[-1]["content"]
     if continue_final_message:
         if add_generation_prompt:
@@ -289,6 +314,8 @@ def render(
                 f"continue_final_message=True but the last message's content is {final!r}: "
                 "nothing to continue"
             )
+        # Marks where the content ends, whatever the template writes after it.
+        messages[-1]["content"] = final + CONTINUE_TAG
     _jinja()  # before the cache, so a missing jinja2 is reported every time
     compiled = _compile(template, source)
     specials = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v}
@@ -302,12 +329,11 @@ def render(
     except Exception as e:  # TemplateError, and what the template's code raised (1/0, ...)
         raise ValueError(f"chat template ({source}) failed: {type(e).__name__}: {e}") from None
     if continue_final_message:  # HF's cut (render_jinja_template), whitespace rules and all
-        at = text.rfind(final.strip())
-        if at < 0:
+        at = text.rfind(CONTINUE_TAG.strip())
+        if at < 0 or final.strip() not in text:
             raise ValueError(
                 f"continue_final_message=True but the chat template ({source}) did not "
                 f"write the last message's content {final.strip()!r:.80}"
             )
-        kept = final.lstrip()
-        text = text[: at + len(kept if text[at : at + len(kept)] == final else final.strip())]
+        text = text[:at] if text.startswith(CONTINUE_TAG, at) else text[:at].rstrip()
     return text

@@ -18,9 +18,9 @@ prepends BOS itself unless the text starts with it, so BOS appears exactly once 
 the tokenizer.json says.
 
 Chat: `from_dir` also finds the checkpoint's chat template (`pagedjax.chat`, HF's
-order of precedence) and keeps the special-token strings the template may refer to
-(all of tokenizer_config's named ones, `bos_token` to `additional_special_tokens`, as
-HF passes them).
+order of precedence; and a named list's "tool_use" one, which `tools` select) and
+keeps the special-token strings the template may refer to (all of tokenizer_config's
+named ones, `bos_token` to `additional_special_tokens`, as HF passes them).
 `apply_chat_template(messages)` renders the conversation to text and
 `encode_chat(messages)` to ids; `with_chat_template(text, source)` is a copy that uses
 another template (a `--chat-template FILE` override). Special-token strings in the
@@ -46,6 +46,7 @@ leading-space strip) see the same context every time.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import operator
@@ -125,6 +126,9 @@ class Tokenizer:
         [str, ...], ...}, the unset ones left out.
       chat_template: the Jinja chat template text, or None.
       chat_template_source: where the template came from, or why there is none.
+      tool_use_template: the template a list of named templates has for `tools`
+        ("tool_use", which HF's apply_chat_template picks when given `tools`), or None.
+      tool_use_template_source: where it came from.
     """
 
     def __init__(
@@ -139,6 +143,8 @@ class Tokenizer:
         special_tokens: Mapping[str, str | Sequence[str]] | None = None,
         chat_template: str | None = None,
         chat_template_source: str | None = None,
+        tool_use_template: str | None = None,
+        tool_use_template_source: str | None = None,
     ):
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -159,8 +165,12 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
         self.add_bos = bool(add_bos)
-        if chat_template is not None and not isinstance(chat_template, str):
-            raise TypeError(f"chat_template must be a str, got {type(chat_template).__name__}")
+        for name, value in (
+            ("chat_template", chat_template),
+            ("tool_use_template", tool_use_template),
+        ):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{name} must be a str, got {type(value).__name__}")
         # Without the strings, name a special id's own token (never a plain vocab
         # entry: its text would not encode back to the id).
         self.bos_token = bos_token or self._special_token(bos_token_id)
@@ -183,6 +193,8 @@ class Tokenizer:
         self.chat_template_source = chat_template_source or (
             "<given>" if chat_template is not None else "this tokenizer was built without one"
         )
+        self.tool_use_template = tool_use_template
+        self.tool_use_template_source = tool_use_template_source or "<given>"
 
     @classmethod
     def from_dir(cls, path, *, chat_template_name: str | None = None) -> Tokenizer:
@@ -221,6 +233,10 @@ class Tokenizer:
         if add_bos is None:
             add_bos = bos is not None and _post_processor_adds(tok, bos)
         template, source = chat.find_chat_template(root, tcfg, name=chat_template_name)
+        tool_use = (None, None)
+        if chat_template_name is None:  # HF's pick for `tools`, from a list of templates
+            with contextlib.suppress(ValueError):  # (none named so)
+                tool_use = chat.find_chat_template(root, tcfg, name=chat.TOOL_USE_NAME)
         return cls(
             tok,
             bos_token_id=bos,
@@ -231,6 +247,8 @@ class Tokenizer:
             special_tokens=_special_tokens(tcfg),
             chat_template=template,
             chat_template_source=source,
+            tool_use_template=tool_use[0],
+            tool_use_template_source=tool_use[1],
         )
 
     def with_chat_template(self, template: str, source: str = "<given>") -> Tokenizer:
@@ -254,6 +272,7 @@ class Tokenizer:
         chat._compile(template, source)  # parse (and cache) it now
         new = copy.copy(self)
         new.chat_template, new.chat_template_source = template, source
+        new.tool_use_template = None  # HF uses a given template whatever the tools
         return new
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
@@ -290,23 +309,27 @@ class Tokenizer:
             (an assistant reply begun by the caller); needs `add_generation_prompt=False`
             (`chat.render`).
           **extra: more template variables (`tools`, `date_string`, ...); they override
-            the special tokens (`special_tokens`), which the template sees too.
+            the special tokens (`special_tokens`), which the template sees too. With
+            `tools` (not None), the checkpoint's "tool_use" template is used if its
+            templates are a named list that has one, as in HF.
 
         Raises:
           ValueError: no chat template, bad messages, or the template failed.
           TypeError: messages of the wrong type.
           ImportError: jinja2 is missing (the `chat` extra).
         """
-        if self.chat_template is None:
+        template, source = self.chat_template, self.chat_template_source
+        if extra.get("tools") is not None and self.tool_use_template is not None:
+            template, source = self.tool_use_template, self.tool_use_template_source
+        if template is None:
             raise ValueError(
-                f"no chat template to render messages with: {self.chat_template_source}. "
-                "Pass prompts as raw text "
-                "(formatted the way the model expects) instead of chat messages"
+                f"no chat template to render messages with: {source}. Pass prompts as raw "
+                "text (formatted the way the model expects) instead of chat messages"
             )
         return chat.render(
-            self.chat_template,
+            template,
             messages,
-            source=self.chat_template_source,
+            source=source,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             **{**self.special_tokens, **extra},
@@ -387,7 +410,8 @@ class Tokenizer:
         that treats a text's first token specially reads them as a continuation:
         SentencePiece's leading-space strip made a completion "Paris" where prompt +
         completion reads " Paris" (as vLLM and HF pipelines return it). Only the last
-        `CONTEXT_IDS` ids count, and only if their text is settled (see `_context`).
+        `CONTEXT_IDS` ids count, less a trailing run of byte-fallback tokens, and only if
+        their text is settled (see `_context`).
         """
         ids = self._check_ids(ids)
         return self._after(self._context(context, skip_special_tokens), ids, skip_special_tokens)
@@ -417,14 +441,22 @@ class Tokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=skip)
 
     def _context(self, context: Iterable[int], skip: bool) -> tuple[list[int], str] | None:
-        """The last `CONTEXT_IDS` ids of `context` and their text, or None when that text
-        is empty or not settled: ending inside a character (U+FFFD) or in a byte-fallback
-        run, which the ids after it may still change."""
+        """The last `CONTEXT_IDS` ids of `context` less a trailing byte-fallback run, and
+        their text; None when the decoder would see none of them (all skipped special
+        tokens: it would strip the ids' leading space as if they began the text) or the
+        text ends inside a character (U+FFFD), which the ids after it may still change.
+
+        A trailing run of byte-fallback tokens is left out, whole characters or not: the
+        ids after it may extend the run, which HF decodes all or nothing, and without it
+        the text before the run still shows the decoder that the ids are a continuation
+        (a prompt ending in an emoji or a newline, `<0x0A>`, lost the completion's
+        leading space)."""
         ids = self._check_ids(list(context)[-CONTEXT_IDS:])
-        if not ids or _byte_run(self, ids, skip):
+        ids = ids[: len(ids) - _byte_run(self, ids, skip)]
+        if not [i for i in ids if not (skip and i in self._special_ids)]:
             return None
         text = self.tokenizer.decode(ids, skip_special_tokens=skip)
-        return None if not text or text.endswith(_REPLACEMENT) else (ids, text)
+        return None if text.endswith(_REPLACEMENT) else (ids, text)
 
     def is_eos(self, token_id: int) -> bool:
         return int(token_id) in self.eos_token_ids

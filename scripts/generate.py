@@ -35,7 +35,7 @@ a double quote is read as a JSON string, so a prompt can hold newlines.
 
 `--chat` (instruct checkpoints): each prompt becomes one user message, after a system
 message when `--system TEXT` is given, rendered with the checkpoint's chat template
-(`chat_template.jinja`, `chat_template.json` or tokenizer_config.json's; needs
+(`chat_template.jinja`, tokenizer_config.json's, or `chat_template.json`; needs
 jinja2, the `chat` extra), or with the Jinja file `--chat-template FILE` instead,
 and sent to the engine as token ids. The output still shows the prompt as typed. A
 checkpoint without a template, a missing or unparsable template file, or no jinja2, is

@@ -152,7 +152,8 @@ def test_constructor_takes_a_template_and_names_special_ids(tok):
     "sources,winner",
     [
         (dict(jinja="J", json_file="S", config="C"), "J"),
-        (dict(json_file="S", config="C"), "S"),
+        (dict(json_file="S", config="C"), "C"),
+        (dict(json_file="S"), "S"),
         (dict(config="C"), "C"),
         (
             dict(
@@ -167,6 +168,48 @@ def test_precedence(tmp_path, sources, winner):
     assert tok.chat_template == winner
     file = {"J": "chat_template.jinja", "S": "chat_template.json", "C": "tokenizer_config.json"}
     assert tok.chat_template_source.startswith(str(tmp_path / "ckpt" / file[winner]))
+
+
+def test_tokenizer_config_template_beats_chat_template_json(tmp_path):
+    """HF's tokenizer reads chat_template.jinja, else tokenizer_config.json's template;
+    chat_template.json is a processor's file it never reads. It came before
+    tokenizer_config.json here: a checkpoint with both rendered another template."""
+    tok = Tokenizer.from_dir(checkpoint(tmp_path, json_file="{{ 'processor' }}", config=TEMPLATE))
+    assert tok.chat_template_source == str(tmp_path / "ckpt" / "tokenizer_config.json")
+    assert tok.apply_chat_template(MESSAGES) == RENDERED
+
+
+def test_tools_pick_the_tool_use_template(tmp_path):
+    """Given `tools`, HF's apply_chat_template renders a named list's "tool_use" template
+    (Hermes 2 Pro's list); it rendered the default one, which ignores the tools."""
+    names = "T{% for t in tools %}[{{ t.name }}]{% endfor %}"
+    tool_use = TEMPLATE.replace("{{ bos_token }}", "{{ bos_token }}" + names)
+    listed = lambda text: RENDERED.replace("<|bos|>", "<|bos|>" + text)
+    d = checkpoint(
+        tmp_path,
+        config=[
+            {"name": "default", "template": TEMPLATE},
+            {"name": "tool_use", "template": tool_use},
+        ],
+    )
+    tok = Tokenizer.from_dir(d)
+    assert tok.apply_chat_template(MESSAGES) == RENDERED
+    assert tok.apply_chat_template(MESSAGES, tools=[{"name": "f"}]) == listed("T[f]")
+    assert tok.apply_chat_template(MESSAGES, tools=[]) == listed("T")  # not None: tool_use
+    ids = tok.encode_chat(MESSAGES, tools=[{"name": "f"}])
+    assert tok.decode(ids, skip_special_tokens=False) == listed("T[f]")
+    # A template named or given explicitly is used whatever the tools, as in HF.
+    named = Tokenizer.from_dir(d, chat_template_name="default")
+    assert named.apply_chat_template(MESSAGES, tools=[{"name": "f"}]) == RENDERED
+    other = tok.with_chat_template("{{ tools | length }}")
+    assert other.apply_chat_template(MESSAGES, tools=[{"name": "f"}]) == "1"
+    # The files transformers saves a list as: additional_chat_templates/tool_use.jinja.
+    d = checkpoint(tmp_path, name="files", jinja=TEMPLATE)
+    (d / "additional_chat_templates").mkdir()
+    (d / "additional_chat_templates" / "tool_use.jinja").write_text(tool_use)
+    tok = Tokenizer.from_dir(d)
+    assert tok.apply_chat_template(MESSAGES, tools=[{"name": "g"}]) == listed("T[g]")
+    assert tok.apply_chat_template(MESSAGES) == RENDERED
 
 
 def test_each_source_renders(tmp_path):
@@ -340,6 +383,48 @@ def test_continue_final_message_leaves_the_last_message_open(tok):
     drops = "{% for m in messages %}{{ m['role'] }}{% endfor %}"
     with pytest.raises(ValueError, match=r"\(<string>\) did not write the last message's"):
         chat.render(drops, prefill, **kw)
+
+
+def test_continue_final_message_cuts_where_the_content_ends(tok):
+    """transformers 5 marks the end of the content and cuts there: the content's own
+    whitespace is kept (it was dropped when the content began with whitespace), and a
+    content that the end-of-turn text contains is not looked for in it (the text was
+    cut inside "<|eos|>", "eos<|eos", a broken special token)."""
+    kw = dict(continue_final_message=True, add_generation_prompt=False)
+    for content in ("  spaced  ", "\n```python\n", "eos", "|>", "s"):
+        prefill = [*MESSAGES, {"role": "assistant", "content": content}]
+        want = RENDERED + content
+        assert tok.apply_chat_template(prefill, **kw) == want, content
+        ids = tok.encode_chat(prefill, **kw)
+        assert tok.decode(ids, skip_special_tokens=False) == want
+    # A template that trims the content: the text ends where the trimmed content does.
+    trim = tok.with_chat_template(
+        TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'] | trim }}")
+    )
+    prefill = [*MESSAGES, {"role": "assistant", "content": "  spaced  "}]
+    assert trim.apply_chat_template(prefill, **kw) == RENDERED + "spaced"
+
+
+def test_messages_reach_the_template_as_transformers_passes_them():
+    """transformers 5 leaves out a message's keys whose value is None (OpenAI clients
+    send `"tool_calls": null`, which Llama 3.1's `'tool_calls' in message` took for a
+    tool call and failed on) and passes the reasoning under each name templates read
+    (Qwen3's `reasoning_content` from a `reasoning`, gpt-oss's `thinking`)."""
+    template = (
+        "{% for m in messages %}{{ m.role }}:{{ 'tool_calls' in m }}"
+        ":{{ m.reasoning_content }}:{{ m.thinking }}:{{ m.content }}|{% endfor %}"
+    )
+    messages = [
+        {"role": "user", "content": "hi", "tool_calls": None, "name": None},
+        {"role": "assistant", "content": "a", "reasoning": "R"},
+        {"role": "assistant", "content": "b", "thinking": "T", "reasoning": "R"},
+        {"role": "assistant", "content": "c", "reasoning_content": "C", "thinking": "T"},
+        {"role": "assistant", "content": "d", "reasoning_content": None, "reasoning": "R"},
+    ]
+    out = chat.render(template, messages, add_generation_prompt=False)
+    want = "user:False:::hi|assistant:False:R:R:a|assistant:False:T:T:b|"
+    assert out == want + "assistant:False:C:T:c|assistant:False:R:R:d|"
+    assert messages[0]["tool_calls"] is None and "reasoning_content" not in messages[1]
 
 
 def test_named_templates_in_additional_chat_templates(tmp_path):

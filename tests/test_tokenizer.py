@@ -453,11 +453,13 @@ def test_decode_each_is_decode_of_each_id_in_context(key, skip, data):
 @pytest.mark.parametrize("key", sorted(STREAM_TOKENIZERS))
 def test_decode_each_on_unsettled_and_empty_contexts(key):
     """The contexts `decode` does not decode after (empty, all skipped, ending inside a
-    character or in a byte-fallback run) give `decode_each` the same names as decode."""
+    character, a byte-fallback run alone) or after less their trailing byte-fallback run
+    give `decode_each` the same names as decode."""
     tok = STREAM_TOKENIZERS[key]
     v, special = tok.vocab_size, sorted(tok._special_ids)
     euro = tok.encode("a €", add_bos=False)
     contexts = [[], special, euro, euro[:-1], [*euro[:-1], *special], tok.encode("the hel")]
+    contexts.append(euro[-2:])  # byte fallback: a byte run alone, no text before it
     ids = [*tok.encode("x the € 日本 [INST]"), *special, v, v + 5, *euro, *euro[::-1]]
     unsettled = 0
     for skip in (True, False):
@@ -470,3 +472,33 @@ def test_decode_each_on_unsettled_and_empty_contexts(key):
         tok.decode_each([5, -1], context=contexts[-1])
     with pytest.raises(TypeError, match="token ids must be ints"):
         tok.decode_each([5, 2.0])
+
+
+@pytest.mark.parametrize("style", ["byte_fallback", "metaspace"])
+def test_a_completion_after_byte_tokens_or_a_bare_space_keeps_its_space(style):
+    """A prompt ending in byte-fallback tokens (an emoji, "€", a newline: `<0x0A>` in
+    Llama 2 / Mistral vocabularies) or whose last text is a space the decoder strips
+    (Mistral's `<s>[INST] [/INST]`, an empty user message) was no context at all: the
+    completion was decoded alone and lost its leading space, where HF's
+    decode(prompt + completion) less decode(prompt) keeps it."""
+    tok = STREAM_TOKENIZERS[style, False]
+    for text in ["the hello ☃", "the hello\n", "the €", "a ☃☃"]:
+        prompt = tok.encode(text, add_bos=False)
+        full = tok.encode(text + " the end", add_bos=False)
+        assert full[: len(prompt)] == prompt
+        gen = full[len(prompt) :]
+        want = tok.decode(full)[len(tok.decode(prompt)) :]
+        assert want == " the end"
+        for skip in (True, False):
+            context = [*prompt, 2] if skip else prompt  # a skipped EOS after the bytes too
+            assert tok.decode(gen, skip_special_tokens=skip, context=context) == want, text
+            stream = tok.stream(skip_special_tokens=skip, context=context)
+            assert "".join(stream.add(i) for i in gen) + stream.flush() == want
+            assert tok.decode_each(gen[:1], skip_special_tokens=skip, context=context) == [" the"]
+    bare = [1, tok.tokenizer.token_to_id("▁"), 2]  # <s> ▁ </s>: the text is "" once stripped
+    the = tok.tokenizer.token_to_id("▁the")
+    assert tok.decode(bare) == "" and tok.decode([*bare, the]) == " the"
+    assert tok.decode([the], context=bare) == " the"
+    assert tok.decode([the], context=[1, 2]) == "the"  # all skipped: no text before, as HF
+    stream = tok.stream(context=bare)
+    assert stream.add(the) + stream.flush() == " the"
