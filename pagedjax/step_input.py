@@ -267,7 +267,7 @@ def build_step_input(
         temperature, top_k, top_p, seeds, min_p = (
             np.array([getattr(c, f) for c in chunks], np.float64) for f in fields
         )
-    except (TypeError, ValueError):  # a str or other non-number: let the check name it
+    except (TypeError, ValueError, OverflowError):  # a str, an int past float: the check names it
         for c in chunks:
             sampling.check_params(c.temperature, c.top_k, c.top_p, c.seed, c.min_p)
         raise

@@ -317,3 +317,98 @@ def test_top_k_must_fit_the_int32_it_is_packed_in(top_k):
     ):
         SamplingParams(top_k=top_k)
     assert SamplingParams(top_k=2**31 - 1).top_k == 2**31 - 1  # (off: >= any vocabulary)
+
+
+def test_row_keys_fold_the_step_into_the_seed_key():
+    # The documented key, fold_in(key(seed), step): a key of key(seed + step) would give
+    # (seed 1, step 0) and (seed 0, step 1) one stream of draws.
+    seeds = np.array([0, 1, 7, 2**32 - 1, 12345], np.uint32)
+    steps = np.array([1, 0, 3, 2**31 - 1, 0], np.int32)
+    got = jax.random.key_data(sampling.row_keys(seeds, steps))
+    for i, (s, t) in enumerate(zip(seeds.tolist(), steps.tolist(), strict=True)):
+        want = jax.random.key_data(jax.random.fold_in(jax.random.key(s), t))
+        np.testing.assert_array_equal(got[i], want, err_msg=f"seed {s} step {t}")
+    # Shifted (seed, step) pairs draw independently: 64 near-uniform draws over 500 tokens
+    # agree about 0.1 times by chance.
+    logits = np.tile(_logits(1, 500, seed=4, scale=0.1), (64, 1))
+    a, _ = _sample(logits, 1.0, 0, 1.0, np.arange(64) + 1, np.arange(64))
+    b, _ = _sample(logits, 1.0, 0, 1.0, np.arange(64), np.arange(64) + 1)
+    assert (np.asarray(a) == np.asarray(b)).sum() < 4
+
+
+@pytest.mark.parametrize("fill", [0, 1, 2**32 - 129, 2**32 - 1])
+def test_gumbel_noise_is_finite_at_the_extreme_bits(monkeypatch, fill):
+    # Bits 0 (w = 0: +inf noise) and near 2**32 (w rounds to 1: -inf noise) have to give
+    # finite noise; -inf noise on a row's only finite token drew token 0 (a banned one).
+    def bits(key, shape, dtype):
+        return jnp.full(shape, fill, dtype)
+
+    monkeypatch.setattr(jax.random, "bits", bits)
+    g = np.asarray(sampling._gumbel_noise(sampling.row_keys(np.zeros(1), np.zeros(1)), 8))
+    assert np.isfinite(g).all(), g
+    w = (np.float64(fill) + 0.5) * 2.0**-32
+    np.testing.assert_allclose(g, -np.log(-np.log1p(-min(w, 1 - 2**-24))), rtol=1e-3)
+    x = np.array([[-np.inf, -np.inf, 0.3, -np.inf]], np.float32)
+    tokens, _ = sampling.sample(
+        x, jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.ones(1), jnp.zeros(1, jnp.uint32),
+        jnp.zeros(1, jnp.int32),
+    )  # fmt: skip
+    assert int(tokens[0]) == 2
+
+
+def test_min_p_zero_keeps_every_token_however_unlikely():
+    # min_p = 0 is off: log(0) must not set a floor (a clamped log(1e-30) floor dropped
+    # tokens 69 below the top).
+    logits = np.array([[0.0, -50.0, -100.0, -1e30], [5.0, -80.0, 4.0, 3.0]], np.float32)
+    min_p = np.array([0.0, 0.0], np.float32)
+    got = np.asarray(sampling.apply_min_p(jnp.asarray(logits), jnp.asarray(min_p)))
+    np.testing.assert_array_equal(got, logits)
+    for r in range(2):
+        assert _np_mask(logits[r], 0, 1.0, 0.0).all()
+
+
+def test_top_k_one_below_the_vocabulary_truncates_in_sample():
+    # Every row at top_k = V - 1: the batch must still run the truncation (a skip test
+    # of top_k < V - 1 drew the excluded token a quarter of the time here).
+    n, row = 2000, np.array([0.0, 0.1, -0.1, -0.2], np.float32)
+    logits = np.tile(row, (n, 1))
+    tokens, _ = _sample(logits, 1.0, row.size - 1, 1.0, np.arange(n), 0)
+    keep = _np_mask(row, row.size - 1, 1.0)
+    counts = np.bincount(np.asarray(tokens), minlength=row.size)
+    np.testing.assert_array_equal(counts > 0, keep)
+
+
+def test_check_params_accepts_the_documented_bounds():
+    for kw in (
+        dict(temperature=0.0, top_k=0, top_p=1.0, seed=0, min_p=0.0),
+        dict(temperature=1e-6, top_k=2**31 - 1, top_p=1e-9, seed=2**32 - 1, min_p=1.0),
+    ):
+        sampling.check_params(**kw)
+        cache_cfg = CacheConfig(page_size=8, num_pages=8, dtype=TINY.dtype)
+        inp = decode.build_step_input([decode.SeqChunk([5], 0, [1], **kw)], TINY, cache_cfg)
+        assert inp.min_p[0] == kw["min_p"] and int(inp.seeds[0]) == kw["seed"]
+    assert SamplingParams(min_p=1.0).min_p == 1.0
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(temperature=float("nan")), "temperature=nan"),
+        (dict(top_k=-1), "top_k=-1"),
+        (dict(top_k=2.5), "top_k=2.5"),  # would be packed as top_k 2
+        (dict(top_p=1.5), "top_p=1.5"),
+        (dict(seed=-1), "seed=-1"),
+        (dict(seed=2**32), f"seed={2**32}"),  # would wrap to seed 0 in uint32
+        (dict(seed=1.5), "seed=1.5"),
+        (dict(min_p=-0.1), "min_p=-0.1"),
+        (dict(min_p=1.5), "min_p=1.5"),
+        # numpy's float64 packing raised a bare OverflowError ("int too large to convert")
+        (dict(seed=10**400), "seed=1000000"),
+        (dict(temperature=-(10**400)), "temperature=-1000000"),
+    ],
+)
+def test_build_step_input_rejects_each_bad_sampling_param(kwargs, match):
+    cache_cfg = CacheConfig(page_size=8, num_pages=8, dtype=TINY.dtype)
+    chunks = [decode.SeqChunk([5], 0, [1]), decode.SeqChunk([6], 0, [2], **kwargs)]
+    with pytest.raises(ValueError, match=re.escape(match)):
+        decode.build_step_input(chunks, TINY, cache_cfg)
