@@ -235,3 +235,21 @@ def test_slots_for_and_gather_reject_tables_and_lengths_they_would_misuse():
         with pytest.raises(ValueError, match=r"length must be an int >= 0, got length="):
             kvcache.gather_sequence(c, 0, [1, 2], length)
     assert kvcache.gather_sequence(c, 0, [1, 2], np.int64(5))[0].shape == (5, 2, 8)
+
+
+def test_bounds_at_the_pool_and_table_edges():
+    _, c = tiny_cache()  # 8 pages of 4: slots [0, 32)
+    k = np.ones((2, 2, 8), np.float32)
+    with pytest.raises(ValueError, match=r"slot 32 at index 1 is out of range \[0, 32\)"):
+        kvcache.write(c, 0, k, k, np.array([31, 32]))
+    # A source page -1 is no padding (only a destination is); clipped, it would copy page 0.
+    with pytest.raises(ValueError, match="src page id -1 is out of range"):
+        kvcache.copy_pages(c, np.array([-1]), np.array([3]))
+    # A page table filled to its last slot.
+    table = np.array([6, 2])
+    np.testing.assert_array_equal(kvcache.slots_for(table, 0, 8, 4), [24, 25, 26, 27, 8, 9, 10, 11])
+    c = kvcache.write(c, 1, k * 3, -k, kvcache.slots_for(table, 6, 8, 4))
+    gk, gv = kvcache.gather_sequence(c, 1, table, 8)
+    np.testing.assert_array_equal(np.asarray(gk)[6:], k * 3)
+    np.testing.assert_array_equal(np.asarray(gv)[6:], -k)
+    assert not np.asarray(gk)[:6].any()

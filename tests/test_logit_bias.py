@@ -68,7 +68,11 @@ def test_build_step_input_checks_the_bias():
     assert (
         decode.build_step_input([decode.SeqChunk([5], 0, [2])], TINY, cache_cfg).logit_bias is None
     )
-    for bias, match in (({256: 1.0}, "token id 256 is outside"), ({3: np.nan}, "got nan")):
+    for bias, match in (
+        ({256: 1.0}, "token id 256 is outside"),
+        ({3: np.nan}, "got nan"),
+        ({3: np.inf}, "got inf"),  # a bias is finite, or -inf (a ban)
+    ):
         with pytest.raises(ValueError, match=match):
             decode.build_step_input(
                 [decode.SeqChunk([5], 0, [1], logit_bias=bias)], TINY, cache_cfg

@@ -138,6 +138,9 @@ def test_build_step_input_checks_penalty_histories():
     bad = decode.SeqChunk([5, 6], 0, [1], presence_penalty=0.5, output_ids=[7, 999])
     with pytest.raises(ValueError, match="sequence 0: output_ids holds token id 999"):
         decode.build_step_input([bad], TINY, cache_cfg)
+    bad = decode.SeqChunk([5, 6], 0, [1], frequency_penalty=0.5, output_ids=[7, 256])
+    with pytest.raises(ValueError, match="sequence 0: output_ids holds token id 256"):
+        decode.build_step_input([bad], TINY, cache_cfg)  # id V: the scatter drops it
     bad = decode.SeqChunk([5, 6], 0, [1], repetition_penalty=-1.0)
     with pytest.raises(ValueError, match="repetition_penalty=-1.0"):
         decode.build_step_input([bad], TINY, cache_cfg)
@@ -259,3 +262,34 @@ def test_token_history_follows_appends():
         np.testing.assert_array_equal(h.sync(ids), ids)
     shorter = ids[:10] + [7]  # not an append: copied whole
     np.testing.assert_array_equal(h.sync(shorter), shorter)
+
+
+def test_check_penalties_accepts_the_bounds():
+    # [-2, 2] as in the OpenAI API, bounds included; any repetition penalty > 0.
+    for rep, presence, frequency in ((1e-3, 2.0, -2.0), (100.0, -2.0, 2.0)):
+        sampling.check_penalties(rep, presence, frequency)
+        SamplingParams(
+            repetition_penalty=rep, presence_penalty=presence, frequency_penalty=frequency
+        )
+
+
+@pytest.mark.parametrize(
+    "pen", [dict(repetition_penalty=1.5), dict(presence_penalty=0.8),
+            dict(frequency_penalty=0.6), PEN],
+)  # fmt: skip
+def test_build_step_input_packs_each_penalty_alone(pen):
+    # Each penalty alone turns the row's penalties on, and the packed history keeps the
+    # prompt (repetition only) apart from the output (all three): against numpy.
+    cache_cfg = CacheConfig(page_size=8, num_pages=8, dtype=TINY.dtype)
+    prompt, out = [5, 6, 9, 6], [9, 7, 7, 3]
+    chunks = [
+        decode.SeqChunk([3], 8, [1, 2], prompt_ids=prompt, output_ids=out, **pen),
+        decode.SeqChunk([4], 0, [3], prompt_ids=prompt, output_ids=out),  # no penalty
+    ]
+    inp = decode.build_step_input(chunks, TINY, cache_cfg)
+    assert inp.penalties is not None, pen
+    logits = np.random.default_rng(4).normal(size=(8, TINY.vocab_size)).astype(np.float32) * 3
+    got = np.asarray(jax.jit(sampling.apply_penalties)(jnp.asarray(logits), inp.penalties))
+    want = np_penalise_kw(logits[0], prompt, out, **pen)
+    np.testing.assert_allclose(got[0], want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got[1:], logits[1:])
