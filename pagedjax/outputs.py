@@ -50,6 +50,9 @@ class Request:
     # with every stop token banned (before min_tokens tokens); None: no bias.
     bias: tuple[np.ndarray, np.ndarray] | None = None
     banned: tuple[np.ndarray, np.ndarray] | None = None
+    # Prompt tokens its first admission read from the prefix cache, taken when its first
+    # step's results are applied (a readmission after preemption hits its own pages too).
+    num_cached_tokens: int | None = None
 
 
 class OutputProcessor:
@@ -90,6 +93,10 @@ class OutputProcessor:
         tokens, logprobs, top_ids, top_lps, *targets = host
         if targets and targets[0] is not None:  # before the tokens: a request may finish
             self._prompt_logprobs(plan, *targets)
+        for r in plan.rows:
+            req = r.group.request
+            if req.num_cached_tokens is None and r.live:  # its first admission's step
+                req.num_cached_tokens = max((s.num_cached_tokens for s in r.group.seqs), default=0)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()  # Python scalars, at once
         now = perf_counter()
         rows = [
@@ -211,11 +218,12 @@ class OutputProcessor:
             for s in list(g.seqs):
                 self.scheduler.drop(g, s)
             return True
-        picks: dict[int, list[tuple[int, float, int]]] = {}
-        for b, tok, total, j in new:
-            picks.setdefault(b, []).append((tok, total, j))
+        picks: dict[int, list[tuple[int, float, int, int]]] = {}
+        for rank, (b, tok, total, j) in enumerate(new):
+            picks.setdefault(b, []).append((tok, total, j, rank))
+        ranks: dict[int, int] = {}  # id(seq) -> its beam's rank in this selection
         for b, parent in enumerate(seqs):
-            for tok, total, j in picks.get(b, [])[1:]:
+            for tok, total, j, rank in picks.get(b, [])[1:]:
                 child = Seq(
                     next(self.seq_ids),
                     [*parent.token_ids, tok],
@@ -227,8 +235,9 @@ class OutputProcessor:
                     logprobs=None if k is None else [*parent.logprobs, entry(b, j)],
                 )
                 self.scheduler.fork(g, parent, child)
+                ranks[id(child)] = rank
             if b in picks:
-                tok, total, j = picks[b][0]
+                tok, total, j, ranks[id(parent)] = picks[b][0]
                 parent.token_ids.append(tok)
                 parent.cumulative_logprob = total
                 if k is not None:
@@ -236,6 +245,10 @@ class OutputProcessor:
         for b, parent in enumerate(seqs):
             if b not in picks:
                 self.scheduler.drop(g, parent)
+        # The next step's beam order (the scheduler binds beam rows in the group's order,
+        # and ties go to the lower beam index): best first, as the selection ranked them
+        # (HF's, the oracle's), not surviving parents first and forks after them.
+        g.seqs.sort(key=lambda s: ranks.get(id(s), len(new)))
         return False
 
     def _finish(self, req: Request, now: float) -> RequestOutput:
@@ -287,7 +300,9 @@ class OutputProcessor:
                         None if s.logprobs is None else list(s.logprobs),
                     )
                 )
-        first = max((s.num_cached_tokens for s in g.finished + g.seqs), default=0)
+        first = req.num_cached_tokens
+        if first is None:  # aborted before any of its steps was applied
+            first = max((s.num_cached_tokens for s in g.finished + g.seqs), default=0)
         return RequestOutput(
             req.request_id,
             req.prompt,

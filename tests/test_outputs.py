@@ -1,6 +1,7 @@
 """pagedjax/outputs.py: the logprobs entry of one token, stop strings against a
-brute-force oracle on real tokenizers, and the stop reason of beam hypotheses (the rest
-runs in test_engine.py)."""
+brute-force oracle on real tokenizers, a step's results through `apply` (timing, logprobs,
+prompt logprobs of chunked rows), and beam search through the processor against the
+whole-vocabulary oracle (the rest runs in test_engine.py)."""
 
 import itertools
 import os
@@ -8,13 +9,16 @@ import random
 
 import numpy as np
 import pytest
+from beam_oracle import whole_vocabulary_search
+from test_beam import CASES, ToyModel, top_candidates
 from test_tokenizer import byte_level_bpe, sentencepiece_style
 
-from pagedjax.beam import BeamSearch
+from pagedjax import outputs
+from pagedjax.beam import BeamSearch, num_candidates
 from pagedjax.metrics import EngineMetrics
 from pagedjax.outputs import OutputProcessor, Request, logprobs_entry
 from pagedjax.request import SamplingParams
-from pagedjax.sequence import SeqStatus, SequenceGroup
+from pagedjax.sequence import ScheduledRow, SeqStatus, SequenceGroup, StepPlan
 from pagedjax.sequence import Sequence as Seq
 from pagedjax.tokenizer import Tokenizer
 
@@ -43,11 +47,23 @@ PROMPT = [5, 6]  # the completions' prompt, which they are decoded after
 
 
 class _Scheduler:
+    """What `Scheduler` does to a group when a sequence finishes, forks or is dropped."""
+
     def finish(self, group, seq, reason, stop_reason=None):
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         group.finished.append(seq)
+        self.drop(group, seq)
+
+    def fork(self, group, parent, child):  # the child joins the end of the group
+        child.status = SeqStatus.RUNNING
+        group.seqs.append(child)
+
+    def drop(self, group, seq):
         group.seqs.remove(seq)
         seq.status = SeqStatus.FINISHED
+
+    def set_tokens(self, seqs, tokens):
+        pass
 
 
 def accept_all(tok, gen, params):
@@ -173,6 +189,139 @@ def test_stop_strings_against_brute_force(tok):
         assert accept_all(tok, gen, params) == want, (text, gen, params)
 
 
+def byte_tokens(tok, data: bytes) -> list[int]:
+    """One token per byte: `<0xNN>` byte-fallback tokens, or the byte-level BPE's byte
+    symbols (GPT-2's printable stand-ins for the 256 bytes)."""
+    vocab = tok.tokenizer.get_vocab()
+    if "<0x41>" in vocab:
+        return [vocab[f"<0x{b:02X}>"] for b in data]
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in printable]
+    symbol = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    return [vocab[symbol[b]] for b in data]
+
+
+def test_stop_strings_holding_u_fffd_against_brute_force(tok):
+    """U+FFFD in a stop string matches a replacement character once it is settled text
+    (an invalid byte with text after it), never an incomplete character: its next bytes
+    may still complete it ("\\xc3" then "\\xa9" is "é")."""
+    x, a = (tok.encode(c, add_bos=False)[-1] for c in "xa")
+    split_e = byte_tokens(tok, "é".encode())
+    params = SamplingParams(max_tokens=3, stop=["\ufffd"])
+    assert accept_all(tok, [*split_e, x], params) == ([*split_e, x], "éx", "length", None)
+    lone = byte_tokens(tok, b"\xa9")  # a continuation byte without its lead
+    params = SamplingParams(max_tokens=3, stop=["\ufffd"])
+    assert accept_all(tok, [*lone, x, a], params) == ([*lone, x], "", "stop", "\ufffd")
+    rng = random.Random(1)
+    parts = [[x], [a], split_e, byte_tokens(tok, "🙂".encode())]
+    parts += [byte_tokens(tok, b) for b in (b"\xa9", b"\xc3", b"\xf0\x9f")]
+    stopped = 0
+    for _ in range(150):
+        gen = [t for p in rng.choices(parts, k=rng.randint(1, 6)) for t in p]
+        stops = rng.sample(["\ufffd", "\ufffdx", "a\ufffd", "\ufffd\ufffd", "é", "x", "🙂"], 2)
+        mins = rng.choice([0, 0, 1, 3])
+        if mins > len(gen):
+            continue
+        max_tokens = rng.randint(max(1, mins), len(gen))
+        params = SamplingParams(max_tokens=max_tokens, stop=stops, min_tokens=mins)
+        want = brute_force(tok, gen, params)
+        assert accept_all(tok, gen, params) == want, (gen, params)
+        stopped += "\ufffd" in (want[3] or "")
+    assert stopped > 10
+
+
+# ------------------------------------------------------------ a step's results
+
+
+def test_apply_times_the_first_token_and_keeps_each_tokens_logprobs(monkeypatch):
+    """Three steps of a sampled request through `apply`: ttft_s runs from its arrival to
+    the step that gave its first token, latency_s to the step that finished it; each
+    token is reported, gets its logprobs entry (the token, then the step's top 1) and
+    adds its logprob to the sum."""
+    prompt = [5, 6]
+    params = SamplingParams(max_tokens=3, logprobs=1)
+    s = Seq(0, list(prompt), 2, 5, status=SeqStatus.RUNNING, logprobs=[])
+    g = SequenceGroup("r", [s])
+    g.request = Request("r", None, prompt, params, frozenset(), g, None, 10.0)
+    proc = OutputProcessor(_Scheduler(), EngineMetrics(1), lambda ids, p: "", itertools.count(1))
+    clock = iter([11.0, 12.5, 14.0])
+    monkeypatch.setattr(outputs, "perf_counter", lambda: next(clock))
+    seen = []
+    steps = [(7, -0.5, 7, -0.5), (8, -2.0, 9, -0.25), (4, -1.0, 4, -1.0)]  # tok, lp, top-1
+    for tok, lp, top, top_lp in steps:
+        s.pending += 1  # as the scheduler's commit
+        row = ScheduledRow(g, s, g.epoch, len(s.token_ids) - 1, 1, True, True)
+        host = (
+            np.array([tok]),
+            np.array([lp], np.float32),
+            np.array([[top]]),
+            np.array([[top_lp]]),
+        )
+        done = proc.apply(StepPlan([row]), host, on_token=lambda *a: seen.append(a))
+    (out,) = done
+    c = out.outputs[0]
+    assert (out.ttft_s, out.latency_s) == (1.0, 4.0)
+    assert (c.token_ids, c.finish_reason, c.cumulative_logprob) == ([7, 8, 4], "length", -3.5)
+    assert c.logprobs == [{7: -0.5}, {8: -2.0, 9: -0.25}, {4: -1.0}]
+    assert seen == [("r", 0, 7), ("r", 0, 8), ("r", 0, 4)]
+    assert proc.metrics.generated_tokens == 3
+
+
+def test_num_cached_tokens_is_the_first_admissions_prefix_cache_hit():
+    """A request preempted after its first token and readmitted reads back pages it
+    computed itself, generated tokens included; its output reports the prompt tokens
+    its first admission read from the cache (it reported the readmission's hit: 48
+    "cached" tokens for a 20-token prompt in an engine run under preemption)."""
+    prompt = [5, 6, 7]
+    s = Seq(0, list(prompt), 3, 5, status=SeqStatus.RUNNING, num_cached_tokens=2)  # admitted
+    g = SequenceGroup("r", [s])
+    g.request = Request("r", None, prompt, SamplingParams(max_tokens=2), frozenset(), g, None, 0.0)
+    proc = OutputProcessor(_Scheduler(), EngineMetrics(1), lambda ids, p: "", itertools.count(1))
+
+    def step(tok, start, num_tokens):
+        s.pending += 1
+        row = ScheduledRow(g, s, g.epoch, start, num_tokens, False, True)
+        return proc.apply(StepPlan([row]), (np.array([tok]), np.array([-1.0]), None, None))
+
+    assert step(8, 2, 1) == []  # the prompt's last token: the first two were cached
+    g.epoch += 1  # preempted; readmitted, its 4 tokens cached (prompt and the 8)
+    s.num_cached_tokens = 4
+    (out,) = step(9, 3, 1)
+    assert (out.outputs[0].token_ids, out.num_cached_tokens) == ([8, 9], 2)
+
+
+def test_prompt_logprobs_of_chunked_prefill_rows():
+    """A prompt prefilled in two chunks, each in a step with another request's decode row
+    (before or after it): prompt token j >= 1 gets the entry of position j - 1, the
+    row's offset in the step counted over the rows before it; the prompt's last position
+    scores no prompt token; prefix-cache reads resume only once every entry is in."""
+    prompt = [5, 6, 7, 8, 9]
+    params = SamplingParams(max_tokens=2, prompt_logprobs=1)
+    s = Seq(0, list(prompt), 5, 7, status=SeqStatus.RUNNING)
+    g = SequenceGroup("a", [s], read_prefix_cache=False)
+    g.request = req = Request("a", None, prompt, params, frozenset(), g, None, 0.0)
+    req.prompt_logprobs, req.prompt_logprobs_missing = [None] * 5, 4
+    other = Seq(1, [3, 4, 1], 2, 9, status=SeqStatus.RUNNING)
+    h = SequenceGroup("b", [other])
+    h.request = Request("b", None, [3, 4], SamplingParams(), frozenset(), h, None, 0.0)
+    proc = OutputProcessor(_Scheduler(), EngineMetrics(1), lambda ids, p: "", itertools.count(1))
+
+    def step(rows, lps, tops):
+        top_ids = np.array([[t] for t, _ in tops])
+        top_lps = np.array([[x] for _, x in tops], np.float32)
+        proc._prompt_logprobs(StepPlan(rows), np.array(lps, np.float32), top_ids, top_lps)
+
+    decode_b = ScheduledRow(h, other, 0, 2, 1, True, True)
+    chunk = ScheduledRow(g, s, 0, 0, 3, False, False)  # positions 0, 1, 2
+    step([chunk, decode_b], [-1.0, -2.0, -3.0, -9.0], [(6, -1.0), (3, -0.5), (4, -0.25), (0, 0)])
+    assert req.prompt_logprobs == [None, {6: -1.0}, {7: -2.0, 3: -0.5}, {8: -3.0, 4: -0.25}, None]
+    assert (req.prompt_logprobs_missing, g.read_prefix_cache) == (1, False)
+    chunk = ScheduledRow(g, s, 0, 3, 2, False, True)  # positions 3 and 4 (it samples)
+    step([decode_b, chunk], [-9.0, -4.0, -9.0], [(0, 0), (2, -0.125), (0, 0)])
+    assert req.prompt_logprobs[4] == {9: -4.0, 2: -0.125}
+    assert (req.prompt_logprobs_missing, g.read_prefix_cache) == (0, True)
+
+
 # ------------------------------------------------------------------ beam search
 
 
@@ -219,3 +368,85 @@ def test_beam_hypotheses_report_their_stop_token_as_sampling_does():
             proc._accept(req, s, t, -0.5, None)
         got = proc.output(req, aborted=False, now=1.0).outputs[0]
         assert (got.finish_reason, got.stop_reason) == (c.finish_reason, c.stop_reason)
+
+
+class TwoLevelModel:
+    """Every next-token logit is 0 or 1 (random per prefix): sums of different beams tie
+    all the time, so which candidate wins is down to the tie-breaks (the lower beam
+    index: its rank in the previous selection; then the more likely token)."""
+
+    def __init__(self, vocab: int, seed: int):
+        self.vocab, self.seed = vocab, seed
+
+    def logprobs(self, prefix: list[int]) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, len(prefix), *prefix])
+        x = rng.integers(0, 2, self.vocab).astype(np.float64)
+        return x - 1 - np.log(np.exp(x - 1).sum())
+
+
+def beam_search_through_the_processor(model, width, max_new, stops, length_penalty, k):
+    """A beam search as the engine's steps run it: the live beams in the group's order
+    (as the scheduler binds beam rows) get their top candidates (as many as `StepBatch`
+    asks for) and `_beam_step` forks, extends and drops them (each live beam's token
+    counted as generated). Returns the request's completions."""
+    prompt = [5, 6]
+    params = SamplingParams(
+        n=width, beam_width=width, max_tokens=max_new, logprobs=k, length_penalty=length_penalty
+    )
+    s = Seq(0, list(prompt), 2, 2 + max_new, status=SeqStatus.RUNNING, logprobs=[])
+    g = SequenceGroup("r", [s], width, atomic=True)
+    beam = BeamSearch(width, length_penalty, frozenset(stops), max_new)
+    g.request = req = Request("r", None, prompt, params, frozenset(stops), g, beam, 0.0)
+    proc = OutputProcessor(_Scheduler(), EngineMetrics(1), lambda ids, p: "", itertools.count(1))
+    cands = max(min(num_candidates(width, len(stops)), model.vocab), k)
+    sampled = 0
+    while True:
+        rows = [(b, *top_candidates(model.logprobs(b.token_ids[2:]), cands)) for b in g.seqs]
+        sampled += len(rows)
+        if proc._beam_step(req, rows):
+            break
+    assert proc.metrics.generated_tokens == sampled  # one token per live beam and step
+    return proc.output(req, aborted=False, now=1.0).outputs
+
+
+def two_level(vocab, width, num_stops, length_penalty):
+    return [(TwoLevelModel(vocab, seed), width, num_stops, length_penalty) for seed in range(12)]
+
+
+@pytest.mark.parametrize(
+    "searches",
+    [
+        two_level(3, 2, 0, 1.0),
+        two_level(4, 3, 0, 1.0),
+        two_level(5, 3, 1, 0.5),
+        two_level(6, 4, 1, 1.0),
+        two_level(6, 3, 2, -1.0),
+        [(ToyModel(c[1], seed, c[5]), c[0], c[2], c[4]) for c in CASES[:4] for seed in (0, 1)],
+    ],
+    ids=["2-of-3", "3-of-4", "3-of-5", "4-of-6", "3-of-6", "toy"],
+)
+def test_beam_search_through_the_processor_equals_the_whole_vocabulary(searches):
+    """The hypotheses, their sums, stop reasons and logprobs entries (each token's own
+    distribution: the token, then the 2 most likely, ties to the lower id) are those of
+    a search over the whole vocabulary, exact ties included: the next step's beams are
+    in the order the selection ranked them (they were in the group's order: surviving
+    parents first, forks after them)."""
+    for i, (model, width, num_stops, length_penalty) in enumerate(searches):
+        rng = np.random.default_rng(model.seed)
+        stops = set(rng.choice(model.vocab, num_stops, replace=False).tolist())
+        got = beam_search_through_the_processor(model, width, 5, stops, length_penalty, 2)
+
+        def rows(prefixes, model=model):
+            return [model.logprobs(p) for p in prefixes]
+
+        want = whole_vocabulary_search(rows, width, 5, stops, length_penalty)
+        assert [(c.token_ids, c.finish_reason) for c in got] == [(h[1], h[3]) for h in want], i
+        np.testing.assert_allclose([c.cumulative_logprob for c in got], [h[2] for h in want])
+        for c in got:
+            assert c.stop_reason == (c.token_ids[-1] if c.finish_reason == "stop" else None)
+            assert len(c.logprobs) == len(c.token_ids)
+            for j, (tok, entry) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
+                row = model.logprobs(c.token_ids[:j])
+                top = np.lexsort((np.arange(row.size), -row))[:2].tolist()
+                assert list(entry) == [tok] + [t for t in top if t != tok]
+                assert entry == pytest.approx({t: row[t] for t in entry})
