@@ -108,3 +108,10 @@ def test_a_length_penalty_past_the_float_range_is_refused_when_built(length_pena
         BeamSearch(2, length_penalty, frozenset({0}), max_new)
     BeamSearch(2, length_penalty, frozenset({0}), 1)  # 1 ** anything is 1
     BeamSearch(2, 300.0, frozenset({0}), 10)  # the bound itself
+
+
+def test_a_nan_length_penalty_is_refused_when_built():
+    """Without its own check nan would pass the range check (nan * log10(max_new) > 300
+    is False) and make every score nan: no order among hypotheses, no early stop."""
+    with pytest.raises(ValueError, match="length_penalty=nan"):
+        BeamSearch(2, float("nan"), frozenset({0}), 50)

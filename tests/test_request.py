@@ -83,3 +83,116 @@ def test_a_prompt_neither_text_nor_ids_is_named(prompt):
     with pytest.raises(TypeError, match="a prompt must be a str or a list of token ids, got"):
         encode_prompt(prompt, None, 256, 64)
     assert encode_prompt(np.array([5, 6]), None, 256, 64) == (None, [5, 6])
+
+
+# field: (values at its documented ends, values just past them); min_tokens with max_tokens=5
+RANGES = {
+    "n": ([1], [0, True]),
+    "max_tokens": ([1], [0, True]),
+    "beam_width": ([1], [0, True]),
+    "temperature": ([0.0], [-1e-9]),
+    "top_k": ([0, 2**31 - 1], [-1, 2**31]),
+    "top_p": ([1e-9, 1.0], [0.0, 1 + 1e-9]),
+    "min_p": ([0.0, 1.0], [-1e-9, 1 + 1e-9]),
+    "seed": ([0, 2**32 - 1], [-1, 2**32, True]),
+    "logprobs": ([0, MAX_LOGPROBS], [-1, MAX_LOGPROBS + 1]),
+    "prompt_logprobs": ([0, MAX_LOGPROBS], [-1, MAX_LOGPROBS + 1]),
+    "min_tokens": ([0, 5], [-1, 6]),
+    "stop_token_ids": ([[0]], [[-1], [True]]),
+    "stop": (["x", ["x"]], [[""], [5]]),
+    "logit_bias": ([{0: -100}, {0: 100.0}], [{0: 100.001}, {-1: 0.0}]),
+    "presence_penalty": ([-2.0, 2.0], [-2.001, 2.001]),
+    "repetition_penalty": ([1e-9], [0.0]),
+    "ignore_eos": ([True], [1]),
+    "cache_salt": (["s"], [5]),
+}
+EDGES = [
+    (k, v, ok) for k, (good, bad) in RANGES.items() for ok, vs in ((1, good), (0, bad)) for v in vs
+]
+
+
+@pytest.mark.parametrize("name,value,ok", EDGES, ids=[f"{k}={v!r}" for k, v, _ in EDGES])
+def test_each_range_includes_its_ends_and_nothing_past_them(name, value, ok):
+    kwargs = {name: value, **({"max_tokens": 5} if name == "min_tokens" else {})}
+    if ok:
+        SamplingParams(**kwargs)
+    else:
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**kwargs)
+
+
+BEAM_REFUSES = [
+    dict(stop=["x"]),
+    dict(top_k=5),
+    dict(top_p=0.9),
+    dict(min_p=0.1),
+    dict(min_tokens=1),
+    dict(logit_bias={3: 1.0}),
+    dict(repetition_penalty=1.1),
+    dict(presence_penalty=0.5),
+    dict(frequency_penalty=0.5),
+    dict(n=3),
+]
+
+
+@pytest.mark.parametrize("kwargs", BEAM_REFUSES, ids=[next(iter(k)) for k in BEAM_REFUSES])
+def test_what_beam_search_cannot_honour_is_refused_with_it_only(kwargs):
+    """Stop strings, truncation, min_tokens, logit bias and penalties (beam search ranks
+    by raw logprob and has no stop-string check) and more outputs than beams: refused
+    with beam_width=2, naming the value; the same request samples fine without beams."""
+    with pytest.raises(ValueError, match=f"{next(iter(kwargs))}="):
+        SamplingParams(beam_width=2, **kwargs)
+    SamplingParams(**kwargs)
+
+
+def test_defaults_are_vllms_and_leave_every_option_off():
+    """vLLM's (and the OpenAI API's) defaults: one completion of up to 16 tokens, sampled
+    at temperature 1 from the whole distribution, nothing stopping it but EOS."""
+    p = SamplingParams()
+    assert (p.n, p.max_tokens, p.temperature, p.beam_width) == (1, 16, 1.0, 1)
+    assert (p.top_k, p.top_p, p.min_p, p.min_tokens) == (0, 1.0, 0.0, 0)
+    assert (p.stop, p.stop_token_ids, p.ignore_eos, p.seed) == ((), (), False, None)
+    assert (p.logprobs, p.prompt_logprobs, p.logit_bias, p.cache_salt) == (None,) * 4
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
+    assert not p.penalised
+
+
+def test_list_fields_are_stored_as_tuples_of_plain_values():
+    """A single stop string is one stop string (not one per character), lists become
+    tuples, numpy token ids Python ints and logit bias values floats."""
+    p = SamplingParams(
+        stop="ab",
+        stop_token_ids=np.array([7, 3], np.int64),
+        logit_bias={np.int32(4): np.float32(1.5), 5: 2},
+    )
+    assert p.stop == ("ab",)
+    assert SamplingParams(stop=["ab", "c"]).stop == ("ab", "c")
+    assert p.stop_token_ids == (7, 3) and {type(i) for i in p.stop_token_ids} == {int}
+    assert p.logit_bias == {4: 1.5, 5: 2.0}
+    assert {(type(k), type(v)) for k, v in p.logit_bias.items()} == {(int, float)}
+
+
+class _BosTokenizer:
+    """Text -> its bytes after a BOS (1): an empty text still encodes to one id."""
+
+    def encode(self, text):
+        return [1, *text.encode()]
+
+
+def test_encode_prompt_refuses_empty_out_of_vocabulary_and_too_long_prompts():
+    tok = _BosTokenizer()
+    assert encode_prompt("ab", tok, 256, 4) == ("ab", [1, 97, 98])
+    with pytest.raises(ValueError, match="prompt is empty"):
+        encode_prompt("", tok, 256, 64)  # [1] (a BOS alone) is no prompt either
+    with pytest.raises(ValueError, match="no tokenizer"):
+        encode_prompt("ab", None, 256, 64)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        encode_prompt([], None, 256, 64)
+    assert encode_prompt([0, 255], None, 256, 3) == (None, [0, 255])
+    for ids, bad in (([256], 256), ([-1], -1), ([3, 256, 4], 256)):
+        with pytest.raises(ValueError, match=re.escape(f"ids [{bad}] are outside")):
+            encode_prompt(ids, None, 256, 64)
+    with pytest.raises(ValueError, match="max_model_len=3"):
+        encode_prompt([5, 6, 7], None, 256, 3)  # no room for a token
+    with pytest.raises(TypeError, match="lists of ints"):
+        encode_prompt([5, True], None, 256, 64)
