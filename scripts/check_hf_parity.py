@@ -89,6 +89,7 @@ missing), 2 on a usage error.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import functools
 import json
@@ -139,6 +140,20 @@ def _no_rope_scaling(cfg, flat):
     return dataclasses.replace(cfg, rope_scaling=None), flat
 
 
+# Llama 3.1's scaling with an original context of 64, so that it matters at 2 x 256 tokens.
+_LLAMA3_ROPE = dict(
+    max_position_embeddings=512,
+    rope_parameters=dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+        rope_theta=10000.0,
+    ),
+)
+
+
 def _no_window(cfg, flat):
     return dataclasses.replace(cfg, sliding_window=None), flat
 
@@ -174,34 +189,14 @@ CASES = (
     Case(
         "llama3-rope",
         "llama",
-        dict(
-            max_position_embeddings=512,
-            rope_parameters=dict(
-                rope_type="llama3",
-                factor=8.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=64,
-                rope_theta=10000.0,
-            ),
-        ),
+        _LLAMA3_ROPE,
         "rope llama3, original context 64",
         _no_rope_scaling,
     ),
     Case(
         "llama3-top-original",
         "llama",
-        dict(
-            max_position_embeddings=512,
-            rope_parameters=dict(
-                rope_type="llama3",
-                factor=8.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=64,
-                rope_theta=10000.0,
-            ),
-        ),
+        _LLAMA3_ROPE,
         "rope llama3, a top-level original context 128 over rope_parameters' 64",
         _rope_dicts_original,
         # Written into config.json: HF 5 prefers it to rope_parameters' (a config built
@@ -1054,7 +1049,7 @@ def _hf_model(torch, transformers, case: Case, seed: int):
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }[case.family]
-    config = cls[0](**{**_COMMON, **case.config})
+    config = cls[0](**copy.deepcopy({**_COMMON, **case.config}))  # HF may edit it
     torch.manual_seed(seed)
     model = cls[1](config).to(torch.float32).eval()
     g = torch.Generator().manual_seed(seed)
