@@ -147,21 +147,25 @@ def _rope_param(kind: str, name: str, value):
     if name == "truncate":
         ok, what, cast = isinstance(value, (bool, np.bool_)), "a bool", bool
     elif name == "original_max_position_embeddings":
-        ok = _is_number(value) and value == int(value) and value > 0
+        ok = is_finite_number(value) and value == int(value) and value > 0
         what, cast = "a positive int", int
     elif name in ("mscale", "mscale_all_dim"):  # 0 means "not set" in HF's mscale rule
-        ok, what, cast = _is_number(value) and value >= 0, "a number >= 0", float
+        ok, what, cast = is_finite_number(value) and value >= 0, "a number >= 0", float
     else:  # factors and betas divide, or take the log of, something
-        ok, what, cast = _is_number(value) and value > 0, "a positive number", float
+        ok, what, cast = is_finite_number(value) and value > 0, "a positive number", float
     if not ok:
         raise ValueError(f"rope_scaling {kind!r}: {name} must be {what}, got {name}={value!r}")
     return cast(value)
 
 
-def _is_number(v) -> bool:
-    """A finite real number; bools are not (JSON true is no factor)."""
-    number = isinstance(v, (int, float, np.integer, np.floating))
-    return number and not isinstance(v, (bool, np.bool_)) and math.isfinite(v)
+def is_finite_number(x) -> bool:
+    """A finite real number; bools are not (JSON's true is no factor), nor an int too big
+    for a float (math.isfinite raises OverflowError for it)."""
+    number = isinstance(x, (int, float, np.integer, np.floating))
+    try:
+        return number and not isinstance(x, (bool, np.bool_)) and math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,12 @@ bad request fails on the host before anything is queued or compiled.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from pagedjax import sampling
+from pagedjax.config import is_finite_number
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -114,7 +114,7 @@ class SamplingParams:
         for name in ("n", "max_tokens", "beam_width"):
             positive_int(name)
         t = self.temperature
-        if not _is_finite(t) or t < 0:
+        if not is_finite_number(t) or t < 0:
             raise ValueError(f"temperature must be finite and >= 0, got temperature={t!r}")
         k = self.top_k
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 0 <= k < 2**31:
@@ -144,7 +144,7 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
         lp = self.length_penalty
-        if not _is_finite(lp):
+        if not is_finite_number(lp):
             raise ValueError(f"length_penalty must be a finite number, got length_penalty={lp!r}")
         if self.beam_width > 1 and self.n > self.beam_width:
             raise ValueError(
@@ -245,15 +245,6 @@ _INT_FIELDS = (
 def _is_number(x) -> bool:
     """A real number, not a bool (JSON's true must not pass as 1)."""
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
-
-
-def _is_finite(x) -> bool:
-    """A finite real number, not a bool; an int too big for a float is not one (math.isfinite
-    raises OverflowError for it)."""
-    try:
-        return _is_number(x) and math.isfinite(x)
-    except OverflowError:
-        return False
 
 
 def _as_tuple(value, name: str, what: str) -> tuple:

@@ -449,6 +449,7 @@ _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings":
         ({"type": "linear", "factor": -2.0}, "got factor=-2.0"),
         (dict(_YARN, factor="4"), "factor must be a positive number, got factor='4'"),
         (dict(_YARN, factor=True), "got factor=True"),
+        (dict(_YARN, factor=10**400), "factor must be a positive number"),  # OverflowError
         (
             dict(_YARN, original_max_position_embeddings=0),
             "original_max_position_embeddings must be a positive int, got "
