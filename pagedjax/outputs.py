@@ -50,9 +50,6 @@ class Request:
     # with every stop token banned (before min_tokens tokens); None: no bias.
     bias: tuple[np.ndarray, np.ndarray] | None = None
     banned: tuple[np.ndarray, np.ndarray] | None = None
-    # Prompt tokens its first admission read from the prefix cache, taken when its first
-    # step's results are applied (a readmission after preemption hits its own pages too).
-    num_cached_tokens: int | None = None
 
 
 class OutputProcessor:
@@ -93,10 +90,6 @@ class OutputProcessor:
         tokens, logprobs, top_ids, top_lps, *targets = host
         if targets and targets[0] is not None:  # before the tokens: a request may finish
             self._prompt_logprobs(plan, *targets)
-        for r in plan.rows:
-            req = r.group.request
-            if req.num_cached_tokens is None and r.live:  # its first admission's step
-                req.num_cached_tokens = max((s.num_cached_tokens for s in r.group.seqs), default=0)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()  # Python scalars, at once
         now = perf_counter()
         rows = [
@@ -300,9 +293,7 @@ class OutputProcessor:
                         None if s.logprobs is None else list(s.logprobs),
                     )
                 )
-        first = req.num_cached_tokens
-        if first is None:  # aborted before any of its steps was applied
-            first = max((s.num_cached_tokens for s in g.finished + g.seqs), default=0)
+        first = g.num_cached_tokens or 0  # None: aborted before its admission
         return RequestOutput(
             req.request_id,
             req.prompt,

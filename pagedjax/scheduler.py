@@ -386,6 +386,8 @@ class Scheduler:
                 )
                 s.status = SeqStatus.RUNNING
                 s.num_admitted, s.num_computed, s.num_cached_tokens = n, cached, cached
+            if g.num_cached_tokens is None:
+                g.num_cached_tokens = max(s.num_cached_tokens for s in g.seqs)
             for s in list(g.seqs):
                 if budget == 0:
                     break

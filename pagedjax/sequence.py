@@ -96,6 +96,9 @@ class SequenceGroup:
       finished: sequences that finished, in finishing order.
       read_prefix_cache: admission reuses prefix-cache pages (False while the engine
         needs logits at every prompt token: prompt logprobs).
+      num_cached_tokens: prompt tokens its first admission read from the prefix cache
+        (the most of its sequences'); None before it. A readmission after preemption
+        reads back the request's own pages, generated tokens too, and does not count.
     """
 
     request_id: Hashable
@@ -111,6 +114,7 @@ class SequenceGroup:
     num_preemptions: int = 0
     finished: list[Sequence] = dataclasses.field(default_factory=list)
     read_prefix_cache: bool = True
+    num_cached_tokens: int | None = None
 
     @property
     def seats(self) -> int:

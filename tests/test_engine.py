@@ -237,6 +237,9 @@ def run_under_preemption(params, dense, beam: bool):
         assert_drawn_by_the_sampler(dense, prompts[b], outs[b].outputs, sps[b])
     assert llm.summary()["preemptions"] > 0 and llm.summary()["kv_pages_used"] >= PAGES - 8
     assert outs[s].num_preemptions > 0 and outs[b].num_preemptions > 0
+    # Random prompts share no page: no request read any from the cache when first admitted
+    # (a preempted one's readmission reads back its own pages; they are not its hit).
+    assert [o.num_cached_tokens for o in outs] == [0] * 14
     check_clean(llm)
 
 

@@ -271,10 +271,11 @@ def test_num_cached_tokens_is_the_first_admissions_prefix_cache_hit():
     """A request preempted after its first token and readmitted reads back pages it
     computed itself, generated tokens included; its output reports the prompt tokens
     its first admission read from the cache (it reported the readmission's hit: 48
-    "cached" tokens for a 20-token prompt in an engine run under preemption)."""
+    "cached" tokens for a 20-token prompt in an engine run under preemption; the scheduler
+    keeps the first admission's, test_engine's preemption run checks it end to end)."""
     prompt = [5, 6, 7]
     s = Seq(0, list(prompt), 3, 5, status=SeqStatus.RUNNING, num_cached_tokens=2)  # admitted
-    g = SequenceGroup("r", [s])
+    g = SequenceGroup("r", [s], num_cached_tokens=2)  # as the scheduler's admission sets it
     g.request = Request("r", None, prompt, SamplingParams(max_tokens=2), frozenset(), g, None, 0.0)
     proc = OutputProcessor(_Scheduler(), EngineMetrics(1), lambda ids, p: "", itertools.count(1))
 
