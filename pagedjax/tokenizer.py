@@ -25,8 +25,10 @@ named ones, `bos_token` to `additional_special_tokens`, as HF passes them).
 `encode_chat(messages)` to ids; `with_chat_template(text, source)` is a copy that uses
 another template (a `--chat-template FILE` override). Special-token strings in the
 rendered text (the template's `{{ bos_token }}`, headers like `<|start_header_id|>`)
-encode as their single ids, and BOS is prepended only when the text does not already
-start with it.
+encode as their single ids, and nothing is added to it: as in HF's
+`apply_chat_template(tokenize=True)` and vLLM's chat, which encode the text without
+special tokens, BOS is where the template writes it, and a template that writes none
+(ChatML on a tokenizer that adds BOS) gives none, whatever the tokenizer's `add_bos`.
 
 `StreamDecoder` turns token ids arriving one by one into text pieces whose
 concatenation equals `decode(all ids)`, wherever the ids stop. A completion is decoded
@@ -119,7 +121,8 @@ class Tokenizer:
     Attributes:
       bos_token_id: id prepended by `encode(add_bos=True)`, or None.
       eos_token_ids: frozenset of ids that end a sequence.
-      add_bos: `encode`'s default for `add_bos`.
+      add_bos: `encode`'s default for `add_bos` (not the chat path's: `encode_chat`
+        adds nothing to what the template wrote).
       bos_token, eos_token: the special-token strings chat templates refer to, or None.
       special_tokens: every named special token a chat template sees, as HF passes
         them: {"bos_token": str, "pad_token": str, "additional_special_tokens":
@@ -340,14 +343,14 @@ class Tokenizer:
         messages: list[dict],
         *,
         add_generation_prompt: bool = True,
-        add_bos: bool | None = None,
+        add_bos: bool = False,
         **extra,
     ) -> list[int]:
-        """Token ids of `apply_chat_template(messages)`, BOS exactly once.
-
-        Special-token strings in the rendered text encode as their own ids. BOS is
-        prepended when `add_bos` (default `self.add_bos`) and the template did not
-        already put it first.
+        """Token ids of `apply_chat_template(messages)`: the rendered text encoded as
+        HF's `apply_chat_template(tokenize=True)` and vLLM's chat encode it, adding no
+        special tokens, so BOS is where the template writes it (`{{ bos_token }}`)
+        whatever `self.add_bos`. Special-token strings in the text encode as their own
+        ids. `add_bos=True` prepends BOS unless the text already starts with it.
         """
         text = self.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, **extra
@@ -357,7 +360,8 @@ class Tokenizer:
     def encode_conversations(
         self, messages, *, add_generation_prompt: bool = True, **extra
     ) -> tuple[list[str], list[list[int]]]:
-        """(rendered texts, token ids) of one conversation or a list of them.
+        """(rendered texts, token ids) of one conversation or a list of them; the ids as
+        `encode_chat` gives them (BOS only where the template writes it).
 
         Args:
           messages: a conversation (a list of `{"role", "content"}` dicts) or a non-empty
@@ -391,13 +395,14 @@ class Tokenizer:
             ids.append(self.encode_rendered(texts[-1]))
         return texts, ids
 
-    def encode_rendered(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+    def encode_rendered(self, text: str, *, add_bos: bool = False) -> list[int]:
         """Token ids of text a chat template rendered (`encode_chat` without the render).
 
-        Special-token strings encode as their own ids; BOS is prepended when `add_bos`
-        (default `self.add_bos`) and the text does not already start with it: `encode`.
+        Special-token strings encode as their own ids and no special token is added (as
+        HF's `apply_chat_template` encodes the text, `add_special_tokens=False`);
+        `add_bos=True` prepends BOS unless the text already starts with it (`encode`).
         """
-        return self.encode(text, add_bos=add_bos)
+        return self.encode(text, add_bos=bool(add_bos))
 
     def decode(
         self, ids: Iterable[int], *, skip_special_tokens: bool = True, context: Iterable[int] = ()

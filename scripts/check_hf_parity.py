@@ -75,12 +75,14 @@ and a ChatML fine-tune's (a default + tool_use list). `Tokenizer.from_dir` and
 
 A case passes when every check is equal, HF's result adjusted only by our documented
 choices, each counted in the table ("deliberate"): no second BOS for text that starts
-with it (`Tokenizer.encode`); BOS prepended to a chat template that writes none when
-the tokenizer adds BOS (`encode_chat`; HF's `apply_chat_template` encodes without
-special tokens); a blank final message is not continued (`chat.render`). Llama 2's
-tokenizer_class `LlamaTokenizer` is not used: transformers 5 rebuilds that class's own
-pre-tokenizer (Metaspace) instead of the tokenizer.json's legacy normalizer, ids that
-differ (leading spaces, text after special tokens) from the tokenizer.json we follow.
+with it (`Tokenizer.encode`); a blank final message is not continued (`chat.render`).
+Chat ids are HF's exactly: a template that writes no BOS gets none, whether the
+tokenizer adds BOS by its config (tok-chatml) or by its post-processor alone
+(tok-llama3-chatml), as HF's `apply_chat_template` encodes the text without special
+tokens. Llama 2's tokenizer_class `LlamaTokenizer` is not used: transformers 5 rebuilds
+that class's own pre-tokenizer (Metaspace) instead of the tokenizer.json's legacy
+normalizer, ids that differ (leading spaces, text after special tokens) from the
+tokenizer.json we follow.
 
 Exit status: 0 when every case passes, 1 when one fails (or torch / transformers are
 missing), 2 on a usage error.
@@ -775,6 +777,20 @@ def _write_chatml(path):
     _write_tok_dir(path, tok, config)
 
 
+def _write_llama3_chatml(path):
+    """A Llama 3 tokenizer (BOS by its post-processor; tokenizer_config silent on
+    add_bos_token) with a ChatML fine-tune's template, which writes no BOS."""
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
+    tok = _byte_level_bpe(LLAMA3_SPLIT, specials, bos="<|begin_of_text|>")
+    config = dict(
+        bos_token="<|begin_of_text|>",
+        eos_token="<|im_end|>",
+        tokenizer_class="PreTrainedTokenizerFast",
+        chat_template=CHATML_TEMPLATE,
+    )
+    _write_tok_dir(path, tok, config)
+
+
 TOK_CASES = (
     TokCase(
         "tok-llama3",
@@ -809,6 +825,11 @@ TOK_CASES = (
         "SentencePiece adding BOS, ChatML without it; templates default + tool_use",
         _write_chatml,
         ({}, {"tools": [WEATHER_TOOL]}),
+    ),
+    TokCase(
+        "tok-llama3-chatml",
+        "byte-level BPE, BOS by the post-processor alone, ChatML without it",
+        _write_llama3_chatml,
     ),
 )
 TOK_CASE_NAMES = tuple(c.name for c in TOK_CASES)
@@ -853,7 +874,6 @@ def _raised(x) -> bool:
 def _chat_checks(tok, hf, case: TokCase, tally: _Tally) -> list[list[int]]:
     """Renders every conversation both ways (text, then ids); returns HF's prompt ids."""
     prompts = []
-    bos = tok.bos_token_id
     for c, conv in enumerate(CONVERSATIONS):
         modes = [dict(add_generation_prompt=True), dict(add_generation_prompt=False)]
         if conv[-1]["role"] == "assistant":
@@ -879,10 +899,7 @@ def _chat_checks(tok, hf, case: TokCase, tally: _Tally) -> list[list[int]]:
                         tally.add("chat", text, hf_text, where)
                     continue
                 tally.add("chat", text, hf_text, where)
-                want, rule = hf_ids, None
-                if tok.add_bos and hf_ids[:1] != [bos]:  # HF encodes without specials
-                    want, rule = [bos, *hf_ids], "BOS added to a template without it"
-                tally.add("chat ids", ids, want, where, rule=rule, hf=hf_ids)
+                tally.add("chat ids", ids, hf_ids, where)
                 if mode.get("add_generation_prompt"):
                     prompts.append(hf_ids)
     return prompts
@@ -1228,15 +1245,16 @@ TOK_CHECKS = ("facts", "chat", "chat ids", "encode", "decode", "context")
 
 
 def _tok_table(results: list[dict]) -> str:
-    head = f"{'case':14} " + " ".join(f"{c:>11}" for c in TOK_CHECKS) + f" {'deliberate':>10}  ok"
+    w = max(map(len, TOK_CASE_NAMES))
+    head = f"{'case':{w}} " + " ".join(f"{c:>11}" for c in TOK_CHECKS) + f" {'deliberate':>10}  ok"
     lines = [head, "-" * len(head)]
     for r in results:
         if "error" in r:
-            lines.append(f"{r['case']:14} FAIL {r['error'].splitlines()[0][:160]}")
+            lines.append(f"{r['case']:{w}} FAIL {r['error'].splitlines()[0][:160]}")
             continue
         cells = ["{}/{}".format(*r["checks"][c]) if c in r["checks"] else "-" for c in TOK_CHECKS]
         lines.append(
-            f"{r['case']:14} "
+            f"{r['case']:{w}} "
             + " ".join(f"{c:>11}" for c in cells)
             + f" {sum(r['deliberate'].values()):>10}  {'PASS' if r['ok'] else 'FAIL'}"
         )

@@ -87,12 +87,29 @@ def test_encode_chat_parses_special_tokens_and_has_bos_once(tok):
     assert any(ids[i : i + len(user)] == user for i in range(len(ids)))
 
 
-def test_bos_is_added_when_the_template_has_none(tmp_path):
+def test_a_template_without_bos_gets_none(tmp_path):
+    """HF's apply_chat_template(tokenize=True) and vLLM's chat encode the rendered text
+    without special tokens: a template that writes no BOS (ChatML on a tokenizer that
+    adds BOS) gets none. BOS was prepended here whenever the tokenizer adds BOS."""
     tok = Tokenizer.from_dir(checkpoint(tmp_path, jinja=TEMPLATE.replace("{{ bos_token }}", "")))
+    assert tok.add_bos  # raw text still gets BOS; the chat path does not
+    text = RENDERED.removeprefix("<|bos|>")
     ids = tok.encode_chat(MESSAGES)
-    assert ids[0] == BOS and ids.count(BOS) == 1
-    assert ids[1:] == tok.encode_chat(MESSAGES, add_bos=False)
-    assert tok.encode_chat(MESSAGES, add_bos=False)[0] == PAD
+    assert ids == tok.encode(text, add_bos=False) and ids[0] == PAD and BOS not in ids
+    assert tok.encode_rendered(text) == ids
+    assert tok.encode_conversations(MESSAGES) == ([text], [ids])
+    assert tok.encode_conversations([MESSAGES, MESSAGES])[1] == [ids, ids]
+    assert tok.encode_chat(MESSAGES, add_bos=True) == [BOS, *ids]  # asked for: still once
+    assert tok.encode_rendered(text, add_bos=True) == [BOS, *ids]
+    # A template that writes BOS: once, asked for or not.
+    with_bos = tok.with_chat_template(TEMPLATE)
+    assert with_bos.encode_chat(MESSAGES) == with_bos.encode_chat(MESSAGES, add_bos=True)
+    assert with_bos.encode_chat(MESSAGES) == [BOS, *ids]
+    # A tokenizer that does not add BOS: the same ids.
+    built = Tokenizer(
+        tok.tokenizer, bos_token_id=BOS, eos_token_ids=[EOS], chat_template=tok.chat_template
+    )
+    assert not built.add_bos and built.encode_chat(MESSAGES) == ids
 
 
 def test_added_token_dicts_in_the_config(tmp_path):
@@ -242,6 +259,7 @@ def test_no_template(tmp_path):
     "messages,exc,match",
     [
         ("hello", TypeError, "must be a list.*got str"),
+        (b"hello", TypeError, "must be a list.*got bytes"),
         ({"role": "user", "content": "x"}, TypeError, "must be a list.*got dict"),
         ([], ValueError, "messages is empty"),
         (["hello"], TypeError, r"messages\[0\] must be a dict"),
@@ -317,7 +335,9 @@ def test_with_chat_template_replaces_the_template_in_a_copy(tok):
     new = tok.with_chat_template(other, "my.jinja")
     assert new.apply_chat_template(MESSAGES) == "[system] Answer in Python.\n[user] def fib(n):\n>"
     assert new.chat_template == other and new.chat_template_source == "my.jinja"
-    assert new.encode_chat(MESSAGES)[0] == BOS  # the rest of the tokenizer is the same
+    # The rest of the tokenizer is the same (this template writes no BOS: none added).
+    assert new.encode_chat(MESSAGES) == tok.encode(new.apply_chat_template(MESSAGES), add_bos=False)
+    assert new.encode_chat(MESSAGES, add_bos=True)[0] == BOS
     assert tok.apply_chat_template(MESSAGES) == RENDERED  # the original is unchanged
     none = byte_tokenizer().with_chat_template(other)
     assert none.chat_template_source == "<given>" and none.apply_chat_template(MESSAGES)
@@ -447,3 +467,87 @@ def test_named_templates_in_additional_chat_templates(tmp_path):
     tok = Tokenizer.from_dir(d)
     assert tok.chat_template is None
     assert tok.chat_template_source.endswith("['tool_use'] but none named 'default'")
+
+
+def test_encode_conversations_names_the_bad_conversation(tok):
+    with pytest.raises(ValueError, match=r"conversation 1: messages\[0\] has no 'content'"):
+        tok.encode_conversations([MESSAGES, [{"role": "user"}]])
+    with pytest.raises(TypeError, match=r"conversation 0: messages\[0\]\['content'\] must"):
+        tok.encode_conversations([[{"role": "user", "content": 1}]])
+
+
+@pytest.mark.parametrize(
+    "sources,name,match",
+    [
+        (dict(config=TEMPLATE), "rag", "has a single chat template, none named 'rag'"),
+        (dict(jinja=TEMPLATE), "rag", "has a single chat template, none named 'rag'"),
+        ({}, "rag", "has no chat template, so none named 'rag'"),
+        (
+            dict(config=[{"name": "default", "template": 3}]),
+            None,
+            r"chat_template\[0\] is not a \{name, template\}",
+        ),
+        (dict(config=[{"template": "T"}]), None, r"chat_template\[0\] is not a \{name, template\}"),
+        (dict(config={"default": "T"}), None, "must be a string or a list .* got dict"),
+    ],
+)
+def test_bad_template_sources_and_names(tmp_path, sources, name, match):
+    with pytest.raises(ValueError, match=match):
+        Tokenizer.from_dir(checkpoint(tmp_path, **sources), chat_template_name=name)
+    if name is not None and sources:  # "default" names the single template
+        tok = Tokenizer.from_dir(
+            checkpoint(tmp_path, name="d", **sources), chat_template_name="default"
+        )
+        assert tok.chat_template == TEMPLATE
+
+
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        (
+            '{"template": "T"}',
+            r"chat_template.json has no 'chat_template' key \(keys: \['template'\]\)",
+        ),
+        ('["T"]', "chat_template.json must hold a JSON object, got list"),
+        ("{nope", "chat_template.json is not valid JSON"),
+    ],
+)
+def test_bad_chat_template_json(tmp_path, content, match):
+    d = checkpoint(tmp_path)
+    (d / "chat_template.json").write_text(content)
+    with pytest.raises(ValueError, match=match):
+        Tokenizer.from_dir(d)
+
+
+def test_jinja_environment_as_transformers():
+    """Outputs of transformers 5.24's render_jinja_template: lstrip_blocks (indented
+    block tags leave no indent), tools and documents None unless given, tojson's
+    sort_keys and separators, and a TypeError in the template raised as itself."""
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer"}]
+    indented = "A\n    {% for m in messages %}\n    {{ m.role }}\n    {% endfor %}\nB"
+    assert chat.render(indented, msgs) == "A\n    user\n    assistant\nB"
+    out = chat.render(
+        "{{ documents is none }}|{{ tools is none }}|"
+        "{{ {'b': 1, 'a': [2, 'é']} | tojson(sort_keys=True, separators=(',', ':')) }}",
+        msgs,
+    )
+    assert out == 'True|True|{"a":[2,"é"],"b":1}'
+    with pytest.raises(TypeError, match="can only concatenate str"):
+        chat.render("{{ messages[0].content + 1 }}", msgs)
+
+
+def test_continue_final_message_as_transformers():
+    """transformers 5.24's cut: at the marker's last occurrence (a template that writes
+    the last message twice keeps the first copy's marker, as there), and a template
+    that does not write the content as given (`| upper`) is an error, not a cut."""
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer"}]
+    kw = dict(continue_final_message=True, add_generation_prompt=False)
+    twice = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+        "|{{ messages[-1].content }}."
+    )
+    want = "<user>hi</user><assistant>The answerCONTINUE_FINAL_MESSAGE_TAG </assistant>|The answer"
+    assert chat.render(twice, msgs, **kw) == want
+    upper = "{% for m in messages %}{{ m.content | upper }}!{% endfor %}"
+    with pytest.raises(ValueError, match="did not write the last message's content 'The answer'"):
+        chat.render(upper, msgs, **kw)

@@ -730,7 +730,7 @@ def test_chat_renders_conversations_and_generates_from_them(params, dense):
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}],
     ]
     ids = [tok.encode_chat(c) for c in convs]
-    assert ids[0] == [1, *tok.encode("<user>def f(x):\n<assistant>", add_bos=False)]
+    assert ids[0] == tok.encode("<user>def f(x):\n<assistant>", add_bos=False)  # no BOS, as HF
     want = dense.greedy(ids, 6)
     outs = llm.chat(convs, greedy(6))
     assert [o.outputs[0].token_ids for o in outs] == want
