@@ -502,3 +502,83 @@ def test_a_completion_after_byte_tokens_or_a_bare_space_keeps_its_space(style):
     assert tok.decode([the], context=[1, 2]) == "the"  # all skipped: no text before, as HF
     stream = tok.stream(context=bare)
     assert stream.add(the) + stream.flush() == " the"
+
+
+def test_constructor_and_encode_check_the_special_ids(bpe_dir):
+    """Special ids outside the vocabulary, add_bos without a BOS id, and encode asked for
+    a BOS that the tokenizer lacks are errors naming the value; the EOS string is named
+    from a single EOS id only."""
+    tok = Tokenizer.from_dir(bpe_dir)
+    raw, v = tok.tokenizer, tok.vocab_size
+    with pytest.raises(
+        ValueError, match=rf"bos_token_id \[{v}\] outside the vocabulary \[0, {v}\)"
+    ):
+        Tokenizer(raw, bos_token_id=v)
+    with pytest.raises(ValueError, match=r"eos_token_ids \[-1\] outside the vocabulary"):
+        Tokenizer(raw, eos_token_ids=[2, -1])
+    assert Tokenizer(raw, bos_token_id=v - 1, eos_token_ids=[v - 1]).bos_token_id == v - 1
+    with pytest.raises(ValueError, match="add_bos=True needs a bos_token_id"):
+        Tokenizer(raw, add_bos=True)
+    plain = Tokenizer(raw)
+    with pytest.raises(ValueError, match="add_bos=True but this tokenizer has no BOS token"):
+        plain.encode("hello", add_bos=True)
+    assert plain.encode("hello") == tok.encode("hello", add_bos=False)
+    assert Tokenizer(raw, eos_token_ids=[2]).eos_token == "<|eot|>"
+    assert Tokenizer(raw, eos_token_ids=[1, 2]).eos_token is None  # which one? none
+
+
+def test_special_token_sources_in_order(tmp_path):
+    """BOS id: generation_config's before config.json's; add_bos: tokenizer_config's
+    add_bos_token when set, even false over a post-processor that prepends BOS, else
+    whether the post-processor prepends it (one that appends the token does not); a
+    config file that is not JSON is an error naming it."""
+    d = write_dir(
+        tmp_path / "a", byte_level_bpe(post_bos=False), generation_config={"bos_token_id": 1}
+    )
+    (d / "config.json").write_text(json.dumps({"bos_token_id": 0}))
+    assert Tokenizer.from_dir(d).bos_token_id == 1
+    config = {"bos_token": "<|bos|>", "add_bos_token": False}
+    d = write_dir(tmp_path / "b", byte_level_bpe(post_bos=True), tokenizer_config=config)
+    tok = Tokenizer.from_dir(d)
+    assert not tok.add_bos and tok.encode("hello") == tok.encode("hello", add_bos=False)
+    assert tok.encode("hello")[0] != 0
+    appends = byte_level_bpe(post_bos=False)
+    appends.post_processor = processors.TemplateProcessing(
+        single="$A <|bos|>", special_tokens=[("<|bos|>", 0)]
+    )
+    d = write_dir(tmp_path / "c", appends, tokenizer_config={"bos_token": "<|bos|>"})
+    assert appends.encode("hello").ids[-1] == 0 and not Tokenizer.from_dir(d).add_bos
+    (d / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"tokenizer_config.json is not valid JSON"):
+        Tokenizer.from_dir(d)
+
+
+def test_lowercase_byte_tokens_are_a_byte_run():
+    """HF's ByteFallback decoder reads `<0xe2>` as a byte as it does `<0xE2>`, and decodes
+    a run of either all or nothing: a vocabulary with lowercase byte tokens is streamed
+    with its runs held back too (the stream emitted "€" that the next byte turned into
+    four U+FFFD)."""
+    tok = sentencepiece_style()
+    vocab = tok.get_vocab()
+    lower = {(t.lower() if re.fullmatch(r"<0x..>", t) else t): i for t, i in vocab.items()}
+    model = json.loads(tok.to_str())
+    model["model"]["vocab"] = lower
+    tok = Tokenizer(HFTokenizer.from_str(json.dumps(model)))
+    byte = lambda b: tok.tokenizer.token_to_id(f"<0x{b:02x}>")
+    assert byte(0xE2) is not None and tok.tokenizer.token_to_id("<0xE2>") is None
+    a = tok.tokenizer.token_to_id("a")
+    ids = [a, *map(byte, "€☃".encode()), a]
+    assert tok.decode(ids) == "a€☃a" and tok.decode(ids[:5]) == "a" + "\ufffd" * 4
+    check_stream(tok, ids)
+
+
+def test_a_shown_special_token_ends_a_byte_run(sp_dir):
+    """With special tokens shown, one after a run of byte tokens ends the run (the
+    decoder sees it), so the text up to it is final; skipped, it is invisible and the
+    run is held back as it may go on after it."""
+    tok = Tokenizer.from_dir(sp_dir)
+    ids = [*tok.encode("a €", add_bos=False), 2]
+    stream = tok.stream(skip_special_tokens=False)
+    assert "".join(map(stream.add, ids)) == "a €</s>" and stream.pending == ""
+    stream = tok.stream()
+    assert "".join(map(stream.add, ids)) == "a " and stream.pending == "€"
