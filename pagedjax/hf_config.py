@@ -55,8 +55,10 @@ def from_hf(config: dict, *, dtype: str | None = None) -> ModelConfig:
     """Builds a config from a HuggingFace config.json dict.
 
     Accepts the classic `rope_theta` / `rope_scaling` keys and the newer
-    `rope_parameters` form (scaling "linear", "llama3" or "yarn", read as current
-    transformers reads them: `_rope_scaling`; with yarn, `max_position_embeddings`
+    `rope_parameters` form, as transformers 5 reads them: a set `rope_scaling` replaces
+    `rope_parameters` whole, and a `rope_theta` inside the dict wins over the top-level
+    key (`_hf_rope_dict`). Scaling "linear", "llama3" or "yarn" is read as current
+    transformers reads it (`_rope_scaling`; with yarn, `max_position_embeddings`
     becomes at least `original_max_position_embeddings * factor`, the context YaRN
     extends to, as vLLM serves it), a missing `head_dim` (hidden_size // heads; 128 for
     Qwen3, as HF's Qwen3Config), and `eos_token_id` as an int or a list. The
@@ -77,9 +79,11 @@ def from_hf(config: dict, *, dtype: str | None = None) -> ModelConfig:
 
     Raises:
       ValueError: an unsupported architecture anywhere in `architectures`, unsupported
-        or incomplete rope scaling, missing keys, a different sliding window per layer,
-        or a key the model does not implement (`hidden_act` other than silu,
-        `mlp_bias`, `partial_rotary_factor` < 1, `quantization_config`).
+        or incomplete rope scaling, missing keys, a number of the wrong type (named),
+        a different sliding window per layer (or a Mistral `layer_types` that
+        contradicts HF's window on every layer), or a key the model does not
+        implement (`hidden_act` other than silu, `mlp_bias`, `partial_rotary_factor`
+        < 1 at the top level or in the RoPE dict, `quantization_config`).
     """
     archs = config.get("architectures") or []
     unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
@@ -107,16 +111,20 @@ def from_hf(config: dict, *, dtype: str | None = None) -> ModelConfig:
     hidden = _hf_number(config, "hidden_size", int)
     # An absent head_dim is 128 in HF's Qwen3Config, else hidden_size // heads (null too).
     head_dim = _hf_number(config, "head_dim", int, absent["head_dim"], nullable=True)
-    head_dim = hidden // num_heads if head_dim is None else head_dim
+    if head_dim is None and num_heads > 0:  # else ModelConfig names the bad num_heads
+        head_dim = hidden // num_heads
     if config.get("num_key_value_heads", 0) is None:  # null: MHA in every family
         kv_heads = num_heads
     else:
         kv = absent["num_key_value_heads"] or num_heads
         kv_heads = _hf_number(config, "num_key_value_heads", int, kv)
     max_pos = _hf_number(config, "max_position_embeddings", int, absent["max_position_embeddings"])
-    rope = dict(config.get("rope_parameters") or {})
-    theta = _hf_number(rope, "rope_theta", float, _hf_number(config, "rope_theta", float, 1e4))
-    scaling = config.get("rope_scaling") or (rope if _rope_type(rope) != "default" else None)
+    rope = _hf_rope_dict(config)
+    if "rope_theta" in rope:  # HF: the dict's theta wins over the top-level key
+        theta = _hf_number(rope, "rope_theta", float)
+    else:
+        theta = _hf_number(config, "rope_theta", float, 1e4)
+    scaling = rope if _rope_type(rope) != "default" else None
     top_original = config.get("original_max_position_embeddings")  # Phi-3's place for it
     rope_scaling = _rope_scaling(scaling, max_pos, top_original)
     if rope_scaling is not None and rope_scaling.rope_type == "yarn":
@@ -150,7 +158,7 @@ def from_hf(config: dict, *, dtype: str | None = None) -> ModelConfig:
         qk_norm=family == "qwen3",
         sliding_window=_hf_sliding_window(config, family, max_pos),
         dtype=dtype or _hf_dtype(torch_dtype),
-        bos_token_id=config.get("bos_token_id"),
+        bos_token_id=_hf_number(config, "bos_token_id", int, nullable=True),
         eos_token_ids=tuple(eos),
     )
 
@@ -232,7 +240,9 @@ def _hf_number(config: dict, key: str, kind: type, default=None, *, nullable: bo
 def _hf_sliding_window(config: dict, family: str | None, max_pos: int) -> int | None:
     """The one sliding window of every layer, or None; mixed layers are a ValueError.
 
-    HF's rules: Mistral slides every layer when `sliding_window` is set. HF's Llama
+    HF's rules: Mistral slides every layer when `sliding_window` is set (HF's Mistral
+    ignores `layer_types`; one marking any layer "full_attention" is refused: it
+    describes another model than the one HF serves). HF's Llama
     ignores `sliding_window` (its attention passes none: "the main diff" of Mistral's),
     so a Llama config slides only the layers its `layer_types` marks, as vLLM's Llama
     reads it; without that list, a stray `sliding_window` key is ignored.
@@ -241,16 +251,34 @@ def _hf_sliding_window(config: dict, family: str | None, max_pos: int) -> int | 
     layers `i >= max_window_layers` (default 28; older transformers read it the other
     way round, which only matters for mixed cases, refused here). A window of at least
     `max_position_embeddings` (`max_pos`) never masks anything and is dropped. An absent
-    `sliding_window` is HF's default: 4096 for Mistral and Qwen, none for Llama.
+    `sliding_window` is HF's default: 4096 for Mistral and Qwen, none for Llama. A window
+    that is read, and `max_window_layers`, must be ints (HF's config classes refuse
+    others too; 4.5 was truncated to 4 and `true` read as a window of 1).
     """
-    window = config.get("sliding_window", _HF_ABSENT[family]["sliding_window"])
     qwen = family in ("qwen2", "qwen3")
-    if window is None or not config.get("use_sliding_window", not qwen):
-        return None
-    window = int(window)
-    num_layers = int(config["num_hidden_layers"])
     layer_types = config.get("layer_types")
-    if layer_types is not None:
+    if not config.get("use_sliding_window", not qwen):
+        return None
+    if layer_types is None and family in ("llama", None):  # None: no family named
+        return None
+    window = _HF_ABSENT[family]["sliding_window"]  # when absent; null is no window
+    if "sliding_window" in config:
+        window = _hf_number(config, "sliding_window", int, nullable=True)
+    if window is None:
+        return None
+    num_layers = int(config["num_hidden_layers"])
+    if layer_types is not None and family == "mistral":
+        # HF's Mistral slides every layer whatever layer_types says (it warns and points at
+        # Ministral); a list that says otherwise is a model HF would not serve as written.
+        if list(layer_types) != ["sliding_attention"] * num_layers:
+            raise ValueError(
+                f"MistralForCausalLM slides every layer by sliding_window={window} (HF ignores "
+                f"layer_types), but layer_types={layer_types} says otherwise; set "
+                "sliding_window to null for no window, or drop layer_types"
+            )
+        sliding = [True] * num_layers
+        how = ""
+    elif layer_types is not None:
         sliding = [t == "sliding_attention" for t in layer_types]
         unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
         if unknown or len(layer_types) != num_layers:
@@ -259,10 +287,8 @@ def _hf_sliding_window(config: dict, family: str | None, max_pos: int) -> int | 
                 f"the {num_layers} layers, got layer_types={layer_types}"
             )
         how = f"layer_types={layer_types}"
-    elif family in ("llama", None):  # None: neither architectures nor model_type
-        return None
     elif qwen:
-        first = int(config.get("max_window_layers", 28))
+        first = _hf_number(config, "max_window_layers", int, 28)
         sliding = [i >= first for i in range(num_layers)]
         how = f"max_window_layers={first} with num_hidden_layers={num_layers}"
     else:
@@ -291,7 +317,7 @@ def _refuse_unimplemented(config: dict) -> None:
             f"unsupported mlp_bias={config['mlp_bias']!r}: MLP projection biases are not "
             "implemented"
         )
-    rope = config.get("rope_parameters") or {}
+    rope = _hf_rope_dict(config)
     for prf in (config.get("partial_rotary_factor"), rope.get("partial_rotary_factor")):
         if prf is not None and prf != 1:
             raise ValueError(
@@ -304,6 +330,16 @@ def _refuse_unimplemented(config: dict) -> None:
             f"quantized checkpoints are not supported (quantization_config with "
             f"quant_method={method!r}); use the unquantized (bf16/fp16/fp32) checkpoint"
         )
+
+
+def _hf_rope_dict(config: dict) -> dict:
+    """The one RoPE dict HF 5 reads (`convert_rope_params_to_dict`): `rope_scaling` if set,
+    replacing `rope_parameters` whole (its rope_theta too), else `rope_parameters`."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+        raise ValueError(f"config.json: {key} must be an object, got {key}={rope!r}")
+    return rope
 
 
 def _rope_type(scaling: dict) -> str:

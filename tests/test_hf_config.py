@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -222,6 +223,8 @@ def test_from_hf_reads_null_as_hf_does_where_hf_does():
         ("partial_rotary_factor", 0.5, "partial_rotary_factor=0.5"),
         ("quantization_config", {"quant_method": "gptq", "bits": 4}, "quant_method.*'gptq'"),
         ("architectures", ["MixtralForCausalLM", "LlamaForCausalLM"], "MixtralForCausalLM"),
+        ("architectures", ["LlamaForCausalLM", "MixtralForCausalLM"], "MixtralForCausalLM"),
+        ("architectures", [], "unsupported model_type 'mixtral'"),  # model_type alone
         ("rope_parameters", {"type": "dynamic", "factor": 2.0}, "rope scaling type 'dynamic'"),
         ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "high_freq_factor"),
     ],
@@ -230,6 +233,8 @@ def test_from_hf_refuses_what_it_would_ignore(key, value, match):
     """Each of these changes the model's math; reading past it would load a model that
     runs and writes garbage, so from_hf names the key and value instead."""
     d = dict(LLAMA31_8B, **{key: value})
+    if key == "architectures" and not value:
+        d["model_type"] = "mixtral"
     if key == "rope_parameters":  # the newer form, alone as transformers v5 writes it
         del d["rope_scaling"], d["rope_theta"]
     with pytest.raises(ValueError, match=match):
@@ -423,6 +428,22 @@ def test_from_hf_top_level_original_max_position_embeddings_wins_as_in_transform
         from_hf(dict(QWEN25_7B, original_max_position_embeddings=0))
 
 
+def test_yarn_mscale_counts_only_beside_mscale_all_dim():
+    """HF's `_compute_yarn_parameters`: m(mscale) / m(mscale_all_dim) only when both are
+    set and nonzero; an mscale alone leaves m(1) = 0.1 ln(factor) + 1 (the mscale=1 of
+    tests/test_model.py's cases hides which is read)."""
+    from pagedjax.rope import rope_attention_factor
+
+    m1 = 0.1 * math.log(4.0) + 1
+    for extra in ({"mscale": 2.0}, {"mscale": 2.0, "mscale_all_dim": 0}, {"mscale_all_dim": 2.0}):
+        cfg = ModelConfig.from_hf(dict(QWEN25_7B, rope_scaling={**_YARN, **extra}))
+        assert rope_attention_factor(cfg) == pytest.approx(m1, rel=1e-12), extra
+    both = ModelConfig.from_hf(
+        dict(QWEN25_7B, rope_scaling={**_YARN, "mscale": 2.0, "mscale_all_dim": 1.0})
+    )
+    assert rope_attention_factor(both) == pytest.approx((0.2 * math.log(4.0) + 1) / m1)
+
+
 def test_from_hf_reads_linear_scaling():
     d = dict(LLAMA31_8B, max_position_embeddings=4096)
     d["rope_scaling"] = {"type": "linear", "factor": 4.0}  # e.g. vicuna-13b-v1.5-16k
@@ -543,3 +564,128 @@ def test_rope_scaling_fields_are_checked_per_kind():
         RopeScaling("ntk", 2.0)
     with pytest.raises(ValueError, match="rope_scaling must be a RopeScaling or None"):
         dataclasses.replace(PRESETS["tiny"], rope_scaling={"rope_type": "linear", "factor": 2})
+
+
+# --- what transformers 5 reads, checked with transformers 5.24's config classes -----------
+
+
+def test_from_hf_reads_one_rope_dict_as_transformers_5_does():
+    """HF 5 (`convert_rope_params_to_dict`) takes `rope_scaling` if set, else
+    `rope_parameters`, and that dict's rope_theta wins over the top-level key. Configs
+    saved by some transformers 4.x releases keep theta only there: Qwen3's
+    `"rope_scaling": {"rope_theta": 1e6, "rope_type": "default"}` ran at theta 10000."""
+    base = {k: v for k, v in LLAMA31_8B.items() if k not in ("rope_scaling", "rope_theta")}
+    nested = dict(base, rope_scaling={"rope_theta": 1e6, "rope_type": "default"})
+    assert ModelConfig.from_hf(nested).rope_theta == 1e6
+    assert ModelConfig.from_hf(dict(nested, rope_theta=500.0)).rope_theta == 1e6
+    # A null top-level theta beside the dict's (how such configs often write it).
+    v5 = dict(base, rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    assert ModelConfig.from_hf(v5).rope_theta == 1e6
+    # Both dicts: rope_scaling replaces rope_parameters whole, its theta included.
+    both = dict(
+        base,
+        rope_theta=5e5,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+        rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
+    )
+    cfg = ModelConfig.from_hf(both)
+    assert (cfg.rope_theta, cfg.rope_scaling) == (5e5, RopeScaling("linear", 2.0))
+    default_over = dict(both, rope_scaling={"rope_type": "default"})
+    cfg = ModelConfig.from_hf(default_over)
+    assert (cfg.rope_theta, cfg.rope_scaling) == (5e5, None)
+    # HF's rope_type wins over the older type key where a dict has both.
+    both_types = {"rope_type": "linear", "type": "dynamic", "factor": 2.0}
+    assert ModelConfig.from_hf(dict(base, rope_scaling=both_types)).rope_scaling.factor == 2.0
+    # partial_rotary_factor is read from that dict too, so refused there.
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5"):
+        ModelConfig.from_hf(
+            dict(nested, rope_scaling={**nested["rope_scaling"], "partial_rotary_factor": 0.5})
+        )
+    with pytest.raises(ValueError, match="rope_scaling must be an object, got rope_scaling='yarn'"):
+        ModelConfig.from_hf(dict(base, rope_scaling="yarn"))
+
+
+def test_from_hf_window_numbers_must_be_ints():
+    """HF's config classes refuse a float or bool window; it was truncated (4.5 -> 4) or
+    read as 1 (true), and a null max_window_layers was a bare TypeError."""
+    mistral = dict(LLAMA31_8B, architectures=["MistralForCausalLM"], model_type="mistral")
+    for bad in (4.5, True, "4096"):
+        with pytest.raises(
+            ValueError, match=f"sliding_window must be an int, got sliding_window={bad!r}"
+        ):
+            ModelConfig.from_hf(dict(mistral, sliding_window=bad))
+    assert ModelConfig.from_hf(dict(mistral, sliding_window=4096.0)).sliding_window == 4096
+    for bad in (0, -8):
+        with pytest.raises(ValueError, match=f"positive int, got sliding_window={bad}"):
+            ModelConfig.from_hf(dict(mistral, sliding_window=bad))
+    qwen = dict(mistral, architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+    qwen.update(use_sliding_window=True, sliding_window=4096)
+    for bad in (None, 0.5):
+        with pytest.raises(
+            ValueError, match=f"max_window_layers must be an int, got max_window_layers={bad}"
+        ):
+            ModelConfig.from_hf(dict(qwen, max_window_layers=bad))
+    # A key HF's Llama never reads is not checked either.
+    assert ModelConfig.from_hf(dict(LLAMA31_8B, sliding_window=4.5)).sliding_window is None
+
+
+def test_from_hf_mistral_slides_every_layer_whatever_layer_types_says():
+    """HF's MistralForCausalLM ignores layer_types (it warns and names Ministral) and
+    slides every layer; a list marking any layer full attention read as no window (all
+    full) where HF slides: it is refused, a list of all sliding layers agrees."""
+    mistral = dict(LLAMA31_8B, architectures=["MistralForCausalLM"], sliding_window=4096)
+    marked = dict(mistral, layer_types=["sliding_attention"] * 32)
+    assert ModelConfig.from_hf(marked).sliding_window == 4096
+    for layer_types in (["full_attention"] * 32, ["full_attention"] + ["sliding_attention"] * 31):
+        with pytest.raises(ValueError, match="MistralForCausalLM slides every layer.*HF ignores"):
+            ModelConfig.from_hf(dict(mistral, layer_types=layer_types))
+    assert (
+        ModelConfig.from_hf(
+            dict(mistral, layer_types=["full_attention"] * 32, sliding_window=None)
+        ).sliding_window
+        is None
+    )
+
+
+def test_from_hf_qwen_window_layers_as_hf_derives_them():
+    """Qwen without layer_types: layers i >= max_window_layers slide, 28 when absent, so
+    a model of at most 28 layers slides none; layer_types must name every layer."""
+    qwen = dict(QWEN25_7B, rope_scaling=None, use_sliding_window=True, sliding_window=4096)
+    assert ModelConfig.from_hf(qwen).sliding_window is None  # 28 layers, none >= 28
+    assert ModelConfig.from_hf(dict(qwen, max_window_layers=0)).sliding_window == 4096
+    with pytest.raises(ValueError, match="27 of 28 slide"):
+        ModelConfig.from_hf(dict(qwen, max_window_layers=1))
+    with pytest.raises(ValueError, match="for each of the 28 layers"):
+        ModelConfig.from_hf(dict(qwen, layer_types=["sliding_attention"] * 27))
+    with pytest.raises(ValueError, match="for each of the 28 layers"):
+        ModelConfig.from_hf(dict(qwen, layer_types=["sliding_attention"] * 27 + ["chunked"]))
+
+
+def test_from_hf_absent_tie_and_dtype_keys():
+    """Every family's HF config defaults tie_word_embeddings to false; transformers 5
+    writes `dtype` where 4.x wrote `torch_dtype` (and either may say "torch.float32")."""
+    bare = {k: v for k, v in LLAMA31_8B.items() if k not in ("tie_word_embeddings", "torch_dtype")}
+    for archs, model_type in _FAMILIES.values():
+        cfg = ModelConfig.from_hf(dict(bare, architectures=archs, model_type=model_type))
+        assert (cfg.tie_embeddings, cfg.dtype) == (False, "bfloat16")
+    for key in ("dtype", "torch_dtype"):
+        for name in ("float32", "torch.float32"):
+            assert ModelConfig.from_hf(dict(bare, **{key: name})).dtype == "float32"
+    assert ModelConfig.from_hf(dict(bare, dtype="float16")).dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("eos_token_id", True, "eos_token_id must be ints, got True"),
+        ("eos_token_id", [128001, False], r"eos_token_id must be ints, got \[128001, False\]"),
+        ("bos_token_id", "128000", "bos_token_id must be an int, got bos_token_id='128000'"),
+        ("num_attention_heads", 0, "num_heads must be a positive int, got num_heads=0"),
+    ],
+)
+def test_from_hf_names_bad_token_ids_and_head_counts(key, value, match):
+    """A bool is no token id (JSON's true is 1 to Python); zero heads was a bare
+    ZeroDivisionError from hidden_size // num_attention_heads."""
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**LLAMA31_8B, key: value})
+    assert ModelConfig.from_hf({**LLAMA31_8B, "bos_token_id": None}).bos_token_id is None
