@@ -261,7 +261,12 @@ def _read_tensor_raw(info: _TensorInfo) -> np.ndarray:
 
 
 def _checkpoint_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
-    """The safetensors files of an HF directory and the index's weight map, if any."""
+    """The safetensors files of an HF directory and the index's weight map, if any.
+
+    The index's files when there is one (it wins over a `model.safetensors` beside it, as
+    in vLLM; transformers' from_pretrained would take the single file), else
+    `model.safetensors`, else every `*.safetensors` in the directory.
+    """
     index = root / INDEX_FILE
     if index.is_file():
         weight_map = _read_json(index).get("weight_map")

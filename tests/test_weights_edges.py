@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 from test_weights import hf_tensors, make_config, write_hf
 
 from pagedjax import model, orbax_checkpoint, weights
@@ -101,3 +102,79 @@ def test_orbax_restore_in_another_dtype_casts_as_it_reads(tmp_path):
     for k, v in want.items():
         assert got[k].dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(v.astype(jnp.bfloat16)))
+
+
+def test_a_tensor_in_two_shards_or_in_another_shard_than_the_index_says(tmp_path):
+    """Two shards that both hold a tensor (which copy would load?) and an index that puts
+    a tensor in a shard that lacks it, while another shard has it, are both named."""
+    c = make_config()
+    t = hf_tensors(c)
+    ckpt = write_hf(tmp_path / "dup", c, t, num_shards=2)
+    weight_map = json.loads((ckpt / weights.INDEX_FILE).read_text())["weight_map"]
+    other = ckpt / next(f for f in weight_map.values() if f != weight_map["model.norm.weight"])
+    names = list(weights._read_header(other))
+    save_file({n: t[n] for n in [*names, "model.norm.weight"]}, str(other))
+    with pytest.raises(weights.CheckpointError, match="duplicate tensor model.norm.weight in"):
+        weights.load_hf_checkpoint(ckpt)
+
+    ckpt = write_hf(tmp_path / "moved", c, t, num_shards=2)
+    index_file = ckpt / weights.INDEX_FILE
+    index = json.loads(index_file.read_text())
+    name = "model.norm.weight"
+    index["weight_map"][name] = next(
+        f for f in set(index["weight_map"].values()) if f != index["weight_map"][name]
+    )
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(weights.CheckpointError, match=f"puts {name} in .*which lacks it"):
+        weights.load_hf_checkpoint(ckpt)
+
+
+def test_bytes_after_the_last_tensor_are_named(tmp_path):
+    """safetensors refuses a file longer than its header says only when it is opened in
+    pass 2; the header check names it first."""
+    c = make_config()
+    ckpt = write_hf(tmp_path, c, hf_tensors(c))
+    with open(ckpt / weights.SAFETENSORS_FILE, "ab") as f:
+        f.write(b"\0" * 16)
+    with pytest.raises(weights.CheckpointError, match="corrupt: 16 bytes after its last tensor"):
+        weights.load_hf_checkpoint(ckpt)
+
+
+def test_which_weight_files_a_directory_loads(tmp_path):
+    """The index when there is one (vLLM's rule; it wins over a model.safetensors beside
+    it), else model.safetensors, else every *.safetensors file in the directory."""
+    c = make_config()
+    t = hf_tensors(c)
+    ckpt = write_hf(tmp_path / "both", c, t, num_shards=2)
+    stale = {k: v + 1 for k, v in hf_tensors(c, seed=1).items()}
+    save_file(stale, str(ckpt / weights.SAFETENSORS_FILE))
+    _, params = weights.load_hf_checkpoint(ckpt)
+    np.testing.assert_array_equal(
+        np.asarray(model.params_to_flat(params)["norm.scale"]), t["model.norm.weight"]
+    )
+
+    other = write_hf(tmp_path / "named", c, t, num_shards=2)
+    (other / weights.INDEX_FILE).unlink()
+    for k, f in enumerate(sorted(other.glob("*.safetensors"))):
+        f.rename(other / f"weights-{k}.safetensors")
+    _, params = weights.load_hf_checkpoint(other)
+    np.testing.assert_array_equal(
+        np.asarray(model.params_to_flat(params)["norm.scale"]), t["model.norm.weight"]
+    )
+
+
+def test_save_shards_hold_something_and_the_size_is_positive(tmp_path):
+    """A shard size smaller than every tensor gives each tensor its own file (no empty
+    first shard, every file in the index); a size of 0 is refused, not read as none."""
+    cfg = model_config()
+    params = model.init_params(cfg, seed=0)
+    weights.save_hf_checkpoint(params, cfg, tmp_path, shard_size_bytes=1)
+    index = json.loads((tmp_path / weights.INDEX_FILE).read_text())["weight_map"]
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert files == sorted(set(index.values()))
+    assert len(files) == len(index) == len(model.params_to_flat(params))
+    for bad in (0, -1):
+        with pytest.raises(
+            ValueError, match=f"shard_size_bytes must be positive, got shard_size_bytes={bad}"
+        ):
+            weights.save_hf_checkpoint(params, cfg, tmp_path / "x", shard_size_bytes=bad)
