@@ -181,9 +181,9 @@ class ModelConfig:
       intermediate_size: SwiGLU hidden width.
       vocab_size: V.
       max_position_embeddings: longest sequence the model accepts.
-      rope_theta: RoPE base.
+      rope_theta: RoPE base, a number > 1.
       rope_scaling: RoPE frequency scaling ("linear", "llama3" or "yarn"), or None.
-      norm_eps: RMSNorm epsilon.
+      norm_eps: RMSNorm epsilon, a number >= 0.
       tie_embeddings: LM head shares the embedding matrix.
       qkv_bias: biases on the q/k/v projections (Qwen2; Llama and Qwen3 with
         `attention_bias`).
@@ -241,6 +241,16 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got head_dim={self.head_dim}")
+        # theta > 1: RoPE's frequencies theta**(-2i/D) fall with i only then (and YaRN
+        # divides by log(theta)); a zero eps is RMSNorm without one, a negative one is not.
+        for name, low, ok in (
+            ("rope_theta", "a number > 1", lambda x: x > 1),
+            ("norm_eps", "a number >= 0", lambda x: x >= 0),
+        ):
+            value = getattr(self, name)
+            if not (is_finite_number(value) and ok(value)):
+                raise ValueError(f"{name} must be {low}, got {name}={value!r}")
+            object.__setattr__(self, name, float(value))
         rs = self.rope_scaling
         if rs is not None and not isinstance(rs, RopeScaling):
             raise ValueError(f"rope_scaling must be a RopeScaling or None, got rope_scaling={rs!r}")

@@ -49,6 +49,33 @@ def test_sliding_window_must_be_a_positive_int(window):
         dataclasses.replace(PRESETS["tiny"], sliding_window=window)
 
 
+@pytest.mark.parametrize(
+    "name, bad",
+    [
+        ("rope_theta", 1.0),
+        ("rope_theta", 0),
+        ("rope_theta", -1e4),
+        ("rope_theta", float("nan")),
+        ("rope_theta", float("inf")),
+        ("rope_theta", "1e4"),
+        ("rope_theta", True),
+        ("norm_eps", -1e-6),
+        ("norm_eps", float("nan")),
+        ("norm_eps", None),
+    ],
+)
+def test_rope_theta_and_norm_eps_are_checked(name, bad):
+    """theta <= 1 would make RoPE's frequencies rise (and YaRN divide by log 1 = 0)."""
+    with pytest.raises(ValueError, match=rf"{name} must be a number .*, got {name}={bad!r}"):
+        dataclasses.replace(PRESETS["tiny"], **{name: bad})
+
+
+def test_rope_theta_and_norm_eps_edges_are_kept_as_floats():
+    cfg = dataclasses.replace(PRESETS["tiny"], rope_theta=2, norm_eps=0)
+    assert (cfg.rope_theta, cfg.norm_eps) == (2.0, 0.0)
+    assert type(cfg.rope_theta) is float and type(cfg.norm_eps) is float
+
+
 def test_unexpressible_bias_mixes_are_refused_with_the_reason():
     tiny = PRESETS["tiny"]
     with pytest.raises(ValueError, match=r"o_bias needs qkv_bias: .* no family biases o_proj"):
