@@ -174,6 +174,10 @@ def _rope_dicts_original(cfg, flat):  # what transformers 4.x read
     return dataclasses.replace(cfg, rope_scaling=rs), flat
 
 
+def _top_level_theta(cfg, flat):  # what pagedjax read before it followed HF 5's one dict
+    return dataclasses.replace(cfg, rope_theta=10000.0), flat
+
+
 def _derived_attention_factor(cfg, flat):
     rs = dataclasses.replace(cfg.rope_scaling, attention_factor=None)
     return dataclasses.replace(cfg, rope_scaling=rs), flat
@@ -211,6 +215,18 @@ CASES = (
         dict(rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=10000.0)),
         "rope linear, factor 4",
         _no_rope_scaling,
+    ),
+    Case(
+        "llama-nested-theta",
+        "llama",
+        dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=10000.0)),
+        "rope linear, rope_theta 300 only inside rope_scaling (top level 10000)",
+        _top_level_theta,
+        # HF 5 reads one dict, rope_scaling over rope_parameters, and its theta wins.
+        edit=lambda c: c.update(
+            rope_theta=10000.0,
+            rope_scaling=dict(rope_type="linear", factor=2.0, rope_theta=300.0),
+        ),
     ),
     Case(
         "llama-yarn-mscale",
