@@ -2,12 +2,12 @@
 
 `parse_job` turns a request body (a parsed JSON object) into a `Job`: its prompts as
 token ids (chat messages rendered with the tokenizer's chat template) and its
-`SamplingParams`, or raises `ApiError` (400 naming the bad field and value). The
-response builders turn the engine's `RequestOutput`s back into OpenAI's shapes: a whole
-answer (`response_body`), or the chunks of a streamed one (`role_chunks`,
-`stream_chunk`, `usage`); `render_logprobs` renders the logprobs of any run of a
-completion's tokens (all of them, or a chunk's). Nothing here touches the engine, so
-it runs on any thread.
+`SamplingParams`, or raises `ApiError` (400 naming the bad field and value; 404 for a
+model not served here). The response builders turn the engine's `RequestOutput`s back
+into OpenAI's shapes: a whole answer (`response_body`), or the chunks of a streamed one
+(`role_chunks`, `stream_chunk`, `usage`); `render_logprobs` renders the logprobs of any
+run of a completion's tokens (all of them, or a chunk's). Nothing here touches the
+engine, so it runs on any thread.
 
 A model without a tokenizer (`tokenizer=None`) serves completions of token id prompts:
 its texts are "", so every choice carries its generated `token_ids` (a pagedjax
@@ -137,13 +137,14 @@ def parse_job(
       max_model_len: the longest sequence; chat's default max_tokens fills it up.
 
     Raises:
-      ApiError: 400 naming the bad field and value (500 if the chat template cannot
-        be rendered for want of a package).
+      ApiError: 400 naming the bad field and value (404 for a model not served here, as
+        OpenAI and vLLM answer; 500 if the chat template cannot be rendered for want of
+        a package).
     """
     model = body.get("model")
     if model is not None and model != model_name:
         raise ApiError(
-            400,
+            404,
             f"model {model!r} is not served here; it is {model_name!r}",
             "model",
             "model_not_found",
@@ -205,19 +206,23 @@ def parse_job(
     else:
         logprobs = body.get("logprobs")
         limit = int_field(body, "max_tokens", 16)
+    # The field the limit came from (completions have no max_completion_tokens).
+    given = chat and body.get("max_completion_tokens") is not None
+    field = "max_completion_tokens" if given else "max_tokens"
+    if limit < 1:  # (SamplingParams would name max_tokens, whichever field it was)
+        raise ApiError(400, f"{field} must be an int >= 1, got {field}={limit}", field)
     params = sampling_params(body, max_tokens=limit, logprobs=logprobs, vocab_size=vocab_size)
     if params.stop and tok is None:
         raise ApiError(400, "stop strings need a tokenizer; this model has none", "stop")
-    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else None
     for i, p in enumerate(ids):  # as vLLM: never cut max_tokens short without saying so
         if len(p) + params.max_tokens > max_model_len:
             where = f"prompt {i}: " if len(ids) > 1 else ""
             raise ApiError(
                 400,
-                f"{where}the prompt's {len(p)} tokens and {field or 'max_tokens'}="
-                f"{params.max_tokens} are more than max_model_len={max_model_len}; lower "
-                f"{field or 'max_tokens'} to at most {max_model_len - len(p)}",
-                field or "max_tokens",
+                f"{where}the prompt's {len(p)} tokens and {field}={params.max_tokens} are "
+                f"more than max_model_len={max_model_len}; lower {field} to at most "
+                f"{max_model_len - len(p)}",
+                field,
             )
     return Job(
         chat, ids, params, stream, include_usage, bool(want_ids) or tok is None, bool(want_ids)

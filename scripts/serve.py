@@ -18,7 +18,7 @@ Point an OpenAI client at `http://HOST:PORT/v1` (any API key). Endpoints:
                                `add_generation_prompt` (default: true, false with the
                                former)
 
-Fields of both POSTs: `model` (optional; another name is a 400), `max_tokens` (default
+Fields of both POSTs: `model` (optional; another name is a 404), `max_tokens` (default
 16 for completions; for chat `max_completion_tokens` or `max_tokens`, default: up to
 the model's length), `temperature` (default 1), `top_p`, `n`, `stop` (a string or a
 list), `seed`, `presence_penalty`, `frequency_penalty`, `stream`, `stream_options:
@@ -38,9 +38,11 @@ batch is one engine request; choice `i * n + j` is completion j of prompt i.
 OpenAI's `{"error": {message, type, param, code}}`: 400 for a bad field (the message
 names the value; a field of the wrong JSON type is bad), a prompt too long for
 `--max-model-len` or one that leaves less room than `max_tokens` (as vLLM answers:
-max_tokens is never cut short silently), an unknown model or bad JSON; 404 for an
-unknown path; 405 for a wrong method; 500 when the engine failed. HEAD answers a GET
-path's status and headers; OPTIONS, 204 with the path's `Allow` methods.
+max_tokens is never cut short silently) or bad JSON; 404 for an unknown path or a
+model not served here (code "model_not_found", as OpenAI and vLLM answer); 405 for a
+wrong method; 413 for a body over 32 MiB; 500 when the engine failed; 503 when it is not
+running. HEAD answers a GET path's status and headers; OPTIONS, 204 (no body, no
+`Content-Length`) with the path's `Allow` methods.
 
 A checkpoint without a tokenizer (no tokenizer.json) serves completions of token id
 prompts only, as vLLM with `skip_tokenizer_init`: a string prompt, chat and `stop`
@@ -255,7 +257,8 @@ class Handler(BaseHTTPRequestHandler):
     def _send(self, status: int, data: bytes, ctype: str, headers=()) -> None:
         self.send_response(status)
         self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(data)))
+        if status != 204:  # RFC 9110 8.6: a 204 MUST NOT have one
+            self.send_header("Content-Length", str(len(data)))
         for k, v in headers:
             self.send_header(k, v)
         self.end_headers()

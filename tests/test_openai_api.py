@@ -98,7 +98,7 @@ def raises_400(fn, *args, words: str, param: str | None = None, **kwargs) -> api
         (dict(response_format={"type": "json_object"}), "response_format", "json_object"),
         (dict(max_tokens="9"), "max_tokens", "max_tokens='9'"),
         (dict(max_tokens=True), "max_tokens", "max_tokens=True"),
-        (dict(model="gpt-4"), "model", "'gpt-4'"),
+        (dict(max_tokens=0), "max_tokens", "max_tokens=0"),
         (dict(return_token_ids=1), "return_token_ids", "return_token_ids=1"),
         (dict(return_token_ids="true"), "return_token_ids", "return_token_ids='true'"),
     ],
@@ -123,6 +123,8 @@ def test_bad_completion_fields_are_400s_naming_field_and_value(body, param, word
         (dict(use_beam_search=True), "use_beam_search", "beam search is not supported"),
         (dict(max_tokens=MAX_LEN), "max_tokens", f"max_tokens={MAX_LEN}"),
         (dict(prompt="a" * (MAX_LEN - 8)), "max_tokens", "max_tokens=16"),
+        # Completions have no max_completion_tokens (it is ignored): it was named here.
+        (dict(prompt="a" * (MAX_LEN - 8), max_completion_tokens=1), "max_tokens", "tokens=16"),
     ],
 )
 def test_wrong_types_and_what_would_be_ignored_or_cut_are_400s(body, param, words):
@@ -175,11 +177,42 @@ def test_bad_prompts_are_400s(prompt, words):
         (dict(logprobs=True, top_logprobs=21), "top_logprobs", "top_logprobs=21"),
         (dict(max_completion_tokens=MAX_LEN), "max_completion_tokens", f"={MAX_LEN}"),
         (dict(max_tokens=MAX_LEN), "max_tokens", f"max_tokens={MAX_LEN}"),
+        (dict(logprobs=False, top_logprobs=2), None, "logprobs=true"),
+        (dict(logprobs=True, top_logprobs=True), "top_logprobs", "top_logprobs=True"),
+        # It was named max_tokens (SamplingParams' name for it).
+        (dict(max_completion_tokens=0), "max_completion_tokens", "max_completion_tokens=0"),
     ],
 )
 def test_bad_chat_fields_are_400s(body, param, words):
     body = {"messages": [{"role": "user", "content": "hi"}], **body}
     raises_400(job, body, chat=True, words=words, param=param)
+
+
+def test_a_model_not_served_here_is_a_404():
+    """As OpenAI ("model_not_found") and vLLM ("NotFoundError") answer it; it was a 400."""
+    for chat, body in [(False, dict(prompt="a")), (True, dict(messages=[{"role": "u"}]))]:
+        with pytest.raises(api.ApiError) as info:
+            job(dict(body, model="gpt-4"), chat=chat)
+        e = info.value
+        assert (e.status, e.param, e.code) == (404, "model", "model_not_found")
+        assert "'gpt-4'" in e.message and "'tiny'" in e.message
+        assert e.body()["error"]["type"] == "invalid_request_error"
+    assert job(dict(prompt="a", model="tiny")).prompts == [[97]]
+
+
+@pytest.mark.parametrize(
+    "body, chat, logprobs",
+    [
+        (dict(prompt="a", best_of=1), False, None),
+        (dict(prompt="a", response_format={"type": "text"}), False, None),
+        (dict(prompt="a", logprobs=20), False, 20),
+        (dict(messages=[{"role": "u"}], logprobs=True, top_logprobs=20), True, 20),
+        (dict(messages=[{"role": "u"}], logprobs=True, top_logprobs=0), True, 0),
+        (dict(messages=[{"role": "u"}], logprobs=False), True, None),
+    ],
+)
+def test_documented_edges_are_accepted(body, chat, logprobs):
+    assert job(body, chat=chat).params.logprobs == logprobs
 
 
 def test_without_a_tokenizer_there_is_no_chat_and_no_stop_strings():

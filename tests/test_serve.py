@@ -18,6 +18,7 @@ import socket
 import sys
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -25,8 +26,11 @@ from pathlib import Path
 
 import pytest
 from params_helpers import write_tiny_checkpoint
+from test_tokenizer import sentencepiece_style
 
+from pagedjax import openai_api as api
 from pagedjax.engine import LLM, SamplingParams
+from pagedjax.request import CompletionOutput, RequestOutput
 from pagedjax.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,7 +169,75 @@ def test_a_burst_of_connections_is_queued_not_dropped():
 def test_health_and_models(server):
     assert request(server, "/health") == (200, "ok")
     models = ok(server, "/v1/models", None)
-    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
+    model = dict(id="tiny", object="model", created=0, owned_by="pagedjax", max_model_len=512)
+    assert models == dict(object="list", data=[model])
+    assert ok(server, "/v1/models/?x=1", None) == models  # a trailing slash, a query
+    assert request(server, "/health/") == (200, "ok")
+
+
+class StuckLLM:
+    """What `Server.start` and `EngineThread` use of an `LLM`; no request ever finishes."""
+
+    tokenizer, max_model_len, config = None, 64, types.SimpleNamespace(vocab_size=256)
+
+    def __init__(self):
+        self.rids = []
+
+    def add_request(self, ids, params, *, request_id):
+        self.rids.append(request_id)
+
+    def abort(self, rid):
+        self.rids.remove(rid)
+
+    def has_unfinished_requests(self):
+        return bool(self.rids)
+
+    def step(self, *, on_token=None):
+        time.sleep(0.001)
+        return []
+
+
+def test_a_stopped_engine_is_a_503():
+    """A request in flight when the engine stops, /health and requests after it are 503s
+    (the engine is not running), not a 500 or an "ok"."""
+    gen = serving(StuckLLM(), "stuck")
+    srv = next(gen)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(request, srv, "/v1/completions", dict(prompt=[1, 2]))
+            deadline = time.monotonic() + 30
+            while not srv.engine.call(lambda llm: len(llm.rids)) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            srv.engine.stop()
+            status, err = waiting.result(timeout=60)
+        assert status == 503 and "the engine is stopping" in err["error"]["message"], err
+        status, err = request(srv, "/health")
+        assert status == 503 and "not running" in err["error"]["message"], err
+        status, err = request(srv, "/v1/completions", dict(prompt=[1, 2]))
+        assert status == 503 and "shutting down" in err["error"]["message"], err
+        assert err["error"]["type"] == "server_error"
+    finally:
+        next(gen, None)
+
+
+@pytest.mark.parametrize(
+    "head, status, words",
+    [
+        (b"Content-Length: -5", b" 400 ", b"bad Content-Length"),
+        (b"Content-Length: %d" % (32 * 2**20 + 1), b" 413 ", b"request body of 33554433"),
+        (b"Transfer-Encoding: chunked", b" 413 ", b"request body is over 33554432"),
+    ],
+)
+def test_bad_or_too_large_bodies_are_refused_unread(server, head, status, words):
+    """A negative Content-Length was read as an empty body (a 400 "not valid JSON", the
+    bytes sent then taken for the next request); bodies over 32 MiB are a 413."""
+    with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=60) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n\r\n")
+        if b"chunked" in head:
+            s.sendall(b"%x\r\n" % (32 * 2**20 + 1))  # a chunk over the limit, not sent
+        s.shutdown(socket.SHUT_WR)  # (a server that read on would see the end, not wait)
+        reply = s.makefile("rb").read()
+    assert status in reply.split(b"\r\n")[0] and words in reply, reply[:200]
 
 
 def test_completion_of_a_string_prompt(server, ref):
@@ -307,6 +379,84 @@ def test_streamed_completion_adds_up_with_and_without_stop_strings(server):
     chunks = stream(server, "/v1/completions", dict(body, stop=[stop, "\x00never"]))
     assert "".join(c["choices"][0]["text"] for c in chunks) == cut["text"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("longest", [None, 3, 6])
+def test_text_is_streamed_as_soon_as_no_stop_string_can_cut_it(server, tok, longest):
+    """Each token's text goes out with it; with stop strings, once the next token came,
+    less the last max(len(stop)) - 1 characters (the docstring's rule; nothing later
+    cut it). Text held back longer, or streamed a token late, still added up."""
+    body = dict(prompt="def parse_line(line):", temperature=0, max_tokens=32)
+    plain = ok(server, "/v1/completions", dict(body, return_token_ids=True))["choices"][0]
+    if longest is not None:
+        _, s = a_stop_string([plain["text"][12:]], 3)  # late: text streams before it
+        body["stop"] = [s, "\x00never"[:longest]]  # the longest one sets the hold
+        plain = ok(server, "/v1/completions", dict(body, return_token_ids=True))["choices"][0]
+        assert plain["finish_reason"] == "stop"
+    decoder, ends = tok.stream(context=plain["prompt_token_ids"]), []
+    for t in plain["token_ids"]:
+        decoder.add(t)
+        ends.append(len(decoder.text))
+    want, sent = [], 0  # the text streamed after each chunk but the last
+    for j in range(len(ends)):
+        end = ends[j] if longest is None else (ends[j - 1] if j else 0) - (longest - 1)
+        if end > sent:
+            want.append(sent := end)
+    pieces = [c["choices"][0]["text"] for c in stream(server, "/v1/completions", body)]
+    assert "".join(pieces) == plain["text"] and len(want) > 3
+    assert [len("".join(pieces[: i + 1])) for i in range(len(pieces) - 1)] == want
+
+
+class StreamRecorder(serve.Handler):
+    """A handler without a socket: `_stream` run on given events, its chunks recorded."""
+
+    def __init__(self, tokenizer):  # (not BaseHTTPRequestHandler's: no request to handle)
+        self.server = types.SimpleNamespace(tokenizer=tokenizer)
+        self._streaming, self.sent = False, []
+
+    def send_response(self, status, message=None):
+        self.status = status
+
+    def send_header(self, keyword, value):
+        pass
+
+    def end_headers(self):
+        pass
+
+    def _chunk(self, data: bytes) -> None:
+        self.sent.append(data)
+
+
+def test_streamed_logprobs_name_tokens_after_the_completion_so_far():
+    """A chunk's tokens are named after the ids before them, the completion's earlier
+    ones included, as in the whole answer (they were named after the prompt's alone):
+    after a prompt of one byte-fallback token, which gives the decoder no text to
+    follow, SentencePiece's "▁the" reads "the" first, then " the"."""
+    tok = Tokenizer(sentencepiece_style(), bos_token_id=1, eos_token_ids=[2])
+    (the,) = tok.encode("the", add_bos=False)
+    prompt = [3 + ord("A")]  # <0x41>
+    body = dict(prompt=prompt, max_tokens=3, logprobs=1, stream=True)
+    sizes = dict(vocab_size=tok.vocab_size, max_model_len=64)
+    job = api.parse_job(body, chat=False, model_name="m", tokenizer=tok, **sizes)
+    gen, entries = [the] * 3, [{the: -0.5, 5: -1.0}] * 3
+    text = tok.decode(gen, context=prompt)
+    c = CompletionOutput(0, text, gen, -1.5, "length", logprobs=entries)
+    (rid,) = job.rids
+    events = [("token", rid, 0, t, e) for t, e in zip(gen, entries, strict=True)]
+    events.append(("done", rid, RequestOutput(rid, None, prompt, [c], True, 0, 0, None, None)))
+    handler = StreamRecorder(tok)
+    handler._stream(job, api.response_head(job, "m"), events)
+    assert handler.sent[-2:] == [b"data: [DONE]\n\n", b""]
+    chunks = [json.loads(x[len(b"data: ") :])["choices"][0] for x in handler.sent[:-2]]
+    whole = api.completion_logprobs(tok, c, 1, prompt)
+    names = [
+        tok.decode([t], skip_special_tokens=False, context=prompt + gen[:i])
+        for i, t in enumerate(gen)
+    ]
+    assert whole["tokens"] == names  # (["the", " the", " the"])
+    assert [t for x in chunks for t in x["logprobs"]["tokens"]] == names
+    assert [o for x in chunks for o in x["logprobs"]["text_offset"]] == whole["text_offset"]
+    assert "".join(x["text"] for x in chunks) == text and len(chunks) == 4
 
 
 def test_a_lone_stop_string_is_never_streamed(server):
@@ -626,7 +776,7 @@ def test_a_step_failing_mid_stream_ends_it_with_an_error_event(server, monkeypat
         ("/v1/completions", dict(prompt="a", cache_salt=5), 400, "cache_salt"),
         ("/v1/completions", dict(prompt="a", stop=[""]), 400, "stop=['']"),
         ("/v1/completions", dict(prompt="a", suffix="b"), 400, "suffix"),
-        ("/v1/completions", dict(prompt="a", model="gpt-4"), 400, "'gpt-4'"),
+        ("/v1/completions", dict(prompt="a", model="gpt-4"), 404, "'gpt-4'"),  # was a 400
         ("/v1/completions", dict(prompt="a", echo=True), 400, "echo=true is not supported"),
         ("/v1/completions", dict(prompt="a", return_token_ids="y"), 400, "return_token_ids='y'"),
         ("/v1/completions", dict(prompt="a", logprobs=21, stream=True), 400, "logprobs=21"),
@@ -662,7 +812,7 @@ def test_a_step_failing_mid_stream_ends_it_with_an_error_event(server, monkeypat
         ),
     ],
 )
-def test_bad_fields_are_400s_naming_the_value(server, path, body, status, words):
+def test_bad_fields_are_4xx_naming_the_value(server, path, body, status, words):
     got, err = request(server, path, body)
     assert got == status and words in err["error"]["message"], err
     assert err["error"]["type"] == "invalid_request_error"
@@ -727,6 +877,7 @@ def test_head_and_options(server):
             conn.request("OPTIONS", path)
             r = conn.getresponse()
             assert (r.status, r.getheader("Allow"), r.read()) == (204, allow, b"")
+            assert r.getheader("Content-Length") is None  # RFC 9110: none on a 204
         conn.request("GET", "/v1/models")
         r = conn.getresponse()
         body = r.read()

@@ -237,6 +237,84 @@ def test_submit_refuses_bad_request_ids_and_sinks():
     engine.stop()
 
 
+def test_a_refused_batch_adds_none_of_its_requests():
+    """The engine refusing a request of a batch (a ValueError: a 400) takes back those
+    of the batch it had added; anything else it raises is a 500. The thread goes on."""
+    llm = FakeLLM()
+    engine = EngineThread(llm)
+    params, sink = SamplingParams(max_tokens=2), queue.SimpleQueue()
+    engine.submit([("a", [1], params), ("b", [], params)], sink, tokens=True)
+    assert sink.get(timeout=WAIT) == ("error", None, 400, "empty prompt")
+    assert engine.call(lambda llm: (llm.running, llm.aborted)) == ({}, ["a"])
+
+    def add_request(ids, params, *, request_id):
+        raise RuntimeError("device lost")
+
+    engine.call(lambda llm: setattr(llm, "add_request", add_request))
+    engine.submit([("c", [1], params)], sink, tokens=True)
+    assert sink.get(timeout=WAIT) == ("error", None, 500, "device lost")
+    engine.stop()
+    assert sink.empty()  # no event of "a", nor a 503 at the stop
+
+
+def test_without_tokens_a_request_gets_its_done_event_only():
+    engine = EngineThread(FakeLLM())
+    sink = queue.SimpleQueue()
+    engine.submit([("r", [1, 2], SamplingParams(max_tokens=3))], sink, tokens=False)
+    kind, rid, out = sink.get(timeout=WAIT)
+    assert (kind, rid, len(out.tokens)) == ("done", "r", 3)
+    engine.stop()
+    assert sink.empty()
+
+
+def test_abort_counts_the_requests_it_aborts_and_ignores_the_rest():
+    """Unknown and finished ids are neither counted in num_aborted nor passed to the
+    engine; an aborted request gets no further event (not even the 503 of a stop)."""
+    engine = EngineThread(FakeLLM())
+    release = blocked(engine)
+    sink, done = queue.SimpleQueue(), queue.SimpleQueue()
+    engine.submit([("r", [1], SamplingParams(max_tokens=99))], sink, tokens=True)
+    engine.submit([("f", [1], SamplingParams(max_tokens=1))], done, tokens=False)
+    engine.abort(["r", "unknown"])
+    release.set()
+    assert done.get(timeout=WAIT)[:2] == ("done", "f")
+    engine.abort(["f", "r"])  # finished, aborted already
+    assert engine.call(lambda llm: llm.aborted) == ["r"] and engine.num_aborted == 1
+    engine.stop()
+    assert sink.empty()
+
+
+class FailingOnce(FakeLLM):
+    """Its first step fails (after aborting every request, as `LLM.step` recovers)."""
+
+    failed = False
+
+    def step(self, *, on_token=None):
+        if not self.failed:
+            self.failed = True
+            self.running.clear()
+            raise RuntimeError("injected")
+        return super().step(on_token=on_token)
+
+
+def test_a_failed_step_fails_its_requests_once_and_the_thread_goes_on(capsys):
+    engine = EngineThread(FailingOnce())
+    sink, later = queue.SimpleQueue(), queue.SimpleQueue()
+    engine.submit([("r", [1], SamplingParams(max_tokens=4))], sink, tokens=True)
+    assert sink.get(timeout=WAIT) == (
+        "error",
+        "r",
+        500,
+        "the engine step failed: RuntimeError: injected",
+    )
+    engine.submit([("s", [1], SamplingParams(max_tokens=2))], later, tokens=False)
+    assert later.get(timeout=WAIT)[:2] == ("done", "s")
+    assert engine.num_failed_steps == 1
+    engine.stop()
+    assert sink.empty() and later.empty()  # "r" got its error once (no 503 at the stop)
+    assert "RuntimeError: injected" in capsys.readouterr().err
+
+
 def test_real_engine_one_broken_stream_leaves_the_other_intact():
     """The same isolation with a real tiny LLM: the good request's tokens equal a run
     on its own (greedy)."""
