@@ -358,9 +358,13 @@ def chat_messages(messages) -> list[dict]:
 def _token_names(tok, context: list[int], token_ids: list[int]) -> dict[int, str]:
     """The names of one position's candidate tokens (the sampled one, its alternatives):
     each one's text where it stands, after `context` (the ids before it), so that a
-    SentencePiece token keeps the leading space a lone decode strips."""
+    SentencePiece token keeps the leading space a lone decode strips. The candidates are
+    named with their special tokens shown ("</s>"), but the context is read as the
+    completion's text reads it, without special tokens: after a prompt of special tokens
+    only (BOS), the text's first token has no leading space and neither has its name."""
     if tok is None:  # vLLM's name for a token without a tokenizer
         return {t: f"token_id:{t}" for t in token_ids}
+    context = [i for i in context if i not in tok.special_ids]
     texts = tok.decode_each(token_ids, skip_special_tokens=False, context=context)
     return dict(zip(token_ids, texts, strict=True))
 

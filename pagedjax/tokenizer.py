@@ -421,6 +421,11 @@ class Tokenizer:
         ids = self._check_ids(ids)
         return self._after(self._context(context, skip_special_tokens), ids, skip_special_tokens)
 
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """The ids `skip_special_tokens=True` drops (the added tokens marked special)."""
+        return self._special_ids
+
     def decode_each(
         self, ids: Iterable[int], *, skip_special_tokens: bool = True, context: Iterable[int] = ()
     ) -> list[str]:

@@ -23,6 +23,7 @@ class CharTokenizer:
 
     chat_template = "(stand-in)"
     chat_template_source = "the stand-in template"
+    special_ids = frozenset()
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
@@ -476,6 +477,31 @@ def test_logprobs_name_sentencepiece_tokens_as_they_read_in_the_text():
     head = api.render_logprobs(tok, gen[:2], entries[:2], 0, chat=False, context=prompt)
     tail = api.render_logprobs(tok, gen[2:], entries[2:], 0, chat=False, context=prompt + gen[:2])
     assert head["tokens"] + tail["tokens"] == lp["tokens"]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_logprob_names_read_the_prompt_as_the_text_does(chat):
+    """After a prompt of special tokens only ([BOS]), the completion's text starts
+    without a space ("the hello"): its first token's name did not (" the"), because the
+    names read the context with its special tokens shown, so the names no longer added
+    up to the text and completions' text_offsets ran past it. A shown special candidate
+    is still named ("</s>")."""
+    tok = Tokenizer(sentencepiece_style(), bos_token_id=1, eos_token_ids=[2])
+    gen = tok.encode("the hello", add_bos=False)
+    for prompt in ([1], [1, *tok.encode("the", add_bos=False)]):
+        text = tok.decode(gen, context=prompt)
+        entries = [{t: -0.5, 2: -3.0} for t in gen]
+        lp = api.render_logprobs(tok, gen, entries, 2, chat=chat, context=prompt)
+        if chat:
+            names = [c["token"] for c in lp["content"]]
+            assert all(c["top_logprobs"][1]["token"] == "</s>" for c in lp["content"])
+        else:
+            names = lp["tokens"]
+            spans = zip(lp["text_offset"], names, strict=True)
+            assert [text[o : o + len(s)] for o, s in spans] == names
+            assert all("</s>" in top for top in lp["top_logprobs"])
+        assert "".join(names) == text, (prompt, names, text)
+    assert tok.decode(gen, context=[1]) == "the hello"
 
 
 class CountingDecodes:
