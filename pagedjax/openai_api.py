@@ -151,7 +151,10 @@ def parse_job(
         )
     stream = bool_field(body, "stream")
     opts = body.get("stream_options")
-    if opts is not None:  # (without stream: no usage chunk to add, so it is moot)
+    if opts and not stream:  # as OpenAI and vLLM answer (null or {} pass, as in vLLM)
+        msg = f"stream_options needs stream=true, got stream_options={opts!r:.80}"
+        raise ApiError(400, msg, "stream_options")
+    if opts is not None:
         usage_ = opts.get("include_usage") if isinstance(opts, dict) else None
         if not isinstance(opts, dict) or not isinstance(usage_, (bool, type(None))):
             msg = f"stream_options must be {{include_usage: bool}}, got stream_options={opts!r:.80}"

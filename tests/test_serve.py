@@ -754,8 +754,9 @@ def test_a_step_failing_mid_stream_ends_it_with_an_error_event(server, monkeypat
     body = dict(prompt="def fail():", temperature=0, max_tokens=8, stream=True)
     status, text = request(server, "/v1/completions", body)
     assert status == 200 and fired  # the stream had started
-    *chunks, last, end = text.split("\n\n")
-    assert end == "" and chunks and "[DONE]" not in text
+    *chunks, last, done, end = text.split("\n\n")
+    assert (done, end) == ("data: [DONE]", "") and chunks  # then [DONE], as vLLM ends it
+    assert "[DONE]" not in "".join(chunks) and "error" not in "".join(chunks)
     err = json.loads(last[len("data: ") :])["error"]
     assert err["type"] == "server_error" and "injected failure" in err["message"]
     assert engine_state(server)[:2] == (False, 0)
