@@ -78,7 +78,7 @@ def test_admit_reserves_pages_and_slots_follow_the_page_table():
     bm = BlockManager(16, 4)
     assert bm.admit("a", prompt(10)) == 0
     table = bm.page_table("a")
-    assert len(table) == 3 and len(set(table)) == 3
+    assert table == [0, 1, 2]  # the free list pops page 0 first
     pos = np.arange(10)
     want = np.asarray(table)[pos // 4] * 4 + pos % 4
     np.testing.assert_array_equal(bm.slot_mapping("a", 0, 10), want)
@@ -384,6 +384,74 @@ def test_forced_collision_on_page_tokens_only(monkeypatch):
     bm.check_invariants()
 
 
+def test_evictable_hits_are_paid_for_at_admission():
+    """Taking a cached hit out of the evictable LRU uses up one of the free pages too."""
+    bm = BlockManager(4, 4)
+    toks = prompt(9)
+    computed(bm, "a", toks)  # pages 0, 1 cached, 2 partial
+    bm.free("a")  # 2 free, 2 evictable
+    before = snapshot(bm)
+    with pytest.raises(OutOfPages) as info:
+        bm.admit("b", toks[:8] + prompt(12))  # 2 hits and 3 new pages: 5 > 4
+    assert (info.value.needed, info.value.available) == (3, 2)
+    assert snapshot(bm) == before
+    assert bm.admit("b", toks[:8] + prompt(8)) == 8  # 2 hits and 2 new pages fit exactly
+    assert bm.num_free_pages == 0
+    bm.check_invariants()
+
+
+def test_uncache_frees_unreferenced_pages_with_the_pages_cached_under_them():
+    bm = BlockManager(4, 4)
+    toks = prompt(16)
+    computed(bm, "a", toks)  # pages 0-3, one chain
+    bm.free("a")
+    assert bm.uncache([2, 2]) == 2  # page 2 and page 3 under it; the repeat is skipped
+    s = bm.stats()
+    assert (s.num_free_pages, s.num_evictable_pages, s.num_cached_pages) == (2, 2, 2)
+    bm.check_invariants()
+    assert bm.admit("b", toks) == 8  # the rest of the chain is gone
+    bm.check_invariants()
+    # uncache() forgets every cached page, the last page id included.
+    bm = BlockManager(4, 4)
+    bm.admit("x", prompt(12))  # pages 0-2, nothing computed
+    computed(bm, "y", prompt(4))  # page 3: the root of its own chain
+    assert bm.stats().num_cached_pages == 1
+    assert bm.uncache() == 1 and bm.stats().num_cached_pages == 0
+    bm.check_invariants()
+
+
+# --------------------------------------------------------------- sliding window
+
+
+@pytest.mark.parametrize("window, released", [(1, 3), (2, 2), (5, 2), (6, 1), (9, 1), (10, 0)])
+def test_admit_takes_exactly_the_cached_pages_in_the_first_tokens_window(window, released):
+    """12 cached tokens: the first token to compute (12) sees keys > 12 - window; a page
+    is left out only when all four of its positions are below that."""
+    bm = BlockManager(16, 4)
+    toks = prompt(13)
+    computed(bm, "a", toks)
+    pages = bm.page_table("a")
+    bm.free("a")
+    assert bm.admit("b", toks, window=window) == 12
+    assert bm.page_table("b")[:3] == [-1] * released + pages[released:3]
+    bm.check_invariants()
+
+
+def test_release_before_gives_back_pages_tail_first():
+    """Pages released in one call enter the LRU tail first, as in free: an eviction then
+    takes the tail, and the head stays a prefix hit."""
+    bm = BlockManager(5, 4)
+    toks = prompt(13)
+    computed(bm, "a", toks)  # pages 0-2 cached, 3 partial; page 4 free
+    assert bm.release_before("a", 12) == 3
+    assert bm.slot_mapping("a", 4, 4).shape == (0,)  # an empty range reaches nothing
+    computed(bm, "x", prompt(8))  # page 4 and one eviction: the tail, page 2
+    assert (bm.stats().evictions, bm.page_table("x")) == (1, [4, 2])
+    bm.free("x")
+    assert bm.admit("b", toks) == 8
+    bm.check_invariants()
+
+
 # ----------------------------------------------------------- watermark, stats
 
 
@@ -523,6 +591,7 @@ BAD_CALLS = [
     (lambda bm: bm.can_admit(True), TypeError, "num_prompt_tokens.*True"),
     (lambda bm: bm.uncache([True]), TypeError, "pages.*True"),
     (lambda bm: bm.uncache(3), TypeError, "pages.*iterable.*3"),
+    (lambda bm: bm.uncache([0, 1, 8]), InvalidArgument, r"pages \[8\] are outside \[0, 8\)"),
     (lambda bm: bm.admit("x", [1], read_cache="no"), InvalidArgument, "read_cache='no'"),
     # one id where a batch of ids is expected used to be read as its characters
     (lambda bm: bm.page_tables("run"), InvalidArgument, "seq_ids.*'run'"),

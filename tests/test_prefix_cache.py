@@ -176,3 +176,22 @@ def test_any_str_salt_encodes_and_distinct_salts_stay_distinct():
     assert cache.lookup(toks, salt_bytes("\ud800"), 2)[0] == [0, 1]
     assert cache.lookup(toks, salt_bytes("\udfff"), 2)[0] == []
     assert cache.lookup(toks, salt_bytes(b"\xed\xa0\x80"), 2)[0] == []  # its UTF-8 bytes
+
+
+def test_a_collision_while_registering_stops_caching_the_sequence(monkeypatch):
+    # The hash of a page's tokens alone: equal pages collide under any parent and salt.
+    monkeypatch.setattr(
+        prefix_cache, "_digest", lambda data: hashlib.sha256(data[-8 * PS :]).digest()
+    )
+    cache = PrefixCache(8, PS)
+    x, y, z = page(), page(), page()
+    salt = salt_bytes("a")
+    cached(cache, [0, 1], x + y, salt)
+    other_parent = cached(cache, [2, 3], z + y, salt)  # y after z is not y after x
+    assert other_parent.hash is None and other_parent.num_pages == 1
+    other_salt = cached(cache, [4, 5], x + y)  # x under another salt
+    assert other_salt.hash is None and other_salt.num_pages == 0
+    assert [p for p, e in enumerate(cache.entries) if e is not None] == [0, 1, 2]
+    assert cache.lookup(z + y + page(), salt, 2)[0] == [2]
+    assert cache.lookup(x + y + page(), SALT, 2)[0] == []
+    assert check(cache) == []
