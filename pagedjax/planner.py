@@ -76,7 +76,9 @@ def _window_args(sliding_window, max_num_batched_tokens) -> tuple[int | None, in
     if w is not None and w < 1:
         raise ValueError(f"sliding_window must be None or positive, got sliding_window={w}")
     if budget < 1:
-        raise ValueError(f"max_num_batched_tokens must be positive, got {budget=}")
+        raise ValueError(
+            f"max_num_batched_tokens must be positive, got max_num_batched_tokens={budget}"
+        )
     return w, budget
 
 

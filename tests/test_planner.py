@@ -64,6 +64,42 @@ def test_plan_paged_vs_contiguous():
     assert p.paged_waste_fraction == pytest.approx(13 / 112)
 
 
+def test_plan_under_a_window_counts_the_positions_a_peak_holds():
+    # Window 6, chunks of 8: W - 1 + 8 = 13 positions span at most 4 pages of 4 slots, so
+    # 3 of the 16 slots hold no K/V at the peak; contiguous: a ring of W slots.
+    kw = dict(layers=2, kv_heads=2, head_dim=8, seq_len=10_000, page_size=4)
+    p = planner.plan(**kw, sliding_window=6, max_num_batched_tokens=8)
+    assert p.pages_per_sequence == p.window_pages == 4
+    assert p.paged_waste_fraction == pytest.approx(3 / 16)
+    assert p.contiguous_slots_per_sequence == 6
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(max_seq_len=99), "max_seq_len 99 < seq_len 100"),
+        (dict(watermark=1.0), "watermark=1.0"),
+        (dict(sliding_window=0), "sliding_window=0"),
+        (dict(memory_bytes=-1), "memory_bytes=-1"),
+        (dict(max_num_batched_tokens=0), "max_num_batched_tokens=0"),
+    ],
+)
+def test_plan_rejects_values_just_past_their_ranges(bad, match):
+    kw = dict(layers=2, kv_heads=2, head_dim=8, seq_len=100)
+    with pytest.raises(ValueError, match=match):
+        planner.plan(**kw, **bad)
+    edge = dict(max_seq_len=100, watermark=0.0, sliding_window=1, memory_bytes=0)
+    edge |= dict(max_num_batched_tokens=1)
+    planner.plan(**kw, **{k: edge[k] for k in bad})  # the last value in range is accepted
+
+
+def test_an_empty_batch_needs_no_bytes():
+    assert planner.kv_cache_bytes(2, 2, 8, seq_len=100, batch=0) == 0
+    assert planner.kv_cache_bytes(2, 2, 8, seq_len=0, batch=3) == 0
+    with pytest.raises(ValueError, match="batch=-1"):
+        planner.kv_cache_bytes(2, 2, 8, seq_len=100, batch=-1)
+
+
 def test_cli_json_prints_exact_integer(capsys):
     assert (
         planner.main(["--model", "llama3-70b", "--batch", "32", "--seq-len", "4096", "--json"]) == 0
@@ -82,6 +118,8 @@ def test_cli_explicit_shape_and_budget(capsys):
     # 16384 pages, 163 of them the watermark: 16221 // 256 (64 before the watermark counted)
     assert "budget         80.00 GiB: 16384 pages, 163 of them the watermark" in text
     assert "paged          63 sequences" in text
+    assert "contiguous     64 sequences preallocated at 4095 K/V slots for up to" in text
+    assert "ring" not in text  # no window: a slot per token
 
 
 def test_cli_missing_shape_is_an_error(capsys):
@@ -320,7 +358,7 @@ def test_cli_mistral_window_and_watermark(capsys):
     "flag,value,err",
     [
         ("--sliding-window", "-3", "sliding_window=-3"),
-        ("--max-batch-tokens", "0", "budget=0"),
+        ("--max-batch-tokens", "0", "max_num_batched_tokens=0"),
         ("--watermark", "1.5", "watermark=1.5"),
         ("--watermark", "nan", "watermark=nan"),
     ],
