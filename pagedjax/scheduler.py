@@ -55,15 +55,16 @@ sequence's pages that hold only positions below `c - W + 1` (`BlockManager.relea
 `c` its computed tokens): this step's queries and all later ones sit at `>= c`, and the
 page tables this step reads are taken after the release. A step still in flight may name
 those pages, but it runs before any step that reuses them. A prompt does not get all its
-pages on admission: a sequence holds at most `window_pages` = ceil((W - 2 +
+pages on admission: a sequence holds at most `window_pages` = ceil((max(W, 2) - 2 +
 max_num_batched_tokens) / page_size) + 1 pages at once (the W - 1 positions a chunk's
-first query sees, then the chunk), so admission reserves min(that, the prompt's pages)
-(`BlockManager.admit(..., peak_pages=, window=W)`: only the cached pages in the first
-chunk's window and one more are taken), and each chunk, after the release, allocates its
-pages out of that reservation (`BlockManager.grow`). Decode reserves and later admissions
-leave the reservations (`num_reserved_pages`) free; preemption, abort and finish drop them
-with the sequence, a computed prompt ends its own. `add` bounds a sequence by
-`window_pages`, not its length, so a cache of a few windows serves prompts of any length.
+first query sees, then the chunk; W = 1 keeps the last page too), so admission reserves
+min(that, the prompt's pages) (`BlockManager.admit(..., peak_pages=, window=W)`: only
+the cached pages in the first chunk's window and one more are taken), and each chunk,
+after the release, allocates its pages out of that reservation (`BlockManager.grow`).
+Decode reserves and later admissions leave the reservations (`num_reserved_pages`) free;
+preemption, abort and finish drop them with the sequence, a computed prompt ends its
+own. `add` bounds a sequence by `window_pages`, not its length, so a cache of a few
+windows serves prompts of any length.
 
 Frees requested between `schedule()` and the end of `commit()` (a sequence that
 finishes, an aborted request, a dropped beam) are deferred to the end of `commit()`:
@@ -177,8 +178,8 @@ class Scheduler:
     def window_pages(self) -> int | None:
         """Most pages a sequence holds at once under the sliding window (None: no window):
         the W - 1 positions before a chunk and the chunk, L = W - 1 + budget positions, span
-        at most ceil((L - 1) / page_size) + 1 pages (`planner.window_pages`, which the
-        capacity planner reports)."""
+        at most ceil((L - 1) / page_size) + 1 pages (W = 1: L = 1 + budget, the last page
+        is kept too; `planner.window_pages`, which the capacity planner reports)."""
         w = self.sliding_window
         if w is None:
             return None

@@ -104,6 +104,7 @@ class Sim:
     def step(self, on_apply=None):
         plan = self.sched.schedule()
         self.check_plan(plan)
+        starts = [r.start for r in plan.rows]  # the batch is sized with these (StepBatch)
         fed = {}
         if self.inflight is None:
             self.sched.commit(plan)
@@ -118,6 +119,8 @@ class Sim:
                 self.apply(prev, toks, on_apply)
                 self.sched.commit(plan)
         self.plans.append(plan)
+        for r, start in zip(plan.rows, starts, strict=True):
+            assert r.seq is None or r.start == start, "commit moved a row's position"
         if any(not r.decode or r.seq is not None for r in plan.rows):
             self.inflight = (plan, self.write_and_check(plan, fed))
         else:
@@ -128,6 +131,7 @@ class Sim:
         s = self.sched
         assert len(plan.rows) <= s.max_num_seqs
         assert sum(r.num_tokens for r in plan.rows) <= s.max_num_batched_tokens
+        assert all(r.num_tokens > 0 for r in plan.rows), "a row that feeds nothing"
         kinds = [r.decode for r in plan.rows]
         assert kinds == sorted(kinds, reverse=True), "decode rows come first"
 
@@ -204,8 +208,11 @@ def test_preempts_the_newest_group_and_requeues_it_first():
     assert b.status is SeqStatus.WAITING and a.status is SeqStatus.RUNNING
     assert list(sim.sched.waiting)[:2] == [b, c]  # at the front, ahead of c
     assert b.seqs[0].num_admitted == 0 and b.num_preemptions == 1
+    assert not any(r.live for p in sim.plans for r in p.rows if r.group is b)  # stale now
     sim.run()
     assert sim.done["b"].finished[0].token_ids == reference([9, 8, 7, 6, 5, 4, 3], 20)
+    # The readmission read b's own pages back; the request's hit is its first admission's.
+    assert sim.done["b"].finished[0].num_cached_tokens > 0 and b.num_cached_tokens == 0
 
 
 def test_commit_out_of_pages_preempts_the_newest_decoding_group():
@@ -231,6 +238,42 @@ def test_commit_out_of_pages_preempts_the_newest_decoding_group():
     sim.run()
     for rid, p in prompts.items():
         assert sim.done[rid].finished[0].token_ids == reference(p, 6)
+
+
+def test_commit_out_of_pages_spares_the_groups_prefilling_in_the_step():
+    """The commit's victims are groups with only decode rows: a group admitted in this step
+    (newer than both decoders) keeps its prefill row; the newest decoder goes."""
+    sim = Sim(num_pages=16, max_num_seqs=4, budget=16)
+    a, b = (sim.add(r, [3 + i] * PS, 6) for i, r in enumerate("ab"))  # appends need pages
+    sim.step()
+    d = sim.add("d", list(range(3, 11)), 2)
+    plan = sim.sched.schedule()
+    assert [(r.group, r.decode) for r in plan.rows] == [(a, True), (b, True), (d, False)]
+    prev, toks = sim.inflight
+    sim.apply(prev, toks, None)
+    sim.bm.admit("thief", list(range(sim.bm.num_free_pages * PS)))  # every free page
+    sim.sched.commit(plan)
+    assert [r.seq is not None for r in plan.rows] == [True, False, True]
+    assert sim.sched.running == [a, d] and list(sim.sched.waiting) == [b]
+    sim.bm.free("thief")
+    sim.plans.append(plan)
+    sim.inflight = (plan, sim.write_and_check(plan, {}))
+    sim.run()
+    for rid, p, k in (("a", [3] * PS, 6), ("b", [4] * PS, 6), ("d", list(range(3, 11)), 2)):
+        assert sim.done[rid].finished[0].token_ids == reference(p, k)
+
+
+def test_admission_leaves_the_pages_decode_appends_need():
+    sim = Sim(num_pages=4, budget=16)
+    a = sim.add("a", [3, 4, 5, 6], 12)  # a full page: its next token needs a new one
+    sim.step()
+    b = sim.add("b", list(range(3, 15)), 1)  # 3 pages: the free ones, one of them a's
+    plan = sim.step()
+    assert [r.group for r in plan.rows] == [a] and b.status is SeqStatus.WAITING
+    sim.run()
+    assert sim.sched.num_preemptions == 0
+    assert sim.done["a"].finished[0].token_ids == reference([3, 4, 5, 6], 12)
+    assert sim.done["b"].finished[0].token_ids == reference(range(3, 15), 1)
 
 
 def test_admission_keeps_the_watermark():
@@ -297,7 +340,8 @@ def test_abort_anywhere_frees_everything(in_flight):
             live = [g.request_id for g in s.sched.running + list(s.sched.waiting)]
             if live and rng.random() < 0.3:
                 rid = live[rng.integers(len(live))]
-                assert s.sched.abort(rid) is not None
+                g = s.sched.abort(rid)
+                assert not any(r.live for r in s.plans[-1].rows if r.group is g)  # stale
                 aborted.add(rid)
 
         for _ in range(int(rng.integers(1, 25))):
@@ -330,6 +374,8 @@ def test_add_rejects_what_can_never_run():
     sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=8)
     with pytest.raises(ValueError, match="request 'x' runs 3 sequences.*max_num_seqs=2"):
         sched.add(SequenceGroup("x", [Sequence(0, [1], 1, 4)], 3))
+    with pytest.raises(ValueError, match="request 'w' runs 3 sequences.*max_num_seqs=2"):
+        sched.add(SequenceGroup("w", [Sequence(9 + i, [1], 1, 4) for i in range(3)], 1))
     with pytest.raises(ValueError, match="request 'y' may need 25 KV pages"):
         sched.add(SequenceGroup("y", [Sequence(1, [1, 2], 2, 100)], 1))
     sched.add(SequenceGroup("z", [Sequence(2, [1, 2], 2, 10)], 1))
@@ -383,6 +429,48 @@ def test_beam_groups_need_a_page_per_beam_more():
     assert sched.max_pages_needed(beams) == 3 * (4 + 1)
 
 
+def test_a_new_beam_group_prefills_its_prompt_and_keeps_a_page_per_beam_row():
+    """A new beam group prefills its whole prompt in one row that samples; its decode step
+    plans a row per beam at the position fed, and reserves a page for each row (bound to
+    beams in the commit), which admission leaves free: a prompt that needs those pages
+    waits rather than get the beams preempted."""
+    sim = Sim(num_pages=8, budget=32)
+    prompt = [3, 4, 5, 6]  # a full page: the decode appends need new pages
+    beams = SequenceGroup("beams", [Sequence(next(sim.ids), list(prompt), 4, 6)], 2, atomic=True)
+    sim.sched.add(beams)
+    (row,) = sim.step().rows
+    assert (row.start, row.num_tokens, row.samples) == (0, 4, True)
+    other = sim.add("other", list(range(3, 31)), 1)  # 7 pages: every free one
+    plan = sim.step()
+    assert [(r.group, r.decode, r.start) for r in plan.rows] == [(beams, True, 4)] * 2
+    assert other.status is SeqStatus.WAITING
+    sim.run()
+    assert sim.sched.num_preemptions == 0
+    assert sim.done["beams"].finished[0].token_ids == reference(prompt, 2)
+    assert sim.done["other"].finished[0].token_ids == reference(range(3, 31), 1)
+
+
+def test_readmitted_beams_prefill_in_order_then_step_together():
+    """A beam group readmitted after preemption (its beams hold generated tokens) prefills
+    each beam but its last token, beam by beam, a chunk of the budget a step; its beams
+    feed their last tokens together, once every one is computed."""
+    sim = Sim(budget=4)
+    prompt = [3, 4, 5]
+    gens = ([7, 8, 9, 10, 11, 12], [7, 8, 9, 10, 11, 13], [7, 8, 9, 10, 14, 15])
+    seqs = [Sequence(next(sim.ids), prompt + g, 3, 12, i) for i, g in enumerate(gens)]
+    beams = SequenceGroup("beams", seqs, 3, atomic=True)
+    sim.sched.add(beams)
+    chunks = []
+    while not (plan := sim.step()).rows[0].decode:
+        chunks += [(seqs.index(r.seq), r.start, r.num_tokens) for r in plan.rows]
+    assert chunks == [(i, start, 4) for i in range(3) for start in (0, 4)]
+    assert sorted(seqs.index(r.seq) for r in plan.rows) == [0, 1, 2]
+    assert [(r.decode, r.start) for r in plan.rows] == [(True, 8)] * 3
+    sim.run()
+    for s, g in zip(sim.done["beams"].finished, gens, strict=True):
+        assert s.token_ids == reference(prompt + g, 3)
+
+
 @pytest.mark.parametrize("in_flight", [False, True], ids=["sync", "async"])
 def test_add_bounds_a_window_sequence_by_the_tokens_it_feeds(in_flight):
     """Under a sliding window: the fewer of ceil((max_num_tokens - 1) / page_size) and
@@ -412,9 +500,11 @@ def test_add_bounds_a_window_sequence_by_the_tokens_it_feeds(in_flight):
     [
         (dict(max_num_seqs=0, max_num_batched_tokens=8), "max_num_seqs=0"),
         (dict(max_num_seqs=8, max_num_batched_tokens=4), "max_num_batched_tokens=4"),
+        (dict(max_num_seqs=8, max_num_batched_tokens=7), "max_num_batched_tokens=7"),
         (dict(max_num_seqs=2.5, max_num_batched_tokens=8), "max_num_seqs=2.5"),
     ],
 )
 def test_bad_limits(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Scheduler(BlockManager(8, PS), **kwargs)
+    Scheduler(BlockManager(8, PS), max_num_seqs=8, max_num_batched_tokens=8)

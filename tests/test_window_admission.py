@@ -348,6 +348,23 @@ def test_full_attention_plans_are_unchanged(in_flight):
     assert full_attention_plans(in_flight) == FULL_ATTENTION_PLANS[in_flight]
 
 
+@pytest.mark.parametrize("w,budget", [(4, 4), (5, 5), (3, 6)])
+def test_one_token_pages_leave_the_window_as_soon_as_it_passes_them(w, budget):
+    """page_size 1: a chunk ending at c = W computed tokens puts position 0 out of every
+    later window, so its page goes back before the next chunk grows: the prompt holds at
+    most (and reaches) window_pages = W - 1 + budget pages."""
+    bm = BlockManager(64, 1, enable_prefix_caching=False, watermark=0.0)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=budget, sliding_window=w)
+    seq = Sequence(0, list(range(3, 40)), 37, 38)
+    sched.add(SequenceGroup("a", [seq], 1))
+    most = 0
+    while seq.num_computed < 37:
+        sched.commit(sched.schedule())
+        most = max(most, len(held(bm, 0)))
+        bm.check_invariants()
+    assert most == sched.window_pages == w - 1 + budget
+
+
 def test_add_bounds_a_window_request_by_its_window():
     bm = BlockManager(7, PS, max_model_len=4096)
     sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=8, sliding_window=6)
