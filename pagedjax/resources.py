@@ -133,9 +133,15 @@ def plan_num_pages(
     `max_model_len` tokens can use on top of the `watermark` (`LLM(watermark=)`) of
     pages admission keeps free. `kv_dtype`: the cache's storage dtype (default the
     model's).
+
+    Raises:
+      ValueError: a bad fraction, watermark or size (named), or no page fits.
     """
-    if not 0 < kv_memory_fraction <= 1:
+    f, w = kv_memory_fraction, watermark
+    if isinstance(f, bool) or not isinstance(f, numbers.Real) or not 0 < f <= 1:
         raise ValueError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction=}")
+    if isinstance(w, bool) or not isinstance(w, numbers.Real) or not 0 <= w < 1:
+        raise ValueError(f"watermark must be in [0, 1), got {watermark=}")
     for name, value in (
         ("page_size", page_size),
         ("max_num_seqs", max_num_seqs),
@@ -175,9 +181,8 @@ def plan_num_pages(
 
 
 def _pages_beside_watermark(need: int, watermark: float) -> int:
-    """Fewest pages N that leave `need` once `BlockManager` keeps int(watermark * N) free."""
-    if not 0 <= watermark < 1:
-        raise ValueError(f"watermark must be in [0, 1), got {watermark=}")
+    """Fewest pages N that leave `need` once `BlockManager` keeps int(watermark * N) free
+    (`watermark` in [0, 1))."""
     n = math.ceil(need / (1 - watermark))
     while n - int(watermark * n) < need:  # float rounding
         n += 1

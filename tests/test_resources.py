@@ -1,5 +1,7 @@
 """`resources.load_model`: each kind of LLM source, and the dtype override on each."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -49,7 +51,9 @@ def test_plan_num_pages_names_a_bad_size(kwargs, match):
 
 
 @pytest.mark.parametrize("watermark", [0.01, 0.2, 0.0])
-@pytest.mark.parametrize("page_size, max_num_seqs, max_model_len", [(4, 1, 512), (16, 64, 512)])
+@pytest.mark.parametrize(
+    "page_size, max_num_seqs, max_model_len", [(4, 1, 512), (16, 64, 512), (16, 3, 100)]
+)
 def test_cpu_pages_leave_max_num_seqs_sequences_beside_the_watermark(
     watermark, page_size, max_num_seqs, max_model_len
 ):
@@ -95,3 +99,75 @@ def test_plan_num_pages_takes_a_fraction_of_the_free_device_memory():
     full = _Device(dict(bytes_limit=1000 * per_page, bytes_in_use=1001 * per_page))
     with pytest.raises(ValueError, match=f"-{per_page} bytes free"):  # the weights took it all
         resources.plan_num_pages(cfg, 16, device=full, **kw)
+
+
+def test_plan_num_pages_keeps_slot_ids_in_int32():
+    cfg = PRESETS["tiny"]
+    kw = dict(kv_memory_fraction=1.0, max_num_seqs=1, max_model_len=64)
+    n = resources.plan_num_pages(cfg, 16, device=_Device(dict(bytes_limit=2**60)), **kw)
+    assert n == (2**31 - 1) // 16 - 1 and n * 16 < 2**31  # what BlockManager accepts
+
+
+def test_plan_num_pages_refuses_memory_that_holds_no_page():
+    cfg = PRESETS["tiny"]
+    shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+    per_page = 16 * planner.kv_bytes_per_token(*shape)
+    kw = dict(max_num_seqs=1, max_model_len=64)
+    almost = _Device(dict(bytes_limit=2 * per_page - 2, bytes_in_use=0))
+    with pytest.raises(ValueError, match=f"{2 * per_page - 2} bytes free.*page of {per_page}"):
+        resources.plan_num_pages(cfg, 16, kv_memory_fraction=0.5, device=almost, **kw)
+    tiny_fraction = per_page / 2 / resources._CPU_KV_BUDGET
+    with pytest.raises(ValueError, match=f"kv_memory_fraction={tiny_fraction}.*no page"):
+        resources.plan_num_pages(
+            cfg, 16, kv_memory_fraction=tiny_fraction, device=_Device(None), **kw
+        )
+
+
+@pytest.mark.parametrize("stats", [None, dict(bytes_limit=2**30)], ids=["cpu", "device"])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(watermark=1.0), "watermark=1.0"),  # divided by zero
+        (dict(watermark=-0.1), "watermark=-0.1"),
+        (dict(watermark=True), "watermark=True"),
+        (dict(kv_memory_fraction="0.5"), "kv_memory_fraction='0.5'"),  # a TypeError
+        (dict(kv_memory_fraction=True), "kv_memory_fraction=True"),  # taken as 1.0
+    ],
+)
+def test_plan_num_pages_names_a_bad_fraction_on_every_device(stats, kwargs, match):
+    # A bad watermark was refused on the CPU only: with memory stats it went unchecked.
+    kw = dict(kv_memory_fraction=0.5, max_num_seqs=1, max_model_len=64, device=_Device(stats))
+    with pytest.raises(ValueError, match=re.escape(match)):
+        resources.plan_num_pages(PRESETS["tiny"], 16, **(kw | kwargs))
+
+
+def test_check_backend():
+    import jax
+
+    assert resources.check_backend("xla") == "xla" and resources.check_backend("auto") == "auto"
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        resources.check_backend("cuda")
+    missing = "tpu" if jax.default_backend() != "tpu" else "gpu"
+    with pytest.raises(ValueError, match=f"backend='{missing}' needs a {missing.upper()}"):
+        resources.check_backend(missing)
+    assert resources.check_backend(missing, interpret=True) == missing  # interpret mode
+
+
+def test_a_model_config_gets_random_weights_in_the_dtype_asked_for():
+    cfg, params, tok, desc = resources.load_model(PRESETS["tiny"], dtype="bfloat16", seed=4)
+    assert cfg.dtype == "bfloat16" and params.config == cfg and desc.startswith("random")
+    assert {str(a.dtype) for a in model.params_to_flat(params).values()} == {"bfloat16"}
+    assert tok is not None  # the tiny preset's vocabulary holds the 256 byte ids
+    again = model.params_to_flat(resources.load_model(PRESETS["tiny"], seed=4)[1])
+    for key, value in model.params_to_flat(model.init_params(PRESETS["tiny"], 4)).items():
+        np.testing.assert_array_equal(again[key], value)  # `seed` draws them
+
+
+def test_sharded_params_are_not_cast():
+    from pagedjax import sharding
+
+    params = model.init_params(PRESETS["tiny"], seed=3)
+    sharded = sharding.shard_params(params, sharding.make_mesh(1))
+    with pytest.raises(ValueError, match="dtype='bfloat16' differs.*sharded over a mesh"):
+        resources.load_model(sharded, dtype="bfloat16")
+    assert resources.load_model(sharded, dtype="float32")[1] is sharded
