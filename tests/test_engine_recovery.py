@@ -298,3 +298,82 @@ def test_a_recovery_that_fails_says_so_on_the_original_exception(params, monkeyp
         llm.generate(PROMPTS[:1], SPS[:1])
     (note,) = info.value.__notes__
     assert "MemoryError('no room for a new cache')" in note and "create a new LLM" in note
+
+
+def test_a_failed_schedule_uncaches_every_page(params, want, monkeypatch):
+    """`schedule()` registers the prefill pages it plans before failing: without a plan
+    recovery cannot tell which, so the whole prefix cache goes (the step's full page of
+    PROMPTS[1] holds no K/V and must not be hit)."""
+    llm = LLM(params, **GEOMETRY)
+    llm.generate([WARM], SPS[0])
+    real = llm.scheduler.schedule
+
+    def schedule():
+        real()
+        raise Injected("in schedule, after planning")
+
+    monkeypatch.setattr(llm.scheduler, "schedule", schedule)
+    with pytest.raises(Injected):
+        llm.generate(PROMPTS, SPS)
+    monkeypatch.undo()
+    check_recovered(llm)
+    assert llm.block_manager.stats().num_cached_pages == 0
+    check_reusable(llm, want, cache_kept=False)
+
+
+def test_unwritten_pages_are_the_rows_pages_and_each_decode_rows_last():
+    from types import SimpleNamespace
+
+    from pagedjax.blocks import BlockManager
+    from pagedjax.recovery import unwritten_pages
+    from pagedjax.sequence import ScheduledRow, StepPlan
+
+    assert unwritten_pages(None, BlockManager(8, 4), 4) is None  # schedule() failed: all
+    bm = BlockManager(16, 4)
+    bm.admit("a", list(range(3, 13)))  # 10 tokens: 3 pages
+    last = bm.page_table("a")[-1]
+
+    def row(slots=None, seq_id=None, decode=False):
+        seq = None if seq_id is None else SimpleNamespace(seq_id=seq_id)
+        slots = None if slots is None else np.asarray(slots, np.int32)
+        return ScheduledRow(None, seq, 0, 0, 1, decode, False, slots=slots)
+
+    plan = StepPlan(
+        rows=[
+            row([0]),  # page 0: slot 0 is a slot
+            row([-1, 21, 22, 23, 24, -1]),  # pages 5 and 6; -1 (dropped tokens) is none
+            row(seq_id="a", decode=True),  # before commit gave it a slot: its last page
+            row(decode=True),  # dead decode row
+            row(seq_id="gone", decode=True),  # its sequence was freed meanwhile
+            row([63], seq_id="a"),  # a prefill row: its slots only
+        ]
+    )
+    assert unwritten_pages(plan, bm, 4) == sorted({0, 5, 6, 15, last})
+
+
+def test_cache_lost_when_a_leaf_is_deleted_or_fails_on_the_device():
+    from pagedjax.recovery import cache_lost
+
+    class FailedOutput:  # the output of a step that failed on the device
+        def is_deleted(self):
+            return False
+
+        def block_until_ready(self):
+            raise RuntimeError("device error")
+
+    cache = [jax.numpy.zeros(3), jax.numpy.ones(2)]
+    assert not cache_lost(cache)
+    assert cache_lost([*cache, FailedOutput()])
+    cache[1].delete()
+    assert cache_lost(cache)
+
+
+def test_the_note_says_what_recovery_did():
+    from pagedjax.recovery import note
+
+    ids = [f"r{i}" for i in range(10)]
+    n = note(ids, 3, True)
+    assert "aborted 10 request(s)" in n and "'r7']..." in n and "r8" not in n
+    assert "3 other(s) still queued" in n and "KV cache was re-created" in n
+    n = note(["a"], 0, False)
+    assert n.endswith("aborted 1 request(s) ['a']")

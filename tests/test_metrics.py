@@ -178,3 +178,62 @@ def test_empty_summary_has_no_rates():
         assert s[key] is None
     assert s["ttft_p50_s"] is None and s["host_hidden_ms_per_step"] is None
     assert s["num_steps"] == 0 and s["kv_utilization"] == 0
+
+
+def _step(dispatched_at: float, *, prefill: int = 0, decode: int = 1, compiled: bool = False):
+    return StepRecord(
+        1, prefill, decode, not prefill, 10, 2, compiled, 0.1, 0.2, 0.3, 0.5, dispatched_at
+    )
+
+
+def test_reset_clears_everything_but_the_load_time():
+    m = EngineMetrics(kv_bytes_per_token=8)
+    fresh = summarize(m)
+    m.load_time_s = 1.5
+    for i, compiled in enumerate((True, False, False)):
+        rec = _step(float(i), prefill=5 * (i == 0), compiled=compiled)
+        m.record(rec, int(compiled))
+        m.complete(rec, i + 0.5)  # the last one stays pending until the next record()
+    m.record_request(3, 0.2, 0.9)
+    m.generated_tokens, m.run_time_s = 7, 4.0
+    m.reset()
+    assert not m.steps and summarize(m) == fresh | dict(load_time_s=1.5)
+    rec = _step(10.0)  # a new run: nothing of the old one's pending step counts
+    m.record(rec)
+    m.complete(rec, 10.25)
+    s = summarize(m)
+    assert s["device_time_s"] == pytest.approx(0.25) and s["decode_tokens_per_s"] == 4
+    assert s["num_steps"] == 1 and s["kv_bytes_read"] == 80
+
+
+def test_totals_count_steps_past_max_records():
+    m = EngineMetrics(kv_bytes_per_token=8, max_records=2)
+    for i in range(5):
+        rec = _step(float(i), compiled=i == 0)
+        m.record(rec, int(i == 0))
+        m.complete(rec, i + 0.5)
+    s = summarize(m)
+    assert len(m.steps) == 2 and s["num_steps"] == 5 and s["kv_bytes_read"] == 5 * 80
+    assert s["device_time_s"] == pytest.approx(2.5) and s["num_compilations"] == 1
+    assert s["host_hidden_ms_per_step"] == pytest.approx(100)  # the 4 uncompiled steps
+
+
+def test_a_request_without_a_first_token_counts_in_latency_only():
+    m = EngineMetrics(kv_bytes_per_token=8)
+    m.record_request(4, 0.5, 1.0)
+    m.record_request(6, None, 3.0)  # aborted before its first token
+    s = summarize(m)
+    assert s["num_requests"] == 2 and s["num_prompt_tokens"] == 10
+    assert s["ttft_mean_s"] == 0.5 and s["latency_mean_s"] == 2.0
+
+
+def test_a_decode_step_carrying_one_token_prefill_chunks_counts_as_prefill():
+    # decode_step runs whenever every row feeds one token, prefill chunks of one included;
+    # "decode tokens/s" is over pure decode steps only.
+    m = EngineMetrics(kv_bytes_per_token=8)
+    mixed = StepRecord(3, 2, 1, True, 30, 2, False, 0, 0, 0, 0.1, 1.0)
+    m.record(mixed)
+    m.complete(mixed, 1.5)
+    s = summarize(m)
+    assert s["prefill_tokens_per_s"] == pytest.approx(2 / 0.5)
+    assert s["decode_tokens_per_s"] is None

@@ -45,3 +45,9 @@ def test_too_few_devices_names_which_devices_were_counted():
     with pytest.raises(ValueError, match=rf"only {n} are present \(cpu: jax.devices\(\)\)"):
         sharding.make_mesh(n + 1)
     assert sharding.tensor_parallel_size(sharding.make_mesh(1, CFG, devices=one)) == 1
+
+
+def test_make_mesh_checks_the_model_before_building_the_mesh():
+    three = jax.devices()[:1] * 3  # enough devices counted: the model's split is what fails
+    with pytest.raises(ValueError, match="tensor_parallel=3 must divide .* num_heads=4"):
+        sharding.make_mesh(3, CFG, devices=three)
