@@ -142,18 +142,34 @@ def save_params(params: Params, path, *, overwrite: bool = False) -> None:
 
 
 def read_orbax_config(path) -> ModelConfig:
-    """The config stored in a pagedjax orbax checkpoint directory."""
+    """The config stored in a pagedjax orbax checkpoint directory.
+
+    Raises:
+      FileNotFoundError: no pagedjax_checkpoint.json there.
+      ValueError: naming that file, when it is not JSON, not a version 1 pagedjax
+        checkpoint's, or holds no valid config.
+    """
     root = Path(path)
     meta_file = root / ORBAX_META_FILE
     if not meta_file.is_file():
         raise FileNotFoundError(f"{root} is not a pagedjax orbax checkpoint: no {ORBAX_META_FILE}")
-    meta = json.loads(meta_file.read_text())
+    try:
+        meta = json.loads(meta_file.read_bytes())
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both
+        raise ValueError(f"{meta_file} is not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_file} must hold a JSON object, got a {type(meta).__name__}")
     if meta.get("format") != _ORBAX_FORMAT or meta.get("version") != _ORBAX_VERSION:
         raise ValueError(
             f"{meta_file}: unsupported format {meta.get('format')!r} version "
             f"{meta.get('version')!r}; expected {_ORBAX_FORMAT!r} version {_ORBAX_VERSION}"
         )
-    return config_from_json(meta["config"])
+    if not isinstance(meta.get("config"), dict):
+        raise ValueError(f'{meta_file} has no "config" object')
+    try:
+        return config_from_json(meta["config"])
+    except (TypeError, ValueError) as e:  # e.g. a missing field, or a bad value
+        raise ValueError(f"{meta_file}: bad config: {e}") from None
 
 
 def restore_params(path, cfg: ModelConfig | None = None, *, dtype=None) -> Params:

@@ -274,3 +274,71 @@ def test_every_flag_is_in_the_docstring_and_the_readme():
     assert not sorted(f for f in flags if f not in paragraph)
     assert not sorted(f for f in flags if f not in chat_cli.__doc__)
     assert "python scripts/chat.py --checkpoint" in readme
+
+
+def test_sampling_flags_and_defaults_reach_the_engine(ckpt, capsys, monkeypatch):
+    """Every reply's SamplingParams: the flags given, else chat's defaults (temperature
+    0.7, 256 tokens, seed 0), and the engine flags to `LLM`."""
+    seen = []
+    init = LLM.__init__
+
+    def spy_init(self, *args, **kwargs):
+        seen.append(kwargs)
+        init(self, *args, **kwargs)
+
+    def stop(self, prompts, sp, **kwargs):  # a Ctrl-C mid-reply: the turn is dropped
+        seen.append(sp)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LLM, "__init__", spy_init)
+    monkeypatch.setattr(LLM, "generate", stop)
+    argv = ["--checkpoint", ckpt, "--backend", "xla", *GEOMETRY]
+    rc, _, err = run(argv, ["hi"], capsys, monkeypatch)
+    assert rc == 0 and err.count("[interrupted]") == 1, err
+    assert seen[1] == SamplingParams(temperature=0.7, max_tokens=256, seed=0)
+    assert seen[0]["seed"] == 0 and seen[0]["page_size"] == 8 and seen[0]["num_pages"] == 64
+    seen.clear()
+    argv += ["--temperature", "0.5", "--top-k", "7", "--top-p", "0.9", "--min-p", "0.05"]
+    argv += ["--repetition-penalty", "1.1", "--presence-penalty", "0.3"]
+    argv += ["--frequency-penalty", "0.2", "--min-tokens", "1", "--logit-bias", '{"5": -2}']
+    argv += ["--seed", "11", "--max-tokens", "9", "--max-model-len", "100"]
+    rc, _, err = run(argv, ["hi"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert seen[1] == SamplingParams(
+        max_tokens=9,
+        temperature=0.5,
+        top_k=7,
+        top_p=0.9,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        presence_penalty=0.3,
+        frequency_penalty=0.2,
+        min_tokens=1,
+        logit_bias={5: -2},
+        seed=11,
+    )
+    assert seen[0]["seed"] == 11 and seen[0]["max_model_len"] == 100
+
+
+def test_stats_line_rate_counts_the_tokens_after_the_first():
+    from types import SimpleNamespace as NS
+
+    def out(n, ttft, latency):
+        c = NS(token_ids=list(range(n)), finish_reason="length")
+        kw = dict(prompt_token_ids=[1] * 12, num_cached_tokens=8)
+        return NS(outputs=[c], ttft_s=ttft, latency_s=latency, **kw)
+
+    line = chat_cli.stats_line(out(5, 0.5, 1.5))  # 4 tokens in the second after the first
+    assert line == "[prompt 12 tokens (8 cached), reply 5 tokens (length), TTFT 0.500 s, 4.0 tok/s]"
+    assert chat_cli.stats_line(out(1, 0.5, 0.7)).endswith("TTFT 0.500 s, n/a]")  # one token
+    assert chat_cli.stats_line(out(3, None, 0.7)).endswith("TTFT n/a, n/a]")
+
+
+def test_a_line_starting_with_a_slash_and_more_words_is_a_message(ckpt, calls, capsys, monkeypatch):
+    """Only a single word like /reset is a command; "/usr/bin is where?" is sent."""
+    rc, out, err = run(base(ckpt, "--max-tokens", "2"), ["/usr/bin is where?"], capsys, monkeypatch)
+    assert rc == 0 and "unknown command" not in err, err
+    tok = Tokenizer.from_dir(ckpt)
+    assert [ids for ids, _ in calls] == [
+        tok.encode_chat([{"role": "user", "content": "/usr/bin is where?"}])
+    ]

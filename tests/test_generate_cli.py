@@ -555,3 +555,201 @@ def test_chat_template_bad_input_before_loading_weights(ckpt, tmp_path, capsys, 
         rc, out, err = run(["--checkpoint", ckpt, "--prompt", "hi", *extra], capsys)
         assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
         assert match in err and out == "", err
+
+
+def capture_engine(monkeypatch) -> dict:
+    """Records `LLM.__init__`'s keyword arguments and the `SamplingParams` that
+    `LLM.generate` is sent, which then stops the run (a Ctrl-C: status 130)."""
+    from pagedjax.engine import LLM
+
+    seen = {}
+    init = LLM.__init__
+
+    def spy_init(self, *args, **kwargs):
+        seen["init"] = kwargs
+        init(self, *args, **kwargs)
+
+    def stop(self, prompts, sp, **kwargs):
+        seen["sp"] = sp
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LLM, "__init__", spy_init)
+    monkeypatch.setattr(LLM, "generate", stop)
+    return seen
+
+
+def test_every_sampling_and_engine_flag_reaches_the_engine(ckpt, capsys, monkeypatch):
+    from pagedjax.engine import SamplingParams
+
+    seen = capture_engine(monkeypatch)
+    argv = ["--checkpoint", ckpt, "--prompt", "hi", "--backend", "xla", *GEOMETRY]
+    argv += ["--temperature", "0.5", "--top-k", "7", "--top-p", "0.9", "--min-p", "0.05"]
+    argv += ["--repetition-penalty", "1.1", "--presence-penalty", "0.3"]
+    argv += ["--frequency-penalty", "0.2", "--min-tokens", "1", "--logit-bias", '{"5": -2}']
+    argv += ["--seed", "11", "--max-tokens", "9", "--n", "2", "--logprobs", "1"]
+    argv += ["--prompt-logprobs", "2", "--no-prefix-caching", "--no-async-scheduling"]
+    rc, _, err = run(argv, capsys)
+    assert rc == 130, err
+    assert seen["sp"] == SamplingParams(
+        n=2,
+        max_tokens=9,
+        temperature=0.5,
+        top_k=7,
+        top_p=0.9,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        presence_penalty=0.3,
+        frequency_penalty=0.2,
+        min_tokens=1,
+        logit_bias={5: -2},
+        seed=11,
+        logprobs=1,
+        prompt_logprobs=2,
+    )
+    init = seen["init"]
+    assert init["enable_prefix_caching"] is False and init["async_scheduling"] is False
+    assert init["seed"] == 11 and init["page_size"] == 8 and init["num_pages"] == 64
+    assert init["max_num_batched_tokens"] == 16 and init["max_num_seqs"] == 16
+
+
+def test_flag_defaults():
+    """The defaults the README and --help give: greedy, 64 tokens, pages of 16 tokens, a
+    1024-token step budget, 64 sequences, prefix caching and async scheduling on."""
+    args = gen.build_parser().parse_args([])
+    assert gen.sampling_kwargs(args) == dict(
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        min_tokens=0,
+        logit_bias=None,
+        seed=0,
+    )
+    assert (args.max_tokens, args.n, args.beam_width) == (64, 1, 1)
+    assert not args.no_prefix_caching and not args.no_async_scheduling
+    assert gen.engine_kwargs(args) == dict(
+        page_size=16,
+        num_pages=None,
+        kv_memory_fraction=None,
+        max_num_seqs=64,
+        max_num_batched_tokens=1024,
+        backend="auto",
+        tensor_parallel=1,
+        kv_cache_dtype="auto",
+        max_model_len=None,
+    )
+
+
+def test_kv_memory_fraction_one_is_allowed():
+    """(0, 1]: all the free memory is a valid choice, past it is not."""
+    parse = gen.build_parser().parse_args
+    gen.check_engine_flags(parse(["--kv-memory-fraction", "1"]))
+    with pytest.raises(gen.BadInput, match=r"must be in \(0, 1\], got 1.01"):
+        gen.check_engine_flags(parse(["--kv-memory-fraction", "1.01"]))
+
+
+@pytest.mark.parametrize(
+    "flag", ["--page-size", "--num-pages", "--max-batch-tokens", "--tensor-parallel"]
+)
+def test_engine_sizes_below_one_are_refused_before_loading(ckpt, capsys, monkeypatch, flag):
+    from pagedjax.engine import LLM
+
+    monkeypatch.setattr(LLM, "__init__", lambda *a, **k: pytest.fail("weights were loaded"))
+    rc, out, err = run(["--checkpoint", ckpt, "--prompt", "hi", flag, "0"], capsys)
+    assert rc == 2 and err == f"error: {flag} must be >= 1, got 0\n" and out == "", err
+
+
+def test_the_length_note_starts_where_max_tokens_no_longer_fits(ckpt, capsys, monkeypatch):
+    """A prompt of 492 tokens leaves exactly --max-tokens 20 under the model's 512: no
+    note; one more token and the completion would be cut, which is said."""
+    capture_engine(monkeypatch)
+    argv = ["--checkpoint", ckpt, "--max-tokens", "20", "--backend", "xla", *GEOMETRY]
+    rc, _, err = run([*argv, "--prompt", "x" * 492], capsys)
+    assert rc == 130 and "note:" not in err, err
+    rc, _, err = run([*argv, "--prompt", "x" * 493], capsys)
+    assert rc == 130 and "leaves less than --max-tokens 20 after prompt 0 (19)" in err, err
+
+
+def test_streamed_text_is_the_completions_text(ckpt, capsys, monkeypatch):
+    """A single prompt streams: the prompt, then the text token by token, with the
+    decoder's held-back bytes flushed at the end (token 195 is a UTF-8 lead byte that no
+    continuation byte follows here, so all of this text comes from that flush)."""
+    outs = []
+    from pagedjax.engine import LLM
+
+    generate = LLM.generate
+
+    def spy(self, *args, **kwargs):
+        outs.extend(generate(self, *args, **kwargs))
+        return outs
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    argv = ["--checkpoint", ckpt, "--prompt", "def f(x):", "--backend", "xla", *GEOMETRY]
+    for extra in ([], ["--logit-bias", '{"195": 100}']):
+        outs.clear()
+        rc, out, err = run([*argv, "--max-tokens", "4", *extra], capsys)
+        assert rc == 0, err
+        (c,) = outs[0].outputs
+        assert c.text, c
+        assert out.startswith(f"model: checkpoint {ckpt}\ndef f(x):{c.text}\nmodel "), out
+    assert c.text == "\ufffd" * 4
+
+
+def test_batch_output_shows_each_completion(ckpt, capsys, monkeypatch):
+    """More than one prompt, or --n > 1, is not streamed: each prompt's completions are
+    listed after a header, tagged [index] only when there are several."""
+    outs = []
+    from pagedjax.engine import LLM
+
+    generate = LLM.generate
+
+    def spy(self, *args, **kwargs):
+        outs.extend(generate(self, *args, **kwargs))
+        return outs
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    argv = ["--checkpoint", ckpt, "--max-tokens", "3", "--backend", "xla", *GEOMETRY]
+    for prompts, extra in ((["ab", "cd"], []), (["ab"], ["--n", "2", "--temperature", "1"])):
+        outs.clear()
+        rc, out, err = run([*argv, *extra, *(x for p in prompts for x in ("--prompt", p))], capsys)
+        assert rc == 0, err
+        want = f"model: checkpoint {ckpt}\n"
+        for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+            want += f"--- prompt {i} ({len(o.prompt_token_ids)} tokens)\n"
+            for c in o.outputs:
+                tag = f" [{c.index}]" if len(o.outputs) > 1 else ""
+                want += f"{p}{c.text}{tag} ({c.finish_reason})\n"
+        assert out.startswith(want + "model "), out
+    assert [c.index for c in outs[0].outputs] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "meta, match",
+    [
+        ("{bad", "pagedjax_checkpoint.json is not valid JSON"),
+        ("[1]", "pagedjax_checkpoint.json must hold a JSON object, got a list"),
+        ('{"format": "pagedjax.orbax", "version": 1}', 'has no "config" object'),
+        (
+            '{"format": "pagedjax.orbax", "version": 1, "config": {"num_layers": 1}}',
+            "pagedjax_checkpoint.json: bad config: ",
+        ),
+        ('{"format": "pagedjax.orbax", "version": 2, "config": {}}', "unsupported format"),
+        (
+            '{"format": "pagedjax.orbax", "version": 1, "config": {"num_layers": 1, "x": 0}}',
+            "bad config: unknown ModelConfig fields ['x'] in the stored config",
+        ),
+    ],
+)
+def test_a_broken_orbax_checkpoint_file_is_named(ckpt, tmp_path, capsys, meta, match):
+    """A pagedjax_checkpoint.json that is not JSON said only "Expecting property name ...",
+    and one without a config object (or not an object) ended in a KeyError or
+    AttributeError traceback."""
+    (tmp_path / "params").mkdir()
+    (tmp_path / "pagedjax_checkpoint.json").write_text(meta)
+    (tmp_path / "tokenizer.json").write_text((ckpt / "tokenizer.json").read_text())
+    rc, out, err = run(["--checkpoint", tmp_path, "--prompt", "hi", "--backend", "xla"], capsys)
+    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert match in err and out == "", err

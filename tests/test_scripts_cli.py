@@ -232,3 +232,46 @@ def test_host_bad_flags(argv, want, capsys, monkeypatch):
     bench = load("bench_host", monkeypatch)
     err = usage_error(bench.main, argv, capsys)  # fails before any benchmark runs
     assert want in err, err
+
+
+def test_convert_round_trip_dtype_overwrite_and_serving(tmp_path, capsys, monkeypatch):
+    """OUT_DIR may exist if empty; --dtype sets the stored dtype; --overwrite replaces a
+    pagedjax checkpoint; and OUT_DIR alone serves generate.py as HF_DIR does."""
+    import json
+
+    import jax.numpy as jnp
+    import numpy as np
+    from params_helpers import write_tiny_checkpoint
+
+    from pagedjax import model, weights
+
+    cli = load("convert_checkpoint", monkeypatch)
+    gen = load("generate", monkeypatch)
+    hf, out = tmp_path / "hf", tmp_path / "out"
+    hf.mkdir()
+    out.mkdir()  # empty: fine
+    write_tiny_checkpoint(hf)
+    (hf / "generation_config.json").write_text('{"eos_token_id": 2}')
+    _, p_hf = weights.load_hf_checkpoint(hf)  # float32, as config.json says
+
+    assert cli.main([str(hf), str(out), "--dtype", "bfloat16"]) == 0, capsys.readouterr().err
+    assert "in bfloat16" in capsys.readouterr().out
+    assert weights.read_orbax_config(out).dtype == "bfloat16"
+    for k, v in model.params_to_flat(weights.restore_params(out)).items():
+        want = model.params_to_flat(p_hf)[k].astype(jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(want), err_msg=k)
+    assert (out / "generation_config.json").read_text() == '{"eos_token_id": 2}'
+
+    assert cli.main([str(hf), str(out), "--overwrite"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert weights.read_orbax_config(out).dtype == "float32"  # config.json's, replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out"]  # nothing left over
+
+    argv = ["--prompt", "def f(x):", "--max-tokens", "4", "--json", "--backend", "xla"]
+    argv += ["--page-size", "8", "--num-pages", "64", "--max-batch-tokens", "16"]
+    texts = []
+    for path in (hf, out):
+        assert gen.main(["--checkpoint", str(path), *argv]) == 0
+        (c,) = json.loads(capsys.readouterr().out)["outputs"][0]["completions"]
+        texts.append((c["token_ids"], c["text"]))
+    assert texts[0] == texts[1]
