@@ -98,7 +98,8 @@ class LLM:
       max_num_batched_tokens: token budget of one step (decode tokens + prefill chunks).
       enable_prefix_caching: reuse cached prompt pages across requests.
       backend: attention backend "auto" | "gpu" | "tpu" | "xla".
-      seed: random-weight init, and seeds of requests without one.
+      seed: random-weight init, and seeds of requests without one (an int in [0, 2**63));
+        a refused request draws no seed.
       dtype: parameter and KV dtype override ("float32", "bfloat16").
       max_model_len: longest sequence (default the model's max_position_embeddings).
       watermark: fraction of pages admission keeps free for running sequences.
@@ -141,8 +142,20 @@ class LLM:
         kv_cache_dtype: str = "auto",
     ):
         t0 = perf_counter()
-        self.backend = check_backend(backend, interpret)
-        self.interpret = interpret
+        # Checked before loading anything: a flag read as truthy ("no") ran the wrong mode.
+        for name, flag in (("interpret", interpret), ("async_scheduling", async_scheduling)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise ValueError(f"{name} must be a bool, got {name}={flag!r}")
+        if (
+            isinstance(seed, bool)
+            or not isinstance(seed, (int, np.integer))
+            or not 0 <= seed < 2**63  # flax's Rngs takes an int64
+        ):
+            raise ValueError(f"seed must be an int in [0, 2**63), got {seed=}")
+        if buckets is not None and not isinstance(buckets, decode.Buckets):
+            raise TypeError(f"buckets must be a decode.Buckets or None, got {buckets=}")
+        self.backend = check_backend(backend, bool(interpret))
+        self.interpret = bool(interpret)
         if num_pages is not None and kv_memory_fraction is not None:
             raise ValueError(
                 f"give num_pages or kv_memory_fraction, not both ({num_pages=}, "
@@ -157,11 +170,11 @@ class LLM:
         if kv_cache_dtype != "auto":  # checked before loading anything
             kv_cache_dtype = dtype_name(kv_cache_dtype, kv=True)
         mesh = None  # checked before loading anything: an int, and that many devices
-        if tensor_parallel != 1 or isinstance(tensor_parallel, bool):
+        if type(tensor_parallel) is not int or tensor_parallel != 1:  # 1.0 was taken as 1
             mesh = sharding.make_mesh(tensor_parallel)
         with sharding.host_staging() if mesh is not None else contextlib.nullcontext():
             cfg, params, tok, self.model_source = load_model(
-                checkpoint_or_config, dtype=dtype, seed=seed
+                checkpoint_or_config, dtype=dtype, seed=int(seed)
             )
         if mesh is not None:
             params = sharding.shard_params(params, mesh)
@@ -210,7 +223,7 @@ class LLM:
         self.metrics = EngineMetrics(
             planner.kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
         )
-        self._rng = np.random.default_rng(seed)
+        self._rng = np.random.default_rng(int(seed))
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
         self.outputs = OutputProcessor(self.scheduler, self.metrics, self._text, self._seq_ids)
@@ -237,7 +250,9 @@ class LLM:
         *,
         request_id: str | None = None,
     ) -> str:
-        """Queues one prompt; returns its request id. Raises ValueError if it cannot run.
+        """Queues one prompt; returns its request id. Raises ValueError if it cannot run or
+        `request_id` is in use (queued, running, or a running `generate` call's), TypeError
+        if `params` is not a `SamplingParams`.
 
         A completion ends ("length") after `params.max_tokens` tokens or when prompt and
         completion reach `max_model_len` tokens, whichever comes first.
@@ -252,7 +267,9 @@ class LLM:
         request_id: str | None,
     ) -> str:
         """`add_request` for a prompt `encode` checked: (text or None, token ids)."""
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {params!r:.80}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
         stop_ids = frozenset(params.stop_token_ids) | (
@@ -270,12 +287,15 @@ class LLM:
                 rid = str(next(self._ids))
         else:
             rid = str(request_id)
+            if rid in self._collect:  # its output would replace that call's (both lost)
+                raise ValueError(f"request id {rid!r} belongs to a running generate() call")
         p = len(ids)
         max_len = min(p + params.max_tokens, self.max_model_len)
         beam = None
         if params.beam_width > 1:  # (it may refuse the length penalty: before the rng draw)
             w = params.beam_width
             beam = BeamSearch(w, float(params.length_penalty), stop_ids, max_len - p)
+        rng_state = self._rng.bit_generator.state
         base = int(self._rng.integers(2**32)) if params.seed is None else int(params.seed)
 
         def seq(i: int) -> Seq:
@@ -303,7 +323,11 @@ class LLM:
             group.request.prompt_logprobs = [None] * p
             group.request.prompt_logprobs_missing = p - 1
             group.read_prefix_cache = p == 1
-        self.scheduler.add(group)
+        try:
+            self.scheduler.add(group)
+        except BaseException:  # refused (pages, id): it leaves the next requests' seeds alone
+            self._rng.bit_generator.state = rng_state
+            raise
         return rid
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -379,12 +403,14 @@ class LLM:
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
         ids = []
+        rng_state = self._rng.bit_generator.state
         try:  # all or none: a request refused while queueing unqueues the ones before it
             for e, sp in zip(encoded, params, strict=True):
                 ids.append(self._add(*e, sp, None))
         except BaseException as e:
             for i in ids:
                 self.abort(i)
+            self._rng.bit_generator.state = rng_state  # and gives back their seeds
             if isinstance(e, (ValueError, TypeError)):
                 raise type(e)(f"prompt {len(ids)}: {e}") from None
             raise

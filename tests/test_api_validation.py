@@ -2,15 +2,21 @@
 
 Found by probing `paged_decode_attention` and `ragged_paged_attention` as a user
 would: each case here either crashed deep inside JAX, or was accepted and gave a
-wrong (NaN, truncated, meaningless) result.
+wrong (NaN, truncated, meaningless) result. The engine's constructor (`LLM`) likewise:
+a bad argument is a ValueError naming it, before a model is loaded where it can be.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import params_helpers
 import pytest
 
 import pallas_kernels as pk
+from pagedjax import engine
+from pagedjax.config import PRESETS
 from pallas_kernels import reference as ref
 
 
@@ -240,3 +246,109 @@ def test_ragged_knobs_are_checked_with_an_empty_page_table(backend):
             pk.ragged_paged_attention(*empty, backend=backend, interpret=True, block_q=3)
         out = pk.ragged_paged_attention(*empty, backend=backend, interpret=True)
         assert out.shape == empty[0].shape and not np.asarray(out).any()
+
+
+# ------------------------------------------------------------------ the engine
+
+TINY = PRESETS["tiny"]  # float32, 512 positions
+ENGINE = dict(backend="xla", page_size=8, num_pages=64, max_num_seqs=8)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(num_pages=8, kv_memory_fraction=0.5), ValueError, "not both"),
+        # 0 and True were refused only once the model was loaded (by plan_num_pages).
+        (dict(num_pages=None, kv_memory_fraction=0), ValueError, "kv_memory_fraction=0$"),
+        (dict(num_pages=None, kv_memory_fraction=True), ValueError, "kv_memory_fraction=True"),
+        (dict(kv_cache_dtype="fp9"), ValueError, "got 'fp9'"),
+        (dict(tensor_parallel=0), ValueError, "got tensor_parallel=0"),
+        (dict(tensor_parallel=True), ValueError, "got tensor_parallel=True"),
+        (dict(tensor_parallel=1.0), ValueError, "got tensor_parallel=1.0"),  # was taken as 1
+        # A string flag was truthy: async_scheduling="no" ran asynchronously.
+        (dict(async_scheduling="no"), ValueError, "async_scheduling must be a bool, got .*'no'"),
+        (dict(interpret="yes"), ValueError, "interpret must be a bool, got interpret='yes'"),
+        # A bad seed failed in numpy after the load ("expected non-negative integer").
+        (dict(seed=-1), ValueError, r"seed must be an int in \[0, 2\*\*63\), got seed=-1"),
+        (dict(seed=1.5), ValueError, "got seed=1.5"),
+        (dict(seed=True), ValueError, "got seed=True"),
+        (dict(seed=2**63), ValueError, "got seed=9223372036854775808"),
+        # An int was an AttributeError ('int' object has no attribute 'min_seqs').
+        (dict(buckets=3), TypeError, "buckets must be a decode.Buckets or None, got buckets=3"),
+    ],
+)
+def test_bad_engine_arguments_are_named_before_the_model_loads(kwargs, error, match, monkeypatch):
+    def load_model(*args, **kw):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(engine, "load_model", load_model)
+    with pytest.raises(error, match=match):
+        engine.LLM(TINY, **(ENGINE | kwargs))
+
+
+def test_kv_memory_fraction_and_the_limits_reach_the_page_planner(monkeypatch):
+    """On the CPU the planner's answer does not depend on the fraction (no memory stats),
+    so what it is asked is checked here: the fraction given (default 0.8), the seats,
+    the length limit and the watermark."""
+    asked = []
+
+    def plan_num_pages(cfg, page_size, **kw):
+        asked.append((page_size, kw["kv_memory_fraction"], kw["max_num_seqs"]))
+        asked.append((kw["max_model_len"], kw["watermark"], kw["kv_dtype"]))
+        return 40
+
+    monkeypatch.setattr(engine, "plan_num_pages", plan_num_pages)
+    p = params_helpers.random_params(TINY, 0)
+    kw = dict(backend="xla", page_size=8, max_num_seqs=3, max_model_len=64, watermark=0.1)
+    llm = engine.LLM(p, kv_memory_fraction=0.3, **kw)
+    assert llm.cache_config.num_pages == 40 and llm.block_manager.num_pages == 40
+    engine.LLM(p, **kw)
+    assert asked == [(8, 0.3, 3), (64, 0.1, "float32"), (8, 0.8, 3), (64, 0.1, "float32")]
+
+
+def test_engine_seeds_and_flags_of_numpy_types_are_taken():
+    p = params_helpers.random_params(TINY, 0)
+    llm = engine.LLM(p, seed=np.int64(3), async_scheduling=np.bool_(False), **ENGINE)
+    assert llm.async_scheduling is False and llm.interpret is False
+    rid = llm.add_request([5, 6], engine.SamplingParams(max_tokens=2))
+    want = engine.LLM(p, seed=3, async_scheduling=False, **ENGINE)
+    want_rid = want.add_request([5, 6], engine.SamplingParams(max_tokens=2))
+    seed = llm.scheduler.get(rid).seqs[0].seed
+    assert seed == want.scheduler.get(want_rid).seqs[0].seed
+
+
+def test_engine_arguments_checked_against_the_model():
+    p = params_helpers.random_params(TINY, 0)
+    for bad in (1, 513, 64.0):  # the model has 512 positions
+        with pytest.raises(ValueError, match=rf"in \[2, 512\], got max_model_len={bad}$"):
+            engine.LLM(p, max_model_len=bad, **ENGINE)
+    assert engine.LLM(p, max_model_len=2, **ENGINE).max_model_len == 2
+    assert engine.LLM(p, max_model_len=512, **ENGINE).max_model_len == 512
+    f16 = dataclasses.replace(TINY, dtype="float16", num_layers=1)
+    with pytest.raises(ValueError, match="fp8 KV cache needs a bfloat16 or float32 model"):
+        engine.LLM(f16, kv_cache_dtype="fp8", **ENGINE)
+    # A prompt is held to max_model_len, not to the model's positions.
+    llm = engine.LLM(p, max_model_len=16, **ENGINE)
+    with pytest.raises(ValueError, match="prompt has 16 tokens; max_model_len=16"):
+        llm.add_request([5] * 16)
+    with pytest.raises(ValueError, match="^2 prompts but 1 sampling params$"):
+        llm.generate([[5, 6], [7, 8]], [engine.SamplingParams()])
+    # Not a SamplingParams: named (a dict failed with "'dict' object has no attribute").
+    with pytest.raises(TypeError, match="prompt 1: sampling params must be a SamplingParams, got"):
+        llm.generate([[5, 6], [7, 8]], [None, {"max_tokens": 3}])
+    with pytest.raises(TypeError, match="SamplingParams, got {'max_tokens': 3}"):
+        llm.add_request([5, 6], {"max_tokens": 3})
+    assert not llm.has_unfinished_requests()
+
+
+def test_engine_without_a_tokenizer_refuses_what_needs_one():
+    small = dataclasses.replace(TINY, vocab_size=128, num_layers=1)  # no byte tokenizer
+    llm = engine.LLM(small, **ENGINE)
+    assert llm.tokenizer is None
+    with pytest.raises(ValueError, match="stop strings need a tokenizer; this model has none"):
+        llm.add_request([5, 6], engine.SamplingParams(stop=["x"]))
+    with pytest.raises(ValueError, match="prompt 0: this model has no tokenizer"):
+        llm.generate(["hi"])
+    with pytest.raises(ValueError, match="chat needs a tokenizer"):
+        llm.chat([{"role": "user", "content": "hi"}])
+    assert not llm.has_unfinished_requests()

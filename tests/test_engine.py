@@ -20,7 +20,7 @@ import params_helpers
 import pytest
 from beam_oracle import whole_vocabulary_search
 
-from pagedjax import demo, model, resources, sampling
+from pagedjax import decode, demo, model, resources, sampling
 from pagedjax.batch import StepBatch
 from pagedjax.config import PRESETS
 from pagedjax.engine import LLM, SamplingParams
@@ -315,6 +315,40 @@ def test_beam_search_reports_the_stop_token_it_ended_on(params):
     check_clean(llm)
 
 
+def test_a_beam_search_ends_at_max_model_len(params):
+    """With less room under max_model_len than max_tokens, beams end there ("length"), as
+    sampled completions do (add_request's docstring)."""
+    llm = LLM(params, max_model_len=12, **GEOMETRY)
+    sp = SamplingParams(beam_width=2, n=2, max_tokens=100, ignore_eos=True)
+    out = llm.generate([[5, 6, 7, 8, 9]], sp)[0]
+    assert [(len(c.token_ids), c.finish_reason) for c in out.outputs] == [(7, "length")] * 2
+    check_clean(llm)
+
+
+def test_a_step_failing_after_its_dispatch_leaves_no_unusable_feed(params, monkeypatch):
+    """A step that fails after its call returned (here in on_token) may leave its device
+    feed of sampled tokens unusable (a device error poisons it; here it is deleted):
+    recovery replaces it, so the next step does not hand it to the device."""
+    llm = LLM(params, max_num_batched_tokens=16, **GEOMETRY)
+    decode_step = decode.decode_step
+
+    def poisoned(*args, **kwargs):
+        out, cache = decode_step(*args, **kwargs)
+        out.feed.delete()
+        return out, cache
+
+    def on_token(*_):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(decode, "decode_step", poisoned)
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate([[5, 6, 7]], greedy(4), on_token=on_token)
+    monkeypatch.undo()
+    (out,) = llm.generate([[5, 6, 7]], greedy(4, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 4
+    check_clean(llm)
+
+
 def test_step_loops_count_run_time_as_generate_does(params):
     """run_time_s counts the wall time of step() calls (serving.py's engine thread loops
     step(); run_time_s stayed 0 and output_tokens_per_s None) and of generate() calls,
@@ -449,6 +483,107 @@ def test_request_ids_given_and_drawn_never_collide(params):
     assert llm.abort(7).request_id == "7" and llm.abort(int(nxt)).request_id == nxt
     assert llm.abort(7) is None
     assert llm.step() == []  # the step still in flight
+    check_clean(llm)
+
+
+def test_an_id_of_a_running_generate_call_is_refused(params, dense):
+    """add_request (here from on_step) with the id of a running generate call's request
+    that already finished is refused: it was queued, its output replaced the call's
+    (generate returned another prompt's completion) and no step() returned it."""
+    llm = LLM(params, max_num_batched_tokens=16, **GEOMETRY)
+    prompts = [[5, 6, 7], [9, 10, 11]]
+    refused = []
+
+    def on_step(engine):
+        if engine.metrics.num_steps == 3:  # prompt 0 ("0", one token) has finished
+            try:
+                engine.add_request([20, 21, 22, 23], greedy(1), request_id="0")
+            except ValueError as e:
+                refused.append(str(e))
+
+    outs = llm.generate(prompts, [greedy(1), greedy(8, ignore_eos=True)], on_step=on_step)
+    assert [o.request_id for o in outs] == ["0", "1"]
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert refused == ["request id '0' belongs to a running generate() call"]
+    assert outs[0].outputs[0].token_ids == dense.greedy([prompts[0]], 1)[0]
+    assert llm.step() == []
+    # Once the call returned, its ids are free again.
+    assert llm.add_request([20, 21, 22, 23], greedy(1), request_id="0") == "0"
+    (again,) = [o for _ in range(4) for o in llm.step()]
+    assert again.request_id == "0" and again.prompt_token_ids == [20, 21, 22, 23]
+    check_clean(llm)
+
+
+def test_a_refused_request_draws_no_seed(params):
+    """Requests without a seed draw theirs from the engine's seed in the order they are
+    queued; a refused one (too many pages, an id in use, a generate call refused at its
+    second prompt) draws none (each did: every later request sampled differently)."""
+    sp = SamplingParams(temperature=1.0, max_tokens=3)
+
+    def seeds(llm, n):
+        rids = [llm.add_request([5, 6], sp) for _ in range(n)]
+        return [llm.scheduler.get(r).seqs[0].seed for r in rids]
+
+    want = seeds(LLM(params, **GEOMETRY), 3)
+    assert seeds(LLM(params, seed=1, **GEOMETRY), 3) != want
+    llm = LLM(params, **GEOMETRY)
+    too_big = SamplingParams(max_tokens=500, n=2)
+    with pytest.raises(ValueError, match="KV pages"):
+        llm.add_request([5] * 100, too_big)
+    rid = llm.add_request([5, 6], sp)
+    with pytest.raises(ValueError, match="already queued or running"):
+        llm.add_request([5, 6], sp, request_id=rid)
+    with pytest.raises(ValueError, match="prompt 1: .*KV pages"):
+        llm.generate([[5, 6], [5] * 100], [sp, too_big])
+    assert [llm.scheduler.get(rid).seqs[0].seed, *seeds(llm, 2)] == want
+
+
+def test_the_tokenizers_eos_ids_stop_as_the_models_do(params, dense):
+    """A completion stops at any EOS id of the model's config or of the tokenizer (an
+    instruct tokenizer often names its end-of-turn id only there); ignore_eos ignores it."""
+    prompt = np.random.default_rng(5).integers(3, 256, size=6).tolist()
+    free = dense.greedy([prompt], 12, stop_ids=())[0]
+    k = next(i for i, t in enumerate(free) if i > 0 and t not in free[:i])
+    assert 2 not in free[: k + 1]  # the model's own EOS does not stop it first
+    eos = free[k]
+    llm = LLM(
+        params,
+        tokenizer=resources.byte_tokenizer(eos_token_id=eos),
+        max_num_batched_tokens=16,
+        **GEOMETRY,
+    )
+    assert llm.eos_ids == {2, eos}
+    out = llm.generate([prompt], greedy(12))[0].outputs[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (free[: k + 1], "stop", eos)
+    out = llm.generate([prompt], greedy(12, ignore_eos=True))[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == (free, "length")
+    check_clean(llm)
+
+
+def test_an_n_sample_request_aborted_before_it_ran_aborts_every_sample(params):
+    """Samples not yet forked from sample 0 (they fork after the prompt's prefill) are
+    aborted too: n completions, each "abort", none generated."""
+    llm = LLM(params, **GEOMETRY)
+    rid = llm.add_request([5, 6, 7], SamplingParams(n=3, max_tokens=4, seed=1))
+    out = llm.abort(rid)
+    got = [(c.index, c.token_ids, c.finish_reason) for c in out.outputs]
+    assert got == [(0, [], "abort"), (1, [], "abort"), (2, [], "abort")]
+    assert out.finished is False and llm.abort(rid) is None
+    check_clean(llm)
+
+
+def test_prompt_logprobs_bar_the_prefix_cache_only_until_all_are_scored(params):
+    """A request with prompt logprobs reads no cached pages until every prompt token but
+    the first is scored (a hit would skip them); then its group may read the cache again
+    (a readmission after preemption)."""
+    llm = LLM(params, max_num_batched_tokens=16, **GEOMETRY)
+    prompt = list(range(3, 23))  # two prefill chunks
+    rid = llm.add_request(prompt, greedy(4, prompt_logprobs=1))
+    g = llm.scheduler.get(rid)
+    assert g.read_prefix_cache is False and g.request.prompt_logprobs_missing == 19
+    (out,) = [o for _ in range(20) for o in llm.step()]
+    assert g.request.prompt_logprobs_missing == 0 and g.read_prefix_cache is True
+    assert out.prompt_logprobs[0] is None and None not in out.prompt_logprobs[1:]
     check_clean(llm)
 
 
@@ -674,6 +809,8 @@ def test_generate_tokenizes_each_text_prompt_once(params, monkeypatch):
     assert [o.prompt for o in outs] == [prompts[0], None, prompts[1]]
     assert [o.prompt_token_ids for o in outs] == [want[0], want[1], want[1]]
     assert outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
+    (one,) = llm.generate(prompts[1], greedy(2))  # one text: one prompt, not its characters
+    assert one.prompt == prompts[1] and one.outputs[0].token_ids == outs[2].outputs[0].token_ids
     encoded.clear()
     with pytest.raises(ValueError, match="prompt 1: prompt is empty"):
         llm.generate(["ok", ""], greedy(2))
