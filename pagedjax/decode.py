@@ -49,7 +49,7 @@ README example::
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -163,6 +163,34 @@ def check_cache(
         )
 
 
+def _check_step(params, inp, decode, num_top_logprobs, num_prompt_top_logprobs) -> None:
+    """The host-side checks of a step's input kind and knobs, before anything is traced."""
+    if not isinstance(inp, StepInput):
+        raise TypeError(f"inp must be a StepInput (build_step_input), got {type(inp).__name__}")
+    v = params.config.vocab_size
+    for name, k in (
+        ("num_top_logprobs", num_top_logprobs),
+        ("num_prompt_top_logprobs", num_prompt_top_logprobs),
+    ):
+        if not is_int(k) or not 0 <= k <= v:
+            raise ValueError(
+                f"{name} must be an int in [0, {v}] (the vocabulary), got {name}={k!r}"
+            )
+    if inp.decode != decode:
+        raise ValueError(
+            f"{'decode' if decode else 'prefill'}_step got a StepInput built with "
+            f"decode={inp.decode}; use {'prefill' if decode else 'decode'}_step or `step`"
+        )
+    if num_prompt_top_logprobs and inp.target_ids is None:
+        raise ValueError("num_prompt_top_logprobs needs a StepInput with target_ids")
+    if (inp.feed is None) != (inp.token_src is None):
+        raise ValueError("StepInput.feed and token_src go together (both or neither)")
+    if inp.feed is not None:
+        b, f = inp.context_lens.shape[0], inp.feed.shape[0]
+        if f < b:
+            raise ValueError(f"StepInput.feed holds {f} tokens, fewer than the {b} rows")
+
+
 def _step(
     params,
     cache,
@@ -176,21 +204,9 @@ def _step(
     return_logits,
 ):
     _TRACES["decode_step" if decode else "prefill_step"] += 1  # runs once per trace
-    if inp.decode != decode:
-        raise ValueError(
-            f"{'decode' if decode else 'prefill'}_step got a StepInput built with "
-            f"decode={inp.decode}; use {'prefill' if decode else 'decode'}_step or `step`"
-        )
     every_token = inp.target_ids is not None
-    if num_prompt_top_logprobs and not every_token:
-        raise ValueError("num_prompt_top_logprobs needs a StepInput with target_ids")
     token_ids = inp.token_ids
-    if (inp.feed is None) != (inp.token_src is None):
-        raise ValueError("StepInput.feed and token_src go together (both or neither)")
     if inp.feed is not None:
-        b, f = inp.context_lens.shape[0], inp.feed.shape[0]
-        if f < b:
-            raise ValueError(f"StepInput.feed holds {f} tokens, fewer than the {b} rows")
         src = inp.token_src
         token_ids = jnp.where(src >= 0, inp.feed[jnp.maximum(src, 0)], token_ids)
     cache = cache_lib.copy_pages(cache, inp.copy_src, inp.copy_dst)
@@ -276,7 +292,8 @@ def prefill_step(
     """One mixed step (prefill chunks and decode rows) with ragged paged attention.
 
     Jitted; `cache` is donated (do not use it after the call; use the returned one).
-    `check_cache` runs first, on the host.
+    First, on the host: `inp` and the knobs are checked (ValueError naming a bad one: a
+    StepInput built for the other step, a top-k count outside [0, V]), then `check_cache`.
 
     Args:
       params: the split model (`pagedjax.model.split_model`).
@@ -296,6 +313,7 @@ def prefill_step(
     Returns:
       (StepOutput, new cache).
     """
+    _check_step(params, inp, False, num_top_logprobs, num_prompt_top_logprobs)
     check_cache(params, cache, inp)
     return _prefill_jit(
         params,
@@ -325,6 +343,7 @@ def decode_step(
     `inp` must come from `build_step_input(..., decode=True)` (the default when every
     chunk has one token). Arguments and result as for `prefill_step`.
     """
+    _check_step(params, inp, True, num_top_logprobs, num_prompt_top_logprobs)
     check_cache(params, cache, inp)
     return _decode_jit(
         params,
@@ -340,7 +359,8 @@ def decode_step(
 
 def step(params, cache, inp: StepInput, **kwargs):
     """`decode_step` for decode batches, `prefill_step` otherwise (same arguments)."""
-    return (decode_step if inp.decode else prefill_step)(params, cache, inp, **kwargs)
+    kind = decode_step if getattr(inp, "decode", False) else prefill_step  # checks `inp`
+    return kind(params, cache, inp, **kwargs)
 
 
 @dataclass
@@ -406,7 +426,7 @@ def generate(
     Raises:
       ValueError: empty or nested prompts, token ids outside the vocabulary, a prompt
         plus max_new_tokens longer than max_position_embeddings, stop_token_ids that
-        are not ints >= 0, or a count (max_new_tokens, min_tokens, page_size,
+        are not a flat list of ints >= 0, or a count (max_new_tokens, min_tokens, page_size,
         prefill_chunk) that is not a positive int (min_tokens: >= 0) (before anything
         runs).
     """
@@ -430,10 +450,13 @@ def generate(
                 f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it "
                 f"exceeds max_position_embeddings={cfg.max_position_embeddings}"
             )
-    stop = np.asarray(list(cfg.eos_token_ids if stop_token_ids is None else stop_token_ids))
-    if stop.size and (not np.issubdtype(stop.dtype, np.integer) or stop.min() < 0):
-        raise ValueError(f"stop_token_ids must be ints >= 0, got {stop_token_ids=}")
-    stop = set(stop.reshape(-1).tolist())
+    ids = cfg.eos_token_ids if stop_token_ids is None else stop_token_ids
+    stop = np.asarray(list(ids) if isinstance(ids, Iterable) and not isinstance(ids, str) else ids)
+    if stop.ndim != 1 or (
+        stop.size and (not np.issubdtype(stop.dtype, np.integer) or stop.min() < 0)
+    ):
+        raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {stop_token_ids=}")
+    stop = set(stop.tolist())
     bias = dict(logit_bias or {})
     # Before min_tokens new tokens; a stop id outside the vocabulary is never drawn.
     banned = bias | dict.fromkeys((t for t in stop if t < cfg.vocab_size), float("-inf"))

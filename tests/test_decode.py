@@ -121,11 +121,46 @@ def test_sampling_is_reproducible_per_seed(params):
             assert x[tok] >= x.max() + np.log(0.2) - 1e-5
 
 
+def test_generate_samples_prompt_b_with_seed_plus_b_and_its_token_index(params):
+    """generate's draws are the README's hand loop: prompt b's i-th new token sampled
+    with seed + b at sample_step i, whatever else is in the batch."""
+    prompt = _prompts(TINY, (5,), seed=9)[0]
+    kw = dict(page_size=4, temperature=1.0, max_new_tokens=6)
+    both = _generate(params, [prompt, prompt], seed=5, **kw)
+    assert both.tokens[0] != both.tokens[1]  # one prompt, two seeds
+    cc = CacheConfig(page_size=4, num_pages=16, dtype=TINY.dtype)
+    for b in range(2):
+        cache, toks = cache_lib.create(TINY, cc), []
+        while len(toks) < 6:
+            fed = toks[-1:] if toks else prompt
+            pos = len(prompt) + len(toks) - 1 if toks else 0
+            chunk = decode.SeqChunk(
+                fed, pos, [1, 2, 3], temperature=1.0, seed=5 + b, sample_step=len(toks)
+            )
+            inp = decode.build_step_input([chunk], TINY, cc)
+            out, cache = decode.step(params, cache, inp, backend="xla")
+            toks.append(int(out.tokens[0]))
+        assert toks == both.tokens[b], b
+
+
+def test_min_tokens_bans_stop_tokens_for_exactly_that_many_tokens(params):
+    prompt = _prompts(TINY, (5,), seed=9)[0]
+    plain = _generate(params, [prompt], page_size=4, max_new_tokens=6).tokens[0]
+    # The first token greedy decoding draws only after min_tokens = i others.
+    i = next(i for i in range(1, 6) if plain[i] not in plain[:i])
+    out = decode.generate(
+        params, [prompt], max_new_tokens=6, page_size=4, backend="xla", min_tokens=i,
+        stop_token_ids=[plain[i]],
+    )  # fmt: skip
+    assert out.tokens[0] == plain[: i + 1]  # banned before token i (never drawn), not at i
+
+
 def test_generation_stops_at_a_stop_token(params):
     prompts = _prompts(TINY, PROMPT_LENS)  # the shapes of the tests above: no new compile
     first = _generate(params, prompts, page_size=4)
     stop = first.tokens[0][2]
-    out = _generate(params, prompts, page_size=4, stop_token_ids=(stop,))
+    # Every id counts, not only the first (300 is past the vocabulary: never drawn).
+    out = _generate(params, prompts, page_size=4, stop_token_ids=(300, stop))
     for b in range(len(prompts)):
         seq = first.tokens[b]
         expected = seq[: seq.index(stop) + 1] if stop in seq else seq
@@ -189,6 +224,7 @@ def test_target_logprobs_score_every_token_against_dense(params, is_decode):
     rng = np.random.default_rng(0)
     targets = rng.integers(0, cfg.vocab_size, n_tok).astype(np.int32)
     targets[2::3] = -1  # unwanted rows
+    targets[0] = 0  # token id 0 is a target like any other; only -1 is unwanted
     plain, cache = decode.step(params, cache_lib.create(cfg, cache_cfg), inp, backend="xla")
     scored, cache2 = decode.step(
         params,
@@ -263,6 +299,11 @@ def test_tokens_fed_from_the_previous_step_on_the_device(params):
         decode.step(params, cache, dataclasses.replace(nxt, feed=np.zeros(2, np.int32)))
     with pytest.raises(ValueError, match="both or neither"):
         decode.step(params, cache, dataclasses.replace(nxt, feed=None))
+    # A feed of exactly one token per row is enough (the same step again: same K/V).
+    rows = nxt.context_lens.shape[0]
+    exact = dataclasses.replace(nxt, feed=np.asarray(first.feed)[:rows])
+    again, cache = decode.step(params, cache, exact, backend="xla")
+    np.testing.assert_array_equal(np.asarray(again.tokens), results[1][0])
 
 
 def test_compile_count_stays_within_the_buckets():
@@ -543,8 +584,10 @@ def test_generate_checks_stop_ids_and_bans_only_drawable_ones(params):
     out = decode.generate(cut, [[1, 2]], **kw)
     assert out.tokens == decode.generate(params, [[1, 2]], stop_token_ids=[300], **kw).tokens
     assert len(out.tokens[0]) == 3
-    for bad in ([1.5], [-1], ["2"]):
-        with pytest.raises(ValueError, match=r"stop_token_ids must be ints >= 0, got stop_tok"):
+    # A bare id or a nested list raised a bare "'int' object is not iterable" or was
+    # flattened.
+    for bad in ([1.5], [-1], ["2"], "2", 5, np.int64(5), [[1, 2]]):
+        with pytest.raises(ValueError, match=r"must be a list of ints >= 0, got stop_token_ids="):
             decode.generate(params, [[1, 2]], stop_token_ids=bad, **kw)
 
 
@@ -555,6 +598,7 @@ def test_generate_checks_stop_ids_and_bans_only_drawable_ones(params):
         (dict(max_new_tokens=True), "max_new_tokens must be an int >= 1"),
         (dict(max_new_tokens=2, page_size=0), "page_size must be a positive int, got page_size=0"),
         (dict(max_new_tokens=2, prefill_chunk=1.5), "prefill_chunk must be an int >= 1"),
+        (dict(max_new_tokens=2, prefill_chunk=0), "prefill_chunk must be an int >= 1, got pre"),
     ],
 )
 def test_generate_rejects_bad_arguments_before_running(params, kwargs, match):
@@ -581,12 +625,48 @@ def test_generate_rejects_bad_prompts_before_running(params):
     assert decode.compile_counts() == before
 
 
+def test_generate_fills_max_position_embeddings_exactly(params):
+    short = params.replace(config=dataclasses.replace(TINY, max_position_embeddings=16))
+    out = decode.generate(short, [[1] * 13], max_new_tokens=3, page_size=4, backend="xla")
+    assert len(out.tokens[0]) == 3  # 13 + 3 = 16 positions: allowed
+    with pytest.raises(ValueError, match="prompt 0 has 14 tokens; with max_new_tokens=3"):
+        decode.generate(short, [[1] * 14], max_new_tokens=3, page_size=4, backend="xla")
+
+
 def test_decode_step_rejects_a_prefill_batch(params):
     cache_cfg = CacheConfig(page_size=4, num_pages=8, dtype="float32")
     cache = cache_lib.create(TINY, cache_cfg)
     inp = decode.build_step_input([decode.SeqChunk([1, 2], 0, [1])], TINY, cache_cfg)
+    before = decode.compile_counts()
     with pytest.raises(ValueError, match="decode=False"):
         decode.decode_step(params, cache, inp, backend="xla")
+    assert decode.compile_counts() == before  # refused on the host, not in a trace
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        # These failed inside the trace with jax's own words ("k argument to top_k must
+        # be nonnegative", "Shapes must be 1D sequences ...") or blamed target_ids.
+        (dict(num_top_logprobs=-1), r"num_top_logprobs must be an int in \[0, 256\].*=-1"),
+        (dict(num_top_logprobs=257), r"num_top_logprobs must be .*got num_top_logprobs=257"),
+        (dict(num_top_logprobs=1.5), r"num_top_logprobs must be .*got num_top_logprobs=1.5"),
+        (dict(num_top_logprobs=True), r"num_top_logprobs must be .*got num_top_logprobs=True"),
+        (dict(num_prompt_top_logprobs=-1), r"num_prompt_top_logprobs must be .*=-1"),
+    ],
+)
+def test_steps_check_their_knobs_on_the_host(params, kwargs, match):
+    cache_cfg = CacheConfig(page_size=4, num_pages=8, dtype="float32")
+    cache = cache_lib.create(TINY, cache_cfg)
+    before = decode.compile_counts()
+    for tokens in ([1, 2], [1]):
+        inp = decode.build_step_input([decode.SeqChunk(tokens, 0, [1])], TINY, cache_cfg)
+        with pytest.raises(ValueError, match=match):
+            decode.step(params, cache, inp, backend="xla", **kwargs)
+    with pytest.raises(TypeError, match="inp must be a StepInput .*, got dict"):
+        decode.step(params, cache, {"decode": True}, backend="xla")
+    assert decode.compile_counts() == before
+    assert not cache.k[0].is_deleted()
 
 
 @pytest.mark.parametrize(
@@ -620,6 +700,26 @@ def test_steps_refuse_a_cache_of_another_model_or_geometry(
             decode.step(params, cache, inp, backend="xla")
     assert decode.compile_counts() == before
     assert not cache.k[0].is_deleted()
+
+
+def test_steps_refuse_mismatched_k_and_v_pools_and_non_caches(params):
+    cc = CacheConfig(4, 8, "float32")
+    good = cache_lib.create(TINY, cc)
+    inp = decode.build_step_input([decode.SeqChunk([1], 0, [7])], TINY, cc)
+    half = cache_lib.create(dataclasses.replace(TINY, num_layers=1), cc)
+    bf16 = cache_lib.create(TINY, CacheConfig(4, 8, "bfloat16"))
+    wide = cache_lib.create(TINY, CacheConfig(4, 16, "float32"))
+    before = decode.compile_counts()
+    for cache, error, match in [
+        (cache_lib.PagedKVCache(good.k, half.v), ValueError, "2 K and 1 V layers"),
+        (cache_lib.PagedKVCache(good.k, bf16.v), ValueError, r"V pools .* bfloat16 differ"),
+        (cache_lib.PagedKVCache(good.k, wide.v), ValueError, r"V pools \(2, 16, 4, 16\)"),
+        ((good.k, good.v), TypeError, "cache must be a PagedKVCache, got tuple"),
+    ]:
+        with pytest.raises(error, match=match):
+            decode.step(params, cache, inp, backend="xla")
+    assert decode.compile_counts() == before
+    assert not good.k[0].is_deleted()
 
 
 @pytest.mark.slow
