@@ -254,10 +254,50 @@ def test_yarn_values_by_hand():
     # explicit attention_factor wins over mscale; linear and llama3 never scale.
     v3 = dataclasses.replace(LLAMA3, rope_scaling=yarn(40.0, 4096, mscale=1, mscale_all_dim=1))
     assert model.rope_attention_factor(v3) == 1.0
+    # HF takes the ratio only when both are set and nonzero; else m(1) = 1.368888.
+    for one_sided in (dict(mscale=0.707), dict(mscale=0.707, mscale_all_dim=0.0)):
+        cfg = dataclasses.replace(LLAMA3, rope_scaling=yarn(40.0, 4096, **one_sided))
+        assert model.rope_attention_factor(cfg) == pytest.approx(1.368888, rel=1e-6)
     assert model.rope_attention_factor(ROPE_CASES["yarn_factor_below_1"]) == 1.0
     assert model.rope_attention_factor(ROPE_CASES["yarn_explicit"]) == 1.25
     assert model.rope_attention_factor(ROPE_CASES["linear"]) == 1.0
     assert model.rope_attention_factor(LLAMA3) == 1.0
+
+
+# --- RMSNorm -----------------------------------------------------------------------------
+
+
+def _hf_rms_norm(x, w, eps, dtype):
+    """HF LlamaRMSNorm: normalise in float32, cast to the input dtype, then `weight * x`
+    in that dtype (one rounding of the product)."""
+    x64 = np.asarray(x, np.float64)
+    y = (x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + eps)).astype(np.float32)
+    return np.asarray(w, dtype) * y.astype(dtype)
+
+
+@pytest.mark.parametrize(
+    "dtype,magnitude,eps",
+    [
+        (jnp.bfloat16, 1.0, 1e-5),  # the product rounded once, in bfloat16
+        (jnp.float16, 1000.0, 1e-5),  # x * x overflows float16: the mean must be float32
+        (jnp.float32, 1e-3, 1e-5),  # mean(x^2) ~ 1e-6: eps moves the result
+        (jnp.float32, 1.0, 0.5),
+    ],
+)
+def test_rms_norm_is_hf_llamas(dtype, magnitude, eps):
+    rng = np.random.default_rng(0)
+    e = 256
+    w = (1.0 + 0.2 * rng.normal(size=e)).astype(dtype)
+    x = (magnitude * rng.normal(size=(32, e))).astype(dtype)
+    norm = model.RMSNorm(e, eps, dtype)
+    norm.scale[...] = jnp.asarray(w)
+    out = np.asarray(jax.jit(lambda v: norm(v))(jnp.asarray(x)))
+    ref = _hf_rms_norm(x, w, eps, dtype)
+    assert out.dtype == ref.dtype == np.dtype(dtype) and np.isfinite(out).all()
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(out, ref, rtol=1e-5)
+    else:  # bit-equal but for a rare last-bit flip of float32 rsqrt
+        assert (out != ref).mean() < 0.01
 
 
 # --- dense forward against numpy ---------------------------------------------------------
@@ -476,6 +516,11 @@ def test_params_from_flat_reports_every_problem():
     msg = str(err.value)
     for needle in ("norm.scale", "layers.1.mlp.up_proj.kernel", "q_proj.bias", "(64, 256)"):
         assert needle in msg
+    # A missing key on its own is reported too (not a KeyError while building).
+    only_missing = model.params_to_flat(random_params(TINY))
+    del only_missing["norm.scale"]
+    with pytest.raises(ValueError, match=r"missing=\['norm.scale'\], unexpected=\[\]"):
+        model.params_from_flat(TINY, only_missing)
 
 
 def test_params_flat_roundtrip_is_exact():
@@ -527,3 +572,16 @@ def test_params_are_immutable_and_replace_checks_fields():
         assert again.config == params.config
         for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_params_replace_and_copy_keep_the_mesh():
+    import copy
+
+    params = random_params(TINY, seed=2)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+    on_mesh = params.replace(mesh=mesh)
+    assert on_mesh.mesh is mesh and params.mesh is None
+    assert on_mesh.replace(config=TINY).mesh is mesh
+    leaves, treedef = jax.tree.flatten(on_mesh)
+    assert jax.tree.unflatten(treedef, leaves).mesh is mesh
+    assert copy.copy(on_mesh).mesh is mesh  # through __reduce__ (a Mesh's devices do not pickle)

@@ -290,6 +290,19 @@ def test_dense_forward_matches_numpy(name):
             assert rel_err(full[w:], ref[w:]) > 0.1
 
 
+def test_every_norm_uses_the_configs_eps():
+    """Qwen3's q_norm and k_norm take rms_norm_eps like the layer norms: a large eps
+    moves every norm's output, so one left at a fixed or zero eps fails the comparison."""
+    cfg = dataclasses.replace(QWEN3, norm_eps=0.5)
+    params = random_params(cfg, seed=5)
+    flat = model.params_to_flat(params)
+    tokens = np.random.default_rng(6).integers(0, cfg.vocab_size, size=(1, 7))
+    out = np.asarray(jax.jit(model.forward)(params, jnp.asarray(tokens)))[0]
+    ref = np_forward(flat, cfg, tokens[0])
+    assert rel_err(out, ref) < 1e-5
+    assert rel_err(np_forward(flat, dataclasses.replace(cfg, norm_eps=1e-6), tokens[0]), ref) > 0.05
+
+
 def test_window_changes_the_models_logits():
     """The same weights with and without the window: equal before position W, not after."""
     params = random_params(MISTRAL, seed=3)
