@@ -35,6 +35,8 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 
+from pagedjax.jsonfile import read_json_object
+
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = "additional_chat_templates"
 TEMPLATE_JSON = "chat_template.json"
@@ -64,16 +66,6 @@ def _jinja():
     except ImportError as e:
         raise ImportError(f"chat templates need jinja2 >= 3.1: {INSTALL_HINT} ({e})") from None
     return jinja2
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        obj = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(obj).__name__}")
-    return obj
 
 
 def _pick(value, where: str, name: str | None) -> tuple[str | None, str]:
@@ -145,7 +137,7 @@ def find_chat_template(
         return _pick(value, str(root / "tokenizer_config.json"), name)
     json_file = root / TEMPLATE_JSON
     if json_file.is_file():
-        obj = _read_json(json_file)
+        obj = read_json_object(json_file)
         if "chat_template" not in obj:
             raise ValueError(f"{json_file} has no 'chat_template' key (keys: {sorted(obj)})")
         return _pick(obj["chat_template"], str(json_file), name)

@@ -22,6 +22,7 @@ from pathlib import Path
 import jax
 
 from pagedjax.config import ModelConfig, RopeScaling
+from pagedjax.jsonfile import read_json_object
 from pagedjax.model import Params, param_shapes, params_from_flat, params_to_flat
 
 __all__ = [
@@ -153,12 +154,7 @@ def read_orbax_config(path) -> ModelConfig:
     meta_file = root / ORBAX_META_FILE
     if not meta_file.is_file():
         raise FileNotFoundError(f"{root} is not a pagedjax orbax checkpoint: no {ORBAX_META_FILE}")
-    try:
-        meta = json.loads(meta_file.read_bytes())
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both
-        raise ValueError(f"{meta_file} is not valid JSON ({e})") from None
-    if not isinstance(meta, dict):
-        raise ValueError(f"{meta_file} must hold a JSON object, got a {type(meta).__name__}")
+    meta = read_json_object(meta_file)
     if meta.get("format") != _ORBAX_FORMAT or meta.get("version") != _ORBAX_VERSION:
         raise ValueError(
             f"{meta_file}: unsupported format {meta.get('format')!r} version "

@@ -58,21 +58,13 @@ from pathlib import Path
 import tokenizers
 
 from pagedjax import chat
+from pagedjax.jsonfile import read_json_object
 
 TOKENIZER_FILE = "tokenizer.json"
 _REPLACEMENT = "\ufffd"
 # Prompt ids a completion is decoded after (`Tokenizer.decode(context=...)`): enough for
 # a decoder's first-token rules to see a token of text before the completion.
 CONTEXT_IDS = 8
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
 def _token_content(token) -> str | None:
@@ -213,9 +205,9 @@ class Tokenizer:
         if not tok_file.is_file():
             raise FileNotFoundError(f"no {TOKENIZER_FILE} in {root}")
         tok = tokenizers.Tokenizer.from_file(str(tok_file))
-        tcfg = _read_json(root / "tokenizer_config.json")
-        gcfg = _read_json(root / "generation_config.json")
-        mcfg = _read_json(root / "config.json")
+        tcfg = read_json_object(root / "tokenizer_config.json", missing_ok=True)
+        gcfg = read_json_object(root / "generation_config.json", missing_ok=True)
+        mcfg = read_json_object(root / "config.json", missing_ok=True)
 
         def token_id(field: str) -> int | None:
             content = _token_content(tcfg.get(field))

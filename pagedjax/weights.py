@@ -46,6 +46,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from pagedjax.config import ModelConfig
+from pagedjax.jsonfile import read_json_object
 from pagedjax.model import Params, param_shapes, params_from_flat, params_to_flat
 from pagedjax.orbax_checkpoint import (  # re-exported
     ORBAX_META_FILE,
@@ -269,7 +270,7 @@ def _checkpoint_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
     """
     index = root / INDEX_FILE
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no 'weight_map' object")
         bad = {k: v for k, v in weight_map.items() if not isinstance(v, str)}
@@ -291,17 +292,6 @@ def _checkpoint_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
             f"no weights in {root}: expected {SAFETENSORS_FILE}, {INDEX_FILE} or *.safetensors"
         )
     return files, None
-
-
-def _read_json(file: Path) -> dict:
-    """A JSON object from `file`; errors name the file."""
-    try:
-        data = json.loads(file.read_bytes())
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both
-        raise ValueError(f"{file} is not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{file} must hold a JSON object, got a {type(data).__name__}")
-    return data
 
 
 def _scan(root: Path) -> tuple[dict[str, _TensorInfo], list[str]]:
@@ -395,7 +385,7 @@ def load_hf_checkpoint(path, *, dtype=None) -> tuple[ModelConfig, Params]:
     cfg_file = root / CONFIG_FILE
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{root} is not an HF checkpoint: it has no {CONFIG_FILE}")
-    cfg = ModelConfig.from_hf(_read_json(cfg_file), dtype=dtype)
+    cfg = ModelConfig.from_hf(read_json_object(cfg_file), dtype=dtype)
     plan, tied_head = _plan(root, cfg)
     target = np.dtype(cfg.jnp_dtype)
     # Before the long pass 2: a tied model's extra head must equal the embedding.

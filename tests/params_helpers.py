@@ -44,16 +44,19 @@ def write_tiny_checkpoint(path) -> None:
     byte_tokenizer().tokenizer.save(str(path / "tokenizer.json"))
 
 
-def spy_generate(monkeypatch) -> list:
-    """Wraps `LLM.generate` to record every prompt it is sent; returns that list."""
+def spy_generate(monkeypatch, *, outputs: bool = False) -> list:
+    """Wraps `LLM.generate` to record every prompt it is sent (`outputs`: every output
+    it returns instead); returns that list."""
     from pagedjax.engine import LLM
 
     sent = []
     generate = LLM.generate
 
     def spy(self, prompts, *args, **kwargs):
-        sent.extend(prompts)
-        return generate(self, prompts, *args, **kwargs)
+        sent.extend(() if outputs else prompts)  # before the call, which may raise
+        outs = generate(self, prompts, *args, **kwargs)
+        sent.extend(outs if outputs else ())
+        return outs
 
     monkeypatch.setattr(LLM, "generate", spy)
     return sent

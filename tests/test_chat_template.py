@@ -508,7 +508,7 @@ def test_bad_template_sources_and_names(tmp_path, sources, name, match):
             '{"template": "T"}',
             r"chat_template.json has no 'chat_template' key \(keys: \['template'\]\)",
         ),
-        ('["T"]', "chat_template.json must hold a JSON object, got list"),
+        ('["T"]', "chat_template.json must hold a JSON object, got a list"),
         ("{nope", "chat_template.json is not valid JSON"),
     ],
 )

@@ -677,16 +677,7 @@ def test_streamed_text_is_the_completions_text(ckpt, capsys, monkeypatch):
     """A single prompt streams: the prompt, then the text token by token, with the
     decoder's held-back bytes flushed at the end (token 195 is a UTF-8 lead byte that no
     continuation byte follows here, so all of this text comes from that flush)."""
-    outs = []
-    from pagedjax.engine import LLM
-
-    generate = LLM.generate
-
-    def spy(self, *args, **kwargs):
-        outs.extend(generate(self, *args, **kwargs))
-        return outs
-
-    monkeypatch.setattr(LLM, "generate", spy)
+    outs = spy_generate(monkeypatch, outputs=True)
     argv = ["--checkpoint", ckpt, "--prompt", "def f(x):", "--backend", "xla", *GEOMETRY]
     for extra in ([], ["--logit-bias", '{"195": 100}']):
         outs.clear()
@@ -701,16 +692,7 @@ def test_streamed_text_is_the_completions_text(ckpt, capsys, monkeypatch):
 def test_batch_output_shows_each_completion(ckpt, capsys, monkeypatch):
     """More than one prompt, or --n > 1, is not streamed: each prompt's completions are
     listed after a header, tagged [index] only when there are several."""
-    outs = []
-    from pagedjax.engine import LLM
-
-    generate = LLM.generate
-
-    def spy(self, *args, **kwargs):
-        outs.extend(generate(self, *args, **kwargs))
-        return outs
-
-    monkeypatch.setattr(LLM, "generate", spy)
+    outs = spy_generate(monkeypatch, outputs=True)
     argv = ["--checkpoint", ckpt, "--max-tokens", "3", "--backend", "xla", *GEOMETRY]
     for prompts, extra in ((["ab", "cd"], []), (["ab"], ["--n", "2", "--temperature", "1"])):
         outs.clear()
