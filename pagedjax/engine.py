@@ -74,6 +74,7 @@ from pagedjax.resources import check_backend, load_model, peak_device_memory, pl
 from pagedjax.scheduler import Scheduler
 from pagedjax.sequence import Sequence as Seq
 from pagedjax.sequence import SequenceGroup, StepPlan
+from pagedjax.step_input import is_int
 from pagedjax.tokenizer import Tokenizer
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
@@ -146,11 +147,7 @@ class LLM:
         for name, flag in (("interpret", interpret), ("async_scheduling", async_scheduling)):
             if not isinstance(flag, (bool, np.bool_)):
                 raise ValueError(f"{name} must be a bool, got {name}={flag!r}")
-        if (
-            isinstance(seed, bool)
-            or not isinstance(seed, (int, np.integer))
-            or not 0 <= seed < 2**63  # flax's Rngs takes an int64
-        ):
+        if not is_int(seed) or not 0 <= seed < 2**63:  # flax's Rngs takes an int64
             raise ValueError(f"seed must be an int in [0, 2**63), got {seed=}")
         if buckets is not None and not isinstance(buckets, decode.Buckets):
             raise TypeError(f"buckets must be a decode.Buckets or None, got {buckets=}")
