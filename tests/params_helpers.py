@@ -44,6 +44,27 @@ def write_tiny_checkpoint(path) -> None:
     byte_tokenizer().tokenizer.save(str(path / "tokenizer.json"))
 
 
+# The sampling flags generate.py and chat.py share, and the SamplingParams fields they set.
+SAMPLING_ARGV = [
+    *("--temperature", "0.5", "--top-k", "7", "--top-p", "0.9", "--min-p", "0.05"),
+    *("--repetition-penalty", "1.1", "--presence-penalty", "0.3"),
+    *("--frequency-penalty", "0.2", "--min-tokens", "1", "--logit-bias", '{"5": -2}'),
+    *("--seed", "11"),
+]
+SAMPLING_FIELDS = dict(
+    temperature=0.5,
+    top_k=7,
+    top_p=0.9,
+    min_p=0.05,
+    repetition_penalty=1.1,
+    presence_penalty=0.3,
+    frequency_penalty=0.2,
+    min_tokens=1,
+    logit_bias={5: -2},
+    seed=11,
+)
+
+
 def spy_generate(monkeypatch, *, outputs: bool = False) -> list:
     """Wraps `LLM.generate` to record every prompt it is sent (`outputs`: every output
     it returns instead); returns that list."""

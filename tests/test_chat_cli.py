@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
-from params_helpers import write_tiny_checkpoint
+from params_helpers import SAMPLING_ARGV, SAMPLING_FIELDS, write_tiny_checkpoint
 
 from pagedjax.engine import LLM, SamplingParams
 from pagedjax.tokenizer import Tokenizer
@@ -298,25 +298,10 @@ def test_sampling_flags_and_defaults_reach_the_engine(ckpt, capsys, monkeypatch)
     assert seen[1] == SamplingParams(temperature=0.7, max_tokens=256, seed=0)
     assert seen[0]["seed"] == 0 and seen[0]["page_size"] == 8 and seen[0]["num_pages"] == 64
     seen.clear()
-    argv += ["--temperature", "0.5", "--top-k", "7", "--top-p", "0.9", "--min-p", "0.05"]
-    argv += ["--repetition-penalty", "1.1", "--presence-penalty", "0.3"]
-    argv += ["--frequency-penalty", "0.2", "--min-tokens", "1", "--logit-bias", '{"5": -2}']
-    argv += ["--seed", "11", "--max-tokens", "9", "--max-model-len", "100"]
+    argv += [*SAMPLING_ARGV, "--max-tokens", "9", "--max-model-len", "100"]
     rc, _, err = run(argv, ["hi"], capsys, monkeypatch)
     assert rc == 0, err
-    assert seen[1] == SamplingParams(
-        max_tokens=9,
-        temperature=0.5,
-        top_k=7,
-        top_p=0.9,
-        min_p=0.05,
-        repetition_penalty=1.1,
-        presence_penalty=0.3,
-        frequency_penalty=0.2,
-        min_tokens=1,
-        logit_bias={5: -2},
-        seed=11,
-    )
+    assert seen[1] == SamplingParams(max_tokens=9, **SAMPLING_FIELDS)
     assert seen[0]["seed"] == 11 and seen[0]["max_model_len"] == 100
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from params_helpers import spy_generate, write_tiny_checkpoint
+from params_helpers import SAMPLING_ARGV, SAMPLING_FIELDS, spy_generate, write_tiny_checkpoint
 
 from pagedjax.metrics import SUMMARY_KEYS, EngineMetrics
 from pagedjax.resources import byte_tokenizer
@@ -583,28 +583,12 @@ def test_every_sampling_and_engine_flag_reaches_the_engine(ckpt, capsys, monkeyp
 
     seen = capture_engine(monkeypatch)
     argv = ["--checkpoint", ckpt, "--prompt", "hi", "--backend", "xla", *GEOMETRY]
-    argv += ["--temperature", "0.5", "--top-k", "7", "--top-p", "0.9", "--min-p", "0.05"]
-    argv += ["--repetition-penalty", "1.1", "--presence-penalty", "0.3"]
-    argv += ["--frequency-penalty", "0.2", "--min-tokens", "1", "--logit-bias", '{"5": -2}']
-    argv += ["--seed", "11", "--max-tokens", "9", "--n", "2", "--logprobs", "1"]
+    argv += [*SAMPLING_ARGV, "--max-tokens", "9", "--n", "2", "--logprobs", "1"]
     argv += ["--prompt-logprobs", "2", "--no-prefix-caching", "--no-async-scheduling"]
     rc, _, err = run(argv, capsys)
     assert rc == 130, err
     assert seen["sp"] == SamplingParams(
-        n=2,
-        max_tokens=9,
-        temperature=0.5,
-        top_k=7,
-        top_p=0.9,
-        min_p=0.05,
-        repetition_penalty=1.1,
-        presence_penalty=0.3,
-        frequency_penalty=0.2,
-        min_tokens=1,
-        logit_bias={5: -2},
-        seed=11,
-        logprobs=1,
-        prompt_logprobs=2,
+        n=2, max_tokens=9, logprobs=1, prompt_logprobs=2, **SAMPLING_FIELDS
     )
     init = seen["init"]
     assert init["enable_prefix_caching"] is False and init["async_scheduling"] is False
