@@ -166,6 +166,18 @@ class LLM:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction=}")
         if kv_cache_dtype != "auto":  # checked before loading anything
             kv_cache_dtype = dtype_name(kv_cache_dtype, kv=True)
+        # The cache geometry and the scheduler's limits, checked by building them small (the
+        # real ones need the model's config): a bad value is named before a checkpoint loads.
+        pages = 1 if num_pages is None else num_pages
+        CacheConfig(page_size, pages)
+        bm = BlockManager(
+            pages,
+            page_size,
+            enable_prefix_caching=enable_prefix_caching,
+            max_model_len=max_model_len,
+            watermark=watermark,
+        )
+        Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         mesh = None  # checked before loading anything: an int, and that many devices
         if type(tensor_parallel) is not int or tensor_parallel != 1:  # 1.0 was taken as 1
             mesh = sharding.make_mesh(tensor_parallel)
@@ -179,9 +191,9 @@ class LLM:
         self.config, self.params = cfg, params
         self.tokenizer = tokenizer or tok
         limit = cfg.max_position_embeddings
-        self.max_model_len = limit if max_model_len is None else max_model_len
-        if not isinstance(self.max_model_len, int) or not 1 < self.max_model_len <= limit:
+        if max_model_len is not None and not 1 < max_model_len <= limit:  # an int, checked above
             raise ValueError(f"max_model_len must be an int in [2, {limit}], got {max_model_len=}")
+        self.max_model_len = limit if max_model_len is None else int(max_model_len)
         kv_dtype = cfg.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
         if kv_dtype == "float8_e4m3fn" and cfg.dtype == "float16":  # kernels upcast to q's
             raise ValueError(f"an fp8 KV cache needs a bfloat16 or float32 model, got {cfg.dtype}")

@@ -275,6 +275,18 @@ ENGINE = dict(backend="xla", page_size=8, num_pages=64, max_num_seqs=8)
         (dict(seed=2**63), ValueError, "got seed=9223372036854775808"),
         # An int was an AttributeError ('int' object has no attribute 'min_seqs').
         (dict(buckets=3), TypeError, "buckets must be a decode.Buckets or None, got buckets=3"),
+        # The cache geometry and the scheduler's limits were checked after the load.
+        (dict(page_size=12), ValueError, "page_size must be a power of two, got page_size=12"),
+        (dict(page_size=0), ValueError, "got page_size=0"),
+        (dict(num_pages=0), ValueError, "num_pages must be a positive int, got num_pages=0"),
+        (dict(num_pages=2**30, page_size=4), ValueError, "overflow int32 slot ids"),
+        (dict(num_pages=None, max_num_seqs=0), ValueError, "got max_num_seqs=0"),
+        (dict(max_num_batched_tokens=2.5), ValueError, "got max_num_batched_tokens=2.5"),
+        (dict(max_num_seqs=8, max_num_batched_tokens=4), ValueError, "must be >= max_num_seqs"),
+        (dict(watermark=1), ValueError, r"watermark must be in \[0, 1\), got watermark=1"),
+        (dict(enable_prefix_caching="no"), ValueError, "enable_prefix_caching='no'"),
+        (dict(max_model_len=1.5), ValueError, "got max_model_len=1.5"),
+        (dict(max_model_len=0), ValueError, "got max_model_len=0"),
     ],
 )
 def test_bad_engine_arguments_are_named_before_the_model_loads(kwargs, error, match, monkeypatch):
@@ -319,10 +331,11 @@ def test_engine_seeds_and_flags_of_numpy_types_are_taken():
 
 def test_engine_arguments_checked_against_the_model():
     p = params_helpers.random_params(TINY, 0)
-    for bad in (1, 513, 64.0):  # the model has 512 positions
+    for bad in (1, 513):  # the model has 512 positions
         with pytest.raises(ValueError, match=rf"in \[2, 512\], got max_model_len={bad}$"):
             engine.LLM(p, max_model_len=bad, **ENGINE)
     assert engine.LLM(p, max_model_len=2, **ENGINE).max_model_len == 2
+    assert type(engine.LLM(p, max_model_len=np.int64(64), **ENGINE).max_model_len) is int
     assert engine.LLM(p, max_model_len=512, **ENGINE).max_model_len == 512
     f16 = dataclasses.replace(TINY, dtype="float16", num_layers=1)
     with pytest.raises(ValueError, match="fp8 KV cache needs a bfloat16 or float32 model"):
