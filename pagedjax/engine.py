@@ -151,6 +151,10 @@ class LLM:
             raise ValueError(f"seed must be an int in [0, 2**63), got {seed=}")
         if buckets is not None and not isinstance(buckets, decode.Buckets):
             raise TypeError(f"buckets must be a decode.Buckets or None, got {buckets=}")
+        if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+            raise TypeError(
+                f"tokenizer must be a pagedjax.tokenizer.Tokenizer or None, got {tokenizer!r}"
+            )
         self.backend = check_backend(backend, bool(interpret))
         self.interpret = bool(interpret)
         if num_pages is not None and kv_memory_fraction is not None:

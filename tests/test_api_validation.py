@@ -275,6 +275,8 @@ ENGINE = dict(backend="xla", page_size=8, num_pages=64, max_num_seqs=8)
         (dict(seed=2**63), ValueError, "got seed=9223372036854775808"),
         # An int was an AttributeError ('int' object has no attribute 'min_seqs').
         (dict(buckets=3), TypeError, "buckets must be a decode.Buckets or None, got buckets=3"),
+        # A string was an AttributeError after the load ('str' has no 'eos_token_ids').
+        (dict(tokenizer="gpt2"), TypeError, "tokenizer must be a .*Tokenizer or None, got 'gpt2'"),
         # The cache geometry and the scheduler's limits were checked after the load.
         (dict(page_size=12), ValueError, "page_size must be a power of two, got page_size=12"),
         (dict(page_size=0), ValueError, "got page_size=0"),
