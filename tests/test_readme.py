@@ -1,19 +1,27 @@
 """The README's examples and flag lists match the code.
 
 The three Python examples of "Use it from Python" run as written (the kernel
-example on random inputs it names but does not build); every flag of
-scripts/generate.py is in the README; the two commands are what `.ci/run` runs.
+example on random inputs it names but does not build), and so do the two of
+"Running on several GPUs" (on 4 simulated CPU devices, the tiny preset for the
+checkpoint); every flag of scripts/generate.py and scripts/serve.py is in the
+README and every flag it names exists; the `--json` metrics row lists the
+engine's summary keys; the two commands are what `.ci/run` runs.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 
+from pagedjax.metrics import SUMMARY_KEYS
 from pallas_kernels import reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,20 +117,100 @@ def test_kernel_example_runs_and_matches_the_reference():
     np.testing.assert_allclose(namespace["out"], want, rtol=1e-5, atol=1e-5)
 
 
-def test_every_generate_flag_is_in_the_readme():
-    spec = importlib.util.spec_from_file_location(
-        "generate_for_readme", ROOT / "scripts/generate.py"
-    )
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
-    flags = {
+def _script_flags(name: str) -> set[str]:
+    """The `--` flags of scripts/NAME.py's `build_parser()`."""
+    spec = importlib.util.spec_from_file_location(f"{name}_for_readme", ROOT / f"scripts/{name}.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return {
         option
-        for action in gen.build_parser()._actions
+        for action in script.build_parser()._actions
         for option in action.option_strings
         if option.startswith("--") and option != "--help"
     }
-    missing = sorted(f for f in flags if f not in _section("Serve a checkpoint"))
+
+
+def test_every_generate_flag_is_in_the_readme():
+    section = _section("Serve a checkpoint")
+    missing = sorted(f for f in _script_flags("generate") if f not in section)
     assert not missing, f"flags of scripts/generate.py missing from the README: {missing}"
+
+
+def test_every_serve_flag_is_in_the_readme():
+    section = _section("Serve a checkpoint")
+    missing = sorted(f for f in _script_flags("serve") if f not in section)
+    assert not missing, f"flags of scripts/serve.py missing from the README: {missing}"
+
+
+def test_every_flag_the_readme_names_exists():
+    """The section names flags of generate.py, chat.py, serve.py and convert_checkpoint.py
+    (which has no build_parser: its --help lists them)."""
+    flags = set().union(*map(_script_flags, ("generate", "chat", "serve")))
+    proc = subprocess.run(
+        [sys.executable, "scripts/convert_checkpoint.py", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    flags |= set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", proc.stdout))
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", _section("Serve a checkpoint")))
+    assert named - flags == set(), f"flags the README names that no script has: {named - flags}"
+
+
+def test_the_json_metrics_row_lists_the_summary_keys():
+    row = next(line for line in README.splitlines() if line.startswith("| `metrics` |"))
+    words = set(re.findall(r"[a-z][a-z0-9_]*", row.split("|")[2]))
+    assert set(SUMMARY_KEYS) - words == set(), "summary keys missing from the README"
+    listed = {w for w in words if "_" in w}
+    assert listed - set(SUMMARY_KEYS) == set(), "README metrics that summary() lacks"
+
+
+# Runs the section's two examples on 4 simulated CPU devices: the engine one with the tiny
+# preset for its checkpoint, the functional one on `cfg`, `params` and `step_input` as the
+# functional-core example makes them, its tokens checked against the same step unsharded.
+_TP_SCRIPT = """
+import json, sys
+import numpy as np
+from pagedjax import cache as cache_lib, config, decode, model
+
+engine_block, core_block = json.loads(sys.argv[1])
+ns = dict(PATH=config.preset("tiny"))
+exec(engine_block.replace('"/path/to/llama"', "PATH"), ns)
+assert ns["llm"].tensor_parallel == 4, ns["llm"].tensor_parallel
+
+cfg = config.preset("tiny")
+params = model.init_params(cfg, seed=0)
+cache_cfg = config.CacheConfig(16, 1024, cfg.dtype)
+chunks = [decode.SeqChunk([1, 5, 7, 9, 11], start_pos=0, page_table=[3]),
+          decode.SeqChunk([1, 42], start_pos=0, page_table=[7])]
+step_input = decode.build_step_input(chunks, cfg, cache_cfg)
+want, _ = decode.prefill_step(params, cache_lib.create(cfg, cache_cfg), step_input)
+ns = dict(cfg=cfg, params=params, step_input=step_input)
+exec(core_block, ns)
+assert ns["params"].mesh.devices.size == 4 and len(ns["cache"].k[0].sharding.device_set) == 4
+got = np.asarray(ns["out"].tokens)[:2]
+assert (got == np.asarray(want.tokens)[:2]).all(), (got, want.tokens)
+print("ok", got.tolist())
+"""
+
+
+def test_tensor_parallel_examples_run_on_four_devices():
+    blocks = _python_blocks(_section("Running on several GPUs / several hosts"))
+    assert len(blocks) == 2 and '"/path/to/llama"' in blocks[0]
+    flags = "--xla_force_host_platform_device_count=4"  # set before JAX starts
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-c", _TP_SCRIPT, json.dumps(blocks)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0 and "ok" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
 
 
 def test_the_two_commands_are_what_ci_runs():
