@@ -109,7 +109,8 @@ def check_cache(
       ValueError: layers, kv heads, head dim, page size or page count differ; the K and
         V pools differ; a tensor-parallel model's cache is not split over kv heads on
         its mesh (`sharding.create_cache`), or a single-device model's is spread.
-      TypeError: a storage dtype the model's attention cannot read (`CacheConfig`).
+      TypeError: `cache` is not a `PagedKVCache`, or its storage dtype is one the
+        model's attention cannot read (`CacheConfig`).
     """
     cfg = params.config
     if not isinstance(cache, cache_lib.PagedKVCache):
@@ -292,8 +293,9 @@ def prefill_step(
     """One mixed step (prefill chunks and decode rows) with ragged paged attention.
 
     Jitted; `cache` is donated (do not use it after the call; use the returned one).
-    First, on the host: `inp` and the knobs are checked (ValueError naming a bad one: a
-    StepInput built for the other step, a top-k count outside [0, V]), then `check_cache`.
+    First, on the host: `inp` and the knobs are checked (TypeError if `inp` is not a
+    StepInput; ValueError naming a bad one: a StepInput built for the other step, a top-k
+    count outside [0, V]), then `check_cache`.
 
     Args:
       params: the split model (`pagedjax.model.split_model`).

@@ -101,7 +101,7 @@ class LLM:
       backend: attention backend "auto" | "gpu" | "tpu" | "xla".
       seed: random-weight init, and seeds of requests without one (an int in [0, 2**63));
         a refused request draws no seed.
-      dtype: parameter and KV dtype override ("float32", "bfloat16").
+      dtype: parameter and KV dtype override ("float32", "bfloat16", "float16").
       max_model_len: longest sequence (default the model's max_position_embeddings).
       watermark: fraction of pages admission keeps free for running sequences.
       buckets: padding floors of the step shapes (`decode.Buckets`).
@@ -110,7 +110,8 @@ class LLM:
       tensor_parallel: split the model and its KV cache over this many devices (the
         first of `jax.devices()`; `pagedjax.sharding`). 1: `Params` are used as given
         (already sharded ones keep their mesh). ValueError if there are fewer devices,
-        or it does not divide the heads and MLP width.
+        if it does not divide the query heads and MLP width, or if it neither divides
+        nor is a multiple of the kv heads.
       kv_cache_dtype: "auto" (the model's dtype) or "fp8" (`float8_e4m3fn` pages: twice
         the tokens in the same memory, half the K/V bytes a decode step reads; values
         rounded to FP8 without scales, see `pagedjax.cache`).
