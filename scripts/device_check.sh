@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one command a GPU session runs, from the repository root:
 #
-#     bash scripts/device_check.sh              # on the GPU machine (about 8 minutes)
+#     bash scripts/device_check.sh              # on the GPU machine (about 6 minutes)
 #     bash scripts/device_check.sh --dry-run    # the same stages on a CPU, in the Pallas
 #                                               # interpreter (about 2 minutes)
 #     bash scripts/device_check.sh --stages env,bench,profile   # some stages, in this order
