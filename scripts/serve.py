@@ -38,12 +38,15 @@ completions batch is one engine request; choice `i * n + j` is completion j of p
 OpenAI's `{"error": {message, type, param, code}}`: 400 for a bad field (the message
 names the value; a field of the wrong JSON type is bad), a prompt too long for
 `--max-model-len` or one that leaves less room than `max_tokens` (as vLLM answers:
-max_tokens is never cut short silently) or bad JSON; 404 for an unknown path or a model
-not served here (code "model_not_found", as OpenAI and vLLM answer); 405 for a wrong
-method; 413 for a body over 32 MiB; 500 when the engine failed; 503 when it is not
-running. An error after a stream has begun is its last event, `data: {"error": ...}`,
-followed by `data: [DONE]` (as vLLM ends it). HEAD answers a GET path's status and
-headers; OPTIONS, 204 (no body, no `Content-Length`) with the path's `Allow` methods.
+max_tokens is never cut short silently), bad JSON or a malformed request (a body cut
+short of its length, two lengths); 404 for an unknown path or a model not served here
+(code "model_not_found", as OpenAI and vLLM answer); 405 for a wrong method; 408 for a
+body that stops coming; 413 for a body over 32 MiB; 500 when the engine failed; 501 for
+an unknown method or Transfer-Encoding; 503 when it is not running. http.server's own
+errors (a bad request line, too many headers) have that shape too. An error after a
+stream has begun is its last event, `data: {"error": ...}`, followed by `data: [DONE]`
+(as vLLM ends it). HEAD answers a GET path's status and headers; OPTIONS, 204 (no body,
+no `Content-Length`) with the path's `Allow` methods.
 
 A checkpoint without a tokenizer (no tokenizer.json) serves completions of token id
 prompts only, as vLLM with `skip_tokenizer_init`: a string prompt, chat and `stop`
@@ -91,15 +94,18 @@ If a step raises, the engine recovers by itself (`LLM.step`): the requests it he
 fail with a 500 and the server goes on.
 
 Request bodies come with a `Content-Length` or `Transfer-Encoding: chunked` (at most
-32 MiB). For trusted networks only: there is no authentication and no rate limit; bind to
-127.0.0.1 (the default) unless the network is yours. Flags: `--checkpoint`, `--host`,
-`--port`, `--served-model-name`, `--chat-template FILE`, `--seed` (for requests without
-one), scripts/generate.py's engine flags (`--page-size`, `--num-pages` |
-`--kv-memory-fraction`, `--kv-cache-dtype`, `--max-batch-tokens`, `--max-model-len N`,
-`--backend`, `--tensor-parallel`, `--compilation-cache`), `--no-prefix-caching`,
-`--no-async-scheduling`, `--quiet` (no request log). Bad flags, a checkpoint
-directory missing files or a port that cannot be bound end with one line on stderr and
-exit status 2, before any weights load.
+32 MiB). A stream to an HTTP/1.0 client is not chunked (HTTP/1.0 has no chunks): the
+connection's end ends it. A client silent for 60 s (`TIMEOUT_S`) mid-request (a 408 if
+in its body), between two requests or while its stream waits for it to read is let go
+(its requests aborted). For trusted networks only: there is no authentication and no
+rate limit; bind to 127.0.0.1 (the default) unless the network is yours. Flags:
+`--checkpoint`, `--host`, `--port`, `--served-model-name`, `--chat-template FILE`,
+`--seed` (for requests without one), scripts/generate.py's engine flags (`--page-size`,
+`--num-pages` | `--kv-memory-fraction`, `--kv-cache-dtype`, `--max-batch-tokens`,
+`--max-model-len N`, `--backend`, `--tensor-parallel`, `--compilation-cache`),
+`--no-prefix-caching`, `--no-async-scheduling`, `--quiet` (no request log). Bad flags, a
+checkpoint directory missing files or a port that cannot be bound end with one line on
+stderr and exit status 2, before any weights load.
 """
 
 from __future__ import annotations
@@ -107,6 +113,7 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
+import select
 import socket
 import sys
 import time
@@ -126,6 +133,9 @@ from pagedjax.tokenizer import CONTEXT_IDS  # noqa: E402
 
 MAX_BODY_BYTES = 32 * 2**20
 POLL_S = 0.5  # how often a waiting handler checks that its client is still connected
+# A client silent this long in the middle of a request, between two requests, or not
+# reading a stream is let go (a body shorter than its Content-Length held a thread forever).
+TIMEOUT_S = 60.0
 DEMO_NAME = "pagedjax-demo"
 
 
@@ -161,6 +171,12 @@ class Server(ThreadingHTTPServer):
         self.vocab_size = llm.config.vocab_size
         self.engine = EngineThread(llm)
 
+    def handle_error(self, request, client_address) -> None:
+        # A client that reset its connection between two requests is not worth a
+        # traceback on stderr (one per such client, --quiet or not).
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
     def close(self) -> None:
         """Stops the engine and closes the socket (after `shutdown()` if serving)."""
         if self.engine is not None:
@@ -175,6 +191,7 @@ class Server(ThreadingHTTPServer):
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    timeout = TIMEOUT_S  # of each read and write on the socket (StreamRequestHandler's)
     server: Server
     ROUTES = {
         "/health": "GET",
@@ -193,7 +210,12 @@ class Handler(BaseHTTPRequestHandler):
         self._streaming = False  # whether a stream's headers went out
         self._head = method == "HEAD"  # a GET's status and headers, no body
         try:
-            raw = self._read_body()
+            try:
+                raw = self._read_body()
+            except TimeoutError:
+                self.close_connection = True
+                msg = f"no more of the request body came for {self.timeout:g} s"
+                raise ApiError(408, msg) from None
             path = urlsplit(self.path).path.rstrip("/") or "/"
             allowed = self.ROUTES.get(path)
             if allowed is None:
@@ -209,8 +231,8 @@ class Handler(BaseHTTPRequestHandler):
             if path == "/v1/models":
                 return self._json(200, self._models())
             self._generate(self._job(path, self._parse(raw)))
-        except (BrokenPipeError, ConnectionResetError, ClientGone):
-            self.close_connection = True
+        except (BrokenPipeError, ConnectionResetError, TimeoutError, ClientGone):
+            self.close_connection = True  # (TimeoutError: a client that stopped reading)
         except ApiError as e:
             self._error(e)
         except Exception as e:  # noqa: BLE001  (a bug here must not kill the connection silently)
@@ -218,33 +240,44 @@ class Handler(BaseHTTPRequestHandler):
             self._error(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
 
     def _read_body(self) -> bytes:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+        te = self.headers.get_all("Transfer-Encoding", [])
+        if te:
+            if [c.strip().lower() for c in ",".join(te).split(",")] != ["chunked"]:
+                self.close_connection = True  # its body's end cannot be found: unread
+                msg = f"Transfer-Encoding {', '.join(te)!r:.80} is not supported; use chunked"
+                raise ApiError(501, msg)
             return self._read_chunked()
-        n = self.headers.get("Content-Length")
-        try:
-            n = int(n or 0)
-            if n < 0:
-                raise ValueError
-        except ValueError:
+        # Two different lengths are a 400 (RFC 9112 6.3), as is what int() reads but is no
+        # length: "+5", "5_0", "-5".
+        n = ", ".join(sorted({v.strip() for v in self.headers.get_all("Content-Length", [])}))
+        n = n or "0"
+        if not (n.isascii() and n.isdigit()):
             self.close_connection = True
-            raise ApiError(400, f"bad Content-Length {n!r}") from None
-        if n > MAX_BODY_BYTES:
+            raise ApiError(400, f"bad Content-Length {n!r:.80}")
+        if len(n.lstrip("0")) > 18 or int(n) > MAX_BODY_BYTES:  # (int() of 4301 digits raises)
             self.close_connection = True
-            raise ApiError(413, f"request body of {n} bytes is over {MAX_BODY_BYTES}")
-        return self.rfile.read(n) if n > 0 else b""
+            raise ApiError(413, f"request body of {n:.40} bytes is over {MAX_BODY_BYTES}")
+        return self._read_exactly(int(n))
+
+    def _read_exactly(self, n: int) -> bytes:
+        """The next `n` bytes of the body; a 400 if the client ended it before them (a
+        cut body could still parse, and be answered as if whole)."""
+        data = self.rfile.read(n) if n > 0 else b""
+        if len(data) < n:
+            self.close_connection = True
+            raise ApiError(400, f"the request body ended after {len(data)} of {n} bytes")
+        return data
 
     def _read_chunked(self) -> bytes:
         """A body sent with `Transfer-Encoding: chunked` (clients that stream uploads)."""
         data = bytearray()
         while True:
             line = self.rfile.readline(1024)
-            try:
-                size = int(line.split(b";")[0].strip(), 16)
-                if size < 0:
-                    raise ValueError
-            except ValueError:
+            size = line.split(b";")[0].strip()
+            if not size or size.strip(b"0123456789abcdefABCDEF"):  # int(, 16): "0x5", "+5"
                 self.close_connection = True
-                raise ApiError(400, f"bad chunk size {line[:40]!r} in a chunked body") from None
+                raise ApiError(400, f"bad chunk size {line[:40]!r} in a chunked body")
+            size = int(size, 16)
             if size == 0:
                 while self.rfile.readline(65536) not in (b"\r\n", b"\n", b""):
                     pass  # trailer fields: none are used
@@ -252,7 +285,7 @@ class Handler(BaseHTTPRequestHandler):
             if len(data) + size > MAX_BODY_BYTES:
                 self.close_connection = True
                 raise ApiError(413, f"request body is over {MAX_BODY_BYTES} bytes")
-            data += self.rfile.read(size)
+            data += self._read_exactly(size)
             self.rfile.readline(64)  # the chunk's CRLF
 
     def _send(self, status: int, data: bytes, ctype: str, headers=()) -> None:
@@ -264,6 +297,21 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header(k, v)
         self.end_headers()
         if not self._head:
+            self.wfile.write(data)
+
+    def send_error(self, code: int, message: str | None = None, explain=None) -> None:
+        """http.server's own errors (a bad request line, too many headers, an unknown
+        method, ...) as OpenAI's JSON error, as all others are (they were HTML pages)."""
+        self.close_connection = True
+        reason = self.responses.get(code, ("error",))[0]
+        self.log_error("code %d, message %s", code, message)
+        data = json.dumps(ApiError(code, message or reason).body()).encode()
+        self.send_response(code)
+        self.send_header("Connection", "close")
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
             self.wfile.write(data)
 
     def _json(self, status: int, obj) -> None:
@@ -284,26 +332,38 @@ class Handler(BaseHTTPRequestHandler):
             self._send(e.status, data, "application/json", headers if e.status == 405 else ())
 
     def _chunk(self, data: bytes) -> None:
-        """One chunk of a chunked response (b"": the last)."""
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        """One chunk of a chunked response (b"": the last); to an HTTP/1.0 client, which
+        knows no chunks, `data` as it is (the connection's end ends the response)."""
+        if self._chunked:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        else:
+            self.wfile.write(data)
+
+    @property
+    def _chunked(self) -> bool:
+        # RFC 9112 6.1: no Transfer-Encoding in a response to an HTTP/1.0 request.
+        return self.request_version not in ("HTTP/0.9", "HTTP/1.0")
 
     def _event(self, obj) -> None:
         self._chunk(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
 
     def _client_gone(self) -> bool:
-        # A non-blocking peek, not select(): select refuses a descriptor >= 1024, as a
-        # busy server's sockets get, and every request waiting on one failed with a 500.
-        try:
-            return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except BlockingIOError:
+        # poll(), not select(): select refuses a descriptor >= 1024, as a busy server's
+        # sockets get, and every request waiting on one failed with a 500. And a poll
+        # first: a peek at a socket with a timeout waits that long for a byte.
+        poller = select.poll()
+        poller.register(self.connection, select.POLLIN)
+        if not poller.poll(0):
             return False  # nothing to read: still connected
+        try:
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
         except OSError:
             return True
 
     def _parse(self, raw: bytes) -> dict:
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except ValueError as e:  # bad JSON, UTF-8, or an int of over 4300 digits (was a 500)
             raise ApiError(400, f"the body is not valid JSON: {e}") from None
         except RecursionError:  # (it was a 500)
             raise ApiError(400, "the body's JSON is nested too deeply to parse") from None
@@ -419,7 +479,11 @@ class Handler(BaseHTTPRequestHandler):
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Cache-Control", "no-cache")
-                self.send_header("Transfer-Encoding", "chunked")
+                if self._chunked:
+                    self.send_header("Transfer-Encoding", "chunked")
+                else:
+                    self.send_header("Connection", "close")
+                    self.close_connection = True
                 self.end_headers()
                 self._streaming = True
                 for role in api.role_chunks(job, head):

@@ -141,6 +141,18 @@ def stream(srv, path, body) -> list[dict]:
     return [json.loads(e[len("data: ") :]) for e in events[:-2]]
 
 
+def exchange(srv, data: bytes, *, shut=False, timeout: float = 60) -> tuple[bytes, bytes]:
+    """(status line and headers, body) of what the server answers `data` on a new
+    connection (closed for writing after it if `shut`), read until the server closes it."""
+    with socket.create_connection(srv.server_address[:2], timeout=timeout) as s:
+        s.sendall(data)
+        if shut:
+            s.shutdown(socket.SHUT_WR)
+        reply = s.makefile("rb").read()
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return head, body
+
+
 def engine_state(srv):
     """(unfinished requests?, pages in use, tokens generated) read on the engine thread."""
     return srv.engine.call(
@@ -226,11 +238,16 @@ def test_a_stopped_engine_is_a_503():
         (b"Content-Length: -5", b" 400 ", b"bad Content-Length"),
         (b"Content-Length: %d" % (32 * 2**20 + 1), b" 413 ", b"request body of 33554433"),
         (b"Transfer-Encoding: chunked", b" 413 ", b"request body is over 33554432"),
+        (b"Content-Length: +2", b" 400 ", b"bad Content-Length '+2'"),
+        (b"Content-Length: 2\r\nContent-Length: 5", b" 400 ", b"bad Content-Length '2, 5'"),
+        (b"Transfer-Encoding: gzip", b" 501 ", b"Transfer-Encoding 'gzip' is not supported"),
     ],
 )
 def test_bad_or_too_large_bodies_are_refused_unread(server, head, status, words):
     """A negative Content-Length was read as an empty body (a 400 "not valid JSON", the
-    bytes sent then taken for the next request); bodies over 32 MiB are a 413."""
+    bytes sent then taken for the next request), as was a body in a Transfer-Encoding
+    other than chunked; int() read "+2" (or "2_0") as a length, and of two lengths the
+    first was taken (RFC 9112 6.3: a 400). Bodies over 32 MiB are a 413."""
     with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=60) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n\r\n")
         if b"chunked" in head:
@@ -409,6 +426,8 @@ def test_text_is_streamed_as_soon_as_no_stop_string_can_cut_it(server, tok, long
 
 class StreamRecorder(serve.Handler):
     """A handler without a socket: `_stream` run on given events, its chunks recorded."""
+
+    request_version = "HTTP/1.1"
 
     def __init__(self, tokenizer):  # (not BaseHTTPRequestHandler's: no request to handle)
         self.server = types.SimpleNamespace(tokenizer=tokenizer)
@@ -839,7 +858,7 @@ def test_a_chunked_request_body_is_read(server, ref):
     assert status == 400  # (a plain body still works)
 
 
-@pytest.mark.parametrize("size", [b"zz", b"-5"])
+@pytest.mark.parametrize("size", [b"zz", b"-5", b"0x2", b"+2"])  # int(, 16) took the last two
 def test_a_bad_chunk_size_is_a_400(server, size):
     with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=60) as s:
         s.sendall(
@@ -852,6 +871,47 @@ def test_a_bad_chunk_size_is_a_400(server, size):
     assert b"bad chunk size" in reply
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_cut_short_is_a_400(server, chunked):
+    """A body whose client hung up before its Content-Length was answered as if it were
+    whole (it parsed); a chunk cut short was a "bad chunk size b''"."""
+    body = json.dumps(dict(prompt=[1], max_tokens=1)).encode()
+    size, head = len(body) + 9, b"POST /v1/completions HTTP/1.1\r\n"
+    if chunked:
+        data = head + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % size + body
+    else:
+        data = head + b"Content-Length: %d\r\n\r\n" % size + body
+    head, text = exchange(server, data, shut=True)
+    assert b" 400 " in head.split(b"\r\n")[0], head
+    want = f"the request body ended after {len(body)} of {size} bytes"
+    assert json.loads(text)["error"]["message"] == want
+
+
+def test_a_silent_client_is_let_go_and_others_are_still_watched(server, ref, monkeypatch):
+    """A body shorter than its Content-Length from a client that waits held a thread (and
+    the client) forever; a client silent for `Handler.timeout` is let go, a 408 if it was
+    in a body. Waiting for the engine longer than that is no silence (a peek at a socket
+    with a timeout waited that long, then took the client for gone)."""
+    monkeypatch.setattr(serve.Handler, "timeout", 0.05)
+    monkeypatch.setattr(serve, "POLL_S", 0.001)  # check the client at every wait
+    head, body = exchange(
+        server, b"POST /v1/completions HTTP/1.1\r\nContent-Length: 9\r\n\r\n{", timeout=10
+    )
+    assert b" 408 " in head.split(b"\r\n")[0], head
+    assert "for 0.05 s" in json.loads(body)["error"]["message"]
+    assert exchange(server, b"GET /health HTTP/1.1\r\nX: ", timeout=10) == (b"", b"")
+    llm, real_step = server.engine.llm, server.engine.llm.step
+
+    def slow_step(**kwargs):
+        time.sleep(0.02)  # 9 steps (a prefill, 8 decodes): longer than the timeout
+        return real_step(**kwargs)
+
+    monkeypatch.setattr(llm, "step", slow_step)
+    body = dict(prompt="def f(x):", temperature=0, max_tokens=8)
+    (want,) = ref.generate([body["prompt"]], SamplingParams(temperature=0, max_tokens=8))
+    assert ok(server, "/v1/completions", body)["choices"][0]["text"] == want.outputs[0].text
+
+
 def test_bad_requests(server):
     status, err = request(server, "/v1/completions", raw=b"{nope")
     assert status == 400 and "not valid JSON" in err["error"]["message"]
@@ -859,6 +919,8 @@ def test_bad_requests(server):
     assert status == 400 and "JSON object" in err["error"]["message"]
     status, err = request(server, "/v1/completions", raw=b"[" * 100_000)  # was a 500
     assert status == 400 and "nested too deeply" in err["error"]["message"]
+    status, err = request(server, "/v1/completions", raw=b'{"n": %s}' % (b"9" * 5000))
+    assert status == 400 and "4300 digits" in err["error"]["message"]  # int(): was a 500
     status, err = request(server, "/v1/nothing")
     assert status == 404 and "/v1/nothing" in err["error"]["message"]
     status, err = request(server, "/v1/completions")
@@ -867,6 +929,49 @@ def test_bad_requests(server):
     assert status == 405 and "POST" in err["error"]["message"]
     status, err = request(server, "/v1/models", method="DELETE")
     assert status == 405
+
+
+@pytest.mark.parametrize(
+    "data, status, words",
+    [
+        (b"FOO /health HTTP/1.1\r\n\r\n", b" 501 ", "Unsupported method ('FOO')"),
+        (b"GET /health HTTP/1.1\r\n" + b"X: y\r\n" * 101 + b"\r\n", b" 431 ", "Too many headers"),
+    ],
+)
+def test_the_http_servers_own_errors_are_json(server, data, status, words):
+    """http.server's own errors (an unknown method, too many headers, ...) are OpenAI's
+    JSON errors, as all others are; they were HTML pages."""
+    head, body = exchange(server, data)
+    assert status in head.split(b"\r\n")[0] and b"Content-Type: application/json" in head
+    err = json.loads(body)["error"]
+    assert err["message"] == words and set(err) == {"message", "type", "param", "code"}
+
+
+def test_a_stream_to_an_http_1_0_client_is_not_chunked(server, ref):
+    """RFC 9112 6.1: no Transfer-Encoding in an answer to HTTP/1.0, which knows no chunks
+    (their sizes were read as the stream's data); closing the connection ends the stream,
+    keep-alive or not."""
+    body = dict(prompt="def f():", temperature=0, max_tokens=4, stream=True)
+    (want,) = ref.generate([body["prompt"]], SamplingParams(temperature=0, max_tokens=4))
+    data = json.dumps(body).encode()
+    head = b"POST /v1/completions HTTP/1.0\r\nConnection: keep-alive\r\nContent-Length: %d"
+    head, text = exchange(server, head % len(data) + b"\r\n\r\n" + data, timeout=10)
+    assert b" 200 " in head.split(b"\r\n")[0] and b"transfer-encoding" not in head.lower()
+    *events, done, end = text.decode().split("\n\n")
+    assert (done, end) == ("data: [DONE]", "") and all(e.startswith("data: {") for e in events)
+    pieces = [json.loads(e[len("data: ") :])["choices"][0]["text"] for e in events]
+    assert "".join(pieces) == want.outputs[0].text
+
+
+def test_a_client_reset_between_requests_is_not_logged(server, capsys):
+    """socketserver printed a traceback for each client that reset its connection while
+    the server waited for its next request (--quiet or not); other errors still print."""
+    for error, logged in [(ConnectionResetError(104, "reset by peer"), False), (KeyError(1), True)]:
+        try:
+            raise error
+        except Exception:  # noqa: BLE001
+            server.handle_error(None, ("127.0.0.1", 1))
+        assert ("Traceback" in capsys.readouterr().err) == logged
 
 
 def test_head_and_options(server):
