@@ -142,6 +142,8 @@ def parse_job(
         a package).
     """
     model = body.get("model")
+    if model is not None and not isinstance(model, str):  # (it was a 404, "not served here")
+        raise ApiError(400, f"model must be a string, got model={model!r:.80}", "model")
     if model is not None and model != model_name:
         raise ApiError(
             404,
