@@ -275,14 +275,23 @@ class Tokenizer:
         and the text does not already start with it (a prompt rendered by a chat
         template, `<|begin_of_text|>...`: a second BOS degrades the model's output).
 
-        Special-token strings in the text encode as their own ids.
+        Special-token strings in the text encode as their own ids. ValueError for a text
+        with a lone surrogate (JSON's "\\ud800" escape), which has no UTF-8.
         """
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         add_bos = self.add_bos if add_bos is None else add_bos
         if add_bos and self.bos_token_id is None:
             raise ValueError("add_bos=True but this tokenizer has no BOS token")
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        try:
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        except TypeError:  # "TextInputSequence must be str": no UTF-8 for a lone surrogate
+            bad = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+            if bad is None:
+                raise
+            raise ValueError(
+                f"text is not valid Unicode: a lone surrogate {text[bad]!r} at index {bad}"
+            ) from None
         if add_bos and ids[:1] != [self.bos_token_id]:
             return [self.bos_token_id, *ids]
         return list(ids)

@@ -527,6 +527,15 @@ def test_constructor_and_encode_check_the_special_ids(bpe_dir):
     assert Tokenizer(raw, eos_token_ids=[1, 2]).eos_token is None  # which one? none
 
 
+def test_a_lone_surrogate_is_named(bpe_dir):
+    """JSON's "\\ud800" escape gives a str with no UTF-8; the tokenizers library's error
+    ("TextInputSequence must be str") named neither the text nor the character."""
+    tok = Tokenizer.from_dir(bpe_dir)
+    with pytest.raises(ValueError, match=r"lone surrogate '\\udc00' at index 3$"):
+        tok.encode(json.loads('"abc\\udc00d"'))
+    assert tok.encode(json.loads('"\\ud83d\\ude00"')) == tok.encode("\U0001f600")  # a pair
+
+
 def test_special_token_sources_in_order(tmp_path):
     """BOS id: generation_config's before config.json's; add_bos: tokenizer_config's
     add_bos_token when set, even false over a post-processor that prepends BOS, else
