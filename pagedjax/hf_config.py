@@ -73,9 +73,9 @@ def from_hf(config: dict, *, dtype: str | None = None) -> ModelConfig:
     32768 for Qwen; `intermediate_size`, `num_key_value_heads`, the window; and
     `rms_norm_eps` 1e-6, `rope_theta` 10000 in all); absent `bos_token_id` and
     `eos_token_id` are None (HF's Llama and Mistral say 1 and 2; the tokenizer's
-    and generation_config's count instead). The model runs in `dtype`, else in
-    float32 for a float32 `torch_dtype` and in bfloat16 for any other (float16 too;
-    see `_hf_dtype`).
+    and generation_config's count instead). The model runs in the `dtype` argument,
+    else in float32 if the config's `dtype` key (4.x's `torch_dtype`; `dtype` wins where
+    both are) says float32, and in bfloat16 for any other (float16 too; `_hf_dtype`).
 
     Raises:
       ValueError: an unsupported architecture anywhere in `architectures`, unsupported
@@ -136,7 +136,8 @@ def from_hf(config: dict, *, dtype: str | None = None) -> ModelConfig:
     eos = () if eos is None else (eos if isinstance(eos, (list, tuple)) else (eos,))
     if any(isinstance(t, bool) or not isinstance(t, int) for t in eos):
         raise ValueError(f"config.json: eos_token_id must be ints, got {config['eos_token_id']}")
-    torch_dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+    # transformers 5 reads `dtype` first where a config has both (4.x wrote torch_dtype).
+    torch_dtype = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
     attention_bias = bool(config.get("attention_bias", False))
     if family in ("qwen2", "mistral"):  # their HF attention hard-codes its biases
         attention_bias = False

@@ -672,6 +672,9 @@ def test_from_hf_absent_tie_and_dtype_keys():
         for name in ("float32", "torch.float32"):
             assert ModelConfig.from_hf(dict(bare, **{key: name})).dtype == "float32"
     assert ModelConfig.from_hf(dict(bare, dtype="float16")).dtype == "bfloat16"
+    # Both keys: transformers 5 reads `dtype` (`torch_dtype` won here).
+    both = ModelConfig.from_hf(dict(bare, dtype="float32", torch_dtype="bfloat16"))
+    assert both.dtype == "float32"
 
 
 @pytest.mark.parametrize(
