@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pagedjax.config import CacheConfig, ModelConfig
+from pagedjax.config import CacheConfig, ModelConfig, dtype_name
 
 
 @jax.tree_util.register_dataclass
@@ -163,16 +163,28 @@ def _check_layer(cache: PagedKVCache, layer) -> None:
         raise ValueError(f"layer {layer} is out of range [0, {cache.num_layers})")
 
 
+def _dtype(dtype):
+    # A name may be one of CacheConfig's aliases ("fp8", "bf16"), which jnp.dtype refuses.
+    return jnp.dtype(dtype_name(dtype, kv=True) if isinstance(dtype, str) else dtype)
+
+
 def is_fp8(dtype) -> bool:
-    """Whether `dtype` is an FP8 storage dtype (the kernels upcast its tiles)."""
-    dtype = jnp.dtype(dtype)
+    """Whether `dtype` is an FP8 storage dtype (the kernels upcast its tiles).
+
+    `dtype`: a dtype, or a name as `CacheConfig` takes it ("fp8", "float8_e4m3fn", ...).
+    """
+    dtype = _dtype(dtype)
     return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1
 
 
 def to_storage(x, dtype):
     """`x` in the cache's storage dtype: a plain cast, or for FP8 a cast of `x` clipped
-    to the format's finite range (scale-free quantisation)."""
-    dtype = jnp.dtype(dtype)
+    to the format's finite range (scale-free quantisation).
+
+    `dtype`: a dtype, or a name as `CacheConfig` takes it ("fp8", "bf16", ...; ValueError
+    naming an unknown one).
+    """
+    dtype = _dtype(dtype)
     if is_fp8(dtype):
         top = float(jnp.finfo(dtype).max)
         x = jnp.clip(x.astype(jnp.float32), -top, top)

@@ -253,3 +253,16 @@ def test_bounds_at_the_pool_and_table_edges():
     np.testing.assert_array_equal(np.asarray(gk)[6:], k * 3)
     np.testing.assert_array_equal(np.asarray(gv)[6:], -k)
     assert not np.asarray(gk)[:6].any()
+
+
+def test_fp8_helpers_take_the_dtype_names_cache_config_takes():
+    # CacheConfig(dtype="fp8") is documented; to_storage and is_fp8 passed the name to
+    # jnp.dtype, which refused it, so model.forward(..., kv_dtype="fp8") failed.
+    x = jnp.array([1000.0, -0.3], jnp.float32)
+    for name in ("fp8", "float8_e4m3fn", jnp.float8_e4m3fn):
+        got = kvcache.to_storage(x, name)
+        assert kvcache.is_fp8(name) and got.dtype == jnp.float8_e4m3fn
+        assert float(got[0]) == 448.0  # clipped, not NaN
+    assert kvcache.to_storage(x, "bf16").dtype == jnp.bfloat16 and not kvcache.is_fp8("bf16")
+    with pytest.raises(ValueError, match="got 'int3'"):
+        kvcache.to_storage(x, "int3")
