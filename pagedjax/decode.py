@@ -13,6 +13,14 @@ dimension to a power of two above a floor, so a run compiles a handful of progra
 `compile_counts()` reports how many times each step was traced (= compiled); tests
 assert it stays within the number of distinct buckets.
 
+The steps are functions of pytrees, so they compose with the caller's own transforms:
+`jax.jit` around them, `jax.lax.scan` over decode steps (advance a decode `StepInput`'s
+`token_ids`, `positions`, `slot_mapping`, `context_lens` and `sample_steps` on the
+device; slots as in `pagedjax.cache`), `jax.vmap` over stacked caches and inputs. Under
+an outer trace the host checks see shapes only (page ids and slots are then the
+caller's to keep valid), the cache is donated only if the outer `jit` donates it, and
+`compile_counts` counts the traces made inside it.
+
 `generate` is a static-batch loop with no scheduler, for research use. The
 README example::
 
@@ -70,6 +78,7 @@ from pagedjax.step_input import (
     build_step_input,
     is_int,
 )
+from pallas_kernels.dispatch import BACKENDS
 from pallas_kernels.validation import check_dtypes
 
 __all__ = [
@@ -108,10 +117,14 @@ def check_cache(
     Raises:
       ValueError: layers, kv heads, head dim, page size or page count differ; the K and
         V pools differ; a tensor-parallel model's cache is not split over kv heads on
-        its mesh (`sharding.create_cache`), or a single-device model's is spread.
-      TypeError: `cache` is not a `PagedKVCache`, or its storage dtype is one the
-        model's attention cannot read (`CacheConfig`).
+        its mesh (`sharding.create_cache`), or a single-device model's is spread; the
+        cache was donated to an earlier step (its arrays are deleted: use the cache
+        that step returned).
+      TypeError: `params` is not a `Params` (`model.split_model`), `cache` is not a
+        `PagedKVCache`, or its storage dtype is one the model's attention cannot read
+        (`CacheConfig`).
     """
+    _check_params(params)
     cfg = params.config
     if not isinstance(cache, cache_lib.PagedKVCache):
         raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
@@ -120,6 +133,11 @@ def check_cache(
     if len(k) != cfg.num_layers or len(v) != cfg.num_layers:
         raise ValueError(
             f"the cache has {len(k)} K and {len(v)} V layers; the model has {cfg.num_layers}"
+        )
+    if _deleted(k[0]) or _deleted(v[0]):  # donation deletes every pool at once
+        raise ValueError(
+            "the cache's arrays are deleted: it was donated to an earlier step; pass the "
+            "cache that step returned (`out, cache = step(params, cache, inp)`)"
         )
     shape, kv_heads = k[0].shape, sharding.cache_kv_heads(cfg, tp)
     if len(shape) != 4 or shape[0] != kv_heads or shape[3] != cfg.head_dim:
@@ -164,8 +182,23 @@ def check_cache(
         )
 
 
-def _check_step(params, inp, decode, num_top_logprobs, num_prompt_top_logprobs) -> None:
+def _deleted(a) -> bool:
+    return isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and a.is_deleted()
+
+
+def _check_params(params) -> None:
+    if not isinstance(params, model_lib.Params):
+        raise TypeError(
+            "params must be a split model, pagedjax.model.Params (model.split_model(m), "
+            f"model.init_params, weights.load_checkpoint), got {type(params).__name__}"
+        )
+
+
+def _check_step(params, inp, decode, backend, num_top_logprobs, num_prompt_top_logprobs) -> None:
     """The host-side checks of a step's input kind and knobs, before anything is traced."""
+    _check_params(params)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend=}")
     if not isinstance(inp, StepInput):
         raise TypeError(f"inp must be a StepInput (build_step_input), got {type(inp).__name__}")
     v = params.config.vocab_size
@@ -293,9 +326,10 @@ def prefill_step(
     """One mixed step (prefill chunks and decode rows) with ragged paged attention.
 
     Jitted; `cache` is donated (do not use it after the call; use the returned one).
-    First, on the host: `inp` and the knobs are checked (TypeError if `inp` is not a
-    StepInput; ValueError naming a bad one: a StepInput built for the other step, a top-k
-    count outside [0, V]), then `check_cache`.
+    First, on the host: `params`, `inp` and the knobs are checked (TypeError if `params`
+    is not a `Params` or `inp` not a StepInput; ValueError naming a bad one: a StepInput
+    built for the other step, an unknown backend, a top-k count outside [0, V]), then
+    `check_cache`.
 
     Args:
       params: the split model (`pagedjax.model.split_model`).
@@ -315,7 +349,7 @@ def prefill_step(
     Returns:
       (StepOutput, new cache).
     """
-    _check_step(params, inp, False, num_top_logprobs, num_prompt_top_logprobs)
+    _check_step(params, inp, False, backend, num_top_logprobs, num_prompt_top_logprobs)
     check_cache(params, cache, inp)
     return _prefill_jit(
         params,
@@ -345,7 +379,7 @@ def decode_step(
     `inp` must come from `build_step_input(..., decode=True)` (the default when every
     chunk has one token). Arguments and result as for `prefill_step`.
     """
-    _check_step(params, inp, True, num_top_logprobs, num_prompt_top_logprobs)
+    _check_step(params, inp, True, backend, num_top_logprobs, num_prompt_top_logprobs)
     check_cache(params, cache, inp)
     return _decode_jit(
         params,
@@ -407,7 +441,8 @@ def generate(
 
     Args:
       params: the split model; its config gives the vocabulary, limits and EOS ids.
-      prompts: token id lists (non-empty).
+      prompts: token id lists (non-empty; lists, numpy or jax arrays, or the rows of a
+        2-D array).
       max_new_tokens: tokens to generate per prompt (fewer if a stop token comes).
       page_size: tokens per page.
       temperature, top_k, top_p, min_p: sampling (temperature 0: greedy).
@@ -426,14 +461,19 @@ def generate(
         `pagedjax.cache`).
 
     Raises:
+      TypeError: `params` is not a `Params`; token ids that are not ints.
       ValueError: empty or nested prompts, token ids outside the vocabulary, a prompt
         plus max_new_tokens longer than max_position_embeddings, stop_token_ids that
         are not a flat list of ints >= 0, or a count (max_new_tokens, min_tokens, page_size,
         prefill_chunk) that is not a positive int (min_tokens: >= 0) (before anything
         runs).
     """
+    _check_params(params)
     cfg = params.config
-    if not prompts or any(len(p) == 0 for p in prompts):
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
+        raise ValueError(f"prompts must be a list of token id lists, got {prompts!r}")
+    prompts = [np.asarray(p) for p in prompts]  # a 2-D array: one prompt per row
+    if not prompts or any(p.size == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token id lists")
     if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens=}")
@@ -443,10 +483,12 @@ def generate(
         raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk=}")
     if not is_int(page_size) or page_size < 1:  # CacheConfig checks it is a power of two
         raise ValueError(f"page_size must be a positive int, got {page_size=}")
-    prompts = [np.asarray(p) for p in prompts]
     for i, p in enumerate(prompts):
         if p.ndim != 1:
-            raise ValueError(f"prompt {i} must be a 1-D list of token ids, got shape {p.shape}")
+            hint = " (one prompt? pass a list of prompts: [prompt])" if p.ndim == 0 else ""
+            raise ValueError(
+                f"prompt {i} must be a 1-D list of token ids, got shape {p.shape}{hint}"
+            )
         if len(p) + max_new_tokens > cfg.max_position_embeddings:
             raise ValueError(
                 f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it "

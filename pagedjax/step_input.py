@@ -227,13 +227,29 @@ def build_step_input(
       decode: build a decode batch (every chunk one token, T == B). Default: True
         exactly when every chunk has one token.
 
+    What the host cannot see is the caller's to keep true: that `start_pos` is the
+    number of tokens of the sequence already written to its pages (a larger one attends
+    to whatever those slots hold, a smaller one overwrites them), and that the pages a
+    step writes belong to no sequence outside this step.
+
     Raises:
       ValueError: token ids outside the vocabulary, positions past the model's
         maximum, a page table too short or with bad ids, a page this step writes that
         another page table (or the same one twice) reads in this step, bad sampling
         parameters, bad copy pairs, or decode=True with a multi-token chunk.
-      TypeError: ids or counts that are not ints.
+      TypeError: ids or counts that are not ints; `chunks` not a list of `SeqChunk`s,
+        or the configs not a `ModelConfig` and a `CacheConfig`.
     """
+    if not isinstance(model_cfg, ModelConfig) or not isinstance(cache_cfg, CacheConfig):
+        raise TypeError(
+            "build_step_input(chunks, model_cfg, cache_cfg) takes a ModelConfig and a "
+            f"CacheConfig, got {type(model_cfg).__name__} and {type(cache_cfg).__name__}"
+        )
+    if isinstance(chunks, SeqChunk) or not isinstance(chunks, Sequence):
+        raise TypeError(f"chunks must be a list of SeqChunk (one per sequence), got {chunks!r}")
+    for i, c in enumerate(chunks):
+        if not isinstance(c, SeqChunk):
+            raise TypeError(f"chunk {i} must be a SeqChunk, got {c!r}")
     if not chunks:
         raise ValueError("a step needs at least one sequence, got chunks=[]")
     n, s = len(chunks), cache_cfg.page_size

@@ -489,6 +489,20 @@ def test_build_step_input_rejects_what_it_used_to_truncate(chunks, kwargs, error
         decode.build_step_input(chunks, TINY, cache_cfg, **kwargs)
 
 
+def test_build_step_input_names_arguments_of_the_wrong_type():
+    # Were "object of type 'SeqChunk' has no len()", "'tuple' object has no attribute
+    # 'token_ids'" and "'ModelConfig' object has no attribute 'page_size'".
+    cc = CacheConfig(page_size=4, num_pages=32, dtype="float32")
+    chunk = decode.SeqChunk([1], 0, [1])
+    for args, match in [
+        ((chunk, TINY, cc), r"chunks must be a list of SeqChunk .*got SeqChunk\("),
+        (([([1], 0, [1])], TINY, cc), r"chunk 0 must be a SeqChunk, got \(\[1\], 0, \[1\]\)"),
+        (([chunk], cc, TINY), "a ModelConfig and a CacheConfig, got CacheConfig and ModelConfig"),
+    ]:
+        with pytest.raises(TypeError, match=match):
+            decode.build_step_input(*args)
+
+
 def test_build_step_input_allows_shared_read_only_pages():
     # A shared prefix page (3) is read by both sequences and written by neither.
     cache_cfg = CacheConfig(page_size=4, num_pages=32, dtype="float32")
@@ -625,6 +639,22 @@ def test_generate_rejects_bad_prompts_before_running(params):
     assert decode.compile_counts() == before
 
 
+def test_generate_takes_a_2d_array_and_names_a_flat_prompt(params):
+    # A 2-D array was "The truth value of an array ... is ambiguous", a flat list of
+    # ints "object of type 'int' has no len()", a Llama module "has no attribute 'config'".
+    prompts = [[1, 5, 7, 9], [1, 42, 3, 4]]
+    kw = dict(max_new_tokens=2, stop_token_ids=(), backend="xla")
+    want = decode.generate(params, prompts, **kw).tokens
+    assert decode.generate(params, np.asarray(prompts, np.int64), **kw).tokens == want
+    for flat in ([1, 5, 7], np.array([1, 5, 7])):
+        with pytest.raises(ValueError, match=r"prompt 0 must be a 1-D .* \(\) \(one prompt\?"):
+            decode.generate(params, flat, **kw)
+    with pytest.raises(ValueError, match="prompts must be a list of token id lists, got 7"):
+        decode.generate(params, 7, **kw)
+    with pytest.raises(TypeError, match="params must be a split model.*got Llama"):
+        decode.generate(params.merge(), prompts, **kw)
+
+
 def test_generate_fills_max_position_embeddings_exactly(params):
     short = params.replace(config=dataclasses.replace(TINY, max_position_embeddings=16))
     out = decode.generate(short, [[1] * 13], max_new_tokens=3, page_size=4, backend="xla")
@@ -700,6 +730,27 @@ def test_steps_refuse_a_cache_of_another_model_or_geometry(
             decode.step(params, cache, inp, backend="xla")
     assert decode.compile_counts() == before
     assert not cache.k[0].is_deleted()
+
+
+def test_steps_refuse_a_donated_cache_a_module_and_a_bad_backend_on_the_host(params):
+    # A donated cache was XLA's "Buffer has been deleted or donated" (prefill) or, after a
+    # trace, "Array has been deleted" (decode); a Llama module "has no attribute
+    # 'config'"; an unknown backend was refused inside a trace.
+    cc = CacheConfig(4, 8, "float32")
+    cache = cache_lib.create(TINY, cc)
+    first = decode.build_step_input([decode.SeqChunk([1, 2], 0, [7])], TINY, cc)
+    _, new = decode.prefill_step(params, cache, first, backend="xla")
+    before = decode.compile_counts()
+    for tokens in ([1, 2, 3], [1]):
+        inp = decode.build_step_input([decode.SeqChunk(tokens, 2, [7, 6])], TINY, cc)
+        with pytest.raises(ValueError, match="donated to an earlier step"):
+            decode.step(params, cache, inp, backend="xla")
+        with pytest.raises(TypeError, match="params must be a split model.*got Llama"):
+            decode.step(params.merge(), new, inp, backend="xla")
+        with pytest.raises(ValueError, match="backend must be one of .*got backend='cuda'"):
+            decode.step(params, new, inp, backend="cuda")
+    assert decode.compile_counts() == before
+    assert not new.k[0].is_deleted()
 
 
 def test_steps_refuse_mismatched_k_and_v_pools_and_non_caches(params):
