@@ -19,7 +19,8 @@ Commands: `/reset` starts the conversation over (keeping the system message);
 reply joins the conversation, and the prompt comes back (the engine aborts the reply
 and stays usable); Ctrl-C at the prompt ends the session. A conversation that no
 longer fits the model's length (`--max-model-len`, default the model's) is reported on
-stderr and its last message dropped: `/reset` and go on. Sampling: `--max-tokens` (per
+stderr and its last message dropped, and a reply cut short by it is noted there: `/reset`
+and go on. Sampling: `--max-tokens` (per
 reply), `--temperature` (0.7; 0 is greedy), `--top-k`, `--top-p`, `--min-p`,
 `--repetition-penalty`, `--presence-penalty`, `--frequency-penalty`, `--min-tokens`,
 `--logit-bias JSON`, and `--seed`, the seed of every reply, so a session is
@@ -29,7 +30,8 @@ The engine flags (`--page-size`, `--num-pages` | `--kv-memory-fraction`,
 `--kv-cache-dtype`, `--max-batch-tokens`, `--max-model-len`, `--backend`,
 `--tensor-parallel`, `--compilation-cache`) are scripts/generate.py's. Bad input (a
 checkpoint or template that cannot serve a chat, a bad flag) ends with one line on stderr
-and exit status 2, before any weights load.
+and exit status 2, before any weights load; running out of device memory, with one line
+and status 1.
 """
 
 from __future__ import annotations
@@ -95,8 +97,10 @@ def reply(llm, messages: list[dict], params) -> str | None:
         sys.stdout.write(decoder.add(tok))
         sys.stdout.flush()
 
+    gen.INTERRUPT.clear()  # (a Ctrl-C at the prompt ended the session)
     try:
-        (out,) = llm.generate([ids], params, on_token=on_token)
+        (out,) = llm.generate([ids], params, on_token=on_token, on_step=gen.INTERRUPT.check)
+        gen.INTERRUPT.check()  # one that a gc callback swallowed in the last step
     except ValueError as e:  # the conversation has outgrown max_model_len
         print(
             f"error: the conversation no longer fits ({e}); /reset starts it over", file=sys.stderr
@@ -104,7 +108,15 @@ def reply(llm, messages: list[dict], params) -> str | None:
         return None
     print(decoder.flush(), flush=True)
     print(stats_line(out), file=sys.stderr, flush=True)
-    return out.outputs[0].text
+    c = out.outputs[0]
+    if c.finish_reason == "length" and len(c.token_ids) < params.max_tokens:
+        print(
+            f"note: the reply was cut at the model's length (max_model_len={llm.max_model_len} "
+            "tokens, the whole conversation); /reset starts it over",
+            file=sys.stderr,
+            flush=True,
+        )
+    return c.text
 
 
 def run(args) -> int:
@@ -172,11 +184,14 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    try:
-        return gen.run_cli(build_parser, run, argv)
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
+    with gen.INTERRUPT.latched():
+        try:
+            return gen.run_cli(build_parser, run, argv)
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return 130
+        except BrokenPipeError:  # stdout closed: no traceback
+            return gen.stdout_closed()
 
 
 if __name__ == "__main__":

@@ -30,8 +30,9 @@ token logits. Neither with `--beam-width`.
 `--beam-width N` (> 1) runs beam search, which ranks by log-probability and does not
 sample: not with `--temperature` > 0, `--top-k`, `--top-p` or `--min-p`.
 
-`--prompts-file`: one prompt per line (blank lines skipped); a line that starts with
-a double quote is read as a JSON string, so a prompt can hold newlines.
+`--prompts-file FILE`: one prompt per line (blank lines skipped); a line that starts with
+a double quote is read as a JSON string, so a prompt can hold newlines. `-` reads stdin
+(so does a pipe's path: `/dev/stdin`, the shell's `<(...)`).
 
 `--chat` (instruct checkpoints): each prompt becomes one user message, after a system
 message when `--system TEXT` is given, rendered with the checkpoint's chat template
@@ -79,7 +80,9 @@ set, else `$XDG_CACHE_HOME/pagedjax/xla` (`~/.cache/pagedjax/xla`); `off` disabl
 jax caches only programs that took at least `jax_persistent_cache_min_compile_time_secs`
 (1 s by default) to compile.
 
-Ctrl-C stops the run with "interrupted" on stderr and exit status 130.
+Ctrl-C stops the run with "interrupted" on stderr and exit status 130. Running out of
+device memory (a `--num-pages` too many, say) ends with one line on stderr and status 1,
+and stdout closed early (piped into `head`) with status 141, without a traceback.
 
 Bad input (an empty or too long prompt, a prompts file without prompts, n < 1, top_p
 outside (0, 1], a negative temperature, a checkpoint directory missing files, --backend
@@ -90,9 +93,12 @@ printed on stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 PREFIX = '''"""Helpers for reading, checking and writing simple configuration files.
@@ -133,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="HF directory or pagedjax orbax checkpoint (default: the embedded demo model)",
     )
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    p.add_argument("--prompts-file", help="a file of prompts, one per line")
+    p.add_argument(
+        "--prompts-file", metavar="FILE", help="a file of prompts, one per line ('-': stdin)"
+    )
     p.add_argument(
         "--chat",
         action="store_true",
@@ -145,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="a Jinja chat template file to use instead of the checkpoint's (--chat)",
     )
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens per completion")
+    p.add_argument(
+        "--max-tokens", type=int, default=64, help="most tokens per completion (default 64)"
+    )
     p.add_argument("--n", type=int, default=1, help="completions per prompt")
     add_sampling_flags(p, temperature=0.0, seed_help="sampling seed")
     p.add_argument("--beam-width", type=int, default=1, help="> 1: beam search")
@@ -364,10 +374,17 @@ def read_prompts(args) -> list[str]:
     prompts = list(args.prompt or [])
     if args.prompts_file:
         path = Path(args.prompts_file)
-        if not path.is_file():
+        if args.prompts_file == "-":  # stdin; a pipe's path (/dev/stdin, <(...)) reads too
+            path = Path("<stdin>")
+        elif path.is_dir():
+            raise BadInput(f"prompts file {path} is a directory")
+        elif not path.exists():
             raise BadInput(f"prompts file not found: {path}")
         try:
-            text = path.read_text(encoding="utf-8")
+            if args.prompts_file == "-":
+                text = sys.stdin.buffer.read().decode("utf-8")
+            else:
+                text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise BadInput(f"prompts file {path}: cannot read it ({e})") from None
         before = len(prompts)
@@ -554,6 +571,7 @@ def run(args) -> int:
         async_scheduling=not args.no_async_scheduling,
         **engine_kwargs(args),
     )
+    INTERRUPT.check()  # a Ctrl-C that a gc callback swallowed while loading
     check_logit_bias(sp.logit_bias, llm.config.vocab_size)
     cut = []  # prompts that leave less room than --max-tokens under the model's length
     encoded = []  # their token ids, for generate (which would tokenize text again)
@@ -586,7 +604,10 @@ def run(args) -> int:
             sys.stdout.write(decoder.add(tok))
             sys.stdout.flush()
 
-    outs = llm.generate(encoded, sp, use_tqdm=len(prompts) > 1, on_token=on_token)
+    outs = llm.generate(
+        encoded, sp, use_tqdm=len(prompts) > 1, on_token=on_token, on_step=INTERRUPT.check
+    )
+    INTERRUPT.check()
     if stream:
         print(decoder.flush())
     summary = llm.summary()
@@ -663,9 +684,72 @@ def run(args) -> int:
     return 0
 
 
+class Interrupt:
+    """Ctrl-C as a KeyboardInterrupt that is not lost (`INTERRUPT`, installed by `latched`).
+
+    Python drops an exception raised in a gc callback or a `__del__` ("Exception ignored
+    in ..."), and jax runs a gc callback on every collection: a Ctrl-C that landed there
+    vanished, and the run went on to its end with status 0. The handler raises as
+    Python's does and also latches; `check` (the engine's `on_step`) raises again while
+    latched, until `clear`; the dropped one is not reported ("Exception ignored").
+    """
+
+    def __init__(self):
+        self.pending = False
+
+    @contextlib.contextmanager
+    def latched(self):
+        """Installs the handler (in the main thread, unless SIGINT is ignored) and clears
+        the latch; restores the previous handler on exit."""
+        self.pending = False
+        previous = None  # (None: leave the handler as it is on exit)
+        main = threading.current_thread() is threading.main_thread()
+        if main and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # a background job's
+            previous = signal.signal(signal.SIGINT, self._handler)
+        hook = sys.unraisablehook
+
+        def unraisable(u):  # the Ctrl-C that Python drops (latched): not worth a traceback
+            if not (self.pending and isinstance(u.exc_value, KeyboardInterrupt)):
+                hook(u)
+
+        sys.unraisablehook = unraisable
+        try:
+            yield self
+        finally:
+            sys.unraisablehook = hook
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+
+    def _handler(self, _signum, _frame):
+        self.pending = True
+        raise KeyboardInterrupt
+
+    def check(self, *_) -> None:
+        """Raises KeyboardInterrupt if a Ctrl-C came since `clear`."""
+        if self.pending:
+            raise KeyboardInterrupt
+
+    def clear(self) -> None:
+        self.pending = False
+
+
+INTERRUPT = Interrupt()
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is XLA's out-of-memory error (a jax runtime error, RESOURCE_EXHAUSTED)."""
+    jax = sys.modules.get("jax")  # (raised by jax, so imported when it is one)
+    return (
+        jax is not None
+        and isinstance(e, jax.errors.JaxRuntimeError)
+        and "RESOURCE_EXHAUSTED" in str(e)
+    )
+
+
 def run_cli(build_parser, run, argv=None) -> int:
-    """Parses `argv` and runs; bad input ends as one line on stderr and status 2 (the
-    `main` of generate.py, chat.py and serve.py)."""
+    """Parses `argv` and runs; bad input ends as one line on stderr and status 2, running
+    out of device memory as one line and status 1 (the `main` of generate.py, chat.py and
+    serve.py)."""
     try:
         args = build_parser().parse_args(argv)
         return run(args)
@@ -673,14 +757,35 @@ def run_cli(build_parser, run, argv=None) -> int:
         msg = " ".join(str(e).split())  # multi-line errors (checkpoint listings) on one line
         print(f"error: {msg[:2000]}", file=sys.stderr)
         return 2
+    except Exception as e:
+        if not out_of_memory(e):
+            raise
+        msg = " ".join(str(e).split("\n")[0].split())
+        print(
+            f"error: out of device memory ({msg[:500]}); lower --num-pages (or "
+            "--kv-memory-fraction), --max-batch-tokens or --max-model-len",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def stdout_closed() -> int:
+    """After a BrokenPipeError (stdout piped into `head`, say): no traceback, no second
+    error when Python flushes stdout at exit; status 141, a shell's for SIGPIPE."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # not a file (tests)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141
 
 
 def main(argv=None) -> int:
-    try:
-        return run_cli(build_parser, run, argv)
-    except KeyboardInterrupt:  # the engine aborted the requests; no traceback for a Ctrl-C
-        print("\ninterrupted", file=sys.stderr)
-        return 130
+    with INTERRUPT.latched():
+        try:
+            return run_cli(build_parser, run, argv)
+        except KeyboardInterrupt:  # the engine aborted the requests; no traceback for a Ctrl-C
+            print("\ninterrupted", file=sys.stderr)
+            return 130
+        except BrokenPipeError:
+            return stdout_closed()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ that both share compiled programs. `LLM.generate` is wrapped to record what the
 engine received and returned.
 """
 
+import contextlib
 import importlib.util
 import io
 import re
@@ -150,6 +151,65 @@ def test_a_conversation_too_long_is_reported_and_the_loop_goes_on(ckpt, calls, c
     assert out == "".join(f"{o.outputs[0].text}\n" for _, o in calls)
 
 
+def test_a_reply_cut_by_the_models_length_is_said(ckpt, calls, capsys, monkeypatch):
+    """A reply stopped by max_model_len, well short of --max-tokens, was shown as any
+    other "(length)" reply: the conversation was full and nothing said so."""
+    argv = base(ckpt, "--max-model-len", "64", "--max-tokens", "40")
+    rc, out, err = run(argv, ["x" * 40], capsys, monkeypatch)
+    assert rc == 0, err
+    (c,) = calls[0][1].outputs
+    assert c.finish_reason == "length" and len(calls[0][0]) + len(c.token_ids) == 64
+    notes = [line for line in err.splitlines() if line.startswith("note: ")]
+    assert notes == [
+        "note: the reply was cut at the model's length (max_model_len=64 tokens, the whole "
+        "conversation); /reset starts it over"
+    ], err
+    run(base(ckpt, "--max-tokens", "4"), ["x"], capsys, monkeypatch)  # cut by --max-tokens
+    assert calls[1][1].outputs[0].finish_reason == "length"
+    assert "note: " not in capsys.readouterr().err
+
+
+def test_a_ctrl_c_that_python_drops_still_stops_the_reply(ckpt, capsys, monkeypatch):
+    """A Ctrl-C dropped by Python (raised in jax's gc callback) let the reply run on to its
+    end; it stops the reply at the next step, the turn is dropped, and the next turn
+    runs whole (the latch is cleared)."""
+    import signal
+
+    generate, seen = LLM.generate, []
+
+    def spy(self, prompts, sp, *, on_step=None, **kwargs):
+        steps = [0]
+
+        def step(llm):
+            steps[0] += 1
+            if on_step is not None:
+                on_step(llm)
+
+        if not seen:  # the first reply
+            with contextlib.suppress(KeyboardInterrupt):  # as Python's gc drops it
+                signal.raise_signal(signal.SIGINT)
+        try:
+            return generate(self, prompts, sp, on_step=step, **kwargs)
+        finally:
+            seen.append(steps[0])
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    rc, out, err = run(base(ckpt, "--max-tokens", "6"), ["hi", "again"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert seen[0] == 1 and seen[1] >= 6, seen  # stopped at its first step; then whole
+    assert err.count("[interrupted]") == 1 and len(STATS.findall(err)) == 1, err
+
+
+def test_stdout_closed_early_is_no_traceback(ckpt, capsys, monkeypatch):
+    class ClosedPipe(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("sys.stdout", ClosedPipe())
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    assert chat_cli.main([str(a) for a in base(ckpt, "--max-tokens", "2")]) == 141
+
+
 def test_a_logit_bias_outside_the_vocabulary_is_bad_input(ckpt, calls, capsys, monkeypatch):
     """It was refused turn after turn as "the conversation no longer fits", status 0."""
     argv = base(ckpt, "--logit-bias", '{"256": 1}')
@@ -166,7 +226,7 @@ def test_ctrl_c_while_a_reply_streams_drops_that_turn(ckpt, capsys, monkeypatch)
     seen = []  # (token ids sent, RequestOutput or None, engine)
     generate = LLM.generate
 
-    def spy(self, prompts, sp, *, on_token):
+    def spy(self, prompts, sp, *, on_token, **kwargs):
         n, interrupt = [0], len(seen) == 1
 
         def tokens(rid, index, tok):
@@ -176,7 +236,7 @@ def test_ctrl_c_while_a_reply_streams_drops_that_turn(ckpt, capsys, monkeypatch)
                 raise KeyboardInterrupt
 
         try:
-            (out,) = generate(self, prompts, sp, on_token=tokens)
+            (out,) = generate(self, prompts, sp, on_token=tokens, **kwargs)
         except KeyboardInterrupt:
             seen.append((prompts[0], None, self))
             raise

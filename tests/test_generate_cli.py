@@ -5,12 +5,15 @@ model.safetensors, a byte-level tokenizer.json), served with the geometry of
 tests/test_engine.py so that both share compiled programs.
 """
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -329,6 +332,30 @@ def test_max_tokens_cut_by_the_models_length_is_said(ckpt, capsys):
     assert "leaves less than --max-tokens 20 after prompt 0 (7)" in err, err
 
 
+def test_prompts_from_stdin_and_pipes(ckpt, tmp_path, capsys, monkeypatch):
+    """`--prompts-file -` and a pipe's path (`<(...)`, /dev/stdin) were "not found" (only
+    regular files were read); a directory was "not found" too."""
+    argv = ["--checkpoint", ckpt, "--max-tokens", "2", "--json", "--backend", "xla", *GEOMETRY]
+    want = ["x = 1", "def f():\n    return"]
+    data = b'x = 1\n\n"def f():\\n    return"\n'
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+    rc, out, err = run([*argv, "--prompts-file", "-"], capsys)
+    assert rc == 0, err
+    assert [o["prompt"] for o in json.loads(out)["outputs"]] == want
+    fifo = tmp_path / "prompts.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=fifo.write_bytes, args=(data,))
+    writer.start()
+    try:
+        rc, out, err = run([*argv, "--prompts-file", fifo], capsys)
+    finally:
+        writer.join(timeout=60)
+    assert rc == 0, err
+    assert [o["prompt"] for o in json.loads(out)["outputs"]] == want
+    rc, out, err = run([*argv, "--prompts-file", tmp_path], capsys)
+    assert rc == 2 and err == f"error: prompts file {tmp_path} is a directory\n" and out == ""
+
+
 def test_prompts_files_without_prompts_or_unreadable_are_bad_input(ckpt, tmp_path, capsys):
     for name, data in (("empty.txt", b""), ("blank.txt", b"\n  \n"), ("latin1.txt", b"caf\xe9\n")):
         f = tmp_path / name
@@ -370,6 +397,70 @@ def test_ctrl_c_ends_with_one_line_and_status_130(ckpt, capsys, monkeypatch):
         pytest.fail("main let the KeyboardInterrupt through: a traceback")
     assert rc == 130 and err.strip() == "interrupted", err
     assert out.startswith(f"model: checkpoint {ckpt}")  # what streamed before stays
+
+
+def test_a_ctrl_c_that_python_drops_still_stops_the_run(ckpt, capsys, monkeypatch):
+    """Python drops a KeyboardInterrupt raised in a gc callback ("Exception ignored in
+    _xla_gc_callback"): a Ctrl-C that landed in jax's went unheeded, the run completed
+    with status 0. It is latched and stops the next engine step."""
+    import signal
+
+    from pagedjax.engine import LLM
+
+    generate, steps = LLM.generate, []
+
+    def ctrl_c_in_a_gc_callback(self, *args, on_step=None, **kwargs):
+        def step(llm):
+            steps.append(1)
+            if on_step is not None:
+                on_step(llm)
+
+        # As Python runs a gc callback: an exception in it is reported and dropped.
+        with contextlib.suppress(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        return generate(self, *args, on_step=step, **kwargs)
+
+    monkeypatch.setattr(LLM, "generate", ctrl_c_in_a_gc_callback)
+    argv = ["--checkpoint", ckpt, "--prompt", "class A:", "--max-tokens", "8", *GEOMETRY]
+    try:
+        rc, out, err = run([*argv, "--backend", "xla"], capsys)
+    except KeyboardInterrupt:
+        pytest.fail("main let the KeyboardInterrupt through: a traceback")
+    assert rc == 130 and err.strip() == "interrupted", err
+    assert len(steps) == 1  # stopped at the first step, not at the end
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_running_out_of_device_memory_is_one_line(ckpt, capsys, monkeypatch):
+    """A --num-pages too many for the device ended in a JaxRuntimeError traceback
+    (RESOURCE_EXHAUSTED: Out of memory allocating ... bytes)."""
+    import jax
+
+    from pagedjax import sharding
+
+    def oom(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Out of memory allocating 204800000000 bytes."
+        )
+
+    monkeypatch.setattr(sharding, "create_cache", oom)
+    argv = ["--checkpoint", ckpt, "--prompt", "x", "--backend", "xla", *GEOMETRY]
+    rc, out, err = run(argv, capsys)
+    assert rc == 1 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("error: out of device memory (RESOURCE_EXHAUSTED: Out of memory ")
+    assert "--num-pages" in err
+
+
+def test_stdout_closed_early_is_no_traceback(ckpt, capsys, monkeypatch):
+    """`generate.py ... | head -1`: the BrokenPipeError was a traceback."""
+
+    class ClosedPipe(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("sys.stdout", ClosedPipe())
+    argv = ["--checkpoint", ckpt, "--prompt", "x", "--prompt", "y", "--max-tokens", "2"]
+    assert gen.main([str(a) for a in argv] + ["--backend", "xla", *GEOMETRY]) == 141
 
 
 def test_subprocess_exits_with_one_line():
