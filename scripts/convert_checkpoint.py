@@ -6,7 +6,8 @@ Tokenizer files found in HF_DIR (tokenizer.json, tokenizer_config.json,
 generation_config.json, special_tokens_map.json, and a chat template kept in its own
 file: chat_template.jinja, chat_template.json) are copied beside the orbax
 checkpoint so that OUT_DIR is enough to serve the model (`generate.py --chat`
-included).
+included). Converting back (orbax to HF) is not supported: an orbax HF_DIR is an
+error.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def main(argv=None) -> int:
 
     from pagedjax import weights  # argparse errors before the jax import
     from pagedjax.model import params_to_flat
+    from pagedjax.orbax_checkpoint import ORBAX_META_FILE
 
     start = time.perf_counter()
     try:
@@ -74,6 +76,11 @@ def main(argv=None) -> int:
             raise ValueError(
                 f"OUT_DIR must not be HF_DIR or contain it, got OUT_DIR {args.out_dir} "
                 f"and HF_DIR {args.hf_dir}"
+            )
+        if (hf / ORBAX_META_FILE).is_file():
+            raise ValueError(
+                f"HF_DIR {args.hf_dir} is a pagedjax orbax checkpoint already: serve it as "
+                "it is (--checkpoint); converting back to HF safetensors is not supported"
             )
         check_out_dir(Path(args.out_dir), args.overwrite)  # before a load of many GB
         cfg, params = weights.load_hf_checkpoint(args.hf_dir, dtype=args.dtype)

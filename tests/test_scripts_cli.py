@@ -234,6 +234,21 @@ def test_host_bad_flags(argv, want, capsys, monkeypatch):
     assert want in err, err
 
 
+def test_convert_says_an_orbax_hf_dir_is_converted_already(tmp_path, capsys, monkeypatch):
+    """Converting back (orbax HF_DIR) said "is not an HF checkpoint: it has no config.json",
+    as if the directory were broken."""
+    from pagedjax.orbax_checkpoint import ORBAX_META_FILE
+
+    cli = load("convert_checkpoint", monkeypatch)
+    orbax = tmp_path / "orbax"
+    orbax.mkdir()
+    (orbax / ORBAX_META_FILE).write_text("{}")
+    assert cli.main([str(orbax), str(tmp_path / "back")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a pagedjax orbax checkpoint already" in err, err
+    assert "not supported" in err and not (tmp_path / "back").exists()
+
+
 def test_convert_round_trip_dtype_overwrite_and_serving(tmp_path, capsys, monkeypatch):
     """OUT_DIR may exist if empty; --dtype sets the stored dtype; --overwrite replaces a
     pagedjax checkpoint; and OUT_DIR alone serves generate.py as HF_DIR does."""
