@@ -1,6 +1,6 @@
 """A chaos state machine for pagedjax.blocks: any call, valid or not, in any state.
 
-The machines of tests/test_blocks.py and tests/test_window_pages.py drive the block
+The machines of tests/block_machine.py and tests/test_window_pages.py drive the block
 manager the way an engine does and check every computed slot against a simulated device.
 This one checks the contract of every call instead: it makes each mutating call (and the
 queries) with arguments drawn at random, whether or not they make sense in the current
@@ -16,6 +16,7 @@ reservations, uncache and free_all), and requires that
 import hashlib
 
 import pytest
+from block_machine import snapshot, stateful_settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -25,7 +26,6 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from test_blocks import snapshot, stateful_settings
 
 from pagedjax import prefix_cache
 from pagedjax.blocks import BlockManager, BlockManagerError

@@ -12,8 +12,8 @@ import hashlib
 
 import numpy as np
 import pytest
+from block_machine import snapshot
 from params_helpers import random_params
-from test_blocks import snapshot
 from test_scheduler import Sim, next_token, reference
 from test_window_pages import dense_greedy
 

@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from block_machine import STEMS, BlockMachine, run_stateful, snapshot
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 from params_helpers import random_params
-from test_blocks import STEMS, BlockMachine, run_stateful, snapshot
 
 import pallas_kernels
 from pagedjax import model
