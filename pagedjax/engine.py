@@ -70,7 +70,14 @@ from pagedjax.config import CacheConfig, dtype_name
 from pagedjax.metrics import EngineMetrics, StepRecord
 from pagedjax.outputs import OutputProcessor, Request
 from pagedjax.request import CompletionOutput, RequestOutput, SamplingParams, encode_prompt
-from pagedjax.resources import check_backend, load_model, peak_device_memory, plan_num_pages
+from pagedjax.resources import (
+    check_backend,
+    checkpoint_dir,
+    generation_config_defaults,
+    load_model,
+    peak_device_memory,
+    plan_num_pages,
+)
 from pagedjax.scheduler import Scheduler
 from pagedjax.sequence import Sequence as Seq
 from pagedjax.sequence import SequenceGroup, StepPlan
@@ -119,6 +126,12 @@ class LLM:
         host (the device feeds them), so that applying them overlaps the device; a
         sequence that stops computes one more token, discarded. False: the host applies
         each step's tokens before dispatching the next (beam search always does).
+      generation_config: "auto": the sampling defaults of the checkpoint directory's
+        generation_config.json (`resources.generation_config_defaults`; a ModelConfig or
+        Params source has none), as vLLM's `--generation-config auto`; "none": no file.
+        They make `default_sampling_params()`, which `generate`, `chat` and
+        `add_request` use when given no params; `sampling_defaults` holds them (a dict
+        of SamplingParams fields, {} for none).
     """
 
     def __init__(
@@ -142,6 +155,7 @@ class LLM:
         tensor_parallel: int = 1,
         async_scheduling: bool = True,
         kv_cache_dtype: str = "auto",
+        generation_config: str = "auto",
     ):
         t0 = perf_counter()
         # Checked before loading anything: a flag read as truthy ("no") ran the wrong mode.
@@ -155,6 +169,10 @@ class LLM:
         if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
             raise TypeError(
                 f"tokenizer must be a pagedjax.tokenizer.Tokenizer or None, got {tokenizer!r}"
+            )
+        if generation_config not in ("auto", "none"):
+            raise ValueError(
+                f"generation_config must be 'auto' or 'none', got {generation_config=}"
             )
         self.backend = check_backend(backend, bool(interpret))
         self.interpret = bool(interpret)
@@ -183,6 +201,9 @@ class LLM:
             watermark=watermark,
         )
         Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        gen_dir = checkpoint_dir(checkpoint_or_config) if generation_config == "auto" else None
+        # (read before the weights: a bad value is named before a checkpoint loads)
+        self.sampling_defaults = {} if gen_dir is None else generation_config_defaults(gen_dir)
         mesh = None  # checked before loading anything: an int, and that many devices
         if type(tensor_parallel) is not int or tensor_parallel != 1:  # 1.0 was taken as 1
             mesh = sharding.make_mesh(tensor_parallel)
@@ -257,6 +278,12 @@ class LLM:
         """(text or None, token ids) of a prompt, validated (ValueError / TypeError)."""
         return encode_prompt(prompt, self.tokenizer, self.config.vocab_size, self.max_model_len)
 
+    def default_sampling_params(self) -> SamplingParams:
+        """The `SamplingParams` of a request given none: `sampling_defaults` (the
+        checkpoint's generation_config.json, `generation_config="auto"`), else
+        SamplingParams' own defaults."""
+        return SamplingParams(**self.sampling_defaults)
+
     def add_request(
         self,
         prompt: str | Sequence[int],
@@ -266,7 +293,7 @@ class LLM:
     ) -> str:
         """Queues one prompt; returns its request id. Raises ValueError if it cannot run or
         `request_id` is in use (queued, running, or a running `generate` call's), TypeError
-        if `params` is not a `SamplingParams`.
+        if `params` is not a `SamplingParams`. `params` None: `default_sampling_params()`.
 
         A completion ends ("length") after `params.max_tokens` tokens or when prompt and
         completion reach `max_model_len` tokens, whichever comes first.
@@ -281,7 +308,7 @@ class LLM:
         request_id: str | None,
     ) -> str:
         """`add_request` for a prompt `encode` checked: (text or None, token ids)."""
-        params = SamplingParams() if params is None else params
+        params = self.default_sampling_params() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {params!r:.80}")
         if params.stop and self.tokenizer is None:
@@ -383,7 +410,8 @@ class LLM:
 
         Args:
           prompts: strings (needs a tokenizer) or token id lists.
-          sampling_params: one for all prompts, or one per prompt.
+          sampling_params: one for all prompts, or one per prompt (None:
+            `default_sampling_params()`).
           use_tqdm: show a progress bar over requests.
           on_step: called after every engine step with the engine (tests, monitoring;
             it may call `abort`).
@@ -405,7 +433,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

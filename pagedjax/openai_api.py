@@ -15,6 +15,12 @@ extension; with a tokenizer, only when the request has `return_token_ids: true`,
 also adds `prompt_token_ids` as vLLM does), and logprobs name each token
 `"token_id:<id>"` (vLLM's convention) with every `text_offset` 0 (offsets into the
 empty text). scripts/serve.py documents the fields and answers as a user sees them.
+
+Defaults: a sampling field left out (or null) takes the server's `defaults`, the
+checkpoint's generation_config.json values (`LLM.sampling_defaults`), as vLLM's
+`--generation-config auto` does, else OpenAI's. Its `max_tokens` (the file's
+max_new_tokens) caps a left-out max_tokens' default, as vLLM's does (completions: 16,
+chat: the room the prompt leaves); a max_tokens given is never cut (vLLM caps it too).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import dataclasses
 import math
 import time
 import uuid
+from collections.abc import Mapping
 
 from pagedjax.request import MAX_LOGPROBS, SamplingParams, encode_prompt
 from pagedjax.tokenizer import CONTEXT_IDS
@@ -123,7 +130,14 @@ class Job:
 
 
 def parse_job(
-    body: dict, *, chat: bool, model_name: str, tokenizer, vocab_size: int, max_model_len: int
+    body: dict,
+    *,
+    chat: bool,
+    model_name: str,
+    tokenizer,
+    vocab_size: int,
+    max_model_len: int,
+    defaults: Mapping | None = None,
 ) -> Job:
     """Validates a request body and tokenizes its prompts (no engine involved).
 
@@ -135,12 +149,15 @@ def parse_job(
         stop strings; choices carry their token ids).
       vocab_size: the model's vocabulary size (token ids, logit_bias keys).
       max_model_len: the longest sequence; chat's default max_tokens fills it up.
+      defaults: SamplingParams fields for those the body leaves out (the generation
+        config's, `LLM.sampling_defaults`; see the module docstring), or None.
 
     Raises:
       ApiError: 400 naming the bad field and value (404 for a model not served here, as
         OpenAI and vLLM answer; 500 if the chat template cannot be rendered for want of
         a package).
     """
+    defaults = defaults or {}
     model = body.get("model")
     if model is not None and not isinstance(model, str):  # (it was a 404, "not served here")
         raise ApiError(400, f"model must be a string, got model={model!r:.80}", "model")
@@ -206,17 +223,20 @@ def parse_job(
             msg = f"top_logprobs must be in [0, {MAX_LOGPROBS}], got top_logprobs={k}"
             raise ApiError(400, msg, "top_logprobs")
         logprobs = (k or 0) if want else None
-        limit = int_field(body, "max_tokens", max_model_len - len(ids[0]))
+        default = min(max_model_len - len(ids[0]), defaults.get("max_tokens", max_model_len))
+        limit = int_field(body, "max_tokens", default)
         limit = int_field(body, "max_completion_tokens", limit)
     else:
         logprobs = body.get("logprobs")
-        limit = int_field(body, "max_tokens", 16)
+        limit = int_field(body, "max_tokens", min(16, defaults.get("max_tokens", 16)))
     # The field the limit came from (completions have no max_completion_tokens).
     given = chat and body.get("max_completion_tokens") is not None
     field = "max_completion_tokens" if given else "max_tokens"
     if limit < 1:  # (SamplingParams would name max_tokens, whichever field it was)
         raise ApiError(400, f"{field} must be an int >= 1, got {field}={limit}", field)
-    params = sampling_params(body, max_tokens=limit, logprobs=logprobs, vocab_size=vocab_size)
+    params = sampling_params(
+        body, max_tokens=limit, logprobs=logprobs, vocab_size=vocab_size, defaults=defaults
+    )
     if params.stop and tok is None:
         raise ApiError(400, "stop strings need a tokenizer; this model has none", "stop")
     for i, p in enumerate(ids):  # as vLLM: never cut max_tokens short without saying so
@@ -234,8 +254,11 @@ def parse_job(
     )
 
 
-def sampling_params(body: dict, *, max_tokens, logprobs, vocab_size: int) -> SamplingParams:
-    """The request's SamplingParams (ApiError 400 naming the field and value)."""
+def sampling_params(
+    body: dict, *, max_tokens, logprobs, vocab_size: int, defaults: Mapping | None = None
+) -> SamplingParams:
+    """The request's SamplingParams (ApiError 400 naming the field and value); a field of
+    `SAMPLING_FIELDS` left out or null takes `defaults`' value, if it has one."""
     for name, bad, why in (
         ("echo", bool(body.get("echo")), "echo=true is not supported (the prompt is not returned)"),
         ("best_of", body.get("best_of") not in (None, 1), "best_of is not supported"),
@@ -251,7 +274,8 @@ def sampling_params(body: dict, *, max_tokens, logprobs, vocab_size: int) -> Sam
     ):
         if bad:
             raise ApiError(400, f"{why}, got {name}={body.get(name)!r}", name)
-    kw = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+    kw = {k: v for k, v in (defaults or {}).items() if k in SAMPLING_FIELDS}
+    kw.update((k, body[k]) for k in SAMPLING_FIELDS if body.get(k) is not None)
     if kw.get("top_k") == -1:  # vLLM's "off"
         kw["top_k"] = 0
     stop = body.get("stop")

@@ -4,6 +4,8 @@
   weights and a warning until the demo model is there), a checkpoint directory (HF or
   orbax), a `ModelConfig` (random weights) or ready `model.Params`.
 * `byte_tokenizer()`: id = UTF-8 byte, for random-weight models with >= 256 ids.
+* `checkpoint_dir(source)` and `generation_config_defaults(directory)`: the sampling
+  defaults a checkpoint's generation_config.json recommends, as vLLM reads them.
 * `check_backend`: "gpu"/"tpu" asked for on a machine without one is a ValueError.
 * `plan_num_pages`: pages from a fraction of the device's free memory, with the
   planner's bytes per token; `peak_device_memory` for reports.
@@ -23,12 +25,17 @@ import tokenizers
 from pagedjax import demo, planner, weights
 from pagedjax import model as model_lib
 from pagedjax.config import ModelConfig, preset
+from pagedjax.jsonfile import read_json_object
+from pagedjax.request import SamplingParams
 from pagedjax.tokenizer import TOKENIZER_FILE, Tokenizer
 
 __all__ = [
     "BACKENDS",
+    "GENERATION_CONFIG_KEYS",
     "byte_tokenizer",
     "check_backend",
+    "checkpoint_dir",
+    "generation_config_defaults",
     "load_model",
     "peak_device_memory",
     "plan_num_pages",
@@ -36,6 +43,17 @@ __all__ = [
 
 BACKENDS = ("auto", "gpu", "tpu", "xla")
 _CPU_KV_BUDGET = 4 * 1024**3  # bytes kv_memory_fraction applies to with no device stats
+GENERATION_CONFIG_FILE = "generation_config.json"
+# The generation_config.json keys vLLM reads (`ModelConfig.get_diff_sampling_param`), and
+# the SamplingParams field each sets.
+GENERATION_CONFIG_KEYS = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 def byte_tokenizer(bos_token_id: int = 1, eos_token_id: int = 2) -> Tokenizer:
@@ -52,6 +70,50 @@ def byte_tokenizer(bos_token_id: int = 1, eos_token_id: int = 2) -> Tokenizer:
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
     return Tokenizer(tok, bos_token_id=bos_token_id, eos_token_ids=[eos_token_id])
+
+
+def checkpoint_dir(source) -> Path | None:
+    """The directory `load_model(source)` reads: a checkpoint path as given, the demo
+    model's for None (None when it is missing: the random fallback), None for a
+    `ModelConfig` or `Params`."""
+    if source is None:
+        try:
+            return demo.demo_model_dir()
+        except FileNotFoundError:
+            return None
+    return Path(source) if isinstance(source, (str, Path)) else None
+
+
+def generation_config_defaults(directory) -> dict:
+    """`SamplingParams` defaults from `directory`'s generation_config.json, as vLLM's
+    `--generation-config auto` takes them.
+
+    The keys of `GENERATION_CONFIG_KEYS`: temperature, top_k (-1, vLLM's and HF's "off",
+    is 0), top_p, min_p, repetition_penalty, and max_new_tokens as `max_tokens` (vLLM's
+    default for a request's length). `do_sample` is ignored, as vLLM ignores it: a file
+    with do_sample false and a temperature samples at that temperature. A missing file,
+    or a key missing or null, gives no default (so the demo model's, with do_sample false
+    and no sampling keys, gives none).
+
+    Raises:
+      ValueError: naming the file, key and value, for a value `SamplingParams` refuses
+        (or a file that is not a JSON object).
+    """
+    path = Path(directory) / GENERATION_CONFIG_FILE
+    cfg = read_json_object(path, missing_ok=True)
+    out = {}
+    for key, field in GENERATION_CONFIG_KEYS.items():
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if key == "top_k" and value == -1 and type(value) is int:
+            value = 0
+        try:
+            SamplingParams(**{field: value})
+        except ValueError as e:
+            raise ValueError(f"{path}: {key}={value!r} is not a valid {field}: {e}") from None
+        out[field] = value
+    return out
 
 
 def load_model(source, *, dtype=None, seed: int = 0):

@@ -21,10 +21,14 @@ and stays usable); Ctrl-C at the prompt ends the session. A conversation that no
 longer fits the model's length (`--max-model-len`, default the model's) is reported on
 stderr and its last message dropped, and a reply cut short by it is noted there: `/reset`
 and go on. Sampling: `--max-tokens` (per
-reply), `--temperature` (0.7; 0 is greedy), `--top-k`, `--top-p`, `--min-p`,
+reply, 256), `--temperature` (0.7; 0 is greedy), `--top-k`, `--top-p`, `--min-p`,
 `--repetition-penalty`, `--presence-penalty`, `--frequency-penalty`, `--min-tokens`,
 `--logit-bias JSON`, and `--seed`, the seed of every reply, so a session is
-reproducible.
+reproducible. With `--generation-config auto` (the default), as in vLLM, those of
+`--temperature`, `--top-k`, `--top-p`, `--min-p`, `--repetition-penalty` and
+`--max-tokens` not given take the values of the checkpoint's generation_config.json
+(temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens) where it has
+them, said in one line on stderr; `--generation-config none` ignores the file.
 
 The engine flags (`--page-size`, `--num-pages` | `--kv-memory-fraction`,
 `--kv-cache-dtype`, `--max-batch-tokens`, `--max-model-len`, `--backend`,
@@ -62,8 +66,10 @@ def build_parser() -> gen.Parser:
         metavar="FILE",
         help="a Jinja chat template file to use instead of the checkpoint's",
     )
-    p.add_argument("--max-tokens", type=int, default=256, help="most tokens per reply")
-    gen.add_sampling_flags(p, temperature=0.7, seed_help="sampling seed of every reply")
+    p.add_argument("--max-tokens", type=int, help="most tokens per reply (default 256)")
+    gen.add_sampling_flags(
+        p, temperature=0.7, max_tokens=256, seed_help="sampling seed of every reply"
+    )
     gen.add_engine_flags(p)
     return p
 
@@ -122,7 +128,8 @@ def reply(llm, messages: list[dict], params) -> str | None:
 def run(args) -> int:
     from pagedjax.engine import LLM, SamplingParams
 
-    params = SamplingParams(max_tokens=args.max_tokens, **gen.sampling_kwargs(args))
+    defaults = gen.generation_defaults(args)
+    params = SamplingParams(**gen.sampling_kwargs(args, defaults))
     gen.check_engine_flags(args)
     tok = gen.chat_tokenizer(args.checkpoint, args.chat_template, NO_TEMPLATE_HINT)
     system = [] if args.system is None else [{"role": "system", "content": args.system}]
@@ -133,11 +140,13 @@ def run(args) -> int:
     except (ValueError, TypeError) as e:
         raise gen.BadInput(f"the chat template cannot render a first turn: {e}") from None
 
+    gen.note_defaults(args, defaults, "flags")
     gen.enable_compilation_cache(gen.compilation_cache_dir(args.compilation_cache))
     llm = LLM(
         args.checkpoint,
         seed=args.seed,
         tokenizer=tok,
+        generation_config=args.generation_config,
         **gen.engine_kwargs(args),
     )
     gen.check_logit_bias(params.logit_bias, llm.config.vocab_size)  # not each turn's error

@@ -10,11 +10,26 @@ Runs on JAX's default device (a CUDA GPU when jax has one, else the CPU), or wit
 them (`pagedjax.sharding`; several hosts: see the README). With no
 `--checkpoint` it serves the embedded demo model (`pagedjax/demo_model`); until that
 is there, the `tiny` preset with random weights and a byte tokenizer, and it says so.
-A single prompt (n = 1, no beam search) streams its text as it is generated; a batch
-shows a progress bar over requests. Then a closing report: load and compile time,
-TTFT, prefill and decode tokens/s, KV bytes read per second (the DESIGN.md
-performance model: every step reads its rows' live K/V once), peak device memory,
-KV pages, prefix-cache hit rate, preemptions, jit compilations, host overhead.
+A single prompt (n = 1, no beam search, no `--stop`) streams its text as it is
+generated; a batch shows a progress bar over requests. Then a closing report: load and
+compile time, TTFT, prefill and decode tokens/s, KV bytes read per second (the
+DESIGN.md performance model: every step reads its rows' live K/V once), peak device
+memory, KV pages, prefix-cache hit rate, preemptions, jit compilations, host overhead.
+
+Sampling defaults, as vLLM's (`--generation-config auto`, the default): of
+`--temperature`, `--top-k`, `--top-p`, `--min-p`, `--repetition-penalty` and
+`--max-tokens`, those not given take the checkpoint's generation_config.json values
+(temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens; `do_sample` is
+ignored, as vLLM ignores it), named in one line on stderr; else greedy and 64 tokens.
+With `--beam-width`, only max_new_tokens is taken (beam search does not sample, and
+only a `--temperature` given conflicts with it). `--generation-config none` ignores the
+file. The demo model's sets none of them.
+
+`--seed` seeds the engine, as vLLM's does: each request draws its sampling seed from
+it, so a run is reproducible and different prompts get different random draws.
+`--stop TEXT` (repeatable) ends a completion where a string appears, cut from its text
+(not with `--beam-width`); `--stop-token-ids ID ...` ends it at those tokens (kept), as
+EOS does; `--ignore-eos` does not stop at EOS.
 
 `--logprobs K` lists, after the text, each generated token with its log-probability
 under the model's raw distribution and the K most likely tokens at its position;
@@ -54,6 +69,8 @@ an error before any weights load. For a multi-turn conversation, see scripts/cha
                      compilation_cache (the directory, or null when off), chat
                      (--chat), chat_template (the --chat-template file or null),
                      system (the --system text or null), and the sampling flags
+                     as used (given, or the generation config's, or the defaults;
+                     seed is the engine's), stop, stop_token_ids, ignore_eos
     outputs          one per prompt: prompt, prompt_tokens, num_cached_tokens, ttft_s,
                      latency_s, prompt_logprobs, completions: [{text, token_ids,
                      finish_reason, cumulative_logprob, logprobs}]; logprobs is null
@@ -85,9 +102,9 @@ device memory (a `--num-pages` too many, say) ends with one line on stderr and s
 and stdout closed early (piped into `head`) with status 141, without a traceback.
 
 Bad input (an empty or too long prompt, a prompts file without prompts, n < 1, top_p
-outside (0, 1], a negative temperature, a checkpoint directory missing files, --backend
-gpu without a GPU) ends with one line on stderr and exit status 2, before anything is
-printed on stdout.
+outside (0, 1], a negative temperature, a bad value in generation_config.json, a
+checkpoint directory missing files, --backend gpu without a GPU) ends with one line on
+stderr and exit status 2, before anything is printed on stdout.
 """
 
 from __future__ import annotations
@@ -154,10 +171,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="a Jinja chat template file to use instead of the checkpoint's (--chat)",
     )
     p.add_argument(
-        "--max-tokens", type=int, default=64, help="most tokens per completion (default 64)"
+        "--max-tokens",
+        type=int,
+        help="most tokens per completion (default 64, or the generation config's)",
     )
     p.add_argument("--n", type=int, default=1, help="completions per prompt")
-    add_sampling_flags(p, temperature=0.0, seed_help="sampling seed")
+    add_sampling_flags(
+        p,
+        temperature=0.0,
+        max_tokens=64,
+        seed_help="the engine's seed: each request draws its sampling seed from it",
+    )
+    p.add_argument(
+        "--stop",
+        action="append",
+        metavar="TEXT",
+        help="a string that ends a completion, cut from its text (repeatable)",
+    )
+    p.add_argument(
+        "--stop-token-ids",
+        type=int,
+        nargs="+",
+        metavar="ID",
+        help="token ids that end a completion (kept in its tokens), besides EOS",
+    )
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop on EOS tokens")
     p.add_argument("--beam-width", type=int, default=1, help="> 1: beam search")
     p.add_argument(
         "--logprobs",
@@ -182,18 +220,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def add_sampling_flags(p: argparse.ArgumentParser, *, temperature: float, seed_help: str) -> None:
-    """The sampling flags of generate.py and chat.py (`sampling_kwargs` reads them)."""
-    greedy = " (default)" if temperature == 0 else ""
-    p.add_argument("--temperature", type=float, default=temperature, help=f"0: greedy{greedy}")
-    p.add_argument("--top-k", type=int, default=0, help="0: off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1: off")
-    p.add_argument("--min-p", type=float, default=0.0, help="0: off")
+# The SamplingParams fields whose flags, left out, take the checkpoint's generation config
+# (`--generation-config auto`, `generation_defaults`) before the script's own default; their
+# flags default to None (not given). Each script defines its --max-tokens itself.
+FILE_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_tokens")
+
+
+def add_sampling_flags(
+    p: argparse.ArgumentParser, *, temperature: float, max_tokens: int, seed_help: str
+) -> None:
+    """The sampling flags of generate.py and chat.py, and `--generation-config`
+    (`sampling_kwargs` reads them); `temperature` and `max_tokens` (the script's
+    `--max-tokens`) are the script's defaults when the generation config has none."""
+    p.set_defaults(
+        script_defaults=dict(
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            min_p=0.0,
+            repetition_penalty=1.0,
+            max_tokens=max_tokens,
+        )
+    )
+    greedy = "greedy" if temperature == 0 else temperature
+    p.add_argument("--temperature", type=float, help=f"0: greedy (default {greedy})")
+    p.add_argument("--top-k", type=int, help="0: off (default)")
+    p.add_argument("--top-p", type=float, help="1: off (default)")
+    p.add_argument("--min-p", type=float, help="0: off (default)")
     p.add_argument(
         "--repetition-penalty",
         type=float,
-        default=1.0,
-        help="> 1 discourages tokens of the prompt and the output so far (1: off)",
+        help="> 1 discourages tokens of the prompt and the output so far (1: off, default)",
     )
     p.add_argument(
         "--presence-penalty",
@@ -216,6 +273,47 @@ def add_sampling_flags(p: argparse.ArgumentParser, *, temperature: float, seed_h
         help="token id -> value in [-100, 100] added to its logit, e.g. '{\"13\": -100}'",
     )
     p.add_argument("--seed", type=int, default=0, help=seed_help)
+    add_generation_config_flag(p)
+
+
+def add_generation_config_flag(p: argparse.ArgumentParser) -> None:
+    """`--generation-config` (generate.py, chat.py, serve.py)."""
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        choices=("auto", "none"),
+        help="auto: sampling defaults from the checkpoint's generation_config.json, as vLLM "
+        "(default); none: ignore the file",
+    )
+
+
+def generation_defaults(args) -> dict:
+    """The `SamplingParams` defaults of the checkpoint's generation_config.json (the demo
+    model's without --checkpoint), read before the weights load; {} with
+    `--generation-config none` (`resources.generation_config_defaults`: a bad value is a
+    ValueError naming the file, key and value)."""
+    from pagedjax.resources import checkpoint_dir, generation_config_defaults
+
+    path = checkpoint_dir(args.checkpoint) if args.generation_config == "auto" else None
+    return {} if path is None else generation_config_defaults(path)
+
+
+def note_defaults(args, defaults: dict, overridden_by: str) -> None:
+    """One line on stderr naming the generation config's `defaults` taken (those whose
+    flag, if the script has one, was not given), as vLLM logs them; nothing for none."""
+    from pagedjax.resources import GENERATION_CONFIG_FILE, GENERATION_CONFIG_KEYS, checkpoint_dir
+
+    taken = {k: v for k, v in defaults.items() if getattr(args, k, None) is None}
+    if not taken:
+        return
+    key = {field: k for k, field in GENERATION_CONFIG_KEYS.items()}
+    values = ", ".join(f"{key[k]}={v}" for k, v in taken.items())
+    path = checkpoint_dir(args.checkpoint) / GENERATION_CONFIG_FILE
+    print(
+        f"note: sampling defaults from {path}: {values} ({overridden_by} override them; "
+        "--generation-config none ignores the file)",
+        file=sys.stderr,
+    )
 
 
 def parse_logit_bias(text: str | None) -> dict[int, float] | None:
@@ -237,14 +335,17 @@ def parse_logit_bias(text: str | None) -> dict[int, float] | None:
     return out
 
 
-def sampling_kwargs(args) -> dict:
-    """The `SamplingParams` fields that `add_sampling_flags` sets."""
+def sampling_kwargs(args, defaults: dict | None = None) -> dict:
+    """The `SamplingParams` fields that `add_sampling_flags` and `--max-tokens` set: of
+    `FILE_FIELDS`, the flag given, else `defaults`' value (`generation_defaults`), else
+    the script's default."""
+    defaults = defaults or {}
+    picked = {}
+    for name in FILE_FIELDS:
+        v = getattr(args, name)
+        picked[name] = v if v is not None else defaults.get(name, args.script_defaults[name])
     return dict(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
+        **picked,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         min_tokens=args.min_tokens,
@@ -531,7 +632,9 @@ def run(args) -> int:
         raise BadInput("--system needs --chat (it is the chat's system message)")
     if args.chat_template is not None and not args.chat:
         raise BadInput("--chat-template needs --chat")
-    if args.beam_width > 1 and args.temperature > 0:  # beam search ranks by logprob
+    # Beam search ranks by logprob: a --temperature given conflicts (one from the
+    # generation config is not taken).
+    if args.beam_width > 1 and args.temperature is not None and args.temperature > 0:
         raise BadInput(
             f"--temperature {args.temperature} with --beam-width {args.beam_width}: beam "
             "search does not sample; drop --temperature"
@@ -540,11 +643,17 @@ def run(args) -> int:
     from pagedjax.engine import LLM, SamplingParams
     from pallas_kernels.dispatch import resolve_backend
 
+    defaults = generation_defaults(args)
+    if args.beam_width > 1:  # it does not sample: only the length default applies
+        defaults = {k: v for k, v in defaults.items() if k == "max_tokens"}
+    sampling = sampling_kwargs(args, defaults)
     sp = SamplingParams(
         n=args.n,
-        max_tokens=args.max_tokens,
         beam_width=args.beam_width,
-        **sampling_kwargs(args),
+        **{**sampling, "seed": None},  # --seed seeds the engine: each request draws its own
+        stop=tuple(args.stop or ()),
+        stop_token_ids=tuple(args.stop_token_ids or ()),
+        ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
     )
@@ -557,7 +666,8 @@ def run(args) -> int:
             "when lower)"
         )
     inputs = chat_prompts(args, prompts) if args.chat else prompts
-    if args.temperature == 0 and args.n > 1 and args.beam_width == 1:
+    note_defaults(args, defaults, "flags")
+    if sp.temperature == 0 and args.n > 1 and args.beam_width == 1:
         print("note: --n > 1 with --temperature 0 gives identical completions", file=sys.stderr)
 
     import jax
@@ -569,10 +679,17 @@ def run(args) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
         async_scheduling=not args.no_async_scheduling,
+        generation_config=args.generation_config,
         **engine_kwargs(args),
     )
     INTERRUPT.check()  # a Ctrl-C that a gc callback swallowed while loading
     check_logit_bias(sp.logit_bias, llm.config.vocab_size)
+    outside = [t for t in sp.stop_token_ids if t >= llm.config.vocab_size]
+    if outside:  # they could never stop anything
+        raise BadInput(
+            f"--stop-token-ids {outside[:5]} are outside the vocabulary [0, "
+            f"{llm.config.vocab_size})"
+        )
     cut = []  # prompts that leave less room than --max-tokens under the model's length
     encoded = []  # their token ids, for generate (which would tokenize text again)
     for i, p in enumerate(inputs):  # e.g. too long for the model: before anything prints
@@ -581,19 +698,21 @@ def run(args) -> int:
         except (ValueError, TypeError) as e:
             raise BadInput(f"prompt {i}: {e}") from None
         n = len(encoded[-1])
-        if n + args.max_tokens > llm.max_model_len:
+        if n + sp.max_tokens > llm.max_model_len:
             cut.append(f"{i} ({llm.max_model_len - n})")
     if cut:
         print(
             f"note: the model's length ({llm.max_model_len} tokens) leaves less than "
-            f"--max-tokens {args.max_tokens} after prompt {', '.join(cut[:8])}"
+            f"--max-tokens {sp.max_tokens} after prompt {', '.join(cut[:8])}"
             f"{', ...' if len(cut) > 8 else ''}: they end there (finish_reason length)",
             file=sys.stderr,
         )
     device = str(jax.devices()[0])
     note = sys.stderr if args.json else sys.stdout
     print(f"model: {llm.model_source}", file=note)
+    # (Not with stop strings: the text streamed so far could be cut.)
     stream = len(prompts) == 1 and args.n == 1 and args.beam_width == 1 and not args.json
+    stream = stream and not sp.stop
     on_token = None
     sep = "\n" if args.chat else ""  # a chat reply is a new turn, not a continuation
     if stream:
@@ -632,9 +751,11 @@ def run(args) -> int:
                 chat_template=args.chat_template,
                 system=args.system,
                 n=args.n,
-                **sampling_kwargs(args),
+                **sampling,
                 beam_width=args.beam_width,
-                max_tokens=args.max_tokens,
+                stop=list(sp.stop),
+                stop_token_ids=list(sp.stop_token_ids),
+                ignore_eos=sp.ignore_eos,
                 logprobs=args.logprobs,
                 prompt_logprobs=args.prompt_logprobs,
             ),

@@ -54,6 +54,13 @@ strings are 400s. Its `text` is always "", so every choice carries `token_ids` (
 without `return_token_ids`); logprobs name a token `"token_id:<id>"` in `tokens` and as
 the keys of `top_logprobs`, and every `text_offset` is 0 (offsets into the empty text).
 
+Defaults from the checkpoint: with `--generation-config auto` (the default), as vLLM
+does, a field left out (or null) of `temperature`, `top_k`, `top_p`, `min_p` and
+`repetition_penalty` takes the value of the checkpoint's generation_config.json, if it
+has one (the startup log names them), else the default above; its `max_new_tokens`
+caps a left-out `max_tokens`' default (as vLLM's does; a `max_tokens` given is not cut).
+`--generation-config none` ignores the file.
+
 Not supported (400 when asked for): `echo: true`, `best_of` > 1, `suffix`, tools
 and function calling, a `response_format` other than text, and beam search
 (`use_beam_search: true`). Other unknown fields are ignored.
@@ -100,12 +107,13 @@ in its body), between two requests or while its stream waits for it to read is l
 (its requests aborted). For trusted networks only: there is no authentication and no
 rate limit; bind to 127.0.0.1 (the default) unless the network is yours. Flags:
 `--checkpoint`, `--host`, `--port`, `--served-model-name`, `--chat-template FILE`,
-`--seed` (for requests without one), scripts/generate.py's engine flags (`--page-size`,
-`--num-pages` | `--kv-memory-fraction`, `--kv-cache-dtype`, `--max-batch-tokens`,
-`--max-model-len N`, `--backend`, `--tensor-parallel`, `--compilation-cache`),
-`--no-prefix-caching`, `--no-async-scheduling`, `--quiet` (no request log). Bad flags, a
-checkpoint directory missing files or a port that cannot be bound end with one line on
-stderr and exit status 2, before any weights load.
+`--seed` (for requests without one), `--generation-config auto|none`, scripts/generate.py's
+engine flags (`--page-size`, `--num-pages` | `--kv-memory-fraction`, `--kv-cache-dtype`,
+`--max-batch-tokens`, `--max-model-len N`, `--backend`, `--tensor-parallel`,
+`--compilation-cache`), `--no-prefix-caching`, `--no-async-scheduling`, `--quiet` (no
+request log). Bad flags, a checkpoint directory missing files, a bad value in its
+generation_config.json or a port that cannot be bound end with one line on stderr and
+exit status 2, before any weights load.
 """
 
 from __future__ import annotations
@@ -169,6 +177,7 @@ class Server(ThreadingHTTPServer):
         """Starts the engine thread over `llm` (which nothing else may touch from now on)."""
         self.tokenizer, self.max_model_len = llm.tokenizer, llm.max_model_len
         self.vocab_size = llm.config.vocab_size
+        self.sampling_defaults = dict(llm.sampling_defaults)  # for request fields left out
         self.engine = EngineThread(llm)
 
     def handle_error(self, request, client_address) -> None:
@@ -394,6 +403,7 @@ class Handler(BaseHTTPRequestHandler):
             tokenizer=srv.tokenizer,
             vocab_size=srv.vocab_size,
             max_model_len=srv.max_model_len,
+            defaults=srv.sampling_defaults,
         )
 
     def _events(self, job: Job):
@@ -579,6 +589,7 @@ def build_parser() -> gen.Parser:
         help="a Jinja chat template file to use instead of the checkpoint's",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
+    gen.add_generation_config_flag(p)
     gen.add_engine_flags(p)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(
@@ -618,9 +629,11 @@ def run(args) -> int:
             seed=args.seed,
             tokenizer=tok,
             async_scheduling=not args.no_async_scheduling,
+            generation_config=args.generation_config,
             **gen.engine_kwargs(args),
         )
         server.start(llm)
+        gen.note_defaults(args, llm.sampling_defaults, "request fields given")
         tok = llm.tokenizer
         if tok is not None and tok.chat_template is not None and (why := jinja_missing()):
             print(f"note: /v1/chat/completions will fail: {why}", file=sys.stderr)

@@ -676,14 +676,24 @@ def test_every_sampling_and_engine_flag_reaches_the_engine(ckpt, capsys, monkeyp
     argv = ["--checkpoint", ckpt, "--prompt", "hi", "--backend", "xla", *GEOMETRY]
     argv += [*SAMPLING_ARGV, "--max-tokens", "9", "--n", "2", "--logprobs", "1"]
     argv += ["--prompt-logprobs", "2", "--no-prefix-caching", "--no-async-scheduling"]
+    argv += ["--stop", "ab", "--stop", "c", "--stop-token-ids", "3", "4", "--ignore-eos"]
+    argv += ["--generation-config", "none"]
     rc, _, err = run(argv, capsys)
     assert rc == 130, err
     assert seen["sp"] == SamplingParams(
-        n=2, max_tokens=9, logprobs=1, prompt_logprobs=2, **SAMPLING_FIELDS
+        n=2,
+        max_tokens=9,
+        logprobs=1,
+        prompt_logprobs=2,
+        stop=("ab", "c"),
+        stop_token_ids=(3, 4),
+        ignore_eos=True,
+        **{**SAMPLING_FIELDS, "seed": None},  # --seed seeds the engine, not each request
     )
     init = seen["init"]
     assert init["enable_prefix_caching"] is False and init["async_scheduling"] is False
     assert init["seed"] == 11 and init["page_size"] == 8 and init["num_pages"] == 64
+    assert init["generation_config"] == "none"
     assert init["max_num_batched_tokens"] == 16 and init["max_num_seqs"] == 16
 
 
@@ -697,13 +707,15 @@ def test_flag_defaults():
         top_p=1.0,
         min_p=0.0,
         repetition_penalty=1.0,
+        max_tokens=64,
         presence_penalty=0.0,
         frequency_penalty=0.0,
         min_tokens=0,
         logit_bias=None,
         seed=0,
     )
-    assert (args.max_tokens, args.n, args.beam_width) == (64, 1, 1)
+    assert (args.n, args.beam_width, args.generation_config) == (1, 1, "auto")
+    assert (args.stop, args.stop_token_ids, args.ignore_eos) == (None, None, False)
     assert not args.no_prefix_caching and not args.no_async_scheduling
     assert gen.engine_kwargs(args) == dict(
         page_size=16,
@@ -810,3 +822,48 @@ def test_a_broken_orbax_checkpoint_file_is_named(ckpt, tmp_path, capsys, meta, m
     rc, out, err = run(["--checkpoint", tmp_path, "--prompt", "hi", "--backend", "xla"], capsys)
     assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert match in err and out == "", err
+
+
+def test_seed_seeds_the_engine_so_prompts_get_their_own_draws(ckpt, capsys):
+    """--seed is the engine's (as vLLM's): two prompts, the same here, sample different
+    tokens (every request had --seed as its seed, so they drew the same), and a second
+    run draws what the first did."""
+    argv = ["--checkpoint", ckpt, "--prompt", "hi", "--prompt", "hi", "--temperature", "1"]
+    argv += ["--max-tokens", "8", "--seed", "5", "--backend", "xla", "--json", *GEOMETRY]
+    runs = []
+    for _ in range(2):
+        rc, out, err = run(argv, capsys)
+        assert rc == 0, err
+        runs.append([o["completions"][0]["token_ids"] for o in json.loads(out)["outputs"]])
+        assert json.loads(out)["settings"]["seed"] == 5
+    assert runs[0][0] != runs[0][1], runs
+    assert runs[0] == runs[1]
+
+
+def test_stop_strings_and_stop_token_ids(ckpt, capsys, monkeypatch):
+    """--stop cuts the text where a string starts (finish_reason stop; a single prompt
+    is then printed whole, not streamed); --stop-token-ids ends at a token, kept."""
+    outs = spy_generate(monkeypatch, outputs=True)
+    argv = ["--checkpoint", ckpt, "--prompt", "ab", "--max-tokens", "10", "--backend", "xla"]
+    argv += GEOMETRY
+    rc, out, err = run(argv, capsys)
+    assert rc == 0, err
+    (c,) = outs.pop().outputs
+    text, ids = c.text, c.token_ids
+    k = next(k for k in range(1, len(text) - 1) if text[k : k + 2].isalnum())
+    stop = text[k : k + 2]
+    rc, out, err = run([*argv, "--stop", "@@@", "--stop", stop], capsys)
+    assert rc == 0, err
+    (c,) = outs.pop().outputs
+    cut = text[: text.index(stop)]
+    assert (c.text, c.finish_reason, c.stop_reason) == (cut, "stop", stop)
+    assert out.startswith(f"model: checkpoint {ckpt}\n--- prompt 0 (2 tokens)\nab{cut} (stop)\n")
+    rc, out, err = run([*argv, "--stop-token-ids", str(ids[2]), "--json"], capsys)
+    assert rc == 0, err
+    (c,) = json.loads(out)["outputs"][0]["completions"]
+    assert c["token_ids"] == ids[: ids.index(ids[2]) + 1] and c["finish_reason"] == "stop"
+    assert json.loads(out)["settings"]["stop_token_ids"] == [ids[2]]
+    rc, out, err = run([*argv, "--stop-token-ids", "256"], capsys)
+    assert rc == 2 and "--stop-token-ids [256] are outside the vocabulary [0, 256)" in err
+    rc, out, err = run([*argv, "--stop", "x", "--beam-width", "2"], capsys)
+    assert rc == 2 and "stop strings are not supported with beam search" in err

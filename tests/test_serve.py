@@ -191,6 +191,7 @@ class StuckLLM:
     """What `Server.start` and `EngineThread` use of an `LLM`; no request ever finishes."""
 
     tokenizer, max_model_len, config = None, 64, types.SimpleNamespace(vocab_size=256)
+    sampling_defaults = {}  # (no generation_config.json)
 
     def __init__(self):
         self.rids = []
