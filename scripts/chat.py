@@ -44,7 +44,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import generate as gen  # noqa: E402  (the sibling script: its flags, checks and cache helpers)
+import cli  # noqa: E402  (the scripts' shared flags, checks and exits)
 
 COMMANDS = ("/reset", "/exit")
 KEYS = (
@@ -54,8 +54,8 @@ KEYS = (
 NO_TEMPLATE_HINT = "give --chat-template FILE (a Jinja chat template)"
 
 
-def build_parser() -> gen.Parser:
-    p = gen.Parser(prog="scripts/chat.py", description=__doc__.split("\n")[0], epilog=KEYS)
+def build_parser() -> cli.Parser:
+    p = cli.Parser(prog="scripts/chat.py", description=__doc__.split("\n")[0], epilog=KEYS)
     p.add_argument(
         "--checkpoint",
         help="HF directory or pagedjax orbax checkpoint (default: the embedded demo model)",
@@ -67,10 +67,10 @@ def build_parser() -> gen.Parser:
         help="a Jinja chat template file to use instead of the checkpoint's",
     )
     p.add_argument("--max-tokens", type=int, help="most tokens per reply (default 256)")
-    gen.add_sampling_flags(
+    cli.add_sampling_flags(
         p, temperature=0.7, max_tokens=256, seed_help="sampling seed of every reply"
     )
-    gen.add_engine_flags(p)
+    cli.add_engine_flags(p)
     return p
 
 
@@ -103,10 +103,10 @@ def reply(llm, messages: list[dict], params) -> str | None:
         sys.stdout.write(decoder.add(tok))
         sys.stdout.flush()
 
-    gen.INTERRUPT.clear()  # (a Ctrl-C at the prompt ended the session)
+    cli.INTERRUPT.clear()  # (a Ctrl-C at the prompt ended the session)
     try:
-        (out,) = llm.generate([ids], params, on_token=on_token, on_step=gen.INTERRUPT.check)
-        gen.INTERRUPT.check()  # one that a gc callback swallowed in the last step
+        (out,) = llm.generate([ids], params, on_token=on_token, on_step=cli.INTERRUPT.check)
+        cli.INTERRUPT.check()  # one that a gc callback swallowed in the last step
     except ValueError as e:  # the conversation has outgrown max_model_len
         print(
             f"error: the conversation no longer fits ({e}); /reset starts it over", file=sys.stderr
@@ -128,28 +128,28 @@ def reply(llm, messages: list[dict], params) -> str | None:
 def run(args) -> int:
     from pagedjax.engine import LLM, SamplingParams
 
-    defaults = gen.generation_defaults(args)
-    params = SamplingParams(**gen.sampling_kwargs(args, defaults))
-    gen.check_engine_flags(args)
-    tok = gen.chat_tokenizer(args.checkpoint, args.chat_template, NO_TEMPLATE_HINT)
+    defaults = cli.generation_defaults(args)
+    params = SamplingParams(**cli.sampling_kwargs(args, defaults))
+    cli.check_engine_flags(args)
+    tok = cli.chat_tokenizer(args.checkpoint, args.chat_template, NO_TEMPLATE_HINT)
     system = [] if args.system is None else [{"role": "system", "content": args.system}]
     try:  # a first turn renders, or the template is unusable (before the weights load)
         tok.apply_chat_template([*system, {"role": "user", "content": "Hi!"}])
     except ImportError as e:
-        raise gen.BadInput(str(e)) from None
+        raise cli.BadInput(str(e)) from None
     except (ValueError, TypeError) as e:
-        raise gen.BadInput(f"the chat template cannot render a first turn: {e}") from None
+        raise cli.BadInput(f"the chat template cannot render a first turn: {e}") from None
 
-    gen.note_defaults(args, defaults, "flags")
-    gen.enable_compilation_cache(gen.compilation_cache_dir(args.compilation_cache))
+    cli.note_defaults(args, defaults, "flags")
+    cli.enable_compilation_cache(cli.compilation_cache_dir(args.compilation_cache))
     llm = LLM(
         args.checkpoint,
         seed=args.seed,
         tokenizer=tok,
         generation_config=args.generation_config,
-        **gen.engine_kwargs(args),
+        **cli.engine_kwargs(args),
     )
-    gen.check_logit_bias(params.logit_bias, llm.config.vocab_size)  # not each turn's error
+    cli.check_logit_bias(params.logit_bias, llm.config.vocab_size)  # not each turn's error
     tty = sys.stdin.isatty()
     print(f"model: {llm.model_source} (template: {tok.chat_template_source})", file=sys.stderr)
     if tty:
@@ -193,14 +193,14 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    with gen.INTERRUPT.latched():
+    with cli.INTERRUPT.latched():
         try:
-            return gen.run_cli(build_parser, run, argv)
+            return cli.run_cli(build_parser, run, argv)
         except KeyboardInterrupt:
             print(file=sys.stderr)
             return 130
         except BrokenPipeError:  # stdout closed: no traceback
-            return gen.stdout_closed()
+            return cli.stdout_closed()
 
 
 if __name__ == "__main__":

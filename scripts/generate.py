@@ -110,13 +110,12 @@ stderr and exit status 2, before anything is printed on stdout.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import signal
 import sys
-import threading
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cli  # noqa: E402  (the scripts' shared flags, checks and exits)
 
 PREFIX = '''"""Helpers for reading, checking and writing simple configuration files.
 
@@ -130,6 +129,8 @@ import sys
 
 
 '''
+
+
 DEFAULT_PROMPTS = (
     PREFIX + 'def read_config(path, encoding="utf-8"):\n',
     PREFIX + "class ConfigError(Exception):\n",
@@ -138,19 +139,8 @@ DEFAULT_PROMPTS = (
 )
 
 
-class Parser(argparse.ArgumentParser):
-    """Reports a bad flag as `BadInput` (one line and status 2, like every other bad input)."""
-
-    def error(self, message):
-        raise BadInput(message)
-
-
-class BadInput(Exception):
-    """Bad input on the command line: `main` prints it as one line and exits with 2."""
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="scripts/generate.py", description=__doc__.split("\n")[0])
+    p = cli.Parser(prog="scripts/generate.py", description=__doc__.split("\n")[0])
     p.add_argument(
         "--checkpoint",
         help="HF directory or pagedjax orbax checkpoint (default: the embedded demo model)",
@@ -176,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="most tokens per completion (default 64, or the generation config's)",
     )
     p.add_argument("--n", type=int, default=1, help="completions per prompt")
-    add_sampling_flags(
+    cli.add_sampling_flags(
         p,
         temperature=0.0,
         max_tokens=64,
@@ -209,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="show each prompt token's logprob and the K most likely alternatives",
     )
-    add_engine_flags(p)
+    cli.add_engine_flags(p)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(
         "--no-async-scheduling",
@@ -220,257 +210,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# The SamplingParams fields whose flags, left out, take the checkpoint's generation config
-# (`--generation-config auto`, `generation_defaults`) before the script's own default; their
-# flags default to None (not given). Each script defines its --max-tokens itself.
-FILE_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_tokens")
-
-
-def add_sampling_flags(
-    p: argparse.ArgumentParser, *, temperature: float, max_tokens: int, seed_help: str
-) -> None:
-    """The sampling flags of generate.py and chat.py, and `--generation-config`
-    (`sampling_kwargs` reads them); `temperature` and `max_tokens` (the script's
-    `--max-tokens`) are the script's defaults when the generation config has none."""
-    p.set_defaults(
-        script_defaults=dict(
-            temperature=temperature,
-            top_k=0,
-            top_p=1.0,
-            min_p=0.0,
-            repetition_penalty=1.0,
-            max_tokens=max_tokens,
-        )
-    )
-    greedy = "greedy" if temperature == 0 else temperature
-    p.add_argument("--temperature", type=float, help=f"0: greedy (default {greedy})")
-    p.add_argument("--top-k", type=int, help="0: off (default)")
-    p.add_argument("--top-p", type=float, help="1: off (default)")
-    p.add_argument("--min-p", type=float, help="0: off (default)")
-    p.add_argument(
-        "--repetition-penalty",
-        type=float,
-        help="> 1 discourages tokens of the prompt and the output so far (1: off, default)",
-    )
-    p.add_argument(
-        "--presence-penalty",
-        type=float,
-        default=0.0,
-        help="in [-2, 2], subtracted from generated tokens' logits (0: off)",
-    )
-    p.add_argument(
-        "--frequency-penalty",
-        type=float,
-        default=0.0,
-        help="in [-2, 2], times each token's count so far (0: off)",
-    )
-    p.add_argument(
-        "--min-tokens", type=int, default=0, help="no stop token or string before this many"
-    )
-    p.add_argument(
-        "--logit-bias",
-        metavar="JSON",
-        help="token id -> value in [-100, 100] added to its logit, e.g. '{\"13\": -100}'",
-    )
-    p.add_argument("--seed", type=int, default=0, help=seed_help)
-    add_generation_config_flag(p)
-
-
-def add_generation_config_flag(p: argparse.ArgumentParser) -> None:
-    """`--generation-config` (generate.py, chat.py, serve.py)."""
-    p.add_argument(
-        "--generation-config",
-        default="auto",
-        choices=("auto", "none"),
-        help="auto: sampling defaults from the checkpoint's generation_config.json, as vLLM "
-        "(default); none: ignore the file",
-    )
-
-
-def generation_defaults(args) -> dict:
-    """The `SamplingParams` defaults of the checkpoint's generation_config.json (the demo
-    model's without --checkpoint), read before the weights load; {} with
-    `--generation-config none` (`resources.generation_config_defaults`: a bad value is a
-    ValueError naming the file, key and value)."""
-    from pagedjax.resources import checkpoint_dir, generation_config_defaults
-
-    path = checkpoint_dir(args.checkpoint) if args.generation_config == "auto" else None
-    return {} if path is None else generation_config_defaults(path)
-
-
-def note_defaults(args, defaults: dict, overridden_by: str) -> None:
-    """One line on stderr naming the generation config's `defaults` taken (those whose
-    flag, if the script has one, was not given), as vLLM logs them; nothing for none."""
-    from pagedjax.resources import GENERATION_CONFIG_FILE, GENERATION_CONFIG_KEYS, checkpoint_dir
-
-    taken = {k: v for k, v in defaults.items() if getattr(args, k, None) is None}
-    if not taken:
-        return
-    key = {field: k for k, field in GENERATION_CONFIG_KEYS.items()}
-    values = ", ".join(f"{key[k]}={v}" for k, v in taken.items())
-    path = checkpoint_dir(args.checkpoint) / GENERATION_CONFIG_FILE
-    print(
-        f"note: sampling defaults from {path}: {values} ({overridden_by} override them; "
-        "--generation-config none ignores the file)",
-        file=sys.stderr,
-    )
-
-
-def parse_logit_bias(text: str | None) -> dict[int, float] | None:
-    """`--logit-bias` JSON ({"token id": value}) as {int: float}; BadInput if malformed."""
-    if text is None:
-        return None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BadInput(f"--logit-bias is not JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise BadInput(f"--logit-bias must be a JSON object, got {text!r}")
-    out = {}
-    for key, value in obj.items():
-        try:
-            out[int(key)] = value
-        except ValueError:
-            raise BadInput(f"--logit-bias keys must be token ids, got {key!r}") from None
-    return out
-
-
-def sampling_kwargs(args, defaults: dict | None = None) -> dict:
-    """The `SamplingParams` fields that `add_sampling_flags` and `--max-tokens` set: of
-    `FILE_FIELDS`, the flag given, else `defaults`' value (`generation_defaults`), else
-    the script's default."""
-    defaults = defaults or {}
-    picked = {}
-    for name in FILE_FIELDS:
-        v = getattr(args, name)
-        picked[name] = v if v is not None else defaults.get(name, args.script_defaults[name])
-    return dict(
-        **picked,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        min_tokens=args.min_tokens,
-        logit_bias=parse_logit_bias(args.logit_bias),
-        seed=args.seed,
-    )
-
-
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of the engine's geometry, backend and compilation cache (scripts/chat.py too)."""
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    kv = p.add_mutually_exclusive_group()
-    kv.add_argument("--num-pages", type=int, help="KV pages")
-    kv.add_argument(
-        "--kv-memory-fraction",
-        type=float,
-        help="share in (0, 1] of free device memory for the KV cache (default 0.8)",
-    )
-    p.add_argument(
-        "--max-batch-tokens",
-        type=int,
-        default=1024,
-        help="token budget of one step (decode tokens + prefill chunks)",
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        metavar="N",
-        help="longest sequence, prompt and completion, in tokens (default: the model's)",
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=("auto", "fp8"),
-        help="KV page storage: the model's dtype, or FP8 (twice the tokens per byte)",
-    )
-    p.add_argument("--backend", default="auto", choices=("auto", "gpu", "tpu", "xla"))
-    p.add_argument(
-        "--tensor-parallel",
-        type=int,
-        default=1,
-        metavar="N",
-        help="split the model and KV cache over N devices (default 1)",
-    )
-    p.add_argument(
-        "--compilation-cache",
-        metavar="DIR",
-        help="persistent XLA compilation cache directory, or 'off' (default: "
-        "$PAGEDJAX_COMPILATION_CACHE, $JAX_COMPILATION_CACHE_DIR or ~/.cache/pagedjax/xla)",
-    )
-
-
-def engine_kwargs(args) -> dict:
-    """The `LLM` arguments that `add_engine_flags` sets (scripts/chat.py, serve.py too)."""
-    return dict(
-        page_size=args.page_size,
-        num_pages=args.num_pages,
-        kv_memory_fraction=args.kv_memory_fraction,
-        max_num_seqs=min(64, args.max_batch_tokens),
-        max_num_batched_tokens=args.max_batch_tokens,
-        backend=args.backend,
-        tensor_parallel=args.tensor_parallel,
-        kv_cache_dtype=args.kv_cache_dtype,
-        max_model_len=args.max_model_len,
-    )
-
-
-def check_engine_flags(args, *, tokenizer: bool = True) -> None:
-    """Checks `add_engine_flags`'s values and `--checkpoint` (its tokenizer.json too, unless
-    `tokenizer` is False: serve.py serves token id prompts without one) before anything
-    loads."""
-    from pagedjax.resources import check_backend
-
-    check_backend(args.backend)
-    for name in ("page_size", "max_batch_tokens", "num_pages", "tensor_parallel"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise BadInput(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    if args.max_model_len is not None and args.max_model_len < 2:
-        raise BadInput(f"--max-model-len must be >= 2, got {args.max_model_len}")
-    f = args.kv_memory_fraction
-    if f is not None and not 0 < f <= 1:  # (LLM checks it too, after the jax import)
-        raise BadInput(f"--kv-memory-fraction must be in (0, 1], got {f}")
-    if args.checkpoint is not None:
-        check_checkpoint(args.checkpoint, tokenizer=tokenizer)
-
-
-def check_logit_bias(bias: dict[int, float] | None, vocab_size: int) -> None:
-    """`--logit-bias` token ids past the loaded model's vocabulary are bad input (checked
-    before anything is printed; `LLM.generate` would refuse them as a prompt's error)."""
-    bad = sorted(t for t in bias or () if t >= vocab_size)
-    if bad:
-        raise BadInput(
-            f"--logit-bias token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
-        )
-
-
-def compilation_cache_dir(flag: str | None) -> str | None:
-    """The compilation cache directory to use (None: off), by the precedence in the docstring."""
-    import jax
-
-    choice = flag if flag is not None else os.environ.get("PAGEDJAX_COMPILATION_CACHE")
-    if choice is None:
-        if jax.config.jax_compilation_cache_dir:
-            return jax.config.jax_compilation_cache_dir
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        choice = os.path.join(base, "pagedjax", "xla")
-    if choice.strip().lower() in ("", "off", "none", "0"):
-        return None
-    return choice
-
-
-def enable_compilation_cache(path: str | None) -> None:
-    """Points jax's persistent compilation cache at `path` (a no-op for None)."""
-    if path is None:
-        return
-    import jax
-
-    try:
-        Path(path).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise BadInput(f"--compilation-cache {path}: cannot create it ({e.strerror})") from None
-    jax.config.update("jax_compilation_cache_dir", path)
-
-
 def read_prompts(args) -> list[str]:
     prompts = list(args.prompt or [])
     if args.prompts_file:
@@ -478,16 +217,16 @@ def read_prompts(args) -> list[str]:
         if args.prompts_file == "-":  # stdin; a pipe's path (/dev/stdin, <(...)) reads too
             path = Path("<stdin>")
         elif path.is_dir():
-            raise BadInput(f"prompts file {path} is a directory")
+            raise cli.BadInput(f"prompts file {path} is a directory")
         elif not path.exists():
-            raise BadInput(f"prompts file not found: {path}")
+            raise cli.BadInput(f"prompts file not found: {path}")
         try:
             if args.prompts_file == "-":
                 text = sys.stdin.buffer.read().decode("utf-8")
             else:
                 text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise BadInput(f"prompts file {path}: cannot read it ({e})") from None
+            raise cli.BadInput(f"prompts file {path}: cannot read it ({e})") from None
         before = len(prompts)
         for i, line in enumerate(text.splitlines()):
             if not line.strip():
@@ -496,70 +235,28 @@ def read_prompts(args) -> list[str]:
                 try:
                     line = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise BadInput(f"{path} line {i + 1}: bad JSON string: {e}") from None
+                    raise cli.BadInput(f"{path} line {i + 1}: bad JSON string: {e}") from None
             prompts.append(line)
         if len(prompts) == before:
-            raise BadInput(f"prompts file {path} has no prompts (blank lines are skipped)")
+            raise cli.BadInput(f"prompts file {path} has no prompts (blank lines are skipped)")
     return prompts if (args.prompt is not None or args.prompts_file) else list(DEFAULT_PROMPTS)
-
-
-def chat_tokenizer(checkpoint: str | None, template_file: str | None, hint: str):
-    """The checkpoint's tokenizer (None: the demo model's), with the template of
-    `--chat-template FILE` in place of its own when given.
-
-    Runs before the weights load, so that a missing or broken template, a checkpoint
-    without one, or a missing jinja2 fails fast (`BadInput`; `hint` ends the message
-    when there is no template).
-    """
-    from pagedjax import demo
-    from pagedjax.tokenizer import Tokenizer
-
-    text = None
-    if template_file is not None:
-        path = Path(template_file)
-        if not path.is_file():
-            raise BadInput(f"--chat-template {path}: no such file")
-        try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise BadInput(f"--chat-template {path}: cannot read it ({e})") from None
-    tok = Tokenizer.from_dir(checkpoint if checkpoint is not None else demo.demo_model_dir())
-    try:
-        if text is not None:
-            tok = tok.with_chat_template(text, str(template_file))
-    except ImportError as e:
-        raise BadInput(f"--chat-template: {e}") from None
-    if tok.chat_template is None:
-        raise BadInput(f"{tok.chat_template_source}; {hint}")
-    return tok
 
 
 def chat_prompts(args, prompts: list[str]) -> list[list[int]]:
     """Token ids of each prompt as a user message (after `--system`), by the chat template
     (checked before the weights load: `chat_tokenizer`)."""
     hint = "give --chat-template FILE, or drop --chat to send raw text"
-    tok = chat_tokenizer(args.checkpoint, args.chat_template, hint)
+    tok = cli.chat_tokenizer(args.checkpoint, args.chat_template, hint)
     system = [] if args.system is None else [{"role": "system", "content": args.system}]
     ids = []
     for i, p in enumerate(prompts):
         if not p:
-            raise BadInput(f"prompt {i}: prompt is empty")
+            raise cli.BadInput(f"prompt {i}: prompt is empty")
         try:
             ids.append(tok.encode_chat([*system, {"role": "user", "content": p}]))
         except ImportError as e:
-            raise BadInput(f"--chat: {e}") from None
+            raise cli.BadInput(f"--chat: {e}") from None
     return ids
-
-
-def check_checkpoint(path: str, *, tokenizer: bool = True) -> None:
-    """Fails fast on a directory that cannot serve (text, unless `tokenizer` is False)
-    before loading weights."""
-    from pagedjax import weights
-    from pagedjax.tokenizer import TOKENIZER_FILE
-
-    weights.checkpoint_format(path)  # FileNotFoundError naming what is missing
-    if tokenizer and not (Path(path) / TOKENIZER_FILE).is_file():
-        raise FileNotFoundError(f"{path} has no {TOKENIZER_FILE}; it is needed to encode prompts")
 
 
 def _fmt(x, unit="", scale=1.0, digits=3):
@@ -629,13 +326,13 @@ def format_logprobs(tokenizer, token_ids, entries) -> str:
 def run(args) -> int:
     prompts = read_prompts(args)
     if args.system is not None and not args.chat:
-        raise BadInput("--system needs --chat (it is the chat's system message)")
+        raise cli.BadInput("--system needs --chat (it is the chat's system message)")
     if args.chat_template is not None and not args.chat:
-        raise BadInput("--chat-template needs --chat")
+        raise cli.BadInput("--chat-template needs --chat")
     # Beam search ranks by logprob: a --temperature given conflicts (one from the
     # generation config is not taken).
     if args.beam_width > 1 and args.temperature is not None and args.temperature > 0:
-        raise BadInput(
+        raise cli.BadInput(
             f"--temperature {args.temperature} with --beam-width {args.beam_width}: beam "
             "search does not sample; drop --temperature"
         )
@@ -643,10 +340,10 @@ def run(args) -> int:
     from pagedjax.engine import LLM, SamplingParams
     from pallas_kernels.dispatch import resolve_backend
 
-    defaults = generation_defaults(args)
+    defaults = cli.generation_defaults(args)
     if args.beam_width > 1:  # it does not sample: only the length default applies
         defaults = {k: v for k, v in defaults.items() if k == "max_tokens"}
-    sampling = sampling_kwargs(args, defaults)
+    sampling = cli.sampling_kwargs(args, defaults)
     sp = SamplingParams(
         n=args.n,
         beam_width=args.beam_width,
@@ -657,36 +354,36 @@ def run(args) -> int:
         logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
     )
-    check_engine_flags(args)
-    seats, most = max(args.n, args.beam_width), engine_kwargs(args)["max_num_seqs"]
+    cli.check_engine_flags(args)
+    seats, most = max(args.n, args.beam_width), cli.engine_kwargs(args)["max_num_seqs"]
     if seats > most:  # (LLM.generate would refuse it, after the weights load)
         flag = "--n" if args.n >= args.beam_width else "--beam-width"
-        raise BadInput(
+        raise cli.BadInput(
             f"{flag} {seats}: at most {most} sequences run at once (64, or --max-batch-tokens "
             "when lower)"
         )
     inputs = chat_prompts(args, prompts) if args.chat else prompts
-    note_defaults(args, defaults, "flags")
+    cli.note_defaults(args, defaults, "flags")
     if sp.temperature == 0 and args.n > 1 and args.beam_width == 1:
         print("note: --n > 1 with --temperature 0 gives identical completions", file=sys.stderr)
 
     import jax
 
-    cache_dir = compilation_cache_dir(args.compilation_cache)
-    enable_compilation_cache(cache_dir)
+    cache_dir = cli.compilation_cache_dir(args.compilation_cache)
+    cli.enable_compilation_cache(cache_dir)
     llm = LLM(
         args.checkpoint,
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
         async_scheduling=not args.no_async_scheduling,
         generation_config=args.generation_config,
-        **engine_kwargs(args),
+        **cli.engine_kwargs(args),
     )
-    INTERRUPT.check()  # a Ctrl-C that a gc callback swallowed while loading
-    check_logit_bias(sp.logit_bias, llm.config.vocab_size)
+    cli.INTERRUPT.check()  # a Ctrl-C that a gc callback swallowed while loading
+    cli.check_logit_bias(sp.logit_bias, llm.config.vocab_size)
     outside = [t for t in sp.stop_token_ids if t >= llm.config.vocab_size]
     if outside:  # they could never stop anything
-        raise BadInput(
+        raise cli.BadInput(
             f"--stop-token-ids {outside[:5]} are outside the vocabulary [0, "
             f"{llm.config.vocab_size})"
         )
@@ -696,7 +393,7 @@ def run(args) -> int:
         try:
             encoded.append(llm.encode(p)[1])
         except (ValueError, TypeError) as e:
-            raise BadInput(f"prompt {i}: {e}") from None
+            raise cli.BadInput(f"prompt {i}: {e}") from None
         n = len(encoded[-1])
         if n + sp.max_tokens > llm.max_model_len:
             cut.append(f"{i} ({llm.max_model_len - n})")
@@ -724,9 +421,9 @@ def run(args) -> int:
             sys.stdout.flush()
 
     outs = llm.generate(
-        encoded, sp, use_tqdm=len(prompts) > 1, on_token=on_token, on_step=INTERRUPT.check
+        encoded, sp, use_tqdm=len(prompts) > 1, on_token=on_token, on_step=cli.INTERRUPT.check
     )
-    INTERRUPT.check()
+    cli.INTERRUPT.check()
     if stream:
         print(decoder.flush())
     summary = llm.summary()
@@ -805,108 +502,15 @@ def run(args) -> int:
     return 0
 
 
-class Interrupt:
-    """Ctrl-C as a KeyboardInterrupt that is not lost (`INTERRUPT`, installed by `latched`).
-
-    Python drops an exception raised in a gc callback or a `__del__` ("Exception ignored
-    in ..."), and jax runs a gc callback on every collection: a Ctrl-C that landed there
-    vanished, and the run went on to its end with status 0. The handler raises as
-    Python's does and also latches; `check` (the engine's `on_step`) raises again while
-    latched, until `clear`; the dropped one is not reported ("Exception ignored").
-    """
-
-    def __init__(self):
-        self.pending = False
-
-    @contextlib.contextmanager
-    def latched(self):
-        """Installs the handler (in the main thread, unless SIGINT is ignored) and clears
-        the latch; restores the previous handler on exit."""
-        self.pending = False
-        previous = None  # (None: leave the handler as it is on exit)
-        main = threading.current_thread() is threading.main_thread()
-        if main and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # a background job's
-            previous = signal.signal(signal.SIGINT, self._handler)
-        hook = sys.unraisablehook
-
-        def unraisable(u):  # the Ctrl-C that Python drops (latched): not worth a traceback
-            if not (self.pending and isinstance(u.exc_value, KeyboardInterrupt)):
-                hook(u)
-
-        sys.unraisablehook = unraisable
-        try:
-            yield self
-        finally:
-            sys.unraisablehook = hook
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
-
-    def _handler(self, _signum, _frame):
-        self.pending = True
-        raise KeyboardInterrupt
-
-    def check(self, *_) -> None:
-        """Raises KeyboardInterrupt if a Ctrl-C came since `clear`."""
-        if self.pending:
-            raise KeyboardInterrupt
-
-    def clear(self) -> None:
-        self.pending = False
-
-
-INTERRUPT = Interrupt()
-
-
-def out_of_memory(e: BaseException) -> bool:
-    """Whether `e` is XLA's out-of-memory error (a jax runtime error, RESOURCE_EXHAUSTED)."""
-    jax = sys.modules.get("jax")  # (raised by jax, so imported when it is one)
-    return (
-        jax is not None
-        and isinstance(e, jax.errors.JaxRuntimeError)
-        and "RESOURCE_EXHAUSTED" in str(e)
-    )
-
-
-def run_cli(build_parser, run, argv=None) -> int:
-    """Parses `argv` and runs; bad input ends as one line on stderr and status 2, running
-    out of device memory as one line and status 1 (the `main` of generate.py, chat.py and
-    serve.py)."""
-    try:
-        args = build_parser().parse_args(argv)
-        return run(args)
-    except (BadInput, ValueError, TypeError, FileNotFoundError, NotADirectoryError) as e:
-        msg = " ".join(str(e).split())  # multi-line errors (checkpoint listings) on one line
-        print(f"error: {msg[:2000]}", file=sys.stderr)
-        return 2
-    except Exception as e:
-        if not out_of_memory(e):
-            raise
-        msg = " ".join(str(e).split("\n")[0].split())
-        print(
-            f"error: out of device memory ({msg[:500]}); lower --num-pages (or "
-            "--kv-memory-fraction), --max-batch-tokens or --max-model-len",
-            file=sys.stderr,
-        )
-        return 1
-
-
-def stdout_closed() -> int:
-    """After a BrokenPipeError (stdout piped into `head`, say): no traceback, no second
-    error when Python flushes stdout at exit; status 141, a shell's for SIGPIPE."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):  # not a file (tests)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 141
-
-
 def main(argv=None) -> int:
-    with INTERRUPT.latched():
+    with cli.INTERRUPT.latched():
         try:
-            return run_cli(build_parser, run, argv)
+            return cli.run_cli(build_parser, run, argv)
         except KeyboardInterrupt:  # the engine aborted the requests; no traceback for a Ctrl-C
             print("\ninterrupted", file=sys.stderr)
             return 130
         except BrokenPipeError:
-            return stdout_closed()
+            return cli.stdout_closed()
 
 
 if __name__ == "__main__":

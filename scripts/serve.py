@@ -131,7 +131,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import generate as gen  # noqa: E402  (the sibling script: its flags, checks and cache helpers)
+import cli  # noqa: E402  (the scripts' shared flags, checks and exits)
 
 from pagedjax import openai_api as api  # noqa: E402
 from pagedjax.chat import jinja_missing  # noqa: E402
@@ -574,8 +574,8 @@ for _method in ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"):  # 
 # ----------------------------------------------------------------------------- CLI
 
 
-def build_parser() -> gen.Parser:
-    p = gen.Parser(prog="scripts/serve.py", description=__doc__.split("\n")[0])
+def build_parser() -> cli.Parser:
+    p = cli.Parser(prog="scripts/serve.py", description=__doc__.split("\n")[0])
     p.add_argument(
         "--checkpoint",
         help="HF directory or pagedjax orbax checkpoint (default: the embedded demo model)",
@@ -589,8 +589,8 @@ def build_parser() -> gen.Parser:
         help="a Jinja chat template file to use instead of the checkpoint's",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
-    gen.add_generation_config_flag(p)
-    gen.add_engine_flags(p)
+    cli.add_generation_config_flag(p)
+    cli.add_engine_flags(p)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(
         "--no-async-scheduling",
@@ -610,19 +610,19 @@ def model_name(args) -> str:
 def run(args) -> int:
     from pagedjax.engine import LLM
 
-    gen.check_engine_flags(args, tokenizer=False)  # without one it serves token id prompts
+    cli.check_engine_flags(args, tokenizer=False)  # without one it serves token id prompts
     if not 0 <= args.port < 2**16:
-        raise gen.BadInput(f"--port must be in [0, 65535], got {args.port}")
+        raise cli.BadInput(f"--port must be in [0, 65535], got {args.port}")
     tok = None
     if args.chat_template is not None:
         hint = "give a Jinja chat template file"
-        tok = gen.chat_tokenizer(args.checkpoint, args.chat_template, hint)
+        tok = cli.chat_tokenizer(args.checkpoint, args.chat_template, hint)
     try:  # before the weights load: a port in use is a one-line error
         server = Server((args.host, args.port), model_name=model_name(args), quiet=args.quiet)
     except OSError as e:
-        raise gen.BadInput(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+        raise cli.BadInput(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
     try:
-        gen.enable_compilation_cache(gen.compilation_cache_dir(args.compilation_cache))
+        cli.enable_compilation_cache(cli.compilation_cache_dir(args.compilation_cache))
         llm = LLM(
             args.checkpoint,
             enable_prefix_caching=not args.no_prefix_caching,
@@ -630,10 +630,10 @@ def run(args) -> int:
             tokenizer=tok,
             async_scheduling=not args.no_async_scheduling,
             generation_config=args.generation_config,
-            **gen.engine_kwargs(args),
+            **cli.engine_kwargs(args),
         )
         server.start(llm)
-        gen.note_defaults(args, llm.sampling_defaults, "request fields given")
+        cli.note_defaults(args, llm.sampling_defaults, "request fields given")
         tok = llm.tokenizer
         if tok is not None and tok.chat_template is not None and (why := jinja_missing()):
             print(f"note: /v1/chat/completions will fail: {why}", file=sys.stderr)
@@ -650,7 +650,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    return gen.run_cli(build_parser, run, argv)
+    return cli.run_cli(build_parser, run, argv)
 
 
 if __name__ == "__main__":

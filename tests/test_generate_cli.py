@@ -38,6 +38,7 @@ def load_script():
 
 
 gen = load_script()
+cli = gen.cli  # the scripts' shared module, as they import it
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +107,7 @@ def test_json_end_to_end(ckpt, capsys, monkeypatch):
     readme = (ROOT / "README.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| `settings` |"))
     flags = {"n", "beam_width", "max_tokens", "logprobs", "prompt_logprobs"}
-    flags |= set(gen.sampling_kwargs(gen.build_parser().parse_args([])))
+    flags |= set(cli.sampling_kwargs(gen.build_parser().parse_args([])))
     documented = [k for k in obj["settings"] if k in row and k in gen.__doc__]
     undocumented = set(obj["settings"]) - flags - set(documented)
     assert not undocumented, (
@@ -485,15 +486,15 @@ def test_compilation_cache_dir_precedence(monkeypatch, tmp_path):
     before = jax.config.jax_compilation_cache_dir
     try:
         jax.config.update("jax_compilation_cache_dir", None)
-        assert gen.compilation_cache_dir(None) == str(tmp_path / "xdg" / "pagedjax" / "xla")
+        assert cli.compilation_cache_dir(None) == str(tmp_path / "xdg" / "pagedjax" / "xla")
         jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax"))
-        assert gen.compilation_cache_dir(None) == str(tmp_path / "jax")
+        assert cli.compilation_cache_dir(None) == str(tmp_path / "jax")
         monkeypatch.setenv("PAGEDJAX_COMPILATION_CACHE", str(tmp_path / "env"))
-        assert gen.compilation_cache_dir(None) == str(tmp_path / "env")
-        assert gen.compilation_cache_dir(str(tmp_path / "flag")) == str(tmp_path / "flag")
-        assert gen.compilation_cache_dir("off") is None
+        assert cli.compilation_cache_dir(None) == str(tmp_path / "env")
+        assert cli.compilation_cache_dir(str(tmp_path / "flag")) == str(tmp_path / "flag")
+        assert cli.compilation_cache_dir("off") is None
         monkeypatch.setenv("PAGEDJAX_COMPILATION_CACHE", "off")
-        assert gen.compilation_cache_dir(None) is None
+        assert cli.compilation_cache_dir(None) is None
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
 
@@ -701,7 +702,7 @@ def test_flag_defaults():
     """The defaults the README and --help give: greedy, 64 tokens, pages of 16 tokens, a
     1024-token step budget, 64 sequences, prefix caching and async scheduling on."""
     args = gen.build_parser().parse_args([])
-    assert gen.sampling_kwargs(args) == dict(
+    assert cli.sampling_kwargs(args) == dict(
         temperature=0.0,
         top_k=0,
         top_p=1.0,
@@ -717,7 +718,7 @@ def test_flag_defaults():
     assert (args.n, args.beam_width, args.generation_config) == (1, 1, "auto")
     assert (args.stop, args.stop_token_ids, args.ignore_eos) == (None, None, False)
     assert not args.no_prefix_caching and not args.no_async_scheduling
-    assert gen.engine_kwargs(args) == dict(
+    assert cli.engine_kwargs(args) == dict(
         page_size=16,
         num_pages=None,
         kv_memory_fraction=None,
@@ -733,9 +734,9 @@ def test_flag_defaults():
 def test_kv_memory_fraction_one_is_allowed():
     """(0, 1]: all the free memory is a valid choice, past it is not."""
     parse = gen.build_parser().parse_args
-    gen.check_engine_flags(parse(["--kv-memory-fraction", "1"]))
-    with pytest.raises(gen.BadInput, match=r"must be in \(0, 1\], got 1.01"):
-        gen.check_engine_flags(parse(["--kv-memory-fraction", "1.01"]))
+    cli.check_engine_flags(parse(["--kv-memory-fraction", "1"]))
+    with pytest.raises(cli.BadInput, match=r"must be in \(0, 1\], got 1.01"):
+        cli.check_engine_flags(parse(["--kv-memory-fraction", "1.01"]))
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,7 @@ def load_script(name):
 
 
 gen, chat_cli, serve = (load_script(n) for n in ("generate", "chat", "serve"))
+cli = gen.cli  # the scripts' shared module, as they import it
 
 
 def write_generation_config(path: Path, cfg: dict) -> Path:
@@ -330,8 +331,8 @@ def test_a_bad_generation_config_is_bad_input_before_loading(tmp_path, capsys, m
 def test_the_demo_model_gives_no_defaults():
     """So the demo's outputs stay greedy."""
     args = gen.build_parser().parse_args([])
-    assert gen.generation_defaults(args) == {}
-    assert gen.sampling_kwargs(args, gen.generation_defaults(args))["temperature"] == 0.0
+    assert cli.generation_defaults(args) == {}
+    assert cli.sampling_kwargs(args, cli.generation_defaults(args))["temperature"] == 0.0
 
 
 def test_chat_flags_left_out_take_the_generation_config(ckpt, capsys, monkeypatch):
