@@ -221,6 +221,12 @@ def test_sliding_window(sliding_window, num_splits, page_size):
     )
 
 
+def test_logits_hundreds_apart():
+    """Scale 50 puts the logits hundreds apart: each block rescales by the running maximum,
+    so no 2^(m_old - m_new) factor overflows (the maximum of one block alone would)."""
+    check(scale=50.0, batch=4, block_kv=16, lengths=[64, 50, 33, 17])
+
+
 def test_block_kv_below_page_size():
     # One page spans several inner iterations.
     check(batch=4, page_size=64, max_pages=2, block_kv=16, num_splits=2, lengths=[1, 64, 100, 128])
@@ -380,6 +386,19 @@ def test_wide_merge_matches_jnp_merge(monkeypatch, splits, head_dim, wide_tile, 
     ref = merge_splits(o, m, denom, jnp.float32)
     out = merge_splits_wide(o, m, denom, dtype=dtype, interpret=True)
     assert_merged(out, ref, dtype)
+
+
+def test_wide_merge_walks_past_empty_tiles(monkeypatch):
+    """A short sequence split many ways: only its first splits hold tokens, so every later
+    tile of the walk is empty (m = -inf); the running maximum carries through them."""
+    monkeypatch.setattr(gpu_merge, "WIDE_TILE", 256)  # D = 32: tiles of 8 splits, 5 tiles
+    splits = 40
+    o, m, denom = random_partials(6, splits, 2, 3, 32)
+    live = (np.arange(splits) < 3)[:, None, None]
+    o, m, denom = o * live[..., None], jnp.where(live, m, -jnp.inf), denom * live
+    ref = merge_splits(o, m, denom, jnp.float32)
+    out = merge_splits_wide(o, m, denom, dtype=jnp.float32, interpret=True)
+    assert_merged(out, ref, jnp.float32)
 
 
 def test_wide_tile_is_a_power_of_two_within_the_budget():

@@ -143,6 +143,12 @@ def test_soft_cap_and_sliding_window(dtype, page_size, tuning, options):
     _case(dtype, 2, 4, 128, page_size, max_pages=6, batch=6, seed=1, **tuning, **options)
 
 
+def test_logits_hundreds_apart():
+    """Scale 50 puts the logits hundreds apart: each block rescales by the maximum over the
+    step's blocks so far, and each step starts afresh, so no exp over- or underflows."""
+    _case(jnp.float32, 1, 4, 64, 8, batch=4, max_pages=4, pages_per_block=1, scale=50.0)
+
+
 def test_zero_length_and_two_cores():
     """Megacore split (2 simulated cores) with a batch that does not divide; one empty row."""
     params = dataclasses.replace(SHARP, num_cores_or_threads=2, random_seed=3)

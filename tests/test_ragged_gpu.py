@@ -407,6 +407,14 @@ def test_through_dispatcher():
     _check(out, _dense_ref(dense, args[0].shape[0], **opts), jnp.float32)
 
 
+def test_window_longer_than_a_kv_block():
+    """A window (19) longer than a KV block (16): the KV blocks that every row of a query
+    block sees whole start at its last row's window, not its first (the rows at positions
+    32..35 of sequence 0: key 16 is in the window of 32 but not of 35)."""
+    args, ref = _std_case(10, [24, 1, 0, 3, 1], [40, 30, 0, 50, 64], window=19)
+    _check(_run(args, sliding_window=19, **STD_KNOBS), ref, jnp.float32)
+
+
 @pytest.mark.parametrize(
     "seed,q_lens,ctx_lens,window",
     [
