@@ -46,7 +46,8 @@ class SamplingParams:
         every character would stop on, whatever the tokens and the list's order.
       ignore_eos: do not stop on the model's EOS tokens (a bool).
       beam_width: > 1 runs beam search with this many beams.
-      length_penalty: beam score = logprob_sum / length ** length_penalty.
+      length_penalty: beam score = logprob_sum / length ** length_penalty; only with
+        beam search (ValueError otherwise, as in vLLM's: sampling would ignore it).
       cache_salt: requests share prefix-cache pages only with equal salts.
       logprobs: None, or return each generated token's log-probability with those of the
         `logprobs` most likely tokens at its position (0 to MAX_LOGPROBS; 0: the sampled
@@ -146,6 +147,11 @@ class SamplingParams:
         lp = self.length_penalty
         if not is_finite_number(lp):
             raise ValueError(f"length_penalty must be a finite number, got length_penalty={lp!r}")
+        if self.beam_width == 1 and lp != 1:  # sampling has no length normaliser to apply
+            raise ValueError(
+                f"length_penalty is only used by beam search (beam_width > 1), got "
+                f"length_penalty={lp!r} with beam_width=1"
+            )
         if self.beam_width > 1 and self.n > self.beam_width:
             raise ValueError(
                 f"beam search returns at most beam_width outputs, got n={self.n} > "
@@ -196,14 +202,22 @@ class SamplingParams:
 
 @dataclasses.dataclass
 class CompletionOutput:
-    """One completion of a request."""
+    """One completion of a request.
+
+    `text` decodes `token_ids` with special tokens (EOS, ...) skipped, cut where a stop
+    string starts (the stop string and anything after it left out); a stop token that is
+    not special keeps its text, as in vLLM. `token_ids` hold every generated token, the
+    stop token and the tokens that completed a stop string included. `stop_reason` is
+    the stop string, or the stop token's id, EOS included (vLLM gives None for EOS);
+    None when the completion did not stop on one ("length", "abort").
+    """
 
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float
+    cumulative_logprob: float  # sum of the generated tokens' raw-distribution logprobs
     finish_reason: str | None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None  # the stop token id or stop string
+    stop_reason: int | str | None = None  # the stop token id (EOS too) or stop string
     # With SamplingParams.logprobs = k: one dict per generated token, token id ->
     # log-probability under the model's raw distribution (before temperature, top-k and
     # top-p), holding the sampled token first, then the k most likely in rank order.
@@ -212,17 +226,24 @@ class CompletionOutput:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """A finished (or aborted) request."""
+    """A finished (or aborted) request; the engine gives no partial outputs of running
+    ones (`on_token` streams their tokens).
+
+    `prompt` is None for a prompt given as token ids (`LLM.chat`: the rendered text).
+    `finished` is False for the partial output of an aborted request (`LLM.abort`),
+    whose completions still running then have finish_reason "abort". Times are seconds
+    from the request's arrival (its `add_request`, or the `generate` call).
+    """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
-    finished: bool
+    finished: bool  # False: aborted
     num_cached_tokens: int  # prompt tokens served from the prefix cache (first admission)
     num_preemptions: int
-    ttft_s: float | None  # arrival to first generated token
-    latency_s: float | None  # arrival to finish
+    ttft_s: float | None  # arrival to first generated token (None: none yet)
+    latency_s: float | None  # arrival to finish (or abort)
     # With SamplingParams.prompt_logprobs = k: per prompt token, None for the first (and,
     # in an aborted request's output, for those not computed yet), else {token id:
     # logprob} holding the prompt token first and the k most likely in rank order (raw
@@ -283,7 +304,8 @@ def encode_prompt(
     Raises:
       ValueError: empty prompt, text without a tokenizer, ids outside the vocabulary,
         or no room left to generate under `max_model_len`.
-      TypeError: a prompt neither text nor a sequence of ids, or ids that are not ints.
+      TypeError: a prompt neither text nor a sequence of ids (a dict or a set
+        included), or ids that are not ints.
     """
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -295,7 +317,12 @@ def encode_prompt(
         # bytes would pass as ids (their byte values); an int as a prompt is most likely
         # a flat list of ids given as the list of prompts ([[1, 2, 3]] is one prompt).
         what = f"a prompt must be a str or a list of token ids, got {prompt!r:.80}"
-        if isinstance(prompt, (bytes, bytearray)):
+        if isinstance(prompt, Mapping):  # it would be read as its keys
+            raise TypeError(
+                f"{what} (a dict, as vLLM's TextPrompt / TokensPrompt: pass its 'prompt' str "
+                "or 'prompt_token_ids' list itself)"
+            )
+        if isinstance(prompt, (bytes, bytearray, set, frozenset)):  # (a set has no order)
             raise TypeError(what)
         try:
             text, ids = None, list(prompt)

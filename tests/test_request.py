@@ -49,7 +49,8 @@ def test_ints_too_big_for_a_float_are_a_value_error(name):
         v = int(RNG.integers(10, 10**6)) ** int(RNG.integers(310, 400)) * int(RNG.choice([-1, 1]))
         with pytest.raises(ValueError, match=f"^{name} must be"):
             SamplingParams(**{name: v})
-    assert SamplingParams(**{name: 2}).__getattribute__(name) == 2  # a plain int is fine
+    beam = dict(beam_width=2) if name == "length_penalty" else {}
+    assert SamplingParams(**{name: 2}, **beam).__getattribute__(name) == 2  # a plain int is fine
 
 
 def test_complex_logit_bias_values_are_refused():
@@ -68,6 +69,17 @@ def test_complex_logit_bias_values_are_refused():
     assert SamplingParams(logit_bias=real).logit_bias == {t: float(v) for t, v in real.items()}
 
 
+def test_length_penalty_without_beam_search_is_refused():
+    # Sampling has no length normaliser: length_penalty=0.5 without beam_width was
+    # silently ignored (vLLM's SamplingParams refuses it too).
+    for _ in range(20):
+        lp = float(RNG.uniform(-3, 3))
+        with pytest.raises(ValueError, match=re.escape(f"length_penalty={lp!r} with beam_width=1")):
+            SamplingParams(length_penalty=lp, n=int(RNG.integers(1, 5)))
+        assert SamplingParams(length_penalty=lp, beam_width=2).length_penalty == lp
+    assert SamplingParams(length_penalty=1).length_penalty == 1  # the default value is fine
+
+
 @pytest.mark.parametrize("name", ["stop", "stop_token_ids"])
 def test_non_iterable_stop_fields_are_named(name):
     # tuple(5) raised "TypeError: 'int' object is not iterable", naming neither field nor value.
@@ -83,6 +95,19 @@ def test_a_prompt_neither_text_nor_ids_is_named(prompt):
     with pytest.raises(TypeError, match="a prompt must be a str or a list of token ids, got"):
         encode_prompt(prompt, None, 256, 64)
     assert encode_prompt(np.array([5, 6]), None, 256, 64) == (None, [5, 6])
+
+
+def test_dict_and_set_prompts_are_refused():
+    # vLLM's TokensPrompt {"prompt_token_ids": [...]} was read as its keys ("token id
+    # prompts must be lists of ints, got {...}", naming no fix); a set of ids silently
+    # lost their order.
+    ids = [int(i) for i in RNG.choice(np.arange(3, 256), size=6, replace=False)]
+    for prompt in [{"prompt_token_ids": ids}, {"prompt": "hi"}, {}, set(ids), frozenset(ids)]:
+        with pytest.raises(TypeError, match="a prompt must be a str or a list of token ids"):
+            encode_prompt(prompt, None, 256, 64)
+    with pytest.raises(TypeError, match="pass its 'prompt' str or 'prompt_token_ids' list"):
+        encode_prompt({"prompt_token_ids": ids}, None, 256, 64)
+    assert encode_prompt(tuple(ids), None, 256, 64) == (None, ids)
 
 
 # field: (values at its documented ends, values just past them); min_tokens with max_tokens=5
