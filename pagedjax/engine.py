@@ -56,7 +56,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from time import perf_counter
 
 import jax
@@ -87,6 +87,9 @@ from pagedjax.tokenizer import Tokenizer
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
 _SEED_STRIDE = 0x9E3779B1
+# vLLM's LLM.chat arguments that `chat` does not support: refused, since its **template_vars
+# would take them as template variables and ignore them silently.
+_VLLM_CHAT_ONLY = ("lora_request", "mm_processor_kwargs")
 
 
 class LLM:
@@ -434,6 +437,12 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.default_sampling_params()] * len(prompts)
+        elif isinstance(sampling_params, Mapping) or not isinstance(sampling_params, Iterable):
+            # (a dict would be taken as a list of its keys: "got 'max_tokens'")
+            raise TypeError(
+                "sampling_params must be a SamplingParams or a list of them, got "
+                f"{type(sampling_params).__name__}: {sampling_params!r:.80}"
+            )
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
@@ -493,6 +502,8 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         use_tqdm: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping | None = None,
         **template_vars,
     ) -> list[RequestOutput]:
         """Replies to conversations, rendered with the tokenizer's chat template.
@@ -503,20 +514,43 @@ class LLM:
           sampling_params: as for `generate`.
           add_generation_prompt: end each with the header that opens the assistant's turn.
           use_tqdm: as for `generate`.
-          **template_vars: more template variables (`tools`, `date_string`, ...).
+          chat_template: a Jinja template to use instead of the tokenizer's (as vLLM's).
+          chat_template_kwargs: more template variables, as a dict (as vLLM's); merged
+            with `template_vars`, which win.
+          **template_vars: more template variables (`tools`, `date_string`,
+            `continue_final_message`, ...). vLLM's `lora_request` and
+            `mm_processor_kwargs` are refused (TypeError), not taken as variables.
 
         Returns:
           One `RequestOutput` per conversation, in order; its `prompt` is the rendered text.
 
         Raises:
           ValueError: no tokenizer or no chat template, bad messages (naming the
-            conversation), or the template rejected them.
+            conversation), a `chat_template` that does not parse, or the template
+            rejected them.
+          TypeError: a vLLM argument this engine does not support (see above),
+            `chat_template` not a str, or `chat_template_kwargs` not a dict.
           ImportError: jinja2 is missing (the `chat` extra).
           Anything `generate` raises (a failed step, KeyboardInterrupt), as it does.
         """
-        if self.tokenizer is None:
+        for name in _VLLM_CHAT_ONLY:  # a template variable would drop them silently
+            if name in template_vars:
+                raise TypeError(f"chat() does not support vLLM's {name}")
+        if chat_template_kwargs is not None:
+            if not isinstance(chat_template_kwargs, Mapping):
+                raise TypeError(
+                    "chat_template_kwargs must be a dict of template variables, got "
+                    f"{chat_template_kwargs!r:.80}"
+                )
+            template_vars = {**chat_template_kwargs, **template_vars}
+        tok = self.tokenizer
+        if tok is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model has none")
-        texts, ids = self.tokenizer.encode_conversations(
+        if chat_template is not None:
+            if not isinstance(chat_template, str):
+                raise TypeError(f"chat_template must be a str, got {chat_template!r:.80}")
+            tok = tok.with_chat_template(chat_template, "LLM.chat(chat_template=...)")
+        texts, ids = tok.encode_conversations(
             messages, add_generation_prompt=add_generation_prompt, **template_vars
         )
         outs = self.generate(ids, sampling_params, use_tqdm=use_tqdm)
@@ -535,7 +569,8 @@ class LLM:
 
     def step(self, *, on_token=None) -> list[RequestOutput]:
         """One engine step (see the module docstring); returns requests finished in it,
-        after those of `add_request` that finished inside a `generate` call since.
+        after those of `add_request` that finished inside a `generate` call since. Unlike
+        vLLM's `step`, no partial outputs of running requests: `on_token` streams tokens.
 
         If anything raises in it (a compile error, device OOM, an exception in the jitted
         call or in `on_token`, KeyboardInterrupt), the engine recovers and the exception

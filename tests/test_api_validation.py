@@ -7,6 +7,7 @@ a bad argument is a ValueError naming it, before a model is loaded where it can 
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -354,6 +355,19 @@ def test_engine_arguments_checked_against_the_model():
     with pytest.raises(TypeError, match="SamplingParams, got {'max_tokens': 3}"):
         llm.add_request([5, 6], {"max_tokens": 3})
     assert not llm.has_unfinished_requests()
+
+
+def test_generate_names_sampling_params_that_are_neither_one_nor_a_list():
+    # A dict was read as the list of its keys ("prompt 0: ... got 'max_tokens'"), an int
+    # raised "'int' object is not iterable".
+    llm = engine.LLM(params_helpers.random_params(TINY, 0), **ENGINE)
+    for bad, shown in [({"max_tokens": 3}, "dict: {'max_tokens': 3}"), (5, "int: 5")]:
+        what = f"sampling_params must be a SamplingParams or a list of them, got {shown}"
+        with pytest.raises(TypeError, match=f"^{re.escape(what)}$"):
+            llm.generate([[5, 6]], bad)
+    assert not llm.has_unfinished_requests()
+    sp = engine.SamplingParams(max_tokens=1)
+    assert len(llm.generate([[5, 6], [7]], (sp for _ in range(2)))) == 2  # any iterable
 
 
 def test_engine_without_a_tokenizer_refuses_what_needs_one():

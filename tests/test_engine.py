@@ -890,6 +890,39 @@ def test_chat_renders_conversations_and_generates_from_them(params, dense):
     check_clean(llm)
 
 
+def test_chat_takes_vllms_chat_template_and_chat_template_kwargs(params):
+    # Both fell into **template_vars: a given chat_template was silently ignored (the
+    # tokenizer's rendered instead, or "has no chat template"), and so were the variables
+    # of chat_template_kwargs; lora_request ran the base model without a word.
+    own = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    given = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<a>{% endif %}{% if x %}x={{ x }}{% endif %}"
+    )
+    byte = resources.byte_tokenizer()
+    conv = [{"role": "user", "content": "def f(x):"}]
+    for template in (own, None):
+        tok = Tokenizer(byte.tokenizer, bos_token_id=1, eos_token_ids=[2], chat_template=template)
+        llm = LLM(params, tokenizer=tok, max_num_batched_tokens=16, **GEOMETRY)
+        (out,) = llm.chat(conv, greedy(1), chat_template=given)
+        assert out.prompt == "<user>def f(x):<a>"
+        assert out.prompt_token_ids == tok.encode_rendered(out.prompt, add_bos=False)
+        (out,) = llm.chat(conv, greedy(1), chat_template=given, chat_template_kwargs={"x": 7})
+        assert out.prompt == "<user>def f(x):<a>x=7"
+        kw = dict(chat_template_kwargs={"x": 7}, x=3)  # a keyword wins, as a later update
+        assert llm.chat(conv, greedy(1), chat_template=given, **kw)[0].prompt.endswith("x=3")
+    assert llm.chat(conv, greedy(1), chat_template=own)[0].prompt == "[def f(x):]"
+    with pytest.raises(TypeError, match="chat.. does not support vLLM's lora_request"):
+        llm.chat(conv, greedy(1), chat_template=own, lora_request=object())
+    with pytest.raises(TypeError, match="chat_template_kwargs must be a dict"):
+        llm.chat(conv, greedy(1), chat_template=own, chat_template_kwargs=["x"])
+    with pytest.raises(TypeError, match="chat_template must be a str, got 5"):
+        llm.chat(conv, greedy(1), chat_template=5)
+    with pytest.raises(ValueError, match="tokenizer has none"):  # none given, none its own
+        llm.chat(conv, greedy(1))
+    check_clean(llm)
+
+
 def test_kv_memory_fraction_sizes_the_cache(params):
     # CPU: no device stats, so the cap is max_num_seqs full-length sequences beside the
     # watermark's pages (which admission keeps free): 128 pages, plus 1 at 0.01, 31 at 0.2.
