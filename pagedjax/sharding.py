@@ -63,6 +63,7 @@ __all__ = [
     "AXIS",
     "cache_kv_heads",
     "cache_sharding",
+    "check_mesh",
     "check_tensor_parallel",
     "create_cache",
     "device_kv_config",
@@ -99,8 +100,11 @@ def check_tensor_parallel(
       tensor_parallel: devices on the "tp" axis.
       num_devices: devices available (default: `len(jax.devices())`, every host's).
     """
-    tp = tensor_parallel
-    _check_size(tp, num_devices)
+    _check_size(tensor_parallel, num_devices)
+    _check_split(cfg, tensor_parallel)
+
+
+def _check_split(cfg: ModelConfig, tp: int) -> None:
     if cfg.num_heads % tp:
         raise ValueError(
             f"tensor_parallel={tp} must divide the number of query heads, num_heads={cfg.num_heads}"
@@ -130,7 +134,8 @@ def make_mesh(
 
     Raises:
       ValueError: tensor_parallel is not a positive int, exceeds the devices present,
-        or (with cfg) does not divide the model's heads or MLP width.
+        names a device twice, or (with cfg) does not divide the model's heads or MLP
+        width.
     """
     given = None if devices is None else len(devices := list(devices))
     if cfg is None:
@@ -138,8 +143,34 @@ def make_mesh(
     else:
         check_tensor_parallel(cfg, tensor_parallel, given)
     devices = list(jax.devices()) if devices is None else devices
+    _check_distinct(devices[:tensor_parallel])
     # Auto axes: XLA propagates shardings from the parameters (no sharding-in-types).
     return jax.make_mesh((tensor_parallel,), (AXIS,), axis_types=(AxisType.Auto,), devices=devices)
+
+
+def _check_distinct(devices) -> None:
+    # jax builds a mesh that names a device twice; jit then fails on it, a bare AssertionError.
+    if len(set(devices)) < len(devices):
+        raise ValueError(f"the mesh's devices must be distinct, got {list(devices)}")
+
+
+def check_mesh(mesh: Mesh) -> int:
+    """Raises ValueError unless `mesh` can carry a model; returns its tp size.
+
+    The mesh needs a "tp" axis, distinct devices and only `AxisType.Auto` axes: the
+    steps let XLA propagate shardings from the parameters, and under Explicit axes
+    (`jax.make_mesh`'s default) or Manual ones they fail inside tracing instead.
+    `make_mesh` builds such a mesh; other axes, replicated over, are allowed.
+    """
+    tp = tensor_parallel_size(mesh)
+    if any(t != AxisType.Auto for t in mesh.axis_types):
+        types = dict(zip(mesh.axis_names, (t.name for t in mesh.axis_types), strict=True))
+        raise ValueError(
+            f"the mesh's axes must all be AxisType.Auto, got {types}: build it with "
+            "sharding.make_mesh (jax.make_mesh makes Explicit axes unless given axis_types)"
+        )
+    _check_distinct(list(mesh.devices.flat))
+    return tp
 
 
 def tensor_parallel_size(mesh: Mesh | None) -> int:
@@ -197,10 +228,11 @@ def shard_params(params: Params, mesh: Mesh) -> Params:
     `pagedjax.decode` run the tensor-parallel forward with no other change.
 
     Raises:
-      ValueError: the model does not split `mesh`'s tp size ways.
+      ValueError: the model does not split `mesh`'s tp size ways, or `check_mesh`
+        refuses the mesh.
     """
     cfg = params.config
-    tp = tensor_parallel_size(mesh)
+    tp = check_mesh(mesh)
     check_tensor_parallel(cfg, tp, mesh.devices.size)
 
     pairs = []
@@ -213,7 +245,14 @@ def shard_params(params: Params, mesh: Mesh) -> Params:
 
 
 def device_kv_config(cfg: ModelConfig, tensor_parallel: int) -> ModelConfig:
-    """`cfg` with one device's kv heads (`max(K, tp) / tp`): sizes the cache per device."""
+    """`cfg` with one device's kv heads (`max(K, tp) / tp`): sizes the cache per device.
+
+    Raises:
+      ValueError: the model does not split `tensor_parallel` ways (`check_tensor_parallel`;
+        the devices present are not counted).
+    """
+    _check_size(tensor_parallel, tensor_parallel)
+    _check_split(cfg, tensor_parallel)
     if tensor_parallel == 1:
         return cfg
     per_device = cache_kv_heads(cfg, tensor_parallel) // tensor_parallel
@@ -241,10 +280,17 @@ def cache_sharding(mesh: Mesh) -> NamedSharding:
 def create_cache(
     model_cfg: ModelConfig, cache_cfg: CacheConfig, mesh: Mesh | None = None
 ) -> cache_lib.PagedKVCache:
-    """A zeroed cache; with a mesh, split over kv heads (`Kc = max(K, tp)` rows)."""
+    """A zeroed cache; with a mesh, split over kv heads (`Kc = max(K, tp)` rows).
+
+    Raises:
+      ValueError: the model does not split `mesh`'s tp size ways, or `check_mesh`
+        refuses the mesh.
+    """
     if mesh is None:
         return cache_lib.create(model_cfg, cache_cfg)
-    kc = cache_kv_heads(model_cfg, tensor_parallel_size(mesh))
+    tp = check_mesh(mesh)
+    check_tensor_parallel(model_cfg, tp, mesh.devices.size)
+    kc = cache_kv_heads(model_cfg, tp)
     shape_cfg = dataclasses.replace(model_cfg, num_kv_heads=kc)
     return cache_lib.create(shape_cfg, cache_cfg, sharding=cache_sharding(mesh))
 
