@@ -81,3 +81,25 @@ def spy_generate(monkeypatch, *, outputs: bool = False) -> list:
 
     monkeypatch.setattr(LLM, "generate", spy)
     return sent
+
+
+def capture_engine(monkeypatch) -> dict:
+    """Records `LLM.__init__`'s keyword arguments ("init") and the `SamplingParams` that
+    `LLM.generate` is sent ("sp"), which then stops the run (a Ctrl-C: a script's status
+    130); returns that dict."""
+    from pagedjax.engine import LLM
+
+    seen = {}
+    init = LLM.__init__
+
+    def spy_init(self, *args, **kwargs):
+        seen["init"] = kwargs
+        init(self, *args, **kwargs)
+
+    def stop(self, prompts, sp, **kwargs):
+        seen["sp"] = sp
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LLM, "__init__", spy_init)
+    monkeypatch.setattr(LLM, "generate", stop)
+    return seen

@@ -19,7 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from params_helpers import SAMPLING_ARGV, SAMPLING_FIELDS, spy_generate, write_tiny_checkpoint
+from params_helpers import (
+    SAMPLING_ARGV,
+    SAMPLING_FIELDS,
+    capture_engine,
+    spy_generate,
+    write_tiny_checkpoint,
+)
 
 from pagedjax.metrics import SUMMARY_KEYS, EngineMetrics
 from pagedjax.resources import byte_tokenizer
@@ -647,27 +653,6 @@ def test_chat_template_bad_input_before_loading_weights(ckpt, tmp_path, capsys, 
         rc, out, err = run(["--checkpoint", ckpt, "--prompt", "hi", *extra], capsys)
         assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
         assert match in err and out == "", err
-
-
-def capture_engine(monkeypatch) -> dict:
-    """Records `LLM.__init__`'s keyword arguments and the `SamplingParams` that
-    `LLM.generate` is sent, which then stops the run (a Ctrl-C: status 130)."""
-    from pagedjax.engine import LLM
-
-    seen = {}
-    init = LLM.__init__
-
-    def spy_init(self, *args, **kwargs):
-        seen["init"] = kwargs
-        init(self, *args, **kwargs)
-
-    def stop(self, prompts, sp, **kwargs):
-        seen["sp"] = sp
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(LLM, "__init__", spy_init)
-    monkeypatch.setattr(LLM, "generate", stop)
-    return seen
 
 
 def test_every_sampling_and_engine_flag_reaches_the_engine(ckpt, capsys, monkeypatch):

@@ -14,7 +14,7 @@ import types
 from pathlib import Path
 
 import pytest
-from params_helpers import write_tiny_checkpoint
+from params_helpers import capture_engine, write_tiny_checkpoint
 
 from pagedjax import demo
 from pagedjax import openai_api as api
@@ -241,25 +241,6 @@ def test_serve_flag_reaches_the_engine_and_is_said(ckpt, capsys, monkeypatch):
 # ------------------------------------------------------------------------ scripts
 
 
-def capture(monkeypatch) -> dict:
-    """`LLM.__init__`'s keyword arguments and the `SamplingParams` that `LLM.generate`
-    is sent, which then stops the run (a Ctrl-C)."""
-    seen = {}
-    init = LLM.__init__
-
-    def spy_init(self, *args, **kwargs):
-        seen["init"] = kwargs
-        init(self, *args, **kwargs)
-
-    def stop(self, prompts, sp, **kwargs):
-        seen["sp"] = sp
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(LLM, "__init__", spy_init)
-    monkeypatch.setattr(LLM, "generate", stop)
-    return seen
-
-
 def run_generate(argv, capsys):
     rc = gen.main([str(a) for a in argv])
     out, err = capsys.readouterr()
@@ -271,7 +252,7 @@ def base(ckpt):
 
 
 def test_generate_flags_left_out_take_the_generation_config(ckpt, capsys, monkeypatch):
-    seen = capture(monkeypatch)
+    seen = capture_engine(monkeypatch)
     rc, _, err = run_generate(base(ckpt), capsys)
     assert rc == 130, err
     assert (seen["sp"].temperature, seen["sp"].top_p, seen["sp"].max_tokens) == (0.6, 0.9, 64)
@@ -292,7 +273,7 @@ def test_generate_flags_left_out_take_the_generation_config(ckpt, capsys, monkey
 def test_generate_max_new_tokens_is_the_max_tokens_default(ckpt, tmp_path, capsys, monkeypatch):
     write_tiny_checkpoint(tmp_path)
     write_generation_config(tmp_path, dict(max_new_tokens=7, top_k=3))
-    seen = capture(monkeypatch)
+    seen = capture_engine(monkeypatch)
     rc, _, err = run_generate(base(tmp_path), capsys)
     sp = seen["sp"]
     assert rc == 130 and (sp.max_tokens, sp.top_k, sp.temperature) == (7, 3, 0)
@@ -300,7 +281,7 @@ def test_generate_max_new_tokens_is_the_max_tokens_default(ckpt, tmp_path, capsy
 
 
 def test_beam_search_is_not_refused_for_the_files_temperature(ckpt, capsys, monkeypatch):
-    seen = capture(monkeypatch)
+    seen = capture_engine(monkeypatch)
     rc, _, err = run_generate([*base(ckpt), "--beam-width", "2"], capsys)
     assert rc == 130, err
     sp = seen["sp"]
@@ -336,7 +317,7 @@ def test_the_demo_model_gives_no_defaults():
 
 
 def test_chat_flags_left_out_take_the_generation_config(ckpt, capsys, monkeypatch):
-    seen = capture(monkeypatch)
+    seen = capture_engine(monkeypatch)
     monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
     argv = ["--checkpoint", str(ckpt), "--backend", "xla", *GEOMETRY]
     assert chat_cli.main(argv) == 0
