@@ -11,7 +11,8 @@ them (`pagedjax.sharding`; several hosts: see the README). With no
 `--checkpoint` it serves the embedded demo model (`pagedjax/demo_model`); until that
 is there, the `tiny` preset with random weights and a byte tokenizer, and it says so.
 A single prompt (n = 1, no beam search, no `--stop`) streams its text as it is
-generated; a batch shows a progress bar over requests. Then a closing report: load and
+generated, then its finish reason in brackets; a batch shows a progress bar over
+requests, then each completion with its finish reason. Then a closing report: load and
 compile time, TTFT, prefill and decode tokens/s, KV bytes read per second (the
 DESIGN.md performance model: every step reads its rows' live K/V once), peak device
 memory, KV pages, prefix-cache hit rate, preemptions, jit compilations, host overhead.
@@ -424,8 +425,8 @@ def run(args) -> int:
         encoded, sp, use_tqdm=len(prompts) > 1, on_token=on_token, on_step=cli.INTERRUPT.check
     )
     cli.INTERRUPT.check()
-    if stream:
-        print(decoder.flush())
+    if stream:  # then why it stopped, as a batch shows each completion's
+        print(f"{decoder.flush()} ({outs[0].outputs[0].finish_reason})")
     summary = llm.summary()
     if args.json:
         obj = dict(

@@ -758,7 +758,8 @@ def test_streamed_text_is_the_completions_text(ckpt, capsys, monkeypatch):
         assert rc == 0, err
         (c,) = outs[0].outputs
         assert c.text, c
-        assert out.startswith(f"model: checkpoint {ckpt}\ndef f(x):{c.text}\nmodel "), out
+        want = f"model: checkpoint {ckpt}\ndef f(x):{c.text} ({c.finish_reason})\nmodel "
+        assert out.startswith(want), out  # the finish reason too, as a batch shows it
     assert c.text == "\ufffd" * 4
 
 
