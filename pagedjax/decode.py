@@ -78,7 +78,7 @@ from pagedjax.step_input import (
     build_step_input,
     is_int,
 )
-from pallas_kernels.dispatch import BACKENDS
+from pallas_kernels.dispatch import resolve_backend
 from pallas_kernels.validation import check_dtypes
 
 __all__ = [
@@ -197,8 +197,7 @@ def _check_params(params) -> None:
 def _check_step(params, inp, decode, backend, num_top_logprobs, num_prompt_top_logprobs) -> None:
     """The host-side checks of a step's input kind and knobs, before anything is traced."""
     _check_params(params)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend=}")
+    resolve_backend(backend)  # a name in BACKENDS, else a ValueError naming it
     if not isinstance(inp, StepInput):
         raise TypeError(f"inp must be a StepInput (build_step_input), got {type(inp).__name__}")
     v = params.config.vocab_size

@@ -28,6 +28,7 @@ from pagedjax.config import ModelConfig, preset
 from pagedjax.jsonfile import read_json_object
 from pagedjax.request import SamplingParams
 from pagedjax.tokenizer import TOKENIZER_FILE, Tokenizer
+from pallas_kernels.dispatch import BACKENDS, resolve_backend
 
 __all__ = [
     "BACKENDS",
@@ -41,7 +42,6 @@ __all__ = [
     "plan_num_pages",
 ]
 
-BACKENDS = ("auto", "gpu", "tpu", "xla")
 _CPU_KV_BUDGET = 4 * 1024**3  # bytes kv_memory_fraction applies to with no device stats
 GENERATION_CONFIG_FILE = "generation_config.json"
 # The generation_config.json keys vLLM reads (`ModelConfig.get_diff_sampling_param`), and
@@ -164,8 +164,7 @@ def load_model(source, *, dtype=None, seed: int = 0):
 
 def check_backend(backend: str, interpret: bool = False) -> str:
     """Validates `backend` against the JAX default device; returns it unchanged."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got backend={backend!r}")
+    resolve_backend(backend)  # a name in BACKENDS, else a ValueError naming it
     platform = jax.default_backend()
     wants = {"gpu": ("gpu", "cuda", "rocm"), "tpu": ("tpu",)}.get(backend)
     if wants and platform not in wants and not interpret:
