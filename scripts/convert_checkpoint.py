@@ -6,8 +6,13 @@ Tokenizer files found in HF_DIR (tokenizer.json, tokenizer_config.json,
 generation_config.json, special_tokens_map.json, and a chat template kept in its own
 file: chat_template.jinja, chat_template.json) are copied beside the orbax
 checkpoint so that OUT_DIR is enough to serve the model (`generate.py --chat`
-included). Converting back (orbax to HF) is not supported: an orbax HF_DIR is an
+included); without tokenizer.json it says so, since OUT_DIR then serves token-id
+prompts only. Converting back (orbax to HF) is not supported: an orbax HF_DIR is an
 error.
+
+Bad input (a missing or broken HF_DIR, a refused OUT_DIR) ends with one line on stderr
+and exit status 2, as generate.py's does; failing to write OUT_DIR (a full disk) with
+status 1.
 """
 
 from __future__ import annotations
@@ -85,7 +90,10 @@ def main(argv=None) -> int:
         check_out_dir(Path(args.out_dir), args.overwrite)  # before a load of many GB
         cfg, params = weights.load_hf_checkpoint(args.hf_dir, dtype=args.dtype)
         weights.save_params(params, args.out_dir, overwrite=args.overwrite)
-    except (ValueError, OSError) as e:
+    except (ValueError, TypeError, FileNotFoundError, NotADirectoryError) as e:
+        print(f"convert_checkpoint: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # (reading HF_DIR's files or writing OUT_DIR)
         print(f"convert_checkpoint: error: {e}", file=sys.stderr)
         return 1
     copied = []
@@ -94,6 +102,12 @@ def main(argv=None) -> int:
         if src.is_file():
             shutil.copy2(src, Path(args.out_dir) / name)
             copied.append(name)
+    if "tokenizer.json" not in copied:
+        print(
+            f"convert_checkpoint: note: {args.hf_dir} has no tokenizer.json, so {args.out_dir} "
+            "serves token-id prompts only (serve.py); copy one in to serve text",
+            file=sys.stderr,
+        )
     n = sum(x.size for x in params_to_flat(params).values())
     print(
         f"converted {args.hf_dir} -> {args.out_dir}: {cfg.num_layers} layers, {n:,} params "

@@ -47,22 +47,22 @@ def test_convert_refuses_out_dir_before_loading(tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
-    assert cli.main([str(hf), str(out)]) == 1
+    assert cli.main([str(hf), str(out)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "--overwrite" in err and str(out) in err, err
-    assert cli.main([str(hf), str(out), "--overwrite"]) == 1  # not a pagedjax checkpoint
+    assert cli.main([str(hf), str(out), "--overwrite"]) == 2  # not a pagedjax checkpoint
     err = capsys.readouterr().err
     assert "refusing to overwrite" in err and str(out) in err, err
     assert (out / "notes.txt").read_text() == "keep me"
     a_file = tmp_path / "a_file"
     a_file.write_text("")
-    assert cli.main([str(hf), str(a_file)]) == 1
+    assert cli.main([str(hf), str(a_file)]) == 2
     err = capsys.readouterr().err
     assert "not a directory" in err and str(a_file) in err, err
     # The source inside OUT_DIR (or OUT_DIR itself): --overwrite would delete it.
     for src in (out / "hf", out):
         src.mkdir(exist_ok=True)
-        assert cli.main([str(src), str(out), "--overwrite"]) == 1
+        assert cli.main([str(src), str(out), "--overwrite"]) == 2
         err = capsys.readouterr().err
         assert "must not be HF_DIR or contain it" in err, err
     assert (out / "notes.txt").read_text() == "keep me"
@@ -243,7 +243,7 @@ def test_convert_says_an_orbax_hf_dir_is_converted_already(tmp_path, capsys, mon
     orbax = tmp_path / "orbax"
     orbax.mkdir()
     (orbax / ORBAX_META_FILE).write_text("{}")
-    assert cli.main([str(orbax), str(tmp_path / "back")]) == 1
+    assert cli.main([str(orbax), str(tmp_path / "back")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is a pagedjax orbax checkpoint already" in err, err
     assert "not supported" in err and not (tmp_path / "back").exists()

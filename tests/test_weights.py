@@ -581,7 +581,8 @@ def test_convert_cli(tmp_path, capsys):
     (hf / "tokenizer.json").write_text("{}")
     (hf / "chat_template.jinja").write_text("{{ bos_token }}{% for m in messages %}{% endfor %}")
     assert cli.main([str(hf), str(tmp_path / "out"), "--dtype", "float32"]) == 0
-    assert "converted" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "converted" in out and err == ""
     for name in ("tokenizer.json", "chat_template.jinja"):
         assert (tmp_path / "out" / name).read_text() == (hf / name).read_text()
     _, p_hf = weights.load_hf_checkpoint(hf, dtype="float32")
@@ -590,10 +591,30 @@ def test_convert_cli(tmp_path, capsys):
     np.testing.assert_array_equal(model.forward(p_orbax, x), model.forward(p_hf, x))
 
     # User errors: one message on stderr, no traceback, non-zero exit.
-    assert cli.main([str(hf), str(tmp_path / "out")]) == 1
+    assert cli.main([str(hf), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("convert_checkpoint: error:") and "not empty" in err
     assert "Traceback" not in err
-    assert cli.main([str(tmp_path / "missing"), str(tmp_path / "out2")]) == 1
+    assert cli.main([str(tmp_path / "missing"), str(tmp_path / "out2")]) == 2
     err = capsys.readouterr().err
     assert "not found" in err and len(err.strip().splitlines()) == 1
+
+
+def test_convert_cli_notes_a_missing_tokenizer_and_a_failed_write(tmp_path, capsys, monkeypatch):
+    """Without tokenizer.json the converted checkpoint serves token ids only: it says so
+    (generate.py refused it later). A write that fails (a full disk) is status 1, not
+    bad input's 2."""
+    cli = load_cli()
+    c = make_config(**VARIANTS["llama_tied"])
+    hf = write_hf(tmp_path / "hf", c, hf_tensors(c), num_shards=1)
+    assert cli.main([str(hf), str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert "note:" in err and "no tokenizer.json" in err and "token-id prompts" in err, err
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(weights, "save_params", full_disk)
+    assert cli.main([str(hf), str(tmp_path / "out2")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("convert_checkpoint: error:") and "No space left" in err, err
