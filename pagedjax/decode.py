@@ -142,9 +142,17 @@ def check_cache(
     shape, kv_heads = k[0].shape, sharding.cache_kv_heads(cfg, tp)
     if len(shape) != 4 or shape[0] != kv_heads or shape[3] != cfg.head_dim:
         over = f" over {tp} devices" if tp > 1 else ""
+        # K < tp replicates kv heads to one row per device: a cache made for another tp
+        other = len(shape) == 4 and shape[3] == cfg.head_dim and shape[0] > cfg.num_kv_heads
+        hint = (
+            f" (a cache made for tensor_parallel={shape[0]}, whose {cfg.num_kv_heads} kv "
+            "heads are replicated to one per device; make it for this model's mesh)"
+            if other
+            else ""
+        )
         raise ValueError(
             f"cache pools must be [K, P, S, D] with K={kv_heads} kv heads and "
-            f"D={cfg.head_dim} for this model{over}, got {shape}"
+            f"D={cfg.head_dim} for this model{over}, got {shape}{hint}"
         )
     if v[0].shape != shape or v[0].dtype != k[0].dtype:
         raise ValueError(
@@ -175,9 +183,11 @@ def check_cache(
                 "sharding.create_cache) or neither"
             )
     elif not leaf.sharding.is_equivalent_to(sharding.cache_sharding(params.mesh), leaf.ndim):
+        n = len(devices)
+        other = f" (it is on {n} device{'s' * (n > 1)}, the model on {tp})" if n != tp else ""
         raise ValueError(
             f"the cache is placed as {leaf.sharding}, not split over kv heads on the model's "
-            f"mesh {dict(params.mesh.shape)}; create it with "
+            f"mesh {dict(params.mesh.shape)}{other}; create it with "
             "sharding.create_cache(cfg, cache_cfg, params.mesh)"
         )
 

@@ -263,6 +263,12 @@ def test_steps_refuse_a_cache_placed_off_the_models_mesh():
     inp = decode.build_step_input([decode.SeqChunk([1, 2, 3], 0, [1])], cfg, CACHE)
     with pytest.raises(ValueError, match=r"not split over kv heads on the model's mesh"):
         decode.prefill_step(tp2, sharding.create_cache(cfg, CACHE), inp)
+    with pytest.raises(ValueError, match=r"it is on 1 device, the model on 2"):
+        decode.prefill_step(tp2, sharding.create_cache(cfg, CACHE), inp)
+    tp4 = sharding.create_cache(cfg, CACHE, sharding.make_mesh(4, cfg))  # 2 kv heads, 4 rows
+    for params in (one, tp2):  # it said only "K=2 kv heads ..., got (4, ...)"
+        with pytest.raises(ValueError, match=r"got \(4, .*made for tensor_parallel=4"):
+            decode.prefill_step(params, tp4, inp)
     split = sharding.create_cache(cfg, CACHE, tp2.mesh)
     with pytest.raises(ValueError, match=r"spread over 2 devices but the model has no mesh"):
         decode.prefill_step(one, split, inp)
