@@ -29,13 +29,17 @@ Contract:
 - Every mutating call is all-or-nothing: on any exception the state (stats included)
   is exactly as before. Running out of pages raises ``OutOfPages``; preempt and retry.
 - ``admit`` allocates pages for the whole prompt and returns how many leading tokens are
-  already cached: a multiple of ``page_size`` and always < ``len(token_ids)``. Their K/V is
-  on the device; prefill only the rest, then report progress with ``mark_computed``.
+  already cached: a multiple of ``page_size`` and < ``len(token_ids)``, so that prefill
+  computes the last token. Their K/V is on the device; prefill only the rest, then report
+  progress with ``mark_computed``. With ``compute_last=False`` the caller computes what
+  follows the prompt elsewhere (its next token fed as a decode row, e.g. by forked
+  samples): every full page may be a hit, and a prompt cached whole comes computed
+  (``len(token_ids)`` returned; ready to ``fork`` and append at once).
 - ``admit(..., peak_pages=R)`` allocates only the cached pages (those in the ``window``)
   and the next token's page, and reserves R pages: ``grow`` then allocates out of them as
   prefill reaches further tokens, holding at most R pages at once, until the prompt is
-  computed. ``num_reserved_pages`` of the free pages are promised this way; no other
-  allocation takes them.
+  computed (a prompt that comes computed reserves nothing). ``num_reserved_pages`` of the
+  free pages are promised this way; no other allocation takes them.
 - ``append_token(s)`` feeds the token at position ``num_tokens`` (the token sampled last
   step) and counts it as computed at once: the step that writes it runs before anything
   can attend to it. Appending needs a fully computed sequence. The token's value may
@@ -260,6 +264,7 @@ class BlockManager(SeqTables):
         read_cache: bool = True,
         peak_pages: int | None = None,
         window: int | None = None,
+        compute_last: bool = True,
     ) -> int:
         """Allocates pages for the prompt, reusing cached full prefix pages.
 
@@ -274,11 +279,18 @@ class BlockManager(SeqTables):
                 ``grow`` allocates; until its prompt is computed the sequence holds at most
                 R pages at once (``release_before`` makes room).
             window: sliding window W: cached pages below the first token's window (all
-                their positions < ``cached - W + 1``) are not taken; they read as released.
+                their positions < ``cached - W + 1``) are not taken; they read as released
+                (a prompt cached whole keeps its last page, as ``release_before`` would).
+            compute_last: True: prefill computes at least the last prompt token (whose
+                logits sample the next one), so the page holding it is never a hit. False:
+                the caller computes the token after the prompt elsewhere (a decode row
+                feeds it), so every full page may be a hit; a prompt cached whole comes
+                computed, holding its cached pages only and reserving nothing.
 
         Returns:
             Leading prompt tokens whose K/V is already cached (a multiple of
-            ``page_size``, < T). Prefill starts there.
+            ``page_size``; < T, or <= T with ``compute_last=False``). Prefill starts
+            there; T: nothing to prefill.
 
         Raises:
             OutOfPages: not enough unreserved pages; nothing changed.
@@ -289,6 +301,8 @@ class BlockManager(SeqTables):
             raise SequenceExists(f"sequence {seq_id!r} is already live")
         if not isinstance(read_cache, (bool, np.bool_)):
             raise InvalidArgument(f"read_cache must be a bool, got {read_cache=}")
+        if not isinstance(compute_last, (bool, np.bool_)):
+            raise InvalidArgument(f"compute_last must be a bool, got {compute_last=}")
         if peak_pages is not None:
             peak_pages = _positive_int(peak_pages, "peak_pages", "None or ")
         if window is not None:
@@ -297,24 +311,27 @@ class BlockManager(SeqTables):
         n = toks.shape[0]
         self._check_prompt_len(n)
         buf, ps, rc = toks.tobytes(), self.page_size, self._pool.refcount
-        # At least one token is left to compute, so the last page is never a hit.
-        max_hits = (n - 1) // ps if read_cache else 0
+        # Unless the caller computes what follows, at least the last token is left to
+        # compute here, so the page holding it is never a hit.
+        max_hits = (n - bool(compute_last)) // ps if read_cache else 0
         hits, chain = self._prefix.lookup(buf, salt_bytes(cache_salt), max_hits)
         cached = len(hits) * ps
-        r = max(cached - window + 1, 0) // ps if window else 0
+        done = cached == n  # cached whole (compute_last=False): nothing to prefill
+        # Keep the last page, as release_before does, even where no query reads it (W = 1).
+        r = min(max(cached - window + 1, 0) // ps, len(hits) - done) if window else 0
         kept = hits[r:]
         reserved, only = self._reservation()
-        if peak_pages is None:
+        if peak_pages is None or done:
             num_new = -(-n // ps) - len(hits)
             # A hit on a page only reserving sequences hold takes it out of their reservations.
             need = num_new + sum(p in only for p in kept)
             available = self.num_free_pages - sum(rc[p] == 0 for p in kept) - reserved
         else:
             num_new, need, available = 1, peak_pages, self.num_free_pages - reserved
-            if len(kept) + 1 > peak_pages:
-                raise InvalidArgument(
-                    f"admitting {seq_id!r} holds {len(kept) + 1} pages, more than {peak_pages=}"
-                )
+        if peak_pages is not None and len(kept) + num_new > peak_pages:
+            raise InvalidArgument(
+                f"admitting {seq_id!r} holds {len(kept) + num_new} pages, more than {peak_pages=}"
+            )
         if need > available:
             what = f"admitting {n} tokens of {seq_id!r}"
             raise OutOfPages(need, available, what, reserved=reserved)
@@ -323,7 +340,7 @@ class BlockManager(SeqTables):
         capacity = self._max_pages_per_seq or max(4, 2 * len(pages))
         seq = SeqPages.admitted(pages, r, capacity, buf, n, cached, chain)
         self._seqs[seq_id] = seq
-        if peak_pages is not None:
+        if peak_pages is not None and not done:
             seq.peak = peak_pages
             self._reserving[seq_id] = seq
         self._freed.pop(seq_id, None)

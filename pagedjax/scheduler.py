@@ -39,6 +39,11 @@ last prompt token itself, copy-on-write splitting the last partial page); or a b
 search (`atomic`), whose beams always step together. `add` refuses a group that could
 not run even alone in the cache, so preemption always makes progress.
 
+A sequence admitted without its last token (the `n` samples' parent, a readmitted
+beam: `_admit_len`) may find every page of what it prefills in the prefix cache, since
+a decode row computes the token after them (`BlockManager.admit(..., compute_last=False)`).
+Then it has nothing to prefill: the samples fork at once, and decode from the next step.
+
 Asynchronous commit: `commit(plan, in_flight=True)` runs before the previous step's
 tokens reach the host. A decode row whose sequence's next token is still in flight
 (sampled by that step) is bound anyway: its slot is reserved with the value unknown
@@ -384,15 +389,21 @@ class Scheduler:
                     read_cache=g.read_prefix_cache,
                     peak_pages=None if self.window_pages is None else self._peak_pages(n),
                     window=self.sliding_window,
+                    # A decode row feeds the rest (_admit_len): the admitted tokens may all
+                    # be cached.
+                    compute_last=n == len(s.token_ids),
                 )
                 s.status = SeqStatus.RUNNING
                 s.num_admitted, s.num_computed, s.num_cached_tokens = n, cached, cached
             if g.num_cached_tokens is None:
                 g.num_cached_tokens = max(s.num_cached_tokens for s in g.seqs)
+            if g.forks and g.seqs[0].num_computed == g.seqs[0].num_admitted:
+                self._fork_samples(g)  # prompt[:-1] was cached whole: no prefill row
             for s in list(g.seqs):
                 if budget == 0:
                     break
-                budget -= self._prefill_chunk(plan, g, s, budget)
+                if s.num_computed < s.num_admitted:
+                    budget -= self._prefill_chunk(plan, g, s, budget)
         return plan
 
     def _release_out_of_window(self) -> None:
@@ -442,13 +453,19 @@ class Scheduler:
                 row.samples = True
                 s.pending += 1
             elif g.forks and s is g.seqs[0]:
-                for child in g.forks:
-                    child.token_ids = list(s.token_ids)
-                    self.fork(g, s, child)
-                g.forks = []
+                self._fork_samples(g)
         plan.rows.append(row)
         plan.num_prefill_tokens += end - start
         return end - start
+
+    def _fork_samples(self, g: SequenceGroup) -> None:
+        """Forks the samples off the parent, whose `prompt[:-1]` is computed (or being
+        computed by this step); each then feeds the last prompt token as a decode row."""
+        parent = g.seqs[0]
+        for child in g.forks:
+            child.token_ids = list(parent.token_ids)
+            self.fork(g, parent, child)
+        g.forks = []
 
     def _preempt(self, g: SequenceGroup) -> None:
         self.running.remove(g)

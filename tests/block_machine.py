@@ -140,20 +140,26 @@ class BlockMachine(RuleBasedStateMachine):
             best = max(best, n)
         return best * self.ps
 
-    def admit(self, salt, tokens):
+    def admit(self, salt, tokens, compute_last=True):
+        """Admits a prompt; `compute_last=False`: a decode row would compute what follows
+        (n samples, readmitted beams), so every full page may be a hit."""
         sid = self.next_id
         if len(tokens) > 24:
             return self.expect_error(InvalidArgument, lambda: self.bm.admit(sid, tokens))
         fits = self.bm.can_admit(len(tokens))
-        want = self.lower_bound_hits(salt, tokens) if self.check_hits else 0
+        looked_up = tokens if compute_last else [*tokens, 0]  # (a token after the last page)
+        want = self.lower_bound_hits(salt, looked_up) if self.check_hits else 0
         before = snapshot(self.bm)
         try:
-            cached = self.bm.admit(sid, tokens, cache_salt=salt)
+            cached = self.bm.admit(sid, tokens, cache_salt=salt, compute_last=compute_last)
         except OutOfPages:
             assert not fits and snapshot(self.bm) == before
             return
         self.next_id += 1
-        assert cached % self.ps == 0 and want <= cached < len(tokens)
+        most = len(tokens) - 1 if compute_last else len(tokens)
+        assert cached % self.ps == 0 and want <= cached <= most
+        if cached == len(tokens):  # cached whole: computed, ready to fork and append
+            assert self.bm.num_computed_tokens(sid) == cached
         assert self.bm.enable_prefix_caching or cached == 0
         ids = self.prefix_ids(salt, tokens)
         self.live[sid] = (salt, list(tokens), ids)
@@ -167,15 +173,24 @@ class BlockMachine(RuleBasedStateMachine):
         tokens=st.lists(st.integers(0, 2), max_size=8)
         | st.lists(st.integers(0, 2), min_size=12, max_size=16),
         salt=st.sampled_from([None, None, None, "a", b"a"]),
+        last=st.sampled_from([True, True, False]),
     )
-    def admit_prompt(self, stem, cut, tokens, salt):
-        self.admit(salt, stem[:cut] + tokens or [0])
+    def admit_prompt(self, stem, cut, tokens, salt, last):
+        self.admit(salt, stem[:cut] + tokens or [0], last)
 
     @precondition(lambda self: self.history)
     @rule(i=st.integers(0, 99), extra=st.lists(st.integers(0, 2), max_size=3))
     def readmit(self, i, extra):
         salt, tokens = self.pick(self.history, i)
         self.admit(salt, tokens + extra)
+
+    @precondition(lambda self: self.history)
+    @rule(i=st.integers(0, 99))
+    def readmit_whole_pages(self, i):
+        """A freed sequence's full pages again, what follows them computed elsewhere (the
+        n samples' parent, a readmitted beam): those still cached are all hits."""
+        salt, tokens = self.pick(self.history, i)
+        self.admit(salt, tokens[: len(tokens) // self.ps * self.ps] or tokens, False)
 
     def release(self, s):
         self.bm.free(s)

@@ -227,6 +227,53 @@ def test_a_full_hit_still_leaves_one_token_to_compute():
     assert bm.admit("d", toks[:8]) == 4
 
 
+def test_a_caller_computing_what_follows_takes_every_cached_page():
+    """compute_last=False (the token after the prompt is fed as a decode row elsewhere):
+    every full page may be a hit; a prompt cached whole comes computed, holding only its
+    cached pages, and can fork and append at once."""
+    bm = BlockManager(8, 4)
+    toks = prompt(12)
+    computed(bm, "a", toks)
+    table_a = bm.page_table("a")
+    bm.free("a")  # 3 cached pages, evictable
+    assert bm.admit("b", toks[:8], compute_last=False) == 8
+    assert bm.page_table("b") == table_a[:2] and bm.num_computed_tokens("b") == 8
+    assert bm.admit("c", toks[:9], compute_last=False) == 8  # as with compute_last=True
+    assert bm.admit("d", toks[:4] + prompt(4), compute_last=False) == 4
+    assert bm.admit("e", toks[:8], read_cache=False, compute_last=False) == 0
+    s = bm.stats()
+    assert (s.prefix_queries, s.prefix_hits, bm.num_free_pages) == (12 + 8 + 9 + 8 + 8, 20, 2)
+    bm.fork("b", "b2")
+    slots, copies = bm.append_tokens(["b", "b2"], toks[8:10])  # a new page each, no copy
+    assert copies == [] and len(set(slots.tolist())) == 2 and bm.num_free_pages == 0
+    bm.check_invariants()
+
+
+@pytest.mark.parametrize("window, held", [(1, 1), (5, 1), (6, 2), (9, 2), (10, 3), (None, 3)])
+def test_a_prompt_cached_whole_reserves_nothing_and_keeps_its_window(window, held):
+    """With peak_pages and a window: no page for a next token and no reservation (the
+    prompt is computed); the pages below the next token's window are not taken, but the
+    last one is (W = 1 reads none; release_before keeps it too)."""
+    bm = BlockManager(8, 4)
+    toks = prompt(12)
+    computed(bm, "a", toks)
+    pages = bm.page_table("a")
+    bm.free("a")
+    free, before = bm.num_free_pages, snapshot(bm)
+    kw = dict(window=window, compute_last=False)
+    if held > 1:
+        with pytest.raises(InvalidArgument, match=f"{held} pages, more than peak_pages={held - 1}"):
+            bm.admit("b", toks, peak_pages=held - 1, **kw)
+        assert snapshot(bm) == before
+    assert bm.admit("b", toks, peak_pages=held, **kw) == 12
+    assert bm.page_table("b") == [-1] * (3 - held) + pages[3 - held :]
+    assert bm.num_reserved_pages == 0 and bm.num_free_pages == free - held
+    bm.check_invariants()
+    assert bm.release_before("b", 12) == held - 1
+    bm.append_token("b", 5)
+    bm.check_invariants()
+
+
 def test_salt_isolation():
     bm = BlockManager(64, 4)
     toks = prompt(13)
@@ -558,6 +605,7 @@ BAD_CALLS = [
     (lambda bm: bm.uncache(3), TypeError, "pages.*iterable.*3"),
     (lambda bm: bm.uncache([0, 1, 8]), InvalidArgument, r"pages \[8\] are outside \[0, 8\)"),
     (lambda bm: bm.admit("x", [1], read_cache="no"), InvalidArgument, "read_cache='no'"),
+    (lambda bm: bm.admit("x", [1], compute_last=0), InvalidArgument, "compute_last=0"),
     # one id where a batch of ids is expected used to be read as its characters
     (lambda bm: bm.page_tables("run"), InvalidArgument, "seq_ids.*'run'"),
     (lambda bm: bm.append_tokens("run", [1, 2, 3]), InvalidArgument, "seq_ids.*'run'"),

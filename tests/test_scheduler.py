@@ -323,6 +323,58 @@ def test_n_samples_fork_after_the_prompt(in_flight):
     assert len(sim.done["n"].finished) == 3
 
 
+@pytest.mark.parametrize("window", [None, 1, 6])
+@pytest.mark.parametrize("in_flight", [False, True], ids=["sync", "async"])
+def test_n_samples_take_every_cached_page_of_the_prompt_but_its_last_token(in_flight, window):
+    """The samples' parent prefills prompt[:-1] and each sample feeds the last prompt
+    token: a decode row computes it, so when prompt[:-1] is whole pages the prefix cache
+    holds (here being written by the step in flight), the parent takes every one of them
+    (it took one fewer and recomputed it), forks at admission with no prefill row, and the
+    samples decode from the next step; under a sliding window too (W = 1 keeps a page)."""
+    from test_window_admission import WindowSim  # (it imports this module)
+
+    kw = dict(budget=32, in_flight=in_flight)
+    sim = Sim(**kw) if window is None else WindowSim(window, **kw)
+    prompt = list(range(3, 12))  # 9 tokens: prompt[:-1] fills 2 pages
+    warm = sim.add("warm", [*prompt[:-1], 50, 51], 3)
+    sim.step()  # prefills warm's prompt: its 2 full pages are cached
+    g = sim.add("n", prompt, 4, n=3)
+    plan = sim.step()
+    assert g.num_cached_tokens == 8 and not g.forks and len(g.seqs) == 3
+    assert [(r.group is warm, r.decode) for r in plan.rows] == [(True, True)]
+    assert all(s.num_admitted == s.num_computed == 8 for s in g.seqs)
+    assert sim.bm.num_reserved_pages == 0
+    plan = sim.step()
+    assert [(r.decode, r.start) for r in plan.rows if r.group is g] == [(True, 8)] * 3
+    sim.run()
+    assert [s.token_ids for s in sim.done["n"].finished] == [reference(prompt, 4)] * 3
+    assert sim.done["warm"].finished[0].token_ids == reference([*prompt[:-1], 50, 51], 3)
+    assert sim.bm.stats().num_used_pages == 0 and sim.sched.num_preemptions == 0
+
+
+def test_readmitted_beams_take_every_cached_page_but_their_last_token():
+    """Readmitted beams (holding generated tokens) prefill all but their last token and
+    feed it together: whole pages of it in the prefix cache are all taken, and beams with
+    nothing left to prefill go straight to their decode step."""
+    sim = Sim(budget=32)
+    prompt = [3, 4, 5]
+    gens = ([7, 8, 9, 10, 11, 12], [7, 8, 9, 10, 11, 13], [7, 8, 9, 10, 14, 15])
+    for i, gen in enumerate(gens):  # the beams' first 8 tokens, computed and cached
+        sim.add(f"warm{i}", prompt + gen[:5] + [60], 1)
+    sim.run()
+    seqs = [Sequence(next(sim.ids), prompt + g, 3, 12, i) for i, g in enumerate(gens)]
+    beams = SequenceGroup("beams", seqs, 3, atomic=True)
+    sim.sched.add(beams)
+    plan = sim.step()
+    assert [s.num_cached_tokens for s in seqs] == [8] * 3 and beams.num_cached_tokens == 8
+    assert plan.rows == []
+    plan = sim.step()
+    assert [(r.decode, r.start) for r in plan.rows] == [(True, 8)] * 3
+    sim.run()
+    for s, g in zip(sim.done["beams"].finished, gens, strict=True):
+        assert s.token_ids == reference(prompt + g, 3)
+
+
 @pytest.mark.parametrize("in_flight", [False, True], ids=["sync", "async"])
 def test_abort_anywhere_frees_everything(in_flight):
     rng = np.random.default_rng(0)
