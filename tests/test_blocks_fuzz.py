@@ -87,9 +87,11 @@ class ChaosMachine(RuleBasedStateMachine):
         read=st.booleans(),
         peak=st.none() | st.integers(0, 6),
         window=st.none() | st.integers(0, 9),
+        last=st.sampled_from([True, True, False, 0]),
     )
-    def admit(self, sid, tokens, salt, read, peak, window):
+    def admit(self, sid, tokens, salt, read, peak, window, last):
         kw = dict(cache_salt=salt, read_cache=read, peak_pages=peak, window=window)
+        kw["compute_last"] = last
         self.call(lambda: self.bm.admit(self.new(sid), tokens, **kw))
 
     @precondition(lambda self: self.bm._seqs)
