@@ -277,9 +277,18 @@ class LLM:
 
     # ----------------------------------------------------------------- requests
 
-    def encode(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        """(text or None, token ids) of a prompt, validated (ValueError / TypeError)."""
-        return encode_prompt(prompt, self.tokenizer, self.config.vocab_size, self.max_model_len)
+    def encode(
+        self, prompt: str | Sequence[int], *, truncate_prompt_tokens: int | None = None
+    ) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt, validated (ValueError / TypeError);
+        `truncate_prompt_tokens` as `SamplingParams`' (`request.encode_prompt`)."""
+        return encode_prompt(
+            prompt,
+            self.tokenizer,
+            self.config.vocab_size,
+            self.max_model_len,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
 
     def default_sampling_params(self) -> SamplingParams:
         """The `SamplingParams` of a request given none: `sampling_defaults` (the
@@ -298,27 +307,40 @@ class LLM:
         `request_id` is in use (queued, running, or a running `generate` call's), TypeError
         if `params` is not a `SamplingParams`. `params` None: `default_sampling_params()`.
 
-        A completion ends ("length") after `params.max_tokens` tokens or when prompt and
-        completion reach `max_model_len` tokens, whichever comes first.
+        A completion ends ("length") after `params.max_tokens` tokens (None: no such
+        limit) or when prompt and completion reach `max_model_len` tokens, whichever
+        comes first.
         """
-        return self._add(*self.encode(prompt), params, request_id)
+        params = self._params(params)
+        k = params.truncate_prompt_tokens
+        return self._add(*self.encode(prompt, truncate_prompt_tokens=k), params, request_id)
+
+    def stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The tokens that end a completion of `params`: its stop_token_ids, and the
+        model's EOS tokens (`eos_ids`) unless ignore_eos."""
+        return frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.eos_ids
+        )
+
+    def _params(self, params: SamplingParams | None) -> SamplingParams:
+        """`params`, or `default_sampling_params()` for None; TypeError for anything else."""
+        params = self.default_sampling_params() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {params!r:.80}")
+        return params
 
     def _add(
         self,
         text: str | None,
         ids: list[int],
-        params: SamplingParams | None,
+        params: SamplingParams,
         request_id: str | None,
     ) -> str:
-        """`add_request` for a prompt `encode` checked: (text or None, token ids)."""
-        params = self.default_sampling_params() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be a SamplingParams, got {params!r:.80}")
+        """`add_request` for a prompt `encode` checked (text or None, token ids) and its
+        params `_params` resolved."""
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
-        stop_ids = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else self.eos_ids
-        )
+        stop_ids = self.stop_ids(params)
         self.scheduler.check_seats(  # before building n sequences (n=10**9)
             max(params.n, params.beam_width),
             request_id,
@@ -334,7 +356,9 @@ class LLM:
             if rid in self._collect:  # its output would replace that call's (both lost)
                 raise ValueError(f"request id {rid!r} belongs to a running generate() call")
         p = len(ids)
-        max_len = min(p + params.max_tokens, self.max_model_len)
+        max_len = self.max_model_len
+        if params.max_tokens is not None:
+            max_len = min(p + params.max_tokens, max_len)
         beam = None
         if params.beam_width > 1:  # (it may refuse the length penalty: before the rng draw)
             w = params.beam_width
@@ -347,7 +371,8 @@ class LLM:
                 next(self._seq_ids), list(ids), p, max_len, i, (base + i * _SEED_STRIDE) % 2**32
             )
             if params.stop:
-                s.detok = self.tokenizer.stream(context=ids)
+                skip = params.skip_special_tokens  # the stop strings match the text's
+                s.detok = self.tokenizer.stream(skip_special_tokens=skip, context=ids)
             if params.logprobs is not None:
                 s.logprobs = []
             return s
@@ -450,7 +475,9 @@ class LLM:
         encoded = []
         for i, p in enumerate(prompts):  # validate all before queueing any
             try:
-                encoded.append(self.encode(p))
+                params[i] = self._params(params[i])
+                k = params[i].truncate_prompt_tokens
+                encoded.append(self.encode(p, truncate_prompt_tokens=k))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
         ids = []
@@ -778,7 +805,9 @@ class LLM:
         if out.request_id in self._collect:
             self._outputs[out.request_id] = out
 
-    def _text(self, ids: list[int], prompt_ids: list[int]) -> str:
+    def _text(self, ids: list[int], prompt_ids: list[int], skip_special_tokens: bool) -> str:
         """The text of generated `ids`, read after their prompt ("" without a tokenizer)."""
         tok = self.tokenizer
-        return tok.decode(ids, context=prompt_ids) if tok is not None else ""
+        if tok is None:
+            return ""
+        return tok.decode(ids, skip_special_tokens=skip_special_tokens, context=prompt_ids)

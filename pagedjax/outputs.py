@@ -58,8 +58,8 @@ class OutputProcessor:
     Args:
       scheduler: the engine's; finished, forked and dropped sequences go through it.
       metrics: counts generated tokens and finished requests.
-      detokenize: (generated ids, prompt ids) -> the text the ids add after the prompt
-        ("" without a tokenizer).
+      detokenize: (generated ids, prompt ids, skip_special_tokens) -> the text the ids
+        add after the prompt ("" without a tokenizer).
       seq_ids: the engine's sequence id counter (beam forks draw from it).
     """
 
@@ -67,7 +67,7 @@ class OutputProcessor:
         self,
         scheduler: Scheduler,
         metrics: EngineMetrics,
-        detokenize: Callable[[list[int], list[int]], str],
+        detokenize: Callable[[list[int], list[int], bool], str],
         seq_ids: itertools.count,
     ):
         self.scheduler = scheduler
@@ -261,7 +261,7 @@ class OutputProcessor:
                 comps.append(
                     CompletionOutput(
                         i,
-                        self.detokenize(h.token_ids, req.prompt_ids),
+                        self._text(req, h.token_ids, stop),
                         h.token_ids,
                         h.cumulative_logprob,
                         h.finish_reason,
@@ -276,11 +276,13 @@ class OutputProcessor:
                 seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: req.params.n]
             for rank, s in enumerate(seqs):
                 gen = s.token_ids[p:]
-                text = self.detokenize(gen, req.prompt_ids)
+                text = self._text(req, gen, s.stop_reason)
                 if isinstance(s.stop_reason, str):  # cut where it stopped (not earlier:
                     # min_tokens may have let an earlier occurrence through)
                     i = text.find(s.stop_reason, s.stop_pos)
                     i = i if i >= 0 else text.rfind(s.stop_reason)
+                    if i >= 0 and req.params.include_stop_str_in_output:
+                        i += len(s.stop_reason)
                     text = text[:i] if i >= 0 else text
                 comps.append(
                     CompletionOutput(
@@ -306,6 +308,15 @@ class OutputProcessor:
             now - req.arrival,
             None if req.prompt_logprobs is None else list(req.prompt_logprobs),
         )
+
+    def _text(self, req: Request, gen: list[int], stop: int | str | None) -> str:
+        """The text of a completion's tokens `gen` that ended on `stop` (its stop_reason),
+        less the stop token's text (EOS's, a stop_token_ids one's) unless
+        include_stop_str_in_output, as vLLM's."""
+        sp = req.params
+        if isinstance(stop, int) and not sp.include_stop_str_in_output:
+            gen = gen[:-1]
+        return self.detokenize(gen, req.prompt_ids, sp.skip_special_tokens)
 
 
 def logprobs_entry(tok: int, lp: float, k: int, top_ids, top_lps, row: int) -> dict:

@@ -19,6 +19,7 @@ __all__ = [
     "CompletionOutput",
     "RequestOutput",
     "SamplingParams",
+    "check_truncation",
     "encode_prompt",
 ]
 
@@ -37,13 +38,15 @@ class SamplingParams:
       min_p: in [0, 1]: drop tokens less likely than min_p times the most likely one,
         after the temperature and before top-k and top-p (0: off).
         top_k, top_p and min_p are not supported with beam search (ValueError).
-      max_tokens: most tokens to generate per completion.
+      max_tokens: most tokens to generate per completion; None: until the prompt and the
+        completion reach the engine's max_model_len (as vLLM's None).
       seed: sampling seed; None draws one from the engine's seed.
       stop_token_ids: extra tokens that end a completion (kept in its token ids).
-      stop: strings that end a completion (cut from its text where the string starts;
-        needs a tokenizer). Of several that one token completes, the one that ends
-        first in the text wins, then the one that starts first: what a check after
-        every character would stop on, whatever the tokens and the list's order.
+      stop: strings that end a completion (cut from its text where the string starts,
+        or where it ends with include_stop_str_in_output; needs a tokenizer). Of several
+        that one token completes, the one that ends first in the text wins, then the one
+        that starts first: what a check after every character would stop on, whatever
+        the tokens and the list's order.
       ignore_eos: do not stop on the model's EOS tokens (a bool).
       beam_width: > 1 runs beam search with this many beams.
       length_penalty: beam score = logprob_sum / length ** length_penalty; only with
@@ -70,13 +73,24 @@ class SamplingParams:
         search.
       logit_bias: token id -> value in [-100, 100] added to its logit before sampling
         (greedy included; -100 all but bans a token), or None. Not with beam search.
+      include_stop_str_in_output: keep the stop string that ended a completion in its
+        text (the text after it, in the same token, is still cut), and the text of the
+        stop token that ended it (EOS's shows with skip_special_tokens=False only); a
+        bool, as vLLM's.
+      skip_special_tokens: leave special tokens (BOS, EOS, ...) out of the text (a bool;
+        False shows them, and stop strings are matched against that text).
+      truncate_prompt_tokens: None, or an int k >= 1: the prompt keeps only its last k
+        tokens, before the length checks and the prefix cache (as vLLM's; a text
+        prompt's BOS, which the tokenizer adds, stays first: BOS and the last k - 1, as
+        HF's left truncation keeps the special tokens it adds). `RequestOutput`'s
+        prompt_token_ids are the kept ones. k > max_model_len is refused (ValueError).
     """
 
     n: int = 1
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
@@ -92,6 +106,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_tokens: int = 0
     logit_bias: Mapping[int, float] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
     @property
     def penalised(self) -> bool:
@@ -112,8 +129,12 @@ class SamplingParams:
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {name}={v!r}")
 
-        for name in ("n", "max_tokens", "beam_width"):
+        for name in ("n", "beam_width"):
             positive_int(name)
+        for name in ("max_tokens", "truncate_prompt_tokens"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be None or an int >= 1, got {name}={v!r}")
         t = self.temperature
         if not is_finite_number(t) or t < 0:
             raise ValueError(f"temperature must be finite and >= 0, got temperature={t!r}")
@@ -130,9 +151,11 @@ class SamplingParams:
         is_int = isinstance(s, (int, np.integer)) and not isinstance(s, bool)
         if s is not None and (not is_int or not 0 <= s < 2**32):
             raise ValueError(f"seed must be None or an int in [0, 2**32), got seed={s!r}")
-        if not isinstance(self.ignore_eos, (bool, np.bool_)):
-            raise ValueError(f"ignore_eos must be a bool, got ignore_eos={self.ignore_eos!r}")
-        object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, (bool, np.bool_)):  # "no" would be truthy
+                raise ValueError(f"{name} must be a bool, got {name}={v!r}")
+            object.__setattr__(self, name, bool(v))
         stop = self.stop
         stop = (
             (stop,) if isinstance(stop, str) else _as_tuple(stop, "stop", "a str or a list of strs")
@@ -170,7 +193,7 @@ class SamplingParams:
         m = self.min_tokens
         if not isinstance(m, (int, np.integer)) or isinstance(m, bool) or m < 0:
             raise ValueError(f"min_tokens must be an int >= 0, got min_tokens={m!r}")
-        if m > self.max_tokens:
+        if self.max_tokens is not None and m > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={m}, "
                 f"max_tokens={self.max_tokens}"
@@ -204,11 +227,14 @@ class SamplingParams:
 class CompletionOutput:
     """One completion of a request.
 
-    `text` decodes `token_ids` with special tokens (EOS, ...) skipped, cut where a stop
-    string starts (the stop string and anything after it left out); a stop token that is
-    not special keeps its text, as in vLLM. `token_ids` hold every generated token, the
-    stop token and the tokens that completed a stop string included. `stop_reason` is
-    the stop string, or the stop token's id, EOS included (vLLM gives None for EOS);
+    `text` decodes `token_ids` with special tokens (EOS, ...) skipped (shown with
+    `SamplingParams.skip_special_tokens=False`), cut where a stop string starts (the
+    stop string and anything after it left out), or with include_stop_str_in_output
+    where it ends (only what follows it left out). The stop token that ends a
+    completion (EOS, one of stop_token_ids) has its text left out unless
+    include_stop_str_in_output, as in vLLM. `token_ids` hold every generated token,
+    the stop token and the tokens that completed a stop string included. `stop_reason`
+    is the stop string, or the stop token's id, EOS included (vLLM gives None for EOS);
     None when the completion did not stop on one ("length", "abort").
     """
 
@@ -229,7 +255,8 @@ class RequestOutput:
     """A finished (or aborted) request; the engine gives no partial outputs of running
     ones (`on_token` streams their tokens).
 
-    `prompt` is None for a prompt given as token ids (`LLM.chat`: the rendered text).
+    `prompt` is None for a prompt given as token ids (`LLM.chat`: the rendered text);
+    `prompt_token_ids` are those the request ran on (truncate_prompt_tokens kept the last).
     `finished` is False for the partial output of an aborted request (`LLM.abort`),
     whose completions still running then have finish_reason "abort". Times are seconds
     from the request's arrival (its `add_request`, or the `generate` call).
@@ -260,6 +287,7 @@ _INT_FIELDS = (
     "min_tokens",
     "logprobs",
     "prompt_logprobs",
+    "truncate_prompt_tokens",
 )
 
 
@@ -297,16 +325,26 @@ def _check_logit_bias(bias) -> dict[int, float]:
 
 
 def encode_prompt(
-    prompt: str | Sequence[int], tokenizer, vocab_size: int, max_model_len: int
+    prompt: str | Sequence[int],
+    tokenizer,
+    vocab_size: int,
+    max_model_len: int,
+    *,
+    truncate_prompt_tokens: int | None = None,
 ) -> tuple[str | None, list[int]]:
     """(text or None, token ids) of a prompt given as text or ids, validated.
 
+    `truncate_prompt_tokens` (`SamplingParams`'): keep only the last k ids (a text's
+    BOS, added by the tokenizer, stays first), before the checks below.
+
     Raises:
       ValueError: empty prompt, text without a tokenizer, ids outside the vocabulary,
-        or no room left to generate under `max_model_len`.
+        no room left to generate under `max_model_len`, or a bad
+        `truncate_prompt_tokens` (`check_truncation`).
       TypeError: a prompt neither text nor a sequence of ids (a dict or a set
         included), or ids that are not ints.
     """
+    check_truncation(truncate_prompt_tokens, max_model_len)
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("this model has no tokenizer; pass prompts as token id lists")
@@ -333,6 +371,12 @@ def encode_prompt(
         ids = [int(i) for i in ids]
     if not ids:
         raise ValueError("prompt is empty (no tokens)")
+    k = truncate_prompt_tokens
+    if k is not None and len(ids) > k:
+        bos = getattr(tokenizer, "bos_token_id", None)
+        added = text is not None and getattr(tokenizer, "add_bos", False) and ids[0] == bos
+        head = ids[:1] if added else []
+        ids = head + ids[len(ids) - k + len(head) :]
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
         raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
@@ -342,3 +386,18 @@ def encode_prompt(
             "generate"
         )
     return text, ids
+
+
+def check_truncation(truncate_prompt_tokens: int | None, max_model_len: int) -> None:
+    """ValueError unless `truncate_prompt_tokens` is None or an int in [1, max_model_len]
+    (vLLM refuses more than max_model_len too)."""
+    k = truncate_prompt_tokens
+    if k is not None and (not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1):
+        raise ValueError(
+            f"truncate_prompt_tokens must be None or an int >= 1, got truncate_prompt_tokens={k!r}"
+        )
+    if k is not None and k > max_model_len:
+        raise ValueError(
+            f"truncate_prompt_tokens={k} is more than max_model_len={max_model_len}; "
+            "select a smaller truncation size"
+        )

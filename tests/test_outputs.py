@@ -3,6 +3,7 @@ brute-force oracle on real tokenizers, a step's results through `apply` (timing,
 prompt logprobs of chunked rows), and beam search through the processor against the
 whole-vocabulary oracle (the rest runs in test_engine.py)."""
 
+import dataclasses
 import itertools
 import os
 import random
@@ -70,10 +71,14 @@ def accept_all(tok, gen, params):
     """Feeds `gen` one token at a time as the engine does; (ids, text, finish, stop)."""
     prompt = PROMPT
     s = Seq(0, list(prompt), 2, 2 + params.max_tokens, status=SeqStatus.RUNNING)
-    s.detok = tok.stream(context=prompt) if params.stop else None
+    skip = params.skip_special_tokens
+    s.detok = tok.stream(skip_special_tokens=skip, context=prompt) if params.stop else None
     g = SequenceGroup("r", [s])
     req = Request("r", None, prompt, params, frozenset(params.stop_token_ids), g, None, 0.0)
-    detokenize = lambda ids, prompt_ids: tok.decode(ids, context=prompt_ids)  # noqa: E731
+
+    def detokenize(ids, prompt_ids, skip):
+        return tok.decode(ids, skip_special_tokens=skip, context=prompt_ids)
+
     proc = OutputProcessor(_Scheduler(), EngineMetrics(1), detokenize, itertools.count(1))
     for t in gen:
         proc._accept(req, s, t, -0.5, None)
@@ -89,12 +94,20 @@ def brute_force(tok, gen, params):
     stop string: an occurrence in the text if it stopped there (its decode, less an
     incomplete last character) that ends past what this text shares with the previous
     token's (earlier ones were let through by min_tokens). Of several, the one that ends
-    first wins, then the one that starts first; the text is cut where it starts."""
-    before, decode = "", lambda ids: tok.decode(ids, context=PROMPT)
+    first wins, then the one that starts first; the text is cut where it starts (where
+    it ends with include_stop_str_in_output). The text is the decode under
+    skip_special_tokens; the stop token's own text is left out unless
+    include_stop_str_in_output."""
+    skip, include = params.skip_special_tokens, params.include_stop_str_in_output
+    before = ""
+
+    def decode(ids):
+        return tok.decode(ids, skip_special_tokens=skip, context=PROMPT)
+
     for n in range(1, len(gen) + 1):
         ids, check = gen[:n], n >= params.min_tokens
         if check and gen[n - 1] in params.stop_token_ids:
-            return ids, decode(ids), "stop", gen[n - 1]
+            return ids, decode(ids if include else ids[:-1]), "stop", gen[n - 1]
         full = decode(ids)
         text = full.rstrip("\ufffd")  # an incomplete last character is not text yet
         same = len(os.path.commonprefix([before, text]))
@@ -106,7 +119,7 @@ def brute_force(tok, gen, params):
         ]
         if check and new:
             i, x = min(new, key=lambda h: (h[0] + len(h[1]), h[0]))
-            return ids, full[:i], "stop", x
+            return ids, full[: i + len(x) if include else i], "stop", x
         if n == params.max_tokens:
             return ids, full, "length", None
         before = text
@@ -148,6 +161,35 @@ def test_several_stop_strings_in_one_token_the_first_completed_wins():
                 assert got == (text, "stop", reason), (order, gen, got)
 
 
+def test_include_stop_str_in_output_cuts_after_the_stop_string():
+    """The text keeps the stop string but not what its last token adds after it; the
+    stop token that ends a completion shows only with include_stop_str_in_output (EOS's
+    with skip_special_tokens=False only), as in vLLM (a plain one's text was kept)."""
+    tok = Tokenizer(byte_level_bpe(False), bos_token_id=0, eos_token_ids=[1])
+    whole = tok.encode("hello", add_bos=False)
+    chars = [i for c in "hello" for i in tok.encode(c, add_bos=False)]
+    for gen in (whole, chars):
+        for stops, text in [(["el"], "hel"), (["llo", "ello"], "hello"), (["h"], "h")]:
+            params = SamplingParams(max_tokens=8, stop=stops, include_stop_str_in_output=True)
+            got = accept_all(tok, gen + [5, 6], params)
+            assert got[1] == text and got[0] == gen[: len(got[0])], (stops, gen, got)
+    eos = tok.tokenizer.token_to_id("<|eos|>")
+    assert eos in tok.special_ids and whole[0] not in tok.special_ids
+    for include, skip, text in [
+        (False, True, "hello"),
+        (True, True, "hello"),
+        (False, False, "hello"),
+        (True, False, "hello<|eos|>"),
+    ]:
+        kw = dict(include_stop_str_in_output=include, skip_special_tokens=skip)
+        params = SamplingParams(max_tokens=8, stop_token_ids=[eos], **kw)
+        assert accept_all(tok, [*whole, eos, 5], params) == ([*whole, eos], text, "stop", eos)
+        params = SamplingParams(max_tokens=8, stop_token_ids=[whole[0]], **kw)
+        gen = [*chars, *whole]  # ends on the plain stop token "hello"
+        want = "hellohello" if include else "hello"
+        assert accept_all(tok, gen, params) == (gen, want, "stop", whole[0])
+
+
 def test_stop_string_in_a_run_of_byte_fallback_tokens():
     """A run of byte tokens decodes all or nothing, so the stream decoder holds it back
     until it ends; the stop check still sees it, as the text would be if it stopped."""
@@ -164,13 +206,20 @@ def test_stop_string_in_a_run_of_byte_fallback_tokens():
 
 
 def test_stop_strings_against_brute_force(tok):
-    """Random texts (characters split across tokens), stop sets (spanning tokens,
-    overlapping, prefixes of each other, mid-character), min_tokens and stop tokens."""
+    """Random texts (characters split across tokens, special tokens among them), stop
+    sets (spanning tokens, overlapping, prefixes of each other, mid-character),
+    min_tokens, stop tokens (special ones too), include_stop_str_in_output and
+    skip_special_tokens."""
     rng = random.Random(0)
     pieces = ["a", "b", "ab", "the", " ", "é", "日", "🙂", "\n", "c"]
+    specials = sorted(tok.special_ids)
     for _ in range(400):
         text = "".join(rng.choices(pieces, k=rng.randint(1, 10)))
         gen = tok.encode(text, add_bos=False)
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            gen.insert(rng.randint(0, len(gen)), rng.choice(specials))
+        skip, include = rng.random() < 0.5, rng.random() < 0.5
+        text = tok.decode(gen, skip_special_tokens=skip)  # what stop strings can match
         stops = []
         for _ in range(rng.randint(1, 4)):
             i = rng.randrange(len(text))
@@ -183,7 +232,12 @@ def test_stop_strings_against_brute_force(tok):
         if max_tokens is None:
             continue
         params = SamplingParams(
-            max_tokens=max_tokens, stop=stops, min_tokens=mins, stop_token_ids=stop_ids
+            max_tokens=max_tokens,
+            stop=stops,
+            min_tokens=mins,
+            stop_token_ids=stop_ids,
+            include_stop_str_in_output=include,
+            skip_special_tokens=skip,
         )
         want = brute_force(tok, gen, params)
         assert accept_all(tok, gen, params) == want, (text, gen, params)
@@ -243,7 +297,9 @@ def test_apply_times_the_first_token_and_keeps_each_tokens_logprobs(monkeypatch)
     s = Seq(0, list(prompt), 2, 5, status=SeqStatus.RUNNING, logprobs=[])
     g = SequenceGroup("r", [s])
     g.request = Request("r", None, prompt, params, frozenset(), g, None, 10.0)
-    proc = OutputProcessor(_Scheduler(), EngineMetrics(1), lambda ids, p: "", itertools.count(1))
+    proc = OutputProcessor(
+        _Scheduler(), EngineMetrics(1), lambda ids, p, skip: "", itertools.count(1)
+    )
     clock = iter([11.0, 12.5, 14.0])
     monkeypatch.setattr(outputs, "perf_counter", lambda: next(clock))
     seen = []
@@ -277,7 +333,9 @@ def test_num_cached_tokens_is_the_first_admissions_prefix_cache_hit():
     s = Seq(0, list(prompt), 3, 5, status=SeqStatus.RUNNING, num_cached_tokens=2)  # admitted
     g = SequenceGroup("r", [s], num_cached_tokens=2)  # as the scheduler's admission sets it
     g.request = Request("r", None, prompt, SamplingParams(max_tokens=2), frozenset(), g, None, 0.0)
-    proc = OutputProcessor(_Scheduler(), EngineMetrics(1), lambda ids, p: "", itertools.count(1))
+    proc = OutputProcessor(
+        _Scheduler(), EngineMetrics(1), lambda ids, p, skip: "", itertools.count(1)
+    )
 
     def step(tok, start, num_tokens):
         s.pending += 1
@@ -305,7 +363,9 @@ def test_prompt_logprobs_of_chunked_prefill_rows():
     other = Seq(1, [3, 4, 1], 2, 9, status=SeqStatus.RUNNING)
     h = SequenceGroup("b", [other])
     h.request = Request("b", None, [3, 4], SamplingParams(), frozenset(), h, None, 0.0)
-    proc = OutputProcessor(_Scheduler(), EngineMetrics(1), lambda ids, p: "", itertools.count(1))
+    proc = OutputProcessor(
+        _Scheduler(), EngineMetrics(1), lambda ids, p, skip: "", itertools.count(1)
+    )
 
     def step(rows, lps, tops):
         top_ids = np.array([[t] for t, _ in tops])
@@ -339,7 +399,7 @@ def test_beam_hypotheses_report_their_stop_token_as_sampling_does():
     g = SequenceGroup("r", [s], 3, atomic=True)
     beam = BeamSearch(3, 0.0, stop_ids, params.max_tokens)
     req = Request("r", None, prompt, params, stop_ids, g, beam, 0.0)
-    no_text = lambda ids, prompt_ids: ""  # noqa: E731
+    no_text = lambda ids, prompt_ids, skip: ""  # noqa: E731
     proc = OutputProcessor(_Scheduler(), EngineMetrics(1), no_text, itertools.count(1))
 
     def step(generated, sums, first):
@@ -359,6 +419,20 @@ def test_beam_hypotheses_report_their_stop_token_as_sampling_does():
     assert {c.stop_reason for c in comps} == {eos, stop, None}
     for c in comps:
         assert c.stop_reason == (c.token_ids[-1] if c.finish_reason == "stop" else None)
+
+    def text(ids, prompt_ids, skip):  # special: EOS
+        return "".join(f"<{t}>" for t in ids if not (skip and t == eos))
+
+    # The stop token that ends a hypothesis shows only with include_stop_str_in_output
+    # (the special EOS with skip_special_tokens=False only), as in sampling.
+    texts = OutputProcessor(_Scheduler(), EngineMetrics(1), text, None)
+    for skip, include in itertools.product((True, False), repeat=2):
+        kw = dict(skip_special_tokens=skip, include_stop_str_in_output=include)
+        req.params = dataclasses.replace(params, **kw)
+        for c in texts.output(req, aborted=False, now=1.0).outputs:
+            ids = c.token_ids if include or c.finish_reason != "stop" else c.token_ids[:-1]
+            shown = [t for t in ids if not (skip and t == eos)]
+            assert c.text == "".join(f"<{t}>" for t in shown), (kw, c)
     # What the sampling path reports for the same tokens.
     sampled = SamplingParams(max_tokens=3, stop_token_ids=[stop])
     for c in comps:
@@ -398,7 +472,9 @@ def beam_search_through_the_processor(model, width, max_new, stops, length_penal
     g = SequenceGroup("r", [s], width, atomic=True)
     beam = BeamSearch(width, length_penalty, frozenset(stops), max_new)
     g.request = req = Request("r", None, prompt, params, frozenset(stops), g, beam, 0.0)
-    proc = OutputProcessor(_Scheduler(), EngineMetrics(1), lambda ids, p: "", itertools.count(1))
+    proc = OutputProcessor(
+        _Scheduler(), EngineMetrics(1), lambda ids, p, skip: "", itertools.count(1)
+    )
     cands = max(min(num_candidates(width, len(stops)), model.vocab), k)
     sampled = 0
     while True:

@@ -221,3 +221,70 @@ def test_encode_prompt_refuses_empty_out_of_vocabulary_and_too_long_prompts():
         encode_prompt([5, 6, 7], None, 256, 3)  # no room for a token
     with pytest.raises(TypeError, match="lists of ints"):
         encode_prompt([5, True], None, 256, 64)
+
+
+class _AddsBos(_BosTokenizer):
+    """A tokenizer that adds its BOS (1) to a text, as `Tokenizer.add_bos` does."""
+
+    add_bos, bos_token_id = True, 1
+
+
+def test_encode_prompt_truncates_before_its_checks():
+    ids = RNG.integers(0, 256, size=50).tolist()
+    for k in (1, 7, 49, 50, 64):
+        assert encode_prompt(ids, None, 256, 64, truncate_prompt_tokens=k) == (None, ids[-k:])
+    # Before the length and vocabulary checks: only the kept ids must pass them.
+    with pytest.raises(ValueError, match="prompt has 50 tokens; max_model_len=20"):
+        encode_prompt(ids, None, 256, 20)
+    assert encode_prompt(ids, None, 256, 20, truncate_prompt_tokens=19)[1] == ids[-19:]
+    assert encode_prompt([300, 5, 6], None, 256, 64, truncate_prompt_tokens=2)[1] == [5, 6]
+
+    def cut(prompt, tok, k):
+        return encode_prompt(prompt, tok, 256, 64, truncate_prompt_tokens=k)
+
+    # A text keeps the BOS its tokenizer adds (HF's left truncation, vLLM's): BOS + k - 1.
+    assert cut("abcdef", _AddsBos(), 3) == ("abcdef", [1, 101, 102])
+    assert cut("abcdef", _AddsBos(), 1)[1] == [1]
+    assert cut("abc", _AddsBos(), 9)[1] == [1, 97, 98, 99]
+    # Only a BOS the tokenizer adds (`add_bos`; without it the stand-in's 1 is text), and
+    # not one at the head of an id prompt.
+    assert cut("abcdef", _BosTokenizer(), 2)[1] == [101, 102]
+    assert cut([1, 5, 6, 7], _AddsBos(), 2)[1] == [6, 7]
+
+
+@pytest.mark.parametrize(
+    "k, words",
+    [
+        (0, "truncate_prompt_tokens=0"),
+        (-1, "truncate_prompt_tokens=-1"),
+        (True, "truncate_prompt_tokens=True"),
+        ("3", "truncate_prompt_tokens='3'"),
+        (65, "truncate_prompt_tokens=65 is more than max_model_len=64"),
+    ],
+)
+def test_encode_prompt_refuses_bad_truncations(k, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        encode_prompt([5, 6], None, 256, 64, truncate_prompt_tokens=k)
+
+
+def test_vllm_fields_are_validated_and_stored():
+    p = SamplingParams()
+    assert (p.max_tokens, p.include_stop_str_in_output, p.skip_special_tokens) == (16, False, True)
+    assert p.truncate_prompt_tokens is None
+    for _ in range(20):
+        k, m = (int(x) for x in RNG.integers(1, 10**6, size=2))
+        dt = RNG.choice([np.int32, np.int64, np.uint32])
+        p = SamplingParams(max_tokens=None, min_tokens=m, truncate_prompt_tokens=dt(k))
+        assert p.max_tokens is None and p.min_tokens == m  # no max_tokens to exceed
+        assert type(p.truncate_prompt_tokens) is int and p.truncate_prompt_tokens == k
+    for name in ("include_stop_str_in_output", "skip_special_tokens"):
+        for bad in (0, 1, "no", None, 1.0):
+            with pytest.raises(ValueError, match=re.escape(f"{name} must be a bool, got {name}=")):
+                SamplingParams(**{name: bad})
+    for name in ("max_tokens", "truncate_prompt_tokens"):
+        for bad in (0, -3, True, 2.0, "4"):
+            words = f"{name} must be None or an int >= 1, got {name}={bad!r}"
+            with pytest.raises(ValueError, match=re.escape(words)):
+                SamplingParams(**{name: bad})
+    # Beam search: no stop strings, but a stop token's (EOS's) text is still its to keep.
+    assert SamplingParams(beam_width=2, include_stop_str_in_output=True).beam_width == 2
