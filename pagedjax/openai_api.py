@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import Mapping
 
-from pagedjax.request import MAX_LOGPROBS, SamplingParams, encode_prompt
+from pagedjax.request import MAX_LOGPROBS, SamplingParams, check_truncation, encode_prompt
 from pagedjax.tokenizer import CONTEXT_IDS
 
 __all__ = [
@@ -70,6 +70,9 @@ SAMPLING_FIELDS = (
     "ignore_eos",
     "min_tokens",
     "cache_salt",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "truncate_prompt_tokens",
 )
 
 
@@ -204,10 +207,18 @@ def parse_job(
             raise ApiError(500, str(e)) from None
     else:
         prompts = completion_prompts(body.get("prompt"))
+    # vLLM's: keep the last k prompt tokens, before the length checks (a text's BOS stays).
+    trunc = int_field(body, "truncate_prompt_tokens", None)
+    try:
+        check_truncation(trunc, max_model_len)
+    except ValueError as e:
+        raise ApiError(400, str(e), "truncate_prompt_tokens") from None
     ids = []
     for i, p in enumerate(prompts):
         try:
-            ids.append(encode_prompt(p, tok, vocab_size, max_model_len)[1])
+            ids.append(
+                encode_prompt(p, tok, vocab_size, max_model_len, truncate_prompt_tokens=trunc)[1]
+            )
         except (ValueError, TypeError) as e:
             where = f"prompt {i}: " if len(prompts) > 1 else ""
             raise ApiError(400, f"{where}{e}", "messages" if chat else "prompt") from None
@@ -384,16 +395,18 @@ def chat_messages(messages) -> list[dict]:
 # ----------------------------------------------------------------------- responses
 
 
-def _token_names(tok, context: list[int], token_ids: list[int]) -> dict[int, str]:
+def _token_names(tok, context: list[int], token_ids: list[int], skip: bool) -> dict[int, str]:
     """The names of one position's candidate tokens (the sampled one, its alternatives):
     each one's text where it stands, after `context` (the ids before it), so that a
     SentencePiece token keeps the leading space a lone decode strips. The candidates are
     named with their special tokens shown ("</s>"), but the context is read as the
-    completion's text reads it, without special tokens: after a prompt of special tokens
-    only (BOS), the text's first token has no leading space and neither has its name."""
+    completion's text reads it (`skip`: its skip_special_tokens), without special tokens
+    by default: after a prompt of special tokens only (BOS), the text's first token has
+    no leading space and neither has its name."""
     if tok is None:  # vLLM's name for a token without a tokenizer
         return {t: f"token_id:{t}" for t in token_ids}
-    context = [i for i in context if i not in tok.special_ids]
+    if skip:
+        context = [i for i in context if i not in tok.special_ids]
     texts = tok.decode_each(token_ids, skip_special_tokens=False, context=context)
     return dict(zip(token_ids, texts, strict=True))
 
@@ -416,16 +429,32 @@ def _top(entry: dict, k: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
 
 
-def completion_logprobs(tok, c, k: int, prompt_ids=()) -> dict:
+def completion_logprobs(tok, c, k: int, prompt_ids=(), *, skip_special_tokens=True) -> dict:
     """OpenAI completions-style logprobs of one completion (a `CompletionOutput`) of the
-    prompt `prompt_ids`."""
-    return render_logprobs(tok, c.token_ids, c.logprobs, k, chat=False, context=prompt_ids)
+    prompt `prompt_ids` (`skip_special_tokens`: the request's, see `render_logprobs`)."""
+    return render_logprobs(
+        tok,
+        c.token_ids,
+        c.logprobs,
+        k,
+        chat=False,
+        context=prompt_ids,
+        skip_special_tokens=skip_special_tokens,
+    )
 
 
-def chat_logprobs(tok, c, k: int, prompt_ids=()) -> dict:
+def chat_logprobs(tok, c, k: int, prompt_ids=(), *, skip_special_tokens=True) -> dict:
     """OpenAI chat-style logprobs of one completion (a `CompletionOutput`) of the prompt
-    `prompt_ids`."""
-    return render_logprobs(tok, c.token_ids, c.logprobs, k, chat=True, context=prompt_ids)
+    `prompt_ids` (`skip_special_tokens`: the request's, see `render_logprobs`)."""
+    return render_logprobs(
+        tok,
+        c.token_ids,
+        c.logprobs,
+        k,
+        chat=True,
+        context=prompt_ids,
+        skip_special_tokens=skip_special_tokens,
+    )
 
 
 def render_logprobs(
@@ -437,6 +466,7 @@ def render_logprobs(
     chat: bool,
     offset: int = 0,
     context=(),
+    skip_special_tokens: bool = True,
 ) -> dict:
     """OpenAI-style logprobs of a run of a completion's tokens (all, or a stream chunk's).
 
@@ -453,11 +483,13 @@ def render_logprobs(
         completion's earlier token names), so chunks' offsets continue each other's.
       context: the ids before the run (the prompt's, then the completion's earlier
         ones): each token, and each alternative to it, is named as it reads there.
+      skip_special_tokens: the request's: whether the text (and so the context the
+        names read after) leaves special tokens out.
     """
     # Per position: its k most likely, and the names of those and the sampled token.
     tops = [_top(e, k) for e in entries]
     names = [
-        _token_names(tok, b, [t, *(u for u, _ in top)])
+        _token_names(tok, b, [t, *(u for u, _ in top)], skip_special_tokens)
         for t, top, b in zip(token_ids, tops, _contexts(context, token_ids), strict=True)
     ]
     if chat:
@@ -516,16 +548,17 @@ def choice_index(job: Job, rid: str, completion: int) -> int:
 def response_body(job: Job, head: dict, outs: dict, tokenizer) -> dict:
     """The whole (non-streamed) answer, from each request id's `RequestOutput`."""
     k, choices = job.params.logprobs, []
+    skip = job.params.skip_special_tokens
     for rid, prompt in zip(job.rids, job.prompts, strict=True):
         for c in outs[rid].outputs:
             choice = dict(index=choice_index(job, rid, c.index))
+            render = chat_logprobs if job.chat else completion_logprobs
+            lp = None if k is None else render(tokenizer, c, k, prompt, skip_special_tokens=skip)
             if job.chat:
                 choice["message"] = dict(role="assistant", content=c.text)
-                lp = None if k is None else chat_logprobs(tokenizer, c, k, prompt)
                 choice["logprobs"] = lp
             else:
                 choice["text"] = c.text
-                lp = None if k is None else completion_logprobs(tokenizer, c, k, prompt)
                 choice["logprobs"] = lp
                 if job.prompt_token_ids:  # vLLM: on each completions choice
                     choice["prompt_token_ids"] = list(prompt)

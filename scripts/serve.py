@@ -24,15 +24,17 @@ model's length), `temperature` (default 1), `top_p`, `n`, `stop` (a string or a 
 `seed`, `presence_penalty`, `frequency_penalty`, `stream`, `stream_options:
 {"include_usage"}` (with `stream: true` only), `logit_bias` ({"token id": value in
 [-100, 100]}), and vLLM's `top_k` (-1 or 0: off), `min_p`, `repetition_penalty`,
-`ignore_eos`, `stop_token_ids`, `min_tokens`, `cache_salt`, `return_token_ids` (a
-boolean, as in vLLM: each choice gets `token_ids`, its generated token ids, and
-completions choices `prompt_token_ids`; a chat answer has `prompt_token_ids` beside its
-choices). Logprobs: completions take `logprobs: K` and answer `{tokens, token_logprobs,
-top_logprobs, text_offset}` (offsets into the completion text; as OpenAI's, each
-`top_logprobs` has the K most likely tokens and the sampled one, so K + 1 when it is not
-among them); chat takes `logprobs: true` with `top_logprobs: K` and answers `{content:
-[{token, logprob, bytes, top_logprobs}]}` (the K most likely only); K <= 20; all are the
-model's raw log-probabilities (before temperature and truncation). Each prompt of a
+`ignore_eos`, `stop_token_ids`, `min_tokens`, `cache_salt`,
+`include_stop_str_in_output`, `skip_special_tokens`, `truncate_prompt_tokens` (the last
+K prompt tokens), `return_token_ids` (a boolean, as in vLLM: each choice gets
+`token_ids`, its generated token ids, and completions choices `prompt_token_ids`; a chat
+answer has `prompt_token_ids` beside its choices). Logprobs: completions take `logprobs:
+K` and answer `{tokens, token_logprobs, top_logprobs, text_offset}` (offsets into the
+completion text; as OpenAI's, each `top_logprobs` has the K most likely tokens and the
+sampled one, so K + 1 when it is not among them); chat takes `logprobs: true` with
+`top_logprobs: K` and answers `{content: [{token, logprob, bytes, top_logprobs}]}` (the
+K most likely only); K <= 20; all are the model's raw log-probabilities (before
+temperature and truncation). Each prompt of a
 completions batch is one engine request; choice `i * n + j` is completion j of prompt i.
 `finish_reason` is "stop" (EOS, a stop string or a stop token) or "length". Errors are
 OpenAI's `{"error": {message, type, param, code}}`: 400 for a bad field (the message
@@ -176,6 +178,7 @@ class Server(ThreadingHTTPServer):
     def start(self, llm) -> None:
         """Starts the engine thread over `llm` (which nothing else may touch from now on)."""
         self.tokenizer, self.max_model_len = llm.tokenizer, llm.max_model_len
+        self.stop_ids = llm.stop_ids  # (reads only llm.eos_ids, which never changes)
         self.vocab_size = llm.config.vocab_size
         self.sampling_defaults = dict(llm.sampling_defaults)  # for request fields left out
         self.engine = EngineThread(llm)
@@ -453,8 +456,14 @@ class Handler(BaseHTTPRequestHandler):
         self._json(200, api.response_body(job, head, outs, self.server.tokenizer))
 
     def _stream(self, job: Job, head: dict, events) -> None:
-        tok, k = self.server.tokenizer, job.params.logprobs
-        hold = max(map(len, job.params.stop), default=1) - 1
+        tok, sp = self.server.tokenizer, job.params
+        k, skip = sp.logprobs, sp.skip_special_tokens
+        # The engine leaves out of the text the stop string and what follows it (what
+        # follows it only, with include_stop_str_in_output), and the stop token's own
+        # text (kept with include_stop_str_in_output).
+        keep = sp.include_stop_str_in_output
+        hold = 0 if keep else max(map(len, sp.stop), default=1) - 1
+        stop_ids = frozenset() if keep else self.server.stop_ids(sp)
         choices: dict[tuple[str, int], StreamedChoice] = {}  # by (rid, completion index)
         prompts = dict(zip(job.rids, job.prompts, strict=True))
 
@@ -462,7 +471,14 @@ class Handler(BaseHTTPRequestHandler):
             lp = None
             if k is not None:
                 lp = api.render_logprobs(
-                    tok, ids, entries, k, chat=job.chat, offset=c.offset, context=c.before
+                    tok,
+                    ids,
+                    entries,
+                    k,
+                    chat=job.chat,
+                    offset=c.offset,
+                    context=c.before,
+                    skip_special_tokens=skip,
                 )
                 c.offset += 0 if job.chat or tok is None else sum(map(len, lp["tokens"]))
             c.before = [*c.before, *ids][-CONTEXT_IDS:]
@@ -502,7 +518,7 @@ class Handler(BaseHTTPRequestHandler):
                 _, rid, i, token, *entry = event  # the entry: with logprobs only
                 c = choices.get((rid, i))
                 if c is None:
-                    c = choices[rid, i] = StreamedChoice(tok, prompts[rid])
+                    c = choices[rid, i] = StreamedChoice(tok, prompts[rid], skip)
                 if c.decoder is None:  # no tokenizer: no text, a chunk per token
                     chunk(rid, i, c, "", [token], entry)
                     continue
@@ -510,9 +526,9 @@ class Handler(BaseHTTPRequestHandler):
                 c.decoder.add(token)
                 text = c.decoder.text
                 c.pending.append((token, entry[0] if entry else None, len(text)))
-                # With stop strings, this token's text waits for the next token: the engine
-                # may stop on it and cut the text where its stop string begins.
-                end = before - hold if job.params.stop else len(text)
+                # With stop strings, or if it may be a stop token, this token's text waits
+                # for the next token: the engine may stop on it and cut the text there.
+                end = before - hold if sp.stop or token in stop_ids else len(text)
                 if end > c.sent:
                     # A token's id and logprobs go with the piece that completes its text.
                     n = sum(1 for _, _, token_end in c.pending if token_end <= end)
@@ -540,8 +556,9 @@ class StreamedChoice:
     """What a stream sent of one completion.
 
     Attributes:
-      decoder: its incremental detokenizer (`Tokenizer.stream(context=prompt ids)`, as
-        the engine decodes the final text), None without a tokenizer (or without tokens).
+      decoder: its incremental detokenizer (`Tokenizer.stream(context=prompt ids)`, with
+        the request's skip_special_tokens, as the engine decodes the final text), None
+        without a tokenizer (or without tokens).
       sent: characters of its text streamed.
       pending: (token id, logprobs entry or None, where its text ends in the decoder's
         text) of each token received but not streamed yet (its text held back).
@@ -554,8 +571,11 @@ class StreamedChoice:
 
     __slots__ = ("decoder", "sent", "pending", "num_tokens", "offset", "started", "before")
 
-    def __init__(self, tok, prompt_ids):
-        self.decoder = tok.stream(context=prompt_ids) if tok is not None else None
+    def __init__(self, tok, prompt_ids, skip_special_tokens: bool = True):
+        skip = skip_special_tokens
+        self.decoder = (
+            None if tok is None else tok.stream(skip_special_tokens=skip, context=prompt_ids)
+        )
         self.before = list(prompt_ids)[-CONTEXT_IDS:]  # the ids before the next chunk's
         self.sent = self.num_tokens = self.offset = 0
         self.pending: list[tuple[int, dict | None, int]] = []

@@ -102,6 +102,14 @@ def raises_400(fn, *args, words: str, param: str | None = None, **kwargs) -> api
         (dict(max_tokens=0), "max_tokens", "max_tokens=0"),
         (dict(return_token_ids=1), "return_token_ids", "return_token_ids=1"),
         (dict(return_token_ids="true"), "return_token_ids", "return_token_ids='true'"),
+        (dict(skip_special_tokens="no"), "skip_special_tokens", "skip_special_tokens='no'"),
+        (dict(include_stop_str_in_output=1), "include_stop_str_in_output", "output=1"),
+        (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens", "truncate_prompt_tokens=0"),
+        (dict(truncate_prompt_tokens=-1), "truncate_prompt_tokens", "tokens=-1"),
+        (dict(truncate_prompt_tokens="3"), "truncate_prompt_tokens", "tokens='3'"),
+        (dict(truncate_prompt_tokens=True), "truncate_prompt_tokens", "tokens=True"),
+        (dict(truncate_prompt_tokens=MAX_LEN + 1), "truncate_prompt_tokens", "max_model_len"),
+        # scripts/serve.py streams text decoded with special tokens skipped.
     ],
 )
 def test_bad_completion_fields_are_400s_naming_field_and_value(body, param, words):
@@ -229,6 +237,61 @@ def test_without_a_tokenizer_there_is_no_chat_and_no_stop_strings():
     j = job(dict(prompt=[1, 2], return_token_ids=False), tokenizer=None)
     assert j.prompts == [[1, 2]]
     assert (j.token_ids, j.prompt_token_ids) == (True, False)  # the ids are all there is
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_vllm_fields_reach_the_params_and_truncate_the_prompts(chat):
+    body = dict(include_stop_str_in_output=True, skip_special_tokens=False)
+    prompt = dict(messages=[{"role": "user", "content": "hi"}]) if chat else dict(prompt="a")
+    p = job({**prompt, **body}, chat=chat).params
+    assert (p.include_stop_str_in_output, p.skip_special_tokens) == (True, False)
+    p = job(dict(prompt, include_stop_str_in_output=None, skip_special_tokens=None), chat=chat)
+    assert (p.params.include_stop_str_in_output, p.params.skip_special_tokens) == (False, True)
+    # The last k tokens, before the length checks: a prompt too long for the model fits.
+    long = "x" * (2 * MAX_LEN) + "abc"
+    if chat:
+        prompt = dict(messages=[{"role": "user", "content": long}])
+        whole = TOK.encode_chat(prompt["messages"])
+    else:
+        prompt, whole = dict(prompt=[long, "wxyz"]), TOK.encode(long)
+    raises_400(
+        job, prompt, chat=chat, words="max_model_len", param="messages" if chat else "prompt"
+    )
+    j = job(dict(prompt, truncate_prompt_tokens=3), chat=chat)
+    assert j.params.truncate_prompt_tokens == 3  # (the engine's cut of 3 ids is none)
+    assert j.prompts == ([whole[-3:]] if chat else [whole[-3:], TOK.encode("xyz")])
+    if chat:  # chat's default max_tokens fills what the kept prompt leaves
+        assert j.params.max_tokens == MAX_LEN - 3
+    else:
+        ids = [[5, 6, 7, 8], [9] * (2 * MAX_LEN)]
+        assert job(dict(prompt=ids, truncate_prompt_tokens=2)).prompts == [[7, 8], [9, 9]]
+
+
+def test_a_truncated_text_prompt_keeps_the_bos_its_tokenizer_adds():
+    tok = Tokenizer(sentencepiece_style(), bos_token_id=1, eos_token_ids=[2], add_bos=True)
+    whole = tok.encode("the hello world")
+    assert whole[0] == 1 and len(whole) > 4
+    sizes = dict(model_name="m", tokenizer=tok, vocab_size=tok.vocab_size, max_model_len=MAX_LEN)
+    for prompt, want in (("the hello world", [1, *whole[-2:]]), (whole, whole[-3:])):
+        j = api.parse_job(dict(prompt=prompt, truncate_prompt_tokens=3), chat=False, **sizes)
+        assert j.prompts == [want]  # (ids are taken as they are)
+
+
+def test_logprob_names_read_the_prompt_as_the_text_does_with_special_tokens_shown():
+    """With skip_special_tokens=False the text shows the prompt's BOS as the context it
+    reads after (" the hello" after "<s>"), and so do the logprobs' names."""
+    tok = Tokenizer(sentencepiece_style(), bos_token_id=1, eos_token_ids=[2])
+    gen = tok.encode("the hello", add_bos=False)
+    texts = {skip: tok.decode(gen, skip_special_tokens=skip, context=[1]) for skip in (True, False)}
+    assert texts == {True: "the hello", False: " the hello"}
+    for skip, text in texts.items():
+        j = job(dict(prompt=[1], logprobs=0, skip_special_tokens=skip), tokenizer=tok)
+        c = completion(text=text, logprobs=[{t: -0.5} for t in gen])
+        c.token_ids = gen
+        body = api.response_body(
+            j, api.response_head(j, "tiny"), {j.rids[0]: output(j.rids[0], [1], [c])}, tok
+        )
+        assert "".join(body["choices"][0]["logprobs"]["tokens"]) == text
 
 
 def test_return_token_ids_asks_for_the_ids():

@@ -196,6 +196,9 @@ class StuckLLM:
     def __init__(self):
         self.rids = []
 
+    def stop_ids(self, params):
+        return frozenset()
+
     def add_request(self, ids, params, *, request_id):
         self.rids.append(request_id)
 
@@ -430,8 +433,8 @@ class StreamRecorder(serve.Handler):
 
     request_version = "HTTP/1.1"
 
-    def __init__(self, tokenizer):  # (not BaseHTTPRequestHandler's: no request to handle)
-        self.server = types.SimpleNamespace(tokenizer=tokenizer)
+    def __init__(self, tokenizer, stop_ids=lambda sp: frozenset()):  # (no request to handle)
+        self.server = types.SimpleNamespace(tokenizer=tokenizer, stop_ids=stop_ids)
         self._streaming, self.sent = False, []
 
     def send_response(self, status, message=None):

@@ -1,0 +1,248 @@
+"""vLLM's SamplingParams fields end to end through `LLM`: include_stop_str_in_output,
+skip_special_tokens, max_tokens=None and truncate_prompt_tokens.
+
+The tiny preset with random weights and a byte tokenizer (one token per byte), in
+test_engine.py's geometry, so the programs compiled there serve here too. Expected
+texts come from the tokenizer's own decode of the tokens the engine generated.
+"""
+
+import dataclasses
+import json
+
+import numpy as np
+import params_helpers
+import pytest
+from test_serve import StreamRecorder
+from tokenizers import AddedToken
+
+from pagedjax import openai_api as api
+from pagedjax import resources
+from pagedjax.config import PRESETS
+from pagedjax.engine import LLM, SamplingParams
+from pagedjax.tokenizer import Tokenizer
+
+GEOMETRY = dict(page_size=8, num_pages=64, backend="xla", max_num_seqs=8)
+PROMPT = "def f(x):"
+
+
+@pytest.fixture(scope="module")
+def params():
+    return params_helpers.random_params(PRESETS["tiny"], 0)
+
+
+@pytest.fixture(scope="module")
+def llm(params):
+    return LLM(params, max_num_batched_tokens=16, max_model_len=32, **GEOMETRY)
+
+
+def greedy(max_tokens=16, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def free_run(llm, prompt=PROMPT, n=16) -> list[int]:
+    """The greedy tokens after `prompt`, no stop of any kind."""
+    return llm.generate([prompt], greedy(n, ignore_eos=True))[0].outputs[0].token_ids
+
+
+def ascii_runs(ids: list[int], width: int) -> list[int]:
+    """Where `width` printable ASCII tokens in a row start in `ids`."""
+    ok = [33 <= t < 127 for t in ids]
+    return [i for i in range(len(ids) - width + 1) if all(ok[i : i + width])]
+
+
+def byte_tokenizer_with_specials(special: list[int], eos: int = 2) -> Tokenizer:
+    """The byte tokenizer with the ids `special` marked special (their ids unchanged)."""
+    hf = resources.byte_tokenizer().tokenizer
+    hf.add_special_tokens([AddedToken(hf.id_to_token(t), special=True) for t in special])
+    assert [hf.token_to_id(hf.id_to_token(t)) for t in special] == special
+    return Tokenizer(hf, bos_token_id=1, eos_token_ids=[eos])
+
+
+# ------------------------------------------------------ include_stop_str_in_output
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(llm):
+    free = free_run(llm)
+    i = ascii_runs(free, 2)[0]
+    stop = llm.tokenizer.decode(free[i : i + 2])  # two characters, across two tokens
+    text = llm.tokenizer.decode(free[: i + 2], context=llm.encode(PROMPT)[1])
+    cut = text.index(stop)
+    outs = {}
+    for include in (False, True):
+        (o,) = llm.generate([PROMPT], greedy(stop=[stop], include_stop_str_in_output=include))
+        outs[include] = o.outputs[0]
+    for c in outs.values():  # only the text changes
+        assert (c.token_ids, c.finish_reason, c.stop_reason) == (free[: i + 2], "stop", stop)
+    assert outs[False].text == text[:cut] and outs[True].text == text[: cut + len(stop)]
+    assert outs[True].text.endswith(stop) and stop not in outs[False].text
+
+
+def stream(llm, body: dict):
+    """scripts/serve.py's stream of an engine run of `body` (its token events, then its
+    output): (the streamed text pieces, the final completion)."""
+    body = dict(prompt=PROMPT, temperature=0, max_tokens=16, stream=True, **body)
+    sizes = dict(vocab_size=llm.config.vocab_size, max_model_len=llm.max_model_len)
+    job = api.parse_job(body, chat=False, model_name="m", tokenizer=llm.tokenizer, **sizes)
+    (rid,) = job.rids
+    events = []
+    llm.add_request(job.prompts[0], job.params, request_id=rid)
+    while llm.has_unfinished_requests():
+        for out in llm.step(on_token=lambda r, j, t: events.append(("token", r, j, t))):
+            events.append(("done", rid, out))
+    (out,) = [e[2] for e in events if e[0] == "done"]
+    handler = StreamRecorder(llm.tokenizer, llm.stop_ids)
+    handler._stream(job, api.response_head(job, "m"), events)
+    assert handler.sent[-2:] == [b"data: [DONE]\n\n", b""]
+    pieces = [json.loads(c[len(b"data: ") :])["choices"][0]["text"] for c in handler.sent[:-2]]
+    return pieces, out.outputs[0]
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_streamed_text_adds_up_to_the_final_text(llm, include):
+    """scripts/serve.py's stream adds up to the non-streamed text, stop string or stop
+    token's text kept or not: no piece ever streamed is cut from the final text."""
+    free = free_run(llm)
+    i = ascii_runs(free, 2)[0]
+    stop = llm.tokenizer.decode(free[i : i + 2])
+    body = dict(stop=[stop, "\x00never"], include_stop_str_in_output=include)
+    pieces, c = stream(llm, body)
+    assert c.text.endswith(stop) == include and c.finish_reason == "stop"
+    assert "".join(pieces) == c.text and sum(map(bool, pieces[:-1])) > 1
+    # A plain stop token (a printable byte's): its text shows only with include.
+    j = [j for j in ascii_runs(free, 1) if free.index(free[j]) == j][-1]  # its first time
+    body = dict(stop_token_ids=[free[j]], include_stop_str_in_output=include)
+    pieces, c = stream(llm, body)
+    assert (c.token_ids, c.stop_reason) == (free[: j + 1], free[j])
+    text = llm.tokenizer.decode(free[: j + 1 if include else j], context=llm.encode(PROMPT)[1])
+    assert "".join(pieces) == c.text == text and sum(map(bool, pieces[:-1])) > 1
+
+
+# ------------------------------------------------------------- skip_special_tokens
+
+
+def test_skip_special_tokens_per_request(params, llm):
+    """Two tokens of the completion made special, the second the tokenizer's EOS: the
+    first shows with skip_special_tokens=False, in the text and to stop strings; the
+    EOS that ends the completion shows only with include_stop_str_in_output too."""
+    free = free_run(llm)
+    ascii = [i for i, t in enumerate(free) if 33 <= t < 127]
+    a = ascii[0]
+    b = next(i for i in ascii if i > a and free.index(free[i]) == i)  # its first time
+    one, eos = free[a], free[b]
+    assert one != eos and 2 not in free[: b + 1]
+    tok = byte_tokenizer_with_specials([one, eos], eos=eos)
+    special = LLM(params, tokenizer=tok, max_num_batched_tokens=16, **GEOMETRY)
+    ids = tok.encode(PROMPT)
+    gen = free[: b + 1]  # ends on the special EOS
+
+    def run(**kw):
+        (o,) = special.generate([PROMPT], greedy(**kw))
+        return o.outputs[0]
+
+    def text(ids_, skip):
+        return tok.decode(ids_, skip_special_tokens=skip, context=ids)
+
+    shown = run(skip_special_tokens=False)
+    assert (shown.token_ids, shown.stop_reason) == (gen, eos)
+    assert shown.text == text(gen[:-1], False) and chr(one) in shown.text
+    hidden = run()
+    assert hidden.token_ids == gen and hidden.text == text(gen, True)
+    assert chr(one) not in hidden.text and hidden.text != shown.text
+    assert run(skip_special_tokens=False, include_stop_str_in_output=True).text == text(gen, False)
+    assert run(include_stop_str_in_output=True).text == hidden.text  # EOS's text: none
+    for include in (False, True):  # serve.py's stream adds up to the same texts
+        body = dict(skip_special_tokens=False, include_stop_str_in_output=include)
+        pieces, c = stream(special, body)
+        assert "".join(pieces) == c.text == text(gen if include else gen[:-1], False)
+    # A stop string that only the shown text has.
+    stop = chr(one)
+    c = run(skip_special_tokens=False, stop=[stop])
+    assert (c.token_ids, c.stop_reason, c.text) == (free[: a + 1], stop, text(free[:a], False))
+    c = run(stop=[stop])
+    assert (c.token_ids, c.stop_reason) == (gen, eos)  # never matched: ran to the EOS
+
+
+# ------------------------------------------------------------------ max_tokens=None
+
+
+def test_max_tokens_none_runs_to_max_model_len(llm):
+    prompt = [5, 6, 7, 8, 9]
+    room = llm.max_model_len - len(prompt)
+    sp = SamplingParams(max_tokens=None, ignore_eos=True, n=2, seed=1)
+    (out,) = llm.generate([prompt], sp)
+    assert [(len(c.token_ids), c.finish_reason) for c in out.outputs] == [(room, "length")] * 2
+    beam = SamplingParams(max_tokens=None, ignore_eos=True, beam_width=2)
+    (out,) = llm.generate([prompt], beam)
+    assert [(len(c.token_ids), c.finish_reason) for c in out.outputs] == [(room, "length")]
+    # min_tokens is not bounded by a max_tokens of None (the length limit still ends it).
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=None, min_tokens=100))
+    assert len(out.outputs[0].token_ids) == room
+    assert SamplingParams().max_tokens == 16
+
+
+# ------------------------------------------------------------ truncate_prompt_tokens
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k(llm):
+    rng = np.random.default_rng(4)
+    long = rng.integers(3, 256, size=40).tolist()  # longer than max_model_len=32
+    with pytest.raises(ValueError, match="40 tokens"):
+        llm.generate([long], greedy(4))
+    (plain,) = llm.generate([long[-17:]], greedy(4))
+    (cut,) = llm.generate([long], greedy(4, truncate_prompt_tokens=17))
+    assert cut.prompt_token_ids == long[-17:] and cut.prompt is None
+    assert cut.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert cut.num_cached_tokens == 16  # the kept tokens' full pages hit plain's cache
+    rid = llm.add_request(long, greedy(2, truncate_prompt_tokens=3))
+    (out,) = [o for _ in range(8) for o in llm.step() if o.request_id == rid]
+    assert out.prompt_token_ids == long[-3:]
+    (short,) = llm.generate([long[:5]], greedy(2, truncate_prompt_tokens=30))
+    assert short.prompt_token_ids == long[:5]  # shorter than k: as it is
+
+
+def test_a_text_prompt_keeps_its_bos_when_truncated(params):
+    """As HF's left truncation (vLLM's) keeps the special tokens the tokenizer adds: the
+    BOS, then the last k - 1 tokens of the text."""
+    hf = resources.byte_tokenizer().tokenizer
+    tok = Tokenizer(hf, bos_token_id=1, eos_token_ids=[2], add_bos=True)
+    llm = LLM(params, tokenizer=tok, max_num_batched_tokens=16, **GEOMETRY)
+    text = "hello world"
+    assert tok.encode(text) == [1, *text.encode()]
+    (out,) = llm.generate([text], greedy(2, truncate_prompt_tokens=4))
+    assert out.prompt_token_ids == [1, *b"rld"] and out.prompt == text
+    (out,) = llm.generate([text], greedy(2, truncate_prompt_tokens=1))
+    assert out.prompt_token_ids == [1]
+    (out,) = llm.generate([[1, *text.encode()]], greedy(2, truncate_prompt_tokens=4))
+    assert out.prompt_token_ids == list(b"orld")  # ids are taken as they are
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens=0"),
+        (dict(truncate_prompt_tokens=-1), "truncate_prompt_tokens=-1"),
+        (dict(truncate_prompt_tokens=True), "truncate_prompt_tokens=True"),
+        (dict(truncate_prompt_tokens=2.0), "truncate_prompt_tokens=2.0"),
+        (dict(max_tokens=0), "max_tokens=0"),
+        (dict(max_tokens="8"), "max_tokens='8'"),
+        (dict(skip_special_tokens="no"), "skip_special_tokens='no'"),
+        (dict(skip_special_tokens=None), "skip_special_tokens=None"),
+        (dict(include_stop_str_in_output=1), "include_stop_str_in_output=1"),
+        (dict(max_tokens=4, min_tokens=5), "min_tokens=5, max_tokens=4"),
+    ],
+)
+def test_bad_values_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_are_refused_before_anything_runs(llm):
+    with pytest.raises(ValueError, match="prompt 1: truncate_prompt_tokens=33 is more than max"):
+        llm.generate([[5, 6], [5, 6]], [greedy(2), greedy(2, truncate_prompt_tokens=33)])
+    with pytest.raises(TypeError, match="prompt 1: sampling params must be a SamplingParams"):
+        llm.generate([[5, 6], [5, 6]], [greedy(2), dict(max_tokens=2)])
+    assert not llm.has_unfinished_requests()
+    p = SamplingParams(include_stop_str_in_output=np.bool_(True), skip_special_tokens=np.bool_(0))
+    assert (p.include_stop_str_in_output, p.skip_special_tokens) == (True, False)
+    assert type(p.skip_special_tokens) is bool
+    assert dataclasses.replace(p, truncate_prompt_tokens=np.int64(3)).truncate_prompt_tokens == 3
