@@ -97,24 +97,20 @@ def reply(llm, messages: list[dict], params) -> str | None:
     except (ValueError, TypeError) as e:  # the template rejected the conversation
         print(f"error: {e}", file=sys.stderr)
         return None
-    decoder = llm.tokenizer.stream(context=ids)
-
-    def on_token(_rid, _index, tok):
-        sys.stdout.write(decoder.add(tok))
-        sys.stdout.flush()
+    printer = cli.TextStream(llm.tokenizer, ids, llm.stop_ids(params))
 
     cli.INTERRUPT.clear()  # (a Ctrl-C at the prompt ended the session)
     try:
-        (out,) = llm.generate([ids], params, on_token=on_token, on_step=cli.INTERRUPT.check)
+        (out,) = llm.generate([ids], params, on_token=printer.on_token, on_step=cli.INTERRUPT.check)
         cli.INTERRUPT.check()  # one that a gc callback swallowed in the last step
     except ValueError as e:  # the conversation has outgrown max_model_len
         print(
             f"error: the conversation no longer fits ({e}); /reset starts it over", file=sys.stderr
         )
         return None
-    print(decoder.flush(), flush=True)
-    print(stats_line(out), file=sys.stderr, flush=True)
     c = out.outputs[0]
+    print(printer.finish(c.text), flush=True)
+    print(stats_line(out), file=sys.stderr, flush=True)
     if c.finish_reason == "length" and len(c.token_ids) < params.max_tokens:
         print(
             f"note: the reply was cut at the model's length (max_model_len={llm.max_model_len} "

@@ -3,9 +3,9 @@ sibling): bad input as one line and status 2 (`Parser`, `BadInput`, `run_cli`), 
 sampling and engine flags and their checks, the checkpoint's generation_config defaults
 for flags left out, the persistent compilation cache (`--compilation-cache DIR`, else
 `$PAGEDJAX_COMPILATION_CACHE`, else jax's `JAX_COMPILATION_CACHE_DIR` if set, else
-`$XDG_CACHE_HOME/pagedjax/xla`; `off` disables it), the chat template's tokenizer, and
-the exits a user can cause: Ctrl-C (`INTERRUPT`), running out of device memory, stdout
-closed early.
+`$XDG_CACHE_HOME/pagedjax/xla`; `off` disables it), the chat template's tokenizer, one
+completion streamed to stdout (`TextStream`), and the exits a user can cause: Ctrl-C
+(`INTERRUPT`), running out of device memory, stdout closed early.
 """
 
 from __future__ import annotations
@@ -374,6 +374,40 @@ class Interrupt:
 
 
 INTERRUPT = Interrupt()
+
+
+class TextStream:
+    """Writes one completion's text to stdout as its tokens come (`on_token`), then the
+    rest of its final text (`finish`): what the engine's text holds, so a possible stop
+    token's text (the engine leaves it out if the completion stops on it) waits for the
+    next token, and the decoder's held-back bytes come from the final text.
+
+    Args:
+      tokenizer: the engine's.
+      prompt_ids: the prompt's token ids (the text continues them).
+      stop_ids: the tokens that may end the completion (`LLM.stop_ids(params)`).
+    """
+
+    def __init__(self, tokenizer, prompt_ids, stop_ids):
+        self.decoder = tokenizer.stream(context=prompt_ids)
+        self.stop_ids = stop_ids
+        self.held, self.written = "", 0
+
+    def on_token(self, _rid, _index, tok) -> None:
+        """`LLM.generate`'s on_token."""
+        piece, self.held = self.held, ""
+        text = self.decoder.add(tok)
+        if tok in self.stop_ids:
+            self.held = text
+        else:
+            piece += text
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+        self.written += len(piece)
+
+    def finish(self, text: str) -> str:
+        """The rest of the completion's final `text`, not yet written."""
+        return text[self.written :]
 
 
 def out_of_memory(e: BaseException) -> bool:

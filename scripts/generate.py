@@ -29,8 +29,8 @@ file. The demo model's sets none of them.
 `--seed` seeds the engine, as vLLM's does: each request draws its sampling seed from
 it, so a run is reproducible and different prompts get different random draws.
 `--stop TEXT` (repeatable) ends a completion where a string appears, cut from its text
-(not with `--beam-width`); `--stop-token-ids ID ...` ends it at those tokens (kept), as
-EOS does; `--ignore-eos` does not stop at EOS.
+(not with `--beam-width`); `--stop-token-ids ID ...` ends it at those tokens (kept in its
+token ids, not in its text), as EOS does; `--ignore-eos` does not stop at EOS.
 
 `--logprobs K` lists, after the text, each generated token with its log-probability
 under the model's raw distribution and the K most likely tokens at its position;
@@ -414,19 +414,17 @@ def run(args) -> int:
     on_token = None
     sep = "\n" if args.chat else ""  # a chat reply is a new turn, not a continuation
     if stream:
-        decoder = llm.tokenizer.stream(context=encoded[0])
+        printer = cli.TextStream(llm.tokenizer, encoded[0], llm.stop_ids(sp))
+        on_token = printer.on_token
         print(prompts[0] + sep, end="", flush=True)
-
-        def on_token(_rid, _index, tok):
-            sys.stdout.write(decoder.add(tok))
-            sys.stdout.flush()
 
     outs = llm.generate(
         encoded, sp, use_tqdm=len(prompts) > 1, on_token=on_token, on_step=cli.INTERRUPT.check
     )
     cli.INTERRUPT.check()
     if stream:  # then why it stopped, as a batch shows each completion's
-        print(f"{decoder.flush()} ({outs[0].outputs[0].finish_reason})")
+        c = outs[0].outputs[0]
+        print(f"{printer.finish(c.text)} ({c.finish_reason})")
     summary = llm.summary()
     if args.json:
         obj = dict(

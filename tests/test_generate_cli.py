@@ -829,7 +829,8 @@ def test_seed_seeds_the_engine_so_prompts_get_their_own_draws(ckpt, capsys):
 
 def test_stop_strings_and_stop_token_ids(ckpt, capsys, monkeypatch):
     """--stop cuts the text where a string starts (finish_reason stop; a single prompt
-    is then printed whole, not streamed); --stop-token-ids ends at a token, kept."""
+    is then printed whole, not streamed); --stop-token-ids ends at a token, kept in the
+    token ids, not in the text (streamed or not)."""
     outs = spy_generate(monkeypatch, outputs=True)
     argv = ["--checkpoint", ckpt, "--prompt", "ab", "--max-tokens", "10", "--backend", "xla"]
     argv += GEOMETRY
@@ -850,6 +851,12 @@ def test_stop_strings_and_stop_token_ids(ckpt, capsys, monkeypatch):
     (c,) = json.loads(out)["outputs"][0]["completions"]
     assert c["token_ids"] == ids[: ids.index(ids[2]) + 1] and c["finish_reason"] == "stop"
     assert json.loads(out)["settings"]["stop_token_ids"] == [ids[2]]
+    # Streamed, the stop token's text is held back, then left out, as in the text.
+    rc, out, err = run([*argv, "--stop-token-ids", str(ids[2])], capsys)
+    (c,) = outs.pop().outputs
+    assert rc == 0 and c.stop_reason == ids[2] and c.token_ids[-1] == ids[2], err
+    assert c.text == text[: len(c.text)] and len(c.text) < len(text)
+    assert out.startswith(f"model: checkpoint {ckpt}\nab{c.text} (stop)\nmodel"), out
     rc, out, err = run([*argv, "--stop-token-ids", "256"], capsys)
     assert rc == 2 and "--stop-token-ids [256] are outside the vocabulary [0, 256)" in err
     rc, out, err = run([*argv, "--stop", "x", "--beam-width", "2"], capsys)
