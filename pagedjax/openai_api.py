@@ -20,7 +20,8 @@ Defaults: a sampling field left out (or null) takes the server's `defaults`, the
 checkpoint's generation_config.json values (`LLM.sampling_defaults`), as vLLM's
 `--generation-config auto` does, else OpenAI's. Its `max_tokens` (the file's
 max_new_tokens) caps a left-out max_tokens' default, as vLLM's does (completions: 16,
-chat: the room the prompt leaves); a max_tokens given is never cut (vLLM caps it too).
+or the room each prompt leaves for an explicit null, as vLLM's; chat: the room the
+prompt leaves); a max_tokens given is never cut (vLLM caps it too).
 """
 
 from __future__ import annotations
@@ -222,6 +223,7 @@ def parse_job(
         except (ValueError, TypeError) as e:
             where = f"prompt {i}: " if len(prompts) > 1 else ""
             raise ApiError(400, f"{where}{e}", "messages" if chat else "prompt") from None
+    fill = not chat and "max_tokens" in body and body["max_tokens"] is None  # an explicit null
     if chat:
         want = body.get("logprobs")
         if want is not None and not isinstance(want, bool):  # 1 == True, but not a boolean
@@ -237,13 +239,15 @@ def parse_job(
         default = min(max_model_len - len(ids[0]), defaults.get("max_tokens", max_model_len))
         limit = int_field(body, "max_tokens", default)
         limit = int_field(body, "max_completion_tokens", limit)
+    elif fill:  # vLLM's: the room each prompt leaves (capped by the file's max_tokens)
+        logprobs, limit = body.get("logprobs"), defaults.get("max_tokens")
     else:
         logprobs = body.get("logprobs")
         limit = int_field(body, "max_tokens", min(16, defaults.get("max_tokens", 16)))
     # The field the limit came from (completions have no max_completion_tokens).
     given = chat and body.get("max_completion_tokens") is not None
     field = "max_completion_tokens" if given else "max_tokens"
-    if limit < 1:  # (SamplingParams would name max_tokens, whichever field it was)
+    if limit is not None and limit < 1:  # (SamplingParams would name max_tokens, whichever)
         raise ApiError(400, f"{field} must be an int >= 1, got {field}={limit}", field)
     params = sampling_params(
         body, max_tokens=limit, logprobs=logprobs, vocab_size=vocab_size, defaults=defaults
@@ -251,7 +255,7 @@ def parse_job(
     if params.stop and tok is None:
         raise ApiError(400, "stop strings need a tokenizer; this model has none", "stop")
     for i, p in enumerate(ids):  # as vLLM: never cut max_tokens short without saying so
-        if len(p) + params.max_tokens > max_model_len:
+        if not fill and len(p) + params.max_tokens > max_model_len:
             where = f"prompt {i}: " if len(ids) > 1 else ""
             raise ApiError(
                 400,

@@ -19,23 +19,24 @@ Point an OpenAI client at `http://HOST:PORT/v1` (any API key). Endpoints:
                                former)
 
 Fields of both POSTs: `model` (optional; another name is a 404), `max_tokens` (default
-16 for completions; for chat `max_completion_tokens` or `max_tokens`, default: up to the
-model's length), `temperature` (default 1), `top_p`, `n`, `stop` (a string or a list),
-`seed`, `presence_penalty`, `frequency_penalty`, `stream`, `stream_options:
-{"include_usage"}` (with `stream: true` only), `logit_bias` ({"token id": value in
-[-100, 100]}), and vLLM's `top_k` (-1 or 0: off), `min_p`, `repetition_penalty`,
-`ignore_eos`, `stop_token_ids`, `min_tokens`, `cache_salt`,
-`include_stop_str_in_output`, `skip_special_tokens`, `truncate_prompt_tokens` (the last
-K prompt tokens), `return_token_ids` (a boolean, as in vLLM: each choice gets
-`token_ids`, its generated token ids, and completions choices `prompt_token_ids`; a chat
-answer has `prompt_token_ids` beside its choices). Logprobs: completions take `logprobs:
-K` and answer `{tokens, token_logprobs, top_logprobs, text_offset}` (offsets into the
+16 for completions, null: up to the model's length, as vLLM's; for chat
+`max_completion_tokens` or `max_tokens`, default: up to the model's length),
+`temperature` (default 1), `top_p`, `n`, `stop` (a string or a list), `seed`,
+`presence_penalty`, `frequency_penalty`, `stream`, `stream_options: {"include_usage"}`
+(with `stream: true` only), `logit_bias` ({"token id": value in [-100, 100]}), and
+vLLM's `top_k` (-1 or 0: off), `min_p`, `repetition_penalty`, `ignore_eos`,
+`stop_token_ids`, `min_tokens`, `cache_salt`, `include_stop_str_in_output`,
+`skip_special_tokens`, `truncate_prompt_tokens` (the last K prompt tokens),
+`return_token_ids` (a boolean, as in vLLM: each choice gets `token_ids`, its generated
+token ids, and completions choices `prompt_token_ids`; a chat answer has
+`prompt_token_ids` beside its choices). Logprobs: completions take `logprobs: K` and
+answer `{tokens, token_logprobs, top_logprobs, text_offset}` (offsets into the
 completion text; as OpenAI's, each `top_logprobs` has the K most likely tokens and the
 sampled one, so K + 1 when it is not among them); chat takes `logprobs: true` with
 `top_logprobs: K` and answers `{content: [{token, logprob, bytes, top_logprobs}]}` (the
 K most likely only); K <= 20; all are the model's raw log-probabilities (before
-temperature and truncation). Each prompt of a
-completions batch is one engine request; choice `i * n + j` is completion j of prompt i.
+temperature and truncation). Each prompt of a completions batch is one engine request;
+choice `i * n + j` is completion j of prompt i.
 `finish_reason` is "stop" (EOS, a stop string or a stop token) or "length". Errors are
 OpenAI's `{"error": {message, type, param, code}}`: 400 for a bad field (the message
 names the value; a field of the wrong JSON type is bad), a prompt too long for

@@ -617,3 +617,16 @@ def test_logprobs_decode_each_candidate_once_after_one_context_decode(chat):
         assert got["tokens"] == [name(t, b) for t, b in zip(gen, befores, strict=True)]
         for t, e, b, top in zip(gen, entries, befores, got["top_logprobs"], strict=True):
             assert set(top) == {name(u, b) for u, _ in [*api._top(e, k), (t, e[t])]}
+
+
+def test_an_explicit_null_max_tokens_fills_each_prompts_room():
+    """As vLLM's completions: max_tokens null (not left out: 16) is the room each prompt
+    leaves, capped by the checkpoint's max_tokens; it is never a too-long 400."""
+    long = "a" * (MAX_LEN - 8)
+    j = job(dict(prompt=["hi", long], max_tokens=None))
+    assert j.params.max_tokens is None
+    assert job(dict(prompt="hi")).params.max_tokens == 16
+    kw = dict(chat=False, model_name="tiny", tokenizer=TOK, vocab_size=VOCAB, max_model_len=MAX_LEN)
+    body = dict(prompt=long, max_tokens=None)
+    assert api.parse_job(body, **kw, defaults=dict(max_tokens=20)).params.max_tokens == 20
+    raises_400(job, dict(prompt=long), words="max_tokens=16", param="max_tokens")
