@@ -77,6 +77,7 @@ from pagedjax.resources import (
     load_model,
     peak_device_memory,
     plan_num_pages,
+    source_config,
 )
 from pagedjax.scheduler import Scheduler
 from pagedjax.sequence import Sequence as Seq
@@ -207,9 +208,10 @@ class LLM:
         gen_dir = checkpoint_dir(checkpoint_or_config) if generation_config == "auto" else None
         # (read before the weights: a bad value is named before a checkpoint loads)
         self.sampling_defaults = {} if gen_dir is None else generation_config_defaults(gen_dir)
-        mesh = None  # checked before loading anything: an int, and that many devices
+        mesh = None  # checked before loading anything: an int, that many devices, and
+        # (from the config alone) that the model splits that many ways
         if type(tensor_parallel) is not int or tensor_parallel != 1:  # 1.0 was taken as 1
-            mesh = sharding.make_mesh(tensor_parallel)
+            mesh = sharding.make_mesh(tensor_parallel, source_config(checkpoint_or_config))
         with sharding.host_staging() if mesh is not None else contextlib.nullcontext():
             cfg, params, tok, self.model_source = load_model(
                 checkpoint_or_config, dtype=dtype, seed=int(seed)

@@ -84,6 +84,19 @@ def checkpoint_dir(source) -> Path | None:
     return Path(source) if isinstance(source, (str, Path)) else None
 
 
+def source_config(source) -> ModelConfig | None:
+    """The `ModelConfig` `load_model(source)` loads, read without the weights (None for
+    a source it refuses): what `LLM` checks its arguments against before loading."""
+    if isinstance(source, ModelConfig):
+        return source
+    if isinstance(source, model_lib.Params):
+        return source.config
+    path = checkpoint_dir(source) if source is None or isinstance(source, (str, Path)) else None
+    if path is None:
+        return preset("tiny") if source is None else None
+    return weights.read_checkpoint_config(path)
+
+
 def generation_config_defaults(directory) -> dict:
     """`SamplingParams` defaults from `directory`'s generation_config.json, as vLLM's
     `--generation-config auto` takes them.

@@ -78,6 +78,7 @@ __all__ = [
     "load_checkpoint",
     "load_hf_checkpoint",
     "path_to_hf",
+    "read_checkpoint_config",
     "read_orbax_config",
     "restore_params",
     "save_hf_checkpoint",
@@ -576,6 +577,14 @@ def _checkpoint_dir(path) -> Path:
     if not root.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {root}")
     return root
+
+
+def read_checkpoint_config(path) -> ModelConfig:
+    """The config of either kind of checkpoint directory, read without its weights (in
+    the dtype it loads in by default)."""
+    if checkpoint_format(path) == "hf":
+        return ModelConfig.from_hf(read_json_object(Path(path) / CONFIG_FILE))
+    return read_orbax_config(path)
 
 
 def load_checkpoint(path, *, dtype=None) -> tuple[ModelConfig, Params]:

@@ -369,6 +369,26 @@ def test_llm_tensor_parallel_argument(engine_params, engine_dense):
     engine_tests.check_clean(llm)
 
 
+def test_llm_checks_the_split_before_loading_the_weights(tmp_path, monkeypatch):
+    """A tensor_parallel the model cannot split (3 of 4 heads) was refused only after the
+    weights were loaded (minutes and host memory for a large checkpoint); it is read
+    from the checkpoint's config, for either kind of checkpoint."""
+    from pagedjax import engine, weights
+
+    cfg = engine_tests.TINY
+    hf, orbax = tmp_path / "hf", tmp_path / "orbax"
+    weights.save_hf_checkpoint(engine_tests.random_params(), cfg, hf)
+    weights.save_params(engine_tests.random_params(), orbax)
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded the weights before checking tensor_parallel")
+
+    monkeypatch.setattr(engine, "load_model", no_load)
+    for source in (hf, str(orbax), cfg):
+        with pytest.raises(ValueError, match=r"tensor_parallel=3 must divide .* num_heads=4"):
+            LLM(source, tensor_parallel=3, **engine_tests.GEOMETRY)
+
+
 @pytest.mark.slow
 def test_generate_script_tensor_parallel_4_matches_1(tmp_path, capsys):
     """scripts/generate.py --tensor-parallel 4: same greedy tokens as on one device."""
