@@ -29,7 +29,9 @@ from pagedjax.blocks import BlockManager
 from pagedjax.sequence import StepPlan
 from pagedjax.step_input import pack_bias, pack_copies, pack_penalties
 
-__all__ = ["StepBatch", "TokenHistory", "request_bias"]
+__all__ = ["StepBatch", "TokenHistory", "bad_word_bans", "request_allowed", "request_bias"]
+
+_NO_BIAS = (np.zeros(0, np.int32), np.zeros(0, np.float32))
 
 
 class TokenHistory:
@@ -103,7 +105,9 @@ class StepBatch:
         self.token_src = np.full(t, -1, np.int32)
         self.prompt_top_k = 0
         self.penalised = []  # rows with penalties, packed in `finish` (histories grow)
-        self.biased = []  # rows with a logit bias or min_tokens, packed in `finish`
+        # Rows with a logit bias, min_tokens, allowed_token_ids or bad_words, packed in
+        # `finish` (a bad word's ban depends on the tokens before).
+        self.biased = []
         # Per-row values go through Python lists and one numpy assignment each: a numpy
         # scalar store costs about as much as building the list entry, so at B=256 this
         # halves the packing time.
@@ -129,7 +133,11 @@ class StepBatch:
                 min_p.append(params.min_p)
                 if params.penalised:
                     self.penalised.append(i)
-                if r.group.request.banned is not None:
+                if (
+                    r.group.request.banned is not None
+                    or params.allowed_token_ids is not None
+                    or params.bad_words
+                ):
                     self.biased.append(i)
                 seeds.append(r.seq.seed)
                 steps.append(r.start + q - r.seq.num_prompt_tokens)
@@ -284,31 +292,67 @@ class StepBatch:
         return pack_penalties(rows, len(self.temperature), self.min_history)
 
     def _bias(self, plan: StepPlan):
-        """The biased rows' logit bias, with the stop tokens banned for rows that draw
-        one of their first min_tokens tokens."""
+        """The biased rows' logit bias (with the stop tokens banned for rows that draw one
+        of their first min_tokens tokens), the bans of their bad words of several tokens
+        (`bad_word_bans`) and their allowed tokens."""
         rows = []
         for i in self.biased:
             r = plan.rows[i]
-            if r.seq is None:
+            s = r.seq
+            if s is None:
                 continue
             req = r.group.request
-            arrays = req.banned if self.steps[i] < req.params.min_tokens else req.bias
-            if arrays is not None:
-                rows.append((i, *arrays))
+            p = req.params
+            arrays = req.banned if self.steps[i] < p.min_tokens else req.bias
+            ids, values = _NO_BIAS if arrays is None else arrays
+            after = None
+            if p.bad_words:
+                last = r.start + r.num_tokens - 1
+                pairs = bad_word_bans(req.bad_words, s.token_ids, last, s.num_prompt_tokens)
+                if pairs:
+                    prev, banned = np.array(pairs, np.int32).T
+                    after = np.concatenate([np.full(len(ids), -1, np.int32), prev])
+                    ids = np.concatenate([ids, banned])
+                    values = np.concatenate([values, np.full(len(banned), -np.inf, np.float32)])
+            allowed = req.allowed if p.allowed_token_ids is not None else None
+            if len(ids) or allowed is not None:
+                rows.append((i, ids, values, after, allowed))
         return pack_bias(rows, len(self.temperature))
 
 
-def request_bias(params, stop_ids, vocab_size: int):
-    """A request's (bias, banned) arrays (see `outputs.Request`), or (None, None) when it
-    has neither a logit bias nor min_tokens; ValueError for ids outside the vocabulary."""
+def bad_word_bans(
+    words: list[tuple[int, ...]], token_ids: list[int], last: int, num_prompt: int
+) -> list[tuple[int, int]]:
+    """(previous token, banned token) pairs of a sequence's bad words of several tokens
+    for the token after position `last`, as vLLM's: a word w bans w[-1] where the
+    generated tokens (not the prompt) end with w[:-1].
+
+    The host checks w[:-2] against the tokens before `last`; the device checks w[-2]
+    against the token at `last` (`LogitBias.after`), which may still be on the device
+    (`token_ids` may end before it).
+    """
+    generated = last - num_prompt  # generated tokens before `last` (< 0: it is a prompt token)
+    out = []
+    for w in words:
+        k = len(w) - 2
+        if k <= generated and (k == 0 or tuple(token_ids[last - k : last]) == w[:-2]):
+            out.append((w[-2], w[-1]))
+    return out
+
+
+def request_bias(params, stop_ids, vocab_size: int, bans=()):
+    """A request's (bias, banned) arrays (see `outputs.Request`), or (None, None) when
+    it has no logit bias, no min_tokens and no `bans` (tokens never drawn: its bad words
+    of one token); ValueError for logit bias ids outside the vocabulary."""
     bias = dict(params.logit_bias or {})
-    if not bias and not params.min_tokens:
+    if not bias and not params.min_tokens and not bans:
         return None, None
     bad = [t for t in bias if t >= vocab_size]
     if bad:
         raise ValueError(
             f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
         )
+    bias |= dict.fromkeys(bans, float("-inf"))
 
     def arrays(d):
         if not d:
@@ -319,3 +363,29 @@ def request_bias(params, stop_ids, vocab_size: int):
     # fit the int32 arrays).
     stops = (t for t in stop_ids if t < vocab_size)
     return arrays(bias), arrays(bias | dict.fromkeys(stops, float("-inf")))
+
+
+def request_allowed(params, stop_ids, vocab_size: int, bans=()) -> np.ndarray | None:
+    """A request's allowed_token_ids as distinct int32 ids, or None without them.
+
+    Raises:
+      ValueError: ids outside the vocabulary, or none left to draw once `bans` (its bad
+        words of one token) and, with min_tokens, its stop tokens are taken out.
+    """
+    ids = params.allowed_token_ids
+    if ids is None:
+        return None
+    bad = sorted({t for t in ids if t >= vocab_size})
+    if bad:
+        raise ValueError(
+            f"allowed_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+        )
+    distinct = set(ids)
+    m = params.min_tokens
+    if not distinct - set(bans) - (set(stop_ids) if m else set()):
+        stops = f" or, before min_tokens={m}, a stop token" if m else ""
+        raise ValueError(
+            f"allowed_token_ids={sorted(distinct)[:8]} leave no token to draw: each is a "
+            f"bad word{stops}"
+        )
+    return np.array(sorted(distinct), np.int32)

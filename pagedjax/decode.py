@@ -282,6 +282,9 @@ def _step(
     if inp.penalties is not None and inp.feed is not None:
         li = inp.logits_indices
         fed = jnp.where(inp.token_src[li] >= 0, token_ids[li], -1)
+    last = None  # conditional biases (bad words): each row's last token, fed ones included
+    if inp.logit_bias is not None and inp.logit_bias.after is not None:
+        last = token_ids[inp.logits_indices]
     tokens, logprobs = sampling.sample(
         logits,
         inp.temperature,
@@ -293,6 +296,7 @@ def _step(
         penalties=inp.penalties,
         extra_ids=fed,
         bias=inp.logit_bias,
+        last_ids=last,
     )
     top_ids = top_lp = None
     if num_top_logprobs:

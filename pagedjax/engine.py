@@ -63,13 +63,19 @@ import jax
 import numpy as np
 
 from pagedjax import decode, planner, recovery, sharding
-from pagedjax.batch import StepBatch, request_bias
+from pagedjax.batch import StepBatch, request_allowed, request_bias
 from pagedjax.beam import BeamSearch
 from pagedjax.blocks import BlockManager
 from pagedjax.config import CacheConfig, dtype_name
 from pagedjax.metrics import EngineMetrics, StepRecord
 from pagedjax.outputs import OutputProcessor, Request
-from pagedjax.request import CompletionOutput, RequestOutput, SamplingParams, encode_prompt
+from pagedjax.request import (
+    CompletionOutput,
+    RequestOutput,
+    SamplingParams,
+    encode_bad_words,
+    encode_prompt,
+)
 from pagedjax.resources import (
     check_backend,
     checkpoint_dir,
@@ -342,13 +348,19 @@ class LLM:
         params `_params` resolved."""
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
+        vocab = self.config.vocab_size
+        words = (
+            encode_bad_words(params.bad_words, self.tokenizer, vocab) if params.bad_words else []
+        )
+        ones = [w[0] for w in words if len(w) == 1]  # banned everywhere: in the bias
         stop_ids = self.stop_ids(params)
         self.scheduler.check_seats(  # before building n sequences (n=10**9)
             max(params.n, params.beam_width),
             request_id,
             f" (n={params.n}, beam_width={params.beam_width})",
         )
-        bias, banned = request_bias(params, stop_ids, self.config.vocab_size)
+        bias, banned = request_bias(params, stop_ids, vocab, ones)
+        allowed = request_allowed(params, stop_ids, vocab, ones)
         if request_id is None:  # a counter's id that no queued or collected request has
             rid = str(next(self._ids))
             while self.scheduler.get(rid) is not None or rid in self._collect:
@@ -390,6 +402,8 @@ class LLM:
             )
         group.request = Request(rid, text, ids, params, stop_ids, group, beam, perf_counter())
         group.request.bias, group.request.banned = bias, banned
+        group.request.allowed = allowed
+        group.request.bad_words = [w for w in words if len(w) > 1]
         if params.prompt_logprobs is not None:
             group.request.prompt_logprobs = [None] * p
             group.request.prompt_logprobs_missing = p - 1

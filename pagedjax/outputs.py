@@ -46,10 +46,15 @@ class Request:
     # token never has one), and how many are still to come.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprobs_missing: int = 0
-    # logit_bias / min_tokens: (ids, values) arrays of its logit bias, and of the bias
-    # with every stop token banned (before min_tokens tokens); None: no bias.
+    # logit_bias / min_tokens / bad_words: (ids, values) arrays of its logit bias (bad
+    # words of one token at -inf), and of that with every stop token banned (before
+    # min_tokens tokens); None: no bias.
     bias: tuple[np.ndarray, np.ndarray] | None = None
     banned: tuple[np.ndarray, np.ndarray] | None = None
+    # allowed_token_ids: its distinct ids, int32. bad_words: the token sequences of more
+    # than one token (those of one token are banned in `bias` and `banned`).
+    allowed: np.ndarray | None = None
+    bad_words: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
 
 
 class OutputProcessor:

@@ -20,6 +20,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "check_truncation",
+    "encode_bad_words",
     "encode_prompt",
 ]
 
@@ -84,6 +85,17 @@ class SamplingParams:
         prompt's BOS, which the tokenizer adds, stays first: BOS and the last k - 1, as
         HF's left truncation keeps the special tokens it adds). `RequestOutput`'s
         prompt_token_ids are the kept ones. k > max_model_len is refused (ValueError).
+      allowed_token_ids: None, or the only tokens that can be drawn (a non-empty list of
+        ints >= 0; ids past the vocabulary are refused when the request is added): every
+        other logit is -inf before sampling, greedy included, stop tokens too (an EOS
+        outside the list never ends a completion), as vLLM's. Not with beam search.
+      bad_words: None, or words never generated (needs a tokenizer), as vLLM's: each,
+        its leading whitespace stripped, is tokenized without special tokens, and again
+        after one space when that gives another first token and as many tokens
+        (`encode_bad_words`). A word of one token is never drawn; a longer word's last
+        token is not drawn where the tokens generated so far (not the prompt) end with
+        the rest of it. Not with beam search.
+        Both leave the returned logprobs the raw distribution's.
     """
 
     n: int = 1
@@ -109,6 +121,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] | None = None
 
     @property
     def penalised(self) -> bool:
@@ -204,6 +218,18 @@ class SamplingParams:
             raise ValueError(
                 "min_tokens and logit_bias are not supported with beam search, got "
                 f"min_tokens={m}, logit_bias={self.logit_bias!r:.60}"
+            )
+        if self.allowed_token_ids is not None:
+            object.__setattr__(
+                self, "allowed_token_ids", _check_allowed_ids(self.allowed_token_ids)
+            )
+        if self.bad_words is not None:
+            object.__setattr__(self, "bad_words", _check_bad_words(self.bad_words))
+        if self.beam_width > 1 and (self.allowed_token_ids is not None or self.bad_words):
+            raise ValueError(
+                "allowed_token_ids and bad_words are not supported with beam search, got "
+                f"allowed_token_ids={self.allowed_token_ids!r:.60}, "
+                f"bad_words={self.bad_words!r:.60}"
             )
         if self.beam_width > 1 and self.penalised:
             raise ValueError(
@@ -322,6 +348,65 @@ def _check_logit_bias(bias) -> dict[int, float]:
             )
         out[int(tok)] = float(value)
     return out
+
+
+def _check_allowed_ids(ids) -> tuple[int, ...]:
+    """`allowed_token_ids` as a tuple of ints, validated (ValueError naming it)."""
+    what = "allowed_token_ids must be a non-empty list of token ids (ints >= 0), got"
+    if isinstance(ids, (str, bytes, Mapping)):  # ids as characters, or a dict's keys
+        raise ValueError(f"{what} allowed_token_ids={ids!r:.80}")
+    out = _as_tuple(ids, "allowed_token_ids", "a non-empty list of token ids (ints >= 0)")
+    if not out:
+        raise ValueError(f"{what} allowed_token_ids={ids!r:.80}")
+    for i in out:
+        if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or i < 0:
+            raise ValueError(f"{what} {i!r:.40} in allowed_token_ids={ids!r:.80}")
+    return tuple(int(i) for i in out)
+
+
+def _check_bad_words(words) -> tuple[str, ...] | None:
+    """`bad_words` as a tuple of strs (None for none), validated (ValueError naming the
+    bad entry)."""
+    if isinstance(words, (str, bytes, Mapping)):  # a str would be one word per character
+        raise ValueError(f"bad_words must be a list of strs, got bad_words={words!r:.80}")
+    out = _as_tuple(words, "bad_words", "a list of strs")
+    for w in out:
+        if not isinstance(w, str) or not w.strip():
+            raise ValueError(
+                f"bad_words must be strings with a non-space character, got {w!r:.80} in "
+                f"bad_words={words!r:.80}"
+            )
+    return out or None
+
+
+def encode_bad_words(words: Sequence[str], tokenizer, vocab_size: int) -> list[tuple[int, ...]]:
+    """The token sequences `SamplingParams.bad_words` ban, as vLLM's
+    `update_from_tokenizer`: each word with its leading whitespace stripped, tokenized
+    without special tokens, then with one space before it when that encodes to another
+    first token and as many tokens (the word inside a text, for tokenizers that fold the
+    space into the word's first token). Duplicates are dropped, order kept.
+
+    Raises:
+      ValueError: no tokenizer, a word that encodes to no tokens, or to ids outside the
+        vocabulary [0, vocab_size).
+    """
+    if tokenizer is None:
+        raise ValueError("bad_words need a tokenizer; this model has none")
+    out = {}
+    for word in words:
+        ids = tuple(tokenizer.encode(word.lstrip(), add_bos=False))
+        if not ids:
+            raise ValueError(f"bad_words entry {word!r:.80} encodes to no tokens")
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_bos=False))
+        for seq in (ids, spaced) if len(spaced) == len(ids) and spaced[0] != ids[0] else (ids,):
+            bad = [t for t in seq if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(
+                    f"bad_words entry {word!r:.80} encodes to token ids {bad[:5]} outside "
+                    f"the vocabulary [0, {vocab_size})"
+                )
+            out[seq] = None
+    return list(out)
 
 
 def encode_prompt(

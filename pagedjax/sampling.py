@@ -16,7 +16,10 @@ jitted step serves requests with different sampling settings:
   depends only on (its seed, i), not on which other requests share the batch.
 * A logit bias (`LogitBias`, optional) is added to the logits first, greedy rows
   included: per row, a few token ids and the values added to their logits (-inf bans
-  a token; the engine's `min_tokens` bans the stop tokens this way).
+  a token; the engine's `min_tokens` bans the stop tokens this way), each value
+  optionally only where the row's last token (the one fed before the drawn token) is
+  a given one (the engine's multi-token bad words); and optionally the only tokens a
+  row may draw (allowed_token_ids: every other logit -inf).
 * Penalties (`Penalties`, optional), on the logits before everything above but the
   bias, greedy rows included, with the conventions of vLLM and the OpenAI API: a token seen in the
   row's prompt or output has its logit divided by `repetition[b]` when positive and
@@ -64,19 +67,54 @@ class Penalties:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class LogitBias:
-    """Per-row sparse additions to the logits: `values[b, j]` is added to token
-    `ids[b, j]` (-1: padding; ids are distinct within a row)."""
+    """Per-row sparse additions to the logits, and per-row allowed tokens.
+
+    `values[b, j]` is added to token `ids[b, j]` (-1: padding; an id repeated in a row
+    gets the sum), where `after[b, j]` is -1 or the row's last token (`after` None:
+    everywhere). Rows of `allowed` holding an id >= 0 may draw only those tokens (-1:
+    padding; a row of -1 only: any token).
+    """
 
     ids: jax.Array  # [B, K] int32
     values: jax.Array  # [B, K] float32 (-inf bans)
+    after: jax.Array | None = None  # [B, K] int32 (-1: always)
+    allowed: jax.Array | None = None  # [B, A] int32
 
 
-def apply_bias(logits, bias: LogitBias):
-    """logits [B, V] float -> [B, V] float32 with the bias added."""
+def apply_bias(logits, bias: LogitBias, last_ids=None):
+    """The biased logits.
+
+    Args:
+      logits: [B, V] float.
+      bias: the rows' biases.
+      last_ids: [B] int32 each row's last token, which `bias.after` is compared with
+        (needed when `bias.after` is given).
+
+    Returns:
+      [B, V] float32: the logits with the bias added, and -inf outside each row's
+      allowed tokens.
+    """
     x = logits.astype(jnp.float32)
     b, v = x.shape
+    rows = jnp.arange(b)[:, None]
+    values = bias.values
+    if bias.after is not None:
+        if last_ids is None:
+            raise ValueError("a LogitBias with `after` needs the rows' last_ids")
+        applies = (bias.after < 0) | (bias.after == last_ids[:, None])
+        values = jnp.where(applies, values, 0.0)
     ids = jnp.where(bias.ids >= 0, bias.ids, v)  # padding scatters out of range: dropped
-    return x.at[jnp.arange(b)[:, None], ids].add(bias.values, mode="drop")
+    x = x.at[rows, ids].add(values, mode="drop")
+    if bias.allowed is not None:
+        allowed = bias.allowed
+        keep = (
+            jnp.zeros((b, v), bool)
+            .at[rows, jnp.where(allowed >= 0, allowed, v)]
+            .set(True, mode="drop")
+        )
+        keep = keep | (allowed < 0).all(axis=1)[:, None]
+        x = jnp.where(keep, x, _NEG_INF)
+    return x
 
 
 def apply_penalties(logits, pen: Penalties, extra_ids=None):
@@ -184,6 +222,7 @@ def sample(
     penalties=None,
     extra_ids=None,
     bias=None,
+    last_ids=None,
 ):
     """Draws one token per row.
 
@@ -198,12 +237,13 @@ def sample(
       penalties: `Penalties`, or None: off for every row.
       extra_ids: with penalties, [B] int32 one more generated token per row (-1: none).
       bias: `LogitBias`, or None: no bias on any row.
+      last_ids: [B] int32 each row's last fed token, for `bias.after`.
 
     Returns:
       (tokens [B] int32, logprobs [B] float32 of those tokens under the raw logits).
     """
     raw = logits.astype(jnp.float32)
-    logits = raw if bias is None else apply_bias(raw, bias)
+    logits = raw if bias is None else apply_bias(raw, bias, last_ids)
     if penalties is not None:
         logits = apply_penalties(logits, penalties, extra_ids)
     # argmax picks a NaN, and a neighbour's truncation (which masks it) would change the

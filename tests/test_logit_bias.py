@@ -1,10 +1,13 @@
-"""logit_bias and min_tokens against dense logits biased in numpy.
+"""logit_bias, min_tokens and allowed_token_ids against dense logits biased in numpy.
 
 The sampler's `apply_bias` against numpy; then `decode.generate` and the engine
 (synchronous and asynchronous steps, chunked prefill) against dense no-cache greedy
 decoding of logits with the bias added and, before `min_tokens` new tokens, every stop
-token banned.
+token banned; allowed_token_ids against the dense logits masked outside the allowed
+tokens, decoded greedily or by the sampler.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +42,40 @@ def test_apply_bias_matches_numpy():
     assert np.isneginf(np.asarray(got)).sum() == sum((ids[i] >= 0).any() for i in range(b))
 
 
+def test_apply_bias_with_conditions_and_allowed_tokens_matches_numpy():
+    """Entries that apply only after a given last token (bad words), repeated ids (their
+    values add up), and rows that may draw only their allowed tokens."""
+    rng = np.random.default_rng(1)
+    b, v, k, a = 6, 40, 8, 8
+    logits = rng.normal(size=(b, v)).astype(np.float32)
+    ids = rng.integers(-1, v, (b, k)).astype(np.int32)
+    ids[:, :2] = 5  # a repeated id
+    values = rng.normal(size=(b, k)).astype(np.float32) * 5
+    values[:, 3] = -np.inf
+    last = rng.integers(0, 4, b).astype(np.int32)
+    after = rng.integers(-1, 4, (b, k)).astype(np.int32)
+    allowed = np.full((b, a), -1, np.int32)
+    for i in (1, 3, 4):
+        allowed[i, : i + 1] = rng.choice(v, i + 1, replace=False)
+    allowed[4, 2] = allowed[4, 0]  # a repeated allowed id
+    want = logits.astype(np.float64).copy()
+    for i in range(b):
+        for j in range(k):
+            if ids[i, j] >= 0 and after[i, j] in (-1, last[i]):
+                want[i, ids[i, j]] += values[i, j]
+        if (allowed[i] >= 0).any():
+            out = np.ones(v, bool)
+            out[allowed[i][allowed[i] >= 0]] = False
+            want[i, out] = -np.inf
+    bias = sampling.LogitBias(ids, values, after, allowed)
+    got = np.asarray(jax.jit(sampling.apply_bias)(jnp.asarray(logits), bias, last))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    holds, fails = after == last[:, None], (after >= 0) & (after != last[:, None])
+    assert (holds & (ids >= 0)).any() and (fails & (ids >= 0)).any()  # both kinds tested
+    with pytest.raises(ValueError, match="needs the rows' last_ids"):
+        sampling.apply_bias(jnp.asarray(logits), bias)
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
@@ -52,6 +89,12 @@ def test_apply_bias_matches_numpy():
         (dict(logit_bias=[(3, 1.0)]), "must be a mapping"),
         (dict(beam_width=2, min_tokens=2), "not supported with beam search"),
         (dict(beam_width=2, logit_bias={1: 1.0}), "not supported with beam search"),
+        (dict(allowed_token_ids=[]), r"non-empty list of token ids.*allowed_token_ids=\[\]"),
+        (dict(allowed_token_ids=[3, -2]), r"got -2 in allowed_token_ids=\[3, -2\]"),
+        (dict(allowed_token_ids=[3, 4.0]), r"got 4.0 in allowed_token_ids"),
+        (dict(allowed_token_ids=["3"]), r"got '3' in allowed_token_ids"),
+        (dict(allowed_token_ids=5), "allowed_token_ids=5"),
+        (dict(beam_width=2, allowed_token_ids=[3]), r"beam search, got allowed_token_ids=\(3,\)"),
     ],
 )
 def test_bad_params_are_rejected(kwargs, match):
@@ -177,6 +220,103 @@ def test_engine_bias_and_min_tokens_equal_dense(params, dense, async_scheduling)
     entry = outs[2].outputs[0].logprobs[0]
     assert want[2][0] in (7, 11) and raw.argmax() != want[2][0]  # the bias chose it
     np.testing.assert_allclose(entry[want[2][0]], raw[want[2][0]], rtol=1e-5)
+
+
+def dense_allowed(dense, prompts, sps, eos=2):
+    """Continuations of dense logits with each request's bias added, every token outside
+    its allowed_token_ids at -inf and, before min_tokens, EOS too; greedy, or drawn by
+    the sampler with the request's seed."""
+    sample = jax.jit(sampling.sample)
+    outs = [[] for _ in prompts]
+    active = list(range(len(prompts)))
+    while active:
+        rows = dense([prompts[i] + outs[i] for i in active])
+        for i, row in zip(list(active), rows, strict=True):
+            sp, row = sps[i], row.copy()
+            for t, value in (sp.logit_bias or {}).items():
+                row[t] += value
+            keep = np.zeros(row.size, bool)
+            keep[list(sp.allowed_token_ids)] = True
+            row[~keep] = -np.inf
+            if len(outs[i]) < sp.min_tokens:
+                row[eos] = -np.inf
+            tok = int(np.argmax(row))
+            if sp.temperature > 0:
+                drawn, _ = sample(
+                    jnp.asarray(row[None], jnp.float32),
+                    jnp.full(1, sp.temperature, jnp.float32),
+                    jnp.zeros(1, jnp.int32),
+                    jnp.ones(1, jnp.float32),
+                    jnp.asarray([sp.seed], jnp.uint32),
+                    jnp.asarray([len(outs[i])], jnp.int32),
+                )
+                tok = int(drawn[0])
+            outs[i].append(tok)
+            if tok == eos or len(outs[i]) >= sp.max_tokens:
+                active.remove(i)
+    return outs
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_allowed_token_ids_equal_masked_dense(params, dense, async_scheduling):
+    """Greedy and seeded rows draw only their allowed tokens, as the masked dense logits
+    decide: an EOS that the bias makes the likeliest but is not allowed never ends a
+    row, one allowed token is forced, and min_tokens defers an allowed EOS."""
+    llm = LLM(params, max_num_batched_tokens=11, async_scheduling=async_scheduling, **GEOMETRY)
+    prompts = prompts_()
+    rng = np.random.default_rng(1)
+    pick = [rng.choice(np.arange(3, 256), n, replace=False).tolist() for n in (6, 20, 3)]
+    eos = {2: 100.0}
+    sps = [
+        SamplingParams(temperature=0.0, max_tokens=8, logit_bias=eos, allowed_token_ids=pick[0]),
+        SamplingParams(temperature=0.0, max_tokens=8, allowed_token_ids=[77]),
+        SamplingParams(temperature=1.0, seed=11, max_tokens=8, allowed_token_ids=pick[1]),
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=8,
+            logit_bias=eos,
+            min_tokens=3,
+            allowed_token_ids=[2, *pick[2]],
+            logprobs=0,
+        ),
+    ]
+    outs = [o.outputs[0] for o in llm.generate(prompts, sps)]
+    want = dense_allowed(dense, prompts, sps)
+    assert [c.token_ids for c in outs] == want
+    for c, sp in zip(outs, sps, strict=True):
+        assert set(c.token_ids) <= set(sp.allowed_token_ids)
+    assert (outs[0].finish_reason, len(want[0])) == ("length", 8)  # EOS never drawn
+    unmasked = dataclasses.replace(sps[0], allowed_token_ids=None)
+    assert llm.generate([prompts[0]], unmasked)[0].outputs[0].token_ids == [2]
+    assert want[1] == [77] * 8
+    assert (outs[3].finish_reason, len(want[3]), want[3][-1]) == ("stop", 4, 2)
+    assert len(set(want[2])) > 3  # sampled among the allowed tokens
+    # Logprobs stay the raw distribution's.
+    raw = np.asarray(jax.nn.log_softmax(jnp.asarray(dense([prompts[3]]))))[0]
+    assert raw.argmax() != want[3][0]
+    np.testing.assert_allclose(outs[3].logprobs[0][want[3][0]], raw[want[3][0]], rtol=1e-5)
+
+
+def test_engine_checks_allowed_token_ids_against_the_model(params):
+    llm = LLM(params, **GEOMETRY)
+    before = decode.compile_counts()
+    for sp, match in (
+        (SamplingParams(allowed_token_ids=[5, 300, 256]), r"allowed_token_ids \[256, 300\] are"),
+        (
+            SamplingParams(allowed_token_ids=[65, 66], bad_words=["A", "B"]),
+            r"allowed_token_ids=\[65, 66\] leave no token to draw: each is a bad word$",
+        ),
+        (
+            SamplingParams(allowed_token_ids=[2, 65], bad_words=["A"], min_tokens=1),
+            "before min_tokens=1, a stop token",
+        ),
+    ):
+        with pytest.raises(ValueError, match=match):
+            llm.add_request([5, 6], sp)
+    assert not llm.has_unfinished_requests() and decode.compile_counts() == before
+    llm.add_request([5, 6], SamplingParams(allowed_token_ids=[2, 65], min_tokens=1))
+    llm.add_request([5, 6], SamplingParams(allowed_token_ids=[2, 65], bad_words=["A"]))
+    assert llm.has_unfinished_requests()
 
 
 def test_engine_rejects_out_of_vocab_bias_before_queueing(params):

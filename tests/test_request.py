@@ -130,6 +130,8 @@ RANGES = {
     "repetition_penalty": ([1e-9], [0.0]),
     "ignore_eos": ([True], [1]),
     "cache_salt": (["s"], [5]),
+    "allowed_token_ids": ([[0]], [[], [-1], [True], [1.0], "ab"]),
+    "bad_words": ([["x"], [" x "], []], [[""], [" "], [5], "x"]),
 }
 EDGES = [
     (k, v, ok) for k, (good, bad) in RANGES.items() for ok, vs in ((1, good), (0, bad)) for v in vs
@@ -157,6 +159,8 @@ BEAM_REFUSES = [
     dict(presence_penalty=0.5),
     dict(frequency_penalty=0.5),
     dict(n=3),
+    dict(allowed_token_ids=[3]),
+    dict(bad_words=["x"]),
 ]
 
 
@@ -178,6 +182,7 @@ def test_defaults_are_vllms_and_leave_every_option_off():
     assert (p.top_k, p.top_p, p.min_p, p.min_tokens) == (0, 1.0, 0.0, 0)
     assert (p.stop, p.stop_token_ids, p.ignore_eos, p.seed) == ((), (), False, None)
     assert (p.logprobs, p.prompt_logprobs, p.logit_bias, p.cache_salt) == (None,) * 4
+    assert (p.allowed_token_ids, p.bad_words) == (None, None)
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
     assert not p.penalised
 
@@ -195,6 +200,9 @@ def test_list_fields_are_stored_as_tuples_of_plain_values():
     assert p.stop_token_ids == (7, 3) and {type(i) for i in p.stop_token_ids} == {int}
     assert p.logit_bias == {4: 1.5, 5: 2.0}
     assert {(type(k), type(v)) for k, v in p.logit_bias.items()} == {(int, float)}
+    p = SamplingParams(allowed_token_ids=np.array([7, 3]), bad_words=["ab", "c"])
+    assert p.allowed_token_ids == (7, 3) and {type(i) for i in p.allowed_token_ids} == {int}
+    assert p.bad_words == ("ab", "c") and SamplingParams(bad_words=[]).bad_words is None
 
 
 class _BosTokenizer:
