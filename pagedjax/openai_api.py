@@ -32,7 +32,13 @@ import time
 import uuid
 from collections.abc import Mapping
 
-from pagedjax.request import MAX_LOGPROBS, SamplingParams, check_truncation, encode_prompt
+from pagedjax.request import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    check_truncation,
+    encode_bad_words,
+    encode_prompt,
+)
 from pagedjax.tokenizer import CONTEXT_IDS
 
 __all__ = [
@@ -74,6 +80,8 @@ SAMPLING_FIELDS = (
     "include_stop_str_in_output",
     "skip_special_tokens",
     "truncate_prompt_tokens",
+    "allowed_token_ids",
+    "bad_words",
 )
 
 
@@ -151,7 +159,8 @@ def parse_job(
       model_name: the served model; a body naming another is refused.
       tokenizer: the model's `Tokenizer`, or None (token id prompts only, no chat, no
         stop strings; choices carry their token ids).
-      vocab_size: the model's vocabulary size (token ids, logit_bias keys).
+      vocab_size: the model's vocabulary size (token ids, logit_bias keys,
+        allowed_token_ids, bad_words' tokens).
       max_model_len: the longest sequence; chat's default max_tokens fills it up.
       defaults: SamplingParams fields for those the body leaves out (the generation
         config's, `LLM.sampling_defaults`; see the module docstring), or None.
@@ -254,6 +263,11 @@ def parse_job(
     )
     if params.stop and tok is None:
         raise ApiError(400, "stop strings need a tokenizer; this model has none", "stop")
+    if params.bad_words:  # (the engine encodes them again; a 400 naming the field here)
+        try:
+            encode_bad_words(params.bad_words, tok, vocab_size)
+        except ValueError as e:
+            raise ApiError(400, str(e), "bad_words") from None
     for i, p in enumerate(ids):  # as vLLM: never cut max_tokens short without saying so
         if not fill and len(p) + params.max_tokens > max_model_len:
             where = f"prompt {i}: " if len(ids) > 1 else ""
@@ -309,6 +323,12 @@ def sampling_params(
             msg = f"stop_token_ids must be in [0, {vocab_size}), got {outside[:5]}"
             raise ApiError(400, msg, "stop_token_ids")
         kw["stop_token_ids"] = ids
+    allowed = body.get("allowed_token_ids")
+    if isinstance(allowed, list):  # (SamplingParams names what else is wrong with it)
+        outside = [t for t in allowed if isinstance(t, int) and t >= vocab_size]
+        if outside:
+            msg = f"allowed_token_ids must be in [0, {vocab_size}), got {outside[:5]}"
+            raise ApiError(400, msg, "allowed_token_ids")
     bias = body.get("logit_bias")
     if isinstance(bias, dict) and bias:  # JSON keys are strings; the engine wants ids
         kw["logit_bias"] = {}

@@ -27,6 +27,8 @@ Fields of both POSTs: `model` (optional; another name is a 404), `max_tokens` (d
 vLLM's `top_k` (-1 or 0: off), `min_p`, `repetition_penalty`, `ignore_eos`,
 `stop_token_ids`, `min_tokens`, `cache_salt`, `include_stop_str_in_output`,
 `skip_special_tokens`, `truncate_prompt_tokens` (the last K prompt tokens),
+`allowed_token_ids` (a list of token ids: only those can be drawn), `bad_words` (a list
+of strings never generated; needs a tokenizer),
 `return_token_ids` (a boolean, as in vLLM: each choice gets `token_ids`, its generated
 token ids, and completions choices `prompt_token_ids`; a chat answer has
 `prompt_token_ids` beside its choices). Logprobs: completions take `logprobs: K` and

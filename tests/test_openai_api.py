@@ -25,8 +25,8 @@ class CharTokenizer:
     chat_template_source = "the stand-in template"
     special_ids = frozenset()
 
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        return [ord(c) for c in text]  # (no BOS either way)
 
     def decode(self, ids, skip_special_tokens: bool = True, context=()) -> str:
         return "".join(map(chr, ids))  # one char a token: the context changes nothing
@@ -109,6 +109,16 @@ def raises_400(fn, *args, words: str, param: str | None = None, **kwargs) -> api
         (dict(truncate_prompt_tokens="3"), "truncate_prompt_tokens", "tokens='3'"),
         (dict(truncate_prompt_tokens=True), "truncate_prompt_tokens", "tokens=True"),
         (dict(truncate_prompt_tokens=MAX_LEN + 1), "truncate_prompt_tokens", "max_model_len"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids", "allowed_token_ids=[]"),
+        (dict(allowed_token_ids=[4, -1]), "allowed_token_ids", "-1 in allowed_token_ids"),
+        (dict(allowed_token_ids=[4, VOCAB]), "allowed_token_ids", f"got [{VOCAB}]"),
+        (dict(allowed_token_ids="3"), "allowed_token_ids", "allowed_token_ids='3'"),
+        (dict(allowed_token_ids=[True]), "allowed_token_ids", "True in allowed_token_ids"),
+        (dict(allowed_token_ids={"3": 1}), "allowed_token_ids", "{'3': 1}"),
+        (dict(bad_words="x"), "bad_words", "bad_words='x'"),
+        (dict(bad_words=["x", 5]), "bad_words", "got 5 in bad_words"),
+        (dict(bad_words=[""]), "bad_words", "got '' in bad_words"),
+        (dict(bad_words=["a\u0100"]), "bad_words", "'aĀ' encodes to token ids [256] outside"),
         # scripts/serve.py streams text decoded with special tokens skipped.
     ],
 )
@@ -292,6 +302,21 @@ def test_logprob_names_read_the_prompt_as_the_text_does_with_special_tokens_show
             j, api.response_head(j, "tiny"), {j.rids[0]: output(j.rids[0], [1], [c])}, tok
         )
         assert "".join(body["choices"][0]["logprobs"]["tokens"]) == text
+
+
+def test_allowed_token_ids_and_bad_words_reach_the_params():
+    body = dict(prompt="a", allowed_token_ids=[5, 3], bad_words=["ab", " c"])
+    params = job(body).params
+    assert params == SamplingParams(allowed_token_ids=(5, 3), bad_words=("ab", " c"))
+    for body in (dict(allowed_token_ids=None, bad_words=None), dict(bad_words=[])):
+        p = job(dict(prompt="a", **body)).params
+        assert (p.allowed_token_ids, p.bad_words) == (None, None)
+    e = raises_400(
+        job, dict(prompt=[1], bad_words=["x"]), tokenizer=None, words="need a tokenizer",
+        param="bad_words",
+    )  # fmt: skip
+    assert e.message == "bad_words need a tokenizer; this model has none"
+    assert job(dict(prompt=[1], allowed_token_ids=[7]), tokenizer=None).params.allowed_token_ids
 
 
 def test_return_token_ids_asks_for_the_ids():
