@@ -89,7 +89,8 @@ class ApiError(Exception):
     """An error answered as OpenAI's `{"error": {...}}` with an HTTP status.
 
     Args:
-      status: the HTTP status (< 500: the client's fault, "invalid_request_error").
+      status: the HTTP status (< 500, or 501 for what the server does not implement:
+        the client's request at fault, "invalid_request_error"; else "server_error").
       message: says what is wrong, naming the bad value.
       param: the request field at fault, if one is.
       code: OpenAI's error code, if any (e.g. "model_not_found").
@@ -101,7 +102,9 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         """The JSON error object."""
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        kind = (
+            "invalid_request_error" if self.status < 500 or self.status == 501 else "server_error"
+        )
         return dict(error=dict(message=self.message, type=kind, param=self.param, code=self.code))
 
 

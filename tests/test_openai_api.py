@@ -384,6 +384,8 @@ def test_int_field():
 def test_api_error_body():
     e = api.ApiError(503, "down")
     assert e.body() == dict(error=dict(message="down", type="server_error", param=None, code=None))
+    # A 501 answers what the client asked for (an unknown method, a Transfer-Encoding).
+    assert api.ApiError(501, "no").body()["error"]["type"] == "invalid_request_error"
 
 
 # ----------------------------------------------------------------------- responses
