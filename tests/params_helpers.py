@@ -32,6 +32,24 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> model.Params:
     return model.params_from_flat(cfg, flat)
 
 
+def dense_last_logits(params: model.Params, width: int = 64, dtype=np.float64):
+    """A reference for engine tests: seqs (lists of token ids, each <= `width` long) ->
+    [len(seqs), V] logits at each one's last token, from the dense model (jitted once)."""
+    import jax
+    import jax.numpy as jnp
+
+    fn = jax.jit(model.forward)
+
+    def last_logits(seqs):
+        buf = np.zeros((len(seqs), width), np.int32)
+        for j, s in enumerate(seqs):
+            buf[j, : len(s)] = s
+        logits = np.asarray(fn(params, jnp.asarray(buf)), dtype)
+        return np.stack([logits[j, len(s) - 1] for j, s in enumerate(seqs)])
+
+    return last_logits
+
+
 def write_tiny_checkpoint(path) -> None:
     """An HF checkpoint directory at `path`: the `tiny` preset with random weights
     (`model.init_params`, seed 3) and a byte-level tokenizer.json."""

@@ -17,7 +17,7 @@ import params_helpers
 import pytest
 import tokenizers
 
-from pagedjax import decode, model, resources, sampling
+from pagedjax import decode, resources, sampling
 from pagedjax.batch import bad_word_bans
 from pagedjax.config import PRESETS
 from pagedjax.engine import LLM, SamplingParams
@@ -36,16 +36,7 @@ def params():
 
 @pytest.fixture(scope="module")
 def dense(params):
-    fn = jax.jit(model.forward)
-
-    def last_logits(seqs):
-        buf = np.zeros((len(seqs), WIDTH), np.int32)
-        for j, s in enumerate(seqs):
-            buf[j, : len(s)] = s
-        logits = np.asarray(fn(params, jnp.asarray(buf)), np.float64)
-        return np.stack([logits[j, len(s) - 1] for j, s in enumerate(seqs)])
-
-    return last_logits
+    return params_helpers.dense_last_logits(params, WIDTH)
 
 
 def dense_banned(dense, prompts, max_tokens, words):

@@ -15,7 +15,7 @@ import numpy as np
 import params_helpers
 import pytest
 
-from pagedjax import decode, model, sampling
+from pagedjax import decode, sampling
 from pagedjax.config import PRESETS, CacheConfig
 from pagedjax.engine import LLM, SamplingParams
 
@@ -129,16 +129,7 @@ def params():
 
 @pytest.fixture(scope="module")
 def dense(params):
-    fn = jax.jit(model.forward)
-
-    def last_logits(seqs):
-        buf = np.zeros((len(seqs), 64), np.int32)
-        for j, s in enumerate(seqs):
-            buf[j, : len(s)] = s
-        logits = np.asarray(fn(params, jnp.asarray(buf)), np.float64)
-        return np.stack([logits[j, len(s) - 1] for j, s in enumerate(seqs)])
-
-    return last_logits
+    return params_helpers.dense_last_logits(params)
 
 
 def dense_greedy(dense, prompts, max_tokens, biases, min_tokens, stops):

@@ -13,7 +13,7 @@ import numpy as np
 import params_helpers
 import pytest
 
-from pagedjax import decode, model, sampling
+from pagedjax import decode, sampling
 from pagedjax.batch import TokenHistory
 from pagedjax.config import PRESETS, CacheConfig
 from pagedjax.engine import LLM, SamplingParams
@@ -153,17 +153,7 @@ def params():
 
 @pytest.fixture(scope="module")
 def dense(params):
-    fn = jax.jit(model.forward)
-
-    def last_logits(seqs):
-        width = 64
-        buf = np.zeros((len(seqs), width), np.int32)
-        for j, s in enumerate(seqs):
-            buf[j, : len(s)] = s
-        logits = np.asarray(fn(params, jnp.asarray(buf)))
-        return np.stack([logits[j, len(s) - 1] for j, s in enumerate(seqs)])
-
-    return last_logits
+    return params_helpers.dense_last_logits(params, dtype=np.float32)
 
 
 def dense_greedy(dense, prompts, max_tokens, pens, stop_ids=(2,)):
