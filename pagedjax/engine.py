@@ -71,10 +71,12 @@ from pagedjax.metrics import EngineMetrics, StepRecord
 from pagedjax.outputs import OutputProcessor, Request
 from pagedjax.request import (
     CompletionOutput,
+    Prompt,
     RequestOutput,
     SamplingParams,
     encode_bad_words,
     encode_prompt,
+    unpack_prompt,
 )
 from pagedjax.resources import (
     check_backend,
@@ -286,7 +288,7 @@ class LLM:
     # ----------------------------------------------------------------- requests
 
     def encode(
-        self, prompt: str | Sequence[int], *, truncate_prompt_tokens: int | None = None
+        self, prompt: Prompt, *, truncate_prompt_tokens: int | None = None
     ) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a prompt, validated (ValueError / TypeError);
         `truncate_prompt_tokens` as `SamplingParams`' (`request.encode_prompt`)."""
@@ -306,7 +308,7 @@ class LLM:
 
     def add_request(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
@@ -319,9 +321,25 @@ class LLM:
         limit) or when prompt and completion reach `max_model_len` tokens, whichever
         comes first.
         """
+        return self._add(*self._encode(prompt, params), request_id)
+
+    def _encode(
+        self, prompt: Prompt, params: SamplingParams | None
+    ) -> tuple[str | None, list[int], SamplingParams]:
+        """(text or None, token ids, params) of a request: `params` resolved (`_params`),
+        with a prompt dict's cache salt, and the prompt encoded under them."""
         params = self._params(params)
+        if isinstance(prompt, Mapping):
+            prompt, salt = unpack_prompt(prompt)
+            if salt is not None and params.cache_salt not in (None, salt):
+                raise ValueError(
+                    f"the prompt dict's cache_salt={salt!r:.40} differs from its sampling "
+                    f"params' cache_salt={params.cache_salt!r:.40}"
+                )
+            if salt is not None:
+                params = dataclasses.replace(params, cache_salt=salt)
         k = params.truncate_prompt_tokens
-        return self._add(*self.encode(prompt, truncate_prompt_tokens=k), params, request_id)
+        return *self.encode(prompt, truncate_prompt_tokens=k), params
 
     def stop_ids(self, params: SamplingParams) -> frozenset[int]:
         """The tokens that end a completion of `params`: its stop_token_ids, and the
@@ -440,7 +458,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str | Sequence[int]],
+        prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
@@ -453,7 +471,9 @@ class LLM:
         call are returned by the next `step()`.
 
         Args:
-          prompts: strings (needs a tokenizer) or token id lists.
+          prompts: strings (needs a tokenizer) or token id lists, or vLLM's prompt
+            dicts: {"prompt": str} or {"prompt_token_ids": [ids]}, either with an optional
+            "cache_salt" (`request.unpack_prompt`; a dict is one prompt).
           sampling_params: one for all prompts, or one per prompt (None:
             `default_sampling_params()`).
           use_tqdm: show a progress bar over requests.
@@ -473,7 +493,7 @@ class LLM:
           in a step aborts every request (it may be theirs: an OOM from the batch they
           share); one raised between steps (`on_step`) aborts this call's requests.
         """
-        if isinstance(prompts, str):
+        if isinstance(prompts, (str, Mapping)):  # one prompt
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -491,16 +511,14 @@ class LLM:
         encoded = []
         for i, p in enumerate(prompts):  # validate all before queueing any
             try:
-                params[i] = self._params(params[i])
-                k = params[i].truncate_prompt_tokens
-                encoded.append(self.encode(p, truncate_prompt_tokens=k))
+                encoded.append(self._encode(p, params[i]))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
         ids = []
         rng_state = self._rng.bit_generator.state
         try:  # all or none: a request refused while queueing unqueues the ones before it
-            for e, sp in zip(encoded, params, strict=True):
-                ids.append(self._add(*e, sp, None))
+            for e in encoded:
+                ids.append(self._add(*e, None))
         except BaseException as e:
             for i in ids:
                 self.abort(i)

@@ -17,12 +17,18 @@ from pagedjax.config import is_finite_number
 __all__ = [
     "MAX_LOGPROBS",
     "CompletionOutput",
+    "Prompt",
     "RequestOutput",
     "SamplingParams",
     "check_truncation",
     "encode_bad_words",
     "encode_prompt",
+    "unpack_prompt",
 ]
+
+# A prompt: text, token ids, or vLLM's prompt dicts ({"prompt": ...} or
+# {"prompt_token_ids": ...}, `unpack_prompt`).
+Prompt = str | Sequence[int] | Mapping
 
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (as in vLLM)
 
@@ -410,14 +416,15 @@ def encode_bad_words(words: Sequence[str], tokenizer, vocab_size: int) -> list[t
 
 
 def encode_prompt(
-    prompt: str | Sequence[int],
+    prompt: Prompt,
     tokenizer,
     vocab_size: int,
     max_model_len: int,
     *,
     truncate_prompt_tokens: int | None = None,
 ) -> tuple[str | None, list[int]]:
-    """(text or None, token ids) of a prompt given as text or ids, validated.
+    """(text or None, token ids) of a prompt given as text or ids (or as vLLM's prompt
+    dicts, `unpack_prompt`), validated.
 
     `truncate_prompt_tokens` (`SamplingParams`'): keep only the last k ids (a text's
     BOS, added by the tokenizer, stays first), before the checks below.
@@ -426,10 +433,12 @@ def encode_prompt(
       ValueError: empty prompt, text without a tokenizer, ids outside the vocabulary,
         no room left to generate under `max_model_len`, or a bad
         `truncate_prompt_tokens` (`check_truncation`).
-      TypeError: a prompt neither text nor a sequence of ids (a dict or a set
-        included), or ids that are not ints.
+      TypeError: a prompt neither text nor a sequence of ids (a set included), a
+        dict `unpack_prompt` refuses, or ids that are not ints.
     """
     check_truncation(truncate_prompt_tokens, max_model_len)
+    if isinstance(prompt, Mapping):  # (read as its keys, it would be ids "prompt", ...)
+        prompt, _ = unpack_prompt(prompt)
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("this model has no tokenizer; pass prompts as token id lists")
@@ -440,11 +449,6 @@ def encode_prompt(
         # bytes would pass as ids (their byte values); an int as a prompt is most likely
         # a flat list of ids given as the list of prompts ([[1, 2, 3]] is one prompt).
         what = f"a prompt must be a str or a list of token ids, got {prompt!r:.80}"
-        if isinstance(prompt, Mapping):  # it would be read as its keys
-            raise TypeError(
-                f"{what} (a dict, as vLLM's TextPrompt / TokensPrompt: pass its 'prompt' str "
-                "or 'prompt_token_ids' list itself)"
-            )
         if isinstance(prompt, (bytes, bytearray, set, frozenset)):  # (a set has no order)
             raise TypeError(what)
         try:
@@ -471,6 +475,45 @@ def encode_prompt(
             "generate"
         )
     return text, ids
+
+
+# vLLM's TextPrompt / TokensPrompt keys that pagedjax has no use for.
+_UNSUPPORTED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "prompt_embeds")
+
+
+def unpack_prompt(prompt: Mapping) -> tuple[str | Sequence[int], str | None]:
+    """(its text or token ids, its cache salt or None) of a prompt given as vLLM's
+    `TextPrompt` ({"prompt": str}) or `TokensPrompt` ({"prompt_token_ids": [ids]}),
+    either with an optional "cache_salt" (a str, as `SamplingParams.cache_salt`).
+
+    Raises:
+      TypeError: neither or both of "prompt" and "prompt_token_ids", another key
+        (multi-modal data and prompt embeddings are not supported), or a cache salt
+        that is not a str.
+    """
+    keys = set(prompt)
+    given = keys & {"prompt", "prompt_token_ids"}
+    if len(given) != 1:
+        raise TypeError(
+            "a prompt dict (vLLM's TextPrompt / TokensPrompt) needs either 'prompt' (a str) "
+            f"or 'prompt_token_ids' (a list of ints), got the keys {sorted(map(str, keys))}"
+        )
+    other = sorted(map(str, keys - given - {"cache_salt"}))
+    if other:
+        unsupported = [k for k in other if k in _UNSUPPORTED_PROMPT_KEYS]
+        why = "are not supported" if unsupported else "are not prompt keys"
+        raise TypeError(f"a prompt dict's keys {other} {why} (keys: {sorted(keys)})")
+    salt = prompt.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise TypeError(f"a prompt dict's cache_salt must be a str, got {salt!r:.80}")
+    (key,) = given
+    if key == "prompt" and not isinstance(prompt[key], str):
+        raise TypeError(f"a prompt dict's 'prompt' must be a str, got {prompt[key]!r:.80}")
+    if key == "prompt_token_ids" and isinstance(prompt[key], (str, Mapping)):
+        raise TypeError(
+            f"a prompt dict's 'prompt_token_ids' must be a list of ints, got {prompt[key]!r:.80}"
+        )
+    return prompt[key], salt
 
 
 def check_truncation(truncate_prompt_tokens: int | None, max_model_len: int) -> None:

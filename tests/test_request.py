@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from pagedjax.request import MAX_LOGPROBS, SamplingParams, encode_prompt
+from pagedjax.request import MAX_LOGPROBS, SamplingParams, encode_prompt, unpack_prompt
 
 RNG = np.random.default_rng(0)
 INT_DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
@@ -97,16 +97,31 @@ def test_a_prompt_neither_text_nor_ids_is_named(prompt):
     assert encode_prompt(np.array([5, 6]), None, 256, 64) == (None, [5, 6])
 
 
-def test_dict_and_set_prompts_are_refused():
-    # vLLM's TokensPrompt {"prompt_token_ids": [...]} was read as its keys ("token id
-    # prompts must be lists of ints, got {...}", naming no fix); a set of ids silently
-    # lost their order.
+def test_prompt_dicts_are_read_as_vllm_and_sets_are_refused():
+    """vLLM's TokensPrompt {"prompt_token_ids": [...]} was read as its keys ("token id
+    prompts must be lists of ints, got {...}"); now it and TextPrompt are prompts. A set
+    of ids silently lost their order."""
     ids = [int(i) for i in RNG.choice(np.arange(3, 256), size=6, replace=False)]
-    for prompt in [{"prompt_token_ids": ids}, {"prompt": "hi"}, {}, set(ids), frozenset(ids)]:
+    assert encode_prompt({"prompt_token_ids": ids}, None, 256, 64) == (None, ids)
+    assert encode_prompt({"prompt_token_ids": ids, "cache_salt": "a"}, None, 256, 64)[1] == ids
+    assert unpack_prompt({"prompt": "hi", "cache_salt": "s"}) == ("hi", "s")
+    assert unpack_prompt({"prompt_token_ids": ids}) == (ids, None)
+    for prompt, words in [
+        ({}, "needs either 'prompt'"),
+        ({"prompt": "hi", "prompt_token_ids": ids}, "needs either 'prompt'"),
+        ({"prompt": "hi", "multi_modal_data": {}}, r"\['multi_modal_data'\] are not supported"),
+        ({"prompt": "hi", "max_tokens": 3}, r"\['max_tokens'\] are not prompt keys"),
+        ({"prompt": ids}, "'prompt' must be a str"),
+        ({"prompt_token_ids": "hi"}, "'prompt_token_ids' must be a list of ints"),
+        ({"prompt": "hi", "cache_salt": 3}, "cache_salt must be a str, got 3"),
+    ]:
+        with pytest.raises(TypeError, match=words):
+            encode_prompt(prompt, None, 256, 64)
+    with pytest.raises(TypeError, match="token id prompts must be lists of ints"):
+        encode_prompt({"prompt_token_ids": [1.5]}, None, 256, 64)
+    for prompt in [set(ids), frozenset(ids)]:
         with pytest.raises(TypeError, match="a prompt must be a str or a list of token ids"):
             encode_prompt(prompt, None, 256, 64)
-    with pytest.raises(TypeError, match="pass its 'prompt' str or 'prompt_token_ids' list"):
-        encode_prompt({"prompt_token_ids": ids}, None, 256, 64)
     assert encode_prompt(tuple(ids), None, 256, 64) == (None, ids)
 
 

@@ -246,3 +246,29 @@ def test_bad_requests_are_refused_before_anything_runs(llm):
     assert (p.include_stop_str_in_output, p.skip_special_tokens) == (True, False)
     assert type(p.skip_special_tokens) is bool
     assert dataclasses.replace(p, truncate_prompt_tokens=np.int64(3)).truncate_prompt_tokens == 3
+
+
+# ------------------------------------------------------------------- prompt dicts
+
+
+def test_prompt_dicts_as_vllm(llm):
+    """vLLM's TextPrompt and TokensPrompt are prompts (a lone one too), and their
+    cache_salt is the request's."""
+    ids = llm.encode(PROMPT)[1]
+    want = [o.outputs[0].token_ids for o in llm.generate([PROMPT, ids], greedy(4))]
+    outs = llm.generate([{"prompt": PROMPT}, {"prompt_token_ids": ids}], greedy(4))
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert [o.prompt for o in outs] == [PROMPT, None]
+    (one,) = llm.generate({"prompt": PROMPT}, greedy(4))
+    assert one.outputs[0].token_ids == want[0] and one.num_cached_tokens > 0
+    salted = {"prompt": PROMPT, "cache_salt": "x"}
+    first, again = (llm.generate(salted, greedy(4))[0] for _ in range(2))
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, one.num_cached_tokens)
+    rid = llm.add_request({"prompt_token_ids": ids, "cache_salt": "y"}, greedy(2))
+    (out,) = [o for _ in range(8) for o in llm.step() if o.request_id == rid]
+    assert out.num_cached_tokens == 0 and out.prompt_token_ids == ids
+    with pytest.raises(ValueError, match="prompt 1: the prompt dict's cache_salt='x' differs"):
+        llm.generate([PROMPT, salted], greedy(2, cache_salt="z"))
+    with pytest.raises(TypeError, match="prompt 0: a prompt dict's keys"):
+        llm.generate([{"prompt": PROMPT, "multi_modal_data": {}}], greedy(2))
+    assert not llm.has_unfinished_requests()
