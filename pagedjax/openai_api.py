@@ -50,7 +50,10 @@ __all__ = [
     "choice_index",
     "completion_logprobs",
     "bool_field",
+    "check_model",
+    "chat_prompt",
     "completion_prompts",
+    "detokenize",
     "int_field",
     "parse_job",
     "render_logprobs",
@@ -59,6 +62,7 @@ __all__ = [
     "role_chunks",
     "sampling_params",
     "stream_chunk",
+    "tokenize",
     "usage",
 ]
 
@@ -174,16 +178,7 @@ def parse_job(
         a package).
     """
     defaults = defaults or {}
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):  # (it was a 404, "not served here")
-        raise ApiError(400, f"model must be a string, got model={model!r:.80}", "model")
-    if model is not None and model != model_name:
-        raise ApiError(
-            404,
-            f"model {model!r} is not served here; it is {model_name!r}",
-            "model",
-            "model_not_found",
-        )
+    check_model(body, model_name)
     stream = bool_field(body, "stream")
     opts = body.get("stream_options")
     if opts and not stream:  # as OpenAI and vLLM answer (null or {} pass, as in vLLM)
@@ -201,23 +196,7 @@ def parse_job(
         raise ApiError(400, msg, "return_token_ids")
     tok = tokenizer
     if chat:
-        if tok is None or tok.chat_template is None:
-            why = "no tokenizer" if tok is None else tok.chat_template_source
-            raise ApiError(400, f"this model cannot chat: {why}; use /v1/completions")
-        messages = chat_messages(body.get("messages"))
-        # vLLM's extensions: continue the last (assistant) message instead of opening a
-        # new turn; add_generation_prompt then defaults to false (true with it: a 400).
-        cont = bool_field(body, "continue_final_message")
-        gen = body.get("add_generation_prompt")
-        gen = not cont if gen is None else bool_field(body, "add_generation_prompt")
-        try:
-            prompts = [
-                tok.encode_chat(messages, add_generation_prompt=gen, continue_final_message=cont)
-            ]
-        except (ValueError, TypeError) as e:
-            raise ApiError(400, f"messages: {e}", "messages") from None
-        except ImportError as e:
-            raise ApiError(500, str(e)) from None
+        prompts = [chat_prompt(body, tok, "/v1/completions")]
     else:
         prompts = completion_prompts(body.get("prompt"))
     # vLLM's: keep the last k prompt tokens, before the length checks (a text's BOS stays).
@@ -348,6 +327,102 @@ def sampling_params(
     except (ValueError, TypeError) as e:
         name = str(e).split(" ", 1)[0]
         raise ApiError(400, str(e), name if name in PARAM_FIELDS else None) from None
+
+
+def check_model(body: dict, model_name: str) -> None:
+    """ApiError unless the body's `model` is left out, null or `model_name` (a 404 for
+    another name, as OpenAI and vLLM answer; a 400 for a non-string)."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):  # (it was a 404, "not served here")
+        raise ApiError(400, f"model must be a string, got model={model!r:.80}", "model")
+    if model is not None and model != model_name:
+        raise ApiError(
+            404,
+            f"model {model!r} is not served here; it is {model_name!r}",
+            "model",
+            "model_not_found",
+        )
+
+
+def chat_prompt(body: dict, tok, instead: str, *, add_bos: bool = False) -> list[int]:
+    """The token ids of a body's `messages` under the chat template, with vLLM's
+    `continue_final_message` and `add_generation_prompt`; `instead`: the path a model
+    that cannot chat should use (named in the 400); `add_bos`: BOS first even where the
+    template writes none."""
+    if tok is None or tok.chat_template is None:
+        why = "no tokenizer" if tok is None else tok.chat_template_source
+        raise ApiError(400, f"this model cannot chat: {why}; use {instead}")
+    messages = chat_messages(body.get("messages"))
+    # vLLM's extensions: continue the last (assistant) message instead of opening a
+    # new turn; add_generation_prompt then defaults to false (true with it: a 400).
+    cont = bool_field(body, "continue_final_message")
+    gen = body.get("add_generation_prompt")
+    gen = not cont if gen is None else bool_field(body, "add_generation_prompt")
+    try:
+        return tok.encode_chat(
+            messages, add_generation_prompt=gen, continue_final_message=cont, add_bos=add_bos
+        )
+    except (ValueError, TypeError) as e:
+        raise ApiError(400, f"messages: {e}", "messages") from None
+    except ImportError as e:
+        raise ApiError(500, str(e)) from None
+
+
+def tokenize(body: dict, *, model_name: str, tokenizer, max_model_len: int) -> dict:
+    """vLLM's `/tokenize` answer: `{count, max_model_len, tokens, token_strs}` for a body
+    with `prompt` (a string; `add_special_tokens`, default true, adds the tokenizer's
+    BOS as a completion's prompt gets it) or with `messages` (as a chat request renders
+    them; `add_special_tokens`, default false, adds BOS on top of the template's), and
+    `return_token_strs` (each token's vocabulary string, else null).
+
+    Raises:
+      ApiError: 400 naming the bad field (or a model without a tokenizer), 404 for a
+        model not served here.
+    """
+    check_model(body, model_name)
+    if tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer: prompts are token ids already")
+    add = body.get("add_special_tokens")
+    chat = body.get("messages") is not None
+    add = (not chat) if add is None else bool_field(body, "add_special_tokens")
+    if chat:
+        if body.get("prompt") is not None:
+            raise ApiError(400, "give prompt or messages, not both", "prompt")
+        ids = chat_prompt(body, tokenizer, "a prompt", add_bos=add)
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            msg = f"prompt must be a string (or give messages), got prompt={prompt!r:.80}"
+            raise ApiError(400, msg, "prompt")
+        try:  # (the tokenizer's own BOS rule, as a completion's prompt: none for some)
+            ids = tokenizer.encode(prompt, add_bos=None if add else False)
+        except ValueError as e:  # a lone surrogate
+            raise ApiError(400, f"prompt: {e}", "prompt") from None
+    strs = None
+    if bool_field(body, "return_token_strs"):
+        strs = [tokenizer.tokenizer.id_to_token(i) for i in ids]
+    return dict(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
+
+
+def detokenize(body: dict, *, model_name: str, tokenizer, vocab_size: int) -> dict:
+    """vLLM's `/detokenize` answer: `{prompt}`, the text of the body's `tokens` (a list of
+    token ids), special tokens included.
+
+    Raises:
+      ApiError: 400 naming the bad field (or a model without a tokenizer), 404 for a
+        model not served here.
+    """
+    check_model(body, model_name)
+    if tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer: it has no text for token ids")
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+        raise ApiError(400, f"tokens must be a list of token ids, got tokens={ids!r:.80}", "tokens")
+    outside = [t for t in ids if not 0 <= t < vocab_size]
+    if outside:
+        msg = f"tokens must be in [0, {vocab_size}), got {outside[:5]}"
+        raise ApiError(400, msg, "tokens")
+    return dict(prompt=tokenizer.decode(ids, skip_special_tokens=False))
 
 
 def bool_field(body: dict, name: str) -> bool:

@@ -17,6 +17,12 @@ Point an OpenAI client at `http://HOST:PORT/v1` (any API key). Endpoints:
                                `continue_final_message` (continue the last message) and
                                `add_generation_prompt` (default: true, false with the
                                former)
+    POST /tokenize             vLLM's: a `prompt` string or chat `messages` -> {count,
+                               max_model_len, tokens, token_strs}; `add_special_tokens`
+                               (default: true for a prompt, false for messages, whose
+                               template writes them), `return_token_strs`
+    POST /detokenize           vLLM's: `tokens` (a list of ids) -> {prompt}, the text
+                               with special tokens shown
 
 Fields of both POSTs: `model` (optional; another name is a 404), `max_tokens` (default
 16 for completions, null: up to the model's length, as vLLM's; for chat
@@ -213,6 +219,8 @@ class Handler(BaseHTTPRequestHandler):
         "/v1/models": "GET",
         "/v1/completions": "POST",
         "/v1/chat/completions": "POST",
+        "/tokenize": "POST",
+        "/detokenize": "POST",
     }
 
     def log_message(self, format, *args):
@@ -245,6 +253,8 @@ class Handler(BaseHTTPRequestHandler):
                 return self._send(200, b"ok", "text/plain; charset=utf-8")
             if path == "/v1/models":
                 return self._json(200, self._models())
+            if path in ("/tokenize", "/detokenize"):
+                return self._json(200, self._tokens(path, self._parse(raw)))
             self._generate(self._job(path, self._parse(raw)))
         except (BrokenPipeError, ConnectionResetError, TimeoutError, ClientGone):
             self.close_connection = True  # (TimeoutError: a client that stopped reading)
@@ -398,6 +408,20 @@ class Handler(BaseHTTPRequestHandler):
             max_model_len=srv.max_model_len,
         )
         return dict(object="list", data=[model])
+
+    def _tokens(self, path: str, body: dict) -> dict:
+        """/tokenize's or /detokenize's answer (the tokenizer only: no engine involved)."""
+        srv = self.server
+        if path == "/tokenize":
+            return api.tokenize(
+                body,
+                model_name=srv.model_name,
+                tokenizer=srv.tokenizer,
+                max_model_len=srv.max_model_len,
+            )
+        return api.detokenize(
+            body, model_name=srv.model_name, tokenizer=srv.tokenizer, vocab_size=srv.vocab_size
+        )
 
     def _job(self, path: str, body: dict) -> Job:
         """Validates a request and tokenizes its prompts (no engine involved)."""

@@ -35,7 +35,7 @@ class CharTokenizer:
         return list(map(chr, ids))
 
     def encode_chat(
-        self, messages, *, add_generation_prompt=True, continue_final_message=False
+        self, messages, *, add_generation_prompt=True, continue_final_message=False, add_bos=False
     ) -> list[int]:
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message=True with add_generation_prompt=True")

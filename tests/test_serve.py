@@ -187,6 +187,41 @@ def test_health_and_models(server):
     assert request(server, "/health/") == (200, "ok")
 
 
+def test_tokenize_and_detokenize_as_vllm(server, bare_server, ref):
+    """vLLM's /tokenize and /detokenize: a prompt as a completion gets it, or messages as
+    a chat request renders them, and back; bad bodies are 400s naming the field."""
+    tok, text = ref.tokenizer, "def add(a, b):"
+    ids = ref.encode(text)[1]
+    got = ok(server, "/tokenize", dict(prompt=text))
+    assert got == dict(count=len(ids), max_model_len=512, tokens=ids, token_strs=None)
+    bare = ok(server, "/tokenize", dict(prompt=text, add_special_tokens=False))["tokens"]
+    assert bare == tok.encode(text, add_bos=False)
+    strs = ok(server, "/tokenize", dict(prompt=text, return_token_strs=True))["token_strs"]
+    assert strs == [tok.tokenizer.id_to_token(i) for i in ids]
+    chat = ok(server, "/tokenize", dict(messages=MESSAGES, model="tiny"))["tokens"]
+    assert chat == tok.encode_chat(MESSAGES)
+    want = tok.decode(ids, skip_special_tokens=False)
+    assert ok(server, "/detokenize", dict(tokens=ids)) == dict(prompt=want)
+    assert ok(server, "/detokenize", dict(tokens=chat))["prompt"] == tok.apply_chat_template(
+        MESSAGES
+    )
+    for path, body, status, words in [
+        ("/tokenize", dict(prompt=[1, 2]), 400, "prompt must be a string"),
+        ("/tokenize", dict(prompt="a", messages=MESSAGES), 400, "not both"),
+        ("/tokenize", dict(prompt="a", model="other"), 404, "not served here"),
+        ("/tokenize", dict(prompt="a", add_special_tokens="yes"), 400, "add_special_tokens"),
+        ("/detokenize", dict(tokens=[1, 256]), 400, "tokens must be in [0, 256), got [256]"),
+        ("/detokenize", dict(tokens="hi"), 400, "tokens must be a list of token ids"),
+    ]:
+        status_, obj = request(server, path, body)
+        assert (status_, obj["error"]["type"]) == (status, "invalid_request_error"), obj
+        assert words in obj["error"]["message"], obj
+    for path in ("/tokenize", "/detokenize"):
+        status, obj = request(bare_server, path, dict(prompt="a", tokens=[1]))
+        assert status == 400 and "no tokenizer" in obj["error"]["message"], obj
+        assert request(server, path)[0] == 405  # a GET
+
+
 class StuckLLM:
     """What `Server.start` and `EngineThread` use of an `LLM`; no request ever finishes."""
 
