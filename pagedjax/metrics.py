@@ -31,6 +31,11 @@ is the end-to-end figure: generated tokens over the run time (the wall time of
 `LLM.generate` and `LLM.step` calls) less compile time; None when that is not positive
 (nothing ran).
 
+TTFT and latency means count every request; their percentiles are over the last
+`max_records` requests, so a long-running server's lists stay bounded.
+`prometheus_text` gives the live figures in Prometheus' format (scripts/serve.py's
+`/metrics`).
+
 KV bytes read follow the performance model in DESIGN.md: a step reads every live
 K/V byte of its rows' contexts once, `kv_bytes_per_token * sum(context lens)`.
 """
@@ -43,7 +48,7 @@ import math
 
 import numpy as np
 
-__all__ = ["SUMMARY_KEYS", "EngineMetrics", "StepRecord", "percentile"]
+__all__ = ["SUMMARY_KEYS", "EngineMetrics", "StepRecord", "percentile", "prometheus_text"]
 
 SUMMARY_KEYS = (
     "load_time_s",
@@ -75,6 +80,11 @@ SUMMARY_KEYS = (
     "host_exposed_ms_per_step",
     "device_wait_ms_per_step",
 )
+
+
+def _mean(total: list) -> float | None:
+    """The mean of a (count, sum) pair, None for no values."""
+    return total[1] / total[0] if total[0] else None
 
 
 def percentile(values, q: float) -> float | None:
@@ -109,11 +119,14 @@ class EngineMetrics:
 
     Args:
       kv_bytes_per_token: K and V bytes of one token over all layers.
-      max_records: step records kept (the totals count every step).
+      max_records: step records kept (the totals count every step), and request
+        timings kept for the percentiles (the counts and means count every request:
+        a server's lists stay bounded).
     """
 
     def __init__(self, kv_bytes_per_token: int, *, max_records: int = 100_000):
         self.kv_bytes_per_token = kv_bytes_per_token
+        self.max_records = max_records
         self.steps: collections.deque[StepRecord] = collections.deque(maxlen=max_records)
         self.load_time_s = 0.0
         self.reset()
@@ -130,8 +143,12 @@ class EngineMetrics:
         self.generated_tokens = 0  # tokens accepted into outputs (engine-counted)
         self.context_tokens = 0
         self.peak_used_pages = 0
-        self.ttfts: list[float] = []
-        self.latencies: list[float] = []
+        # The last max_records requests' TTFTs and latencies (for percentiles), and every
+        # request's: (count, sum) of TTFTs, then of latencies.
+        self.ttfts: collections.deque[float] = collections.deque(maxlen=self.max_records)
+        self.latencies: collections.deque[float] = collections.deque(maxlen=self.max_records)
+        self.ttft_total = [0, 0.0]
+        self.latency_total = [0, 0.0]
         self.num_prompt_tokens = 0
         self._host = [0.0, 0.0, 0.0, 0]  # hidden, exposed, wait, steps counted
         # prefill s, tokens; decode s, tokens; all s, context tokens (of measured steps)
@@ -181,7 +198,11 @@ class EngineMetrics:
         self.num_prompt_tokens += num_prompt_tokens
         if ttft is not None:
             self.ttfts.append(ttft)
+            self.ttft_total[0] += 1
+            self.ttft_total[1] += ttft
         self.latencies.append(latency)
+        self.latency_total[0] += 1
+        self.latency_total[1] += latency
 
     def summary(
         self,
@@ -205,15 +226,15 @@ class EngineMetrics:
             compile_time_s=self.compile_time_s,
             num_compilations=self.num_compilations,
             run_time_s=self.run_time_s,
-            num_requests=len(self.latencies),
+            num_requests=self.latency_total[0],
             num_steps=self.num_steps,
             num_prompt_tokens=self.num_prompt_tokens,
             num_prefill_tokens=self.prefill_tokens,
             num_generated_tokens=self.generated_tokens,
-            ttft_mean_s=float(np.mean(self.ttfts)) if self.ttfts else None,
+            ttft_mean_s=_mean(self.ttft_total),
             ttft_p50_s=percentile(self.ttfts, 50),
             ttft_p99_s=percentile(self.ttfts, 99),
-            latency_mean_s=float(np.mean(self.latencies)) if self.latencies else None,
+            latency_mean_s=_mean(self.latency_total),
             device_time_s=dev_s,
             prefill_tokens_per_s=rate(pre_n, pre_s),
             decode_tokens_per_s=rate(dec_n, dec_s),
@@ -245,3 +266,44 @@ def _add_timed(timed: list, rec: StepRecord) -> None:
     timed[k + 1] += rec.num_prefill_tokens or rec.num_decode_tokens
     timed[4] += rec.device_s
     timed[5] += rec.context_tokens
+
+
+def prometheus_text(llm) -> str:
+    """An `LLM`'s live metrics in Prometheus' text format (version 0.0.4), named as
+    vLLM's `/metrics` names them with the prefix "pagedjax:": requests running and
+    waiting, KV cache usage, token and request counters since the engine started, and
+    TTFT and end-to-end latency summaries of the finished requests. Call it where the
+    engine is not stepping (`EngineThread.call`)."""
+    m, bm = llm.metrics, llm.block_manager.stats()
+    out = []
+
+    def metric(name, kind, help_, samples):
+        out.append(f"# HELP pagedjax:{name} {help_}")
+        out.append(f"# TYPE pagedjax:{name} {kind}")
+        for suffix, labels, value in samples:
+            out.append(f"pagedjax:{name}{suffix}{labels} {float(value)!r}")
+
+    def summary(name, help_, values, total):
+        qs = [("", f'{{quantile="{q}"}}', percentile(values, 100 * q)) for q in (0.5, 0.9, 0.99)]
+        totals = [("_sum", "", total[1]), ("_count", "", total[0])]
+        metric(name, "summary", help_, [x for x in qs if x[2] is not None] + totals)
+
+    running, waiting = len(llm.scheduler.running), len(llm.scheduler.waiting)
+    metric("num_requests_running", "gauge", "Requests running.", [("", "", running)])
+    metric("num_requests_waiting", "gauge", "Requests waiting.", [("", "", waiting)])
+    metric(
+        "kv_cache_usage_perc", "gauge", "KV cache pages in use (1 = all).", [("", "", bm.kv_usage)]
+    )
+    for name, help_, value in [
+        ("prompt_tokens_total", "Prompt tokens of finished requests.", m.num_prompt_tokens),
+        ("generation_tokens_total", "Generated tokens.", m.generated_tokens),
+        ("request_success_total", "Finished requests.", m.latency_total[0]),
+        ("num_preemptions_total", "Preemptions.", llm.scheduler.num_preemptions),
+        ("prefix_cache_queries_total", "Prompt tokens admitted.", bm.prefix_queries),
+        ("prefix_cache_hits_total", "Prompt tokens read from the prefix cache.", bm.prefix_hits),
+    ]:
+        metric(name, "counter", help_, [("", "", value)])
+    n = f" (quantiles of the last {m.max_records:,})"
+    summary("time_to_first_token_seconds", f"Time to the first token{n}.", m.ttfts, m.ttft_total)
+    summary("e2e_request_latency_seconds", f"Request latency{n}.", m.latencies, m.latency_total)
+    return "\n".join(out) + "\n"

@@ -7,6 +7,9 @@
 Point an OpenAI client at `http://HOST:PORT/v1` (any API key). Endpoints:
 
     GET  /health               200 "ok"
+    GET  /metrics              Prometheus text: vLLM's metric names as "pagedjax:..."
+                               (requests running and waiting, KV cache usage, token,
+                               request and preemption counters, TTFT and latency)
     GET  /v1/models            the one model: id = --served-model-name, else the
                                checkpoint directory's name ("pagedjax-demo" without one)
     POST /v1/completions       prompt: a string, a list of strings, a list of token ids
@@ -146,6 +149,7 @@ import cli  # noqa: E402  (the scripts' shared flags, checks and exits)
 
 from pagedjax import openai_api as api  # noqa: E402
 from pagedjax.chat import jinja_missing  # noqa: E402
+from pagedjax.metrics import prometheus_text  # noqa: E402
 from pagedjax.openai_api import ApiError, Job  # noqa: E402
 from pagedjax.serving import EngineStopped, EngineThread  # noqa: E402
 from pagedjax.tokenizer import CONTEXT_IDS  # noqa: E402
@@ -216,6 +220,7 @@ class Handler(BaseHTTPRequestHandler):
     server: Server
     ROUTES = {
         "/health": "GET",
+        "/metrics": "GET",
         "/v1/models": "GET",
         "/v1/completions": "POST",
         "/v1/chat/completions": "POST",
@@ -253,6 +258,8 @@ class Handler(BaseHTTPRequestHandler):
                 return self._send(200, b"ok", "text/plain; charset=utf-8")
             if path == "/v1/models":
                 return self._json(200, self._models())
+            if path == "/metrics":
+                return self._send(200, self._metrics(), "text/plain; version=0.0.4")
             if path in ("/tokenize", "/detokenize"):
                 return self._json(200, self._tokens(path, self._parse(raw)))
             self._generate(self._job(path, self._parse(raw)))
@@ -408,6 +415,17 @@ class Handler(BaseHTTPRequestHandler):
             max_model_len=srv.max_model_len,
         )
         return dict(object="list", data=[model])
+
+    def _metrics(self) -> bytes:
+        """The engine's metrics in Prometheus' text format, read on its thread."""
+        if self.server.engine is None:
+            raise ApiError(503, "the engine is not started")
+        try:
+            return self.server.engine.call(prometheus_text).encode()
+        except EngineStopped:
+            raise ApiError(503, "the engine is not running") from None
+        except queue.Empty:  # a step (a compile) outlasting call's 60 s
+            raise ApiError(503, "the engine is busy; try again") from None
 
     def _tokens(self, path: str, body: dict) -> dict:
         """/tokenize's or /detokenize's answer (the tokenizer only: no engine involved)."""

@@ -218,6 +218,20 @@ def test_totals_count_steps_past_max_records():
     assert s["host_hidden_ms_per_step"] == pytest.approx(100)  # the 4 uncompiled steps
 
 
+def test_request_timings_are_bounded_and_counts_and_means_exact():
+    """A server's requests grew the timing lists without end; the last max_records are
+    kept for the percentiles, and every request counts in the counts and means."""
+    m = EngineMetrics(kv_bytes_per_token=8, max_records=3)
+    for i in range(1, 6):
+        m.record_request(2, 0.1 * i, 1.0 * i)
+    s = summarize(m)
+    assert len(m.ttfts) == len(m.latencies) == 3 and s["num_requests"] == 5
+    assert s["ttft_mean_s"] == pytest.approx(0.3) and s["latency_mean_s"] == pytest.approx(3.0)
+    assert s["ttft_p50_s"] == pytest.approx(0.4)  # of the last three: 0.3, 0.4, 0.5
+    m.reset()
+    assert summarize(m)["num_requests"] == 0 and m.ttfts.maxlen == 3
+
+
 def test_a_request_without_a_first_token_counts_in_latency_only():
     m = EngineMetrics(kv_bytes_per_token=8)
     m.record_request(4, 0.5, 1.0)

@@ -222,6 +222,42 @@ def test_tokenize_and_detokenize_as_vllm(server, bare_server, ref):
         assert request(server, path)[0] == 405  # a GET
 
 
+def metrics(srv) -> dict[str, float]:
+    """GET /metrics parsed: {name with labels: value}, checking each sample's HELP and
+    TYPE lines come first."""
+    status, text = request(srv, "/metrics")
+    assert status == 200, text
+    got, typed = {}, set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            typed.add(line.split()[2])
+        elif not line.startswith("# HELP "):
+            name, value = line.rsplit(" ", 1)
+            base = name.split("{")[0]
+            assert base in typed or base.rsplit("_", 1)[0] in typed, line
+            got[name] = float(value)
+    return got
+
+
+def test_prometheus_metrics_count_what_a_request_did(server, ref):
+    """GET /metrics: vLLM's metric names (prefixed "pagedjax:"), counters that grow by
+    what one request prompted and generated."""
+    before = metrics(server)
+    ids = ref.encode("def f(x):")[1]
+    obj = ok(server, "/v1/completions", dict(prompt=ids, max_tokens=5, temperature=0))
+    n = obj["usage"]["completion_tokens"]
+    after = metrics(server)
+    grew = {k: after[k] - before[k] for k in before if k in after}
+    assert grew["pagedjax:generation_tokens_total"] == n
+    assert grew["pagedjax:prompt_tokens_total"] == len(ids)
+    assert grew["pagedjax:request_success_total"] == 1
+    assert grew["pagedjax:time_to_first_token_seconds_count"] == 1
+    assert grew["pagedjax:prefix_cache_queries_total"] == len(ids)
+    assert after["pagedjax:num_requests_running"] == after["pagedjax:num_requests_waiting"] == 0
+    assert 0 <= after["pagedjax:kv_cache_usage_perc"] <= 1
+    assert after['pagedjax:e2e_request_latency_seconds{quantile="0.5"}'] > 0
+
+
 class StuckLLM:
     """What `Server.start` and `EngineThread` use of an `LLM`; no request ever finishes."""
 
