@@ -273,6 +273,7 @@ def _step(
         t = inp.target_ids
         picked = jnp.take_along_axis(all_lp, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
         extra["target_logprobs"] = jnp.where(t >= 0, picked, 0.0)
+        extra["target_ranks"] = jnp.where(t >= 0, _ranks(all_lp, picked), 0)
         if num_prompt_top_logprobs:
             top_lp, top_ids = jax.lax.top_k(all_lp, num_prompt_top_logprobs)
             extra["target_top_ids"] = top_ids.astype(jnp.int32)
@@ -299,12 +300,19 @@ def _step(
         last_ids=last,
     )
     top_ids = top_lp = None
-    if num_top_logprobs:
+    if num_top_logprobs:  # (requested logprobs: the sampled tokens' ranks too)
         top_ids, top_lp = sampling.top_logprobs(logits, num_top_logprobs)
+        lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, V]
+        extra["ranks"] = _ranks(lp, jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0])
     if inp.feed is not None:
         extra["feed"] = inp.feed.at[: tokens.shape[0]].set(tokens)
     out = StepOutput(tokens, logprobs, top_ids, top_lp, logits if return_logits else None, **extra)
     return out, cache
+
+
+def _ranks(lp, picked):
+    """[N] int32: 1 + how many of each row's logprobs `lp` [N, V] exceed its `picked` [N]."""
+    return 1 + jnp.sum(lp > picked[:, None], axis=-1, dtype=jnp.int32)
 
 
 _STATIC = (
@@ -350,7 +358,8 @@ def prefill_step(
       inp: from `build_step_input`.
       backend: attention backend, "auto" | "gpu" | "tpu" | "xla".
       interpret: run Pallas kernels in interpret mode.
-      num_top_logprobs: also return each row's k most likely tokens (beam search).
+      num_top_logprobs: also return each row's k most likely tokens (beam search,
+        requested logprobs), and its sampled token's vocabulary rank (`StepOutput.ranks`).
       num_prompt_top_logprobs: with `inp.target_ids`, also return every token's k most
         likely next tokens (`StepOutput.target_top_ids`).
       return_logits: also return the [B, V] float32 logits (tests, debugging).

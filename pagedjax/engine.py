@@ -71,6 +71,7 @@ from pagedjax.metrics import EngineMetrics, StepRecord
 from pagedjax.outputs import OutputProcessor, Request
 from pagedjax.request import (
     CompletionOutput,
+    Logprob,
     Prompt,
     RequestOutput,
     SamplingParams,
@@ -93,7 +94,7 @@ from pagedjax.sequence import SequenceGroup, StepPlan
 from pagedjax.step_input import is_int
 from pagedjax.tokenizer import Tokenizer
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
 
 _SEED_STRIDE = 0x9E3779B1
 # vLLM's LLM.chat arguments that `chat` does not support: refused, since its **template_vars
@@ -274,7 +275,9 @@ class LLM:
         self._rng = np.random.default_rng(int(seed))
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
-        self.outputs = OutputProcessor(self.scheduler, self.metrics, self._text, self._seq_ids)
+        self.outputs = OutputProcessor(
+            self.scheduler, self.metrics, self._text, self._seq_ids, self.tokenizer
+        )
         self._inflight: tuple[StepPlan, tuple, StepRecord] | None = None
         self._outputs: dict[str, RequestOutput] = {}  # finished, for a running generate()
         self._collect: set[str] = set()  # request ids a generate() call waits for
@@ -767,6 +770,12 @@ class LLM:
         """Packs the committed plan and dispatches its step; returns its record (host
         timings filled by `step`) and the result arrays it copies to the host."""
         inp, k, pk = batch.finish(plan, self._feed, prev)
+        # A row asking logprobs=0 still needs its token's rank: the smallest top-k bucket
+        # (batch.finish's), whose step computes the ranks.
+        if not k and any(
+            r.samples and r.seq is not None and r.seq.logprobs is not None for r in plan.rows
+        ):
+            k = min(decode.bucket_size(1, 8), self.config.vocab_size)
         before = sum(decode.compile_counts().values())
         td = perf_counter()
         fn = decode.decode_step if inp.decode else decode.prefill_step
@@ -785,9 +794,11 @@ class LLM:
             out.logprobs,
             out.top_ids,
             out.top_logprobs,
+            out.ranks,
             out.target_logprobs,
             out.target_top_ids,
             out.target_top_logprobs,
+            out.target_ranks,
         )
         for x in leaves:
             if x is not None:

@@ -21,10 +21,11 @@ import numpy as np
 
 from pagedjax.beam import BeamSearch
 from pagedjax.metrics import EngineMetrics
-from pagedjax.request import CompletionOutput, RequestOutput, SamplingParams
+from pagedjax.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from pagedjax.scheduler import Scheduler
 from pagedjax.sequence import SeqStatus, SequenceGroup, StepPlan
 from pagedjax.sequence import Sequence as Seq
+from pagedjax.tokenizer import CONTEXT_IDS
 
 __all__ = ["OutputProcessor", "Request", "logprobs_entry"]
 
@@ -44,7 +45,7 @@ class Request:
     first_token: float | None = None
     # With prompt_logprobs: one entry per prompt token (None until computed; the first
     # token never has one), and how many are still to come.
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_missing: int = 0
     # logit_bias / min_tokens / bad_words: (ids, values) arrays of its logit bias (bad
     # words of one token at -inf), and of that with every stop token banned (before
@@ -66,6 +67,8 @@ class OutputProcessor:
       detokenize: (generated ids, prompt ids, skip_special_tokens) -> the text the ids
         add after the prompt ("" without a tokenizer).
       seq_ids: the engine's sequence id counter (beam forks draw from it).
+      tokenizer: names the logprobs entries' tokens (`Logprob.decoded_token`); None:
+        no names.
     """
 
     def __init__(
@@ -74,25 +77,30 @@ class OutputProcessor:
         metrics: EngineMetrics,
         detokenize: Callable[[list[int], list[int], bool], str],
         seq_ids: itertools.count,
+        tokenizer=None,
     ):
         self.scheduler = scheduler
         self.metrics = metrics
         self.detokenize = detokenize
         self.seq_ids = seq_ids
+        self.tokenizer = tokenizer
 
     def apply(self, plan: StepPlan, host, on_token=None) -> list[RequestOutput]:
         """Applies a finished step's tokens (or beam candidates) to its sequences.
 
         Args:
           plan: the step's plan (committed).
-          host: its (tokens [B], logprobs [B], top_ids [B, k] | None, top_logprobs
-            [B, k] | None) as numpy arrays.
+          host: its StepOutput's (tokens [B], logprobs [B], top_ids [B, k], top_logprobs
+            [B, k], ranks [B], target_logprobs [T], target_top_ids [T, k'],
+            target_top_logprobs [T, k'], target_ranks [T]) as numpy arrays (each but the
+            first two None where the step has none; the last five may be left out).
           on_token: `on_token(request_id, completion_index, token_id)` per accepted token.
 
         Returns:
           The requests that finished in this step.
         """
-        tokens, logprobs, top_ids, top_lps, *targets = host
+        tokens, logprobs, top_ids, top_lps, *rest = host
+        ranks, *targets = rest or [None]
         if targets and targets[0] is not None:  # before the tokens: a request may finish
             self._prompt_logprobs(plan, *targets)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()  # Python scalars, at once
@@ -119,7 +127,11 @@ class OutputProcessor:
                 continue
             if r.seq.logprobs is not None:
                 k = req.params.logprobs
-                entry = logprobs_entry(tokens[i], logprobs[i], k, top_ids, top_lps, i)
+                rank = None if ranks is None else int(ranks[i])
+                names = self._names(req, r.seq.token_ids, len(r.seq.token_ids))
+                entry = logprobs_entry(
+                    tokens[i], logprobs[i], k, top_ids, top_lps, i, rank=rank, names=names
+                )
                 r.seq.logprobs.append(entry)
             self._accept(req, r.seq, tokens[i], logprobs[i], on_token)
             if r.group.done and r.group.epoch == r.epoch:  # finished, not aborted
@@ -129,8 +141,9 @@ class OutputProcessor:
                 done.append(self._finish(g.request, now))
         return done
 
-    def _prompt_logprobs(self, plan: StepPlan, target_lps, top_ids, top_lps) -> None:
-        """Records the prompt logprobs a step computed (`StepBatch` chose the targets)."""
+    def _prompt_logprobs(self, plan: StepPlan, target_lps, top_ids, top_lps, ranks=None) -> None:
+        """Records the prompt logprobs a step computed (`StepBatch` chose the targets):
+        per token its target's logprob [T], k most likely [T, k'] and rank [T]."""
         off = 0
         for r in plan.rows:
             req, start, q = r.group.request, r.start, r.num_tokens
@@ -143,8 +156,10 @@ class OutputProcessor:
                 if entries[pos + 1] is None:
                     i = row + pos - start
                     tok = seq.token_ids[pos + 1]
+                    rank = None if ranks is None else int(ranks[i])
+                    names = self._names(req, seq.token_ids, pos + 1)
                     entries[pos + 1] = logprobs_entry(
-                        tok, float(target_lps[i]), k, top_ids, top_lps, i
+                        tok, float(target_lps[i]), k, top_ids, top_lps, i, rank=rank, names=names
                     )
                     req.prompt_logprobs_missing -= 1
             if not req.prompt_logprobs_missing:
@@ -199,9 +214,12 @@ class OutputProcessor:
         top_lps = np.stack([x for _, _, x in results])
         k = req.params.logprobs
 
-        def entry(b: int, j: int) -> dict:
+        # (before the selection appends to the beams)
+        names = [] if k is None else [self._names(req, s.token_ids, len(s.token_ids)) for s in seqs]
+
+        def entry(b: int, j: int) -> dict:  # candidate j of beam b: the step's top-k's j-th
             tok, lp = int(top_ids[b, j]), float(top_lps[b, j])
-            return logprobs_entry(tok, lp, k, top_ids, top_lps, b)
+            return logprobs_entry(tok, lp, k, top_ids, top_lps, b, rank=j + 1, names=names[b])
 
         kept = None if k is None else [s.logprobs for s in seqs]
         new = bs.select(
@@ -314,6 +332,13 @@ class OutputProcessor:
             None if req.prompt_logprobs is None else list(req.prompt_logprobs),
         )
 
+    def _names(self, req: Request, ids: list[int], end: int) -> tuple | None:
+        """`logprobs_entry`'s names of the position after `ids[:end]` (None without a
+        tokenizer)."""
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer, ids[max(0, end - CONTEXT_IDS) : end], req.params.skip_special_tokens
+
     def _text(self, req: Request, gen: list[int], stop: int | str | None) -> str:
         """The text of a completion's tokens `gen` that ended on `stop` (its stop_reason),
         less the stop token's text (EOS's, a stop_token_ids one's) unless
@@ -324,11 +349,53 @@ class OutputProcessor:
         return self.detokenize(gen, req.prompt_ids, sp.skip_special_tokens)
 
 
-def logprobs_entry(tok: int, lp: float, k: int, top_ids, top_lps, row: int) -> dict:
-    """One token's logprobs: {token: logprob}, the token itself first, then the k most
-    likely from row `row` of a step's top-k arrays [rows, k'] (k' >= k)."""
-    entry = {tok: lp}
+def logprobs_entry(
+    tok: int,
+    lp: float,
+    k: int,
+    top_ids,
+    top_lps,
+    row: int,
+    *,
+    rank: int | None = None,
+    names: tuple | None = None,
+) -> dict[int, Logprob]:
+    """One token's logprobs: {token: `Logprob`}, the token itself first (its rank
+    `rank`), then the k most likely from row `row` of a step's top-k arrays [rows, k']
+    (k' >= k), ranked 1 to k in that order.
+
+    `names`: (tokenizer, the ids before the position, the request's skip_special_tokens):
+    the entry's decoded tokens, decoded together on the first access of one; None: none.
+    """
+    pairs = [(tok, lp, rank)]
     if k:
-        for t, x in zip(top_ids[row, :k].tolist(), top_lps[row, :k].tolist(), strict=True):
-            entry.setdefault(t, x)
+        ids, lps = top_ids[row, :k].tolist(), top_lps[row, :k].tolist()
+        pairs += zip(ids, lps, range(1, k + 1), strict=True)
+    texts = None if names is None else _TokenTexts(*names, [t for t, _, _ in pairs])
+    entry = {}
+    for t, x, r in pairs:
+        if t not in entry:
+            entry[t] = Logprob._make(x, r, token=t, names=texts)
     return entry
+
+
+class _TokenTexts:
+    """The texts of one position's tokens (its own, the alternatives), decoded together
+    when one is first asked for: each where it stands, after the ids before it (the
+    OpenAI layer's names: special tokens shown, the context read as the completion's
+    text reads it, without special tokens under skip_special_tokens)."""
+
+    __slots__ = ("tokenizer", "context", "skip", "ids", "texts")
+
+    def __init__(self, tokenizer, context: list[int], skip: bool, ids: list[int]):
+        self.tokenizer, self.context, self.skip, self.ids = tokenizer, context, skip, ids
+        self.texts: dict[int, str] | None = None
+
+    def text(self, token: int) -> str:
+        if self.texts is None:
+            tok, ctx = self.tokenizer, self.context
+            if self.skip:
+                ctx = [i for i in ctx if i not in tok.special_ids]
+            texts = tok.decode_each(self.ids, skip_special_tokens=False, context=ctx)
+            self.texts = dict(zip(self.ids, texts, strict=True))
+        return self.texts[token]

@@ -1,4 +1,5 @@
-"""What a request asks for and what it gets back: `SamplingParams`, `RequestOutput`.
+"""What a request asks for and what it gets back: `SamplingParams`, `RequestOutput`
+(its `CompletionOutput`s, their `Logprob`s).
 
 `SamplingParams` validates itself on construction (ValueError naming the value), so a
 bad request fails on the host before anything is queued or compiled.
@@ -17,6 +18,7 @@ from pagedjax.config import is_finite_number
 __all__ = [
     "MAX_LOGPROBS",
     "CompletionOutput",
+    "Logprob",
     "Prompt",
     "RequestOutput",
     "SamplingParams",
@@ -31,6 +33,81 @@ __all__ = [
 Prompt = str | Sequence[int] | Mapping
 
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (as in vLLM)
+
+
+class Logprob(float):
+    """A token's log-probability in a logprobs entry: the float itself, with vLLM's
+    `Logprob` attributes.
+
+    A float subclass, so code that reads entries as {token id: float} keeps working
+    (arithmetic, comparisons, ``==`` and hashing, `json.dumps`, `math`, numpy all see the
+    value; equality ignores the rank and the text), and code ported from vLLM reads
+    ``entry[tok].logprob``, ``.rank`` and ``.decoded_token``. Immutable: copies are the
+    object itself; a pickle keeps the value, the rank and the text.
+
+    Args:
+      logprob: the value (a real number).
+      rank: the token's 1-based rank in the vocabulary, or None.
+      decoded_token: the token's text, or None.
+
+    Raises:
+      TypeError: a value of another type (named).
+
+    Attributes:
+      logprob: the value, as a plain float.
+      rank: in the engine's entries, the token's 1-based rank in the vocabulary under the
+        same (raw) distribution: for the sampled or prompt token, 1 + the number of
+        tokens with a strictly greater logprob; for each of the k most likely, and for a
+        beam search's token, its place among the step's most likely (equal values in the
+        order its top-k gave).
+      decoded_token: the token's text where it stands: decoded after the ids before it
+        (so a SentencePiece token keeps its leading space), special tokens shown, as the
+        OpenAI server names it; computed on first access. None without a tokenizer.
+    """
+
+    __slots__ = ("_rank", "_text", "_token", "_names")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None):
+        if not _is_number(logprob):
+            raise TypeError(f"logprob must be a real number, got logprob={logprob!r:.60}")
+        if rank is not None and (not isinstance(rank, (int, np.integer)) or isinstance(rank, bool)):
+            raise TypeError(f"rank must be an int or None, got rank={rank!r:.60}")
+        if decoded_token is not None and not isinstance(decoded_token, str):
+            raise TypeError(f"decoded_token must be a str or None, got {decoded_token!r:.60}")
+        return cls._make(logprob, None if rank is None else int(rank), decoded_token)
+
+    @classmethod
+    def _make(cls, logprob, rank, text=None, token: int = -1, names=None) -> Logprob:
+        """Unchecked (the engine's). With `names`, `decoded_token` is `names.text(token)`,
+        computed on first access."""
+        self = float.__new__(cls, logprob)
+        self._rank, self._text, self._token, self._names = rank, text, token, names
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    @property
+    def rank(self) -> int | None:
+        return self._rank
+
+    @property
+    def decoded_token(self) -> str | None:
+        names = self._names
+        if names is not None:  # the text first: a reader that then sees None reads it
+            self._text = names.text(self._token)
+            self._names = None
+        return self._text
+
+    def __reduce__(self):
+        return Logprob, (float(self), self._rank, self.decoded_token)
+
+    def __copy__(self) -> Logprob:
+        return self
+
+    def __deepcopy__(self, memo) -> Logprob:
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,6 +345,11 @@ class CompletionOutput:
     the stop token and the tokens that completed a stop string included. `stop_reason`
     is the stop string, or the stop token's id, EOS included (vLLM gives None for EOS);
     None when the completion did not stop on one ("length", "abort").
+
+    `logprobs` (with `SamplingParams.logprobs` = k): per generated token a dict {token id:
+    `Logprob`}, the sampled token first, then the k most likely in rank order; each a
+    float (its log-probability under the model's raw distribution: before temperature,
+    penalties, bias, top-k and top-p) with vLLM's `.logprob`, `.rank` and `.decoded_token`.
     """
 
     index: int
@@ -276,10 +358,7 @@ class CompletionOutput:
     cumulative_logprob: float  # sum of the generated tokens' raw-distribution logprobs
     finish_reason: str | None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id (EOS too) or stop string
-    # With SamplingParams.logprobs = k: one dict per generated token, token id ->
-    # log-probability under the model's raw distribution (before temperature, top-k and
-    # top-p), holding the sampled token first, then the k most likely in rank order.
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None  # with SamplingParams.logprobs
 
 
 @dataclasses.dataclass
@@ -292,6 +371,12 @@ class RequestOutput:
     `finished` is False for the partial output of an aborted request (`LLM.abort`),
     whose completions still running then have finish_reason "abort". Times are seconds
     from the request's arrival (its `add_request`, or the `generate` call).
+
+    `prompt_logprobs` (with `SamplingParams.prompt_logprobs` = k): per prompt token, None
+    for the first (and, in an aborted request's output, for those not computed yet),
+    else a dict {token id: `Logprob`} holding the prompt token first and the k most
+    likely in rank order (raw distribution, given the tokens before it; ranks and
+    decoded tokens as in `CompletionOutput.logprobs`).
     """
 
     request_id: str
@@ -303,11 +388,7 @@ class RequestOutput:
     num_preemptions: int
     ttft_s: float | None  # arrival to first generated token (None: none yet)
     latency_s: float | None  # arrival to finish (or abort)
-    # With SamplingParams.prompt_logprobs = k: per prompt token, None for the first (and,
-    # in an aborted request's output, for those not computed yet), else {token id:
-    # logprob} holding the prompt token first and the k most likely in rank order (raw
-    # distribution, given the tokens before it).
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 _INT_FIELDS = (

@@ -1,11 +1,13 @@
-"""pagedjax/outputs.py: the logprobs entry of one token, stop strings against a
-brute-force oracle on real tokenizers, a step's results through `apply` (timing, logprobs,
-prompt logprobs of chunked rows), and beam search through the processor against the
-whole-vocabulary oracle (the rest runs in test_engine.py)."""
+"""pagedjax/outputs.py: the logprobs entry of one token (ranks, names decoded on first
+use), stop strings against a brute-force oracle on real tokenizers, a step's results
+through `apply` (timing, logprobs, prompt logprobs of chunked rows), and beam search
+through the processor against the whole-vocabulary oracle (the rest runs in
+test_engine.py and test_logprob_objects.py)."""
 
 import dataclasses
 import itertools
 import os
+import pickle
 import random
 
 import numpy as np
@@ -18,7 +20,7 @@ from pagedjax import outputs
 from pagedjax.beam import BeamSearch, num_candidates
 from pagedjax.metrics import EngineMetrics
 from pagedjax.outputs import OutputProcessor, Request, logprobs_entry
-from pagedjax.request import SamplingParams
+from pagedjax.request import Logprob, SamplingParams
 from pagedjax.sequence import ScheduledRow, SeqStatus, SequenceGroup, StepPlan
 from pagedjax.sequence import Sequence as Seq
 from pagedjax.tokenizer import Tokenizer
@@ -27,11 +29,50 @@ from pagedjax.tokenizer import Tokenizer
 def test_logprobs_entry_puts_the_sampled_token_first_then_the_top_k_in_rank_order():
     top_ids = np.array([[9, 4, 7, 1], [3, 5, 6, 2]], np.int32)  # the step's k' = 4 >= k
     top_lps = np.array([[-0.1, -1.0, -2.0, -3.0], [-0.2, -0.9, -1.5, -4.0]], np.float32)
-    e = logprobs_entry(7, -2.0, 3, top_ids, top_lps, 0)  # sampled: rank 3 of row 0
+    e = logprobs_entry(7, -2.0, 3, top_ids, top_lps, 0, rank=3)  # sampled: rank 3 of row 0
     assert list(e) == [7, 9, 4] and e[9] == np.float32(-0.1) and e[7] == -2.0
-    e = logprobs_entry(8, -5.5, 2, top_ids, top_lps, 1)  # outside the top-k: k + 1
+    assert [(type(x), x.rank, x.decoded_token) for x in e.values()] == [
+        (Logprob, 3, None),
+        (Logprob, 1, None),
+        (Logprob, 2, None),
+    ]
+    e = logprobs_entry(8, -5.5, 2, top_ids, top_lps, 1, rank=40)  # outside the top-k
     assert list(e) == [8, 3, 5] and e[5] == np.float32(-0.9)
+    assert [x.rank for x in e.values()] == [40, 1, 2]
     assert logprobs_entry(3, -0.2, 0, None, None, 1) == {3: -0.2}  # k = 0: no top-k
+    assert logprobs_entry(3, -0.2, 0, None, None, 1)[3].rank is None  # rank not given
+
+
+class NamingTokenizer:
+    """Names a token by the ids it reads after ("5,6|7"; 0 is special) and counts its
+    `decode_each` calls."""
+
+    special_ids = frozenset({0})
+
+    def __init__(self):
+        self.calls = 0
+
+    def decode_each(self, ids, *, skip_special_tokens=True, context=()):
+        assert skip_special_tokens is False  # the candidates' names show special tokens
+        self.calls += 1
+        return [f"{','.join(map(str, context))}|{i}" for i in ids]
+
+
+def test_logprobs_entry_names_its_tokens_together_on_first_access():
+    """An entry's decoded tokens cost nothing until one is read; then one decode_each
+    names the whole position (its token and the alternatives), after the context with
+    special tokens left out when the text leaves them out (skip_special_tokens)."""
+    top_ids, top_lps = np.array([[9, 7, 0]]), np.array([[-0.1, -2.0, -3.0]])
+    tok = NamingTokenizer()
+    e = logprobs_entry(7, -2.0, 3, top_ids, top_lps, 0, rank=2, names=(tok, [5, 0, 6], True))
+    f = logprobs_entry(0, -3.0, 1, top_ids, top_lps, 0, rank=3, names=(tok, [0, 6], False))
+    assert tok.calls == 0
+    assert e[9].decoded_token == "5,6|9" and tok.calls == 1
+    assert [x.decoded_token for x in e.values()] == ["5,6|7", "5,6|9", "5,6|0"]
+    assert [x.decoded_token for x in f.values()] == ["0,6|0", "0,6|9"]
+    assert tok.calls == 2
+    assert pickle.loads(pickle.dumps(e)) == e  # the names go with it
+    assert pickle.loads(pickle.dumps(e))[0].decoded_token == "5,6|0"
 
 
 # ---------------------------------------------------------------- stop strings
@@ -298,13 +339,18 @@ def test_apply_times_the_first_token_and_keeps_each_tokens_logprobs(monkeypatch)
     g = SequenceGroup("r", [s])
     g.request = Request("r", None, prompt, params, frozenset(), g, None, 10.0)
     proc = OutputProcessor(
-        _Scheduler(), EngineMetrics(1), lambda ids, p, skip: "", itertools.count(1)
+        _Scheduler(),
+        EngineMetrics(1),
+        lambda ids, p, skip: "",
+        itertools.count(1),
+        NamingTokenizer(),
     )
     clock = iter([11.0, 12.5, 14.0])
     monkeypatch.setattr(outputs, "perf_counter", lambda: next(clock))
     seen = []
-    steps = [(7, -0.5, 7, -0.5), (8, -2.0, 9, -0.25), (4, -1.0, 4, -1.0)]  # tok, lp, top-1
-    for tok, lp, top, top_lp in steps:
+    # tok, lp, top-1, the token's rank
+    steps = [(7, -0.5, 7, -0.5, 1), (8, -2.0, 9, -0.25, 5), (4, -1.0, 4, -1.0, 1)]
+    for tok, lp, top, top_lp, rank in steps:
         s.pending += 1  # as the scheduler's commit
         row = ScheduledRow(g, s, g.epoch, len(s.token_ids) - 1, 1, True, True)
         host = (
@@ -312,6 +358,7 @@ def test_apply_times_the_first_token_and_keeps_each_tokens_logprobs(monkeypatch)
             np.array([lp], np.float32),
             np.array([[top]]),
             np.array([[top_lp]]),
+            np.array([rank], np.int32),
         )
         done = proc.apply(StepPlan([row]), host, on_token=lambda *a: seen.append(a))
     (out,) = done
@@ -319,6 +366,9 @@ def test_apply_times_the_first_token_and_keeps_each_tokens_logprobs(monkeypatch)
     assert (out.ttft_s, out.latency_s) == (1.0, 4.0)
     assert (c.token_ids, c.finish_reason, c.cumulative_logprob) == ([7, 8, 4], "length", -3.5)
     assert c.logprobs == [{7: -0.5}, {8: -2.0, 9: -0.25}, {4: -1.0}]
+    assert [[x.rank for x in e.values()] for e in c.logprobs] == [[1], [5, 1], [1]]
+    names = [[x.decoded_token for x in e.values()] for e in c.logprobs]
+    assert names == [["5,6|7"], ["5,6,7|8", "5,6,7|9"], ["5,6,7,8|4"]]  # each after its past
     assert seen == [("r", 0, 7), ("r", 0, 8), ("r", 0, 4)]
     assert proc.metrics.generated_tokens == 3
 
@@ -353,7 +403,9 @@ def test_prompt_logprobs_of_chunked_prefill_rows():
     """A prompt prefilled in two chunks, each in a step with another request's decode row
     (before or after it): prompt token j >= 1 gets the entry of position j - 1, the
     row's offset in the step counted over the rows before it; the prompt's last position
-    scores no prompt token; prefix-cache reads resume only once every entry is in."""
+    scores no prompt token; prefix-cache reads resume only once every entry is in. Each
+    entry has the step's rank of its token and is named after the prompt tokens before
+    it."""
     prompt = [5, 6, 7, 8, 9]
     params = SamplingParams(max_tokens=2, prompt_logprobs=1)
     s = Seq(0, list(prompt), 5, 7, status=SeqStatus.RUNNING)
@@ -364,22 +416,40 @@ def test_prompt_logprobs_of_chunked_prefill_rows():
     h = SequenceGroup("b", [other])
     h.request = Request("b", None, [3, 4], SamplingParams(), frozenset(), h, None, 0.0)
     proc = OutputProcessor(
-        _Scheduler(), EngineMetrics(1), lambda ids, p, skip: "", itertools.count(1)
+        _Scheduler(),
+        EngineMetrics(1),
+        lambda ids, p, skip: "",
+        itertools.count(1),
+        NamingTokenizer(),
     )
 
     def step(rows, lps, tops):
         top_ids = np.array([[t] for t, _ in tops])
         top_lps = np.array([[x] for _, x in tops], np.float32)
-        proc._prompt_logprobs(StepPlan(rows), np.array(lps, np.float32), top_ids, top_lps)
+        ranks = np.arange(len(lps), dtype=np.int32) + 10  # the step's token i: rank 10 + i
+        proc._prompt_logprobs(StepPlan(rows), np.array(lps, np.float32), top_ids, top_lps, ranks)
 
     decode_b = ScheduledRow(h, other, 0, 2, 1, True, True)
     chunk = ScheduledRow(g, s, 0, 0, 3, False, False)  # positions 0, 1, 2
     step([chunk, decode_b], [-1.0, -2.0, -3.0, -9.0], [(6, -1.0), (3, -0.5), (4, -0.25), (0, 0)])
     assert req.prompt_logprobs == [None, {6: -1.0}, {7: -2.0, 3: -0.5}, {8: -3.0, 4: -0.25}, None]
+    assert [[x.rank for x in e.values()] for e in req.prompt_logprobs[1:4]] == [
+        [10],
+        [11, 1],
+        [12, 1],
+    ]
     assert (req.prompt_logprobs_missing, g.read_prefix_cache) == (1, False)
     chunk = ScheduledRow(g, s, 0, 3, 2, False, True)  # positions 3 and 4 (it samples)
     step([decode_b, chunk], [-9.0, -4.0, -9.0], [(0, 0), (2, -0.125), (0, 0)])
     assert req.prompt_logprobs[4] == {9: -4.0, 2: -0.125}
+    assert [x.rank for x in req.prompt_logprobs[4].values()] == [11, 1]  # the step's token 1
+    names = [[x.decoded_token for x in e.values()] for e in req.prompt_logprobs[1:]]
+    assert names == [
+        ["5|6"],
+        ["5,6|7", "5,6|3"],
+        ["5,6,7|8", "5,6,7|4"],
+        ["5,6,7,8|9", "5,6,7,8|2"],
+    ]
     assert (req.prompt_logprobs_missing, g.read_prefix_cache) == (0, True)
 
 
@@ -473,7 +543,11 @@ def beam_search_through_the_processor(model, width, max_new, stops, length_penal
     beam = BeamSearch(width, length_penalty, frozenset(stops), max_new)
     g.request = req = Request("r", None, prompt, params, frozenset(stops), g, beam, 0.0)
     proc = OutputProcessor(
-        _Scheduler(), EngineMetrics(1), lambda ids, p, skip: "", itertools.count(1)
+        _Scheduler(),
+        EngineMetrics(1),
+        lambda ids, p, skip: "",
+        itertools.count(1),
+        NamingTokenizer(),
     )
     cands = max(min(num_candidates(width, len(stops)), model.vocab), k)
     sampled = 0
@@ -504,10 +578,11 @@ def two_level(vocab, width, num_stops, length_penalty):
 )
 def test_beam_search_through_the_processor_equals_the_whole_vocabulary(searches):
     """The hypotheses, their sums, stop reasons and logprobs entries (each token's own
-    distribution: the token, then the 2 most likely, ties to the lower id) are those of
-    a search over the whole vocabulary, exact ties included: the next step's beams are
-    in the order the selection ranked them (they were in the group's order: surviving
-    parents first, forks after them)."""
+    distribution: the token, then the 2 most likely, ties to the lower id, ranked by
+    their place among the candidates, each named after its own beam's tokens) are those
+    of a search over the whole vocabulary, exact ties included: the next step's beams
+    are in the order the selection ranked them (they were in the group's order:
+    surviving parents first, forks after them)."""
     for i, (model, width, num_stops, length_penalty) in enumerate(searches):
         rng = np.random.default_rng(model.seed)
         stops = set(rng.choice(model.vocab, num_stops, replace=False).tolist())
@@ -524,6 +599,11 @@ def test_beam_search_through_the_processor_equals_the_whole_vocabulary(searches)
             assert len(c.logprobs) == len(c.token_ids)
             for j, (tok, entry) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
                 row = model.logprobs(c.token_ids[:j])
-                top = np.lexsort((np.arange(row.size), -row))[:2].tolist()
+                order = np.lexsort((np.arange(row.size), -row)).tolist()
+                top = order[:2]
                 assert list(entry) == [tok] + [t for t in top if t != tok]
                 assert entry == pytest.approx({t: row[t] for t in entry})
+                assert [x.rank for x in entry.values()] == [order.index(t) + 1 for t in entry]
+                past = ([5, 6] + c.token_ids[:j])[-8:]
+                before = ",".join(str(t) for t in past if t not in NamingTokenizer.special_ids)
+                assert [x.decoded_token for x in entry.values()] == [f"{before}|{t}" for t in entry]
