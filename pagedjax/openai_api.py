@@ -39,7 +39,7 @@ from pagedjax.request import (
     encode_bad_words,
     encode_prompt,
 )
-from pagedjax.tokenizer import CONTEXT_IDS
+from pagedjax.tokenizer import CONTEXT_IDS, token_names
 
 __all__ = [
     "SAMPLING_FIELDS",
@@ -498,19 +498,12 @@ def chat_messages(messages) -> list[dict]:
 
 
 def _token_names(tok, context: list[int], token_ids: list[int], skip: bool) -> dict[int, str]:
-    """The names of one position's candidate tokens (the sampled one, its alternatives):
-    each one's text where it stands, after `context` (the ids before it), so that a
-    SentencePiece token keeps the leading space a lone decode strips. The candidates are
-    named with their special tokens shown ("</s>"), but the context is read as the
-    completion's text reads it (`skip`: its skip_special_tokens), without special tokens
-    by default: after a prompt of special tokens only (BOS), the text's first token has
-    no leading space and neither has its name."""
-    if tok is None:  # vLLM's name for a token without a tokenizer
+    """{id: name} of one position's candidate tokens (`tokenizer.token_names`; `skip`:
+    the request's skip_special_tokens); vLLM's "token_id:<id>" without a tokenizer."""
+    if tok is None:
         return {t: f"token_id:{t}" for t in token_ids}
-    if skip:
-        context = [i for i in context if i not in tok.special_ids]
-    texts = tok.decode_each(token_ids, skip_special_tokens=False, context=context)
-    return dict(zip(token_ids, texts, strict=True))
+    names = token_names(tok, token_ids, context=context, skip_special_tokens=skip)
+    return dict(zip(token_ids, names, strict=True))
 
 
 def _contexts(context, token_ids) -> list[list[int]]:

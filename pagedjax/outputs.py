@@ -25,7 +25,7 @@ from pagedjax.request import CompletionOutput, Logprob, RequestOutput, SamplingP
 from pagedjax.scheduler import Scheduler
 from pagedjax.sequence import SeqStatus, SequenceGroup, StepPlan
 from pagedjax.sequence import Sequence as Seq
-from pagedjax.tokenizer import CONTEXT_IDS
+from pagedjax.tokenizer import CONTEXT_IDS, token_names
 
 __all__ = ["OutputProcessor", "Request", "logprobs_entry"]
 
@@ -381,9 +381,8 @@ def logprobs_entry(
 
 class _TokenTexts:
     """The texts of one position's tokens (its own, the alternatives), decoded together
-    when one is first asked for: each where it stands, after the ids before it (the
-    OpenAI layer's names: special tokens shown, the context read as the completion's
-    text reads it, without special tokens under skip_special_tokens)."""
+    when one is first asked for (`tokenizer.token_names`, as the OpenAI layer names
+    them)."""
 
     __slots__ = ("tokenizer", "context", "skip", "ids", "texts")
 
@@ -393,9 +392,7 @@ class _TokenTexts:
 
     def text(self, token: int) -> str:
         if self.texts is None:
-            tok, ctx = self.tokenizer, self.context
-            if self.skip:
-                ctx = [i for i in ctx if i not in tok.special_ids]
-            texts = tok.decode_each(self.ids, skip_special_tokens=False, context=ctx)
-            self.texts = dict(zip(self.ids, texts, strict=True))
+            kw = dict(context=self.context, skip_special_tokens=self.skip)
+            names = token_names(self.tokenizer, self.ids, **kw)
+            self.texts = dict(zip(self.ids, names, strict=True))
         return self.texts[token]

@@ -508,6 +508,24 @@ class Tokenizer:
         return ids
 
 
+def token_names(
+    tok, ids: list[int], *, context: Iterable[int] = (), skip_special_tokens: bool = True
+) -> list[str]:
+    """The names of one position's candidate tokens `ids` (the sampled one, its
+    alternatives), for logprobs: each one's text where it stands, after `context` (the
+    ids before it), so that a SentencePiece token keeps the leading space a lone decode
+    strips. The candidates are named with their special tokens shown ("</s>"), but the
+    context is read as the completion's text reads it (`skip_special_tokens`: its
+    request's): without special tokens by default, so after a prompt of special tokens
+    only (BOS), the text's first token has no leading space and neither has its name.
+
+    `tok`: a `Tokenizer` (or anything with its `special_ids` and `decode_each`).
+    """
+    if skip_special_tokens:
+        context = [i for i in context if i not in tok.special_ids]
+    return tok.decode_each(ids, skip_special_tokens=False, context=context)
+
+
 def _post_processor_adds(tok: tokenizers.Tokenizer, bos: int) -> bool:
     with_special = tok.encode("a", add_special_tokens=True).ids
     return bool(with_special) and with_special[0] == bos
