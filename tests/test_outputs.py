@@ -108,6 +108,13 @@ class _Scheduler:
         pass
 
 
+def processor(detokenize=lambda ids, prompt_ids, skip: "", tokenizer=None) -> OutputProcessor:
+    """An OutputProcessor over a stand-in scheduler (no text by default)."""
+    return OutputProcessor(
+        _Scheduler(), EngineMetrics(1), detokenize, itertools.count(1), tokenizer
+    )
+
+
 def accept_all(tok, gen, params):
     """Feeds `gen` one token at a time as the engine does; (ids, text, finish, stop)."""
     prompt = PROMPT
@@ -120,7 +127,7 @@ def accept_all(tok, gen, params):
     def detokenize(ids, prompt_ids, skip):
         return tok.decode(ids, skip_special_tokens=skip, context=prompt_ids)
 
-    proc = OutputProcessor(_Scheduler(), EngineMetrics(1), detokenize, itertools.count(1))
+    proc = processor(detokenize)
     for t in gen:
         proc._accept(req, s, t, -0.5, None)
         if s.status is SeqStatus.FINISHED:
@@ -338,13 +345,7 @@ def test_apply_times_the_first_token_and_keeps_each_tokens_logprobs(monkeypatch)
     s = Seq(0, list(prompt), 2, 5, status=SeqStatus.RUNNING, logprobs=[])
     g = SequenceGroup("r", [s])
     g.request = Request("r", None, prompt, params, frozenset(), g, None, 10.0)
-    proc = OutputProcessor(
-        _Scheduler(),
-        EngineMetrics(1),
-        lambda ids, p, skip: "",
-        itertools.count(1),
-        NamingTokenizer(),
-    )
+    proc = processor(tokenizer=NamingTokenizer())
     clock = iter([11.0, 12.5, 14.0])
     monkeypatch.setattr(outputs, "perf_counter", lambda: next(clock))
     seen = []
@@ -383,9 +384,7 @@ def test_num_cached_tokens_is_the_first_admissions_prefix_cache_hit():
     s = Seq(0, list(prompt), 3, 5, status=SeqStatus.RUNNING, num_cached_tokens=2)  # admitted
     g = SequenceGroup("r", [s], num_cached_tokens=2)  # as the scheduler's admission sets it
     g.request = Request("r", None, prompt, SamplingParams(max_tokens=2), frozenset(), g, None, 0.0)
-    proc = OutputProcessor(
-        _Scheduler(), EngineMetrics(1), lambda ids, p, skip: "", itertools.count(1)
-    )
+    proc = processor()
 
     def step(tok, start, num_tokens):
         s.pending += 1
@@ -415,13 +414,7 @@ def test_prompt_logprobs_of_chunked_prefill_rows():
     other = Seq(1, [3, 4, 1], 2, 9, status=SeqStatus.RUNNING)
     h = SequenceGroup("b", [other])
     h.request = Request("b", None, [3, 4], SamplingParams(), frozenset(), h, None, 0.0)
-    proc = OutputProcessor(
-        _Scheduler(),
-        EngineMetrics(1),
-        lambda ids, p, skip: "",
-        itertools.count(1),
-        NamingTokenizer(),
-    )
+    proc = processor(tokenizer=NamingTokenizer())
 
     def step(rows, lps, tops):
         top_ids = np.array([[t] for t, _ in tops])
@@ -470,7 +463,7 @@ def test_beam_hypotheses_report_their_stop_token_as_sampling_does():
     beam = BeamSearch(3, 0.0, stop_ids, params.max_tokens)
     req = Request("r", None, prompt, params, stop_ids, g, beam, 0.0)
     no_text = lambda ids, prompt_ids, skip: ""  # noqa: E731
-    proc = OutputProcessor(_Scheduler(), EngineMetrics(1), no_text, itertools.count(1))
+    proc = processor(no_text)
 
     def step(generated, sums, first):
         """Each beam's candidates, best first: `first` ranked top on beam 0."""
@@ -542,13 +535,7 @@ def beam_search_through_the_processor(model, width, max_new, stops, length_penal
     g = SequenceGroup("r", [s], width, atomic=True)
     beam = BeamSearch(width, length_penalty, frozenset(stops), max_new)
     g.request = req = Request("r", None, prompt, params, frozenset(stops), g, beam, 0.0)
-    proc = OutputProcessor(
-        _Scheduler(),
-        EngineMetrics(1),
-        lambda ids, p, skip: "",
-        itertools.count(1),
-        NamingTokenizer(),
-    )
+    proc = processor(tokenizer=NamingTokenizer())
     cands = max(min(num_candidates(width, len(stops)), model.vocab), k)
     sampled = 0
     while True:
