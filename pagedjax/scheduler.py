@@ -222,7 +222,8 @@ class Scheduler:
             raise ValueError(
                 f"request {group.request_id!r} may need {need} KV pages ({group.num_seats} "
                 f"sequences of up to {max(s.max_num_tokens for s in group.seqs)} tokens{held}), "
-                f"more than the {have} the cache can give; raise num_pages or lower max_tokens"
+                f"more than the {have} the cache can give; raise num_pages or lower max_tokens "
+                "(max_tokens=None runs each sequence up to max_model_len)"
             )
         group.status = SeqStatus.WAITING
         self.waiting.append(group)

@@ -178,6 +178,12 @@ def test_max_tokens_none_runs_to_max_model_len(llm):
     (out,) = llm.generate([prompt], SamplingParams(max_tokens=None, min_tokens=100))
     assert len(out.outputs[0].token_ids) == room
     assert SamplingParams().max_tokens == 16
+    # Each sequence may run to max_model_len: a cache too small for n of them says so.
+    small = LLM(
+        llm.params, max_num_batched_tokens=16, max_model_len=32, **GEOMETRY | dict(num_pages=6)
+    )
+    with pytest.raises(ValueError, match=r"lower max_tokens \(max_tokens=None runs each"):
+        small.generate([prompt], SamplingParams(max_tokens=None, n=2))
 
 
 # ------------------------------------------------------------ truncate_prompt_tokens
