@@ -178,7 +178,10 @@ class SamplingParams:
         (`encode_bad_words`). A word of one token is never drawn; a longer word's last
         token is not drawn where the tokens generated so far (not the prompt) end with
         the rest of it. Not with beam search.
-        Both leave the returned logprobs the raw distribution's.
+        Both leave the returned logprobs the raw distribution's. allowed_token_ids all
+        banned by one-token bad words (or, before min_tokens, stop tokens) are refused
+        when the request is added; longer bad words that ban every allowed token at some
+        position leave nothing to draw, and token 0 is drawn there (as in vLLM).
     """
 
     n: int = 1
