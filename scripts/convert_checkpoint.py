@@ -37,6 +37,9 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
     """Refuses OUT_DIR up front, as `weights.save_params` would after the whole load."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"OUT_DIR {out} exists and is not a directory")
+    above = next(p for p in out.absolute().parents if p.exists())  # (the root exists)
+    if not above.is_dir():
+        raise ValueError(f"OUT_DIR {out} cannot be made: {above} is not a directory")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise ValueError(
@@ -89,19 +92,23 @@ def main(argv=None) -> int:
             )
         check_out_dir(Path(args.out_dir), args.overwrite)  # before a load of many GB
         cfg, params = weights.load_hf_checkpoint(args.hf_dir, dtype=args.dtype)
-        weights.save_params(params, args.out_dir, overwrite=args.overwrite)
     except (ValueError, TypeError, FileNotFoundError, NotADirectoryError) as e:
         print(f"convert_checkpoint: error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # (reading HF_DIR's files or writing OUT_DIR)
+    except OSError as e:  # (reading HF_DIR's files)
         print(f"convert_checkpoint: error: {e}", file=sys.stderr)
         return 1
     copied = []
-    for name in TOKENIZER_FILES:
-        src = Path(args.hf_dir) / name
-        if src.is_file():
-            shutil.copy2(src, Path(args.out_dir) / name)
-            copied.append(name)
+    try:  # OUT_DIR was checked: what fails now is the write (orbax's full disk: a ValueError)
+        weights.save_params(params, args.out_dir, overwrite=args.overwrite)
+        for name in TOKENIZER_FILES:
+            src = Path(args.hf_dir) / name
+            if src.is_file():
+                shutil.copy2(src, Path(args.out_dir) / name)
+                copied.append(name)
+    except (ValueError, OSError) as e:
+        print(f"convert_checkpoint: error: writing {args.out_dir} failed: {e}", file=sys.stderr)
+        return 1
     if "tokenizer.json" not in copied:
         print(
             f"convert_checkpoint: note: {args.hf_dir} has no tokenizer.json, so {args.out_dir} "

@@ -59,6 +59,9 @@ def test_convert_refuses_out_dir_before_loading(tmp_path, capsys, monkeypatch):
     assert cli.main([str(hf), str(a_file)]) == 2
     err = capsys.readouterr().err
     assert "not a directory" in err and str(a_file) in err, err
+    assert cli.main([str(hf), str(a_file / "out")]) == 2  # under a file: it cannot be made
+    err = capsys.readouterr().err
+    assert "is not a directory" in err and "Traceback" not in err, err
     # The source inside OUT_DIR (or OUT_DIR itself): --overwrite would delete it.
     for src in (out / "hf", out):
         src.mkdir(exist_ok=True)
@@ -232,6 +235,37 @@ def test_host_bad_flags(argv, want, capsys, monkeypatch):
     bench = load("bench_host", monkeypatch)
     err = usage_error(bench.main, argv, capsys)  # fails before any benchmark runs
     assert want in err, err
+
+
+def test_convert_a_failed_write_is_status_1_in_one_line(tmp_path, capsys, monkeypatch):
+    """A full disk while orbax writes (its ValueError "RESOURCE_EXHAUSTED ... No space
+    left on device") exited 2, as bad input; while copying the tokenizer files after
+    it, with a traceback."""
+    import errno
+    import shutil
+
+    from params_helpers import write_tiny_checkpoint
+
+    from pagedjax import weights
+
+    cli = load("convert_checkpoint", monkeypatch)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    write_tiny_checkpoint(hf)
+
+    def full(*a, **k):
+        raise ValueError("RESOURCE_EXHAUSTED: Failed writing: No space left on device")
+
+    def full_copy(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    for obj, name, fail in [(weights, "save_params", full), (shutil, "copy2", full_copy)]:
+        with monkeypatch.context() as m:
+            m.setattr(obj, name, fail)
+            assert cli.main([str(hf), str(tmp_path / f"out_{name}")]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "No space left on device" in err, err
+        assert f"writing {tmp_path / f'out_{name}'} failed" in err, err
 
 
 def test_convert_says_an_orbax_hf_dir_is_converted_already(tmp_path, capsys, monkeypatch):
