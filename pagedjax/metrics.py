@@ -42,13 +42,24 @@ K/V byte of its rows' contexts once, `kv_bytes_per_token * sum(context lens)`.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
+import itertools
 import math
 
 import numpy as np
 
-__all__ = ["SUMMARY_KEYS", "EngineMetrics", "StepRecord", "percentile", "prometheus_text"]
+__all__ = [
+    "LATENCY_BUCKETS_S",
+    "SUMMARY_KEYS",
+    "TTFT_BUCKETS_S",
+    "EngineMetrics",
+    "Histogram",
+    "StepRecord",
+    "percentile",
+    "prometheus_text",
+]
 
 SUMMARY_KEYS = (
     "load_time_s",
@@ -82,9 +93,41 @@ SUMMARY_KEYS = (
 )
 
 
-def _mean(total: list) -> float | None:
-    """The mean of a (count, sum) pair, None for no values."""
-    return total[1] / total[0] if total[0] else None
+# Upper bounds of the request-timing histograms' buckets, vLLM's (so dashboards made for
+# its /metrics read ours).
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0)
+TTFT_BUCKETS_S += (2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0)
+LATENCY_BUCKETS_S += (50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class Histogram:
+    """Counts of values at most each bound (Prometheus' `le`), their count and sum.
+
+    Args:
+      bounds: increasing upper bounds; values above the last count in +Inf only.
+    """
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)  # per bucket, not cumulative
+        self.count, self.sum = 0, 0.0
+
+    def add(self, x: float) -> None:
+        i = bisect.bisect_left(self.bounds, x)
+        if i < len(self.bounds):
+            self.counts[i] += 1
+        self.count += 1
+        self.sum += x
+
+    @property
+    def mean(self) -> float | None:
+        return self.sum / self.count if self.count else None
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(le, values at most le) per bound, then ("+Inf", count)."""
+        out = list(zip(map(repr, self.bounds), itertools.accumulate(self.counts), strict=True))
+        return [*out, ("+Inf", self.count)]
 
 
 def percentile(values, q: float) -> float | None:
@@ -144,11 +187,11 @@ class EngineMetrics:
         self.context_tokens = 0
         self.peak_used_pages = 0
         # The last max_records requests' TTFTs and latencies (for percentiles), and every
-        # request's: (count, sum) of TTFTs, then of latencies.
+        # request's in histograms (counts, sums, buckets).
         self.ttfts: collections.deque[float] = collections.deque(maxlen=self.max_records)
         self.latencies: collections.deque[float] = collections.deque(maxlen=self.max_records)
-        self.ttft_total = [0, 0.0]
-        self.latency_total = [0, 0.0]
+        self.ttft_hist = Histogram(TTFT_BUCKETS_S)
+        self.latency_hist = Histogram(LATENCY_BUCKETS_S)
         self.num_prompt_tokens = 0
         self._host = [0.0, 0.0, 0.0, 0]  # hidden, exposed, wait, steps counted
         # prefill s, tokens; decode s, tokens; all s, context tokens (of measured steps)
@@ -198,11 +241,9 @@ class EngineMetrics:
         self.num_prompt_tokens += num_prompt_tokens
         if ttft is not None:
             self.ttfts.append(ttft)
-            self.ttft_total[0] += 1
-            self.ttft_total[1] += ttft
+            self.ttft_hist.add(ttft)
         self.latencies.append(latency)
-        self.latency_total[0] += 1
-        self.latency_total[1] += latency
+        self.latency_hist.add(latency)
 
     def summary(
         self,
@@ -226,15 +267,15 @@ class EngineMetrics:
             compile_time_s=self.compile_time_s,
             num_compilations=self.num_compilations,
             run_time_s=self.run_time_s,
-            num_requests=self.latency_total[0],
+            num_requests=self.latency_hist.count,
             num_steps=self.num_steps,
             num_prompt_tokens=self.num_prompt_tokens,
             num_prefill_tokens=self.prefill_tokens,
             num_generated_tokens=self.generated_tokens,
-            ttft_mean_s=_mean(self.ttft_total),
+            ttft_mean_s=self.ttft_hist.mean,
             ttft_p50_s=percentile(self.ttfts, 50),
             ttft_p99_s=percentile(self.ttfts, 99),
-            latency_mean_s=_mean(self.latency_total),
+            latency_mean_s=self.latency_hist.mean,
             device_time_s=dev_s,
             prefill_tokens_per_s=rate(pre_n, pre_s),
             decode_tokens_per_s=rate(dec_n, dec_s),
@@ -268,25 +309,29 @@ def _add_timed(timed: list, rec: StepRecord) -> None:
     timed[5] += rec.context_tokens
 
 
-def prometheus_text(llm) -> str:
-    """An `LLM`'s live metrics in Prometheus' text format (version 0.0.4), named as
-    vLLM's `/metrics` names them with the prefix "pagedjax:": requests running and
-    waiting, KV cache usage, token and request counters since the engine started, and
-    TTFT and end-to-end latency summaries of the finished requests. Call it where the
-    engine is not stepping (`EngineThread.call`)."""
+def prometheus_text(llm, model_name: str | None = None) -> str:
+    """An `LLM`'s live metrics in Prometheus' text format (version 0.0.4), as vLLM's
+    `/metrics` gives them with the prefix "pagedjax:" for "vllm:" (and its `model_name`
+    label when given): requests running and waiting, KV cache usage, token, request and
+    preemption counters since the engine started, and histograms of the finished
+    requests' TTFT and latency (vLLM's buckets). Call it where the engine is not
+    stepping (`EngineThread.call`)."""
     m, bm = llm.metrics, llm.block_manager.stats()
+    label = "" if model_name is None else f'model_name="{_escape(model_name)}"'
     out = []
 
     def metric(name, kind, help_, samples):
         out.append(f"# HELP pagedjax:{name} {help_}")
         out.append(f"# TYPE pagedjax:{name} {kind}")
-        for suffix, labels, value in samples:
+        for suffix, extra, value in samples:
+            labels = ",".join(x for x in (label, extra) if x)
+            labels = f"{{{labels}}}" if labels else ""
             out.append(f"pagedjax:{name}{suffix}{labels} {float(value)!r}")
 
-    def summary(name, help_, values, total):
-        qs = [("", f'{{quantile="{q}"}}', percentile(values, 100 * q)) for q in (0.5, 0.9, 0.99)]
-        totals = [("_sum", "", total[1]), ("_count", "", total[0])]
-        metric(name, "summary", help_, [x for x in qs if x[2] is not None] + totals)
+    def histogram(name, help_, hist: Histogram):
+        buckets = [("_bucket", f'le="{le}"', n) for le, n in hist.cumulative()]
+        totals = [("_sum", "", hist.sum), ("_count", "", hist.count)]
+        metric(name, "histogram", help_, buckets + totals)
 
     running, waiting = len(llm.scheduler.running), len(llm.scheduler.waiting)
     metric("num_requests_running", "gauge", "Requests running.", [("", "", running)])
@@ -297,13 +342,17 @@ def prometheus_text(llm) -> str:
     for name, help_, value in [
         ("prompt_tokens_total", "Prompt tokens of finished requests.", m.num_prompt_tokens),
         ("generation_tokens_total", "Generated tokens.", m.generated_tokens),
-        ("request_success_total", "Finished requests.", m.latency_total[0]),
+        ("request_success_total", "Finished requests.", m.latency_hist.count),
         ("num_preemptions_total", "Preemptions.", llm.scheduler.num_preemptions),
         ("prefix_cache_queries_total", "Prompt tokens admitted.", bm.prefix_queries),
         ("prefix_cache_hits_total", "Prompt tokens read from the prefix cache.", bm.prefix_hits),
     ]:
         metric(name, "counter", help_, [("", "", value)])
-    n = f" (quantiles of the last {m.max_records:,})"
-    summary("time_to_first_token_seconds", f"Time to the first token{n}.", m.ttfts, m.ttft_total)
-    summary("e2e_request_latency_seconds", f"Request latency{n}.", m.latencies, m.latency_total)
+    histogram("time_to_first_token_seconds", "Time to the first token.", m.ttft_hist)
+    histogram("e2e_request_latency_seconds", "Request latency.", m.latency_hist)
     return "\n".join(out) + "\n"
+
+
+def _escape(value: str) -> str:
+    """A Prometheus label value: backslash, double quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -7,9 +7,10 @@
 Point an OpenAI client at `http://HOST:PORT/v1` (any API key). Endpoints:
 
     GET  /health               200 "ok"
-    GET  /metrics              Prometheus text: vLLM's metric names as "pagedjax:..."
-                               (requests running and waiting, KV cache usage, token,
-                               request and preemption counters, TTFT and latency)
+    GET  /metrics              Prometheus text: vLLM's metrics as "pagedjax:..." with
+                               its model_name label (requests running and waiting, KV
+                               cache usage, token, request and preemption counters,
+                               TTFT and latency histograms in its buckets)
     GET  /v1/models            the one model: id = --served-model-name, else the
                                checkpoint directory's name ("pagedjax-demo" without one)
     POST /v1/completions       prompt: a string, a list of strings, a list of token ids
@@ -421,7 +422,8 @@ class Handler(BaseHTTPRequestHandler):
         if self.server.engine is None:
             raise ApiError(503, "the engine is not started")
         try:
-            return self.server.engine.call(prometheus_text).encode()
+            name = self.server.model_name
+            return self.server.engine.call(lambda llm: prometheus_text(llm, name)).encode()
         except EngineStopped:
             raise ApiError(503, "the engine is not running") from None
         except queue.Empty:  # a step (a compile) outlasting call's 60 s

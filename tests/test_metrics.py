@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from pagedjax.metrics import SUMMARY_KEYS, EngineMetrics, StepRecord, percentile
+from pagedjax.metrics import SUMMARY_KEYS, EngineMetrics, Histogram, StepRecord, percentile
 
 
 def summarize(m: EngineMetrics) -> dict:
@@ -232,6 +232,15 @@ def test_request_timings_are_bounded_and_counts_and_means_exact():
     assert summarize(m)["num_requests"] == 0 and m.ttfts.maxlen == 3
 
 
+def test_histogram_counts_each_value_in_its_le_bucket():
+    h = Histogram((0.1, 1.0, 10.0))
+    for x in (0.05, 0.1, 0.5, 1.0, 3.0, 99.0):
+        h.add(x)
+    assert h.cumulative() == [("0.1", 2), ("1.0", 4), ("10.0", 5), ("+Inf", 6)]
+    assert h.count == 6 and h.sum == pytest.approx(103.65) and h.mean == pytest.approx(103.65 / 6)
+    assert Histogram((1.0,)).mean is None
+
+
 def test_a_request_without_a_first_token_counts_in_latency_only():
     m = EngineMetrics(kv_bytes_per_token=8)
     m.record_request(4, 0.5, 1.0)
@@ -251,3 +260,10 @@ def test_a_decode_step_carrying_one_token_prefill_chunks_counts_as_prefill():
     s = summarize(m)
     assert s["prefill_tokens_per_s"] == pytest.approx(2 / 0.5)
     assert s["decode_tokens_per_s"] is None
+
+
+def test_prometheus_label_values_are_escaped():
+    """A served model name with a quote, a backslash or a newline stays one label value."""
+    from pagedjax.metrics import _escape
+
+    assert _escape('a"b\\c\nd') == 'a\\"b\\\\c\\nd'

@@ -223,8 +223,8 @@ def test_tokenize_and_detokenize_as_vllm(server, bare_server, ref):
 
 
 def metrics(srv) -> dict[str, float]:
-    """GET /metrics parsed: {name with labels: value}, checking each sample's HELP and
-    TYPE lines come first."""
+    """GET /metrics parsed: {name with its labels but model_name: value}, checking each
+    sample's TYPE line comes first and that every sample has the model_name label."""
     status, text = request(srv, "/metrics")
     assert status == 200, text
     got, typed = {}, set()
@@ -235,6 +235,8 @@ def metrics(srv) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             base = name.split("{")[0]
             assert base in typed or base.rsplit("_", 1)[0] in typed, line
+            assert 'model_name="tiny"' in name, line
+            name = name.replace('{model_name="tiny"}', "").replace('model_name="tiny",', "")
             got[name] = float(value)
     return got
 
@@ -255,7 +257,11 @@ def test_prometheus_metrics_count_what_a_request_did(server, ref):
     assert grew["pagedjax:prefix_cache_queries_total"] == len(ids)
     assert after["pagedjax:num_requests_running"] == after["pagedjax:num_requests_waiting"] == 0
     assert 0 <= after["pagedjax:kv_cache_usage_perc"] <= 1
-    assert after['pagedjax:e2e_request_latency_seconds{quantile="0.5"}'] > 0
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        counts = [v for k, v in after.items() if k.startswith(f"pagedjax:{name}_bucket")]
+        assert counts == sorted(counts) and len(counts) > 10  # cumulative, vLLM's buckets
+        assert after[f'pagedjax:{name}_bucket{{le="+Inf"}}'] == after[f"pagedjax:{name}_count"]
+        assert grew[f'pagedjax:{name}_bucket{{le="+Inf"}}'] == 1
 
 
 class StuckLLM:
