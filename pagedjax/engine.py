@@ -303,6 +303,10 @@ class LLM:
             truncate_prompt_tokens=truncate_prompt_tokens,
         )
 
+    def get_tokenizer(self) -> Tokenizer | None:
+        """The engine's tokenizer (vLLM's `LLM.get_tokenizer`; None without one)."""
+        return self.tokenizer
+
     def default_sampling_params(self) -> SamplingParams:
         """The `SamplingParams` of a request given none: `sampling_defaults` (the
         checkpoint's generation_config.json, `generation_config="auto"`), else

@@ -334,8 +334,8 @@ class OutputProcessor:
 
     def _names(self, req: Request, ids: list[int], end: int) -> tuple | None:
         """`logprobs_entry`'s names of the position after `ids[:end]` (None without a
-        tokenizer)."""
-        if self.tokenizer is None:
+        tokenizer, or with detokenize=False)."""
+        if self.tokenizer is None or not req.params.detokenize:
             return None
         return self.tokenizer, ids[max(0, end - CONTEXT_IDS) : end], req.params.skip_special_tokens
 
@@ -344,6 +344,8 @@ class OutputProcessor:
         less the stop token's text (EOS's, a stop_token_ids one's) unless
         include_stop_str_in_output, as vLLM's."""
         sp = req.params
+        if not sp.detokenize:
+            return ""
         if isinstance(stop, int) and not sp.include_stop_str_in_output:
             gen = gen[:-1]
         return self.detokenize(gen, req.prompt_ids, sp.skip_special_tokens)

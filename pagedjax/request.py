@@ -182,6 +182,8 @@ class SamplingParams:
         banned by one-token bad words (or, before min_tokens, stop tokens) are refused
         when the request is added; longer bad words that ban every allowed token at some
         position leave nothing to draw, and token 0 is drawn there (as in vLLM).
+      detokenize: False leaves the completions' text "" and their logprobs'
+        decoded_token None (no decoding on the host; stop strings are refused), as vLLM's.
     """
 
     n: int = 1
@@ -209,6 +211,12 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] | None = None
+    detokenize: bool = True
+
+    def clone(self) -> SamplingParams:
+        """A copy (vLLM's `clone`; the params are frozen, so `dataclasses.replace` makes
+        changed ones)."""
+        return dataclasses.replace(self)
 
     @property
     def penalised(self) -> bool:
@@ -251,7 +259,12 @@ class SamplingParams:
         is_int = isinstance(s, (int, np.integer)) and not isinstance(s, bool)
         if s is not None and (not is_int or not 0 <= s < 2**32):
             raise ValueError(f"seed must be None or an int in [0, 2**32), got seed={s!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in (
+            "ignore_eos",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "detokenize",
+        ):
             v = getattr(self, name)
             if not isinstance(v, (bool, np.bool_)):  # "no" would be truthy
                 raise ValueError(f"{name} must be a bool, got {name}={v!r}")
@@ -263,6 +276,8 @@ class SamplingParams:
         if any(not isinstance(x, str) or not x for x in stop):
             raise ValueError(f"stop must be non-empty strings, got stop={self.stop!r}")
         object.__setattr__(self, "stop", stop)
+        if stop and not self.detokenize:
+            raise ValueError(f"stop strings need detokenize=True, got stop={stop}")
         ids = _as_tuple(self.stop_token_ids, "stop_token_ids", "a list of ints")
         if any(not isinstance(i, (int, np.integer)) or isinstance(i, bool) or i < 0 for i in ids):
             raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")

@@ -278,3 +278,27 @@ def test_prompt_dicts_as_vllm(llm):
     with pytest.raises(TypeError, match="prompt 0: a prompt dict's keys"):
         llm.generate([{"prompt": PROMPT, "multi_modal_data": {}}], greedy(2))
     assert not llm.has_unfinished_requests()
+
+
+# ---------------------------------------------------- detokenize, clone, get_tokenizer
+
+
+def test_detokenize_false_leaves_text_empty_and_tokens_alone(llm):
+    (plain,) = llm.generate([PROMPT], greedy(6, logprobs=1))
+    (bare,) = llm.generate([PROMPT], greedy(6, logprobs=1, detokenize=False))
+    c, b = plain.outputs[0], bare.outputs[0]
+    assert c.text and b.text == "" and b.token_ids == c.token_ids
+    for e, f in zip(b.logprobs, c.logprobs, strict=True):  # (b's prompt: a cache hit)
+        assert list(e) == list(f) and list(e.values()) == pytest.approx(list(f.values()), 1e-5)
+    assert all(x.decoded_token is None and x.rank >= 1 for e in b.logprobs for x in e.values())
+    assert all(x.decoded_token is not None for e in c.logprobs for x in e.values())
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
+    with pytest.raises(ValueError, match="detokenize must be a bool, got detokenize=0"):
+        SamplingParams(detokenize=0)
+
+
+def test_clone_and_get_tokenizer_as_vllm(llm):
+    sp = greedy(3, stop=["x"])
+    assert sp.clone() == sp and sp.clone() is not sp
+    assert llm.get_tokenizer() is llm.tokenizer is not None
