@@ -3,11 +3,12 @@
 `parse_job` turns a request body (a parsed JSON object) into a `Job`: its prompts as
 token ids (chat messages rendered with the tokenizer's chat template) and its
 `SamplingParams`, or raises `ApiError` (400 naming the bad field and value; 404 for a
-model not served here). The response builders turn the engine's `RequestOutput`s back
-into OpenAI's shapes: a whole answer (`response_body`), or the chunks of a streamed one
-(`role_chunks`, `stream_chunk`, `usage`); `render_logprobs` renders the logprobs of any
-run of a completion's tokens (all of them, or a chunk's). Nothing here touches the
-engine, so it runs on any thread.
+model not served here); `tokenize` and `detokenize` answer vLLM's endpoints of those
+names. The response builders (`pagedjax.openai_responses`, re-exported here) turn the
+engine's `RequestOutput`s back into OpenAI's shapes: a whole answer (`response_body`),
+or the chunks of a streamed one (`role_chunks`, `stream_chunk`, `usage`);
+`render_logprobs` renders the logprobs of any run of a completion's tokens (all of
+them, or a chunk's). Nothing here touches the engine, so it runs on any thread.
 
 A model without a tokenizer (`tokenizer=None`) serves completions of token id prompts:
 its texts are "", so every choice carries its generated `token_ids` (a pagedjax
@@ -27,11 +28,21 @@ prompt leaves); a max_tokens given is never cut (vLLM caps it too).
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 import uuid
 from collections.abc import Mapping
 
+from pagedjax.openai_responses import (  # re-exported
+    chat_logprobs,
+    choice_index,
+    completion_logprobs,
+    render_logprobs,
+    response_body,
+    response_head,
+    role_chunks,
+    stream_chunk,
+    usage,
+)
 from pagedjax.request import (
     MAX_LOGPROBS,
     SamplingParams,
@@ -39,7 +50,6 @@ from pagedjax.request import (
     encode_bad_words,
     encode_prompt,
 )
-from pagedjax.tokenizer import CONTEXT_IDS, token_names
 
 __all__ = [
     "SAMPLING_FIELDS",
@@ -492,224 +502,3 @@ def chat_messages(messages) -> list[dict]:
             raise ApiError(400, msg, "messages")
         out.append({**m, "content": "" if content is None else content})
     return out
-
-
-# ----------------------------------------------------------------------- responses
-
-
-def _token_names(tok, context: list[int], token_ids: list[int], skip: bool) -> dict[int, str]:
-    """{id: name} of one position's candidate tokens (`tokenizer.token_names`; `skip`:
-    the request's skip_special_tokens); vLLM's "token_id:<id>" without a tokenizer."""
-    if tok is None:
-        return {t: f"token_id:{t}" for t in token_ids}
-    names = token_names(tok, token_ids, context=context, skip_special_tokens=skip)
-    return dict(zip(token_ids, names, strict=True))
-
-
-def _contexts(context, token_ids) -> list[list[int]]:
-    """The ids before each of `token_ids` (the last `CONTEXT_IDS` of them)."""
-    before, out = list(context)[-CONTEXT_IDS:], []
-    for t in token_ids:
-        out.append(before)
-        before = [*before, t][-CONTEXT_IDS:]
-    return out
-
-
-def _lp(x: float) -> float:
-    return x if math.isfinite(x) else -9999.0  # JSON has no -inf; OpenAI's convention
-
-
-def _top(entry: dict, k: int) -> list[tuple[int, float]]:
-    """The k most likely of a logprobs entry (the sampled token first, then the top k)."""
-    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
-
-
-def completion_logprobs(tok, c, k: int, prompt_ids=(), *, skip_special_tokens=True) -> dict:
-    """OpenAI completions-style logprobs of one completion (a `CompletionOutput`) of the
-    prompt `prompt_ids` (`skip_special_tokens`: the request's, see `render_logprobs`)."""
-    return render_logprobs(
-        tok,
-        c.token_ids,
-        c.logprobs,
-        k,
-        chat=False,
-        context=prompt_ids,
-        skip_special_tokens=skip_special_tokens,
-    )
-
-
-def chat_logprobs(tok, c, k: int, prompt_ids=(), *, skip_special_tokens=True) -> dict:
-    """OpenAI chat-style logprobs of one completion (a `CompletionOutput`) of the prompt
-    `prompt_ids` (`skip_special_tokens`: the request's, see `render_logprobs`)."""
-    return render_logprobs(
-        tok,
-        c.token_ids,
-        c.logprobs,
-        k,
-        chat=True,
-        context=prompt_ids,
-        skip_special_tokens=skip_special_tokens,
-    )
-
-
-def render_logprobs(
-    tok,
-    token_ids: list[int],
-    entries: list[dict],
-    k: int,
-    *,
-    chat: bool,
-    offset: int = 0,
-    context=(),
-    skip_special_tokens: bool = True,
-) -> dict:
-    """OpenAI-style logprobs of a run of a completion's tokens (all, or a stream chunk's).
-
-    Args:
-      tok: the tokenizer that names the tokens (None: "token_id:<id>", and every
-        text_offset is 0, the length of the empty text).
-      token_ids: the run's tokens.
-      entries: their logprobs entries ({token id: logprob}, the token first).
-      k: how many of the most likely tokens each entry lists (completions' add the
-        sampled token when it is not among them, as OpenAI's do).
-      chat: chat's `{content: [...]}`, else completions' `{tokens, token_logprobs,
-        top_logprobs, text_offset}`.
-      offset: completions' text_offset of the run's first token (the lengths of the
-        completion's earlier token names), so chunks' offsets continue each other's.
-      context: the ids before the run (the prompt's, then the completion's earlier
-        ones): each token, and each alternative to it, is named as it reads there.
-      skip_special_tokens: the request's: whether the text (and so the context the
-        names read after) leaves special tokens out.
-    """
-    # Per position: its k most likely, and the names of those and the sampled token.
-    tops = [_top(e, k) for e in entries]
-    names = [
-        _token_names(tok, b, [t, *(u for u, _ in top)], skip_special_tokens)
-        for t, top, b in zip(token_ids, tops, _contexts(context, token_ids), strict=True)
-    ]
-    if chat:
-
-        def item(s, x):
-            return dict(token=s, logprob=_lp(x), bytes=list(s.encode()))
-
-        content = [
-            {**item(name[t], e[t]), "top_logprobs": [item(name[u], x) for u, x in top]}
-            for t, e, top, name in zip(token_ids, entries, tops, names, strict=True)
-        ]
-        return dict(content=content)
-    tokens = [name[t] for t, name in zip(token_ids, names, strict=True)]
-    offsets, at = [], offset
-    for s in tokens:
-        offsets.append(at)
-        at += len(s) if tok is not None else 0
-    top_logprobs = []  # dicts keyed by text: of two tokens with one text, the likelier stays
-    for t, e, top, name in zip(token_ids, entries, tops, names, strict=True):
-        # OpenAI's completions: the k most likely and always the sampled token (k + 1 at
-        # most; chat's top_logprobs are the k most likely only).
-        top_logprobs.append({})
-        for u, x in [*top, (t, e[t])]:
-            top_logprobs[-1].setdefault(name[u], _lp(x))
-    return dict(
-        tokens=tokens,
-        token_logprobs=[_lp(e[t]) for t, e in zip(token_ids, entries, strict=True)],
-        top_logprobs=top_logprobs,
-        text_offset=offsets,
-    )
-
-
-def usage(outs) -> dict:
-    """The token counts of some `RequestOutput`s."""
-    p = sum(len(o.prompt_token_ids) for o in outs)
-    c = sum(len(x.token_ids) for o in outs for x in o.outputs)
-    return dict(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
-
-
-def response_head(job: Job, model_name: str) -> dict:
-    """The fields every answer (and every chunk) of the job starts with."""
-    kind = "chat.completion" if job.chat else "text_completion"
-    return dict(
-        id=("chatcmpl-" if job.chat else "cmpl-") + job.id,
-        object=kind + (".chunk" if job.stream and job.chat else ""),
-        created=job.created,
-        model=model_name,
-    )
-
-
-def choice_index(job: Job, rid: str, completion: int) -> int:
-    """The choice index of a prompt's completion: `prompt * n + completion`."""
-    return int(rid.rpartition("-")[2]) * job.params.n + completion  # rid: f"{job.id}-{prompt}"
-
-
-def response_body(job: Job, head: dict, outs: dict, tokenizer) -> dict:
-    """The whole (non-streamed) answer, from each request id's `RequestOutput`."""
-    k, choices = job.params.logprobs, []
-    skip = job.params.skip_special_tokens
-    for rid, prompt in zip(job.rids, job.prompts, strict=True):
-        for c in outs[rid].outputs:
-            choice = dict(index=choice_index(job, rid, c.index))
-            render = chat_logprobs if job.chat else completion_logprobs
-            lp = None if k is None else render(tokenizer, c, k, prompt, skip_special_tokens=skip)
-            if job.chat:
-                choice["message"] = dict(role="assistant", content=c.text)
-                choice["logprobs"] = lp
-            else:
-                choice["text"] = c.text
-                choice["logprobs"] = lp
-                if job.prompt_token_ids:  # vLLM: on each completions choice
-                    choice["prompt_token_ids"] = list(prompt)
-            if job.token_ids:
-                choice["token_ids"] = list(c.token_ids)
-            choice["finish_reason"] = c.finish_reason
-            choices.append(choice)
-    body = dict(**head, choices=choices, usage=usage(outs.values()))
-    if job.chat and job.prompt_token_ids:  # vLLM: once, beside the choices
-        body["prompt_token_ids"] = list(job.prompts[0])
-    return body
-
-
-def role_chunks(job: Job, head: dict) -> list[dict]:
-    """A chat stream's first chunks: `delta: {role}` for each choice (none for completions)."""
-    if not job.chat:
-        return []
-    chunks = []
-    for c in range(len(job.prompts) * job.params.n):
-        delta = dict(role="assistant", content="")
-        choice = dict(index=c, delta=delta, logprobs=None, finish_reason=None)
-        if job.token_ids:
-            choice["token_ids"] = []
-        chunks.append(dict(**head, choices=[choice]))
-        if job.prompt_token_ids:
-            chunks[-1]["prompt_token_ids"] = list(job.prompts[0])
-    return chunks
-
-
-def stream_chunk(
-    job: Job,
-    head: dict,
-    index: int,
-    text: str,
-    finish: str | None = None,
-    logprobs=None,
-    *,
-    token_ids=(),
-    prompt_token_ids=None,
-) -> dict:
-    """A stream's chunk: choice `index`'s next piece of text, or its last (`finish`).
-
-    `logprobs` (from `render_logprobs`, or None) are those of the tokens whose text is
-    complete with this piece (see scripts/serve.py); so are `token_ids`, in the chunk
-    when `job.token_ids`. `prompt_token_ids`: the prompt's, for a completions choice's
-    first chunk when `job.prompt_token_ids` (None: none).
-    """
-    choice = dict(index=index)
-    if job.chat:
-        choice["delta"] = {"content": text} if text or finish is None else {}
-        choice["logprobs"] = logprobs
-    else:
-        choice.update(text=text, logprobs=logprobs)
-        if prompt_token_ids is not None:
-            choice["prompt_token_ids"] = list(prompt_token_ids)
-    if job.token_ids:
-        choice["token_ids"] = list(token_ids)
-    choice["finish_reason"] = finish
-    return dict(**head, choices=[choice])

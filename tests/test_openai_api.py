@@ -12,6 +12,7 @@ import pytest
 from test_tokenizer import sentencepiece_style
 
 from pagedjax import openai_api as api
+from pagedjax import openai_responses as responses
 from pagedjax.request import CompletionOutput, RequestOutput, SamplingParams
 from pagedjax.tokenizer import CONTEXT_IDS, Tokenizer
 
@@ -627,7 +628,7 @@ def test_logprobs_decode_each_candidate_once_after_one_context_decode(chat):
         entries.append({t: -1.0 if i % 2 else -50.0, **{u: -rng.random() for u in others}})
     tok.tokenizer = CountingDecodes(tok.tokenizer)
     got = api.render_logprobs(tok, gen, entries, k, chat=chat, context=prompt)
-    ids = [{t, *(u for u, _ in api._top(e, k))} for t, e in zip(gen, entries, strict=True)]
+    ids = [{t, *(u for u, _ in responses._top(e, k))} for t, e in zip(gen, entries, strict=True)]
     assert tok.tokenizer.decodes == sum(1 + len(c - {tok.vocab_size}) for c in ids)
 
     def name(u, before):
@@ -638,12 +639,12 @@ def test_logprobs_decode_each_candidate_once_after_one_context_decode(chat):
         for t, e, b, c in zip(gen, entries, befores, got["content"], strict=True):
             assert c["token"] == name(t, b)
             assert [x["token"] for x in c["top_logprobs"]] == [
-                name(u, b) for u, _ in api._top(e, k)
+                name(u, b) for u, _ in responses._top(e, k)
             ]
     else:
         assert got["tokens"] == [name(t, b) for t, b in zip(gen, befores, strict=True)]
         for t, e, b, top in zip(gen, entries, befores, got["top_logprobs"], strict=True):
-            assert set(top) == {name(u, b) for u, _ in [*api._top(e, k), (t, e[t])]}
+            assert set(top) == {name(u, b) for u, _ in [*responses._top(e, k), (t, e[t])]}
 
 
 def test_an_explicit_null_max_tokens_fills_each_prompts_room():
