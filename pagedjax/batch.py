@@ -124,8 +124,9 @@ class StepBatch:
                 self.top_k_needed = max(self.top_k_needed, k, r.group.request.params.logprobs or 0)
             elif r.samples:
                 params = r.group.request.params
-                if params.logprobs:
-                    self.top_k_needed = max(self.top_k_needed, params.logprobs)
+                if params.logprobs is not None:  # (logprobs=0: the smallest top-k's step
+                    # still computes the token's rank)
+                    self.top_k_needed = max(self.top_k_needed, params.logprobs, 1)
                 sampled.append(i)
                 temp.append(params.temperature)
                 top_k.append(params.top_k)

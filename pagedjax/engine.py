@@ -774,12 +774,6 @@ class LLM:
         """Packs the committed plan and dispatches its step; returns its record (host
         timings filled by `step`) and the result arrays it copies to the host."""
         inp, k, pk = batch.finish(plan, self._feed, prev)
-        # A row asking logprobs=0 still needs its token's rank: the smallest top-k bucket
-        # (batch.finish's), whose step computes the ranks.
-        if not k and any(
-            r.samples and r.seq is not None and r.seq.logprobs is not None for r in plan.rows
-        ):
-            k = min(decode.bucket_size(1, 8), self.config.vocab_size)
         before = sum(decode.compile_counts().values())
         td = perf_counter()
         fn = decode.decode_step if inp.decode else decode.prefill_step
