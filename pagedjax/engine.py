@@ -11,40 +11,19 @@
     chat_llm = LLM("path/to/Llama-3.2-1B-Instruct")
     outs = chat_llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=32))
 
-Pieces: a `Scheduler` (continuous batching, chunked prefill, preemption) over a
-`BlockManager` (pages, copy-on-write, prefix cache); `StepBatch` (`pagedjax.batch`)
-packs each plan for the jitted `decode.prefill_step` / `decode.decode_step` (cache
-donated); `OutputProcessor` (`pagedjax.outputs`) applies each step's tokens (stop
-checks, logprobs, host-side beam search from `pagedjax.beam`) and builds the outputs;
-metrics (`pagedjax.metrics`); request types (`pagedjax.request`); model loading and
-KV sizing (`pagedjax.resources`).
-
-Host overlap. JAX dispatch is asynchronous, so each `step()` runs:
-
-1. `scheduler.schedule()` and the packing of every prefill row (token ids, positions,
-   slots, page tables, sampling parameters): planning step N+1 while the device still
-   runs step N;
-2. `scheduler.commit(in_flight=True)` appends the decode rows' tokens before step N's
-   tokens are known (their slots reserved, their values on the device), fills the
-   decode rows (position, slot, page table, and `token_src`: the row of step N's
-   output each takes its token from) and dispatches step N+1;
-3. only then it blocks on step N's sampled tokens and applies them (stop checks,
-   logprobs, the block manager's token values), while the device runs step N+1.
-
-So the device runs step after step while the host works (`async_scheduling=True`, the
-default). A sequence that stops on step N's token has a row in step N+1 that computes
-one token for nothing; its output is ignored. Beam search needs step N's selection to
-bind its rows: a plan with beam rows, and every step with `async_scheduling=False`,
-applies step N's tokens first (3 before 2; the device idles meanwhile), and a decode
-row whose sequence finished in them stays in the batch as a dead row (it writes
-nothing), so phase 1's layout never has to change. `metrics` times the parts of every
-step; `summary()` reports them.
+Pieces: `EngineCore` (`pagedjax.engine_core`) runs the steps: a `Scheduler`
+(continuous batching, chunked prefill, preemption) over a `BlockManager` (pages,
+copy-on-write, prefix cache) plans them, `StepBatch` (`pagedjax.batch`) packs them for
+the jitted `decode.prefill_step` / `decode.decode_step`, and `OutputProcessor`
+(`pagedjax.outputs`) applies their tokens (stop checks, logprobs, host-side beam search
+from `pagedjax.beam`), with the host's work overlapping the device's (`async_scheduling`,
+see `pagedjax.engine_core`). This module checks and queues requests and collects their
+outputs; also: metrics (`pagedjax.metrics`), request types (`pagedjax.request`), model
+loading and KV sizing (`pagedjax.resources`).
 
 Failures: an exception escaping a step (a compile error, device OOM, KeyboardInterrupt,
 an `on_token` callback's) aborts the requests (`generate` on Ctrl-C: only its own; the
-others are recomputed), re-creates the KV cache if the failed call took the donated one
-with it, keeps the prefix cache only where its pages were written, and propagates
-unchanged: the engine stays usable (`LLM.step`, `pagedjax.recovery`).
+others are recomputed) and propagates unchanged: the engine stays usable (`LLM.step`).
 
 Sampling: a request's i-th sample uses seed `(seed + i * 0x9E3779B1) mod 2**32` (so
 sample 0 uses `seed`), and its j-th token depends only on that seed and j; outputs
@@ -62,13 +41,14 @@ from time import perf_counter
 import jax
 import numpy as np
 
-from pagedjax import decode, planner, recovery, sharding
-from pagedjax.batch import StepBatch, request_allowed, request_bias
+from pagedjax import decode, planner, sharding
+from pagedjax.batch import request_allowed, request_bias
 from pagedjax.beam import BeamSearch
 from pagedjax.blocks import BlockManager
 from pagedjax.config import CacheConfig, dtype_name
-from pagedjax.metrics import EngineMetrics, StepRecord
-from pagedjax.outputs import OutputProcessor, Request
+from pagedjax.engine_core import EngineCore
+from pagedjax.metrics import EngineMetrics
+from pagedjax.outputs import OutputProcessor
 from pagedjax.request import (
     CompletionOutput,
     Logprob,
@@ -89,8 +69,6 @@ from pagedjax.resources import (
     source_config,
 )
 from pagedjax.scheduler import Scheduler
-from pagedjax.sequence import Sequence as Seq
-from pagedjax.sequence import SequenceGroup, StepPlan
 from pagedjax.step_input import is_int
 from pagedjax.tokenizer import Tokenizer
 
@@ -262,10 +240,7 @@ class LLM:
             sliding_window=cfg.sliding_window,  # pages out of the window are given back
         )
         self.buckets = buckets or decode.Buckets()
-        self.cache = sharding.create_cache(cfg, self.cache_config, params.mesh)
         self.async_scheduling = bool(async_scheduling)
-        # The previous step's sampled tokens, on the device, for rows that feed them.
-        self._feed = self._new_feed()
         self.eos_ids = frozenset(cfg.eos_token_ids) | (
             self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         )
@@ -278,12 +253,23 @@ class LLM:
         self.outputs = OutputProcessor(
             self.scheduler, self.metrics, self._text, self._seq_ids, self.tokenizer
         )
-        self._inflight: tuple[StepPlan, tuple, StepRecord] | None = None
+        self.core = EngineCore(
+            cfg,
+            params,
+            self.cache_config,
+            self.scheduler,
+            self.outputs,
+            self.metrics,
+            backend=self.backend,
+            interpret=self.interpret,
+            buckets=self.buckets,
+            async_scheduling=self.async_scheduling,
+            on_finish=self._keep,
+        )
         self._outputs: dict[str, RequestOutput] = {}  # finished, for a running generate()
         self._collect: set[str] = set()  # request ids a generate() call waits for
         # Finished inside a generate() call but not its own (add_request's): step() returns them.
         self._unclaimed: list[RequestOutput] = []
-        self._idle_steps = 0
         self._timing = False  # a _run_clock is counting
         jax.block_until_ready(self.cache)
         self.metrics.load_time_s = perf_counter() - t0
@@ -400,41 +386,16 @@ class LLM:
             max_len = min(p + params.max_tokens, max_len)
         beam = None
         if params.beam_width > 1:  # (it may refuse the length penalty: before the rng draw)
-            w = params.beam_width
-            beam = BeamSearch(w, float(params.length_penalty), stop_ids, max_len - p)
+            lp = float(params.length_penalty)
+            beam = BeamSearch(params.beam_width, lp, stop_ids, max_len - p)
         rng_state = self._rng.bit_generator.state
         base = int(self._rng.integers(2**32)) if params.seed is None else int(params.seed)
-
-        def seq(i: int) -> Seq:
-            s = Seq(
-                next(self._seq_ids), list(ids), p, max_len, i, (base + i * _SEED_STRIDE) % 2**32
-            )
-            if params.stop:
-                skip = params.skip_special_tokens  # the stop strings match the text's
-                s.detok = self.tokenizer.stream(skip_special_tokens=skip, context=ids)
-            if params.logprobs is not None:
-                s.logprobs = []
-            return s
-
-        if beam is not None:
-            group = SequenceGroup(rid, [seq(0)], w, params.cache_salt, atomic=True)
-        elif params.n > 1 and p > 1:
-            forks = [seq(i) for i in range(1, params.n)]
-            group = SequenceGroup(rid, [seq(0)], params.n, params.cache_salt, forks=forks)
-        else:
-            group = SequenceGroup(
-                rid, [seq(i) for i in range(params.n)], params.n, params.cache_salt
-            )
-        group.request = Request(rid, text, ids, params, stop_ids, group, beam, perf_counter())
-        group.request.bias, group.request.banned = bias, banned
-        group.request.allowed = allowed
-        group.request.bad_words = [w for w in words if len(w) > 1]
-        if params.prompt_logprobs is not None:
-            group.request.prompt_logprobs = [None] * p
-            group.request.prompt_logprobs_missing = p - 1
-            group.read_prefix_cache = p == 1
+        seeds = [(base + i * _SEED_STRIDE) % 2**32 for i in range(params.n)]
+        req = self.outputs.new_request(rid, text, ids, params, stop_ids, max_len, seeds, beam)
+        req.bias, req.banned, req.allowed = bias, banned, allowed
+        req.bad_words = [w for w in words if len(w) > 1]
         try:
-            self.scheduler.add(group)
+            self.scheduler.add(req.group)
         except BaseException:  # refused (pages, id): it leaves the next requests' seeds alone
             self._rng.bit_generator.state = rng_state
             raise
@@ -445,23 +406,18 @@ class LLM:
         (None for an id not queued or running). Ids compare as `add_request` stores them,
         as strings."""
         g = self.scheduler.abort(str(request_id))
-        return None if g is None else self._aborted(g)
-
-    def _aborted(self, g: SequenceGroup) -> RequestOutput:
-        for s in g.seqs + g.forks:
-            s.finish_reason = "abort"
-        out = self.outputs.output(g.request, aborted=True)
-        self._keep(out)
-        return out
+        return None if g is None else self.core.aborted(g)
 
     def has_unfinished_requests(self) -> bool:
         """Whether `step()` has more to do or return: requests queued or running, a step
         in flight, or outputs of `add_request`'s requests that finished inside a
         `generate` call (the next `step()` returns them)."""
-        return self._busy() or bool(self._unclaimed)
+        return self.core.busy or bool(self._unclaimed)
 
-    def _busy(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+    @property
+    def cache(self):
+        """The KV cache (`pagedjax.cache.KVCache`): each step replaces it (donated)."""
+        return self.core.cache
 
     def generate(
         self,
@@ -542,14 +498,14 @@ class LLM:
         mine = set(ids)
         try:
             with self._run_clock():
-                while not mine.issubset(self._outputs) and self._busy():
-                    done = self._claim(self._step(on_token, mine))
+                while not mine.issubset(self._outputs) and self.core.busy:
+                    done = self._claim(self.core.step(on_token, mine))
                     if bar is not None:
                         bar.update(sum(o.request_id in mine for o in done))
                     if on_step is not None:
                         on_step(self)
-                while self._inflight is not None and not self.scheduler.has_unfinished():
-                    self._claim(self._step(on_token, mine))  # nothing left: the last step
+                while self.core.inflight is not None and not self.scheduler.has_unfinished():
+                    self._claim(self.core.step(on_token, mine))  # nothing left: the last step
             return [self._outputs.pop(i) for i in ids]
         except BaseException:
             for i in ids:  # a failed step aborted them already; not an on_step error
@@ -636,7 +592,7 @@ class LLM:
     # --------------------------------------------------------------------- step
 
     def step(self, *, on_token=None) -> list[RequestOutput]:
-        """One engine step (see the module docstring); returns requests finished in it,
+        """One engine step (`pagedjax.engine_core`); returns requests finished in it,
         after those of `add_request` that finished inside a `generate` call since. Unlike
         vLLM's `step`, no partial outputs of running requests: `on_token` streams tokens.
 
@@ -651,7 +607,7 @@ class LLM:
         step called inside a `generate` (from `on_step`) is counted once, as its part.
         """
         with self._run_clock():
-            finished = self._step(on_token, None)
+            finished = self.core.step(on_token)
         unclaimed, self._unclaimed = self._unclaimed, []
         return unclaimed + finished
 
@@ -667,176 +623,6 @@ class LLM:
             if outer:
                 self._timing = False
                 self.metrics.run_time_s += perf_counter() - t0
-
-    def _step(self, on_token, only: set[str] | None) -> list[RequestOutput]:
-        """`step`; on a KeyboardInterrupt, recovery aborts only the requests in `only`
-        (None: all) and requeues the others."""
-        plan = None
-        sent = False  # whether `plan`'s step was dispatched (its K/V writes will happen)
-        try:
-            t0 = perf_counter()
-            plan = self.scheduler.schedule()
-            batch = self._batch(plan) if plan.rows else None
-            t1 = perf_counter()
-            prev, self._inflight = self._inflight, None
-            # Asynchronous: commit and dispatch this step before the previous one's tokens
-            # arrive (beam rows need the previous selection: then after, as in sync mode).
-            early = (
-                self.async_scheduling
-                and prev is not None
-                and not any(r.decode and r.group.atomic for r in plan.rows)
-            )
-            finished: list[RequestOutput] = []
-            wait = applied = 0.0
-            if prev is not None and not early:
-                finished, wait, applied = self._complete(prev, on_token)
-            t2 = perf_counter()
-            self.scheduler.commit(plan, in_flight=early)
-            live = [r for r in plan.rows if not r.decode or r.seq is not None]
-            rec = None
-            if live:
-                rec, leaves = self._dispatch(plan, batch, live, prev[0] if early else None)
-            sent = True
-            if early:
-                finished, wait, applied = self._complete(prev, on_token)
-        except BaseException as e:
-            self._recover(e, plan, sent, only)
-            raise
-        if rec is None:
-            self._idle_steps = 0 if prev is not None else self._idle_steps + 1
-            if self._idle_steps > 2 and self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler made no progress with requests queued (a bug)")
-            return finished
-        self._idle_steps = 0
-        rec.wait_s = wait
-        if early:  # every host phase ran while the device computed
-            rec.host_hidden_s = (t1 - t0) + (rec.dispatched_at - t2) + applied
-        else:
-            rec.host_hidden_s = t1 - t0
-            rec.host_exposed_s = rec.dispatched_at - (t2 - applied)
-        self.metrics.record(rec, rec.num_compilations)
-        self._inflight = (plan, leaves, rec)
-        return finished
-
-    def _recover(self, error: BaseException, plan: StepPlan | None, sent: bool, only) -> None:
-        """Makes the engine usable after `error` escaped a step (see `step`).
-
-        Args:
-          error: the exception; it gets a note saying what recovery did.
-          plan: the failed step's plan; None: `schedule()` itself failed.
-          sent: whether its step was dispatched. If not, the pages it was to write hold
-            no K/V but may be in the prefix cache already (`schedule` and `commit`
-            register them): they leave it. Without a plan, every cached page does.
-          only: on a KeyboardInterrupt, abort only these request ids (None: all).
-        """
-        try:
-            ps = self.cache_config.page_size
-            unwritten = None if sent else recovery.unwritten_pages(plan, self.block_manager, ps)
-            self._inflight = None
-            self._idle_steps = 0
-            keep = None
-            if only is not None and isinstance(error, KeyboardInterrupt):
-                keep = lambda g: g.request_id not in only  # noqa: E731
-            aborted = [self._aborted(g) for g in self.scheduler.recover(keep)]
-            lost = recovery.cache_lost(self.cache)
-            if lost:
-                self.cache = None  # the old buffers go before the new ones are allocated
-                self.cache = sharding.create_cache(self.config, self.cache_config, self.params.mesh)
-                jax.block_until_ready(self.cache)
-                self.block_manager.uncache()
-            elif not sent:
-                self.block_manager.uncache(unwritten)
-            # The failed step may have left its output feed unusable; no row feeds on it now.
-            self._feed = self._new_feed()
-        except BaseException as again:
-            error.add_note(
-                f"pagedjax: recovering the engine from this failed too ({again!r}); "
-                "it is not usable: create a new LLM"
-            )
-            return
-        ids = [o.request_id for o in aborted]
-        error.add_note(recovery.note(ids, len(self.scheduler.waiting), lost))
-
-    def _complete(self, inflight, on_token) -> tuple[list[RequestOutput], float, float]:
-        """Waits for a dispatched step's results and applies them; returns the requests
-        finished, the seconds waited and the seconds applying."""
-        plan, leaves, rec = inflight
-        t0 = perf_counter()
-        host = jax.device_get(leaves)
-        t1 = perf_counter()
-        self.metrics.complete(rec, t1)
-        finished = self.outputs.apply(plan, host, on_token)
-        for o in finished:
-            self._keep(o)
-        return finished, t1 - t0, perf_counter() - t1
-
-    def _dispatch(self, plan: StepPlan, batch: StepBatch, live, prev: StepPlan | None):
-        """Packs the committed plan and dispatches its step; returns its record (host
-        timings filled by `step`) and the result arrays it copies to the host."""
-        inp, k, pk = batch.finish(plan, self._feed, prev)
-        before = sum(decode.compile_counts().values())
-        td = perf_counter()
-        fn = decode.decode_step if inp.decode else decode.prefill_step
-        out, self.cache = fn(
-            self.params,
-            self.cache,
-            inp,
-            backend=self.backend,
-            interpret=self.interpret,
-            num_top_logprobs=k,
-            num_prompt_top_logprobs=pk,
-        )
-        self._feed = out.feed
-        leaves = (
-            out.tokens,
-            out.logprobs,
-            out.top_ids,
-            out.top_logprobs,
-            out.ranks,
-            out.target_logprobs,
-            out.target_top_ids,
-            out.target_top_logprobs,
-            out.target_ranks,
-        )
-        for x in leaves:
-            if x is not None:
-                x.copy_to_host_async()
-        t3 = perf_counter()
-        compiles = sum(decode.compile_counts().values()) - before
-        rec = StepRecord(
-            num_rows=len(live),
-            num_prefill_tokens=plan.num_prefill_tokens,
-            num_decode_tokens=sum(1 for r in live if r.decode),
-            decode=inp.decode,
-            context_tokens=self._tokens_read(live),
-            kv_used_pages=self.block_manager.stats().num_used_pages,
-            compiled=compiles > 0,
-            host_hidden_s=0.0,
-            wait_s=0.0,
-            host_exposed_s=0.0,
-            dispatch_s=t3 - td,
-            dispatched_at=t3,
-            num_compilations=compiles,
-        )
-        return rec, leaves
-
-    def _tokens_read(self, live) -> int:
-        """K/V tokens the step's attention reads: each row's context, or under a sliding
-        window of W, its chunk's windows' union (W - 1 positions before the chunk)."""
-        w = self.config.sliding_window
-        if w is None:
-            return sum(r.start + r.num_tokens for r in live)
-        return sum(min(r.start, w - 1) + r.num_tokens for r in live)
-
-    def _new_feed(self) -> jax.Array:
-        rows = decode.bucket_size(self.scheduler.max_num_seqs, self.buckets.min_seqs)
-        return sharding.replicate(np.zeros(rows, np.int32), self.params.mesh)
-
-    def _batch(self, plan: StepPlan) -> StepBatch:
-        cc = self.cache_config
-        return StepBatch(
-            plan, self.buckets, cc.page_size, self.config.vocab_size, self.block_manager
-        )
 
     def _claim(self, finished: list[RequestOutput]) -> list[RequestOutput]:
         """`finished` (a step's, inside `generate`); keeps those of requests that no

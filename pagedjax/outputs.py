@@ -5,7 +5,8 @@ candidates) back from the device and applies them: it appends each sampled token
 when asked, its logprobs entry) to its sequence, checks the stop conditions (stop
 tokens, stop strings through an incremental detokenizer, length), runs the beam
 selection (forking and dropping beams through the scheduler), and builds the
-`RequestOutput` of every request that finished. The engine (`pagedjax.engine`) owns
+`RequestOutput` of every request that finished; `new_request` builds a request's
+sequences with the state that applying needs. The engine (`pagedjax.engine_core`) owns
 the step loop; this module owns what a step's results mean.
 """
 
@@ -84,6 +85,50 @@ class OutputProcessor:
         self.detokenize = detokenize
         self.seq_ids = seq_ids
         self.tokenizer = tokenizer
+
+    def new_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        stop_ids: frozenset,
+        max_len: int,
+        seeds: list[int],
+        beam: BeamSearch | None,
+    ) -> Request:
+        """The record of a new request, with its `SequenceGroup` (`Request.group`, to
+        queue): `params.n` samples of `ids` (`seeds[i]` for sample i; all but the first
+        forked off it once `ids[:-1]` is prefilled, when there is such a prefix), or the
+        one sequence a `beam` search starts from; each finishes ("length") at `max_len`
+        tokens. The sequences carry what applying their tokens needs (a detokenizer for
+        stop strings, a logprobs list)."""
+        p = len(ids)
+
+        def seq(i: int) -> Seq:
+            s = Seq(next(self.seq_ids), list(ids), p, max_len, i, seeds[i])
+            if params.stop:
+                skip = params.skip_special_tokens  # the stop strings match the text's
+                s.detok = self.tokenizer.stream(skip_special_tokens=skip, context=ids)
+            if params.logprobs is not None:
+                s.logprobs = []
+            return s
+
+        salt = params.cache_salt
+        if beam is not None:
+            group = SequenceGroup(request_id, [seq(0)], beam.width, salt, atomic=True)
+        elif params.n > 1 and p > 1:
+            forks = [seq(i) for i in range(1, params.n)]
+            group = SequenceGroup(request_id, [seq(0)], params.n, salt, forks=forks)
+        else:
+            group = SequenceGroup(request_id, [seq(i) for i in range(params.n)], params.n, salt)
+        req = Request(request_id, prompt, ids, params, stop_ids, group, beam, perf_counter())
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * p
+            req.prompt_logprobs_missing = p - 1
+            group.read_prefix_cache = p == 1
+        group.request = req
+        return req
 
     def apply(self, plan: StepPlan, host, on_token=None) -> list[RequestOutput]:
         """Applies a finished step's tokens (or beam candidates) to its sequences.

@@ -1,6 +1,6 @@
 """What the engine checks when a step fails, to make itself usable again.
 
-`LLM.step` catches any exception escaping a step (a compile error, device OOM,
+`EngineCore.step` catches any exception escaping a step (a compile error, device OOM,
 KeyboardInterrupt, a callback's), aborts or requeues the requests
 (`Scheduler.recover`), and then needs two facts, computed here: whether the KV cache
 survived (`cache_lost`: a call that failed may have taken the donated cache with it,

@@ -293,10 +293,10 @@ def bench_engine(args, rng, batch: int) -> dict[str, float]:
             for _ in range(batch):
                 llm.add_request(rng.integers(3, vocab, prompt).tolist(), params)
             acc, steps = dict.fromkeys(best, 0.0), 0
-            while llm.has_unfinished_requests() or llm._inflight is not None:
+            while llm.has_unfinished_requests() or llm.core.inflight is not None:
                 # Timed: steps that run all `batch` sequences as decode rows.
                 full = not llm.scheduler.waiting and len(llm.scheduler.running) == batch
-                full = full and llm._inflight is not None
+                full = full and llm.core.inflight is not None
                 before = dict(timers)
                 t0 = args.now()
                 llm.step()
@@ -335,7 +335,7 @@ def bench_overlap(args, rng, batch: int, device_ms: float) -> dict[str, float]:
                 total, steps = 0.0, 0
                 while llm.has_unfinished_requests():
                     full = not llm.scheduler.waiting and len(llm.scheduler.running) == batch
-                    full = full and llm._inflight is not None
+                    full = full and llm.core.inflight is not None
                     t0 = time.perf_counter()
                     llm.step()
                     if full:

@@ -1,7 +1,7 @@
 """pagedjax.engine: a step that raises leaves the engine consistent and reusable.
 
 Failures are injected into the jitted step call (`decode.prefill_step` /
-`decode.decode_step`, as `LLM._dispatch` calls them): before the call (nothing donated),
+`decode.decode_step`, as `EngineCore._dispatch` calls them): before the call (nothing donated),
 after the real call (its donated cache is gone, the new one is lost), or after deleting
 the cache's arrays (a donation that failed); and while applying results (`on_token`,
 `jax.device_get`). After each: the exception propagates unchanged, no page is held, the

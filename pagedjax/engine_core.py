@@ -1,0 +1,293 @@
+"""The engine's step loop: plan, pack, dispatch, apply, with the host overlapping the device.
+
+`EngineCore.step` runs one engine step over the `Scheduler`: `StepBatch`
+(`pagedjax.batch`) packs its plan for the jitted `decode.prefill_step` /
+`decode.decode_step` (KV cache donated), and `OutputProcessor` (`pagedjax.outputs`)
+applies the sampled tokens. `pagedjax.engine.LLM` is the front that queues requests
+and collects their outputs.
+
+Host overlap. JAX dispatch is asynchronous, so each step runs:
+
+1. `scheduler.schedule()` and the packing of every prefill row (token ids, positions,
+   slots, page tables, sampling parameters): planning step N+1 while the device still
+   runs step N;
+2. `scheduler.commit(in_flight=True)` appends the decode rows' tokens before step N's
+   tokens are known (their slots reserved, their values on the device), fills the
+   decode rows (position, slot, page table, and `token_src`: the row of step N's
+   output each takes its token from) and dispatches step N+1;
+3. only then it blocks on step N's sampled tokens and applies them (stop checks,
+   logprobs, the block manager's token values), while the device runs step N+1.
+
+So the device runs step after step while the host works (`async_scheduling=True`, the
+default). A sequence that stops on step N's token has a row in step N+1 that computes
+one token for nothing; its output is ignored. Beam search needs step N's selection to
+bind its rows: a plan with beam rows, and every step with `async_scheduling=False`,
+applies step N's tokens first (3 before 2; the device idles meanwhile), and a decode
+row whose sequence finished in them stays in the batch as a dead row (it writes
+nothing), so phase 1's layout never has to change. `metrics` times the parts of every
+step.
+
+Failures: an exception escaping a step (a compile error, device OOM,
+KeyboardInterrupt, an `on_token` callback's) aborts the requests (on a
+KeyboardInterrupt, those given: the others are recomputed), re-creates the KV cache if
+the failed call took the donated one with it, keeps the prefix cache only where its
+pages were written, and propagates unchanged: the engine stays usable
+(`pagedjax.recovery`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from time import perf_counter
+
+import jax
+import numpy as np
+
+from pagedjax import decode, recovery, sharding
+from pagedjax.batch import StepBatch
+from pagedjax.config import CacheConfig, ModelConfig
+from pagedjax.metrics import EngineMetrics, StepRecord
+from pagedjax.model import Params
+from pagedjax.outputs import OutputProcessor
+from pagedjax.request import RequestOutput
+from pagedjax.scheduler import Scheduler
+from pagedjax.sequence import SequenceGroup, StepPlan
+
+__all__ = ["EngineCore"]
+
+
+class EngineCore:
+    """Runs engine steps over a scheduler's requests (see the module docstring).
+
+    Args:
+      model_config, params: the model (params may be sharded: `params.mesh`).
+      cache_config: the KV cache's geometry; the core creates the cache (`cache`) and
+        re-creates it when a failed step loses it.
+      scheduler: plans the steps; its block manager holds the page tables.
+      outputs: applies each step's tokens and builds the outputs.
+      metrics: records each step.
+      backend, interpret, buckets: as `decode.prefill_step` / `decode.decode_step` and
+        `StepBatch` take them.
+      async_scheduling: dispatch each step before the previous one's tokens reach the
+        host (see the module docstring).
+      on_finish: called with the output of every request that finishes or is aborted
+        (before `step` or `aborted` returns it).
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        params: Params,
+        cache_config: CacheConfig,
+        scheduler: Scheduler,
+        outputs: OutputProcessor,
+        metrics: EngineMetrics,
+        *,
+        backend: str,
+        interpret: bool,
+        buckets: decode.Buckets,
+        async_scheduling: bool,
+        on_finish: Callable[[RequestOutput], None],
+    ):
+        self.model_config, self.params, self.cache_config = model_config, params, cache_config
+        self.scheduler, self.block_manager = scheduler, scheduler.bm
+        self.outputs, self.metrics = outputs, metrics
+        self.backend, self.interpret, self.buckets = backend, interpret, buckets
+        self.async_scheduling = async_scheduling
+        self._on_finish = on_finish
+        self.cache = sharding.create_cache(model_config, cache_config, params.mesh)
+        # The previous step's sampled tokens, on the device, for rows that feed them.
+        self._feed = self._new_feed()
+        # The dispatched step whose tokens are not applied yet: (plan, result arrays, record).
+        self.inflight: tuple[StepPlan, tuple, StepRecord] | None = None
+        self._idle_steps = 0
+
+    @property
+    def busy(self) -> bool:
+        """Whether `step` has more to do: requests queued or running, or a step in flight."""
+        return self.scheduler.has_unfinished() or self.inflight is not None
+
+    def aborted(self, g: SequenceGroup) -> RequestOutput:
+        """The partial output of a group the scheduler gave up (`Scheduler.abort` or
+        `recover`): every sequence finishes with "abort"."""
+        for s in g.seqs + g.forks:
+            s.finish_reason = "abort"
+        out = self.outputs.output(g.request, aborted=True)
+        self._on_finish(out)
+        return out
+
+    def step(self, on_token=None, only: set[str] | None = None) -> list[RequestOutput]:
+        """One step (see the module docstring); returns the requests finished in it.
+
+        If anything raises in it, the engine recovers (`_recover`) and the exception
+        propagates unchanged, with a note. On a KeyboardInterrupt, recovery aborts only
+        the requests in `only` (None: all) and requeues the others.
+        """
+        plan = None
+        sent = False  # whether `plan`'s step was dispatched (its K/V writes will happen)
+        try:
+            t0 = perf_counter()
+            plan = self.scheduler.schedule()
+            batch = self._batch(plan) if plan.rows else None
+            t1 = perf_counter()
+            prev, self.inflight = self.inflight, None
+            # Asynchronous: commit and dispatch this step before the previous one's tokens
+            # arrive (beam rows need the previous selection: then after, as in sync mode).
+            early = (
+                self.async_scheduling
+                and prev is not None
+                and not any(r.decode and r.group.atomic for r in plan.rows)
+            )
+            finished: list[RequestOutput] = []
+            wait = applied = 0.0
+            if prev is not None and not early:
+                finished, wait, applied = self._complete(prev, on_token)
+            t2 = perf_counter()
+            self.scheduler.commit(plan, in_flight=early)
+            live = [r for r in plan.rows if not r.decode or r.seq is not None]
+            rec = None
+            if live:
+                rec, leaves = self._dispatch(plan, batch, live, prev[0] if early else None)
+            sent = True
+            if early:
+                finished, wait, applied = self._complete(prev, on_token)
+        except BaseException as e:
+            self._recover(e, plan, sent, only)
+            raise
+        if rec is None:
+            self._idle_steps = 0 if prev is not None else self._idle_steps + 1
+            if self._idle_steps > 2 and self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress with requests queued (a bug)")
+            return finished
+        self._idle_steps = 0
+        rec.wait_s = wait
+        if early:  # every host phase ran while the device computed
+            rec.host_hidden_s = (t1 - t0) + (rec.dispatched_at - t2) + applied
+        else:
+            rec.host_hidden_s = t1 - t0
+            rec.host_exposed_s = rec.dispatched_at - (t2 - applied)
+        self.metrics.record(rec, rec.num_compilations)
+        self.inflight = (plan, leaves, rec)
+        return finished
+
+    def _recover(self, error: BaseException, plan: StepPlan | None, sent: bool, only) -> None:
+        """Makes the engine usable after `error` escaped a step (see `step`).
+
+        Args:
+          error: the exception; it gets a note saying what recovery did.
+          plan: the failed step's plan; None: `schedule()` itself failed.
+          sent: whether its step was dispatched. If not, the pages it was to write hold
+            no K/V but may be in the prefix cache already (`schedule` and `commit`
+            register them): they leave it. Without a plan, every cached page does.
+          only: on a KeyboardInterrupt, abort only these request ids (None: all).
+        """
+        try:
+            ps = self.cache_config.page_size
+            unwritten = None if sent else recovery.unwritten_pages(plan, self.block_manager, ps)
+            self.inflight = None
+            self._idle_steps = 0
+            keep = None
+            if only is not None and isinstance(error, KeyboardInterrupt):
+                keep = lambda g: g.request_id not in only  # noqa: E731
+            aborted = [self.aborted(g) for g in self.scheduler.recover(keep)]
+            lost = recovery.cache_lost(self.cache)
+            if lost:
+                self.cache = None  # the old buffers go before the new ones are allocated
+                self.cache = sharding.create_cache(
+                    self.model_config, self.cache_config, self.params.mesh
+                )
+                jax.block_until_ready(self.cache)
+                self.block_manager.uncache()
+            elif not sent:
+                self.block_manager.uncache(unwritten)
+            # The failed step may have left its output feed unusable; no row feeds on it now.
+            self._feed = self._new_feed()
+        except BaseException as again:
+            error.add_note(
+                f"pagedjax: recovering the engine from this failed too ({again!r}); "
+                "it is not usable: create a new LLM"
+            )
+            return
+        ids = [o.request_id for o in aborted]
+        error.add_note(recovery.note(ids, len(self.scheduler.waiting), lost))
+
+    def _complete(self, inflight, on_token) -> tuple[list[RequestOutput], float, float]:
+        """Waits for a dispatched step's results and applies them; returns the requests
+        finished, the seconds waited and the seconds applying."""
+        plan, leaves, rec = inflight
+        t0 = perf_counter()
+        host = jax.device_get(leaves)
+        t1 = perf_counter()
+        self.metrics.complete(rec, t1)
+        finished = self.outputs.apply(plan, host, on_token)
+        for o in finished:
+            self._on_finish(o)
+        return finished, t1 - t0, perf_counter() - t1
+
+    def _dispatch(self, plan: StepPlan, batch: StepBatch, live, prev: StepPlan | None):
+        """Packs the committed plan and dispatches its step; returns its record (host
+        timings filled by `step`) and the result arrays it copies to the host."""
+        inp, k, pk = batch.finish(plan, self._feed, prev)
+        before = sum(decode.compile_counts().values())
+        td = perf_counter()
+        fn = decode.decode_step if inp.decode else decode.prefill_step
+        out, self.cache = fn(
+            self.params,
+            self.cache,
+            inp,
+            backend=self.backend,
+            interpret=self.interpret,
+            num_top_logprobs=k,
+            num_prompt_top_logprobs=pk,
+        )
+        self._feed = out.feed
+        leaves = (
+            out.tokens,
+            out.logprobs,
+            out.top_ids,
+            out.top_logprobs,
+            out.ranks,
+            out.target_logprobs,
+            out.target_top_ids,
+            out.target_top_logprobs,
+            out.target_ranks,
+        )
+        for x in leaves:
+            if x is not None:
+                x.copy_to_host_async()
+        t3 = perf_counter()
+        compiles = sum(decode.compile_counts().values()) - before
+        rec = StepRecord(
+            num_rows=len(live),
+            num_prefill_tokens=plan.num_prefill_tokens,
+            num_decode_tokens=sum(1 for r in live if r.decode),
+            decode=inp.decode,
+            context_tokens=self._tokens_read(live),
+            kv_used_pages=self.block_manager.stats().num_used_pages,
+            compiled=compiles > 0,
+            host_hidden_s=0.0,
+            wait_s=0.0,
+            host_exposed_s=0.0,
+            dispatch_s=t3 - td,
+            dispatched_at=t3,
+            num_compilations=compiles,
+        )
+        return rec, leaves
+
+    def _tokens_read(self, live) -> int:
+        """K/V tokens the step's attention reads: each row's context, or under a sliding
+        window of W, its chunk's windows' union (W - 1 positions before the chunk)."""
+        w = self.model_config.sliding_window
+        if w is None:
+            return sum(r.start + r.num_tokens for r in live)
+        return sum(min(r.start, w - 1) + r.num_tokens for r in live)
+
+    def _new_feed(self) -> jax.Array:
+        rows = decode.bucket_size(self.scheduler.max_num_seqs, self.buckets.min_seqs)
+        return sharding.replicate(np.zeros(rows, np.int32), self.params.mesh)
+
+    def _batch(self, plan: StepPlan) -> StepBatch:
+        cc = self.cache_config
+        return StepBatch(
+            plan, self.buckets, cc.page_size, self.model_config.vocab_size, self.block_manager
+        )
