@@ -1,5 +1,5 @@
 """The beam search the engine documents, over whole vocabularies: the oracle of
-tests/test_beam.py (toy models) and tests/test_engine.py (the dense model)."""
+tests/test_beam.py (toy models) and tests/test_engine_beam.py (the dense model)."""
 
 import numpy as np
 

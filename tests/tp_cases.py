@@ -38,6 +38,7 @@ from pagedjax.config import CacheConfig, ModelConfig  # noqa: E402
 from pagedjax.engine import LLM  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import engine_helpers  # noqa: E402
 import test_engine as engine_tests  # noqa: E402  (its tests are not collected from here)
 from params_helpers import random_params  # noqa: E402
 
@@ -324,17 +325,17 @@ def test_orbax_restore_lands_on_the_default_device(tmp_path):
 
 @pytest.fixture(scope="module")
 def engine_params():
-    return engine_tests.random_params()
+    return engine_helpers.random_params()
 
 
 @pytest.fixture(scope="module")
 def engine_dense(engine_params):
-    return engine_tests.Dense(engine_params)  # one device
+    return engine_helpers.Dense(engine_params)  # one device
 
 
 @pytest.fixture(scope="module")
 def tp4_params(engine_params):
-    return sharding.shard_params(engine_params, sharding.make_mesh(4, engine_tests.TINY))
+    return sharding.shard_params(engine_params, sharding.make_mesh(4, engine_helpers.TINY))
 
 
 @pytest.mark.parametrize(
@@ -357,16 +358,16 @@ def test_engine_tp4_preemption_keeps_outputs(tp4_params, engine_dense, beam):
 
 
 def test_llm_tensor_parallel_argument(engine_params, engine_dense):
-    llm = LLM(engine_params, tensor_parallel=4, **engine_tests.GEOMETRY)
+    llm = LLM(engine_params, tensor_parallel=4, **engine_helpers.GEOMETRY)
     assert llm.tensor_parallel == 4 and llm.params.mesh.shape == {sharding.AXIS: 4}
-    cfg = engine_tests.TINY
+    cfg = engine_helpers.TINY
     for pool in llm.cache.k + llm.cache.v:  # K = 2 < tp: one kv head per device
-        assert pool.shape == (4, engine_tests.PAGES, engine_tests.PS, cfg.head_dim)
+        assert pool.shape == (4, engine_helpers.PAGES, engine_helpers.PS, cfg.head_dim)
         assert {s.data.shape[0] for s in pool.addressable_shards} == {1}
     prompts = engine_tests.prompts_with_shared_prefixes()[:4]
-    outs = llm.generate(prompts, engine_tests.greedy(6))
+    outs = llm.generate(prompts, engine_helpers.greedy(6))
     assert [o.outputs[0].token_ids for o in outs] == engine_dense.greedy(prompts, 6)
-    engine_tests.check_clean(llm)
+    engine_helpers.check_clean(llm)
 
 
 def test_llm_checks_the_split_before_loading_the_weights(tmp_path, monkeypatch):
@@ -375,10 +376,10 @@ def test_llm_checks_the_split_before_loading_the_weights(tmp_path, monkeypatch):
     from the checkpoint's config, for either kind of checkpoint."""
     from pagedjax import engine, weights
 
-    cfg = engine_tests.TINY
+    cfg = engine_helpers.TINY
     hf, orbax = tmp_path / "hf", tmp_path / "orbax"
-    weights.save_hf_checkpoint(engine_tests.random_params(), cfg, hf)
-    weights.save_params(engine_tests.random_params(), orbax)
+    weights.save_hf_checkpoint(engine_helpers.random_params(), cfg, hf)
+    weights.save_params(engine_helpers.random_params(), orbax)
 
     def no_load(*a, **k):
         raise AssertionError("loaded the weights before checking tensor_parallel")
@@ -386,7 +387,7 @@ def test_llm_checks_the_split_before_loading_the_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(engine, "load_model", no_load)
     for source in (hf, str(orbax), cfg):
         with pytest.raises(ValueError, match=r"tensor_parallel=3 must divide .* num_heads=4"):
-            LLM(source, tensor_parallel=3, **engine_tests.GEOMETRY)
+            LLM(source, tensor_parallel=3, **engine_helpers.GEOMETRY)
 
 
 @pytest.mark.slow
@@ -402,8 +403,8 @@ def test_generate_script_tensor_parallel_4_matches_1(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("gen", os.path.join(root, "scripts/generate.py"))
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
-    cfg = engine_tests.TINY
-    weights.save_hf_checkpoint(engine_tests.random_params(), cfg, tmp_path)
+    cfg = engine_helpers.TINY
+    weights.save_hf_checkpoint(engine_helpers.random_params(), cfg, tmp_path)
     byte_tokenizer().tokenizer.save(str(tmp_path / "tokenizer.json"))
     argv = ["--checkpoint", str(tmp_path), "--prompt", "def f(x):", "--prompt", "import o"]
     argv += ["--max-tokens", "8", "--page-size", "8", "--num-pages", "64", "--backend", "xla"]
