@@ -12,7 +12,7 @@ import json
 import numpy as np
 import params_helpers
 import pytest
-from test_serve import StreamRecorder
+from serve_helpers import StreamRecorder
 from tokenizers import AddedToken
 
 from pagedjax import openai_api as api

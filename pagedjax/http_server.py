@@ -1,0 +1,529 @@
+"""The OpenAI-compatible HTTP server over an `LLM` (standard library only).
+
+`Server` (a `ThreadingHTTPServer`) binds at construction and serves once `start(llm)`
+hands it the `LLM`, which an `EngineThread` (`pagedjax.serving`) owns from then on.
+Each connection is a thread running `Handler`: it reads the request body (a
+`Content-Length` or `Transfer-Encoding: chunked`, at most `MAX_BODY_BYTES`), validates
+and tokenizes the request on its own thread (`pagedjax.openai_api`), submits it to the
+engine thread and waits on its own queue for the token events and final outputs, then
+answers one JSON body or Server-Sent Events (`StreamedChoice`: what a stream sent of
+one completion). A client silent for `TIMEOUT_S` is let go; one that goes away (checked
+every `POLL_S` while waiting) has its requests aborted. Every error is OpenAI's JSON
+(`ApiError`), http.server's own too.
+
+scripts/serve.py is its command line; that script's docstring documents the endpoints,
+fields, errors and streaming as a user sees them. Usage:
+
+    server = Server(("127.0.0.1", 0), model_name="m")  # port 0: any free one
+    server.start(LLM("path/to/checkpoint"))
+    server.serve_forever()  # until server.shutdown() from another thread; then close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import select
+import socket
+import sys
+import time
+import traceback
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+from pagedjax import openai_api as api
+from pagedjax.metrics import prometheus_text
+from pagedjax.openai_api import ApiError, Job
+from pagedjax.serving import EngineStopped, EngineThread
+from pagedjax.tokenizer import CONTEXT_IDS
+
+__all__ = [
+    "MAX_BODY_BYTES",
+    "POLL_S",
+    "TIMEOUT_S",
+    "ClientGone",
+    "Handler",
+    "Server",
+    "StreamedChoice",
+]
+
+MAX_BODY_BYTES = 32 * 2**20
+POLL_S = 0.5  # how often a waiting handler checks that its client is still connected
+# A client silent this long in the middle of a request, between two requests, or not
+# reading a stream is let go (a body shorter than its Content-Length held a thread forever).
+TIMEOUT_S = 60.0
+
+
+class ClientGone(Exception):
+    """The HTTP client closed its connection."""
+
+
+class Server(ThreadingHTTPServer):
+    """The HTTP server; binds at construction, serves once `start(llm)` was called.
+
+    Args:
+      address: (host, port); port 0 picks a free one (`server_address` says which).
+      model_name: the id of the one model.
+      quiet: do not log requests to stderr.
+    """
+
+    daemon_threads = True
+    # The listen backlog (socketserver's default is 5): a burst of concurrent clients past
+    # it had their connections dropped and retried by the kernel a second or more later.
+    request_queue_size = 1024
+
+    def __init__(self, address, *, model_name: str, quiet: bool = False):
+        self.model_name, self.quiet = model_name, quiet
+        self.engine: EngineThread | None = None
+        super().__init__(address, Handler)
+
+    def start(self, llm) -> None:
+        """Starts the engine thread over `llm` (which nothing else may touch from now on)."""
+        self.tokenizer, self.max_model_len = llm.tokenizer, llm.max_model_len
+        self.stop_ids = llm.stop_ids  # (reads only llm.eos_ids, which never changes)
+        self.vocab_size = llm.config.vocab_size
+        self.sampling_defaults = dict(llm.sampling_defaults)  # for request fields left out
+        self.engine = EngineThread(llm)
+
+    def handle_error(self, request, client_address) -> None:
+        # A client that reset its connection between two requests is not worth a
+        # traceback on stderr (one per such client, --quiet or not).
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+    def close(self) -> None:
+        """Stops the engine and closes the socket (after `shutdown()` if serving)."""
+        if self.engine is not None:
+            self.engine.stop()
+        self.server_close()
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+
+class Handler(BaseHTTPRequestHandler):
+    """Answers one connection's requests (a thread each); `ROUTES`: each path's method."""
+
+    protocol_version = "HTTP/1.1"
+    timeout = TIMEOUT_S  # of each read and write on the socket (StreamRequestHandler's)
+    server: Server
+    ROUTES = {
+        "/health": "GET",
+        "/metrics": "GET",
+        "/v1/models": "GET",
+        "/v1/completions": "POST",
+        "/v1/chat/completions": "POST",
+        "/tokenize": "POST",
+        "/detokenize": "POST",
+    }
+
+    def log_message(self, format, *args):
+        if not self.server.quiet:
+            super().log_message(format, *args)
+
+    # ------------------------------------------------------------------- plumbing
+
+    def _dispatch(self, method: str) -> None:
+        self._streaming = False  # whether a stream's headers went out
+        self._head = method == "HEAD"  # a GET's status and headers, no body
+        try:
+            try:
+                raw = self._read_body()
+            except TimeoutError:
+                self.close_connection = True
+                msg = f"no more of the request body came for {self.timeout:g} s"
+                raise ApiError(408, msg) from None
+            path = urlsplit(self.path).path.rstrip("/") or "/"
+            allowed = self.ROUTES.get(path)
+            if allowed is None:
+                raise ApiError(404, f"no such path {path!r}; try {', '.join(self.ROUTES)}")
+            if method == "OPTIONS":
+                return self._send(204, b"", "text/plain", [("Allow", _allow(allowed))])
+            if method != allowed and not (self._head and allowed == "GET"):
+                raise ApiError(405, f"{method} is not allowed on {path}; use {allowed}")
+            if path == "/health":
+                if self.server.engine is None or not self.server.engine.alive:
+                    raise ApiError(503, "the engine is not running")
+                return self._send(200, b"ok", "text/plain; charset=utf-8")
+            if path == "/v1/models":
+                return self._json(200, self._models())
+            if path == "/metrics":
+                return self._send(200, self._metrics(), "text/plain; version=0.0.4")
+            if path in ("/tokenize", "/detokenize"):
+                return self._json(200, self._tokens(path, self._parse(raw)))
+            self._generate(self._job(path, self._parse(raw)))
+        except (BrokenPipeError, ConnectionResetError, TimeoutError, ClientGone):
+            self.close_connection = True  # (TimeoutError: a client that stopped reading)
+        except ApiError as e:
+            self._error(e)
+        except Exception as e:  # noqa: BLE001  (a bug here must not kill the connection silently)
+            traceback.print_exc(file=sys.stderr)
+            self._error(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+
+    def _read_body(self) -> bytes:
+        te = self.headers.get_all("Transfer-Encoding", [])
+        if te:
+            if [c.strip().lower() for c in ",".join(te).split(",")] != ["chunked"]:
+                self.close_connection = True  # its body's end cannot be found: unread
+                msg = f"Transfer-Encoding {', '.join(te)!r:.80} is not supported; use chunked"
+                raise ApiError(501, msg)
+            return self._read_chunked()
+        # Two different lengths are a 400 (RFC 9112 6.3), as is what int() reads but is no
+        # length: "+5", "5_0", "-5".
+        n = ", ".join(sorted({v.strip() for v in self.headers.get_all("Content-Length", [])}))
+        n = n or "0"
+        if not (n.isascii() and n.isdigit()):
+            self.close_connection = True
+            raise ApiError(400, f"bad Content-Length {n!r:.80}")
+        if len(n.lstrip("0")) > 18 or int(n) > MAX_BODY_BYTES:  # (int() of 4301 digits raises)
+            self.close_connection = True
+            raise ApiError(413, f"request body of {n:.40} bytes is over {MAX_BODY_BYTES}")
+        return self._read_exactly(int(n))
+
+    def _read_exactly(self, n: int) -> bytes:
+        """The next `n` bytes of the body; a 400 if the client ended it before them (a
+        cut body could still parse, and be answered as if whole)."""
+        data = self.rfile.read(n) if n > 0 else b""
+        if len(data) < n:
+            self.close_connection = True
+            raise ApiError(400, f"the request body ended after {len(data)} of {n} bytes")
+        return data
+
+    def _read_chunked(self) -> bytes:
+        """A body sent with `Transfer-Encoding: chunked` (clients that stream uploads)."""
+        data = bytearray()
+        while True:
+            line = self.rfile.readline(1024)
+            size = line.split(b";")[0].strip()
+            if not size or size.strip(b"0123456789abcdefABCDEF"):  # int(, 16): "0x5", "+5"
+                self.close_connection = True
+                raise ApiError(400, f"bad chunk size {line[:40]!r} in a chunked body")
+            size = int(size, 16)
+            if size == 0:
+                while self.rfile.readline(65536) not in (b"\r\n", b"\n", b""):
+                    pass  # trailer fields: none are used
+                return bytes(data)
+            if len(data) + size > MAX_BODY_BYTES:
+                self.close_connection = True
+                raise ApiError(413, f"request body is over {MAX_BODY_BYTES} bytes")
+            data += self._read_exactly(size)
+            self.rfile.readline(64)  # the chunk's CRLF
+
+    def _send(self, status: int, data: bytes, ctype: str, headers=()) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        if status != 204:  # RFC 9110 8.6: a 204 MUST NOT have one
+            self.send_header("Content-Length", str(len(data)))
+        for k, v in headers:
+            self.send_header(k, v)
+        self.end_headers()
+        if not self._head:
+            self.wfile.write(data)
+
+    def send_error(self, code: int, message: str | None = None, explain=None) -> None:
+        """http.server's own errors (a bad request line, too many headers, an unknown
+        method, ...) as OpenAI's JSON error, as all others are (they were HTML pages)."""
+        self.close_connection = True
+        reason = self.responses.get(code, ("error",))[0]
+        self.log_error("code %d, message %s", code, message)
+        data = json.dumps(ApiError(code, message or reason).body()).encode()
+        self.send_response(code)
+        self.send_header("Connection", "close")
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def _json(self, status: int, obj) -> None:
+        data = json.dumps(obj, ensure_ascii=False).encode()
+        self._send(status, data, "application/json")
+
+    def _error(self, e: ApiError) -> None:
+        if self._streaming:  # the stream is open: tell it there, then end it as vLLM does
+            with contextlib.suppress(OSError):
+                self._chunk(b"data: " + json.dumps(e.body()).encode() + b"\n\n")
+                self._chunk(b"data: [DONE]\n\n")
+                self._chunk(b"")
+            self.close_connection = True
+            return
+        headers = [("Allow", _allow(self.ROUTES.get(urlsplit(self.path).path.rstrip("/"), "")))]
+        with contextlib.suppress(OSError):
+            data = json.dumps(e.body(), ensure_ascii=False).encode()
+            self._send(e.status, data, "application/json", headers if e.status == 405 else ())
+
+    def _chunk(self, data: bytes) -> None:
+        """One chunk of a chunked response (b"": the last); to an HTTP/1.0 client, which
+        knows no chunks, `data` as it is (the connection's end ends the response)."""
+        if self._chunked:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        else:
+            self.wfile.write(data)
+
+    @property
+    def _chunked(self) -> bool:
+        # RFC 9112 6.1: no Transfer-Encoding in a response to an HTTP/1.0 request.
+        return self.request_version not in ("HTTP/0.9", "HTTP/1.0")
+
+    def _event(self, obj) -> None:
+        self._chunk(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+    def _client_gone(self) -> bool:
+        # poll(), not select(): select refuses a descriptor >= 1024, as a busy server's
+        # sockets get, and every request waiting on one failed with a 500. And a poll
+        # first: a peek at a socket with a timeout waits that long for a byte.
+        poller = select.poll()
+        poller.register(self.connection, select.POLLIN)
+        if not poller.poll(0):
+            return False  # nothing to read: still connected
+        try:
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+    def _parse(self, raw: bytes) -> dict:
+        try:
+            body = json.loads(raw)
+        except ValueError as e:  # bad JSON, UTF-8, or an int of over 4300 digits (was a 500)
+            raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        except RecursionError:  # (it was a 500)
+            raise ApiError(400, "the body's JSON is nested too deeply to parse") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, f"the body must be a JSON object, got {type(body).__name__}")
+        return body
+
+    # ---------------------------------------------------------------- endpoints
+
+    def _models(self) -> dict:
+        srv = self.server
+        model = dict(
+            id=srv.model_name,
+            object="model",
+            created=0,
+            owned_by="pagedjax",
+            max_model_len=srv.max_model_len,
+        )
+        return dict(object="list", data=[model])
+
+    def _metrics(self) -> bytes:
+        """The engine's metrics in Prometheus' text format, read on its thread."""
+        if self.server.engine is None:
+            raise ApiError(503, "the engine is not started")
+        try:
+            name = self.server.model_name
+            return self.server.engine.call(lambda llm: prometheus_text(llm, name)).encode()
+        except EngineStopped:
+            raise ApiError(503, "the engine is not running") from None
+        except queue.Empty:  # a step (a compile) outlasting call's 60 s
+            raise ApiError(503, "the engine is busy; try again") from None
+
+    def _tokens(self, path: str, body: dict) -> dict:
+        """/tokenize's or /detokenize's answer (the tokenizer only: no engine involved)."""
+        srv = self.server
+        if path == "/tokenize":
+            return api.tokenize(
+                body,
+                model_name=srv.model_name,
+                tokenizer=srv.tokenizer,
+                max_model_len=srv.max_model_len,
+            )
+        return api.detokenize(
+            body, model_name=srv.model_name, tokenizer=srv.tokenizer, vocab_size=srv.vocab_size
+        )
+
+    def _job(self, path: str, body: dict) -> Job:
+        """Validates a request and tokenizes its prompts (no engine involved)."""
+        srv = self.server
+        return api.parse_job(
+            body,
+            chat=path == "/v1/chat/completions",
+            model_name=srv.model_name,
+            tokenizer=srv.tokenizer,
+            vocab_size=srv.vocab_size,
+            max_model_len=srv.max_model_len,
+            defaults=srv.sampling_defaults,
+        )
+
+    def _events(self, job: Job):
+        """Yields the engine's events for the job's requests until all are done; aborts
+        what is left when the caller stops early (a client gone, an error)."""
+        engine, sink = self.server.engine, queue.SimpleQueue()
+        pending = set(job.rids)
+        try:
+            engine.submit(
+                [(rid, ids, job.params) for rid, ids in zip(job.rids, job.prompts, strict=True)],
+                sink,
+                tokens=job.stream,
+            )
+        except EngineStopped:
+            raise ApiError(503, "the engine is not running (the server is shutting down)") from None
+        checked = time.monotonic()
+        try:
+            while pending:
+                try:
+                    event = sink.get(timeout=POLL_S)
+                except queue.Empty:
+                    event = None
+                if time.monotonic() - checked >= POLL_S:
+                    checked = time.monotonic()
+                    if self._client_gone():
+                        raise ClientGone
+                if event is None:
+                    continue
+                if event[0] == "error":
+                    raise ApiError(event[2], event[3])
+                if event[0] == "done":
+                    pending.discard(event[1])
+                yield event
+        finally:
+            if pending:
+                with contextlib.suppress(EngineStopped):
+                    engine.abort(pending)
+
+    def _generate(self, job: Job) -> None:
+        if self.server.engine is None:
+            raise ApiError(503, "the engine is not started")
+        head = api.response_head(job, self.server.model_name)
+        with contextlib.closing(self._events(job)) as events:
+            if job.stream:
+                return self._stream(job, head, events)
+            outs = {ev[1]: ev[2] for ev in events if ev[0] == "done"}
+        self._json(200, api.response_body(job, head, outs, self.server.tokenizer))
+
+    def _stream(self, job: Job, head: dict, events) -> None:
+        tok, sp = self.server.tokenizer, job.params
+        k, skip = sp.logprobs, sp.skip_special_tokens
+        # The engine leaves out of the text the stop string and what follows it (what
+        # follows it only, with include_stop_str_in_output), and the stop token's own
+        # text (kept with include_stop_str_in_output).
+        keep = sp.include_stop_str_in_output
+        hold = 0 if keep else max(map(len, sp.stop), default=1) - 1
+        stop_ids = frozenset() if keep else self.server.stop_ids(sp)
+        choices: dict[tuple[str, int], StreamedChoice] = {}  # by (rid, completion index)
+        prompts = dict(zip(job.rids, job.prompts, strict=True))
+
+        def chunk(rid, i, c: StreamedChoice, text, ids=(), entries=(), finish=None):
+            lp = None
+            if k is not None:
+                lp = api.render_logprobs(
+                    tok,
+                    ids,
+                    entries,
+                    k,
+                    chat=job.chat,
+                    offset=c.offset,
+                    context=c.before,
+                    skip_special_tokens=skip,
+                )
+                c.offset += 0 if job.chat or tok is None else sum(map(len, lp["tokens"]))
+            c.before = [*c.before, *ids][-CONTEXT_IDS:]
+            c.num_tokens += len(ids)
+            first = job.prompt_token_ids and not job.chat and not c.started
+            c.started = True
+            index = api.choice_index(job, rid, i)
+            self._event(
+                api.stream_chunk(
+                    job,
+                    head,
+                    index,
+                    text,
+                    finish,
+                    lp,
+                    token_ids=ids,
+                    prompt_token_ids=prompts[rid] if first else None,
+                )
+            )
+
+        outs = []
+        for event in events:
+            if not self._streaming:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                if self._chunked:
+                    self.send_header("Transfer-Encoding", "chunked")
+                else:
+                    self.send_header("Connection", "close")
+                    self.close_connection = True
+                self.end_headers()
+                self._streaming = True
+                for role in api.role_chunks(job, head):
+                    self._event(role)
+            if event[0] == "token":
+                _, rid, i, token, *entry = event  # the entry: with logprobs only
+                c = choices.get((rid, i))
+                if c is None:
+                    c = choices[rid, i] = StreamedChoice(tok, prompts[rid], skip)
+                if c.decoder is None:  # no tokenizer: no text, a chunk per token
+                    chunk(rid, i, c, "", [token], entry)
+                    continue
+                before = len(c.decoder.text)
+                c.decoder.add(token)
+                text = c.decoder.text
+                c.pending.append((token, entry[0] if entry else None, len(text)))
+                # With stop strings, or if it may be a stop token, this token's text waits
+                # for the next token: the engine may stop on it and cut the text there.
+                end = before - hold if sp.stop or token in stop_ids else len(text)
+                if end > c.sent:
+                    # A token's id and logprobs go with the piece that completes its text.
+                    n = sum(1 for _, _, token_end in c.pending if token_end <= end)
+                    done, c.pending = c.pending[:n], c.pending[n:]
+                    ids, entries = [t for t, _, _ in done], [e for _, e, _ in done]
+                    chunk(rid, i, c, text[c.sent : end], ids, entries)
+                    c.sent = end
+            else:
+                _, rid, out = event
+                outs.append(out)
+                for o in out.outputs:
+                    c = choices.get((rid, o.index)) or StreamedChoice(None, ())
+                    # The rest, from the final output: its text and tokens as not streamed.
+                    ids = o.token_ids[c.num_tokens :]
+                    entries = o.logprobs[c.num_tokens :] if k is not None else ()
+                    finish = o.finish_reason or "stop"
+                    chunk(rid, o.index, c, o.text[c.sent :], ids, entries, finish)
+        if job.include_usage:
+            self._event(dict(**head, choices=[], usage=api.usage(outs)))
+        self._chunk(b"data: [DONE]\n\n")
+        self._chunk(b"")
+
+
+class StreamedChoice:
+    """What a stream sent of one completion.
+
+    Attributes:
+      decoder: its incremental detokenizer (`Tokenizer.stream(context=prompt ids)`, with
+        the request's skip_special_tokens, as the engine decodes the final text), None
+        without a tokenizer (or without tokens).
+      sent: characters of its text streamed.
+      pending: (token id, logprobs entry or None, where its text ends in the decoder's
+        text) of each token received but not streamed yet (its text held back).
+      num_tokens: tokens streamed (their ids and logprobs).
+      offset: completions' `text_offset` of the next token whose logprobs are streamed.
+      started: a chunk of it went out.
+      before: the last ids before its next chunk (the prompt's, then its own), which
+        name that chunk's tokens (`render_logprobs(context=)`).
+    """
+
+    __slots__ = ("decoder", "sent", "pending", "num_tokens", "offset", "started", "before")
+
+    def __init__(self, tok, prompt_ids, skip_special_tokens: bool = True):
+        skip = skip_special_tokens
+        self.decoder = (
+            None if tok is None else tok.stream(skip_special_tokens=skip, context=prompt_ids)
+        )
+        self.before = list(prompt_ids)[-CONTEXT_IDS:]  # the ids before the next chunk's
+        self.sent = self.num_tokens = self.offset = 0
+        self.pending: list[tuple[int, dict | None, int]] = []
+        self.started = False
+
+
+def _allow(method: str) -> str:
+    """The Allow header of a path served by `method` (GET paths answer HEAD too)."""
+    return f"{method}, HEAD, OPTIONS" if method == "GET" else f"{method}, OPTIONS"
+
+
+for _method in ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"):  # do_GET ...
+    setattr(Handler, f"do_{_method}", lambda self, m=_method: self._dispatch(m))
