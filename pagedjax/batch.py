@@ -29,7 +29,14 @@ from pagedjax.blocks import BlockManager
 from pagedjax.sequence import StepPlan
 from pagedjax.step_input import pack_bias, pack_copies, pack_penalties
 
-__all__ = ["StepBatch", "TokenHistory", "bad_word_bans", "request_allowed", "request_bias"]
+__all__ = [
+    "StepBatch",
+    "TokenHistory",
+    "bad_word_bans",
+    "guide_mask",
+    "request_allowed",
+    "request_bias",
+]
 
 _NO_BIAS = (np.zeros(0, np.int32), np.zeros(0, np.float32))
 
@@ -105,8 +112,9 @@ class StepBatch:
         self.token_src = np.full(t, -1, np.int32)
         self.prompt_top_k = 0
         self.penalised = []  # rows with penalties, packed in `finish` (histories grow)
-        # Rows with a logit bias, min_tokens, allowed_token_ids or bad_words, packed in
-        # `finish` (a bad word's ban depends on the tokens before).
+        # Rows with a logit bias, min_tokens, allowed_token_ids, bad_words or structured
+        # outputs, packed in `finish` (a bad word's ban and a guide's tokens depend on the
+        # tokens before).
         self.biased = []
         # Per-row values go through Python lists and one numpy assignment each: a numpy
         # scalar store costs about as much as building the list entry, so at B=256 this
@@ -138,6 +146,7 @@ class StepBatch:
                     r.group.request.banned is not None
                     or params.allowed_token_ids is not None
                     or params.bad_words
+                    or r.group.request.guide is not None
                 ):
                     self.biased.append(i)
                 seeds.append(r.seq.seed)
@@ -295,7 +304,7 @@ class StepBatch:
     def _bias(self, plan: StepPlan):
         """The biased rows' logit bias (with the stop tokens banned for rows that draw one
         of their first min_tokens tokens), the bans of their bad words of several tokens
-        (`bad_word_bans`) and their allowed tokens."""
+        (`bad_word_bans`), their allowed tokens and their guides' masks (`guide_mask`)."""
         rows = []
         for i in self.biased:
             r = plan.rows[i]
@@ -316,9 +325,26 @@ class StepBatch:
                     ids = np.concatenate([ids, banned])
                     values = np.concatenate([values, np.full(len(banned), -np.inf, np.float32)])
             allowed = req.allowed if p.allowed_token_ids is not None else None
-            if len(ids) or allowed is not None:
-                rows.append((i, ids, values, after, allowed))
+            mask = None
+            if req.guide is not None:  # (the engine runs such a row's step synchronously:
+                # the state has every token before it)
+                mask = guide_mask(req.guide, s.guide_state, req.stop_ids)
+            if len(ids) or allowed is not None or mask is not None:
+                rows.append((i, ids, values, after, allowed, mask))
         return pack_bias(rows, len(self.temperature))
+
+
+def guide_mask(guide, state: int, stop_ids) -> np.ndarray:
+    """The bitmask of the tokens a structured output's `guide` (`pagedjax.guided.Guide`)
+    allows in `state`: those that keep its match alive, and the stop tokens once the
+    text so far is a full match."""
+    mask = guide.allowed(state)
+    if guide.accepting(state):
+        mask = mask.copy()
+        for t in stop_ids:
+            if t < guide.vocab_size:
+                mask[t // 32] |= np.uint32(1 << (t % 32))
+    return mask
 
 
 def bad_word_bans(

@@ -47,6 +47,7 @@ from pagedjax.beam import BeamSearch
 from pagedjax.blocks import BlockManager
 from pagedjax.config import CacheConfig, dtype_name
 from pagedjax.engine_core import EngineCore
+from pagedjax.guided import compile_guide
 from pagedjax.metrics import EngineMetrics
 from pagedjax.outputs import OutputProcessor
 from pagedjax.request import (
@@ -55,6 +56,7 @@ from pagedjax.request import (
     Prompt,
     RequestOutput,
     SamplingParams,
+    StructuredOutputsParams,
     encode_bad_words,
     encode_prompt,
     unpack_prompt,
@@ -72,7 +74,14 @@ from pagedjax.scheduler import Scheduler
 from pagedjax.step_input import is_int
 from pagedjax.tokenizer import Tokenizer
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 _SEED_STRIDE = 0x9E3779B1
 # vLLM's LLM.chat arguments that `chat` does not support: refused, since its **template_vars
@@ -116,7 +125,8 @@ class LLM:
       async_scheduling: dispatch each step before the previous one's tokens reach the
         host (the device feeds them), so that applying them overlaps the device; a
         sequence that stops computes one more token, discarded. False: the host applies
-        each step's tokens before dispatching the next (beam search always does).
+        each step's tokens before dispatching the next (beam search and structured
+        outputs always do).
       generation_config: "auto": the sampling defaults of the checkpoint directory's
         generation_config.json (`resources.generation_config_defaults`; a ModelConfig or
         Params source has none), as vLLM's `--generation-config auto`; "none": no file.
@@ -360,11 +370,23 @@ class LLM:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
         vocab = self.config.vocab_size
+        guide = None
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs need a tokenizer; this model has none")
+            guide = compile_guide(params.structured_outputs, self.tokenizer, vocab)
         words = (
             encode_bad_words(params.bad_words, self.tokenizer, vocab) if params.bad_words else []
         )
         ones = [w[0] for w in words if len(w) == 1]  # banned everywhere: in the bias
         stop_ids = self.stop_ids(params)
+        if guide is not None:  # (a vocabulary that cannot spell every byte may fail this)
+            start = guide.initial_state
+            if not guide.can_continue(start) and not (guide.accepting(start) and stop_ids):
+                raise ValueError(
+                    "structured_outputs: no token of this vocabulary can begin a match of "
+                    f"{guide.pattern!r:.80}"
+                )
         self.scheduler.check_seats(  # before building n sequences (n=10**9)
             max(params.n, params.beam_width),
             request_id,
@@ -391,7 +413,9 @@ class LLM:
         rng_state = self._rng.bit_generator.state
         base = int(self._rng.integers(2**32)) if params.seed is None else int(params.seed)
         seeds = [(base + i * _SEED_STRIDE) % 2**32 for i in range(params.n)]
-        req = self.outputs.new_request(rid, text, ids, params, stop_ids, max_len, seeds, beam)
+        req = self.outputs.new_request(
+            rid, text, ids, params, stop_ids, max_len, seeds, beam, guide
+        )
         req.bias, req.banned, req.allowed = bias, banned, allowed
         req.bad_words = [w for w in words if len(w) > 1]
         try:

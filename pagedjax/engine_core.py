@@ -21,8 +21,9 @@ Host overlap. JAX dispatch is asynchronous, so each step runs:
 So the device runs step after step while the host works (`async_scheduling=True`, the
 default). A sequence that stops on step N's token has a row in step N+1 that computes
 one token for nothing; its output is ignored. Beam search needs step N's selection to
-bind its rows: a plan with beam rows, and every step with `async_scheduling=False`,
-applies step N's tokens first (3 before 2; the device idles meanwhile), and a decode
+bind its rows, and a structured output's row needs step N's token for its mask: a plan
+with such decode rows, and every step with `async_scheduling=False`, applies step N's
+tokens first (3 before 2; the device idles meanwhile), and a decode
 row whose sequence finished in them stays in the batch as a dead row (it writes
 nothing), so phase 1's layout never has to change. `metrics` times the parts of every
 step.
@@ -54,6 +55,13 @@ from pagedjax.scheduler import Scheduler
 from pagedjax.sequence import SequenceGroup, StepPlan
 
 __all__ = ["EngineCore"]
+
+
+def _sync(row) -> bool:
+    """Whether a row needs the previous step's tokens applied before its step is packed:
+    a beam's (the selection binds it) or a structured output's decode row (its guide's
+    mask follows its last token)."""
+    return row.decode and (row.group.atomic or row.group.request.guide is not None)
 
 
 class EngineCore:
@@ -132,12 +140,8 @@ class EngineCore:
             t1 = perf_counter()
             prev, self.inflight = self.inflight, None
             # Asynchronous: commit and dispatch this step before the previous one's tokens
-            # arrive (beam rows need the previous selection: then after, as in sync mode).
-            early = (
-                self.async_scheduling
-                and prev is not None
-                and not any(r.decode and r.group.atomic for r in plan.rows)
-            )
+            # arrive (unless a row needs them, `_sync`: then after, as in sync mode).
+            early = self.async_scheduling and prev is not None and not any(map(_sync, plan.rows))
             finished: list[RequestOutput] = []
             wait = applied = 0.0
             if prev is not None and not early:

@@ -32,6 +32,7 @@ import time
 import uuid
 from collections.abc import Mapping
 
+from pagedjax.guided import StructuredOutputsParams, compile_guide
 from pagedjax.openai_responses import (  # re-exported
     chat_logprobs,
     choice_index,
@@ -72,6 +73,7 @@ __all__ = [
     "role_chunks",
     "sampling_params",
     "stream_chunk",
+    "structured_outputs",
     "tokenize",
     "usage",
 ]
@@ -250,8 +252,14 @@ def parse_job(
     field = "max_completion_tokens" if given else "max_tokens"
     if limit is not None and limit < 1:  # (SamplingParams would name max_tokens, whichever)
         raise ApiError(400, f"{field} must be an int >= 1, got {field}={limit}", field)
+    guided = structured_outputs(body, tok, vocab_size)
     params = sampling_params(
-        body, max_tokens=limit, logprobs=logprobs, vocab_size=vocab_size, defaults=defaults
+        body,
+        max_tokens=limit,
+        logprobs=logprobs,
+        vocab_size=vocab_size,
+        defaults=defaults,
+        guided=guided,
     )
     if params.stop and tok is None:
         raise ApiError(400, "stop strings need a tokenizer; this model has none", "stop")
@@ -276,10 +284,17 @@ def parse_job(
 
 
 def sampling_params(
-    body: dict, *, max_tokens, logprobs, vocab_size: int, defaults: Mapping | None = None
+    body: dict,
+    *,
+    max_tokens,
+    logprobs,
+    vocab_size: int,
+    defaults: Mapping | None = None,
+    guided: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams (ApiError 400 naming the field and value); a field of
-    `SAMPLING_FIELDS` left out or null takes `defaults`' value, if it has one."""
+    `SAMPLING_FIELDS` left out or null takes `defaults`' value, if it has one; `guided`:
+    its structured outputs (`structured_outputs`)."""
     for name, bad, why in (
         ("echo", bool(body.get("echo")), "echo=true is not supported (the prompt is not returned)"),
         ("best_of", body.get("best_of") not in (None, 1), "best_of is not supported"),
@@ -287,11 +302,6 @@ def sampling_params(
         ("use_beam_search", bool(body.get("use_beam_search")), "beam search is not supported"),
         ("tools", bool(body.get("tools")), "tools (function calling) are not supported"),
         ("functions", bool(body.get("functions")), "function calling is not supported"),
-        (
-            "response_format",
-            body.get("response_format") not in (None, {"type": "text"}),
-            "response_format other than text is not supported",
-        ),
     ):
         if bad:
             raise ApiError(400, f"{why}, got {name}={body.get(name)!r}", name)
@@ -332,11 +342,73 @@ def sampling_params(
             kw["logit_bias"][t] = value
     elif bias not in (None, {}):
         kw["logit_bias"] = bias  # SamplingParams says what is wrong with it
+    if guided is not None:
+        kw["structured_outputs"] = guided
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kw)
     except (ValueError, TypeError) as e:
         name = str(e).split(" ", 1)[0]
         raise ApiError(400, str(e), name if name in PARAM_FIELDS else None) from None
+
+
+# vLLM's older request fields of structured outputs -> StructuredOutputsParams' fields.
+_GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+def structured_outputs(body: dict, tokenizer, vocab_size: int) -> StructuredOutputsParams | None:
+    """The request's structured outputs, from OpenAI's `response_format` ({"type":
+    "json_schema", "json_schema": {"schema": {...}}} or {"type": "json_object"};
+    {"type": "text"}: none), vLLM's `structured_outputs` object (StructuredOutputsParams'
+    fields) or its older `guided_json` / `guided_regex` / `guided_choice` fields (with
+    `guided_whitespace_pattern`); one of them at most. Compiled for `tokenizer` here
+    (the engine's compile of it is then cached), so that a spec too large, or a model
+    without a tokenizer, is a 400 naming the field."""
+    given = [
+        name
+        for name in ("response_format", "structured_outputs", *_GUIDED_FIELDS)
+        if body.get(name) is not None and body.get(name) != {"type": "text"}
+    ]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ApiError(400, f"give one of {', '.join(given)}, not several", given[1])
+    name, value = given[0], body[given[0]]
+    if name == "response_format":
+        kind = value.get("type") if isinstance(value, dict) else None
+        schema = value.get("json_schema") if kind == "json_schema" else None
+        if kind == "json_object":
+            fields = {"json_object": True}
+        elif isinstance(schema, dict) and isinstance(schema.get("schema"), dict):
+            fields = {"json": schema["schema"]}
+        else:
+            msg = (
+                'response_format must be {"type": "text"}, {"type": "json_object"} or '
+                '{"type": "json_schema", "json_schema": {"schema": {...}}}, got '
+                f"response_format={value!r:.100}"
+            )
+            raise ApiError(400, msg, name)
+    elif name == "structured_outputs":
+        if not isinstance(value, dict):
+            msg = f"structured_outputs must be an object, got structured_outputs={value!r:.80}"
+            raise ApiError(400, msg, name)
+        fields = value
+    else:
+        fields = {_GUIDED_FIELDS[name]: value}
+        if body.get("guided_whitespace_pattern") is not None:
+            fields["whitespace_pattern"] = body["guided_whitespace_pattern"]
+    try:
+        if tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer; this model has none")
+        spec = StructuredOutputsParams(**fields)
+        compile_guide(spec, tokenizer, vocab_size)
+    except (ValueError, TypeError) as e:
+        raise ApiError(400, f"{name}: {e}", name) from None
+    return spec
 
 
 def check_model(body: dict, model_name: str) -> None:

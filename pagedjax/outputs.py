@@ -17,6 +17,7 @@ import itertools
 import os
 from collections.abc import Callable
 from time import perf_counter
+from typing import Any
 
 import numpy as np
 
@@ -57,6 +58,9 @@ class Request:
     # than one token (those of one token are banned in `bias` and `banned`).
     allowed: np.ndarray | None = None
     bad_words: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    # structured_outputs: the compiled guide (`pagedjax.guided.Guide`); each sequence
+    # holds its state (`Sequence.guide_state`).
+    guide: Any = None
 
 
 class OutputProcessor:
@@ -96,13 +100,14 @@ class OutputProcessor:
         max_len: int,
         seeds: list[int],
         beam: BeamSearch | None,
+        guide=None,
     ) -> Request:
         """The record of a new request, with its `SequenceGroup` (`Request.group`, to
         queue): `params.n` samples of `ids` (`seeds[i]` for sample i; all but the first
         forked off it once `ids[:-1]` is prefilled, when there is such a prefix), or the
         one sequence a `beam` search starts from; each finishes ("length") at `max_len`
         tokens. The sequences carry what applying their tokens needs (a detokenizer for
-        stop strings, a logprobs list)."""
+        stop strings, a logprobs list, the state of the structured outputs' `guide`)."""
         p = len(ids)
 
         def seq(i: int) -> Seq:
@@ -112,6 +117,8 @@ class OutputProcessor:
                 s.detok = self.tokenizer.stream(skip_special_tokens=skip, context=ids)
             if params.logprobs is not None:
                 s.logprobs = []
+            if guide is not None:
+                s.guide_state = guide.initial_state
             return s
 
         salt = params.cache_salt
@@ -123,6 +130,7 @@ class OutputProcessor:
         else:
             group = SequenceGroup(request_id, [seq(i) for i in range(params.n)], params.n, salt)
         req = Request(request_id, prompt, ids, params, stop_ids, group, beam, perf_counter())
+        req.guide = guide
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * p
             req.prompt_logprobs_missing = p - 1
@@ -220,7 +228,10 @@ class OutputProcessor:
                 return  # the callback aborted the request
         reason = stop = None
         check = s.num_generated >= req.params.min_tokens  # no stop before min_tokens
-        if check and tok in req.stop_ids:
+        stopped = check and tok in req.stop_ids
+        if req.guide is not None and not stopped:
+            s.guide_state = req.guide.advance(s.guide_state, tok)
+        if stopped:
             reason, stop = "stop", tok
         elif s.detok is not None:
             old, held = len(s.detok.text), s.detok.pending.rstrip("\ufffd")
@@ -244,6 +255,8 @@ class OutputProcessor:
                     _, i, stop = min(hits, key=lambda h: h[:2])
                     s.stop_pos = base + i
             reason = "stop" if stop is not None else None
+        if reason is None and req.guide is not None and not req.guide.can_continue(s.guide_state):
+            reason = "stop"  # the match is complete (or no token continues it)
         if reason is None and len(s.token_ids) >= s.max_num_tokens:
             reason = "length"
         if reason is not None:

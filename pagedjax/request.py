@@ -15,6 +15,7 @@ import numpy as np
 
 from pagedjax import sampling
 from pagedjax.config import is_finite_number
+from pagedjax.guided import StructuredOutputsParams  # re-exported
 from pagedjax.prompts import (  # re-exported
     Prompt,
     check_truncation,
@@ -30,6 +31,7 @@ __all__ = [
     "Prompt",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "check_truncation",
     "encode_bad_words",
     "encode_prompt",
@@ -188,6 +190,14 @@ class SamplingParams:
         position leave nothing to draw, and token 0 is drawn there (as in vLLM).
       detokenize: False leaves the completions' text "" and their logprobs'
         decoded_token None (no decoding on the host; stop strings are refused), as vLLM's.
+      structured_outputs: None, or a `pagedjax.guided.StructuredOutputsParams` (a regex,
+        a list of choices or a JSON schema; needs a tokenizer), as vLLM's: each
+        completion's bytes are a prefix of a match at every step; the stop tokens (EOS)
+        can be drawn only where the text is a full match, and a completion that no
+        token can continue ends there ("stop", stop_reason None). Its steps run with
+        the host in step with the device (as beam search's: `LLM(async_scheduling)`).
+        Stop strings, stop tokens that are also text and max_tokens can still cut a
+        completion before its match is complete. Not with beam search.
     """
 
     n: int = 1
@@ -216,6 +226,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] | None = None
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def clone(self) -> SamplingParams:
         """A copy (vLLM's `clone`; the params are frozen, so `dataclasses.replace` makes
@@ -342,6 +353,17 @@ class SamplingParams:
                 f"repetition_penalty={self.repetition_penalty}, "
                 f"presence_penalty={self.presence_penalty}, "
                 f"frequency_penalty={self.frequency_penalty}"
+            )
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise TypeError(
+                "structured_outputs must be a pagedjax.guided.StructuredOutputsParams or "
+                f"None, got {so!r:.80}"
+            )
+        if so is not None and self.beam_width > 1:
+            raise ValueError(
+                f"structured_outputs are not supported with beam search, got "
+                f"beam_width={self.beam_width}"
             )
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError(f"cache_salt must be a str or None, got {self.cache_salt!r}")

@@ -72,13 +72,16 @@ class LogitBias:
     `values[b, j]` is added to token `ids[b, j]` (-1: padding; an id repeated in a row
     gets the sum), where `after[b, j]` is -1 or the row's last token (`after` None:
     everywhere). Rows of `allowed` holding an id >= 0 may draw only those tokens (-1:
-    padding; a row of -1 only: any token).
+    padding; a row of -1 only: any token). `mask` is a bitmask of the tokens each row
+    may draw (structured outputs: bit `t % 32` of word `t // 32` for token t; a row of
+    all ones: any token); a row must draw a token both allow.
     """
 
     ids: jax.Array  # [B, K] int32
     values: jax.Array  # [B, K] float32 (-inf bans)
     after: jax.Array | None = None  # [B, K] int32 (-1: always)
     allowed: jax.Array | None = None  # [B, A] int32
+    mask: jax.Array | None = None  # [B, ceil(V / 32)] uint32
 
 
 def apply_bias(logits, bias: LogitBias, last_ids=None):
@@ -114,6 +117,11 @@ def apply_bias(logits, bias: LogitBias, last_ids=None):
         )
         keep = keep | (allowed < 0).all(axis=1)[:, None]
         x = jnp.where(keep, x, _NEG_INF)
+    if bias.mask is not None:
+        t = jnp.arange(v)
+        words = bias.mask[:, t // 32]  # [B, V]
+        keep = (words >> (t % 32).astype(jnp.uint32)) & jnp.uint32(1)
+        x = jnp.where(keep.astype(bool), x, _NEG_INF)
     return x
 
 

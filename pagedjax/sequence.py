@@ -65,6 +65,7 @@ class Sequence:
     stop_pos: int = -1  # where the stop string starts in the text (stop_reason a str)
     detok: Any = None  # the engine's incremental detokenizer, if any
     history: Any = None  # penalised requests: token_ids as numpy (batch.TokenHistory)
+    guide_state: int | None = None  # structured outputs: its guide's state after token_ids
 
     @property
     def num_generated(self) -> int:

@@ -303,7 +303,7 @@ def build_step_input(
         sampling.check_params(c.temperature, c.top_k, c.top_p, c.seed, c.min_p)
     penalties = _pack_penalties(chunks, b, buckets.min_history, model_cfg.vocab_size)
     bias = [(i, _bias_arrays(c.logit_bias, i, model_cfg.vocab_size)) for i, c in enumerate(chunks)]
-    logit_bias = pack_bias([(i, *a, None, None) for i, a in bias if a is not None], b)
+    logit_bias = pack_bias([(i, *a, None, None, None) for i, a in bias if a is not None], b)
 
     starts = np.full(b + 1, total, np.int32)
     starts[: n + 1] = np.concatenate([[0], np.cumsum(q_lens)])
@@ -362,10 +362,12 @@ def pack_bias(rows: Sequence[tuple], b: int) -> sampling.LogitBias | None:
     `rows` is empty.
 
     Args:
-      rows: (row, ids, values, after, allowed) per biased row: `values[j]` is added to
-        token `ids[j]` where the row's last token is `after[j]` (-1, or `after` None:
-        always); `allowed`: the only tokens the row may draw, or None. `after` and
-        `allowed` are packed only when some row has one (bucketed widths, floor 8).
+      rows: (row, ids, values, after, allowed, mask) per biased row: `values[j]` is
+        added to token `ids[j]` where the row's last token is `after[j]` (-1, or `after`
+        None: always); `allowed`: the only tokens the row may draw, or None; `mask`: a
+        uint32 bitmask of the tokens it may draw, [ceil(V / 32)], or None. `after`,
+        `allowed` and `mask` are packed only when some row has one (`allowed`: bucketed
+        widths, floor 8; the rows without a mask: all ones).
       b: rows in the batch.
     """
     if not rows:
@@ -373,20 +375,25 @@ def pack_bias(rows: Sequence[tuple], b: int) -> sampling.LogitBias | None:
     width = bucket_size(max(len(r[1]) for r in rows), 8)
     ids = np.full((b, width), -1, np.int32)
     values = np.zeros((b, width), np.float32)
-    after = allowed = None
+    after = allowed = mask = None
     if any(r[3] is not None for r in rows):
         after = np.full((b, width), -1, np.int32)
     listed = [r[4] for r in rows if r[4] is not None]
     if listed:
         allowed = np.full((b, bucket_size(max(map(len, listed)), 8)), -1, np.int32)
-    for i, row_ids, row_values, row_after, row_allowed in rows:
+    masks = [r[5] for r in rows if r[5] is not None]
+    if masks:
+        mask = np.full((b, len(masks[0])), 0xFFFFFFFF, np.uint32)
+    for i, row_ids, row_values, row_after, row_allowed, row_mask in rows:
         ids[i, : len(row_ids)] = row_ids
         values[i, : len(row_ids)] = row_values
         if row_after is not None:
             after[i, : len(row_after)] = row_after
         if row_allowed is not None:
             allowed[i, : len(row_allowed)] = row_allowed
-    return sampling.LogitBias(ids, values, after, allowed)
+        if row_mask is not None:
+            mask[i] = row_mask
+    return sampling.LogitBias(ids, values, after, allowed, mask)
 
 
 def _bias_arrays(bias, i: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray] | None:

@@ -15,7 +15,7 @@ import numpy as np
 import params_helpers
 import pytest
 
-from pagedjax import decode, sampling
+from pagedjax import decode, sampling, step_input
 from pagedjax.config import PRESETS, CacheConfig
 from pagedjax.engine import LLM, SamplingParams
 
@@ -74,6 +74,34 @@ def test_apply_bias_with_conditions_and_allowed_tokens_matches_numpy():
     assert (holds & (ids >= 0)).any() and (fails & (ids >= 0)).any()  # both kinds tested
     with pytest.raises(ValueError, match="needs the rows' last_ids"):
         sampling.apply_bias(jnp.asarray(logits), bias)
+
+
+def test_apply_bias_with_a_bitmask_matches_numpy():
+    """Structured outputs' bitmasks (bit t % 32 of word t // 32), alone and with allowed
+    tokens: a row draws only what both allow; a row of all ones is unchanged. Packed by
+    `pack_bias` beside rows without a mask."""
+    rng = np.random.default_rng(2)
+    b, v = 5, 70  # 3 words, the last one partly past the vocabulary
+    logits = rng.normal(size=(b, v)).astype(np.float32)
+    keep = rng.random((b, v)) < 0.4
+    allowed = rng.choice(v, 12, replace=False).astype(np.int32)
+    rows = []
+    for i in (0, 2, 3):  # row 1: allowed tokens only; row 4: nothing
+        bits = np.zeros(96, np.uint8)
+        bits[:v] = keep[i]
+        mask = np.packbits(bits, bitorder="little").view(np.uint32)
+        rows.append((i, np.zeros(0, np.int32), np.zeros(0, np.float32), None, None, mask))
+    rows[1] = (*rows[1][:4], allowed, rows[1][5])  # row 2: both
+    rows.insert(1, (1, np.zeros(0, np.int32), np.zeros(0, np.float32), None, allowed, None))
+    bias = step_input.pack_bias(rows, b)
+    assert bias.mask.shape == (b, 3) and (bias.mask[[1, 4]] == 0xFFFFFFFF).all()
+    want = logits.astype(np.float64).copy()
+    only = np.zeros(v, bool)
+    only[allowed] = True
+    for i, ok in ((0, keep[0]), (1, only), (2, keep[2] & only), (3, keep[3])):
+        want[i, ~ok] = -np.inf
+    got = np.asarray(jax.jit(sampling.apply_bias)(jnp.asarray(logits), bias))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,8 @@ from test_tokenizer import sentencepiece_style
 
 from pagedjax import openai_api as api
 from pagedjax import openai_responses as responses
+from pagedjax import resources
+from pagedjax.guided import StructuredOutputsParams
 from pagedjax.request import CompletionOutput, RequestOutput, SamplingParams
 from pagedjax.tokenizer import CONTEXT_IDS, Tokenizer
 
@@ -97,7 +99,6 @@ def raises_400(fn, *args, words: str, param: str | None = None, **kwargs) -> api
         (dict(suffix="b"), "suffix", "suffix='b'"),
         (dict(tools=[{}]), "tools", "tools"),
         (dict(functions=[{}]), "functions", "function calling"),
-        (dict(response_format={"type": "json_object"}), "response_format", "json_object"),
         (dict(max_tokens="9"), "max_tokens", "max_tokens='9'"),
         (dict(max_tokens=True), "max_tokens", "max_tokens=True"),
         (dict(max_tokens=0), "max_tokens", "max_tokens=0"),
@@ -318,6 +319,42 @@ def test_allowed_token_ids_and_bad_words_reach_the_params():
     )  # fmt: skip
     assert e.message == "bad_words need a tokenizer; this model has none"
     assert job(dict(prompt=[1], allowed_token_ids=[7]), tokenizer=None).params.allowed_token_ids
+
+
+def test_structured_outputs_come_from_response_format_and_vllms_fields():
+    so = StructuredOutputsParams
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    byte = resources.byte_tokenizer()  # (a guide needs a real tokenizer's bytes)
+    for body, want in (
+        (dict(response_format={"type": "text"}), None),
+        (dict(response_format={"type": "json_object"}), so(json_object=True)),
+        (
+            dict(response_format={"type": "json_schema", "json_schema": {"schema": schema}}),
+            so(json=schema),
+        ),
+        (dict(structured_outputs={"regex": "a+", "whitespace_pattern": " "}),
+         so(regex="a+", whitespace_pattern=" ")),
+        (dict(guided_choice=["yes", "no"]), so(choice=("yes", "no"))),
+        (dict(guided_json=schema, guided_whitespace_pattern="[ ]*"),
+         so(json=schema, whitespace_pattern="[ ]*")),
+    ):  # fmt: skip
+        assert job(dict(body, prompt="a"), tokenizer=byte).params.structured_outputs == want
+    for body, param, words in (
+        (dict(response_format={"type": "json_schema"}), "response_format", "json_schema"),
+        (dict(response_format={"type": "xml"}), "response_format", "'xml'"),
+        (dict(response_format="json"), "response_format", "'json'"),
+        (dict(structured_outputs="a+"), "structured_outputs", "'a+'"),
+        (dict(structured_outputs={"regex": "(a"}), "structured_outputs", "(a"),
+        (dict(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs", "one of"),
+        (dict(structured_outputs={"pattern": "a"}), "structured_outputs", "pattern"),
+        (dict(guided_json={"type": "object", "minProperties": 1}), "guided_json", "minProperties"),
+        (dict(guided_regex="a", guided_choice=["b"]), "guided_choice", "not several"),
+    ):
+        raises_400(job, dict(body, prompt="a"), tokenizer=byte, param=param, words=words)
+    raises_400(
+        job, dict(prompt=[1], guided_regex="a"), tokenizer=None, param="guided_regex",
+        words="need a tokenizer",
+    )  # fmt: skip
 
 
 def test_return_token_ids_asks_for_the_ids():

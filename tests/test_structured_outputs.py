@@ -1,0 +1,193 @@
+"""Structured outputs through `LLM`: `SamplingParams(structured_outputs=...)`.
+
+The tiny preset with random weights and the byte tokenizer (one token per byte), in
+tests/test_engine.py's geometry. Greedy completions equal a dense no-cache reference
+that draws the argmax over the guide's allowed tokens (and the stop tokens where the
+text is a full match) at every step; sampled ones are prefixes of matches, full matches
+when they end on a stop; async scheduling, preemption and a mixed batch leave outputs
+unchanged.
+"""
+
+import json
+import re
+
+import numpy as np
+import pytest
+import tokenizers
+from engine_helpers import GEOMETRY, TINY, Dense, check_clean, random_params
+
+from pagedjax.engine import LLM, SamplingParams, StructuredOutputsParams
+from pagedjax.guided import compile_guide
+from pagedjax.tokenizer import Tokenizer
+
+EOS = 2
+PROMPTS = [list(b"Answer: "), list(b"x = "), list(b"{{")]
+MAX_TOKENS = 48  # with the prompt, within the dense reference's 64 positions
+SCHEMA = {  # bounded: at most 43 bytes, escapes included
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 3}, "ok": {"type": "boolean"}},
+    "required": ["name", "ok"],
+}
+SPECS = {
+    "regex": StructuredOutputsParams(regex=r"[a-z]{2,6}@[0-9]{1,3}\.(com|org)"),
+    "choice": StructuredOutputsParams(choice=["yes", "no", "maybe so"]),
+    "json": StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+}
+PATTERNS = {
+    "regex": r"[a-z]{2,6}@[0-9]{1,3}\.(com|org)",
+    "choice": r"yes|no|maybe so",
+}
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params()
+
+
+@pytest.fixture(scope="module")
+def dense(params):
+    return Dense(params)
+
+
+@pytest.fixture(scope="module")
+def llm(params):
+    return LLM(params, max_num_batched_tokens=32, **GEOMETRY)
+
+
+def allowed_bits(guide, state, stop_ids) -> np.ndarray:
+    """[V] bool: what the reference may draw (the guide's tokens, the stop tokens where
+    the text is a full match), unpacked from the guide's bitmask here, not by the engine's
+    code."""
+    bits = np.unpackbits(guide.allowed(state).view(np.uint8), bitorder="little")
+    bits = bits[: TINY.vocab_size].astype(bool)
+    if guide.accepting(state):
+        bits[list(stop_ids)] = True
+    return bits
+
+
+def dense_guided_greedy(dense, guide, prompt, max_tokens, stop_ids=(EOS,)) -> list[int]:
+    out, state = [], guide.initial_state
+    while len(out) < max_tokens:
+        logits = dense.last_logits([prompt + out])[0]
+        tok = int(np.argmax(np.where(allowed_bits(guide, state, stop_ids), logits, -np.inf)))
+        out.append(tok)
+        if tok in stop_ids:
+            break
+        state = guide.advance(state, tok)
+        if not guide.can_continue(state):
+            break
+    return out
+
+
+def valid(kind: str, text: str) -> bool:
+    if kind == "json":
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return False
+        name, ok = obj.get("name"), obj.get("ok")
+        return type(name) is str and len(name) <= 3 and type(ok) is bool and len(obj) == 2
+    return re.fullmatch(PATTERNS[kind], text) is not None
+
+
+def completed(out) -> str:
+    """A finished completion's text without its stop token (the byte tokenizer's EOS,
+    id 2, is a byte, kept in the text)."""
+    ids = out.token_ids[:-1] if out.token_ids[-1:] == [EOS] else out.token_ids
+    return bytes(ids).decode()
+
+
+@pytest.mark.parametrize("kind", sorted(SPECS))
+def test_greedy_equals_the_dense_masked_argmax(llm, dense, kind):
+    spec = SPECS[kind]
+    guide = compile_guide(spec, llm.tokenizer, TINY.vocab_size)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=spec)
+    outs = llm.generate(PROMPTS, sp)
+    for prompt, o in zip(PROMPTS, outs, strict=True):
+        c = o.outputs[0]
+        assert c.token_ids == dense_guided_greedy(dense, guide, prompt, MAX_TOKENS)
+        assert c.finish_reason == "stop", (kind, bytes(c.token_ids))
+        assert valid(kind, completed(c)), (kind, bytes(c.token_ids))
+    check_clean(llm)
+
+
+def test_sampled_completions_match_and_async_changes_nothing(params):
+    spec = SPECS["regex"]
+    sp = SamplingParams(temperature=1.0, n=4, seed=7, max_tokens=20, structured_outputs=spec)
+    runs = []
+    for mode in (True, False):
+        llm = LLM(params, max_num_batched_tokens=32, async_scheduling=mode, **GEOMETRY)
+        unguided = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+        outs = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], [sp, unguided, sp])
+        runs.append([[c.token_ids for c in o.outputs] for o in outs])
+        for o in (outs[0], outs[2]):
+            for c in o.outputs:
+                assert c.finish_reason == "stop" and valid("regex", completed(c))
+        check_clean(llm)
+    assert runs[0] == runs[1]
+    alone = LLM(params, max_num_batched_tokens=32, **GEOMETRY)
+    unguided = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    assert [alone.generate([PROMPTS[1]], unguided)[0].outputs[0].token_ids] == runs[0][1]
+
+
+def test_preemption_keeps_guided_outputs(params):
+    spec = SPECS["json"]
+    sp = SamplingParams(
+        temperature=1.0, n=2, seed=11, max_tokens=MAX_TOKENS, structured_outputs=spec
+    )
+    roomy = LLM(params, max_num_batched_tokens=32, **GEOMETRY)
+    want = [[c.token_ids for c in o.outputs] for o in roomy.generate(PROMPTS, sp)]
+    tight = LLM(params, max_num_batched_tokens=32, **GEOMETRY | dict(num_pages=14))
+    got = tight.generate(PROMPTS, sp)
+    assert tight.scheduler.num_preemptions > 0
+    assert [[c.token_ids for c in o.outputs] for o in got] == want
+    check_clean(tight)
+
+
+def test_the_stop_tokens_are_drawn_only_at_a_full_match(llm):
+    """`a+` is complete after every `a`: the completion ends on EOS or at max_tokens;
+    with ignore_eos it can only go on with `a`s."""
+    spec = StructuredOutputsParams(regex="a+")
+    sp = SamplingParams(temperature=1.0, n=4, seed=1, max_tokens=12, structured_outputs=spec)
+    for c in llm.generate([PROMPTS[0]], sp)[0].outputs:
+        text = completed(c)
+        assert re.fullmatch("a+", text) and (c.token_ids[-1] == EOS or len(c.token_ids) == 12)
+    sp = SamplingParams(
+        temperature=1.0, seed=1, max_tokens=12, ignore_eos=True, structured_outputs=spec
+    )
+    c = llm.generate([PROMPTS[0]], sp)[0].outputs[0]
+    assert c.token_ids == [ord("a")] * 12 and c.finish_reason == "length"
+
+
+def test_refusals(llm):
+    spec = StructuredOutputsParams(choice=["x"])
+    with pytest.raises(ValueError, match="beam"):
+        SamplingParams(beam_width=2, structured_outputs=spec)
+    with pytest.raises(TypeError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"regex": "a"})
+    llm.tokenizer, tok = None, llm.tokenizer  # (a random-weight model gets the byte one)
+    try:
+        with pytest.raises(ValueError, match="need a tokenizer"):
+            llm.add_request(PROMPTS[0], SamplingParams(structured_outputs=spec))
+    finally:
+        llm.tokenizer = tok
+    assert not llm.has_unfinished_requests()
+
+
+def test_a_match_that_no_token_can_begin_is_refused(params):
+    """A vocabulary of printable ASCII (ByteLevel) cannot spell "é": refused when added,
+    not a step that draws from no token."""
+    chars = [chr(c) for c in range(33, 127)]
+    hf = tokenizers.Tokenizer(tokenizers.models.BPE({c: i for i, c in enumerate(chars)}, []))
+    hf.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = tokenizers.decoders.ByteLevel()
+    llm = LLM(params, tokenizer=Tokenizer(hf, eos_token_ids=[2]), **GEOMETRY)
+    for regex in ("é", "aé"):  # the first token, then a later one
+        sp = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex=regex))
+        if regex == "é":
+            with pytest.raises(ValueError, match="no token of this vocabulary can begin"):
+                llm.add_request([5], sp)
+        else:  # "a" then nothing: the completion ends there
+            (c,) = llm.generate([[5]], sp)[0].outputs
+            assert (c.token_ids, c.finish_reason) == ([chars.index("a")], "stop")
+    check_clean(llm)
