@@ -38,10 +38,16 @@ vLLM's `top_k` (-1 or 0: off), `min_p`, `repetition_penalty`, `ignore_eos`,
 `stop_token_ids`, `min_tokens`, `cache_salt`, `include_stop_str_in_output`,
 `skip_special_tokens`, `truncate_prompt_tokens` (the last K prompt tokens),
 `allowed_token_ids` (a list of token ids: only those can be drawn), `bad_words` (a list
-of strings never generated; needs a tokenizer),
-`return_token_ids` (a boolean, as in vLLM: each choice gets `token_ids`, its generated
-token ids, and completions choices `prompt_token_ids`; a chat answer has
-`prompt_token_ids` beside its choices). Logprobs: completions take `logprobs: K` and
+of strings never generated; needs a tokenizer), structured outputs (needs a tokenizer;
+one of: OpenAI's `response_format` `{"type": "json_schema", "json_schema": {"schema":
+{...}}}` or `{"type": "json_object"}`, vLLM's `structured_outputs` object with
+`json`, `regex`, `choice` or `json_object` and `whitespace_pattern` /
+`disable_any_whitespace`, or its older `guided_json`, `guided_regex`, `guided_choice`
+with `guided_whitespace_pattern`; `pagedjax.guided` says which regex and JSON schema
+features are supported: the others are 400s naming them), `return_token_ids` (a
+boolean, as in vLLM: each choice gets `token_ids`, its generated token ids, and
+completions choices `prompt_token_ids`; a chat answer has `prompt_token_ids` beside its
+choices). Logprobs: completions take `logprobs: K` and
 answer `{tokens, token_logprobs, top_logprobs, text_offset}` (offsets into the
 completion text; as OpenAI's, each `top_logprobs` has the K most likely tokens and the
 sampled one, so K + 1 when it is not among them); chat takes `logprobs: true` with
@@ -77,8 +83,8 @@ caps a left-out `max_tokens`' default (as vLLM's does; a `max_tokens` given is n
 `--generation-config none` ignores the file.
 
 Not supported (400 when asked for): `echo: true`, `best_of` > 1, `suffix`, tools
-and function calling, a `response_format` other than text, and beam search
-(`use_beam_search: true`). Other unknown fields are ignored.
+and function calling, grammars (`guided_grammar`, `structured_outputs.grammar`), and
+beam search (`use_beam_search: true`). Other unknown fields are ignored.
 
 Streaming (`stream: true`): Server-Sent Events, one `data: {chunk}` per new piece of
 text (`text_completion` chunks, or `chat.completion.chunk` with `delta: {role}` first,

@@ -7,14 +7,15 @@ checks streaming, tests/test_serve_http.py the HTTP plumbing (`pagedjax.http_ser
 and the failures.
 """
 
+import json
 import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import serve_helpers
-from serve_helpers import MESSAGES, ok, request, serve
+from serve_helpers import MESSAGES, ok, request, serve, stream
 
-from pagedjax.engine import SamplingParams
+from pagedjax.engine import SamplingParams, StructuredOutputsParams
 
 # serve_helpers' fixtures, bound here: this module gets its own checkpoint and servers.
 ckpt, bare_ckpt, ref, tok = (
@@ -227,6 +228,38 @@ def test_chat_completion_renders_the_template(server, ref, tok, monkeypatch):
         dict(body, messages=[MESSAGES[0], {**MESSAGES[1], "content": parts}]),
     )
     assert sent[1] == tok.encode_chat(joined)  # text parts joined by newlines
+
+
+def test_structured_outputs_by_response_format_and_vllms_fields(server, ref):
+    """A chat answer constrained by a JSON schema parses and fits it; a streamed
+    completion constrained to choices is one of them; both equal the engine's."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}}
+    body = dict(messages=MESSAGES, temperature=0, max_tokens=40, response_format=fmt)
+    got = ok(server, "/v1/chat/completions", body)
+    sp = SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    (want,) = ref.chat(MESSAGES, sp)
+    (choice,) = got["choices"]
+    assert choice["message"]["content"] == want.outputs[0].text
+    assert choice["finish_reason"] == "stop"  # (not cut by max_tokens: a whole object)
+    obj = json.loads(choice["message"]["content"])
+    assert set(obj) == {"name", "n"} and type(obj["n"]) is int
+    choices = ["red", "green", "blue"]
+    body = dict(prompt="Colour: ", temperature=0.8, seed=5, n=3, guided_choice=choices)
+    chunks = stream(server, "/v1/completions", dict(body, stream=True))
+    texts = ["".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i)
+             for i in range(3)]  # fmt: skip
+    sp = SamplingParams(
+        temperature=0.8, seed=5, n=3, structured_outputs=StructuredOutputsParams(choice=choices)
+    )
+    (want,) = ref.generate(["Colour: "], sp)
+    assert texts == [c.text for c in want.outputs] and set(texts) <= set(choices)
 
 
 def test_concurrent_requests_equal_their_sequential_results(server, ref):
