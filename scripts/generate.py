@@ -32,6 +32,11 @@ it, so a run is reproducible and different prompts get different random draws.
 (not with `--beam-width`); `--stop-token-ids ID ...` ends it at those tokens (kept in its
 token ids, not in its text), as EOS does; `--ignore-eos` does not stop at EOS.
 
+Structured outputs (`pagedjax.guided`, as vLLM's): `--regex PATTERN`, `--choice TEXT`
+(repeatable), `--json-schema FILE` or `--json-object` keep each completion a prefix of
+a match and let EOS end it only at a full match (one of them; not with `--beam-width`;
+a spec it cannot enforce is an error naming what).
+
 `--logprobs K` lists, after the text, each generated token with its log-probability
 under the model's raw distribution and the K most likely tokens at its position;
 `--prompt-logprobs K` does the same for the prompt's tokens (given the tokens before
@@ -71,7 +76,9 @@ an error before any weights load. For a multi-turn conversation, see scripts/cha
                      (--chat), chat_template (the --chat-template file or null),
                      system (the --system text or null), and the sampling flags
                      as used (given, or the generation config's, or the defaults;
-                     seed is the engine's), stop, stop_token_ids, ignore_eos
+                     seed is the engine's), stop, stop_token_ids, ignore_eos,
+                     structured_outputs (the fields of --regex, --choice, --json-schema
+                     or --json-object, e.g. {"regex": "..."}, or null)
     outputs          one per prompt: prompt, prompt_tokens, num_cached_tokens, ttft_s,
                      latency_s, prompt_logprobs, completions: [{text, token_ids,
                      finish_reason, cumulative_logprob, logprobs}]; logprobs is null
@@ -111,6 +118,7 @@ stderr and exit status 2, before anything is printed on stdout.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -188,6 +196,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ignore-eos", action="store_true", help="do not stop on EOS tokens")
     p.add_argument("--beam-width", type=int, default=1, help="> 1: beam search")
+    so = p.add_mutually_exclusive_group()  # structured outputs (pagedjax.guided)
+    so.add_argument("--regex", metavar="PATTERN", help="completions match this regex")
+    so.add_argument(
+        "--choice",
+        action="append",
+        metavar="TEXT",
+        help="a completion is one of these (repeatable)",
+    )
+    so.add_argument("--json-schema", metavar="FILE", help="completions are JSON of this schema")
+    so.add_argument("--json-object", action="store_true", help="completions are JSON objects")
     p.add_argument(
         "--logprobs",
         type=int,
@@ -324,6 +342,33 @@ def format_logprobs(tokenizer, token_ids, entries) -> str:
     return "\n".join(lines)
 
 
+def structured_outputs(args):
+    """The `StructuredOutputsParams` of --regex, --choice, --json-schema or --json-object
+    (None without one); BadInput for a schema file that cannot be read, ValueError (from
+    `pagedjax.guided`) for a spec it refuses."""
+    from pagedjax.guided import StructuredOutputsParams
+
+    if args.json_schema is not None:
+        path = Path(args.json_schema)
+        try:
+            schema = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise cli.BadInput(f"--json-schema {path}: {e}") from None
+        return StructuredOutputsParams(json=schema)
+    if args.regex is not None:
+        return StructuredOutputsParams(regex=args.regex)
+    if args.choice:
+        return StructuredOutputsParams(choice=args.choice)
+    return StructuredOutputsParams(json_object=True) if args.json_object else None
+
+
+def so_fields(so) -> dict | None:
+    """The fields a `StructuredOutputsParams` sets (None for none), for --json."""
+    if so is None:
+        return None
+    return {k: v for k, v in dataclasses.asdict(so).items() if v not in (None, False)}
+
+
 def run(args) -> int:
     prompts = read_prompts(args)
     if args.system is not None and not args.chat:
@@ -354,6 +399,7 @@ def run(args) -> int:
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
+        structured_outputs=structured_outputs(args),
     )
     cli.check_engine_flags(args)
     seats, most = max(args.n, args.beam_width), cli.engine_kwargs(args)["max_num_seqs"]
@@ -452,6 +498,7 @@ def run(args) -> int:
                 stop=list(sp.stop),
                 stop_token_ids=list(sp.stop_token_ids),
                 ignore_eos=sp.ignore_eos,
+                structured_outputs=so_fields(sp.structured_outputs),
                 logprobs=args.logprobs,
                 prompt_logprobs=args.prompt_logprobs,
             ),

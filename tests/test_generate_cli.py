@@ -861,3 +861,41 @@ def test_stop_strings_and_stop_token_ids(ckpt, capsys, monkeypatch):
     assert rc == 2 and "--stop-token-ids [256] are outside the vocabulary [0, 256)" in err
     rc, out, err = run([*argv, "--stop", "x", "--beam-width", "2"], capsys)
     assert rc == 2 and "stop strings are not supported with beam search" in err
+
+
+def matches(pattern: str):
+    return lambda text: re.fullmatch(pattern, text) is not None
+
+
+def test_structured_output_flags(ckpt, tmp_path, capsys):
+    """--regex, --choice, --json-schema FILE and --json-object reach the engine as
+    StructuredOutputsParams (completions that end on a stop match them; --json names the
+    spec); a schema file that cannot be read, a spec refused and two flags at once are
+    one-line errors."""
+    schema = {"type": "object", "properties": {"k": {"type": "boolean"}}, "required": ["k"]}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    argv = ["--checkpoint", ckpt, "--prompt", "ab", "--max-tokens", "24", "--backend", "xla"]
+    argv += ["--temperature", "1", "--n", "3", "--json", *GEOMETRY]
+    for flags, spec, ok in (
+        (["--regex", "[a-c]{1,4}!"], {"regex": "[a-c]{1,4}!"}, matches(r"[a-c]{1,4}!")),
+        (["--choice", "up", "--choice", "down"], {"choice": ["up", "down"]}, matches("up|down")),
+        (["--json-schema", tmp_path / "s.json"], {"json": schema},
+         lambda t: type(json.loads(t)) is dict and type(json.loads(t)["k"]) is bool),
+        (["--json-object"], {"json_object": True}, lambda t: type(json.loads(t)) is dict),
+    ):  # fmt: skip
+        rc, out, err = run([*argv, *flags], capsys)
+        assert rc == 0, err
+        obj = json.loads(out)
+        assert obj["settings"]["structured_outputs"] == spec
+        for c in obj["outputs"][0]["completions"]:
+            if c["finish_reason"] == "stop":
+                assert ok(c["text"]), (flags, c["text"])
+        assert any(c["finish_reason"] == "stop" for c in obj["outputs"][0]["completions"])
+    for flags, match in (
+        (["--json-schema", tmp_path / "none.json"], "--json-schema"),
+        (["--regex", "a(?=b)"], "lookaround"),
+        (["--regex", "a", "--json-object"], "not allowed with"),
+        (["--regex", "a", "--beam-width", "2"], "beam search"),
+    ):
+        rc, out, err = run([*argv, *flags], capsys)
+        assert rc == 2 and err.count("\n") == 1 and match in err, err
