@@ -1,22 +1,21 @@
-"""Structured outputs (pagedjax/guided.py): the regex DFA against Python's `re`, token
-masks against brute force on small vocabularies, JSON schemas, choices and refusals."""
+"""Structured outputs (pagedjax/guided.py): token masks against brute force on small
+vocabularies, token bytes by decoder, choices and refusals. The regex DFA's tests are in
+test_regex_dfa.py, the JSON schemas' in test_json_schema.py."""
 
 import collections
 import itertools
-import json
 import random
 import re
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from test_tokenizer import TEXTS, byte_level_bpe, sentencepiece_style
 from tokenizers import Regex, decoders, models
 from tokenizers import Tokenizer as HFTokenizer
 
-from pagedjax import guided
+from pagedjax import guided, regex_dfa
 from pagedjax.guided import StructuredOutputsParams, compile_guide, token_bytes
+from pagedjax.regex_dfa import compile_dfa
 from pagedjax.resources import byte_tokenizer
 from pagedjax.tokenizer import Tokenizer
 
@@ -24,29 +23,6 @@ BYTES = byte_tokenizer()  # id = byte value
 SP = Tokenizer(sentencepiece_style())
 BPE = Tokenizer(byte_level_bpe(post_bos=False))
 TOKENIZERS = {"bytes": BYTES, "sentencepiece": SP, "bpe": BPE}
-
-PATTERNS = [
-    r"[a-z]+@[a-z]+\.(com|org)",
-    r"-?\d+(\.\d+)?([eE][+-]?\d+)?",
-    r"(ab|a)*b?",
-    r".{2,4}",
-    r"[^a-c\n]*",
-    r"[à-€]{1,3}|[\uffff-\U00010001]x?",  # ranges across UTF-8 length boundaries
-    r"\w+\s\W?\S*",
-    r"(?:x{2}|y+){0,3}z{,2}",
-    r"^a|b$",
-    r"\u00e9\x41\t+",
-    r"[\]\-\\é]+",
-    r"(?P<n>ab)+?c*?",
-    r"a{|[]x]",
-    r"[\d\s]\D",
-]
-CHARS = "abcxyz019 _-.@eE+\n\t\\]A€éà😀\uffff\U00010000"
-
-
-def dfa_match(dfa, data: bytes) -> bool:
-    state = dfa.walk(dfa.initial, data)
-    return bool(state and dfa.accept[state])
 
 
 def bits(mask: np.ndarray) -> np.ndarray:
@@ -90,42 +66,6 @@ def walk(guide, tok: Tokenizer, rng: random.Random, steps: int = 30) -> bytes:
         text += bytes([b])
     assert guide.accepting(state)
     return text
-
-
-# ---------------------------------------------------------------------------- regex
-
-
-@pytest.mark.parametrize("pattern", PATTERNS)
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(data=st.data())
-def test_dfa_matches_like_python_re(pattern, data):
-    dfa = guided._compile_dfa(pattern)
-    rx = re.compile(pattern, re.ASCII)
-    s = data.draw(st.text(alphabet=CHARS, max_size=8))
-    assert dfa_match(dfa, s.encode()) == bool(rx.fullmatch(s)), s
-    m = data.draw(st.from_regex(rx, fullmatch=True))
-    assert dfa_match(dfa, m.encode()), m
-    raw = data.draw(st.binary(max_size=6))
-    if dfa_match(dfa, raw):  # accepted bytes are valid UTF-8 that re matches
-        assert rx.fullmatch(raw.decode("utf-8")), raw
-
-
-def test_dot_is_exactly_one_utf8_character_but_newline():
-    dfa = guided._compile_dfa(".")
-    rng = random.Random(0)
-    cases = [bytes([a, b]) for a in range(256) for b in range(256)] + [
-        bytes([a]) for a in range(256)
-    ]
-    cases += [
-        bytes(rng.randrange(128, 256) for _ in range(n)) for n in (3, 4) for _ in range(20000)
-    ]
-    cases += ["€".encode(), "😀".encode(), b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xc0\x80"]
-    for data in cases:
-        try:
-            want = len(text := data.decode("utf-8")) == 1 and text != "\n"
-        except UnicodeDecodeError:
-            want = False
-        assert dfa_match(dfa, data) == want, data
 
 
 # ---------------------------------------------------------------------------- masks
@@ -207,7 +147,7 @@ def test_vectorized_masks_equal_token_by_token_walks(pattern):
     toks = [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 40))) for _ in range(300)]
     toks += ["".join(rng.choices(pieces, k=rng.randrange(1, 8))).encode() for _ in range(700)]
     toks += [None, b""]
-    dfa = guided._compile_dfa(pattern)
+    dfa = compile_dfa(pattern)
     guide = guided.Guide(dfa, guided._TokenTable(toks), len(toks) + 5)
     assert max(map(len, filter(None, toks))) > guided._TokenTable.HEAD
     states = {dfa.initial} | {int(s) for s in np.unique(dfa.trans) if s}
@@ -283,168 +223,7 @@ def test_unsupported_decoders_are_refused_by_name():
         token_bytes(Tokenizer(hf))
 
 
-# ---------------------------------------------------------------------------- JSON
-
-DEFS = {"Point": {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}}
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 6},
-        "age": {"type": "integer"},
-        "tags": {"type": "array", "items": {"enum": ["a", "b", 3]}, "minItems": 1, "maxItems": 3},
-        "kind": {"anyOf": [{"const": "cat"}, {"type": ["null", "boolean"]}]},
-        "at": {"$ref": "#/$defs/Point"},
-        "id": {"type": "string", "format": "uuid"},
-        "code": {"type": "string", "pattern": "^[A-Z]{2}-\\d+$"},
-        "when": {"type": "string", "format": "date-time"},
-    },
-    "required": ["age", "at"],
-    "$defs": DEFS,
-}
-
-
-def validate(x, s) -> bool:
-    """The checks of the subset SCHEMA uses."""
-    if "$ref" in s:
-        return validate(x, DEFS[s["$ref"].rsplit("/", 1)[1]])
-    if "anyOf" in s:
-        return any(validate(x, t) for t in s["anyOf"])
-    if "enum" in s or "const" in s:
-        return any(x == v and type(x) is type(v) for v in s.get("enum", [s.get("const")]))
-    t = s["type"]
-    if isinstance(t, list):
-        return any(validate(x, {**s, "type": u}) for u in t)
-    if t == "object":
-        keys, props = list(x), list(s["properties"])
-        return (
-            isinstance(x, dict)
-            and set(s["required"]) <= set(keys)
-            and keys == [k for k in props if k in x]  # declared order, no extra keys
-            and all(validate(x[k], s["properties"][k]) for k in keys)
-        )
-    if t == "array":
-        n = len(x) if isinstance(x, list) else -1
-        return s["minItems"] <= n <= s["maxItems"] and all(validate(v, s["items"]) for v in x)
-    if t == "string":
-        if not isinstance(x, str) or not s.get("minLength", 0) <= len(x) <= s.get("maxLength", 99):
-            return False
-        pattern = {"uuid": "[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}"}.get(
-            s.get("format"), s.get("pattern", "(?s:.*)")
-        )
-        if s.get("format") == "date-time":
-            pattern = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)"
-        return bool(re.fullmatch(pattern.strip("^$"), x))
-    kinds = {"integer": int, "number": (int, float), "boolean": bool, "null": type(None)}
-    return isinstance(x, kinds[t]) and (t == "boolean" or not isinstance(x, bool))
-
-
-@pytest.mark.parametrize("tok_name", ["bytes", "sentencepiece"])
-def test_json_schema_walks_validate(tok_name):
-    tok = TOKENIZERS[tok_name]
-    spec = StructuredOutputsParams(json=SCHEMA)
-    guide = compile_guide(spec, tok, tok.vocab_size)
-    rng = random.Random(2)
-    for _ in range(8):
-        text = walk(guide, tok, rng, steps=60).decode()
-        assert validate(json.loads(text), SCHEMA), text
-        assert re.fullmatch(spec.to_regex(), text, re.ASCII)
-
-
-GOOD = [
-    '{"age": 3, "at": {"x": -1.5e3}}',
-    '{"name": "Zoé", "age": 0, "tags": ["a", 3], "kind": null, "at": {"x": 0}}',
-    '{"age": -12, "kind": "cat", "at": {"x": 1}, "code": "AB-42", "when": "2024-02-29T23:59:59Z"}',
-    '{"age":1,"at":{"x":2},"id":"123e4567-e89b-12d3-a456-426614174000"}',
-]
-NEAR_MISSES = [
-    '{"at": {"x": 1}}',  # required age missing
-    '{"age": 3.5, "at": {"x": 1}}',  # not an integer
-    '{"age": 03, "at": {"x": 1}}',  # leading zero
-    '{"at": {"x": 1}, "age": 3}',  # out of declared order
-    '{"age": 3, "at": {"x": 1}, "extra": 1}',  # extra key
-    '{"age": 3, "at": {"x": 1},}',  # trailing comma
-    '{"age": 3,  "at": {"x": 1}}',  # two spaces
-    '{"name": "", "age": 3, "at": {"x": 1}}',  # minLength
-    '{"name": "abcdefg", "age": 3, "at": {"x": 1}}',  # maxLength
-    '{"age": 3, "tags": [], "at": {"x": 1}}',  # minItems
-    '{"age": 3, "tags": ["a", "a", "a", "a"], "at": {"x": 1}}',  # maxItems
-    '{"age": 3, "tags": ["c"], "at": {"x": 1}}',  # enum
-    '{"age": 3, "kind": "dog", "at": {"x": 1}}',  # const
-    '{"age": 3, "at": {"y": 1}}',  # $ref's required
-    '{"age": 3, "at": {"x": 1}, "code": "ab-1"}',  # pattern
-    '{"age": 3, "at": {"x": 1}, "when": "2024-13-01T00:00:00Z"}',  # date-time
-    '{"name": "a\nb", "age": 3, "at": {"x": 1}}',  # raw control character
-    '{"age": 3, "at": {"x": 1}}x',
-]
-
-
-def test_json_schema_accepts_instances_and_refuses_near_misses():
-    spec = StructuredOutputsParams(json=json.dumps(SCHEMA))
-    dfa = guided._compile_dfa(spec.to_regex())
-    for text in GOOD:
-        assert validate(json.loads(text), SCHEMA), text  # (the cases themselves)
-        assert dfa_match(dfa, text.encode()), text
-    for text in NEAR_MISSES:
-        assert not dfa_match(dfa, text.encode()), text
-    assert compile_guide(spec, BYTES, 256) is compile_guide(
-        StructuredOutputsParams(json=SCHEMA), BYTES, 256
-    )  # cached by the regex: a dict and its JSON text are one guide
-
-
-@pytest.mark.parametrize("required", [[], ["b"], ["a", "d"], ["c"], list("abcd")])
-def test_json_object_keys_are_any_ordered_subset_with_the_required(required):
-    props = {k: {"type": "integer"} for k in "abcd"}
-    spec = StructuredOutputsParams(json={"properties": props, "required": required})
-    dfa = guided._compile_dfa(spec.to_regex())
-    for keys in itertools.chain.from_iterable(itertools.permutations("abcd", n) for n in range(5)):
-        text = json.dumps({k: 1 for k in keys})
-        want = set(required) <= set(keys) and list(keys) == sorted(keys)
-        assert dfa_match(dfa, text.encode()) == want, text
-    for text in ["{,}", '{"a": 1,}', '{, "a": 1}', '{"a": 1 "b": 1}']:
-        assert not dfa_match(dfa, text.encode()), text
-
-
-def test_json_string_patterns_keep_the_string_valid_json():
-    """A pattern's classes lose the characters a JSON string must escape: `.+` does not
-    let a raw quote, backslash or control character end or break the string."""
-    spec = StructuredOutputsParams(json={"type": "string", "pattern": "^.+$"})
-    dfa = guided._compile_dfa(spec.to_regex())
-    assert dfa_match(dfa, '"a é"'.encode())
-    for text in ['""', '"a"b"', '"a\\b"', '"a\tb"', '"a\nb"']:
-        assert not dfa_match(dfa, text.encode()), text
-    guide = compile_guide(spec, BYTES, 256)
-    rng = random.Random(5)
-    for _ in range(5):
-        assert json.loads(walk(guide, BYTES, rng)) != ""
-
-
-def test_json_whitespace_options():
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-
-    def matches(text, **kw):
-        dfa = guided._compile_dfa(StructuredOutputsParams(json=schema, **kw).to_regex())
-        return dfa_match(dfa, text.encode())
-
-    assert matches('{"a": 1}') and matches('{ "a" : 1 }') and not matches('{\n"a": 1}')
-    assert matches('{"a":1}', disable_any_whitespace=True)
-    assert not matches('{"a": 1}', disable_any_whitespace=True)
-    pretty = json.dumps({"a": 1}, indent=2)
-    assert matches(pretty, whitespace_pattern=r"[ \n]*") and not matches(pretty)
-
-
-def test_json_object_depth_and_any_values():
-    spec = StructuredOutputsParams(json_object=True)
-    dfa = guided._compile_dfa(spec.to_regex())
-    assert guided.JSON_DEPTH == 3
-    good = ["{}", '{"a": [1, {"b": null}], "c": "é\\n"}', '{"a": {"b": {"c": 1}}}']
-    for text in good:  # three containers deep, the outer object counted
-        assert dfa_match(dfa, text.encode()), text
-    for text in ['{"a": {"b": {"c": []}}}', "[]", '"x"', "{'a': 1}", '{"a": 1,}']:
-        assert not dfa_match(dfa, text.encode()), text
-    guide = compile_guide(spec, SP, SP.vocab_size)
-    rng = random.Random(3)
-    for _ in range(5):
-        assert isinstance(json.loads(walk(guide, SP, rng, steps=40)), dict)
+# ---------------------------------------------------------------------------- choice
 
 
 def test_choice():
@@ -548,7 +327,7 @@ def test_compile_guide_refusals(monkeypatch):
         compile_guide(spec, BYTES, 0)
     with pytest.raises(ValueError, match="matches nothing"):
         compile_guide(StructuredOutputsParams(regex="[^\\x00-\\U0010ffff]"), BYTES, 256)
-    monkeypatch.setattr(guided, "MAX_DFA_STATES", 100)
+    monkeypatch.setattr(regex_dfa, "MAX_DFA_STATES", 100)
     with pytest.raises(ValueError, match="too large: its DFA has over 100 states"):
         compile_guide(StructuredOutputsParams(regex="(a|b)*a(a|b){8}"), BYTES, 256)
     guide = compile_guide(spec, BYTES, 256)

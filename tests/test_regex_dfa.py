@@ -1,0 +1,67 @@
+"""The regex DFA (pagedjax/regex_dfa.py) against Python's `re`: random texts, texts
+drawn from the pattern and random bytes; `.` byte by byte."""
+
+import random
+import re
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagedjax.regex_dfa import compile_dfa
+
+PATTERNS = [
+    r"[a-z]+@[a-z]+\.(com|org)",
+    r"-?\d+(\.\d+)?([eE][+-]?\d+)?",
+    r"(ab|a)*b?",
+    r".{2,4}",
+    r"[^a-c\n]*",
+    r"[à-€]{1,3}|[\uffff-\U00010001]x?",  # ranges across UTF-8 length boundaries
+    r"\w+\s\W?\S*",
+    r"(?:x{2}|y+){0,3}z{,2}",
+    r"^a|b$",
+    r"\u00e9\x41\t+",
+    r"[\]\-\\é]+",
+    r"(?P<n>ab)+?c*?",
+    r"a{|[]x]",
+    r"[\d\s]\D",
+]
+CHARS = "abcxyz019 _-.@eE+\n\t\\]A€éà😀\uffff\U00010000"
+
+
+def dfa_match(dfa, data: bytes) -> bool:
+    state = dfa.walk(dfa.initial, data)
+    return bool(state and dfa.accept[state])
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_dfa_matches_like_python_re(pattern, data):
+    dfa = compile_dfa(pattern)
+    rx = re.compile(pattern, re.ASCII)
+    s = data.draw(st.text(alphabet=CHARS, max_size=8))
+    assert dfa_match(dfa, s.encode()) == bool(rx.fullmatch(s)), s
+    m = data.draw(st.from_regex(rx, fullmatch=True))
+    assert dfa_match(dfa, m.encode()), m
+    raw = data.draw(st.binary(max_size=6))
+    if dfa_match(dfa, raw):  # accepted bytes are valid UTF-8 that re matches
+        assert rx.fullmatch(raw.decode("utf-8")), raw
+
+
+def test_dot_is_exactly_one_utf8_character_but_newline():
+    dfa = compile_dfa(".")
+    rng = random.Random(0)
+    cases = [bytes([a, b]) for a in range(256) for b in range(256)] + [
+        bytes([a]) for a in range(256)
+    ]
+    cases += [
+        bytes(rng.randrange(128, 256) for _ in range(n)) for n in (3, 4) for _ in range(20000)
+    ]
+    cases += ["€".encode(), "😀".encode(), b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xc0\x80"]
+    for data in cases:
+        try:
+            want = len(text := data.decode("utf-8")) == 1 and text != "\n"
+        except UnicodeDecodeError:
+            want = False
+        assert dfa_match(dfa, data) == want, data
