@@ -229,7 +229,7 @@ def add_request(sim, rid, prompt, max_tokens, rng, **options):
     missing = len(prompt) - 1 if params.prompt_logprobs is not None else 0
     g.request = types.SimpleNamespace(
         params=params, stop_ids=stop_ids, bias=bias, banned=banned,
-        prompt_logprobs_missing=missing,
+        prompt_logprobs_missing=missing, guide=None,
     )  # fmt: skip
     g.read_prefix_cache = not missing  # as the engine: logits at every prompt token
     for s in g.seqs + g.forks:
@@ -306,8 +306,9 @@ def test_step_batch_packs_beam_rows_bound_in_the_commit():
     params = SamplingParams(beam_width=3, temperature=0.0, max_tokens=6)
     beams = SequenceGroup("b", [Sequence(0, [3, 4, 5, 6, 7], 5, 11)], 3, atomic=True)
     beams.request = types.SimpleNamespace(
-        params=params, stop_ids=stops, bias=None, banned=None, prompt_logprobs_missing=0
-    )
+        params=params, stop_ids=stops, bias=None, banned=None, prompt_logprobs_missing=0,
+        guide=None,
+    )  # fmt: skip
     sched.add(beams)
     plan = sched.schedule()
     batch = StepBatch(plan, EXACT, PS, TINY.vocab_size, bm)

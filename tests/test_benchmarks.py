@@ -1,4 +1,5 @@
-"""Smoke tests of scripts/bench_memory.py, bench_prefix.py and bench_decode.py.
+"""Smoke tests of scripts/bench_memory.py, bench_prefix.py, bench_decode.py and
+bench_guided.py.
 
 Each script's `main()` runs on a tiny configuration with --json; the tests check the
 keys and that the numbers are sane (fractions in [0, 1], ratios where the design says
@@ -326,3 +327,20 @@ def test_contiguous_baseline_matches_dense_forward(decode_bench):
     seq = np.concatenate([prompts, toks], axis=1)  # teacher-forced: one dense forward
     logits = model_lib.forward(params, jnp.asarray(seq))  # [B, T, V]
     np.testing.assert_array_equal(toks, np.asarray(jnp.argmax(logits[:, 4:8], -1)))
+
+
+def test_guided_main_json_and_table(monkeypatch, capsys):
+    """scripts/bench_guided.py on a small vocabulary: every spec measured, fresh masks
+    slower than cached ones, and the engine ratio in (0, 1.5]."""
+    guided = load("bench_guided", monkeypatch)
+    argv = ["--vocab", "3000", "--walks", "2", "--requests", "4", "--repeats", "1"]
+    res = guided.main([*argv, "--json"])
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(res))
+    for name in guided.SPECS:
+        r = res["masks"][name]
+        assert r["dfa_states"] > 1 and r["states_measured"] >= 1
+        assert r["fresh_mask_ms"] > 0 and r["cached_mask_us"] > 0
+    assert 0 < res["engine"]["guided_over_unguided"] <= 1.5
+    guided.main([*argv, "--no-engine"])
+    out = capsys.readouterr().out
+    assert "json_object" in out and "engine" not in out
