@@ -219,7 +219,23 @@ class OutputProcessor:
                 r.group.read_prefix_cache = True  # a readmission may hit the cache again
 
     def _accept(self, req: Request, s: Seq, tok: int, lp: float, on_token) -> None:
+        guide, state = req.guide, None
+        if guide is not None and not (
+            tok in req.stop_ids and s.num_generated + 1 >= req.params.min_tokens
+        ):
+            mask = guide.allowed(s.guide_state)
+            if not int(mask[tok >> 5]) >> (tok & 31) & 1:
+                # The row's other constraints (allowed_token_ids, bad_words, min_tokens'
+                # ban of a stop token that is text) banned every token the guide allows:
+                # the draw fell outside them. The completion ends before it.
+                if s.logprobs is not None:
+                    s.logprobs.pop()
+                self.scheduler.finish(req.group, s, "stop")
+                return
+            state = guide.advance(s.guide_state, tok)
         s.token_ids.append(tok)
+        if state is not None:  # (with the token: an on_token that raises keeps them in step)
+            s.guide_state = state
         s.cumulative_logprob += lp
         self.metrics.generated_tokens += 1
         if on_token is not None:
@@ -228,10 +244,7 @@ class OutputProcessor:
                 return  # the callback aborted the request
         reason = stop = None
         check = s.num_generated >= req.params.min_tokens  # no stop before min_tokens
-        stopped = check and tok in req.stop_ids
-        if req.guide is not None and not stopped:
-            s.guide_state = req.guide.advance(s.guide_state, tok)
-        if stopped:
+        if check and tok in req.stop_ids:
             reason, stop = "stop", tok
         elif s.detok is not None:
             old, held = len(s.detok.text), s.detok.pending.rstrip("\ufffd")

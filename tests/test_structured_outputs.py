@@ -191,3 +191,43 @@ def test_a_match_that_no_token_can_begin_is_refused(params):
             (c,) = llm.generate([[5]], sp)[0].outputs
             assert (c.token_ids, c.finish_reason) == ([chars.index("a")], "stop")
     check_clean(llm)
+
+
+def test_a_guide_whose_tokens_are_all_banned_otherwise_ends_the_completion(llm, dense):
+    """allowed_token_ids, a bad word, or min_tokens' ban of a stop token that is text can
+    ban every token the guide allows (the check on adding sees the guide alone): the
+    completion ends there ("stop") without the draw, and the batch goes on."""
+    kw = dict(max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["ab"]))
+    sps = [
+        SamplingParams(allowed_token_ids=[ord("a")], logprobs=1, **kw),
+        SamplingParams(bad_words=["b"], **kw),
+        SamplingParams(min_tokens=3, stop_token_ids=[ord("b")], **kw),
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+    ]
+    outs = llm.generate([PROMPTS[0]] * 3 + [PROMPTS[1]], sps)
+    for o in outs[:3]:
+        (c,) = o.outputs
+        assert (c.token_ids, c.finish_reason, c.stop_reason) == ([ord("a")], "stop", None)
+    assert len(outs[0].outputs[0].logprobs) == 1
+    assert outs[3].outputs[0].token_ids == dense.greedy([PROMPTS[1]], 6, stop_ids=())[0]
+    check_clean(llm)
+
+
+def test_a_request_kept_through_ctrl_c_in_on_token_keeps_its_guide_in_step(llm):
+    """Ctrl-C in `on_token` on another request's token: generate aborts its own, the
+    other is kept and recomputed with its guide's state after that token (not "aab")."""
+    spec = StructuredOutputsParams(regex="ab")
+    other = llm.add_request(PROMPTS[1], SamplingParams(max_tokens=8, structured_outputs=spec))
+
+    def on_token(request_id, index, token_id):
+        if request_id == other:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4), on_token=on_token)
+    done = []
+    while llm.has_unfinished_requests():
+        done += llm.step()
+    ((c,),) = [o.outputs for o in done if o.request_id == other]
+    assert (c.token_ids, c.finish_reason) == (list(b"ab"), "stop")
+    check_clean(llm)
