@@ -55,10 +55,12 @@ class StructuredOutputsParams:
         const, pattern, minLength/maxLength, format date / time / date-time / uuid /
         email), integer, number, boolean, null, array (items, minItems/maxItems),
         object (properties in declared order, `required`; optional ones may be left
-        out; no other keys are generated: additionalProperties is ignored; without
-        properties, any object), enum, const, anyOf/oneOf, allOf of one schema, type
-        lists, local $ref (#/$defs/..., #/definitions/...; not recursive) and {} (any
-        value). Annotations (title, description, default, ...) are ignored; any other
+        out; no other keys are generated; without properties: the required keys, or
+        without those any keys, their values of additionalProperties' schema, none
+        where it is false), enum, const, anyOf/oneOf (read as anyOf), allOf of one
+        schema (the keywords beside these go into each branch), type lists, local $ref
+        (#/$defs/..., #/definitions/...; not recursive) and {} (any value). Annotations
+        (title, description, default, discriminator, ...) are ignored; any other
         keyword, a pattern combined with lengths, or an unknown format is a ValueError
         naming it. A string `pattern` matches the whole string's characters as written
         unescaped (characters that need a JSON escape are left out of its classes).

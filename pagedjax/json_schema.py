@@ -6,17 +6,21 @@ json_object: any JSON object.
 
 Supported: type string (enum, const, pattern, minLength/maxLength, format date / time /
 date-time / uuid / email), integer, number, boolean, null, array (items,
-minItems/maxItems), object (properties, `required`), enum, const, anyOf/oneOf, allOf of
-one schema, type lists, local $ref (not recursive) and {} (any value). Annotations
-(title, description, default, ...) are ignored. Any other keyword, an unknown type or
-format, a pattern or format with another or with lengths, or a recursive or non-local
-$ref is a ValueError naming it and where it is (`JSON schema at #/properties/a: ...`).
+minItems/maxItems), object (properties, `required`, additionalProperties), enum, const,
+anyOf/oneOf, allOf of one schema (the keywords beside them go into each branch), type
+lists, local $ref (not recursive) and {} (any value). Annotations (title, description,
+default, discriminator, ...) are ignored. Any other keyword, an unknown type or format,
+a pattern or format with another or with lengths, a keyword both beside anyOf / oneOf /
+allOf and in a branch with another value, or a recursive or non-local $ref is a
+ValueError naming it and where it is (`JSON schema at #/properties/a: ...`).
 
 What is generated: an object's properties in declared order, the optional ones possibly
-left out, no other keys (additionalProperties is ignored); values without a schema ({},
-json_object) nest containers at most `JSON_DEPTH` deep; strings hold JSON escapes, and
-a string `pattern` matches its characters as written unescaped (its classes lose the
-characters a JSON string must escape). The regexes read the same in Python's `re` with
+left out, no other keys (additionalProperties counts only without properties: then the
+keys are the required ones, or without those any keys with additionalProperties' schema,
+or none where it is false); values without a schema ({}, json_object) nest containers at
+most `JSON_DEPTH` deep; strings hold JSON escapes, and a string `pattern` matches its
+characters as written unescaped (its classes lose the characters a JSON string must
+escape). oneOf is read as anyOf. The regexes read the same in Python's `re` with
 `re.ASCII`.
 """
 
@@ -59,11 +63,12 @@ _FORMATS = {
 # Keywords that do not change the language we generate.
 _IGNORED = {
     "title", "description", "default", "examples", "$schema", "$id", "$comment",
-    "additionalProperties", "$defs", "definitions", "readOnly", "writeOnly", "deprecated",
+    "$defs", "definitions", "readOnly", "writeOnly", "deprecated", "discriminator",
 }  # fmt: skip
 _KEYWORDS = _IGNORED | {
     "type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "properties", "required",
     "items", "minItems", "maxItems", "minLength", "maxLength", "pattern", "format",
+    "additionalProperties",
 }  # fmt: skip
 
 
@@ -99,7 +104,8 @@ class _Schema:
                     raise self.error(path, f"{key} must be a non-empty list, got {subs!r:.80}")
                 if key == "allOf" and len(subs) != 1:
                     raise self.error(path, "allOf is supported with one schema only")
-                alts = [self.value(x, f"{path}/{key}/{i}") for i, x in enumerate(subs)]
+                rest = {k: v for k, v in s.items() if k != key and k not in _IGNORED}
+                alts = [self.branch(rest, x, f"{path}/{key}/{i}") for i, x in enumerate(subs)]
                 return "(?:" + "|".join(alts) + ")"
         kind = s.get("type")
         if kind is None:
@@ -110,6 +116,26 @@ class _Schema:
             alts = [self.typed(dict(s, type=k), k, path) for k in kind]
             return "(?:" + "|".join(alts) + ")"
         return self.typed(s, kind, path)
+
+    def branch(self, rest: dict, sub, path: str) -> str:
+        """Branch `sub` of anyOf / oneOf / allOf, with the keywords `rest` beside it (they
+        hold too: each branch gets them)."""
+        if not rest:
+            return self.value(sub, path)
+        if isinstance(sub, dict) and "$ref" in sub:
+            return self.ref(sub["$ref"], path, lambda node, at: self.branch(rest, node, at))
+        if sub is True or sub == {}:
+            return self.value(rest, path)
+        if isinstance(sub, dict):
+            both = all(isinstance(x.get("required"), list) for x in (rest, sub))
+            clash = [k for k in rest if k in sub and sub[k] != rest[k]]
+            clash = sorted(set(clash) - ({"required"} if both else set()))
+            if clash:
+                raise self.error(path, f"{clash[0]!r} both in it and beside it is not supported")
+            sub = {**rest, **sub}
+            if both:  # both hold: all of them are required
+                sub["required"] = list(dict.fromkeys(rest["required"] + sub["required"]))
+        return self.value(sub, path)
 
     def typed(self, s: dict, kind, path: str) -> str:
         if kind == "object":
@@ -122,7 +148,9 @@ class _Schema:
             return _SCALARS[kind]
         raise self.error(path, f"type {kind!r} is not supported")
 
-    def ref(self, ref, path: str) -> str:
+    def ref(self, ref, path: str, then=None) -> str:
+        """The regex of the schema `ref` points to, as `then(schema, ref)` writes it
+        (default `value`)."""
         if not isinstance(ref, str) or not ref.startswith("#"):
             raise self.error(path, f"$ref {ref!r:.80} is not supported (only local refs)")
         if ref in self.refs:
@@ -138,7 +166,7 @@ class _Schema:
                 raise self.error(path, f"$ref {ref!r} points to nothing")
         self.refs.append(ref)
         try:
-            return self.value(node, ref)
+            return (then or self.value)(node, ref)
         finally:
             self.refs.pop()
 
@@ -198,14 +226,25 @@ class _Schema:
         return f"{item}{more}" if lo else f"(?:{item}{more})?"
 
     def object(self, s: dict, path: str) -> str:
-        props = s.get("properties")
-        if props is None:
-            return self.any_object(JSON_DEPTH)
-        if not isinstance(props, dict):
-            raise self.error(path, f"properties must be an object, got {props!r:.80}")
+        props, extra = s.get("properties"), s.get("additionalProperties", True)
         required = s.get("required", [])
         if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
             raise self.error(path, f"required must be a list of str, got {required!r:.80}")
+        if props is None:  # only the required keys, with additionalProperties' values
+            if extra is not True and not isinstance(extra, dict):
+                if extra is not False:
+                    msg = f"additionalProperties must be a bool or a schema, got {extra!r:.80}"
+                    raise self.error(path, msg)
+                props = {}
+            elif required:
+                props = {k: extra for k in required}
+            elif extra is True or extra == {}:
+                return self.any_object(JSON_DEPTH)
+            else:
+                value = self.value(extra, f"{path}/additionalProperties")
+                return self.any_object(JSON_DEPTH, value)
+        if not isinstance(props, dict):
+            raise self.error(path, f"properties must be an object, got {props!r:.80}")
         missing = sorted(set(required) - set(props))
         if missing:
             raise self.error(path, f"required property {missing[0]!r} is not in properties")
@@ -241,8 +280,10 @@ class _Schema:
             alts += [self.any_object(depth), self.any_array(depth)]
         return "(?:" + "|".join(alts) + ")"
 
-    def any_object(self, depth: int) -> str:
-        member = _SCALARS["string"] + self.colon + self.any_value(depth - 1)
+    def any_object(self, depth: int, value: str | None = None) -> str:
+        """Objects of any keys, their values `value` (None: any, `depth - 1` deep)."""
+        value = self.any_value(depth - 1) if value is None else value
+        member = _SCALARS["string"] + self.colon + value
         return r"\{" + self.ws + self.repeat(member, 0, None) + self.ws + r"\}"
 
     def any_array(self, depth: int) -> str:

@@ -175,3 +175,76 @@ def test_json_object_depth_and_any_values():
     rng = random.Random(3)
     for _ in range(5):
         assert isinstance(json.loads(walk(guide, SP, rng, steps=40)), dict)
+
+
+OBJECT_CASES = [  # (schema, texts it allows, texts it does not)
+    (  # pydantic's dict[str, int]
+        {"type": "object", "additionalProperties": {"type": "integer"}},
+        ["{}", '{"a": 1, "b": -2}'],
+        ['{"a": "x"}', '{"a": 1, "b": null}'],
+    ),
+    ({"type": "object", "additionalProperties": False}, ["{}"], ['{"a": 1}']),
+    ({"type": "object", "required": ["a"]}, ['{"a": [1]}'], ["{}", '{"b": 1}']),
+    (
+        {"type": "object", "required": ["a"], "additionalProperties": {"type": "string"}},
+        ['{"a": "x"}'],
+        ["{}", '{"a": 1}'],
+    ),
+    (  # keywords beside anyOf hold in each branch
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["b"],
+            "anyOf": [{"required": ["a"]}, {"required": ["b"]}],
+        },
+        ['{"a": 1, "b": 2}', '{"b": 2}'],
+        ["{}", '{"a": 1}', "1", '"x"'],
+    ),
+    (  # ... and in a branch that is a $ref
+        {
+            "type": "string",
+            "oneOf": [{"maxLength": 1}, {"$ref": "#/$defs/D"}],
+            "$defs": {"D": {"format": "date"}},
+        },
+        ['"a"', '"2024-01-31"'],
+        ['"ab"', "1", "null"],
+    ),
+    (  # pydantic's discriminated union: the discriminator is an annotation
+        {
+            "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+            "discriminator": {"propertyName": "pet", "mapping": {"cat": "#/$defs/Cat"}},
+            "$defs": {
+                k: {"properties": {"pet": {"const": k.lower()}}, "required": ["pet"]}
+                for k in ("Cat", "Dog")
+            },
+        },
+        ['{"pet": "cat"}', '{"pet": "dog"}'],
+        ["{}", '{"pet": "cow"}'],
+    ),
+]
+
+
+@pytest.mark.parametrize("case", range(len(OBJECT_CASES)))
+def test_additional_properties_and_keywords_beside_any_of_are_enforced(case):
+    schema, good, bad = OBJECT_CASES[case]
+    dfa = compile_dfa(StructuredOutputsParams(json=schema).to_regex())
+    for text in good:
+        assert dfa_match(dfa, text.encode()), text
+    for text in bad:
+        assert not dfa_match(dfa, text.encode()), text
+
+
+@pytest.mark.parametrize(
+    "schema, match",
+    [
+        (
+            {"properties": {"a": {}}, "anyOf": [{"properties": {"b": {}}}]},
+            "#/anyOf/0: 'properties' both in it and beside it",
+        ),
+        ({"type": "object", "additionalProperties": "no"}, "additionalProperties must be"),
+        ({"type": "object", "additionalProperties": False, "required": ["a"]}, "'a'"),
+    ],
+)
+def test_unenforceable_object_keywords_are_refused(schema, match):
+    with pytest.raises(ValueError, match=match):
+        StructuredOutputsParams(json=schema)
