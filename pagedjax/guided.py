@@ -39,7 +39,7 @@ from pagedjax.tokenizer import Tokenizer
 
 __all__ = ["Guide", "StructuredOutputsParams", "compile_guide", "token_bytes"]
 
-MASK_CACHE_SIZE = 4096  # masks kept per guide (16 KiB each at a 128k vocabulary)
+MASK_CACHE_SIZE = 1024  # masks kept per guide (16 KiB each at a 128k vocabulary)
 
 
 # ---------------------------------------------------------------------------- the params
@@ -72,6 +72,10 @@ class StructuredOutputsParams:
       disable_any_whitespace: JSON: no whitespace between tokens.
       whitespace_pattern: JSON: the regex of the whitespace between tokens (default
         `DEFAULT_WHITESPACE`, one optional space).
+      disable_fallback, disable_additional_properties: vLLM's, accepted (bools) and
+        without effect here: there is no other backend to fall back to, and no key
+        outside a schema's properties is generated where it has some.
+      structural_tag: refused (ValueError) when given, as grammars are.
 
     Construction checks the types and compiles the spec to regex text (`to_regex`),
     parsing it and counting its NFA states, so a bad value fails here; the DFA (which
@@ -86,13 +90,21 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+    structural_tag: str | None = None
 
     def __post_init__(self):
         for name in ("regex", "grammar", "whitespace_pattern"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"{name} must be a str, got {type(value).__name__}: {value!r:.80}")
-        for name, allow_none in (("json_object", True), ("disable_any_whitespace", False)):
+        for name, allow_none in (
+            ("json_object", True),
+            ("disable_any_whitespace", False),
+            ("disable_fallback", False),
+            ("disable_additional_properties", False),
+        ):
             value = getattr(self, name)
             if not (isinstance(value, bool) or (allow_none and value is None)):
                 raise TypeError(f"{name} must be a bool, got {name}={value!r:.80}")
@@ -121,6 +133,10 @@ class StructuredOutputsParams:
                     f"choice must be a non-empty list of str, got choice={choice!r:.100}"
                 )
             object.__setattr__(self, "choice", tuple(choice))
+        if self.structural_tag is not None:
+            raise ValueError(
+                f"structural_tag is not supported: structural_tag={self.structural_tag!r:.80}"
+            )
         given = [
             f"{name}={getattr(self, name)!r:.60}"
             for name in ("json", "regex", "choice", "grammar")

@@ -251,6 +251,8 @@ def test_choice():
         ({"regex": "a", "choice": ["a"]}, ValueError, "regex='a', choice=\\('a',\\)"),
         ({"json_object": False}, ValueError, "got none"),
         ({"grammar": "root ::= 'a'"}, ValueError, "grammar is not supported.*root ::="),
+        ({"structural_tag": "{}", "regex": "a"}, ValueError, "structural_tag is not supported"),
+        ({"regex": "a", "disable_fallback": "no"}, TypeError, "disable_fallback='no'"),
         ({"regex": 3}, TypeError, "regex must be a str"),
         ({"regex": "(a"}, ValueError, "'\\(a'.*missing \\)"),
         ({"regex": "(?=a)b"}, ValueError, "lookaround"),
@@ -315,6 +317,14 @@ def test_choice():
 def test_bad_specs_are_refused_naming_the_value(kwargs, error, match):
     with pytest.raises(error, match=match):
         StructuredOutputsParams(**kwargs)
+
+
+def test_vllms_backend_flags_are_accepted_and_change_nothing():
+    plain = StructuredOutputsParams(json={"type": "object"})
+    flags = StructuredOutputsParams(
+        json={"type": "object"}, disable_fallback=True, disable_additional_properties=True
+    )
+    assert flags.to_regex() == plain.to_regex() and hash(flags) == hash(plain)
 
 
 def test_compile_guide_refusals(monkeypatch):
