@@ -197,7 +197,9 @@ class SamplingParams:
         token can continue ends there ("stop", stop_reason None). Its steps run with
         the host in step with the device (as beam search's: `LLM(async_scheduling)`).
         Stop strings, stop tokens that are also text and max_tokens can still cut a
-        completion before its match is complete. Not with beam search.
+        completion before its match is complete, and so can allowed_token_ids,
+        bad_words or min_tokens where they ban every token the guide allows: the
+        completion ends there ("stop", stop_reason None). Not with beam search.
     """
 
     n: int = 1
