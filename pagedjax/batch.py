@@ -21,21 +21,27 @@ built by hand.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from pagedjax import decode
 from pagedjax.beam import num_candidates
 from pagedjax.blocks import BlockManager
+from pagedjax.guided import Guide, compile_guide
+from pagedjax.request import encode_bad_words
 from pagedjax.sequence import StepPlan
 from pagedjax.step_input import pack_bias, pack_copies, pack_penalties
 
 __all__ = [
+    "Constraints",
     "StepBatch",
     "TokenHistory",
     "bad_word_bans",
     "guide_mask",
     "request_allowed",
     "request_bias",
+    "request_constraints",
 ]
 
 _NO_BIAS = (np.zeros(0, np.int32), np.zeros(0, np.float32))
@@ -365,6 +371,44 @@ def bad_word_bans(
         if k <= generated and (k == 0 or tuple(token_ids[last - k : last]) == w[:-2]):
             out.append((w[-2], w[-1]))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Constraints:
+    """What a request's rows are packed with beyond their sampling values (the fields of
+    `outputs.Request` of those names): `bias` and `banned` (`request_bias`), `allowed`
+    (`request_allowed`), its `bad_words` of several tokens, and its structured outputs'
+    `guide`."""
+
+    bias: tuple[np.ndarray, np.ndarray] | None = None
+    banned: tuple[np.ndarray, np.ndarray] | None = None
+    allowed: np.ndarray | None = None
+    bad_words: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    guide: Guide | None = None
+
+
+def request_constraints(params, stop_ids, tokenizer, vocab_size: int) -> Constraints:
+    """The `Constraints` of a request of `params` that stops on `stop_ids`, for a model
+    of `vocab_size` ids and its `tokenizer` (or None); ValueError naming what cannot be
+    enforced: bad words or structured outputs without a tokenizer, ids outside the
+    vocabulary, allowed_token_ids that leave nothing to draw, a structured output no
+    token of the vocabulary can begin."""
+    guide = None
+    if params.structured_outputs is not None:
+        if tokenizer is None:
+            raise ValueError("structured_outputs need a tokenizer; this model has none")
+        guide = compile_guide(params.structured_outputs, tokenizer, vocab_size)
+        start = guide.initial_state  # (a vocabulary that cannot spell every byte may fail)
+        if not guide.can_continue(start) and not (guide.accepting(start) and stop_ids):
+            raise ValueError(
+                "structured_outputs: no token of this vocabulary can begin a match of "
+                f"{guide.pattern!r:.80}"
+            )
+    words = encode_bad_words(params.bad_words, tokenizer, vocab_size) if params.bad_words else []
+    ones = [w[0] for w in words if len(w) == 1]  # banned everywhere: in the bias
+    bias, banned = request_bias(params, stop_ids, vocab_size, ones)
+    allowed = request_allowed(params, stop_ids, vocab_size, ones)
+    return Constraints(bias, banned, allowed, [w for w in words if len(w) > 1], guide)
 
 
 def request_bias(params, stop_ids, vocab_size: int, bans=()):

@@ -42,12 +42,11 @@ import jax
 import numpy as np
 
 from pagedjax import decode, planner, sharding
-from pagedjax.batch import request_allowed, request_bias
+from pagedjax.batch import request_constraints
 from pagedjax.beam import BeamSearch
 from pagedjax.blocks import BlockManager
 from pagedjax.config import CacheConfig, dtype_name
 from pagedjax.engine_core import EngineCore
-from pagedjax.guided import compile_guide
 from pagedjax.metrics import EngineMetrics
 from pagedjax.outputs import OutputProcessor
 from pagedjax.request import (
@@ -57,7 +56,6 @@ from pagedjax.request import (
     RequestOutput,
     SamplingParams,
     StructuredOutputsParams,
-    encode_bad_words,
     encode_prompt,
     unpack_prompt,
 )
@@ -369,31 +367,13 @@ class LLM:
         params `_params` resolved."""
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
-        vocab = self.config.vocab_size
-        guide = None
-        if params.structured_outputs is not None:
-            if self.tokenizer is None:
-                raise ValueError("structured_outputs need a tokenizer; this model has none")
-            guide = compile_guide(params.structured_outputs, self.tokenizer, vocab)
-        words = (
-            encode_bad_words(params.bad_words, self.tokenizer, vocab) if params.bad_words else []
-        )
-        ones = [w[0] for w in words if len(w) == 1]  # banned everywhere: in the bias
         stop_ids = self.stop_ids(params)
-        if guide is not None:  # (a vocabulary that cannot spell every byte may fail this)
-            start = guide.initial_state
-            if not guide.can_continue(start) and not (guide.accepting(start) and stop_ids):
-                raise ValueError(
-                    "structured_outputs: no token of this vocabulary can begin a match of "
-                    f"{guide.pattern!r:.80}"
-                )
+        limits = request_constraints(params, stop_ids, self.tokenizer, self.config.vocab_size)
         self.scheduler.check_seats(  # before building n sequences (n=10**9)
             max(params.n, params.beam_width),
             request_id,
             f" (n={params.n}, beam_width={params.beam_width})",
         )
-        bias, banned = request_bias(params, stop_ids, vocab, ones)
-        allowed = request_allowed(params, stop_ids, vocab, ones)
         if request_id is None:  # a counter's id that no queued or collected request has
             rid = str(next(self._ids))
             while self.scheduler.get(rid) is not None or rid in self._collect:
@@ -414,10 +394,10 @@ class LLM:
         base = int(self._rng.integers(2**32)) if params.seed is None else int(params.seed)
         seeds = [(base + i * _SEED_STRIDE) % 2**32 for i in range(params.n)]
         req = self.outputs.new_request(
-            rid, text, ids, params, stop_ids, max_len, seeds, beam, guide
+            rid, text, ids, params, stop_ids, max_len, seeds, beam, limits.guide
         )
-        req.bias, req.banned, req.allowed = bias, banned, allowed
-        req.bad_words = [w for w in words if len(w) > 1]
+        req.bias, req.banned, req.allowed = limits.bias, limits.banned, limits.allowed
+        req.bad_words = limits.bad_words
         try:
             self.scheduler.add(req.group)
         except BaseException:  # refused (pages, id): it leaves the next requests' seeds alone
