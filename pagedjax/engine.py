@@ -54,6 +54,7 @@ from pagedjax.request import (
     Logprob,
     Prompt,
     RequestOutput,
+    RequestOutputKind,
     SamplingParams,
     StructuredOutputsParams,
     encode_prompt,
@@ -77,6 +78,7 @@ __all__ = [
     "CompletionOutput",
     "Logprob",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "StructuredOutputsParams",
 ]
@@ -478,9 +480,12 @@ class LLM:
         encoded = []
         for i, p in enumerate(prompts):  # validate all before queueing any
             try:
-                encoded.append(self._encode(p, params[i]))
+                text, ids, sp = self._encode(p, params[i])
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
+            if sp.output_kind != RequestOutputKind.FINAL_ONLY:  # (whole outputs, as vLLM's)
+                sp = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
+            encoded.append((text, ids, sp))
         ids = []
         rng_state = self._rng.bit_generator.state
         try:  # all or none: a request refused while queueing unqueues the ones before it
@@ -596,9 +601,11 @@ class LLM:
     # --------------------------------------------------------------------- step
 
     def step(self, *, on_token=None) -> list[RequestOutput]:
-        """One engine step (`pagedjax.engine_core`); returns requests finished in it,
-        after those of `add_request` that finished inside a `generate` call since. Unlike
-        vLLM's `step`, no partial outputs of running requests: `on_token` streams tokens.
+        """One engine step (`pagedjax.engine_core`); returns the requests finished in it
+        and the partial outputs of running ones that ask for them
+        (`SamplingParams.output_kind` CUMULATIVE or DELTA, as vLLM's `step`; the default
+        FINAL_ONLY gives none: `on_token` streams any request's tokens), after those of
+        `add_request`'s requests that finished inside a `generate` call since.
 
         If anything raises in it (a compile error, device OOM, an exception in the jitted
         call or in `on_token`, KeyboardInterrupt), the engine recovers and the exception

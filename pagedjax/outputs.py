@@ -23,7 +23,13 @@ import numpy as np
 
 from pagedjax.beam import BeamSearch
 from pagedjax.metrics import EngineMetrics
-from pagedjax.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from pagedjax.request import (
+    CompletionOutput,
+    Logprob,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+)
 from pagedjax.scheduler import Scheduler
 from pagedjax.sequence import SeqStatus, SequenceGroup, StepPlan
 from pagedjax.sequence import Sequence as Seq
@@ -61,6 +67,8 @@ class Request:
     # structured_outputs: the compiled guide (`pagedjax.guided.Guide`); each sequence
     # holds its state (`Sequence.guide_state`).
     guide: Any = None
+    # output_kind DELTA: per completion index, the tokens and text characters returned.
+    sent: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
 
 class OutputProcessor:
@@ -150,7 +158,8 @@ class OutputProcessor:
           on_token: `on_token(request_id, completion_index, token_id)` per accepted token.
 
         Returns:
-          The requests that finished in this step.
+          The requests that finished in this step, then the partial outputs of those
+          still running that got tokens in it and asked for them (`output_kind`).
         """
         tokens, logprobs, top_ids, top_lps, *rest = host
         ranks, *targets = rest or [None]
@@ -167,6 +176,7 @@ class OutputProcessor:
         self.scheduler.set_tokens([plan.rows[i].seq for i in rows], [tokens[i] for i in rows])
         beams: dict[int, list] = {}
         done: list[RequestOutput] = []
+        partial: dict[int, Request] = {}  # output_kind CUMULATIVE or DELTA
         for i in rows:
             r = plan.rows[i]
             if r.seq.status is not SeqStatus.RUNNING:
@@ -189,9 +199,14 @@ class OutputProcessor:
             self._accept(req, r.seq, tokens[i], logprobs[i], on_token)
             if r.group.done and r.group.epoch == r.epoch:  # finished, not aborted
                 done.append(self._finish(req, now))
+            elif req.params.output_kind != RequestOutputKind.FINAL_ONLY:
+                partial[id(r.group)] = req
         for g, *results in beams.values():
             if self._beam_step(g.request, results):
                 done.append(self._finish(g.request, now))
+        for req in partial.values():
+            if not req.group.done:  # (finished or aborted by a later row or a callback)
+                done.append(self.output(req, aborted=False, now=now, running=True))
         return done
 
     def _prompt_logprobs(self, plan: StepPlan, target_lps, top_ids, top_lps, ranks=None) -> None:
@@ -343,8 +358,11 @@ class OutputProcessor:
         self.metrics.record_request(len(req.prompt_ids), out.ttft_s, out.latency_s)
         return out
 
-    def output(self, req: Request, *, aborted: bool, now: float | None = None) -> RequestOutput:
-        """The request's `RequestOutput`: finished, or (`aborted`) what it has so far."""
+    def output(
+        self, req: Request, *, aborted: bool, now: float | None = None, running: bool = False
+    ) -> RequestOutput:
+        """The request's `RequestOutput`: finished, or (`aborted`) what it has so far, or
+        (`running`) its partial output; only what is new with output_kind DELTA."""
         now = perf_counter() if now is None else now
         g, p = req.group, len(req.prompt_ids)
         comps = []
@@ -364,7 +382,7 @@ class OutputProcessor:
                     )
                 )
         else:
-            seqs = g.finished + (g.seqs + g.forks if aborted else [])
+            seqs = g.finished + (g.seqs + g.forks if aborted or running else [])
             seqs = sorted(seqs, key=lambda s: s.index)
             if req.beam is not None:  # aborted before any hypothesis: the n best beams
                 seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: req.params.n]
@@ -378,6 +396,11 @@ class OutputProcessor:
                     if i >= 0 and req.params.include_stop_str_in_output:
                         i += len(s.stop_reason)
                     text = text[:i] if i >= 0 else text
+                elif running and s.finish_reason is None:  # what no later token changes
+                    text = text.rstrip("\ufffd")
+                    if req.params.stop:
+                        held = max(map(len, req.params.stop)) - 1
+                        text = text[: max(0, len(text) - held)]
                 comps.append(
                     CompletionOutput(
                         rank if req.beam is not None else s.index,  # beams all have index 0
@@ -389,18 +412,31 @@ class OutputProcessor:
                         None if s.logprobs is None else list(s.logprobs),
                     )
                 )
+        if req.params.output_kind == RequestOutputKind.DELTA:
+            comps = [self._delta(req, c) for c in comps]
         first = g.num_cached_tokens or 0  # None: aborted before its admission
         return RequestOutput(
             req.request_id,
             req.prompt,
             list(req.prompt_ids),
             comps,
-            not aborted,
+            not aborted and not running,
             first,
             g.num_preemptions,
             None if req.first_token is None else req.first_token - req.arrival,
             now - req.arrival,
             None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+        )
+
+    def _delta(self, req: Request, c: CompletionOutput) -> CompletionOutput:
+        """`c` less what earlier outputs of the request returned (output_kind DELTA)."""
+        n, chars = req.sent.get(c.index, (0, 0))
+        req.sent[c.index] = (len(c.token_ids), max(chars, len(c.text)))
+        return dataclasses.replace(
+            c,
+            text=c.text[chars:],
+            token_ids=c.token_ids[n:],
+            logprobs=None if c.logprobs is None else c.logprobs[n:],
         )
 
     def _names(self, req: Request, ids: list[int], end: int) -> tuple | None:

@@ -9,6 +9,7 @@ encoded by `pagedjax.prompts` (re-exported here).
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping
 
 import numpy as np
@@ -30,6 +31,7 @@ __all__ = [
     "Logprob",
     "Prompt",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "StructuredOutputsParams",
     "check_truncation",
@@ -116,6 +118,21 @@ class Logprob(float):
         return self
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What `LLM.step` returns of a request that is still running, as vLLM's.
+
+    CUMULATIVE: after each step that gives it tokens, an output with everything so far;
+    DELTA: only what is new since its previous output (its final output too: the last
+    piece); FINAL_ONLY: nothing until it finishes (pagedjax's default; vLLM's engine
+    defaults to CUMULATIVE, its `LLM.generate` to FINAL_ONLY, as `LLM.generate` here
+    always returns whole outputs).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to generate for one request; validated on construction (ValueError).
@@ -200,6 +217,14 @@ class SamplingParams:
         completion before its match is complete, and so can allowed_token_ids,
         bad_words or min_tokens where they ban every token the guide allows: the
         completion ends there ("stop", stop_reason None). Not with beam search.
+      output_kind: what `LLM.step` returns of the request while it runs
+        (`RequestOutputKind`; an int 0-2 is taken as one): FINAL_ONLY (the default)
+        nothing until it finishes; CUMULATIVE or DELTA a partial output after every
+        step that gives it tokens (`RequestOutput`), the whole text so far or only the
+        new part. With stop strings a running completion's text holds back its last
+        max(len(stop)) - 1 characters (they may start a stop string, cut later), so
+        no text returned is cut afterwards. `LLM.generate` and `LLM.chat` return the
+        whole finished outputs whatever it is. Not with beam search.
     """
 
     n: int = 1
@@ -229,6 +254,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] | None = None
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
 
     def clone(self) -> SamplingParams:
         """A copy (vLLM's `clone`; the params are frozen, so `dataclasses.replace` makes
@@ -356,6 +382,19 @@ class SamplingParams:
                 f"presence_penalty={self.presence_penalty}, "
                 f"frequency_penalty={self.frequency_penalty}"
             )
+        kind = self.output_kind
+        if not isinstance(kind, RequestOutputKind):
+            if not isinstance(kind, (int, np.integer)) or kind not in set(RequestOutputKind):
+                raise ValueError(
+                    "output_kind must be a RequestOutputKind (0: CUMULATIVE, 1: DELTA, 2: "
+                    f"FINAL_ONLY), got output_kind={kind!r:.40}"
+                )
+            object.__setattr__(self, "output_kind", RequestOutputKind(int(kind)))
+        if self.beam_width > 1 and self.output_kind != RequestOutputKind.FINAL_ONLY:
+            raise ValueError(
+                "beam search returns final outputs only, got "
+                f"output_kind={self.output_kind.name} with beam_width={self.beam_width}"
+            )
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise TypeError(
@@ -409,14 +448,17 @@ class CompletionOutput:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """A finished (or aborted) request; the engine gives no partial outputs of running
-    ones (`on_token` streams their tokens).
+    """A finished (or aborted) request, or a running request's partial output
+    (`SamplingParams.output_kind` CUMULATIVE or DELTA: from `LLM.step`; `on_token`
+    streams the tokens of any request).
 
     `prompt` is None for a prompt given as token ids (`LLM.chat`: the rendered text);
     `prompt_token_ids` are those the request ran on (truncate_prompt_tokens kept the last).
     `finished` is False for the partial output of an aborted request (`LLM.abort`),
-    whose completions still running then have finish_reason "abort". Times are seconds
-    from the request's arrival (its `add_request`, or the `generate` call).
+    whose completions still running then have finish_reason "abort", and for a running
+    request's partial output, whose running completions have finish_reason None (a
+    DELTA output holds only what is new: token ids, text and logprobs). Times are
+    seconds from the request's arrival (its `add_request`, or the `generate` call).
 
     `prompt_logprobs` (with `SamplingParams.prompt_logprobs` = k): per prompt token, None
     for the first (and, in an aborted request's output, for those not computed yet),

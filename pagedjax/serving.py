@@ -252,6 +252,8 @@ class EngineThread:
             for rid in broken:
                 self.llm.abort(rid)
         for out in finished:
+            if not out.finished:  # a partial output (output_kind): "token" events stream
+                continue
             entry = self._sinks.pop(out.request_id, None)
             if entry is not None:
                 _send(entry[0], ("done", out.request_id, out))

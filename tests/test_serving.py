@@ -54,7 +54,8 @@ class FakeLLM:
                     on_token(rid, 0, toks[-1])
                 if len(toks) >= params.max_tokens:
                     del self.running[rid]
-                    finished.append(types.SimpleNamespace(request_id=rid, tokens=list(toks)))
+                    done = types.SimpleNamespace(request_id=rid, tokens=list(toks), finished=True)
+                    finished.append(done)
         except BaseException:
             self.running.clear()  # LLM.step's recovery: every request is aborted
             raise
