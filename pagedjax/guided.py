@@ -53,17 +53,24 @@ class StructuredOutputsParams:
     Attributes:
       json: a JSON schema, a dict or its JSON text. Supported: type string (enum,
         const, pattern, minLength/maxLength, format date / time / date-time / uuid /
-        email), integer, number, boolean, null, array (items, minItems/maxItems),
-        object (properties in declared order, `required`; optional ones may be left
-        out; no other keys are generated; without properties: the required keys, or
-        without those any keys, their values of additionalProperties' schema, none
-        where it is false), enum, const, anyOf/oneOf (read as anyOf), allOf of one
-        schema (the keywords beside these go into each branch), type lists, local $ref
-        (#/$defs/..., #/definitions/...; not recursive) and {} (any value). Annotations
+        email / uri), integer and number (minimum, maximum, exclusiveMinimum,
+        exclusiveMaximum: exact; a number's bounds whole numbers, written without
+        exponent; multipleOf 1 on integers), boolean, null, array (items, prefixItems,
+        minItems/maxItems, uniqueItems false), object (properties in declared order,
+        `required`; optional ones may be left out; no other keys are generated; without
+        properties: the required keys, or without those any keys, their values of
+        additionalProperties' schema, none where it is false), enum, const, anyOf/oneOf
+        (read as anyOf), allOf (merged: required lists and properties joined, the
+        stricter bound; the keywords beside these and beside $ref go into each
+        branch), nullable, type lists, local $ref (#/$defs/..., #/definitions/...;
+        recursive ones unrolled `json_schema.REF_DEPTH` deep) and {} (any value). Annotations
         (title, description, default, discriminator, ...) are ignored; any other
-        keyword, a pattern combined with lengths, or an unknown format is a ValueError
-        naming it. A string `pattern` matches the whole string's characters as written
-        unescaped (characters that need a JSON escape are left out of its classes).
+        keyword (multipleOf but 1, uniqueItems true, ...), a bound on a number that is
+        not a whole number, a pattern combined with lengths, a format with lengths not
+        all its strings fit, an unknown format, or keywords to merge with different
+        values is a ValueError naming it (`pagedjax.json_schema` has the details). A
+        string `pattern` matches the whole string's characters as written unescaped
+        (characters that need a JSON escape are left out of its classes).
       regex: a regex the whole completion matches (the subset in `pagedjax.regex_dfa`).
       choice: the completion is one of these strings (a list is stored as a tuple).
       grammar: refused (ValueError): grammars are not supported.

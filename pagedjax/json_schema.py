@@ -5,14 +5,22 @@ JSON texts a schema allows, with the regex `ws` between tokens; no schema (None)
 json_object: any JSON object.
 
 Supported: type string (enum, const, pattern, minLength/maxLength, format date / time /
-date-time / uuid / email), integer, number, boolean, null, array (items,
-minItems/maxItems), object (properties, `required`, additionalProperties), enum, const,
-anyOf/oneOf, allOf of one schema (the keywords beside them go into each branch), type
-lists, local $ref (not recursive) and {} (any value). Annotations (title, description,
-default, discriminator, ...) are ignored. Any other keyword, an unknown type or format,
-a pattern or format with another or with lengths, a keyword both beside anyOf / oneOf /
-allOf and in a branch with another value, or a recursive or non-local $ref is a
-ValueError naming it and where it is (`JSON schema at #/properties/a: ...`).
+date-time / uuid / email / uri), integer and number (minimum, maximum, exclusiveMinimum,
+exclusiveMaximum, also draft 4's boolean exclusive*; multipleOf 1 on integers), boolean,
+null, array (items, prefixItems, minItems/maxItems, uniqueItems false), object
+(properties, `required`, additionalProperties), enum and const (their values of the type,
+if given), anyOf/oneOf, allOf, nullable (OpenAPI: "or null"), type lists, local $ref
+(recursive ones unrolled `REF_DEPTH` deep) and {} (any value). allOf's schemas, and the
+keywords beside anyOf / oneOf / allOf / $ref with each branch, are merged into one
+schema: required lists and properties joined (a property in both: both its schemas
+hold), the types in both, the stricter bound or length; nullable only where all are.
+Annotations (title, description, default, discriminator, ...) are ignored. Any other
+keyword, an unknown type or format, a pattern with a format or lengths, a format with
+lengths that not all its strings fit, a number's bound that is not a whole number,
+multipleOf but 1 on integers, uniqueItems true, keywords but type beside enum or const,
+a keyword to merge with two other values, additionalProperties to merge with another
+schema's properties, or a non-local $ref is a ValueError naming it and where it is
+(`JSON schema at #/properties/a: ...`).
 
 What is generated: an object's properties in declared order, the optional ones possibly
 left out, no other keys (additionalProperties counts only without properties: then the
@@ -20,17 +28,27 @@ keys are the required ones, or without those any keys with additionalProperties'
 or none where it is false); values without a schema ({}, json_object) nest containers at
 most `JSON_DEPTH` deep; strings hold JSON escapes, and a string `pattern` matches its
 characters as written unescaped (its classes lose the characters a JSON string must
-escape). oneOf is read as anyOf. The regexes read the same in Python's `re` with
-`re.ASCII`.
+escape). A schema without type is read as the types its keywords are for (properties: an
+object, minimum: a number, ...; none: any value). Bounds are exact (the classic
+digit-range construction; for a number, on its integer part), and bounded integers and
+numbers are written without -0, bounded numbers without exponent. prefixItems may stop
+early (as minItems allows); items false: nothing after them. Format uri is loose: a
+scheme, ":", then one or more of the characters RFC 3986 lets a URI hold ("%" escapes and
+the parts unchecked). A $ref met inside its own expansion `REF_DEPTH` times (the root
+counts as "#") matches nothing, so a recursion ends where the schema lets it (an empty
+array, an optional property left out, another anyOf branch; a schema that lets it end
+nowhere matches nothing). oneOf is read as anyOf. The regexes read the same in Python's
+`re` with `re.ASCII`.
 """
 
 from __future__ import annotations
 
 import json as jsonlib
+import math
 
 from pagedjax.regex_dfa import escape, intersect, map_sets, negate, parse, to_text
 
-__all__ = ["DEFAULT_WHITESPACE", "JSON_DEPTH", "MAX_REGEX_CHARS", "schema_regex"]
+__all__ = ["DEFAULT_WHITESPACE", "JSON_DEPTH", "MAX_REGEX_CHARS", "REF_DEPTH", "schema_regex"]
 
 MAX_REGEX_CHARS = 1_000_000  # regex text of a JSON schema
 # Default whitespace between JSON tokens: one optional space. It adds one DFA state per
@@ -39,6 +57,9 @@ MAX_REGEX_CHARS = 1_000_000  # regex text of a JSON schema
 DEFAULT_WHITESPACE = "[ ]?"
 # Containers nested in json_object=True (the outer object counted) and in {} schemas.
 JSON_DEPTH = 3
+# A recursive $ref is expanded at most this many times inside itself (a tree node's
+# children: nodes nested 3 deep); each level copies the schema's regex.
+REF_DEPTH = 3
 
 _STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))'
 _JSON_SAFE = negate([(0, 0x1F), (34, 34), (92, 92)])  # chars a string holds unescaped
@@ -50,6 +71,19 @@ _SCALARS = {
     "boolean": "(?:true|false)",
     "null": "null",
 }
+_JSON_TYPES = {  # a value's JSON types
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: (
+        (isinstance(v, int) and not isinstance(v, bool))
+        or (isinstance(v, float) and v.is_integer())
+    ),
+    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
+}
+_NOTHING = "[^\\x00-\\U0010ffff]"  # matches nothing
 _DATE = r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
 _HM = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]"
 _TIME = _HM + r":[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-]" + _HM + ")"
@@ -59,24 +93,135 @@ _FORMATS = {
     "date-time": f"{_DATE}T{_TIME}",
     "uuid": "-".join(f"[0-9a-fA-F]{{{n}}}" for n in (8, 4, 4, 4, 12)),
     "email": r"[A-Za-z0-9._%+\-]+@[A-Za-z0-9\-]+(?:\.[A-Za-z0-9\-]+)+",
+    "uri": r"[A-Za-z][A-Za-z0-9+.\-]*:[A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=%]+",
+}
+# The fewest and most characters of a format's strings (None: no most).
+_FORMAT_LENGTHS = {
+    "date": (10, 10),
+    "time": (9, None),
+    "date-time": (20, None),
+    "uuid": (36, 36),
+    "email": (5, None),
+    "uri": (3, None),
 }
 # Keywords that do not change the language we generate.
 _IGNORED = {
     "title", "description", "default", "examples", "$schema", "$id", "$comment",
     "$defs", "definitions", "readOnly", "writeOnly", "deprecated", "discriminator",
 }  # fmt: skip
+_BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+# Keywords of one type: a schema without type is read as the types of those it has.
+_TYPE_KEYWORDS = {
+    "object": {"properties", "required", "additionalProperties"},
+    "array": {"items", "prefixItems", "minItems", "maxItems"},
+    "string": {"minLength", "maxLength", "pattern", "format"},
+    "number": {*_BOUNDS, "multipleOf"},
+}
 _KEYWORDS = _IGNORED | {
-    "type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "properties", "required",
-    "items", "minItems", "maxItems", "minLength", "maxLength", "pattern", "format",
-    "additionalProperties",
-}  # fmt: skip
+    "type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "nullable", "uniqueItems",
+}.union(*_TYPE_KEYWORDS.values())  # fmt: skip
+# Merging schemas that must all hold: the larger of these, the smaller of those.
+_MAX_OF = {"minimum", "exclusiveMinimum", "minLength", "minItems"}
+_MIN_OF = {"maximum", "exclusiveMaximum", "maxLength", "maxItems"}
+
+
+# ---------------------------------------------------------------------------- numbers
+
+
+def _alt(alts: list[str]) -> str:
+    return _NOTHING if not alts else alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+
+
+def _same_length(x: str, y: str) -> str:
+    """The digit strings from `x` to `y` (as many digits each, x <= y): O(digits)
+    alternatives, each at most one digit's choice from the bounds."""
+    i = 0
+    while i < len(x) and x[i] == y[i]:
+        i += 1
+    head, x, y = x[:i], x[i:], y[i:]
+    if not x:
+        return head
+    k, a, b, alts = len(x) - 1, int(x[0]), int(y[0]), []
+    if x[1:] != "0" * k:  # x's first digit, then at least x's rest
+        alts.append(x[0] + _same_length(x[1:], "9" * k))
+        a += 1
+    tail = y[1:] != "9" * k
+    b -= tail
+    if a <= b:
+        alts.append((str(a) if a == b else f"[{a}-{b}]") + (f"[0-9]{{{k}}}" if k else ""))
+    if tail:  # y's first digit, then at most y's rest
+        alts.append(y[0] + _same_length("0" * k, y[1:]))
+    return head + _alt(alts)
+
+
+def _uint(lo: int, hi: int | None) -> str:
+    """The integers lo..hi (None: no most; 0 <= lo) in decimal, no leading zeros."""
+    alts = []
+    if lo == 0:
+        alts.append("0")
+        lo = 1
+    if hi is not None and lo > hi:
+        return _alt(alts)
+    p, low = len(str(lo)), str(lo)
+    if hi is None:
+        if low == "1" + "0" * (p - 1):
+            return _alt([*alts, f"[1-9][0-9]{{{p - 1},}}"])
+        return _alt([*alts, _same_length(low, "9" * p), f"[1-9][0-9]{{{p},}}"])
+    q = len(str(hi))
+    if p == q:
+        return _alt([*alts, _same_length(low, str(hi))])
+    alts.append(_same_length(low, "9" * p))
+    if q - p >= 2:
+        alts.append(f"[1-9][0-9]{{{p},{q - 2}}}")
+    return _alt([*alts, _same_length("1" + "0" * (q - 1), str(hi))])
+
+
+def _integer(lo: int | None, hi: int | None) -> str:
+    """The integers lo..hi (None: unbounded), lo <= hi."""
+    alts = []
+    if lo is None or lo < 0:
+        alts.append("-" + _uint(1 if hi is None or hi >= 0 else -hi, None if lo is None else -lo))
+    if hi is None or hi >= 0:
+        alts.append(_uint(max(lo or 0, 0), hi))
+    return _alt(alts)
+
+
+def _unum(lo: int, lo_ex: bool, hi: int | None, hi_ex: bool) -> str:
+    """Numbers m without sign and exponent, lo <= m (lo < m where lo_ex) and m <= hi (m <
+    hi where hi_ex; None: no most). With i.f = m: lo < m iff lo < i, or lo = i and f != 0;
+    m <= hi iff i < hi, or i = hi and f = 0."""
+    alts, first, last = [], lo + lo_ex, None if hi is None else hi - 1
+    if last is None or first <= last:
+        alts.append(_uint(first, last) + r"(?:\.[0-9]+)?")
+    if lo_ex and (hi is None or lo < hi):
+        alts.append(f"{lo}\\.[0-9]*[1-9][0-9]*")
+    if hi is not None and not hi_ex and (hi > lo or not lo_ex):
+        alts.append(f"{hi}(?:\\.0+)?")
+    return _alt(alts)
+
+
+def _number(lo: int | None, lo_ex: bool, hi: int | None, hi_ex: bool) -> str:
+    """The numbers from lo to hi (None: unbounded), without exponent: -m for the
+    negative ones (m > 0), m for the others."""
+    alts = []
+    if lo is None or lo < 0:
+        m_lo, m_lo_ex = (0, True) if hi is None or hi >= 0 else (-hi, hi_ex)
+        alts.append("-" + _unum(m_lo, m_lo_ex, None if lo is None else -lo, lo_ex))
+    if hi is None or hi > 0 or (hi == 0 and not hi_ex):
+        alts.append(
+            _unum(0, False, hi, hi_ex) if lo is None or lo < 0 else _unum(lo, lo_ex, hi, hi_ex)
+        )
+    return _alt(alts)
+
+
+# ---------------------------------------------------------------------------- schemas
 
 
 class _Schema:
     """JSON schema -> regex text; `ws` is the regex of the whitespace between tokens."""
 
     def __init__(self, root: dict, ws: str):
-        self.root, self.ws, self.refs = root, ws, []
+        self.root, self.ws, self.refs = root, ws, ["#"]  # (the root counts as "#")
 
     def error(self, path: str, msg: str) -> ValueError:
         return ValueError(f"JSON schema at {path}: {msg}")
@@ -89,53 +234,134 @@ class _Schema:
         unknown = sorted(set(s) - _KEYWORDS)
         if unknown:
             raise self.error(path, f"keyword {unknown[0]!r} is not supported")
+        for key in ("nullable", "uniqueItems"):
+            if not isinstance(s.get(key, False), bool):
+                raise self.error(path, f"{key} must be a bool, got {s[key]!r:.80}")
+        if s.get("uniqueItems"):
+            raise self.error(path, "uniqueItems true is not supported")
+        if s.get("nullable"):
+            rest = {k: v for k, v in s.items() if k != "nullable"}
+            return f"(?:null|{self.value(rest, path)})"
         if "$ref" in s:
+            rest = {k: v for k, v in s.items() if k != "$ref" and k not in _IGNORED}
+            if rest:  # beside $ref: both hold
+                return self.all_of(rest, [({"$ref": s["$ref"]}, path)], path)
             return self.ref(s["$ref"], path)
-        if "const" in s:
-            return self.literal(s["const"])
-        if "enum" in s:
-            if not isinstance(s["enum"], list) or not s["enum"]:
-                raise self.error(path, f"enum must be a non-empty list, got {s['enum']!r:.80}")
-            return "(?:" + "|".join(self.literal(v) for v in s["enum"]) + ")"
+        if "const" in s or "enum" in s:
+            return self.values(s, path)
         for key in ("anyOf", "oneOf", "allOf"):
             if key in s:
                 subs = s[key]
                 if not isinstance(subs, list) or not subs:
                     raise self.error(path, f"{key} must be a non-empty list, got {subs!r:.80}")
-                if key == "allOf" and len(subs) != 1:
-                    raise self.error(path, "allOf is supported with one schema only")
                 rest = {k: v for k, v in s.items() if k != key and k not in _IGNORED}
-                alts = [self.branch(rest, x, f"{path}/{key}/{i}") for i, x in enumerate(subs)]
+                paths = [f"{path}/{key}/{i}" for i in range(len(subs))]
+                if key == "allOf":
+                    return self.all_of(rest, list(zip(subs, paths, strict=True)), path)
+                alts = [self.all_of(rest, [(x, at)], at) for x, at in zip(subs, paths, strict=True)]
                 return "(?:" + "|".join(alts) + ")"
         kind = s.get("type")
         if kind is None:
-            kind = "object" if "properties" in s else "array" if "items" in s else None
-            if kind is None:
+            kind = [k for k, keys in _TYPE_KEYWORDS.items() if keys & set(s)]
+            if not kind:
                 return self.any_value(JSON_DEPTH)
         if isinstance(kind, list) and kind:
             alts = [self.typed(dict(s, type=k), k, path) for k in kind]
             return "(?:" + "|".join(alts) + ")"
         return self.typed(s, kind, path)
 
-    def branch(self, rest: dict, sub, path: str) -> str:
-        """Branch `sub` of anyOf / oneOf / allOf, with the keywords `rest` beside it (they
-        hold too: each branch gets them)."""
-        if not rest:
-            return self.value(sub, path)
-        if isinstance(sub, dict) and "$ref" in sub:
-            return self.ref(sub["$ref"], path, lambda node, at: self.branch(rest, node, at))
-        if sub is True or sub == {}:
-            return self.value(rest, path)
-        if isinstance(sub, dict):
-            both = all(isinstance(x.get("required"), list) for x in (rest, sub))
-            clash = [k for k in rest if k in sub and sub[k] != rest[k]]
-            clash = sorted(set(clash) - ({"required"} if both else set()))
-            if clash:
-                raise self.error(path, f"{clash[0]!r} both in it and beside it is not supported")
-            sub = {**rest, **sub}
-            if both:  # both hold: all of them are required
-                sub["required"] = list(dict.fromkeys(rest["required"] + sub["required"]))
-        return self.value(sub, path)
+    def values(self, s: dict, path: str) -> str:
+        """const or enum: the values of the `type` (if any) among them."""
+        key = "const" if "const" in s else "enum"
+        values = [s["const"]] if key == "const" else s["enum"]
+        if key == "enum" and (not isinstance(values, list) or not values):
+            raise self.error(path, f"enum must be a non-empty list, got {values!r:.80}")
+        other = sorted(set(s) - _IGNORED - {key, "type"})
+        if other:
+            raise self.error(path, f"{other[0]!r} beside {key} is not supported")
+        kinds = s.get("type", list(_JSON_TYPES))
+        for kind in [kinds] if isinstance(kinds, str) else kinds:
+            if kind not in _JSON_TYPES:
+                raise self.error(path, f"type {kind!r} is not supported")
+        kinds = {kinds} if isinstance(kinds, str) else set(kinds)
+        values = [v for v in values if any(_JSON_TYPES[k](v) for k in kinds)]
+        if not values:
+            raise self.error(path, f"no {key} value is of type {s['type']!r:.80}")
+        return "(?:" + "|".join(self.literal(v) for v in values) + ")"
+
+    def all_of(self, merged: dict, subs: list, path: str) -> str:
+        """The schema at `path`: `merged` and all of `subs`, pairs (schema, its path),
+        merged into one ($refs resolved, allOfs flattened)."""
+        for i, (sub, at) in enumerate(subs):
+            if sub is True:
+                continue
+            if not isinstance(sub, dict):
+                raise self.error(at, f"a schema must be an object, got {sub!r:.80}")
+            if "$ref" in sub:
+                more = [({k: v for k, v in sub.items() if k != "$ref"}, at), *subs[i + 1 :]]
+
+                def then(node, ref, merged=merged, more=more):
+                    return self.all_of(merged, [(node, ref), *more], path)
+
+                return self.ref(sub["$ref"], at, then)
+            if isinstance(sub.get("allOf"), list):
+                inner = [(x, f"{at}/allOf/{j}") for j, x in enumerate(sub["allOf"])]
+                rest = {k: v for k, v in sub.items() if k != "allOf"}
+                return self.all_of(merged, [*inner, (rest, at), *subs[i + 1 :]], path)
+            merged = self.merge(merged, sub, at)
+        return self.value(merged, path)
+
+    def merge(self, a: dict, b: dict, path: str) -> dict:
+        """One schema for both `a` and `b` (annotations left out), or a ValueError naming
+        a keyword with different values in each that does not merge."""
+        out = {k: v for k, v in a.items() if k not in _IGNORED}
+        if not out or not b:  # {} holds for any value
+            return {k: v for k, v in (b if not out else a).items() if k not in _IGNORED}
+        for k, v in b.items():
+            if k in _IGNORED or k == "nullable":
+                continue
+            w = out.setdefault(k, v)
+            if w == v:
+                continue
+            if k == "required" and isinstance(w, list) and isinstance(v, list):
+                out[k] = list(dict.fromkeys(w + v))
+            elif k == "properties" and isinstance(w, dict) and isinstance(v, dict):
+                out[k] = {
+                    **w,
+                    **{p: x if w.get(p, x) == x else {"allOf": [w[p], x]} for p, x in v.items()},
+                }
+            elif k == "type" and isinstance(w, (str, list)) and isinstance(v, (str, list)):
+                ws, vs = ([t] if isinstance(t, str) else t for t in (w, v))
+                both = [t for t in ws if t in vs or (t == "integer" and "number" in vs)]
+                both += ["integer"] if "number" in ws and "integer" in vs else []
+                if not both:
+                    raise self.error(path, f"type {v!r} and type {w!r}: no value is both")
+                out[k] = both
+            elif k in _MAX_OF | _MIN_OF and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in (v, w)
+            ):
+                out[k] = max(v, w) if k in _MAX_OF else min(v, w)
+            else:
+                raise self.error(
+                    path,
+                    f"{k!r} with two values to merge ({w!r:.40} and {v!r:.40}) is not supported",
+                )
+        if a.get("nullable") and b.get("nullable"):  # (null or A) and (null or B)
+            out["nullable"] = True
+        else:
+            out.pop("nullable", None)
+        for x, y in ((a, b), (b, a)):  # additionalProperties applies to the others' keys
+            if x.get("additionalProperties", True) is not True:
+                props, req = y.get("properties"), y.get("required")
+                keys = [*(props if isinstance(props, dict) else []), *(req or [])]
+                other = [k for k in keys if k not in (x.get("properties") or {})]
+                if other:
+                    raise self.error(
+                        path,
+                        f"additionalProperties merged with property {other[0]!r} of another "
+                        "schema is not supported",
+                    )
+        return out
 
     def typed(self, s: dict, kind, path: str) -> str:
         if kind == "object":
@@ -144,17 +370,58 @@ class _Schema:
             return self.array(s, path)
         if kind == "string":
             return self.string(s, path)
+        if kind in ("integer", "number"):
+            return self.numeric(s, kind, path)
         if isinstance(kind, str) and kind in _SCALARS:
             return _SCALARS[kind]
         raise self.error(path, f"type {kind!r} is not supported")
 
+    def numeric(self, s: dict, kind: str, path: str) -> str:
+        step = s.get("multipleOf")
+        if step is not None and not (kind == "integer" and step == 1 and step is not True):
+            raise self.error(path, f"multipleOf {step!r:.40} is not supported (only 1 on integers)")
+        lo = hi = None
+        lo_ex = hi_ex = False
+        for key in _BOUNDS:
+            v = s.get(key)
+            upper = "ax" in key
+            base = "maximum" if upper else "minimum"
+            if v is None or (v is False and key != base):
+                continue
+            if v is True and key != base:  # draft 4: minimum / maximum is exclusive
+                if base not in s:
+                    raise self.error(path, f"{key} true needs a number {base}")
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise self.error(path, f"{key} must be a number, got {v!r:.80}")
+            ex = key != base or s.get("exclusive" + base.title()) is True
+            if kind == "integer":  # the inclusive integer bound
+                v = (
+                    (math.ceil(v) - 1 if ex else math.floor(v))
+                    if upper
+                    else (math.floor(v) + 1 if ex else math.ceil(v))
+                )
+                ex = False
+            elif v != int(v):
+                raise self.error(
+                    path, f"{key} {v!r} on a number is not supported (only whole numbers)"
+                )
+            v = int(v)
+            if upper and (hi is None or v < hi or (v == hi and ex)):
+                hi, hi_ex = v, ex
+            elif not upper and (lo is None or v > lo or (v == lo and ex)):
+                lo, lo_ex = v, ex
+        if lo is not None and hi is not None and (lo > hi or (lo == hi and (lo_ex or hi_ex))):
+            raise self.error(path, f"no {kind} is within its bounds ({lo=}, {hi=})")
+        if lo is None and hi is None:
+            return _SCALARS[kind]
+        return _integer(lo, hi) if kind == "integer" else _number(lo, lo_ex, hi, hi_ex)
+
     def ref(self, ref, path: str, then=None) -> str:
         """The regex of the schema `ref` points to, as `then(schema, ref)` writes it
-        (default `value`)."""
+        (default `value`); nothing where `ref` is `REF_DEPTH` deep in its own expansion."""
         if not isinstance(ref, str) or not ref.startswith("#"):
             raise self.error(path, f"$ref {ref!r:.80} is not supported (only local refs)")
-        if ref in self.refs:
-            raise self.error(path, f"recursive $ref {ref!r} is not supported")
         node = self.root
         for part in ref[1:].split("/")[1:]:
             part = part.replace("~1", "/").replace("~0", "~")
@@ -164,11 +431,16 @@ class _Schema:
                 node = node[part]
             else:
                 raise self.error(path, f"$ref {ref!r} points to nothing")
+        if self.refs.count(ref) >= REF_DEPTH:
+            return _NOTHING
         self.refs.append(ref)
         try:
-            return (then or self.value)(node, ref)
+            out = (then or self.value)(node, ref)
         finally:
             self.refs.pop()
+        if len(out) > MAX_REGEX_CHARS:
+            raise self.error(path, f"$ref {ref!r}: its regex exceeds {MAX_REGEX_CHARS} characters")
+        return out
 
     def literal(self, v) -> str:
         """A regex matching the JSON text of the value `v` (with whitespace between tokens)."""
@@ -189,14 +461,21 @@ class _Schema:
 
     def string(self, s: dict, path: str) -> str:
         lo, hi = self.count(s, "minLength", 0, path), self.count(s, "maxLength", None, path)
-        constraints = [k for k in ("pattern", "format") if k in s]
-        if len(constraints) > 1 or (constraints and ("minLength" in s or "maxLength" in s)):
-            given = constraints + [k for k in ("minLength", "maxLength") if k in s]
+        lengths = [k for k in ("minLength", "maxLength") if k in s]
+        if "pattern" in s and ("format" in s or lengths):
+            given = ["pattern", *[k for k in ("format",) if k in s], *lengths]
             raise self.error(path, f"{' with '.join(given)} is not supported")
         if "format" in s:
-            if s["format"] not in _FORMATS:
-                raise self.error(path, f"format {s['format']!r:.80} is not supported")
-            return f'"{_FORMATS[s["format"]]}"'
+            fmt = s["format"]
+            if fmt not in _FORMATS:
+                raise self.error(path, f"format {fmt!r:.80} is not supported")
+            shortest, longest = _FORMAT_LENGTHS[fmt]
+            if (hi is not None and hi < shortest) or (longest is not None and lo > longest):
+                raise self.error(path, f"no string of format {fmt!r} fits {lo=}, {hi=}")
+            if lo > shortest or (hi is not None and (longest is None or hi < longest)):
+                msg = f"format {fmt!r} with {' and '.join(lengths)} {lo=}, {hi=}"
+                raise self.error(path, f"{msg} is not supported (only lengths all its strings fit)")
+            return f'"{_FORMATS[fmt]}"'
         if "pattern" in s:
             # The pattern's characters must stand in a JSON string unescaped.
             ast = map_sets(parse(s["pattern"]), lambda r: intersect(r, _JSON_SAFE))
@@ -213,10 +492,28 @@ class _Schema:
 
     def array(self, s: dict, path: str) -> str:
         lo, hi = self.count(s, "minItems", 0, path), self.count(s, "maxItems", None, path)
+        prefix, rest = s.get("prefixItems", []), s.get("items", {})
+        if not isinstance(prefix, list):
+            raise self.error(path, f"prefixItems must be a list of schemas, got {prefix!r:.80}")
+        if rest is False:  # no items after prefixItems
+            hi = len(prefix) if hi is None else min(hi, len(prefix))
         if hi is not None and hi < lo:
-            raise self.error(path, f"maxItems={hi} < minItems={lo}")
-        item = self.value(s.get("items", {}), f"{path}/items")
-        return r"\[" + self.ws + self.repeat(item, lo, hi) + self.ws + r"\]"
+            more = f" (items false after {len(prefix)} prefixItems)" if rest is False else ""
+            raise self.error(path, f"maxItems={hi} < minItems={lo}{more}")
+        firsts = [
+            self.value(x, f"{path}/prefixItems/{i}") for i, x in enumerate(prefix[:hi])
+        ]  # (prefix[:None] is all of them)
+        n = len(firsts)
+        if hi is not None and hi <= n:
+            body = ""
+        else:
+            item = self.value(rest, f"{path}/items")
+            if not n:
+                return r"\[" + self.ws + self.repeat(item, lo, hi) + self.ws + r"\]"
+            body = f"(?:{self.comma}{item}){{{max(lo - n, 0)},{'' if hi is None else hi - n}}}"
+        for j in reversed(range(n)):  # the j-th, then the rest; optional if j >= minItems
+            body = f"(?:{self.comma if j else ''}{firsts[j]}{body}){'?' if j >= lo else ''}"
+        return r"\[" + self.ws + body + self.ws + r"\]"
 
     def repeat(self, item: str, lo: int, hi: int | None) -> str:
         """`lo` to `hi` items separated by commas."""

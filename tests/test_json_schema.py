@@ -200,6 +200,14 @@ OBJECT_CASES = [  # (schema, texts it allows, texts it does not)
         ['{"a": 1, "b": 2}', '{"b": 2}'],
         ["{}", '{"a": 1}', "1", '"x"'],
     ),
+    (  # properties beside anyOf and in a branch: both sets (in declared order)
+        {
+            "properties": {"a": {"type": "integer"}},
+            "anyOf": [{"properties": {"b": {"type": "integer"}}, "required": ["b"]}],
+        },
+        ['{"a": 1, "b": 2}', '{"b": 2}'],
+        ["{}", '{"a": 1}', '{"b": 2, "a": 1}'],
+    ),
     (  # ... and in a branch that is a $ref
         {
             "type": "string",
@@ -237,10 +245,7 @@ def test_additional_properties_and_keywords_beside_any_of_are_enforced(case):
 @pytest.mark.parametrize(
     "schema, match",
     [
-        (
-            {"properties": {"a": {}}, "anyOf": [{"properties": {"b": {}}}]},
-            "#/anyOf/0: 'properties' both in it and beside it",
-        ),
+        ({"pattern": "a", "anyOf": [{"pattern": "b"}]}, "#/anyOf/0: 'pattern' with two values"),
         ({"type": "object", "additionalProperties": "no"}, "additionalProperties must be"),
         ({"type": "object", "additionalProperties": False, "required": ["a"]}, "'a'"),
     ],
