@@ -30,8 +30,9 @@ most `JSON_DEPTH` deep; strings hold JSON escapes, and a string `pattern` matche
 characters as written unescaped (its classes lose the characters a JSON string must
 escape). A schema without type is read as the types its keywords are for (properties: an
 object, minimum: a number, ...; none: any value). Bounds are exact (the classic
-digit-range construction; for a number, on its integer part), and bounded integers and
-numbers are written without -0, bounded numbers without exponent. prefixItems may stop
+digit-range construction of `pagedjax.number_regex`; for a number, on its integer
+part), and bounded integers and numbers are written without -0, bounded numbers
+without exponent. prefixItems may stop
 early (as minItems allows); items false: nothing after them. Format uri is loose: a
 scheme, ":", then one or more of the characters RFC 3986 lets a URI hold ("%" escapes and
 the parts unchecked). A $ref met inside its own expansion `REF_DEPTH` times (the root
@@ -46,6 +47,7 @@ from __future__ import annotations
 import json as jsonlib
 import math
 
+from pagedjax.number_regex import NOTHING, integer_regex, number_regex
 from pagedjax.regex_dfa import escape, intersect, map_sets, negate, parse, to_text
 
 __all__ = ["DEFAULT_WHITESPACE", "JSON_DEPTH", "MAX_REGEX_CHARS", "REF_DEPTH", "schema_regex"]
@@ -83,7 +85,6 @@ _JSON_TYPES = {  # a value's JSON types
     "array": lambda v: isinstance(v, list),
     "object": lambda v: isinstance(v, dict),
 }
-_NOTHING = "[^\\x00-\\U0010ffff]"  # matches nothing
 _DATE = r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
 _HM = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]"
 _TIME = _HM + r":[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-]" + _HM + ")"
@@ -123,95 +124,6 @@ _KEYWORDS = _IGNORED | {
 # Merging schemas that must all hold: the larger of these, the smaller of those.
 _MAX_OF = {"minimum", "exclusiveMinimum", "minLength", "minItems"}
 _MIN_OF = {"maximum", "exclusiveMaximum", "maxLength", "maxItems"}
-
-
-# ---------------------------------------------------------------------------- numbers
-
-
-def _alt(alts: list[str]) -> str:
-    return _NOTHING if not alts else alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
-
-
-def _same_length(x: str, y: str) -> str:
-    """The digit strings from `x` to `y` (as many digits each, x <= y): O(digits)
-    alternatives, each at most one digit's choice from the bounds."""
-    i = 0
-    while i < len(x) and x[i] == y[i]:
-        i += 1
-    head, x, y = x[:i], x[i:], y[i:]
-    if not x:
-        return head
-    k, a, b, alts = len(x) - 1, int(x[0]), int(y[0]), []
-    if x[1:] != "0" * k:  # x's first digit, then at least x's rest
-        alts.append(x[0] + _same_length(x[1:], "9" * k))
-        a += 1
-    tail = y[1:] != "9" * k
-    b -= tail
-    if a <= b:
-        alts.append((str(a) if a == b else f"[{a}-{b}]") + (f"[0-9]{{{k}}}" if k else ""))
-    if tail:  # y's first digit, then at most y's rest
-        alts.append(y[0] + _same_length("0" * k, y[1:]))
-    return head + _alt(alts)
-
-
-def _uint(lo: int, hi: int | None) -> str:
-    """The integers lo..hi (None: no most; 0 <= lo) in decimal, no leading zeros."""
-    alts = []
-    if lo == 0:
-        alts.append("0")
-        lo = 1
-    if hi is not None and lo > hi:
-        return _alt(alts)
-    p, low = len(str(lo)), str(lo)
-    if hi is None:
-        if low == "1" + "0" * (p - 1):
-            return _alt([*alts, f"[1-9][0-9]{{{p - 1},}}"])
-        return _alt([*alts, _same_length(low, "9" * p), f"[1-9][0-9]{{{p},}}"])
-    q = len(str(hi))
-    if p == q:
-        return _alt([*alts, _same_length(low, str(hi))])
-    alts.append(_same_length(low, "9" * p))
-    if q - p >= 2:
-        alts.append(f"[1-9][0-9]{{{p},{q - 2}}}")
-    return _alt([*alts, _same_length("1" + "0" * (q - 1), str(hi))])
-
-
-def _integer(lo: int | None, hi: int | None) -> str:
-    """The integers lo..hi (None: unbounded), lo <= hi."""
-    alts = []
-    if lo is None or lo < 0:
-        alts.append("-" + _uint(1 if hi is None or hi >= 0 else -hi, None if lo is None else -lo))
-    if hi is None or hi >= 0:
-        alts.append(_uint(max(lo or 0, 0), hi))
-    return _alt(alts)
-
-
-def _unum(lo: int, lo_ex: bool, hi: int | None, hi_ex: bool) -> str:
-    """Numbers m without sign and exponent, lo <= m (lo < m where lo_ex) and m <= hi (m <
-    hi where hi_ex; None: no most). With i.f = m: lo < m iff lo < i, or lo = i and f != 0;
-    m <= hi iff i < hi, or i = hi and f = 0."""
-    alts, first, last = [], lo + lo_ex, None if hi is None else hi - 1
-    if last is None or first <= last:
-        alts.append(_uint(first, last) + r"(?:\.[0-9]+)?")
-    if lo_ex and (hi is None or lo < hi):
-        alts.append(f"{lo}\\.[0-9]*[1-9][0-9]*")
-    if hi is not None and not hi_ex and (hi > lo or not lo_ex):
-        alts.append(f"{hi}(?:\\.0+)?")
-    return _alt(alts)
-
-
-def _number(lo: int | None, lo_ex: bool, hi: int | None, hi_ex: bool) -> str:
-    """The numbers from lo to hi (None: unbounded), without exponent: -m for the
-    negative ones (m > 0), m for the others."""
-    alts = []
-    if lo is None or lo < 0:
-        m_lo, m_lo_ex = (0, True) if hi is None or hi >= 0 else (-hi, hi_ex)
-        alts.append("-" + _unum(m_lo, m_lo_ex, None if lo is None else -lo, lo_ex))
-    if hi is None or hi > 0 or (hi == 0 and not hi_ex):
-        alts.append(
-            _unum(0, False, hi, hi_ex) if lo is None or lo < 0 else _unum(lo, lo_ex, hi, hi_ex)
-        )
-    return _alt(alts)
 
 
 # ---------------------------------------------------------------------------- schemas
@@ -415,7 +327,7 @@ class _Schema:
             raise self.error(path, f"no {kind} is within its bounds ({lo=}, {hi=})")
         if lo is None and hi is None:
             return _SCALARS[kind]
-        return _integer(lo, hi) if kind == "integer" else _number(lo, lo_ex, hi, hi_ex)
+        return integer_regex(lo, hi) if kind == "integer" else number_regex(lo, lo_ex, hi, hi_ex)
 
     def ref(self, ref, path: str, then=None) -> str:
         """The regex of the schema `ref` points to, as `then(schema, ref)` writes it
@@ -432,7 +344,7 @@ class _Schema:
             else:
                 raise self.error(path, f"$ref {ref!r} points to nothing")
         if self.refs.count(ref) >= REF_DEPTH:
-            return _NOTHING
+            return NOTHING
         self.refs.append(ref)
         try:
             out = (then or self.value)(node, ref)
