@@ -23,10 +23,9 @@ default). A sequence that stops on step N's token has a row in step N+1 that com
 one token for nothing; its output is ignored. Beam search needs step N's selection to
 bind its rows, and a structured output's row needs step N's token for its mask: a plan
 with such decode rows, and every step with `async_scheduling=False`, applies step N's
-tokens first (3 before 2; the device idles meanwhile), and a decode
-row whose sequence finished in them stays in the batch as a dead row (it writes
-nothing), so phase 1's layout never has to change. `metrics` times the parts of every
-step.
+tokens first (3 before 2; the device idles meanwhile), and a decode row whose sequence
+finished in them stays in the batch as a dead row (it writes nothing), so phase 1's
+layout never has to change. `metrics` times the parts of every step.
 
 Failures: an exception escaping a step (a compile error, device OOM,
 KeyboardInterrupt, an `on_token` callback's) aborts the requests (on a
@@ -125,7 +124,8 @@ class EngineCore:
         return out
 
     def step(self, on_token=None, only: set[str] | None = None) -> list[RequestOutput]:
-        """One step (see the module docstring); returns the requests finished in it.
+        """One step (see the module docstring); returns the requests finished in it, then
+        the partial outputs of running ones that ask for them (`OutputProcessor.apply`).
 
         If anything raises in it, the engine recovers (`_recover`) and the exception
         propagates unchanged, with a note. On a KeyboardInterrupt, recovery aborts only
@@ -225,7 +225,8 @@ class EngineCore:
         self.metrics.complete(rec, t1)
         finished = self.outputs.apply(plan, host, on_token)
         for o in finished:
-            self._on_finish(o)
+            if o.finished:  # (not a running request's partial output)
+                self._on_finish(o)
         return finished, t1 - t0, perf_counter() - t1
 
     def _dispatch(self, plan: StepPlan, batch: StepBatch, live, prev: StepPlan | None):
