@@ -68,16 +68,25 @@ def validate(x, s) -> bool:
     return isinstance(x, kinds[t]) and (t == "boolean" or not isinstance(x, bool))
 
 
+def walked_json(schema: dict, tok_name: str, seed: int, walks: int = 8) -> list:
+    """The JSON values of random token-by-token walks through `schema`'s guide, each
+    text checked to fullmatch its regex."""
+    tok = TOKENIZERS[tok_name]
+    spec = StructuredOutputsParams(json=schema)
+    guide = compile_guide(spec, tok, tok.vocab_size)
+    rng = random.Random(seed)
+    values = []
+    for _ in range(walks):
+        text = walk(guide, tok, rng, steps=60).decode()
+        assert re.fullmatch(spec.to_regex(), text, re.ASCII), text
+        values.append(json.loads(text))
+    return values
+
+
 @pytest.mark.parametrize("tok_name", ["bytes", "sentencepiece"])
 def test_json_schema_walks_validate(tok_name):
-    tok = TOKENIZERS[tok_name]
-    spec = StructuredOutputsParams(json=SCHEMA)
-    guide = compile_guide(spec, tok, tok.vocab_size)
-    rng = random.Random(2)
-    for _ in range(8):
-        text = walk(guide, tok, rng, steps=60).decode()
-        assert validate(json.loads(text), SCHEMA), text
-        assert re.fullmatch(spec.to_regex(), text, re.ASCII)
+    for x in walked_json(SCHEMA, tok_name, seed=2):
+        assert validate(x, SCHEMA), x
 
 
 GOOD = [

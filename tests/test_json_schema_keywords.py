@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_guided import TOKENIZERS, walk
+from test_json_schema import walked_json
 from test_regex_dfa import dfa_match
 
 from pagedjax import json_schema
@@ -329,14 +330,8 @@ def check(x):
 
 @pytest.mark.parametrize("tok_name", ["bytes", "sentencepiece"])
 def test_walks_validate(tok_name):
-    tok = TOKENIZERS[tok_name]
-    spec = StructuredOutputsParams(json=SCHEMA)
-    guide = compile_guide(spec, tok, tok.vocab_size)
-    rng = random.Random(6)
-    for _ in range(8):
-        text = walk(guide, tok, rng, steps=60).decode()
-        check(json.loads(text))
-        assert re.fullmatch(spec.to_regex(), text, re.ASCII)
+    for x in walked_json(SCHEMA, tok_name, seed=6):
+        check(x)
 
 
 @pytest.mark.parametrize(
