@@ -371,7 +371,8 @@ def structured_outputs(body: dict, tokenizer, vocab_size: int) -> StructuredOutp
     given = [
         name
         for name in ("response_format", "structured_outputs", *_GUIDED_FIELDS)
-        if body.get(name) is not None and body.get(name) != {"type": "text"}
+        if body.get(name) is not None
+        and not (name == "response_format" and body[name] == {"type": "text"})
     ]
     if not given:
         return None

@@ -344,6 +344,7 @@ def test_structured_outputs_come_from_response_format_and_vllms_fields():
         (dict(response_format={"type": "xml"}), "response_format", "'xml'"),
         (dict(response_format="json"), "response_format", "'json'"),
         (dict(structured_outputs="a+"), "structured_outputs", "'a+'"),
+        (dict(structured_outputs={"type": "text"}), "structured_outputs", "'type'"),
         (dict(structured_outputs={"regex": "(a"}), "structured_outputs", "(a"),
         (dict(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs", "one of"),
         (dict(structured_outputs={"pattern": "a"}), "structured_outputs", "pattern"),
