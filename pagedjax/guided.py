@@ -390,6 +390,12 @@ class Guide:
         """Whether the text so far is a full match."""
         return bool(self._dfa.accept[self._check_state(state)])
 
+    def allows(self, state: int, token_id: int) -> bool:
+        """Whether `token_id` is allowed in `state` (its bit in `allowed(state)`)."""
+        if not 0 <= token_id < self.vocab_size:
+            return False
+        return bool(int(self.allowed(state)[token_id >> 5]) >> (token_id & 31) & 1)
+
     def can_continue(self, state: int) -> bool:
         """Whether some token is allowed in `state`."""
         return bool(self.allowed(state).any())

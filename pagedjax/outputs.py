@@ -238,8 +238,7 @@ class OutputProcessor:
         if guide is not None and not (
             tok in req.stop_ids and s.num_generated + 1 >= req.params.min_tokens
         ):
-            mask = guide.allowed(s.guide_state)
-            if not int(mask[tok >> 5]) >> (tok & 31) & 1:
+            if not guide.allows(s.guide_state, tok):
                 # The row's other constraints (allowed_token_ids, bad_words, min_tokens'
                 # ban of a stop token that is text) banned every token the guide allows:
                 # the draw fell outside them. The completion ends before it.

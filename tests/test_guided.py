@@ -112,6 +112,11 @@ def test_masks_are_exact_on_finite_languages(tok_name, case):
         want = np.array([b is not None and text + b in prefixes for b in tb])
         assert (ok == want).all(), (text, np.flatnonzero(ok != want)[:5])
         assert guide.can_continue(state) == bool(want.any())
+        assert [guide.allows(state, t) for t in range(tok.vocab_size + 2)] == [
+            *want.tolist(),
+            False,
+            False,
+        ]  # (ids past the vocabulary: never)
         for tid in np.flatnonzero(want):
             queue.append((text + tb[tid], guide.advance(state, int(tid))))
         for tid in np.flatnonzero(~want)[:20]:
