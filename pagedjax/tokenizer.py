@@ -30,27 +30,19 @@ encode as their single ids, and nothing is added to it: as in HF's
 special tokens, BOS is where the template writes it, and a template that writes none
 (ChatML on a tokenizer that adds BOS) gives none, whatever the tokenizer's `add_bos`.
 
-`StreamDecoder` turns token ids arriving one by one into text pieces whose
-concatenation equals `decode(all ids)`, wherever the ids stop. A completion is decoded
-after its prompt (`decode(ids, context=prompt_ids)`, `stream(context=prompt_ids)`), so
-that it reads as the prompt's continuation: SentencePiece decoders strip the leading
-space of a text's first token, which made a completion "Paris" where prompt +
-completion reads " Paris". A token can end inside
-a multi-byte UTF-8 character (byte-level BPE, SentencePiece byte fallback), which
-decodes as a trailing U+FFFD; text is emitted up to the last whole character and the
-rest is held back. With byte fallback, HF decodes a run of `<0xXX>` tokens all or
-nothing (one U+FFFD per byte unless the whole run is valid UTF-8: "€" then the first
-byte of "☃" is four U+FFFD), so a trailing run of byte tokens is held back whole until
-a token of another kind ends it. Each step decodes a short window that starts one
-emitted chunk back, so decoders that treat the first token specially (SentencePiece's
-leading-space strip) see the same context every time.
+A completion is decoded after its prompt (`decode(ids, context=prompt_ids)`,
+`stream(context=prompt_ids)`), so that it reads as the prompt's continuation:
+SentencePiece decoders strip the leading space of a text's first token, which made a
+completion "Paris" where prompt + completion reads " Paris". `stream()` gives a
+`StreamDecoder` (`pagedjax.detokenizer`, re-exported here), which turns ids arriving one
+by one into text pieces whose concatenation equals `decode(all ids)`, wherever the ids
+stop.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -58,10 +50,10 @@ from pathlib import Path
 import tokenizers
 
 from pagedjax import chat
+from pagedjax.detokenizer import _REPLACEMENT, StreamDecoder, _byte_fallback_ids, _byte_run
 from pagedjax.jsonfile import read_json_object
 
 TOKENIZER_FILE = "tokenizer.json"
-_REPLACEMENT = "\ufffd"
 # Prompt ids a completion is decoded after (`Tokenizer.decode(context=...)`): enough for
 # a decoder's first-token rules to see a token of text before the completion.
 CONTEXT_IDS = 8
@@ -529,110 +521,3 @@ def token_names(
 def _post_processor_adds(tok: tokenizers.Tokenizer, bos: int) -> bool:
     with_special = tok.encode("a", add_special_tokens=True).ids
     return bool(with_special) and with_special[0] == bos
-
-
-def _byte_fallback_ids(tok: tokenizers.Tokenizer) -> frozenset[int]:
-    """Ids of the `<0xXX>` tokens, when the decoder joins runs of them into bytes."""
-
-    def has_byte_fallback(node) -> bool:
-        if isinstance(node, dict):
-            return node.get("type") == "ByteFallback" or any(map(has_byte_fallback, node.values()))
-        return isinstance(node, list) and any(map(has_byte_fallback, node))
-
-    if tok.decoder is None or not has_byte_fallback(json.loads(tok.decoder.__getstate__())):
-        return frozenset()
-    names = (f"<0x{b:02X}>" for b in range(256))
-    ids = (tok.token_to_id(x) for name in names for x in (name, name[:3] + name[3:].lower()))
-    return frozenset(i for i in ids if i is not None)
-
-
-class StreamDecoder:
-    """Incremental detokenizer: `add(ids)` returns only the newly stable text.
-
-    Invariants: `self.text` (everything returned so far) is a prefix of the decode of
-    `ids` and of any ids that may follow them: `decode(ids)` without its trailing
-    U+FFFD run (an incomplete character), or, when `ids` end in a run of byte-fallback
-    tokens, without the run's text. `self.text + self.pending` is `decode(ids)`, the
-    text if the ids ended here, and `flush()` emits `pending`. With a `context` (the
-    prompt's ids), `decode(ids)` here means `Tokenizer.decode(ids, context=context)`:
-    the context's settled tail is the first chunk, decoded and never emitted. Each call decodes the
-    window `ids[prefix:]`, which starts one character-aligned chunk back; `done` counts
-    the window's characters already emitted. The window slides whenever its text ends
-    on a whole character outside a byte run, to the last chunk if that chunk has text
-    of its own (so the window never starts with skipped special tokens alone).
-    """
-
-    def __init__(
-        self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True, context: Iterable[int] = ()
-    ):
-        self._tok = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = []  # the context's ids (see Tokenizer._context), then `ids`
-        self._prefix = 0  # window start
-        self._read = 0  # end of the last chunk that ended on a whole character
-        self._done = 0  # characters of decode(ids[prefix:]) already emitted
-        self.text = ""
-        self.pending = ""  # held back: what flush() would emit now
-        ctx = tokenizer._context(context, skip_special_tokens)
-        if ctx is not None:  # a first chunk, already emitted
-            self._ids, self._read, self._done = list(ctx[0]), len(ctx[0]), len(ctx[1])
-        self._start = len(self._ids)
-
-    @property
-    def ids(self) -> list[int]:
-        """The ids added so far (the context's not included)."""
-        return self._ids[self._start :]
-
-    def _decode(self, ids) -> str:
-        return self._tok.tokenizer.decode(ids, skip_special_tokens=self._skip)
-
-    def add(self, token_ids: int | Iterable[int]) -> str:
-        """Appends one id or several; returns the new text that is now final ("" if none).
-
-        Ids past the vocabulary are dropped (not kept in `ids`): they decode to "".
-        """
-        new = token_ids if isinstance(token_ids, Iterable) else [token_ids]
-        self._ids.extend(self._tok._check_ids(new))
-        window = self._ids[self._prefix :]
-        text = self._decode(window)
-        held = _byte_run(self._tok, window, self._skip)
-        stable = (self._decode(window[:-held]) if held else text).rstrip(_REPLACEMENT)
-        piece = stable[self._done :]
-        if not held and len(stable) == len(text):
-            # Slide to the last chunk only if it has text: a window of skipped special
-            # tokens alone would let the decoder strip the next token's leading space.
-            last = self._decode(self._ids[self._read :])
-            if last:
-                self._prefix, self._done = self._read, len(last)
-            else:
-                self._done = len(text)
-            self._read = len(self._ids)
-            self.pending = ""
-        else:
-            self._done = max(self._done, len(stable))
-            self.pending = text[self._done :]
-        self.text += piece
-        return piece
-
-    def flush(self) -> str:
-        """Emits whatever is held back (an incomplete character shows as U+FFFD)."""
-        piece, self.pending = self.pending, ""
-        self._done += len(piece)
-        self.text += piece
-        return piece
-
-
-def _byte_run(tok: Tokenizer, ids: list[int], skip: bool) -> int:
-    """Length of the trailing run of byte-fallback tokens in `ids` (with the skipped
-    special tokens inside or after it, which the decoder never sees), or 0."""
-    byte_ids, n, run = tok._byte_ids, 0, 0
-    if not byte_ids:
-        return 0
-    for i in reversed(ids):
-        if i in byte_ids:
-            n = run = n + 1
-        elif skip and i in tok._special_ids:
-            n += 1
-        else:
-            break
-    return run
