@@ -5,6 +5,8 @@ rows; ragged attention) or `decode_step` (one token per sequence; the decode
 kernel). Both are `jax.jit`ted with the cache donated: the page pools are updated in
 place and returned. Inside: copy-on-write page copies first, then the model's paged
 forward, then sampling on device, so only token ids (and their logprobs) come back.
+Before tracing, the host checks the params, the input and the cache
+(`pagedjax.step_checks`; `check_cache` is re-exported here).
 
 `build_step_input` (in `pagedjax.step_input`, re-exported here with `SeqChunk`,
 `StepInput`, `StepOutput`, `Buckets` and `bucket_size`) turns the host's view of a
@@ -69,6 +71,7 @@ from pagedjax import cache as cache_lib
 from pagedjax import model as model_lib
 from pagedjax import sampling, sharding
 from pagedjax.config import CacheConfig
+from pagedjax.step_checks import _check_params, _check_step, check_cache
 from pagedjax.step_input import (
     Buckets,
     SeqChunk,
@@ -78,8 +81,6 @@ from pagedjax.step_input import (
     build_step_input,
     is_int,
 )
-from pallas_kernels.dispatch import resolve_backend
-from pallas_kernels.validation import check_dtypes
 
 __all__ = [
     "Buckets",
@@ -103,135 +104,6 @@ _TRACES: collections.Counter = collections.Counter()
 def compile_counts() -> dict[str, int]:
     """How many programs each step function has traced (= compiled) in this process."""
     return dict(_TRACES)
-
-
-def check_cache(
-    params: model_lib.Params, cache: cache_lib.PagedKVCache, inp: StepInput | None = None
-) -> None:
-    """Raises unless `cache` fits `params` and the geometry `inp` was built for.
-
-    The steps call it on the host before tracing: a cache made for another model, page
-    size or page count, or not split over the params' mesh, would otherwise fail deep in
-    tracing or, worse, run: slots of another page size, page ids past the pool.
-
-    Raises:
-      ValueError: layers, kv heads, head dim, page size or page count differ; the K and
-        V pools differ; a tensor-parallel model's cache is not split over kv heads on
-        its mesh (`sharding.create_cache`), or a single-device model's is spread; the
-        cache was donated to an earlier step (its arrays are deleted: use the cache
-        that step returned).
-      TypeError: `params` is not a `Params` (`model.split_model`), `cache` is not a
-        `PagedKVCache`, or its storage dtype is one the model's attention cannot read
-        (`CacheConfig`).
-    """
-    _check_params(params)
-    cfg = params.config
-    if not isinstance(cache, cache_lib.PagedKVCache):
-        raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
-    tp = sharding.tensor_parallel_size(params.mesh)
-    k, v = cache.k, cache.v
-    if len(k) != cfg.num_layers or len(v) != cfg.num_layers:
-        raise ValueError(
-            f"the cache has {len(k)} K and {len(v)} V layers; the model has {cfg.num_layers}"
-        )
-    if _deleted(k[0]) or _deleted(v[0]):  # donation deletes every pool at once
-        raise ValueError(
-            "the cache's arrays are deleted: it was donated to an earlier step; pass the "
-            "cache that step returned (`out, cache = step(params, cache, inp)`)"
-        )
-    shape, kv_heads = k[0].shape, sharding.cache_kv_heads(cfg, tp)
-    if len(shape) != 4 or shape[0] != kv_heads or shape[3] != cfg.head_dim:
-        over = f" over {tp} devices" if tp > 1 else ""
-        # K < tp replicates kv heads to one row per device: a cache made for another tp
-        other = len(shape) == 4 and shape[3] == cfg.head_dim and shape[0] > cfg.num_kv_heads
-        hint = (
-            f" (a cache made for tensor_parallel={shape[0]}, whose {cfg.num_kv_heads} kv "
-            "heads are replicated to one per device; make it for this model's mesh)"
-            if other
-            else ""
-        )
-        raise ValueError(
-            f"cache pools must be [K, P, S, D] with K={kv_heads} kv heads and "
-            f"D={cfg.head_dim} for this model{over}, got {shape}{hint}"
-        )
-    if v[0].shape != shape or v[0].dtype != k[0].dtype:
-        raise ValueError(
-            f"V pools {v[0].shape} {v[0].dtype} differ from K pools {shape} {k[0].dtype}"
-        )
-    try:
-        check_dtypes(cfg.jnp_dtype, k[0].dtype)
-    except TypeError as e:
-        raise TypeError(f"a {k[0].dtype} cache for a {cfg.dtype} model: {e}") from None
-    if inp is not None:
-        for name, built, got in (
-            ("page_size", inp.page_size, shape[2]),
-            ("num_pages", inp.num_pages, shape[1]),
-        ):
-            if built and built != got:
-                raise ValueError(
-                    f"the step was built for {name}={built}, but the cache has {name}={got}"
-                )
-    leaf = k[0]
-    if isinstance(leaf, jax.core.Tracer) or not isinstance(leaf, jax.Array):
-        return  # under an outer trace, or numpy: placement is jit's
-    devices = leaf.sharding.device_set
-    if params.mesh is None:
-        if len(devices) > 1:
-            raise ValueError(
-                f"the cache is spread over {len(devices)} devices but the model has no "
-                "mesh; shard both (LLM(tensor_parallel=...), sharding.shard_params and "
-                "sharding.create_cache) or neither"
-            )
-    elif not leaf.sharding.is_equivalent_to(sharding.cache_sharding(params.mesh), leaf.ndim):
-        n = len(devices)
-        other = f" (it is on {n} device{'s' * (n > 1)}, the model on {tp})" if n != tp else ""
-        raise ValueError(
-            f"the cache is placed as {leaf.sharding}, not split over kv heads on the model's "
-            f"mesh {dict(params.mesh.shape)}{other}; create it with "
-            "sharding.create_cache(cfg, cache_cfg, params.mesh)"
-        )
-
-
-def _deleted(a) -> bool:
-    return isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and a.is_deleted()
-
-
-def _check_params(params) -> None:
-    if not isinstance(params, model_lib.Params):
-        raise TypeError(
-            "params must be a split model, pagedjax.model.Params (model.split_model(m), "
-            f"model.init_params, weights.load_checkpoint), got {type(params).__name__}"
-        )
-
-
-def _check_step(params, inp, decode, backend, num_top_logprobs, num_prompt_top_logprobs) -> None:
-    """The host-side checks of a step's input kind and knobs, before anything is traced."""
-    _check_params(params)
-    resolve_backend(backend)  # a name in BACKENDS, else a ValueError naming it
-    if not isinstance(inp, StepInput):
-        raise TypeError(f"inp must be a StepInput (build_step_input), got {type(inp).__name__}")
-    v = params.config.vocab_size
-    for name, k in (
-        ("num_top_logprobs", num_top_logprobs),
-        ("num_prompt_top_logprobs", num_prompt_top_logprobs),
-    ):
-        if not is_int(k) or not 0 <= k <= v:
-            raise ValueError(
-                f"{name} must be an int in [0, {v}] (the vocabulary), got {name}={k!r}"
-            )
-    if inp.decode != decode:
-        raise ValueError(
-            f"{'decode' if decode else 'prefill'}_step got a StepInput built with "
-            f"decode={inp.decode}; use {'prefill' if decode else 'decode'}_step or `step`"
-        )
-    if num_prompt_top_logprobs and inp.target_ids is None:
-        raise ValueError("num_prompt_top_logprobs needs a StepInput with target_ids")
-    if (inp.feed is None) != (inp.token_src is None):
-        raise ValueError("StepInput.feed and token_src go together (both or neither)")
-    if inp.feed is not None:
-        b, f = inp.context_lens.shape[0], inp.feed.shape[0]
-        if f < b:
-            raise ValueError(f"StepInput.feed holds {f} tokens, fewer than the {b} rows")
 
 
 def _step(
