@@ -32,7 +32,9 @@ KeyboardInterrupt, an `on_token` callback's) aborts the requests (on a
 KeyboardInterrupt, those given: the others are recomputed), re-creates the KV cache if
 the failed call took the donated one with it, keeps the prefix cache only where its
 pages were written, and propagates unchanged: the engine stays usable
-(`pagedjax.recovery`).
+(`pagedjax.recovery`). Requests that finished in the failed step before an `on_token`
+callback raised are not lost: the next step returns their outputs (unless they are
+among those given, whose caller gets the exception).
 """
 
 from __future__ import annotations
@@ -108,11 +110,15 @@ class EngineCore:
         # The dispatched step whose tokens are not applied yet: (plan, result arrays, record).
         self.inflight: tuple[StepPlan, tuple, StepRecord] | None = None
         self._idle_steps = 0
+        # Outputs of requests that finished in a step that then failed (an `on_token`
+        # callback raised while applying its tokens): the next step returns them first.
+        self._carried: list[RequestOutput] = []
 
     @property
     def busy(self) -> bool:
-        """Whether `step` has more to do: requests queued or running, or a step in flight."""
-        return self.scheduler.has_unfinished() or self.inflight is not None
+        """Whether `step` has more to do: requests queued or running, a step in flight,
+        or outputs carried over from a failed step."""
+        return self.scheduler.has_unfinished() or self.inflight is not None or bool(self._carried)
 
     def aborted(self, g: SequenceGroup) -> RequestOutput:
         """The partial output of a group the scheduler gave up (`Scheduler.abort` or
@@ -162,7 +168,7 @@ class EngineCore:
             self._idle_steps = 0 if prev is not None else self._idle_steps + 1
             if self._idle_steps > 2 and self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests queued (a bug)")
-            return finished
+            return self._with_carried(finished)
         self._idle_steps = 0
         rec.wait_s = wait
         if early:  # every host phase ran while the device computed
@@ -172,7 +178,11 @@ class EngineCore:
             rec.host_exposed_s = rec.dispatched_at - (t2 - applied)
         self.metrics.record(rec, rec.num_compilations)
         self.inflight = (plan, leaves, rec)
-        return finished
+        return self._with_carried(finished)
+
+    def _with_carried(self, finished: list[RequestOutput]) -> list[RequestOutput]:
+        carried, self._carried = self._carried, []
+        return carried + finished
 
     def _recover(self, error: BaseException, plan: StepPlan | None, sent: bool, only) -> None:
         """Makes the engine usable after `error` escaped a step (see `step`).
@@ -193,6 +203,8 @@ class EngineCore:
             keep = None
             if only is not None and isinstance(error, KeyboardInterrupt):
                 keep = lambda g: g.request_id not in only  # noqa: E731
+            if only is not None:  # (their caller has its outputs, or gave them up)
+                self._carried = [o for o in self._carried if o.request_id not in only]
             aborted = [self.aborted(g) for g in self.scheduler.recover(keep)]
             lost = recovery.cache_lost(self.cache)
             if lost:
@@ -223,7 +235,14 @@ class EngineCore:
         host = jax.device_get(leaves)
         t1 = perf_counter()
         self.metrics.complete(rec, t1)
-        finished = self.outputs.apply(plan, host, on_token)
+        try:
+            finished = self.outputs.apply(plan, host, on_token)
+        except BaseException:
+            stranded, self.outputs.stranded = self.outputs.stranded, []
+            for o in stranded:
+                self._on_finish(o)
+            self._carried += stranded
+            raise
         for o in finished:
             if o.finished:  # (not a running request's partial output)
                 self._on_finish(o)

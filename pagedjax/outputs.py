@@ -69,6 +69,8 @@ class Request:
     guide: Any = None
     # output_kind DELTA: per completion index, the tokens and text characters returned.
     sent: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # The texts of its finished sequences (by seq_id): partial outputs repeat them.
+    texts: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 class OutputProcessor:
@@ -97,6 +99,9 @@ class OutputProcessor:
         self.detokenize = detokenize
         self.seq_ids = seq_ids
         self.tokenizer = tokenizer
+        # Outputs of requests that finished in an `apply` that raised (see there): the
+        # engine returns them from its next step.
+        self.stranded: list[RequestOutput] = []
 
     def new_request(
         self,
@@ -117,11 +122,14 @@ class OutputProcessor:
         tokens. The sequences carry what applying their tokens needs (a detokenizer for
         stop strings, a logprobs list, the state of the structured outputs' `guide`)."""
         p = len(ids)
+        streams = params.output_kind != RequestOutputKind.FINAL_ONLY and params.detokenize
 
         def seq(i: int) -> Seq:
             s = Seq(next(self.seq_ids), list(ids), p, max_len, i, seeds[i])
-            if params.stop:
-                skip = params.skip_special_tokens  # the stop strings match the text's
+            if params.stop or (streams and self.tokenizer is not None):
+                # Stop strings match its text; partial outputs read it (not a decode of
+                # every token each step, which grows with the completion).
+                skip = params.skip_special_tokens
                 s.detok = self.tokenizer.stream(skip_special_tokens=skip, context=ids)
             if params.logprobs is not None:
                 s.logprobs = []
@@ -177,30 +185,44 @@ class OutputProcessor:
         beams: dict[int, list] = {}
         done: list[RequestOutput] = []
         partial: dict[int, Request] = {}  # output_kind CUMULATIVE or DELTA
-        for i in rows:
-            r = plan.rows[i]
-            if r.seq.status is not SeqStatus.RUNNING:
-                continue  # an on_token callback aborted the request
-            r.seq.pending -= 1
-            req = r.group.request
-            if req.first_token is None:
-                req.first_token = now
-            if req.beam is not None:
-                beams.setdefault(id(r.group), [r.group]).append((r.seq, top_ids[i], top_lps[i]))
-                continue
-            if r.seq.logprobs is not None:
-                k = req.params.logprobs
-                rank = None if ranks is None else int(ranks[i])
-                names = self._names(req, r.seq.token_ids, len(r.seq.token_ids))
-                entry = logprobs_entry(
-                    tokens[i], logprobs[i], k, top_ids, top_lps, i, rank=rank, names=names
-                )
-                r.seq.logprobs.append(entry)
-            self._accept(req, r.seq, tokens[i], logprobs[i], on_token)
-            if r.group.done and r.group.epoch == r.epoch:  # finished, not aborted
-                done.append(self._finish(req, now))
-            elif req.params.output_kind != RequestOutputKind.FINAL_ONLY:
-                partial[id(r.group)] = req
+        try:
+            for i in rows:
+                r = plan.rows[i]
+                if r.seq.status is not SeqStatus.RUNNING:
+                    continue  # an on_token callback aborted the request
+                r.seq.pending -= 1
+                req = r.group.request
+                if req.first_token is None:
+                    req.first_token = now
+                if req.beam is not None:
+                    beam = (r.seq, top_ids[i], top_lps[i])
+                    beams.setdefault(id(r.group), [r.group]).append(beam)
+                    continue
+                if r.seq.logprobs is not None:
+                    k = req.params.logprobs
+                    rank = None if ranks is None else int(ranks[i])
+                    names = self._names(req, r.seq.token_ids, len(r.seq.token_ids))
+                    entry = logprobs_entry(
+                        tokens[i], logprobs[i], k, top_ids, top_lps, i, rank=rank, names=names
+                    )
+                    r.seq.logprobs.append(entry)
+                self._accept(req, r.seq, tokens[i], logprobs[i], on_token)
+                if r.group.done and r.group.epoch == r.epoch:  # finished, not aborted
+                    done.append(self._finish(req, now))
+                elif req.params.output_kind != RequestOutputKind.FINAL_ONLY:
+                    partial[id(r.group)] = req
+        except BaseException:
+            # An on_token callback raised (a Ctrl-C): the requests that finished in this
+            # step before it, the one it raised on included, have left the scheduler, so
+            # the engine's recovery would not see them; their outputs wait in `stranded`.
+            told = {o.request_id for o in done}
+            for r in (plan.rows[i] for i in rows):
+                g = r.group
+                if g.done and g.epoch == r.epoch and g.request_id not in told:
+                    told.add(g.request_id)
+                    done.append(self._finish(g.request, now))
+            self.stranded += done
+            raise
         for g, *results in beams.values():
             if self._beam_step(g.request, results):
                 done.append(self._finish(g.request, now))
@@ -248,46 +270,66 @@ class OutputProcessor:
                 return
             state = guide.advance(s.guide_state, tok)
         s.token_ids.append(tok)
-        if state is not None:  # (with the token: an on_token that raises keeps them in step)
+        if state is not None:
             s.guide_state = state
         s.cumulative_logprob += lp
         self.metrics.generated_tokens += 1
-        if on_token is not None:
-            on_token(req.request_id, s.index, tok)
-            if s.status is not SeqStatus.RUNNING:
-                return  # the callback aborted the request
-        reason = stop = None
+        reason, stop = self._stop(req, s, tok)
+        try:
+            if on_token is not None:
+                on_token(req.request_id, s.index, tok)
+        finally:
+            # After the callback, which may look the sequence up among the running ones
+            # (`EngineThread` reads its logprobs entry), and also when it raised: a
+            # request the engine's recovery keeps must not run past its stop.
+            if reason is not None and s.status is SeqStatus.RUNNING:  # (not aborted by it)
+                self.scheduler.finish(req.group, s, reason, stop)
+
+    def _stop(self, req: Request, s: Seq, tok: int) -> tuple[str | None, int | str | None]:
+        """Whether the sequence ends with its new token `tok`: (finish reason, stop reason),
+        or (None, None). Feeds the token to its detokenizer, and records where a stop
+        string it completed starts (`Sequence.stop_pos`)."""
+        stop = None
         check = s.num_generated >= req.params.min_tokens  # no stop before min_tokens
         if check and tok in req.stop_ids:
-            reason, stop = "stop", tok
-        elif s.detok is not None:
+            return "stop", tok
+        if s.detok is not None:
             old, held = len(s.detok.text), s.detok.pending.rstrip("\ufffd")
             s.detok.add(tok)
-            # The text if it stopped here (it would): all of decode(ids), the run of byte
-            # tokens the decoder holds back too, less an incomplete last character; from
-            # `base` on, the part a new occurrence can overlap (not the whole text a token).
-            base = max(0, old - max(map(len, req.params.stop), default=1) + 1)
-            tail = (s.detok.text[base:] + s.detok.pending).rstrip("\ufffd") if check else ""
-            # Only an occurrence that ends past what this text shares with the previous
-            # token's: that was searched already, or min_tokens let its occurrences through.
-            old -= base
-            old += len(os.path.commonprefix([held, tail[old:]]))
-            if len(tail) > old:
-                # Of several, the first completed wins (ending first, then starting first):
-                # what a check after every character would stop on, so neither how the
-                # text splits into tokens nor the list's order changes the cut.
-                found = ((tail.find(x, max(0, old - len(x) + 1)), x) for x in req.params.stop)
-                hits = [(i + len(x), i, x) for i, x in found if i >= 0]
-                if hits:
-                    _, i, stop = min(hits, key=lambda h: h[:2])
-                    s.stop_pos = base + i
-            reason = "stop" if stop is not None else None
-        if reason is None and req.guide is not None and not req.guide.can_continue(s.guide_state):
-            reason = "stop"  # the match is complete (or no token continues it)
-        if reason is None and len(s.token_ids) >= s.max_num_tokens:
-            reason = "length"
-        if reason is not None:
-            self.scheduler.finish(req.group, s, reason, stop)
+            if req.params.stop and check:
+                stop = self._stop_string(req, s, old, held)
+        if stop is not None:
+            return "stop", stop
+        if req.guide is not None and not req.guide.can_continue(s.guide_state):
+            return "stop", None  # the match is complete (or no token continues it)
+        if len(s.token_ids) >= s.max_num_tokens:
+            return "length", None
+        return None, None
+
+    def _stop_string(self, req: Request, s: Seq, old: int, held: str) -> str | None:
+        """The stop string the last token completed, if any (setting `s.stop_pos`), given
+        the length of the detokenizer's text before the token and what it held back."""
+        # The text if it stopped here (it would): all of decode(ids), the run of byte
+        # tokens the decoder holds back too, less an incomplete last character; from
+        # `base` on, the part a new occurrence can overlap (not the whole text a token).
+        base = max(0, old - max(map(len, req.params.stop)) + 1)
+        tail = (s.detok.text[base:] + s.detok.pending).rstrip("\ufffd")
+        # Only an occurrence that ends past what this text shares with the previous
+        # token's: that was searched already, or min_tokens let its occurrences through.
+        old -= base
+        old += len(os.path.commonprefix([held, tail[old:]]))
+        if len(tail) <= old:
+            return None
+        # Of several, the first completed wins (ending first, then starting first): what
+        # a check after every character would stop on, so neither how the text splits
+        # into tokens nor the list's order changes the cut.
+        found = ((tail.find(x, max(0, old - len(x) + 1)), x) for x in req.params.stop)
+        hits = [(i + len(x), i, x) for i, x in found if i >= 0]
+        if not hits:
+            return None
+        _, i, stop = min(hits, key=lambda h: h[:2])
+        s.stop_pos = base + i
+        return stop
 
     def _beam_step(self, req: Request, results) -> bool:
         """One beam-search selection; forks and frees beams. True when the search ended."""
@@ -387,19 +429,11 @@ class OutputProcessor:
                 seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: req.params.n]
             for rank, s in enumerate(seqs):
                 gen = s.token_ids[p:]
-                text = self._text(req, gen, s.stop_reason)
-                if isinstance(s.stop_reason, str):  # cut where it stopped (not earlier:
-                    # min_tokens may have let an earlier occurrence through)
-                    i = text.find(s.stop_reason, s.stop_pos)
-                    i = i if i >= 0 else text.rfind(s.stop_reason)
-                    if i >= 0 and req.params.include_stop_str_in_output:
-                        i += len(s.stop_reason)
-                    text = text[:i] if i >= 0 else text
-                elif running and s.finish_reason is None:  # what no later token changes
-                    text = text.rstrip("\ufffd")
-                    if req.params.stop:
-                        held = max(map(len, req.params.stop)) - 1
-                        text = text[: max(0, len(text) - held)]
+                text = req.texts.get(s.seq_id)  # (a finished one's, in an earlier output)
+                if text is None:
+                    text = self._seq_text(req, s, gen, running)
+                    if s.finish_reason is not None:
+                        req.texts[s.seq_id] = text
                 comps.append(
                     CompletionOutput(
                         rank if req.beam is not None else s.index,  # beams all have index 0
@@ -426,6 +460,28 @@ class OutputProcessor:
             now - req.arrival,
             None if req.prompt_logprobs is None else list(req.prompt_logprobs),
         )
+
+    def _seq_text(self, req: Request, s: Seq, gen: list[int], running: bool) -> str:
+        """The text of sequence `s` (generated tokens `gen`) in an output: cut where a
+        stop string stopped it; while it runs (a partial output), only what no later
+        token changes, read from its incremental detokenizer where it has one."""
+        if running and s.finish_reason is None and s.detok is not None:
+            text = s.detok.text + s.detok.pending  # (= the decode, incrementally)
+        else:
+            text = self._text(req, gen, s.stop_reason)
+        if isinstance(s.stop_reason, str):  # cut where it stopped (not earlier:
+            # min_tokens may have let an earlier occurrence through)
+            i = text.find(s.stop_reason, s.stop_pos)
+            i = i if i >= 0 else text.rfind(s.stop_reason)
+            if i >= 0 and req.params.include_stop_str_in_output:
+                i += len(s.stop_reason)
+            text = text[:i] if i >= 0 else text
+        elif running and s.finish_reason is None:  # what no later token changes
+            text = text.rstrip("\ufffd")
+            if req.params.stop:
+                held = max(map(len, req.params.stop)) - 1
+                text = text[: max(0, len(text) - held)]
+        return text
 
     def _delta(self, req: Request, c: CompletionOutput) -> CompletionOutput:
         """`c` less what earlier outputs of the request returned (output_kind DELTA)."""

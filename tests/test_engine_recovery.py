@@ -219,6 +219,56 @@ def test_ctrl_c_in_generate_aborts_its_requests_and_requeues_the_others(
     check_reusable(llm, want, cache_kept=True)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_ctrl_c_in_on_token_keeps_the_other_requests_whole(params, async_scheduling):
+    """A Ctrl-C raised from generate's `on_token` at each of a run's tokens in turn: the
+    requests of `add_request` that were running end as they would have (the token it
+    raised on still counts for their length and stop checks; it used to be appended
+    unchecked, and the requeued request ran past its end), and those that finished
+    in the step before it (or with the token it raised on) are returned by the next
+    step (their outputs were lost with the step)."""
+    llm = LLM(params, async_scheduling=async_scheduling, **GEOMETRY)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    free = llm.generate(PROMPTS[1:], SamplingParams(max_tokens=7, **greedy))
+    stop = free[1].outputs[0].token_ids[3]  # the second request stops on its 4th token
+    kept = [
+        SamplingParams(max_tokens=2, **greedy),
+        SamplingParams(max_tokens=7, stop_token_ids=[stop], **greedy),
+        SamplingParams(max_tokens=5, **greedy),
+    ]
+    want = tokens(llm.generate(PROMPTS[1:], kept))
+    assert [len(t) for (t,) in want] == [2, want[1][0].index(stop) + 1, 5]
+    k = 0
+    while True:
+        k += 1
+        ids = [llm.add_request(p, sp) for p, sp in zip(PROMPTS[1:], kept, strict=True)]
+        calls = []
+
+        def on_token(rid, index, tok, calls=calls, k=k):
+            calls.append(rid)
+            if len(calls) == k:
+                raise KeyboardInterrupt
+
+        try:
+            llm.generate(PROMPTS[:1], SPS[0], on_token=on_token)
+        except KeyboardInterrupt:
+            pass
+        else:
+            break  # k is past the run's last token
+        done = {}
+        while llm.has_unfinished_requests():
+            for o in llm.step():
+                assert o.request_id not in done and o.finished
+                done[o.request_id] = o
+        assert sorted(done) == sorted(ids), k
+        assert tokens([done[i] for i in ids]) == want, k
+        check_recovered(llm)
+    assert k > 10
+    while llm.has_unfinished_requests():  # the last run's, finished inside its generate
+        llm.step()
+    check_recovered(llm)
+
+
 def test_ctrl_c_between_steps_aborts_only_generates_requests(params, want):
     llm = LLM(params, **GEOMETRY)
     llm.generate([WARM], SPS[0])

@@ -110,6 +110,33 @@ def test_delta_pieces_add_up_to_the_whole_output(llm, with_stop):
         assert reasons == {c.index: c.finish_reason for c in want[int(rid)].outputs}
 
 
+def test_partial_texts_come_from_an_incremental_detokenizer(llm, monkeypatch):
+    """A running completion's partial text is its tokens' decode after the prompt, less
+    an incomplete last character, read from its incremental detokenizer: the whole text
+    is decoded only for the final output, not at every step (which grew with the text)."""
+    tok = llm.tokenizer
+    real = tok.decode
+    calls = []
+
+    def decode(ids, **kw):
+        calls.append(1)
+        return real(ids, **kw)
+
+    monkeypatch.setattr(tok, "decode", decode)
+    outs = run(llm, [CUMULATIVE, CUMULATIVE], max_tokens=24, logprobs=None)
+    monkeypatch.undo()
+    checked = 0
+    for *partial, _ in outs.values():
+        for o in partial:
+            for c in o.outputs:
+                if c.finish_reason is None:
+                    want = real(c.token_ids, context=o.prompt_token_ids).rstrip("\ufffd")
+                    assert c.text == want
+                    checked += 1
+    assert checked >= 40
+    assert len(calls) <= 2 * 2  # the final outputs' completions, once each
+
+
 def test_an_aborted_delta_request_returns_the_rest(llm):
     llm.add_request(PROMPTS[0], params(DELTA, max_tokens=30, n=1), request_id="d")
     pieces = []
