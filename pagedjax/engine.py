@@ -408,9 +408,10 @@ class LLM:
         return rid
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stops a request wherever it is and frees its pages; returns its partial output
-        (None for an id not queued or running). Ids compare as `add_request` stores them,
-        as strings."""
+        """Stops a request wherever it is and frees its pages; returns its last output
+        (`finished`, its running completions ending "abort" with what they have), or None
+        for an id not queued or running. Ids compare as `add_request` stores them, as
+        strings."""
         g = self.scheduler.abort(str(request_id))
         return None if g is None else self.core.aborted(g)
 

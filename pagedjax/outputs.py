@@ -453,7 +453,7 @@ class OutputProcessor:
             req.prompt,
             list(req.prompt_ids),
             comps,
-            not aborted and not running,
+            not running,  # (an aborted request's output is its last, as a finished one's)
             first,
             g.num_preemptions,
             None if req.first_token is None else req.first_token - req.arrival,

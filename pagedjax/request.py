@@ -454,11 +454,12 @@ class RequestOutput:
 
     `prompt` is None for a prompt given as token ids (`LLM.chat`: the rendered text);
     `prompt_token_ids` are those the request ran on (truncate_prompt_tokens kept the last).
-    `finished` is False for the partial output of an aborted request (`LLM.abort`),
-    whose completions still running then have finish_reason "abort", and for a running
-    request's partial output, whose running completions have finish_reason None (a
-    DELTA output holds only what is new: token ids, text and logprobs). Times are
-    seconds from the request's arrival (its `add_request`, or the `generate` call).
+    `finished` is True for a request's last output: finished, or aborted (`LLM.abort`,
+    as vLLM's finish reason "abort": the completions still running then end with
+    finish_reason "abort", with what they have), and False for a running request's
+    partial output, whose running completions have finish_reason None (a DELTA output
+    holds only what is new: token ids, text and logprobs). Times are seconds from the
+    request's arrival (its `add_request`, or the `generate` call).
 
     `prompt_logprobs` (with `SamplingParams.prompt_logprobs` = k): per prompt token, None
     for the first (and, in an aborted request's output, for those not computed yet),
@@ -471,7 +472,7 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
-    finished: bool  # False: aborted
+    finished: bool  # False: a running request's partial output
     num_cached_tokens: int  # prompt tokens served from the prefix cache (first admission)
     num_preemptions: int
     ttft_s: float | None  # arrival to first generated token (None: none yet)

@@ -246,7 +246,7 @@ def test_async_scheduling_gives_the_sync_outputs(params, monkeypatch):
             np.testing.assert_allclose(ca.cumulative_logprob, cb.cumulative_logprob, rtol=1e-5)
     reasons = {c.finish_reason for o in asyn for c in o.outputs}
     assert {"stop", "length"} <= reasons
-    assert asyn[11].finished is False  # aborted
+    assert asyn[11].finished and {c.finish_reason for c in asyn[11].outputs} == {"abort"}
     assert sync_sum["num_generated_tokens"] == async_sum["num_generated_tokens"]
     assert async_sum["host_exposed_ms_per_step"] < sync_sum["host_exposed_ms_per_step"]
 

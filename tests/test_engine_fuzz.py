@@ -177,7 +177,7 @@ def drive(llm, requests, *, staggered: bool, aborts: bool):
         out = llm.abort(ids[i])
         if out is not None:
             assert i not in done, f"request {i} aborted after it finished"
-            assert out.finished is False
+            assert out.finished is True  # (its last output, as vLLM's "abort")
             aborted[i] = out
 
     def on_token(rid, _index, _tok):

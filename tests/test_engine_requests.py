@@ -51,7 +51,7 @@ def test_abort_frees_everything(params, dense):
     assert got[1].token_ids == want[1][:5]
     assert got[2].token_ids == want[2]
     assert got[3].token_ids == []
-    assert [outs[i].finished for i in ids] == [False, False, True, False]
+    assert all(outs[i].finished for i in ids)  # (an aborted request: its last output)
     check_clean(llm)
 
 
@@ -63,7 +63,7 @@ def test_an_n_sample_request_aborted_before_it_ran_aborts_every_sample(params):
     out = llm.abort(rid)
     got = [(c.index, c.token_ids, c.finish_reason) for c in out.outputs]
     assert got == [(0, [], "abort"), (1, [], "abort"), (2, [], "abort")]
-    assert out.finished is False and llm.abort(rid) is None
+    assert out.finished is True and llm.abort(rid) is None
     check_clean(llm)
 
 
