@@ -211,8 +211,9 @@ def parse_job(
         prompts = [chat_prompt(body, tok, "/v1/completions")]
     else:
         prompts = completion_prompts(body.get("prompt"))
-    # vLLM's: keep the last k prompt tokens, before the length checks (a text's BOS stays).
-    trunc = int_field(body, "truncate_prompt_tokens", None)
+    # vLLM's: keep the last k prompt tokens (-1: max_model_len), before the length checks
+    # (a text's BOS stays). check_truncation names what it takes (int_field would not).
+    trunc = body.get("truncate_prompt_tokens")
     try:
         check_truncation(trunc, max_model_len)
     except ValueError as e:

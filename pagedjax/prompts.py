@@ -59,8 +59,10 @@ def encode_prompt(
     """(text or None, token ids) of a prompt given as text or ids (or as vLLM's prompt
     dicts, `unpack_prompt`), validated.
 
-    `truncate_prompt_tokens` (`SamplingParams`'): keep only the last k ids (a text's
-    BOS, added by the tokenizer, stays first), before the checks below.
+    `truncate_prompt_tokens` (`SamplingParams`'): keep only the last k ids (-1: the
+    last max_model_len; a text's BOS, added by the tokenizer, stays first), before the
+    checks below. max_model_len ids leave no room to generate, so -1 (as k =
+    max_model_len) passes a shorter prompt whole and refuses a longer one (ValueError).
 
     Raises:
       ValueError: empty prompt, text without a tokenizer, ids outside the vocabulary,
@@ -69,7 +71,7 @@ def encode_prompt(
       TypeError: a prompt neither text nor a sequence of ids (a set included), a
         dict `unpack_prompt` refuses, or ids that are not ints.
     """
-    check_truncation(truncate_prompt_tokens, max_model_len)
+    k = check_truncation(truncate_prompt_tokens, max_model_len)
     if isinstance(prompt, Mapping):  # (read as its keys, it would be ids "prompt", ...)
         prompt, _ = unpack_prompt(prompt)
     if isinstance(prompt, str):
@@ -93,19 +95,20 @@ def encode_prompt(
         ids = [int(i) for i in ids]
     if not ids:
         raise ValueError("prompt is empty (no tokens)")
-    k = truncate_prompt_tokens
+    cut = ""
     if k is not None and len(ids) > k:
         bos = getattr(tokenizer, "bos_token_id", None)
         added = text is not None and getattr(tokenizer, "add_bos", False) and ids[0] == bos
         head = ids[:1] if added else []
         ids = head + ids[len(ids) - k + len(head) :]
+        cut = f" after truncate_prompt_tokens={truncate_prompt_tokens}"
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
         raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
     if len(ids) >= max_model_len:
         raise ValueError(
-            f"prompt has {len(ids)} tokens; max_model_len={max_model_len} leaves no room to "
-            "generate"
+            f"prompt has {len(ids)} tokens{cut}; max_model_len={max_model_len} leaves no "
+            "room to generate"
         )
     return text, ids
 
@@ -149,16 +152,32 @@ def unpack_prompt(prompt: Mapping) -> tuple[str | Sequence[int], str | None]:
     return prompt[key], salt
 
 
-def check_truncation(truncate_prompt_tokens: int | None, max_model_len: int) -> None:
-    """ValueError unless `truncate_prompt_tokens` is None or an int in [1, max_model_len]
-    (vLLM refuses more than max_model_len too)."""
+def check_truncation(
+    truncate_prompt_tokens: int | None, max_model_len: int | None = None
+) -> int | None:
+    """How many of a prompt's last tokens `truncate_prompt_tokens` keeps: None (all of
+    them), k for an int k >= 1, or max_model_len for -1 (vLLM's "the truncation size
+    supported by the model"). Without `max_model_len` (`SamplingParams`, which knows no
+    model) only the value is checked, and -1 comes back as it is.
+
+    Raises:
+      ValueError: 0, a negative other than -1, a bool, a float, or anything else not an
+        int; or k > max_model_len (vLLM refuses it too).
+    """
     k = truncate_prompt_tokens
-    if k is not None and (not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1):
+    if k is None:
+        return None
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or (k < 1 and k != -1):
         raise ValueError(
-            f"truncate_prompt_tokens must be None or an int >= 1, got truncate_prompt_tokens={k!r}"
+            "truncate_prompt_tokens must be None, -1 (max_model_len) or an int >= 1, got "
+            f"truncate_prompt_tokens={k!r}"
         )
-    if k is not None and k > max_model_len:
+    k = int(k)
+    if max_model_len is None:
+        return k
+    if k > max_model_len:
         raise ValueError(
             f"truncate_prompt_tokens={k} is more than max_model_len={max_model_len}; "
             "select a smaller truncation size"
         )
+    return max_model_len if k == -1 else k

@@ -191,6 +191,10 @@ class SamplingParams:
         prompt's BOS, which the tokenizer adds, stays first: BOS and the last k - 1, as
         HF's left truncation keeps the special tokens it adds). `RequestOutput`'s
         prompt_token_ids are the kept ones. k > max_model_len is refused (ValueError).
+        -1 is k = max_model_len (vLLM's "the truncation size supported by the model"),
+        and as with that k, a prompt shorter than max_model_len runs whole and a longer
+        one, cut to max_model_len tokens, still leaves no room to generate: refused when
+        the request is added (ValueError).
       allowed_token_ids: None, or the only tokens that can be drawn (a non-empty list of
         ints >= 0; ids past the vocabulary are refused when the request is added): every
         other logit is -inf before sampling, greedy included, stop tokens too (an EOS
@@ -282,10 +286,10 @@ class SamplingParams:
 
         for name in ("n", "beam_width"):
             positive_int(name)
-        for name in ("max_tokens", "truncate_prompt_tokens"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{name} must be None or an int >= 1, got {name}={v!r}")
+        v = self.max_tokens
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"max_tokens must be None or an int >= 1, got max_tokens={v!r}")
+        check_truncation(self.truncate_prompt_tokens)  # (-1: the engine's max_model_len)
         t = self.temperature
         if not is_finite_number(t) or t < 0:
             raise ValueError(f"temperature must be finite and >= 0, got temperature={t!r}")

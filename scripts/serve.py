@@ -36,7 +36,7 @@ Fields of both POSTs: `model` (optional; another name is a 404), `max_tokens` (d
 (with `stream: true` only), `logit_bias` ({"token id": value in [-100, 100]}), and
 vLLM's `top_k` (-1 or 0: off), `min_p`, `repetition_penalty`, `ignore_eos`,
 `stop_token_ids`, `min_tokens`, `cache_salt`, `include_stop_str_in_output`,
-`skip_special_tokens`, `truncate_prompt_tokens` (the last K prompt tokens),
+`skip_special_tokens`, `truncate_prompt_tokens` (the last K prompt tokens; -1: K = max_model_len),
 `allowed_token_ids` (a list of token ids: only those can be drawn), `bad_words` (a list
 of strings never generated; needs a tokenizer), structured outputs (needs a tokenizer;
 one of: OpenAI's `response_format` `{"type": "json_schema", "json_schema": {"schema":

@@ -107,7 +107,7 @@ def raises_400(fn, *args, words: str, param: str | None = None, **kwargs) -> api
         (dict(skip_special_tokens="no"), "skip_special_tokens", "skip_special_tokens='no'"),
         (dict(include_stop_str_in_output=1), "include_stop_str_in_output", "output=1"),
         (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens", "truncate_prompt_tokens=0"),
-        (dict(truncate_prompt_tokens=-1), "truncate_prompt_tokens", "tokens=-1"),
+        (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens", "tokens=-2"),
         (dict(truncate_prompt_tokens="3"), "truncate_prompt_tokens", "tokens='3'"),
         (dict(truncate_prompt_tokens=True), "truncate_prompt_tokens", "tokens=True"),
         (dict(truncate_prompt_tokens=MAX_LEN + 1), "truncate_prompt_tokens", "max_model_len"),
@@ -696,3 +696,46 @@ def test_an_explicit_null_max_tokens_fills_each_prompts_room():
     body = dict(prompt=long, max_tokens=None)
     assert api.parse_job(body, **kw, defaults=dict(max_tokens=20)).params.max_tokens == 20
     raises_400(job, dict(prompt=long), words="max_tokens=16", param="max_tokens")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_truncate_prompt_tokens_minus_one_is_max_model_len(chat):
+    """vLLM's -1 is k = max_model_len: a shorter prompt is kept whole, a longer one cut to
+    max_model_len tokens leaves no room to generate (a 400, as with k = max_model_len);
+    another negative, 0, a bool or a float is a 400 naming it, and that -1 is allowed."""
+    where = "messages" if chat else "prompt"
+
+    def body(text, **kw):
+        return (
+            dict(messages=[{"role": "user", "content": text}], **kw)
+            if chat
+            else dict(prompt=text, **kw)
+        )
+
+    def ids(text):
+        return TOK.encode_chat(body(text)["messages"]) if chat else TOK.encode(text)
+
+    short = "ab" * 10
+    j = job(body(short, truncate_prompt_tokens=-1), chat=chat)
+    assert j.prompts == [ids(short)] and j.params.truncate_prompt_tokens == -1
+    assert j.prompts == job(body(short, truncate_prompt_tokens=MAX_LEN), chat=chat).prompts
+    if chat:  # the default max_tokens fills what the prompt leaves
+        assert j.params.max_tokens == MAX_LEN - len(ids(short))
+    long = "x" * (2 * MAX_LEN) + "abc"
+    for k in (-1, MAX_LEN):
+        words = f"prompt has {MAX_LEN} tokens after truncate_prompt_tokens={k}; max_model_len"
+        raises_400(job, body(long, truncate_prompt_tokens=k), chat=chat, words=words, param=where)
+    # Which ids -1 keeps, the last MAX_LEN: one outside the vocabulary ("\u0100" = 256)
+    # is refused (before the length check) only if it is kept.
+    seen = set()
+    for i in range(len(long) - MAX_LEN - 16, len(long)):
+        text = long[:i] + "\u0100" + long[i + 1 :]
+        kept = len(ids(text)) - ids(text).index(VOCAB) <= MAX_LEN
+        words = f"ids [{VOCAB}] are outside" if kept else f"prompt has {MAX_LEN} tokens after"
+        raises_400(job, body(text, truncate_prompt_tokens=-1), chat=chat, words=words, param=where)
+        seen.add(kept)
+    assert seen == {False, True}
+    for bad in (-2, -MAX_LEN, 0, True, 1.5, -1.0):
+        words = f"None, -1 (max_model_len) or an int >= 1, got truncate_prompt_tokens={bad!r}"
+        kw = dict(words=words, param="truncate_prompt_tokens")
+        raises_400(job, body(short, truncate_prompt_tokens=bad), chat=chat, **kw)

@@ -278,9 +278,12 @@ def test_encode_prompt_truncates_before_its_checks():
 @pytest.mark.parametrize(
     "k, words",
     [
-        (0, "truncate_prompt_tokens=0"),
-        (-1, "truncate_prompt_tokens=-1"),
-        (True, "truncate_prompt_tokens=True"),
+        (0, "None, -1 (max_model_len) or an int >= 1, got truncate_prompt_tokens=0"),
+        (-2, "None, -1 (max_model_len) or an int >= 1, got truncate_prompt_tokens=-2"),
+        (np.int64(-65), "None, -1 (max_model_len) or an int >= 1, got truncate_prompt_tokens="),
+        (True, "None, -1 (max_model_len) or an int >= 1, got truncate_prompt_tokens=True"),
+        (1.5, "None, -1 (max_model_len) or an int >= 1, got truncate_prompt_tokens=1.5"),
+        (-1.0, "None, -1 (max_model_len) or an int >= 1, got truncate_prompt_tokens=-1.0"),
         ("3", "truncate_prompt_tokens='3'"),
         (65, "truncate_prompt_tokens=65 is more than max_model_len=64"),
     ],
@@ -288,6 +291,42 @@ def test_encode_prompt_truncates_before_its_checks():
 def test_encode_prompt_refuses_bad_truncations(k, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         encode_prompt([5, 6], None, 256, 64, truncate_prompt_tokens=k)
+
+
+def test_truncate_minus_one_is_k_max_model_len():
+    """vLLM's -1 keeps the last max_model_len tokens (n here), a text's BOS first, as k = n
+    does. So many leave no room to generate: a longer prompt is refused as with k = n, a
+    shorter one is kept whole. An id outside the vocabulary marks a place in the prompt:
+    the vocabulary check (before the length check) refuses it only if it was kept."""
+    n, vocab = 40, 100
+
+    def refusal(prompt, tok, k) -> str:
+        with pytest.raises(ValueError) as e:
+            encode_prompt(prompt, tok, vocab, n, truncate_prompt_tokens=k)
+        return str(e.value).replace(f"truncate_prompt_tokens={k};", "truncate_prompt_tokens=K;")
+
+    ids = RNG.integers(0, vocab, size=90).tolist()
+    text = "".join(chr(c) for c in RNG.integers(97, 100, size=90))  # "a" to "c"
+    too_long = f"prompt has {n} tokens after truncate_prompt_tokens=K; max_model_len={n} "
+    outside = "prompt token ids [122] are outside the vocabulary [0, 100)"
+    for k in (-1, np.int64(-1), n):
+        assert (
+            encode_prompt(ids[: n - 1], None, vocab, n, truncate_prompt_tokens=k)[1] == ids[: n - 1]
+        )
+        short = text[: n - 2]  # BOS and n - 2 bytes
+        assert encode_prompt(short, _AddsBos(), vocab, n, truncate_prompt_tokens=k) == (
+            short,
+            [1, *short.encode()],
+        )
+        # Exactly n tokens: nothing to cut, refused as without truncation.
+        assert refusal(ids[:n], None, k) == refusal(ids[:n], None, None)
+        # Ids: the last n; a text: its BOS and the last n - 1 ("z" = 122).
+        for where, kept in ((-n - 1, False), (-n, True), (-1, True)):
+            marked = [*ids[:where], 122, *ids[len(ids) + where + 1 :]]
+            assert refusal(marked, None, k).startswith(outside if kept else too_long)
+        for where, kept in ((-n, False), (-n + 1, True), (-1, True)):
+            marked = text[:where] + "z" + text[len(text) + where + 1 :]
+            assert refusal(marked, _AddsBos(), k).startswith(outside if kept else too_long)
 
 
 def test_vllm_fields_are_validated_and_stored():
@@ -304,10 +343,16 @@ def test_vllm_fields_are_validated_and_stored():
         for bad in (0, 1, "no", None, 1.0):
             with pytest.raises(ValueError, match=re.escape(f"{name} must be a bool, got {name}=")):
                 SamplingParams(**{name: bad})
-    for name in ("max_tokens", "truncate_prompt_tokens"):
-        for bad in (0, -3, True, 2.0, "4"):
-            words = f"{name} must be None or an int >= 1, got {name}={bad!r}"
-            with pytest.raises(ValueError, match=re.escape(words)):
-                SamplingParams(**{name: bad})
+    for bad in (0, -3, True, 2.0, "4"):
+        words = f"max_tokens must be None or an int >= 1, got max_tokens={bad!r}"
+        with pytest.raises(ValueError, match=re.escape(words)):
+            SamplingParams(max_tokens=bad)
+    # truncate_prompt_tokens: -1 too (vLLM's max_model_len), not any other negative.
+    assert SamplingParams(truncate_prompt_tokens=-1).truncate_prompt_tokens == -1
+    assert type(SamplingParams(truncate_prompt_tokens=np.int8(-1)).truncate_prompt_tokens) is int
+    for bad in (0, -2, -3, True, False, 1.5, 2.0, -1.0, "4", "-1"):
+        words = "truncate_prompt_tokens must be None, -1 (max_model_len) or an int >= 1, got "
+        with pytest.raises(ValueError, match=re.escape(f"{words}truncate_prompt_tokens={bad!r}")):
+            SamplingParams(truncate_prompt_tokens=bad)
     # Beam search: no stop strings, but a stop token's (EOS's) text is still its to keep.
     assert SamplingParams(beam_width=2, include_stop_str_in_output=True).beam_width == 2

@@ -206,6 +206,21 @@ def test_truncate_prompt_tokens_keeps_the_last_k(llm):
     assert short.prompt_token_ids == long[:5]  # shorter than k: as it is
 
 
+def test_truncate_prompt_tokens_minus_one_is_max_model_len(llm):
+    """vLLM's -1: k = max_model_len (32). A shorter prompt runs whole; a longer one, cut to
+    32 tokens, leaves no room to generate and is refused, as with k = 32, before any runs."""
+    long = np.random.default_rng(5).integers(3, 256, size=40).tolist()
+    params = [greedy(1), greedy(1, truncate_prompt_tokens=-1)]
+    whole, cut = llm.generate([long[:31], long[:31]], params)
+    assert cut.prompt_token_ids == whole.prompt_token_ids == long[:31]
+    assert cut.outputs[0].token_ids == whole.outputs[0].token_ids
+    for k in (-1, 32):
+        words = f"prompt 1: prompt has 32 tokens after truncate_prompt_tokens={k}; max_model_len=32"
+        with pytest.raises(ValueError, match=words):
+            llm.generate([long[:5], long], [greedy(1), greedy(1, truncate_prompt_tokens=k)])
+    assert not llm.has_unfinished_requests()
+
+
 def test_a_text_prompt_keeps_its_bos_when_truncated(params):
     """As HF's left truncation (vLLM's) keeps the special tokens the tokenizer adds: the
     BOS, then the last k - 1 tokens of the text."""
@@ -226,9 +241,10 @@ def test_a_text_prompt_keeps_its_bos_when_truncated(params):
     "kwargs, match",
     [
         (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens=0"),
-        (dict(truncate_prompt_tokens=-1), "truncate_prompt_tokens=-1"),
+        (dict(truncate_prompt_tokens=-2), r"-1 \(max_model_len\) or an int >= 1, got .*=-2"),
         (dict(truncate_prompt_tokens=True), "truncate_prompt_tokens=True"),
         (dict(truncate_prompt_tokens=2.0), "truncate_prompt_tokens=2.0"),
+        (dict(truncate_prompt_tokens=1.5), "truncate_prompt_tokens=1.5"),
         (dict(max_tokens=0), "max_tokens=0"),
         (dict(max_tokens="8"), "max_tokens='8'"),
         (dict(skip_special_tokens="no"), "skip_special_tokens='no'"),
