@@ -129,6 +129,19 @@ class EngineCore:
         self._on_finish(out)
         return out
 
+    def drop_cache(self) -> None:
+        """Deletes the KV cache (its device memory is freed now) and forgets the prefix
+        cache's pages; `new_cache` makes another. No request may be unfinished."""
+        for x in jax.tree.leaves(self.cache):
+            x.delete()
+        self.cache = None
+        self.block_manager.uncache()
+
+    def new_cache(self) -> None:
+        """A new, zeroed KV cache (after `drop_cache`)."""
+        self.cache = sharding.create_cache(self.model_config, self.cache_config, self.params.mesh)
+        jax.block_until_ready(self.cache)
+
     def step(self, on_token=None, only: set[str] | None = None) -> list[RequestOutput]:
         """One step (see the module docstring); returns the requests finished in it, then
         the partial outputs of running ones that ask for them (`OutputProcessor.apply`).

@@ -1,6 +1,6 @@
 """The README's examples and flag lists match the code.
 
-The three Python examples of "Use it from Python" run as written (the kernel
+The four Python examples of "Use it from Python" run as written (the kernel
 example on random inputs it names but does not build), and so do the two of
 "Running on several GPUs" (on 4 simulated CPU devices, the tiny preset for the
 checkpoint); every flag of scripts/generate.py and scripts/serve.py is in the
@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -41,8 +42,8 @@ def _python_blocks(text: str) -> list[str]:
 EXAMPLES = _python_blocks(_section("Use it from Python"))
 
 
-def test_the_section_has_three_examples():
-    assert len(EXAMPLES) == 3
+def test_the_section_has_four_examples():
+    assert len(EXAMPLES) == 4
 
 
 def test_engine_example_runs(capsys):
@@ -50,9 +51,19 @@ def test_engine_example_runs(capsys):
     assert "num_generated_tokens" in capsys.readouterr().out
 
 
+def test_weight_update_example_runs():
+    """The RL loop's example: the engine ends on the last weights it was given."""
+    namespace = {}
+    exec(compile(EXAMPLES[1], "README weight-update example", "exec"), namespace)
+    llm, policy = namespace["llm"], namespace["policy"]
+    got, want = jax.tree.leaves(llm.params), jax.tree.leaves(policy)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+    assert len(namespace["outs"]) == 4 and not llm.has_unfinished_requests()
+
+
 def test_functional_core_example_runs(capsys):
     namespace = {}
-    exec(compile(EXAMPLES[1], "README functional-core example", "exec"), namespace)
+    exec(compile(EXAMPLES[2], "README functional-core example", "exec"), namespace)
     assert len(namespace["tokens"]) == 12  # the prompt's first token, then 11 decode steps
     assert all(0 <= t < namespace["cfg"].vocab_size for t in namespace["tokens"])
 
@@ -84,7 +95,7 @@ def test_kernel_example_runs_and_matches_the_reference():
         query_start_loc=query_start_loc,
     )
     decode_q = namespace["q"]
-    block = EXAMPLES[2]
+    block = EXAMPLES[3]
     first, second = block.split("# q [T, H, D]")
     exec(compile(first, "README kernel example (decode)", "exec"), namespace)
     want = np.stack(

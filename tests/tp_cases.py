@@ -370,6 +370,27 @@ def test_llm_tensor_parallel_argument(engine_params, engine_dense):
     engine_helpers.check_clean(llm)
 
 
+def test_update_params_and_sleep_keep_the_tensor_parallel_placement(engine_params):
+    """One-device weights given to a tp = 4 engine are sharded as its own (no
+    recompile), and wake_up's new cache is split over the mesh as the first was."""
+    llm = LLM(engine_params, tensor_parallel=4, **engine_helpers.GEOMETRY)
+    prompts = engine_tests.prompts_with_shared_prefixes()[:4]
+    llm.generate(prompts, engine_helpers.greedy(6))
+    shardings = [x.sharding for x in jax.tree.leaves(llm.params)]
+    pools = [x.sharding for x in jax.tree.leaves(llm.cache)]
+    new = engine_helpers.random_params(1)
+    before = sum(decode.compile_counts().values())
+    llm.sleep()
+    llm.wake_up()
+    llm.update_params(new)
+    assert [x.sharding for x in jax.tree.leaves(llm.params)] == shardings
+    assert [x.sharding for x in jax.tree.leaves(llm.cache)] == pools
+    outs = llm.generate(prompts, engine_helpers.greedy(6))
+    assert [o.outputs[0].token_ids for o in outs] == engine_helpers.Dense(new).greedy(prompts, 6)
+    assert sum(decode.compile_counts().values()) == before
+    engine_helpers.check_clean(llm)
+
+
 def test_llm_checks_the_split_before_loading_the_weights(tmp_path, monkeypatch):
     """A tensor_parallel the model cannot split (3 of 4 heads) was refused only after the
     weights were loaded (minutes and host memory for a large checkpoint); it is read
