@@ -184,7 +184,7 @@ class OutputProcessor:
         self.scheduler.set_tokens([plan.rows[i].seq for i in rows], [tokens[i] for i in rows])
         beams: dict[int, list] = {}
         done: list[RequestOutput] = []
-        partial: dict[int, Request] = {}  # output_kind CUMULATIVE or DELTA
+        partial: dict[int, tuple[Request, int]] = {}  # output_kind CUMULATIVE or DELTA
         try:
             for i in rows:
                 r = plan.rows[i]
@@ -210,7 +210,7 @@ class OutputProcessor:
                 if r.group.done and r.group.epoch == r.epoch:  # finished, not aborted
                     done.append(self._finish(req, now))
                 elif req.params.output_kind != RequestOutputKind.FINAL_ONLY:
-                    partial[id(r.group)] = req
+                    partial[id(r.group)] = req, r.epoch
         except BaseException:
             # An on_token callback raised (a Ctrl-C): the requests that finished in this
             # step before it, the one it raised on included, have left the scheduler, so
@@ -226,8 +226,10 @@ class OutputProcessor:
         for g, *results in beams.values():
             if self._beam_step(g.request, results):
                 done.append(self._finish(g.request, now))
-        for req in partial.values():
-            if not req.group.done:  # (finished or aborted by a later row or a callback)
+        for req, epoch in partial.values():
+            # (not if a later row finished it, or an on_token callback aborted it: its
+            # abort returned its last output)
+            if not req.group.done and req.group.epoch == epoch:
                 done.append(self.output(req, aborted=False, now=now, running=True))
         return done
 

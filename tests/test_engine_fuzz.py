@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 
 from pagedjax import decode, model
 from pagedjax.config import PRESETS
-from pagedjax.engine import LLM, SamplingParams
+from pagedjax.engine import LLM, RequestOutputKind, SamplingParams
 
 TINY = PRESETS["tiny"]  # float32, vocab 256 (byte tokenizer), EOS 2
 WINDOW = dataclasses.replace(TINY, sliding_window=7)
@@ -112,6 +112,8 @@ def sampling_params(draw, vocab: int) -> SamplingParams:
     if draw(st.integers(0, 4)) == 0:
         bias = st.dictionaries(tokens, st.sampled_from([-100.0, -5.0, 5.0]), max_size=3)
         kw["logit_bias"] = draw(bias)
+    kinds = [RequestOutputKind.FINAL_ONLY] * 4 + [RequestOutputKind.CUMULATIVE] * 2
+    kw["output_kind"] = draw(st.sampled_from(kinds + [RequestOutputKind.DELTA] * 2))
     return SamplingParams(**kw)
 
 
@@ -164,13 +166,42 @@ def engine(params, engine_kw) -> LLM:
     )
 
 
+def whole(sp, outs, what):
+    """A request's whole last output from all it returned (`output_kind`): CUMULATIVE
+    ones must each extend the one before; DELTA ones add up."""
+    *partial, last = outs
+    assert all(not o.finished for o in partial) and last.finished, what
+    if sp.output_kind == RequestOutputKind.CUMULATIVE:
+        for a, b in zip(outs, outs[1:], strict=False):
+            for ca, cb in zip(a.outputs, b.outputs, strict=True):
+                assert cb.token_ids[: len(ca.token_ids)] == ca.token_ids, what
+                assert cb.text.startswith(ca.text), f"{what}: {ca.text!r} -> {cb.text!r}"
+    if sp.output_kind != RequestOutputKind.DELTA:
+        return last
+    tokens, texts, lps = {}, {}, {}
+    for o in outs:
+        for c in o.outputs:
+            tokens[c.index] = tokens.get(c.index, []) + c.token_ids
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.logprobs is not None:
+                lps[c.index] = lps.get(c.index, []) + c.logprobs
+    comps = [
+        dataclasses.replace(
+            c, token_ids=tokens[c.index], text=texts[c.index], logprobs=lps.get(c.index)
+        )
+        for c in last.outputs
+    ]
+    return dataclasses.replace(last, outputs=comps)
+
+
 def drive(llm, requests, *, staggered: bool, aborts: bool):
     """Runs `requests` to the end, step by step; returns ({index: RequestOutput},
-    {index: partial output of an abort that took effect})."""
+    {index: last output of an abort that took effect}), whole (`whole`)."""
     ids: dict[int, str] = {}
     index: dict[str, int] = {}
     done: dict[int, object] = {}
     aborted: dict[int, object] = {}
+    partial: dict[int, list] = {}  # output_kind CUMULATIVE or DELTA
     counts: dict[str, int] = {}
 
     def abort(i):
@@ -178,7 +209,7 @@ def drive(llm, requests, *, staggered: bool, aborts: bool):
         if out is not None:
             assert i not in done, f"request {i} aborted after it finished"
             assert out.finished is True  # (its last output, as vLLM's "abort")
-            aborted[i] = out
+            aborted[i] = whole(requests[i][1], partial.pop(i, []) + [out], f"request {i}")
 
     def on_token(rid, _index, _tok):
         counts[rid] = counts.get(rid, 0) + 1
@@ -199,8 +230,12 @@ def drive(llm, requests, *, staggered: bool, aborts: bool):
                     abort(i)
         for o in llm.step(on_token=on_token):
             i = index[o.request_id]
-            assert i not in done and i not in aborted, f"request {i} returned twice"
-            done[i] = o
+            assert i not in done and i not in aborted, f"request {i} returned after its end"
+            if o.finished:
+                done[i] = whole(requests[i][1], partial.pop(i, []) + [o], f"request {i}")
+            else:
+                assert requests[i][1].output_kind != RequestOutputKind.FINAL_ONLY
+                partial.setdefault(i, []).append(o)
         step += 1
         assert step < MAX_STEPS, "the engine does not finish"
     for i in ids:  # aborting a finished (or aborted) request does nothing
@@ -211,7 +246,7 @@ def drive(llm, requests, *, staggered: bool, aborts: bool):
     assert stats.num_used_pages == 0 and stats.num_seqs == 0, stats
     assert stats.num_free_pages + stats.num_evictable_pages == stats.num_pages, stats
     assert not llm.has_unfinished_requests() and not llm.scheduler.has_unfinished()
-    assert set(done) | set(aborted) == set(range(len(requests)))
+    assert set(done) | set(aborted) == set(range(len(requests))) and not partial
     return done, aborted
 
 

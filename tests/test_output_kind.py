@@ -110,6 +110,31 @@ def test_delta_pieces_add_up_to_the_whole_output(llm, with_stop):
         assert reasons == {c.index: c.finish_reason for c in want[int(rid)].outputs}
 
 
+def test_no_partial_output_follows_an_abort_from_on_token(llm):
+    """A callback that aborts a request while its step's tokens are applied: the abort
+    returns its last output, and the step none after it (a partial output of a sample
+    applied before the abort came after the request's end)."""
+    llm.add_request(PROMPTS[0], params(DELTA, max_tokens=30, n=2), request_id="x")
+    events, calls = [], []
+
+    def on_token(rid, index, tok):
+        calls.append(index)
+        if len(calls) >= 4 and index == 1 and not events:
+            # (sample 0's token of this step was applied before)
+            events.append(("abort", llm.abort(rid)))
+
+    outs = []
+    while llm.has_unfinished_requests():
+        outs += llm.step(on_token=on_token)
+        if events:
+            events += [("step", o) for o in outs]
+        outs = []
+    kinds = [k for k, _ in events]
+    assert "abort" in kinds and kinds[kinds.index("abort") + 1 :] == []
+    assert events[kinds.index("abort")][1].finished
+    check_clean(llm)
+
+
 def test_partial_texts_come_from_an_incremental_detokenizer(llm, monkeypatch):
     """A running completion's partial text is its tokens' decode after the prompt, less
     an incomplete last character, read from its incremental detokenizer: the whole text
