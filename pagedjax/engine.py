@@ -18,8 +18,10 @@ the jitted `decode.prefill_step` / `decode.decode_step`, and `OutputProcessor`
 (`pagedjax.outputs`) applies their tokens (stop checks, logprobs, host-side beam search
 from `pagedjax.beam`), with the host's work overlapping the device's (`async_scheduling`,
 see `pagedjax.engine_core`). This module checks and queues requests and collects their
-outputs; also: metrics (`pagedjax.metrics`), request types (`pagedjax.request`), model
-loading and KV sizing (`pagedjax.resources`).
+outputs; also: the constructor's argument checks (`pagedjax.engine_args`), prompts,
+`generate`'s and `chat`'s arguments among them (`pagedjax.prompts`), metrics
+(`pagedjax.metrics`), request types (`pagedjax.request`), model loading and KV sizing
+(`pagedjax.resources`).
 
 Failures: an exception escaping a step (a compile error, device OOM, KeyboardInterrupt,
 an `on_token` callback's) aborts the requests (`generate` on Ctrl-C: only its own; the
@@ -35,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
 
 import jax
@@ -45,10 +47,13 @@ from pagedjax import decode, planner, sharding, weight_sync
 from pagedjax.batch import request_constraints
 from pagedjax.beam import BeamSearch
 from pagedjax.blocks import BlockManager
-from pagedjax.config import CacheConfig, dtype_name
+from pagedjax.config import CacheConfig
+from pagedjax.engine_args import check_engine_args, model_limits
 from pagedjax.engine_core import EngineCore
 from pagedjax.metrics import EngineMetrics
 from pagedjax.outputs import OutputProcessor
+from pagedjax.prompts import _VLLM_CHAT_ONLY as _VLLM_CHAT_ONLY
+from pagedjax.prompts import chat_prompts, request_lists, salted_prompt
 from pagedjax.request import (
     CompletionOutput,
     Logprob,
@@ -58,19 +63,9 @@ from pagedjax.request import (
     SamplingParams,
     StructuredOutputsParams,
     encode_prompt,
-    unpack_prompt,
 )
-from pagedjax.resources import (
-    check_backend,
-    checkpoint_dir,
-    generation_config_defaults,
-    load_model,
-    peak_device_memory,
-    plan_num_pages,
-    source_config,
-)
+from pagedjax.resources import load_model, peak_device_memory, plan_num_pages
 from pagedjax.scheduler import Scheduler
-from pagedjax.step_input import is_int
 from pagedjax.tokenizer import Tokenizer
 
 __all__ = [
@@ -84,9 +79,6 @@ __all__ = [
 ]
 
 _SEED_STRIDE = 0x9E3779B1
-# vLLM's LLM.chat arguments that `chat` does not support: refused, since its **template_vars
-# would take them as template variables and ignore them silently.
-_VLLM_CHAT_ONLY = ("lora_request", "mm_processor_kwargs")
 
 
 class LLM:
@@ -159,56 +151,28 @@ class LLM:
         generation_config: str = "auto",
     ):
         t0 = perf_counter()
-        # Checked before loading anything: a flag read as truthy ("no") ran the wrong mode.
-        for name, flag in (("interpret", interpret), ("async_scheduling", async_scheduling)):
-            if not isinstance(flag, (bool, np.bool_)):
-                raise ValueError(f"{name} must be a bool, got {name}={flag!r}")
-        if not is_int(seed) or not 0 <= seed < 2**63:  # flax's Rngs takes an int64
-            raise ValueError(f"seed must be an int in [0, 2**63), got {seed=}")
-        if buckets is not None and not isinstance(buckets, decode.Buckets):
-            raise TypeError(f"buckets must be a decode.Buckets or None, got {buckets=}")
-        if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
-            raise TypeError(
-                f"tokenizer must be a pagedjax.tokenizer.Tokenizer or None, got {tokenizer!r}"
-            )
-        if generation_config not in ("auto", "none"):
-            raise ValueError(
-                f"generation_config must be 'auto' or 'none', got {generation_config=}"
-            )
-        self.backend = check_backend(backend, bool(interpret))
-        self.interpret = bool(interpret)
-        if num_pages is not None and kv_memory_fraction is not None:
-            raise ValueError(
-                f"give num_pages or kv_memory_fraction, not both ({num_pages=}, "
-                f"{kv_memory_fraction=})"
-            )
-        if kv_memory_fraction is not None and (  # checked before loading anything
-            isinstance(kv_memory_fraction, bool)
-            or not isinstance(kv_memory_fraction, (int, float))
-            or not 0 < kv_memory_fraction <= 1
-        ):
-            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction=}")
-        if kv_cache_dtype != "auto":  # checked before loading anything
-            kv_cache_dtype = dtype_name(kv_cache_dtype, kv=True)
-        # The cache geometry and the scheduler's limits, checked by building them small (the
-        # real ones need the model's config): a bad value is named before a checkpoint loads.
-        pages = 1 if num_pages is None else num_pages
-        CacheConfig(page_size, pages)
-        bm = BlockManager(
-            pages,
-            page_size,
+        # Checked before loading anything: a bad value is named before a checkpoint loads.
+        kv_cache_dtype, self.sampling_defaults, mesh = check_engine_args(
+            checkpoint_or_config,
+            page_size=page_size,
+            num_pages=num_pages,
+            kv_memory_fraction=kv_memory_fraction,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
+            backend=backend,
+            seed=seed,
             max_model_len=max_model_len,
             watermark=watermark,
+            buckets=buckets,
+            interpret=interpret,
+            tokenizer=tokenizer,
+            tensor_parallel=tensor_parallel,
+            async_scheduling=async_scheduling,
+            kv_cache_dtype=kv_cache_dtype,
+            generation_config=generation_config,
         )
-        Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-        gen_dir = checkpoint_dir(checkpoint_or_config) if generation_config == "auto" else None
-        # (read before the weights: a bad value is named before a checkpoint loads)
-        self.sampling_defaults = {} if gen_dir is None else generation_config_defaults(gen_dir)
-        mesh = None  # checked before loading anything: an int, that many devices, and
-        # (from the config alone) that the model splits that many ways
-        if type(tensor_parallel) is not int or tensor_parallel != 1:  # 1.0 was taken as 1
-            mesh = sharding.make_mesh(tensor_parallel, source_config(checkpoint_or_config))
+        self.backend, self.interpret = backend, bool(interpret)
         with sharding.host_staging() if mesh is not None else contextlib.nullcontext():
             cfg, params, tok, self.model_source = load_model(
                 checkpoint_or_config, dtype=dtype, seed=int(seed)
@@ -218,13 +182,7 @@ class LLM:
         self.tensor_parallel = sharding.tensor_parallel_size(params.mesh)
         self.config, self.params = cfg, params
         self.tokenizer = tokenizer or tok
-        limit = cfg.max_position_embeddings
-        if max_model_len is not None and not 1 < max_model_len <= limit:  # an int, checked above
-            raise ValueError(f"max_model_len must be an int in [2, {limit}], got {max_model_len=}")
-        self.max_model_len = limit if max_model_len is None else int(max_model_len)
-        kv_dtype = cfg.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-        if kv_dtype == "float8_e4m3fn" and cfg.dtype == "float16":  # kernels upcast to q's
-            raise ValueError(f"an fp8 KV cache needs a bfloat16 or float32 model, got {cfg.dtype}")
+        self.max_model_len, kv_dtype = model_limits(cfg, max_model_len, kv_cache_dtype)
         if num_pages is None:
             num_pages = plan_num_pages(
                 sharding.device_kv_config(cfg, self.tensor_parallel),  # one device's share
@@ -336,16 +294,7 @@ class LLM:
     ) -> tuple[str | None, list[int], SamplingParams]:
         """(text or None, token ids, params) of a request: `params` resolved (`_params`),
         with a prompt dict's cache salt, and the prompt encoded under them."""
-        params = self._params(params)
-        if isinstance(prompt, Mapping):
-            prompt, salt = unpack_prompt(prompt)
-            if salt is not None and params.cache_salt not in (None, salt):
-                raise ValueError(
-                    f"the prompt dict's cache_salt={salt!r:.40} differs from its sampling "
-                    f"params' cache_salt={params.cache_salt!r:.40}"
-                )
-            if salt is not None:
-                params = dataclasses.replace(params, cache_salt=salt)
+        prompt, params = salted_prompt(prompt, self._params(params))
         k = params.truncate_prompt_tokens
         return *self.encode(prompt, truncate_prompt_tokens=k), params
 
@@ -475,21 +424,7 @@ class LLM:
           in a step aborts every request (it may be theirs: an OOM from the batch they
           share); one raised between steps (`on_step`) aborts this call's requests.
         """
-        if isinstance(prompts, (str, Mapping)):  # one prompt
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or self.default_sampling_params()] * len(prompts)
-        elif isinstance(sampling_params, Mapping) or not isinstance(sampling_params, Iterable):
-            # (a dict would be taken as a list of its keys: "got 'max_tokens'")
-            raise TypeError(
-                "sampling_params must be a SamplingParams or a list of them, got "
-                f"{type(sampling_params).__name__}: {sampling_params!r:.80}"
-            )
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        prompts, params = request_lists(prompts, sampling_params, self.default_sampling_params)
         encoded = []
         for i, p in enumerate(prompts):  # validate all before queueing any
             try:
@@ -579,25 +514,13 @@ class LLM:
           ImportError: jinja2 is missing (the `chat` extra).
           Anything `generate` raises (a failed step, KeyboardInterrupt), as it does.
         """
-        for name in _VLLM_CHAT_ONLY:  # a template variable would drop them silently
-            if name in template_vars:
-                raise TypeError(f"chat() does not support vLLM's {name}")
-        if chat_template_kwargs is not None:
-            if not isinstance(chat_template_kwargs, Mapping):
-                raise TypeError(
-                    "chat_template_kwargs must be a dict of template variables, got "
-                    f"{chat_template_kwargs!r:.80}"
-                )
-            template_vars = {**chat_template_kwargs, **template_vars}
-        tok = self.tokenizer
-        if tok is None:
-            raise ValueError("chat needs a tokenizer with a chat template; this model has none")
-        if chat_template is not None:
-            if not isinstance(chat_template, str):
-                raise TypeError(f"chat_template must be a str, got {chat_template!r:.80}")
-            tok = tok.with_chat_template(chat_template, "LLM.chat(chat_template=...)")
-        texts, ids = tok.encode_conversations(
-            messages, add_generation_prompt=add_generation_prompt, **template_vars
+        texts, ids = chat_prompts(
+            self.tokenizer,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+            template_vars=template_vars,
         )
         outs = self.generate(ids, sampling_params, use_tqdm=use_tqdm)
         return [dataclasses.replace(o, prompt=t) for o, t in zip(outs, texts, strict=True)]

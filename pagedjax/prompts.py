@@ -2,16 +2,33 @@
 (`unpack_prompt`), encoded and checked on the host (`encode_prompt`), truncated as
 `SamplingParams.truncate_prompt_tokens` asks (`check_truncation`), and a request's bad
 words as the token sequences they ban (`encode_bad_words`). `pagedjax.request`
-re-exports all of it.
+re-exports those. Also, moved here from `pagedjax.engine`: a prompt dict's cache salt
+set in its request's params (`salted_prompt`), `LLM.generate`'s arguments as a list of
+prompts and one of sampling params (`request_lists`), and `LLM.chat`'s conversations
+rendered into prompts (`chat_prompts`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-__all__ = ["Prompt", "check_truncation", "encode_bad_words", "encode_prompt", "unpack_prompt"]
+if TYPE_CHECKING:
+    from pagedjax.request import SamplingParams
+
+__all__ = [
+    "Prompt",
+    "chat_prompts",
+    "check_truncation",
+    "encode_bad_words",
+    "encode_prompt",
+    "request_lists",
+    "salted_prompt",
+    "unpack_prompt",
+]
 
 # A prompt: text, token ids, or vLLM's prompt dicts ({"prompt": ...} or
 # {"prompt_token_ids": ...}, `unpack_prompt`).
@@ -152,6 +169,27 @@ def unpack_prompt(prompt: Mapping) -> tuple[str | Sequence[int], str | None]:
     return prompt[key], salt
 
 
+def salted_prompt(prompt: Prompt, params: SamplingParams) -> tuple[Prompt, SamplingParams]:
+    """(`prompt`, `params`) with a prompt dict unpacked (`unpack_prompt`) and its cache
+    salt, if any, set in `params` (a copy).
+
+    Raises:
+      ValueError: the dict's cache salt differs from one `params` already has.
+      TypeError: as `unpack_prompt`.
+    """
+    if not isinstance(prompt, Mapping):
+        return prompt, params
+    prompt, salt = unpack_prompt(prompt)
+    if salt is not None and params.cache_salt not in (None, salt):
+        raise ValueError(
+            f"the prompt dict's cache_salt={salt!r:.40} differs from its sampling "
+            f"params' cache_salt={params.cache_salt!r:.40}"
+        )
+    if salt is not None:
+        params = dataclasses.replace(params, cache_salt=salt)
+    return prompt, params
+
+
 def check_truncation(
     truncate_prompt_tokens: int | None, max_model_len: int | None = None
 ) -> int | None:
@@ -181,3 +219,81 @@ def check_truncation(
             "select a smaller truncation size"
         )
     return max_model_len if k == -1 else k
+
+
+def request_lists(
+    prompts: Prompt | Sequence[Prompt],
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    default: Callable[[], SamplingParams],
+) -> tuple[list[Prompt], list[SamplingParams | None]]:
+    """`LLM.generate`'s prompts and sampling params as two lists of one length: one
+    prompt (a str or a prompt dict) is a list of one, and one `SamplingParams` (None:
+    `default()`) serves every prompt. The prompts and params themselves are checked as
+    each request is encoded.
+
+    Raises:
+      TypeError: `sampling_params` is neither a SamplingParams nor a list of them.
+      ValueError: a list of sampling params not as long as the prompts.
+    """
+    from pagedjax.request import SamplingParams  # (it imports this module)
+
+    if isinstance(prompts, (str, Mapping)):  # one prompt
+        prompts = [prompts]
+    prompts = list(prompts)
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        params = [sampling_params or default()] * len(prompts)
+    elif isinstance(sampling_params, Mapping) or not isinstance(sampling_params, Iterable):
+        # (a dict would be taken as a list of its keys: "got 'max_tokens'")
+        raise TypeError(
+            "sampling_params must be a SamplingParams or a list of them, got "
+            f"{type(sampling_params).__name__}: {sampling_params!r:.80}"
+        )
+    else:
+        params = list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+    return prompts, params
+
+
+# vLLM's LLM.chat arguments that `LLM.chat` does not support: refused, since its
+# **template_vars would take them as template variables and ignore them silently.
+_VLLM_CHAT_ONLY = ("lora_request", "mm_processor_kwargs")
+
+
+def chat_prompts(
+    tokenizer,
+    messages,
+    *,
+    add_generation_prompt: bool,
+    chat_template: str | None,
+    chat_template_kwargs: Mapping | None,
+    template_vars: dict,
+) -> tuple[list[str], list[list[int]]]:
+    """(rendered texts, token ids) of `LLM.chat`'s conversations (its arguments, as it
+    documents them), rendered by `tokenizer`'s chat template or by `chat_template`.
+
+    Raises:
+      ValueError: no tokenizer, or as `Tokenizer.with_chat_template` and
+        `Tokenizer.encode_conversations` do.
+      TypeError: a vLLM argument `LLM.chat` does not support among `template_vars`,
+        `chat_template` not a str, or `chat_template_kwargs` not a dict.
+    """
+    for name in _VLLM_CHAT_ONLY:  # a template variable would drop them silently
+        if name in template_vars:
+            raise TypeError(f"chat() does not support vLLM's {name}")
+    if chat_template_kwargs is not None:
+        if not isinstance(chat_template_kwargs, Mapping):
+            raise TypeError(
+                "chat_template_kwargs must be a dict of template variables, got "
+                f"{chat_template_kwargs!r:.80}"
+            )
+        template_vars = {**chat_template_kwargs, **template_vars}
+    if tokenizer is None:
+        raise ValueError("chat needs a tokenizer with a chat template; this model has none")
+    if chat_template is not None:
+        if not isinstance(chat_template, str):
+            raise TypeError(f"chat_template must be a str, got {chat_template!r:.80}")
+        tokenizer = tokenizer.with_chat_template(chat_template, "LLM.chat(chat_template=...)")
+    return tokenizer.encode_conversations(
+        messages, add_generation_prompt=add_generation_prompt, **template_vars
+    )
