@@ -478,7 +478,9 @@ class Handler(BaseHTTPRequestHandler):
                 _, rid, out = event
                 outs.append(out)
                 for o in out.outputs:
-                    c = choices.get((rid, o.index)) or StreamedChoice(None, ())
+                    # A choice no token streamed (a beam search's: its beams are known
+                    # only at the end) goes out whole, its tokens named after the prompt.
+                    c = choices.get((rid, o.index)) or StreamedChoice(None, prompts[rid])
                     # The rest, from the final output: its text and tokens as not streamed.
                     ids = o.token_ids[c.num_tokens :]
                     entries = o.logprobs[c.num_tokens :] if k is not None else ()

@@ -28,6 +28,7 @@ prompt leaves); a max_tokens given is never cut (vLLM caps it too).
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -295,19 +296,26 @@ def sampling_params(
 ) -> SamplingParams:
     """The request's SamplingParams (ApiError 400 naming the field and value); a field of
     `SAMPLING_FIELDS` left out or null takes `defaults`' value, if it has one; `guided`:
-    its structured outputs (`structured_outputs`)."""
+    its structured outputs (`structured_outputs`).
+
+    vLLM's `use_beam_search: true` is a beam search of width `n` answering its `n` best
+    beams (`beam_width=n`), with vLLM's `length_penalty`; as vLLM's, it takes none of
+    `defaults` (a checkpoint's top_p would refuse it) and ignores `temperature`. What
+    beam search refuses (stop strings, top_k, top_p, min_p, penalties, logit_bias, ...)
+    is a 400 naming the field, whatever `n`. `length_penalty` without it is a 400
+    (sampling has nothing to apply it to)."""
     for name, bad, why in (
         ("echo", bool(body.get("echo")), "echo=true is not supported (the prompt is not returned)"),
         ("best_of", body.get("best_of") not in (None, 1), "best_of is not supported"),
         ("suffix", body.get("suffix") is not None, "suffix is not supported"),
-        ("use_beam_search", bool(body.get("use_beam_search")), "beam search is not supported"),
         ("tools", bool(body.get("tools")), "tools (function calling) are not supported"),
         ("functions", bool(body.get("functions")), "function calling is not supported"),
     ):
         if bad:
             raise ApiError(400, f"{why}, got {name}={body.get(name)!r}", name)
-    kw = {k: v for k, v in (defaults or {}).items() if k in SAMPLING_FIELDS}
-    kw.update((k, body[k]) for k in SAMPLING_FIELDS if body.get(k) is not None)
+    beam = bool_field(body, "use_beam_search")
+    kw = {} if beam else {k: v for k, v in (defaults or {}).items() if k in SAMPLING_FIELDS}
+    kw.update((k, body[k]) for k in (*SAMPLING_FIELDS, "length_penalty") if body.get(k) is not None)
     if kw.get("top_k") == -1:  # vLLM's "off"
         kw["top_k"] = 0
     stop = body.get("stop")
@@ -344,12 +352,41 @@ def sampling_params(
     elif bias not in (None, {}):
         kw["logit_bias"] = bias  # SamplingParams says what is wrong with it
     if guided is not None:
+        if beam:  # (SamplingParams' refusal names neither the field given nor n)
+            (name,) = _structured_fields(body)
+            msg = f"structured outputs are not supported with beam search, got {name}"
+            raise ApiError(400, f"{msg}={body[name]!r:.80}", name)
         kw["structured_outputs"] = guided
+    if beam:
+        n = kw.get("n", 1)
+        # Checked as a search of width >= 2 even for n = 1, so what a search refuses is
+        # refused whatever n (an n that is no int >= 1 is named all the same).
+        is_int = isinstance(n, int) and not isinstance(n, bool)
+        kw["beam_width"] = n if is_int and n > 1 else 2
     try:
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kw)
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kw)
     except (ValueError, TypeError) as e:
-        name = str(e).split(" ", 1)[0]
-        raise ApiError(400, str(e), name if name in PARAM_FIELDS else None) from None
+        raise ApiError(400, str(e), _field_at_fault(str(e), kw)) from None
+    if beam and params.n == 1:
+        # vLLM runs a width-1 beam search, which follows the most likely token at every
+        # step as greedy decoding does (it differs where a stop token is the most likely:
+        # it keeps the runner-up going too, and answers whichever scores better). The
+        # engine's searches are of width >= 2, so n = 1 is greedy; length_penalty, which
+        # weighs beams of different lengths, is moot.
+        params = dataclasses.replace(params, beam_width=1, temperature=0.0, length_penalty=1.0)
+    return params
+
+
+_DEFAULT_PARAMS = SamplingParams()
+
+
+def _field_at_fault(message: str, kw: Mapping) -> str | None:
+    """The request field a SamplingParams error is about: of the fields its message names,
+    the first the request set to other than its default (beam search's refusals name
+    several: "top_k, top_p and min_p are not supported ..."), else the first named."""
+    names = [w for w in re.findall(r"\w+", message) if w in PARAM_FIELDS]
+    given = [x for x in names if x in kw and kw[x] != getattr(_DEFAULT_PARAMS, x)]
+    return (given or names or [None])[0]
 
 
 # vLLM's older request fields of structured outputs -> StructuredOutputsParams' fields.
@@ -361,6 +398,17 @@ _GUIDED_FIELDS = {
 }
 
 
+def _structured_fields(body: dict) -> list[str]:
+    """The request's fields that ask for structured outputs (a valid request has one at
+    most; `response_format` `{"type": "text"}` asks for none)."""
+    return [
+        name
+        for name in ("response_format", "structured_outputs", *_GUIDED_FIELDS)
+        if body.get(name) is not None
+        and not (name == "response_format" and body[name] == {"type": "text"})
+    ]
+
+
 def structured_outputs(body: dict, tokenizer, vocab_size: int) -> StructuredOutputsParams | None:
     """The request's structured outputs, from OpenAI's `response_format` ({"type":
     "json_schema", "json_schema": {"schema": {...}}} or {"type": "json_object"};
@@ -369,12 +417,7 @@ def structured_outputs(body: dict, tokenizer, vocab_size: int) -> StructuredOutp
     `guided_whitespace_pattern`); one of them at most. Compiled for `tokenizer` here
     (the engine's compile of it is then cached), so that a spec too large, or a model
     without a tokenizer, is a 400 naming the field."""
-    given = [
-        name
-        for name in ("response_format", "structured_outputs", *_GUIDED_FIELDS)
-        if body.get(name) is not None
-        and not (name == "response_format" and body[name] == {"type": "text"})
-    ]
+    given = _structured_fields(body)
     if not given:
         return None
     if len(given) > 1:

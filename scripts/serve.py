@@ -69,6 +69,19 @@ stream has begun is its last event, `data: {"error": ...}`, followed by `data: [
 (as vLLM ends it). HEAD answers a GET path's status and headers; OPTIONS, 204 (no body,
 no `Content-Length`) with the path's `Allow` methods.
 
+Beam search: vLLM's `use_beam_search: true` runs a beam search of width `n` (the
+engine's `SamplingParams(beam_width=n, n=n)`) and answers its `n` best beams as the
+choices, best first, each scored `logprob_sum / length ** length_penalty` (vLLM's
+`length_penalty`, default 1; without beam search another value is a 400). `n: 1` (the
+default) is greedy decoding, which vLLM's width-1 search nearly is. `max_tokens`,
+`ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `logprobs` (each beam's
+own tokens') and `return_token_ids` apply; `temperature` is ignored, as vLLM ignores it,
+and the checkpoint's sampling defaults do not apply; stop strings, `top_k`, `top_p`,
+`min_p`, `min_tokens`, the penalties, `logit_bias`, `allowed_token_ids`, `bad_words`
+and structured outputs are 400s naming the field. Streamed, each choice comes whole
+when the search ends: one chunk with its text (and logprobs and token ids) and its
+`finish_reason`.
+
 A checkpoint without a tokenizer (no tokenizer.json) serves completions of token id
 prompts only, as vLLM with `skip_tokenizer_init`: a string prompt, chat and `stop`
 strings are 400s. Its `text` is always "", so every choice carries `token_ids` (with or
@@ -83,8 +96,8 @@ caps a left-out `max_tokens`' default (as vLLM's does; a `max_tokens` given is n
 `--generation-config none` ignores the file.
 
 Not supported (400 when asked for): `echo: true`, `best_of` > 1, `suffix`, tools
-and function calling, grammars (`guided_grammar`, `structured_outputs.grammar`), and
-beam search (`use_beam_search: true`). Other unknown fields are ignored.
+and function calling, and grammars (`guided_grammar`, `structured_outputs.grammar`).
+Other unknown fields are ignored.
 
 Streaming (`stream: true`): Server-Sent Events, one `data: {chunk}` per new piece of
 text (`text_completion` chunks, or `chat.completion.chunk` with `delta: {role}` first,

@@ -94,7 +94,7 @@ def test_bad_completion_fields_are_400s_naming_field_and_value(body, param, word
         (dict(stream="false"), "stream", "stream='false'"),
         (dict(stream=True, stream_options=[1]), "stream_options", "stream_options=[1]"),
         (dict(stream=True, stream_options={"include_usage": "no"}), "stream_options", "'no'"),
-        (dict(use_beam_search=True), "use_beam_search", "beam search is not supported"),
+        (dict(use_beam_search=1), "use_beam_search", "use_beam_search=1"),
         (dict(model=5), "model", "model must be a string, got model=5"),  # a 404, not served
         (dict(max_tokens=MAX_LEN), "max_tokens", f"max_tokens={MAX_LEN}"),
         (dict(prompt="a" * (MAX_LEN - 8)), "max_tokens", "max_tokens=16"),

@@ -298,7 +298,7 @@ def test_concurrent_requests_equal_their_sequential_results(server, ref):
         ("/v1/completions", dict(prompt="x" * 500), 400, "max_tokens=16 are more than"),
         ("/v1/completions", dict(prompt="a", max_tokens=600), 400, "at most 511"),
         ("/v1/completions", dict(prompt="a", stream="yes"), 400, "stream='yes'"),
-        ("/v1/completions", dict(prompt="a", use_beam_search=True), 400, "beam search"),
+        ("/v1/completions", dict(prompt="a", use_beam_search=1), 400, "use_beam_search=1"),
         ("/v1/chat/completions", dict(messages=[{"content": "hi"}]), 400, "role=None"),
         ("/v1/completions", dict(prompt=[]), 400, "prompt=[]"),
         ("/v1/completions", dict(prompt=[[1, 2], [3, 999]]), 400, "prompt 1:"),
