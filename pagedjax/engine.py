@@ -43,9 +43,11 @@ from time import perf_counter
 import jax
 import numpy as np
 
+from pagedjax import beam_search as beam_api
 from pagedjax import decode, planner, sharding, weight_sync
 from pagedjax.batch import request_constraints
 from pagedjax.beam import BeamSearch
+from pagedjax.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedjax.blocks import BlockManager
 from pagedjax.config import CacheConfig
 from pagedjax.engine_args import check_engine_args, model_limits
@@ -70,6 +72,9 @@ from pagedjax.tokenizer import Tokenizer
 
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "Logprob",
     "RequestOutput",
@@ -524,6 +529,37 @@ class LLM:
         )
         outs = self.generate(ids, sampling_params, use_tqdm=use_tqdm)
         return [dataclasses.replace(o, prompt=t) for o, t in zip(outs, texts, strict=True)]
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+        lora_request=None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search` (`pagedjax.beam_search`): per prompt, a
+        `BeamSearchOutput` of its `params.beam_width` best sequences (prompt ids and
+        generated ids, text, cumulative logprob, per-token logprobs), best first, from
+        the engine's beam search (`SamplingParams(beam_width=W, n=W)`).
+
+        Args:
+          prompts: as for `generate`.
+          params: a `BeamSearchParams`.
+          use_tqdm: as for `generate`.
+          concurrency_limit: run the prompts this many at a time (None: all at once).
+          lora_request: vLLM's; LoRA is not supported (TypeError unless None).
+
+        Raises:
+          TypeError: `params` is not a BeamSearchParams, or a `lora_request`.
+          ValueError: a bad `concurrency_limit`; anything `generate` raises.
+        """
+        if lora_request is not None:
+            raise TypeError(f"LoRA is not supported, got lora_request={lora_request!r:.80}")
+        return beam_api.beam_search(
+            self, prompts, params, use_tqdm=use_tqdm, concurrency_limit=concurrency_limit
+        )
 
     # ------------------------------------------------------ weights and memory
 

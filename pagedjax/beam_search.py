@@ -1,0 +1,150 @@
+"""vLLM's beam-search API over the engine's beam search: `LLM.beam_search`.
+
+vLLM runs beam search through its own entry point, `LLM.beam_search(prompts,
+BeamSearchParams(...))`, which returns a `BeamSearchOutput` per prompt holding the
+`beam_width` best `BeamSearchSequence`s. Here the same call runs the engine's beam search
+(`SamplingParams(beam_width=W, n=W)`: `pagedjax.beam`, on the host, each beam a
+copy-on-write fork of the prompt's pages) and gives its completions vLLM's shape:
+`tokens` are the prompt's and the completion's ids (a stop token only with
+`include_stop_str_in_output`), `text` is their decode, special tokens included (as
+vLLM's `tokenizer.decode(tokens)`), `cum_logprob` and `logprobs` the completion's.
+
+Scores differ from vLLM's in one way: a finished beam scores `logprob_sum / length **
+length_penalty` with `length` its generated tokens, as HF transformers (and the
+engine's beam search) count them, where vLLM counts the prompt's too; so where
+`length_penalty` is not 0 the two may rank beams of different lengths differently.
+`temperature` is accepted and, as in vLLM (whose beam search reads the raw
+logprobs), does not change the search.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from pagedjax.request import Logprob, SamplingParams
+
+if TYPE_CHECKING:
+    from pagedjax.engine import LLM
+
+__all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's `BeamSearchParams`.
+
+    Attributes:
+      beam_width: beams kept, and sequences returned per prompt (an int >= 1; 1 is
+        greedy decoding).
+      max_tokens: most tokens generated per sequence (an int >= 1).
+      ignore_eos: EOS does not end a beam.
+      temperature: accepted (a number >= 0) and, as in vLLM, without effect.
+      length_penalty: exponent of the length normaliser of a finished beam's score
+        (see the module docstring).
+      include_stop_str_in_output: a beam that ended on EOS keeps it in its tokens and
+        text.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        for name in ("beam_width", "max_tokens"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {name}={v!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise ValueError(f"{name} must be a bool, got {name}={v!r}")
+        for name, low in (("temperature", 0.0), ("length_penalty", -math.inf)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not low <= v < math.inf:
+                raise ValueError(f"{name} must be a finite number >= {low}, got {name}={v!r}")
+
+    def sampling_params(self) -> SamplingParams:
+        """The engine request that runs this search: `beam_width` beams, as many
+        completions, each token's logprob recorded (`logprobs=0`)."""
+        kw = dict(
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=False,
+            logprobs=0,
+        )
+        if self.beam_width == 1:  # one beam is the greedy completion (no normaliser)
+            return SamplingParams(temperature=0.0, **kw)
+        w = self.beam_width
+        return SamplingParams(beam_width=w, n=w, length_penalty=self.length_penalty, **kw)
+
+
+@dataclasses.dataclass
+class BeamSearchSequence:
+    """One beam, as vLLM's: `tokens` the prompt's and the generated ids, `logprobs` one
+    {token id: `Logprob`} per generated token, `text` the decode of `tokens` (None
+    without a tokenizer)."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]]
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclasses.dataclass
+class BeamSearchOutput:
+    """A prompt's result: its best `beam_width` sequences, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def beam_search(
+    llm: LLM,
+    prompts,
+    params: BeamSearchParams,
+    *,
+    use_tqdm: bool = False,
+    concurrency_limit: int | None = None,
+) -> list[BeamSearchOutput]:
+    """`LLM.beam_search`'s body: see there."""
+    if not isinstance(params, BeamSearchParams):
+        raise TypeError(f"params must be a BeamSearchParams, got {params!r:.80}")
+    c = concurrency_limit
+    if c is not None and (type(c) is not int or c < 1):
+        raise ValueError(f"concurrency_limit must be None or an int >= 1, got {c!r}")
+    prompts = [prompts] if isinstance(prompts, (str, Mapping)) else list(prompts)  # (generate's)
+    sp = params.sampling_params()
+    step = c or max(1, len(prompts))
+    outs = []
+    for i in range(0, len(prompts), step):
+        outs += llm.generate(prompts[i : i + step], sp, use_tqdm=use_tqdm)
+    tok = llm.tokenizer
+    results = []
+    for o in outs:
+        seqs = []
+        for comp in o.outputs:
+            gen = comp.token_ids
+            if comp.finish_reason == "stop" and not params.include_stop_str_in_output:
+                gen = gen[:-1]  # (the stop token, as vLLM leaves it out)
+            tokens = list(o.prompt_token_ids) + list(gen)
+            text = None if tok is None else tok.decode(tokens, skip_special_tokens=False)
+            seqs.append(
+                BeamSearchSequence(
+                    tokens,
+                    list(comp.logprobs or []),
+                    comp.cumulative_logprob,
+                    text,
+                    comp.finish_reason,
+                    comp.stop_reason,
+                )
+            )
+        results.append(BeamSearchOutput(seqs))
+    return results
