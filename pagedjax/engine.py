@@ -86,7 +86,7 @@ __all__ = [
 _SEED_STRIDE = 0x9E3779B1
 
 
-class LLM:
+class LLM(weight_sync.WeightsMixin):
     """Continuous-batching generation over a paged KV cache.
 
     Args:
@@ -244,11 +244,7 @@ class LLM:
         # Finished inside a generate() call but not its own (add_request's): step() returns them.
         self._unclaimed: list[RequestOutput] = []
         self._timing = False  # a _run_clock is counting
-        # What new weights must match (`update_params`), and whether `sleep` dropped the
-        # weights (level 2) or the KV cache (any level) until new ones / `wake_up`.
-        self._template = weight_sync.template(params)
-        self._weights_dropped = False
-        self._asleep = False
+        self._init_weights(params)  # (weight_sync.WeightsMixin)
         jax.block_until_ready(self.cache)
         self.metrics.load_time_s = perf_counter() - t0
 
@@ -326,13 +322,7 @@ class LLM:
     ) -> str:
         """`add_request` for a prompt `encode` checked (text or None, token ids) and its
         params `_params` resolved."""
-        if self._asleep:
-            raise RuntimeError("the engine is asleep (sleep()): call wake_up() first")
-        if self._weights_dropped:
-            raise RuntimeError(
-                "the engine's weights were dropped (sleep(level=2)): give new ones with "
-                "update_params() first"
-            )
+        self._check_ready()
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
         stop_ids = self.stop_ids(params)
@@ -560,84 +550,6 @@ class LLM:
         return beam_api.beam_search(
             self, prompts, params, use_tqdm=use_tqdm, concurrency_limit=concurrency_limit
         )
-
-    # ------------------------------------------------------ weights and memory
-
-    def update_params(self, params) -> None:
-        """Replaces the model's weights with newly trained ones of the same model, for
-        the requests that follow, with no reload and no recompile: a reinforcement-
-        learning loop's policy update (`pagedjax.weight_sync`).
-
-        Args:
-          params: `model.Params`, an `nnx.State` (`nnx.state(model)`) or a {dotted
-            path: array} dict (`model.params_to_flat`'s) of the same parameters and
-            shapes. Floating-point arrays of another dtype are cast to the engine's
-            (float32 master weights to a bfloat16 engine), and every array is placed
-            as the engine's are (its device, or its sharding over the tensor-parallel
-            mesh). Arrays already so are kept, not copied: a training step that
-            donates them (`donate_argnums`) deletes the engine's weights with them;
-            give the engine copies then.
-
-        The prefix cache is cleared: its pages hold K/V that the old weights computed.
-        After `sleep(level=2)` this is how the engine gets weights again.
-
-        Raises:
-          RuntimeError: requests are unfinished (queued, running or in flight): they
-            would mix the two models. Finish or abort them first.
-          TypeError, ValueError: `params` is not one of those kinds, or a parameter is
-            missing, unexpected, of another shape, not floating point or deleted (each
-            named); the engine keeps the weights it had.
-        """
-        self._check_idle("update_params")
-        new = weight_sync.place_params(self._template, params)
-        self.params = self.core.params = new
-        self._weights_dropped = False
-        self.block_manager.uncache()
-
-    def reset_prefix_cache(self) -> bool:
-        """Forgets every cached prompt page (vLLM's `reset_prefix_cache`): True, or False
-        with nothing done while requests are unfinished (their pages stay theirs)."""
-        if self.scheduler.has_unfinished() or self.core.inflight is not None:
-            return False
-        self.block_manager.uncache()
-        return True
-
-    def sleep(self, level: int = 1) -> None:
-        """Frees device memory for something else (a training step) until `wake_up`,
-        as vLLM's sleep mode: level 1 deletes the KV cache (the prefix cache is
-        cleared with it); level 2 drops the weights too (freed once nothing else holds
-        them), and `update_params` must give new ones before the next request. Unlike
-        vLLM's level 1, the weights stay on the device (no host copy): to free them
-        too, use level 2 and give them back with `update_params`.
-
-        Raises:
-          RuntimeError: requests are unfinished (finish or abort them first).
-          ValueError: `level` is not 1 or 2.
-        """
-        if type(level) is not int or level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level=}")
-        self._check_idle("sleep")
-        if not self._asleep:
-            self.core.drop_cache()
-            self._asleep = True
-        if level == 2 and not self._weights_dropped:
-            self.params = self.core.params = self._template  # (shapes only)
-            self._weights_dropped = True
-
-    def wake_up(self) -> None:
-        """Ends `sleep`: a new, empty KV cache (nothing if the engine is not asleep).
-        After `sleep(level=2)`, requests still need `update_params` first."""
-        if self._asleep:
-            self.core.new_cache()
-            self._asleep = False
-
-    def _check_idle(self, what: str) -> None:
-        if self.scheduler.has_unfinished() or self.core.inflight is not None:
-            n = len(self.scheduler.running) + len(self.scheduler.waiting)
-            raise RuntimeError(
-                f"{what} needs an engine with no unfinished request; {n} are queued or "
-                "running: finish or abort them first"
-            )
 
     def summary(self) -> dict:
         """The run's metrics (`pagedjax.metrics.SUMMARY_KEYS`)."""

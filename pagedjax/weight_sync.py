@@ -10,14 +10,15 @@ An RL loop alternates generating rollouts with the current policy and training i
         llm.wake_up()
         llm.update_params(state.params)     # no reload, no recompile
 
-`LLM.update_params` (`pagedjax.engine`) calls `place_params` here: the new weights must
-be the same parameters (dotted paths, `model.params_to_flat`'s) with the same shapes;
-floating-point ones are cast to the engine's dtype, as loading a checkpoint casts them,
-and every array is placed as the engine's is (its device, or its sharding over the
-tensor-parallel mesh), so the jitted steps run them with the programs they compiled
-(same tree, shapes, dtypes and shardings). The engine holds `template(params)`, the
-shape, dtype and sharding of each array, so that weights it dropped
-(`LLM.sleep(level=2)`) can be replaced all the same.
+`LLM` (`pagedjax.engine`) inherits those calls from `WeightsMixin` here (kept out of
+the engine's module, which is long enough). `update_params` calls `place_params`: the
+new weights must be the same parameters (dotted paths, `model.params_to_flat`'s) with
+the same shapes; floating-point ones are cast to the engine's dtype, as loading a
+checkpoint casts them, and every array is placed as the engine's is (its device, or its
+sharding over the tensor-parallel mesh), so the jitted steps run them with the programs
+they compiled (same tree, shapes, dtypes and shardings). The engine holds
+`template(params)`, the shape, dtype and sharding of each array, so that weights it
+dropped (`LLM.sleep(level=2)`) can be replaced all the same.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from flax import nnx
 
 from pagedjax import model as model_lib
 
-__all__ = ["place_params", "template"]
+__all__ = ["WeightsMixin", "place_params", "template"]
 
 
 def template(params: model_lib.Params) -> model_lib.Params:
@@ -107,3 +108,106 @@ def place_params(like: model_lib.Params, new) -> model_lib.Params:
             x = x.astype(spec.dtype) if isinstance(x, jax.Array) else np.asarray(x, spec.dtype)
         pairs.append((path, var.replace(jax.device_put(x, spec.sharding))))
     return like.replace(state=nnx.from_flat_state(pairs))
+
+
+class WeightsMixin:
+    """`LLM`'s calls on its weights and device memory (`pagedjax.engine.LLM` inherits
+    them; see the module docstring): `update_params`, `sleep`, `wake_up` and
+    `reset_prefix_cache`. They work on the engine's `core` (`EngineCore`, which holds
+    the params and the KV cache), `scheduler`, `block_manager` and `params`, and on the
+    state `_init_weights` sets up; `_check_ready` refuses requests while it lacks a
+    cache or weights.
+    """
+
+    def _init_weights(self, params: model_lib.Params) -> None:
+        # What new weights must match (`update_params`), and whether `sleep` dropped the
+        # weights (level 2) or the KV cache (any level) until new ones / `wake_up`.
+        self._template = template(params)
+        self._weights_dropped = False
+        self._asleep = False
+
+    def _check_ready(self) -> None:
+        """RuntimeError unless the engine has a KV cache and weights to run a request."""
+        if self._asleep:
+            raise RuntimeError("the engine is asleep (sleep()): call wake_up() first")
+        if self._weights_dropped:
+            raise RuntimeError(
+                "the engine's weights were dropped (sleep(level=2)): give new ones with "
+                "update_params() first"
+            )
+
+    def update_params(self, params) -> None:
+        """Replaces the model's weights with newly trained ones of the same model, for
+        the requests that follow, with no reload and no recompile: a reinforcement-
+        learning loop's policy update (`pagedjax.weight_sync`).
+
+        Args:
+          params: `model.Params`, an `nnx.State` (`nnx.state(model)`) or a {dotted
+            path: array} dict (`model.params_to_flat`'s) of the same parameters and
+            shapes. Floating-point arrays of another dtype are cast to the engine's
+            (float32 master weights to a bfloat16 engine), and every array is placed
+            as the engine's are (its device, or its sharding over the tensor-parallel
+            mesh). Arrays already so are kept, not copied: a training step that
+            donates them (`donate_argnums`) deletes the engine's weights with them;
+            give the engine copies then.
+
+        The prefix cache is cleared: its pages hold K/V that the old weights computed.
+        After `sleep(level=2)` this is how the engine gets weights again.
+
+        Raises:
+          RuntimeError: requests are unfinished (queued, running or in flight): they
+            would mix the two models. Finish or abort them first.
+          TypeError, ValueError: `params` is not one of those kinds, or a parameter is
+            missing, unexpected, of another shape, not floating point or deleted (each
+            named); the engine keeps the weights it had.
+        """
+        self._check_idle("update_params")
+        new = place_params(self._template, params)
+        self.params = self.core.params = new
+        self._weights_dropped = False
+        self.block_manager.uncache()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prompt page (vLLM's `reset_prefix_cache`): True, or False
+        with nothing done while requests are unfinished (their pages stay theirs)."""
+        if self.scheduler.has_unfinished() or self.core.inflight is not None:
+            return False
+        self.block_manager.uncache()
+        return True
+
+    def sleep(self, level: int = 1) -> None:
+        """Frees device memory for something else (a training step) until `wake_up`,
+        as vLLM's sleep mode: level 1 deletes the KV cache (the prefix cache is
+        cleared with it); level 2 drops the weights too (freed once nothing else holds
+        them), and `update_params` must give new ones before the next request. Unlike
+        vLLM's level 1, the weights stay on the device (no host copy): to free them
+        too, use level 2 and give them back with `update_params`.
+
+        Raises:
+          RuntimeError: requests are unfinished (finish or abort them first).
+          ValueError: `level` is not 1 or 2.
+        """
+        if type(level) is not int or level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level=}")
+        self._check_idle("sleep")
+        if not self._asleep:
+            self.core.drop_cache()
+            self._asleep = True
+        if level == 2 and not self._weights_dropped:
+            self.params = self.core.params = self._template  # (shapes only)
+            self._weights_dropped = True
+
+    def wake_up(self) -> None:
+        """Ends `sleep`: a new, empty KV cache (nothing if the engine is not asleep).
+        After `sleep(level=2)`, requests still need `update_params` first."""
+        if self._asleep:
+            self.core.new_cache()
+            self._asleep = False
+
+    def _check_idle(self, what: str) -> None:
+        if self.scheduler.has_unfinished() or self.core.inflight is not None:
+            n = len(self.scheduler.running) + len(self.scheduler.waiting)
+            raise RuntimeError(
+                f"{what} needs an engine with no unfinished request; {n} are queued or "
+                "running: finish or abort them first"
+            )
