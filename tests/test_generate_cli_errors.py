@@ -197,13 +197,18 @@ def test_a_ctrl_c_that_python_drops_still_stops_the_run(ckpt, capsys, monkeypatc
 
     monkeypatch.setattr(LLM, "generate", ctrl_c_in_a_gc_callback)
     argv = ["--checkpoint", ckpt, "--prompt", "class A:", "--max-tokens", "8", *GEOMETRY]
+    # Python's own handler, as an interactive run has it: a shell starts a background
+    # job with SIGINT ignored, and the script then rightly installs none.
+    was = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         rc, out, err = run([*argv, "--backend", "xla"], capsys)
     except KeyboardInterrupt:
         pytest.fail("main let the KeyboardInterrupt through: a traceback")
+    finally:
+        handler = signal.signal(signal.SIGINT, was)
     assert rc == 130 and err.strip() == "interrupted", err
     assert len(steps) == 1  # stopped at the first step, not at the end
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    assert handler is signal.default_int_handler  # restored
 
 
 def test_running_out_of_device_memory_is_one_line(ckpt, capsys, monkeypatch):
