@@ -1,10 +1,12 @@
-"""Structured outputs: constrain generation to a regex, a list of choices or a JSON schema.
+"""Structured outputs: constrain generation to a regex, a list of choices, a JSON schema or
+a grammar.
 
 `StructuredOutputsParams` (as vLLM's) names the constraint and writes it as regex text
-(a JSON schema by `pagedjax.json_schema`); `compile_guide` turns it into a `Guide` for
-one tokenizer: a byte DFA (`pagedjax.regex_dfa`, whose docstring gives the regex subset
-and the size limits) and, per DFA state, the bitmask of the tokens whose bytes keep the
-match alive. Everything here runs on the host, in numpy.
+(a JSON schema by `pagedjax.json_schema`, a GBNF grammar by `pagedjax.grammar`);
+`compile_guide` turns it into a `Guide` for one tokenizer: a byte DFA
+(`pagedjax.regex_dfa`, whose docstring gives the regex subset and the size limits) and,
+per DFA state, the bitmask of the tokens whose bytes keep the match alive. Everything
+here runs on the host, in numpy.
 
 Matching is on bytes: the text is the concatenation of the tokens' UTF-8 bytes
 (`token_bytes`).
@@ -28,6 +30,7 @@ import weakref
 
 import numpy as np
 
+from pagedjax.grammar import grammar_regex, too_large
 from pagedjax.json_schema import (  # noqa: F401  (JSON_DEPTH: re-exported)
     DEFAULT_WHITESPACE,
     JSON_DEPTH,
@@ -48,7 +51,7 @@ MASK_CACHE_SIZE = 1024  # masks kept per guide (16 KiB each at a 128k vocabulary
 @dataclasses.dataclass(frozen=True)
 class StructuredOutputsParams:
     """What a completion must match, as vLLM's `StructuredOutputsParams`: exactly one of
-    `json`, `regex`, `choice`, `grammar` (refused) or `json_object=True`.
+    `json`, `regex`, `choice`, `grammar` or `json_object=True`.
 
     Attributes:
       json: a JSON schema, a dict or its JSON text. Supported: type string (enum,
@@ -73,7 +76,14 @@ class StructuredOutputsParams:
         (characters that need a JSON escape are left out of its classes).
       regex: a regex the whole completion matches (the subset in `pagedjax.regex_dfa`).
       choice: the completion is one of these strings (a list is stored as a tuple).
-      grammar: refused (ValueError): grammars are not supported.
+      grammar: a GBNF grammar (llama.cpp's and xgrammar's EBNF: `name ::= ...` rules,
+        strings, [classes], `.`, groups, `|`, `* + ? {m,n}`, `#` comments) the whole
+        completion is derived from, starting at rule `root`. A recursive rule is unrolled
+        `grammar.RULE_DEPTH` (3) deep: the completions are the grammar's strings with a
+        parse tree in which no rule nests in itself more than that. Lookahead `(= ...)`
+        and other syntax (Lark's) are refused (ValueError naming it and its line:column);
+        see `pagedjax.grammar`. A grammar whose regex is too large for the DFA is a
+        ValueError with a hint (simplify it or lower its nesting).
       json_object: True: any JSON object, containers nested at most `JSON_DEPTH` deep
         (the object itself counted: {"a": {"b": [1]}} is 3 deep).
       disable_any_whitespace: JSON: no whitespace between tokens.
@@ -82,7 +92,7 @@ class StructuredOutputsParams:
       disable_fallback, disable_additional_properties: vLLM's, accepted (bools) and
         without effect here: there is no other backend to fall back to, and no key
         outside a schema's properties is generated where it has some.
-      structural_tag: refused (ValueError) when given, as grammars are.
+      structural_tag: refused (ValueError) when given: structural tags are not supported.
 
     Construction checks the types and compiles the spec to regex text (`to_regex`),
     parsing it and counting its NFA states, so a bad value fails here; the DFA (which
@@ -154,11 +164,6 @@ class StructuredOutputsParams:
                 "give exactly one of json, regex, choice, grammar or json_object=True, got "
                 + (", ".join(given) or "none")
             )
-        if self.grammar is not None:
-            raise ValueError(
-                "grammar is not supported (use json, regex or choice): "
-                f"grammar={self.grammar!r:.80}"
-            )
         if self.disable_any_whitespace and self.whitespace_pattern is not None:
             raise ValueError(
                 "give disable_any_whitespace=True or whitespace_pattern, not both: "
@@ -168,6 +173,8 @@ class StructuredOutputsParams:
             pattern = self.regex
         elif self.choice is not None:
             pattern = "(?:" + "|".join(map(escape, self.choice)) + ")"
+        elif self.grammar is not None:
+            pattern = grammar_regex(self.grammar)  # (its errors name the grammar's lines)
         else:
             ws = "" if self.disable_any_whitespace else self.whitespace_pattern
             if ws is None:
@@ -181,7 +188,12 @@ class StructuredOutputsParams:
             raise ValueError(
                 f"json={self.json!r:.100}: its regex exceeds {MAX_REGEX_CHARS} characters"
             )
-        check_size(pattern, parse(pattern))
+        try:
+            check_size(pattern, parse(pattern))
+        except ValueError as e:
+            if self.grammar is None:
+                raise
+            raise too_large(self.grammar, e) from None
         object.__setattr__(self, "_pattern", pattern)
 
     def __hash__(self) -> int:
@@ -189,8 +201,8 @@ class StructuredOutputsParams:
 
     def to_regex(self) -> str:
         """The regex (`pagedjax.regex_dfa`'s subset) the whole completion must match:
-        `regex` as given, or the one built for `choice` / `json` / `json_object`, which
-        Python's `re` reads the same with `re.ASCII`."""
+        `regex` as given, or the one built for `choice` / `json` / `json_object` /
+        `grammar`, which Python's `re` reads the same with `re.ASCII`."""
         return self._pattern
 
 
@@ -431,8 +443,8 @@ def compile_guide(spec: StructuredOutputsParams, tokenizer: Tokenizer, vocab_siz
     Raises:
       TypeError: a wrong type of argument.
       ValueError: vocab_size < 1, the pattern's DFA is too large
-        (`regex_dfa.MAX_DFA_STATES`), it matches nothing, or the tokenizer's decoder is
-        not supported (`token_bytes`).
+        (`regex_dfa.MAX_DFA_STATES`; for a grammar, with `grammar.too_large`'s hint), it
+        matches nothing, or the tokenizer's decoder is not supported (`token_bytes`).
     """
     if not isinstance(spec, StructuredOutputsParams):
         raise TypeError(f"spec must be a StructuredOutputsParams, got {type(spec).__name__}")
@@ -444,8 +456,16 @@ def compile_guide(spec: StructuredOutputsParams, tokenizer: Tokenizer, vocab_siz
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size=}")
     pattern = spec.to_regex()
 
+    def make_dfa() -> DFA:
+        try:
+            return compile_dfa(pattern)
+        except ValueError as e:
+            if spec.grammar is None:
+                raise
+            raise too_large(spec.grammar, e) from None
+
     def make() -> Guide:
-        dfa = _lru(_DFAS, pattern, lambda: compile_dfa(pattern))
+        dfa = _lru(_DFAS, pattern, make_dfa)
         with _LOCK:
             table = _TABLES.get(tokenizer)
         if table is None:

@@ -33,9 +33,10 @@ it, so a run is reproducible and different prompts get different random draws.
 token ids, not in its text), as EOS does; `--ignore-eos` does not stop at EOS.
 
 Structured outputs (`pagedjax.guided`, as vLLM's): `--regex PATTERN`, `--choice TEXT`
-(repeatable), `--json-schema FILE` or `--json-object` keep each completion a prefix of
-a match and let EOS end it only at a full match (one of them; not with `--beam-width`;
-a spec it cannot enforce is an error naming what).
+(repeatable), `--json-schema FILE`, `--json-object` or `--grammar FILE` (a GBNF grammar,
+`pagedjax.grammar`) keep each completion a prefix of a match and let EOS end it only at
+a full match (one of them; not with `--beam-width`; a spec it cannot enforce is an error
+naming what).
 
 `--logprobs K` lists, after the text, each generated token with its log-probability
 under the model's raw distribution and the K most likely tokens at its position;
@@ -77,8 +78,8 @@ an error before any weights load. For a multi-turn conversation, see scripts/cha
                      system (the --system text or null), and the sampling flags
                      as used (given, or the generation config's, or the defaults;
                      seed is the engine's), stop, stop_token_ids, ignore_eos,
-                     structured_outputs (the fields of --regex, --choice, --json-schema
-                     or --json-object, e.g. {"regex": "..."}, or null)
+                     structured_outputs (the fields of --regex, --choice, --json-schema,
+                     --json-object or --grammar, e.g. {"regex": "..."}, or null)
     outputs          one per prompt: prompt, prompt_tokens, num_cached_tokens, ttft_s,
                      latency_s, prompt_logprobs, completions: [{text, token_ids,
                      finish_reason, cumulative_logprob, logprobs}]; logprobs is null
@@ -206,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     so.add_argument("--json-schema", metavar="FILE", help="completions are JSON of this schema")
     so.add_argument("--json-object", action="store_true", help="completions are JSON objects")
+    so.add_argument("--grammar", metavar="FILE", help="completions match this GBNF grammar")
     p.add_argument(
         "--logprobs",
         type=int,
@@ -343,9 +345,9 @@ def format_logprobs(tokenizer, token_ids, entries) -> str:
 
 
 def structured_outputs(args):
-    """The `StructuredOutputsParams` of --regex, --choice, --json-schema or --json-object
-    (None without one); BadInput for a schema file that cannot be read, ValueError (from
-    `pagedjax.guided`) for a spec it refuses."""
+    """The `StructuredOutputsParams` of --regex, --choice, --json-schema, --json-object or
+    --grammar (None without one); BadInput for a schema or grammar file that cannot be
+    read, ValueError (from `pagedjax.guided`) for a spec it refuses."""
     from pagedjax.guided import StructuredOutputsParams
 
     if args.json_schema is not None:
@@ -355,6 +357,13 @@ def structured_outputs(args):
         except (OSError, ValueError) as e:
             raise cli.BadInput(f"--json-schema {path}: {e}") from None
         return StructuredOutputsParams(json=schema)
+    if args.grammar is not None:
+        path = Path(args.grammar)
+        try:
+            grammar = path.read_text(encoding="utf-8")
+        except (OSError, ValueError) as e:
+            raise cli.BadInput(f"--grammar {path}: {e}") from None
+        return StructuredOutputsParams(grammar=grammar)
     if args.regex is not None:
         return StructuredOutputsParams(regex=args.regex)
     if args.choice:

@@ -41,10 +41,11 @@ vLLM's `top_k` (-1 or 0: off), `min_p`, `repetition_penalty`, `ignore_eos`,
 of strings never generated; needs a tokenizer), structured outputs (needs a tokenizer;
 one of: OpenAI's `response_format` `{"type": "json_schema", "json_schema": {"schema":
 {...}}}` or `{"type": "json_object"}`, vLLM's `structured_outputs` object with
-`json`, `regex`, `choice` or `json_object` and `whitespace_pattern` /
-`disable_any_whitespace`, or its older `guided_json`, `guided_regex`, `guided_choice`
-with `guided_whitespace_pattern`; `pagedjax.guided` says which regex and JSON schema
-features are supported: the others are 400s naming them), `return_token_ids` (a
+`json`, `regex`, `choice`, `grammar` or `json_object` and `whitespace_pattern` /
+`disable_any_whitespace`, or its older `guided_json`, `guided_regex`, `guided_choice`,
+`guided_grammar` with `guided_whitespace_pattern`; `pagedjax.guided` says which regex,
+JSON schema and grammar (GBNF, `pagedjax.grammar`) features are supported: the others
+are 400s naming them), `return_token_ids` (a
 boolean, as in vLLM: each choice gets `token_ids`, its generated token ids, and
 completions choices `prompt_token_ids`; a chat answer has `prompt_token_ids` beside its
 choices). Logprobs: completions take `logprobs: K` and
@@ -96,7 +97,7 @@ caps a left-out `max_tokens`' default (as vLLM's does; a `max_tokens` given is n
 `--generation-config none` ignores the file.
 
 Not supported (400 when asked for): `echo: true`, `best_of` > 1, `suffix`, tools
-and function calling, and grammars (`guided_grammar`, `structured_outputs.grammar`).
+and function calling, and `structured_outputs.structural_tag`.
 Other unknown fields are ignored.
 
 Streaming (`stream: true`): Server-Sent Events, one `data: {chunk}` per new piece of

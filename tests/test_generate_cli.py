@@ -509,3 +509,31 @@ def test_structured_output_flags(ckpt, tmp_path, capsys):
     ):
         rc, out, err = run([*argv, *flags], capsys)
         assert rc == 2 and err.count("\n") == 1 and match in err, err
+
+
+def test_grammar_flag(ckpt, tmp_path, capsys):
+    """--grammar FILE reaches the engine as StructuredOutputsParams(grammar=its text)
+    (completions that end on a stop are in its language; --json names it); a file that
+    cannot be read, a grammar refused (naming its line:column) and --grammar with
+    another spec are one-line errors."""
+    grammar = 'root ::= word ("-" word){0,2}  # GBNF\nword ::= "up" | "down" | [0-9]\n'
+    (tmp_path / "g.gbnf").write_text(grammar)
+    (tmp_path / "bad.gbnf").write_text("root ::= 'up'\n")
+    argv = ["--checkpoint", ckpt, "--prompt", "ab", "--max-tokens", "24", "--backend", "xla"]
+    argv += ["--temperature", "1", "--n", "3", "--json", *GEOMETRY]
+    rc, out, err = run([*argv, "--grammar", tmp_path / "g.gbnf"], capsys)
+    assert rc == 0, err
+    obj = json.loads(out)
+    assert obj["settings"]["structured_outputs"] == {"grammar": grammar}
+    completions = obj["outputs"][0]["completions"]
+    assert any(c["finish_reason"] == "stop" for c in completions)
+    for c in completions:
+        if c["finish_reason"] == "stop":
+            assert matches(r"(?:up|down|[0-9])(?:-(?:up|down|[0-9])){0,2}")(c["text"]), c
+    for flags, match in (
+        (["--grammar", tmp_path / "none.gbnf"], "--grammar"),
+        (["--grammar", tmp_path / "bad.gbnf"], "grammar at 1:10: single-quoted strings"),
+        (["--grammar", tmp_path / "g.gbnf", "--regex", "a"], "not allowed with"),
+    ):
+        rc, out, err = run([*argv, *flags], capsys)
+        assert rc == 2 and err.count("\n") == 1 and match in err, err

@@ -5,7 +5,7 @@ tests/test_engine.py's geometry. Greedy completions equal a dense no-cache refer
 that draws the argmax over the guide's allowed tokens (and the stop tokens where the
 text is a full match) at every step; sampled ones are prefixes of matches, full matches
 when they end on a stop; async scheduling, preemption and a mixed batch leave outputs
-unchanged.
+unchanged. A GBNF grammar (choices, repetition, recursion) runs as the others do.
 """
 
 import json
@@ -28,14 +28,21 @@ SCHEMA = {  # bounded: at most 43 bytes, escapes included
     "properties": {"name": {"type": "string", "maxLength": 3}, "ok": {"type": "boolean"}},
     "required": ["name", "ok"],
 }
+GRAMMAR = r"""
+root ::= item ("," item){0,2}   # at most 17 bytes
+item ::= "yes" | "no" | [0-9]{1,2}? [a-f]{1,3} | "<" [A-Z] ">"
+"""
 SPECS = {
     "regex": StructuredOutputsParams(regex=r"[a-z]{2,6}@[0-9]{1,3}\.(com|org)"),
     "choice": StructuredOutputsParams(choice=["yes", "no", "maybe so"]),
     "json": StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+    "grammar": StructuredOutputsParams(grammar=GRAMMAR),
 }
+_ITEM = r"(?:yes|no|[0-9]{0,2}[a-f]{1,3}|<[A-Z]>)"
 PATTERNS = {
     "regex": r"[a-z]{2,6}@[0-9]{1,3}\.(com|org)",
     "choice": r"yes|no|maybe so",
+    "grammar": rf"{_ITEM}(?:,{_ITEM}){{0,2}}",
 }
 
 
@@ -128,6 +135,41 @@ def test_sampled_completions_match_and_async_changes_nothing(params):
     alone = LLM(params, max_num_batched_tokens=32, **GEOMETRY)
     unguided = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
     assert [alone.generate([PROMPTS[1]], unguided)[0].outputs[0].token_ids] == runs[0][1]
+
+
+NESTED = r"""
+root ::= item ("," item)*
+item ::= [a-c] | "[" root "]"   # recursive: unrolled grammar.RULE_DEPTH (3) deep
+"""
+
+
+def nested_regex(depth: int = 3) -> str:
+    """NESTED's strings with root at most `depth` deep (brackets nest depth - 1), by hand."""
+    item = "[a-c]"
+    for _ in range(depth):
+        root = rf"{item}(?:,{item})*"
+        item = rf"(?:[a-c]|\[{root}\])"
+    return root
+
+
+def test_sampled_completions_of_a_recursive_grammar_are_in_its_language(llm):
+    """Every completion that stops is one of the grammar's strings of nesting depth <= 3
+    (a hand-written regex); one cut by max_tokens is a prefix of one (each token was
+    allowed by the guide)."""
+    spec = StructuredOutputsParams(grammar=NESTED)
+    guide = compile_guide(spec, llm.tokenizer, TINY.vocab_size)
+    sp = SamplingParams(temperature=1.0, n=6, seed=5, max_tokens=24, structured_outputs=spec)
+    done = [c for o in llm.generate(PROMPTS[:2], sp) for c in o.outputs]
+    for c in done:
+        if c.finish_reason == "stop":
+            assert re.fullmatch(nested_regex(), completed(c)), bytes(c.token_ids)
+        else:
+            state = guide.initial_state
+            for t in c.token_ids:
+                state = guide.advance(state, t)  # (ValueError for a token not allowed)
+    assert any(c.finish_reason == "stop" for c in done)
+    assert any("[" in completed(c) for c in done)  # (it did nest)
+    check_clean(llm)
 
 
 def test_preemption_keeps_guided_outputs(params):
