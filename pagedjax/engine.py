@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from time import perf_counter
 
 import jax
@@ -130,6 +130,11 @@ class LLM(weight_sync.WeightsMixin):
         They make `default_sampling_params()`, which `generate`, `chat` and
         `add_request` use when given no params; `sampling_defaults` holds them (a dict
         of SamplingParams fields, {} for none).
+      scheduling_policy: "fcfs" (first come first served) or "priority", as vLLM's: each
+        request's `priority` (`add_request`, `generate`; lower first, ties by arrival)
+        orders the waiting queue, and preemption takes the running request of the worst
+        priority first; a running request is not preempted to admit a better one
+        (`pagedjax.scheduler`). Under "fcfs" a priority other than 0 is a ValueError.
     """
 
     def __init__(
@@ -154,6 +159,7 @@ class LLM(weight_sync.WeightsMixin):
         async_scheduling: bool = True,
         kv_cache_dtype: str = "auto",
         generation_config: str = "auto",
+        scheduling_policy: str = "fcfs",
     ):
         t0 = perf_counter()
         # Checked before loading anything: a bad value is named before a checkpoint loads.
@@ -176,6 +182,7 @@ class LLM(weight_sync.WeightsMixin):
             async_scheduling=async_scheduling,
             kv_cache_dtype=kv_cache_dtype,
             generation_config=generation_config,
+            scheduling_policy=scheduling_policy,
         )
         self.backend, self.interpret = backend, bool(interpret)
         with sharding.host_staging() if mesh is not None else contextlib.nullcontext():
@@ -211,7 +218,9 @@ class LLM(weight_sync.WeightsMixin):
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             sliding_window=cfg.sliding_window,  # pages out of the window are given back
+            scheduling_policy=scheduling_policy,
         )
+        self.scheduling_policy = scheduling_policy
         self.buckets = buckets or decode.Buckets()
         self.async_scheduling = bool(async_scheduling)
         self.eos_ids = frozenset(cfg.eos_token_ids) | (
@@ -279,16 +288,19 @@ class LLM(weight_sync.WeightsMixin):
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> str:
         """Queues one prompt; returns its request id. Raises ValueError if it cannot run or
         `request_id` is in use (queued, running, or a running `generate` call's), TypeError
         if `params` is not a `SamplingParams`. `params` None: `default_sampling_params()`.
+        `priority`: an int, lower served first under `scheduling_policy="priority"`
+        (ValueError if not 0 under "fcfs").
 
         A completion ends ("length") after `params.max_tokens` tokens (None: no such
         limit) or when prompt and completion reach `max_model_len` tokens, whichever
         comes first.
         """
-        return self._add(*self._encode(prompt, params), request_id)
+        return self._add(*self._encode(prompt, params), request_id, priority)
 
     def _encode(
         self, prompt: Prompt, params: SamplingParams | None
@@ -319,10 +331,12 @@ class LLM(weight_sync.WeightsMixin):
         ids: list[int],
         params: SamplingParams,
         request_id: str | None,
+        priority: int = 0,
     ) -> str:
         """`add_request` for a prompt `encode` checked (text or None, token ids) and its
         params `_params` resolved."""
         self._check_ready()
+        priority = self.scheduler.check_priority(priority)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
         stop_ids = self.stop_ids(params)
@@ -356,6 +370,7 @@ class LLM(weight_sync.WeightsMixin):
         )
         req.bias, req.banned, req.allowed = limits.bias, limits.banned, limits.allowed
         req.bad_words = limits.bad_words
+        req.group.priority = priority
         try:
             self.scheduler.add(req.group)
         except BaseException:  # refused (pages, id): it leaves the next requests' seeds alone
@@ -390,6 +405,7 @@ class LLM(weight_sync.WeightsMixin):
         use_tqdm: bool = False,
         on_step: Callable[[LLM], None] | None = None,
         on_token: Callable[[str, int, int], None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns one `RequestOutput` per prompt, in order.
 
@@ -407,10 +423,13 @@ class LLM(weight_sync.WeightsMixin):
             it may call `abort`).
           on_token: called as `on_token(request_id, completion_index, token_id)` for
             each sampled token accepted (not for beam search).
+          priority: one int per prompt (lower first; `scheduling_policy="priority"`), or
+            None: all 0.
 
         Raises:
-          ValueError, TypeError: a prompt or its sampling params are refused (named by
-            index); no prompt of the call is queued then.
+          ValueError, TypeError: a prompt, its sampling params or its priority are refused
+            (named by index), or `priority` is not a list as long as `prompts`; no prompt
+            of the call is queued then.
           The exception of a failed step (a compile error, device OOM, an exception in
           `on_token` or `on_step`, KeyboardInterrupt), unchanged, once the engine is
           usable again (see `step`). A KeyboardInterrupt aborts only the requests of this
@@ -420,20 +439,29 @@ class LLM(weight_sync.WeightsMixin):
           share); one raised between steps (`on_step`) aborts this call's requests.
         """
         prompts, params = request_lists(prompts, sampling_params, self.default_sampling_params)
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif isinstance(priority, (str, bytes, Mapping)) or not isinstance(priority, Iterable):
+            msg = f"priority must be a list of ints, one per prompt, or None, got {priority!r:.80}"
+            raise TypeError(msg)
+        priority = list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
         encoded = []
         for i, p in enumerate(prompts):  # validate all before queueing any
             try:
                 text, ids, sp = self._encode(p, params[i])
+                prio = self.scheduler.check_priority(priority[i])
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
             if sp.output_kind != RequestOutputKind.FINAL_ONLY:  # (whole outputs, as vLLM's)
                 sp = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
-            encoded.append((text, ids, sp))
+            encoded.append((text, ids, sp, prio))
         ids = []
         rng_state = self._rng.bit_generator.state
         try:  # all or none: a request refused while queueing unqueues the ones before it
-            for e in encoded:
-                ids.append(self._add(*e, None))
+            for *req, prio in encoded:
+                ids.append(self._add(*req, None, prio))
         except BaseException as e:
             for i in ids:
                 self.abort(i)

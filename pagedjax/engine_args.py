@@ -46,11 +46,12 @@ def check_engine_args(
     async_scheduling,
     kv_cache_dtype,
     generation_config,
+    scheduling_policy="fcfs",
 ) -> tuple[str, dict, Mesh | None]:
     """Checks `LLM(source, ...)`'s arguments (as `LLM` documents them) with no weights
-    loaded: the cache geometry and the scheduler's limits by building them small, the
-    generation config file, and (from the source's config alone) that the model splits
-    `tensor_parallel` ways over that many devices.
+    loaded: the cache geometry and the scheduler's limits and policy by building them
+    small, the generation config file, and (from the source's config alone) that the
+    model splits `tensor_parallel` ways over that many devices.
 
     Returns:
       (kv_cache_dtype: "auto" or a KV dtype's canonical name, sampling_defaults: the
@@ -97,7 +98,12 @@ def check_engine_args(
         max_model_len=max_model_len,
         watermark=watermark,
     )
-    Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    Scheduler(
+        bm,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        scheduling_policy=scheduling_policy,
+    )
     gen_dir = checkpoint_dir(source) if generation_config == "auto" else None
     sampling_defaults = {} if gen_dir is None else generation_config_defaults(gen_dir)
     mesh = None  # an int, that many devices, and that the model splits that many ways

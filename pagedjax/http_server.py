@@ -84,6 +84,7 @@ class Server(ThreadingHTTPServer):
         self.stop_ids = llm.stop_ids  # (reads only llm.eos_ids, which never changes)
         self.vocab_size = llm.config.vocab_size
         self.sampling_defaults = dict(llm.sampling_defaults)  # for request fields left out
+        self.scheduling_policy = llm.scheduling_policy
         self.engine = EngineThread(llm)
 
     def handle_error(self, request, client_address) -> None:
@@ -345,6 +346,7 @@ class Handler(BaseHTTPRequestHandler):
             vocab_size=srv.vocab_size,
             max_model_len=srv.max_model_len,
             defaults=srv.sampling_defaults,
+            scheduling_policy=srv.scheduling_policy,
         )
 
     def _events(self, job: Job):
@@ -354,7 +356,10 @@ class Handler(BaseHTTPRequestHandler):
         pending = set(job.rids)
         try:
             engine.submit(
-                [(rid, ids, job.params) for rid, ids in zip(job.rids, job.prompts, strict=True)],
+                [
+                    (rid, ids, job.params, job.priority)
+                    for rid, ids in zip(job.rids, job.prompts, strict=True)
+                ],
                 sink,
                 tokens=job.stream,
             )

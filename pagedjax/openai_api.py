@@ -141,6 +141,8 @@ class Job:
       token_ids: each choice (and each streamed chunk) carries its generated token ids
         (asked for with `return_token_ids`, or the model has no tokenizer).
       prompt_token_ids: answers carry the prompts' token ids (`return_token_ids`).
+      priority: vLLM's `priority` of its engine requests (lower first; 0 unless the
+        server schedules by priority).
       id: the response id's suffix; `rids` derive from it.
       created: the Unix time of the request.
     """
@@ -152,6 +154,7 @@ class Job:
     include_usage: bool
     token_ids: bool = False
     prompt_token_ids: bool = False
+    priority: int = 0
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -170,6 +173,7 @@ def parse_job(
     vocab_size: int,
     max_model_len: int,
     defaults: Mapping | None = None,
+    scheduling_policy: str = "fcfs",
 ) -> Job:
     """Validates a request body and tokenizes its prompts (no engine involved).
 
@@ -184,6 +188,8 @@ def parse_job(
       max_model_len: the longest sequence; chat's default max_tokens fills it up.
       defaults: SamplingParams fields for those the body leaves out (the generation
         config's, `LLM.sampling_defaults`; see the module docstring), or None.
+      scheduling_policy: the engine's (`LLM.scheduling_policy`): vLLM's `priority`
+        field (an int, default 0) must be 0 under "fcfs".
 
     Raises:
       ApiError: 400 naming the bad field and value (404 for a model not served here, as
@@ -203,6 +209,7 @@ def parse_job(
             msg = f"stream_options must be {{include_usage: bool}}, got stream_options={opts!r:.80}"
             raise ApiError(400, msg, "stream_options")
     include_usage = stream and bool((opts or {}).get("include_usage"))
+    priority = _job_priority(body, scheduling_policy)
     want_ids = body.get("return_token_ids")
     if want_ids is not None and not isinstance(want_ids, bool):
         msg = f"return_token_ids must be a boolean, got return_token_ids={want_ids!r}"
@@ -281,8 +288,28 @@ def parse_job(
                 field,
             )
     return Job(
-        chat, ids, params, stream, include_usage, bool(want_ids) or tok is None, bool(want_ids)
+        chat,
+        ids,
+        params,
+        stream,
+        include_usage,
+        bool(want_ids) or tok is None,
+        bool(want_ids),
+        priority,
     )
+
+
+def _job_priority(body: dict, scheduling_policy: str) -> int:
+    """vLLM's `priority` field: an int, lower served first (default 0); anything else
+    under `scheduling_policy` "fcfs" is a 400, as vLLM's server answers."""
+    priority = int_field(body, "priority", 0)
+    if priority != 0 and scheduling_policy != "priority":
+        msg = (
+            f"got priority={priority} but priority scheduling is not enabled (the server "
+            f"schedules {scheduling_policy!r}; --scheduling-policy priority enables it)"
+        )
+        raise ApiError(400, msg, "priority")
+    return priority
 
 
 def sampling_params(

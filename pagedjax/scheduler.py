@@ -17,21 +17,34 @@ most `max_num_seqs` sequences running:
 1. Decode: every running sequence whose next token is known or in flight gets one
    token (a beam group gets `beam_width` rows, bound to its beams in `commit`). The
    pages those appends may need are reserved; while they exceed the free pages (less
-   those reserved for window prompts, below), the
-   most recently admitted running group is preempted by recompute: its pages are
-   freed and it goes back to the FRONT of the waiting queue, keeping its prompt and
-   generated tokens, which are prefilled again on readmission (cheaply where the
-   prefix cache still holds their pages). Results of its in-flight step are dropped
-   (its `epoch` changes); recomputing them gives the same tokens, since a sample
-   depends only on (seed, token index) and the logits.
+   those reserved for window prompts, below), the most recently admitted running group
+   (by priority: the worst, below) is preempted by recompute: its pages are freed and
+   it goes back to the FRONT of the waiting queue (by priority: to its place), keeping
+   its prompt and generated tokens, which are prefilled again on readmission (cheaply
+   where the prefix cache still holds their pages). Results of its in-flight step are
+   dropped (its `epoch` changes); recomputing them gives the same tokens, since a
+   sample depends only on (seed, token index) and the logits.
 2. Prefill: running sequences that are part-way through their prompt get the next
    chunk, oldest first.
-3. Admission: waiting groups, first come first served (a group that does not fit
-   blocks those behind it, so nothing starves), while seats, budget and pages allow.
+3. Admission: waiting groups, first come first served (by priority: best first,
+   below; a group that does not fit blocks those behind it, so nothing starves), while
+   seats, budget and pages allow.
    Admission keeps the block manager's watermark of pages free on top of the decode
    reservation, and reserves pages for each whole prompt (a window model: for the most
    it holds at once, below), so a long prompt prefilled over several steps never runs
    out mid-prompt.
+
+Priority scheduling (`scheduling_policy="priority"`, vLLM's): each group has a
+`priority`, lower served first, and an `arrival`, the order `add` queued it in, which
+breaks ties. The waiting queue is kept sorted by (priority, arrival): admission takes
+the best waiting group first; preemption (and `commit`'s fallback) takes the running
+group with the worst (priority, arrival), not the last admitted; a preempted group
+re-enters the queue at its (priority, arrival) place, not at the front. A running group
+is never preempted to admit a better waiting one (neither does vLLM v1): a better
+request waits for pages and seats as any other does, and is first in line for them.
+A group is still never overtaken by a worse one; it waits for as long as better ones
+keep coming. Under "fcfs" (the default) every priority is 0, and the order is arrival
+but for preempted groups, which go first.
 
 A request is a `SequenceGroup`: one sequence; `n` samples, which fork off the prompt
 (`prompt[:-1]` is prefilled once, then every sample shares its pages and feeds the
@@ -80,15 +93,20 @@ sequence of the same step.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
+import numbers
 from collections.abc import Callable, Hashable
 
 from pagedjax import planner
 from pagedjax.blocks import BlockManager, OutOfPages
 from pagedjax.sequence import ScheduledRow, SeqStatus, Sequence, SequenceGroup, StepPlan
 
+POLICIES = ("fcfs", "priority")  # scheduling_policy's values, as vLLM's
+
 __all__ = [
+    "POLICIES",
     "Scheduler",
     "ScheduledRow",
     "SeqStatus",
@@ -108,6 +126,8 @@ class Scheduler:
         chunks); at least `max_num_seqs`.
       sliding_window: the model's window W (every layer); pages out of every sequence's
         window are released each step. None: full attention, every page is kept.
+      scheduling_policy: "fcfs" (first come first served) or "priority" (by each
+        group's `priority`, then arrival; see the module docstring).
     """
 
     def __init__(
@@ -117,6 +137,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         sliding_window: int | None = None,
+        scheduling_policy: str = "fcfs",
     ):
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -129,6 +150,10 @@ class Scheduler:
             raise ValueError(
                 f"sliding_window must be None or a positive int, got sliding_window={w!r}"
             )
+        if not isinstance(scheduling_policy, str) or scheduling_policy not in POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy=}"
+            )
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
                 "max_num_batched_tokens must be >= max_num_seqs (every running sequence "
@@ -138,11 +163,14 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.sliding_window = sliding_window
+        self.scheduling_policy = scheduling_policy
+        # Queue order: by (priority, arrival) under "priority" (`_requeue`).
         self.waiting: collections.deque[SequenceGroup] = collections.deque()
         self.running: list[SequenceGroup] = []  # admission order
         self.num_preemptions = 0
         self._groups: dict[Hashable, SequenceGroup] = {}
         self._admissions = itertools.count()
+        self._arrivals = itertools.count()
         self._open = False  # between schedule() and the end of commit()
         self._deferred: list[int] = []
 
@@ -208,6 +236,7 @@ class Scheduler:
             raise ValueError(f"request id {group.request_id!r} is already queued or running")
         if not group.seqs:
             raise ValueError(f"request {group.request_id!r} has no sequences")
+        group.priority = self.check_priority(group.priority, group.request_id)
         self.check_seats(max(group.seats, group.num_seats), group.request_id)
         need = self.max_pages_needed(group)
         have = self.bm.num_pages - self.bm.watermark_pages
@@ -226,7 +255,8 @@ class Scheduler:
                 "(max_tokens=None runs each sequence up to max_model_len)"
             )
         group.status = SeqStatus.WAITING
-        self.waiting.append(group)
+        group.arrival = next(self._arrivals)
+        self._requeue(group)
         self._groups[group.request_id] = group
 
     def check_seats(self, seats: int, request_id: Hashable = None, why: str = "") -> None:
@@ -238,6 +268,19 @@ class Scheduler:
                 f"{name} runs {seats} sequences at once{why}, more than "
                 f"max_num_seqs={self.max_num_seqs}"
             )
+
+    def check_priority(self, priority, request_id: Hashable = None) -> int:
+        """`priority` as an int; raises ValueError unless it is one (a bool is not), or
+        if it is not 0 under "fcfs" (as vLLM refuses it)."""
+        name = "" if request_id is None else f"request {request_id!r}: "
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+            raise ValueError(f"{name}priority must be an int, got priority={priority!r:.80}")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(
+                f"{name}got priority={priority} but priority scheduling is not enabled "
+                f"(scheduling_policy={self.scheduling_policy!r}; 'priority' enables it)"
+            )
+        return int(priority)
 
     def abort(self, request_id: Hashable) -> SequenceGroup | None:
         """Removes a request wherever it is and frees its pages; returns it (or None)."""
@@ -281,7 +324,9 @@ class Scheduler:
         results (the engine's recovery): no step is open, the block manager holds no
         sequence (`BlockManager.free_all`), and every request is aborted except those
         `keep` accepts, which wait again (running ones preempted: recomputed on
-        readmission, running ones first, in admission order).
+        readmission; under "fcfs" running ones first, in admission order, then the
+        waiting ones in queue order; under "priority" all by (priority, arrival), where
+        a preemption puts each).
 
         Returns:
           The aborted groups (their sequences FINISHED, in their `seqs`, as `abort` leaves
@@ -306,7 +351,7 @@ class Scheduler:
                 if id(g) in was_running:
                     g.num_preemptions += 1
                     self.num_preemptions += 1
-                self.waiting.append(g)
+                self._requeue(g)
             else:
                 for s in g.seqs:
                     s.status = SeqStatus.FINISHED
@@ -347,8 +392,9 @@ class Scheduler:
             cands, reserve = self._decode_candidates()
             if reserve <= bm.num_free_pages - bm.num_reserved_pages or not self.running:
                 break
-            preempted.add(id(self.running[-1]))
-            self._preempt(self.running[-1])
+            victim = max(self.running, key=self._victim_rank)
+            preempted.add(id(victim))
+            self._preempt(victim)
         rows: list[ScheduledRow] = []
         for g, s in cands:
             if g.atomic:
@@ -476,8 +522,25 @@ class Scheduler:
         g.epoch += 1
         g.num_preemptions += 1
         g.status = SeqStatus.WAITING
-        self.waiting.appendleft(g)
+        self._requeue(g, front=True)
         self.num_preemptions += 1
+
+    def _requeue(self, g: SequenceGroup, *, front: bool = False) -> None:
+        """Puts `g` in the waiting queue: under "priority" at its (priority, arrival)
+        place (after its equals: none has its arrival), else at the back (`front`: at the
+        front, a preempted group)."""
+        if self.scheduling_policy == "priority":
+            i = bisect.bisect_right(self.waiting, _rank(g), key=_rank)
+            self.waiting.insert(i, g)
+        elif front:
+            self.waiting.appendleft(g)
+        else:
+            self.waiting.append(g)
+
+    def _victim_rank(self, g: SequenceGroup):
+        """The running group preempted first has the highest: the last admitted under
+        "fcfs", the worst (priority, arrival) under "priority"."""
+        return _rank(g) if self.scheduling_policy == "priority" else g.admit_order
 
     def _free_now(self, s: Sequence) -> None:
         if s.num_admitted:
@@ -522,7 +585,7 @@ class Scheduler:
                 victims = [g for g in self.running if id(g) not in prefilling]
                 if not victims:
                     raise
-                victim = max(victims, key=lambda g: g.admit_order)
+                victim = max(victims, key=self._victim_rank)
                 self._preempt(victim)
                 for r in plan.rows:
                     if r.group is victim:
@@ -568,6 +631,11 @@ class Scheduler:
                 r.seq = todo.pop(0) if todo else None
             elif r.seq is not None and not r.seq._ready(in_flight):
                 r.seq = None
+
+
+def _rank(g: SequenceGroup) -> tuple[int, int]:
+    """A group's place under priority scheduling: lower is served first."""
+    return g.priority, g.arrival
 
 
 def _will_decode(s: Sequence) -> bool:

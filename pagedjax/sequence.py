@@ -100,6 +100,9 @@ class SequenceGroup:
       num_cached_tokens: prompt tokens its first admission read from the prefix cache
         (the most of its sequences'); None before it. A readmission after preemption
         reads back the request's own pages, generated tokens too, and does not count.
+      priority: under priority scheduling, lower is served first (vLLM's); 0 otherwise.
+      arrival: the order `Scheduler.add` queued it in (ties of priority go by it); -1
+        before. `admit_order` is the order of its last admission instead.
     """
 
     request_id: Hashable
@@ -116,6 +119,8 @@ class SequenceGroup:
     finished: list[Sequence] = dataclasses.field(default_factory=list)
     read_prefix_cache: bool = True
     num_cached_tokens: int | None = None
+    priority: int = 0
+    arrival: int = -1
 
     @property
     def seats(self) -> int:

@@ -91,7 +91,7 @@ class EngineThread:
 
     def submit(
         self,
-        requests: list[tuple[str, list[int], SamplingParams]],
+        requests: list[tuple[str, list[int], SamplingParams] | tuple[str, list[int], Any, int]],
         sink,
         *,
         tokens: bool,
@@ -99,15 +99,16 @@ class EngineThread:
         """Queues requests for the engine, all or none.
 
         Args:
-          requests: `(request id, prompt token ids, params)` triples; the ids must be
-            unique among the engine's unfinished requests.
+          requests: `(request id, prompt token ids, params)` triples, or with a fourth
+            element, the request's priority (`LLM.add_request`'s; left out: none given,
+            0); the ids must be unique among the engine's unfinished requests.
           sink: gets the requests' events (`put(event)`, called on the engine thread).
           tokens: also send a "token" event for each generated token (with its logprobs
             entry when the request's params ask for logprobs).
 
         Raises:
-          TypeError: `requests` is not a list of triples with str ids, or `sink` has no
-            `put` (checked here, on the caller's thread).
+          TypeError: `requests` is not a list of triples (or quadruples) with str ids, or
+            `sink` has no `put` (checked here, on the caller's thread).
           EngineStopped: the thread is not running. A request the engine refuses is an
             ("error", None, 400, message) event instead, and none of the batch is added.
         """
@@ -217,8 +218,9 @@ class EngineThread:
             _, requests, sink, tokens = command
             added = []
             try:
-                for rid, ids, params in requests:
-                    self.llm.add_request(ids, params, request_id=rid)
+                for rid, ids, params, *priority in requests:
+                    p = priority[0] if priority else 0
+                    self.llm.add_request(ids, params, request_id=rid, priority=p)
                     added.append(rid)
                     self._sinks[rid] = (sink, tokens, params.logprobs is not None)
             except Exception as e:  # noqa: BLE001  (answered, and the engine goes on)
@@ -314,18 +316,21 @@ def _check_ids(request_ids) -> list[str]:
     return ids
 
 
-def _check_requests(requests) -> list[tuple[str, Any, Any]]:
-    """`requests` as a list of triples with str ids (the engine keys a request by
-    `str(id)`: any other id's events would never reach its sink)."""
+def _check_requests(requests) -> list[tuple]:
+    """`requests` as a list of triples (or quadruples, with a priority) with str ids (the
+    engine keys a request by `str(id)`: any other id's events would never reach its
+    sink)."""
     if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
         raise TypeError(
-            f"requests must be a list of (request id, token ids, params), got {requests!r:.80}"
+            "requests must be a list of (request id, token ids, params[, priority]), got "
+            f"{requests!r:.80}"
         )
     out = []
     for i, r in enumerate(requests):
-        if not isinstance(r, (tuple, list)) or len(r) != 3:
+        if not isinstance(r, (tuple, list)) or len(r) not in (3, 4):
             raise TypeError(
-                f"requests[{i}] must be a (request id, token ids, params) triple, got {r!r:.80}"
+                f"requests[{i}] must be a (request id, token ids, params[, priority]) tuple, "
+                f"got {r!r:.80}"
             )
         if not isinstance(r[0], str):
             raise TypeError(f"requests[{i}]: the request id must be a str, got {r[0]!r:.80}")

@@ -48,7 +48,10 @@ JSON schema and grammar (GBNF, `pagedjax.grammar`) features are supported: the o
 are 400s naming them), `return_token_ids` (a
 boolean, as in vLLM: each choice gets `token_ids`, its generated token ids, and
 completions choices `prompt_token_ids`; a chat answer has `prompt_token_ids` beside its
-choices). Logprobs: completions take `logprobs: K` and
+choices), `priority` (vLLM's: an int, default 0; with `--scheduling-policy priority`
+the waiting requests are served lowest first, ties by arrival, and preemption takes the
+worst running one first; under the default `fcfs`, another value than 0 is a 400).
+Logprobs: completions take `logprobs: K` and
 answer `{tokens, token_logprobs, top_logprobs, text_offset}` (offsets into the
 completion text; as OpenAI's, each `top_logprobs` has the K most likely tokens and the
 sampled one, so K + 1 when it is not among them); chat takes `logprobs: true` with
@@ -147,10 +150,11 @@ yours. Flags:
 `--seed` (for requests without one), `--generation-config auto|none`, scripts/generate.py's
 engine flags (`--page-size`, `--num-pages` | `--kv-memory-fraction`, `--kv-cache-dtype`,
 `--max-batch-tokens`, `--max-model-len N`, `--backend`, `--tensor-parallel`,
-`--compilation-cache`), `--no-prefix-caching`, `--no-async-scheduling`, `--quiet` (no
-request log). Bad flags, a checkpoint directory missing files, a bad value in its
-generation_config.json or a port that cannot be bound end with one line on stderr and
-exit status 2, before any weights load.
+`--compilation-cache`), `--no-prefix-caching`, `--no-async-scheduling`,
+`--scheduling-policy fcfs|priority` (vLLM's: by arrival, or by each request's
+`priority`), `--quiet` (no request log). Bad flags, a checkpoint directory missing
+files, a bad value in its generation_config.json or a port that cannot be bound end
+with one line on stderr and exit status 2, before any weights load.
 """
 
 from __future__ import annotations
@@ -191,6 +195,12 @@ def build_parser() -> cli.Parser:
         action="store_true",
         help="apply each step's tokens on the host before dispatching the next",
     )
+    p.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="serve waiting requests by arrival (default) or by their `priority` field",
+    )
     p.add_argument("--quiet", action="store_true", help="do not log each request")
     return p
 
@@ -224,6 +234,7 @@ def run(args) -> int:
             tokenizer=tok,
             async_scheduling=not args.no_async_scheduling,
             generation_config=args.generation_config,
+            scheduling_policy=args.scheduling_policy,
             **cli.engine_kwargs(args),
         )
         server.start(llm)

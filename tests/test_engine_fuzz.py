@@ -3,19 +3,21 @@
 A request's outputs depend only on its prompt, its SamplingParams (seed included) and
 the model: not on what else runs, the size of the KV cache (preemption by recompute),
 prefix caching, asynchronous scheduling, the step token budget (chunked prefill),
-max_num_seqs, arrival times, or requests aborted around it. Hypothesis draws a
-workload (prompts sharing prefixes, lengths around page boundaries, long enough for
-chunked prefill; greedy, seeded and unseeded sampling, n > 1, beam search, stop tokens
-and strings, min_tokens, logprobs, prompt logprobs, penalties, logit bias, max_tokens up
-to max_model_len; a full-attention or a sliding-window model) and runs it, step by step
-through `add_request` / `step` / `abort`, under a reference engine that never preempts
-or chunks (2 seats, each with room for a whole sequence; a 64-token budget; synchronous;
-no prefix caching; everything queued at once; no aborts) and under a stressed one (up to
-8 seats in the same cache, so preemption; a budget of 1 to 16 tokens; prefix caching
-mostly on; async on or off; staggered arrivals; aborts between steps and from
-`on_token`), twice on the same engines (the second time from a warm prefix cache).
-The reference's own completions are held to the dense forward (no cache): cumulative
-logprobs, greedy argmax and prompt logprobs.
+max_num_seqs, the scheduling policy and priorities, arrival times, or requests aborted
+around it. Hypothesis draws a workload (prompts sharing prefixes, lengths around page
+boundaries, long enough for chunked prefill; greedy, seeded and unseeded sampling,
+n > 1, beam search, stop tokens and strings, min_tokens, logprobs, prompt logprobs,
+penalties, logit bias, max_tokens up to max_model_len; a full-attention or a
+sliding-window model) and runs it, step by step through `add_request` / `step` /
+`abort`, under a reference engine that never preempts or chunks (2 seats, each with
+room for a whole sequence; a 64-token budget; synchronous; no prefix caching; first
+come first served; everything queued at once; no aborts) and under a stressed one (up
+to 8 seats in the same cache, so preemption; a budget of 1 to 16 tokens; prefix caching
+mostly on; async on or off; first come first served, or by priority with one drawn per
+request; staggered arrivals; aborts between steps and from `on_token`), twice on the
+same engines (the second time from a warm prefix cache). The reference's own
+completions are held to the dense forward (no cache): cumulative logprobs, greedy
+argmax and prompt logprobs.
 Every request not aborted must give the reference's completions (token ids, texts,
 finish and stop reasons, logprobs and prompt logprobs to float tolerance); an aborted
 one returns nothing after its abort, samples it had finished are the reference's and the
@@ -119,8 +121,9 @@ def sampling_params(draw, vocab: int) -> SamplingParams:
 
 @st.composite
 def workloads(draw, window_prob: bool = True):
-    """(window, requests, stressed config); each request: prompt, params, arrival step,
-    abort (None, ("step", s) or ("token", k))."""
+    """(window, requests, stressed config, priorities); each request: prompt, params,
+    arrival step, abort (None, ("step", s) or ("token", k)); the stressed engine gives
+    request i priority `priorities[i]` (all 0 unless its scheduling_policy is "priority")."""
     window = draw(st.sampled_from([None, 7, None])) if window_prob else None
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
     base = rng.integers(3, TINY.vocab_size, size=3 * PS).tolist()
@@ -148,7 +151,12 @@ def workloads(draw, window_prob: bool = True):
         enable_prefix_caching=draw(st.sampled_from([True, True, False])),
         async_scheduling=draw(st.booleans()),
     )
-    return window, requests, stressed
+    # The stressed engine's only: the reference serves first come first served.
+    stressed["scheduling_policy"] = draw(st.sampled_from(["fcfs", "priority", "priority"]))
+    priorities = [0] * num
+    if stressed["scheduling_policy"] == "priority":
+        priorities = draw(st.lists(st.integers(-2, 2), min_size=num, max_size=num))
+    return window, requests, stressed, priorities
 
 
 # ------------------------------------------------------------------ running
@@ -194,9 +202,10 @@ def whole(sp, outs, what):
     return dataclasses.replace(last, outputs=comps)
 
 
-def drive(llm, requests, *, staggered: bool, aborts: bool):
-    """Runs `requests` to the end, step by step; returns ({index: RequestOutput},
-    {index: last output of an abort that took effect}), whole (`whole`)."""
+def drive(llm, requests, *, staggered: bool, aborts: bool, priorities=None):
+    """Runs `requests` to the end, step by step (request i with priority `priorities[i]`,
+    None: all 0); returns ({index: RequestOutput}, {index: last output of an abort that
+    took effect}), whole (`whole`)."""
     ids: dict[int, str] = {}
     index: dict[str, int] = {}
     done: dict[int, object] = {}
@@ -222,7 +231,7 @@ def drive(llm, requests, *, staggered: bool, aborts: bool):
     while len(ids) < len(requests) or llm.has_unfinished_requests():
         for i, (prompt, sp, arrival, _) in enumerate(requests):
             if i not in ids and (not staggered or arrival <= step):
-                ids[i] = llm.add_request(prompt, sp)
+                ids[i] = llm.add_request(prompt, sp, priority=priorities[i] if priorities else 0)
                 index[ids[i]] = i
         if aborts:
             for i, (_, _, arrival, a) in enumerate(requests):
@@ -314,14 +323,14 @@ def check_against_dense(params, requests, want):
 
 
 def check_workload(models, workload):
-    window, requests, stressed = workload
+    window, requests, stressed, priorities = workload
     params = models[window]
     ref, llm = engine(params, REF), engine(params, stressed)
     for _ in range(2):  # the second time from a warm prefix cache (and new seeds for None)
         want, none = drive(ref, requests, staggered=False, aborts=False)
         assert not none and ref.scheduler.num_preemptions == 0  # the reference is roomy
         check_against_dense(params, requests, want)
-        got, aborted = drive(llm, requests, staggered=True, aborts=True)
+        got, aborted = drive(llm, requests, staggered=True, aborts=True, priorities=priorities)
         check_outputs(requests, want, got, aborted)
     return llm
 
@@ -357,9 +366,10 @@ FUZZ = dict(
 
 
 # Three fixed examples (seed 1): preemption, prefix hits, n > 1, aborts from both
-# places, async on and off; about 1 s each plus ~15 compiled programs (beam search and
-# the window model come in under -m slow). Shrinking takes minutes (seconds an
-# example): the default run reports what it found.
+# places, async on and off, first come first served and by priority (preempting);
+# about 1 s each plus ~15 compiled programs (beam search and the window model come in
+# under -m slow). Shrinking takes minutes (seconds an example): the default run reports
+# what it found.
 @seed(1)
 @settings(max_examples=3, phases=[Phase.generate], **FUZZ)
 @given(workload=workloads())

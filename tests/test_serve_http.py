@@ -43,6 +43,7 @@ class StuckLLM:
 
     tokenizer, max_model_len, config = None, 64, types.SimpleNamespace(vocab_size=256)
     sampling_defaults = {}  # (no generation_config.json)
+    scheduling_policy = "fcfs"
 
     def __init__(self):
         self.rids = []
@@ -50,7 +51,7 @@ class StuckLLM:
     def stop_ids(self, params):
         return frozenset()
 
-    def add_request(self, ids, params, *, request_id):
+    def add_request(self, ids, params, *, request_id, priority=0):
         self.rids.append(request_id)
 
     def abort(self, rid):

@@ -30,7 +30,7 @@ class FakeLLM:
         self.running: dict[str, list] = {}  # rid -> [params, tokens]
         self.aborted: list[str] = []
 
-    def add_request(self, ids, params, *, request_id):
+    def add_request(self, ids, params, *, request_id, priority=0):
         if request_id in self.running:
             raise ValueError(f"request id {request_id!r} is already queued or running")
         if not ids:
@@ -248,7 +248,7 @@ def test_a_refused_batch_adds_none_of_its_requests():
     assert sink.get(timeout=WAIT) == ("error", None, 400, "empty prompt")
     assert engine.call(lambda llm: (llm.running, llm.aborted)) == ({}, ["a"])
 
-    def add_request(ids, params, *, request_id):
+    def add_request(ids, params, *, request_id, priority=0):
         raise RuntimeError("device lost")
 
     engine.call(lambda llm: setattr(llm, "add_request", add_request))
