@@ -460,7 +460,7 @@ def compile_guide(spec: StructuredOutputsParams, tokenizer: Tokenizer, vocab_siz
         try:
             return compile_dfa(pattern)
         except ValueError as e:
-            if spec.grammar is None:
+            if spec.grammar is None or "matches nothing" in str(e):  # (not a size error)
                 raise
             raise too_large(spec.grammar, e) from None
 
