@@ -5,7 +5,7 @@ An RL loop alternates generating rollouts with the current policy and training i
     llm = LLM(params)                       # the inference copy (e.g. bfloat16)
     for it in range(steps):
         outs = llm.generate(prompts, sp)    # rollouts
-        llm.sleep()                         # the KV cache's memory, for training
+        llm.sleep()                         # KV cache deleted, weights to host memory
         state = train_step(state, outs)     # float32 master weights, sharded as training likes
         llm.wake_up()
         llm.update_params(state.params)     # no reload, no recompile
@@ -18,7 +18,8 @@ checkpoint casts them, and every array is placed as the engine's is (its device,
 sharding over the tensor-parallel mesh), so the jitted steps run them with the programs
 they compiled (same tree, shapes, dtypes and shardings). The engine holds
 `template(params)`, the shape, dtype and sharding of each array, so that weights it
-dropped (`LLM.sleep(level=2)`) can be replaced all the same.
+dropped (`LLM.sleep(level=2)`) can be replaced all the same, and weights `sleep` moved
+to host memory (`to_host`) go back where the compiled programs expect them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from flax import nnx
 
 from pagedjax import model as model_lib
 
-__all__ = ["WeightsMixin", "place_params", "template"]
+__all__ = ["WeightsMixin", "place_params", "template", "to_host"]
 
 
 def template(params: model_lib.Params) -> model_lib.Params:
@@ -43,6 +44,19 @@ def template(params: model_lib.Params) -> model_lib.Params:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
     return jax.tree.map(spec, params)
+
+
+def to_host(params: model_lib.Params) -> model_lib.Params:
+    """`params` copied to host memory (each array's sharding with memory kind
+    "pinned_host", which `jax.device_put` back to the original sharding undoes); as
+    they are where a device has no such memory."""
+    first = jax.tree.leaves(params)[0]
+    kinds = {m.kind for d in first.sharding.device_set for m in d.addressable_memories()}
+    if "pinned_host" not in kinds:
+        return params
+    return jax.tree.map(
+        lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host")), params
+    )
 
 
 def _flat(new) -> dict:
@@ -124,6 +138,7 @@ class WeightsMixin:
         # weights (level 2) or the KV cache (any level) until new ones / `wake_up`.
         self._template = template(params)
         self._weights_dropped = False
+        self._weights_offloaded = False  # (in host memory: sleep level 1)
         self._asleep = False
 
     def _check_ready(self) -> None:
@@ -164,7 +179,7 @@ class WeightsMixin:
         self._check_idle("update_params")
         new = place_params(self._template, params)
         self.params = self.core.params = new
-        self._weights_dropped = False
+        self._weights_dropped = self._weights_offloaded = False
         self.block_manager.uncache()
 
     def reset_prefix_cache(self) -> bool:
@@ -177,11 +192,12 @@ class WeightsMixin:
 
     def sleep(self, level: int = 1) -> None:
         """Frees device memory for something else (a training step) until `wake_up`,
-        as vLLM's sleep mode: level 1 deletes the KV cache (the prefix cache is
-        cleared with it); level 2 drops the weights too (freed once nothing else holds
-        them), and `update_params` must give new ones before the next request. Unlike
-        vLLM's level 1, the weights stay on the device (no host copy): to free them
-        too, use level 2 and give them back with `update_params`.
+        as vLLM's sleep mode. Level 1 deletes the KV cache (the prefix cache is cleared
+        with it) and moves the weights to host memory (`to_host`), which `wake_up`
+        brings back; level 2 drops the weights instead, and `update_params` must give
+        new ones before the next request. The weights' device memory is freed once
+        nothing else holds their arrays: `LLM(params)` keeps the arrays it is given,
+        so a caller that keeps them too keeps that memory in use.
 
         Raises:
           RuntimeError: requests are unfinished (finish or abort them first).
@@ -195,14 +211,25 @@ class WeightsMixin:
             self._asleep = True
         if level == 2 and not self._weights_dropped:
             self.params = self.core.params = self._template  # (shapes only)
-            self._weights_dropped = True
+            self._weights_dropped = self._weights_offloaded = True
+        elif not self._weights_dropped and not self._weights_offloaded:
+            self.params = self.core.params = to_host(self.params)
+            self._weights_offloaded = True
 
     def wake_up(self) -> None:
-        """Ends `sleep`: a new, empty KV cache (nothing if the engine is not asleep).
-        After `sleep(level=2)`, requests still need `update_params` first."""
-        if self._asleep:
-            self.core.new_cache()
-            self._asleep = False
+        """Ends `sleep`: a new, empty KV cache, and the weights back in device memory
+        where `sleep(level=1)` moved them (nothing if the engine is not asleep). After
+        `sleep(level=2)`, requests still need `update_params` first."""
+        if not self._asleep:
+            return
+        if self._weights_offloaded and not self._weights_dropped:
+            back = jax.tree.map(
+                lambda x, t: jax.device_put(x, t.sharding), self.params, self._template
+            )
+            self.params = self.core.params = back
+        self._weights_offloaded = False
+        self.core.new_cache()
+        self._asleep = False
 
     def _check_idle(self, what: str) -> None:
         if self.scheduler.has_unfinished() or self.core.inflight is not None:

@@ -125,13 +125,16 @@ def test_reset_prefix_cache(old):
     check_clean(llm)
 
 
-def test_sleep_frees_the_kv_cache_until_wake_up(old, want):
+def test_sleep_frees_the_kv_cache_and_moves_the_weights_to_host_memory(old, new, want):
     llm = LLM(old, **GEOMETRY)
     assert run(llm) == want["old"]
     pools = jax.tree.leaves(llm.cache)
+    shardings = [x.sharding for x in jax.tree.leaves(llm.params)]
+    before = compiles()
     llm.sleep()
     assert llm.cache is None and all(x.is_deleted() for x in pools)
     assert llm.block_manager.stats().num_cached_pages == 0
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(llm.params)} == {"pinned_host"}
     with pytest.raises(RuntimeError, match="asleep"):
         llm.generate(PROMPTS, greedy(6))
     with pytest.raises(RuntimeError, match="asleep"):
@@ -139,9 +142,15 @@ def test_sleep_frees_the_kv_cache_until_wake_up(old, want):
     llm.sleep()  # (again: nothing more)
     llm.wake_up()
     llm.wake_up()
+    assert [x.sharding for x in jax.tree.leaves(llm.params)] == shardings
     outs = llm.generate(PROMPTS, greedy(6))
     assert [o.outputs[0].token_ids for o in outs] == want["old"]
     assert [o.num_cached_tokens for o in outs] == [0, 16]
+    assert compiles() == before  # (the weights back where the programs expect them)
+    llm.sleep()
+    llm.update_params(new)  # (asleep: the new weights are the ones wake_up keeps)
+    llm.wake_up()
+    assert run(llm) == want["new"]
     check_clean(llm)
 
 

@@ -372,7 +372,8 @@ def test_llm_tensor_parallel_argument(engine_params, engine_dense):
 
 def test_update_params_and_sleep_keep_the_tensor_parallel_placement(engine_params):
     """One-device weights given to a tp = 4 engine are sharded as its own (no
-    recompile), and wake_up's new cache is split over the mesh as the first was."""
+    recompile); sleep moves the sharded weights to host memory and wake_up back, with
+    a new cache split over the mesh as the first was."""
     llm = LLM(engine_params, tensor_parallel=4, **engine_helpers.GEOMETRY)
     prompts = engine_tests.prompts_with_shared_prefixes()[:4]
     llm.generate(prompts, engine_helpers.greedy(6))
@@ -381,7 +382,9 @@ def test_update_params_and_sleep_keep_the_tensor_parallel_placement(engine_param
     new = engine_helpers.random_params(1)
     before = sum(decode.compile_counts().values())
     llm.sleep()
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(llm.params)} == {"pinned_host"}
     llm.wake_up()
+    assert [x.sharding for x in jax.tree.leaves(llm.params)] == shardings
     llm.update_params(new)
     assert [x.sharding for x in jax.tree.leaves(llm.params)] == shardings
     assert [x.sharding for x in jax.tree.leaves(llm.cache)] == pools
