@@ -178,8 +178,12 @@ class EngineCore:
             self._recover(e, plan, sent, only)
             raise
         if rec is None:
-            self._idle_steps = 0 if prev is not None else self._idle_steps + 1
-            if self._idle_steps > 2 and self.scheduler.has_unfinished():
+            # Steps in a row that had requests and did nothing. (Not steps with none: a
+            # fully cached n-sample admission, which forks with no row, came after them
+            # as the third step "without progress".)
+            stalled = prev is None and self.scheduler.has_unfinished()
+            self._idle_steps = self._idle_steps + 1 if stalled else 0
+            if self._idle_steps > 2:
                 raise RuntimeError("scheduler made no progress with requests queued (a bug)")
             return self._with_carried(finished)
         self._idle_steps = 0

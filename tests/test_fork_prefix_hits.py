@@ -61,6 +61,27 @@ def test_n_samples_read_every_cached_page_and_sample_the_same(params, async_sche
     llm.block_manager.check_invariants()
 
 
+def test_a_fully_cached_n_sample_request_after_idle_steps(params):
+    """Such a request's admission step has no row (its samples fork at once and decode
+    from the next step); after steps with nothing to do it read as the third step in a
+    row without progress, and `step()` raised "scheduler made no progress with requests
+    queued (a bug)" (the engine fuzz's find)."""
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(3, 256, size=2 * PS + 1).tolist()
+    sp = SamplingParams(n=2, temperature=0.0, max_tokens=4)
+    llm = LLM(params, max_num_batched_tokens=16, async_scheduling=False, **GEOMETRY)
+    (cold,) = llm.generate([prompt], sp)
+    for _ in range(4):
+        assert llm.step() == []  # (nothing to do)
+    rid = llm.add_request(prompt, sp)
+    outs = []
+    while llm.has_unfinished_requests():
+        outs += llm.step()
+    (warm,) = outs
+    assert warm.request_id == rid and warm.num_cached_tokens == 2 * PS
+    assert completions(warm) == completions(cold)
+
+
 def test_readmitted_beams_read_every_cached_page_and_search_the_same(params):
     """Beams preempted when all but their last token fill whole pages: on readmission
     they read those pages back from the cache (none recomputed) and feed their last
