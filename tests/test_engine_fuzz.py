@@ -7,7 +7,8 @@ max_num_seqs, the scheduling policy and priorities, arrival times, or requests a
 around it. Hypothesis draws a workload (prompts sharing prefixes, lengths around page
 boundaries, long enough for chunked prefill; greedy, seeded and unseeded sampling,
 n > 1, beam search, stop tokens and strings, min_tokens, logprobs, prompt logprobs,
-penalties, logit bias, max_tokens up to max_model_len; a full-attention or a
+penalties, logit bias, structured outputs (a regex, choices, a grammar), streamed
+outputs (output_kind), max_tokens up to max_model_len; a full-attention or a
 sliding-window model) and runs it, step by step through `add_request` / `step` /
 `abort`, under a reference engine that never preempts or chunks (2 seats, each with
 room for a whole sequence; a 64-token budget; synchronous; no prefix caching; first
@@ -41,7 +42,7 @@ from hypothesis import strategies as st
 
 from pagedjax import decode, model
 from pagedjax.config import PRESETS
-from pagedjax.engine import LLM, RequestOutputKind, SamplingParams
+from pagedjax.engine import LLM, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 TINY = PRESETS["tiny"]  # float32, vocab 256 (byte tokenizer), EOS 2
 WINDOW = dataclasses.replace(TINY, sliding_window=7)
@@ -64,6 +65,12 @@ REF = dict(
     async_scheduling=False,
 )
 MAX_STEPS = 2000
+# Structured outputs a request may draw: a regex, choices, a recursive grammar.
+GUIDES = [
+    StructuredOutputsParams(regex="[a-f]{2,9}( [a-f]+)?"),
+    StructuredOutputsParams(choice=["yes", "no", "maybe so"]),
+    StructuredOutputsParams(grammar='root ::= "(" root ")" | [0-9]+ ("," [0-9])*'),
+]
 DENSE_ROWS = 8  # sequences per dense forward (one program for every check)
 dense_forward = jax.jit(model.forward)
 
@@ -116,6 +123,8 @@ def sampling_params(draw, vocab: int) -> SamplingParams:
         kw["logit_bias"] = draw(bias)
     kinds = [RequestOutputKind.FINAL_ONLY] * 4 + [RequestOutputKind.CUMULATIVE] * 2
     kw["output_kind"] = draw(st.sampled_from(kinds + [RequestOutputKind.DELTA] * 2))
+    if draw(st.integers(0, 5)) == 0:  # (its rows step in sync with the device)
+        kw["structured_outputs"] = draw(st.sampled_from(GUIDES))
     return SamplingParams(**kw)
 
 
@@ -315,7 +324,7 @@ def check_against_dense(params, requests, want):
                 continue
             gen = lps[row, np.arange(n - 1, len(toks) - 1)]  # [len(c.token_ids), V]
             close(gen[np.arange(len(c.token_ids)), c.token_ids].sum(), c.cumulative_logprob, what)
-            plain = not (sp.logit_bias or sp.min_tokens or sp.penalised)
+            plain = not (sp.logit_bias or sp.min_tokens or sp.penalised or sp.structured_outputs)
             if sp.temperature == 0.0 and plain:
                 best = gen.max(axis=-1)
                 picked = gen[np.arange(len(c.token_ids)), c.token_ids]
