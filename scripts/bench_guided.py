@@ -46,11 +46,20 @@ SCHEMA = {
     },
     "required": ["name", "age", "active"],
 }
+# Arithmetic with nested parentheses: a recursive grammar (unrolled `grammar.RULE_DEPTH`
+# deep, as every grammar is).
+GRAMMAR = """
+root   ::= expr
+expr   ::= term (("+" | "-") term)*
+term   ::= factor (("*" | "/") factor)*
+factor ::= [0-9]+ | "(" expr ")"
+"""
 SPECS = {
     "regex": StructuredOutputsParams(regex=r"[a-z]{3,12}@[a-z]{3,8}\.(com|org|net)"),
     "choice": StructuredOutputsParams(choice=["positive", "negative", "neutral"]),
     "json_schema": StructuredOutputsParams(json=SCHEMA),
     "json_object": StructuredOutputsParams(json_object=True),
+    "grammar": StructuredOutputsParams(grammar=GRAMMAR),
 }
 
 
