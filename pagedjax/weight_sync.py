@@ -7,8 +7,8 @@ An RL loop alternates generating rollouts with the current policy and training i
         outs = llm.generate(prompts, sp)    # rollouts
         llm.sleep()                         # KV cache deleted, weights to host memory
         state = train_step(state, outs)     # float32 master weights, sharded as training likes
-        llm.wake_up()
         llm.update_params(state.params)     # no reload, no recompile
+        llm.wake_up()                       # a new KV cache
 
 `LLM` (`pagedjax.engine`) inherits those calls from `WeightsMixin` here (kept out of
 the engine's module, which is long enough). `update_params` calls `place_params`: the
