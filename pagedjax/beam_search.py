@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from pagedjax.prompts import request_lists
 from pagedjax.request import Logprob, SamplingParams
 
 if TYPE_CHECKING:
@@ -120,8 +120,8 @@ def beam_search(
     c = concurrency_limit
     if c is not None and (type(c) is not int or c < 1):
         raise ValueError(f"concurrency_limit must be None or an int >= 1, got {c!r}")
-    prompts = [prompts] if isinstance(prompts, (str, Mapping)) else list(prompts)  # (generate's)
     sp = params.sampling_params()
+    prompts, _ = request_lists(prompts, sp, lambda: sp)  # (as generate takes them)
     step = c or max(1, len(prompts))
     outs = []
     for i in range(0, len(prompts), step):

@@ -49,7 +49,9 @@ def load_script():
 serve = load_script()
 
 
-def make_llm(path) -> LLM:
+def make_llm(path, **kw) -> LLM:
+    """An engine of the served checkpoint at `path`, in the tests' geometry (`kw`: more
+    LLM arguments)."""
     return LLM(
         str(path),
         page_size=8,
@@ -57,7 +59,20 @@ def make_llm(path) -> LLM:
         max_num_batched_tokens=16,
         max_num_seqs=16,
         backend="xla",
+        **kw,
     )
+
+
+def capture_start(monkeypatch) -> list:
+    """Makes serve.py's `main` start its server without serving; returns the list that
+    gets each engine `Server.start` is given."""
+    started = []
+    start = serve.Server.start
+    monkeypatch.setattr(
+        serve.Server, "start", lambda srv, llm: started.append(llm) or start(srv, llm)
+    )
+    monkeypatch.setattr(serve.Server, "serve_forever", lambda srv, *a, **k: None)
+    return started
 
 
 @pytest.fixture(scope="module")

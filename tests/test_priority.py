@@ -281,15 +281,7 @@ def test_priority_and_policy_are_checked_before_anything_is_queued(params, one_s
 
 @pytest.fixture(scope="module")
 def priority_server(ckpt):
-    llm = LLM(
-        str(ckpt),
-        page_size=8,
-        num_pages=64,
-        max_num_batched_tokens=16,
-        max_num_seqs=16,
-        backend="xla",
-        scheduling_policy="priority",
-    )
+    llm = serve_helpers.make_llm(ckpt, scheduling_policy="priority")
     seen = []  # the priority each request's group got, read on the engine thread
     add = llm.add_request
 
@@ -329,12 +321,7 @@ def test_a_nonzero_priority_under_fcfs_is_a_400(server):
 
 
 def test_the_cli_flag(ckpt, monkeypatch, capsys):
-    started = []
-    start = serve.Server.start
-    monkeypatch.setattr(
-        serve.Server, "start", lambda srv, llm: started.append(llm) or start(srv, llm)
-    )
-    monkeypatch.setattr(serve.Server, "serve_forever", lambda srv, *a, **k: None)
+    started = serve_helpers.capture_start(monkeypatch)
     argv = ["--checkpoint", ckpt, "--port", "0", "--quiet", "--backend", "xla"]
     argv += ["--page-size", "8", "--num-pages", "64", "--compilation-cache", "off"]
     assert serve.main([str(a) for a in argv + ["--scheduling-policy", "priority"]]) == 0

@@ -380,12 +380,7 @@ def test_a_port_in_use_is_one_line_before_loading(ckpt, monkeypatch, capsys):
 def test_the_cli_serves_a_checkpoint_without_a_tokenizer(bare_ckpt, monkeypatch, capsys):
     """serve.py refused it ("has no tokenizer.json; it is needed to encode prompts"),
     though such a checkpoint serves token id prompts."""
-    started = []
-    start = serve.Server.start
-    monkeypatch.setattr(
-        serve.Server, "start", lambda srv, llm: started.append(llm) or start(srv, llm)
-    )
-    monkeypatch.setattr(serve.Server, "serve_forever", lambda srv, *a, **k: None)
+    started = serve_helpers.capture_start(monkeypatch)
     argv = ["--checkpoint", bare_ckpt, "--port", "0", "--quiet", "--backend", "xla"]
     argv += ["--page-size", "8", "--num-pages", "64", "--max-batch-tokens", "16"]
     argv += ["--compilation-cache", "off"]
