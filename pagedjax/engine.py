@@ -220,7 +220,6 @@ class LLM(weight_sync.WeightsMixin):
             sliding_window=cfg.sliding_window,  # pages out of the window are given back
             scheduling_policy=scheduling_policy,
         )
-        self.scheduling_policy = scheduling_policy
         self.buckets = buckets or decode.Buckets()
         self.async_scheduling = bool(async_scheduling)
         self.eos_ids = frozenset(cfg.eos_token_ids) | (
@@ -391,6 +390,11 @@ class LLM(weight_sync.WeightsMixin):
         in flight, or outputs of `add_request`'s requests that finished inside a
         `generate` call (the next `step()` returns them)."""
         return self.core.busy or bool(self._unclaimed)
+
+    @property
+    def scheduling_policy(self) -> str:
+        """The scheduling policy, "fcfs" or "priority" (the scheduler applies it)."""
+        return self.scheduler.scheduling_policy
 
     @property
     def cache(self):
