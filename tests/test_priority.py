@@ -116,9 +116,7 @@ def test_commit_out_of_pages_preempts_the_worst_priority_first():
     assert [r.seq is not None for r in plan.rows] == [False, True, True]
     assert sim.sched.running == [b, c] and waiting(sim) == ["a"]
     sim.bm.free("thief")
-    sim.plans.append(plan)
-    sim.inflight = (plan, sim.write_and_check(plan, {}))
-    sim.run()
+    sim.run_from(plan)
     for rid, p in prompts.items():
         assert sim.done[rid].finished[0].token_ids == reference(p, 6)
 

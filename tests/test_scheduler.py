@@ -127,6 +127,13 @@ class Sim:
             self.inflight = None
         return plan
 
+    def run_from(self, plan):
+        """Runs a plan a test committed itself (after applying the step before it), then
+        everything to the end, as `step` and `run` would have."""
+        self.plans.append(plan)
+        self.inflight = (plan, self.write_and_check(plan, {}))
+        self.run()
+
     def check_plan(self, plan):
         s = self.sched
         assert len(plan.rows) <= s.max_num_seqs
@@ -233,9 +240,7 @@ def test_commit_out_of_pages_preempts_the_newest_decoding_group():
     assert sim.sched.running == [a] and list(sim.sched.waiting) == [b, c]
     assert (b.num_preemptions, c.num_preemptions) == (1, 1)
     sim.bm.free("thief")
-    sim.plans.append(plan)
-    sim.inflight = (plan, sim.write_and_check(plan, {}))
-    sim.run()
+    sim.run_from(plan)
     for rid, p in prompts.items():
         assert sim.done[rid].finished[0].token_ids == reference(p, 6)
 
@@ -256,9 +261,7 @@ def test_commit_out_of_pages_spares_the_groups_prefilling_in_the_step():
     assert [r.seq is not None for r in plan.rows] == [True, False, True]
     assert sim.sched.running == [a, d] and list(sim.sched.waiting) == [b]
     sim.bm.free("thief")
-    sim.plans.append(plan)
-    sim.inflight = (plan, sim.write_and_check(plan, {}))
-    sim.run()
+    sim.run_from(plan)
     for rid, p, k in (("a", [3] * PS, 6), ("b", [4] * PS, 6), ("d", list(range(3, 11)), 2)):
         assert sim.done[rid].finished[0].token_ids == reference(p, k)
 
