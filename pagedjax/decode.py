@@ -71,7 +71,8 @@ from pagedjax import cache as cache_lib
 from pagedjax import model as model_lib
 from pagedjax import sampling, sharding
 from pagedjax.config import CacheConfig
-from pagedjax.step_checks import _check_params, _check_step, check_cache
+from pagedjax.lora import LoRAWeights
+from pagedjax.step_checks import _check_params, _check_step, check_cache, check_lora
 from pagedjax.step_input import (
     Buckets,
     SeqChunk,
@@ -110,6 +111,7 @@ def _step(
     params,
     cache,
     inp,
+    lora=None,
     *,
     decode,
     backend,
@@ -138,6 +140,8 @@ def _step(
         decode=decode,
         backend=backend,
         interpret=interpret,
+        lora=lora,
+        lora_slots=_lora_slots(inp) if lora is not None else None,
     )
     extra = {}
     if every_token:  # logits at every token: score the targets, then keep each row's last
@@ -182,6 +186,13 @@ def _step(
     return out, cache
 
 
+def _lora_slots(inp):
+    """Each token's LoRA slot: `inp.lora_slots`, or none (0) for a StepInput without."""
+    if inp.lora_slots is not None:
+        return inp.lora_slots
+    return jnp.zeros(inp.token_ids.shape, jnp.int32)
+
+
 def _ranks(lp, picked):
     """[N] int32: 1 + how many of each row's logprobs `lp` [N, V] exceed its `picked` [N]."""
     return 1 + jnp.sum(lp > picked[:, None], axis=-1, dtype=jnp.int32)
@@ -215,6 +226,7 @@ def prefill_step(
     num_top_logprobs: int = 0,
     num_prompt_top_logprobs: int = 0,
     return_logits: bool = False,
+    lora: LoRAWeights | None = None,
 ) -> tuple[StepOutput, cache_lib.PagedKVCache]:
     """One mixed step (prefill chunks and decode rows) with ragged paged attention.
 
@@ -235,6 +247,9 @@ def prefill_step(
       num_prompt_top_logprobs: with `inp.target_ids`, also return every token's k most
         likely next tokens (`StepOutput.target_top_ids`).
       return_logits: also return the [B, V] float32 logits (tests, debugging).
+      lora: LoRA adapters on the device (`pagedjax.lora.LoRAWeights`): each token gets
+        the update of its slot in `inp.lora_slots` (`SeqChunk.lora_slot`; none for a
+        StepInput without them). None: the base model only.
 
     With `inp.target_ids` (prompt logprobs) the step computes logits at every token,
     `[T, V]` float32 (and their log-softmax) instead of one row per sequence: a
@@ -245,6 +260,7 @@ def prefill_step(
     """
     _check_step(params, inp, False, backend, num_top_logprobs, num_prompt_top_logprobs)
     check_cache(params, cache, inp)
+    check_lora(params, inp, lora)
     return _prefill_jit(
         params,
         cache,
@@ -254,6 +270,7 @@ def prefill_step(
         num_top_logprobs=num_top_logprobs,
         num_prompt_top_logprobs=num_prompt_top_logprobs,
         return_logits=return_logits,
+        lora=lora,
     )
 
 
@@ -267,6 +284,7 @@ def decode_step(
     num_top_logprobs: int = 0,
     num_prompt_top_logprobs: int = 0,
     return_logits: bool = False,
+    lora: LoRAWeights | None = None,
 ) -> tuple[StepOutput, cache_lib.PagedKVCache]:
     """One decode step: one token per sequence, with the paged decode kernel.
 
@@ -275,6 +293,7 @@ def decode_step(
     """
     _check_step(params, inp, True, backend, num_top_logprobs, num_prompt_top_logprobs)
     check_cache(params, cache, inp)
+    check_lora(params, inp, lora)
     return _decode_jit(
         params,
         cache,
@@ -284,6 +303,7 @@ def decode_step(
         num_top_logprobs=num_top_logprobs,
         num_prompt_top_logprobs=num_prompt_top_logprobs,
         return_logits=return_logits,
+        lora=lora,
     )
 
 

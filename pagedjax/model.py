@@ -98,6 +98,12 @@ def _linear(n_in, n_out, cfg, rngs, bias=False):
     return nnx.Linear(n_in, n_out, use_bias=bias, dtype=dt, param_dtype=dt, rngs=rngs)
 
 
+def _project(linear, name: str, x, lora):
+    """`linear(x)`, plus `lora(name, x)` (the LoRA update of module `name`) if given."""
+    y = linear(x)
+    return y if lora is None else y + lora(name, x)
+
+
 class Attention(nnx.Module):
     """GQA projections and RoPE; the attention itself is chosen by the caller."""
 
@@ -114,21 +120,25 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = h, k, d
         self.rope_scale = rope_attention_factor(cfg)  # static: a float in the graphdef
 
-    def qkv(self, x, positions, inv_freq):
+    def qkv(self, x, positions, inv_freq, lora=None):
         """x: [..., T, E], positions: [..., T] -> q [..., T, H, D], k and v [..., T, K, D];
-        q and k rotated by cos and sin times `rope_scale` (HF's: so is the cached k)."""
+        q and k rotated by cos and sin times `rope_scale` (HF's: so is the cached k).
+        `lora(module_name, x)`: an update added to each projection (`_project`)."""
         lead = x.shape[:-1]
-        q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        q = _project(self.q_proj, "q_proj", x, lora).reshape(*lead, self.num_heads, self.head_dim)
+        k = _project(self.k_proj, "k_proj", x, lora)
+        v = _project(self.v_proj, "v_proj", x, lora)
+        k = k.reshape(*lead, self.num_kv_heads, self.head_dim)
+        v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         rope = partial(apply_rope, positions=positions, inv_freq=inv_freq, scale=self.rope_scale)
         return rope(q), rope(k), v
 
-    def out(self, o):
+    def out(self, o, lora=None):
         """o: [..., T, H, D] -> [..., T, E]."""
-        return self.o_proj(o.reshape(*o.shape[:-2], self.num_heads * self.head_dim))
+        o = o.reshape(*o.shape[:-2], self.num_heads * self.head_dim)
+        return _project(self.o_proj, "o_proj", o, lora)
 
 
 class MLP(nnx.Module):
@@ -140,8 +150,10 @@ class MLP(nnx.Module):
         self.up_proj = _linear(e, i, cfg, rngs)
         self.down_proj = _linear(i, e, cfg, rngs)
 
-    def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x, lora=None):
+        gate = _project(self.gate_proj, "gate_proj", x, lora)
+        h = jax.nn.silu(gate) * _project(self.up_proj, "up_proj", x, lora)
+        return _project(self.down_proj, "down_proj", h, lora)
 
 
 class DecoderLayer(nnx.Module):
@@ -208,6 +220,8 @@ class Llama(nnx.Module):
         backend: str = "auto",
         interpret: bool = False,
         mesh: Mesh | None = None,
+        lora=None,
+        lora_slots=None,
     ):
         """One paged step; see `forward_paged` for the arguments (`mesh`: `Params.mesh`)."""
         inv_freq = rope_frequencies(self.cfg)
@@ -223,14 +237,16 @@ class Llama(nnx.Module):
         meta = (slot_mapping, page_table, context_lens, query_start_loc)
         new_k, new_v = [], []
         x = self.embed_tokens(token_ids)  # [T, E]
+        mask = None if lora is None else lora.mask(lora_slots)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            q, k, v = attn.qkv(layer.input_layernorm(x), positions, inv_freq)
+            delta = None if lora is None else partial(lora.delta, i, mask)
+            q, k, v = attn.qkv(layer.input_layernorm(x), positions, inv_freq, delta)
             o, k_pages, v_pages = attend(q, k, v, *cache.layer(i), *meta)
             new_k.append(k_pages)
             new_v.append(v_pages)
-            x = x + attn.out(o.astype(x.dtype))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + attn.out(o.astype(x.dtype), delta)
+            x = x + layer.mlp(layer.post_attention_layernorm(x), delta)
         logits = self.logits(x[logits_indices])
         if mesh is not None:  # sampling needs whole [B, V] rows: one all-gather
             logits = sharding_lib.gather_logits(logits, mesh)
@@ -476,6 +492,8 @@ def forward_paged(
     decode: bool = False,
     backend: str = "auto",
     interpret: bool = False,
+    lora=None,
+    lora_slots=None,
 ):
     """One paged step (pure; meant to be called inside a jitted step function).
 
@@ -493,6 +511,9 @@ def forward_paged(
         uses the decode kernel instead of the ragged one.
       backend: "auto" | "gpu" | "tpu" | "xla" for the attention kernels.
       interpret: run Pallas kernels in interpret mode (CPU testing).
+      lora: `pagedjax.lora.LoRAWeights`: adds each token's adapter's update to the
+        projections (None: no LoRA).
+      lora_slots: [T] int32 with `lora`: each token's adapter slot (0: none).
 
     With `params.mesh` set (`pagedjax.sharding.shard_params`), the step is tensor
     parallel: the cache must come from `pagedjax.sharding.create_cache` with that mesh.
@@ -513,4 +534,6 @@ def forward_paged(
         backend=backend,
         interpret=interpret,
         mesh=params.mesh,
+        lora=lora,
+        lora_slots=lora_slots,
     )

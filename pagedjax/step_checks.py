@@ -151,3 +151,38 @@ def _check_step(params, inp, decode, backend, num_top_logprobs, num_prompt_top_l
         b, f = inp.context_lens.shape[0], inp.feed.shape[0]
         if f < b:
             raise ValueError(f"StepInput.feed holds {f} tokens, fewer than the {b} rows")
+
+
+def check_lora(params, inp: StepInput, lora) -> None:
+    """`lora` (LoRAWeights or None) against the model and `inp.lora_slots`, on the host:
+    weights shaped for this model, and every slot in [0, lora.num_slots] (checked where
+    the slots are concrete, not under an outer trace)."""
+    from pagedjax.lora import LoRAWeights, module_dims
+
+    if lora is None:
+        if inp.lora_slots is not None:
+            raise ValueError("StepInput.lora_slots given without LoRA weights (lora=None)")
+        return
+    if not isinstance(lora, LoRAWeights):
+        raise TypeError(f"lora must be a pagedjax.lora.LoRAWeights or None, got {lora!r:.80}")
+    cfg = params.config
+    for module, a in lora.a.items():
+        n_in, n_out = module_dims(cfg, module)
+        b = lora.b[module]
+        want_a = (cfg.num_layers, n_in, a.shape[-1])
+        want_b = (cfg.num_layers, a.shape[-1], n_out)
+        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+            raise ValueError(
+                f"LoRA weights of {module}: a {tuple(a.shape)}, b {tuple(b.shape)} do not fit "
+                f"the model: expected {want_a} and {want_b}"
+            )
+    slots = inp.lora_slots
+    if slots is not None and not isinstance(slots, jax.core.Tracer):
+        top = int(jax.device_get(slots).max(initial=0))
+        low = int(jax.device_get(slots).min(initial=0))
+        if low < 0 or top > lora.num_slots:
+            bad = low if low < 0 else top
+            raise ValueError(
+                f"StepInput.lora_slots holds slot {bad}; the LoRA weights have slots "
+                f"1..{lora.num_slots} (0: none)"
+            )

@@ -70,6 +70,8 @@ class StepInput:
     # previous step's `StepOutput.feed`, on the device), else token_ids[i].
     token_src: jax.Array | None = None  # [T] int32
     feed: jax.Array | None = None  # [F] int32, F >= B
+    # LoRA: each token's adapter slot (0: none; `pagedjax.lora`). None: no token has one.
+    lora_slots: jax.Array | None = None  # [T] int32
     decode: bool = _static(default=False)  # one token per sequence and T == B
     # The cache geometry the step was built and checked for (0: not recorded); the
     # steps refuse a cache of another page size or page count (`decode.check_cache`).
@@ -127,6 +129,7 @@ class SeqChunk:
         only when a penalty is on.
       logit_bias: token id -> value added to its logit before sampling (-inf bans it),
         or None.
+      lora_slot: the LoRA adapter slot its tokens use (`pagedjax.lora`; 0: none).
     """
 
     token_ids: Sequence[int]
@@ -144,6 +147,7 @@ class SeqChunk:
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
     logit_bias: Mapping[int, float] | None = None
+    lora_slot: int = 0
 
     @property
     def penalised(self) -> bool:
@@ -296,6 +300,14 @@ def build_step_input(
         out[:n] = values
         return out
 
+    lora = _int_array([c.lora_slot for c in chunks], "lora_slot")
+    if (lora < 0).any() or (lora >= 2**31).any():
+        i = _first((lora < 0) | (lora >= 2**31))
+        raise ValueError(f"sequence {i}: lora_slot must be in [0, 2**31), got lora_slot={lora[i]}")
+    lora_slots = None
+    if lora.any():
+        lora_slots = np.zeros(t, np.int32)
+        lora_slots[:total] = lora[seq]
     num_copies = bucket_size(len(copies), buckets.min_copies)
     _check_copies(copies, cache_cfg.num_pages)
     src, dst = pack_copies(copies, num_copies)
@@ -317,6 +329,7 @@ def build_step_input(
         min_p=per_seq(min_p, np.float32, 0.0),
         penalties=penalties,
         logit_bias=logit_bias,
+        lora_slots=lora_slots,
         decode=decode,
         page_size=cache_cfg.page_size,
         num_pages=cache_cfg.num_pages,

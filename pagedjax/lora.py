@@ -1,0 +1,386 @@
+"""LoRA adapters in PEFT's format, served per request: several adapters in one batch.
+
+A LoRA adapter adds a low-rank update to some of the model's linear layers:
+`y = x @ W + scaling * (x @ A.T) @ B.T`, with PEFT's `A` `[r, in]` and `B` `[out, r]`
+and `scaling = lora_alpha / r` (`lora_alpha / sqrt(r)` with `use_rslora`). This module
+reads adapters from PEFT directories (`load_adapter`), keeps the ones a batch uses on
+the device in fixed-size slots (`LoRAWeights`), and applies them per token inside the
+paged forward (`LoRAWeights.delta`), so that rows of different adapters (and rows of
+none) share one step and one compiled program.
+
+Layout on the device (`LoRAWeights`): per target module, all layers and all slots in
+two arrays, the slots side by side along the rank axis, the scaling folded into `b`:
+
+    a[module]  [L, in, S * R]     slot s (1..S) owns columns [(s-1)*R, s*R) of a
+    b[module]  [L, S * R, out]    and the same rows of b; an adapter of rank r < R
+                                  fills its first r and leaves zeros after them
+
+`R` is `max_lora_rank` and `S` is `max_loras`. Slot 0 means no adapter. A step gets
+each token's slot (`StepInput.lora_slots`); per layer and module the update is
+`((x @ a) * mask) @ b`, with `mask[t]` the 0/1 columns of token t's slot: two
+matmuls over `S * R` columns (64 for four rank-16 slots, next to the thousands of
+`W`), no gather of per-token weights, and exact for every row, since a token's
+product with another slot's columns is multiplied by 0. Every step of an engine with
+LoRA enabled runs this path, adapters or not, so their mix never recompiles.
+
+Target modules: `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`,
+`down_proj` of any layers; an adapter may target any subset (the rest of its slot stays
+zero). Refused with a clear error: `modules_to_save` (trained copies of whole layers,
+e.g. `lm_head`), embedding adapters, LoRA biases (`bias` other than "none"), DoRA,
+`fan_in_fan_out`, and `adapter_model.bin` (pickled torch: convert it to safetensors).
+
+Tensor parallelism: for a column-split projection (`pagedjax.sharding`) `a` is
+replicated and `b` split over its outputs; for a row-split one (`o_proj`,
+`down_proj`) `a` is split over its inputs and `b` replicated, so the update is
+partitioned as the projection it adds to (the `[T, S*R]` product of a row-split one
+costs one small all-reduce).
+
+`merge_adapter(params, adapter)` folds an adapter into the weights: the dense
+reference the tests check the per-token path against, and a way to serve one adapter
+with no LoRA overhead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pagedjax import sharding as sharding_lib
+from pagedjax.config import ModelConfig
+
+__all__ = [
+    "TARGET_MODULES",
+    "LoRAAdapter",
+    "LoRARequest",
+    "LoRAWeights",
+    "create_lora_weights",
+    "load_adapter",
+    "merge_adapter",
+    "module_dims",
+    "write_slot",
+]
+
+# Each target module and the block that holds it in a decoder layer.
+TARGET_MODULES = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+
+_KEY = re.compile(
+    r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
+)
+_UNSUPPORTED = {  # adapter_config.json keys whose non-default values we cannot serve
+    "use_dora": (False, None),
+    "fan_in_fan_out": (False, None),
+    "bias": ("none", None),
+    "modules_to_save": (None, []),
+}
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """Which adapter a request runs with (vLLM's `LoRARequest`).
+
+    Attributes:
+      lora_name: a name for it (the server's `model` field selects adapters by name).
+      lora_int_id: a positive int identifying it: requests with equal ids share the
+        adapter loaded once, and their prefix-cache pages (never those of another
+        adapter or of the base model).
+      lora_path: the PEFT directory (`adapter_config.json`, `adapter_model.safetensors`).
+    """
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self):
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"lora_name must be a non-empty str, got {self.lora_name!r}")
+        i = self.lora_int_id
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 1:
+            raise ValueError(f"lora_int_id must be a positive int, got lora_int_id={i!r}")
+        if not isinstance(self.lora_path, (str, os.PathLike)):
+            raise TypeError(f"lora_path must be a str or a path, got {self.lora_path!r}")
+        object.__setattr__(self, "lora_int_id", int(i))
+        object.__setattr__(self, "lora_path", os.fspath(self.lora_path))
+
+
+def module_dims(cfg: ModelConfig, module: str) -> tuple[int, int]:
+    """(in, out) features of a target module's linear layer in a model of `cfg`."""
+    e, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    dims = {
+        "q_proj": (e, q),
+        "k_proj": (e, kv),
+        "v_proj": (e, kv),
+        "o_proj": (q, e),
+        "gate_proj": (e, i),
+        "up_proj": (e, i),
+        "down_proj": (i, e),
+    }
+    if module not in dims:
+        raise ValueError(f"not a LoRA target module: {module!r} (one of {sorted(dims)})")
+    return dims[module]
+
+
+@dataclass(frozen=True, eq=False)
+class LoRAAdapter:
+    """A loaded adapter, on the host.
+
+    Attributes:
+      weights: (layer, module) -> (a [in, r], b [r, out]) float32, the scaling folded
+        into b: the update of that layer's module is `x @ a @ b`.
+      rank: the largest r of its modules.
+      path: the directory it was read from (None: built in memory).
+    """
+
+    weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
+    rank: int
+    path: str | None = None
+
+    @property
+    def num_bytes(self) -> int:
+        """Host bytes of its weights."""
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+
+def _config(root: Path) -> dict:
+    file = root / "adapter_config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"no adapter_config.json in LoRA adapter directory {root}")
+    try:
+        conf = json.loads(file.read_text())
+    except ValueError as e:
+        raise ValueError(f"{file} is not valid JSON ({e})") from None
+    if not isinstance(conf, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(conf).__name__}")
+    kind = conf.get("peft_type", "LORA")
+    if kind != "LORA":
+        raise ValueError(f"{file}: peft_type={kind!r}: only LoRA adapters are supported")
+    for key, allowed in _UNSUPPORTED.items():
+        if conf.get(key, allowed[0]) not in allowed:
+            raise ValueError(
+                f"{file}: {key}={conf[key]!r} is not supported (LoRA adapters without it only)"
+            )
+    alpha = conf.get("lora_alpha", conf.get("r", 8))
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise ValueError(f"{file}: lora_alpha must be a positive number, got {alpha!r}")
+    return conf
+
+
+def _alpha(conf: dict, layer: int, module: str) -> float:
+    """lora_alpha of one module: `alpha_pattern`'s first key the module's name ends
+    with (PEFT's rule: a regex matched against the end of the dotted name), else
+    `lora_alpha`."""
+    name = f"model.layers.{layer}.{TARGET_MODULES[module]}.{module}"
+    for pattern, value in (conf.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", name):
+            return float(value)
+    return float(conf.get("lora_alpha", conf.get("r", 8)))
+
+
+def load_adapter(path, cfg: ModelConfig, *, max_rank: int | None = None) -> LoRAAdapter:
+    """Reads a PEFT LoRA adapter directory for a model of `cfg`.
+
+    Every tensor is checked before any is read: names (`...layers.{i}.self_attn.q_proj
+    .lora_A.weight` and the like, with or without PEFT's `base_model.model.` prefix),
+    layer indices, shapes (`A` `[r, in]`, `B` `[out, r]` as the model's dimensions
+    give them) and that each A has its B.
+
+    Args:
+      path: the adapter directory.
+      cfg: the base model's config.
+      max_rank: refuse adapters with a module of larger rank (the engine's
+        `max_lora_rank`).
+
+    Raises:
+      FileNotFoundError: no such directory, or no adapter_config.json /
+        adapter_model.safetensors in it.
+      ValueError: naming the tensor, key or value the engine cannot serve.
+    """
+    from pagedjax.weights import _read_header, _read_tensor  # (weights imports jax-heavy bits)
+
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"LoRA adapter directory {str(path)!r} does not exist")
+    conf = _config(root)
+    file = root / "adapter_model.safetensors"
+    if not file.is_file():
+        extra = (
+            " (adapter_model.bin is pickled torch: save it as safetensors)"
+            * (root / "adapter_model.bin").is_file()
+        )
+        raise FileNotFoundError(f"no adapter_model.safetensors in {root}{extra}")
+    infos = _read_header(file)
+    pairs: dict[tuple[int, str], dict[str, object]] = {}
+    for name, info in infos.items():
+        m = _KEY.fullmatch(name)
+        if m is None or TARGET_MODULES.get(m[3]) != m[2]:
+            raise ValueError(
+                f"{file}: tensor {name!r} is not a LoRA A/B weight of a supported module "
+                f"({', '.join(TARGET_MODULES)}); embedding, lm_head and bias adapters "
+                "are not supported"
+            )
+        layer = int(m[1])
+        if layer >= cfg.num_layers:
+            raise ValueError(f"{file}: {name}: layer {layer} >= the model's {cfg.num_layers}")
+        pairs.setdefault((layer, m[3]), {})[m[4]] = info
+    if not pairs:
+        raise ValueError(f"{file} holds no LoRA weights")
+    rank = 0
+    for (layer, module), ab in sorted(pairs.items()):
+        where = f"{file}: layer {layer} {module}"
+        if missing := {"A", "B"} - set(ab):
+            raise ValueError(f"{where}: lora_{missing.pop()} is missing")
+        n_in, n_out = module_dims(cfg, module)
+        ra, rb = ab["A"].shape, ab["B"].shape
+        if len(ra) != 2 or len(rb) != 2 or ra[1] != n_in or rb[0] != n_out or ra[0] != rb[1]:
+            raise ValueError(
+                f"{where}: lora_A {list(ra)} and lora_B {list(rb)} do not fit the model's "
+                f"{module} ({n_in} in, {n_out} out): expected [r, {n_in}] and [{n_out}, r]"
+            )
+        if ra[0] < 1:
+            raise ValueError(f"{where}: rank 0")
+        rank = max(rank, ra[0])
+    if max_rank is not None and rank > max_rank:
+        raise ValueError(
+            f"LoRA adapter {root} has rank {rank} > max_lora_rank={max_rank} (raise max_lora_rank)"
+        )
+    weights = {}
+    with open(file, "rb") as f:
+        for (layer, module), ab in sorted(pairs.items()):
+            a = _read_tensor(f, ab["A"]).astype(np.float32)  # [r, in]
+            b = _read_tensor(f, ab["B"]).astype(np.float32)  # [out, r]
+            r = a.shape[0]
+            alpha = _alpha(conf, layer, module)
+            scaling = alpha / math.sqrt(r) if conf.get("use_rslora") else alpha / r
+            weights[layer, module] = (
+                np.ascontiguousarray(a.T),
+                np.ascontiguousarray(b.T * scaling),
+            )
+    return LoRAAdapter(weights, rank, str(root))
+
+
+# ----------------------------------------------------------------------------- device
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LoRAWeights:
+    """The adapters on the device, `max_loras` slots of rank `max_lora_rank` (see the
+    module docstring for the layout). A pytree: steps take it as an argument."""
+
+    a: dict[str, jax.Array]  # module -> [L, in, S * R]
+    b: dict[str, jax.Array]  # module -> [L, S * R, out], scaling folded in
+    rank: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def num_slots(self) -> int:
+        return next(iter(self.a.values())).shape[-1] // self.rank
+
+    def mask(self, slots) -> jax.Array:
+        """[T, S * R] float32: 1 on the columns of each token's slot (`slots` [T] int,
+        0: none, so all 0)."""
+        owner = jnp.arange(self.num_slots * self.rank) // self.rank + 1
+        return (owner[None, :] == slots[:, None]).astype(jnp.float32)
+
+    def delta(self, layer: int, mask, module: str, x):
+        """The update of `layer`'s `module` for input rows x [T, in] ([T, out], x's dtype)."""
+        h = jnp.dot(x, self.a[module][layer], preferred_element_type=jnp.float32) * mask
+        b = self.b[module][layer]
+        return jnp.dot(h.astype(b.dtype), b, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _specs(cfg: ModelConfig, tp: int) -> dict[str, tuple[P, P]]:
+    """Per module, the PartitionSpecs of a and b (module docstring): as the base kernel
+    is split, over its outputs (b's last axis) or its inputs (a's middle axis)."""
+    out = {}
+    for module, block in TARGET_MODULES.items():
+        spec = tuple(sharding_lib.param_spec(f"layers.0.{block}.{module}.kernel", cfg, tp))
+        spec += (None,) * (2 - len(spec))
+        out[module] = (P(None, spec[0], None), P(None, None, spec[1]))
+    return out
+
+
+def create_lora_weights(
+    cfg: ModelConfig, max_loras: int, max_lora_rank: int, mesh: Mesh | None = None
+) -> LoRAWeights:
+    """Empty slots (zeros) for `max_loras` adapters of rank up to `max_lora_rank`, in
+    the model's dtype; placed for tensor parallelism over `mesh` when given."""
+    for name, v in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {name}={v!r}")
+    cols = max_loras * max_lora_rank
+    specs = _specs(cfg, sharding_lib.tensor_parallel_size(mesh)) if mesh is not None else None
+    a, b = {}, {}
+    for module in TARGET_MODULES:
+        n_in, n_out = module_dims(cfg, module)
+        shapes = ((cfg.num_layers, n_in, cols), (cfg.num_layers, cols, n_out))
+        for d, shape, i in ((a, shapes[0], 0), (b, shapes[1], 1)):
+            s = None if mesh is None else NamedSharding(mesh, specs[module][i])
+            d[module] = jnp.zeros(shape, cfg.jnp_dtype, device=s)
+    return LoRAWeights(a, b, max_lora_rank)
+
+
+@partial(jax.jit, static_argnames=("rank",))
+def _write(a, b, new_a, new_b, slot, *, rank):
+    col = (slot - 1) * rank
+    a = {m: jax.lax.dynamic_update_slice(a[m], new_a[m], (0, 0, col)) for m in a}
+    b = {m: jax.lax.dynamic_update_slice(b[m], new_b[m], (0, col, 0)) for m in b}
+    return a, b
+
+
+def write_slot(weights: LoRAWeights, slot: int, adapter: LoRAAdapter | None) -> LoRAWeights:
+    """`weights` with slot `slot` (1..S) holding `adapter` (None: zeros), every module
+    and layer the adapter leaves out zeroed. A new pytree: a step in flight keeps
+    reading the old one."""
+    if not 1 <= slot <= weights.num_slots:
+        raise ValueError(f"LoRA slot must be in [1, {weights.num_slots}], got {slot}")
+    r = weights.rank
+    if adapter is not None and adapter.rank > r:
+        raise ValueError(f"LoRA adapter of rank {adapter.rank} > the slots' rank {r}")
+    new_a, new_b = {}, {}
+    for module in TARGET_MODULES:
+        num_layers, n_in, _ = weights.a[module].shape
+        n_out = weights.b[module].shape[-1]
+        ha = np.zeros((num_layers, n_in, r), np.float32)
+        hb = np.zeros((num_layers, r, n_out), np.float32)
+        if adapter is not None:
+            for (layer, m), (wa, wb) in adapter.weights.items():
+                if m == module:
+                    ha[layer, :, : wa.shape[1]] = wa
+                    hb[layer, : wb.shape[0]] = wb
+        dt = weights.a[module].dtype
+        new_a[module], new_b[module] = ha.astype(dt), hb.astype(dt)
+    a, b = _write(weights.a, weights.b, new_a, new_b, np.int32(slot), rank=r)
+    return LoRAWeights(a, b, r)
+
+
+def merge_adapter(params, adapter: LoRAAdapter):
+    """`params` with the adapter folded into its kernels (`W + a @ b`, summed in float32,
+    cast back): a model that computes what the adapter's requests compute."""
+    from pagedjax import model as model_lib
+
+    flat = model_lib.params_to_flat(params)
+    for (layer, module), (a, b) in adapter.weights.items():
+        key = f"layers.{layer}.{TARGET_MODULES[module]}.{module}.kernel"
+        w = np.asarray(jax.device_get(flat[key]), np.float32)
+        flat[key] = w + a @ b
+    return model_lib.params_from_flat(params.config, flat)
