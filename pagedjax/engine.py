@@ -57,6 +57,7 @@ from pagedjax.outputs import OutputProcessor
 from pagedjax.prompts import _VLLM_CHAT_ONLY as _VLLM_CHAT_ONLY
 from pagedjax.prompts import chat_prompts, request_lists, salted_prompt
 from pagedjax.request import (
+    MAX_LOGPROBS,
     CompletionOutput,
     Logprob,
     Prompt,
@@ -65,6 +66,7 @@ from pagedjax.request import (
     SamplingParams,
     StructuredOutputsParams,
     encode_prompt,
+    resolve_logprobs,
 )
 from pagedjax.resources import load_model, peak_device_memory, plan_num_pages
 from pagedjax.scheduler import Scheduler
@@ -135,6 +137,9 @@ class LLM(weight_sync.WeightsMixin):
         orders the waiting queue, and preemption takes the running request of the worst
         priority first; a running request is not preempted to admit a better one
         (`pagedjax.scheduler`). Under "fcfs" a priority other than 0 is a ValueError.
+      max_logprobs: the most logprobs or prompt_logprobs per token a request may ask
+        for (vLLM's; -1: no cap). A request over it (its -1, every token's logprob,
+        counted as the vocabulary's size) is refused when added (ValueError).
     """
 
     def __init__(
@@ -160,6 +165,7 @@ class LLM(weight_sync.WeightsMixin):
         kv_cache_dtype: str = "auto",
         generation_config: str = "auto",
         scheduling_policy: str = "fcfs",
+        max_logprobs: int = MAX_LOGPROBS,
     ):
         t0 = perf_counter()
         # Checked before loading anything: a bad value is named before a checkpoint loads.
@@ -183,8 +189,10 @@ class LLM(weight_sync.WeightsMixin):
             kv_cache_dtype=kv_cache_dtype,
             generation_config=generation_config,
             scheduling_policy=scheduling_policy,
+            max_logprobs=max_logprobs,
         )
         self.backend, self.interpret = backend, bool(interpret)
+        self.max_logprobs = int(max_logprobs)  # (-1: no cap)
         with sharding.host_staging() if mesh is not None else contextlib.nullcontext():
             cfg, params, tok, self.model_source = load_model(
                 checkpoint_or_config, dtype=dtype, seed=int(seed)
@@ -318,11 +326,13 @@ class LLM(weight_sync.WeightsMixin):
         )
 
     def _params(self, params: SamplingParams | None) -> SamplingParams:
-        """`params`, or `default_sampling_params()` for None; TypeError for anything else."""
+        """`params`, or `default_sampling_params()` for None, with logprobs of -1 as the
+        vocabulary's size, within `max_logprobs` (ValueError); TypeError for anything
+        but a SamplingParams."""
         params = self.default_sampling_params() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {params!r:.80}")
-        return params
+        return resolve_logprobs(params, self.max_logprobs, self.config.vocab_size)
 
     def _add(
         self,

@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from pagedjax import decode, sharding
 from pagedjax.blocks import BlockManager
 from pagedjax.config import CacheConfig, ModelConfig, dtype_name
+from pagedjax.request import MAX_LOGPROBS
 from pagedjax.resources import (
     check_backend,
     checkpoint_dir,
@@ -47,6 +48,7 @@ def check_engine_args(
     kv_cache_dtype,
     generation_config,
     scheduling_policy="fcfs",
+    max_logprobs=MAX_LOGPROBS,
 ) -> tuple[str, dict, Mesh | None]:
     """Checks `LLM(source, ...)`'s arguments (as `LLM` documents them) with no weights
     loaded: the cache geometry and the scheduler's limits and policy by building them
@@ -67,6 +69,11 @@ def check_engine_args(
             raise ValueError(f"{name} must be a bool, got {name}={flag!r}")
     if not is_int(seed) or not 0 <= seed < 2**63:  # flax's Rngs takes an int64
         raise ValueError(f"seed must be an int in [0, 2**63), got {seed=}")
+    if not is_int(max_logprobs) or max_logprobs < -1:
+        raise ValueError(
+            f"max_logprobs must be an int >= 0 or -1 (no cap: the whole vocabulary), got "
+            f"{max_logprobs=}"
+        )
     if buckets is not None and not isinstance(buckets, decode.Buckets):
         raise TypeError(f"buckets must be a decode.Buckets or None, got {buckets=}")
     if tokenizer is not None and not isinstance(tokenizer, Tokenizer):

@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 from pagedjax import openai_api as api
 from pagedjax.metrics import prometheus_text
 from pagedjax.openai_api import ApiError, Job
+from pagedjax.request import MAX_LOGPROBS
 from pagedjax.serving import EngineStopped, EngineThread
 from pagedjax.tokenizer import CONTEXT_IDS
 
@@ -85,6 +86,8 @@ class Server(ThreadingHTTPServer):
         self.vocab_size = llm.config.vocab_size
         self.sampling_defaults = dict(llm.sampling_defaults)  # for request fields left out
         self.scheduling_policy = llm.scheduling_policy
+        # (An engine stand-in without the attribute has the default cap.)
+        self.max_logprobs = getattr(llm, "max_logprobs", MAX_LOGPROBS)
         self.engine = EngineThread(llm)
 
     def handle_error(self, request, client_address) -> None:
@@ -347,6 +350,7 @@ class Handler(BaseHTTPRequestHandler):
             max_model_len=srv.max_model_len,
             defaults=srv.sampling_defaults,
             scheduling_policy=srv.scheduling_policy,
+            max_logprobs=srv.max_logprobs,
         )
 
     def _events(self, job: Job):

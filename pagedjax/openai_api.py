@@ -51,6 +51,7 @@ from pagedjax.request import (
     check_truncation,
     encode_bad_words,
     encode_prompt,
+    logprobs_count,
 )
 
 __all__ = [
@@ -174,6 +175,7 @@ def parse_job(
     max_model_len: int,
     defaults: Mapping | None = None,
     scheduling_policy: str = "fcfs",
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> Job:
     """Validates a request body and tokenizes its prompts (no engine involved).
 
@@ -190,6 +192,9 @@ def parse_job(
         config's, `LLM.sampling_defaults`; see the module docstring), or None.
       scheduling_policy: the engine's (`LLM.scheduling_policy`): vLLM's `priority`
         field (an int, default 0) must be 0 under "fcfs".
+      max_logprobs: the engine's (`LLM.max_logprobs`; -1: no cap): the most that
+        completions' `logprobs` and chat's `top_logprobs` may be (their -1, vLLM's whole
+        vocabulary, counts as `vocab_size` and becomes it in the params).
 
     Raises:
       ApiError: 400 naming the bad field and value (404 for a model not served here, as
@@ -244,9 +249,7 @@ def parse_job(
         k = int_field(body, "top_logprobs", None)
         if k is not None and not want:
             raise ApiError(400, f"top_logprobs needs logprobs=true, got top_logprobs={k}")
-        if k is not None and not 0 <= k <= MAX_LOGPROBS:
-            msg = f"top_logprobs must be in [0, {MAX_LOGPROBS}], got top_logprobs={k}"
-            raise ApiError(400, msg, "top_logprobs")
+        k = _logprobs_field("top_logprobs", k, vocab_size, max_logprobs)
         logprobs = (k or 0) if want else None
         default = min(max_model_len - len(ids[0]), defaults.get("max_tokens", max_model_len))
         limit = int_field(body, "max_tokens", default)
@@ -256,6 +259,8 @@ def parse_job(
     else:
         logprobs = body.get("logprobs")
         limit = int_field(body, "max_tokens", min(16, defaults.get("max_tokens", 16)))
+    if not chat and isinstance(logprobs, int) and not isinstance(logprobs, bool):
+        logprobs = _logprobs_field("logprobs", logprobs, vocab_size, max_logprobs)
     # The field the limit came from (completions have no max_completion_tokens).
     given = chat and body.get("max_completion_tokens") is not None
     field = "max_completion_tokens" if given else "max_tokens"
@@ -297,6 +302,18 @@ def parse_job(
         bool(want_ids),
         priority,
     )
+
+
+def _logprobs_field(name: str, k: int | None, vocab_size: int, max_logprobs: int) -> int | None:
+    """The count of most likely tokens a request's field `name` asks for per token (None
+    for none): -1 as `vocab_size`; a 400 naming it over `max_logprobs` (the server's
+    --max-logprobs) or the vocabulary (`request.logprobs_count`)."""
+    if k is None:
+        return None
+    try:
+        return logprobs_count(name, k, max_logprobs, vocab_size, "the server's --max-logprobs")
+    except ValueError as e:
+        raise ApiError(400, str(e), name) from None
 
 
 def _job_priority(body: dict, scheduling_policy: str) -> int:

@@ -36,11 +36,15 @@ __all__ = [
     "StructuredOutputsParams",
     "check_truncation",
     "encode_bad_words",
+    "logprobs_count",
+    "resolve_logprobs",
     "encode_prompt",
     "unpack_prompt",
 ]
 
-MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (as in vLLM)
+# An engine's default cap on the alternatives per token a request may ask for
+# (`LLM(max_logprobs=...)`, as vLLM's).
+MAX_LOGPROBS = 20
 
 
 class Logprob(float):
@@ -160,12 +164,16 @@ class SamplingParams:
         beam search (ValueError otherwise, as in vLLM's: sampling would ignore it).
       cache_salt: requests share prefix-cache pages only with equal salts.
       logprobs: None, or return each generated token's log-probability with those of the
-        `logprobs` most likely tokens at its position (0 to MAX_LOGPROBS; 0: the sampled
-        token's only), in `CompletionOutput.logprobs`.
+        `logprobs` most likely tokens at its position (an int >= 0; 0: the sampled
+        token's only; -1: every token of the vocabulary, as vLLM's), in
+        `CompletionOutput.logprobs`. At most the engine's `max_logprobs` (20 by default;
+        -1 counts as the vocabulary's size), checked when the request is added
+        (ValueError): these params alone do not know the engine's cap.
       prompt_logprobs: None, or return each prompt token's log-probability given the
         tokens before it, with those of the `prompt_logprobs` most likely tokens there
-        (0 to MAX_LOGPROBS), in `RequestOutput.prompt_logprobs`. Such a request computes
-        its whole prompt (no prefix-cache hits) with logits at every prompt token.
+        (as `logprobs`: an int >= 0, or -1 for the whole vocabulary, within the engine's
+        cap), in `RequestOutput.prompt_logprobs`. Such a request computes its whole
+        prompt (no prefix-cache hits) with logits at every prompt token.
       repetition_penalty: > 0; tokens of the prompt or the output so far have their
         logit divided by it when positive, multiplied when not (1: off; > 1
         discourages repeats).
@@ -415,9 +423,10 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             is_int = isinstance(k, (int, np.integer)) and not isinstance(k, bool)
-            if k is not None and (not is_int or not 0 <= k <= MAX_LOGPROBS):
+            if k is not None and (not is_int or k < -1):  # (the cap is the engine's)
                 raise ValueError(
-                    f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {name}={k!r}"
+                    f"{name} must be None, an int >= 0 or -1 (the whole vocabulary), got "
+                    f"{name}={k!r}"
                 )
 
 
@@ -482,6 +491,50 @@ class RequestOutput:
     ttft_s: float | None  # arrival to first generated token (None: none yet)
     latency_s: float | None  # arrival to finish (or abort)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+def logprobs_count(
+    name: str, k, max_logprobs: int, vocab_size: int, cap: str = "the engine's max_logprobs"
+) -> int:
+    """How many of the most likely tokens a request's `name` (logprobs, prompt_logprobs,
+    or an API's field for them) = `k` asks for, under an engine's cap `max_logprobs`:
+    `k` itself, or `vocab_size` for -1 (the whole vocabulary, as vLLM's).
+
+    Raises:
+      ValueError: `k` is not an int >= -1, or it asks for more than the cap (-1:
+        `vocab_size`; named as `cap` says) or than the vocabulary has, naming `k` and
+        the bound.
+    """
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < -1:
+        raise ValueError(
+            f"{name} must be an int >= 0 or -1 (the whole vocabulary), got {name}={k!r}"
+        )
+    n = vocab_size if k == -1 else int(k)
+    what = f"{name}={k}" + (f" (the whole vocabulary, {vocab_size} tokens)" if k == -1 else "")
+    if max_logprobs != -1 and n > max_logprobs:
+        raise ValueError(f"{what} is more than {cap}={max_logprobs}")
+    if n > vocab_size:
+        raise ValueError(f"{what} is more than the model's vocabulary of {vocab_size} tokens")
+    return n
+
+
+def resolve_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -> SamplingParams:
+    """`params` as an engine of `vocab_size` tokens and cap `max_logprobs` runs them:
+    logprobs and prompt_logprobs checked (`logprobs_count`), -1 replaced by
+    `vocab_size` (the step's top-k over the whole vocabulary); `params` itself when
+    nothing changes.
+
+    Raises:
+      ValueError: naming the field, its value and the bound it passes.
+    """
+    changes = {}
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None:
+            n = logprobs_count(name, k, max_logprobs, vocab_size)
+            if k == -1:
+                changes[name] = n
+    return dataclasses.replace(params, **changes) if changes else params
 
 
 _INT_FIELDS = (

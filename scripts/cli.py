@@ -244,6 +244,26 @@ def check_engine_flags(args, *, tokenizer: bool = True) -> None:
         check_checkpoint(args.checkpoint, tokenizer=tokenizer)
 
 
+def add_max_logprobs_flag(p: argparse.ArgumentParser) -> None:
+    """`--max-logprobs N` (generate.py, serve.py): `LLM(max_logprobs=N)`, the engine's
+    cap on the logprobs per token a request may ask for."""
+
+    def cap(text: str) -> int:
+        n = int(text)  # (a ValueError: argparse's "invalid cap value")
+        if n < -1:
+            raise argparse.ArgumentTypeError(f"must be >= 0 or -1 (no cap), got {n}")
+        return n
+
+    p.add_argument(
+        "--max-logprobs",
+        type=cap,
+        default=20,
+        metavar="N",
+        help="most logprobs per token a request may ask for (-1: no cap, the whole "
+        "vocabulary; default 20)",
+    )
+
+
 def check_logit_bias(bias: dict[int, float] | None, vocab_size: int) -> None:
     """`--logit-bias` token ids past the loaded model's vocabulary are bad input (checked
     before anything is printed; `LLM.generate` would refuse them as a prompt's error)."""

@@ -41,7 +41,8 @@ naming what).
 `--logprobs K` lists, after the text, each generated token with its log-probability
 under the model's raw distribution and the K most likely tokens at its position;
 `--prompt-logprobs K` does the same for the prompt's tokens (given the tokens before
-each; such prompts are computed whole, without prefix-cache hits).
+each; such prompts are computed whole, without prefix-cache hits). K is at most
+`--max-logprobs N` (default 20; -1: no cap); K = -1 lists every token of the vocabulary.
 
 `--repetition-penalty`, `--presence-penalty`, `--frequency-penalty` penalise tokens
 already seen (vLLM's and the OpenAI API's definitions; see `SamplingParams`), greedy
@@ -212,15 +213,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--logprobs",
         type=int,
         metavar="K",
-        help="show each generated token's logprob and the K most likely alternatives",
+        help="show each generated token's logprob and the K most likely alternatives (-1: all)",
     )
     p.add_argument(
         "--prompt-logprobs",
         type=int,
         metavar="K",
-        help="show each prompt token's logprob and the K most likely alternatives",
+        help="show each prompt token's logprob and the K most likely alternatives (-1: all)",
     )
     cli.add_engine_flags(p)
+    cli.add_max_logprobs_flag(p)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(
         "--no-async-scheduling",
@@ -344,6 +346,21 @@ def format_logprobs(tokenizer, token_ids, entries) -> str:
     return "\n".join(lines)
 
 
+def check_logprobs_flags(args, vocab_size: int | None = None) -> None:
+    """BadInput for a --logprobs or --prompt-logprobs K over --max-logprobs or, once the
+    model has loaded (`vocab_size`), its vocabulary; K = -1 counts as the vocabulary's
+    size, so it is checked then (`LLM.generate` would refuse it as a prompt's error)."""
+    from pagedjax.request import logprobs_count
+
+    for flag, k in (("--logprobs", args.logprobs), ("--prompt-logprobs", args.prompt_logprobs)):
+        if k is None or (vocab_size is None and k == -1):
+            continue
+        try:
+            logprobs_count(flag, k, args.max_logprobs, vocab_size or k, "--max-logprobs")
+        except ValueError as e:
+            raise cli.BadInput(str(e)) from None
+
+
 def structured_outputs(args):
     """The `StructuredOutputsParams` of --regex, --choice, --json-schema, --json-object or
     --grammar (None without one); BadInput for a schema or grammar file that cannot be
@@ -411,6 +428,7 @@ def run(args) -> int:
         structured_outputs=structured_outputs(args),
     )
     cli.check_engine_flags(args)
+    check_logprobs_flags(args)
     seats, most = max(args.n, args.beam_width), cli.engine_kwargs(args)["max_num_seqs"]
     if seats > most:  # (LLM.generate would refuse it, after the weights load)
         flag = "--n" if args.n >= args.beam_width else "--beam-width"
@@ -433,10 +451,12 @@ def run(args) -> int:
         seed=args.seed,
         async_scheduling=not args.no_async_scheduling,
         generation_config=args.generation_config,
+        max_logprobs=args.max_logprobs,
         **cli.engine_kwargs(args),
     )
     cli.INTERRUPT.check()  # a Ctrl-C that a gc callback swallowed while loading
     cli.check_logit_bias(sp.logit_bias, llm.config.vocab_size)
+    check_logprobs_flags(args, llm.config.vocab_size)
     outside = [t for t in sp.stop_token_ids if t >= llm.config.vocab_size]
     if outside:  # they could never stop anything
         raise cli.BadInput(

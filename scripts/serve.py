@@ -56,7 +56,9 @@ answer `{tokens, token_logprobs, top_logprobs, text_offset}` (offsets into the
 completion text; as OpenAI's, each `top_logprobs` has the K most likely tokens and the
 sampled one, so K + 1 when it is not among them); chat takes `logprobs: true` with
 `top_logprobs: K` and answers `{content: [{token, logprob, bytes, top_logprobs}]}` (the
-K most likely only); K <= 20; all are the model's raw log-probabilities (before
+K most likely only); K <= `--max-logprobs N` (default 20, else a 400 naming the field
+and the cap; -1: no cap), and K = -1 (as vLLM's) lists the whole vocabulary (its size
+counts against the cap); all are the model's raw log-probabilities (before
 temperature and truncation). Each prompt of a completions batch is one engine request;
 choice `i * n + j` is completion j of prompt i.
 `finish_reason` is "stop" (EOS, a stop string or a stop token) or "length". Errors are
@@ -150,9 +152,9 @@ yours. Flags:
 `--seed` (for requests without one), `--generation-config auto|none`, scripts/generate.py's
 engine flags (`--page-size`, `--num-pages` | `--kv-memory-fraction`, `--kv-cache-dtype`,
 `--max-batch-tokens`, `--max-model-len N`, `--backend`, `--tensor-parallel`,
-`--compilation-cache`), `--no-prefix-caching`, `--no-async-scheduling`,
-`--scheduling-policy fcfs|priority` (vLLM's: by arrival, or by each request's
-`priority`), `--quiet` (no request log). Bad flags, a checkpoint directory missing
+`--compilation-cache`), `--max-logprobs N` (default 20; -1: no cap), `--no-prefix-caching`,
+`--no-async-scheduling`, `--scheduling-policy fcfs|priority` (vLLM's: by arrival, or by
+each request's `priority`), `--quiet` (no request log). Bad flags, a checkpoint directory missing
 files, a bad value in its generation_config.json or a port that cannot be bound end
 with one line on stderr and exit status 2, before any weights load.
 """
@@ -189,6 +191,7 @@ def build_parser() -> cli.Parser:
     p.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
     cli.add_generation_config_flag(p)
     cli.add_engine_flags(p)
+    cli.add_max_logprobs_flag(p)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(
         "--no-async-scheduling",
@@ -235,6 +238,7 @@ def run(args) -> int:
             async_scheduling=not args.no_async_scheduling,
             generation_config=args.generation_config,
             scheduling_policy=args.scheduling_policy,
+            max_logprobs=args.max_logprobs,
             **cli.engine_kwargs(args),
         )
         server.start(llm)

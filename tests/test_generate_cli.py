@@ -176,7 +176,7 @@ def test_logprobs_listing(ckpt, capsys):
             n += 1
         assert 1 <= n <= 3
     rc, out, err = run([*argv, "--logprobs", "21", *GEOMETRY], capsys)
-    assert rc == 2 and "logprobs must be None or an int in [0, 20], got logprobs=21" in err
+    assert rc == 2 and "--logprobs=21 is more than --max-logprobs=20" in err
 
 
 def test_format_logprobs():

@@ -135,8 +135,9 @@ RANGES = {
     "top_p": ([1e-9, 1.0], [0.0, 1 + 1e-9]),
     "min_p": ([0.0, 1.0], [-1e-9, 1 + 1e-9]),
     "seed": ([0, 2**32 - 1], [-1, 2**32, True]),
-    "logprobs": ([0, MAX_LOGPROBS], [-1, MAX_LOGPROBS + 1]),
-    "prompt_logprobs": ([0, MAX_LOGPROBS], [-1, MAX_LOGPROBS + 1]),
+    # (-1: the whole vocabulary; the engine caps them: tests/test_max_logprobs.py)
+    "logprobs": ([-1, 0, MAX_LOGPROBS + 1], [-2, True]),
+    "prompt_logprobs": ([-1, 0, MAX_LOGPROBS + 1], [-2, True]),
     "min_tokens": ([0, 5], [-1, 6]),
     "stop_token_ids": ([[0]], [[-1], [True]]),
     "stop": (["x", ["x"]], [[""], [5]]),
