@@ -80,6 +80,8 @@ class StepBatch:
       page_size: tokens per page.
       vocab_size: caps the top-k candidates per row (beam search, logprobs).
       block_manager: the scheduler's; read for the decode rows' page tables.
+      lora_slots: with LoRA enabled, {adapter id: device slot} of the plan's groups
+        (`LoRASlots.prepare`): every token gets its group's slot (`StepInput.lora_slots`).
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class StepBatch:
         page_size: int,
         vocab_size: int,
         block_manager: BlockManager,
+        lora_slots: dict[int, int] | None = None,
     ):
         rows, bk, ps = plan.rows, buckets, page_size
         self.page_size, self.bm = ps, block_manager
@@ -116,6 +119,11 @@ class StepBatch:
         self.top_k_needed = 0
         self.target_ids = None  # [T] int32 once a row wants prompt logprobs
         self.token_src = np.full(t, -1, np.int32)
+        self.lora_slots = None
+        if lora_slots is not None:
+            per_row = [lora_slots[r.group.lora_id] for r in rows]
+            self.lora_slots = np.zeros(t, np.int32)
+            self.lora_slots[:total] = np.repeat(per_row, q_lens)
         self.prompt_top_k = 0
         self.penalised = []  # rows with penalties, packed in `finish` (histories grow)
         # Rows with a logit bias, min_tokens, allowed_token_ids, bad_words or structured
@@ -281,6 +289,7 @@ class StepBatch:
             target_ids=self.target_ids,
             token_src=None if feed is None else self.token_src,
             feed=feed,
+            lora_slots=self.lora_slots,
             decode=self.decode,
             page_size=self.page_size,
             num_pages=self.bm.num_pages,

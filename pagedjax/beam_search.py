@@ -113,6 +113,7 @@ def beam_search(
     *,
     use_tqdm: bool = False,
     concurrency_limit: int | None = None,
+    lora_request=None,
 ) -> list[BeamSearchOutput]:
     """`LLM.beam_search`'s body: see there."""
     if not isinstance(params, BeamSearchParams):
@@ -123,9 +124,11 @@ def beam_search(
     sp = params.sampling_params()
     prompts, _ = request_lists(prompts, sp, lambda: sp)  # (as generate takes them)
     step = c or max(1, len(prompts))
+    loras = llm._per_prompt_loras(lora_request, len(prompts))
     outs = []
     for i in range(0, len(prompts), step):
-        outs += llm.generate(prompts[i : i + step], sp, use_tqdm=use_tqdm)
+        lr = loras[i : i + step]
+        outs += llm.generate(prompts[i : i + step], sp, use_tqdm=use_tqdm, lora_request=lr)
     tok = llm.tokenizer
     results = []
     for o in outs:

@@ -52,6 +52,8 @@ from pagedjax.blocks import BlockManager
 from pagedjax.config import CacheConfig
 from pagedjax.engine_args import check_engine_args, model_limits
 from pagedjax.engine_core import EngineCore
+from pagedjax.lora import LoRARequest
+from pagedjax.lora_engine import LoRAMixin, check_lora_args
 from pagedjax.metrics import EngineMetrics
 from pagedjax.outputs import OutputProcessor
 from pagedjax.prompts import _VLLM_CHAT_ONLY as _VLLM_CHAT_ONLY
@@ -88,7 +90,7 @@ __all__ = [
 _SEED_STRIDE = 0x9E3779B1
 
 
-class LLM(weight_sync.WeightsMixin):
+class LLM(weight_sync.WeightsMixin, LoRAMixin):
     """Continuous-batching generation over a paged KV cache.
 
     Args:
@@ -140,6 +142,15 @@ class LLM(weight_sync.WeightsMixin):
       max_logprobs: the most logprobs or prompt_logprobs per token a request may ask
         for (vLLM's; -1: no cap). A request over it (its -1, every token's logprob,
         counted as the vocabulary's size) is refused when added (ValueError).
+      enable_lora: serve LoRA adapters (`pagedjax.lora`): requests name theirs with a
+        `LoRARequest` (`generate`, `add_request`, `chat`, `beam_search`), and rows of
+        different adapters share a step. Every step then adds the LoRA update (two
+        small matmuls per projection), adapters or not.
+      max_loras: device slots for adapters: the most distinct adapters running at once
+        (requests of another wait for a slot).
+      max_lora_rank: the largest adapter rank accepted; every slot is this wide.
+      max_cpu_loras: adapters kept on the host beyond those queued or running requests
+        use and those `add_lora` pinned (None: `max_loras`).
     """
 
     def __init__(
@@ -166,6 +177,10 @@ class LLM(weight_sync.WeightsMixin):
         generation_config: str = "auto",
         scheduling_policy: str = "fcfs",
         max_logprobs: int = MAX_LOGPROBS,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ):
         t0 = perf_counter()
         # Checked before loading anything: a bad value is named before a checkpoint loads.
@@ -191,6 +206,7 @@ class LLM(weight_sync.WeightsMixin):
             scheduling_policy=scheduling_policy,
             max_logprobs=max_logprobs,
         )
+        check_lora_args(enable_lora, max_loras, max_lora_rank, max_cpu_loras)
         self.backend, self.interpret = backend, bool(interpret)
         self.max_logprobs = int(max_logprobs)  # (-1: no cap)
         with sharding.host_staging() if mesh is not None else contextlib.nullcontext():
@@ -227,6 +243,7 @@ class LLM(weight_sync.WeightsMixin):
             max_num_batched_tokens=max_num_batched_tokens,
             sliding_window=cfg.sliding_window,  # pages out of the window are given back
             scheduling_policy=scheduling_policy,
+            max_loras=max_loras if enable_lora else None,
         )
         self.buckets = buckets or decode.Buckets()
         self.async_scheduling = bool(async_scheduling)
@@ -254,6 +271,7 @@ class LLM(weight_sync.WeightsMixin):
             buckets=self.buckets,
             async_scheduling=self.async_scheduling,
             on_finish=self._keep,
+            lora=self._init_lora(enable_lora, max_loras, max_lora_rank, max_cpu_loras),
         )
         self._outputs: dict[str, RequestOutput] = {}  # finished, for a running generate()
         self._collect: set[str] = set()  # request ids a generate() call waits for
@@ -296,18 +314,20 @@ class LLM(weight_sync.WeightsMixin):
         *,
         request_id: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queues one prompt; returns its request id. Raises ValueError if it cannot run or
         `request_id` is in use (queued, running, or a running `generate` call's), TypeError
         if `params` is not a `SamplingParams`. `params` None: `default_sampling_params()`.
         `priority`: an int, lower served first under `scheduling_policy="priority"`
-        (ValueError if not 0 under "fcfs").
+        (ValueError if not 0 under "fcfs"). `lora_request`: the LoRA adapter it runs with
+        (`enable_lora`; read now if new: FileNotFoundError / ValueError for a bad one).
 
         A completion ends ("length") after `params.max_tokens` tokens (None: no such
         limit) or when prompt and completion reach `max_model_len` tokens, whichever
         comes first.
         """
-        return self._add(*self._encode(prompt, params), request_id, priority)
+        return self._add(*self._encode(prompt, params), request_id, priority, lora_request)
 
     def _encode(
         self, prompt: Prompt, params: SamplingParams | None
@@ -341,11 +361,13 @@ class LLM(weight_sync.WeightsMixin):
         params: SamplingParams,
         request_id: str | None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """`add_request` for a prompt `encode` checked (text or None, token ids) and its
         params `_params` resolved."""
         self._check_ready()
         priority = self.scheduler.check_priority(priority)
+        lora_id = self._lora_id(lora_request)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
         stop_ids = self.stop_ids(params)
@@ -380,6 +402,8 @@ class LLM(weight_sync.WeightsMixin):
         req.bias, req.banned, req.allowed = limits.bias, limits.banned, limits.allowed
         req.bad_words = limits.bad_words
         req.group.priority = priority
+        req.lora_request = lora_request
+        self._set_lora(req.group, lora_id)
         try:
             self.scheduler.add(req.group)
         except BaseException:  # refused (pages, id): it leaves the next requests' seeds alone
@@ -420,6 +444,7 @@ class LLM(weight_sync.WeightsMixin):
         on_step: Callable[[LLM], None] | None = None,
         on_token: Callable[[str, int, int], None] | None = None,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns one `RequestOutput` per prompt, in order.
 
@@ -439,6 +464,8 @@ class LLM(weight_sync.WeightsMixin):
             each sampled token accepted (not for beam search).
           priority: one int per prompt (lower first; `scheduling_policy="priority"`), or
             None: all 0.
+          lora_request: the LoRA adapter of every prompt, or a list of one per prompt
+            (None: the base model); needs `enable_lora`.
 
         Raises:
           ValueError, TypeError: a prompt, its sampling params or its priority are refused
@@ -461,21 +488,23 @@ class LLM(weight_sync.WeightsMixin):
         priority = list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
+        loras = self._per_prompt_loras(lora_request, len(prompts))
         encoded = []
         for i, p in enumerate(prompts):  # validate all before queueing any
             try:
                 text, ids, sp = self._encode(p, params[i])
                 prio = self.scheduler.check_priority(priority[i])
+                self._lora_id(loras[i])  # (its adapter read now, if new)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
             if sp.output_kind != RequestOutputKind.FINAL_ONLY:  # (whole outputs, as vLLM's)
                 sp = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
-            encoded.append((text, ids, sp, prio))
+            encoded.append((text, ids, sp, prio, loras[i]))
         ids = []
         rng_state = self._rng.bit_generator.state
         try:  # all or none: a request refused while queueing unqueues the ones before it
-            for *req, prio in encoded:
-                ids.append(self._add(*req, None, prio))
+            for *req, prio, lr in encoded:
+                ids.append(self._add(*req, None, prio, lr))
         except BaseException as e:
             for i in ids:
                 self.abort(i)
@@ -522,6 +551,7 @@ class LLM(weight_sync.WeightsMixin):
         use_tqdm: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         **template_vars,
     ) -> list[RequestOutput]:
         """Replies to conversations, rendered with the tokenizer's chat template.
@@ -535,9 +565,10 @@ class LLM(weight_sync.WeightsMixin):
           chat_template: a Jinja template to use instead of the tokenizer's (as vLLM's).
           chat_template_kwargs: more template variables, as a dict (as vLLM's); merged
             with `template_vars`, which win.
+          lora_request: as for `generate`.
           **template_vars: more template variables (`tools`, `date_string`,
-            `continue_final_message`, ...). vLLM's `lora_request` and
-            `mm_processor_kwargs` are refused (TypeError), not taken as variables.
+            `continue_final_message`, ...). vLLM's `mm_processor_kwargs` is refused
+            (TypeError), not taken as a variable.
 
         Returns:
           One `RequestOutput` per conversation, in order; its `prompt` is the rendered text.
@@ -559,7 +590,7 @@ class LLM(weight_sync.WeightsMixin):
             chat_template_kwargs=chat_template_kwargs,
             template_vars=template_vars,
         )
-        outs = self.generate(ids, sampling_params, use_tqdm=use_tqdm)
+        outs = self.generate(ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         return [dataclasses.replace(o, prompt=t) for o, t in zip(outs, texts, strict=True)]
 
     def beam_search(
@@ -569,7 +600,7 @@ class LLM(weight_sync.WeightsMixin):
         *,
         use_tqdm: bool = False,
         concurrency_limit: int | None = None,
-        lora_request=None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search` (`pagedjax.beam_search`): per prompt, a
         `BeamSearchOutput` of its `params.beam_width` best sequences (prompt ids and
@@ -581,16 +612,19 @@ class LLM(weight_sync.WeightsMixin):
           params: a `BeamSearchParams`.
           use_tqdm: as for `generate`.
           concurrency_limit: run the prompts this many at a time (None: all at once).
-          lora_request: vLLM's; LoRA is not supported (TypeError unless None).
+          lora_request: as for `generate`.
 
         Raises:
-          TypeError: `params` is not a BeamSearchParams, or a `lora_request`.
+          TypeError: `params` is not a BeamSearchParams.
           ValueError: a bad `concurrency_limit`; anything `generate` raises.
         """
-        if lora_request is not None:
-            raise TypeError(f"LoRA is not supported, got lora_request={lora_request!r:.80}")
         return beam_api.beam_search(
-            self, prompts, params, use_tqdm=use_tqdm, concurrency_limit=concurrency_limit
+            self,
+            prompts,
+            params,
+            use_tqdm=use_tqdm,
+            concurrency_limit=concurrency_limit,
+            lora_request=lora_request,
         )
 
     def summary(self) -> dict:

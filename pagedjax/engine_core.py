@@ -48,6 +48,7 @@ import numpy as np
 from pagedjax import decode, recovery, sharding
 from pagedjax.batch import StepBatch
 from pagedjax.config import CacheConfig, ModelConfig
+from pagedjax.lora import LoRASlots
 from pagedjax.metrics import EngineMetrics, StepRecord
 from pagedjax.model import Params
 from pagedjax.outputs import OutputProcessor
@@ -81,6 +82,8 @@ class EngineCore:
         host (see the module docstring).
       on_finish: called with the output of every request that finishes or is aborted
         (before `step` or `aborted` returns it).
+      lora: the LoRA adapters (`pagedjax.lora.LoRASlots`) with LoRA enabled, else None:
+        each step puts its requests' adapters in device slots and runs with them.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class EngineCore:
         buckets: decode.Buckets,
         async_scheduling: bool,
         on_finish: Callable[[RequestOutput], None],
+        lora: LoRASlots | None = None,
     ):
         self.model_config, self.params, self.cache_config = model_config, params, cache_config
         self.scheduler, self.block_manager = scheduler, scheduler.bm
@@ -104,6 +108,7 @@ class EngineCore:
         self.backend, self.interpret, self.buckets = backend, interpret, buckets
         self.async_scheduling = async_scheduling
         self._on_finish = on_finish
+        self.lora = lora
         self.cache = sharding.create_cache(model_config, cache_config, params.mesh)
         # The previous step's sampled tokens, on the device, for rows that feed them.
         self._feed = self._new_feed()
@@ -131,15 +136,20 @@ class EngineCore:
 
     def drop_cache(self) -> None:
         """Deletes the KV cache (its device memory is freed now) and forgets the prefix
-        cache's pages; `new_cache` makes another. No request may be unfinished."""
+        cache's pages, and the LoRA slots with it (their adapters stay on the host);
+        `new_cache` makes another. No request may be unfinished."""
         for x in jax.tree.leaves(self.cache):
             x.delete()
         self.cache = None
         self.block_manager.uncache()
+        if self.lora is not None:
+            self.lora.reset_device()
 
     def new_cache(self) -> None:
-        """A new, zeroed KV cache (after `drop_cache`)."""
+        """A new, zeroed KV cache (after `drop_cache`), and empty LoRA slots."""
         self.cache = sharding.create_cache(self.model_config, self.cache_config, self.params.mesh)
+        if self.lora is not None:
+            self.lora.restore_device()
         jax.block_until_ready(self.cache)
 
     def step(self, on_token=None, only: set[str] | None = None) -> list[RequestOutput]:
@@ -280,6 +290,7 @@ class EngineCore:
             interpret=self.interpret,
             num_top_logprobs=k,
             num_prompt_top_logprobs=pk,
+            lora=None if self.lora is None else self.lora.weights,
         )
         self._feed = out.feed
         leaves = (
@@ -329,6 +340,14 @@ class EngineCore:
 
     def _batch(self, plan: StepPlan) -> StepBatch:
         cc = self.cache_config
+        slots = None
+        if self.lora is not None:
+            slots = self.lora.prepare({r.group.lora_id for r in plan.rows})
         return StepBatch(
-            plan, self.buckets, cc.page_size, self.model_config.vocab_size, self.block_manager
+            plan,
+            self.buckets,
+            cc.page_size,
+            self.model_config.vocab_size,
+            self.block_manager,
+            slots,
         )

@@ -71,6 +71,7 @@ class Request:
     sent: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
     # The texts of its finished sequences (by seq_id): partial outputs repeat them.
     texts: dict[int, str] = dataclasses.field(default_factory=dict)
+    lora_request: Any = None  # its `pagedjax.lora.LoRARequest`, or None
 
 
 class OutputProcessor:
@@ -461,6 +462,7 @@ class OutputProcessor:
             None if req.first_token is None else req.first_token - req.arrival,
             now - req.arrival,
             None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+            req.lora_request,
         )
 
     def _seq_text(self, req: Request, s: Seq, gen: list[int], running: bool) -> str:

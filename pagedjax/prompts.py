@@ -257,7 +257,7 @@ def request_lists(
 
 # vLLM's LLM.chat arguments that `LLM.chat` does not support: refused, since its
 # **template_vars would take them as template variables and ignore them silently.
-_VLLM_CHAT_ONLY = ("lora_request", "mm_processor_kwargs")
+_VLLM_CHAT_ONLY = ("mm_processor_kwargs",)
 
 
 def chat_prompts(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,6 +25,9 @@ from pagedjax.prompts import (  # re-exported
     encode_prompt,
     unpack_prompt,
 )
+
+if TYPE_CHECKING:
+    from pagedjax.lora import LoRARequest
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -491,6 +495,7 @@ class RequestOutput:
     ttft_s: float | None  # arrival to first generated token (None: none yet)
     latency_s: float | None  # arrival to finish (or abort)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    lora_request: LoRARequest | None = None  # the adapter it ran with (`LLM(enable_lora)`)
 
 
 def logprobs_count(

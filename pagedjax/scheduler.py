@@ -128,6 +128,10 @@ class Scheduler:
         window are released each step. None: full attention, every page is kept.
       scheduling_policy: "fcfs" (first come first served) or "priority" (by each
         group's `priority`, then arrival; see the module docstring).
+      max_loras: most distinct LoRA adapters (`SequenceGroup.lora_id`) running at once,
+        the engine's adapter slots on the device; None: no limit. A waiting group whose
+        adapter would be one too many waits, and blocks those behind it, as one short of
+        seats or pages does.
     """
 
     def __init__(
@@ -138,10 +142,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         sliding_window: int | None = None,
         scheduling_policy: str = "fcfs",
+        max_loras: int | None = None,
     ):
         for name, value in (
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_loras", 1 if max_loras is None else max_loras),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
@@ -164,6 +170,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.sliding_window = sliding_window
         self.scheduling_policy = scheduling_policy
+        self.max_loras = max_loras
         # Queue order: by (priority, arrival) under "priority" (`_requeue`).
         self.waiting: collections.deque[SequenceGroup] = collections.deque()
         self.running: list[SequenceGroup] = []  # admission order
@@ -181,6 +188,10 @@ class Scheduler:
 
     def get(self, request_id: Hashable) -> SequenceGroup | None:
         return self._groups.get(request_id)
+
+    def lora_ids(self) -> set[int]:
+        """The LoRA adapters of the queued and running groups (0, none, left out)."""
+        return {g.lora_id for g in self._groups.values()} - {0}
 
     @property
     def num_running_seqs(self) -> int:
@@ -415,10 +426,14 @@ class Scheduler:
                     budget -= self._prefill_chunk(plan, g, s, budget)
 
         seats = sum(g.seats for g in self.running)
+        loras = {g.lora_id for g in self.running} - {0}
         while self.waiting and budget > 0:
             g = self.waiting[0]
             if seats + g.seats > self.max_num_seqs or id(g) in preempted:
                 break  # (readmitting a group just preempted would only thrash)
+            full = self.max_loras is not None and len(loras) >= self.max_loras
+            if g.lora_id and g.lora_id not in loras and full:
+                break  # every adapter slot is in use
             lens = [self._admit_len(g, s) for s in g.seqs]
             need = sum(self._peak_pages(n) for n in lens)
             if bm.num_free_pages - bm.num_reserved_pages - reserve - need < bm.watermark_pages:
@@ -428,6 +443,8 @@ class Scheduler:
             g.admit_order = next(self._admissions)
             self.running.append(g)
             seats += g.seats
+            if g.lora_id:
+                loras.add(g.lora_id)
             for s, n in zip(g.seqs, lens, strict=True):
                 cached = bm.admit(
                     s.seq_id,

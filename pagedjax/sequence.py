@@ -103,6 +103,7 @@ class SequenceGroup:
       priority: under priority scheduling, lower is served first (vLLM's); 0 otherwise.
       arrival: the order `Scheduler.add` queued it in (ties of priority go by it); -1
         before. `admit_order` is the order of its last admission instead.
+      lora_id: the LoRA adapter it runs with (`LoRARequest.lora_int_id`; 0: none).
     """
 
     request_id: Hashable
@@ -121,6 +122,7 @@ class SequenceGroup:
     num_cached_tokens: int | None = None
     priority: int = 0
     arrival: int = -1
+    lora_id: int = 0
 
     @property
     def seats(self) -> int:

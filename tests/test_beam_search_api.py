@@ -12,6 +12,7 @@ from engine_helpers import GEOMETRY, Dense, check_clean, dense_beam_search, rand
 
 from pagedjax.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedjax.engine import LLM, SamplingParams
+from pagedjax.lora import LoRARequest
 
 RNG = np.random.default_rng(5)
 PROMPTS = [RNG.integers(3, 256, size=n).tolist() for n in (6, 11)]
@@ -113,5 +114,7 @@ def test_bad_calls_are_named(llm):
         llm.beam_search(PROMPTS, SamplingParams(beam_width=2))
     with pytest.raises(ValueError, match="concurrency_limit must be None or an int >= 1"):
         llm.beam_search(PROMPTS, params, concurrency_limit=0)
-    with pytest.raises(TypeError, match="lora_request"):
+    with pytest.raises(TypeError, match="lora_request must be a LoRARequest, a list of them"):
         llm.beam_search(PROMPTS, params, lora_request=object())
+    with pytest.raises(ValueError, match=r"LoRA is not enabled: .*enable_lora=True"):
+        llm.beam_search(PROMPTS, params, lora_request=LoRARequest("a", 1, "/nowhere"))

@@ -379,7 +379,7 @@ def test_chat_renders_conversations_and_generates_from_them(params, dense):
 def test_chat_takes_vllms_chat_template_and_chat_template_kwargs(params):
     # Both fell into **template_vars: a given chat_template was silently ignored (the
     # tokenizer's rendered instead, or "has no chat template"), and so were the variables
-    # of chat_template_kwargs; lora_request ran the base model without a word.
+    # of chat_template_kwargs; mm_processor_kwargs was ignored without a word.
     own = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
     given = (
         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
@@ -398,8 +398,8 @@ def test_chat_takes_vllms_chat_template_and_chat_template_kwargs(params):
         kw = dict(chat_template_kwargs={"x": 7}, x=3)  # a keyword wins, as a later update
         assert llm.chat(conv, greedy(1), chat_template=given, **kw)[0].prompt.endswith("x=3")
     assert llm.chat(conv, greedy(1), chat_template=own)[0].prompt == "[def f(x):]"
-    with pytest.raises(TypeError, match="chat.. does not support vLLM's lora_request"):
-        llm.chat(conv, greedy(1), chat_template=own, lora_request=object())
+    with pytest.raises(TypeError, match="chat.. does not support vLLM's mm_processor_kwargs"):
+        llm.chat(conv, greedy(1), chat_template=own, mm_processor_kwargs={})
     with pytest.raises(TypeError, match="chat_template_kwargs must be a dict"):
         llm.chat(conv, greedy(1), chat_template=own, chat_template_kwargs=["x"])
     with pytest.raises(TypeError, match="chat_template must be a str, got 5"):

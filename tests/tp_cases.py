@@ -13,7 +13,8 @@ norms and a sliding window, at K = 2 with attention_bias: an o_proj bias, replic
 and added once after the row-split o_proj's all-reduce; and, under `-m slow`, an MQA
 variant: K = 1, head_dim 64, an FP8 cache and a tied vocabulary tp does not divide),
 and compares greedy tokens, logits, the cache each device holds, and the collectives
-in the compiled programs.
+in the compiled programs. The engine runs at tp = 4 too: tests/test_engine.py's
+equality tests, sleep and weight updates, and LoRA adapters split over the mesh.
 """
 
 from __future__ import annotations
@@ -439,3 +440,43 @@ def test_generate_script_tensor_parallel_4_matches_1(tmp_path, capsys):
         assert obj["settings"]["tensor_parallel"] == int(tp)
         results.append([o["completions"][0]["token_ids"] for o in obj["outputs"]])
     assert results[0] == results[1] and all(results[0])
+
+
+def test_engine_tp4_lora_equals_merged_dense(engine_params, tmp_path):
+    """LoRA at tp = 4: each adapter's a and b split as the projection they add to
+    (`pagedjax.lora`), and rows of two adapters and of none in one batch give the dense
+    greedy tokens of each adapter merged into the weights."""
+    from lora_helpers import write_peft
+
+    from pagedjax import lora
+
+    cfg = engine_helpers.TINY
+    reqs = {}
+    for i, (name, mods) in enumerate((("a", None), ("b", ("k_proj", "o_proj", "up_proj"))), 1):
+        write_peft(tmp_path / name, cfg, rank=4, modules=mods or lora.TARGET_MODULES, seed=i)
+        reqs[name] = lora.LoRARequest(name, i, str(tmp_path / name))
+    llm = LLM(
+        engine_params,
+        tensor_parallel=4,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=4,
+        **engine_helpers.GEOMETRY,
+    )
+    prompts = engine_tests.prompts_with_shared_prefixes()[:6]
+    names = ["a", "b", None, "b", "a", None]
+    outs = llm.generate(
+        prompts, engine_helpers.greedy(6), lora_request=[reqs[n] if n else None for n in names]
+    )
+    for p, n, o in zip(prompts, names, outs, strict=True):
+        params = engine_params
+        if n:
+            params = lora.merge_adapter(params, lora.load_adapter(reqs[n].lora_path, cfg))
+        assert o.outputs[0].token_ids == engine_helpers.Dense(params).greedy([p], 6)[0], n
+    w = llm.lora.weights  # each device's shard ([L, in, S*R] and [L, S*R, out], S*R = 8)
+    shard = {k: {s.data.shape for s in x.addressable_shards} for k, x in w.a.items()}
+    assert shard["q_proj"] == {(2, 64, 8)} and shard["o_proj"] == {(2, 16, 8)}
+    shard = {k: {s.data.shape for s in x.addressable_shards} for k, x in w.b.items()}
+    assert shard["q_proj"] == {(2, 8, 16)} and shard["down_proj"] == {(2, 8, 64)}
+    assert shard["k_proj"] == {(2, 8, 32)}  # K = 2 < tp: k_proj is replicated
+    engine_helpers.check_clean(llm)
