@@ -345,6 +345,8 @@ def generate(
     buckets: Buckets = Buckets(),
     return_logits: bool = False,
     kv_cache_dtype: str | None = None,
+    lora: LoRAWeights | None = None,
+    lora_slots: Sequence[int] | None = None,
 ) -> GenerateOutput:
     """Static-batch generation with no scheduler (research use).
 
@@ -373,13 +375,16 @@ def generate(
       return_logits: also return the logits of every generated token.
       kv_cache_dtype: the cache's storage dtype (default the model's; "fp8": see
         `pagedjax.cache`).
+      lora, lora_slots: LoRA adapters on the device (`pagedjax.lora.LoRAWeights`) and
+        each prompt's slot among them (0: none; default all 0).
 
     Raises:
       TypeError: `params` is not a `Params`; token ids that are not ints.
       ValueError: empty or nested prompts, token ids outside the vocabulary, a prompt
         plus max_new_tokens longer than max_position_embeddings, stop_token_ids that
         are not a flat list of ints >= 0, or a count (max_new_tokens, min_tokens, page_size,
-        prefill_chunk) that is not a positive int (min_tokens: >= 0) (before anything
+        prefill_chunk) that is not a positive int (min_tokens: >= 0), or lora_slots
+        without lora, not one per prompt or outside [0, lora.num_slots] (before anything
         runs).
     """
     _check_params(params)
@@ -415,6 +420,7 @@ def generate(
     ):
         raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {stop_token_ids=}")
     stop = set(stop.tolist())
+    slots = _generate_lora_slots(lora, lora_slots, len(prompts))
     bias = dict(logit_bias or {})
     # Before min_tokens new tokens; a stop id outside the vocabulary is never drawn.
     banned = bias | dict.fromkeys((t for t in stop if t < cfg.vocab_size), float("-inf"))
@@ -447,6 +453,7 @@ def generate(
                 seed + i,
                 min_p=min_p,
                 logit_bias=bias_at(0),
+                lora_slot=slots[i],
                 **penalties,
             )
             for i, p in enumerate(prompts)
@@ -480,11 +487,18 @@ def generate(
                     prompt_ids=p,
                     output_ids=out.tokens[b],
                     logit_bias=bias_at(len(out.tokens[b])),
+                    lora_slot=slots[b],
                 )
             )
         inp = build_step_input(chunks, cfg, cache_cfg, buckets=buckets)
         res, cache = step(
-            params, cache, inp, backend=backend, interpret=interpret, return_logits=return_logits
+            params,
+            cache,
+            inp,
+            backend=backend,
+            interpret=interpret,
+            return_logits=return_logits,
+            lora=lora,
         )
         tokens, lps = np.asarray(res.tokens), np.asarray(res.logprobs)
         for j, b in enumerate(active):
@@ -499,3 +513,18 @@ def generate(
     if return_logits:
         out.logits = [np.stack(x) for x in logits]
     return out
+
+
+def _generate_lora_slots(lora, lora_slots, n: int) -> list[int]:
+    """`generate`'s lora_slots checked: one int per prompt in [0, lora.num_slots]."""
+    if lora_slots is None:
+        return [0] * n
+    if lora is None:
+        raise ValueError("lora_slots needs lora (the LoRAWeights the slots index)")
+    slots = list(lora_slots)
+    if len(slots) != n:
+        raise ValueError(f"lora_slots must have one slot per prompt ({n}), got {len(slots)}")
+    for i, x in enumerate(slots):
+        if not is_int(x) or not 0 <= x <= lora.num_slots:
+            raise ValueError(f"lora_slots[{i}] must be an int in [0, {lora.num_slots}], got {x!r}")
+    return [int(x) for x in slots]

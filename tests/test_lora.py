@@ -267,3 +267,24 @@ def test_dims_match_the_model():
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="max_loras must be a positive int"):
             lora.create_lora_weights(TINY, max_loras=bad, max_lora_rank=3)
+
+
+def test_decode_generate_takes_lora_slots(params, adapters):
+    """The static-batch loop: each prompt's tokens equal those of its merged model."""
+    weights = lora.create_lora_weights(TINY, max_loras=2, max_lora_rank=4)
+    weights = lora.write_slot(lora.write_slot(weights, 1, adapters["all"]), 2, adapters["qv"])
+    prompts = [[5, 9, 13, 2, 7], [8, 8, 1], [4, 40, 44, 100]]
+    kw = dict(max_new_tokens=6, page_size=4, backend="xla")
+    got = decode.generate(params, prompts, lora=weights, lora_slots=[1, 0, 2], **kw).tokens
+    refs = [lora.merge_adapter(params, adapters["all"]), params]
+    refs.append(lora.merge_adapter(params, adapters["qv"]))
+    for p, g, ref in zip(prompts, got, refs, strict=True):
+        assert g == decode.generate(ref, [p], **kw).tokens[0]
+    assert got[0] != decode.generate(params, prompts[:1], **kw).tokens[0]
+    for kwargs, match in (
+        (dict(lora_slots=[1, 0, 0]), "lora_slots needs lora"),
+        (dict(lora=weights, lora_slots=[1]), "one slot per prompt \\(3\\), got 1"),
+        (dict(lora=weights, lora_slots=[1, 3, 0]), r"lora_slots\[1\] must be an int in \[0, 2\]"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            decode.generate(params, prompts, **kw, **kwargs)
