@@ -167,8 +167,9 @@ def _compiles() -> int:
     return sum(decode.compile_counts().values()) + _BASELINE_TRACES[0]
 
 
-def paged_runner(llm: LLM, batch: int, args, rng):
-    """A function that runs one batch through the engine: (total s, step gaps, extras)."""
+def paged_runner(llm: LLM, batch: int, args, rng, lora_request=None):
+    """A function that runs one batch through the engine: (total s, step gaps, extras).
+    `lora_request`: as `LLM.generate` takes it (scripts/bench_lora.py)."""
     vocab = llm.config.vocab_size
     params = SamplingParams(max_tokens=args.gen_len, temperature=0.0, ignore_eos=True)
 
@@ -185,7 +186,9 @@ def paged_runner(llm: LLM, batch: int, args, rng):
 
         pre = llm.scheduler.num_preemptions
         t0 = time.perf_counter()
-        outs = llm.generate([p.tolist() for p in prompts], params, on_step=on_step)
+        outs = llm.generate(
+            [p.tolist() for p in prompts], params, on_step=on_step, lora_request=lora_request
+        )
         total = time.perf_counter() - t0
         gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False) if a and b]
         extra = {

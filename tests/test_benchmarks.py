@@ -1,4 +1,4 @@
-"""Smoke tests of scripts/bench_memory.py, bench_prefix.py, bench_decode.py and
+"""Smoke tests of scripts/bench_memory.py, bench_prefix.py, bench_decode.py, bench_lora.py and
 bench_guided.py.
 
 Each script's `main()` runs on a tiny configuration with --json; the tests check the
@@ -344,3 +344,21 @@ def test_guided_main_json_and_table(monkeypatch, capsys):
     guided.main([*argv, "--no-engine"])
     out = capsys.readouterr().out
     assert "json_object" in out and "engine" not in out
+
+
+# ------------------------------------------------------------------ bench_lora
+
+
+def test_lora_main_json(monkeypatch, capsys):
+    bench = load("bench_lora", monkeypatch)
+    argv = ["--batch", "1", "3", "--prompt-len", "5", "--gen-len", "4", "--reps", "1"]
+    assert bench.main([*argv, "--max-loras", "2", "--lora-rank", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["max_loras"], out["lora_rank"]) == (2, 4)
+    assert [r["batch"] for r in out["rows"]] == [1, 3]
+    for r in out["rows"]:
+        assert r["compiles_during_timing"] == 0
+        assert r["idle_tokens_match"] == 1.0  # no adapter: exactly the base model's tokens
+        for k in ("base", "idle", "mixed"):
+            assert r[f"{k}_e2e_tokens_per_s"] > 0
+        assert r["e2e_mixed_over_base"] > 0 and r["e2e_idle_over_base"] > 0
