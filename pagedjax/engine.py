@@ -144,8 +144,8 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin):
         counted as the vocabulary's size) is refused when added (ValueError).
       enable_lora: serve LoRA adapters (`pagedjax.lora`): requests name theirs with a
         `LoRARequest` (`generate`, `add_request`, `chat`, `beam_search`), and rows of
-        different adapters share a step. Every step then adds the LoRA update (two
-        small matmuls per projection), adapters or not.
+        different adapters share a step. A step with adapters adds their update (two
+        small matmuls per projection); a step with none runs as without LoRA.
       max_loras: device slots for adapters: the most distinct adapters running at once
         (requests of another wait for a slot).
       max_lora_rank: the largest adapter rank accepted; every slot is this wide.

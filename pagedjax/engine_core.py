@@ -83,7 +83,8 @@ class EngineCore:
       on_finish: called with the output of every request that finishes or is aborted
         (before `step` or `aborted` returns it).
       lora: the LoRA adapters (`pagedjax.lora.LoRASlots`) with LoRA enabled, else None:
-        each step puts its requests' adapters in device slots and runs with them.
+        each step with adapters puts them in device slots and runs with them; a step with
+        none runs without LoRA (the base model's program).
     """
 
     def __init__(
@@ -290,7 +291,7 @@ class EngineCore:
             interpret=self.interpret,
             num_top_logprobs=k,
             num_prompt_top_logprobs=pk,
-            lora=None if self.lora is None else self.lora.weights,
+            lora=None if inp.lora_slots is None else self.lora.weights,
         )
         self._feed = out.feed
         leaves = (
@@ -341,8 +342,9 @@ class EngineCore:
     def _batch(self, plan: StepPlan) -> StepBatch:
         cc = self.cache_config
         slots = None
-        if self.lora is not None:
-            slots = self.lora.prepare({r.group.lora_id for r in plan.rows})
+        ids = {r.group.lora_id for r in plan.rows} - {0}
+        if ids:  # (a step with no adapter runs the base model's program: no LoRA cost)
+            slots = self.lora.prepare(ids)
         return StepBatch(
             plan,
             self.buckets,

@@ -20,8 +20,9 @@ each token's slot (`StepInput.lora_slots`); per layer and module the update is
 `((x @ a) * mask) @ b`, with `mask[t]` the 0/1 columns of token t's slot: two
 matmuls over `S * R` columns (64 for four rank-16 slots, next to the thousands of
 `W`), no gather of per-token weights, and exact for every row, since a token's
-product with another slot's columns is multiplied by 0. Every step of an engine with
-LoRA enabled runs this path, adapters or not, so their mix never recompiles.
+product with another slot's columns is multiplied by 0. A step of an engine with LoRA
+enabled runs this path whenever one of its rows has an adapter, whatever their mix (one
+program per step shape); a step with none runs the base model's program.
 
 Target modules: `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`,
 `down_proj` of any layers; an adapter may target any subset (the rest of its slot stays

@@ -8,8 +8,9 @@ Three systems on the same model (a preset with random weights) and workload (B r
 
 - ``base``: `LLM(params)`, no LoRA.
 - ``idle``: `LLM(params, enable_lora=True, max_loras=S, max_lora_rank=R)`, requests with
-  no adapter: what enabling LoRA costs traffic that does not use it (every step runs
-  the update, `pagedjax.lora`; its tokens must equal base's, `idle_tokens_match`).
+  no adapter: what enabling LoRA costs traffic that does not use it (a step with no
+  adapter runs the base model's program, `pagedjax.lora`; its tokens must equal
+  base's, `idle_tokens_match`).
 - ``mixed``: the same engine, request i with adapter i mod S (random rank-R adapters
   on every target module, written as PEFT directories to a temporary folder): S
   adapters in every batch.

@@ -191,3 +191,19 @@ def test_sleep_and_wake_up_keep_the_adapters(params, loras, dense):
     (after,) = llm.generate([prompt], greedy(4), lora_request=loras["b"])
     assert after.outputs[0].token_ids == before.outputs[0].token_ids
     assert after.outputs[0].token_ids == dense["b"].greedy([prompt], 4)[0]
+
+
+def test_steps_without_adapters_run_the_base_models_program(params, loras, dense):
+    """A step with no adapter row skips LoRA (no slots prepared, the base program) and
+    gives the base engine's tokens; adapter rows in a step bring the LoRA path back."""
+    llm = _llm(params)
+    calls = []
+    prepare = llm.lora.prepare
+    llm.lora.prepare = lambda ids: calls.append(set(ids)) or prepare(ids)
+    prompts = _prompts(3, seed=21)
+    outs = llm.generate(prompts, greedy(5))
+    assert not calls
+    assert [o.outputs[0].token_ids for o in outs] == dense[None].greedy(prompts, 5)
+    (out,) = llm.generate(prompts[:1], greedy(5), lora_request=loras["a"])
+    assert calls and all(c == {1} for c in calls)
+    assert out.outputs[0].token_ids == dense["a"].greedy(prompts[:1], 5)[0]
