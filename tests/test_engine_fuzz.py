@@ -9,16 +9,18 @@ boundaries, long enough for chunked prefill; greedy, seeded and unseeded samplin
 n > 1, beam search, stop tokens and strings, min_tokens, logprobs, prompt logprobs,
 penalties, logit bias, structured outputs (a regex, choices, a grammar), streamed
 outputs (output_kind), max_tokens up to max_model_len; a full-attention or a
-sliding-window model) and runs it, step by step through `add_request` / `step` /
+sliding-window model; in some workloads LoRA adapters, one of three or none per request)
+and runs it, step by step through `add_request` / `step` /
 `abort`, under a reference engine that never preempts or chunks (2 seats, each with
 room for a whole sequence; a 64-token budget; synchronous; no prefix caching; first
 come first served; everything queued at once; no aborts) and under a stressed one (up
 to 8 seats in the same cache, so preemption; a budget of 1 to 16 tokens; prefix caching
 mostly on; async on or off; first come first served, or by priority with one drawn per
-request; staggered arrivals; aborts between steps and from `on_token`), twice on the
+request; staggered arrivals; aborts between steps and from `on_token`; with LoRA, 1 to
+3 adapter slots, so requests wait for one), twice on the
 same engines (the second time from a warm prefix cache). The reference's own
-completions are held to the dense forward (no cache): cumulative logprobs, greedy
-argmax and prompt logprobs.
+completions are held to the dense forward (no cache; with a request's adapter merged
+into the weights): cumulative logprobs, greedy argmax and prompt logprobs.
 Every request not aborted must give the reference's completions (token ids, texts,
 finish and stop reasons, logprobs and prompt logprobs to float tolerance); an aborted
 one returns nothing after its abort, samples it had finished are the reference's and the
@@ -39,8 +41,9 @@ import params_helpers
 import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
+from lora_helpers import write_peft
 
-from pagedjax import decode, model
+from pagedjax import decode, lora, model
 from pagedjax.config import PRESETS
 from pagedjax.engine import LLM, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -72,12 +75,23 @@ GUIDES = [
     StructuredOutputsParams(grammar='root ::= "(" root ")" | [0-9]+ ("," [0-9])*'),
 ]
 DENSE_ROWS = 8  # sequences per dense forward (one program for every check)
+LORA_RANK = 4
 dense_forward = jax.jit(model.forward)
 
 
 @pytest.fixture(scope="module")
-def models():
-    return {None: params_helpers.random_params(TINY, 3), 7: params_helpers.random_params(WINDOW, 4)}
+def models(tmp_path_factory):
+    """{window: params} and {"loras": [LoRARequest] * 3, (window, i): adapter i merged}."""
+    out = {None: params_helpers.random_params(TINY, 3), 7: params_helpers.random_params(WINDOW, 4)}
+    root = tmp_path_factory.mktemp("fuzz_loras")
+    out["loras"] = []
+    for i, mods in enumerate((lora.TARGET_MODULES, ("q_proj", "v_proj"), ("down_proj",))):
+        write_peft(root / str(i), TINY, rank=LORA_RANK - i, modules=mods, seed=20 + i)
+        out["loras"].append(lora.LoRARequest(f"l{i}", i + 1, str(root / str(i))))
+        adapter = lora.load_adapter(root / str(i), TINY)
+        for w in (None, 7):
+            out[w, i] = lora.merge_adapter(out[w], adapter)
+    return out
 
 
 # ------------------------------------------------------------------ workloads
@@ -131,9 +145,11 @@ def sampling_params(draw, vocab: int) -> SamplingParams:
 @st.composite
 def workloads(draw, window_prob: bool = True):
     """(window, requests, stressed config, priorities); each request: prompt, params,
-    arrival step, abort (None, ("step", s) or ("token", k)); the stressed engine gives
-    request i priority `priorities[i]` (all 0 unless its scheduling_policy is "priority")."""
+    arrival step, abort (None, ("step", s) or ("token", k)), LoRA adapter (None or an
+    index into `models()["loras"]`); the stressed engine gives request i priority
+    `priorities[i]` (all 0 unless its scheduling_policy is "priority")."""
     window = draw(st.sampled_from([None, 7, None])) if window_prob else None
+    loras = draw(st.sampled_from([False, False, True]))
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
     base = rng.integers(3, TINY.vocab_size, size=3 * PS).tolist()
     num = draw(st.sampled_from([6, 7, 5, 4, 3, 2]))
@@ -150,8 +166,9 @@ def workloads(draw, window_prob: bool = True):
                 lambda a: st.just(None) if a is None else st.tuples(st.just(a), st.integers(0, 30))
             )
         )
-        requests.append((prompt, sp, arrival, abort))
-    seats = max(max(sp.n, sp.beam_width) for _, sp, _, _ in requests)
+        adapter = draw(st.sampled_from([None, 0, 1, 2])) if loras else None
+        requests.append((prompt, sp, arrival, abort, adapter))
+    seats = max(max(sp.n, sp.beam_width) for _, sp, *_ in requests)
     max_num_seqs = max(seats, draw(st.sampled_from([8, 6, 5, 4, 3, 2, 1])))
     stressed = dict(
         num_pages=NUM_PAGES,
@@ -162,6 +179,8 @@ def workloads(draw, window_prob: bool = True):
     )
     # The stressed engine's only: the reference serves first come first served.
     stressed["scheduling_policy"] = draw(st.sampled_from(["fcfs", "priority", "priority"]))
+    if loras:  # (the reference gets 3 slots: all it can use)
+        stressed["max_loras"] = draw(st.sampled_from([1, 2, 3]))
     priorities = [0] * num
     if stressed["scheduling_policy"] == "priority":
         priorities = draw(st.lists(st.integers(-2, 2), min_size=num, max_size=num))
@@ -171,7 +190,9 @@ def workloads(draw, window_prob: bool = True):
 # ------------------------------------------------------------------ running
 
 
-def engine(params, engine_kw) -> LLM:
+def engine(params, engine_kw, loras: bool = False) -> LLM:
+    if loras:
+        engine_kw = dict(enable_lora=True, max_lora_rank=LORA_RANK, max_loras=3) | engine_kw
     return LLM(
         params,
         page_size=PS,
@@ -211,10 +232,10 @@ def whole(sp, outs, what):
     return dataclasses.replace(last, outputs=comps)
 
 
-def drive(llm, requests, *, staggered: bool, aborts: bool, priorities=None):
+def drive(llm, requests, *, staggered: bool, aborts: bool, priorities=None, loras=()):
     """Runs `requests` to the end, step by step (request i with priority `priorities[i]`,
-    None: all 0); returns ({index: RequestOutput}, {index: last output of an abort that
-    took effect}), whole (`whole`)."""
+    None: all 0, and its adapter `loras[requests[i][4]]`); returns ({index:
+    RequestOutput}, {index: last output of an abort that took effect}), whole (`whole`)."""
     ids: dict[int, str] = {}
     index: dict[str, int] = {}
     done: dict[int, object] = {}
@@ -238,12 +259,17 @@ def drive(llm, requests, *, staggered: bool, aborts: bool, priorities=None):
 
     step = 0
     while len(ids) < len(requests) or llm.has_unfinished_requests():
-        for i, (prompt, sp, arrival, _) in enumerate(requests):
+        for i, (prompt, sp, arrival, _, adapter) in enumerate(requests):
             if i not in ids and (not staggered or arrival <= step):
-                ids[i] = llm.add_request(prompt, sp, priority=priorities[i] if priorities else 0)
+                ids[i] = llm.add_request(
+                    prompt,
+                    sp,
+                    priority=priorities[i] if priorities else 0,
+                    lora_request=None if adapter is None else loras[adapter],
+                )
                 index[ids[i]] = i
         if aborts:
-            for i, (_, _, arrival, a) in enumerate(requests):
+            for i, (_, _, arrival, a, _) in enumerate(requests):
                 if a is not None and a[0] == "step" and i in ids and step == arrival + a[1]:
                     abort(i)
         for o in llm.step(on_token=on_token):
@@ -297,11 +323,19 @@ def assert_same_output(got, want, what):
         assert_same_logprobs(g.logprobs, w.logprobs, f"{what} completion {w.index} logprobs")
 
 
-def check_against_dense(params, requests, want):
-    """The reference engine against the dense forward (`model.forward`, no cache): every
-    sampled or greedy completion's cumulative logprob is the sum of its tokens' raw
-    log-softmax there, a plain greedy one takes the argmax each step, and prompt logprobs
-    score each prompt token. (The stressed engine is then held to the reference's.)"""
+def check_against_dense(models, window, requests, want):
+    """The reference engine against the dense forward (`model.forward`, no cache; a
+    request's adapter merged into the weights): every sampled or greedy completion's
+    cumulative logprob is the sum of its tokens' raw log-softmax there, a plain greedy
+    one takes the argmax each step, and prompt logprobs score each prompt token. (The
+    stressed engine is then held to the reference's.)"""
+    for adapter in {r[4] for r in requests}:
+        params = models[window] if adapter is None else models[window, adapter]
+        mine = {i: o for i, o in want.items() if requests[i][4] == adapter}
+        _check_against_dense(params, requests, mine)
+
+
+def _check_against_dense(params, requests, want):
     seqs = [
         (i, c, requests[i][0] + c.token_ids)
         for i in sorted(want)
@@ -334,18 +368,22 @@ def check_against_dense(params, requests, want):
 def check_workload(models, workload):
     window, requests, stressed, priorities = workload
     params = models[window]
-    ref, llm = engine(params, REF), engine(params, stressed)
+    loras = any(r[4] is not None for r in requests) or "max_loras" in stressed
+    ref, llm = engine(params, REF, loras), engine(params, stressed, loras)
+    kw = dict(loras=models["loras"])
     for _ in range(2):  # the second time from a warm prefix cache (and new seeds for None)
-        want, none = drive(ref, requests, staggered=False, aborts=False)
+        want, none = drive(ref, requests, staggered=False, aborts=False, **kw)
         assert not none and ref.scheduler.num_preemptions == 0  # the reference is roomy
-        check_against_dense(params, requests, want)
-        got, aborted = drive(llm, requests, staggered=True, aborts=True, priorities=priorities)
+        check_against_dense(models, window, requests, want)
+        got, aborted = drive(
+            llm, requests, staggered=True, aborts=True, priorities=priorities, **kw
+        )
         check_outputs(requests, want, got, aborted)
     return llm
 
 
 def check_outputs(requests, want, got, aborted):
-    for i, (_, sp, _, _) in enumerate(requests):
+    for i, (_, sp, *_) in enumerate(requests):
         what = f"request {i} ({sp})"
         if i in got:
             assert_same_output(got[i], want[i], what)
