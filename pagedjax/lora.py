@@ -48,6 +48,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -65,12 +66,13 @@ __all__ = [
     "TARGET_MODULES",
     "LoRAAdapter",
     "LoRARequest",
+    "LoRASlots",
     "LoRAWeights",
+    "adapter_from_state",
     "create_lora_weights",
     "load_adapter",
     "merge_adapter",
     "module_dims",
-    "LoRASlots",
     "write_slot",
 ]
 
@@ -171,8 +173,15 @@ def _config(root: Path) -> dict:
         conf = json.loads(file.read_text())
     except ValueError as e:
         raise ValueError(f"{file} is not valid JSON ({e})") from None
-    if not isinstance(conf, dict):
+    return _check_config(conf, str(file))
+
+
+def _check_config(conf, file: str) -> dict:
+    """An adapter_config.json's dict, checked for what we can serve (`file`: where it
+    came from, for the messages)."""
+    if not isinstance(conf, Mapping):
         raise ValueError(f"{file} must hold a JSON object, got {type(conf).__name__}")
+    conf = dict(conf)
     kind = conf.get("peft_type", "LORA")
     if kind != "LORA":
         raise ValueError(f"{file}: peft_type={kind!r}: only LoRA adapters are supported")
@@ -231,53 +240,84 @@ def load_adapter(path, cfg: ModelConfig, *, max_rank: int | None = None) -> LoRA
         )
         raise FileNotFoundError(f"no adapter_model.safetensors in {root}{extra}")
     infos = _read_header(file)
-    pairs: dict[tuple[int, str], dict[str, object]] = {}
-    for name, info in infos.items():
+    shapes = {name: info.shape for name, info in infos.items()}
+    pairs, rank = _layout(shapes, cfg, str(file), max_rank, str(root))
+    with open(file, "rb") as f:
+        weights = _fold(conf, pairs, lambda name: _read_tensor(f, infos[name]))
+    return LoRAAdapter(weights, rank, str(root))
+
+
+def adapter_from_state(
+    state: Mapping, config: Mapping, cfg: ModelConfig, *, max_rank: int | None = None
+) -> LoRAAdapter:
+    """An adapter from PEFT's state dict in memory, e.g. one trained in JAX: {name: array}
+    with the names `load_adapter` reads (`...layers.{i}.self_attn.q_proj.lora_A.weight`,
+    `A` `[r, in]`, `B` `[out, r]`; numpy or jax arrays) and `config`, the dict of an
+    adapter_config.json (`r`, `lora_alpha`, optionally `use_rslora`, `alpha_pattern`).
+    Checked as `load_adapter` checks a directory (ValueError naming what is wrong).
+    Serve it with `LLM.add_lora(request, adapter=...)`."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a dict of arrays, got {type(state).__name__}")
+    conf = _check_config(config, "the adapter config")
+    shapes = {name: tuple(np.shape(x)) for name, x in state.items()}
+    pairs, rank = _layout(shapes, cfg, "the adapter state", max_rank, "the adapter")
+    return LoRAAdapter(_fold(conf, pairs, lambda name: np.asarray(state[name])), rank)
+
+
+def _layout(shapes: Mapping[str, tuple], cfg, where: str, max_rank, what: str):
+    """Checks an adapter's tensor names and shapes against the model; returns
+    ({(layer, module): {"A": name, "B": name}}, rank)."""
+    pairs: dict[tuple[int, str], dict[str, str]] = {}
+    for name in shapes:
         m = _KEY.fullmatch(name)
         if m is None or TARGET_MODULES.get(m[3]) != m[2]:
             raise ValueError(
-                f"{file}: tensor {name!r} is not a LoRA A/B weight of a supported module "
+                f"{where}: tensor {name!r} is not a LoRA A/B weight of a supported module "
                 f"({', '.join(TARGET_MODULES)}); embedding, lm_head and bias adapters "
                 "are not supported"
             )
         layer = int(m[1])
         if layer >= cfg.num_layers:
-            raise ValueError(f"{file}: {name}: layer {layer} >= the model's {cfg.num_layers}")
-        pairs.setdefault((layer, m[3]), {})[m[4]] = info
+            raise ValueError(f"{where}: {name}: layer {layer} >= the model's {cfg.num_layers}")
+        pairs.setdefault((layer, m[3]), {})[m[4]] = name
     if not pairs:
-        raise ValueError(f"{file} holds no LoRA weights")
+        raise ValueError(f"{where} holds no LoRA weights")
     rank = 0
     for (layer, module), ab in sorted(pairs.items()):
-        where = f"{file}: layer {layer} {module}"
+        at = f"{where}: layer {layer} {module}"
         if missing := {"A", "B"} - set(ab):
-            raise ValueError(f"{where}: lora_{missing.pop()} is missing")
+            raise ValueError(f"{at}: lora_{missing.pop()} is missing")
         n_in, n_out = module_dims(cfg, module)
-        ra, rb = ab["A"].shape, ab["B"].shape
+        ra, rb = shapes[ab["A"]], shapes[ab["B"]]
         if len(ra) != 2 or len(rb) != 2 or ra[1] != n_in or rb[0] != n_out or ra[0] != rb[1]:
             raise ValueError(
-                f"{where}: lora_A {list(ra)} and lora_B {list(rb)} do not fit the model's "
+                f"{at}: lora_A {list(ra)} and lora_B {list(rb)} do not fit the model's "
                 f"{module} ({n_in} in, {n_out} out): expected [r, {n_in}] and [{n_out}, r]"
             )
         if ra[0] < 1:
-            raise ValueError(f"{where}: rank 0")
+            raise ValueError(f"{at}: rank 0")
         rank = max(rank, ra[0])
     if max_rank is not None and rank > max_rank:
         raise ValueError(
-            f"LoRA adapter {root} has rank {rank} > max_lora_rank={max_rank} (raise max_lora_rank)"
+            f"LoRA adapter {what} has rank {rank} > max_lora_rank={max_rank} (raise max_lora_rank)"
         )
+    return pairs, rank
+
+
+def _fold(conf: dict, pairs, read) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
+    """Each module's (a [in, r], b [r, out] * scaling) in float32; `read(name)` gives a
+    tensor."""
     weights = {}
-    with open(file, "rb") as f:
-        for (layer, module), ab in sorted(pairs.items()):
-            a = _read_tensor(f, ab["A"]).astype(np.float32)  # [r, in]
-            b = _read_tensor(f, ab["B"]).astype(np.float32)  # [out, r]
-            r = a.shape[0]
-            alpha = _alpha(conf, layer, module)
-            scaling = alpha / math.sqrt(r) if conf.get("use_rslora") else alpha / r
-            weights[layer, module] = (
-                np.ascontiguousarray(a.T),
-                np.ascontiguousarray(b.T * scaling),
-            )
-    return LoRAAdapter(weights, rank, str(root))
+    for (layer, module), ab in sorted(pairs.items()):
+        a = np.asarray(read(ab["A"]), np.float32)  # [r, in]
+        b = np.asarray(read(ab["B"]), np.float32)  # [out, r]
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
+            raise ValueError(f"LoRA weights of layer {layer} {module} are not all finite")
+        r = a.shape[0]
+        alpha = _alpha(conf, layer, module)
+        scaling = alpha / math.sqrt(r) if conf.get("use_rslora") else alpha / r
+        weights[layer, module] = (np.ascontiguousarray(a.T), np.ascontiguousarray(b.T * scaling))
+    return weights
 
 
 # ----------------------------------------------------------------------------- device
@@ -402,6 +442,11 @@ class LoRASlots:
     pinned ones (`add(pin=True)`, `LLM.add_lora`), and up to `max_cpu_loras` others:
     reading a new adapter forgets the least recently used others beyond that.
 
+    Each adapter held has a prefix-cache key (`cache_key`): its id and path, so an id
+    read again from the same path after it was forgotten finds its pages again, and an
+    id given another adapter (another path, or new weights from memory) does not find
+    the old one's.
+
     Args:
       cfg: the base model's config.
       max_loras, max_lora_rank: the device slots (`create_lora_weights`).
@@ -420,16 +465,41 @@ class LoRASlots:
         self.pinned: set[int] = set()
         self.slot_of: dict[int, int] = {}  # id -> device slot (1..max_loras)
         self._order: list[int] = []  # resident ids, least recently used first
+        self._keys: dict[int, bytes] = {}
+        self._replaced = 0  # adapters given from memory so far (their cache keys)
 
-    def add(self, request: LoRARequest, *, pin: bool = False) -> bool:
+    def cache_key(self, lora_id: int) -> bytes:
+        """The prefix-cache salt of adapter `lora_id`'s requests (it must be held)."""
+        return self._keys[lora_id]
+
+    def add(
+        self, request: LoRARequest, *, pin: bool = False, adapter: LoRAAdapter | None = None
+    ) -> bool:
         """Reads `request`'s adapter unless held; returns whether it was read. A second
         request with its id must name the same path (ValueError otherwise: two adapters
-        under one id would share prefix-cache pages)."""
+        under one id would share prefix-cache pages).
+
+        `adapter` (from memory, `adapter_from_state`) is held under `request`'s id
+        instead of reading its path, replacing the adapter held under it: ValueError if
+        a queued or running request uses that one."""
         if not isinstance(request, LoRARequest):
             raise TypeError(
                 f"lora_request must be a pagedjax.lora.LoRARequest, got {request!r:.80}"
             )
         i = request.lora_int_id
+        if adapter is not None:
+            if not isinstance(adapter, LoRAAdapter):
+                raise TypeError(f"adapter must be a LoRAAdapter, got {adapter!r:.80}")
+            if adapter.rank > self.max_lora_rank:
+                raise ValueError(
+                    f"LoRA adapter {request.lora_name!r} has rank {adapter.rank} > "
+                    f"max_lora_rank={self.max_lora_rank} (raise max_lora_rank)"
+                )
+            if i in self.requests:
+                self.remove(i)
+            self._replaced += 1
+            self._hold(request, adapter, b"%d:memory:%d" % (i, self._replaced), pin)
+            return True
         known = self.requests.get(i)
         if known is not None:
             if known.lora_path != request.lora_path:
@@ -441,11 +511,16 @@ class LoRASlots:
             self.pinned |= {i} if pin else set()
             return False
         adapter = load_adapter(request.lora_path, self.cfg, max_rank=self.max_lora_rank)
-        self.requests[i], self._adapters[i] = request, adapter
+        key = b"%d:path:" % i + os.path.abspath(request.lora_path).encode("utf-8", "surrogatepass")
+        self._hold(request, adapter, key, pin)
+        return True
+
+    def _hold(self, request: LoRARequest, adapter: LoRAAdapter, key: bytes, pin: bool) -> None:
+        i = request.lora_int_id
+        self.requests[i], self._adapters[i], self._keys[i] = request, adapter, key
         if pin:
             self.pinned.add(i)
         self._trim(keep=i)
-        return True
 
     def remove(self, lora_id: int) -> bool:
         """Forgets an adapter no queued or running request uses; returns whether it was held.
@@ -458,7 +533,7 @@ class LoRASlots:
         return True
 
     def _drop(self, i: int) -> None:
-        del self.requests[i], self._adapters[i]
+        del self.requests[i], self._adapters[i], self._keys[i]
         self.pinned.discard(i)
         if i in self.slot_of:  # its slot is free: zeroed when next written
             del self.slot_of[i]

@@ -6,14 +6,15 @@ A request with a `LoRARequest` runs with that adapter: its adapter is read (once
 `lora_int_id`) when the request is added, so a bad adapter is an error of
 `add_request` / `generate`, before anything is queued; its group carries the id, which
 the scheduler counts against `max_loras`; and its prefix-cache pages are salted with the
-id, so they are shared only with requests of the same adapter (`lora_salt`).
+adapter's cache key (its id and path, or its weights' generation for one given from
+memory), so they are shared only with requests of the same adapter (`lora_salt`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedjax.lora import LoRARequest, LoRASlots
+from pagedjax.lora import LoRAAdapter, LoRARequest, LoRASlots
 from pagedjax.prefix_cache import salt_bytes
 from pagedjax.sequence import SequenceGroup
 from pagedjax.step_input import is_int
@@ -32,10 +33,11 @@ def check_lora_args(enable_lora, max_loras, max_lora_rank, max_cpu_loras) -> Non
         raise ValueError(f"max_cpu_loras must be None or an int >= 0, got {max_cpu_loras=}")
 
 
-def lora_salt(lora_id: int, cache_salt: str | bytes | None) -> bytes:
-    """The prefix-cache salt of a request with adapter `lora_id` and its own `cache_salt`:
-    bytes, which no request's own salt (a str) equals."""
-    return b"lora:%d:" % lora_id + salt_bytes(cache_salt)
+def lora_salt(key: bytes, cache_salt: str | bytes | None) -> bytes:
+    """The prefix-cache salt of a request with the adapter of cache key `key`
+    (`LoRASlots.cache_key`) and its own `cache_salt`: bytes, which no request's own salt
+    (a str) equals."""
+    return b"lora:%d:%s" % (len(key), key) + salt_bytes(cache_salt)
 
 
 class LoRAMixin:
@@ -59,16 +61,23 @@ class LoRAMixin:
             raise ValueError("LoRA is not enabled: make the engine with LLM(..., enable_lora=True)")
         return self.lora
 
-    def add_lora(self, lora_request: LoRARequest) -> bool:
+    def add_lora(self, lora_request: LoRARequest, *, adapter: LoRAAdapter | None = None) -> bool:
         """Reads an adapter now and keeps it on the host until `remove_lora` (requests
         with it then start without reading it). Returns False if it was held already.
 
+        `adapter`: weights from memory (`pagedjax.lora.adapter_from_state`, e.g. an
+        adapter trained in JAX) to hold under `lora_request`'s id instead of reading its
+        path (which then only names it). Giving an id new weights this way replaces the
+        ones it had (an RL loop's update): later requests with the id run with the new
+        ones and never reuse prefix-cache pages computed with the old. Returns True.
+
         Raises:
           ValueError: LoRA not enabled, or the adapter does not fit the model (or has a
-            rank above `max_lora_rank`, or its id names another adapter's path).
+            rank above `max_lora_rank`, or its id names another adapter's path), or new
+            weights for an id a queued or running request uses.
           FileNotFoundError: no adapter at its path.
         """
-        return self._need_lora().add(lora_request, pin=True)
+        return self._need_lora().add(lora_request, pin=True, adapter=adapter)
 
     def remove_lora(self, lora_id: int) -> bool:
         """Forgets adapter `lora_id` (its device slot too); returns whether it was held.
@@ -89,7 +98,7 @@ class LoRAMixin:
     def _set_lora(self, group: SequenceGroup, lora_id: int) -> None:
         if lora_id:
             group.lora_id = lora_id
-            group.cache_salt = lora_salt(lora_id, group.cache_salt)
+            group.cache_salt = lora_salt(self.lora.cache_key(lora_id), group.cache_salt)
 
     @staticmethod
     def _per_prompt_loras(lora_request, n: int) -> list[LoRARequest | None]:

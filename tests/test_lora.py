@@ -288,3 +288,31 @@ def test_decode_generate_takes_lora_slots(params, adapters):
     ):
         with pytest.raises(ValueError, match=match):
             decode.generate(params, prompts, **kw, **kwargs)
+
+
+def test_adapter_from_state_equals_the_directory(tmp_path):
+    raw = write_peft(tmp_path / "a", TINY, rank=3, alpha=6, modules=("q_proj", "down_proj"))
+    state = {}
+    for (layer, m), (a, b) in raw.items():
+        key = f"base_model.model.model.layers.{layer}.{lora.TARGET_MODULES[m]}.{m}"
+        state[f"{key}.lora_A.weight"] = jnp.asarray(a)  # jax arrays, as a JAX trainer has
+        state[f"{key}.lora_B.weight"] = b
+    mem = lora.adapter_from_state(state, {"r": 3, "lora_alpha": 6}, TINY)
+    disk = lora.load_adapter(tmp_path / "a", TINY)
+    assert mem.rank == disk.rank == 3 and mem.path is None and set(mem.weights) == set(disk.weights)
+    for k, (a, b) in disk.weights.items():
+        np.testing.assert_array_equal(mem.weights[k][0], a)
+        np.testing.assert_array_equal(mem.weights[k][1], b)
+    bad = dict(state)
+    bad.pop(next(k for k in state if k.endswith("q_proj.lora_B.weight")))
+    with pytest.raises(ValueError, match="the adapter state: layer 0 q_proj: lora_B is missing"):
+        lora.adapter_from_state(bad, {"r": 3, "lora_alpha": 6}, TINY)
+    with pytest.raises(ValueError, match="LoRA adapter the adapter has rank 3 > max_lora_rank=2"):
+        lora.adapter_from_state(state, {"r": 3}, TINY, max_rank=2)
+    with pytest.raises(ValueError, match="the adapter config: use_dora=True is not supported"):
+        lora.adapter_from_state(state, {"use_dora": True}, TINY)
+    nan = dict(state) | {next(iter(state)): np.full((3, 64), np.nan, np.float32)}
+    with pytest.raises(ValueError, match="LoRA weights of layer 0 q_proj are not all finite"):
+        lora.adapter_from_state(nan, {"r": 3}, TINY)
+    with pytest.raises(TypeError, match="state must be a dict of arrays"):
+        lora.adapter_from_state([1], {}, TINY)

@@ -207,3 +207,35 @@ def test_steps_without_adapters_run_the_base_models_program(params, loras, dense
     (out,) = llm.generate(prompts[:1], greedy(5), lora_request=loras["a"])
     assert calls and all(c == {1} for c in calls)
     assert out.outputs[0].token_ids == dense["a"].greedy(prompts[:1], 5)[0]
+
+
+def test_new_weights_for_an_id_never_reuse_the_old_ones_pages(params, loras, dense, tmp_path):
+    """An RL loop's update: `add_lora(request, adapter=...)` gives an id new weights
+    from memory; the next requests run with them and miss the prefix cache the old ones
+    filled (then hit their own). So does an id removed and read again from another path."""
+    llm = _llm(params)
+    policy = lora.LoRARequest("policy", 7, "policy")  # (from memory: the path only names it)
+    prompt = _prompts(1, seed=30)[0] * 3
+    for name in ("a", "c", "c"):
+        adapter = lora.load_adapter(loras[name].lora_path, TINY)
+        state = {
+            f"model.layers.{layer}.{lora.TARGET_MODULES[m]}.{m}.lora_{x}.weight": w
+            for (layer, m), (a, b) in adapter.weights.items()
+            for x, w in (("A", a.T), ("B", b.T))
+        }  # (scaling folded in b: lora_alpha = r keeps it)
+        conf = {"r": adapter.rank, "lora_alpha": adapter.rank}
+        assert llm.add_lora(policy, adapter=lora.adapter_from_state(state, conf, TINY))
+        for hit in (False, True):
+            (o,) = llm.generate([prompt], greedy(3), lora_request=policy)
+            assert o.outputs[0].token_ids == dense[name].greedy([prompt], 3)[0]
+            assert (o.num_cached_tokens > 0) == hit, (name, hit)
+    rid = llm.add_request(prompt, greedy(3), lora_request=policy)
+    with pytest.raises(ValueError, match="LoRA adapter 7 is in use"):
+        llm.add_lora(policy, adapter=lora.load_adapter(loras["a"].lora_path, TINY))
+    llm.abort(rid)
+    (o,) = llm.generate([prompt], greedy(3), lora_request=loras["b"])
+    assert llm.remove_lora(2)
+    other = lora.LoRARequest("b2", 2, loras["a"].lora_path)
+    (o,) = llm.generate([prompt], greedy(3), lora_request=other)
+    assert o.outputs[0].token_ids == dense["a"].greedy([prompt], 3)[0] and not o.num_cached_tokens
+    check_clean(llm)
