@@ -17,6 +17,12 @@ fields, errors and streaming as a user sees them. Usage:
     server = Server(("127.0.0.1", 0), model_name="m")  # port 0: any free one
     server.start(LLM("path/to/checkpoint"))
     server.serve_forever()  # until server.shutdown() from another thread; then close()
+
+LoRA adapters (vLLM's `--lora-modules`), which a request's `model` selects by name:
+
+    sql = LoRARequest("sql", 1, "path/to/adapter")  # pagedjax.lora's
+    server = Server(("127.0.0.1", 0), model_name="m", lora_modules=[sql])
+    server.start(LLM("path/to/checkpoint", enable_lora=True))  # reads the adapters
 """
 
 from __future__ import annotations
@@ -29,13 +35,14 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 from pagedjax import openai_api as api
+from pagedjax.lora import LoRARequest
 from pagedjax.metrics import prometheus_text
 from pagedjax.openai_api import ApiError, Job
-from pagedjax.request import MAX_LOGPROBS
 from pagedjax.serving import EngineStopped, EngineThread
 from pagedjax.tokenizer import CONTEXT_IDS
 
@@ -67,6 +74,10 @@ class Server(ThreadingHTTPServer):
       address: (host, port); port 0 picks a free one (`server_address` says which).
       model_name: the id of the one model.
       quiet: do not log requests to stderr.
+      lora_modules: `LoRARequest`s of the LoRA adapters served beside the model (vLLM's
+        `--lora-modules`): a request whose `model` is one's `lora_name` runs with it.
+        Their names must differ from each other and from `model_name` (ValueError);
+        `start` reads them into the engine.
     """
 
     daemon_threads = True
@@ -74,20 +85,34 @@ class Server(ThreadingHTTPServer):
     # it had their connections dropped and retried by the kernel a second or more later.
     request_queue_size = 1024
 
-    def __init__(self, address, *, model_name: str, quiet: bool = False):
+    def __init__(
+        self,
+        address,
+        *,
+        model_name: str,
+        quiet: bool = False,
+        lora_modules: Sequence[LoRARequest] = (),
+    ):
         self.model_name, self.quiet = model_name, quiet
+        self.loras = _lora_names(model_name, lora_modules)
         self.engine: EngineThread | None = None
         super().__init__(address, Handler)
 
     def start(self, llm) -> None:
-        """Starts the engine thread over `llm` (which nothing else may touch from now on)."""
+        """Reads the LoRA adapters into `llm` (`LLM.add_lora`: one that cannot serve is
+        a ValueError or FileNotFoundError naming it), then starts the engine thread over
+        `llm` (which nothing else may touch from now on)."""
+        for name, r in self.loras.items():
+            try:
+                llm.add_lora(r)
+            except (ValueError, FileNotFoundError) as e:
+                raise type(e)(f"LoRA module {name!r}: {e}") from None
         self.tokenizer, self.max_model_len = llm.tokenizer, llm.max_model_len
         self.stop_ids = llm.stop_ids  # (reads only llm.eos_ids, which never changes)
         self.vocab_size = llm.config.vocab_size
         self.sampling_defaults = dict(llm.sampling_defaults)  # for request fields left out
         self.scheduling_policy = llm.scheduling_policy
-        # (An engine stand-in without the attribute has the default cap.)
-        self.max_logprobs = getattr(llm, "max_logprobs", MAX_LOGPROBS)
+        self.max_logprobs = llm.max_logprobs
         self.engine = EngineThread(llm)
 
     def handle_error(self, request, client_address) -> None:
@@ -302,15 +327,14 @@ class Handler(BaseHTTPRequestHandler):
     # ---------------------------------------------------------------- endpoints
 
     def _models(self) -> dict:
+        """The model, then each LoRA adapter with vLLM's `parent` (the model) and `root`
+        (its directory)."""
         srv = self.server
-        model = dict(
-            id=srv.model_name,
-            object="model",
-            created=0,
-            owned_by="pagedjax",
-            max_model_len=srv.max_model_len,
-        )
-        return dict(object="list", data=[model])
+        card = dict(object="model", created=0, owned_by="pagedjax", max_model_len=srv.max_model_len)
+        models = [dict(id=srv.model_name, **card)]
+        for name, r in srv.loras.items():
+            models.append(dict(id=name, **card, parent=srv.model_name, root=r.lora_path))
+        return dict(object="list", data=models)
 
     def _metrics(self) -> bytes:
         """The engine's metrics in Prometheus' text format, read on its thread."""
@@ -333,9 +357,14 @@ class Handler(BaseHTTPRequestHandler):
                 model_name=srv.model_name,
                 tokenizer=srv.tokenizer,
                 max_model_len=srv.max_model_len,
+                lora_names=srv.loras,
             )
         return api.detokenize(
-            body, model_name=srv.model_name, tokenizer=srv.tokenizer, vocab_size=srv.vocab_size
+            body,
+            model_name=srv.model_name,
+            tokenizer=srv.tokenizer,
+            vocab_size=srv.vocab_size,
+            lora_names=srv.loras,
         )
 
     def _job(self, path: str, body: dict) -> Job:
@@ -351,6 +380,7 @@ class Handler(BaseHTTPRequestHandler):
             defaults=srv.sampling_defaults,
             scheduling_policy=srv.scheduling_policy,
             max_logprobs=srv.max_logprobs,
+            loras=srv.loras,
         )
 
     def _events(self, job: Job):
@@ -361,7 +391,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             engine.submit(
                 [
-                    (rid, ids, job.params, job.priority)
+                    (rid, ids, job.params, job.priority, job.lora_request)
                     for rid, ids in zip(job.rids, job.prompts, strict=True)
                 ],
                 sink,
@@ -529,6 +559,20 @@ class StreamedChoice:
         self.sent = self.num_tokens = self.offset = 0
         self.pending: list[tuple[int, dict | None, int]] = []
         self.started = False
+
+
+def _lora_names(model_name: str, lora_modules) -> dict:
+    """{name: LoRARequest} of `Server`'s `lora_modules`, checked."""
+    out = {}
+    for r in lora_modules:
+        if not isinstance(r, LoRARequest):
+            raise TypeError(f"lora_modules must hold pagedjax.lora.LoRARequests, got {r!r:.80}")
+        if r.lora_name == model_name:
+            raise ValueError(f"LoRA module name {r.lora_name!r} is the served model's name")
+        if r.lora_name in out:
+            raise ValueError(f"LoRA module name {r.lora_name!r} is given twice")
+        out[r.lora_name] = r
+    return out
 
 
 def _allow(method: str) -> str:

@@ -10,6 +10,10 @@ or the chunks of a streamed one (`role_chunks`, `stream_chunk`, `usage`);
 `render_logprobs` renders the logprobs of any run of a completion's tokens (all of
 them, or a chunk's). Nothing here touches the engine, so it runs on any thread.
 
+A body's `model` names the served model or one of its LoRA adapters (vLLM's
+`--lora-modules`; `parse_job(loras=)`): the job's requests then run with that adapter
+(`Job.lora_request`), and its answers echo the name.
+
 A model without a tokenizer (`tokenizer=None`) serves completions of token id prompts:
 its texts are "", so every choice carries its generated `token_ids` (a pagedjax
 extension; with a tokenizer, only when the request has `return_token_ids: true`, which
@@ -31,7 +35,8 @@ import dataclasses
 import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING
 
 from pagedjax.guided import StructuredOutputsParams, compile_guide
 from pagedjax.openai_responses import (  # re-exported
@@ -53,6 +58,9 @@ from pagedjax.request import (
     encode_prompt,
     logprobs_count,
 )
+
+if TYPE_CHECKING:
+    from pagedjax.lora import LoRARequest
 
 __all__ = [
     "SAMPLING_FIELDS",
@@ -144,6 +152,9 @@ class Job:
       prompt_token_ids: answers carry the prompts' token ids (`return_token_ids`).
       priority: vLLM's `priority` of its engine requests (lower first; 0 unless the
         server schedules by priority).
+      model: the served name the request's `model` gave (None: left out), which its
+        answers echo.
+      lora_request: the LoRA adapter its requests run with (`model` named one), or None.
       id: the response id's suffix; `rids` derive from it.
       created: the Unix time of the request.
     """
@@ -156,6 +167,8 @@ class Job:
     token_ids: bool = False
     prompt_token_ids: bool = False
     priority: int = 0
+    model: str | None = None
+    lora_request: LoRARequest | None = None
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -176,13 +189,14 @@ def parse_job(
     defaults: Mapping | None = None,
     scheduling_policy: str = "fcfs",
     max_logprobs: int = MAX_LOGPROBS,
+    loras: Mapping[str, LoRARequest] | None = None,
 ) -> Job:
     """Validates a request body and tokenizes its prompts (no engine involved).
 
     Args:
       body: the request's JSON object.
       chat: a chat completions request (`messages`), else a completions one (`prompt`).
-      model_name: the served model; a body naming another is refused.
+      model_name: the served model; a body naming another (not in `loras`) is refused.
       tokenizer: the model's `Tokenizer`, or None (token id prompts only, no chat, no
         stop strings; choices carry their token ids).
       vocab_size: the model's vocabulary size (token ids, logit_bias keys,
@@ -195,6 +209,8 @@ def parse_job(
       max_logprobs: the engine's (`LLM.max_logprobs`; -1: no cap): the most that
         completions' `logprobs` and chat's `top_logprobs` may be (their -1, vLLM's whole
         vocabulary, counts as `vocab_size` and becomes it in the params).
+      loras: the served LoRA adapters by name (vLLM's `--lora-modules`): a body whose
+        `model` names one runs with it.
 
     Raises:
       ApiError: 400 naming the bad field and value (404 for a model not served here, as
@@ -202,7 +218,8 @@ def parse_job(
         a package).
     """
     defaults = defaults or {}
-    check_model(body, model_name)
+    loras = loras or {}
+    model = check_model(body, model_name, loras)
     stream = bool_field(body, "stream")
     opts = body.get("stream_options")
     if opts and not stream:  # as OpenAI and vLLM answer (null or {} pass, as in vLLM)
@@ -301,6 +318,8 @@ def parse_job(
         bool(want_ids) or tok is None,
         bool(want_ids),
         priority,
+        model,
+        loras.get(model),
     )
 
 
@@ -500,19 +519,18 @@ def structured_outputs(body: dict, tokenizer, vocab_size: int) -> StructuredOutp
     return spec
 
 
-def check_model(body: dict, model_name: str) -> None:
-    """ApiError unless the body's `model` is left out, null or `model_name` (a 404 for
-    another name, as OpenAI and vLLM answer; a 400 for a non-string)."""
+def check_model(body: dict, model_name: str, lora_names: Collection[str] = ()) -> str | None:
+    """The body's `model` (None if left out or null), which must be `model_name` or one
+    of `lora_names` (the served adapters'): a 404 for another name, as OpenAI and vLLM
+    answer, naming the served ones; a 400 for a non-string."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):  # (it was a 404, "not served here")
         raise ApiError(400, f"model must be a string, got model={model!r:.80}", "model")
-    if model is not None and model != model_name:
-        raise ApiError(
-            404,
-            f"model {model!r} is not served here; it is {model_name!r}",
-            "model",
-            "model_not_found",
-        )
+    if model is not None and model != model_name and model not in lora_names:
+        names = ", ".join(map(repr, [model_name, *lora_names]))
+        msg = f"model {model!r} is not served here; {'they are' if lora_names else 'it is'} {names}"
+        raise ApiError(404, msg, "model", "model_not_found")
+    return model
 
 
 def chat_prompt(body: dict, tok, instead: str, *, add_bos: bool = False) -> list[int]:
@@ -539,18 +557,19 @@ def chat_prompt(body: dict, tok, instead: str, *, add_bos: bool = False) -> list
         raise ApiError(500, str(e)) from None
 
 
-def tokenize(body: dict, *, model_name: str, tokenizer, max_model_len: int) -> dict:
+def tokenize(body: dict, *, model_name: str, tokenizer, max_model_len: int, lora_names=()) -> dict:
     """vLLM's `/tokenize` answer: `{count, max_model_len, tokens, token_strs}` for a body
     with `prompt` (a string; `add_special_tokens`, default true, adds the tokenizer's
     BOS as a completion's prompt gets it) or with `messages` (as a chat request renders
     them; `add_special_tokens`, default false, adds BOS on top of the template's), and
-    `return_token_strs` (each token's vocabulary string, else null).
+    `return_token_strs` (each token's vocabulary string, else null). Its `model` may
+    name a served LoRA adapter (`lora_names`), whose tokenizer is the model's.
 
     Raises:
       ApiError: 400 naming the bad field (or a model without a tokenizer), 404 for a
         model not served here.
     """
-    check_model(body, model_name)
+    check_model(body, model_name, lora_names)
     if tokenizer is None:
         raise ApiError(400, "this model has no tokenizer: prompts are token ids already")
     add = body.get("add_special_tokens")
@@ -575,15 +594,15 @@ def tokenize(body: dict, *, model_name: str, tokenizer, max_model_len: int) -> d
     return dict(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
 
 
-def detokenize(body: dict, *, model_name: str, tokenizer, vocab_size: int) -> dict:
+def detokenize(body: dict, *, model_name: str, tokenizer, vocab_size: int, lora_names=()) -> dict:
     """vLLM's `/detokenize` answer: `{prompt}`, the text of the body's `tokens` (a list of
-    token ids), special tokens included.
+    token ids), special tokens included; `model` as `tokenize`'s.
 
     Raises:
       ApiError: 400 naming the bad field (or a model without a tokenizer), 404 for a
         model not served here.
     """
-    check_model(body, model_name)
+    check_model(body, model_name, lora_names)
     if tokenizer is None:
         raise ApiError(400, "this model has no tokenizer: it has no text for token ids")
     ids = body.get("tokens")

@@ -160,13 +160,14 @@ def usage(outs) -> dict:
 
 
 def response_head(job: Job, model_name: str) -> dict:
-    """The fields every answer (and every chunk) of the job starts with."""
+    """The fields every answer (and every chunk) of the job starts with; `model` is the
+    name the request gave (a LoRA adapter's, say), else `model_name`, the served model's."""
     kind = "chat.completion" if job.chat else "text_completion"
     return dict(
         id=("chatcmpl-" if job.chat else "cmpl-") + job.id,
         object=kind + (".chunk" if job.stream and job.chat else ""),
         created=job.created,
-        model=model_name,
+        model=job.model or model_name,
     )
 
 

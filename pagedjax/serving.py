@@ -54,8 +54,6 @@ import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from pagedjax.request import SamplingParams
-
 __all__ = ["EngineStopped", "EngineThread"]
 
 
@@ -91,7 +89,7 @@ class EngineThread:
 
     def submit(
         self,
-        requests: list[tuple[str, list[int], SamplingParams] | tuple[str, list[int], Any, int]],
+        requests: list[tuple],
         sink,
         *,
         tokens: bool,
@@ -101,13 +99,15 @@ class EngineThread:
         Args:
           requests: `(request id, prompt token ids, params)` triples, or with a fourth
             element, the request's priority (`LLM.add_request`'s; left out: none given,
-            0); the ids must be unique among the engine's unfinished requests.
+            0), and a fifth, its `LoRARequest` (None: the base model; `LLM.add_request`
+            gets a `lora_request` only when there is one); the ids must be unique among
+            the engine's unfinished requests.
           sink: gets the requests' events (`put(event)`, called on the engine thread).
           tokens: also send a "token" event for each generated token (with its logprobs
             entry when the request's params ask for logprobs).
 
         Raises:
-          TypeError: `requests` is not a list of triples (or quadruples) with str ids, or
+          TypeError: `requests` is not a list of 3- to 5-tuples with str ids, or
             `sink` has no `put` (checked here, on the caller's thread).
           EngineStopped: the thread is not running. A request the engine refuses is an
             ("error", None, 400, message) event instead, and none of the batch is added.
@@ -218,9 +218,10 @@ class EngineThread:
             _, requests, sink, tokens = command
             added = []
             try:
-                for rid, ids, params, *priority in requests:
-                    p = priority[0] if priority else 0
-                    self.llm.add_request(ids, params, request_id=rid, priority=p)
+                for rid, ids, params, *more in requests:
+                    p = more[0] if more else 0
+                    lora = {} if len(more) < 2 or more[1] is None else {"lora_request": more[1]}
+                    self.llm.add_request(ids, params, request_id=rid, priority=p, **lora)
                     added.append(rid)
                     self._sinks[rid] = (sink, tokens, params.logprobs is not None)
             except Exception as e:  # noqa: BLE001  (answered, and the engine goes on)
@@ -317,21 +318,16 @@ def _check_ids(request_ids) -> list[str]:
 
 
 def _check_requests(requests) -> list[tuple]:
-    """`requests` as a list of triples (or quadruples, with a priority) with str ids (the
-    engine keys a request by `str(id)`: any other id's events would never reach its
-    sink)."""
+    """`requests` as a list of triples (or with a priority, and a LoRA request) with str
+    ids (the engine keys a request by `str(id)`: any other id's events would never reach
+    its sink)."""
+    shape = "(request id, token ids, params[, priority[, lora_request]])"
     if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
-        raise TypeError(
-            "requests must be a list of (request id, token ids, params[, priority]), got "
-            f"{requests!r:.80}"
-        )
+        raise TypeError(f"requests must be a list of {shape}, got {requests!r:.80}")
     out = []
     for i, r in enumerate(requests):
-        if not isinstance(r, (tuple, list)) or len(r) not in (3, 4):
-            raise TypeError(
-                f"requests[{i}] must be a (request id, token ids, params[, priority]) tuple, "
-                f"got {r!r:.80}"
-            )
+        if not isinstance(r, (tuple, list)) or len(r) not in (3, 4, 5):
+            raise TypeError(f"requests[{i}] must be a {shape} tuple, got {r!r:.80}")
         if not isinstance(r[0], str):
             raise TypeError(f"requests[{i}]: the request id must be a str, got {r[0]!r:.80}")
         out.append(tuple(r))

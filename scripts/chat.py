@@ -32,10 +32,11 @@ them, said in one line on stderr; `--generation-config none` ignores the file.
 
 The engine flags (`--page-size`, `--num-pages` | `--kv-memory-fraction`,
 `--kv-cache-dtype`, `--max-batch-tokens`, `--max-model-len`, `--backend`,
-`--tensor-parallel`, `--compilation-cache`) are scripts/generate.py's. Bad input (a
-checkpoint or template that cannot serve a chat, a bad flag) ends with one line on stderr
-and exit status 2, before any weights load; running out of device memory, with one line
-and status 1.
+`--tensor-parallel`, `--compilation-cache`) are scripts/generate.py's, and so are `--lora
+PATH` (every reply runs with that PEFT LoRA adapter) and `--max-lora-rank N`. Bad input
+(a checkpoint or template that cannot serve a chat, a bad flag) ends with one line on
+stderr and exit status 2, before any weights load (an adapter the engine refuses: right
+after them); running out of device memory, with one line and status 1.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def build_parser() -> cli.Parser:
         p, temperature=0.7, max_tokens=256, seed_help="sampling seed of every reply"
     )
     cli.add_engine_flags(p)
+    cli.add_lora_flags(p)
     return p
 
 
@@ -89,9 +91,10 @@ def stats_line(out) -> str:
     )
 
 
-def reply(llm, messages: list[dict], params) -> str | None:
-    """Streams the reply to `messages` to stdout and the stats line to stderr; returns
-    the reply's text, or None when the conversation cannot be sent (said on stderr)."""
+def reply(llm, messages: list[dict], params, lora=None) -> str | None:
+    """Streams the reply to `messages` (with the LoRA adapter `lora`, if any) to stdout
+    and the stats line to stderr; returns the reply's text, or None when the
+    conversation cannot be sent (said on stderr)."""
     try:
         ids = llm.tokenizer.encode_chat(messages)
     except (ValueError, TypeError) as e:  # the template rejected the conversation
@@ -101,7 +104,13 @@ def reply(llm, messages: list[dict], params) -> str | None:
 
     cli.INTERRUPT.clear()  # (a Ctrl-C at the prompt ended the session)
     try:
-        (out,) = llm.generate([ids], params, on_token=printer.on_token, on_step=cli.INTERRUPT.check)
+        (out,) = llm.generate(
+            [ids],
+            params,
+            on_token=printer.on_token,
+            on_step=cli.INTERRUPT.check,
+            lora_request=lora,
+        )
         cli.INTERRUPT.check()  # one that a gc callback swallowed in the last step
     except ValueError as e:  # the conversation has outgrown max_model_len
         print(
@@ -127,6 +136,7 @@ def run(args) -> int:
     defaults = cli.generation_defaults(args)
     params = SamplingParams(**cli.sampling_kwargs(args, defaults))
     cli.check_engine_flags(args)
+    lora = cli.lora_request(args)
     tok = cli.chat_tokenizer(args.checkpoint, args.chat_template, NO_TEMPLATE_HINT)
     system = [] if args.system is None else [{"role": "system", "content": args.system}]
     try:  # a first turn renders, or the template is unusable (before the weights load)
@@ -143,11 +153,16 @@ def run(args) -> int:
         seed=args.seed,
         tokenizer=tok,
         generation_config=args.generation_config,
+        **cli.lora_kwargs(args),
         **cli.engine_kwargs(args),
     )
+    if lora is not None:
+        cli.read_lora(llm, lora, "--lora")
     cli.check_logit_bias(params.logit_bias, llm.config.vocab_size)  # not each turn's error
     tty = sys.stdin.isatty()
-    print(f"model: {llm.model_source} (template: {tok.chat_template_source})", file=sys.stderr)
+    with_lora = "" if lora is None else f" with LoRA adapter {lora.lora_path}"
+    source = f"{llm.model_source}{with_lora} (template: {tok.chat_template_source})"
+    print(f"model: {source}", file=sys.stderr)
     if tty:
         print(
             "commands: /reset starts over, /exit (or Ctrl-D) ends; Ctrl-C stops a reply",
@@ -176,7 +191,7 @@ def run(args) -> int:
             continue
         messages.append({"role": "user", "content": text})
         try:
-            answer = reply(llm, messages, params)
+            answer = reply(llm, messages, params, lora)
         except KeyboardInterrupt:  # the engine recovered (aborted the reply); drop the turn
             sys.stdout.write("\n")
             sys.stdout.flush()

@@ -3,9 +3,9 @@ sibling): bad input as one line and status 2 (`Parser`, `BadInput`, `run_cli`), 
 sampling and engine flags and their checks, the checkpoint's generation_config defaults
 for flags left out, the persistent compilation cache (`--compilation-cache DIR`, else
 `$PAGEDJAX_COMPILATION_CACHE`, else jax's `JAX_COMPILATION_CACHE_DIR` if set, else
-`$XDG_CACHE_HOME/pagedjax/xla`; `off` disables it), the chat template's tokenizer, one
-completion streamed to stdout (`TextStream`), and the exits a user can cause: Ctrl-C
-(`INTERRUPT`), running out of device memory, stdout closed early.
+`$XDG_CACHE_HOME/pagedjax/xla`; `off` disables it), `--lora` (a LoRA adapter), the chat
+template's tokenizer, one completion streamed to stdout (`TextStream`), and the exits a
+user can cause: Ctrl-C (`INTERRUPT`), running out of device memory, stdout closed early.
 """
 
 from __future__ import annotations
@@ -262,6 +262,69 @@ def add_max_logprobs_flag(p: argparse.ArgumentParser) -> None:
         help="most logprobs per token a request may ask for (-1: no cap, the whole "
         "vocabulary; default 20)",
     )
+
+
+def int_at_least(low: int):
+    """An argparse `type` for an int >= `low` ("invalid int value" for what is no int)."""
+
+    def parse(text: str) -> int:
+        n = int(text)
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
+        return n
+
+    parse.__name__ = "int"  # (argparse names it in "invalid int value: 'x'")
+    return parse
+
+
+LORA_RANK = 16  # --max-lora-rank's default, LLM's and vLLM's
+
+
+def add_lora_flags(p: argparse.ArgumentParser) -> None:
+    """`--lora PATH` and `--max-lora-rank N` (generate.py, chat.py): one PEFT LoRA adapter
+    that every request runs with (`lora_request`, `lora_kwargs`, `read_lora`)."""
+    p.add_argument(
+        "--lora",
+        metavar="PATH",
+        help="a PEFT LoRA adapter directory that every prompt runs with",
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=int_at_least(1),
+        metavar="N",
+        help=f"the largest adapter rank accepted (with --lora; default {LORA_RANK})",
+    )
+
+
+def lora_request(args):
+    """The `LoRARequest` of `--lora` (None without it): named after its directory, id 1.
+    BadInput, before the model loads, for a path that is no directory or for
+    `--max-lora-rank` without `--lora`."""
+    if args.lora is None:
+        if args.max_lora_rank is not None:
+            raise BadInput("--max-lora-rank needs --lora (the adapter it limits)")
+        return None
+    from pagedjax.lora import LoRARequest
+
+    path = Path(args.lora)
+    if not path.is_dir():
+        raise BadInput(f"--lora {args.lora}: no such directory (give a PEFT adapter directory)")
+    return LoRARequest(path.resolve().name or str(path), 1, str(path))
+
+
+def lora_kwargs(args) -> dict:
+    """The `LLM` arguments of `add_lora_flags`' flags."""
+    return dict(enable_lora=args.lora is not None, max_lora_rank=args.max_lora_rank or LORA_RANK)
+
+
+def read_lora(llm, request, flag: str) -> None:
+    """Reads an adapter into `llm` now (`LLM.add_lora`): one that does not fit the model
+    (or has a rank above the engine's max_lora_rank) is BadInput naming `flag`, not a
+    traceback at the first request."""
+    try:
+        llm.add_lora(request)
+    except (ValueError, FileNotFoundError) as e:
+        raise BadInput(f"{flag}: {e}") from None
 
 
 def check_logit_bias(bias: dict[int, float] | None, vocab_size: int) -> None:

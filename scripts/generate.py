@@ -65,6 +65,12 @@ and sent to the engine as token ids. The output still shows the prompt as typed.
 checkpoint without a template, a missing or unparsable template file, or no jinja2, is
 an error before any weights load. For a multi-turn conversation, see scripts/chat.py.
 
+`--lora PATH` runs every prompt with a PEFT LoRA adapter (`pagedjax.lora`; the engine's
+`enable_lora`), named after its directory; `--max-lora-rank N` (default 16) is the
+largest rank it may have. A path that is no directory is bad input before the model
+loads; an adapter the engine refuses (a rank above `--max-lora-rank`, shapes that do
+not fit the model, DoRA, biases, `modules_to_save`, `adapter_model.bin`) right after it.
+
 `--json` prints one JSON object instead, with these keys:
 
     model            what was loaded (demo model path, checkpoint, or the random fallback)
@@ -76,7 +82,8 @@ an error before any weights load. For a multi-turn conversation, see scripts/cha
                      kv_cache_dtype (the pages' storage dtype),
                      compilation_cache (the directory, or null when off), chat
                      (--chat), chat_template (the --chat-template file or null),
-                     system (the --system text or null), and the sampling flags
+                     system (the --system text or null), lora (the --lora path
+                     or null), and the sampling flags
                      as used (given, or the generation config's, or the defaults;
                      seed is the engine's), stop, stop_token_ids, ignore_eos,
                      structured_outputs (the fields of --regex, --choice, --json-schema,
@@ -113,8 +120,9 @@ and stdout closed early (piped into `head`) with status 141, without a traceback
 
 Bad input (an empty or too long prompt, a prompts file without prompts, n < 1, top_p
 outside (0, 1], a negative temperature, a bad value in generation_config.json, a
-checkpoint directory missing files, --backend gpu without a GPU) ends with one line on
-stderr and exit status 2, before anything is printed on stdout.
+checkpoint directory missing files, --backend gpu without a GPU, a --lora adapter that
+cannot serve) ends with one line on stderr and exit status 2, before anything is
+printed on stdout.
 """
 
 from __future__ import annotations
@@ -223,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cli.add_engine_flags(p)
     cli.add_max_logprobs_flag(p)
+    cli.add_lora_flags(p)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(
         "--no-async-scheduling",
@@ -429,6 +438,7 @@ def run(args) -> int:
     )
     cli.check_engine_flags(args)
     check_logprobs_flags(args)
+    lora = cli.lora_request(args)
     seats, most = max(args.n, args.beam_width), cli.engine_kwargs(args)["max_num_seqs"]
     if seats > most:  # (LLM.generate would refuse it, after the weights load)
         flag = "--n" if args.n >= args.beam_width else "--beam-width"
@@ -452,9 +462,12 @@ def run(args) -> int:
         async_scheduling=not args.no_async_scheduling,
         generation_config=args.generation_config,
         max_logprobs=args.max_logprobs,
+        **cli.lora_kwargs(args),
         **cli.engine_kwargs(args),
     )
     cli.INTERRUPT.check()  # a Ctrl-C that a gc callback swallowed while loading
+    if lora is not None:
+        cli.read_lora(llm, lora, "--lora")
     cli.check_logit_bias(sp.logit_bias, llm.config.vocab_size)
     check_logprobs_flags(args, llm.config.vocab_size)
     outside = [t for t in sp.stop_token_ids if t >= llm.config.vocab_size]
@@ -482,7 +495,8 @@ def run(args) -> int:
         )
     device = str(jax.devices()[0])
     note = sys.stderr if args.json else sys.stdout
-    print(f"model: {llm.model_source}", file=note)
+    with_lora = "" if lora is None else f" with LoRA adapter {lora.lora_path}"
+    print(f"model: {llm.model_source}{with_lora}", file=note)
     # (Not with stop strings: the text streamed so far could be cut.)
     stream = len(prompts) == 1 and args.n == 1 and args.beam_width == 1 and not args.json
     stream = stream and not sp.stop
@@ -494,7 +508,12 @@ def run(args) -> int:
         print(prompts[0] + sep, end="", flush=True)
 
     outs = llm.generate(
-        encoded, sp, use_tqdm=len(prompts) > 1, on_token=on_token, on_step=cli.INTERRUPT.check
+        encoded,
+        sp,
+        use_tqdm=len(prompts) > 1,
+        on_token=on_token,
+        on_step=cli.INTERRUPT.check,
+        lora_request=lora,
     )
     cli.INTERRUPT.check()
     if stream:  # then why it stopped, as a batch shows each completion's
@@ -521,6 +540,7 @@ def run(args) -> int:
                 chat=args.chat,
                 chat_template=args.chat_template,
                 system=args.system,
+                lora=args.lora,
                 n=args.n,
                 **sampling,
                 beam_width=args.beam_width,

@@ -11,8 +11,10 @@ Point an OpenAI client at `http://HOST:PORT/v1` (any API key). Endpoints:
                                its model_name label (requests running and waiting, KV
                                cache usage, token, request and preemption counters,
                                TTFT and latency histograms in its buckets)
-    GET  /v1/models            the one model: id = --served-model-name, else the
-                               checkpoint directory's name ("pagedjax-demo" without one)
+    GET  /v1/models            the model: id = --served-model-name, else the
+                               checkpoint directory's name ("pagedjax-demo" without
+                               one); then each LoRA adapter (--lora-modules) with
+                               vLLM's `parent` (the model's id) and `root` (its path)
     POST /v1/completions       prompt: a string, a list of strings, a list of token ids
                                or a list of such lists
     POST /v1/chat/completions  messages, rendered with the checkpoint's chat template
@@ -28,8 +30,10 @@ Point an OpenAI client at `http://HOST:PORT/v1` (any API key). Endpoints:
     POST /detokenize           vLLM's: `tokens` (a list of ids) -> {prompt}, the text
                                with special tokens shown
 
-Fields of both POSTs: `model` (optional; another name is a 404), `max_tokens` (default
-16 for completions, null: up to the model's length, as vLLM's; for chat
+Fields of both POSTs: `model` (optional: the model's id or a LoRA adapter's name, which
+runs the request with that adapter and which the answer's `model` echoes; another name
+is a 404 listing the served ones; /tokenize and /detokenize take it too), `max_tokens`
+(default 16 for completions, null: up to the model's length, as vLLM's; for chat
 `max_completion_tokens` or `max_tokens`, default: up to the model's length),
 `temperature` (default 1), `top_p`, `n`, `stop` (a string or a list), `seed`,
 `presence_penalty`, `frequency_penalty`, `stream`, `stream_options: {"include_usage"}`
@@ -147,21 +151,39 @@ connection's end ends it. A client silent for 60 s (`http_server.TIMEOUT_S`)
 mid-request (a 408 if in its body), between two requests or while its stream waits for
 it to read is let go (its requests aborted). For trusted networks only: there is no
 authentication and no rate limit; bind to 127.0.0.1 (the default) unless the network is
-yours. Flags:
+yours.
+
+LoRA adapters, as vLLM serves them: `--lora-modules NAME=PATH [NAME=PATH ...]` (or
+vLLM's JSON form `'{"name": "sql", "path": "/p"}'`) serves each PEFT adapter directory
+under its name, beside the model (the engine's `enable_lora`; each gets `lora_int_id`
+1, 2, ... in order); every adapter is read at startup, so one the engine refuses (a
+rank above `--max-lora-rank`, shapes that do not fit the model, DoRA, biases,
+`modules_to_save`, `adapter_model.bin`) fails the start with one line naming it.
+`--max-loras N` (default 1) adapters run at once (requests of another wait), each of
+rank up to `--max-lora-rank N` (default 16); `--max-cpu-loras N` (default: max-loras)
+bounds the adapters kept on the host beyond the ones in use, though every adapter of
+`--lora-modules` stays held. Names given twice, or equal to the model's, are bad flags.
+Metrics keep the model's name as their label.
+
+Flags:
 `--checkpoint`, `--host`, `--port`, `--served-model-name`, `--chat-template FILE`,
 `--seed` (for requests without one), `--generation-config auto|none`, scripts/generate.py's
 engine flags (`--page-size`, `--num-pages` | `--kv-memory-fraction`, `--kv-cache-dtype`,
 `--max-batch-tokens`, `--max-model-len N`, `--backend`, `--tensor-parallel`,
 `--compilation-cache`), `--max-logprobs N` (default 20; -1: no cap), `--no-prefix-caching`,
 `--no-async-scheduling`, `--scheduling-policy fcfs|priority` (vLLM's: by arrival, or by
-each request's `priority`), `--quiet` (no request log). Bad flags, a checkpoint directory missing
-files, a bad value in its generation_config.json or a port that cannot be bound end
-with one line on stderr and exit status 2, before any weights load.
+each request's `priority`), `--lora-modules`, `--max-loras N`, `--max-lora-rank N`,
+`--max-cpu-loras N`, `--quiet` (no request log). Bad flags, a checkpoint directory
+missing files, a bad value in its generation_config.json, a LoRA adapter directory that
+is not there or a port that cannot be bound end with one line on stderr and exit status
+2, before any weights load (an adapter the engine refuses: right after them).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import sys
 from pathlib import Path
 
@@ -204,8 +226,83 @@ def build_parser() -> cli.Parser:
         default="fcfs",
         help="serve waiting requests by arrival (default) or by their `priority` field",
     )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=lora_module,
+        metavar="NAME=PATH",
+        help='LoRA adapters served under their names (NAME=PATH or \'{"name": ..., "path": ...}\')',
+    )
+    p.add_argument(
+        "--max-loras",
+        type=cli.int_at_least(1),
+        metavar="N",
+        help="most LoRA adapters running at once (default 1)",
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=cli.int_at_least(1),
+        metavar="N",
+        help=f"the largest LoRA adapter rank accepted (default {cli.LORA_RANK})",
+    )
+    p.add_argument(
+        "--max-cpu-loras",
+        type=cli.int_at_least(0),
+        metavar="N",
+        help="LoRA adapters kept on the host beyond those in use (default: --max-loras)",
+    )
     p.add_argument("--quiet", action="store_true", help="do not log each request")
     return p
+
+
+def lora_module(text: str) -> tuple[str, str, str | None]:
+    """One `--lora-modules` value as (name, path, base model name or None): vLLM's
+    `NAME=PATH`, or its JSON `{"name": ..., "path": ..., "base_model_name": ...}` (the
+    last optional)."""
+    if not text.lstrip().startswith("{"):
+        name, _, path = text.partition("=")
+        if not name or not path:
+            raise argparse.ArgumentTypeError(
+                f"expected NAME=PATH or a JSON object, got {text!r:.100}"
+            )
+        return name, path, None
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r:.100} is not JSON: {e}") from None
+    keys = {"name", "path", "base_model_name"}
+    if not isinstance(obj, dict) or set(obj) - keys or not {"name", "path"} <= set(obj):
+        raise argparse.ArgumentTypeError(
+            f'expected {{"name": ..., "path": ...[, "base_model_name": ...]}}, got {text!r:.100}'
+        )
+    if not all(isinstance(v, str) and v for v in obj.values()):
+        raise argparse.ArgumentTypeError(f"expected non-empty strings, got {text!r:.100}")
+    return obj["name"], obj["path"], obj.get("base_model_name")
+
+
+def lora_requests(args, served: str) -> list:
+    """The `LoRARequest` of each `--lora-modules` value (ids 1, 2, ... in order), checked
+    before the model loads: BadInput for a path that is no directory, a base model name
+    other than `served`, and the other LoRA flags without `--lora-modules`."""
+    from pagedjax.lora import LoRARequest
+
+    if not args.lora_modules:
+        for flag in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            if getattr(args, flag) is not None:
+                name = "--" + flag.replace("_", "-")
+                raise cli.BadInput(f"{name} needs --lora-modules (the adapters to serve)")
+        return []
+    out = []
+    for i, (name, path, base) in enumerate(args.lora_modules, start=1):
+        if base is not None and base != served:
+            raise cli.BadInput(
+                f"--lora-modules {name}: base_model_name {base!r} is not the served model, "
+                f"{served!r}"
+            )
+        if not Path(path).is_dir():
+            raise cli.BadInput(f"--lora-modules {name}={path}: no such directory")
+        out.append(LoRARequest(name, i, path))
+    return out
 
 
 def model_name(args) -> str:
@@ -224,10 +321,18 @@ def run(args) -> int:
     if args.chat_template is not None:
         hint = "give a Jinja chat template file"
         tok = cli.chat_tokenizer(args.checkpoint, args.chat_template, hint)
+    loras = lora_requests(args, model_name(args))
     try:  # before the weights load: a port in use is a one-line error
-        server = Server((args.host, args.port), model_name=model_name(args), quiet=args.quiet)
+        server = Server(
+            (args.host, args.port),
+            model_name=model_name(args),
+            quiet=args.quiet,
+            lora_modules=loras,
+        )
     except OSError as e:
         raise cli.BadInput(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    except ValueError as e:  # a name given twice, or the model's
+        raise cli.BadInput(f"--lora-modules: {e}") from None
     try:
         cli.enable_compilation_cache(cli.compilation_cache_dir(args.compilation_cache))
         llm = LLM(
@@ -239,6 +344,10 @@ def run(args) -> int:
             generation_config=args.generation_config,
             scheduling_policy=args.scheduling_policy,
             max_logprobs=args.max_logprobs,
+            enable_lora=bool(loras),
+            max_loras=args.max_loras or 1,
+            max_lora_rank=args.max_lora_rank or cli.LORA_RANK,
+            max_cpu_loras=args.max_cpu_loras,
             **cli.engine_kwargs(args),
         )
         server.start(llm)
@@ -246,8 +355,10 @@ def run(args) -> int:
         tok = llm.tokenizer
         if tok is not None and tok.chat_template is not None and (why := jinja_missing()):
             print(f"note: /v1/chat/completions will fail: {why}", file=sys.stderr)
+        adapters = f", LoRA adapters {', '.join(server.loras)}" if loras else ""
         print(
-            f"serving {server.model_name} ({llm.model_source}) at {server.url}/v1; Ctrl-C stops",
+            f"serving {server.model_name} ({llm.model_source}{adapters}) at {server.url}/v1; "
+            "Ctrl-C stops",
             file=sys.stderr,
             flush=True,
         )

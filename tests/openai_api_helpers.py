@@ -36,7 +36,8 @@ class CharTokenizer:
 TOK = CharTokenizer()
 
 
-def job(body: dict, *, chat: bool = False, tokenizer=TOK) -> api.Job:
+def job(body: dict, *, chat: bool = False, tokenizer=TOK, **kw) -> api.Job:
+    """(`kw`: more `parse_job` arguments, e.g. loras.)"""
     return api.parse_job(
         body,
         chat=chat,
@@ -44,4 +45,5 @@ def job(body: dict, *, chat: bool = False, tokenizer=TOK) -> api.Job:
         tokenizer=tokenizer,
         vocab_size=VOCAB,
         max_model_len=MAX_LEN,
+        **kw,
     )

@@ -133,7 +133,7 @@ def test_generate_chat_and_add_request_use_the_defaults_given_no_params(ckpt, mo
     llm = engine(ckpt)
     queued = []
 
-    def refuse(self, text, ids, params, request_id, priority=0):
+    def refuse(self, text, ids, params, request_id, priority=0, lora_request=None):
         queued.append(params)
         raise ValueError("stop here")
 

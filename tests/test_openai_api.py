@@ -13,6 +13,7 @@ from test_tokenizer import sentencepiece_style
 from pagedjax import openai_api as api
 from pagedjax import resources
 from pagedjax.guided import StructuredOutputsParams
+from pagedjax.lora import LoRARequest
 from pagedjax.request import SamplingParams
 from pagedjax.tokenizer import Tokenizer
 
@@ -173,6 +174,25 @@ def test_a_model_not_served_here_is_a_404():
         assert "'gpt-4'" in e.message and "'tiny'" in e.message
         assert e.body()["error"]["type"] == "invalid_request_error"
     assert job(dict(prompt="a", model="tiny")).prompts == [[97]]
+
+
+def test_a_model_naming_a_lora_adapter_runs_with_it():
+    """vLLM's --lora-modules: `model` selects an adapter by name, and answers echo it;
+    the model's own name, or none, runs without one; another name is a 404 naming all."""
+    loras = {"sql": LoRARequest("sql", 1, "/adapters/sql")}
+    for chat, body in [(False, dict(prompt="a")), (True, dict(messages=[{"role": "u"}]))]:
+        j = job(dict(body, model="sql"), chat=chat, loras=loras)
+        assert (j.model, j.lora_request) == ("sql", loras["sql"])
+        assert api.response_head(j, "tiny")["model"] == "sql"
+        for named in ("tiny", None):
+            j = job(dict(body, model=named), chat=chat, loras=loras)
+            assert (j.model, j.lora_request) == (named, None)
+            assert api.response_head(j, "tiny")["model"] == "tiny"
+        with pytest.raises(api.ApiError) as info:
+            job(dict(body, model="SQL"), chat=chat, loras=loras)
+        assert info.value.status == 404
+        assert info.value.message == "model 'SQL' is not served here; they are 'tiny', 'sql'"
+    assert job(dict(prompt="a"), loras=loras).params == job(dict(prompt="a")).params
 
 
 @pytest.mark.parametrize(

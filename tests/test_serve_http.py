@@ -44,6 +44,7 @@ class StuckLLM:
     tokenizer, max_model_len, config = None, 64, types.SimpleNamespace(vocab_size=256)
     sampling_defaults = {}  # (no generation_config.json)
     scheduling_policy = "fcfs"
+    max_logprobs = 20
 
     def __init__(self):
         self.rids = []
