@@ -1,6 +1,7 @@
 """Converts a HuggingFace checkpoint directory into a pagedjax orbax checkpoint.
 
     python scripts/convert_checkpoint.py HF_DIR OUT_DIR [--dtype bfloat16] [--overwrite]
+        [--merge-lora ADAPTER_DIR]
 
 Tokenizer files found in HF_DIR (tokenizer.json, tokenizer_config.json,
 generation_config.json, special_tokens_map.json, and a chat template kept in its own
@@ -9,6 +10,11 @@ checkpoint so that OUT_DIR is enough to serve the model (`generate.py --chat`
 included); without tokenizer.json it says so, since OUT_DIR then serves token-id
 prompts only. Converting back (orbax to HF) is not supported: an orbax HF_DIR is an
 error.
+
+`--merge-lora ADAPTER_DIR` folds a PEFT LoRA adapter into the weights
+(`pagedjax.lora.merge_adapter`: `W + scaling * A.T @ B.T`, summed in float32): OUT_DIR
+then serves the adapted model with no LoRA at run time. The adapter is read and
+checked against HF_DIR's config before the model loads.
 
 Bad input (a missing or broken HF_DIR, a refused OUT_DIR) ends with one line on stderr
 and exit status 2, as generate.py's does; failing to write OUT_DIR (a full disk) with
@@ -67,13 +73,18 @@ def main(argv=None) -> int:
         help="parameter dtype (default: config.json's torch_dtype)",
     )
     parser.add_argument(
+        "--merge-lora",
+        metavar="ADAPTER_DIR",
+        help="fold this PEFT LoRA adapter directory into the weights",
+    )
+    parser.add_argument(
         "--overwrite",
         action="store_true",
         help="replace a pagedjax checkpoint at OUT_DIR (any other non-empty OUT_DIR is refused)",
     )
     args = parser.parse_args(argv)
 
-    from pagedjax import weights  # argparse errors before the jax import
+    from pagedjax import lora, weights  # argparse errors before the jax import
     from pagedjax.model import params_to_flat
     from pagedjax.orbax_checkpoint import ORBAX_META_FILE
 
@@ -91,7 +102,12 @@ def main(argv=None) -> int:
                 "it is (--checkpoint); converting back to HF safetensors is not supported"
             )
         check_out_dir(Path(args.out_dir), args.overwrite)  # before a load of many GB
+        adapter = None
+        if args.merge_lora is not None:  # also before the load
+            adapter = lora.load_adapter(args.merge_lora, weights.read_checkpoint_config(hf))
         cfg, params = weights.load_hf_checkpoint(args.hf_dir, dtype=args.dtype)
+        if adapter is not None:
+            params = lora.merge_adapter(params, adapter)
     except (ValueError, TypeError, FileNotFoundError, NotADirectoryError) as e:
         print(f"convert_checkpoint: error: {e}", file=sys.stderr)
         return 2
@@ -119,6 +135,7 @@ def main(argv=None) -> int:
     print(
         f"converted {args.hf_dir} -> {args.out_dir}: {cfg.num_layers} layers, {n:,} params "
         f"in {cfg.dtype}, {time.perf_counter() - start:.1f} s"
+        + (f"; merged LoRA adapter {args.merge_lora}" if adapter is not None else "")
         + (f"; copied {', '.join(copied)}" if copied else "")
     )
     return 0

@@ -6,6 +6,7 @@ forward that reads those HF tensors directly, so the name mapping and the model 
 are both checked against something independent of pagedjax.
 """
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -598,6 +599,36 @@ def test_convert_cli(tmp_path, capsys):
     assert cli.main([str(tmp_path / "missing"), str(tmp_path / "out2")]) == 2
     err = capsys.readouterr().err
     assert "not found" in err and len(err.strip().splitlines()) == 1
+
+
+def test_convert_cli_merges_a_lora_adapter(tmp_path, capsys):
+    """--merge-lora: the converted model computes what the base one with the adapter
+    does; a bad adapter is refused before the model loads."""
+    from lora_helpers import write_peft
+
+    from pagedjax import lora
+
+    cli = load_cli()
+    c = make_config(**VARIANTS["llama_tied"])
+    hf = write_hf(tmp_path / "hf", c, hf_tensors(c), num_shards=1)
+    cfg = weights.read_checkpoint_config(hf)
+    write_peft(tmp_path / "ad", cfg, rank=2, modules=("q_proj", "down_proj"), seed=4)
+    argv = [str(hf), str(tmp_path / "out"), "--dtype", "float32"]
+    assert cli.main([*argv, "--merge-lora", str(tmp_path / "ad")]) == 0
+    assert "merged LoRA adapter" in capsys.readouterr().out
+    _, base = weights.load_hf_checkpoint(hf, dtype="float32")
+    _, merged = weights.load_checkpoint(tmp_path / "out")
+    want = lora.merge_adapter(base, lora.load_adapter(tmp_path / "ad", cfg))
+    x = jnp.asarray(TOKENS)
+    np.testing.assert_allclose(model.forward(merged, x), model.forward(want, x), rtol=1e-6)
+    assert np.abs(model.forward(merged, x) - model.forward(base, x)).max() > 1e-3
+    wide = dataclasses.replace(cfg, hidden_size=2 * cfg.hidden_size)
+    write_peft(tmp_path / "wide", wide, rank=2, modules=("q_proj",))
+    bad = [str(hf), str(tmp_path / "out3"), "--merge-lora", str(tmp_path / "wide")]
+    assert cli.main(bad) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("convert_checkpoint: error:") and "do not fit the model's q_proj" in err
+    assert not (tmp_path / "out3").exists()
 
 
 def test_convert_cli_notes_a_missing_tokenizer_and_a_failed_write(tmp_path, capsys, monkeypatch):
