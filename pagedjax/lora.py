@@ -8,12 +8,18 @@ the device in fixed-size slots (`LoRAWeights`), and applies them per token insid
 paged forward (`LoRAWeights.delta`), so that rows of different adapters (and rows of
 none) share one step and one compiled program.
 
-Layout on the device (`LoRAWeights`): per target module, all layers and all slots in
-two arrays, the slots side by side along the rank axis, the scaling folded into `b`:
+Layout on the device (`LoRAWeights`): per target module and layer, all slots in two
+arrays, side by side along the rank axis, the scaling folded into `b`:
 
-    a[module]  [L, in, S * R]     slot s (1..S) owns columns [(s-1)*R, s*R) of a
-    b[module]  [L, S * R, out]    and the same rows of b; an adapter of rank r < R
-                                  fills its first r and leaves zeros after them
+    a[module][layer]  [in, S * R]     slot s (1..S) owns columns [(s-1)*R, s*R) of a
+    b[module][layer]  [S * R, out]    and the same rows of b; an adapter of rank r < R
+                                      fills its first r and leaves zeros after them
+
+(One array per layer, as the model's kernels are: arrays stacked over the layers made
+each step slice them, which XLA's CPU backend does not do for free. With 4 rank-16 adapters on
+qwen2.5-0.5b in float32 on the CPU, steps with adapters decoded at 0.68-0.69x the base
+model's rate stacked and at 0.93x per layer, the update adding 7% to the bytes a step
+reads: `scripts/bench_lora.py`, BENCHMARKS.md "LoRA".)
 
 `R` is `max_lora_rank` and `S` is `max_loras`. Slot 0 means no adapter. A step gets
 each token's slot (`StepInput.lora_slots`); per layer and module the update is
@@ -329,13 +335,17 @@ class LoRAWeights:
     """The adapters on the device, `max_loras` slots of rank `max_lora_rank` (see the
     module docstring for the layout). A pytree: steps take it as an argument."""
 
-    a: dict[str, jax.Array]  # module -> [L, in, S * R]
-    b: dict[str, jax.Array]  # module -> [L, S * R, out], scaling folded in
+    a: dict[str, tuple[jax.Array, ...]]  # module -> per layer [in, S * R]
+    b: dict[str, tuple[jax.Array, ...]]  # module -> per layer [S * R, out], scaling in
     rank: int = dataclasses.field(metadata=dict(static=True))
 
     @property
     def num_slots(self) -> int:
-        return next(iter(self.a.values())).shape[-1] // self.rank
+        return next(iter(self.a.values()))[0].shape[-1] // self.rank
+
+    def stacked(self, module: str) -> tuple[np.ndarray, np.ndarray]:
+        """(a [L, in, S*R], b [L, S*R, out]) of `module` on the host (inspection, tests)."""
+        return np.stack(jax.device_get(self.a[module])), np.stack(jax.device_get(self.b[module]))
 
     def mask(self, slots) -> jax.Array:
         """[T, S * R] float32: 1 on the columns of each token's slot (`slots` [T] int,
@@ -351,13 +361,13 @@ class LoRAWeights:
 
 
 def _specs(cfg: ModelConfig, tp: int) -> dict[str, tuple[P, P]]:
-    """Per module, the PartitionSpecs of a and b (module docstring): as the base kernel
-    is split, over its outputs (b's last axis) or its inputs (a's middle axis)."""
+    """Per module, the PartitionSpecs of a layer's a and b (module docstring): as the
+    base kernel is split, over its outputs (b's last axis) or its inputs (a's first)."""
     out = {}
     for module, block in TARGET_MODULES.items():
         spec = tuple(sharding_lib.param_spec(f"layers.0.{block}.{module}.kernel", cfg, tp))
         spec += (None,) * (2 - len(spec))
-        out[module] = (P(None, spec[0], None), P(None, None, spec[1]))
+        out[module] = (P(spec[0], None), P(None, spec[1]))
     return out
 
 
@@ -374,18 +384,20 @@ def create_lora_weights(
     a, b = {}, {}
     for module in TARGET_MODULES:
         n_in, n_out = module_dims(cfg, module)
-        shapes = ((cfg.num_layers, n_in, cols), (cfg.num_layers, cols, n_out))
-        for d, shape, i in ((a, shapes[0], 0), (b, shapes[1], 1)):
+        for d, shape, i in ((a, (n_in, cols), 0), (b, (cols, n_out), 1)):
             s = None if mesh is None else NamedSharding(mesh, specs[module][i])
-            d[module] = jnp.zeros(shape, cfg.jnp_dtype, device=s)
+            d[module] = tuple(
+                jnp.zeros(shape, cfg.jnp_dtype, device=s) for _ in range(cfg.num_layers)
+            )
     return LoRAWeights(a, b, max_lora_rank)
 
 
 @partial(jax.jit, static_argnames=("rank",))
 def _write(a, b, new_a, new_b, slot, *, rank):
     col = (slot - 1) * rank
-    a = {m: jax.lax.dynamic_update_slice(a[m], new_a[m], (0, 0, col)) for m in a}
-    b = {m: jax.lax.dynamic_update_slice(b[m], new_b[m], (0, col, 0)) for m in b}
+    put = jax.lax.dynamic_update_slice
+    a = {m: tuple(put(x, y, (0, col)) for x, y in zip(a[m], new_a[m], strict=True)) for m in a}
+    b = {m: tuple(put(x, y, (col, 0)) for x, y in zip(b[m], new_b[m], strict=True)) for m in b}
     return a, b
 
 
@@ -400,8 +412,8 @@ def write_slot(weights: LoRAWeights, slot: int, adapter: LoRAAdapter | None) -> 
         raise ValueError(f"LoRA adapter of rank {adapter.rank} > the slots' rank {r}")
     new_a, new_b = {}, {}
     for module in TARGET_MODULES:
-        num_layers, n_in, _ = weights.a[module].shape
-        n_out = weights.b[module].shape[-1]
+        num_layers, (n_in, _) = len(weights.a[module]), weights.a[module][0].shape
+        n_out = weights.b[module][0].shape[-1]
         ha = np.zeros((num_layers, n_in, r), np.float32)
         hb = np.zeros((num_layers, r, n_out), np.float32)
         if adapter is not None:
@@ -409,8 +421,8 @@ def write_slot(weights: LoRAWeights, slot: int, adapter: LoRAAdapter | None) -> 
                 if m == module:
                     ha[layer, :, : wa.shape[1]] = wa
                     hb[layer, : wb.shape[0]] = wb
-        dt = weights.a[module].dtype
-        new_a[module], new_b[module] = ha.astype(dt), hb.astype(dt)
+        dt = weights.a[module][0].dtype
+        new_a[module], new_b[module] = tuple(ha.astype(dt)), tuple(hb.astype(dt))
     a, b = _write(weights.a, weights.b, new_a, new_b, np.int32(slot), rank=r)
     return LoRAWeights(a, b, r)
 

@@ -166,15 +166,16 @@ def check_lora(params, inp: StepInput, lora) -> None:
     if not isinstance(lora, LoRAWeights):
         raise TypeError(f"lora must be a pagedjax.lora.LoRAWeights or None, got {lora!r:.80}")
     cfg = params.config
+    cols = lora.num_slots * lora.rank
     for module, a in lora.a.items():
         n_in, n_out = module_dims(cfg, module)
-        b = lora.b[module]
-        want_a = (cfg.num_layers, n_in, a.shape[-1])
-        want_b = (cfg.num_layers, a.shape[-1], n_out)
-        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+        got = ([tuple(x.shape) for x in a], [tuple(x.shape) for x in lora.b[module]])
+        want = ([(n_in, cols)] * cfg.num_layers, [(cols, n_out)] * cfg.num_layers)
+        if got != want:
             raise ValueError(
-                f"LoRA weights of {module}: a {tuple(a.shape)}, b {tuple(b.shape)} do not fit "
-                f"the model: expected {want_a} and {want_b}"
+                f"LoRA weights of {module}: per layer a {got[0][:1]}, b {got[1][:1]} "
+                f"({len(got[0])} layers) do not fit the model: expected {cfg.num_layers} "
+                f"layers of {want[0][0]} and {want[1][0]}"
             )
     slots = inp.lora_slots
     if slots is not None and not isinstance(slots, jax.core.Tracer):

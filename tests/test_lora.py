@@ -6,6 +6,7 @@ adapters (and of none) in one step. The engine's use of them is in tests/test_lo
 import dataclasses
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -118,7 +119,7 @@ def test_write_slot_replaces_the_whole_slot(params, adapters):
     w = lora.write_slot(w, 2, adapters["all"])
     w = lora.write_slot(w, 2, adapters["qv"])
     for m in lora.TARGET_MODULES:
-        a, b = np.asarray(w.a[m]), np.asarray(w.b[m])
+        a, b = w.stacked(m)
         assert not a[:, :, :4].any() and not b[:, :4].any()  # slot 1 untouched
         if m not in ("q_proj", "v_proj"):
             assert not a.any() and not b.any(), m
@@ -128,7 +129,7 @@ def test_write_slot_replaces_the_whole_slot(params, adapters):
             np.testing.assert_allclose(got, wa @ wb, rtol=1e-5, atol=1e-6)
             assert not a[0, :, 6:].any()  # rank 2 of 4: the rest zero
     w = lora.write_slot(w, 2, None)
-    assert not any(np.asarray(x).any() for x in (*w.a.values(), *w.b.values()))
+    assert not any(np.asarray(x).any() for x in jax.tree.leaves(w))
 
 
 def test_slots_zero_and_a_step_without_slots_are_the_base_model(params, adapters):
@@ -262,8 +263,8 @@ def test_dims_match_the_model():
         assert lora.module_dims(TINY, m) == dims(TINY, m)
         assert tuple(shapes[f"layers.0.{block}.{m}.kernel"].shape) == dims(TINY, m)
     w = lora.create_lora_weights(TINY, max_loras=2, max_lora_rank=3)
-    assert w.num_slots == 2 and w.a["q_proj"].shape == (2, 64, 6)
-    assert w.b["down_proj"].shape == (2, 6, 64) and w.a["down_proj"].dtype == jnp.float32
+    assert w.num_slots == 2 and [x.shape for x in w.a["q_proj"]] == [(64, 6)] * 2
+    assert w.b["down_proj"][1].shape == (6, 64) and w.a["down_proj"][0].dtype == jnp.float32
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="max_loras must be a positive int"):
             lora.create_lora_weights(TINY, max_loras=bad, max_lora_rank=3)

@@ -473,10 +473,10 @@ def test_engine_tp4_lora_equals_merged_dense(engine_params, tmp_path):
         if n:
             params = lora.merge_adapter(params, lora.load_adapter(reqs[n].lora_path, cfg))
         assert o.outputs[0].token_ids == engine_helpers.Dense(params).greedy([p], 6)[0], n
-    w = llm.lora.weights  # each device's shard ([L, in, S*R] and [L, S*R, out], S*R = 8)
-    shard = {k: {s.data.shape for s in x.addressable_shards} for k, x in w.a.items()}
-    assert shard["q_proj"] == {(2, 64, 8)} and shard["o_proj"] == {(2, 16, 8)}
-    shard = {k: {s.data.shape for s in x.addressable_shards} for k, x in w.b.items()}
-    assert shard["q_proj"] == {(2, 8, 16)} and shard["down_proj"] == {(2, 8, 64)}
-    assert shard["k_proj"] == {(2, 8, 32)}  # K = 2 < tp: k_proj is replicated
+    w = llm.lora.weights  # each device's shard of layer 1's ([in, S*R] and [S*R, out], S*R = 8)
+    shard = {k: {s.data.shape for s in x[1].addressable_shards} for k, x in w.a.items()}
+    assert shard["q_proj"] == {(64, 8)} and shard["o_proj"] == {(16, 8)}
+    shard = {k: {s.data.shape for s in x[1].addressable_shards} for k, x in w.b.items()}
+    assert shard["q_proj"] == {(8, 16)} and shard["down_proj"] == {(8, 64)}
+    assert shard["k_proj"] == {(8, 32)}  # K = 2 < tp: k_proj is replicated
     engine_helpers.check_clean(llm)
