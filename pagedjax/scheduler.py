@@ -28,7 +28,7 @@ most `max_num_seqs` sequences running:
    chunk, oldest first.
 3. Admission: waiting groups, first come first served (by priority: best first,
    below; a group that does not fit blocks those behind it, so nothing starves), while
-   seats, budget and pages allow.
+   seats, budget, pages and LoRA adapter slots (`max_loras`) allow.
    Admission keeps the block manager's watermark of pages free on top of the decode
    reservation, and reserves pages for each whole prompt (a window model: for the most
    it holds at once, below), so a long prompt prefilled over several steps never runs

@@ -34,11 +34,14 @@ class Sim:
         watermark=0.0,
         in_flight=False,
         stop=None,
+        max_loras=None,
     ):
         self.bm = BlockManager(
             num_pages, PS, enable_prefix_caching=caching, max_model_len=256, watermark=watermark
         )
-        self.sched = Scheduler(self.bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+        self.sched = Scheduler(
+            self.bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_loras=max_loras
+        )
         self.pool = np.full(num_pages * PS, -1, np.int64)  # token id written in each slot
         self.inflight = None
         self.plans = []
@@ -303,6 +306,26 @@ def test_seat_cap():
         assert sim.sched.num_running_seqs <= 2
     sim.run()
     assert len(sim.done) == 4
+
+
+@pytest.mark.parametrize("in_flight", [False, True], ids=["sync", "async"])
+def test_lora_slots_cap_the_distinct_adapters_running(in_flight):
+    """max_loras=2: at most two distinct adapters run (and share a step) at once; a group
+    of a third waits, first come first served (blocking the groups behind it, with an
+    adapter or not), and every group completes."""
+    sim = Sim(max_num_seqs=4, budget=16, in_flight=in_flight, max_loras=2)
+    adapters = [1, 2, 3, 0, 1, 3, 2]
+    for i, lora_id in enumerate(adapters):
+        sim.add(f"r{i}", [3 + i, 4, 5], 6).lora_id = lora_id
+    sim.step()
+    assert [g.request_id for g in sim.sched.running] == ["r0", "r1"]  # r2's adapter waits
+    while sim.sched.has_unfinished() or sim.inflight is not None:
+        plan = sim.step()
+        assert len({g.lora_id for g in sim.sched.running} - {0}) <= 2
+        assert len({r.group.lora_id for r in plan.rows} - {0}) <= 2
+    assert len(sim.done) == len(adapters) and sim.sched.lora_ids() == set()
+    with pytest.raises(ValueError, match="max_loras must be a positive int, got max_loras=0"):
+        Scheduler(sim.bm, max_num_seqs=4, max_num_batched_tokens=16, max_loras=0)
 
 
 @pytest.mark.parametrize("in_flight", [False, True], ids=["sync", "async"])
