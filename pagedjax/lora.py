@@ -520,7 +520,8 @@ class LoRASlots:
                     "give each adapter its own id"
                 )
             self.requests[i] = self.requests.pop(i)  # most recently used
-            self.pinned |= {i} if pin else set()
+            if pin:
+                self.pinned.add(i)
             return False
         adapter = load_adapter(request.lora_path, self.cfg, max_rank=self.max_lora_rank)
         key = b"%d:path:" % i + os.path.abspath(request.lora_path).encode("utf-8", "surrogatepass")

@@ -9,29 +9,12 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-BLOCKS = {
-    "q_proj": "self_attn",
-    "k_proj": "self_attn",
-    "v_proj": "self_attn",
-    "o_proj": "self_attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
-}
+from pagedjax import lora
 
-
-def dims(cfg, module):
-    e, i = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return {
-        "q_proj": (e, q),
-        "k_proj": (e, kv),
-        "v_proj": (e, kv),
-        "o_proj": (q, e),
-        "gate_proj": (e, i),
-        "up_proj": (e, i),
-        "down_proj": (i, e),
-    }[module]
+# (The names and shapes come from pagedjax.lora; tests/test_lora.py checks them against
+# the model's parameters.)
+BLOCKS = lora.TARGET_MODULES
+dims = lora.module_dims
 
 
 def write_peft(
