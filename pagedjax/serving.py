@@ -321,6 +321,8 @@ def _check_requests(requests) -> list[tuple]:
     """`requests` as a list of triples (or with a priority, and a LoRA request) with str
     ids (the engine keys a request by `str(id)`: any other id's events would never reach
     its sink)."""
+    from pagedjax.lora import LoRARequest
+
     shape = "(request id, token ids, params[, priority[, lora_request]])"
     if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
         raise TypeError(f"requests must be a list of {shape}, got {requests!r:.80}")
@@ -330,5 +332,9 @@ def _check_requests(requests) -> list[tuple]:
             raise TypeError(f"requests[{i}] must be a {shape} tuple, got {r!r:.80}")
         if not isinstance(r[0], str):
             raise TypeError(f"requests[{i}]: the request id must be a str, got {r[0]!r:.80}")
+        if len(r) == 5 and r[4] is not None and not isinstance(r[4], LoRARequest):
+            raise TypeError(
+                f"requests[{i}]: the lora_request must be a LoRARequest or None, got {r[4]!r:.80}"
+            )
         out.append(tuple(r))
     return out

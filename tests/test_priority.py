@@ -306,7 +306,9 @@ def test_priority_field_reaches_the_engine(priority_server, ref):
     assert status == 400 and obj["error"]["param"] == "priority", obj
     assert "priority must be an int, got priority='1'" in obj["error"]["message"]
     sp = SamplingParams(max_tokens=1)
-    with pytest.raises(TypeError, match="params\\[, priority\\]"):
+    with pytest.raises(TypeError, match="params\\[, priority\\[, lora_request\\]\\]"):
+        priority_server.engine.submit([("r", [1], sp, 0, None, 0)], None, tokens=False)
+    with pytest.raises(TypeError, match="the lora_request must be a LoRARequest or None, got 0"):
         priority_server.engine.submit([("r", [1], sp, 0, 0)], None, tokens=False)
 
 
