@@ -27,6 +27,9 @@
 #   tune     (only when named in --stages) scripts/tune_kernels.py: joint
 #            sweeps of the knobs per shape, to choose the defaults         -> tune.log,
 #                                                                             tune.jsonl
+#   lora     (only when named in --stages) scripts/bench_lora.py: LoRA's
+#            cost on the decode path, llama3.2-1b in bf16, 4 rank-16
+#            adapters, batch 1 and 32                                      -> lora.log
 # and a summary (each stage's exit code and duration, the test counts, the bench
 # rows) printed at the end and written to summary.txt. Everything in $OUT is also packed
 # into $OUT.tgz beside it (the device tool brings back at most 8 files).
@@ -34,7 +37,7 @@
 # Environment: OUT (default ./device_out); PYTHON (default python3);
 # DEVICE_CHECK_DEADLINE_S (default 540): the whole run's time, which clips each
 # stage's limit; DEVICE_CHECK_LIMITS (e.g. pytest=200,ncu=45): other stage limits
-# (defaults env 60, pytest 220, bench 250, profile 90, ncu 60, tune 200);
+# (defaults env 60, pytest 220, bench 250, profile 90, ncu 60, tune 200, lora 150);
 # DEVICE_CHECK_DRY_RUN=1 is --dry-run; DEVICE_TEST_SHARDS (default 3; 2 in a dry run).
 # Nothing is installed: the code runs from the tree with PYTHONPATH=.
 set -u
@@ -50,7 +53,7 @@ while (($#)); do
       ;;
     --stages=*) STAGES=${1#--stages=} ;;
     -h | --help)
-      sed -n '2,38p' "$0"
+      sed -n '2,41p' "$0"
       exit 0
       ;;
     *)
@@ -62,10 +65,10 @@ while (($#)); do
 done
 for stage in ${STAGES//,/ }; do
   case "$stage" in
-    env | pytest | bench | profile | ncu | tune) ;;
+    env | pytest | bench | profile | ncu | tune | lora) ;;
     *)
       echo "device_check.sh: unknown stage '$stage' in --stages $STAGES" \
-        "(stages: env,pytest,bench,profile,ncu,tune)" >&2
+        "(stages: env,pytest,bench,profile,ncu,tune,lora)" >&2
       exit 2
       ;;
   esac
@@ -153,7 +156,7 @@ EOF
 export -f env_report
 export DRY_RUN PY
 # Each stage's usual limit in seconds; the bench stage gets what the stages after it leave.
-declare -A LIMIT=([env]=60 [pytest]=220 [bench]=250 [profile]=90 [ncu]=60 [tune]=200)
+declare -A LIMIT=([env]=60 [pytest]=220 [bench]=250 [profile]=90 [ncu]=60 [tune]=200 [lora]=150)
 LIMITS=${DEVICE_CHECK_LIMITS:-}
 for item in ${LIMITS//,/ }; do # e.g. DEVICE_CHECK_LIMITS=pytest=200,ncu=45
   name=${item%%=*} value=${item#*=}
@@ -241,6 +244,19 @@ stage_tune() {
     --budget-s $((limit > 60 ? limit - 30 : 30)) ${DRY[@]+"${DRY[@]}"}
 }
 
+# LoRA's cost on the decode path: the engine without LoRA, with it and no adapter in
+# use, and with four adapters in every batch (ratios; `scripts/bench_lora.py`).
+stage_lora() {
+  local args=(--batch 1 32 --prompt-len 64 --gen-len 32 --reps 3 --max-loras 4 --lora-rank 16)
+  if [ "$DRY_RUN" = 1 ]; then
+    args=(--batch 1 2 --prompt-len 8 --gen-len 4 --reps 1 --max-loras 2 --lora-rank 4)
+    args+=(--backend xla)
+  else
+    args+=(--model llama3.2-1b --dtype bfloat16 --backend gpu)
+  fi
+  run_stage lora "${LIMIT[lora]}" lora.log "$PY" scripts/bench_lora.py "${args[@]}"
+}
+
 # The GPU's clocks, power and temperature every 2 s for the whole run (drift explains
 # timings that move within a run).
 DMON_PID=
@@ -272,6 +288,10 @@ done
     result=$(grep -E '^(=+ )?[0-9]+ (passed|failed|errors?|skipped)|no tests ran' \
       "$OUT/pytest.log" 2>/dev/null | tail -n 1)
     echo "pytest: ${result:-no result line (cut short?)}"
+  fi
+  if wants lora; then
+    grep -E -A4 '^LoRA on the decode path' "$OUT/lora.log" 2>/dev/null ||
+      echo "lora: no table (cut short?)"
   fi
   if wants profile; then
     echo "profile:"
