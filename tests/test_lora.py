@@ -316,3 +316,28 @@ def test_adapter_from_state_equals_the_directory(tmp_path):
         lora.adapter_from_state(nan, {"r": 3}, TINY)
     with pytest.raises(TypeError, match="state must be a dict of arrays"):
         lora.adapter_from_state([1], {}, TINY)
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        dict(qkv_bias=True),  # Qwen2: the update adds to a biased projection
+        dict(qkv_bias=True, o_bias=True, qk_norm=True),  # Qwen3: q/k norms after the update
+        dict(sliding_window=5),  # Mistral: a window shorter than the prompts
+    ],
+    ids=["qwen2", "qwen3", "window"],
+)
+def test_every_family_matches_its_merged_dense_forward(tmp_path, family):
+    cfg = dataclasses.replace(TINY, **family)
+    params = random_params(cfg, seed=7)
+    write_peft(tmp_path / "a", cfg, rank=3, alpha=6, seed=8)
+    adapter = lora.load_adapter(tmp_path / "a", cfg)
+    weights = lora.write_slot(lora.create_lora_weights(cfg, 1, 4), 1, adapter)
+    prompts = [[7, 3, 9, 11, 40, 41, 42, 5, 6], [9, 8, 7, 6, 5, 4, 3]]
+    kw = dict(max_new_tokens=5, page_size=4, backend="xla", return_logits=True)
+    got = decode.generate(params, prompts, lora=weights, lora_slots=[1, 0], **kw)
+    for p, toks, logits, ref in zip(
+        prompts, got.tokens, got.logits, [lora.merge_adapter(params, adapter), params], strict=True
+    ):
+        full = np.asarray(model.forward(ref, jnp.asarray([p + toks])))[0]
+        np.testing.assert_allclose(logits, full[len(p) - 1 : -1], rtol=2e-4, atol=2e-4)
