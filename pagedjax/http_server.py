@@ -23,6 +23,11 @@ LoRA adapters (vLLM's `--lora-modules`), which a request's `model` selects by na
     sql = LoRARequest("sql", 1, "path/to/adapter")  # pagedjax.lora's
     server = Server(("127.0.0.1", 0), model_name="m", lora_modules=[sql])
     server.start(LLM("path/to/checkpoint", enable_lora=True))  # reads the adapters
+
+With `allow_runtime_lora_updating=True` (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING), vLLM's
+`POST /v1/load_lora_adapter` {"lora_name", "lora_path"} and `POST /v1/unload_lora_adapter`
+{"lora_name"} change the served adapters while serving (`pagedjax.serving.LoRANames`);
+without it those paths are unknown (404), as in vLLM.
 """
 
 from __future__ import annotations
@@ -43,13 +48,14 @@ from pagedjax import openai_api as api
 from pagedjax.lora import LoRARequest
 from pagedjax.metrics import prometheus_text
 from pagedjax.openai_api import ApiError, Job
-from pagedjax.serving import EngineStopped, EngineThread
+from pagedjax.serving import EngineStopped, EngineThread, LoRANames
 from pagedjax.tokenizer import CONTEXT_IDS
 
 __all__ = [
     "MAX_BODY_BYTES",
     "POLL_S",
     "TIMEOUT_S",
+    "LORA_ROUTES",
     "ClientGone",
     "Handler",
     "Server",
@@ -61,6 +67,8 @@ POLL_S = 0.5  # how often a waiting handler checks that its client is still conn
 # A client silent this long in the middle of a request, between two requests, or not
 # reading a stream is let go (a body shorter than its Content-Length held a thread forever).
 TIMEOUT_S = 60.0
+# vLLM's runtime LoRA updating: paths served only with `allow_runtime_lora_updating`.
+LORA_ROUTES = {"/v1/load_lora_adapter": "POST", "/v1/unload_lora_adapter": "POST"}
 
 
 class ClientGone(Exception):
@@ -78,6 +86,13 @@ class Server(ThreadingHTTPServer):
         `--lora-modules`): a request whose `model` is one's `lora_name` runs with it.
         Their names must differ from each other and from `model_name` (ValueError);
         `start` reads them into the engine.
+      allow_runtime_lora_updating: serve vLLM's `/v1/load_lora_adapter` and
+        `/v1/unload_lora_adapter` (`LORA_ROUTES`), which change the served adapters
+        (`lora_names`); the engine must have LoRA enabled.
+
+    Attributes:
+      lora_names: the served adapters (`LoRANames`); `loras` is its current
+        {name: LoRARequest}, which a handler reads once per request.
     """
 
     daemon_threads = True
@@ -92,16 +107,23 @@ class Server(ThreadingHTTPServer):
         model_name: str,
         quiet: bool = False,
         lora_modules: Sequence[LoRARequest] = (),
+        allow_runtime_lora_updating: bool = False,
     ):
         self.model_name, self.quiet = model_name, quiet
-        self.loras = _lora_names(model_name, lora_modules)
+        self.lora_names = LoRANames(model_name, lora_modules)
+        self.allow_runtime_lora_updating = allow_runtime_lora_updating
         self.engine: EngineThread | None = None
         super().__init__(address, Handler)
 
     def start(self, llm) -> None:
         """Reads the LoRA adapters into `llm` (`LLM.add_lora`: one that cannot serve is
         a ValueError or FileNotFoundError naming it), then starts the engine thread over
-        `llm` (which nothing else may touch from now on)."""
+        `llm` (which nothing else may touch from now on). With
+        `allow_runtime_lora_updating`, `llm` must have LoRA enabled (ValueError)."""
+        if self.allow_runtime_lora_updating and llm.lora is None:
+            raise ValueError(
+                "runtime LoRA updating needs an engine with LoRA: LLM(..., enable_lora=True)"
+            )
         for name, r in self.loras.items():
             try:
                 llm.add_lora(r)
@@ -114,6 +136,12 @@ class Server(ThreadingHTTPServer):
         self.scheduling_policy = llm.scheduling_policy
         self.max_logprobs = llm.max_logprobs
         self.engine = EngineThread(llm)
+
+    @property
+    def loras(self) -> dict[str, LoRARequest]:
+        """{name: LoRARequest} of the adapters served now (a snapshot: never changed in
+        place)."""
+        return self.lora_names.names
 
     def handle_error(self, request, client_address) -> None:
         # A client that reset its connection between two requests is not worth a
@@ -147,6 +175,7 @@ class Handler(BaseHTTPRequestHandler):
         "/v1/chat/completions": "POST",
         "/tokenize": "POST",
         "/detokenize": "POST",
+        **LORA_ROUTES,
     }
 
     def log_message(self, format, *args):
@@ -166,9 +195,10 @@ class Handler(BaseHTTPRequestHandler):
                 msg = f"no more of the request body came for {self.timeout:g} s"
                 raise ApiError(408, msg) from None
             path = urlsplit(self.path).path.rstrip("/") or "/"
-            allowed = self.ROUTES.get(path)
+            routes = self._routes()
+            allowed = routes.get(path)
             if allowed is None:
-                raise ApiError(404, f"no such path {path!r}; try {', '.join(self.ROUTES)}")
+                raise ApiError(404, f"no such path {path!r}; try {', '.join(routes)}")
             if method == "OPTIONS":
                 return self._send(204, b"", "text/plain", [("Allow", _allow(allowed))])
             if method != allowed and not (self._head and allowed == "GET"):
@@ -183,6 +213,9 @@ class Handler(BaseHTTPRequestHandler):
                 return self._send(200, self._metrics(), "text/plain; version=0.0.4")
             if path in ("/tokenize", "/detokenize"):
                 return self._json(200, self._tokens(path, self._parse(raw)))
+            if path in LORA_ROUTES:
+                message = self._update_loras(path, self._parse(raw))
+                return self._send(200, message.encode(), "text/plain; charset=utf-8")
             self._generate(self._job(path, self._parse(raw)))
         except (BrokenPipeError, ConnectionResetError, TimeoutError, ClientGone):
             self.close_connection = True  # (TimeoutError: a client that stopped reading)
@@ -191,6 +224,12 @@ class Handler(BaseHTTPRequestHandler):
         except Exception as e:  # noqa: BLE001  (a bug here must not kill the connection silently)
             traceback.print_exc(file=sys.stderr)
             self._error(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+
+    def _routes(self) -> dict[str, str]:
+        """`ROUTES`, less `LORA_ROUTES` unless the server allows runtime LoRA updating."""
+        if self.server.allow_runtime_lora_updating:
+            return self.ROUTES
+        return {p: m for p, m in self.ROUTES.items() if p not in LORA_ROUTES}
 
     def _read_body(self) -> bytes:
         te = self.headers.get_all("Transfer-Encoding", [])
@@ -279,7 +318,7 @@ class Handler(BaseHTTPRequestHandler):
                 self._chunk(b"")
             self.close_connection = True
             return
-        headers = [("Allow", _allow(self.ROUTES.get(urlsplit(self.path).path.rstrip("/"), "")))]
+        headers = [("Allow", _allow(self._routes().get(urlsplit(self.path).path.rstrip("/"), "")))]
         with contextlib.suppress(OSError):
             data = json.dumps(e.body(), ensure_ascii=False).encode()
             self._send(e.status, data, "application/json", headers if e.status == 405 else ())
@@ -336,6 +375,37 @@ class Handler(BaseHTTPRequestHandler):
             models.append(dict(id=name, **card, parent=srv.model_name, root=r.lora_path))
         return dict(object="list", data=models)
 
+    def _update_loras(self, path: str, body: dict) -> str:
+        """vLLM's /v1/load_lora_adapter or /v1/unload_lora_adapter (`LoRANames.load` and
+        `unload`, on the engine thread); its answer's text, as vLLM's."""
+        srv = self.server
+        if srv.engine is None:
+            raise ApiError(503, "the engine is not started")
+        name = body.get("lora_name")
+        try:
+            if path == "/v1/load_lora_adapter":
+                lora_path = body.get("lora_path")
+                if not all(isinstance(v, str) and v for v in (name, lora_path)):
+                    msg = (
+                        "Both 'lora_name' and 'lora_path' must be provided (non-empty strings), "
+                        f"got lora_name={name!r:.80}, lora_path={lora_path!r:.80}"
+                    )
+                    bad = "lora_path" if isinstance(name, str) and name else "lora_name"
+                    raise ApiError(400, msg, bad)
+                srv.lora_names.load(srv.engine, name, lora_path)
+                return f"Success: LoRA adapter '{name}' added successfully."
+            name = _unload_name(body, srv.loras)
+            srv.lora_names.unload(srv.engine, name)
+            return f"Success: LoRA adapter '{name}' removed successfully."
+        except KeyError:
+            raise ApiError(
+                404, f"The lora adapter {name!r} cannot be found.", "lora_name"
+            ) from None
+        except (ValueError, FileNotFoundError, TypeError) as e:
+            raise ApiError(400, str(e)) from None
+        except EngineStopped:
+            raise ApiError(503, "the engine is not running") from None
+
     def _metrics(self) -> bytes:
         """The engine's metrics in Prometheus' text format, read on its thread."""
         if self.server.engine is None:
@@ -386,17 +456,20 @@ class Handler(BaseHTTPRequestHandler):
     def _events(self, job: Job):
         """Yields the engine's events for the job's requests until all are done; aborts
         what is left when the caller stops early (a client gone, an error)."""
-        engine, sink = self.server.engine, queue.SimpleQueue()
-        pending = set(job.rids)
+        srv, sink = self.server, queue.SimpleQueue()
+        engine, pending = srv.engine, set(job.rids)
+        requests = [
+            (rid, ids, job.params, job.priority)
+            for rid, ids in zip(job.rids, job.prompts, strict=True)
+        ]
         try:
-            engine.submit(
-                [
-                    (rid, ids, job.params, job.priority, job.lora_request)
-                    for rid, ids in zip(job.rids, job.prompts, strict=True)
-                ],
-                sink,
-                tokens=job.stream,
-            )
+            if job.lora_request is None:
+                engine.submit(requests, sink, tokens=job.stream)
+            else:  # its adapter as served now: it may have been unloaded since parse_job
+                srv.lora_names.submit(engine, requests, sink, tokens=job.stream, name=job.model)
+        except KeyError:
+            msg = f"model {job.model!r} is not served here any more (its LoRA adapter was unloaded)"
+            raise ApiError(404, msg, "model", "model_not_found") from None
         except EngineStopped:
             raise ApiError(503, "the engine is not running (the server is shutting down)") from None
         checked = time.monotonic()
@@ -561,18 +634,27 @@ class StreamedChoice:
         self.started = False
 
 
-def _lora_names(model_name: str, lora_modules) -> dict:
-    """{name: LoRARequest} of `Server`'s `lora_modules`, checked."""
-    out = {}
-    for r in lora_modules:
-        if not isinstance(r, LoRARequest):
-            raise TypeError(f"lora_modules must hold pagedjax.lora.LoRARequests, got {r!r:.80}")
-        if r.lora_name == model_name:
-            raise ValueError(f"LoRA module name {r.lora_name!r} is the served model's name")
-        if r.lora_name in out:
-            raise ValueError(f"LoRA module name {r.lora_name!r} is given twice")
-        out[r.lora_name] = r
-    return out
+def _unload_name(body: dict, loras: dict) -> str:
+    """The adapter an unload body names: its `lora_name`, or the one served with its
+    `lora_int_id` (vLLM's; a 404 if none is); both given must agree (a 400)."""
+    name, i = body.get("lora_name"), body.get("lora_int_id")
+    if name is not None and not (isinstance(name, str) and name):
+        raise ApiError(400, f"lora_name must be a non-empty string, got {name=!r:.80}", "lora_name")
+    if i is not None and (isinstance(i, bool) or not isinstance(i, int)):
+        raise ApiError(400, f"lora_int_id must be an int, got lora_int_id={i!r:.80}", "lora_int_id")
+    if name is None and i is None:
+        raise ApiError(400, "either 'lora_name' or 'lora_int_id' must be provided", "lora_name")
+    if i is None:
+        return name
+    by_id = next((n for n, r in loras.items() if r.lora_int_id == i), None)
+    if by_id is None:
+        raise ApiError(
+            404, f"The lora adapter with lora_int_id {i} cannot be found.", "lora_int_id"
+        )
+    if name is not None and name != by_id:
+        msg = f"lora_int_id {i} is the lora adapter {by_id!r}, not lora_name {name!r}"
+        raise ApiError(400, msg, "lora_int_id")
+    return by_id
 
 
 def _allow(method: str) -> str:

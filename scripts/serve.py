@@ -13,8 +13,9 @@ Point an OpenAI client at `http://HOST:PORT/v1` (any API key). Endpoints:
                                TTFT and latency histograms in its buckets)
     GET  /v1/models            the model: id = --served-model-name, else the
                                checkpoint directory's name ("pagedjax-demo" without
-                               one); then each LoRA adapter (--lora-modules) with
-                               vLLM's `parent` (the model's id) and `root` (its path)
+                               one); then each LoRA adapter (--lora-modules, or
+                               loaded since) with vLLM's `parent` (the model's id)
+                               and `root` (its path)
     POST /v1/completions       prompt: a string, a list of strings, a list of token ids
                                or a list of such lists
     POST /v1/chat/completions  messages, rendered with the checkpoint's chat template
@@ -29,6 +30,11 @@ Point an OpenAI client at `http://HOST:PORT/v1` (any API key). Endpoints:
                                template writes them), `return_token_strs`
     POST /detokenize           vLLM's: `tokens` (a list of ids) -> {prompt}, the text
                                with special tokens shown
+    POST /v1/load_lora_adapter vLLM's, with --allow-runtime-lora-updating only (else
+                               a 404): {"lora_name", "lora_path"} reads a LoRA
+                               adapter and serves it under that name
+    POST /v1/unload_lora_adapter  the same: {"lora_name"} (or vLLM's "lora_int_id")
+                               stops serving one (see "Runtime LoRA updating")
 
 Fields of both POSTs: `model` (optional: the model's id or a LoRA adapter's name, which
 runs the request with that adapter and which the answer's `model` echoes; another name
@@ -165,6 +171,25 @@ bounds the adapters kept on the host beyond the ones in use, though every adapte
 `--lora-modules` stays held. Names given twice, or equal to the model's, are bad flags.
 Metrics keep the model's name as their label.
 
+Runtime LoRA updating, as vLLM's: `--allow-runtime-lora-updating` (or the environment
+variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=True or 1, as vLLM reads it) enables LoRA in
+the engine, with or without `--lora-modules`, and serves two more endpoints (without it
+they are unknown paths, 404s, as in vLLM). `POST /v1/load_lora_adapter` with
+`{"lora_name": NAME, "lora_path": DIR}` reads the adapter on the engine thread and
+serves it as NAME (the next `lora_int_id`; ids are never reused, so an adapter
+rewritten in place and loaded again never hits the old one's prefix-cache pages):
+200 with the text "Success: LoRA adapter 'NAME' added successfully.". A NAME already
+served ("The lora adapter 'NAME' has already been loaded.") or the model's, a missing
+field, no adapter at DIR or one the engine refuses (as at startup) is a 400 naming it,
+and nothing changes. `POST /v1/unload_lora_adapter` with `{"lora_name": NAME}` (or
+vLLM's `"lora_int_id"`) stops serving it and has the engine forget it: 200 "Success:
+LoRA adapter 'NAME' removed successfully."; a name not served is a 404 ("The lora
+adapter 'NAME' cannot be found."), and an adapter that queued or running requests use
+is a 400 naming it (unload it once they finish; nothing changes). Once loaded, an
+adapter is in /v1/models and a request's `model` selects it; once unloaded, it is not,
+and naming it is a 404. For development and trusted networks: anyone who can reach
+the server can make it read any adapter directory the server can read.
+
 Flags:
 `--checkpoint`, `--host`, `--port`, `--served-model-name`, `--chat-template FILE`,
 `--seed` (for requests without one), `--generation-config auto|none`, scripts/generate.py's
@@ -172,11 +197,12 @@ engine flags (`--page-size`, `--num-pages` | `--kv-memory-fraction`, `--kv-cache
 `--max-batch-tokens`, `--max-model-len N`, `--backend`, `--tensor-parallel`,
 `--compilation-cache`), `--max-logprobs N` (default 20; -1: no cap), `--no-prefix-caching`,
 `--no-async-scheduling`, `--scheduling-policy fcfs|priority` (vLLM's: by arrival, or by
-each request's `priority`), `--lora-modules`, `--max-loras N`, `--max-lora-rank N`,
-`--max-cpu-loras N`, `--quiet` (no request log). Bad flags, a checkpoint directory
-missing files, a bad value in its generation_config.json, a LoRA adapter directory that
-is not there or a port that cannot be bound end with one line on stderr and exit status
-2, before any weights load (an adapter the engine refuses: right after them).
+each request's `priority`), `--lora-modules`, `--allow-runtime-lora-updating`,
+`--max-loras N`, `--max-lora-rank N`, `--max-cpu-loras N`, `--quiet` (no request log).
+Bad flags, a checkpoint directory missing files, a bad value in its
+generation_config.json, a LoRA adapter directory that is not there or a port that
+cannot be bound end with one line on stderr and exit status 2, before any weights load
+(an adapter the engine refuses: right after them).
 """
 
 from __future__ import annotations
@@ -184,6 +210,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -194,6 +221,7 @@ from pagedjax.chat import jinja_missing  # noqa: E402
 from pagedjax.http_server import Handler, Server  # noqa: E402, F401  (Handler: re-exported)
 
 DEMO_NAME = "pagedjax-demo"
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's: "1" or "true" enables it
 
 
 def build_parser() -> cli.Parser:
@@ -232,6 +260,12 @@ def build_parser() -> cli.Parser:
         type=lora_module,
         metavar="NAME=PATH",
         help='LoRA adapters served under their names (NAME=PATH or \'{"name": ..., "path": ...}\')',
+    )
+    p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (LoRA enabled); "
+        f"also {RUNTIME_LORA_ENV}=True or 1",
     )
     p.add_argument(
         "--max-loras",
@@ -280,17 +314,28 @@ def lora_module(text: str) -> tuple[str, str, str | None]:
     return obj["name"], obj["path"], obj.get("base_model_name")
 
 
+def runtime_lora_updating(args) -> bool:
+    """`--allow-runtime-lora-updating`, or vLLM's environment variable set as vLLM reads
+    it (True or 1, any case and spaces)."""
+    env = os.environ.get(RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
+    return args.allow_runtime_lora_updating or env
+
+
 def lora_requests(args, served: str) -> list:
     """The `LoRARequest` of each `--lora-modules` value (ids 1, 2, ... in order), checked
     before the model loads: BadInput for a path that is no directory, a base model name
-    other than `served`, and the other LoRA flags without `--lora-modules`."""
+    other than `served`, and the other LoRA flags without `--lora-modules` (or runtime
+    LoRA updating)."""
     from pagedjax.lora import LoRARequest
 
     if not args.lora_modules:
         for flag in ("max_loras", "max_lora_rank", "max_cpu_loras"):
-            if getattr(args, flag) is not None:
+            if getattr(args, flag) is not None and not runtime_lora_updating(args):
                 name = "--" + flag.replace("_", "-")
-                raise cli.BadInput(f"{name} needs --lora-modules (the adapters to serve)")
+                raise cli.BadInput(
+                    f"{name} needs --lora-modules (the adapters to serve) or "
+                    "--allow-runtime-lora-updating"
+                )
         return []
     out = []
     for i, (name, path, base) in enumerate(args.lora_modules, start=1):
@@ -322,12 +367,14 @@ def run(args) -> int:
         hint = "give a Jinja chat template file"
         tok = cli.chat_tokenizer(args.checkpoint, args.chat_template, hint)
     loras = lora_requests(args, model_name(args))
+    runtime_loras = runtime_lora_updating(args)
     try:  # before the weights load: a port in use is a one-line error
         server = Server(
             (args.host, args.port),
             model_name=model_name(args),
             quiet=args.quiet,
             lora_modules=loras,
+            allow_runtime_lora_updating=runtime_loras,
         )
     except OSError as e:
         raise cli.BadInput(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
@@ -344,7 +391,7 @@ def run(args) -> int:
             generation_config=args.generation_config,
             scheduling_policy=args.scheduling_policy,
             max_logprobs=args.max_logprobs,
-            enable_lora=bool(loras),
+            enable_lora=bool(loras) or runtime_loras,
             max_loras=args.max_loras or 1,
             max_lora_rank=args.max_lora_rank or cli.LORA_RANK,
             max_cpu_loras=args.max_cpu_loras,
@@ -356,6 +403,12 @@ def run(args) -> int:
         if tok is not None and tok.chat_template is not None and (why := jinja_missing()):
             print(f"note: /v1/chat/completions will fail: {why}", file=sys.stderr)
         adapters = f", LoRA adapters {', '.join(server.loras)}" if loras else ""
+        if runtime_loras:
+            print(
+                "note: runtime LoRA updating is on: POST /v1/load_lora_adapter and "
+                "/v1/unload_lora_adapter change the served adapters (no authentication)",
+                file=sys.stderr,
+            )
         print(
             f"serving {server.model_name} ({llm.model_source}{adapters}) at {server.url}/v1; "
             "Ctrl-C stops",
