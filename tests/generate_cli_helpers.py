@@ -1,6 +1,6 @@
 """What tests/test_generate_cli*.py share: scripts/generate.py loaded in-process (`gen`,
-and `cli`, the scripts' shared module, as they import it), a runner of its `main(argv)`
-and a tiny checkpoint.
+and `cli`, the scripts' shared module, as they import it; `load_script("chat")` loads
+another script so), a runner of its `main(argv)` and a tiny checkpoint.
 
 The checkpoint is a tiny random-weight HF directory written here (config.json,
 model.safetensors, a byte-level tokenizer.json), served with the geometry of
@@ -20,8 +20,9 @@ SCRIPT = ROOT / "scripts" / "generate.py"
 GEOMETRY = ["--page-size", "8", "--num-pages", "64", "--max-batch-tokens", "16"]
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("generate_script", SCRIPT)
+def load_script(name: str = "generate"):
+    """scripts/{name}.py as a module, loaded in-process."""
+    spec = importlib.util.spec_from_file_location(f"{name}_script", ROOT / "scripts" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -7,12 +7,12 @@ engine received and returned.
 """
 
 import contextlib
-import importlib.util
 import io
 import re
 from pathlib import Path
 
 import pytest
+from generate_cli_helpers import load_script
 from params_helpers import SAMPLING_ARGV, SAMPLING_FIELDS, write_tiny_checkpoint
 
 from pagedjax.engine import LLM, SamplingParams
@@ -31,14 +31,7 @@ STATS = re.compile(
 )
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("chat_script", ROOT / "scripts" / "chat.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-chat_cli = load_script()
+chat_cli = load_script("chat")
 
 
 @pytest.fixture(scope="module")

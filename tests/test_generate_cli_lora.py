@@ -4,14 +4,13 @@ the base model does); a path that is no directory is refused before the model lo
 an adapter the engine refuses right after it, each as one line and status 2.
 """
 
-import importlib.util
 import io
 import json
 
 import generate_cli_helpers
 import numpy as np
 import pytest
-from generate_cli_helpers import GEOMETRY, ROOT, run
+from generate_cli_helpers import GEOMETRY, run
 from lora_helpers import write_peft
 
 from pagedjax import lora
@@ -22,14 +21,7 @@ ckpt = generate_cli_helpers.ckpt  # bound here: this module gets its own checkpo
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
 
 
-def load_chat_script():
-    spec = importlib.util.spec_from_file_location("chat_lora", ROOT / "scripts" / "chat.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-chat_cli = load_chat_script()
+chat_cli = generate_cli_helpers.load_script("chat")
 
 
 @pytest.fixture(scope="module")
