@@ -48,7 +48,7 @@ import numpy as np
 from pagedjax import decode, recovery, sharding
 from pagedjax.batch import StepBatch
 from pagedjax.config import CacheConfig, ModelConfig
-from pagedjax.lora import LoRASlots
+from pagedjax.lora_engine import LoRASlots
 from pagedjax.metrics import EngineMetrics, StepRecord
 from pagedjax.model import Params
 from pagedjax.outputs import OutputProcessor
@@ -82,7 +82,7 @@ class EngineCore:
         host (see the module docstring).
       on_finish: called with the output of every request that finishes or is aborted
         (before `step` or `aborted` returns it).
-      lora: the LoRA adapters (`pagedjax.lora.LoRASlots`) with LoRA enabled, else None:
+      lora: the LoRA adapters (`pagedjax.lora_engine.LoRASlots`) with LoRA enabled, else None:
         each step with adapters puts them in device slots and runs with them; a step with
         none runs without LoRA (the base model's program).
     """

@@ -1,6 +1,7 @@
 """`LLM`'s LoRA side (vLLM's `enable_lora` API): the engine arguments, the adapter of each
-request, and `add_lora` / `remove_lora` / `list_loras`. The adapters themselves, their
-device slots and the per-token update are `pagedjax.lora`'s.
+request, `add_lora` / `remove_lora` / `list_loras`, and `LoRASlots`, the engine's
+adapters on the host and in device slots. Reading adapters, the slots' layout and the
+per-token update are `pagedjax.lora`'s.
 
 A request with a `LoRARequest` runs with that adapter: its adapter is read (once per
 `lora_int_id`) when the request is added, so a bad adapter is an error of
@@ -12,14 +13,23 @@ memory), so they are shared only with requests of the same adapter (`lora_salt`)
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
-from pagedjax.lora import LoRAAdapter, LoRARequest, LoRASlots
+import jax
+
+from pagedjax.lora import (
+    LoRAAdapter,
+    LoRARequest,
+    create_lora_weights,
+    load_adapter,
+    write_slot,
+)
 from pagedjax.prefix_cache import salt_bytes
 from pagedjax.sequence import SequenceGroup
 from pagedjax.step_input import is_int
 
-__all__ = ["LoRAMixin", "check_lora_args", "lora_salt"]
+__all__ = ["LoRAMixin", "LoRASlots", "check_lora_args", "lora_salt"]
 
 
 def check_lora_args(enable_lora, max_loras, max_lora_rank, max_cpu_loras) -> None:
@@ -38,6 +48,161 @@ def lora_salt(key: bytes, cache_salt: str | bytes | None) -> bytes:
     (`LoRASlots.cache_key`) and its own `cache_salt`: bytes, which no request's own salt
     (a str) equals."""
     return b"lora:%d:%s" % (len(key), key) + salt_bytes(cache_salt)
+
+
+class LoRASlots:
+    """The engine's adapters: read from disk once per `lora_int_id` and kept on the host,
+    the ones a step uses put in device slots (`LoRAWeights`), least recently used first
+    out.
+
+    The scheduler admits at most `max_loras` distinct adapters to run at once
+    (`Scheduler(max_loras=...)`), so a step's adapters always fit the slots (`prepare`).
+    The host keeps every adapter a queued or running request uses (`in_use`), the
+    pinned ones (`add(pin=True)`, `LLM.add_lora`), and up to `max_cpu_loras` others:
+    reading a new adapter forgets the least recently used others beyond that.
+
+    Each adapter held has a prefix-cache key (`cache_key`): its id and path, so an id
+    read again from the same path after it was forgotten finds its pages again, and an
+    id given another adapter (another path, or new weights from memory) does not find
+    the old one's.
+
+    Args:
+      cfg: the base model's config.
+      max_loras, max_lora_rank: the device slots (`create_lora_weights`).
+      max_cpu_loras: most adapters kept on the host beyond the ones in use and pinned.
+      mesh: the tensor-parallel mesh, or None.
+      in_use: returns the adapter ids of the queued and running requests.
+    """
+
+    def __init__(self, cfg, max_loras, max_lora_rank, max_cpu_loras, mesh, in_use):
+        self.cfg, self.max_loras, self.max_lora_rank = cfg, max_loras, max_lora_rank
+        self.max_cpu_loras = max_cpu_loras
+        self.mesh, self._in_use = mesh, in_use
+        self.weights = create_lora_weights(cfg, max_loras, max_lora_rank, mesh)
+        self.requests: dict[int, LoRARequest] = {}  # on the host, least recently used first
+        self._adapters: dict[int, LoRAAdapter] = {}
+        self.pinned: set[int] = set()
+        self.slot_of: dict[int, int] = {}  # id -> device slot (1..max_loras)
+        self._order: list[int] = []  # resident ids, least recently used first
+        self._keys: dict[int, bytes] = {}
+        self._replaced = 0  # adapters given from memory so far (their cache keys)
+
+    def cache_key(self, lora_id: int) -> bytes:
+        """The prefix-cache salt of adapter `lora_id`'s requests (it must be held)."""
+        return self._keys[lora_id]
+
+    def add(
+        self, request: LoRARequest, *, pin: bool = False, adapter: LoRAAdapter | None = None
+    ) -> bool:
+        """Reads `request`'s adapter unless held; returns whether it was read. A second
+        request with its id must name the same path (ValueError otherwise: two adapters
+        under one id would share prefix-cache pages).
+
+        `adapter` (from memory, `adapter_from_state`) is held under `request`'s id
+        instead of reading its path, replacing the adapter held under it: ValueError if
+        a queued or running request uses that one."""
+        if not isinstance(request, LoRARequest):
+            raise TypeError(
+                f"lora_request must be a pagedjax.lora.LoRARequest, got {request!r:.80}"
+            )
+        i = request.lora_int_id
+        if adapter is not None:
+            if not isinstance(adapter, LoRAAdapter):
+                raise TypeError(f"adapter must be a LoRAAdapter, got {adapter!r:.80}")
+            if adapter.rank > self.max_lora_rank:
+                raise ValueError(
+                    f"LoRA adapter {request.lora_name!r} has rank {adapter.rank} > "
+                    f"max_lora_rank={self.max_lora_rank} (raise max_lora_rank)"
+                )
+            if i in self.requests:
+                self.remove(i)
+            self._replaced += 1
+            self._hold(request, adapter, b"%d:memory:%d" % (i, self._replaced), pin)
+            return True
+        known = self.requests.get(i)
+        if known is not None:
+            if known.lora_path != request.lora_path:
+                raise ValueError(
+                    f"lora_int_id {i} is adapter {known.lora_path!r}, not {request.lora_path!r}: "
+                    "give each adapter its own id"
+                )
+            self.requests[i] = self.requests.pop(i)  # most recently used
+            if pin:
+                self.pinned.add(i)
+            return False
+        adapter = load_adapter(request.lora_path, self.cfg, max_rank=self.max_lora_rank)
+        key = b"%d:path:" % i + os.path.abspath(request.lora_path).encode("utf-8", "surrogatepass")
+        self._hold(request, adapter, key, pin)
+        return True
+
+    def _hold(self, request: LoRARequest, adapter: LoRAAdapter, key: bytes, pin: bool) -> None:
+        i = request.lora_int_id
+        self.requests[i], self._adapters[i], self._keys[i] = request, adapter, key
+        if pin:
+            self.pinned.add(i)
+        self._trim(keep=i)
+
+    def remove(self, lora_id: int) -> bool:
+        """Forgets an adapter no queued or running request uses; returns whether it was held.
+        ValueError if one does."""
+        if lora_id in self._in_use():
+            raise ValueError(f"LoRA adapter {lora_id} is in use by a queued or running request")
+        if lora_id not in self.requests:
+            return False
+        self._drop(lora_id)
+        return True
+
+    def _drop(self, i: int) -> None:
+        del self.requests[i], self._adapters[i], self._keys[i]
+        self.pinned.discard(i)
+        if i in self.slot_of:  # its slot is free: zeroed when next written
+            del self.slot_of[i]
+            self._order.remove(i)
+
+    def _trim(self, keep: int) -> None:
+        keep_ids = self._in_use() | self.pinned | {keep}
+        spare = [i for i in self.requests if i not in keep_ids]
+        for i in spare[: max(0, len(spare) - self.max_cpu_loras)]:
+            self._drop(i)
+
+    def prepare(self, ids) -> dict[int, int]:
+        """Puts adapters `ids` in device slots (evicting the least recently used others);
+        returns {id: slot} for them, with 0: 0 (no adapter)."""
+        ids = set(ids) - {0}
+        if len(ids) > self.weights.num_slots:  # the scheduler's max_loras prevents it
+            raise RuntimeError(
+                f"a step with {len(ids)} LoRA adapters > {self.weights.num_slots} slots"
+            )
+        for i in ids:
+            if i in self.slot_of:
+                self._order.remove(i)
+                self._order.append(i)
+                continue
+            taken = set(self.slot_of.values())
+            free = [s for s in range(1, self.weights.num_slots + 1) if s not in taken]
+            if not free:
+                victim = next(j for j in self._order if j not in ids)
+                free = [self.slot_of.pop(victim)]
+                self._order.remove(victim)
+            self.weights = write_slot(self.weights, free[0], self._adapters[i])
+            self.slot_of[i] = free[0]
+            self._order.append(i)
+        return {0: 0, **{i: self.slot_of[i] for i in ids}}
+
+    def reset_device(self) -> None:
+        """Deletes the device slots (`LLM.sleep`); `restore_device` makes empty ones."""
+        for x in jax.tree.leaves(self.weights):
+            x.delete()
+        self.weights = None
+        self.slot_of.clear()
+        self._order.clear()
+
+    def restore_device(self) -> None:
+        """Empty device slots again after `reset_device` (`LLM.wake_up`)."""
+        if self.weights is None:
+            self.weights = create_lora_weights(
+                self.cfg, self.max_loras, self.max_lora_rank, self.mesh
+            )
 
 
 class LoRAMixin:
