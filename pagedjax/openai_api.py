@@ -4,11 +4,14 @@
 token ids (chat messages rendered with the tokenizer's chat template) and its
 `SamplingParams`, or raises `ApiError` (400 naming the bad field and value; 404 for a
 model not served here); `tokenize` and `detokenize` answer vLLM's endpoints of those
-names. The response builders (`pagedjax.openai_responses`, re-exported here) turn the
-engine's `RequestOutput`s back into OpenAI's shapes: a whole answer (`response_body`),
-or the chunks of a streamed one (`role_chunks`, `stream_chunk`, `usage`);
-`render_logprobs` renders the logprobs of any run of a completion's tokens (all of
-them, or a chunk's). Nothing here touches the engine, so it runs on any thread.
+names. `ApiError`, the field readers (`bool_field`, `int_field`) and the sampling and
+structured-output fields (`sampling_params`, `structured_outputs`) live in
+`pagedjax.openai_fields`, re-exported here. The response builders
+(`pagedjax.openai_responses`, re-exported here too) turn the engine's `RequestOutput`s
+back into OpenAI's shapes: a whole answer (`response_body`), or the chunks of a streamed
+one (`role_chunks`, `stream_chunk`, `usage`); `render_logprobs` renders the logprobs of
+any run of a completion's tokens (all of them, or a chunk's). Nothing here touches the
+engine, so it runs on any thread.
 
 A body's `model` names the served model or one of its LoRA adapters (vLLM's
 `--lora-modules`; `parse_job(loras=)`): the job's requests then run with that adapter
@@ -32,13 +35,19 @@ prompt leaves); a max_tokens given is never cut (vLLM caps it too).
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 import uuid
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
-from pagedjax.guided import StructuredOutputsParams, compile_guide
+from pagedjax.openai_fields import (  # re-exported
+    SAMPLING_FIELDS,
+    ApiError,
+    bool_field,
+    int_field,
+    sampling_params,
+    structured_outputs,
+)
 from pagedjax.openai_responses import (  # re-exported
     chat_logprobs,
     choice_index,
@@ -87,54 +96,6 @@ __all__ = [
     "tokenize",
     "usage",
 ]
-
-PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-# Request fields passed as they are to SamplingParams (which validates them).
-SAMPLING_FIELDS = (
-    "n",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "ignore_eos",
-    "min_tokens",
-    "cache_salt",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
-    "truncate_prompt_tokens",
-    "allowed_token_ids",
-    "bad_words",
-)
-
-
-class ApiError(Exception):
-    """An error answered as OpenAI's `{"error": {...}}` with an HTTP status.
-
-    Args:
-      status: the HTTP status (< 500, or 501 for what the server does not implement:
-        the client's request at fault, "invalid_request_error"; else "server_error").
-      message: says what is wrong, naming the bad value.
-      param: the request field at fault, if one is.
-      code: OpenAI's error code, if any (e.g. "model_not_found").
-    """
-
-    def __init__(self, status: int, message: str, param: str | None = None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict:
-        """The JSON error object."""
-        kind = (
-            "invalid_request_error" if self.status < 500 or self.status == 501 else "server_error"
-        )
-        return dict(error=dict(message=self.message, type=kind, param=self.param, code=self.code))
-
-
-# ------------------------------------------------------------------------ requests
 
 
 @dataclasses.dataclass
@@ -348,177 +309,6 @@ def _job_priority(body: dict, scheduling_policy: str) -> int:
     return priority
 
 
-def sampling_params(
-    body: dict,
-    *,
-    max_tokens,
-    logprobs,
-    vocab_size: int,
-    defaults: Mapping | None = None,
-    guided: StructuredOutputsParams | None = None,
-) -> SamplingParams:
-    """The request's SamplingParams (ApiError 400 naming the field and value); a field of
-    `SAMPLING_FIELDS` left out or null takes `defaults`' value, if it has one; `guided`:
-    its structured outputs (`structured_outputs`).
-
-    vLLM's `use_beam_search: true` is a beam search of width `n` answering its `n` best
-    beams (`beam_width=n`), with vLLM's `length_penalty`; as vLLM's, it takes none of
-    `defaults` (a checkpoint's top_p would refuse it) and ignores `temperature`. What
-    beam search refuses (stop strings, top_k, top_p, min_p, penalties, logit_bias, ...)
-    is a 400 naming the field, whatever `n`. `length_penalty` without it is a 400
-    (sampling has nothing to apply it to)."""
-    for name, bad, why in (
-        ("echo", bool(body.get("echo")), "echo=true is not supported (the prompt is not returned)"),
-        ("best_of", body.get("best_of") not in (None, 1), "best_of is not supported"),
-        ("suffix", body.get("suffix") is not None, "suffix is not supported"),
-        ("tools", bool(body.get("tools")), "tools (function calling) are not supported"),
-        ("functions", bool(body.get("functions")), "function calling is not supported"),
-    ):
-        if bad:
-            raise ApiError(400, f"{why}, got {name}={body.get(name)!r}", name)
-    beam = bool_field(body, "use_beam_search")
-    kw = {} if beam else {k: v for k, v in (defaults or {}).items() if k in SAMPLING_FIELDS}
-    kw.update((k, body[k]) for k in (*SAMPLING_FIELDS, "length_penalty") if body.get(k) is not None)
-    if kw.get("top_k") == -1:  # vLLM's "off"
-        kw["top_k"] = 0
-    stop = body.get("stop")
-    if stop is not None:
-        if not isinstance(stop, (str, list)):
-            raise ApiError(400, f"stop must be a string or a list of strings, got {stop!r}", "stop")
-        kw["stop"] = stop
-    ids = body.get("stop_token_ids")
-    if ids is not None:
-        if not isinstance(ids, list):
-            raise ApiError(
-                400, f"stop_token_ids must be a list of ints, got {ids!r}", "stop_token_ids"
-            )
-        outside = [t for t in ids if isinstance(t, int) and t >= vocab_size]
-        if outside:  # they could never stop anything
-            msg = f"stop_token_ids must be in [0, {vocab_size}), got {outside[:5]}"
-            raise ApiError(400, msg, "stop_token_ids")
-        kw["stop_token_ids"] = ids
-    allowed = body.get("allowed_token_ids")
-    if isinstance(allowed, list):  # (SamplingParams names what else is wrong with it)
-        outside = [t for t in allowed if isinstance(t, int) and t >= vocab_size]
-        if outside:
-            msg = f"allowed_token_ids must be in [0, {vocab_size}), got {outside[:5]}"
-            raise ApiError(400, msg, "allowed_token_ids")
-    bias = body.get("logit_bias")
-    if isinstance(bias, dict) and bias:  # JSON keys are strings; the engine wants ids
-        kw["logit_bias"] = {}
-        for key, value in bias.items():
-            t = int(key) if key.isdecimal() else -1  # isdigit: "²" too, which int() refuses
-            if not 0 <= t < vocab_size:
-                msg = f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}"
-                raise ApiError(400, msg, "logit_bias")
-            kw["logit_bias"][t] = value
-    elif bias not in (None, {}):
-        kw["logit_bias"] = bias  # SamplingParams says what is wrong with it
-    if guided is not None:
-        if beam:  # (SamplingParams' refusal names neither the field given nor n)
-            (name,) = _structured_fields(body)
-            msg = f"structured outputs are not supported with beam search, got {name}"
-            raise ApiError(400, f"{msg}={body[name]!r:.80}", name)
-        kw["structured_outputs"] = guided
-    if beam:
-        n = kw.get("n", 1)
-        # Checked as a search of width >= 2 even for n = 1, so what a search refuses is
-        # refused whatever n (an n that is no int >= 1 is named all the same).
-        is_int = isinstance(n, int) and not isinstance(n, bool)
-        kw["beam_width"] = n if is_int and n > 1 else 2
-    try:
-        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kw)
-    except (ValueError, TypeError) as e:
-        raise ApiError(400, str(e), _field_at_fault(str(e), kw)) from None
-    if beam and params.n == 1:
-        # vLLM runs a width-1 beam search, which follows the most likely token at every
-        # step as greedy decoding does (it differs where a stop token is the most likely:
-        # it keeps the runner-up going too, and answers whichever scores better). The
-        # engine's searches are of width >= 2, so n = 1 is greedy; length_penalty, which
-        # weighs beams of different lengths, is moot.
-        params = dataclasses.replace(params, beam_width=1, temperature=0.0, length_penalty=1.0)
-    return params
-
-
-_DEFAULT_PARAMS = SamplingParams()
-
-
-def _field_at_fault(message: str, kw: Mapping) -> str | None:
-    """The request field a SamplingParams error is about: of the fields its message names,
-    the first the request set to other than its default (beam search's refusals name
-    several: "top_k, top_p and min_p are not supported ..."), else the first named."""
-    names = [w for w in re.findall(r"\w+", message) if w in PARAM_FIELDS]
-    given = [x for x in names if x in kw and kw[x] != getattr(_DEFAULT_PARAMS, x)]
-    return (given or names or [None])[0]
-
-
-# vLLM's older request fields of structured outputs -> StructuredOutputsParams' fields.
-_GUIDED_FIELDS = {
-    "guided_json": "json",
-    "guided_regex": "regex",
-    "guided_choice": "choice",
-    "guided_grammar": "grammar",
-}
-
-
-def _structured_fields(body: dict) -> list[str]:
-    """The request's fields that ask for structured outputs (a valid request has one at
-    most; `response_format` `{"type": "text"}` asks for none)."""
-    return [
-        name
-        for name in ("response_format", "structured_outputs", *_GUIDED_FIELDS)
-        if body.get(name) is not None
-        and not (name == "response_format" and body[name] == {"type": "text"})
-    ]
-
-
-def structured_outputs(body: dict, tokenizer, vocab_size: int) -> StructuredOutputsParams | None:
-    """The request's structured outputs, from OpenAI's `response_format` ({"type":
-    "json_schema", "json_schema": {"schema": {...}}} or {"type": "json_object"};
-    {"type": "text"}: none), vLLM's `structured_outputs` object (StructuredOutputsParams'
-    fields) or its older `guided_json` / `guided_regex` / `guided_choice` fields (with
-    `guided_whitespace_pattern`); one of them at most. Compiled for `tokenizer` here
-    (the engine's compile of it is then cached), so that a spec too large, or a model
-    without a tokenizer, is a 400 naming the field."""
-    given = _structured_fields(body)
-    if not given:
-        return None
-    if len(given) > 1:
-        raise ApiError(400, f"give one of {', '.join(given)}, not several", given[1])
-    name, value = given[0], body[given[0]]
-    if name == "response_format":
-        kind = value.get("type") if isinstance(value, dict) else None
-        schema = value.get("json_schema") if kind == "json_schema" else None
-        if kind == "json_object":
-            fields = {"json_object": True}
-        elif isinstance(schema, dict) and isinstance(schema.get("schema"), dict):
-            fields = {"json": schema["schema"]}
-        else:
-            msg = (
-                'response_format must be {"type": "text"}, {"type": "json_object"} or '
-                '{"type": "json_schema", "json_schema": {"schema": {...}}}, got '
-                f"response_format={value!r:.100}"
-            )
-            raise ApiError(400, msg, name)
-    elif name == "structured_outputs":
-        if not isinstance(value, dict):
-            msg = f"structured_outputs must be an object, got structured_outputs={value!r:.80}"
-            raise ApiError(400, msg, name)
-        fields = value
-    else:
-        fields = {_GUIDED_FIELDS[name]: value}
-        if body.get("guided_whitespace_pattern") is not None:
-            fields["whitespace_pattern"] = body["guided_whitespace_pattern"]
-    try:
-        if tokenizer is None:
-            raise ValueError("structured outputs need a tokenizer; this model has none")
-        spec = StructuredOutputsParams(**fields)
-        compile_guide(spec, tokenizer, vocab_size)
-    except (ValueError, TypeError) as e:
-        raise ApiError(400, f"{name}: {e}", name) from None
-    return spec
-
-
 def check_model(body: dict, model_name: str, lora_names: Collection[str] = ()) -> str | None:
     """The body's `model` (None if left out or null), which must be `model_name` or one
     of `lora_names` (the served adapters'): a 404 for another name, as OpenAI and vLLM
@@ -613,24 +403,6 @@ def detokenize(body: dict, *, model_name: str, tokenizer, vocab_size: int, lora_
         msg = f"tokens must be in [0, {vocab_size}), got {outside[:5]}"
         raise ApiError(400, msg, "tokens")
     return dict(prompt=tokenizer.decode(ids, skip_special_tokens=False))
-
-
-def bool_field(body: dict, name: str) -> bool:
-    """`body[name]` if it is a boolean, False if absent or null (else ApiError 400)."""
-    v = body.get(name)
-    if v is not None and not isinstance(v, bool):
-        raise ApiError(400, f"{name} must be a boolean, got {name}={v!r}", name)
-    return bool(v)
-
-
-def int_field(body: dict, name: str, default):
-    """`body[name]` if it is an int, `default` if absent or null (else ApiError 400)."""
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise ApiError(400, f"{name} must be an int, got {name}={v!r}", name)
-    return v
 
 
 def completion_prompts(prompt) -> list:
