@@ -17,11 +17,14 @@ copy-on-write, prefix cache) plans them, `StepBatch` (`pagedjax.batch`) packs th
 the jitted `decode.prefill_step` / `decode.decode_step`, and `OutputProcessor`
 (`pagedjax.outputs`) applies their tokens (stop checks, logprobs, host-side beam search
 from `pagedjax.beam`), with the host's work overlapping the device's (`async_scheduling`,
-see `pagedjax.engine_core`). This module checks and queues requests and collects their
-outputs; also: the constructor's argument checks (`pagedjax.engine_args`), prompts,
-`generate`'s and `chat`'s arguments among them (`pagedjax.prompts`), metrics
-(`pagedjax.metrics`), request types (`pagedjax.request`), model loading and KV sizing
-(`pagedjax.resources`).
+see `pagedjax.engine_core`). This module builds the engine, checks and queues requests
+(`add_request`) and runs single steps (`step`); `LLM` inherits from mixins the
+whole-batch calls `generate`, `chat` and `beam_search`, which collect their requests'
+outputs (`pagedjax.engine_generate`), the calls on its weights (`pagedjax.weight_sync`)
+and the LoRA calls (`pagedjax.lora_engine`). Also: the constructor's argument checks
+(`pagedjax.engine_args`), prompts, `generate`'s and `chat`'s arguments among them
+(`pagedjax.prompts`), metrics (`pagedjax.metrics`), request types (`pagedjax.request`),
+model loading and KV sizing (`pagedjax.resources`).
 
 Failures: an exception escaping a step (a compile error, device OOM, KeyboardInterrupt,
 an `on_token` callback's) aborts the requests (`generate` on Ctrl-C: only its own; the
@@ -35,15 +38,12 @@ are reproducible whatever else runs in the batch and across preemptions.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
 from time import perf_counter
 
 import jax
 import numpy as np
 
-from pagedjax import beam_search as beam_api
 from pagedjax import decode, planner, sharding, weight_sync
 from pagedjax.batch import request_constraints
 from pagedjax.beam import BeamSearch
@@ -52,12 +52,13 @@ from pagedjax.blocks import BlockManager
 from pagedjax.config import CacheConfig
 from pagedjax.engine_args import check_engine_args, model_limits
 from pagedjax.engine_core import EngineCore
+from pagedjax.engine_generate import GenerateMixin
 from pagedjax.lora import LoRARequest
 from pagedjax.lora_engine import LoRAMixin, check_lora_args
 from pagedjax.metrics import EngineMetrics
 from pagedjax.outputs import OutputProcessor
 from pagedjax.prompts import _VLLM_CHAT_ONLY as _VLLM_CHAT_ONLY
-from pagedjax.prompts import chat_prompts, request_lists, salted_prompt
+from pagedjax.prompts import salted_prompt
 from pagedjax.request import (
     MAX_LOGPROBS,
     CompletionOutput,
@@ -90,7 +91,7 @@ __all__ = [
 _SEED_STRIDE = 0x9E3779B1
 
 
-class LLM(weight_sync.WeightsMixin, LoRAMixin):
+class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
     """Continuous-batching generation over a paged KV cache.
 
     Args:
@@ -273,11 +274,7 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin):
             on_finish=self._keep,
             lora=self._init_lora(enable_lora, max_loras, max_lora_rank, max_cpu_loras),
         )
-        self._outputs: dict[str, RequestOutput] = {}  # finished, for a running generate()
-        self._collect: set[str] = set()  # request ids a generate() call waits for
-        # Finished inside a generate() call but not its own (add_request's): step() returns them.
-        self._unclaimed: list[RequestOutput] = []
-        self._timing = False  # a _run_clock is counting
+        self._init_generate()  # (engine_generate.GenerateMixin)
         self._init_weights(params)  # (weight_sync.WeightsMixin)
         jax.block_until_ready(self.cache)
         self.metrics.load_time_s = perf_counter() - t0
@@ -435,198 +432,6 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin):
         """The KV cache (`pagedjax.cache.KVCache`): each step replaces it (donated)."""
         return self.core.cache
 
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        use_tqdm: bool = False,
-        on_step: Callable[[LLM], None] | None = None,
-        on_token: Callable[[str, int, int], None] | None = None,
-        priority: Sequence[int] | None = None,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-    ) -> list[RequestOutput]:
-        """Generates for every prompt; returns one `RequestOutput` per prompt, in order.
-
-        Requests queued with `add_request` run alongside; those that finish during the
-        call are returned by the next `step()`.
-
-        Args:
-          prompts: strings (needs a tokenizer) or token id lists, or vLLM's prompt
-            dicts: {"prompt": str} or {"prompt_token_ids": [ids]}, either with an optional
-            "cache_salt" (`request.unpack_prompt`; a dict is one prompt).
-          sampling_params: one for all prompts, or one per prompt (None:
-            `default_sampling_params()`).
-          use_tqdm: show a progress bar over requests.
-          on_step: called after every engine step with the engine (tests, monitoring;
-            it may call `abort`).
-          on_token: called as `on_token(request_id, completion_index, token_id)` for
-            each sampled token accepted (not for beam search).
-          priority: one int per prompt (lower first; `scheduling_policy="priority"`), or
-            None: all 0.
-          lora_request: the LoRA adapter of every prompt, or a list of one per prompt
-            (None: the base model); needs `enable_lora`.
-
-        Raises:
-          ValueError, TypeError: a prompt, its sampling params or its priority are refused
-            (named by index), or `priority` is not a list as long as `prompts`; no prompt
-            of the call is queued then.
-          The exception of a failed step (a compile error, device OOM, an exception in
-          `on_token` or `on_step`, KeyboardInterrupt), unchanged, once the engine is
-          usable again (see `step`). A KeyboardInterrupt aborts only the requests of this
-          call: requests queued with `add_request` wait again (recomputed from their
-          prompt and the tokens they had, with the same outputs). Any other exception
-          in a step aborts every request (it may be theirs: an OOM from the batch they
-          share); one raised between steps (`on_step`) aborts this call's requests.
-        """
-        prompts, params = request_lists(prompts, sampling_params, self.default_sampling_params)
-        if priority is None:
-            priority = [0] * len(prompts)
-        elif isinstance(priority, (str, bytes, Mapping)) or not isinstance(priority, Iterable):
-            msg = f"priority must be a list of ints, one per prompt, or None, got {priority!r:.80}"
-            raise TypeError(msg)
-        priority = list(priority)
-        if len(priority) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
-        loras = self._per_prompt_loras(lora_request, len(prompts))
-        encoded = []
-        for i, p in enumerate(prompts):  # validate all before queueing any
-            try:
-                text, ids, sp = self._encode(p, params[i])
-                prio = self.scheduler.check_priority(priority[i])
-                self._lora_id(loras[i])  # (its adapter read now, if new)
-            except (ValueError, TypeError) as e:
-                raise type(e)(f"prompt {i}: {e}") from None
-            if sp.output_kind != RequestOutputKind.FINAL_ONLY:  # (whole outputs, as vLLM's)
-                sp = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
-            encoded.append((text, ids, sp, prio, loras[i]))
-        ids = []
-        rng_state = self._rng.bit_generator.state
-        try:  # all or none: a request refused while queueing unqueues the ones before it
-            for *req, prio, lr in encoded:
-                ids.append(self._add(*req, None, prio, lr))
-        except BaseException as e:
-            for i in ids:
-                self.abort(i)
-            self._rng.bit_generator.state = rng_state  # and gives back their seeds
-            if isinstance(e, (ValueError, TypeError)):
-                raise type(e)(f"prompt {len(ids)}: {e}") from None
-            raise
-        self._collect.update(ids)
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(ids), desc="requests", unit="req")
-        mine = set(ids)
-        try:
-            with self._run_clock():
-                while not mine.issubset(self._outputs) and self.core.busy:
-                    done = self._claim(self.core.step(on_token, mine))
-                    if bar is not None:
-                        bar.update(sum(o.request_id in mine for o in done))
-                    if on_step is not None:
-                        on_step(self)
-                while self.core.inflight is not None and not self.scheduler.has_unfinished():
-                    self._claim(self.core.step(on_token, mine))  # nothing left: the last step
-            return [self._outputs.pop(i) for i in ids]
-        except BaseException:
-            for i in ids:  # a failed step aborted them already; not an on_step error
-                if self.scheduler.get(i) is not None:
-                    self.abort(i)
-            raise
-        finally:
-            self._collect.difference_update(ids)
-            for i in ids:
-                self._outputs.pop(i, None)
-            if bar is not None:
-                bar.close()
-
-    def chat(
-        self,
-        messages: Sequence[Mapping] | Sequence[Sequence[Mapping]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        add_generation_prompt: bool = True,
-        use_tqdm: bool = False,
-        chat_template: str | None = None,
-        chat_template_kwargs: Mapping | None = None,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-        **template_vars,
-    ) -> list[RequestOutput]:
-        """Replies to conversations, rendered with the tokenizer's chat template.
-
-        Args:
-          messages: one conversation (a list of `{"role": str, "content": str}` dicts)
-            or a list of conversations.
-          sampling_params: as for `generate`.
-          add_generation_prompt: end each with the header that opens the assistant's turn.
-          use_tqdm: as for `generate`.
-          chat_template: a Jinja template to use instead of the tokenizer's (as vLLM's).
-          chat_template_kwargs: more template variables, as a dict (as vLLM's); merged
-            with `template_vars`, which win.
-          lora_request: as for `generate`.
-          **template_vars: more template variables (`tools`, `date_string`,
-            `continue_final_message`, ...). vLLM's `mm_processor_kwargs` is refused
-            (TypeError), not taken as a variable.
-
-        Returns:
-          One `RequestOutput` per conversation, in order; its `prompt` is the rendered text.
-
-        Raises:
-          ValueError: no tokenizer or no chat template, bad messages (naming the
-            conversation), a `chat_template` that does not parse, or the template
-            rejected them.
-          TypeError: a vLLM argument this engine does not support (see above),
-            `chat_template` not a str, or `chat_template_kwargs` not a dict.
-          ImportError: jinja2 is missing (the `chat` extra).
-          Anything `generate` raises (a failed step, KeyboardInterrupt), as it does.
-        """
-        texts, ids = chat_prompts(
-            self.tokenizer,
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template,
-            chat_template_kwargs=chat_template_kwargs,
-            template_vars=template_vars,
-        )
-        outs = self.generate(ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
-        return [dataclasses.replace(o, prompt=t) for o, t in zip(outs, texts, strict=True)]
-
-    def beam_search(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        params: BeamSearchParams,
-        *,
-        use_tqdm: bool = False,
-        concurrency_limit: int | None = None,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-    ) -> list[BeamSearchOutput]:
-        """vLLM's `LLM.beam_search` (`pagedjax.beam_search`): per prompt, a
-        `BeamSearchOutput` of its `params.beam_width` best sequences (prompt ids and
-        generated ids, text, cumulative logprob, per-token logprobs), best first, from
-        the engine's beam search (`SamplingParams(beam_width=W, n=W)`).
-
-        Args:
-          prompts: as for `generate`.
-          params: a `BeamSearchParams`.
-          use_tqdm: as for `generate`.
-          concurrency_limit: run the prompts this many at a time (None: all at once).
-          lora_request: as for `generate`.
-
-        Raises:
-          TypeError: `params` is not a BeamSearchParams.
-          ValueError: a bad `concurrency_limit`; anything `generate` raises.
-        """
-        return beam_api.beam_search(
-            self,
-            prompts,
-            params,
-            use_tqdm=use_tqdm,
-            concurrency_limit=concurrency_limit,
-            lora_request=lora_request,
-        )
-
     def summary(self) -> dict:
         """The run's metrics (`pagedjax.metrics.SUMMARY_KEYS`)."""
         return self.metrics.summary(
@@ -660,29 +465,6 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin):
             finished = self.core.step(on_token)
         unclaimed, self._unclaimed = self._unclaimed, []
         return unclaimed + finished
-
-    @contextlib.contextmanager
-    def _run_clock(self):
-        """Adds the block's wall time to `metrics.run_time_s`, unless an enclosing block
-        (a `generate` whose `on_step` calls `step` or `generate`) already counts it."""
-        outer, self._timing = not self._timing, True
-        t0 = perf_counter()
-        try:
-            yield
-        finally:
-            if outer:
-                self._timing = False
-                self.metrics.run_time_s += perf_counter() - t0
-
-    def _claim(self, finished: list[RequestOutput]) -> list[RequestOutput]:
-        """`finished` (a step's, inside `generate`); keeps those of requests that no
-        `generate` call collects for the next `step()`."""
-        self._unclaimed += [o for o in finished if o.request_id not in self._collect]
-        return finished
-
-    def _keep(self, out: RequestOutput) -> None:
-        if out.request_id in self._collect:
-            self._outputs[out.request_id] = out
 
     def _text(self, ids: list[int], prompt_ids: list[int], skip_special_tokens: bool) -> str:
         """The text of generated `ids`, read after their prompt ("" without a tokenizer)."""
