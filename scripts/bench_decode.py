@@ -46,7 +46,6 @@ they run the same batch (`tokens_match`, the fraction of equal tokens).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -61,7 +60,7 @@ import workloads  # noqa: E402
 
 from pagedjax import decode, planner  # noqa: E402
 from pagedjax import model as model_lib  # noqa: E402
-from pagedjax.config import PRESETS, preset  # noqa: E402
+from pagedjax.config import PRESETS  # noqa: E402
 from pagedjax.engine import LLM, SamplingParams  # noqa: E402
 from pagedjax.resources import BACKENDS  # noqa: E402
 
@@ -366,11 +365,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
-    cfg = preset(args.model)
-    if args.dtype:
-        cfg = dataclasses.replace(cfg, dtype=args.dtype)
-    if cfg.max_position_embeddings < args.max_seq_len:
-        cfg = dataclasses.replace(cfg, max_position_embeddings=args.max_seq_len)
+    cfg = workloads.preset_config(args.model, dtype=args.dtype, min_positions=args.max_seq_len)
     params = model_lib.init_params(cfg, args.seed)
     ps = args.page_size
     num_pages = args.kv_budget_tokens // ps

@@ -25,7 +25,6 @@ over S*R columns per projection, whose share of a step depends on the hardware.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import tempfile
@@ -38,10 +37,11 @@ from safetensors.numpy import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode  # noqa: E402
+import workloads  # noqa: E402
 
 from pagedjax import lora  # noqa: E402
 from pagedjax import model as model_lib  # noqa: E402
-from pagedjax.config import PRESETS, preset  # noqa: E402
+from pagedjax.config import PRESETS  # noqa: E402
 from pagedjax.engine import LLM, SamplingParams  # noqa: E402
 from pagedjax.resources import BACKENDS  # noqa: E402
 
@@ -95,12 +95,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
-    cfg = preset(args.model)
-    if args.dtype:
-        cfg = dataclasses.replace(cfg, dtype=args.dtype)
     seq_len = args.prompt_len + args.gen_len
-    if cfg.max_position_embeddings < seq_len:
-        cfg = dataclasses.replace(cfg, max_position_embeddings=seq_len)
+    cfg = workloads.preset_config(args.model, dtype=args.dtype, min_positions=seq_len)
     params = model_lib.init_params(cfg, args.seed)
     top = max(args.batch)
     geometry = dict(

@@ -45,7 +45,6 @@ when its context fits the prompt.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import statistics
@@ -60,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads  # noqa: E402
 
 from pagedjax import decode, planner  # noqa: E402
-from pagedjax.config import PRESETS, preset  # noqa: E402
+from pagedjax.config import PRESETS  # noqa: E402
 from pagedjax.engine import LLM, SamplingParams  # noqa: E402
 from pagedjax.resources import BACKENDS  # noqa: E402
 
@@ -96,10 +95,8 @@ def build_llm(args) -> LLM:
                 "lower --system-tokens"
             )
         return llm
-    cfg = preset(args.model)
     max_len = max(args.max_model_len, need)
-    if cfg.max_position_embeddings < max_len:
-        cfg = dataclasses.replace(cfg, max_position_embeddings=max_len)
+    cfg = workloads.preset_config(args.model, min_positions=max_len)
     return LLM(cfg, max_model_len=max_len, **common)
 
 

@@ -41,6 +41,7 @@ import numpy as np
 
 __all__ = [
     "Request",
+    "preset_config",
     "WORKLOADS",
     "make_workload",
     "chat_conversations",
@@ -261,6 +262,20 @@ def environment() -> dict:
     if hasattr(os, "getloadavg"):
         env["load_avg_1m"] = round(os.getloadavg()[0], 2)
     return env
+
+
+def preset_config(name: str, *, dtype: str | None = None, min_positions: int = 0):
+    """The preset `name` (`pagedjax.config.PRESETS`) in `dtype` (None: its own), with
+    max_position_embeddings raised to `min_positions` where it is smaller, so that a
+    benchmark's sequences fit whatever the preset's context."""
+    from pagedjax.config import preset
+
+    cfg = preset(name)
+    if dtype:
+        cfg = dataclasses.replace(cfg, dtype=dtype)
+    if cfg.max_position_embeddings < min_positions:
+        cfg = dataclasses.replace(cfg, max_position_embeddings=min_positions)
+    return cfg
 
 
 def make_plot_dir(parser, args) -> None:
