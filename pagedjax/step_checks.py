@@ -15,6 +15,7 @@ the model's config and mesh, and none of the step's math.
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from pagedjax import cache as cache_lib
 from pagedjax import model as model_lib
@@ -179,8 +180,8 @@ def check_lora(params, inp: StepInput, lora) -> None:
             )
     slots = inp.lora_slots
     if slots is not None and not isinstance(slots, jax.core.Tracer):
-        top = int(jax.device_get(slots).max(initial=0))
-        low = int(jax.device_get(slots).min(initial=0))
+        slots = np.asarray(jax.device_get(slots))
+        top, low = int(slots.max(initial=0)), int(slots.min(initial=0))
         if low < 0 or top > lora.num_slots:
             bad = low if low < 0 else top
             raise ValueError(
