@@ -342,7 +342,7 @@ class EngineCore:
     def _batch(self, plan: StepPlan) -> StepBatch:
         cc = self.cache_config
         slots = None
-        ids = {r.group.lora_id for r in plan.rows} - {0}
+        ids = set() if self.lora is None else {r.group.lora_id for r in plan.rows} - {0}
         if ids:  # (a step with no adapter runs the base model's program: no LoRA cost)
             slots = self.lora.prepare(ids)
         return StepBatch(
