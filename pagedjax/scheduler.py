@@ -426,7 +426,8 @@ class Scheduler:
                     budget -= self._prefill_chunk(plan, g, s, budget)
 
         seats = sum(g.seats for g in self.running)
-        loras = {g.lora_id for g in self.running} - {0}
+        # The adapters running, where their number is limited.
+        loras = set() if self.max_loras is None else {g.lora_id for g in self.running} - {0}
         while self.waiting and budget > 0:
             g = self.waiting[0]
             if seats + g.seats > self.max_num_seqs or id(g) in preempted:
