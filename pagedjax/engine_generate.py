@@ -19,16 +19,13 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from time import perf_counter
-from typing import TYPE_CHECKING
+from typing import Self
 
 from pagedjax import beam_search as beam_api
 from pagedjax.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedjax.lora import LoRARequest
 from pagedjax.prompts import chat_prompts, request_lists
 from pagedjax.request import Prompt, RequestOutput, RequestOutputKind, SamplingParams
-
-if TYPE_CHECKING:
-    from pagedjax.engine import LLM
 
 __all__ = ["GenerateMixin"]
 
@@ -54,7 +51,7 @@ class GenerateMixin:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
-        on_step: Callable[[LLM], None] | None = None,
+        on_step: Callable[[Self], None] | None = None,
         on_token: Callable[[str, int, int], None] | None = None,
         priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
