@@ -367,6 +367,21 @@ class BlockManager(SeqTables):
                 raise InvalidArgument(f"pages {bad[:5]} are outside [0, {self.num_pages})")
         return self._pool.uncache(todo)
 
+    def stop_caching(self) -> int:
+        """Registers no further page of the sequences held now, for good: their K/V was
+        computed by weights that are no longer the model's (`LLM.update_params` while
+        requests keep their pages), so the pages they fill from here on hold K/V no new
+        request may reuse. Pages they already registered stay cached; ``uncache`` them.
+
+        Returns:
+            How many sequences would have gone on caching.
+        """
+        n = 0
+        for s in self._seqs.values():
+            n += s.chain.hash is not None
+            s.chain.hash = None
+        return n
+
     # --------------------------------------------------------------- internals
 
     def _check_prompt_len(self, n: int) -> None:

@@ -119,6 +119,8 @@ class EngineCore:
         # Outputs of requests that finished in a step that then failed (an `on_token`
         # callback raised while applying its tokens): the next step returns them first.
         self._carried: list[RequestOutput] = []
+        # `LLM.pause_generation` until `resume_generation`: steps schedule nothing.
+        self.paused = False
 
     @property
     def busy(self) -> bool:
@@ -161,6 +163,8 @@ class EngineCore:
         propagates unchanged, with a note. On a KeyboardInterrupt, recovery aborts only
         the requests in `only` (None: all) and requeues the others.
         """
+        if self.paused:  # (`pause_generation` completed the step in flight)
+            return self._with_carried([])
         plan = None
         sent = False  # whether `plan`'s step was dispatched (its K/V writes will happen)
         try:
@@ -207,6 +211,28 @@ class EngineCore:
         self.metrics.record(rec, rec.num_compilations)
         self.inflight = (plan, leaves, rec)
         return self._with_carried(finished)
+
+    def drain(self) -> list[RequestOutput]:
+        """Completes the step in flight, if any, and applies its tokens; returns what the
+        next `step` would have returned for it. Afterwards no step is open or in flight."""
+        prev, self.inflight = self.inflight, None
+        if prev is None:
+            return self._with_carried([])
+        try:
+            finished, _, _ = self._complete(prev, None)
+        except BaseException as e:
+            self._recover(e, prev[0], True, None)
+            raise
+        return self._with_carried(finished)
+
+    def requeue_all(self) -> None:
+        """Preempts every running request (`Scheduler.recover` keeping all): the block
+        manager holds no sequence, and each request waits to be recomputed from its
+        prompt and the tokens it generated. No step may be in flight (`drain`)."""
+        if self.inflight is not None:
+            raise RuntimeError("requeue_all() with a step in flight: drain() first")
+        aborted = self.scheduler.recover(lambda g: True)
+        assert not aborted, aborted
 
     def _with_carried(self, finished: list[RequestOutput]) -> list[RequestOutput]:
         carried, self._carried = self._carried, []

@@ -88,7 +88,13 @@ class GenerateMixin:
           prompt and the tokens they had, with the same outputs). Any other exception
           in a step aborts every request (it may be theirs: an OOM from the batch they
           share); one raised between steps (`on_step`) aborts this call's requests.
+          RuntimeError: the engine is paused (`pause_generation`), or `on_step` paused
+            it (this call's requests are aborted then).
         """
+        if self.core.paused:
+            raise RuntimeError(
+                "the engine is paused (pause_generation()): resume_generation() first"
+            )
         prompts, params = request_lists(prompts, sampling_params, self.default_sampling_params)
         if priority is None:
             priority = [0] * len(prompts)
@@ -137,6 +143,11 @@ class GenerateMixin:
                         bar.update(sum(o.request_id in mine for o in done))
                     if on_step is not None:
                         on_step(self)
+                    if self.core.paused:
+                        raise RuntimeError(
+                            "pause_generation() was called inside generate(): its "
+                            "requests are aborted"
+                        )
                 while self.core.inflight is not None and not self.scheduler.has_unfinished():
                     self._claim(self.core.step(on_token, mine))  # nothing left: the last step
             return [self._outputs.pop(i) for i in ids]

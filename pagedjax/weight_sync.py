@@ -10,6 +10,12 @@ An RL loop alternates generating rollouts with the current policy and training i
         llm.update_params(state.params)     # no reload, no recompile
         llm.wake_up()                       # a new KV cache
 
+An asynchronous loop, whose rollouts run across policy updates, pauses the engine
+instead of waiting for it to be idle (vLLM's `pause_generation`): `pause_generation(
+mode="keep")` completes the step in flight and keeps the unfinished requests (by
+default recomputed after the pause, their K/V freed), `update_params` (and `sleep`,
+`wake_up`) run, and `resume_generation` goes on.
+
 `LLM` (`pagedjax.engine`) inherits those calls from `WeightsMixin` here (kept out of
 the engine's module, which is long enough). `update_params` calls `place_params`: the
 new weights must be the same parameters (dotted paths, `model.params_to_flat`'s) with
@@ -32,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from pagedjax import model as model_lib
+from pagedjax.request import RequestOutput
 
 __all__ = ["WeightsMixin", "place_params", "template", "to_host"]
 
@@ -169,18 +176,26 @@ class WeightsMixin:
         The prefix cache is cleared: its pages hold K/V that the old weights computed.
         After `sleep(level=2)` this is how the engine gets weights again.
 
+        While the engine is paused (`pause_generation`), requests it kept may be
+        unfinished: they go on with the new weights when `resume_generation` is called.
+        Those that kept their K/V (`clear_cache=False`) attend to what the old weights
+        computed, and none of their pages enters the prefix cache from then on.
+
         Raises:
-          RuntimeError: requests are unfinished (queued, running or in flight): they
-            would mix the two models. Finish or abort them first.
+          RuntimeError: requests are unfinished (queued, running or in flight) and the
+            engine is not paused: they would mix the two models. Finish or abort them,
+            or `pause_generation(mode="keep")` first.
           TypeError, ValueError: `params` is not one of those kinds, or a parameter is
             missing, unexpected, of another shape, not floating point or deleted (each
             named); the engine keeps the weights it had.
         """
-        self._check_idle("update_params")
+        if not self.core.paused:
+            self._check_idle("update_params")
         new = place_params(self._template, params)
         self.params = self.core.params = new
         self._weights_dropped = self._weights_offloaded = False
         self.block_manager.uncache()
+        self.block_manager.stop_caching()  # (sequences a pause kept with their K/V)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prompt page (vLLM's `reset_prefix_cache`): True, or False
@@ -199,13 +214,26 @@ class WeightsMixin:
         nothing else holds their arrays: `LLM(params)` keeps the arrays it is given,
         so a caller that keeps them too keeps that memory in use.
 
+        While the engine is paused (`pause_generation`), requests it kept may be queued,
+        as long as none holds K/V (`clear_cache=True`, the default): they are recomputed
+        after `wake_up` and `resume_generation`.
+
         Raises:
-          RuntimeError: requests are unfinished (finish or abort them first).
+          RuntimeError: requests are unfinished (finish or abort them first), or, on a
+            paused engine, hold K/V in the cache that sleep would delete.
           ValueError: `level` is not 1 or 2.
         """
         if type(level) is not int or level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level=}")
-        self._check_idle("sleep")
+        if not self.core.paused:
+            self._check_idle("sleep")
+        elif self.block_manager.stats().num_seqs:
+            n = len(self.scheduler.running)
+            raise RuntimeError(
+                f"sleep deletes the KV cache, and {n} requests the pause kept hold K/V in "
+                "it (pause_generation(clear_cache=False)): abort them, or pause with "
+                "clear_cache=True, which recomputes them after wake_up()"
+            )
         if not self._asleep:
             self.core.drop_cache()
             self._asleep = True
@@ -231,10 +259,82 @@ class WeightsMixin:
         self.core.new_cache()
         self._asleep = False
 
+    def pause_generation(
+        self, mode: str = "abort", clear_cache: bool = True
+    ) -> list[RequestOutput]:
+        """Stops generating until `resume_generation`, so that the weights can change in
+        the middle of requests (`update_params`, `sleep`): vLLM's `pause_generation`
+        for an asynchronous reinforcement-learning loop, whose rollouts run across
+        policy updates.
+
+        First the step in flight, if any, completes. Then, by `mode`:
+
+        - "abort" (vLLM's default): every unfinished request is aborted; its output,
+          finished with "abort", holds what it generated.
+        - "wait": steps run until every unfinished request has finished.
+        - "keep": unfinished requests stay, and go on after `resume_generation`.
+
+        While paused, `step()` does nothing and returns [] (outputs carried over from a
+        failed step aside); `add_request` queues, `abort` aborts; `generate`, `chat`
+        and `beam_search` raise. Pausing a paused engine pauses it again by `mode`.
+
+        Args:
+          mode: "abort", "wait" or "keep", as above.
+          clear_cache: True: the prefix cache is cleared, and requests kept running
+            give their pages back (preempted): after the pause each is recomputed from
+            its prompt and the tokens it generated, so all its K/V comes from the
+            weights of that time. False: kept requests keep their K/V, which later
+            tokens attend to (stale if `update_params` changes the weights; vLLM's
+            partial rollouts), and the prefix cache stays (`update_params` clears it).
+
+        Returns:
+          The outputs `step()` would have returned meanwhile: of the step in flight,
+          the aborted requests' ("abort"), or the finished ones' ("wait").
+
+        Raises:
+          ValueError: a bad `mode`; TypeError: `clear_cache` not a bool. Nothing
+            changed then.
+        """
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f'mode must be "abort", "wait" or "keep", got {mode!r}')
+        if not isinstance(clear_cache, bool):
+            raise TypeError(f"clear_cache must be a bool, got {clear_cache!r}")
+        self.core.paused = False
+        with self._run_clock():
+            outs, self._unclaimed = self._unclaimed + self.core.drain(), []
+        if mode == "wait":
+            while self.has_unfinished_requests():
+                outs += self.step()
+        elif mode == "abort":
+            groups = [*self.scheduler.running, *self.scheduler.waiting]
+            outs += [self.abort(i) for i in dict.fromkeys(g.request_id for g in groups)]
+        elif clear_cache and self.scheduler.running:
+            self.core.requeue_all()
+        self.core.paused = True
+        if clear_cache:
+            self.block_manager.uncache()
+        return outs
+
+    def resume_generation(self) -> None:
+        """Ends `pause_generation`: the next `step()` schedules the requests it kept and
+        any queued since (nothing if the engine is not paused).
+
+        Raises:
+          RuntimeError: the engine is asleep, or without weights (`sleep(level=2)`):
+            `wake_up()` or `update_params()` first. It stays paused then.
+        """
+        if self.core.paused:
+            self._check_ready()
+        self.core.paused = False
+
+    def is_paused(self) -> bool:
+        """Whether `pause_generation` paused the engine (until `resume_generation`)."""
+        return self.core.paused
+
     def _check_idle(self, what: str) -> None:
         if self.scheduler.has_unfinished() or self.core.inflight is not None:
             n = len(self.scheduler.running) + len(self.scheduler.waiting)
             raise RuntimeError(
                 f"{what} needs an engine with no unfinished request; {n} are queued or "
-                "running: finish or abort them first"
+                'running: finish or abort them first, or pause_generation(mode="keep")'
             )

@@ -42,8 +42,8 @@ def _python_blocks(text: str) -> list[str]:
 EXAMPLES = _python_blocks(_section("Use it from Python"))
 
 
-def test_the_section_has_four_examples():
-    assert len(EXAMPLES) == 4
+def test_the_section_has_five_examples():
+    assert len(EXAMPLES) == 5
 
 
 def test_engine_example_runs(capsys):
@@ -61,9 +61,20 @@ def test_weight_update_example_runs():
     assert len(namespace["outs"]) == 4 and not llm.has_unfinished_requests()
 
 
+def test_pause_example_runs():
+    """The in-flight update after the RL loop's example: the kept requests finish."""
+    namespace = {}
+    exec(compile(EXAMPLES[1], "README weight-update example", "exec"), namespace)
+    exec(compile(EXAMPLES[2], "README pause example", "exec"), namespace)
+    llm, done = namespace["llm"], namespace["done"]
+    assert sorted(o.request_id for o in done) == sorted(namespace["ids"])
+    assert all(o.finished and o.outputs[0].finish_reason != "abort" for o in done)
+    assert not llm.is_paused() and not llm.has_unfinished_requests()
+
+
 def test_functional_core_example_runs(capsys):
     namespace = {}
-    exec(compile(EXAMPLES[2], "README functional-core example", "exec"), namespace)
+    exec(compile(EXAMPLES[3], "README functional-core example", "exec"), namespace)
     assert len(namespace["tokens"]) == 12  # the prompt's first token, then 11 decode steps
     assert all(0 <= t < namespace["cfg"].vocab_size for t in namespace["tokens"])
 
@@ -95,7 +106,7 @@ def test_kernel_example_runs_and_matches_the_reference():
         query_start_loc=query_start_loc,
     )
     decode_q = namespace["q"]
-    block = EXAMPLES[3]
+    block = EXAMPLES[4]
     first, second = block.split("# q [T, H, D]")
     exec(compile(first, "README kernel example (decode)", "exec"), namespace)
     want = np.stack(
