@@ -13,11 +13,11 @@ are re-exported here.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pagedjax.guided import StructuredOutputsParams  # re-exported
+from pagedjax.lora import LoRARequest
 from pagedjax.prompts import (  # re-exported
     Prompt,
     check_truncation,
@@ -30,9 +30,6 @@ from pagedjax.sampling_params import (  # re-exported (_is_number: Logprob's che
     SamplingParams,
     _is_number,
 )
-
-if TYPE_CHECKING:
-    from pagedjax.lora import LoRARequest
 
 __all__ = [
     "MAX_LOGPROBS",
