@@ -212,14 +212,15 @@ class EngineCore:
         self.inflight = (plan, leaves, rec)
         return self._with_carried(finished)
 
-    def drain(self) -> list[RequestOutput]:
-        """Completes the step in flight, if any, and applies its tokens; returns what the
-        next `step` would have returned for it. Afterwards no step is open or in flight."""
+    def drain(self, on_token=None) -> list[RequestOutput]:
+        """Completes the step in flight, if any, and applies its tokens (`on_token` as
+        `step`'s); returns what the next `step` would have returned for it. Afterwards
+        no step is open or in flight."""
         prev, self.inflight = self.inflight, None
         if prev is None:
             return self._with_carried([])
         try:
-            finished, _, _ = self._complete(prev, None)
+            finished, _, _ = self._complete(prev, on_token)
         except BaseException as e:
             self._recover(e, prev[0], True, None)
             raise

@@ -260,7 +260,7 @@ class WeightsMixin:
         self._asleep = False
 
     def pause_generation(
-        self, mode: str = "abort", clear_cache: bool = True
+        self, mode: str = "abort", clear_cache: bool = True, *, on_token=None
     ) -> list[RequestOutput]:
         """Stops generating until `resume_generation`, so that the weights can change in
         the middle of requests (`update_params`, `sleep`): vLLM's `pause_generation`
@@ -286,25 +286,30 @@ class WeightsMixin:
             weights of that time. False: kept requests keep their K/V, which later
             tokens attend to (stale if `update_params` changes the weights; vLLM's
             partial rollouts), and the prefix cache stays (`update_params` clears it).
+          on_token: as `step`'s, for the tokens the pause applies (of the step in
+            flight, and with "wait" of the steps it runs).
 
         Returns:
           The outputs `step()` would have returned meanwhile: of the step in flight,
           the aborted requests' ("abort"), or the finished ones' ("wait").
 
         Raises:
-          ValueError: a bad `mode`; TypeError: `clear_cache` not a bool. Nothing
-            changed then.
+          ValueError: a bad `mode`; TypeError: `clear_cache` not a bool; RuntimeError:
+            "wait" on an engine that cannot run its requests (asleep, or without
+            weights). Nothing changed then.
         """
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f'mode must be "abort", "wait" or "keep", got {mode!r}')
         if not isinstance(clear_cache, bool):
             raise TypeError(f"clear_cache must be a bool, got {clear_cache!r}")
+        if mode == "wait" and self.scheduler.has_unfinished():
+            self._check_ready()  # (asleep with the requests a pause kept: nothing runs)
         self.core.paused = False
         with self._run_clock():
-            outs, self._unclaimed = self._unclaimed + self.core.drain(), []
+            outs, self._unclaimed = self._unclaimed + self.core.drain(on_token), []
         if mode == "wait":
             while self.has_unfinished_requests():
-                outs += self.step()
+                outs += self.step(on_token=on_token)
         elif mode == "abort":
             groups = [*self.scheduler.running, *self.scheduler.waiting]
             outs += [self.abort(i) for i in dict.fromkeys(g.request_id for g in groups)]

@@ -17,7 +17,8 @@ come first served; everything queued at once; no aborts) and under a stressed on
 to 8 seats in the same cache, so preemption; a budget of 1 to 16 tokens; prefix caching
 mostly on; async on or off; first come first served, or by priority with one drawn per
 request; staggered arrivals; aborts between steps and from `on_token`; with LoRA, 1 to
-3 adapter slots, so requests wait for one), twice on the
+3 adapter slots, so requests wait for one; in the pause tests, one `pause_generation`
+keeping or finishing the requests, with or without `update_params`), twice on the
 same engines (the second time from a warm prefix cache). The reference's own
 completions are held to the dense forward (no cache; with a request's adapter merged
 into the weights): cumulative logprobs, greedy argmax and prompt logprobs.
@@ -187,6 +188,17 @@ def workloads(draw, window_prob: bool = True):
     return window, requests, stressed, priorities
 
 
+def pauses():
+    """When the stressed engine pauses (`LLM.pause_generation`) and how: (step, mode,
+    clear_cache, whether `update_params` gives it its own weights meanwhile)."""
+    return st.tuples(
+        st.sampled_from([3, 1, 6, 10, 0]),
+        st.sampled_from(["keep", "wait"]),
+        st.sampled_from([True, False]),
+        st.sampled_from([True, False]),
+    )
+
+
 # ------------------------------------------------------------------ running
 
 
@@ -232,10 +244,11 @@ def whole(sp, outs, what):
     return dataclasses.replace(last, outputs=comps)
 
 
-def drive(llm, requests, *, staggered: bool, aborts: bool, priorities=None, loras=()):
+def drive(llm, requests, *, staggered: bool, aborts: bool, priorities=None, loras=(), pause=None):
     """Runs `requests` to the end, step by step (request i with priority `priorities[i]`,
-    None: all 0, and its adapter `loras[requests[i][4]]`); returns ({index:
-    RequestOutput}, {index: last output of an abort that took effect}), whole (`whole`)."""
+    None: all 0, and its adapter `loras[requests[i][4]]`; `pause`: see `workloads`);
+    returns ({index: RequestOutput}, {index: last output of an abort that took effect}),
+    whole (`whole`)."""
     ids: dict[int, str] = {}
     index: dict[str, int] = {}
     done: dict[int, object] = {}
@@ -272,7 +285,14 @@ def drive(llm, requests, *, staggered: bool, aborts: bool, priorities=None, lora
             for i, (_, _, arrival, a, _) in enumerate(requests):
                 if a is not None and a[0] == "step" and i in ids and step == arrival + a[1]:
                     abort(i)
-        for o in llm.step(on_token=on_token):
+        outs = []
+        if pause is not None and step == pause[0]:
+            outs = llm.pause_generation(pause[1], pause[2], on_token=on_token)
+            if pause[3]:
+                llm.update_params(llm.params)
+            assert llm.step() == []
+            llm.resume_generation()
+        for o in outs + llm.step(on_token=on_token):
             i = index[o.request_id]
             assert i not in done and i not in aborted, f"request {i} returned after its end"
             if o.finished:
@@ -365,7 +385,7 @@ def _check_against_dense(params, requests, want):
                 close(picked, best, f"{what}: greedy is not the argmax")
 
 
-def check_workload(models, workload):
+def check_workload(models, workload, pause=None):
     window, requests, stressed, priorities = workload
     params = models[window]
     loras = any(r[4] is not None for r in requests) or "max_loras" in stressed
@@ -376,7 +396,7 @@ def check_workload(models, workload):
         assert not none and ref.scheduler.num_preemptions == 0  # the reference is roomy
         check_against_dense(models, window, requests, want)
         got, aborted = drive(
-            llm, requests, staggered=True, aborts=True, priorities=priorities, **kw
+            llm, requests, staggered=True, aborts=True, priorities=priorities, pause=pause, **kw
         )
         check_outputs(requests, want, got, aborted)
     return llm
@@ -432,3 +452,20 @@ def test_outputs_do_not_depend_on_the_engine_config(models, workload):
 @given(workload=workloads())
 def test_outputs_do_not_depend_on_the_engine_config_slow(models, workload):
     check_workload(models, workload)
+
+
+# A pause keeping the requests (recomputed, or with their K/V), or finishing them, in
+# the middle of a workload, with or without `update_params` of the same weights.
+@seed(3)
+@settings(max_examples=2, phases=[Phase.generate], **FUZZ)
+@given(workload=workloads(window_prob=False), pause=pauses())
+def test_a_pause_does_not_change_the_outputs(models, workload, pause):
+    check_workload(models, workload, pause)
+
+
+@pytest.mark.slow
+@seed(4)
+@settings(max_examples=10, phases=[Phase.generate], **FUZZ)
+@given(workload=workloads(), pause=pauses())
+def test_a_pause_does_not_change_the_outputs_slow(models, workload, pause):
+    check_workload(models, workload, pause)

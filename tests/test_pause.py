@@ -167,7 +167,9 @@ def test_pause_sleep_update_wake_resume(old, new, dense):
     llm.sleep(level=2)
     with pytest.raises(RuntimeError, match="asleep"):
         llm.resume_generation()
-    assert llm.is_paused()
+    with pytest.raises(RuntimeError, match="asleep"):
+        llm.pause_generation(mode="wait")  # (its requests cannot run)
+    assert llm.is_paused() and len(llm.scheduler.waiting) == 2
     llm.update_params(new)
     llm.wake_up()
     llm.resume_generation()
@@ -224,3 +226,24 @@ def test_pausing_inside_generate_aborts_its_requests(old):
         llm.generate(PROMPTS, greedy(MAX_TOKENS), on_step=lambda e: e.pause_generation("keep"))
     assert llm.is_paused()
     check_clean(llm)
+
+
+def test_on_token_streams_the_tokens_the_pause_applies(old, dense):
+    """With async scheduling a step is in flight at the pause: its tokens reach the
+    pause's `on_token`, so a stream misses none."""
+    llm = LLM(old, async_scheduling=True, **GEOMETRY)
+    streamed: dict[str, list[int]] = {}
+
+    def on_token(rid, _index, token):
+        streamed.setdefault(rid, []).append(token)
+
+    ids = [llm.add_request(p, greedy(MAX_TOKENS)) for p in PROMPTS]
+    for _ in range(4):
+        llm.step(on_token=on_token)
+    assert llm.core.inflight is not None
+    llm.pause_generation(mode="keep", on_token=on_token)
+    assert [streamed[i] for i in ids] == [generated(llm, i) for i in ids]
+    llm.resume_generation()
+    while llm.has_unfinished_requests():
+        llm.step(on_token=on_token)
+    assert [streamed[i] for i in ids] == dense["old"].greedy(PROMPTS, MAX_TOKENS)
