@@ -47,6 +47,7 @@ import collections
 import dataclasses
 import itertools
 import math
+import time
 
 import numpy as np
 
@@ -58,6 +59,7 @@ __all__ = [
     "Histogram",
     "StepRecord",
     "percentile",
+    "lora_info",
     "prometheus_text",
 ]
 
@@ -313,18 +315,18 @@ def prometheus_text(llm, model_name: str | None = None) -> str:
     """An `LLM`'s live metrics in Prometheus' text format (version 0.0.4), as vLLM's
     `/metrics` gives them with the prefix "pagedjax:" for "vllm:" (and its `model_name`
     label when given): requests running and waiting, KV cache usage, token, request and
-    preemption counters since the engine started, and histograms of the finished
-    requests' TTFT and latency (vLLM's buckets). Call it where the engine is not
-    stepping (`EngineThread.call`)."""
+    preemption counters since the engine started, histograms of the finished
+    requests' TTFT and latency (vLLM's buckets), and with LoRA `lora_requests_info`
+    (`lora_info`). Call it where the engine is not stepping (`EngineThread.call`)."""
     m, bm = llm.metrics, llm.block_manager.stats()
     label = "" if model_name is None else f'model_name="{_escape(model_name)}"'
     out = []
 
-    def metric(name, kind, help_, samples):
+    def metric(name, kind, help_, samples, model_label=True):
         out.append(f"# HELP pagedjax:{name} {help_}")
         out.append(f"# TYPE pagedjax:{name} {kind}")
         for suffix, extra, value in samples:
-            labels = ",".join(x for x in (label, extra) if x)
+            labels = ",".join(x for x in (label if model_label else "", extra) if x)
             labels = f"{{{labels}}}" if labels else ""
             out.append(f"pagedjax:{name}{suffix}{labels} {float(value)!r}")
 
@@ -350,7 +352,26 @@ def prometheus_text(llm, model_name: str | None = None) -> str:
         metric(name, "counter", help_, [("", "", value)])
     histogram("time_to_first_token_seconds", "Time to the first token.", m.ttft_hist)
     histogram("e2e_request_latency_seconds", "Request latency.", m.latency_hist)
+    if llm.scheduler.max_loras is not None:  # (as vLLM's: no model name, the time as value)
+        info = ",".join(f'{k}="{_escape(v)}"' for k, v in lora_info(llm).items())
+        help_ = "LoRA adapters of the running and waiting requests."
+        metric("lora_requests_info", "gauge", help_, [("", info, time.time())], False)
     return "\n".join(out) + "\n"
+
+
+def lora_info(llm) -> dict[str, str]:
+    """vLLM's `lora_requests_info` labels: the slots (`max_lora`) and the names of the
+    adapters of the running and the waiting requests, sorted, comma-separated."""
+
+    def names(groups) -> str:
+        lr = (g.request.lora_request for g in groups)
+        return ",".join(sorted({r.lora_name for r in lr if r is not None}))
+
+    return {
+        "max_lora": str(llm.scheduler.max_loras),
+        "running_lora_adapters": names(llm.scheduler.running),
+        "waiting_lora_adapters": names(llm.scheduler.waiting),
+    }
 
 
 def _escape(value: str) -> str:

@@ -1,6 +1,7 @@
 """pagedjax.metrics: the run summary from random step records, against a hand computation."""
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -267,3 +268,43 @@ def test_prometheus_label_values_are_escaped():
     from pagedjax.metrics import _escape
 
     assert _escape('a"b\\c\nd') == 'a\\"b\\\\c\\nd'
+
+
+def test_prometheus_names_the_running_and_waiting_lora_adapters(tmp_path):
+    """vLLM's `lora_requests_info`: with one adapter slot, the second adapter's request
+    waits; an engine without LoRA has no such metric."""
+    from engine_helpers import GEOMETRY, TINY, greedy, random_params
+    from lora_helpers import write_peft
+
+    from pagedjax.engine import LLM
+    from pagedjax.lora import LoRARequest
+    from pagedjax.metrics import prometheus_text
+
+    params = random_params(0)
+    assert "lora" not in prometheus_text(LLM(params, **GEOMETRY), "m")
+    reqs = []
+    for i, name in enumerate(["sql-lora", 'a"q'], start=1):
+        write_peft(tmp_path / str(i), TINY, rank=2, seed=i)
+        reqs.append(LoRARequest(name, i, str(tmp_path / str(i))))
+    llm = LLM(params, enable_lora=True, max_loras=1, max_lora_rank=2, **GEOMETRY)
+    for r in [reqs[0], None, reqs[1], reqs[1]]:
+        llm.add_request([5, 6, 7], greedy(4), lora_request=r)
+    llm.step()
+    lines = [x for x in prometheus_text(llm, "m").splitlines() if "lora_requests_info" in x]
+    assert lines[:2] == [
+        "# HELP pagedjax:lora_requests_info LoRA adapters of the running and waiting requests.",
+        "# TYPE pagedjax:lora_requests_info gauge",
+    ]
+    labels, value = lines[2].rsplit(" ", 1)
+    assert labels == (
+        'pagedjax:lora_requests_info{max_lora="1",running_lora_adapters="sql-lora",'
+        'waiting_lora_adapters="a\\"q"}'
+    )
+    assert abs(float(value) - time.time()) < 60
+    while llm.has_unfinished_requests():
+        llm.step()
+    info = [x for x in prometheus_text(llm).splitlines() if x.startswith("pagedjax:lora")]
+    assert info[0].startswith(
+        'pagedjax:lora_requests_info{max_lora="1",running_lora_adapters="",'
+        'waiting_lora_adapters=""}'
+    )
