@@ -74,6 +74,7 @@ __all__ = [
     "LoRARequest",
     "LoRAWeights",
     "adapter_from_state",
+    "check_adapter",
     "create_lora_weights",
     "load_adapter",
     "merge_adapter",
@@ -101,6 +102,7 @@ _UNSUPPORTED = {  # adapter_config.json keys whose non-default values we cannot 
     "bias": ("none", None),
     "modules_to_save": (None, []),
 }
+_DEFAULT_ALPHA = 8  # PEFT's LoraConfig.lora_alpha, for a config without one
 
 
 @dataclass(frozen=True)
@@ -195,9 +197,21 @@ def _check_config(conf, file: str) -> dict:
             raise ValueError(
                 f"{file}: {key}={conf[key]!r} is not supported (LoRA adapters without it only)"
             )
-    alpha = conf.get("lora_alpha", conf.get("r", 8))
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise ValueError(f"{file}: lora_alpha must be a positive number, got {alpha!r}")
+    alphas = [("lora_alpha", conf.get("lora_alpha", _DEFAULT_ALPHA))]
+    patterns = conf.get("alpha_pattern") or {}
+    if not isinstance(patterns, Mapping):
+        raise ValueError(f"{file}: alpha_pattern must be an object, got {patterns!r:.80}")
+    for pattern, alpha in patterns.items():
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as e:
+            raise ValueError(
+                f"{file}: alpha_pattern key {pattern!r} is not a regex ({e})"
+            ) from None
+        alphas.append((f"alpha_pattern[{pattern!r}]", alpha))
+    for name, alpha in alphas:
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+            raise ValueError(f"{file}: {name} must be a positive number, got {alpha!r}")
     return conf
 
 
@@ -209,7 +223,7 @@ def _alpha(conf: dict, layer: int, module: str) -> float:
     for pattern, value in (conf.get("alpha_pattern") or {}).items():
         if re.match(rf"(.*\.)?({pattern})$", name):
             return float(value)
-    return float(conf.get("lora_alpha", conf.get("r", 8)))
+    return float(conf.get("lora_alpha", _DEFAULT_ALPHA))
 
 
 def load_adapter(path, cfg: ModelConfig, *, max_rank: int | None = None) -> LoRAAdapter:
@@ -231,7 +245,7 @@ def load_adapter(path, cfg: ModelConfig, *, max_rank: int | None = None) -> LoRA
         adapter_model.safetensors in it.
       ValueError: naming the tensor, key or value the engine cannot serve.
     """
-    from pagedjax.weights import _read_header, _read_tensor  # (weights imports jax-heavy bits)
+    from pagedjax.weights import _ST_DTYPES, _read_header, _read_tensor  # (jax-heavy bits)
 
     root = Path(path)
     if not root.is_dir():
@@ -247,8 +261,14 @@ def load_adapter(path, cfg: ModelConfig, *, max_rank: int | None = None) -> LoRA
     infos = _read_header(file)
     shapes = {name: info.shape for name, info in infos.items()}
     pairs, rank = _layout(shapes, cfg, str(file), max_rank, str(root))
+    for name, info in infos.items():
+        if info.dtype not in _ST_DTYPES:
+            raise ValueError(
+                f"{file}: tensor {name!r} has dtype {info.dtype}: LoRA weights must be "
+                f"floating point ({', '.join(_ST_DTYPES)})"
+            )
     with open(file, "rb") as f:
-        weights = _fold(conf, pairs, lambda name: _read_tensor(f, infos[name]))
+        weights = _fold(conf, pairs, lambda name: _read_tensor(f, infos[name]), str(file))
     return LoRAAdapter(weights, rank, str(root))
 
 
@@ -264,9 +284,19 @@ def adapter_from_state(
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict of arrays, got {type(state).__name__}")
     conf = _check_config(config, "the adapter config")
+    where = "the adapter state"
     shapes = {name: tuple(np.shape(x)) for name, x in state.items()}
-    pairs, rank = _layout(shapes, cfg, "the adapter state", max_rank, "the adapter")
-    return LoRAAdapter(_fold(conf, pairs, lambda name: np.asarray(state[name])), rank)
+    pairs, rank = _layout(shapes, cfg, where, max_rank, "the adapter")
+    for name, x in state.items():
+        try:
+            dtype = np.dtype(x.dtype)
+        except (AttributeError, TypeError):  # a list, a torch tensor
+            dtype = np.asarray(x).dtype
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                f"{where}: tensor {name!r} has dtype {dtype}: LoRA weights must be floating point"
+            )
+    return LoRAAdapter(_fold(conf, pairs, lambda name: np.asarray(state[name]), where), rank)
 
 
 def _layout(shapes: Mapping[str, tuple], cfg, where: str, max_rank, what: str):
@@ -274,7 +304,7 @@ def _layout(shapes: Mapping[str, tuple], cfg, where: str, max_rank, what: str):
     ({(layer, module): {"A": name, "B": name}}, rank)."""
     pairs: dict[tuple[int, str], dict[str, str]] = {}
     for name in shapes:
-        m = _KEY.fullmatch(name)
+        m = _KEY.fullmatch(name) if isinstance(name, str) else None
         if m is None or TARGET_MODULES.get(m[3]) != m[2]:
             raise ValueError(
                 f"{where}: tensor {name!r} is not a LoRA A/B weight of a supported module "
@@ -284,7 +314,12 @@ def _layout(shapes: Mapping[str, tuple], cfg, where: str, max_rank, what: str):
         layer = int(m[1])
         if layer >= cfg.num_layers:
             raise ValueError(f"{where}: {name}: layer {layer} >= the model's {cfg.num_layers}")
-        pairs.setdefault((layer, m[3]), {})[m[4]] = name
+        ab = pairs.setdefault((layer, m[3]), {})
+        if m[4] in ab:  # with and without PEFT's prefix: which one is meant?
+            raise ValueError(
+                f"{where}: {name!r} and {ab[m[4]]!r} are both layer {layer} {m[3]}'s lora_{m[4]}"
+            )
+        ab[m[4]] = name
     if not pairs:
         raise ValueError(f"{where} holds no LoRA weights")
     rank = 0
@@ -309,7 +344,9 @@ def _layout(shapes: Mapping[str, tuple], cfg, where: str, max_rank, what: str):
     return pairs, rank
 
 
-def _fold(conf: dict, pairs, read) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
+def _fold(
+    conf: dict, pairs, read, where: str
+) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
     """Each module's (a [in, r], b [r, out] * scaling) in float32; `read(name)` gives a
     tensor."""
     weights = {}
@@ -317,12 +354,58 @@ def _fold(conf: dict, pairs, read) -> dict[tuple[int, str], tuple[np.ndarray, np
         a = np.asarray(read(ab["A"]), np.float32)  # [r, in]
         b = np.asarray(read(ab["B"]), np.float32)  # [out, r]
         if not (np.isfinite(a).all() and np.isfinite(b).all()):
-            raise ValueError(f"LoRA weights of layer {layer} {module} are not all finite")
+            raise ValueError(f"{where}: LoRA weights of layer {layer} {module} are not all finite")
         r = a.shape[0]
         alpha = _alpha(conf, layer, module)
         scaling = alpha / math.sqrt(r) if conf.get("use_rslora") else alpha / r
         weights[layer, module] = (np.ascontiguousarray(a.T), np.ascontiguousarray(b.T * scaling))
     return weights
+
+
+def check_adapter(
+    adapter: LoRAAdapter, cfg: ModelConfig, *, max_rank: int | None = None, what: str = ""
+) -> None:
+    """Checks that an adapter (one built in memory, perhaps for another model) fits a
+    model of `cfg`, as `load_adapter` checks a directory: each (layer, module) exists in
+    the model, its (a, b) are `[in, r]` and `[r, out]` with the module's dimensions, and
+    `adapter.rank` is the largest r (at most `max_rank`). `what` names it in the messages.
+
+    Raises:
+      TypeError: not a LoRAAdapter.
+      ValueError: naming the first weights that do not fit.
+    """
+    if not isinstance(adapter, LoRAAdapter):
+        raise TypeError(f"adapter must be a pagedjax.lora.LoRAAdapter, got {adapter!r:.80}")
+    name = f"LoRA adapter {what}".rstrip()
+    if not adapter.weights:
+        raise ValueError(f"{name} holds no weights")
+    rank = 0
+    for key, ab in adapter.weights.items():
+        layer, module = key if isinstance(key, tuple) and len(key) == 2 else (None, None)
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise ValueError(f"{name}: weights key {key!r} is not (layer, module)")
+        if not isinstance(ab, tuple) or len(ab) != 2:
+            raise ValueError(f"{name}: weights[{key!r}] must be a tuple (a, b)")
+        a, b = ab
+        if module not in TARGET_MODULES:
+            raise ValueError(f"{name}: {module!r} is not a LoRA target module")
+        at = f"{name}: layer {layer} {module}"
+        if not 0 <= layer < cfg.num_layers:
+            raise ValueError(f"{at}: layer {layer} is not in the model's {cfg.num_layers} layers")
+        n_in, n_out = module_dims(cfg, module)
+        sa, sb = np.shape(a), np.shape(b)
+        if len(sa) != 2 or len(sb) != 2 or (sa[0], sb[1]) != (n_in, n_out) or sa[1] != sb[0]:
+            raise ValueError(
+                f"{at}: a {list(sa)} and b {list(sb)} do not fit the model's {module} "
+                f"({n_in} in, {n_out} out): expected [{n_in}, r] and [r, {n_out}]"
+            )
+        if sa[1] < 1:
+            raise ValueError(f"{at}: rank 0")
+        rank = max(rank, sa[1])
+    if adapter.rank != rank:
+        raise ValueError(f"{name} has rank={adapter.rank}, but its modules' largest rank is {rank}")
+    if max_rank is not None and rank > max_rank:
+        raise ValueError(f"{name} has rank {rank} > max_lora_rank={max_rank} (raise max_lora_rank)")
 
 
 # ----------------------------------------------------------------------------- device
@@ -428,9 +511,11 @@ def write_slot(weights: LoRAWeights, slot: int, adapter: LoRAAdapter | None) -> 
 
 def merge_adapter(params, adapter: LoRAAdapter):
     """`params` with the adapter folded into its kernels (`W + a @ b`, summed in float32,
-    cast back): a model that computes what the adapter's requests compute."""
+    cast back): a model that computes what the adapter's requests compute. ValueError
+    if the adapter does not fit the model (`check_adapter`)."""
     from pagedjax import model as model_lib
 
+    check_adapter(adapter, params.config)
     flat = model_lib.params_to_flat(params)
     for (layer, module), (a, b) in adapter.weights.items():
         key = f"layers.{layer}.{TARGET_MODULES[module]}.{module}.kernel"

@@ -55,6 +55,27 @@ def test_load_adapter_folds_the_scaling(tmp_path):
         a, b = raw[1, m]
         wa, wb = ad.weights[1, m]
         np.testing.assert_allclose(wa @ wb, scaling * a.T @ b.T, rtol=1e-6)
+    # rank_pattern: each module's scaling divides by its own rank
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    rng = np.random.default_rng(4)
+    small = {f"{key}.lora_A.weight": rng.standard_normal((2, 64)).astype(np.float32)}
+    small[f"{key}.lora_B.weight"] = rng.standard_normal((64, 2)).astype(np.float32)
+    raw = write_peft(
+        tmp_path / "rp",
+        TINY,
+        rank=4,
+        alpha=8,
+        modules=("q_proj", "v_proj"),
+        tensors=small,
+        config={"rank_pattern": {"model.layers.0.self_attn.q_proj": 2}},
+    )
+    ad = lora.load_adapter(tmp_path / "rp", TINY)
+    assert ad.rank == 4 and ad.weights[0, "q_proj"][0].shape == (64, 2)
+    raw[0, "q_proj"] = small[f"{key}.lora_A.weight"], small[f"{key}.lora_B.weight"]
+    for m, scaling in (("q_proj", 4.0), ("v_proj", 2.0)):  # 8 / 2 and 8 / 4
+        a, b = raw[0, m]
+        wa, wb = ad.weights[0, m]
+        np.testing.assert_allclose(wa @ wb, scaling * a.T @ b.T, rtol=1e-6)
 
 
 def _chunks(prompts, slots):
@@ -179,6 +200,11 @@ def test_step_refuses_bad_slots(params):
         (dict(config={"peft_type": "IA3"}), "peft_type='IA3': only LoRA"),
         (dict(config={"lora_alpha": -1}), "lora_alpha must be a positive number"),
         (
+            dict(config={"alpha_pattern": {"q_proj": "16"}}),
+            r"alpha_pattern\['q_proj'\] must be a positive number, got '16'",
+        ),
+        (dict(config={"alpha_pattern": {"q_(": 4}}), r"alpha_pattern key 'q_\(' is not a regex"),
+        (
             dict(tensors={"base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": None}),
             "layer 0 q_proj: lora_B is missing",
         ),
@@ -222,6 +248,25 @@ def test_step_refuses_bad_slots(params):
                 }
             ),
             "mlp.q_proj.lora_A.weight' is not a LoRA A/B weight",
+        ),
+        (
+            dict(
+                tensors={
+                    "base_model.model.model.layers.1.mlp.up_proj.lora_B.weight": np.zeros(
+                        (128, 2), np.int32
+                    )
+                }
+            ),
+            r"layers\.1\.mlp\.up_proj\.lora_B\.weight' has dtype I32: LoRA weights must be",
+        ),
+        (
+            dict(
+                tensors={
+                    "model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((2, 64), np.float32)
+                }
+            ),
+            "'model.layers.0.self_attn.q_proj.lora_A.weight' and "
+            "'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' are both",
         ),
     ],
 )
@@ -316,6 +361,18 @@ def test_adapter_from_state_equals_the_directory(tmp_path):
         lora.adapter_from_state(nan, {"r": 3}, TINY)
     with pytest.raises(TypeError, match="state must be a dict of arrays"):
         lora.adapter_from_state([1], {}, TINY)
+    ints = dict(state) | {next(iter(state)): np.ones((3, 64), np.int64)}
+    with pytest.raises(ValueError, match="q_proj.lora_A.weight' has dtype int64: LoRA weights"):
+        lora.adapter_from_state(ints, {"r": 3}, TINY)
+    with pytest.raises(ValueError, match=r"tensor 0 is not a LoRA A/B weight"):
+        lora.adapter_from_state({0: a}, {"r": 3}, TINY)
+    # bfloat16 jax arrays, and PEFT's lora_alpha of 8 for a config without one
+    bf16 = {k: jnp.asarray(v, jnp.bfloat16) for k, v in state.items()}
+    mem = lora.adapter_from_state(bf16, {"r": 3}, TINY)
+    for (layer, m), (a, b) in raw.items():
+        a16, b16 = (np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32) for x in (a, b))
+        wa, wb = mem.weights[layer, m]
+        np.testing.assert_allclose(wa @ wb, 8 / 3 * a16.T @ b16.T, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
