@@ -7,20 +7,23 @@ A request with a `LoRARequest` runs with that adapter: its adapter is read (once
 `lora_int_id`) when the request is added, so a bad adapter is an error of
 `add_request` / `generate`, before anything is queued; its group carries the id, which
 the scheduler counts against `max_loras`; and its prefix-cache pages are salted with the
-adapter's cache key (its id and path, or its weights' generation for one given from
-memory), so they are shared only with requests of the same adapter (`lora_salt`).
+adapter's cache key (its id, path and weights, or its weights' generation for one given
+from memory), so they are shared only with requests of the same adapter (`lora_salt`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 
 from pagedjax.lora import (
     LoRAAdapter,
     LoRARequest,
+    check_adapter,
     create_lora_weights,
     load_adapter,
     write_slot,
@@ -50,6 +53,16 @@ def lora_salt(key: bytes, cache_salt: str | bytes | None) -> bytes:
     return b"lora:%d:%s" % (len(key), key) + salt_bytes(cache_salt)
 
 
+def _digest(adapter: LoRAAdapter) -> bytes:
+    """A hex digest of an adapter's weights (which modules, their shapes and values)."""
+    h = hashlib.blake2b(digest_size=16)
+    for (layer, module), (a, b) in sorted(adapter.weights.items()):
+        h.update(b"%d:%s:%r:%r;" % (layer, module.encode(), a.shape, b.shape))
+        for x in (a, b):
+            h.update(np.ascontiguousarray(x, np.float32).data)
+    return h.hexdigest().encode()
+
+
 class LoRASlots:
     """The engine's adapters: read from disk once per `lora_int_id` and kept on the host,
     the ones a step uses put in device slots (`LoRAWeights`), least recently used first
@@ -61,10 +74,11 @@ class LoRASlots:
     pinned ones (`add(pin=True)`, `LLM.add_lora`), and up to `max_cpu_loras` others:
     reading a new adapter forgets the least recently used others beyond that.
 
-    Each adapter held has a prefix-cache key (`cache_key`): its id and path, so an id
-    read again from the same path after it was forgotten finds its pages again, and an
-    id given another adapter (another path, or new weights from memory) does not find
-    the old one's.
+    Each adapter held has a prefix-cache key (`cache_key`): its id, path and a digest of
+    the weights read, so an id read again from the same path after it was forgotten
+    finds its pages again if the files are unchanged, and an id given another adapter
+    (another path, files changed on disk, or new weights from memory) does not find the
+    old one's.
 
     Args:
       cfg: the base model's config.
@@ -107,13 +121,8 @@ class LoRASlots:
             )
         i = request.lora_int_id
         if adapter is not None:
-            if not isinstance(adapter, LoRAAdapter):
-                raise TypeError(f"adapter must be a LoRAAdapter, got {adapter!r:.80}")
-            if adapter.rank > self.max_lora_rank:
-                raise ValueError(
-                    f"LoRA adapter {request.lora_name!r} has rank {adapter.rank} > "
-                    f"max_lora_rank={self.max_lora_rank} (raise max_lora_rank)"
-                )
+            what = repr(request.lora_name)
+            check_adapter(adapter, self.cfg, max_rank=self.max_lora_rank, what=what)
             if i in self.requests:
                 self.remove(i)
             self._replaced += 1
@@ -121,7 +130,7 @@ class LoRASlots:
             return True
         known = self.requests.get(i)
         if known is not None:
-            if known.lora_path != request.lora_path:
+            if os.path.abspath(known.lora_path) != os.path.abspath(request.lora_path):
                 raise ValueError(
                     f"lora_int_id {i} is adapter {known.lora_path!r}, not {request.lora_path!r}: "
                     "give each adapter its own id"
@@ -131,8 +140,8 @@ class LoRASlots:
                 self.pinned.add(i)
             return False
         adapter = load_adapter(request.lora_path, self.cfg, max_rank=self.max_lora_rank)
-        key = b"%d:path:" % i + os.path.abspath(request.lora_path).encode("utf-8", "surrogatepass")
-        self._hold(request, adapter, key, pin)
+        path = os.path.abspath(request.lora_path).encode("utf-8", "surrogatepass")
+        self._hold(request, adapter, b"%d:path:%s:%s" % (i, _digest(adapter), path), pin)
         return True
 
     def _hold(self, request: LoRARequest, adapter: LoRAAdapter, key: bytes, pin: bool) -> None:
@@ -144,7 +153,9 @@ class LoRASlots:
 
     def remove(self, lora_id: int) -> bool:
         """Forgets an adapter no queued or running request uses; returns whether it was held.
-        ValueError if one does."""
+        ValueError if one does, TypeError for an id that is not an int."""
+        if not is_int(lora_id):
+            raise TypeError(f"lora_id must be an int, got {lora_id!r:.80}")
         if lora_id in self._in_use():
             raise ValueError(f"LoRA adapter {lora_id} is in use by a queued or running request")
         if lora_id not in self.requests:

@@ -4,6 +4,9 @@ device slot, never share prefix-cache pages, and a bad adapter is refused before
 is queued. The adapter format and the step's update are tested in tests/test_lora.py.
 """
 
+import dataclasses
+import shutil
+
 import numpy as np
 import pytest
 from engine_helpers import GEOMETRY, TINY, Dense, check_clean, greedy, random_params
@@ -163,10 +166,16 @@ def test_bad_adapters_and_arguments_are_refused_before_queueing(params, loras, t
     with pytest.raises(TypeError, match="lora_request must be a LoRARequest"):
         llm.generate([[5, 6]], greedy(2), lora_request="a")
     assert not llm.has_unfinished_requests() and llm.list_loras() == {1}
+    # (the same directory spelled another way is the same adapter)
+    assert llm.add_lora(lora.LoRARequest("a", 1, loras["a"].lora_path + "/.")) is False
     rid = llm.add_request([5, 6], greedy(2), lora_request=loras["a"])
     with pytest.raises(ValueError, match="LoRA adapter 1 is in use"):
         llm.remove_lora(1)
     llm.abort(rid)
+    for bad in (True, "1", 1.0):
+        with pytest.raises(TypeError, match="lora_id must be an int"):
+            llm.remove_lora(bad)
+    assert llm.list_loras() == {1}
     plain = LLM(params, **GEOMETRY)
     with pytest.raises(ValueError, match=r"LoRA is not enabled: .*enable_lora=True"):
         plain.generate([[5, 6]], greedy(2), lora_request=loras["a"])
@@ -238,4 +247,56 @@ def test_new_weights_for_an_id_never_reuse_the_old_ones_pages(params, loras, den
     other = lora.LoRARequest("b2", 2, loras["a"].lora_path)
     (o,) = llm.generate([prompt], greedy(3), lora_request=other)
     assert o.outputs[0].token_ids == dense["a"].greedy([prompt], 3)[0] and not o.num_cached_tokens
+    check_clean(llm)
+
+
+def test_an_adapter_from_memory_must_fit_the_model(params, loras, dense):
+    """Weights built for another model are refused by add_lora (and merge_adapter),
+    naming the misfit, and leave the adapter held under the id as it was (not a failure
+    in a later step)."""
+    llm = _llm(params)
+    policy = lora.LoRARequest("policy", 7, "policy")
+    assert llm.add_lora(policy, adapter=lora.load_adapter(loras["a"].lora_path, TINY))
+    prompt = _prompts(1, seed=33)[0]
+    other = dataclasses.replace(TINY, num_layers=3, intermediate_size=96)
+    rng = np.random.default_rng(0)
+    for layer, match in ((2, "layer 2 is not in the model's 2 layers"), (1, "do not fit")):
+        state = {}
+        for m, block in lora.TARGET_MODULES.items():
+            n_in, n_out = lora.module_dims(other, m)
+            key = f"model.layers.{layer}.{block}.{m}"
+            state[f"{key}.lora_A.weight"] = rng.standard_normal((2, n_in)).astype(np.float32)
+            state[f"{key}.lora_B.weight"] = rng.standard_normal((n_out, 2)).astype(np.float32)
+        bad = lora.adapter_from_state(state, {"r": 2}, other)
+        with pytest.raises(ValueError, match=f"LoRA adapter 'policy': .*{match}"):
+            llm.add_lora(policy, adapter=bad)
+        with pytest.raises(ValueError, match=f"LoRA adapter: .*{match}"):
+            lora.merge_adapter(params, bad)
+        assert llm.list_loras() == {7}
+        (o,) = llm.generate([prompt], greedy(4), lora_request=policy)
+        assert o.outputs[0].token_ids == dense["a"].greedy([prompt], 4)[0]
+    liar = lora.LoRAAdapter(lora.load_adapter(loras["b"].lora_path, TINY).weights, rank=1)
+    with pytest.raises(ValueError, match="rank=1, but its modules' largest rank is 2"):
+        llm.add_lora(policy, adapter=liar)
+    check_clean(llm)
+
+
+def test_an_adapter_changed_on_disk_is_not_served_from_the_old_ones_pages(
+    params, loras, dense, tmp_path
+):
+    """An adapter forgotten on the host (max_cpu_loras) and read again from its directory
+    after the files changed (a retrained adapter saved over the old one) runs with the new
+    weights and misses the prefix-cache pages of the old ones; read again unchanged, it
+    finds its own pages."""
+    llm = _llm(params, max_cpu_loras=0)
+    path = tmp_path / "v"
+    req = lora.LoRARequest("v", 8, str(path))
+    prompt = _prompts(1, seed=40)[0] * 3
+    for name, hit in (("a", False), ("c", False), ("a", True)):
+        shutil.copytree(loras[name].lora_path, path, dirs_exist_ok=True)
+        (o,) = llm.generate([prompt], greedy(3), lora_request=req)
+        assert o.outputs[0].token_ids == dense[name].greedy([prompt], 3)[0], name
+        assert (o.num_cached_tokens > 0) == hit, (name, o.num_cached_tokens)
+        llm.generate([prompt[:4]], greedy(1), lora_request=loras["d"])  # forgets v
+        assert 8 not in llm.list_loras()
     check_clean(llm)
