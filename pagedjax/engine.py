@@ -364,7 +364,6 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
         params `_params` resolved."""
         self._check_ready()
         priority = self.scheduler.check_priority(priority)
-        lora_id = self._lora_id(lora_request)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
         stop_ids = self.stop_ids(params)
@@ -390,6 +389,10 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
         if params.beam_width > 1:  # (it may refuse the length penalty: before the rng draw)
             lp = float(params.length_penalty)
             beam = BeamSearch(params.beam_width, lp, stop_ids, max_len - p)
+        lora_id = new_lora = 0  # its adapter, read once the request is known good
+        if lora_request is not None:
+            new_lora = self._need_lora().add(lora_request)
+            lora_id = lora_request.lora_int_id
         rng_state = self._rng.bit_generator.state
         base = int(self._rng.integers(2**32)) if params.seed is None else int(params.seed)
         seeds = [(base + i * _SEED_STRIDE) % 2**32 for i in range(params.n)]
@@ -405,6 +408,8 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
             self.scheduler.add(req.group)
         except BaseException:  # refused (pages, id): it leaves the next requests' seeds alone
             self._rng.bit_generator.state = rng_state
+            if new_lora:  # (and the adapter it read unheld)
+                self.lora.remove(lora_id)
             raise
         return rid
 

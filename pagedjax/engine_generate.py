@@ -105,29 +105,11 @@ class GenerateMixin:
         if len(priority) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
         loras = self._per_prompt_loras(lora_request, len(prompts))
-        encoded = []
-        for i, p in enumerate(prompts):  # validate all before queueing any
-            try:
-                text, ids, sp = self._encode(p, params[i])
-                prio = self.scheduler.check_priority(priority[i])
-                self._lora_id(loras[i])  # (its adapter read now, if new)
-            except (ValueError, TypeError) as e:
-                raise type(e)(f"prompt {i}: {e}") from None
-            if sp.output_kind != RequestOutputKind.FINAL_ONLY:  # (whole outputs, as vLLM's)
-                sp = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
-            encoded.append((text, ids, sp, prio, loras[i]))
-        ids = []
-        rng_state = self._rng.bit_generator.state
-        try:  # all or none: a request refused while queueing unqueues the ones before it
-            for *req, prio, lr in encoded:
-                ids.append(self._add(*req, None, prio, lr))
-        except BaseException as e:
-            for i in ids:
-                self.abort(i)
-            self._rng.bit_generator.state = rng_state  # and gives back their seeds
-            if isinstance(e, (ValueError, TypeError)):
-                raise type(e)(f"prompt {len(ids)}: {e}") from None
-            raise
+        try:
+            ids = self._queue_all(prompts, params, priority, loras)
+        finally:  # (adapters read for the prompts push spare ones out only now)
+            if self.lora is not None:
+                self.lora.trim()
         self._collect.update(ids)
         bar = None
         if use_tqdm:
@@ -162,6 +144,35 @@ class GenerateMixin:
                 self._outputs.pop(i, None)
             if bar is not None:
                 bar.close()
+
+    def _queue_all(self, prompts, params, priority, loras) -> list[str]:
+        """`generate`'s requests, all validated (named by index), then all queued or
+        none; returns their ids."""
+        encoded = []
+        for i, p in enumerate(prompts):  # validate all before queueing any
+            try:
+                text, ids, sp = self._encode(p, params[i])
+                prio = self.scheduler.check_priority(priority[i])
+                # Its adapter read now, if new; the spare ones stay until all are queued.
+                self._lora_id(loras[i], trim=False)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+            if sp.output_kind != RequestOutputKind.FINAL_ONLY:  # (whole outputs, as vLLM's)
+                sp = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
+            encoded.append((text, ids, sp, prio, loras[i]))
+        ids = []
+        rng_state = self._rng.bit_generator.state
+        try:  # all or none: a request refused while queueing unqueues the ones before it
+            for *req, prio, lr in encoded:
+                ids.append(self._add(*req, None, prio, lr))
+        except BaseException as e:
+            for i in ids:
+                self.abort(i)
+            self._rng.bit_generator.state = rng_state  # and gives back their seeds
+            if isinstance(e, (ValueError, TypeError)):
+                raise type(e)(f"prompt {len(ids)}: {e}") from None
+            raise
+        return ids
 
     def chat(
         self,

@@ -106,7 +106,12 @@ class LoRASlots:
         return self._keys[lora_id]
 
     def add(
-        self, request: LoRARequest, *, pin: bool = False, adapter: LoRAAdapter | None = None
+        self,
+        request: LoRARequest,
+        *,
+        pin: bool = False,
+        adapter: LoRAAdapter | None = None,
+        trim: bool = True,
     ) -> bool:
         """Reads `request`'s adapter unless held; returns whether it was read. A second
         request with its id must name the same path (ValueError otherwise: two adapters
@@ -114,7 +119,11 @@ class LoRASlots:
 
         `adapter` (from memory, `adapter_from_state`) is held under `request`'s id
         instead of reading its path, replacing the adapter held under it: ValueError if
-        a queued or running request uses that one."""
+        a queued or running request uses that one.
+
+        `trim=False` keeps every spare adapter held (beyond `max_cpu_loras`) until
+        `trim()`: for adapters read before their requests are queued, which would
+        otherwise push each other out and be read again."""
         if not isinstance(request, LoRARequest):
             raise TypeError(
                 f"lora_request must be a pagedjax.lora.LoRARequest, got {request!r:.80}"
@@ -126,7 +135,7 @@ class LoRASlots:
             if i in self.requests:
                 self.remove(i)
             self._replaced += 1
-            self._hold(request, adapter, b"%d:memory:%d" % (i, self._replaced), pin)
+            self._hold(request, adapter, b"%d:memory:%d" % (i, self._replaced), pin, trim)
             return True
         known = self.requests.get(i)
         if known is not None:
@@ -141,15 +150,19 @@ class LoRASlots:
             return False
         adapter = load_adapter(request.lora_path, self.cfg, max_rank=self.max_lora_rank)
         path = os.path.abspath(request.lora_path).encode("utf-8", "surrogatepass")
-        self._hold(request, adapter, b"%d:path:%s:%s" % (i, _digest(adapter), path), pin)
+        key = b"%d:path:%s:%s" % (i, _digest(adapter), path)
+        self._hold(request, adapter, key, pin, trim)
         return True
 
-    def _hold(self, request: LoRARequest, adapter: LoRAAdapter, key: bytes, pin: bool) -> None:
+    def _hold(
+        self, request: LoRARequest, adapter: LoRAAdapter, key: bytes, pin: bool, trim: bool
+    ) -> None:
         i = request.lora_int_id
         self.requests[i], self._adapters[i], self._keys[i] = request, adapter, key
         if pin:
             self.pinned.add(i)
-        self._trim(keep=i)
+        if trim:
+            self._trim(keep=i)
 
     def remove(self, lora_id: int) -> bool:
         """Forgets an adapter no queued or running request uses; returns whether it was held.
@@ -170,7 +183,12 @@ class LoRASlots:
             del self.slot_of[i]
             self._order.remove(i)
 
-    def _trim(self, keep: int) -> None:
+    def trim(self) -> None:
+        """Forgets the least recently used spare adapters (neither in use nor pinned)
+        beyond `max_cpu_loras`, as reading a new one does."""
+        self._trim(keep=None)
+
+    def _trim(self, keep: int | None) -> None:
         keep_ids = self._in_use() | self.pinned | {keep}
         spare = [i for i in self.requests if i not in keep_ids]
         for i in spare[: max(0, len(spare) - self.max_cpu_loras)]:
@@ -264,11 +282,12 @@ class LoRAMixin:
         """The ids of the adapters held on the host."""
         return set(self._need_lora().requests)
 
-    def _lora_id(self, lora_request: LoRARequest | None) -> int:
-        """The id a request runs with (0: none), its adapter read if it is new."""
+    def _lora_id(self, lora_request: LoRARequest | None, *, trim: bool = True) -> int:
+        """The id a request runs with (0: none), its adapter read if it is new (`trim`:
+        as `LoRASlots.add`'s)."""
         if lora_request is None:
             return 0
-        self._need_lora().add(lora_request)
+        self._need_lora().add(lora_request, trim=trim)
         return lora_request.lora_int_id
 
     def _set_lora(self, group: SequenceGroup, lora_id: int) -> None:

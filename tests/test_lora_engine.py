@@ -12,9 +12,9 @@ import pytest
 from engine_helpers import GEOMETRY, TINY, Dense, check_clean, greedy, random_params
 from lora_helpers import write_peft
 
-from pagedjax import lora, resources
+from pagedjax import lora, lora_engine, resources
 from pagedjax.beam_search import BeamSearchParams
-from pagedjax.engine import LLM
+from pagedjax.engine import LLM, SamplingParams
 from pagedjax.tokenizer import Tokenizer
 
 RANK = 4
@@ -146,6 +146,39 @@ def test_adapters_wait_for_a_slot_and_the_host_keeps_max_cpu_loras(params, loras
     assert llm.remove_lora(3) is True and llm.remove_lora(3) is False
     assert llm.list_loras() == {4}
     check_clean(llm)
+
+
+def test_generate_reads_each_new_adapter_once(params, loras, dense, monkeypatch):
+    """Adapters read while `generate` validates its prompts are spare until queued: with
+    no room for spare ones, each pushed the one before out and was read again."""
+    reads = []
+    load = lora_engine.load_adapter
+
+    def counted(path, *args, **kwargs):
+        reads.append(path)
+        return load(path, *args, **kwargs)
+
+    monkeypatch.setattr(lora_engine, "load_adapter", counted)
+    llm = _llm(params, max_loras=1, max_cpu_loras=0)
+    prompts = _prompts(3, 11)
+    outs = llm.generate(prompts, greedy(3), lora_request=[loras[n] for n in "abc"])
+    assert reads == [loras[n].lora_path for n in "abc"]
+    for o, p, n in zip(outs, prompts, "abc", strict=True):
+        assert o.outputs[0].token_ids == dense[n].greedy([p], 3)[0]
+    assert llm.list_loras() == {1, 2, 3}  # (nothing needed the room yet)
+    llm.generate(prompts[:1], greedy(1), lora_request=loras["d"])
+    assert llm.list_loras() == {4} and len(reads) == 4
+
+
+def test_a_refused_request_leaves_no_adapter_held(params, loras):
+    llm = _llm(params)
+    rid = llm.add_request([5, 6, 7], greedy(2))
+    with pytest.raises(ValueError, match="already"):  # the id is taken
+        llm.add_request([5, 6], greedy(2), request_id=rid, lora_request=loras["a"])
+    with pytest.raises(ValueError, match="n=100"):  # more samples than seats
+        llm.add_request([5, 6], SamplingParams(n=100, max_tokens=2), lora_request=loras["b"])
+    assert llm.list_loras() == set()
+    llm.abort(rid)
 
 
 def test_bad_adapters_and_arguments_are_refused_before_queueing(params, loras, tmp_path):
