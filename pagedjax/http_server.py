@@ -50,6 +50,7 @@ from pagedjax.metrics import prometheus_text
 from pagedjax.openai_api import ApiError, Job
 from pagedjax.serving import EngineStopped, EngineThread, LoRANames
 from pagedjax.tokenizer import CONTEXT_IDS
+from pagedjax.tool_calls import PARSERS
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -81,6 +82,9 @@ class Server(ThreadingHTTPServer):
       allow_runtime_lora_updating: serve vLLM's `/v1/load_lora_adapter` and
         `/v1/unload_lora_adapter` (`LORA_ROUTES`), which change the served adapters
         (`lora_names`); the engine must have LoRA enabled.
+      tool_parser: the tool-call parser of chat's `tool_choice: "auto"` (a
+        `pagedjax.tool_calls.PARSERS` name: vLLM's `--enable-auto-tool-choice
+        --tool-call-parser`); None: "auto" is a 400 (ValueError for an unknown name).
 
     Attributes:
       lora_names: the served adapters (`LoRANames`); `loras` is its current
@@ -100,8 +104,12 @@ class Server(ThreadingHTTPServer):
         quiet: bool = False,
         lora_modules: Sequence[LoRARequest] = (),
         allow_runtime_lora_updating: bool = False,
+        tool_parser: str | None = None,
     ):
+        if tool_parser is not None and tool_parser not in PARSERS:
+            raise ValueError(f"tool_parser must be one of {sorted(PARSERS)}, got {tool_parser!r}")
         self.model_name, self.quiet = model_name, quiet
+        self.tool_parser = tool_parser
         self.lora_names = LoRANames(model_name, lora_modules)
         self.allow_runtime_lora_updating = allow_runtime_lora_updating
         self.engine: EngineThread | None = None
@@ -315,6 +323,7 @@ class Handler(HttpIO):
             scheduling_policy=srv.scheduling_policy,
             max_logprobs=srv.max_logprobs,
             loras=srv.loras,
+            tool_parser=srv.tool_parser,
         )
 
     def _events(self, job: Job):
@@ -400,18 +409,18 @@ class Handler(HttpIO):
             first = job.prompt_token_ids and not job.chat and not c.started
             c.started = True
             index = api.choice_index(job, rid, i)
-            self._event(
-                api.stream_chunk(
-                    job,
-                    head,
-                    index,
-                    text,
-                    finish,
-                    lp,
-                    token_ids=ids,
-                    prompt_token_ids=prompts[rid] if first else None,
-                )
+            sent = api.stream_chunk(
+                job,
+                head,
+                index,
+                text,
+                finish,
+                lp,
+                token_ids=ids,
+                prompt_token_ids=prompts[rid] if first else None,
             )
+            if sent is not None:  # (None: text a tool call may hold back, and nothing else)
+                self._event(sent)
 
         outs = []
         for event in events:

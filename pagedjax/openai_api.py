@@ -13,6 +13,12 @@ one (`role_chunks`, `stream_chunk`, `usage`); `render_logprobs` renders the logp
 any run of a completion's tokens (all of them, or a chunk's). Nothing here touches the
 engine, so it runs on any thread.
 
+Function calling (chat's `tools`, `tool_choice`, `parallel_tool_calls`) is
+`pagedjax.tool_calls`': `parse_job` reads the request's tools (`Job.tools`; "auto" needs
+the server's `tool_parser`), renders them into the prompt and makes named and "required"
+tool choices structured outputs; `response_body` and `stream_chunk` here are the
+builders', with the answer's text made calls where the request asks for them.
+
 A body's `model` names the served model or one of its LoRA adapters (vLLM's
 `--lora-modules`; `parse_job(loras=)`): the job's requests then run with that adapter
 (`Job.lora_request`), and its answers echo the name.
@@ -40,6 +46,7 @@ import uuid
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
+from pagedjax import openai_responses
 from pagedjax.openai_fields import (  # re-exported
     SAMPLING_FIELDS,
     ApiError,
@@ -53,10 +60,8 @@ from pagedjax.openai_responses import (  # re-exported
     choice_index,
     completion_logprobs,
     render_logprobs,
-    response_body,
     response_head,
     role_chunks,
-    stream_chunk,
     usage,
 )
 from pagedjax.request import (
@@ -67,6 +72,7 @@ from pagedjax.request import (
     encode_prompt,
     logprobs_count,
 )
+from pagedjax.tool_calls import ToolRequest, read_tools, template_message
 
 if TYPE_CHECKING:
     from pagedjax.lora import LoRARequest
@@ -116,6 +122,7 @@ class Job:
       model: the served name the request's `model` gave (None: left out), which its
         answers echo.
       lora_request: the LoRA adapter its requests run with (`model` named one), or None.
+      tools: a chat request's tools (`pagedjax.tool_calls.ToolRequest`), or None.
       id: the response id's suffix; `rids` derive from it.
       created: the Unix time of the request.
     """
@@ -130,6 +137,7 @@ class Job:
     priority: int = 0
     model: str | None = None
     lora_request: LoRARequest | None = None
+    tools: ToolRequest | None = None
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -151,6 +159,7 @@ def parse_job(
     scheduling_policy: str = "fcfs",
     max_logprobs: int = MAX_LOGPROBS,
     loras: Mapping[str, LoRARequest] | None = None,
+    tool_parser: str | None = None,
 ) -> Job:
     """Validates a request body and tokenizes its prompts (no engine involved).
 
@@ -172,6 +181,9 @@ def parse_job(
         vocabulary, counts as `vocab_size` and becomes it in the params).
       loras: the served LoRA adapters by name (vLLM's `--lora-modules`): a body whose
         `model` names one runs with it.
+      tool_parser: the server's tool-call parser (`pagedjax.tool_calls.PARSERS`; vLLM's
+        `--enable-auto-tool-choice --tool-call-parser`), which `tool_choice: "auto"`
+        needs; None: "auto" is a 400.
 
     Raises:
       ApiError: 400 naming the bad field and value (404 for a model not served here, as
@@ -198,8 +210,12 @@ def parse_job(
         msg = f"return_token_ids must be a boolean, got return_token_ids={want_ids!r}"
         raise ApiError(400, msg, "return_token_ids")
     tok = tokenizer
+    tools = read_tools(body, parser=tool_parser) if chat else None
     if chat:
-        prompts = [chat_prompt(body, tok, "/v1/completions")]
+        prompts = [chat_prompt(body, tok, "/v1/completions", tools=tools)]
+    elif body.get("tools"):
+        msg = f"tools (function calling) need /v1/chat/completions, got tools={body['tools']!r:.80}"
+        raise ApiError(400, msg, "tools")
     else:
         prompts = completion_prompts(body.get("prompt"))
     # vLLM's: keep the last k prompt tokens (-1: max_model_len), before the length checks
@@ -245,6 +261,8 @@ def parse_job(
     if limit is not None and limit < 1:  # (SamplingParams would name max_tokens, whichever)
         raise ApiError(400, f"{field} must be an int >= 1, got {field}={limit}", field)
     guided = structured_outputs(body, tok, vocab_size)
+    if tools is not None:  # named and "required" tool choices are structured outputs
+        guided = tools.structured_outputs(body, guided, tok, vocab_size)
     params = sampling_params(
         body,
         max_tokens=limit,
@@ -281,6 +299,7 @@ def parse_job(
         priority,
         model,
         loras.get(model),
+        tools,
     )
 
 
@@ -323,11 +342,13 @@ def check_model(body: dict, model_name: str, lora_names: Collection[str] = ()) -
     return model
 
 
-def chat_prompt(body: dict, tok, instead: str, *, add_bos: bool = False) -> list[int]:
+def chat_prompt(
+    body: dict, tok, instead: str, *, add_bos: bool = False, tools: ToolRequest | None = None
+) -> list[int]:
     """The token ids of a body's `messages` under the chat template, with vLLM's
     `continue_final_message` and `add_generation_prompt`; `instead`: the path a model
     that cannot chat should use (named in the 400); `add_bos`: BOS first even where the
-    template writes none."""
+    template writes none; `tools`: the request's, the template's `tools` variable."""
     if tok is None or tok.chat_template is None:
         why = "no tokenizer" if tok is None else tok.chat_template_source
         raise ApiError(400, f"this model cannot chat: {why}; use {instead}")
@@ -337,9 +358,14 @@ def chat_prompt(body: dict, tok, instead: str, *, add_bos: bool = False) -> list
     cont = bool_field(body, "continue_final_message")
     gen = body.get("add_generation_prompt")
     gen = not cont if gen is None else bool_field(body, "add_generation_prompt")
+    extra = {} if tools is None else {"tools": tools.tools}
     try:
         return tok.encode_chat(
-            messages, add_generation_prompt=gen, continue_final_message=cont, add_bos=add_bos
+            messages,
+            add_generation_prompt=gen,
+            continue_final_message=cont,
+            add_bos=add_bos,
+            **extra,
         )
     except (ValueError, TypeError) as e:
         raise ApiError(400, f"messages: {e}", "messages") from None
@@ -423,7 +449,8 @@ def completion_prompts(prompt) -> list:
 
 
 def chat_messages(messages) -> list[dict]:
-    """`messages` with list-of-parts contents joined into strings."""
+    """`messages` with list-of-parts contents joined into strings, and assistant
+    messages' tool calls as templates read them (`tool_calls.template_message`)."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, f"messages must be a non-empty list, got {messages!r:.80}", "messages")
     out = []
@@ -452,5 +479,49 @@ def chat_messages(messages) -> list[dict]:
                 f"got content={content!r:.80}"
             )
             raise ApiError(400, msg, "messages")
-        out.append({**m, "content": "" if content is None else content})
+        out.append(template_message(i, {**m, "content": "" if content is None else content}))
     return out
+
+
+def response_body(job: Job, head: dict, outs: dict, tokenizer) -> dict:
+    """`openai_responses.response_body`, its chat choices' texts made calls where the
+    request's tools ask for it (`ToolRequest.answer`)."""
+    body = openai_responses.response_body(job, head, outs, tokenizer)
+    if job.tools is not None and job.tools.parses:
+        for choice in body["choices"]:
+            job.tools.answer(choice)
+    return body
+
+
+def stream_chunk(
+    job: Job,
+    head: dict,
+    index: int,
+    text: str,
+    finish: str | None = None,
+    logprobs=None,
+    *,
+    token_ids=(),
+    prompt_token_ids=None,
+) -> dict | None:
+    """`openai_responses.stream_chunk`, with only what of `text` is surely content where
+    the request's tools ask for calls (`ToolStream`), and the calls in the last chunk;
+    None where that leaves the chunk nothing to carry (as vLLM, no chunk is sent)."""
+    calls = None
+    if job.tools is not None and job.tools.parses:
+        text, calls, finish = job.tools.stream(index).next(text, finish)
+        if not text and finish is None and logprobs is None and not job.token_ids:
+            return None
+    chunk = openai_responses.stream_chunk(
+        job,
+        head,
+        index,
+        text,
+        finish,
+        logprobs,
+        token_ids=token_ids,
+        prompt_token_ids=prompt_token_ids,
+    )
+    if calls:
+        chunk["choices"][0]["delta"]["tool_calls"] = calls
+    return chunk

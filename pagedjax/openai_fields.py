@@ -116,8 +116,12 @@ def sampling_params(
         ("echo", bool(body.get("echo")), "echo=true is not supported (the prompt is not returned)"),
         ("best_of", body.get("best_of") not in (None, 1), "best_of is not supported"),
         ("suffix", body.get("suffix") is not None, "suffix is not supported"),
-        ("tools", bool(body.get("tools")), "tools (function calling) are not supported"),
-        ("functions", bool(body.get("functions")), "function calling is not supported"),
+        # OpenAI's deprecated form of tools (`pagedjax.tool_calls` reads chat's `tools`).
+        (
+            "functions",
+            bool(body.get("functions")),
+            "functions (the deprecated function calling) are not supported; use tools",
+        ),
     ):
         if bad:
             raise ApiError(400, f"{why}, got {name}={body.get(name)!r}", name)

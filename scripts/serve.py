@@ -23,7 +23,8 @@ Point an OpenAI client at `http://HOST:PORT/v1` (any API key). Endpoints:
                                of {"type": "text", "text"} parts; vLLM's
                                `continue_final_message` (continue the last message) and
                                `add_generation_prompt` (default: true, false with the
-                               former)
+                               former); function calling: `tools`, `tool_choice`,
+                               `parallel_tool_calls` (see "Function calling")
     POST /tokenize             vLLM's: a `prompt` string or chat `messages` -> {count,
                                max_model_len, tokens, token_strs}; `add_special_tokens`
                                (default: true for a prompt, false for messages, whose
@@ -111,9 +112,28 @@ has one (the startup log names them), else the default above; its `max_new_token
 caps a left-out `max_tokens`' default (as vLLM's does; a `max_tokens` given is not cut).
 `--generation-config none` ignores the file.
 
-Not supported (400 when asked for): `echo: true`, `best_of` > 1, `suffix`, tools
-and function calling, and `structured_outputs.structural_tag`.
+Not supported (400 when asked for): `echo: true`, `best_of` > 1, `suffix`, `tools`
+on /v1/completions, the deprecated `functions`, and `structured_outputs.structural_tag`.
 Other unknown fields are ignored.
+
+Function calling, as vLLM serves it (`pagedjax.tool_calls` has the details): chat's
+`tools` (`[{"type": "function", "function": {"name", "description", "parameters",
+"strict"}}]`) are rendered by the chat template (its `tools` variable), whatever the
+`tool_choice`; messages may hold the assistant's `tool_calls` (their JSON `arguments`
+reach the template parsed) and `role: "tool"` results. `tool_choice` (default "auto"
+with tools): "none" answers the text; `{"type": "function", "function": {"name": F}}`
+constrains the output to F's `parameters` JSON and answers one call of F (content "",
+finish_reason as the engine's); "required" constrains it to a JSON array of calls
+(finish_reason "tool_calls"); "auto" needs `--enable-auto-tool-choice --tool-call-parser
+hermes|llama3_json` (else a 400, vLLM's) and answers the calls the parser finds in the
+text (finish_reason "tool_calls"), or the text as content when it finds none.
+`parallel_tool_calls: false` keeps the first call. A call is `{"id":
+"chatcmpl-tool-...", "type": "function", "function": {"name", "arguments": JSON text}}`
+in `message.tool_calls`. Streamed, content goes out until a call could be starting and
+the calls come whole in the choice's last chunk (`delta.tool_calls` with `index`, `id`,
+`type`, `function`). A bad tool, a tool_choice naming none or given without tools, and
+a named or "required" one with other structured outputs, with beam search or with a
+schema it cannot constrain to are 400s naming the value.
 
 Streaming (`stream: true`): Server-Sent Events, one `data: {chunk}` per new piece of
 text (`text_completion` chunks, or `chat.completion.chunk` with `delta: {role}` first,
@@ -198,7 +218,9 @@ engine flags (`--page-size`, `--num-pages` | `--kv-memory-fraction`, `--kv-cache
 `--compilation-cache`), `--max-logprobs N` (default 20; -1: no cap), `--no-prefix-caching`,
 `--no-async-scheduling`, `--scheduling-policy fcfs|priority` (vLLM's: by arrival, or by
 each request's `priority`), `--lora-modules`, `--allow-runtime-lora-updating`,
-`--max-loras N`, `--max-lora-rank N`, `--max-cpu-loras N`, `--quiet` (no request log).
+`--max-loras N`, `--max-lora-rank N`, `--max-cpu-loras N`, `--enable-auto-tool-choice`
+with `--tool-call-parser hermes|llama3_json` (vLLM's: `tool_choice: "auto"`; the parser
+alone is unused, as in vLLM), `--quiet` (no request log).
 Bad flags, a checkpoint directory missing files, a bad value in its
 generation_config.json, a LoRA adapter directory that is not there or a port that
 cannot be bound end with one line on stderr and exit status 2, before any weights load
@@ -219,6 +241,7 @@ import cli  # noqa: E402  (the scripts' shared flags, checks and exits)
 
 from pagedjax.chat import jinja_missing  # noqa: E402
 from pagedjax.http_server import Handler, Server  # noqa: E402, F401  (Handler: re-exported)
+from pagedjax.tool_calls import PARSERS  # noqa: E402
 
 DEMO_NAME = "pagedjax-demo"
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's: "1" or "true" enables it
@@ -284,6 +307,16 @@ def build_parser() -> cli.Parser:
         type=cli.int_at_least(0),
         metavar="N",
         help="LoRA adapters kept on the host beyond those in use (default: --max-loras)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve chat\'s tool_choice "auto" (needs --tool-call-parser)',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        help='how tool calls are read from the text under tool_choice "auto"',
     )
     p.add_argument("--quiet", action="store_true", help="do not log each request")
     return p
@@ -368,6 +401,8 @@ def run(args) -> int:
         tok = cli.chat_tokenizer(args.checkpoint, args.chat_template, hint)
     loras = lora_requests(args, model_name(args))
     runtime_loras = runtime_lora_updating(args)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:  # as vLLM refuses it
+        raise cli.BadInput("--enable-auto-tool-choice requires --tool-call-parser")
     try:  # before the weights load: a port in use is a one-line error
         server = Server(
             (args.host, args.port),
@@ -375,6 +410,7 @@ def run(args) -> int:
             quiet=args.quiet,
             lora_modules=loras,
             allow_runtime_lora_updating=runtime_loras,
+            tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         )
     except OSError as e:
         raise cli.BadInput(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
