@@ -263,11 +263,15 @@ def drive(llm, requests, *, staggered: bool, aborts: bool, priorities=None, lora
             assert out.finished is True  # (its last output, as vLLM's "abort")
             aborted[i] = whole(requests[i][1], partial.pop(i, []) + [out], f"request {i}")
 
+    # The outputs of the steps a pause runs come at its end: no aborts meanwhile.
+    pausing = False
+
     def on_token(rid, _index, _tok):
         counts[rid] = counts.get(rid, 0) + 1
         i = index[rid]
         a = requests[i][3]
-        if aborts and a is not None and a[0] == "token" and counts[rid] == a[1] + 1:
+        on = aborts and not pausing and a is not None and a[0] == "token"
+        if on and counts[rid] == a[1] + 1:
             abort(i)
 
     step = 0
@@ -287,7 +291,9 @@ def drive(llm, requests, *, staggered: bool, aborts: bool, priorities=None, lora
                     abort(i)
         outs = []
         if pause is not None and step == pause[0]:
+            pausing = True
             outs = llm.pause_generation(pause[1], pause[2], on_token=on_token)
+            pausing = False
             if pause[3]:
                 llm.update_params(llm.params)
             assert llm.step() == []
