@@ -49,13 +49,16 @@ function `run(env) -> Iterable[dict]` of result rows (a generator, so that each 
 is streamed to --out when it is complete) and the columns to print; it can
 live in another module and reuse `BenchEnv`, `time_calls`, `time_rounds`,
 `rel_error` and `rotating_copies` from here.
+
+Modules beside this one, their names re-exported here: `bench_harness.py` (timing,
+the device's ceilings, reporting) and `bench_paged_decode_cases.py` (the decode
+family's shapes, inputs, baselines and sweeps); this script keeps the decode family's
+checks and timings, and `main`.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
 import importlib
 import json
 import math
@@ -63,8 +66,7 @@ import statistics
 import sys
 import time
 import traceback
-import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
 
@@ -73,87 +75,56 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import reference
-from pallas_kernels.paged_decode.gpu import default_tuning, paged_decode_gpu
-from pallas_kernels.paged_decode.gpu_merge import UNROLLED_SPLITS, merge_partials, merge_splits
+from pallas_kernels.paged_decode.gpu import paged_decode_gpu
+from pallas_kernels.paged_decode.gpu_merge import merge_partials, merge_splits
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the modules beside this one
+# The harness and the decode cases, re-exported: the other scripts and the tests use
+# them as bench_kernels.<name> (and the tests patch them there, where the runners below
+# look them up).
+from bench_harness import (  # noqa: E402, F401
+    GIB,
+    WARMUP_S,
+    BenchEnv,
+    Family,
+    JsonLines,
+    compile_calls,
+    log,
+    measure_copy,
+    measure_copy_gbps,
+    measure_matmul_tflops,
+    measure_read_gbps,
+    paired_ratio,
+    print_table,
+    rel_error,
+    short_error,
+    time_calls,
+    time_rounds,
+    time_run,
+)
+from bench_paged_decode_cases import (  # noqa: E402, F401
+    CPU_DECODE_CASES,
+    GPU_DECODE_CASES,
+    QUICK_CPU_CASES,
+    DecodeCase,
+    _tolerance,
+    bundled_configs,
+    bundled_kernel,
+    bundled_sweep,
+    dense_decode,
+    make_decode_inputs,
+    ours_sweep,
+    ragged_lengths,
+    random_partials,
+    run_bundled,
+    to_dense,
+)
 
 L2_BYTES = 50 * 2**20  # H100/H200 L2; caches rotate over >= 3x this
-GIB = 2**30
 CALLS = (4, 16)  # kernel calls per timed executable: at least, at most
 RUN_BYTES = 4 * GIB  # K/V read per timed executable (within CALLS): launch and sync overhead
 #                      is then ~1-2% of a run
-WARMUP_S = 0.05  # seconds of warm-up runs before timing
 MERGE_CALLS = 32  # merges per timed run: a merge alone reads little
-
-# ---------------------------------------------------------------- shared machinery
-
-
-@dataclasses.dataclass
-class BenchEnv:
-    """What every case family gets: the run's options and the device's ceilings."""
-
-    on_gpu: bool
-    quick: bool
-    iters: int
-    deadline: float  # time.monotonic() after which optional sweeps are skipped
-    device: str
-    copy_gbps: float | None = None  # measured read+write bandwidth, GB/s
-    copy_run: tuple | None = None  # (thunk, calls, bytes per call) of that measurement
-    read_gbps: float | None = None  # measured read-only bandwidth, GB/s
-    matmul_tflops: float | None = None  # measured bf16 matmul throughput
-
-    def time_left(self) -> float:
-        return self.deadline - time.monotonic()
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    """A family of benchmark cases.
-
-    Attributes:
-      name: a short name (the JSON key of its rows).
-      run: env -> result rows, best yielded one by one (dicts with plain JSON values;
-        "case" names the row, "ok" False marks a failed check, keys "err*"/"error*"
-        with text are failures).
-      columns: (row key, header, format spec) of the table; missing keys print "-".
-      details: row keys printed under the table, one line per row (e.g. configs).
-    """
-
-    name: str
-    run: Callable[[BenchEnv], Iterable[dict]]
-    columns: tuple[tuple[str, str, str], ...]
-    details: tuple[str, ...] = ()
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-class JsonLines:
-    """Appends JSON lines to a file, one `write` at a time, flushed (see --out)."""
-
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("")
-        self.path = path
-
-    def write(self, record: dict) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(record, default=str) + "\n")
-            f.flush()
-
-
-def short_error(e: BaseException) -> str:
-    line = (str(e).strip().splitlines() or [""])[0]
-    return f"{type(e).__name__}: {line[:200]}"
-
-
-def rel_error(out, ref) -> float:
-    """||out - ref|| / ||ref|| in float64 on the host (NaN if out has NaNs)."""
-    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
-    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
-    if np.isnan(out).any():
-        return float("nan")
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def rotating_copies(nbytes: int) -> int:
@@ -161,327 +132,7 @@ def rotating_copies(nbytes: int) -> int:
     return max(2, math.ceil(3 * L2_BYTES / max(nbytes, 1)))
 
 
-def compile_calls(fn, arg_sets):
-    """A thunk that makes every call `fn(*args)` of `arg_sets` in one executable,
-    compiled (and run once) now; callers rotate caches and vary the query so that
-    no two calls are identical."""
-    run = jax.jit(lambda sets: [fn(*args) for args in sets])
-    jax.block_until_ready(run(arg_sets))
-    return functools.partial(run, arg_sets)
-
-
-def time_rounds(runs: dict, rounds: int) -> dict[str, list[float]]:
-    """Seconds per call of each run, measured in `rounds` interleaved rounds.
-
-    Args:
-      runs: name -> (thunk, calls per run), e.g. from `compile_calls`.
-
-    Returns:
-      name -> one figure per round: the run's time over its calls. Each round
-      runs every entry once (in an order rotated by one each round), bracketed by
-      `block_until_ready`, after a warm-up of `WARMUP_S` (so the clocks have left
-      idle after the compile). The device's state drifts within a run (the same
-      kernel timed 10% apart minutes later on the H200), and drift moves the
-      entries of one round alike: compare them by ratios within rounds.
-    """
-    names = list(runs)
-    t0 = time.perf_counter()
-    while True:
-        for name in names:
-            jax.block_until_ready(runs[name][0]())
-        if time.perf_counter() - t0 >= WARMUP_S:
-            break
-    times = {name: [] for name in names}
-    for r in range(rounds):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
-            thunk, calls = runs[name]
-            t0 = time.perf_counter()
-            jax.block_until_ready(thunk())
-            times[name].append((time.perf_counter() - t0) / calls)
-    return times
-
-
-def time_run(thunk, calls: int, iters: int) -> float:
-    """Median seconds per call of one compiled run over `iters` runs (`time_rounds`)."""
-    return statistics.median(time_rounds({"run": (thunk, calls)}, iters)["run"])
-
-
-def time_calls(fn, arg_sets, iters: int) -> float:
-    """Median seconds per call of `fn(*args)` over `arg_sets`, all calls in one executable
-    (`compile_calls`), over `iters` runs (`time_rounds`)."""
-    return time_run(compile_calls(fn, arg_sets), len(arg_sets), iters)
-
-
-def random_partials(case, splits: int, count: int) -> list:
-    """`count` distinct random split-K partials `(o, m, l)` of `splits` splits of the
-    decode case's shape, for timing a merge alone."""
-    shape = (splits, case.batch, case.num_heads)
-    out = []
-    for i in range(count):
-        ko, km, kl = jax.random.split(jax.random.key(50 + i), 3)
-        o = jax.random.normal(ko, (*shape, case.head_dim), jnp.float32)
-        m = jax.random.normal(km, shape, jnp.float32)
-        denom = jax.random.uniform(kl, shape, jnp.float32, 1.0, 2.0)
-        out.append((o, m, denom))
-    return out
-
-
-def paired_ratio(num: list[float], den: list[float]) -> float:
-    """The median over rounds of num / den (two entries of one `time_rounds`)."""
-    return statistics.median(a / b for a, b in zip(num, den, strict=True))
-
-
-def measure_copy(iters: int, nbytes: int = GIB):
-    """Device copy bandwidth in GB/s (bytes read + written), the best of two ways, and
-    that way's run for `time_rounds`: (GB/s, (thunk, calls, bytes moved per call)).
-
-    An elementwise `x + 1` over float32 arrays and an XLA copy of bfloat16 arrays,
-    each over 4 distinct arrays of `nbytes`. On the H200 (jax 0.11.2) both gave
-    3.5 TB/s, while `x + 1` over bfloat16 gave 2.9 (XLA's bf16 elementwise code is
-    slower), below what the decode kernels themselves reached.
-    """
-    keys = jax.random.split(jax.random.key(7), 4)
-    best = (0.0, None)
-    for dtype, fn in ((jnp.float32, lambda x: x + 1), (jnp.bfloat16, lambda x: jnp.copy(x) * 1)):
-        n = nbytes // jnp.dtype(dtype).itemsize
-        arrays = [(jax.random.normal(k, (n,), dtype),) for k in keys]
-        run = compile_calls(fn, arrays)
-        t = time_run(run, len(arrays), iters)
-        if 2 * nbytes / t / 1e9 > best[0]:
-            best = (2 * nbytes / t / 1e9, (run, len(arrays), 2 * nbytes))
-        del arrays, run
-    return best
-
-
-def measure_copy_gbps(iters: int, nbytes: int = GIB) -> float:
-    """`measure_copy`'s GB/s alone."""
-    return measure_copy(iters, nbytes)[0]
-
-
-def measure_read_gbps(iters: int, nbytes: int = GIB) -> float:
-    """Device read bandwidth in GB/s: a float32 sum over 4 distinct arrays of `nbytes`."""
-    keys = jax.random.split(jax.random.key(8), 4)
-    arrays = [(jax.random.normal(k, (nbytes // 4,), jnp.float32),) for k in keys]
-    return nbytes / time_calls(jnp.sum, arrays, iters) / 1e9
-
-
-def measure_matmul_tflops(iters: int, n: int = 8192) -> float:
-    """bf16 matmul throughput in TFLOP/s (n x n x n, float32 accumulation)."""
-    key = jax.random.key(0)
-    a = jax.random.normal(key, (n, n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.fold_in(key, 1), (n, n), jnp.bfloat16)
-    t = time_calls(lambda x, y: x @ y, [(a, b), (b, a)], iters)
-    return 2 * n**3 / t / 1e12
-
-
-def print_table(title: str, rows: list[dict], columns) -> None:
-    header = [h for _, h, _ in columns]
-    body = []
-    for row in rows:
-        cells = []
-        for key, _, spec in columns:
-            value = row.get(key)
-            if value is None:
-                cells.append("-")
-            elif isinstance(value, float) and math.isfinite(value) and spec:
-                cells.append(format(value, spec))
-            elif isinstance(value, str) and len(value) > 24:
-                cells.append("see below")
-            else:
-                cells.append(str(value))
-        body.append(cells)
-    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-    print(f"\n{title}")
-    print("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
-    for cells in body:
-        print("  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
-
-
 # ---------------------------------------------------------------- decode family
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeCase:
-    """One decode shape: every sequence holds `seq_len` tokens (timing)."""
-
-    batch: int
-    seq_len: int
-    page_size: int = 16
-    num_heads: int = 32  # Llama-3-8B: 32 query heads, 8 kv heads, D=128
-    num_kv_heads: int = 8
-    head_dim: int = 128
-    dtype: str = "bfloat16"  # of the queries (and of the pages unless kv_dtype is set)
-    kv_dtype: str | None = None  # of the pages, e.g. "float8_e4m3fn" (an FP8 KV cache)
-
-    @property
-    def page_dtype(self) -> str:
-        return self.kv_dtype or self.dtype
-
-    @property
-    def name(self) -> str:
-        name = f"B={self.batch} S={self.seq_len} page={self.page_size}"
-        if self.page_dtype == self.dtype:
-            return name
-        return f"{name} {'fp8' if self.page_dtype == 'float8_e4m3fn' else self.page_dtype}"
-
-    @property
-    def max_pages(self) -> int:
-        return -(-self.seq_len // self.page_size)
-
-    @property
-    def kv_bytes(self) -> int:
-        itemsize = jnp.dtype(self.page_dtype).itemsize
-        return 2 * self.batch * self.seq_len * self.num_kv_heads * self.head_dim * itemsize
-
-    def tuning(self) -> dict:
-        """Our kernel's default knobs for this shape."""
-        shape = (self.batch, self.num_heads, self.num_kv_heads, self.head_dim, self.page_size)
-        return default_tuning(*shape, self.max_pages, self.page_dtype)
-
-
-GPU_DECODE_CASES = [
-    DecodeCase(1, 32768),
-    DecodeCase(8, 8192),
-    DecodeCase(32, 4096),
-    DecodeCase(128, 2048),
-    DecodeCase(256, 512),
-    DecodeCase(32, 4096, page_size=64),
-    DecodeCase(32, 4096, kv_dtype="float8_e4m3fn"),  # FP8 KV cache, bf16 queries
-]
-CPU_DECODE_CASES = [
-    DecodeCase(3, 80),
-    DecodeCase(3, 80, kv_dtype="float8_e4m3fn"),
-    DecodeCase(2, 40, page_size=8, num_heads=8, head_dim=64),
-]
-QUICK_CPU_CASES = 2  # --quick on the CPU: the first bf16 case and the fp8 one
-
-
-def make_decode_inputs(case: DecodeCase, seed: int):
-    """Random pools with a shuffled page table; returns (q, k_pages, v_pages, page_table).
-
-    FP8 pages are drawn in q's dtype and cast (N(0, 1) values fit e4m3fn's range).
-    """
-    key = jax.random.key(seed)
-    kq, kk, kv = jax.random.split(key, 3)
-    num_pages = case.batch * case.max_pages
-    dtype = jnp.dtype(case.dtype)
-    shape = (case.num_kv_heads, num_pages, case.page_size, case.head_dim)
-    q = jax.random.normal(kq, (case.batch, case.num_heads, case.head_dim), dtype)
-    k_pages = jax.random.normal(kk, shape, dtype).astype(case.page_dtype)
-    v_pages = jax.random.normal(kv, shape, dtype).astype(case.page_dtype)
-    perm = np.random.default_rng(seed).permutation(num_pages).astype(np.int32)
-    page_table = jnp.asarray(perm.reshape(case.batch, case.max_pages))
-    return q, k_pages, v_pages, page_table
-
-
-def ragged_lengths(case: DecodeCase, seed: int) -> jax.Array:
-    """Lengths for checks: 1, a page boundary, the maximum, then random."""
-    rng = np.random.default_rng(seed)
-    n = rng.integers(1, case.seq_len + 1, case.batch)
-    n[:3] = [1, min(case.page_size, case.seq_len), case.seq_len][: case.batch]
-    return jnp.asarray(n, jnp.int32)
-
-
-def to_dense(pages, page_table):
-    """[K, P, S, D] pages -> [B, K, T, D] contiguous per sequence and head."""
-    g = pages[:, page_table]  # [K, B, max_pages, S, D]
-    k, b, m, s, d = g.shape
-    return g.transpose(1, 0, 2, 3, 4).reshape(b, k, m * s, d)
-
-
-def dense_decode(q, k, v, lengths):
-    """Decode attention over contiguous K/V in plain XLA.
-
-    Args:
-      q: [B, H, D]; k, v: [B, K, T, D] (fp8 is upcast to q's dtype); lengths: [B] int32 (>= 1).
-
-    Returns:
-      [B, H, D] in q's dtype.
-    """
-    k, v = k.astype(q.dtype), v.astype(q.dtype)
-    b, h, d = q.shape
-    kh, t = k.shape[1], k.shape[2]
-    qg = q.reshape(b, kh, h // kh, d)
-    s = jnp.einsum("bkgd,bktd->bkgt", qg, k, preferred_element_type=jnp.float32) * d**-0.5
-    live = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
-    s = jnp.where(live[:, None, None, :], s, -jnp.inf)
-    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
-    o = jnp.einsum("bkgt,bktd->bkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    o = o / jnp.sum(p, axis=-1)[..., None]
-    return o.reshape(b, h, d).astype(q.dtype)
-
-
-def bundled_kernel():
-    """JAX's bundled Triton paged attention, or None (with the reason) if it won't import."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from jax.experimental.pallas.ops.gpu import paged_attention as mod
-        return mod.paged_attention, None
-    except Exception as e:  # noqa: BLE001 - any import failure is reported, not raised
-        return None, short_error(e)
-
-
-def bundled_configs(case: DecodeCase, splits, blocks) -> list[dict]:
-    """Knob settings of the bundled kernel that its divisibility rules accept.
-
-    Args:
-      splits: k_splits values to try.
-      blocks: compute blocks to try, in tokens (pages_per_compute_block * page_size).
-    """
-    configs = []
-    for tokens in blocks:
-        ppcb = max(1, tokens // case.page_size)
-        for k_splits in splits:
-            per = case.max_pages // k_splits if case.max_pages % k_splits == 0 else 0
-            if per and per % min(per, ppcb) == 0:
-                configs.append(dict(pages_per_compute_block=ppcb, k_splits=k_splits))
-    return configs
-
-
-def bundled_sweep(case: DecodeCase, stage: int, best: dict | None, quick: bool) -> list[dict]:
-    """The bundled kernel's configurations to try at `stage`, around the best so far.
-
-    Stage 0: k_splits at its default compute block of 128 tokens. Stage 1: blocks
-    of 64, 256 and 512 tokens at the best k_splits. Stage 2: 4 warps (its default
-    is 8) and 3 pipeline stages (default 2) at the best block. --quick: stage 0.
-    """
-    if stage == 0:
-        return bundled_configs(case, [16, 1, 4] if quick else [16, 1, 2, 4, 8, 32], [128])
-    if quick or best is None:
-        return []
-    if stage == 1:
-        return bundled_configs(case, [best["k_splits"]], [64, 256, 512])
-    return [dict(best, num_warps=4), dict(best, num_stages=3)]
-
-
-def run_bundled(fn, q, k_pages, v_pages, lengths, page_table, **config):
-    """The bundled kernel has no scale argument: the query is pre-scaled."""
-    q = (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(q.dtype)
-    return fn(q, k_pages, v_pages, page_table, lengths, **config)
-
-
-def ours_sweep(case: DecodeCase) -> list[dict]:
-    """A few alternatives to the default tuning, to see whether the defaults are right."""
-    base = case.tuning()
-    splits, block_kv = base["num_splits"], base["block_kv"]
-    # One pipeline buffer (2 stages), and twice the tile in one buffer: the defaults
-    # before the page ids were carried across iterations (BENCHMARKS.md, "Kernels").
-    alts = [dict(num_stages=2), dict(block_kv=2 * block_kv, num_stages=2)]
-    if splits > UNROLLED_SPLITS:
-        # First, while the budget lasts: fewer, longer splits (more work per program,
-        # fewer programs than SMs at B = 1) and the 8-split merge (B = 1, 8).
-        alts.insert(0, dict(num_splits=UNROLLED_SPLITS))
-    if splits > 1:  # no merge: 0.93 of the default's time at (32, 4096) once, 1.04 once
-        alts.append(dict(num_splits=1))
-    alts += [dict(num_stages=4), dict(block_kv=2 * block_kv), dict(num_splits=2 * splits)]
-    if splits > 2:
-        alts.append(dict(num_splits=splits // 2))
-    if block_kv >= 32:
-        alts.append(dict(block_kv=block_kv // 2, num_stages=5))
-    alts.append(dict(num_warps=8 if base["num_warps"] == 4 else 4))
-    return alts
 
 
 def _check(name, fn, ref, rows, tol, errors) -> bool:
@@ -496,10 +147,6 @@ def _check(name, fn, ref, rows, tol, errors) -> bool:
         errors[name] = short_error(e)
         log(f"    {name} failed: {errors[name]}")
         return False
-
-
-def _tolerance(case: DecodeCase) -> float:
-    return 1e-2 if case.dtype == "bfloat16" else 1e-4
 
 
 def check_decode_gpu(case: DecodeCase, inputs, row: dict):
@@ -763,9 +410,7 @@ DECODE = Family(
 
 
 def _ragged_family() -> Family:
-    # Lives beside this script (scripts/ is sys.path[0] when it runs); imported
-    # lazily because bench_ragged_cases imports this module back.
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    # Imported lazily because bench_ragged_cases imports this module back.
     import bench_ragged_cases
 
     return Family("ragged", bench_ragged_cases.run_family, bench_ragged_cases.COLUMNS)
