@@ -336,10 +336,11 @@ class Handler(HttpIO):
             for rid, ids in zip(job.rids, job.prompts, strict=True)
         ]
         try:
+            tokens = job.streams_tokens
             if job.lora_request is None:
-                engine.submit(requests, sink, tokens=job.stream)
+                engine.submit(requests, sink, tokens=tokens)
             else:  # its adapter as served now: it may have been unloaded since parse_job
-                srv.lora_names.submit(engine, requests, sink, tokens=job.stream, name=job.model)
+                srv.lora_names.submit(engine, requests, sink, tokens=tokens, name=job.model)
         except KeyError:
             msg = f"model {job.model!r} is not served here any more (its LoRA adapter was unloaded)"
             raise ApiError(404, msg, "model", "model_not_found") from None
@@ -362,6 +363,7 @@ class Handler(HttpIO):
                     raise ApiError(event[2], event[3])
                 if event[0] == "done":
                     pending.discard(event[1])
+                    event = ("done", event[1], job.output(event[2]))
                 yield event
         finally:
             if pending:
@@ -389,9 +391,19 @@ class Handler(HttpIO):
         stop_ids = frozenset() if keep else self.server.stop_ids(sp)
         choices: dict[tuple[str, int], StreamedChoice] = {}  # by (rid, completion index)
         prompts = dict(zip(job.rids, job.prompts, strict=True))
+        # Completions' echo: a choice's first chunk starts with its prompt's text (and its
+        # logprobs, from `prompt`: the choice then comes whole, `Job.streams_tokens`).
+        echo = None if job.chat or job.echo is None else dict(zip(job.rids, job.echo, strict=True))
 
-        def chunk(rid, i, c: StreamedChoice, text, ids=(), entries=(), finish=None):
-            lp = None
+        def chunk(rid, i, c: StreamedChoice, text, ids=(), entries=(), finish=None, prompt=None):
+            lp = echoed = None
+            if echo is not None and not c.started:
+                text = echo[rid] + text
+                c.offset = len(echo[rid]) if tok is not None else 0
+                if k is not None:
+                    echoed = api.echo_logprobs(
+                        tok, prompts[rid], prompt, k, skip_special_tokens=skip
+                    )
             if k is not None:
                 lp = api.render_logprobs(
                     tok,
@@ -404,6 +416,7 @@ class Handler(HttpIO):
                     skip_special_tokens=skip,
                 )
                 c.offset += 0 if job.chat or tok is None else sum(map(len, lp["tokens"]))
+                lp = lp if echoed is None else api.join_logprobs(echoed, lp)
             c.before = [*c.before, *ids][-CONTEXT_IDS:]
             c.num_tokens += len(ids)
             first = job.prompt_token_ids and not job.chat and not c.started
@@ -443,7 +456,8 @@ class Handler(HttpIO):
                 # With stop strings, or if it may be a stop token, this token's text waits
                 # for the next token: the engine may stop on it and cut the text there.
                 end = before - hold if sp.stop or token in stop_ids else len(text)
-                if end > c.sent:
+                if end > c.sent or (echo is not None and not c.started):  # (the echo now)
+                    end = max(end, c.sent)
                     # A token's id and logprobs go with the piece that completes its text.
                     n = sum(1 for _, _, token_end in c.pending if token_end <= end)
                     done, c.pending = c.pending[:n], c.pending[n:]
@@ -455,13 +469,16 @@ class Handler(HttpIO):
                 outs.append(out)
                 for o in out.outputs:
                     # A choice no token streamed (a beam search's: its beams are known
-                    # only at the end) goes out whole, its tokens named after the prompt.
+                    # only at the end; one `Job.streams_tokens` holds) goes out whole,
+                    # its tokens named after the prompt.
                     c = choices.get((rid, o.index)) or StreamedChoice(None, prompts[rid])
                     # The rest, from the final output: its text and tokens as not streamed.
                     ids = o.token_ids[c.num_tokens :]
                     entries = o.logprobs[c.num_tokens :] if k is not None else ()
                     finish = o.finish_reason or "stop"
-                    chunk(rid, o.index, c, o.text[c.sent :], ids, entries, finish)
+                    chunk(
+                        rid, o.index, c, o.text[c.sent :], ids, entries, finish, out.prompt_logprobs
+                    )
         if job.include_usage:
             self._event(dict(**head, choices=[], usage=api.usage(outs)))
         self._end_stream()

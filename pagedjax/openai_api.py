@@ -6,7 +6,8 @@ token ids (chat messages rendered with the tokenizer's chat template) and its
 model not served here); `tokenize` and `detokenize` answer vLLM's endpoints of those
 names. `ApiError`, the field readers (`bool_field`, `int_field`) and the sampling and
 structured-output fields (`sampling_params`, `structured_outputs`) live in
-`pagedjax.openai_fields`, re-exported here. The response builders
+`pagedjax.openai_fields`, re-exported here; `echo` and vLLM's `prompt_logprobs` are read
+by `pagedjax.openai_echo` (`Job.echo`, `Job.prompt_logprobs`). The response builders
 (`pagedjax.openai_responses`, re-exported here too) turn the engine's `RequestOutput`s
 back into OpenAI's shapes: a whole answer (`response_body`), or the chunks of a streamed
 one (`role_chunks`, `stream_chunk`, `usage`); `render_logprobs` renders the logprobs of
@@ -46,7 +47,7 @@ import uuid
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
-from pagedjax import openai_responses
+from pagedjax import openai_echo, openai_responses
 from pagedjax.openai_fields import (  # re-exported
     SAMPLING_FIELDS,
     ApiError,
@@ -59,13 +60,18 @@ from pagedjax.openai_responses import (  # re-exported
     chat_logprobs,
     choice_index,
     completion_logprobs,
+    echo_logprobs,
+    join_logprobs,
     render_logprobs,
+    render_prompt_logprobs,
     response_head,
     role_chunks,
+    token_texts,
     usage,
 )
 from pagedjax.request import (
     MAX_LOGPROBS,
+    RequestOutput,
     SamplingParams,
     check_truncation,
     encode_bad_words,
@@ -90,15 +96,19 @@ __all__ = [
     "chat_prompt",
     "completion_prompts",
     "detokenize",
+    "echo_logprobs",
     "int_field",
+    "join_logprobs",
     "parse_job",
     "render_logprobs",
+    "render_prompt_logprobs",
     "response_body",
     "response_head",
     "role_chunks",
     "sampling_params",
     "stream_chunk",
     "structured_outputs",
+    "token_texts",
     "tokenize",
     "usage",
 ]
@@ -123,6 +133,12 @@ class Job:
         answers echo.
       lora_request: the LoRA adapter its requests run with (`model` named one), or None.
       tools: a chat request's tools (`pagedjax.tool_calls.ToolRequest`), or None.
+      echo: with `echo: true`, the text each prompt's choices start with
+        (`pagedjax.openai_echo`: completions, the prompt's; chat, the last message's
+        content or ""); completions' logprobs then cover the prompt's tokens too.
+      prompt_logprobs: answers carry vLLM's `prompt_logprobs` (completions: on each
+        choice; chat: beside them).
+      echo_only: `max_tokens: 0` with echo: the one token generated is dropped (`output`).
       id: the response id's suffix; `rids` derive from it.
       created: the Unix time of the request.
     """
@@ -138,6 +154,9 @@ class Job:
     model: str | None = None
     lora_request: LoRARequest | None = None
     tools: ToolRequest | None = None
+    echo: list[str] | None = None
+    prompt_logprobs: bool = False
+    echo_only: bool = False
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -145,6 +164,15 @@ class Job:
     def rids(self) -> list[str]:
         """The engine request id of each prompt."""
         return [f"{self.id}-{i}" for i in range(len(self.prompts))]
+
+    @property
+    def streams_tokens(self) -> bool:
+        """A stream sends tokens as they come (`pagedjax.openai_echo.streams_tokens`)."""
+        return openai_echo.streams_tokens(self)
+
+    def output(self, out: RequestOutput) -> RequestOutput:
+        """A finished output as answered (`echo_only`: the generated token dropped)."""
+        return openai_echo.without_generated(out) if self.echo_only else out
 
 
 def parse_job(
@@ -255,21 +283,28 @@ def parse_job(
         limit = int_field(body, "max_tokens", min(16, defaults.get("max_tokens", 16)))
     if not chat and isinstance(logprobs, int) and not isinstance(logprobs, bool):
         logprobs = _logprobs_field("logprobs", logprobs, vocab_size, max_logprobs)
+    k = logprobs if isinstance(logprobs, int) and not isinstance(logprobs, bool) else None
+    echo, prompt_logprobs = openai_echo.read_echo(
+        body, chat=chat, stream=stream, k=k, vocab_size=vocab_size, max_logprobs=max_logprobs
+    )
     # The field the limit came from (completions have no max_completion_tokens).
     given = chat and body.get("max_completion_tokens") is not None
     field = "max_completion_tokens" if given else "max_tokens"
-    if limit is not None and limit < 1:  # (SamplingParams would name max_tokens, whichever)
-        raise ApiError(400, f"{field} must be an int >= 1, got {field}={limit}", field)
+    echo_only = echo and not chat and limit == 0  # vLLM's: the prompt alone (one token run)
+    if limit is not None and limit < 1 and not echo_only:  # (SamplingParams names max_tokens)
+        least = ">= 1" if chat else ">= 1 (0 with echo=true)"
+        raise ApiError(400, f"{field} must be an int {least}, got {field}={limit}", field)
     guided = structured_outputs(body, tok, vocab_size)
     if tools is not None:  # named and "required" tool choices are structured outputs
         guided = tools.structured_outputs(body, guided, tok, vocab_size)
     params = sampling_params(
         body,
-        max_tokens=limit,
+        max_tokens=1 if echo_only else limit,
         logprobs=logprobs,
         vocab_size=vocab_size,
         defaults=defaults,
         guided=guided,
+        prompt_logprobs=prompt_logprobs,
     )
     if params.stop and tok is None:
         raise ApiError(400, "stop strings need a tokenizer; this model has none", "stop")
@@ -288,6 +323,8 @@ def parse_job(
                 f"{max_model_len - len(p)}",
                 field,
             )
+    skip = params.skip_special_tokens
+    texts = openai_echo.echo_texts(body, chat, tok, prompts, ids, skip=skip) if echo else None
     return Job(
         chat,
         ids,
@@ -300,6 +337,9 @@ def parse_job(
         model,
         loras.get(model),
         tools,
+        texts,
+        not stream and params.prompt_logprobs is not None,
+        echo_only,
     )
 
 
@@ -485,11 +525,15 @@ def chat_messages(messages) -> list[dict]:
 
 def response_body(job: Job, head: dict, outs: dict, tokenizer) -> dict:
     """`openai_responses.response_body`, its chat choices' texts made calls where the
-    request's tools ask for it (`ToolRequest.answer`)."""
+    request's tools ask for it (`ToolRequest.answer`), then, with echo, their content
+    after the echoed one (as vLLM's, null content becomes the echoed text)."""
     body = openai_responses.response_body(job, head, outs, tokenizer)
     if job.tools is not None and job.tools.parses:
         for choice in body["choices"]:
             job.tools.answer(choice)
+    if job.chat and job.echo is not None:
+        for choice in body["choices"]:
+            choice["message"]["content"] = job.echo[0] + (choice["message"]["content"] or "")
     return body
 
 

@@ -101,10 +101,12 @@ def sampling_params(
     vocab_size: int,
     defaults: Mapping | None = None,
     guided: StructuredOutputsParams | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams (ApiError 400 naming the field and value); a field of
     `SAMPLING_FIELDS` left out or null takes `defaults`' value, if it has one; `guided`:
-    its structured outputs (`structured_outputs`).
+    its structured outputs (`structured_outputs`); `prompt_logprobs`: the count of the
+    prompt's logprobs to compute (`pagedjax.openai_echo.read_echo`), or None.
 
     vLLM's `use_beam_search: true` is a beam search of width `n` answering its `n` best
     beams (`beam_width=n`), with vLLM's `length_penalty`; as vLLM's, it takes none of
@@ -113,7 +115,6 @@ def sampling_params(
     is a 400 naming the field, whatever `n`. `length_penalty` without it is a 400
     (sampling has nothing to apply it to)."""
     for name, bad, why in (
-        ("echo", bool(body.get("echo")), "echo=true is not supported (the prompt is not returned)"),
         ("best_of", body.get("best_of") not in (None, 1), "best_of is not supported"),
         ("suffix", body.get("suffix") is not None, "suffix is not supported"),
         # OpenAI's deprecated form of tools (`pagedjax.tool_calls` reads chat's `tools`).
@@ -176,7 +177,9 @@ def sampling_params(
         is_int = isinstance(n, int) and not isinstance(n, bool)
         kw["beam_width"] = n if is_int and n > 1 else 2
     try:
-        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kw)
+        params = SamplingParams(
+            max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **kw
+        )
     except (ValueError, TypeError) as e:
         raise ApiError(400, str(e), _field_at_fault(str(e), kw)) from None
     if beam and params.n == 1:

@@ -7,6 +7,14 @@ logprobs of any run of a completion's tokens (all of them, or a chunk's), each t
 named where it stands (`tokenizer.token_names`; vLLM's `"token_id:<id>"` without a
 tokenizer, with every `text_offset` 0). Nothing here touches the engine, so it runs on
 any thread. `pagedjax.openai_api` re-exports all of it.
+
+Echo (`Job.echo`, `pagedjax.openai_echo`), as vLLM answers it: a completions choice's
+text is its prompt's text then its own, and its logprobs cover the prompt's tokens
+(`echo_logprobs`: the first has none, so its `token_logprobs` and `top_logprobs` are
+null) then its own, whose `text_offset`s start at the prompt text's length; a chat
+choice's content starts with the last message's (`pagedjax.openai_api.response_body`).
+vLLM's `prompt_logprobs` (`Job.prompt_logprobs`) are rendered by
+`render_prompt_logprobs`: on each completions choice, beside a chat answer's choices.
 """
 
 from __future__ import annotations
@@ -23,11 +31,15 @@ __all__ = [
     "chat_logprobs",
     "choice_index",
     "completion_logprobs",
+    "echo_logprobs",
+    "join_logprobs",
     "render_logprobs",
+    "render_prompt_logprobs",
     "response_body",
     "response_head",
     "role_chunks",
     "stream_chunk",
+    "token_texts",
     "usage",
 ]
 
@@ -152,6 +164,58 @@ def render_logprobs(
     )
 
 
+def token_texts(tok, token_ids, *, context=(), skip_special_tokens: bool = True) -> list[str]:
+    """Each token's name where it stands, after `context` and the tokens before it, as
+    `render_logprobs` names it (an echoed token id prompt's text is these joined)."""
+    pairs = zip(token_ids, _contexts(context, token_ids), strict=True)
+    return [_token_names(tok, b, [t], skip_special_tokens)[t] for t, b in pairs]
+
+
+def echo_logprobs(tok, prompt_ids, entries, k: int, *, skip_special_tokens: bool = True) -> dict:
+    """Completions-style logprobs of an echoed prompt (`render_logprobs`' format, offsets
+    from 0), from its `RequestOutput.prompt_logprobs` `entries` (None first): the first
+    token has no logprob, so its `token_logprobs` and `top_logprobs` are None, as vLLM's."""
+    first = token_texts(tok, prompt_ids[:1], skip_special_tokens=skip_special_tokens)
+    head = dict(tokens=first, token_logprobs=[None], top_logprobs=[None], text_offset=[0])
+    rest = render_logprobs(
+        tok,
+        prompt_ids[1:],
+        entries[1:],
+        k,
+        chat=False,
+        offset=len(first[0]) if tok is not None else 0,
+        context=prompt_ids[:1],
+        skip_special_tokens=skip_special_tokens,
+    )
+    return join_logprobs(head, rest)
+
+
+def join_logprobs(first: dict, then: dict) -> dict:
+    """Completions-style logprobs of one run of tokens followed by another's."""
+    return {key: first[key] + then[key] for key in first}
+
+
+def render_prompt_logprobs(entries) -> list | None:
+    """vLLM's `prompt_logprobs` field from `RequestOutput.prompt_logprobs`: per prompt
+    token None (the first) or {"token id": {logprob, rank, decoded_token}} (the prompt
+    token, then the most likely; -inf as -9999.0, as vLLM clamps it)."""
+    if entries is None:
+        return None
+    return [
+        None
+        if e is None
+        else {
+            str(t): dict(
+                logprob=_lp(float(x)),
+                rank=getattr(x, "rank", None),
+                decoded_token=getattr(x, "decoded_token", None),
+            )
+            for t, x in e.items()
+        }
+        for e in entries
+    ]
+
+
 def usage(outs) -> dict:
     """The token counts of some `RequestOutput`s."""
     p = sum(len(o.prompt_token_ids) for o in outs)
@@ -177,20 +241,30 @@ def choice_index(job: Job, rid: str, completion: int) -> int:
 
 
 def response_body(job: Job, head: dict, outs: dict, tokenizer) -> dict:
-    """The whole (non-streamed) answer, from each request id's `RequestOutput`."""
+    """The whole (non-streamed) answer, from each request id's `RequestOutput` (as
+    `Job.output` made it: with max_tokens 0, without the token the engine generated)."""
     k, choices = job.params.logprobs, []
     skip = job.params.skip_special_tokens
-    for rid, prompt in zip(job.rids, job.prompts, strict=True):
-        for c in outs[rid].outputs:
+    for p, (rid, prompt) in enumerate(zip(job.rids, job.prompts, strict=True)):
+        out = outs[rid]
+        echo = None if job.chat or job.echo is None else job.echo[p]
+        for c in out.outputs:
             choice = dict(index=choice_index(job, rid, c.index))
             render = chat_logprobs if job.chat else completion_logprobs
-            lp = None if k is None else render(tokenizer, c, k, prompt, skip_special_tokens=skip)
+            if k is None:
+                lp = None
+            elif echo is not None:  # the prompt's tokens, then the completion's
+                lp = _echoed_logprobs(tokenizer, echo, prompt, out.prompt_logprobs, c, k, skip)
+            else:
+                lp = render(tokenizer, c, k, prompt, skip_special_tokens=skip)
             if job.chat:
                 choice["message"] = dict(role="assistant", content=c.text)
                 choice["logprobs"] = lp
             else:
-                choice["text"] = c.text
+                choice["text"] = c.text if echo is None else echo + c.text
                 choice["logprobs"] = lp
+                if job.prompt_logprobs:  # vLLM: on each completions choice
+                    choice["prompt_logprobs"] = render_prompt_logprobs(out.prompt_logprobs)
                 if job.prompt_token_ids:  # vLLM: on each completions choice
                     choice["prompt_token_ids"] = list(prompt)
             if job.token_ids:
@@ -198,17 +272,40 @@ def response_body(job: Job, head: dict, outs: dict, tokenizer) -> dict:
             choice["finish_reason"] = c.finish_reason
             choices.append(choice)
     body = dict(**head, choices=choices, usage=usage(outs.values()))
+    if job.chat and job.prompt_logprobs:  # vLLM: once, beside the choices
+        body["prompt_logprobs"] = render_prompt_logprobs(outs[job.rids[0]].prompt_logprobs)
     if job.chat and job.prompt_token_ids:  # vLLM: once, beside the choices
         body["prompt_token_ids"] = list(job.prompts[0])
     return body
 
 
+def _echoed_logprobs(tok, echo: str, prompt, entries, c, k: int, skip: bool) -> dict:
+    """A completion's logprobs after its echoed prompt's (`echo`: the prompt's text,
+    where the completion's offsets start; `entries`: its prompt logprobs)."""
+    return join_logprobs(
+        echo_logprobs(tok, prompt, entries, k, skip_special_tokens=skip),
+        render_logprobs(
+            tok,
+            c.token_ids,
+            c.logprobs,
+            k,
+            chat=False,
+            offset=len(echo) if tok is not None else 0,
+            context=prompt,
+            skip_special_tokens=skip,
+        ),
+    )
+
+
 def role_chunks(job: Job, head: dict) -> list[dict]:
-    """A chat stream's first chunks: `delta: {role}` for each choice (none for completions)."""
+    """A chat stream's first chunks: `delta: {role}` for each choice, then, with echo,
+    `delta: {content}` with the echoed content for each, as vLLM sends them (none for
+    completions)."""
     if not job.chat:
         return []
     chunks = []
-    for c in range(len(job.prompts) * job.params.n):
+    num_choices = len(job.prompts) * job.params.n
+    for c in range(num_choices):
         delta = dict(role="assistant", content="")
         choice = dict(index=c, delta=delta, logprobs=None, finish_reason=None)
         if job.token_ids:
@@ -216,6 +313,8 @@ def role_chunks(job: Job, head: dict) -> list[dict]:
         chunks.append(dict(**head, choices=[choice]))
         if job.prompt_token_ids:
             chunks[-1]["prompt_token_ids"] = list(job.prompts[0])
+    if job.echo is not None and job.echo[0]:
+        chunks += [stream_chunk(job, head, c, job.echo[0]) for c in range(num_choices)]
     return chunks
 
 

@@ -40,8 +40,9 @@ Point an OpenAI client at `http://HOST:PORT/v1` (any API key). Endpoints:
 Fields of both POSTs: `model` (optional: the model's id or a LoRA adapter's name, which
 runs the request with that adapter and which the answer's `model` echoes; another name
 is a 404 listing the served ones; /tokenize and /detokenize take it too), `max_tokens`
-(default 16 for completions, null: up to the model's length, as vLLM's; for chat
-`max_completion_tokens` or `max_tokens`, default: up to the model's length),
+(default 16 for completions, null: up to the model's length, as vLLM's, 0: the prompt
+alone with `echo`; for chat `max_completion_tokens` or `max_tokens`, default: up to the
+model's length),
 `temperature` (default 1), `top_p`, `n`, `stop` (a string or a list), `seed`,
 `presence_penalty`, `frequency_penalty`, `stream`, `stream_options: {"include_usage"}`
 (with `stream: true` only), `logit_bias` ({"token id": value in [-100, 100]}), and
@@ -86,6 +87,40 @@ stream has begun is its last event, `data: {"error": ...}`, followed by `data: [
 (as vLLM ends it). HEAD answers a GET path's status and headers; OPTIONS, 204 (no body,
 no `Content-Length`) with the path's `Allow` methods.
 
+Echo and prompt logprobs, as vLLM serves them (`pagedjax.openai_echo`): completions'
+`echo: true` starts each choice's `text` with its prompt's (a string prompt as given; a
+token id prompt, or one `truncate_prompt_tokens` cut, as its tokens' names spell it,
+special tokens shown), and with `logprobs: K` its `logprobs` cover the prompt's tokens
+then its own: the first prompt token's `token_logprobs` and `top_logprobs` are null,
+each other's are its log-probability given the tokens before it and the K most likely
+there (such a request reads nothing from the prefix cache), and `text_offset`s count
+from the start of the echoed text (the completion's from the prompt text's length).
+`max_tokens: 0` with echo answers the prompt alone: `finish_reason` "length", no
+`token_ids`, `usage.completion_tokens` 0 (the engine runs one token, dropped; vLLM
+counts it). vLLM's `prompt_logprobs: K` (-1: the whole vocabulary, within
+`--max-logprobs`; above 0 with `stream: true` a 400, as vLLM's) adds `prompt_logprobs`
+to each completions choice, or beside a chat answer's choices: per prompt token null
+(the first) or `{"token id": {logprob, rank, decoded_token}}`, the token's own then its
+K most likely; as vLLM's, echo sets K where the field is left out (completions:
+`logprobs`, if given; chat: `top_logprobs`, default 0). Chat's `echo: true` starts each
+choice's content with the last message's when the answer continues its role (after an
+assistant message, or with `continue_final_message`); else with "". Every choice echoes
+(`n`, several prompts, beam search). Streamed, a completions choice's first chunk starts
+with its prompt's text, and with logprobs each choice comes whole in one chunk when it
+ends (the engine answers prompt logprobs with the finished output); chat's echoed
+content is one chunk per choice after the role chunks; streams carry no
+`prompt_logprobs`. lm-evaluation-harness's `local-completions` model scores
+loglikelihood tasks this way (token id prompts, `max_tokens` 1, `logprobs` 1, echo),
+its tokenizer from the checkpoint and `max_length` at most `--max-model-len`:
+
+    ARGS=model=NAME,base_url=http://127.0.0.1:8000/v1/completions,tokenizer=CHECKPOINT_DIR
+    lm_eval --model local-completions --tasks hellaswag \\
+      --model_args $ARGS,tokenizer_backend=huggingface,max_length=2048
+
+(NAME: the served model's id; `batch_size=N` sends N prompts a request. Keep its
+default token id prompts: `tokenized_requests=False` sends texts, which get the
+tokenizer's BOS if it adds one, which its context lengths do not count.)
+
 Beam search: vLLM's `use_beam_search: true` runs a beam search of width `n` (the
 engine's `SamplingParams(beam_width=n, n=n)`) and answers its `n` best beams as the
 choices, best first, each scored `logprob_sum / length ** length_penalty` (vLLM's
@@ -112,8 +147,9 @@ has one (the startup log names them), else the default above; its `max_new_token
 caps a left-out `max_tokens`' default (as vLLM's does; a `max_tokens` given is not cut).
 `--generation-config none` ignores the file.
 
-Not supported (400 when asked for): `echo: true`, `best_of` > 1, `suffix`, `tools`
-on /v1/completions, the deprecated `functions`, and `structured_outputs.structural_tag`.
+Not supported (400 when asked for): `best_of` > 1, `suffix`, `tools` on
+/v1/completions, the deprecated `functions`, `structured_outputs.structural_tag`, and
+`max_tokens: 0` without echo or on chat.
 Other unknown fields are ignored.
 
 Function calling, as vLLM serves it (`pagedjax.tool_calls` has the details): chat's

@@ -291,7 +291,7 @@ def test_concurrent_requests_equal_their_sequential_results(server, ref):
         ("/v1/completions", dict(prompt="a", stop=[""]), 400, "stop=['']"),
         ("/v1/completions", dict(prompt="a", suffix="b"), 400, "suffix"),
         ("/v1/completions", dict(prompt="a", model="gpt-4"), 404, "'gpt-4'"),  # was a 400
-        ("/v1/completions", dict(prompt="a", echo=True), 400, "echo=true is not supported"),
+        ("/v1/completions", dict(prompt="a", echo=1), 400, "echo=1"),
         ("/v1/completions", dict(prompt="a", return_token_ids="y"), 400, "return_token_ids='y'"),
         ("/v1/completions", dict(prompt="a", logprobs=21, stream=True), 400, "logprobs=21"),
         ("/v1/completions", dict(prompt="x" * 600), 400, "max_model_len=512"),
