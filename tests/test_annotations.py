@@ -49,3 +49,27 @@ def test_type_hints_resolve(obj):
             pytest.fail(f"typing.get_type_hints({name}): {e}")
         checked += 1
     assert checked > 0
+
+
+def test_the_package_gives_the_engines_names_lazily():
+    """`from pagedjax import LLM, SamplingParams`, as from vllm; `import pagedjax` alone
+    imports no engine module (nor jax)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pagedjax; "
+        "assert 'jax' not in sys.modules and 'pagedjax.engine' not in sys.modules; "
+        "from pagedjax import *; "
+        "from pagedjax.engine import LLM as E; from pagedjax.request import SamplingParams as S; "
+        "assert LLM is E and SamplingParams is S; "
+        "import pagedjax as p; assert set(p.__all__) <= set(dir(p)); "
+        "print(len(p.__all__))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "8"
+    import pagedjax
+
+    with pytest.raises(AttributeError, match="no attribute 'Engine'"):
+        pagedjax.Engine  # noqa: B018
