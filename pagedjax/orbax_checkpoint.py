@@ -7,8 +7,10 @@ Layout (`save_params` / `restore_params`), a directory holding:
                                paths of `params_to_flat` (layers -> "0" -> self_attn ...)
 
 The config JSON is exactly the `ModelConfig` fields, so a restore needs no other
-argument; the JSON is written last and marks a complete checkpoint. HF checkpoints
-and `load_checkpoint`, which takes either kind, are in `pagedjax.weights`.
+argument; the JSON is written last and marks a complete checkpoint. A restore checks
+the stored arrays' shapes (orbax's metadata) against that config before it reads any
+array, and refuses a `cfg` that describes another model than the stored one. HF
+checkpoints and `load_checkpoint`, which takes either kind, are in `pagedjax.weights`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import tempfile
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from pagedjax.config import ModelConfig, RopeScaling
 from pagedjax.jsonfile import read_json_object
@@ -39,6 +43,22 @@ ORBAX_META_FILE = "pagedjax_checkpoint.json"
 ORBAX_PARAMS_DIR = "params"
 _ORBAX_FORMAT = "pagedjax.orbax"
 _ORBAX_VERSION = 1
+# What the stored arrays are: a cfg given to restore_params must agree on these. The
+# other fields (dtype, context, RoPE, window, eps, token ids) say how they run.
+_ARRAY_FIELDS = (
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "hidden_size",
+    "intermediate_size",
+    "vocab_size",
+    "tie_embeddings",
+    "qkv_bias",
+    "o_bias",
+    "qk_norm",
+)
+_MAX_LISTED = 40  # problem lines per error
 
 
 def config_to_json(cfg: ModelConfig) -> dict:
@@ -174,30 +194,100 @@ def restore_params(path, cfg: ModelConfig | None = None, *, dtype=None) -> Param
 
     Args:
       path: the checkpoint directory.
-      cfg: the config to build the model with; default the stored one. Its shapes must
-        match the stored arrays (use it to change e.g. the dtype or eos ids).
+      cfg: the config to build the model with; default the stored one. It may change
+        how the arrays run (dtype, eos ids, RoPE, ...), not what they are: the fields
+        in `_ARRAY_FIELDS` must equal the stored config's.
       dtype: shorthand for `dataclasses.replace(cfg, dtype=dtype)`.
+
+    Raises:
+      ValueError: before any array is read, naming each one: a `cfg` of another model
+        than the stored one (the fields and both values), stored arrays that do not
+        fit the stored config (each array and both shapes). After the read, restoring
+        in float16, the arrays holding values beyond float16's range (a cast makes
+        them inf; as `pagedjax.weights.load_hf_checkpoint` does).
     """
     import orbax.checkpoint as ocp
 
     root = Path(path).absolute()
     stored = read_orbax_config(root)
-    if not (root / ORBAX_PARAMS_DIR).is_dir():
+    params_dir = root / ORBAX_PARAMS_DIR
+    if not params_dir.is_dir():
         raise FileNotFoundError(f"{root} has {ORBAX_META_FILE} but no {ORBAX_PARAMS_DIR}/")
     cfg = cfg or stored
     if dtype is not None:
         cfg = dataclasses.replace(cfg, dtype=dtype)
+    differ = [
+        f"{f}={getattr(cfg, f)!r} (stored {getattr(stored, f)!r})"
+        for f in _ARRAY_FIELDS
+        if getattr(cfg, f) != getattr(stored, f)
+    ]
+    if differ:
+        raise ValueError(
+            f"{root} was saved for another model than cfg: {', '.join(differ)}; a cfg "
+            "may change how the stored arrays run (dtype, eos ids, RoPE, ...), not what they are"
+        )
+    shapes = {k: tuple(v.shape) for k, v in param_shapes(stored).items()}
     # An explicit target puts arrays on this machine's default device (the host under
     # `sharding.host_staging`, for a model to be split), whatever saved them, in cfg's
     # dtype: orbax casts as it reads (a restore then a cast held both copies).
     sharding = jax.sharding.SingleDeviceSharding(_default_device())
     target = {
-        k: jax.ShapeDtypeStruct(v.shape, cfg.jnp_dtype, sharding=sharding)
-        for k, v in param_shapes(stored).items()
+        k: jax.ShapeDtypeStruct(s, cfg.jnp_dtype, sharding=sharding) for k, s in shapes.items()
     }
     with ocp.StandardCheckpointer() as ckptr:
-        tree = ckptr.restore(root / ORBAX_PARAMS_DIR, _nest(target))
-    return params_from_flat(cfg, _unnest(tree))
+        on_disk = _stored_arrays(ckptr, params_dir)
+        _check_stored_shapes(on_disk, shapes, params_dir, root / ORBAX_META_FILE)
+        flat = _unnest(ckptr.restore(params_dir, _nest(target)))
+    if cfg.dtype == "float16":
+        _check_f16(flat, on_disk, root)
+    return params_from_flat(cfg, flat)
+
+
+def _stored_arrays(ckptr, params_dir: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """{dotted path: (shape, dtype)} of the arrays under `params_dir`, from orbax's
+    metadata alone (no array is read)."""
+    meta = ckptr.metadata(params_dir)
+    tree = getattr(meta, "item_metadata", meta)  # orbax 0.12: StepMetadata, then
+    tree = getattr(tree, "tree", tree)  # TreeMetadata around the nested dict
+    return {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in _unnest(dict(tree)).items()}
+
+
+def _check_stored_shapes(on_disk: dict, shapes: dict, params_dir: Path, meta_file: Path):
+    """ValueError naming every array of `params_dir` that the stored config (`shapes`)
+    lacks, has no array for, or expects in another shape."""
+    problems = [f"missing: {k} {list(s)}" for k, s in shapes.items() if k not in on_disk]
+    problems += [f"unexpected: {k} {list(s)}" for k, (s, _) in on_disk.items() if k not in shapes]
+    problems += [
+        f"shape mismatch: {k}: stored {list(on_disk[k][0])}, config expects {list(s)}"
+        for k, s in shapes.items()
+        if k in on_disk and on_disk[k][0] != s
+    ]
+    if problems:
+        more = len(problems) - _MAX_LISTED
+        lines = problems[:_MAX_LISTED] + ([f"... and {more} more"] if more > 0 else [])
+        raise ValueError(
+            f"{params_dir} does not match the config in {meta_file} ({len(problems)} "
+            "problems; was one of them copied from another checkpoint?):\n  " + "\n  ".join(lines)
+        )
+
+
+def _check_f16(flat: dict, on_disk: dict, root: Path) -> None:
+    """ValueError naming each array that orbax's cast to float16 made inf (it was not
+    float16 on disk), so that no model runs on infs it did not have."""
+    problems = []
+    for k, x in flat.items():
+        if on_disk[k][1] != np.float16 and (count := int(jnp.isinf(x).sum())):
+            problems.append(
+                f"float16 overflow: {k} has {count} values beyond float16's range "
+                f"(stored as {on_disk[k][1]})"
+            )
+    if problems:
+        raise ValueError(
+            f"{root} does not fit in float16:\n  "
+            + "\n  ".join(
+                [*problems, "restore it in bfloat16 or float32 (dtype=...), which hold them"]
+            )
+        )
 
 
 def _default_device() -> jax.Device:

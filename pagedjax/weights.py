@@ -28,7 +28,10 @@ Decisions:
   short (an interrupted download), a git-lfs pointer in place of the weights, byte
   ranges that disagree with a tensor's shape; malformed JSON names its file.
 * Known harmless extras (`rotary_emb.inv_freq` buffers) are ignored; any other
-  unknown name is an error.
+  unknown name is an error. Where some are a quantized format's (GPTQ/AWQ `qweight`,
+  `scales`, FP8 `weight_scale`, bitsandbytes `absmax`, ...), the error's first line
+  says the checkpoint is quantized, which is what a user must change (a config.json
+  with `quantization_config` is refused earlier, by `ModelConfig.from_hf`).
 
 Orbax checkpoints (`save_params`, `restore_params`) live in `pagedjax.orbax_checkpoint`
 and are re-exported here; `load_checkpoint` takes either kind of directory.
@@ -134,6 +137,14 @@ _RULES = (
     _Rule("lm_head.weight", "lm_head.kernel", True),
 )
 _IGNORED = (re.compile(r"(.+\.)?rotary_emb\.inv_freq"),)
+# Tensors of quantized formats beside (or in place of) a `weight`: GPTQ/AWQ, FP8
+# (weight_scale, input_scale; weight_scale_inv for block scales), compressed-tensors,
+# bitsandbytes (int8's SCB; 4-bit's absmax, quant_map, quant_state.*).
+_QUANTIZED = re.compile(
+    r"(^|\.)(qweight|qzeros|scales|g_idx|weight_scale|weight_scale_inv|input_scale|"
+    r"weight_zero_point|weight_packed|weight_shape|weight_g_idx|SCB|absmax|quant_map|"
+    r"nested_absmax|nested_quant_map|quant_state\.[\w.]+)$"
+)
 _TIED_HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
 _EMBED_PATH = "embed_tokens.embedding"
 _COMPARE_BYTES = 64 << 20  # per block of rows when comparing a tied head with the embedding
@@ -332,8 +343,8 @@ def _scan(root: Path) -> tuple[dict[str, _TensorInfo], list[str]]:
                 )
             tensors[name] = info
     for name, fname in (weight_map or {}).items():
-        info = tensors.get(name)
-        if (root / fname).is_file() and (info is None or info.file.name != fname):
+        info = tensors.get(name)  # a path from root ("./x" is "x", as in HF), not a file name
+        if (root / fname).is_file() and (info is None or info.file != root / fname):
             problems.append(f"index error: {INDEX_FILE} puts {name} in {fname}, which lacks it")
     if broken:  # not "missing" every tensor of an unreadable file: name the file alone
         raise CheckpointError(f"HF checkpoint {root}", [], [], broken, what="has broken files")
@@ -345,7 +356,7 @@ def _plan(root: Path, cfg: ModelConfig):
     tensors, other = _scan(root)
     shapes = {k: tuple(v.shape) for k, v in param_shapes(cfg).items()}
     plan: dict[str, tuple[_TensorInfo, bool]] = {}  # our path -> (tensor, transpose)
-    unexpected, tied_head = [], None
+    unexpected, quantized, tied_head = [], [], None
     for name, info in sorted(tensors.items()):
         mapped = hf_to_path(name)
         if name == _TIED_HEAD and cfg.tie_embeddings:
@@ -354,6 +365,8 @@ def _plan(root: Path, cfg: ModelConfig):
         elif mapped is None or mapped[0] not in shapes:
             if not any(p.fullmatch(name) for p in _IGNORED):
                 unexpected.append(f"{name} {list(info.shape)}")
+                if _QUANTIZED.search(name):
+                    quantized.append(name)
             continue
         else:
             path, transpose = mapped
@@ -375,8 +388,15 @@ def _plan(root: Path, cfg: ModelConfig):
             "hint: config.json has tie_word_embeddings=false but there is no lm_head.weight; "
             "a tied model should say tie_word_embeddings=true"
         )
+    what = "does not match its config"
+    if quantized:  # the cause of the missing weights listed below, first
+        names = ", ".join(quantized[:2]) + (", ..." if len(quantized) > 2 else "")
+        what = (
+            f"is quantized ({names}), which pagedjax does not load: use the unquantized "
+            "(bf16/fp16/fp32) checkpoint"
+        )
     if missing or unexpected or other:
-        raise CheckpointError(f"HF checkpoint {root}", missing, unexpected, other)
+        raise CheckpointError(f"HF checkpoint {root}", missing, unexpected, other, what=what)
     return plan, tied_head
 
 

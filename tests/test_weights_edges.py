@@ -1,6 +1,7 @@
 """Checkpoint edge cases: PyTorch-only weights, a tied head that differs from the
 embedding (found before the long load), a failed orbax overwrite, a restore in
-another dtype, the peak host memory of a load, values float16 cannot hold."""
+another dtype, the peak host memory of a load, values float16 cannot hold, quantized
+checkpoints, orbax restores checked against their config before the read."""
 
 import dataclasses
 import json
@@ -166,6 +167,17 @@ def test_which_weight_files_a_directory_loads(tmp_path):
         np.asarray(model.params_to_flat(params)["norm.scale"]), t["model.norm.weight"]
     )
 
+    # An index naming its files by path from the directory ("./x", as os.path.join reads
+    # it in HF): each tensor was "not in" its shard, since only the file names compared.
+    dotted = write_hf(tmp_path / "dotted", c, t, num_shards=2)
+    index = json.loads((dotted / weights.INDEX_FILE).read_text())
+    index["weight_map"] = {k: f"./{v}" for k, v in index["weight_map"].items()}
+    (dotted / weights.INDEX_FILE).write_text(json.dumps(index))
+    _, params = weights.load_hf_checkpoint(dotted)
+    np.testing.assert_array_equal(
+        np.asarray(model.params_to_flat(params)["norm.scale"]), t["model.norm.weight"]
+    )
+
 
 def test_save_shards_hold_something_and_the_size_is_positive(tmp_path):
     """A shard size smaller than every tensor gives each tensor its own file (no empty
@@ -250,3 +262,110 @@ def test_values_beyond_float16_are_named_not_made_inf(tmp_path):
     assert len(info.value.problems) == 3  # the two tensors and the hint
     cfg, params = weights.load_hf_checkpoint(ckpt)  # bfloat16 holds them
     assert float(model.params_to_flat(params)["norm.scale"][3]) == 70144.0  # 7e4 in bf16
+
+
+def test_orbax_restore_refuses_another_models_config_by_name(tmp_path, monkeypatch):
+    """restore_params(path, cfg) may change how the stored arrays run (dtype, eos ids), not
+    what they are: a cfg of another shape, or of the same shapes read another way (8
+    heads of 8 in place of 4 heads of 16: every array fits), is refused by field before
+    any array is read (the first was refused after the whole read, the second loaded)."""
+    import orbax.checkpoint as ocp
+
+    cfg = model_config()
+    weights.save_params(model.init_params(cfg, seed=0), tmp_path / "ckpt")
+    regrouped = dataclasses.replace(cfg, num_heads=8, head_dim=8, num_kv_heads=4)
+    assert {k: v.shape for k, v in model.param_shapes(regrouped).items()} == {
+        k: v.shape for k, v in model.param_shapes(cfg).items()
+    }
+    restore = ocp.StandardCheckpointer.restore
+    read = []
+    monkeypatch.setattr(
+        ocp.StandardCheckpointer, "restore", lambda *a, **k: read.append(1) or restore(*a, **k)
+    )
+    for other, match in (
+        (regrouped, r"num_heads=8 \(stored 4\), num_kv_heads=4 \(stored 2\), head_dim=8 "),
+        (dataclasses.replace(cfg, hidden_size=32), r"hidden_size=32 \(stored 64\)"),
+        (dataclasses.replace(cfg, tie_embeddings=True), r"tie_embeddings=True \(stored False\)"),
+    ):
+        with pytest.raises(ValueError, match=f"ckpt.*was saved for another model.*{match}"):
+            weights.restore_params(tmp_path / "ckpt", other)
+    assert not read
+    runs = dataclasses.replace(cfg, dtype="bfloat16", eos_token_ids=(7,), rope_theta=500.0)
+    assert weights.restore_params(tmp_path / "ckpt", runs).config == runs
+
+
+def test_orbax_arrays_that_do_not_fit_their_stored_config_are_named(tmp_path):
+    """A pagedjax_checkpoint.json edited by hand, or a params/ folder copied from another
+    checkpoint: each array that differs is named with both shapes (orbax's own error was
+    a page of tensorstore spec without the array's name)."""
+    cfg = model_config()
+    weights.save_params(model.init_params(cfg, seed=0), tmp_path / "ckpt")
+    meta_file = tmp_path / "ckpt" / weights.ORBAX_META_FILE
+    meta = json.loads(meta_file.read_text())
+    for change, lines in (
+        (
+            dict(intermediate_size=96),
+            [
+                "shape mismatch: layers.0.mlp.up_proj.kernel: stored [64, 128], "
+                "config expects [64, 96]",
+                "shape mismatch: layers.1.mlp.down_proj.kernel: stored [128, 64], "
+                "config expects [96, 64]",
+            ],
+        ),
+        (dict(tie_embeddings=True), ["unexpected: lm_head.kernel [64, 256]"]),
+        (dict(num_layers=3), ["missing: layers.2.mlp.up_proj.kernel [64, 128]"]),
+    ):
+        meta_file.write_text(json.dumps({**meta, "config": {**meta["config"], **change}}))
+        with pytest.raises(ValueError, match="does not match the config in .*checkpoint.json") as e:
+            weights.restore_params(tmp_path / "ckpt")
+        for line in lines:
+            assert line in str(e.value), (line, str(e.value))
+        assert len(str(e.value)) < 4000  # the problems, not a dump
+
+
+def test_orbax_values_beyond_float16_are_named_not_made_inf(tmp_path):
+    """As an HF load does (test_values_beyond_float16_are_named_not_made_inf): a restore
+    in float16 of a bfloat16 checkpoint names the arrays float16 cannot hold, where orbax's
+    cast made them inf."""
+    cfg = dataclasses.replace(PRESETS["tiny"], dtype="bfloat16")
+    flat = model.params_to_flat(model.init_params(cfg, seed=0))
+    flat["norm.scale"] = flat["norm.scale"].at[3].set(1e6).at[5].set(-7e4)
+    weights.save_params(model.params_from_flat(cfg, flat), tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="does not fit in float16") as e:
+        weights.load_checkpoint(tmp_path / "ckpt", dtype="float16")
+    assert "norm.scale has 2 values beyond float16's range" in str(e.value)
+    assert "embed_tokens" not in str(e.value)
+    p16 = weights.restore_params(tmp_path / "ckpt", dtype="bfloat16")
+    assert float(model.params_to_flat(p16)["norm.scale"][3]) == 999424.0  # 1e6 in bf16
+
+
+def test_a_quantized_checkpoint_says_so_before_the_list(tmp_path):
+    """GPTQ/AWQ (qweight, qzeros, scales, g_idx) and FP8 (weight_scale) tensors, in a
+    checkpoint whose config.json lacks the quantization_config that from_hf refuses
+    (AutoGPTQ kept it in quantize_config.json): the first line says what the checkpoint
+    is, where it read "does not match its config" above 40 lines of missing weights."""
+    c = make_config()
+    t = hf_tensors(c)
+    for name in [k for k in t if k.endswith("_proj.weight")]:
+        base = name.removesuffix(".weight")
+        rows, cols = t.pop(name).shape
+        t[base + ".qweight"] = np.zeros((cols // 8, rows), np.int32)
+        t[base + ".qzeros"] = np.zeros((1, rows // 8), np.int32)
+        t[base + ".scales"] = np.ones((1, rows), np.float16)
+        t[base + ".g_idx"] = np.zeros(cols, np.int32)
+    with pytest.raises(weights.CheckpointError) as e:
+        weights.load_hf_checkpoint(write_hf(tmp_path / "gptq", c, t))
+    first = str(e.value).splitlines()[0]
+    assert "is quantized" in first and "model.layers.0.mlp.down_proj.g_idx" in first, first
+    assert "unquantized" in first
+    assert "missing: model.layers.0.mlp.down_proj.weight [32, 48]" in e.value.problems
+
+    fp8 = hf_tensors(c)
+    up = "model.layers.0.mlp.up_proj.weight"
+    fp8[up] = fp8[up].astype(ml_dtypes.float8_e4m3fn)
+    fp8[up + "_scale"] = np.ones((), np.float32)
+    with pytest.raises(weights.CheckpointError) as e:
+        weights.load_hf_checkpoint(write_hf(tmp_path / "fp8", c, fp8))
+    first = str(e.value).splitlines()[0]
+    assert "is quantized" in first and "up_proj.weight_scale" in first, first
+    assert f"unsupported dtype: {up} is F8_E4M3, not ['BF16', 'F16', 'F32', 'F64']" in str(e.value)
