@@ -245,7 +245,7 @@ def load_adapter(path, cfg: ModelConfig, *, max_rank: int | None = None) -> LoRA
         adapter_model.safetensors in it.
       ValueError: naming the tensor, key or value the engine cannot serve.
     """
-    from pagedjax.weights import _ST_DTYPES, _read_header, _read_tensor  # (jax-heavy bits)
+    from pagedjax.safetensors_file import DTYPES, read_header, read_tensor
 
     root = Path(path)
     if not root.is_dir():
@@ -258,17 +258,17 @@ def load_adapter(path, cfg: ModelConfig, *, max_rank: int | None = None) -> LoRA
             * (root / "adapter_model.bin").is_file()
         )
         raise FileNotFoundError(f"no adapter_model.safetensors in {root}{extra}")
-    infos = _read_header(file)
+    infos = read_header(file)
     shapes = {name: info.shape for name, info in infos.items()}
     pairs, rank = _layout(shapes, cfg, str(file), max_rank, str(root))
     for name, info in infos.items():
-        if info.dtype not in _ST_DTYPES:
+        if info.dtype not in DTYPES:
             raise ValueError(
                 f"{file}: tensor {name!r} has dtype {info.dtype}: LoRA weights must be "
-                f"floating point ({', '.join(_ST_DTYPES)})"
+                f"floating point ({', '.join(DTYPES)})"
             )
     with open(file, "rb") as f:
-        weights = _fold(conf, pairs, lambda name: _read_tensor(f, infos[name]), str(file))
+        weights = _fold(conf, pairs, lambda name: read_tensor(f, infos[name]), str(file))
     return LoRAAdapter(weights, rank, str(root))
 
 

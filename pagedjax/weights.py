@@ -18,9 +18,10 @@ Decisions:
   `model.embed_tokens.weight` exactly (some exporters write the shared matrix twice);
   a different matrix is an error, since silently dropping a trained head would change
   the model. The two are compared between the passes, before the long second one.
-* Reading: each tensor is read from the byte range its header gives (checked in
-  pass 1) into a fresh buffer, as `ml_dtypes.bfloat16` for bf16; no file is memory
-  mapped, so a shard's pages do not pile up in the process's RSS while it loads.
+* Reading (`pagedjax.safetensors_file`): each tensor is read from the byte range its
+  header gives (checked in pass 1) into a fresh buffer, as `ml_dtypes.bfloat16` for
+  bf16; no file is memory mapped, so a shard's pages do not pile up in the process's
+  RSS while it loads.
 * float16: a value outside float16's range (|x| >= 65520, possible in bf16 and fp32
   checkpoints) would become inf when the model runs in float16; such tensors are
   named in a `CheckpointError` instead (HF's `.to(torch.float16)` makes them inf).
@@ -41,16 +42,12 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
@@ -66,6 +63,10 @@ from pagedjax.orbax_checkpoint import (  # re-exported
     restore_params,
     save_params,
 )
+from pagedjax.safetensors_file import DTYPES as _ST_DTYPES
+from pagedjax.safetensors_file import TensorInfo as _TensorInfo
+from pagedjax.safetensors_file import read_header as _read_header
+from pagedjax.safetensors_file import read_tensor as _read_tensor
 
 __all__ = [
     "CONFIG_FILE",
@@ -92,20 +93,6 @@ CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-_ST_DTYPES = {
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F16": np.dtype("<f2"),
-    "F32": np.dtype("<f4"),
-    "F64": np.dtype("<f8"),
-}
-_ST_ITEMSIZE = {  # every safetensors dtype, so that byte ranges of refused ones check too
-    **{k: 1 for k in ("BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2")},
-    **{k: 2 for k in ("I16", "U16", "F16", "BF16")},
-    **{k: 4 for k in ("I32", "U32", "F32")},
-    **{k: 8 for k in ("I64", "U64", "F64")},
-}
-_LFS_POINTER = b"version https://git-lfs"
-_ALIGN = 64  # XLA's CPU buffer alignment: an aligned numpy array becomes a jax.Array uncopied
 _F16 = np.dtype(np.float16)
 _MAX_LISTED = 40  # per problem kind, so a wrong-model error stays readable
 
@@ -201,92 +188,6 @@ class CheckpointError(ValueError):
                 lines.append(f"  ... and {len(items) - _MAX_LISTED} more {kind}")
         lines += [f"  {x}" for x in other]
         super().__init__("\n".join(lines))
-
-
-# ----------------------------------------------------------------------------- safetensors
-
-
-@dataclass(frozen=True)
-class _TensorInfo:
-    name: str
-    file: Path
-    dtype: str  # safetensors dtype name, e.g. "BF16"
-    shape: tuple[int, ...]
-    start: int  # absolute byte offsets in the file
-    stop: int
-
-
-def _read_header(file: Path) -> dict[str, _TensorInfo]:
-    """Tensor names -> info from a safetensors header (8-byte length, JSON, data).
-
-    Checks what safetensors itself would refuse only when the tensor is read: every byte
-    range must fit its dtype and shape, and the ranges must cover the data exactly (a
-    download cut short fails here, before any tensor is loaded).
-    """
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        head = f.read(8)
-        if (head + f.read(len(_LFS_POINTER) - 8)).startswith(_LFS_POINTER):
-            raise ValueError(
-                f"{file.name} is a git-lfs pointer, not the weights: fetch them with "
-                "`git lfs pull` (or download the checkpoint with huggingface-cli)"
-            )
-        try:
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                raise ValueError(f"header length {n} > the file's {size - 8} bytes after it")
-            f.seek(8)
-            header = json.loads(f.read(n))
-            infos = {
-                name: _TensorInfo(
-                    name,
-                    file,
-                    v["dtype"],
-                    tuple(int(d) for d in v["shape"]),
-                    8 + n + int(v["data_offsets"][0]),
-                    8 + n + int(v["data_offsets"][1]),
-                )
-                for name, v in header.items()
-                if name != "__metadata__"
-            }
-        except (struct.error, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{file.name} is not a valid safetensors file ({e!r})") from None
-    for info in infos.values():
-        nbytes = math.prod(info.shape) * _ST_ITEMSIZE.get(info.dtype, 0)
-        if info.stop < info.start or (
-            info.dtype in _ST_ITEMSIZE and info.stop - info.start != nbytes
-        ):
-            raise ValueError(
-                f"{file.name} is corrupt: {info.name}: its header gives "
-                f"{info.stop - info.start} bytes for {info.dtype} {list(info.shape)}, "
-                f"which takes {nbytes}"
-            )
-    end = max((i.stop for i in infos.values()), default=8 + n)
-    if end > size:
-        raise ValueError(
-            f"{file.name} is truncated: its header needs {end} bytes, the file has {size} "
-            "(an interrupted download? download it again)"
-        )
-    if end < size:
-        raise ValueError(f"{file.name} is corrupt: {size - end} bytes after its last tensor")
-    return infos
-
-
-def _read_tensor(f: BinaryIO, info: _TensorInfo) -> np.ndarray:
-    """Reads one tensor from its header byte range in `f` (its file) into a new array.
-
-    The buffer is `_ALIGN`-byte aligned: JAX's CPU client then makes the array a device
-    array without copying it, so on the CPU a loaded tensor is never held twice.
-    """
-    nbytes = info.stop - info.start
-    raw = np.empty(nbytes + _ALIGN, np.uint8)
-    start = -raw.ctypes.data % _ALIGN
-    buf = raw[start : start + nbytes]
-    f.seek(info.start)
-    got = f.readinto(memoryview(buf))
-    if got != nbytes:  # the header check passed, so the file changed since
-        raise ValueError(f"{info.file.name}: {info.name}: read {got} of {nbytes} bytes")
-    return buf.view(_ST_DTYPES[info.dtype]).reshape(info.shape)
 
 
 def _checkpoint_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
