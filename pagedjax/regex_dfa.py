@@ -7,19 +7,27 @@ reach acceptance merged into the dead state 0. The DFA reads the matched text's 
 bytes: it accepts exactly the encodings of the strings the pattern fully matches.
 
 Regex subset (full-match semantics): literals; escapes \\d \\w \\s \\D \\W \\S (ASCII
-meanings, as JSON Schema's ECMA regexes), \\n \\t \\r \\f \\v \\a, \\xhh \\uhhhh
-\\Uhhhhhhhh, escaped punctuation; `.` (any character but newline); classes [a-z] [^...];
-groups ( ) (?: ) (?P<name> ) (?<name> ); alternation; quantifiers * + ? {m} {m,} {,n}
-{m,n} and their lazy forms (the language is the same). ^ at the start and $ at the end
-are ignored. Refused (ValueError naming the pattern and the position): backreferences,
-lookaround, inline flags, possessive quantifiers, \\b \\B \\A \\Z, \\p{...}, anchors
-elsewhere (\\b in a class is a backspace).
+meanings: [0-9], [A-Za-z0-9_], [\\t-\\r ] and the characters outside them), \\n \\t \\r
+\\f \\v \\a, \\xhh \\uhhhh \\Uhhhhhhhh, escaped punctuation; `.` (any character but
+newline); classes [a-z] [^...]; groups ( ) (?: ) (?P<name> ) (?<name> ); alternation;
+quantifiers * + ? {m} {m,} {,n} {m,n} and their lazy forms (the language is the same). ^
+at the start and $ at the end are ignored. Refused (ValueError naming the pattern and the
+position): backreferences, lookaround, inline flags, possessive quantifiers, \\b \\B \\A
+\\Z, \\p{...}, anchors elsewhere (\\b in a class is a backspace), surrogates.
+
+`parse(pattern, ecma=True)` reads a JSON Schema `pattern` (ECMA-262) so that every string
+it matches is one both ECMA-262 and Python's `re` (whose \\d \\w \\s are Unicode's) match:
+\\d \\w \\s are ASCII's, \\D \\W \\S leave out every character either reads as a digit,
+word character or space (in a negated class, the other way round), `.` leaves out \\r
+U+2028 U+2029 too, and what they read differently is refused: [] [^] {,n} \\a \\U.
 
 Size: a bounded count repeats its automaton (`"x{0,500}"` is 500 copies), so a pattern
 whose NFA would pass `MAX_NFA_STATES` is refused by `check_size` (on the AST, before
 building; `StructuredOutputsParams` runs it on construction), and one whose DFA passes
-`MAX_DFA_STATES` by `compile_dfa` (a JSON string's maxLength: about 800). A pattern
-nested too deeply for the recursion is a ValueError too (`nesting`).
+`MAX_DFA_STATES` (a JSON string's maxLength: about 800) or takes over `MAX_DFA_WORK`
+steps to build (`(?:a?){0,5000}`: each DFA state holds thousands of NFA states) by
+`compile_dfa`. A pattern nested too deeply for the recursion is a ValueError too
+(`nesting`).
 
 `escape`, `to_text` and `map_sets` (with `negate` and `intersect` on character sets)
 let `pagedjax.json_schema` write and rewrite patterns.
@@ -37,6 +45,7 @@ import numpy as np
 __all__ = [
     "DFA",
     "MAX_DFA_STATES",
+    "MAX_DFA_WORK",
     "MAX_NFA_STATES",
     "check_size",
     "compile_dfa",
@@ -50,6 +59,7 @@ __all__ = [
 ]
 
 MAX_DFA_STATES = 20_000
+MAX_DFA_WORK = 20_000_000  # NFA states and edges visited building it: 2-4 s
 MAX_NFA_STATES = 200_000  # counted on the AST before building (`_nfa_size`)
 
 _MAX_CP = 0x10FFFF
@@ -103,6 +113,40 @@ _CLASS_ESCAPES = {
 }
 _CHAR_ESCAPES = {"n": 10, "t": 9, "r": 13, "f": 12, "v": 11, "a": 7}
 _ANY_BUT_NEWLINE = negate(((10, 10),))
+# ECMA-262's and Python's spaces (str.isspace) together; ECMA's `.` leaves out its line ends.
+_ANY_SPACE = _norm([(9, 13), (28, 32), (0x85, 0x85), (0xA0, 0xA0), (0x1680, 0x1680)]
+                   + [(0x2000, 0x200A), (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F)]
+                   + [(0x3000, 0x3000), (0xFEFF, 0xFEFF)])  # fmt: skip
+_ECMA_DOT = negate(((10, 10), (13, 13), (0x2028, 0x2029)))
+
+
+@functools.cache
+def _unicode_class(kind: str) -> tuple[tuple[int, int], ...]:
+    """Python's Unicode \\d ("d": str.isdecimal) or \\w ("w": str.isalnum, "_")."""
+    test = str.isdecimal if kind == "d" else lambda c: c.isalnum() or c == "_"
+    ranges, start = [], None
+    for cp in range(_MAX_CP + 2):
+        inside = cp <= _MAX_CP and test(chr(cp))
+        if inside and start is None:
+            start = cp
+        elif not inside and start is not None:
+            ranges.append((start, cp - 1))
+            start = None
+    return _norm(ranges)
+
+
+def _ecma_class(c: str, wide: bool):
+    """\\d \\w \\s \\D \\W \\S (`c`) of a JSON Schema pattern: the characters both ECMA-262
+    and Python's `re` read as in it, or (`wide`, in a negated class) as in it by either."""
+    if c in "dD":
+        narrow, either = _DIGIT, _unicode_class("d")
+    elif c in "wW":
+        narrow, either = _WORD, _unicode_class("w")
+    else:
+        narrow, either = _SPACE, _ANY_SPACE
+    if c.islower():
+        return either if wide else narrow
+    return negate(narrow if wide else either)
 
 
 # ---------------------------------------------------------------------------- regex AST
@@ -119,8 +163,9 @@ def _lit(cp: int):
 class _Parser:
     """Recursive descent over the regex subset in the module docstring."""
 
-    def __init__(self, pattern: str):
-        self.p, self.i = pattern, 0
+    def __init__(self, pattern: str, ecma: bool = False):
+        self.p, self.i, self.ecma = pattern, 0, ecma
+        self.negated = False  # in a negated class
 
     def error(self, msg: str) -> ValueError:
         return ValueError(f"regex {self.p!r:.200}: {msg} at position {self.i}")
@@ -173,6 +218,8 @@ class _Parser:
         m = _COUNT.match(self.p, self.i)
         if c != "{" or m is None or (m[1] == "" and m[2] == ""):
             return None  # a "{" that is no quantifier is a literal, as in Python
+        if self.ecma and m[1] == "":
+            raise self.error(f"{m[0]}: ECMA-262 reads it as text, Python as a count")
         lo = int(m[1] or 0)
         hi = lo if not m[2] else (int(m[3]) if m[3] else None)
         if hi is not None and hi < lo:
@@ -211,14 +258,21 @@ class _Parser:
         if c == "[":
             return ("set", self.char_class())
         if c == ".":
-            return ("set", _ANY_BUT_NEWLINE)
+            return ("set", _ECMA_DOT if self.ecma else _ANY_BUT_NEWLINE)
         if c in "^$":
             self.i -= 1
             raise self.error(f"anchor {c!r} is only supported at the pattern's ends")
         if c == "\\":
             esc = self.escape(in_class=False)
             return ("set", esc) if isinstance(esc, tuple) else _lit(esc)
-        return _lit(ord(c))
+        return _lit(self.char(c))
+
+    def char(self, c: str) -> int:
+        """The codepoint of `c`, read at self.i - 1; ValueError for a surrogate."""
+        if _SURROGATES[0] <= ord(c) <= _SURROGATES[1]:
+            self.i -= 1
+            raise self.error(f"U+{ord(c):04X} is a surrogate, not a character")
+        return ord(c)
 
     def escape(self, in_class: bool):
         """After a backslash: a codepoint (int) or a class (ranges)."""
@@ -227,12 +281,12 @@ class _Parser:
         c = self.p[self.i]
         self.i += 1
         if c in _CLASS_ESCAPES:
-            return _CLASS_ESCAPES[c]
-        if c in _CHAR_ESCAPES:
+            return _ecma_class(c, in_class and self.negated) if self.ecma else _CLASS_ESCAPES[c]
+        if c in _CHAR_ESCAPES and not (self.ecma and c == "a"):
             return _CHAR_ESCAPES[c]
         if c == "b" and in_class:
             return 8
-        if c in "xuU":
+        if c in "xuU" and not (self.ecma and c == "U"):
             n = {"x": 2, "u": 4, "U": 8}[c]
             digits = self.p[self.i : self.i + n]
             if len(digits) != n or not all(d in "0123456789abcdefABCDEF" for d in digits):
@@ -241,6 +295,8 @@ class _Parser:
             cp = int(digits, 16)
             if cp > _MAX_CP:
                 raise self.error(f"\\{c}{digits} is past U+10FFFF")
+            if _SURROGATES[0] <= cp <= _SURROGATES[1]:
+                raise self.error(f"\\{c}{digits} is a surrogate, not a character")
             return cp
         if c.isascii() and c.isalnum():
             what = {
@@ -256,12 +312,14 @@ class _Parser:
             }.get(c, "backreferences" if c.isdigit() else "this escape")
             self.i -= 2
             raise self.error(f"\\{c}: {what} are not supported")
-        return ord(c)
+        return self.char(c)
 
     def char_class(self):
         p, start = self.p, self.i - 1
-        negated = p.startswith("^", self.i)
+        negated = self.negated = p.startswith("^", self.i)
         self.i += negated
+        if self.ecma and p.startswith("]", self.i):
+            raise self.error(f"{p[start : self.i + 1]}: ECMA-262 and Python read it differently")
         ranges, first = [], True
         while True:
             if self.i >= len(p):
@@ -286,7 +344,7 @@ class _Parser:
     def class_item(self):
         c = self.p[self.i]
         self.i += 1
-        return self.escape(in_class=True) if c == "\\" else ord(c)
+        return self.escape(in_class=True) if c == "\\" else self.char(c)
 
 
 @contextlib.contextmanager
@@ -299,13 +357,14 @@ def nesting(what: str):
         raise ValueError(f"{what:.200} nests too deeply") from None
 
 
-def parse(pattern: str):
-    """The AST of `pattern`; TypeError for a non-str, ValueError (naming the pattern and
-    the position) for one outside the subset."""
+def parse(pattern: str, *, ecma: bool = False):
+    """The AST of `pattern` (`ecma`: a JSON Schema pattern, read as the module docstring
+    says); TypeError for a non-str, ValueError (naming the pattern and the position) for
+    one outside the subset."""
     if not isinstance(pattern, str):
         raise TypeError(f"a regex must be a str, got {type(pattern).__name__}: {pattern!r:.80}")
     with nesting(f"regex {pattern!r}"):
-        return _Parser(pattern).parse()
+        return _Parser(pattern, ecma).parse()
 
 
 def escape(text: str) -> str:
@@ -340,9 +399,9 @@ def to_text(node) -> str:
 
 
 def map_sets(node, fn):
-    """`node` with each character set's ranges replaced by `fn(ranges)`."""
+    """`node` with each character set replaced by the node `fn(ranges)`."""
     if node[0] == "set":
-        return ("set", fn(node[1]))
+        return fn(node[1])
     if node[0] == "rep":
         return ("rep", map_sets(node[1], fn), node[2], node[3])
     return (node[0], [map_sets(n, fn) for n in node[1]])
@@ -483,8 +542,10 @@ def compile_dfa(pattern: str) -> DFA:
     # DFA states are sets of the NFA states that have byte edges (or are final).
     keep = [bool(e) or i == final for i, e in enumerate(nfa.edges)]
     closures: dict[frozenset, frozenset] = {}
+    work = 0  # NFA states and edges visited: the time it takes
 
     def closure(states: frozenset) -> frozenset:
+        nonlocal work
         got = closures.get(states)
         if got is None:
             seen, stack = set(states), list(states)
@@ -493,6 +554,7 @@ def compile_dfa(pattern: str) -> DFA:
                     if t not in seen:
                         seen.add(t)
                         stack.append(t)
+            work += len(seen)
             got = closures[states] = frozenset(t for t in seen if keep[t])
         return got
 
@@ -502,6 +564,13 @@ def compile_dfa(pattern: str) -> DFA:
         edges = [e for q in sets[len(rows)] for e in nfa.edges[q]]
         row = np.full(256, -1, np.int32)
         cuts = sorted({e[0] for e in edges} | {e[1] + 1 for e in edges})
+        work += len(edges) * len(cuts)
+        if work > MAX_DFA_WORK:
+            raise ValueError(
+                f"regex of {len(pattern)} characters {pattern!r:.100} is too large: building "
+                f"its DFA takes over {MAX_DFA_WORK} steps (its DFA states hold many NFA "
+                "states each, as nested optional repetitions make them); simplify it"
+            )
         for a, b in zip(cuts, cuts[1:], strict=False):
             targets = frozenset(t for lo, hi, t in edges if lo <= a and b - 1 <= hi)
             if not targets:

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pagedjax import regex_dfa
 from pagedjax.regex_dfa import compile_dfa
 
 PATTERNS = [
@@ -65,3 +66,22 @@ def test_dot_is_exactly_one_utf8_character_but_newline():
         except UnicodeDecodeError:
             want = False
         assert dfa_match(dfa, data) == want, data
+
+
+def test_dfa_construction_work_is_bounded(monkeypatch):
+    """Nested optional repetitions keep thousands of NFA states alive in every DFA state
+    ("(?:a?){0,10000}", 15 characters, took a minute): refused as too large once building
+    passes MAX_DFA_WORK steps (a few seconds)."""
+    assert regex_dfa.MAX_DFA_WORK <= 20_000_000
+    assert len(compile_dfa("(?:a|b)*a(?:a|b){13}").accept) == 16385  # (big but cheap: kept)
+    monkeypatch.setattr(regex_dfa, "MAX_DFA_WORK", 1_000_000)  # (the same, sooner)
+    with pytest.raises(ValueError, match="too large: building its DFA takes over 1000000"):
+        compile_dfa("(?:a?){0,3000}")
+    assert len(compile_dfa("(?:a?){0,300}").accept) == 302  # (450k steps: kept)
+
+
+@pytest.mark.parametrize("pattern", [r"\ud800", r"[a\udfff]", "a\udc00", r"\U0000DBFF"])
+def test_surrogates_are_refused_by_name(pattern):
+    """A surrogate is no character: it has no UTF-8 (not a codec error when building)."""
+    with pytest.raises(ValueError, match="is a surrogate, not a character"):
+        compile_dfa(pattern)
