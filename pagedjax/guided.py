@@ -37,12 +37,23 @@ from pagedjax.json_schema import (  # noqa: F401  (JSON_DEPTH: re-exported)
     MAX_REGEX_CHARS,
     schema_regex,
 )
-from pagedjax.regex_dfa import DFA, check_size, compile_dfa, escape, nesting, parse
+from pagedjax.regex_dfa import (
+    DFA,
+    check_size,
+    compile_dfa,
+    escape,
+    intersect,
+    map_sets,
+    nesting,
+    parse,
+    to_text,
+)
 from pagedjax.tokenizer import Tokenizer
 
 __all__ = ["Guide", "StructuredOutputsParams", "compile_guide", "token_bytes"]
 
 MASK_CACHE_SIZE = 1024  # masks kept per guide (16 KiB each at a 128k vocabulary)
+_JSON_WHITESPACE = ((9, 10), (13, 13), (32, 32))
 
 
 # ---------------------------------------------------------------------------- the params
@@ -62,18 +73,20 @@ class StructuredOutputsParams:
         minItems/maxItems, uniqueItems false), object (properties in declared order,
         `required`; optional ones may be left out; no other keys are generated; without
         properties: the required keys, or without those any keys, their values of
-        additionalProperties' schema, none where it is false), enum, const, anyOf/oneOf
-        (read as anyOf), allOf (merged: required lists and properties joined, the
-        stricter bound; the keywords beside these and beside $ref go into each
-        branch), nullable, type lists, local $ref (#/$defs/..., #/definitions/...;
-        recursive ones unrolled `json_schema.REF_DEPTH` deep) and {} (any value). Annotations
-        (title, description, default, discriminator, ...) are ignored; any other
-        keyword (multipleOf but 1, uniqueItems true, ...), a bound on a number that is
-        not a whole number, a pattern combined with lengths, a format with lengths not
-        all its strings fit, an unknown format, or keywords to merge with different
-        values is a ValueError naming it (`pagedjax.json_schema` has the details). A
-        string `pattern` matches the whole string's characters as written unescaped
-        (characters that need a JSON escape are left out of its classes).
+        additionalProperties' schema, none where it is false), enum, const, anyOf,
+        oneOf (where no value can match two branches: different types, const / enum
+        values, or a discriminated union's), allOf (merged: required lists and
+        properties joined, the stricter bound; the keywords beside these and beside
+        $ref go into each branch), nullable, type lists, local $ref (#/$defs/...,
+        #/definitions/...; recursive ones unrolled `json_schema.REF_DEPTH` deep) and {}
+        (any value). Annotations (title, description, default, discriminator, ...) are
+        ignored; any other keyword (multipleOf but 1, uniqueItems true, ...), a bound
+        on a number that is not a whole number, a pattern combined with lengths, a
+        format with lengths not all its strings fit, an unknown format, keywords to
+        merge with different values, or a oneOf whose branches may overlap is a
+        ValueError naming it (`pagedjax.json_schema` has the details). A string
+        `pattern` matches the whole string's characters as both ECMA-262 and Python's
+        `re` read it (those that need a JSON escape written escaped).
       regex: a regex the whole completion matches (the subset in `pagedjax.regex_dfa`).
       choice: the completion is one of these strings (a list is stored as a tuple).
       grammar: a GBNF grammar (llama.cpp's and xgrammar's EBNF: `name ::= ...` rules,
@@ -88,7 +101,9 @@ class StructuredOutputsParams:
         (the object itself counted: {"a": {"b": [1]}} is 3 deep).
       disable_any_whitespace: JSON: no whitespace between tokens.
       whitespace_pattern: JSON: the regex of the whitespace between tokens (default
-        `DEFAULT_WHITESPACE`, one optional space).
+        `DEFAULT_WHITESPACE`, one optional space); its character sets keep only JSON's
+        whitespace (space, \\t, \\n, \\r: `\\s*` is `[\\t\\n\\r ]*`), and one that holds none
+        is a ValueError.
       disable_fallback, disable_additional_properties: vLLM's, accepted (bools) and
         without effect here: there is no other backend to fall back to, and no key
         outside a schema's properties is generated where it has some.
@@ -180,8 +195,7 @@ class StructuredOutputsParams:
             if ws is None:
                 ws = DEFAULT_WHITESPACE
             elif ws:
-                parse(ws)  # a bad one is named as itself
-                ws = f"(?:{ws})"
+                ws = f"(?:{_json_whitespace(ws)})"
             with nesting(f"json={self.json!r}"):
                 pattern = schema_regex(schema, ws)
         if len(pattern) > MAX_REGEX_CHARS:
@@ -204,6 +218,26 @@ class StructuredOutputsParams:
         `regex` as given, or the one built for `choice` / `json` / `json_object` /
         `grammar`, which Python's `re` reads the same with `re.ASCII`."""
         return self._pattern
+
+
+def _json_whitespace(pattern: str) -> str:
+    """`pattern` (a whitespace_pattern) with its character sets cut to JSON's whitespace
+    (\\s's \\v and \\f are none); a ValueError naming a set without any."""
+    empty = []
+
+    def cut(ranges):
+        kept = intersect(ranges, _JSON_WHITESPACE)
+        if ranges and not kept:
+            empty.append(ranges)
+        return ("set", kept)
+
+    ast = map_sets(parse(pattern), cut)  # (a bad one is named as itself)
+    if empty:
+        raise ValueError(
+            f"whitespace_pattern={pattern!r:.80} matches {to_text(('set', empty[0]))}, which "
+            "holds no JSON whitespace (space, \\t, \\n, \\r)"
+        )
+    return to_text(ast)
 
 
 # ---------------------------------------------------------------------------- tokens

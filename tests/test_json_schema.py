@@ -2,13 +2,17 @@
 validate, instances and near misses, key orders, string patterns, whitespace options,
 json_object's depth."""
 
+import datetime
 import itertools
 import json
+import math
 import random
 import re
+from fractions import Fraction
 
+import numpy as np
 import pytest
-from test_guided import BYTES, SP, TOKENIZERS, walk
+from test_guided import BYTES, SP, TOKENIZERS, shortest_completion, walk
 from test_regex_dfa import dfa_match
 
 from pagedjax import guided
@@ -144,17 +148,71 @@ def test_json_object_keys_are_any_ordered_subset_with_the_required(required):
 
 
 def test_json_string_patterns_keep_the_string_valid_json():
-    """A pattern's classes lose the characters a JSON string must escape: `.+` does not
-    let a raw quote, backslash or control character end or break the string."""
+    """A pattern matches the string's characters; those a JSON string must escape are
+    written as their escapes: `.+` lets no raw quote, backslash or control character end
+    or break the string, and reads escapes as the characters they stand for (not a
+    newline, nor ECMA-262's other line ends)."""
     spec = StructuredOutputsParams(json={"type": "string", "pattern": "^.+$"})
     dfa = compile_dfa(spec.to_regex())
-    assert dfa_match(dfa, '"a é"'.encode())
-    for text in ['""', '"a"b"', '"a\\b"', '"a\tb"', '"a\nb"']:
+    for text in ['"a é"', '"a\\"b"', '"a\\\\b"', '"a\\tb\\u001F"', '"\\b"']:
+        assert dfa_match(dfa, text.encode()), text
+    for text in ['""', '"a"b"', '"a\tb"', '"a\nb"', '"a\\nb"', '"a\\rb"', '"\u2028"']:
         assert not dfa_match(dfa, text.encode()), text
     guide = compile_guide(spec, BYTES, 256)
     rng = random.Random(5)
     for _ in range(5):
         assert json.loads(walk(guide, BYTES, rng)) != ""
+
+
+PATTERN_CASES = [  # (pattern, strings it allows, strings it does not)
+    (r'^"[a-z]+"$', ['"ab"'], ["ab", '"A"']),  # a quote, a backslash, a newline: escaped
+    (r"^a\\b\n$", ["a\\b\n"], ["ab\n", "a\\b"]),
+    (r"^[\x00-\x1f]$", ["\x00", "\x1f", "\n"], [" "]),
+    (r"^\S+$", ["aé!", "\x00"], ["a b", "a\xa0", "\u2028", "\ufeff", "\x1c", "\x85"]),
+    (r"^\D\W$", ["a-", "é!"], ["1-", "٣-", "a_", "aé"]),  # (Python: ٣ a digit, é a letter)
+    (r"^[^\d\s\w]$", ["-", "€"], ["٣", "é", "\xa0", "a", " "]),
+    (r"^[^\D\S]\d\w\s$", [], ["11a ", "٣1a ", "11é ", "11a\xa0"]),  # (nothing: 0-9 and \s)
+    (r"^\d\w\s$", ["1a "], ["٣a ", "1é ", "1a\xa0"]),
+]
+
+
+@pytest.mark.parametrize("case", range(len(PATTERN_CASES)))
+def test_json_string_patterns_match_as_ecma_and_python_both_read_them(case):
+    """\\d \\w \\s are ASCII's (ECMA-262's), \\D \\W \\S and negated classes leave out what
+    Python's Unicode classes hold too: every string allowed is valid for a validator of
+    either reading."""
+    pattern, good, bad = PATTERN_CASES[case]
+    spec = StructuredOutputsParams(json={"type": "string", "pattern": pattern})
+    try:
+        dfa = compile_dfa(spec.to_regex())
+    except ValueError as e:  # (nothing allowed)
+        assert not good and "matches nothing" in str(e)
+        return
+    for text in good:
+        assert reference_valid(text, {"pattern": pattern}), text  # (the cases themselves)
+        assert dfa_match(dfa, json.dumps(text, ensure_ascii=False).encode()), text
+    for text in bad:
+        assert not dfa_match(dfa, json.dumps(text, ensure_ascii=False).encode()), text
+
+
+@pytest.mark.parametrize(
+    "pattern, match",
+    [
+        ("^[^]$", "ECMA-262 and Python read it differently"),
+        ("[]a]", "ECMA-262 and Python read it differently"),
+        ("a{,3}", "ECMA-262 reads it as text, Python as a count"),
+        (r"\a", r"\\a: this escape"),
+        (r"\U0001F600", r"\\U: this escape"),
+        (r"\ud800", "surrogate"),
+        ("(?i)a", "not supported"),
+        (r"(a)\1", "backreferences"),
+        ("(?=a)a", "lookaround"),
+        ("a|^b", "anchor"),
+    ],
+)
+def test_json_string_patterns_read_differently_are_refused(pattern, match):
+    with pytest.raises(ValueError, match=match):
+        StructuredOutputsParams(json={"properties": {"p": {"type": "string", "pattern": pattern}}})
 
 
 def test_json_whitespace_options():
@@ -169,6 +227,14 @@ def test_json_whitespace_options():
     assert not matches('{"a": 1}', disable_any_whitespace=True)
     pretty = json.dumps({"a": 1}, indent=2)
     assert matches(pretty, whitespace_pattern=r"[ \n]*") and not matches(pretty)
+    # Only JSON's whitespace: \s's \v and \f are left out; a pattern of none is refused.
+    assert matches('{\t"a":\r\n1}', whitespace_pattern=r"\s*")
+    for text in ['{\x0b"a": 1}', '{"a": 1\x0c}', '{"a":\xa01}']:
+        assert not matches(text, whitespace_pattern=r"\s*"), text
+        assert not matches(text, whitespace_pattern=r"(?:.|\n)*"), text
+    for ws in ["x", "[ ]?-?"]:
+        with pytest.raises(ValueError, match="whitespace_pattern.*JSON whitespace"):
+            StructuredOutputsParams(json=schema, whitespace_pattern=ws)
 
 
 def test_json_object_depth_and_any_values():
@@ -220,7 +286,7 @@ OBJECT_CASES = [  # (schema, texts it allows, texts it does not)
     (  # ... and in a branch that is a $ref
         {
             "type": "string",
-            "oneOf": [{"maxLength": 1}, {"$ref": "#/$defs/D"}],
+            "anyOf": [{"maxLength": 1}, {"$ref": "#/$defs/D"}],
             "$defs": {"D": {"format": "date"}},
         },
         ['"a"', '"2024-01-31"'],
@@ -262,3 +328,232 @@ def test_additional_properties_and_keywords_beside_any_of_are_enforced(case):
 def test_unenforceable_object_keywords_are_refused(schema, match):
     with pytest.raises(ValueError, match=match):
         StructuredOutputsParams(json=schema)
+
+
+def test_json_string_escapes_are_whole_characters():
+    """A \\u escape is one character: never a lone surrogate (no Unicode text has one;
+    json.loads would hand back a str that cannot be encoded); a surrogate pair is one
+    character, so where minLength / maxLength count characters there is none (the
+    character is written as itself)."""
+    cases = [  # (schema, texts it allows, texts it does not)
+        (
+            {"type": "string"},
+            ['"\\ud83d\\ude00"', '"\\u00e9\\uFFFF\\uD7ff\\uE000"', '"😀"'],
+            ['"\\ud800"', '"\\udc00"', '"\\ude00\\ud83d"', '"\\ud83d\\u0041"', '"\\uDBFF"'],
+        ),
+        ({"type": "string", "minLength": 2}, ['"😀a"', '"\\u00e9\\uFFFF"'], ['"\\ud83d\\ude00"']),
+        ({"type": "string", "maxLength": 1}, ['"😀"', '"\\uD7FF"'], ['"\\ud83d"', '"😀a"']),
+        ({"type": "object"}, ['{"\\ud83d\\ude00": "\\u00e9"}'], ['{"\\udfff": 1}']),
+    ]
+    for schema, good, bad in cases:
+        dfa = compile_dfa(StructuredOutputsParams(json=schema).to_regex())
+        for text in good:
+            assert dfa_match(dfa, text.encode()), text
+            assert reference_valid(json.loads(text), schema), text  # (the cases themselves)
+        for text in bad:
+            assert not dfa_match(dfa, text.encode()), text
+
+
+# ---------------------------------------------------------------------------- sweeps
+# Soundness against a reference validator: what a schema's DFA accepts (random walks
+# through it, and mutants of valid instances) parses as JSON and is valid for the schema.
+
+ECMA_SPACE = "\t\n\x0b\x0c\r \xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff"
+ECMA = {"d": "0-9", "w": "A-Za-z0-9_", "s": ECMA_SPACE}
+
+
+def ecma_search(pattern: str, text: str) -> bool:
+    """ECMA-262's search of `pattern` (without the u flag), by Python's `re` with its
+    classes spelled out (\\D \\W \\S only outside classes, as SWEEP uses them)."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        c, nxt = pattern[i], pattern[i + 1 : i + 2]
+        if c == "\\" and nxt.lower() in ECMA:
+            chars = ECMA[nxt.lower()]
+            out.append(chars if in_class else f"[{'^' if nxt.isupper() else ''}{chars}]")
+            i += 2
+            continue
+        if c == "\\":
+            out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        in_class = (in_class or c == "[") and c != "]"
+        out.append("[^\n\r\u2028\u2029]" if c == "." and not in_class else c)
+        i += 1
+    return re.search("".join(out), text) is not None
+
+
+def _canon(v) -> str:
+    """A key for JSON equality: numbers by value (1 == 1.0), true apart from 1."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return f"n{Fraction(v)}"
+    if isinstance(v, list):
+        return "[" + ",".join(map(_canon, v)) + "]"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{json.dumps(k)}:{_canon(x)}" for k, x in sorted(v.items()))
+    return json.dumps(v)
+
+
+def _date_ok(s: str) -> bool:
+    try:
+        return re.fullmatch(r"\d{4}-\d\d-\d\d", s, re.ASCII) and datetime.date.fromisoformat(s)
+    except ValueError:
+        return False
+
+
+_TIME = r"([01]\d|2[0-3]):[0-5]\d:([0-5]\d|60)(\.\d+)?([zZ]|[+-]([01]\d|2[0-3]):[0-5]\d)"
+_ATOM = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"
+_U, _PCT, _SUB = r"A-Za-z0-9\-._~", r"%[0-9A-Fa-f]{2}", r"!$&'()*+,;="
+_PCHAR = rf"([{_U}{_SUB}:@]|{_PCT})"
+FORMATS = {  # RFC 3339, 4122, 5321 (dot-atom, LDH labels), 3986
+    "date": _date_ok,
+    "time": lambda s: re.fullmatch(_TIME, s, re.ASCII),
+    "date-time": lambda s: s[10:11] in ("T", "t") and _date_ok(s[:10]) and FORMATS["time"](s[11:]),
+    "uuid": lambda s: re.fullmatch(r"[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}", s),
+    "email": lambda s: re.fullmatch(rf"{_ATOM}(\.{_ATOM})*@{_LABEL}(\.{_LABEL})+", s, re.ASCII),
+    "uri": lambda s: re.fullmatch(
+        rf"[A-Za-z][A-Za-z0-9+.\-]*:(//(([{_U}{_SUB}:]|{_PCT})*@)?([{_U}{_SUB}]|{_PCT})*"
+        rf"(:\d*)?(/{_PCHAR}*)*|/({_PCHAR}+(/{_PCHAR}*)*)?|{_PCHAR}+(/{_PCHAR}*)*|)"
+        rf"(\?({_PCHAR}|[/?])*)?(#({_PCHAR}|[/?])*)?",
+        s,
+        re.ASCII,
+    ),
+}
+
+
+def reference_valid(x, s, root=None) -> bool:
+    """JSON Schema's meaning of the keywords SWEEP uses (a pattern: searched by ECMA-262's
+    reading and by Python's `re`; both must find it)."""
+    root = s if root is None else root
+    if s is True or s == {}:
+        return True
+    if "$ref" in s:
+        target = root
+        for part in s["$ref"].split("/")[1:]:
+            target = target[part]
+        if not reference_valid(x, target, root):
+            return False
+    if s.get("nullable") and x is None:
+        return True
+    number = isinstance(x, (int, float)) and not isinstance(x, bool)
+    kinds = {
+        "string": isinstance(x, str),
+        "integer": number and float(x).is_integer(),
+        "number": number,
+        "boolean": isinstance(x, bool),
+        "null": x is None,
+        "array": isinstance(x, list),
+        "object": isinstance(x, dict),
+    }
+    types = s.get("type", list(kinds))
+    if not any(kinds[t] for t in ([types] if isinstance(types, str) else types)):
+        return False
+    if "const" in s and _canon(x) != _canon(s["const"]):
+        return False
+    if "enum" in s and _canon(x) not in set(map(_canon, s["enum"])):
+        return False
+    if "anyOf" in s and not any(reference_valid(x, t, root) for t in s["anyOf"]):
+        return False
+    if "oneOf" in s and sum(reference_valid(x, t, root) for t in s["oneOf"]) != 1:
+        return False
+    if not all(reference_valid(x, t, root) for t in s.get("allOf", [])):
+        return False
+    if number:
+        if not math.isfinite(x):
+            return False
+        v = Fraction(x)
+        tests = {
+            "minimum": lambda b: v >= b,
+            "maximum": lambda b: v <= b,
+            "exclusiveMinimum": lambda b: v > b,
+            "exclusiveMaximum": lambda b: v < b,
+        }
+        if not all(test(Fraction(s[k])) for k, test in tests.items() if k in s):
+            return False
+    if isinstance(x, str):
+        if not s.get("minLength", 0) <= len(x) <= s.get("maxLength", math.inf):
+            return False
+        if "format" in s and not FORMATS[s["format"]](x):
+            return False
+        if "pattern" in s and not (
+            ecma_search(s["pattern"], x) and re.search(s["pattern"], x) is not None
+        ):
+            return False
+    if isinstance(x, list):
+        if not s.get("minItems", 0) <= len(x) <= s.get("maxItems", math.inf):
+            return False
+        prefix = s.get("prefixItems", [])
+        for i, v in enumerate(x):
+            if not reference_valid(v, prefix[i] if i < len(prefix) else s.get("items", {}), root):
+                return False
+    if isinstance(x, dict):
+        props = s.get("properties", {})
+        if not set(s.get("required", [])) <= set(x):
+            return False
+        for k, v in x.items():
+            sub = props.get(k, s.get("additionalProperties", True))
+            if sub is False or not reference_valid(v, sub, root):
+                return False
+    return True
+
+
+SWEEP = [  # schemas whose DFAs' random walks must all be valid
+    {"type": "string"},
+    {"type": "string", "minLength": 2, "maxLength": 3},
+    *({"type": "string", "format": f} for f in FORMATS),
+    {"type": "string", "pattern": r"^\S+$"},
+    {"type": "string", "pattern": r"^.{1,3}$"},
+    {"type": "string", "pattern": r"^\D\W[^\d\s]$"},
+    {"type": "string", "pattern": r'^"\w+\\[^a-z]*"\s$'},
+    {"type": ["number", "null"]},
+    {"type": "integer", "minimum": -3, "exclusiveMaximum": 1000},
+    {"type": "number", "exclusiveMinimum": -1, "maximum": 2},
+    {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3},
+    {"type": "array", "prefixItems": [{"const": 1.0}, {"enum": [None, {"a": []}]}], "items": False},
+    {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", 2, True]}, "c": {}},
+        "required": ["b"],
+    },
+    {"type": "object", "additionalProperties": {"type": "string", "maxLength": 1}},
+    {"oneOf": [{"type": "string"}, {"type": "integer"}, {"$ref": "#/$defs/P"}]}
+    | {"$defs": {"P": {"type": "object", "properties": {"k": {"const": "p"}}, "required": ["k"]}}},
+    {},
+]
+
+
+def random_text(dfa, rng: random.Random, max_len: int = 40) -> bytes:
+    """A random text the DFA accepts: a walk that picks among the next states (then a
+    byte to one), stopping now and then where it accepts, then the shortest completion."""
+    state, out = dfa.initial, bytearray()
+    while len(out) < max_len and not (dfa.accept[state] and rng.random() < 0.15):
+        row = dfa.trans[state]
+        if not row.any():
+            break
+        nxt = rng.choice(sorted(set(row[row != 0].tolist())))
+        out.append(rng.choice(np.flatnonzero(row == nxt).tolist()))
+        state = nxt
+    return bytes(out) + shortest_completion(dfa, state)
+
+
+def sweep_walks(case: int, walks: int) -> None:
+    schema = SWEEP[case]
+    dfa = compile_dfa(StructuredOutputsParams(json=schema).to_regex())
+    rng = random.Random(case)
+    for _ in range(walks):
+        text = random_text(dfa, rng).decode()
+        value = json.loads(text)
+        json.dumps(value, ensure_ascii=False).encode()  # (no lone surrogate)
+        assert reference_valid(value, schema), text
+
+
+@pytest.mark.parametrize("case", range(len(SWEEP)))
+def test_random_texts_a_schema_allows_are_valid(case):
+    sweep_walks(case, 40)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", range(len(SWEEP)))
+def test_random_texts_a_schema_allows_are_valid_sweep(case):
+    sweep_walks(case, 3000)

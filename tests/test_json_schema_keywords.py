@@ -4,6 +4,7 @@ format uri and lengths, nullable, uniqueItems false, recursive $ref; instances a
 misses, guide walks that json.loads and validate, refusals naming the keyword."""
 
 import json
+import math
 import random
 import re
 from fractions import Fraction
@@ -236,6 +237,46 @@ CASES = [  # (schema, texts it allows, texts it does not)
         ['"x"'],
     ),
     ({"type": "string", "format": "date", "maxLength": 20}, ['"2024-01-31"'], ['"2024-1-31"']),
+    (  # dates that exist: months' lengths, leap years (not 1900, 2100; 2000), no year 0
+        {"type": "string", "format": "date"},
+        ['"2024-02-29"', '"2000-02-29"', '"0004-02-29"', '"1999-04-30"', '"0001-12-31"'],
+        ['"2023-02-29"', '"1900-02-29"', '"2100-02-29"', '"2024-02-30"', '"2024-04-31"']
+        + ['"2024-11-31"', '"0000-01-01"', '"2024-00-10"', '"2024-13-01"', '"2024-01-32"'],
+    ),
+    (
+        {"type": "string", "format": "date-time"},
+        ['"2024-02-29T23:59:59.5+05:30"', '"2024-12-31T00:00:00Z"'],
+        ['"2023-02-29T00:00:00Z"', '"2024-06-31T00:00:00Z"', '"2024-01-01T24:00:00Z"'],
+    ),
+    (  # email: a dot-atom before the @, labels of letters, digits and inner hyphens
+        {"type": "string", "format": "email"},
+        ['"a.b+c@x-y.example.com"', '"o_k@a1.io"'],
+        ['".a@x.io"', '"a.@x.io"', '"a..b@x.io"', '"a@-x.io"', '"a@x-.io"', '"a@x..io"']
+        + ['"a@x.io."', '"a@x"', '"@x.io"'],
+    ),
+    (  # uri: RFC 3986's characters in their places, "%" only before two hex digits
+        {"type": "string", "format": "uri"},
+        ['"http://u:p@h.io:8080/a/%C3%A9?q=1&r#f/?"', '"file:///etc/x"', '"a:b"', '"x:/"'],
+        ['"a:%"', '"a:%zz"', '"a:%4"', '"a:["', '"a:]"', '"http://h:8x/"', '"a:b#c#d"']
+        + ['"a:<b>"', '"a:b c"', '"a:\\\\b"'],
+    ),
+    (  # oneOf: branches no value can match two of (types, discriminating constants)
+        {
+            "oneOf": [
+                {"type": "string"},
+                {"type": ["integer", "null"]},
+                {"$ref": "#/$defs/A"},
+                {"allOf": [{"$ref": "#/$defs/B"}]},
+            ],
+            "$defs": {
+                "A": {"type": "object", "properties": {"k": {"const": 1}}, "required": ["k"]},
+                "B": {"type": "object", "properties": {"k": {"enum": [2, "1"]}}}
+                | {"required": ["k"]},
+            },
+        },
+        ['"a"', "1", "null", '{"k": 1}', '{"k": "1"}'],
+        ["1.5", '{"k": 3}', "[]", "true"],
+    ),
 ]
 
 
@@ -374,6 +415,29 @@ def test_walks_validate(tok_name):
         ({"type": "string", "format": "uri", "maxLength": 2083}, "format 'uri' with maxLength"),
         ({"type": "string", "format": "date", "minLength": 11}, "no string of format 'date'"),
         ({"type": "string", "format": "email", "minLength": 6}, "'email' with minLength"),
+        # oneOf: a value valid for two branches is valid for neither reading
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "#: oneOf 0 and 1 may both"),
+        ({"oneOf": [{"type": "string"}, {"maxLength": 3}]}, "oneOf 0 and 1 may both"),
+        ({"oneOf": [{"const": 1}, {"enum": [2, 1.0]}]}, "oneOf 0 and 1 may both"),
+        ({"type": "string", "oneOf": [{}, {"format": "date"}]}, "oneOf 0 and 1 may both"),
+        (
+            {"oneOf": [{"type": "object", "required": ["k"]}, {"properties": {"k": {}}}]},
+            "oneOf 0 and 1 may both",
+        ),
+        (
+            {
+                "oneOf": [
+                    {"type": "object", "properties": {"k": {"const": 1}}},  # (k not required)
+                    {"type": "object", "properties": {"k": {"const": 2}}},
+                ]
+            },
+            "oneOf 0 and 1 may both",
+        ),
+        ({"properties": {"a": {"oneOf": [True, {"type": "null"}]}}}, "#/properties/a: oneOf"),
+        # JSON has no NaN or infinities
+        ({"const": math.nan}, "const nan: nan is not a JSON value"),
+        ({"enum": [1, [math.inf]]}, "enum .* inf is not a JSON value"),
+        (json.loads('{"type": "number", "enum": [-Infinity]}'), "enum .* -inf is not a JSON"),
     ],
 )
 def test_unenforceable_keywords_are_refused_by_name(schema, match):
