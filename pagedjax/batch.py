@@ -352,13 +352,19 @@ class StepBatch:
 def guide_mask(guide, state: int, stop_ids) -> np.ndarray:
     """The bitmask of the tokens a structured output's `guide` (`pagedjax.guided.Guide`)
     allows in `state`: those that keep its match alive, and the stop tokens once the
-    text so far is a full match."""
+    text so far is a full match. Before it, no stop token: one whose text could go on
+    the match (`stop_token_ids=[id of "q"]`) would end the completion short of it."""
     mask = guide.allowed(state)
-    if guide.accepting(state):
-        mask = mask.copy()
-        for t in stop_ids:
-            if t < guide.vocab_size:
-                mask[t // 32] |= np.uint32(1 << (t % 32))
+    accepting = guide.accepting(state)
+    copied = False
+    for t in stop_ids:
+        if t >= guide.vocab_size:
+            continue
+        word, bit = t // 32, np.uint32(1 << (t % 32))
+        if bool(mask[word] & bit) != accepting:
+            if not copied:
+                mask, copied = mask.copy(), True
+            mask[word] ^= bit
     return mask
 
 

@@ -67,8 +67,7 @@ def allowed_bits(guide, state, stop_ids) -> np.ndarray:
     code."""
     bits = np.unpackbits(guide.allowed(state).view(np.uint8), bitorder="little")
     bits = bits[: TINY.vocab_size].astype(bool)
-    if guide.accepting(state):
-        bits[list(stop_ids)] = True
+    bits[list(stop_ids)] = guide.accepting(state)
     return bits
 
 
@@ -199,6 +198,27 @@ def test_the_stop_tokens_are_drawn_only_at_a_full_match(llm):
     )
     c = llm.generate([PROMPTS[0]], sp)[0].outputs[0]
     assert c.token_ids == [ord("a")] * 12 and c.finish_reason == "length"
+    # A stop token that is text the match could go on with ("q" in [a-z]) is drawn only
+    # where the text is a full match, and never as text: it would end the completion.
+    spec = StructuredOutputsParams(regex="[a-z]{3,8}x")
+    q = ord("q")
+    sp = SamplingParams(
+        temperature=1.0,
+        n=8,
+        seed=3,
+        max_tokens=12,
+        stop_token_ids=[q],
+        logit_bias={q: 8.0},  # (q wherever it may come)
+        structured_outputs=spec,
+    )
+    outs = llm.generate([PROMPTS[0]], sp)[0].outputs
+    for c in outs:
+        stopped = c.finish_reason == "stop" and c.token_ids[-1] == q
+        ids = c.token_ids[:-1] if stopped else c.token_ids
+        assert q not in ids
+        if c.finish_reason == "stop":
+            assert re.fullmatch("[a-z]{3,8}x", bytes(ids).decode()), c
+    assert any(c.finish_reason == "stop" and c.token_ids[-1] == q for c in outs)
 
 
 def test_refusals(llm):
