@@ -32,24 +32,24 @@ most `JSON_DEPTH` deep; strings hold JSON escapes, each one character (a surroga
 numbers without a bound have exponents of at most two digits (1e999 parses as inf; a
 number of over 300 digits still would). A string `pattern` matches its characters (not
 anchored: a match of the whole string, which the pattern's search finds too), read by
-`pagedjax.regex_dfa.parse(ecma=True)` so that ECMA-262 and Python's `re` both match
+`pagedjax.regex_parse.parse(ecma=True)` so that ECMA-262 and Python's `re` both match
 them; those a JSON string must escape are written as their escapes (`\\"`, `\\n`,
 `\\u001f`, ...). A schema without type is read as the types its keywords are for
 (properties: an object, minimum: a number, ...; none: any value). Bounds are exact (the
 classic digit-range construction of `pagedjax.number_regex`; for a number, on its
 integer part), and bounded integers and numbers are written without -0, bounded numbers
 without exponent. prefixItems may stop early (as minItems allows); items false: nothing
-after them. Formats are RFC 3339's dates and times (dates that exist, years 0001 to
-9999), RFC 4122's uuid, an email of a dot-atom @ host name labels (letters, digits,
-inner hyphens; two at least), and RFC 3986's URI in its parts, with "%" escapes (no IP
-literal hosts). A $ref met inside its own expansion `REF_DEPTH` times (the root counts
-as "#") matches nothing, so a recursion ends where the schema lets it (an empty array,
-an optional property left out, another anyOf branch; a schema that lets it end nowhere
-matches nothing).
+after them. Formats (`pagedjax.string_regex`) are RFC 3339's dates and times (dates
+that exist, years 0001 to 9999), RFC 4122's uuid, an email of a dot-atom @ host name
+labels (letters, digits, inner hyphens; two at least), and RFC 3986's URI in its parts,
+with "%" escapes (no IP literal hosts). A $ref met inside its own expansion `REF_DEPTH`
+times (the root counts as "#") matches nothing, so a recursion ends where the schema
+lets it (an empty array, an optional property left out, another anyOf branch; a schema
+that lets it end nowhere matches nothing).
 
 oneOf: a value valid for two branches is valid for neither reading of oneOf (but for
 anyOf's), so oneOf is accepted only where no value we generate for one branch is valid
-for another, as shown by `_Schema.one_of`: their types differ (what a schema without
+for another, as shown by `pagedjax.json_one_of`: their types differ (what a schema without
 type generates is read as its keywords' types, what it allows as any), their const /
 enum values do, or both are objects with a required property whose const / enum values
 differ (a discriminated union). Else it is a ValueError: give anyOf.
@@ -61,10 +61,17 @@ from __future__ import annotations
 
 import json as jsonlib
 import math
-from fractions import Fraction
 
+from pagedjax.json_one_of import BOUNDS as _BOUNDS
+from pagedjax.json_one_of import TYPE_KEYWORDS as _TYPE_KEYWORDS
+from pagedjax.json_one_of import OneOfMixin
 from pagedjax.number_regex import NOTHING, integer_regex, number_regex
-from pagedjax.regex_dfa import escape, intersect, map_sets, negate, parse, to_text
+from pagedjax.regex_parse import escape, map_sets, parse, to_text
+from pagedjax.string_regex import BMP_CHAR as _BMP_CHAR
+from pagedjax.string_regex import FORMAT_LENGTHS as _FORMAT_LENGTHS
+from pagedjax.string_regex import FORMATS as _FORMATS
+from pagedjax.string_regex import STRING_CHAR as _STRING_CHAR
+from pagedjax.string_regex import json_chars as _json_chars
 
 __all__ = ["DEFAULT_WHITESPACE", "JSON_DEPTH", "MAX_REGEX_CHARS", "REF_DEPTH", "schema_regex"]
 
@@ -79,19 +86,6 @@ JSON_DEPTH = 3
 # children: nodes nested 3 deep); each level copies the schema's regex.
 REF_DEPTH = 3
 
-_HEX = "[0-9a-fA-F]"
-# One character of a JSON string, no surrogate escaped alone: the pair of one is the
-# character (_STRING_CHAR); a bounded count of them copies its states per character, so
-# there they are left out (_BMP_CHAR; the character may be written itself).
-_BMP_ESCAPE = rf"(?:[0-9a-cA-Ce-fE-F]{_HEX}|[dD][0-7]){_HEX}{{2}}"
-_BMP_CHAR = rf'(?:[^"\\\x00-\x1f]|\\(?:["\\/bfnrt]|u{_BMP_ESCAPE}))'
-_STRING_CHAR = (
-    rf'(?:[^"\\\x00-\x1f]|\\(?:["\\/bfnrt]|u(?:{_BMP_ESCAPE}'
-    rf"|[dD][89abAB]{_HEX}{{2}}\\u[dD][c-fC-F]{_HEX}{{2}})))"
-)
-_MUST_ESCAPE = ((0, 0x1F), (34, 34), (92, 92))  # chars a JSON string holds only escaped
-_JSON_SAFE = negate(_MUST_ESCAPE)
-_SHORT_ESCAPES = {34: '"', 92: "\\", 8: "b", 12: "f", 10: "n", 13: "r", 9: "t"}
 _INTEGER = r"-?(?:0|[1-9][0-9]*)"
 _SCALARS = {
     "string": f'"{_STRING_CHAR}*"',
@@ -112,113 +106,17 @@ _JSON_TYPES = {  # a value's JSON types
     "array": lambda v: isinstance(v, list),
     "object": lambda v: isinstance(v, dict),
 }
-_YEAR = r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"  # 0001 to 9999
-_LEAP_YEAR = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
-_MONTH_DAY = (
-    r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
-    r"|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
-)
-_DATE = f"(?:{_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)"
-_HM = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]"
-_ATOM = r"[A-Za-z0-9_%+\-]+"  # of an email's dot-atom (RFC 5321's, fewer characters)
-_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9\-]*[A-Za-z0-9])?"  # of a host name
-
-
-def _uri_chars(more: str) -> str:
-    """One of RFC 3986's unreserved or sub-delims characters, `more`, or a %-escape."""
-    return rf"(?:[A-Za-z0-9\-._~!$&'()*+,;={more}]|%{_HEX}{{2}})"
-
-
-_PCHAR = _uri_chars(":@")
-_SEGMENTS = rf"{_PCHAR}+(?:/{_PCHAR}*)*"
-_TIME = _HM + r":[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-]" + _HM + ")"
-_FORMATS = {
-    "date": _DATE,
-    "time": _TIME,
-    "date-time": f"{_DATE}T{_TIME}",
-    "uuid": "-".join(f"[0-9a-fA-F]{{{n}}}" for n in (8, 4, 4, 4, 12)),
-    "email": f"{_ATOM}(?:\\.{_ATOM})*@{_LABEL}(?:\\.{_LABEL})+",
-    "uri": (
-        rf"[A-Za-z][A-Za-z0-9+.\-]*:(?://(?:{_uri_chars(':')}*@)?{_uri_chars('')}*(?::[0-9]*)?"
-        rf"(?:/{_PCHAR}*)*|/(?:{_SEGMENTS})?|{_SEGMENTS})"
-        rf"(?:\?{_uri_chars(':@/?')}*)?(?:#{_uri_chars(':@/?')}*)?"
-    ),
-}
-# The fewest and most characters of a format's strings (None: no most).
-_FORMAT_LENGTHS = {
-    "date": (10, 10),
-    "time": (9, None),
-    "date-time": (20, None),
-    "uuid": (36, 36),
-    "email": (5, None),
-    "uri": (3, None),
-}
 # Keywords that do not change the language we generate.
 _IGNORED = {
     "title", "description", "default", "examples", "$schema", "$id", "$comment",
     "$defs", "definitions", "readOnly", "writeOnly", "deprecated", "discriminator",
 }  # fmt: skip
-_BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
-# Keywords of one type: a schema without type is read as the types of those it has.
-_TYPE_KEYWORDS = {
-    "object": {"properties", "required", "additionalProperties"},
-    "array": {"items", "prefixItems", "minItems", "maxItems"},
-    "string": {"minLength", "maxLength", "pattern", "format"},
-    "number": {*_BOUNDS, "multipleOf"},
-}
 _KEYWORDS = _IGNORED | {
     "type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "nullable", "uniqueItems",
 }.union(*_TYPE_KEYWORDS.values())  # fmt: skip
 # Merging schemas that must all hold: the larger of these, the smaller of those.
 _MAX_OF = {"minimum", "exclusiveMinimum", "minLength", "minItems"}
 _MIN_OF = {"maximum", "exclusiveMaximum", "maxLength", "maxItems"}
-
-
-def _lits(text: str):
-    """The regex AST of `text` (`pagedjax.regex_dfa.parse`'s nodes)."""
-    return ("cat", [("set", ((ord(c), ord(c)),)) for c in text])
-
-
-def _json_chars(ranges):
-    """The AST of one character of `ranges` as JSON string text: itself, or its escapes
-    where a JSON string must escape it (a pattern matches the string's characters)."""
-    alts = [("set", intersect(ranges, _JSON_SAFE))]
-    escaped = [c for lo, hi in intersect(ranges, _MUST_ESCAPE) for c in range(lo, hi + 1)]
-    alts += [_lits("\\" + _SHORT_ESCAPES[c]) for c in escaped if c in _SHORT_ESCAPES]
-    for high in (0, 1):  # \u00XX, the last digit in either case
-        last = {d for c in escaped if c >> 4 == high for d in {f"{c & 15:x}", f"{c & 15:X}"}}
-        if last:
-            digits = negate(negate([(ord(d), ord(d)) for d in last]))
-            alts.append(("cat", [*_lits(f"\\u00{high}")[1], ("set", digits)]))
-    alts = [a for a in alts if a != ("set", ())] or alts[:1]
-    return alts[0] if len(alts) == 1 else ("alt", alts)
-
-
-_KINDS = frozenset(("string", "number", "boolean", "null", "array", "object"))
-_FACTS_CALLS = 10_000  # the work `_Schema.one_of` may do for one oneOf
-
-
-def _as_list(x) -> list:
-    return x if isinstance(x, list) else [] if x is None else [x]
-
-
-def _kind(v) -> str:
-    """The JSON type of the value `v` (a number's "number")."""
-    kinds = {bool: "boolean", type(None): "null", list: "array", dict: "object", str: "string"}
-    return kinds.get(type(v), "number")
-
-
-def _canon(v):
-    """A hashable key of JSON value `v`, equal for equal values (1 and 1.0, not true)."""
-    if isinstance(v, bool) or v is None or isinstance(v, str):
-        return (type(v).__name__, v)
-    if isinstance(v, (int, float)):
-        return ("number", Fraction(v) if math.isfinite(v) else v)
-    if isinstance(v, list):
-        return ("array", tuple(map(_canon, v)))
-    if isinstance(v, dict):
-        return ("object", frozenset((k, _canon(x)) for k, x in v.items()))
-    return ("other", repr(v))
 
 
 def _floats(v):
@@ -230,24 +128,10 @@ def _floats(v):
             yield from _floats(x)
 
 
-def _generated_kinds(s, valid: frozenset) -> frozenset:
-    """The kinds of the values `_Schema.value` generates for a merged schema `s` (at
-    most `valid`, the kinds of the values valid for it)."""
-    if s is True or s == {}:
-        return _KINDS
-    if not isinstance(s, dict):
-        return frozenset()  # (NOTHING: a recursion cut off)
-    if s.get("nullable"):
-        return _generated_kinds(dict(s, nullable=False), valid) | {"null"}
-    if {"type", "const", "enum", "$ref", "anyOf", "oneOf", "allOf"} & set(s):
-        return valid
-    return frozenset(k for k, keys in _TYPE_KEYWORDS.items() if keys & set(s)) or _KINDS
-
-
 # ---------------------------------------------------------------------------- schemas
 
 
-class _Schema:
+class _Schema(OneOfMixin):
     """JSON schema -> regex text; `ws` is the regex of the whitespace between tokens."""
 
     def __init__(self, root: dict, ws: str):
@@ -348,91 +232,6 @@ class _Schema:
                 return self.all_of(merged, [*inner, (rest, at), *subs[i + 1 :]], path, finish)
             merged = self.merge(merged, sub, at)
         return (finish or self.value)(merged, path)
-
-    def one_of(self, rest: dict, subs: list, paths: list, path: str) -> None:
-        """ValueError unless no value we generate for one branch of oneOf (`subs`, each
-        with the keywords `rest` beside it) is valid for another: read as anyOf, oneOf
-        would let it through, and it is valid for neither reading. Shown apart: branches
-        of different types, of different const / enum values, or objects with a required
-        property of different const / enum values in each (a discriminated union)."""
-        facts = []
-        for x, at in zip(subs, paths, strict=True):
-            val, values, required, props = self.facts_of({"allOf": [rest, x]})
-            merged = self.all_of(rest, [(x, at)], at, finish=lambda m, _: m)
-            facts.append((val & _generated_kinds(merged, val), val, values, required, props))
-
-        def apart(a, b) -> bool:  # two finite sets of values, no value in both
-            return a is not None and b is not None and not a & b
-
-        for j, (gen_j, val_j, values_j, required_j, props_j) in enumerate(facts):
-            for i, (gen_i, val_i, values_i, required_i, props_i) in enumerate(facts[:j]):
-                both = (gen_i & val_j) | (gen_j & val_i)  # kinds one makes and both allow
-                if not both or apart(values_i, values_j):
-                    continue
-                if both <= {"object"} and any(
-                    apart(self.facts_of({"allOf": props_i.get(k, [])})[1],
-                          self.facts_of({"allOf": props_j.get(k, [])})[1])
-                    for k in required_i | required_j
-                ):  # fmt: skip
-                    continue
-                raise self.error(
-                    path,
-                    f"oneOf {i} and {j} may both match one value, which oneOf refuses (and "
-                    "anyOf allows): oneOf is supported where its branches are of different "
-                    "types, different const / enum values, or objects told apart by a "
-                    "required property of different const / enum values; else give anyOf",
-                )
-
-    def facts_of(self, s):
-        """What `one_of` knows of the values valid for schema `s`: their kinds (JSON
-        types; integer is number), a finite set holding them all (`_canon`; None: none
-        known), the keys every valid object has, {key: the schemas its value meets}."""
-        self.facts_calls = 0
-        return self.facts(s)
-
-    def facts(self, s):
-        """`facts_of`'s recursion; past `_FACTS_CALLS` calls (recursive $refs), nothing
-        more is known."""
-        self.facts_calls += 1
-        if s is False:
-            return frozenset(), frozenset(), set(), {}
-        if not isinstance(s, dict) or self.facts_calls > _FACTS_CALLS:
-            return _KINDS, None, set(), {}
-        if s.get("nullable"):
-            kinds, values, _, props = self.facts(dict(s, nullable=False))
-            values = None if values is None else values | {_canon(None)}
-            return kinds | {"null"}, values, set(), props
-        kinds, values = _KINDS, None
-        if "type" in s:
-            named = [t for t in _as_list(s["type"]) if isinstance(t, str)]
-            kinds = frozenset("number" if t == "integer" else t for t in named)
-        if "const" in s or "enum" in s:
-            listed = [s["const"]] if "const" in s else _as_list(s["enum"])
-            values = frozenset(map(_canon, listed))
-            kinds &= frozenset(_kind(v) for v in listed)
-        required = {k for k in _as_list(s.get("required")) if isinstance(k, str)}
-        props = s.get("properties")
-        props = {k: [v] for k, v in props.items()} if isinstance(props, dict) else {}
-        parts = [*_as_list(s.get("allOf"))]
-        if "$ref" in s:
-            parts.append(self.pointer(s["$ref"], "#"))
-        for key in ("anyOf", "oneOf"):  # one of them holds
-            branches = [self.facts(x) for x in _as_list(s.get(key))]
-            if branches:
-                sets = [b[1] for b in branches]
-                either = None if None in sets else frozenset().union(*sets)
-                parts.append((frozenset().union(*(b[0] for b in branches)), either, set(), {}))
-        for part in parts:  # all of them hold
-            more_kinds, more_values, more_required, more_props = (
-                part if isinstance(part, tuple) else self.facts(part)
-            )
-            kinds &= more_kinds
-            if more_values is not None:
-                values = more_values if values is None else values & more_values
-            required |= more_required
-            for k, v in more_props.items():
-                props[k] = props.get(k, []) + v
-        return kinds, values, required, props
 
     def merge(self, a: dict, b: dict, path: str) -> dict:
         """One schema for both `a` and `b` (annotations left out), or a ValueError naming
