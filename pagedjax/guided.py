@@ -4,9 +4,9 @@ a grammar.
 `StructuredOutputsParams` (as vLLM's) names the constraint and writes it as regex text
 (a JSON schema by `pagedjax.json_schema`, a GBNF grammar by `pagedjax.grammar`);
 `compile_guide` turns it into a `Guide` for one tokenizer: a byte DFA
-(`pagedjax.regex_dfa`, whose docstring gives the regex subset and the size limits) and,
-per DFA state, the bitmask of the tokens whose bytes keep the match alive. Everything
-here runs on the host, in numpy.
+(`pagedjax.regex_dfa`, whose docstring gives the size limits; `pagedjax.regex_parse`'s
+gives the regex subset) and, per DFA state, the bitmask of the tokens whose bytes keep
+the match alive. Everything here runs on the host, in numpy.
 
 Matching is on bytes: the text is the concatenation of the tokens' UTF-8 bytes
 (`token_bytes`).
