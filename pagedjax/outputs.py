@@ -292,14 +292,15 @@ class OutputProcessor:
         """Whether the sequence ends with its new token `tok`: (finish reason, stop reason),
         or (None, None). Feeds the token to its detokenizer, and records where a stop
         string it completed starts (`Sequence.stop_pos`)."""
-        stop = None
-        check = s.num_generated >= req.params.min_tokens  # no stop before min_tokens
-        if check and tok in req.stop_ids:
+        stop, m = None, req.params.min_tokens
+        if s.num_generated >= m and tok in req.stop_ids:  # (not drawn before token m + 1)
             return "stop", tok
         if s.detok is not None:
             old, held = len(s.detok.text), s.detok.pending.rstrip("\ufffd")
             s.detok.add(tok)
-            if req.params.stop and check:
+            # As vLLM: the first min_tokens tokens' text is not searched, so a stop string
+            # ends a completion from its token min_tokens + 1 on, as a stop token does.
+            if req.params.stop and s.num_generated > m:
                 stop = self._stop_string(req, s, old, held)
         if stop is not None:
             return "stop", stop
@@ -468,9 +469,14 @@ class OutputProcessor:
     def _seq_text(self, req: Request, s: Seq, gen: list[int], running: bool) -> str:
         """The text of sequence `s` (generated tokens `gen`) in an output: cut where a
         stop string stopped it; while it runs (a partial output), only what no later
-        token changes, read from its incremental detokenizer where it has one."""
+        token changes, read from its incremental detokenizer where it has one, less
+        what a stop string forming at its end would cut (unless the stop string is kept:
+        include_stop_str_in_output, as vLLM holds nothing back then)."""
         if running and s.finish_reason is None and s.detok is not None:
-            text = s.detok.text + s.detok.pending  # (= the decode, incrementally)
+            # Its settled text, not `text + pending`: a trailing run of byte-fallback
+            # tokens ("€") decodes as U+FFFD per byte once an invalid byte joins it, so
+            # an earlier piece would not be a prefix of the final text.
+            text = s.detok.text
         else:
             text = self._text(req, gen, s.stop_reason)
         if isinstance(s.stop_reason, str):  # cut where it stopped (not earlier:
@@ -482,7 +488,8 @@ class OutputProcessor:
             text = text[:i] if i >= 0 else text
         elif running and s.finish_reason is None:  # what no later token changes
             text = text.rstrip("\ufffd")
-            if req.params.stop:
+            if req.params.stop and not req.params.include_stop_str_in_output:
+                # (kept, a stop string ends past the text settled before its last token)
                 held = max(map(len, req.params.stop)) - 1
                 text = text[: max(0, len(text) - held)]
         return text

@@ -13,14 +13,16 @@ import random
 import numpy as np
 import pytest
 from beam_oracle import whole_vocabulary_search
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_beam import CASES, ToyModel, top_candidates
-from test_tokenizer import byte_level_bpe, sentencepiece_style
+from test_tokenizer import STREAM_TOKENIZERS, byte_level_bpe, sentencepiece_style
 
 from pagedjax import outputs
 from pagedjax.beam import BeamSearch, num_candidates
 from pagedjax.metrics import EngineMetrics
 from pagedjax.outputs import OutputProcessor, Request, logprobs_entry
-from pagedjax.request import Logprob, SamplingParams
+from pagedjax.request import Logprob, RequestOutputKind, SamplingParams
 from pagedjax.sequence import ScheduledRow, SeqStatus, SequenceGroup, StepPlan
 from pagedjax.sequence import Sequence as Seq
 from pagedjax.tokenizer import Tokenizer
@@ -86,6 +88,7 @@ def tok(request):
 
 
 PROMPT = [5, 6]  # the completions' prompt, which they are decoded after
+CUMULATIVE, DELTA = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA
 
 
 class _Scheduler:
@@ -138,10 +141,11 @@ def accept_all(tok, gen, params):
 
 
 def brute_force(tok, gen, params):
-    """Stops at the first token (from min_tokens on) that is a stop token or completes a
-    stop string: an occurrence in the text if it stopped there (its decode, less an
-    incomplete last character) that ends past what this text shares with the previous
-    token's (earlier ones were let through by min_tokens). Of several, the one that ends
+    """Stops at the first token that is a stop token (from token min_tokens on) or
+    completes a stop string (from token min_tokens + 1 on, as vLLM checks them): an
+    occurrence in the text if it stopped there (its decode, less an incomplete last
+    character) that ends past what this text shares with the previous token's (earlier
+    ones were let through by min_tokens). Of several, the one that ends
     first wins, then the one that starts first; the text is cut where it starts (where
     it ends with include_stop_str_in_output). The text is the decode under
     skip_special_tokens; the stop token's own text is left out unless
@@ -153,8 +157,8 @@ def brute_force(tok, gen, params):
         return tok.decode(ids, skip_special_tokens=skip, context=PROMPT)
 
     for n in range(1, len(gen) + 1):
-        ids, check = gen[:n], n >= params.min_tokens
-        if check and gen[n - 1] in params.stop_token_ids:
+        ids = gen[:n]
+        if n >= params.min_tokens and gen[n - 1] in params.stop_token_ids:
             return ids, decode(ids if include else ids[:-1]), "stop", gen[n - 1]
         full = decode(ids)
         text = full.rstrip("\ufffd")  # an incomplete last character is not text yet
@@ -165,7 +169,7 @@ def brute_force(tok, gen, params):
             for i in range(len(text))
             if text.startswith(x, i) and i + len(x) > same
         ]
-        if check and new:
+        if n > params.min_tokens and new:
             i, x = min(new, key=lambda h: (h[0] + len(h[1]), h[0]))
             return ids, full[: i + len(x) if include else i], "stop", x
         if n == params.max_tokens:
@@ -179,12 +183,30 @@ def test_min_tokens_lets_earlier_stop_string_occurrences_through(tok):
     min_tokens (within the longest stop string's reach) neither stops nor cuts."""
     a, b, c = (tok.encode(x, add_bos=False)[-1] for x in "abc")
     assert tok.decode([a, b, c]) == "abc"
-    params = SamplingParams(max_tokens=3, stop=["b", "abcd"], min_tokens=3)
+    params = SamplingParams(max_tokens=3, stop=["b", "abcd"], min_tokens=2)
     assert accept_all(tok, [a, b, c], params) == ([a, b, c], "abc", "length", None)
-    params = SamplingParams(max_tokens=5, stop=["b", "abcd"], min_tokens=3)
+    params = SamplingParams(max_tokens=5, stop=["b", "abcd"], min_tokens=2)
     assert accept_all(tok, [a, b, b], params) == ([a, b, b], "ab", "stop", "b")
-    params = SamplingParams(max_tokens=5, stop=["bc", "ab", "abcd"], min_tokens=3)
+    params = SamplingParams(max_tokens=5, stop=["bc", "ab", "abcd"], min_tokens=2)
     assert accept_all(tok, [a, b, c], params) == ([a, b, c], "a", "stop", "bc")
+
+
+def test_stop_strings_are_searched_after_the_first_min_tokens_tokens(tok):
+    """As vLLM's detokenizer (`len(output_token_ids) > min_tokens`): the text of the
+    first min_tokens tokens is not searched, so a stop string stops a completion from
+    its token min_tokens + 1 on, as a stop token can end it (drawn) only from there; a
+    stop string completed by token min_tokens stopped it there."""
+    a, b = (tok.encode(x, add_bos=False)[-1] for x in "ab")
+    gen = [a, b, b, a, b]
+    params = SamplingParams(max_tokens=5, stop=["b"], min_tokens=3)
+    assert accept_all(tok, gen, params) == (gen, "abba", "stop", "b")
+    params = SamplingParams(max_tokens=5, stop=["bb"], min_tokens=3)
+    assert accept_all(tok, gen, params) == (gen, "abbab", "length", None)
+    params = SamplingParams(max_tokens=5, stop=["bb"], min_tokens=2)
+    assert accept_all(tok, gen, params) == (gen[:3], "a", "stop", "bb")
+    # A stop token is checked from token min_tokens on (the engine draws none before).
+    params = SamplingParams(max_tokens=5, stop_token_ids=[b], min_tokens=3)
+    assert accept_all(tok, gen, params) == (gen[:3], "ab", "stop", b)
 
 
 def test_several_stop_strings_in_one_token_the_first_completed_wins():
@@ -318,7 +340,7 @@ def test_stop_strings_holding_u_fffd_against_brute_force(tok):
     parts = [[x], [a], split_e, byte_tokens(tok, "🙂".encode())]
     parts += [byte_tokens(tok, b) for b in (b"\xa9", b"\xc3", b"\xf0\x9f")]
     stopped = 0
-    for _ in range(150):
+    for _ in range(200):
         gen = [t for p in rng.choices(parts, k=rng.randint(1, 6)) for t in p]
         stops = rng.sample(["\ufffd", "\ufffdx", "a\ufffd", "\ufffd\ufffd", "é", "x", "🙂"], 2)
         mins = rng.choice([0, 0, 1, 3])
@@ -330,6 +352,109 @@ def test_stop_strings_holding_u_fffd_against_brute_force(tok):
         assert accept_all(tok, gen, params) == want, (gen, params)
         stopped += "\ufffd" in (want[3] or "")
     assert stopped > 10
+
+
+def streamed(tok, prompt, gens, params) -> list:
+    """The request's outputs as `apply` returns them, its samples (`gens[i]`: sample
+    i's tokens) fed one token per step: a partial output after each step (output_kind
+    CUMULATIVE or DELTA) and the final one."""
+    stop_ids = frozenset({*tok.eos_token_ids, *params.stop_token_ids})
+    proc = processor(lambda ids, p, skip: tok.decode(ids, skip_special_tokens=skip, context=p), tok)
+    max_len = len(prompt) + params.max_tokens
+    req = proc.new_request(
+        "r", None, prompt, params, stop_ids, max_len, list(range(len(gens))), None
+    )
+    g, outs = req.group, []
+    assert not g.forks  # (a one-token prompt: the samples start at once)
+    for s in g.seqs:
+        s.status = SeqStatus.RUNNING
+    for step in itertools.count():
+        for s in list(g.seqs):
+            proc._accept(req, s, gens[s.index][step], -0.5, None)
+        if not g.seqs:
+            return [*outs, proc.output(req, aborted=False)]
+        if params.output_kind != RequestOutputKind.FINAL_ONLY:
+            outs.append(proc.output(req, aborted=False, running=True))
+
+
+def check_streamed(tok, prompt, gens, **kw):
+    """CUMULATIVE texts grow by prefixes and DELTA pieces add up, to the final output
+    of FINAL_ONLY (texts and tokens), for every sample."""
+    (final,) = streamed(tok, prompt, gens, SamplingParams(**kw))
+    want = {c.index: (c.text, c.token_ids) for c in final.outputs}
+    cumulative = streamed(tok, prompt, gens, SamplingParams(output_kind=CUMULATIVE, **kw))
+    texts = {}
+    for o in cumulative:
+        for c in o.outputs:
+            assert c.text.startswith(texts.get(c.index, "")), (texts, c.text)
+            texts[c.index] = c.text
+    assert {c.index: (c.text, c.token_ids) for c in cumulative[-1].outputs} == want
+    got = {}
+    for o in streamed(tok, prompt, gens, SamplingParams(output_kind=DELTA, **kw)):
+        for c in o.outputs:
+            text, ids = got.get(c.index, ("", []))
+            got[c.index] = (text + c.text, ids + c.token_ids)
+    assert got == want
+    return cumulative
+
+
+def test_streamed_text_is_never_taken_back():
+    """A partial output's text was the decode of its tokens less an incomplete last
+    character, which showed a run of byte-fallback tokens that a later byte turns into
+    U+FFFD per byte ("x€" then "x\ufffd\ufffd\ufffd\ufffd"): a CUMULATIVE text was
+    not a prefix of the next, and DELTA pieces added up to "x€\ufffd\ufffd\ufffdxx",
+    not the final text. A run is shown once a token of another kind ends it."""
+    tok = Tokenizer(sentencepiece_style(), bos_token_id=1, eos_token_ids=[2])
+    x = tok.encode("x", add_bos=False)[-1]
+    gen = [x, *byte_tokens(tok, "€".encode()), *byte_tokens(tok, b"\xa9"), x, x]
+    outs = check_streamed(tok, [x], [gen], max_tokens=len(gen))
+    texts = [o.outputs[0].text for o in outs]
+    assert texts == ["x"] * 5 + ["x\ufffd\ufffd\ufffd\ufffdx", "x\ufffd\ufffd\ufffd\ufffdxx"]
+
+
+def test_a_kept_stop_string_holds_no_text_back(tok):
+    """With include_stop_str_in_output, as in vLLM, partial texts are not held back by
+    the longest stop string's length less one: the cut comes after the stop string,
+    which ends past the text settled before its last token."""
+    chars = [tok.encode(c, add_bos=False)[-1] for c in "abcab"]
+    for include, held in [(False, 2), (True, 0)]:
+        kw = dict(max_tokens=5, stop=["cab", "xyz"], include_stop_str_in_output=include)
+        *partial, final = check_streamed(tok, [chars[0]], [chars], **kw)
+        want = ["a", "ab", "abc", "abca"]
+        assert [o.outputs[0].text for o in partial] == [t[: len(t) - held] for t in want]
+        assert final.outputs[0].text == ("abcab" if include else "ab")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(sorted(STREAM_TOKENIZERS)), st.data())
+def test_streamed_outputs_add_up_to_the_final_one(key, data):
+    """Any tokens (byte runs valid or not, special tokens), one or two samples, stop
+    strings from their text, min_tokens, include_stop_str_in_output and
+    skip_special_tokens: CUMULATIVE texts grow by prefixes, DELTA pieces add up, to the
+    final (FINAL_ONLY) output."""
+    tok = STREAM_TOKENIZERS[key]
+    kinds = [st.integers(0, tok.vocab_size - 1), st.sampled_from(sorted(tok.special_ids))]
+    if tok._byte_ids:
+        kinds += [st.sampled_from(sorted(tok._byte_ids))] * 2
+    m = data.draw(st.integers(1, 12))
+    gens = data.draw(
+        st.lists(st.lists(st.one_of(*kinds), min_size=m, max_size=m), min_size=1, max_size=2)
+    )
+    skip = data.draw(st.booleans())
+    text = tok.decode(gens[0], skip_special_tokens=skip)
+    starts = data.draw(st.lists(st.integers(0, len(text) - 1), max_size=3)) if text else []
+    stops = [text[i : i + data.draw(st.integers(1, 4))] for i in starts]
+    check_streamed(
+        tok,
+        [data.draw(st.one_of(*kinds))],
+        gens,
+        n=len(gens),
+        max_tokens=m,
+        stop=stops,
+        skip_special_tokens=skip,
+        include_stop_str_in_output=data.draw(st.booleans()),
+        min_tokens=data.draw(st.integers(0, m)),
+    )
 
 
 # ------------------------------------------------------------ a step's results
