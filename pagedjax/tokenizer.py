@@ -99,6 +99,25 @@ def _as_ids(value) -> list[int]:
     return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
 
 
+def _config_ids(cfg: dict, field: str, file: str, vocab_size: int) -> list[int]:
+    """A config file's id field (an id, a list of ids, or null) as a list of ids.
+
+    Raises:
+      ValueError: naming the file, for another value (int() had read "2" and 1.5 as
+        EOS 2 and 1, and true as 1) or an id outside the vocabulary.
+    """
+    value = cfg.get(field)
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{file} {field} must be a token id or a list of them, got {value!r:.80}")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(
+            f"{file} {field}={value!r:.80}: {bad} outside the vocabulary [0, {vocab_size})"
+        )
+    return ids
+
+
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the special-token facts generation needs.
 
@@ -205,17 +224,21 @@ class Tokenizer:
             content = _token_content(tcfg.get(field))
             if content is None:
                 return None
-            tid = tok.token_to_id(content)
+            tid = tok.token_to_id(content) if isinstance(content, str) else None
             if tid is None:
                 raise ValueError(f"tokenizer_config.json {field}={content!r} is not in the vocab")
             return tid
 
+        def config_ids(field: str) -> list[int]:  # generation_config's, then config.json's
+            vocab = tok.get_vocab_size(with_added_tokens=True)
+            files = (("generation_config.json", gcfg), ("config.json", mcfg))
+            return [i for name, cfg in files for i in _config_ids(cfg, field, name, vocab)]
+
         bos = token_id("bos_token")
         if bos is None:
-            bos_ids = _as_ids(gcfg.get("bos_token_id")) + _as_ids(mcfg.get("bos_token_id"))
+            bos_ids = config_ids("bos_token_id")
             bos = bos_ids[0] if bos_ids else None
-        eos = set(_as_ids(token_id("eos_token")))
-        eos |= set(_as_ids(gcfg.get("eos_token_id"))) | set(_as_ids(mcfg.get("eos_token_id")))
+        eos = set(_as_ids(token_id("eos_token"))) | set(config_ids("eos_token_id"))
         add_bos = tcfg.get("add_bos_token")
         if add_bos is None:
             add_bos = bos is not None and _post_processor_adds(tok, bos)
@@ -408,7 +431,7 @@ class Tokenizer:
         that treats a text's first token specially reads them as a continuation:
         SentencePiece's leading-space strip made a completion "Paris" where prompt +
         completion reads " Paris" (as vLLM and HF pipelines return it). Only the last
-        `CONTEXT_IDS` ids count, less a trailing run of byte-fallback tokens, and only if
+        `CONTEXT_IDS` ids before a trailing run of byte-fallback tokens count, and only if
         their text is settled (see `_context`).
         """
         ids = self._check_ids(ids)
@@ -444,8 +467,8 @@ class Tokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=skip)
 
     def _context(self, context: Iterable[int], skip: bool) -> tuple[list[int], str] | None:
-        """The last `CONTEXT_IDS` ids of `context` less a trailing byte-fallback run, and
-        their text; None when the decoder would see none of them (all skipped special
+        """The last `CONTEXT_IDS` ids of `context` before a trailing byte-fallback run,
+        and their text; None when the decoder would see none of them (all skipped special
         tokens: it would strip the ids' leading space as if they began the text) or the
         text ends inside a character (U+FFFD), which the ids after it may still change.
 
@@ -453,9 +476,16 @@ class Tokenizer:
         ids after it may extend the run, which HF decodes all or nothing, and without it
         the text before the run still shows the decoder that the ids are a continuation
         (a prompt ending in an emoji or a newline, `<0x0A>`, lost the completion's
-        leading space)."""
-        ids = self._check_ids(list(context)[-CONTEXT_IDS:])
-        ids = ids[: len(ids) - _byte_run(self, ids, skip)]
+        leading space). The ids are taken before the run, however long (two emoji are 8
+        byte tokens, which left no ids: the completion lost its space again)."""
+        context, ids, n = _id_list(context), [], CONTEXT_IDS
+        while len(ids) < CONTEXT_IDS:  # a tail twice as long while the run fills it
+            tail = self._check_ids(context[-n:])
+            ids = tail[: len(tail) - _byte_run(self, tail, skip)]
+            if n >= len(context):
+                break
+            n *= 2
+        ids = ids[-CONTEXT_IDS:]
         if not [i for i in ids if not (skip and i in self._special_ids)]:
             return None
         text = self.tokenizer.decode(ids, skip_special_tokens=skip)
@@ -489,7 +519,7 @@ class Tokenizer:
     @staticmethod
     def _index_ids(ids: Iterable[int]) -> list[int]:
         """`ids` as ints, all of them; raises on a non-int or a negative id."""
-        ids = list(ids)
+        ids = _id_list(ids)
         for i in ids:  # int() would truncate 3.7 and parse "3"
             if isinstance(i, bool) or not hasattr(type(i), "__index__"):
                 raise TypeError(f"token ids must be ints, got {type(i).__name__} {i!r:.40}")
@@ -516,6 +546,13 @@ def token_names(
     if skip_special_tokens:
         context = [i for i in context if i not in tok.special_ids]
     return tok.decode_each(ids, skip_special_tokens=False, context=context)
+
+
+def _id_list(ids: Iterable[int]) -> list:
+    try:
+        return list(ids)
+    except TypeError:  # (Python's "'int' object is not iterable" named nothing)
+        raise TypeError(f"token ids must be a list of ints, got {ids!r:.40}") from None
 
 
 def _post_processor_adds(tok: tokenizers.Tokenizer, bos: int) -> bool:

@@ -11,7 +11,7 @@ import re
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from tokenizers import (
     AddedToken,
@@ -277,6 +277,11 @@ def test_token_ids_must_be_integers(bpe_dir):
             tok.decode([a, bad])
         with pytest.raises(TypeError, match="token ids must be ints"):
             tok.stream().add([bad])
+    for bad in (a, None):  # not a list: named too ("'int' object is not iterable")
+        with pytest.raises(TypeError, match=rf"token ids must be a list of ints, got {bad}$"):
+            tok.decode(bad)
+        with pytest.raises(TypeError, match="token ids must be a list of ints"):
+            tok.decode([a], context=bad)
     assert tok.decode(np.array([a, a])) == tok.decode([a, a]) == "aa"  # numpy ints are fine
     stream = tok.stream()
     assert stream.add(np.int64(a)) + stream.add(np.array([a], np.int32)) == "aa"
@@ -354,6 +359,27 @@ def metaspace_style() -> HFTokenizer:
     return tok
 
 
+def metaspace_always_style() -> HFTokenizer:
+    """Older Mistral conversions: Metaspace prepending "▁" to every word (the decoder
+    strips the text's first space only)."""
+    tok = metaspace_style()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always", split=False)
+    tok.decoder = decoders.Sequence(
+        [decoders.ByteFallback(), decoders.Metaspace(prepend_scheme="always", split=False)]
+    )
+    return tok
+
+
+def no_strip_style() -> HFTokenizer:
+    """Gemma-like: byte fallback, "▁" for spaces, no prefix space and no strip."""
+    tok = sentencepiece_style()
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return tok
+
+
 def with_added_tokens(tok: HFTokenizer) -> HFTokenizer:
     """Added tokens of each kind: special or not, stripping, normalized, non-ASCII."""
     tok.add_tokens(
@@ -373,6 +399,8 @@ STREAM_TOKENIZERS = {
         ("byte_level", lambda: byte_level_bpe(post_bos=False)),
         ("byte_fallback", sentencepiece_style),
         ("metaspace", metaspace_style),
+        ("metaspace_always", metaspace_always_style),
+        ("no_strip", no_strip_style),
     ]
     for extra in (False, True)
 }
@@ -433,6 +461,54 @@ def test_a_completion_reads_as_the_prompts_continuation(style):
     assert tok.decode(gen, context=[]) == tok.decode(gen)
 
 
+# Text pieces whose tokens split every way: byte-fallback runs of every length (emoji,
+# CJK, "€", newlines; two emoji fill the context's window), spaces the SentencePiece
+# decoders strip, added tokens.
+PIECES = ["the", " ", "hello", " ll", "🙂", "🙂🙂", "☃", "€", "\n", "日本", " [INST]", "<tool>"]
+
+
+def check_completion_in_context(key, skip, data, max_pieces):
+    tok = STREAM_TOKENIZERS[key]
+    words = data.draw(st.lists(st.sampled_from(PIECES), min_size=2, max_size=max_pieces))
+    ids = tok.encode("".join(words))
+    specials = sorted(tok.special_ids)
+    for _ in range(data.draw(st.integers(0, 2))):  # e.g. a chat prompt's last header
+        ids.insert(data.draw(st.integers(0, len(ids))), data.draw(st.sampled_from(specials)))
+    cut = data.draw(st.integers(0, len(ids)))
+    prompt, gen = ids[:cut], ids[cut:]
+    before = tok.tokenizer.decode(prompt, skip_special_tokens=skip)
+    full = tok.tokenizer.decode(ids, skip_special_tokens=skip)
+    assume(not before.endswith("\ufffd") and full.startswith(before))
+    # Not a prompt of a byte-fallback run alone (after skipped special tokens): the run
+    # is no context (the completion may extend it), so the completion reads as a start.
+    skipped = lambda i: skip and i in tok.special_ids  # noqa: E731
+    rest = list(prompt)
+    while rest and (rest[-1] in tok._byte_ids or skipped(rest[-1])):
+        rest.pop()
+    assume(all(map(skipped, prompt)) or not all(map(skipped, rest)))
+    want = full[len(before) :]
+    assert tok.decode(gen, skip_special_tokens=skip, context=prompt) == want
+    stream = tok.stream(skip_special_tokens=skip, context=prompt)
+    assert "".join(map(stream.add, gen)) + stream.flush() == want
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(sorted(STREAM_TOKENIZERS)), st.booleans(), st.data())
+def test_a_completion_decodes_as_hf_decodes_it_after_its_prompt(key, skip, data):
+    """Real text cut into a prompt and a completion anywhere (inside byte-fallback runs
+    of any length too, special tokens among them): the completion's text, decoded or
+    streamed after its prompt, is HF's decode(prompt + completion) less
+    decode(prompt), wherever that is defined (the prompt's text settled)."""
+    check_completion_in_context(key, skip, data, max_pieces=12)
+
+
+@pytest.mark.slow
+@settings(max_examples=5000, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(sorted(STREAM_TOKENIZERS)), st.booleans(), st.data())
+def test_a_completion_decodes_as_hf_decodes_it_after_its_prompt_sweep(key, skip, data):
+    check_completion_in_context(key, skip, data, max_pieces=30)
+
+
 def each_by_decode(tok: Tokenizer, ids, skip: bool, context) -> list[str]:
     return [tok.decode([i], skip_special_tokens=skip, context=context) for i in ids]
 
@@ -480,9 +556,10 @@ def test_a_completion_after_byte_tokens_or_a_bare_space_keeps_its_space(style):
     Llama 2 / Mistral vocabularies) or whose last text is a space the decoder strips
     (Mistral's `<s>[INST] [/INST]`, an empty user message) was no context at all: the
     completion was decoded alone and lost its leading space, where HF's
-    decode(prompt + completion) less decode(prompt) keeps it."""
+    decode(prompt + completion) less decode(prompt) keeps it; so was a run of byte
+    tokens as long as the context's window or longer (two emoji, three snowmen)."""
     tok = STREAM_TOKENIZERS[style, False]
-    for text in ["the hello ☃", "the hello\n", "the €", "a ☃☃"]:
+    for text in ["the hello ☃", "the hello\n", "the €", "a ☃☃", "the hello 🙂🙂", "the ☃☃☃"]:
         prompt = tok.encode(text, add_bos=False)
         full = tok.encode(text + " the end", add_bos=False)
         assert full[: len(prompt)] == prompt
@@ -559,6 +636,32 @@ def test_special_token_sources_in_order(tmp_path):
     assert appends.encode("hello").ids[-1] == 0 and not Tokenizer.from_dir(d).add_bos
     (d / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"tokenizer_config.json is not valid JSON"):
+        Tokenizer.from_dir(d)
+
+
+@pytest.mark.parametrize(
+    "file,config,match",
+    [
+        ("generation_config", {"eos_token_id": 1.5}, r"eos_token_id must be a token id .* 1\.5"),
+        ("generation_config", {"eos_token_id": "2"}, r"eos_token_id must be .*, got '2'"),
+        ("generation_config", {"eos_token_id": [1, True]}, r"got \[1, True\]"),
+        ("generation_config", {"eos_token_id": [1, None]}, r"got \[1, None\]"),
+        ("config", {"bos_token_id": "x"}, r"^config.json bos_token_id must be .*, got 'x'"),
+        (
+            "config",
+            {"eos_token_id": [2, 400]},
+            r"^config.json eos_token_id=\[2, 400\]: \[400\] out",
+        ),
+        ("tokenizer_config", {"bos_token": 5}, "bos_token=5 is not in the vocab"),
+    ],
+)
+def test_bad_special_ids_in_config_files_are_named(tmp_path, file, config, match):
+    """A config file's special-token id that is not an id (or a list of them) is an error
+    naming the file and the value: int() read a float or a string (1.5 as EOS 1, "2" as
+    2, true as 1), and null or a foreign string failed in Python's words."""
+    d = write_dir(tmp_path, byte_level_bpe(post_bos=False))
+    (d / f"{file}.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=match):
         Tokenizer.from_dir(d)
 
 
