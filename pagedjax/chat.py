@@ -20,8 +20,8 @@ assistant prompt). `find_chat_template` looks for it where HF transformers' toke
 text here as there: a sandboxed, immutable Jinja environment with `trim_blocks` and
 `lstrip_blocks`, the loop-control extension (`break`/`continue`), HF's
 `{% generation %}` block (rendered as its body), the globals
-`raise_exception(msg)` and `strftime_now(fmt)`, and a `tojson` filter that keeps
-non-ASCII text (`json.dumps(..., ensure_ascii=False)`); `continue_final_message`
+`raise_exception(msg)` and `strftime_now(fmt)`, and transformers' `tojson` filter
+(`json.dumps`, non-ASCII text kept unless `ensure_ascii=True`); `continue_final_message`
 cuts the text where the last message's content ends, as transformers 5 does, for the
 model to continue it. jinja2 is an optional dependency (the `chat` extra), imported on
 first render; each template is compiled once.
@@ -197,11 +197,13 @@ def _as_hf_renders(message: dict) -> dict:
     return message
 
 
-def _tojson(value, indent=None, separators=None, sort_keys=False) -> str:
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     # Jinja's own tojson escapes HTML characters and non-ASCII text; templates expect
-    # plain JSON (Llama 3.1 dumps tool definitions with indent=4).
+    # plain JSON (Llama 3.1 dumps tool definitions with indent=4). transformers' filter,
+    # signature and all: GLM's and MiniCPM's templates pass `ensure_ascii=False`, and a
+    # positional argument is ensure_ascii there, not Jinja's indent.
     return json.dumps(
-        value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
 
 

@@ -532,6 +532,16 @@ def test_jinja_environment_as_transformers():
         msgs,
     )
     assert out == 'True|True|{"a":[2,"é"],"b":1}'
+    # transformers' tojson(x, ensure_ascii=False, indent=None, ...): GLM's and MiniCPM's
+    # templates pass ensure_ascii=False (a TypeError here failed every request with
+    # tools), and a positional argument is ensure_ascii, not Jinja's indent.
+    out = chat.render(
+        "{{ tools[0] | tojson(ensure_ascii=False) }}|{{ tools[0] | tojson(ensure_ascii=True) }}"
+        "|{{ tools[0] | tojson(2) }}|{{ tools[0] | tojson(False, 1) }}",
+        msgs,
+        tools=[{"k": "é"}],
+    )
+    assert out == '{"k": "é"}|{"k": "\\u00e9"}|{"k": "\\u00e9"}|{\n "k": "é"\n}'
     with pytest.raises(TypeError, match="can only concatenate str"):
         chat.render("{{ messages[0].content + 1 }}", msgs)
 
