@@ -86,9 +86,10 @@ class SamplingParams:
         from its logit (0: off).
         The three penalties apply before the temperature and truncation, greedy
         included; returned logprobs stay the raw distribution's. Not with beam search.
-      min_tokens: no stop token (EOS, stop_token_ids) can be drawn, and no stop string
-        ends the completion, before this many tokens (<= max_tokens). Not with beam
-        search.
+      min_tokens: no stop token (EOS, stop_token_ids) can be drawn before this many
+        tokens (<= max_tokens), and stop strings are searched only in the text after
+        the first min_tokens tokens (as vLLM), so either stops from token min_tokens +
+        1 on. Not with beam search.
       logit_bias: token id -> value in [-100, 100] added to its logit before sampling
         (greedy included; -100 all but bans a token), or None. Not with beam search.
       include_stop_str_in_output: keep the stop string that ended a completion in its
@@ -137,9 +138,10 @@ class SamplingParams:
         nothing until it finishes; CUMULATIVE or DELTA a partial output after every
         step that gives it tokens (`RequestOutput`), the whole text so far or only the
         new part. With stop strings a running completion's text holds back its last
-        max(len(stop)) - 1 characters (they may start a stop string, cut later), so
-        no text returned is cut afterwards. `LLM.generate` and `LLM.chat` return the
-        whole finished outputs whatever it is. Not with beam search.
+        max(len(stop)) - 1 characters (they may start a stop string, cut later),
+        unless include_stop_str_in_output, so no text returned is cut afterwards.
+        `LLM.generate` and `LLM.chat` return the whole finished outputs whatever it
+        is. Not with beam search.
     """
 
     n: int = 1
