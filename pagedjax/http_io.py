@@ -2,10 +2,11 @@
 
 `HttpIO` (a `BaseHTTPRequestHandler`) is what `pagedjax.http_server.Handler` subclasses
 for the wire: it reads a request's body (a `Content-Length` or `Transfer-Encoding:
-chunked`, at most `MAX_BODY_BYTES`) and parses it as a JSON object; it writes an answer
-with its length, OpenAI's JSON error (`ApiError`; http.server's own errors too), or
-Server-Sent Events in chunks (to an HTTP/1.0 client, which knows no chunks, as they are,
-the connection's end ending them); and it tells whether a client went away
+chunked`, at most `MAX_BODY_BYTES`; the 100 that `Expect: 100-continue` waits for goes
+out only once the body is to be read) and parses it as a JSON object; it writes an
+answer with its length, OpenAI's JSON error (`ApiError`; http.server's own errors too),
+or Server-Sent Events in chunks (to an HTTP/1.0 client, which knows no chunks, as they
+are, the connection's end ending them); and it tells whether a client went away
 (`_client_gone`; `ClientGone`). A socket silent for `TIMEOUT_S` times out. What a path
 means (routes, endpoints, the engine) is the subclass's: `_allowed` is its one hook.
 """
@@ -44,12 +45,20 @@ class HttpIO(BaseHTTPRequestHandler):
     timeout = TIMEOUT_S  # of each read and write on the socket (StreamRequestHandler's)
     _streaming = False  # whether a stream's headers went out
     _head = False  # a HEAD request: a GET's status and headers, no body
+    _continue = False  # the client waits for a 100 (Continue) before it sends the body
 
     def _allowed(self, path: str) -> str:
         """The method that serves `path`, "" if none: a 405's Allow header names it."""
         return ""
 
     # ----------------------------------------------------------------- reading
+
+    def handle_expect_100(self) -> bool:
+        # http.server sent the 100 at once: a client then sent a body over the limit,
+        # which the 413 (or the 501 of a Transfer-Encoding) cut with a reset. It goes out
+        # once the body is to be read (`_read_body`); a refusal goes out instead.
+        self._continue = True
+        return True
 
     def _read_body(self) -> bytes:
         te = self.headers.get_all("Transfer-Encoding", [])
@@ -58,18 +67,29 @@ class HttpIO(BaseHTTPRequestHandler):
                 self.close_connection = True  # its body's end cannot be found: unread
                 msg = f"Transfer-Encoding {', '.join(te)!r:.80} is not supported; use chunked"
                 raise ApiError(501, msg)
+            if "Content-Length" in self.headers:  # RFC 9112 6.1: a smuggling attempt, or
+                self.close_connection = True  # a proxy's mistake: answered, then closed
+            self._send_continue()
             return self._read_chunked()
         # Two different lengths are a 400 (RFC 9112 6.3), as is what int() reads but is no
-        # length: "+5", "5_0", "-5".
-        n = ", ".join(sorted({v.strip() for v in self.headers.get_all("Content-Length", [])}))
-        n = n or "0"
+        # length: "+5", "5_0", "-5", "" (it was read as none).
+        lengths = self.headers.get_all("Content-Length")
+        n = "0" if lengths is None else ", ".join(sorted({v.strip() for v in lengths}))
         if not (n.isascii() and n.isdigit()):
             self.close_connection = True
             raise ApiError(400, f"bad Content-Length {n!r:.80}")
         if len(n.lstrip("0")) > 18 or int(n) > MAX_BODY_BYTES:  # (int() of 4301 digits raises)
             self.close_connection = True
             raise ApiError(413, f"request body of {n:.40} bytes is over {MAX_BODY_BYTES}")
+        self._send_continue()
         return self._read_exactly(int(n))
+
+    def _send_continue(self) -> None:
+        """The 100 (Continue) that the client waits for, if it does (`handle_expect_100`)."""
+        if self._continue:
+            self._continue = False
+            self.send_response_only(100)
+            self.end_headers()
 
     def _read_exactly(self, n: int) -> bytes:
         """The next `n` bytes of the body; a 400 if the client ended it before them (a
@@ -84,9 +104,10 @@ class HttpIO(BaseHTTPRequestHandler):
         """A body sent with `Transfer-Encoding: chunked` (clients that stream uploads)."""
         data = bytearray()
         while True:
-            line = self.rfile.readline(1024)
+            line = self.rfile.readline(1024)  # (a longer one's rest was read as the data)
             size = line.split(b";")[0].strip()
-            if not size or size.strip(b"0123456789abcdefABCDEF"):  # int(, 16): "0x5", "+5"
+            hexdigits = b"0123456789abcdefABCDEF"  # int(, 16) reads "0x5" and "+5" too
+            if not line.endswith(b"\n") or not size or size.strip(hexdigits):
                 self.close_connection = True
                 raise ApiError(400, f"bad chunk size {line[:40]!r} in a chunked body")
             size = int(size, 16)
@@ -98,7 +119,10 @@ class HttpIO(BaseHTTPRequestHandler):
                 self.close_connection = True
                 raise ApiError(413, f"request body is over {MAX_BODY_BYTES} bytes")
             data += self._read_exactly(size)
-            self.rfile.readline(64)  # the chunk's CRLF
+            end = self.rfile.readline(2)  # its CRLF (what came up to a line end was skipped)
+            if end not in (b"\r\n", b"\n"):
+                self.close_connection = True
+                raise ApiError(400, f"a chunk of {size} bytes ends with {end!r}, not CRLF")
 
     def _parse(self, raw: bytes) -> dict:
         try:
@@ -115,6 +139,10 @@ class HttpIO(BaseHTTPRequestHandler):
 
     def _send(self, status: int, data: bytes, ctype: str, headers=()) -> None:
         self.send_response(status)
+        if self.request_version == "HTTP/1.0" and not self.close_connection:
+            # Its client asked to keep it (an HTTP/1.0 client that is not told so reads
+            # the answer up to the connection's end, which came only after TIMEOUT_S).
+            self.send_header("Connection", "keep-alive")
         self.send_header("Content-Type", ctype)
         if status != 204:  # RFC 9110 8.6: a 204 MUST NOT have one
             self.send_header("Content-Length", str(len(data)))
@@ -128,6 +156,8 @@ class HttpIO(BaseHTTPRequestHandler):
         """http.server's own errors (a bad request line, too many headers, an unknown
         method, ...) as OpenAI's JSON error, as all others are (they were HTML pages)."""
         self.close_connection = True
+        if self.request_version == "HTTP/0.9":  # (http.server's until it read a request line)
+            self.request_version = "HTTP/1.0"  # 0.9's answers have no status line, no headers
         reason = self.responses.get(code, ("error",))[0]
         self.log_error("code %d, message %s", code, message)
         data = json.dumps(ApiError(code, message or reason).body()).encode()

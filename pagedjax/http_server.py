@@ -18,7 +18,8 @@ fields, errors and streaming as a user sees them. Usage:
 
     server = Server(("127.0.0.1", 0), model_name="m")  # port 0: any free one
     server.start(LLM("path/to/checkpoint"))
-    server.serve_forever()  # until server.shutdown() from another thread; then close()
+    server.serve_forever()  # until server.shutdown() from another thread
+    server.close()  # stops the engine, waits for the 503s of the requests in flight
 
 LoRA adapters (vLLM's `--lora-modules`), which a request's `model` selects by name:
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -54,6 +56,7 @@ from pagedjax.tool_calls import PARSERS
 
 __all__ = [
     "MAX_BODY_BYTES",
+    "CLOSE_TIMEOUT_S",
     "POLL_S",
     "TIMEOUT_S",
     "LORA_ROUTES",
@@ -64,6 +67,7 @@ __all__ = [
 ]
 
 POLL_S = 0.5  # how often a waiting handler checks that its client is still connected
+CLOSE_TIMEOUT_S = 10.0  # how long `Server.close` waits for the requests in flight
 # vLLM's runtime LoRA updating: paths served only with `allow_runtime_lora_updating`.
 LORA_ROUTES = {"/v1/load_lora_adapter": "POST", "/v1/unload_lora_adapter": "POST"}
 
@@ -113,6 +117,8 @@ class Server(ThreadingHTTPServer):
         self.lora_names = LoRANames(model_name, lora_modules)
         self.allow_runtime_lora_updating = allow_runtime_lora_updating
         self.engine: EngineThread | None = None
+        self._answering = 0  # requests whose handlers have yet to answer them
+        self._answered = threading.Condition()
         super().__init__(address, Handler)
 
     def start(self, llm) -> None:
@@ -149,11 +155,28 @@ class Server(ThreadingHTTPServer):
         if not isinstance(sys.exc_info()[1], ConnectionError):
             super().handle_error(request, client_address)
 
-    def close(self) -> None:
-        """Stops the engine and closes the socket (after `shutdown()` if serving)."""
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Stops the engine, waits up to `timeout` seconds for the requests in flight to be
+        answered (a 503; a stream, its error event and [DONE]), and closes the socket
+        (after `shutdown()` if serving). Handlers are daemon threads: without the wait, a
+        process that exits after `close` cut them off mid-answer."""
         if self.engine is not None:
             self.engine.stop()
+        with self._answered:
+            self._answered.wait_for(lambda: self._answering == 0, timeout)
         self.server_close()
+
+    @contextlib.contextmanager
+    def answering(self):
+        """Counts a request in flight from its body's reading to its answer (`close`)."""
+        with self._answered:
+            self._answering += 1
+        try:
+            yield
+        finally:
+            with self._answered:
+                self._answering -= 1
+                self._answered.notify_all()
 
     @property
     def url(self) -> str:
@@ -186,6 +209,10 @@ class Handler(HttpIO):
     # ------------------------------------------------------------------- plumbing
 
     def _dispatch(self, method: str) -> None:
+        with self.server.answering():
+            self._answer(method)
+
+    def _answer(self, method: str) -> None:
         self._streaming = False  # whether a stream's headers went out
         self._head = method == "HEAD"  # a GET's status and headers, no body
         try:

@@ -208,12 +208,15 @@ If a step raises, the engine recovers by itself (`LLM.step`): the requests it he
 fail with a 500 and the server goes on.
 
 Request bodies come with a `Content-Length` or `Transfer-Encoding: chunked` (at most
-32 MiB). A stream to an HTTP/1.0 client is not chunked (HTTP/1.0 has no chunks): the
-connection's end ends it. A client silent for 60 s (`http_server.TIMEOUT_S`)
-mid-request (a 408 if in its body), between two requests or while its stream waits for
-it to read is let go (its requests aborted). For trusted networks only: there is no
-authentication and no rate limit; bind to 127.0.0.1 (the default) unless the network is
-yours.
+32 MiB; a client that sends `Expect: 100-continue` gets the 413 before it sends one
+over the limit). A stream to an HTTP/1.0 client is not chunked (HTTP/1.0 has no
+chunks): the connection's end ends it. A client silent for 60 s
+(`http_server.TIMEOUT_S`) mid-request (a 408 if in its body), between two requests or
+while its stream waits for it to read is let go (its requests aborted). Ctrl-C or
+SIGTERM stops the server: the requests in flight get a 503 (a stream, its error event
+and [DONE]) before it exits (it waits up to 10 s for those answers). For trusted
+networks only: there is no authentication and no rate limit; bind to 127.0.0.1 (the
+default) unless the network is yours.
 
 LoRA adapters, as vLLM serves them: `--lora-modules NAME=PATH [NAME=PATH ...]` (or
 vLLM's JSON form `'{"name": "sql", "path": "/p"}'`) serves each PEFT adapter directory
@@ -269,7 +272,9 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -487,11 +492,31 @@ def run(args) -> int:
             file=sys.stderr,
             flush=True,
         )
-        with contextlib.suppress(KeyboardInterrupt):
+        with contextlib.suppress(KeyboardInterrupt), sigterm_interrupts():
             server.serve_forever()
     finally:
-        server.close()
+        server.close()  # the requests in flight get their 503s before the process exits
     return 0
+
+
+@contextlib.contextmanager
+def sigterm_interrupts():
+    """SIGTERM (`kill`, `docker stop`, systemd) as Ctrl-C, a KeyboardInterrupt in the
+    main thread: the server stops as cleanly. Python's default killed the process at
+    once, its requests in flight cut off. A second SIGTERM, during the stop, kills."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def main(argv=None) -> int:

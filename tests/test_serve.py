@@ -8,7 +8,10 @@ and the failures.
 """
 
 import json
+import os
+import signal
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -407,3 +410,30 @@ def test_a_chat_checkpoint_without_jinja2_is_noted_at_start(ckpt, monkeypatch, c
     monkeypatch.setattr(serve, "jinja_missing", lambda: "chat templates need jinja2")
     err = run_cli_without_serving(ckpt, monkeypatch, capsys)
     assert "note: /v1/chat/completions will fail: chat templates need jinja2" in err, err
+
+
+def test_sigterm_stops_the_server_as_ctrl_c_does(ckpt, monkeypatch, capsys):
+    """SIGTERM (`kill`, `docker stop`, systemd) killed the process at once, its requests in
+    flight cut; it now stops the server as Ctrl-C does (`Server.close` answers them)."""
+    servers = []
+
+    def serve_forever(srv, *args, **kwargs):
+        servers.append(srv)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)  # (a bound: the signal ends it)
+
+    def not_handled(signum, frame):
+        raise AssertionError("serve.py left SIGTERM to the default: the process was killed")
+
+    monkeypatch.setattr(serve.Server, "serve_forever", serve_forever)
+    previous = signal.signal(signal.SIGTERM, not_handled)
+    try:
+        argv = ["--checkpoint", ckpt, "--port", "0", "--quiet", "--backend", "xla"]
+        argv += ["--page-size", "8", "--num-pages", "64", "--max-batch-tokens", "16"]
+        argv += ["--compilation-cache", "off"]
+        assert serve.main([str(a) for a in argv]) == 0, capsys.readouterr().err
+        assert signal.getsignal(signal.SIGTERM) is not_handled  # restored
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    (srv,) = servers
+    assert not srv.engine.alive and srv.socket.fileno() == -1  # closed

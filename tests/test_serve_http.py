@@ -9,6 +9,7 @@ import http.client
 import json
 import os
 import socket
+import threading
 import time
 import types
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,7 @@ from pagedjax.engine import SamplingParams
 
 # serve_helpers' fixtures, bound here: this module gets its own checkpoint and server.
 ckpt, ref, server = serve_helpers.ckpt, serve_helpers.ref, serve_helpers.server
+TOKENIZE = b'{"prompt":"a"}'  # a /tokenize body of 14 bytes (0xe)
 
 
 def test_a_burst_of_connections_is_queued_not_dropped():
@@ -89,6 +91,43 @@ def test_a_stopped_engine_is_a_503():
         next(gen, None)
 
 
+def test_close_waits_for_the_answers_of_the_requests_in_flight(monkeypatch):
+    """`Server.close` stopped the engine and returned: the handlers (daemon threads) had
+    yet to write their requests' 503s, and serve.py's process, stopped by Ctrl-C, then
+    exited under them (a stream was cut, with no error event and no [DONE])."""
+    gen = serving(StuckLLM(), "stuck")
+    srv = next(gen)
+    answering, release = threading.Event(), threading.Event()
+    error = serve.Handler._error
+
+    def held_error(self, e):  # the handler answers once the test releases it
+        answering.set()
+        release.wait(60)
+        error(self, e)
+
+    monkeypatch.setattr(serve.Handler, "_error", held_error)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(request, srv, "/v1/completions", dict(prompt=[1, 2]))
+            deadline = time.monotonic() + 30
+            while not srv.engine.call(lambda llm: len(llm.rids)) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            srv.shutdown()
+            closing = threading.Thread(target=srv.close)
+            closing.start()
+            assert answering.wait(60)  # the engine stopped: its 503 is being answered
+            closing.join(0.5)
+            assert closing.is_alive()  # close waits for it
+            release.set()
+            closing.join(60)
+            assert not closing.is_alive()
+            status, err = waiting.result(timeout=60)
+        assert status == 503 and "the engine is stopping" in err["error"]["message"], err
+    finally:
+        release.set()
+        next(gen, None)
+
+
 @pytest.mark.parametrize(
     "head, status, words",
     [
@@ -97,14 +136,15 @@ def test_a_stopped_engine_is_a_503():
         (b"Transfer-Encoding: chunked", b" 413 ", b"request body is over 33554432"),
         (b"Content-Length: +2", b" 400 ", b"bad Content-Length '+2'"),
         (b"Content-Length: 2\r\nContent-Length: 5", b" 400 ", b"bad Content-Length '2, 5'"),
+        (b"Content-Length: ", b" 400 ", b"bad Content-Length ''"),  # was read as 0
         (b"Transfer-Encoding: gzip", b" 501 ", b"Transfer-Encoding 'gzip' is not supported"),
     ],
 )
 def test_bad_or_too_large_bodies_are_refused_unread(server, head, status, words):
-    """A negative Content-Length was read as an empty body (a 400 "not valid JSON", the
-    bytes sent then taken for the next request), as was a body in a Transfer-Encoding
-    other than chunked; int() read "+2" (or "2_0") as a length, and of two lengths the
-    first was taken (RFC 9112 6.3: a 400). Bodies over 32 MiB are a 413."""
+    """A negative or empty Content-Length was read as an empty body (a 400 "not valid
+    JSON", the bytes sent then taken for the next request), as was a body in a
+    Transfer-Encoding other than chunked; int() read "+2" (or "2_0") as a length, and of
+    two lengths the first was taken (RFC 9112 6.3: a 400). Bodies over 32 MiB are a 413."""
     with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=60) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n\r\n")
         if b"chunked" in head:
@@ -241,6 +281,39 @@ def test_a_bad_chunk_size_is_a_400(server, size):
     assert b"bad chunk size" in reply
 
 
+@pytest.mark.parametrize(
+    "chunks, words",
+    [
+        # What followed a chunk's data, up to a line end, was skipped as its CRLF.
+        (
+            b"e\r\n" + TOKENIZE + b"garbage\r\n0\r\n\r\n",
+            "a chunk of 14 bytes ends with b'ga', not CRLF",
+        ),
+        # A size line was cut at 1024 bytes, its rest read as the chunk's data.
+        (b"e;" + b"x" * 1022 + TOKENIZE + b"\r\n0\r\n\r\n", "bad chunk size b'e;xx"),
+    ],
+)
+def test_a_chunk_not_framed_by_line_ends_is_a_400(server, chunks, words):
+    """Each was a 200, of a body made of what was not its chunks' data."""
+    data = b"POST /tokenize HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + chunks
+    head, body = exchange(server, data + b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+    assert b" 400 " in head.split(b"\r\n")[0], (head, body)
+    assert b"HTTP/1.1" not in body  # the connection was closed: the rest is not a request
+    assert json.loads(body)["error"]["message"].startswith(words)
+
+
+def test_a_body_framed_by_both_a_length_and_chunks_closes_the_connection(server):
+    """RFC 9112 6.1: a request with both Transfer-Encoding and Content-Length (a request
+    smuggling attempt, or a proxy's mistake) is answered, then its connection closed
+    (the next request on it was served)."""
+    data = b"POST /tokenize HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 99\r\n\r\n"
+    data += b"e\r\n" + TOKENIZE + b"\r\n0\r\n\r\nGET /health HTTP/1.1\r\nConnection: close\r\n\r\n"
+    head, body = exchange(server, data)
+    assert b" 200 " in head.split(b"\r\n")[0], (head, body)
+    assert b"HTTP/1.1" not in body  # the next request was not served
+    assert json.loads(body)["count"] == 1  # (its chunks were read, not 99 bytes)
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_a_body_cut_short_is_a_400(server, chunked):
     """A body whose client hung up before its Content-Length was answered as if it were
@@ -306,11 +379,14 @@ def test_bad_requests(server):
     [
         (b"FOO /health HTTP/1.1\r\n\r\n", b" 501 ", "Unsupported method ('FOO')"),
         (b"GET /health HTTP/1.1\r\n" + b"X: y\r\n" * 101 + b"\r\n", b" 431 ", "Too many headers"),
+        # A request line it cannot read left HTTP/0.9: the error had no status line.
+        (b"GARBAGE\r\n\r\n", b" 400 ", "Bad request syntax ('GARBAGE')"),
+        (b"GET /health HTTP/x\r\n\r\n", b" 400 ", "Bad request version ('HTTP/x')"),
     ],
 )
 def test_the_http_servers_own_errors_are_json(server, data, status, words):
-    """http.server's own errors (an unknown method, too many headers, ...) are OpenAI's
-    JSON errors, as all others are; they were HTML pages."""
+    """http.server's own errors (an unknown method, too many headers, a request line it
+    cannot read, ...) are OpenAI's JSON errors, as all others are; they were HTML pages."""
     head, body = exchange(server, data)
     assert status in head.split(b"\r\n")[0] and b"Content-Type: application/json" in head
     err = json.loads(body)["error"]
@@ -331,6 +407,38 @@ def test_a_stream_to_an_http_1_0_client_is_not_chunked(server, ref):
     assert (done, end) == ("data: [DONE]", "") and all(e.startswith("data: {") for e in events)
     pieces = [json.loads(e[len("data: ") :])["choices"][0]["text"] for e in events]
     assert "".join(pieces) == want.outputs[0].text
+
+
+def test_an_http_1_0_client_that_asks_to_keep_the_connection_is_told_it_is_kept(server):
+    """An HTTP/1.0 client is told that a connection it asked to keep is kept (RFC 9112
+    9.3); not told, it read the answer up to the connection's end, which came after
+    TIMEOUT_S (60 s)."""
+    with socket.create_connection(server.server_address[:2], timeout=60) as s:
+        reader = s.makefile("rb")
+        for _ in range(2):  # the same connection serves the second
+            s.sendall(b"GET /health HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+            head = reader.readline()
+            while (line := reader.readline()) not in (b"\r\n", b""):
+                head += line
+            assert b" 200 " in head.split(b"\r\n")[0] and b"Connection: keep-alive" in head, head
+            assert reader.read(2) == b"ok"
+
+
+def test_100_continue_is_sent_only_for_a_body_that_is_read(server):
+    """http.server sent "100 Continue" as soon as a client asked for it: the client then
+    sent a body over the limit, which the 413 cut short (the client saw a reset). The
+    refusal goes out instead, and a body that is read gets its 100."""
+    data = b"POST /tokenize HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n"
+    head, body = exchange(server, data % (http_server.MAX_BODY_BYTES + 1))
+    assert head.split(b"\r\n")[0].startswith(b"HTTP/1.1 413 "), head
+    with socket.create_connection(server.server_address[:2], timeout=60) as s:
+        s.sendall(data % len(TOKENIZE))
+        reader = s.makefile("rb")
+        assert reader.readline() == b"HTTP/1.1 100 Continue\r\n" and reader.readline() == b"\r\n"
+        s.sendall(TOKENIZE + b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+        replies = reader.read()
+    assert replies.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 100" not in replies, replies
+    assert replies.endswith(b"\r\n\r\nok")  # (the next request on it got none either)
 
 
 def test_a_client_reset_between_requests_is_not_logged(server, capsys):
