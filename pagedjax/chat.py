@@ -16,6 +16,11 @@ assistant prompt). `find_chat_template` looks for it where HF transformers' toke
    processor's file (multimodal checkpoints), which the tokenizer never reads; HF's
    processor would use it.
 
+Messages come in OpenAI's chat form, as vLLM's `LLM.chat` and server take them;
+`normalize_messages` makes them what the template gets, as vLLM's `parse_chat_messages`
+does (content None as "", text parts joined, assistant tool calls' JSON arguments
+parsed), for `LLM.chat`, `Tokenizer.encode_chat` and the server alike.
+
 `render` runs the template the way HF does, so a checkpoint's template gives the same
 text here as there: a sandboxed, immutable Jinja environment with `trim_blocks` and
 `lstrip_blocks`, the loop-control extension (`break`/`continue`), HF's
@@ -149,36 +154,115 @@ def find_chat_template(
     )
 
 
-def check_messages(messages) -> list[dict]:
-    """`messages` as a list of dicts, after checking each has a str role and content.
+def normalize_messages(messages) -> list[dict]:
+    """`messages` in OpenAI's chat form as the chat template gets them: what vLLM's
+    `parse_chat_messages` makes of them for its `LLM.chat` and its server alike (both
+    of ours use this too). Each is a new dict, the caller's left unchanged:
+
+    * `content` None or left out becomes "" (any role, as vLLM's), and a list of text
+      parts (`{"type": "text", "text": str}`) their texts joined with "\\n"; other parts
+      (images, audio, files) are refused: this engine reads text only;
+    * an assistant message's `tool_calls` get each `function.arguments`, a JSON string
+      in OpenAI's form, parsed into the value it holds ({} for "" or None), the form
+      transformers' templates read; an empty `tool_calls` is dropped, so the template
+      renders a plain reply;
+    * the other keys (`name`, `tool_call_id`, reasoning, ...) pass as they are.
 
     Raises:
-      TypeError: not a list of mappings, or a role/content that is not a str.
-      ValueError: an empty list, a missing key, or an empty role.
+      TypeError: not a list of dicts, or a role, content, part or tool call of the
+        wrong type.
+      ValueError: an empty list, an empty role, a part that is not text, or tool call
+        arguments that are not JSON.
+      Each names the message (`messages[i]`, `messages[i].tool_calls[j]`) and the value.
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise TypeError(
             "messages must be a list of {'role': ..., 'content': ...} dicts, "
-            f"got {type(messages).__name__}"
+            f"got {type(messages).__name__}: {messages!r:.80}"
         )
     if not messages:
-        raise ValueError("messages is empty; a chat needs at least one message")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
-            raise TypeError(f"messages[{i}] must be a dict, got {type(m).__name__}: {m!r:.80}")
-        for key in ("role", "content"):
-            if key not in m:
-                raise ValueError(f"messages[{i}] has no {key!r} (keys: {sorted(map(str, m))})")
-            if not isinstance(m[key], str):
-                raise TypeError(
-                    f"messages[{i}][{key!r}] must be a str, got {type(m[key]).__name__}: "
-                    f"{m[key]!r:.80}"
-                )
-        if not m["role"]:
-            raise ValueError(f"messages[{i}]['role'] is empty")
-        out.append(dict(m))
+        raise ValueError("messages is empty: a chat needs a non-empty list of messages")
+    return [normalize_message(i, m) for i, m in enumerate(messages)]
+
+
+def normalize_message(index: int, message) -> dict:
+    """`messages[index]` as `normalize_messages` makes it (which see); errors name it."""
+    where = f"messages[{index}]"
+    if not isinstance(message, Mapping):
+        raise TypeError(
+            f"{where} must be a dict (a JSON object), got {type(message).__name__}: {message!r:.80}"
+        )
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise TypeError(f"{where}.role must be a str, got role={role!r:.80}")
+    if not role:
+        raise ValueError(f"{where}.role is empty")
+    out = {**message, "content": _text(where, message.get("content"))}
+    if role == "assistant" and message.get("tool_calls") is not None:
+        calls = _template_calls(f"{where}.tool_calls", message["tool_calls"])
+        if calls:
+            out["tool_calls"] = calls
+        else:
+            del out["tool_calls"]
     return out
+
+
+def _text(where: str, content) -> str:
+    """A message's content as one string (`normalize_messages`)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, bytes) or not isinstance(content, Sequence):
+        raise TypeError(
+            f"{where}.content must be a str, a list of text parts or None, "
+            f"got content={content!r:.80}"
+        )
+    texts = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if not isinstance(part, Mapping):
+            raise TypeError(
+                f"{at} must be a text part {{'type': 'text', 'text': ...}}, got {part!r:.80}"
+            )
+        if part.get("type") != "text":
+            raise ValueError(
+                f"{at} has type={part.get('type')!r}: only text content parts are supported "
+                f"(no multimodal input), got {part!r:.80}"
+            )
+        if not isinstance(part.get("text"), str):
+            raise TypeError(f"{at}: a text part's text must be a str, got {part!r:.80}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _template_calls(where: str, calls) -> list[dict]:
+    """An assistant message's `tool_calls` with their arguments parsed
+    (`normalize_messages`); `where`: `messages[i].tool_calls`, for errors."""
+    if isinstance(calls, (str, bytes)) or not isinstance(calls, Sequence):
+        raise TypeError(f"{where} must be a list, got {calls!r:.80}")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise TypeError(
+                f'{where}[{j}] must be {{"function": {{"name", "arguments"}}}}, got {call!r:.80}'
+            )
+        args = fn.get("arguments")
+        if isinstance(args, str) and args:
+            try:
+                args = json.loads(args)
+            except (ValueError, RecursionError) as e:
+                raise ValueError(
+                    f"{where}[{j}].function.arguments is not JSON ({e}): {fn['arguments']!r:.80}"
+                ) from None
+        elif not isinstance(args, (Mapping, list)):
+            args = {}
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
+
+
+check_messages = normalize_messages  # its earlier name
 
 
 # A message's reasoning, by the names transformers 5 reads it under (the first is the one
@@ -269,11 +353,13 @@ def render(
 
     Args:
       template: the Jinja template text.
-      messages: a non-empty list of `{"role": str, "content": str, ...}` dicts (other
-        keys are passed through to the template, as transformers 5 passes them: those
+      messages: a non-empty list of `{"role": str, "content": str, ...}` dicts in
+        OpenAI's form, made what the template gets by `normalize_messages` (content
+        None or text parts, assistant tool calls' JSON arguments parsed); other keys
+        are passed through to the template, as transformers 5 passes them: those
         whose value is None left out, and the reasoning (`reasoning_content`, else
         `thinking`, else `reasoning`) also as `reasoning_content` and, unless given,
-        as `thinking`).
+        as `thinking`.
       source: where the template came from, for error messages.
       add_generation_prompt: end with the header that opens the assistant's turn.
       continue_final_message: end the text with the last message's content, left open
@@ -291,10 +377,10 @@ def render(
 
     Raises:
       ImportError: jinja2 is not installed (the message says how to install it).
-      TypeError, ValueError: bad messages (`check_messages`), a template syntax error,
+      TypeError, ValueError: bad messages (`normalize_messages`), a template syntax error,
         an error raised by the template (`raise_exception`) or while rendering it.
     """
-    messages = [_as_hf_renders(m) for m in check_messages(messages)]
+    messages = [_as_hf_renders(m) for m in normalize_messages(messages)]
     final = messages[-1]["content"]
     if continue_final_message:
         if add_generation_prompt:

@@ -189,8 +189,13 @@ class GenerateMixin:
         """Replies to conversations, rendered with the tokenizer's chat template.
 
         Args:
-          messages: one conversation (a list of `{"role": str, "content": str}` dicts)
-            or a list of conversations.
+          messages: one conversation or a list of them, each a list of messages in
+            OpenAI's form, as vLLM's `LLM.chat` and the server take them:
+            `{"role": str, "content": str}`, the content also None (rendered as "") or
+            a list of `{"type": "text", "text": str}` parts (joined with newlines); an
+            assistant's `tool_calls`, whose JSON-string `function.arguments` the
+            template gets parsed; `tool` results with their `tool_call_id`
+            (`pagedjax.chat.normalize_messages`).
           sampling_params: as for `generate`.
           add_generation_prompt: end each with the header that opens the assistant's turn.
           use_tqdm: as for `generate`.
@@ -207,10 +212,12 @@ class GenerateMixin:
 
         Raises:
           ValueError: no tokenizer or no chat template, bad messages (naming the
-            conversation), a `chat_template` that does not parse, or the template
-            rejected them.
+            conversation and the message: an image or other non-text part, tool call
+            arguments that are no JSON, ...), a `chat_template` that does not parse, or
+            the template rejected them.
           TypeError: a vLLM argument this engine does not support (see above),
-            `chat_template` not a str, or `chat_template_kwargs` not a dict.
+            `chat_template` not a str, `chat_template_kwargs` not a dict, or a message
+            or its content of the wrong type.
           ImportError: jinja2 is missing (the `chat` extra).
           Anything `generate` raises (a failed step, KeyboardInterrupt), as it does.
         """

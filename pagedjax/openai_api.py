@@ -48,6 +48,7 @@ from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 from pagedjax import openai_echo, openai_responses
+from pagedjax.chat import normalize_messages
 from pagedjax.openai_fields import (  # re-exported
     SAMPLING_FIELDS,
     ApiError,
@@ -78,7 +79,7 @@ from pagedjax.request import (
     encode_prompt,
     logprobs_count,
 )
-from pagedjax.tool_calls import ToolRequest, read_tools, template_message
+from pagedjax.tool_calls import ToolRequest, read_tools
 
 if TYPE_CHECKING:
     from pagedjax.lora import LoRARequest
@@ -489,38 +490,13 @@ def completion_prompts(prompt) -> list:
 
 
 def chat_messages(messages) -> list[dict]:
-    """`messages` with list-of-parts contents joined into strings, and assistant
-    messages' tool calls as templates read them (`tool_calls.template_message`)."""
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, f"messages must be a non-empty list, got {messages!r:.80}", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ApiError(400, f"messages[{i}] must be an object, got {m!r:.80}", "messages")
-        role, content = m.get("role"), m.get("content")
-        if not isinstance(role, str):
-            msg = f"messages[{i}] must have a string role, got role={role!r:.80}"
-            raise ApiError(400, msg, "messages")
-        if isinstance(content, list):
-            parts = []
-            for p in content:
-                if not (isinstance(p, dict) and p.get("type") == "text" and "text" in p):
-                    raise ApiError(
-                        400, f"messages[{i}]: only text content parts are supported, got {p!r:.80}"
-                    )
-                if not isinstance(p["text"], str):
-                    msg = f"messages[{i}]: a text part's text must be a string, got {p!r:.80}"
-                    raise ApiError(400, msg, "messages")
-                parts.append(p["text"])
-            content = "\n".join(parts)
-        elif content is not None and not isinstance(content, str):
-            msg = (
-                f"messages[{i}] content must be a string, a list of text parts or null, "
-                f"got content={content!r:.80}"
-            )
-            raise ApiError(400, msg, "messages")
-        out.append(template_message(i, {**m, "content": "" if content is None else content}))
-    return out
+    """`messages` as the chat template gets them (`chat.normalize_messages`, as
+    `LLM.chat` renders them: text parts joined, null content "", assistant tool calls'
+    JSON arguments parsed), or a 400 naming the bad message and value."""
+    try:
+        return normalize_messages(messages)
+    except (ValueError, TypeError) as e:
+        raise ApiError(400, str(e), "messages") from None
 
 
 def response_body(job: Job, head: dict, outs: dict, tokenizer) -> dict:

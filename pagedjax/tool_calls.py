@@ -71,6 +71,7 @@ import uuid
 from collections.abc import Callable
 from typing import NamedTuple
 
+from pagedjax.chat import normalize_message
 from pagedjax.guided import StructuredOutputsParams, compile_guide
 from pagedjax.openai_fields import ApiError
 
@@ -443,35 +444,14 @@ def _tool_choice(choice, names: set[str]) -> tuple[str, str | None]:
 
 
 def template_message(i: int, message: dict) -> dict:
-    """`messages[i]` as the chat template gets it: an assistant message's tool calls'
-    `function.arguments` (a JSON string) parsed as vLLM parses them ({} for "" or null),
-    an empty `tool_calls` dropped (a 400 naming a call that is no `{"function": {"name",
-    "arguments"}}`, or arguments that are no JSON)."""
-    calls = message.get("tool_calls")
-    if message.get("role") != "assistant" or calls is None:
-        return message
-    where = f"messages[{i}].tool_calls"
-    if not isinstance(calls, list):
-        raise ApiError(400, f"{where} must be a list, got {calls!r:.80}", "messages")
-    if not calls:
-        return {k: v for k, v in message.items() if k != "tool_calls"}
-    out = []
-    for j, call in enumerate(calls):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            msg = f'{where}[{j}] must be {{"function": {{"name", "arguments"}}}}, got {call!r:.80}'
-            raise ApiError(400, msg, "messages")
-        args = fn.get("arguments")
-        if isinstance(args, str) and args:
-            try:
-                args = json.loads(args)
-            except (ValueError, RecursionError) as e:
-                msg = f"{where}[{j}].function.arguments is not JSON ({e}): {fn['arguments']!r:.80}"
-                raise ApiError(400, msg, "messages") from None
-        elif not isinstance(args, (dict, list)):
-            args = {}
-        out.append({**call, "function": {**fn, "arguments": args}})
-    return {**message, "tool_calls": out}
+    """`messages[i]` as the chat template gets it (`chat.normalize_message`): an assistant
+    message's tool calls' `function.arguments` (a JSON string) parsed as vLLM parses them
+    ({} for "" or null), an empty `tool_calls` dropped; a 400 naming a call that is no
+    `{"function": {"name", "arguments"}}`, or arguments that are no JSON."""
+    try:
+        return normalize_message(i, message)
+    except (ValueError, TypeError) as e:
+        raise ApiError(400, str(e), "messages") from None
 
 
 # ----------------------------------------------------------------------------- streaming

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from pagedjax import chat
+from pagedjax import chat, openai_api, tool_calls
 from pagedjax.demo import DEMO_MODEL_DIR
 from pagedjax.resources import byte_tokenizer
 from pagedjax.tokenizer import Tokenizer
@@ -40,6 +40,51 @@ RENDERED = (
     "<|pad|>assistant\n"
 )
 PAD, BOS, EOS = 0, 1, 2
+
+# A template that renders tool calls (their arguments as JSON) and tool results, as
+# tool-use templates do; the conversation is in OpenAI's form, as vLLM's LLM.chat and
+# server take it: text parts, null and left-out content, JSON-string arguments.
+TOOL_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}"
+    "{{ c.function.arguments | tojson }}</call>{% endfor %}"
+    "{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+CALL = {
+    "id": "c1",
+    "type": "function",
+    "function": {"name": "weather", "arguments": '{"city": "Oslo"}'},
+}
+OPENAI_CHAT = [
+    {
+        "role": "system",
+        "content": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Use tools."}],
+    },
+    {"role": "user", "content": "Weather in Oslo?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            CALL,
+            {"id": "c2", "type": "function", "function": {"name": "now", "arguments": ""}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "Sunny"}]},
+    {"role": "tool", "tool_call_id": "c2"},
+    {"role": "assistant", "content": "Sunny.", "tool_calls": []},
+    {"role": "user", "content": "And tomorrow?"},
+]
+OPENAI_RENDERED = (
+    "<system>Be brief.\nUse tools.\n"
+    "<user>Weather in Oslo?\n"
+    '<assistant><call>weather{"city": "Oslo"}</call><call>now{}</call>\n'
+    "<tool>Sunny[c1]\n"
+    "<tool>[c2]\n"
+    "<assistant>Sunny.\n"
+    "<user>And tomorrow?\n"
+    "<assistant>"
+)
 
 
 def checkpoint(tmp_path, *, name="ckpt", jinja=None, json_file=None, config=None):
@@ -258,29 +303,108 @@ def test_no_template(tmp_path):
 @pytest.mark.parametrize(
     "messages,exc,match",
     [
-        ("hello", TypeError, "must be a list.*got str"),
+        ("hello", TypeError, "must be a list.*got str: 'hello'"),
         (b"hello", TypeError, "must be a list.*got bytes"),
         ({"role": "user", "content": "x"}, TypeError, "must be a list.*got dict"),
         ([], ValueError, "messages is empty"),
-        (["hello"], TypeError, r"messages\[0\] must be a dict"),
+        (["hello"], TypeError, r"messages\[0\] must be a dict .a JSON object., got str"),
         (
             [{"role": "user", "content": "a"}, {"content": "b"}],
-            ValueError,
-            r"messages\[1\] has no 'role'",
+            TypeError,
+            r"messages\[1\].role must be a str, got role=None",
         ),
-        ([{"role": "user"}], ValueError, r"messages\[0\] has no 'content'"),
         (
             [{"role": "user", "content": 3}],
             TypeError,
-            r"messages\[0\]\['content'\] must be a str, got int",
+            r"messages\[0\].content must be a str, a list of text parts or None, got content=3",
         ),
-        ([{"role": None, "content": "x"}], TypeError, r"messages\[0\]\['role'\] must be a str"),
-        ([{"role": "", "content": "x"}], ValueError, r"messages\[0\]\['role'\] is empty"),
+        ([{"role": 5, "content": "x"}], TypeError, r"messages\[0\].role must be a str, got role=5"),
+        ([{"role": "", "content": "x"}], ValueError, r"messages\[0\].role is empty"),
+        # Multimodal parts are refused by name, and so is a part that is no text part.
+        (
+            [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]}],
+            ValueError,
+            r"messages\[0\].content\[1\] has type='image_url': only text content parts",
+        ),
+        (
+            [{"role": "user", "content": [{"text": "a"}]}],
+            ValueError,
+            r"messages\[0\].content\[0\] has type=None: only text content parts",
+        ),
+        (
+            [{"role": "user", "content": ["a"]}],
+            TypeError,
+            r"messages\[0\].content\[0\] must be a text part",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": None}]}],
+            TypeError,
+            r"messages\[0\].content\[0\]: a text part's text must be a str",
+        ),
+        (
+            [{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": "f()"}],
+            TypeError,
+            r"messages\[1\].tool_calls must be a list, got 'f\(\)'",
+        ),
+        (
+            [{"role": "assistant", "tool_calls": [{"name": "f"}]}],
+            TypeError,
+            r"messages\[0\].tool_calls\[0\] must be {\"function\"",
+        ),
+        (
+            [
+                {
+                    "role": "assistant",
+                    "tool_calls": [CALL, {"function": {"name": "f", "arguments": "{"}}],
+                }
+            ],
+            ValueError,
+            r"messages\[0\].tool_calls\[1\].function.arguments is not JSON .*: '{'",
+        ),
     ],
 )
 def test_bad_messages(tok, messages, exc, match):
     with pytest.raises(exc, match=match):
         tok.apply_chat_template(messages)
+
+
+def test_openai_messages_render_as_vllm_makes_them(tok):
+    """vLLM's LLM.chat and server both parse messages with parse_chat_messages: content
+    None or left out is "", text parts are joined with newlines, an assistant's tool
+    calls get their JSON arguments parsed ({} for ""), an empty tool_calls is dropped.
+    encode_chat, encode_conversations and the server's path give the same ids."""
+    tools = tok.with_chat_template(TOOL_TEMPLATE, "tools")
+    before = json.dumps(OPENAI_CHAT)
+    assert tools.apply_chat_template(OPENAI_CHAT) == OPENAI_RENDERED
+    ids = tools.encode_chat(OPENAI_CHAT)
+    assert ids == tools.encode_rendered(OPENAI_RENDERED)
+    assert tools.encode_conversations([OPENAI_CHAT, MESSAGES])[1][0] == ids
+    server = openai_api.chat_prompt({"messages": OPENAI_CHAT}, tools, "completions")
+    assert server == ids
+    assert json.dumps(OPENAI_CHAT) == before  # the caller's messages are left unchanged
+    normalized = chat.normalize_messages(OPENAI_CHAT)
+    assert normalized[0]["content"] == "Be brief.\nUse tools." and normalized[4]["content"] == ""
+    assert normalized[2]["tool_calls"][0] == {
+        **CALL,
+        "function": {"name": "weather", "arguments": {"city": "Oslo"}},
+    }
+    assert normalized[2]["tool_calls"][1]["function"]["arguments"] == {}
+    assert "tool_calls" not in normalized[5]
+
+
+def test_bad_messages_are_the_same_400s_on_the_server(tok):
+    """The server's 400s carry normalize_messages' words, naming the field "messages"."""
+    bad = [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]
+    with pytest.raises(ValueError) as direct:  # refused before the template runs
+        tok.with_chat_template("{{ raise_exception('rendered') }}").apply_chat_template(bad)
+    with pytest.raises(openai_api.ApiError) as served:
+        openai_api.chat_prompt({"messages": bad}, tok, "completions")
+    assert served.value.status == 400 and served.value.param == "messages"
+    assert served.value.message == str(direct.value)
+    assert "messages[0].tool_calls[0].function.arguments is not JSON" in served.value.message
+    with pytest.raises(openai_api.ApiError) as served:
+        tool_calls.template_message(3, bad[0])
+    assert served.value.message.startswith("messages[3].tool_calls[0].function.arguments")
 
 
 def test_template_raise_exception(tok):
@@ -470,9 +594,9 @@ def test_named_templates_in_additional_chat_templates(tmp_path):
 
 
 def test_encode_conversations_names_the_bad_conversation(tok):
-    with pytest.raises(ValueError, match=r"conversation 1: messages\[0\] has no 'content'"):
-        tok.encode_conversations([MESSAGES, [{"role": "user"}]])
-    with pytest.raises(TypeError, match=r"conversation 0: messages\[0\]\['content'\] must"):
+    with pytest.raises(ValueError, match=r"conversation 1: messages\[0\].role is empty"):
+        tok.encode_conversations([MESSAGES, [{"role": "", "content": "x"}]])
+    with pytest.raises(TypeError, match=r"conversation 0: messages\[0\].content must"):
         tok.encode_conversations([[{"role": "user", "content": 1}]])
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from engine_helpers import GEOMETRY, PAGES, PS, Dense, check_clean, greedy, random_params
 
-from pagedjax import resources
+from pagedjax import openai_api, resources
 from pagedjax.engine import LLM, SamplingParams
 from pagedjax.tokenizer import Tokenizer
 
@@ -364,8 +364,11 @@ def test_chat_renders_conversations_and_generates_from_them(params, dense):
     bare = llm.chat(convs[0], greedy(6), add_generation_prompt=False)[0]
     assert bare.prompt == "<user>def f(x):\n"
 
-    with pytest.raises(ValueError, match="conversation 1: messages\\[0\\] has no 'content'"):
-        llm.chat([convs[0], [{"role": "user"}]], greedy(2))
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(
+        ValueError, match=r"conversation 1: messages\[0\].content\[0\] has type='ima"
+    ):
+        llm.chat([convs[0], image], greedy(2))
     for bad in ("hi", [], None):
         with pytest.raises(TypeError, match="messages must be a conversation"):
             llm.chat(bad, greedy(2))
@@ -373,6 +376,42 @@ def test_chat_renders_conversations_and_generates_from_them(params, dense):
         ValueError, match="tokenizer has none .this tokenizer was built without one"
     ):
         LLM(params, max_num_batched_tokens=16, **GEOMETRY).chat(convs[0])
+    check_clean(llm)
+
+
+def test_chat_takes_openai_messages_as_the_server_does(params):
+    """LLM.chat takes what vLLM's does (its parse_chat_messages, shared with its server):
+    null content, text parts, an assistant's tool calls with JSON-string arguments and
+    tool results; the prompt ids are those of the server's path for the same messages."""
+    template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}<call>{{ c.function.arguments | tojson }}</call>"
+        "{% endfor %}{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}|{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    byte = resources.byte_tokenizer()
+    tok = Tokenizer(byte.tokenizer, bos_token_id=1, eos_token_ids=[2], chat_template=template)
+    llm = LLM(params, tokenizer=tok, max_num_batched_tokens=16, **GEOMETRY)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    conv = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"},
+    ]
+    (out,) = llm.chat(conv, greedy(1))
+    assert out.prompt == '<user>a\nb|<assistant><call>{"x": 1}</call>|<tool>2[c1]|<assistant>'
+    assert out.prompt_token_ids == openai_api.chat_prompt({"messages": conv}, tok, "completions")
+    bad = [
+        *conv[:1],
+        {
+            "role": "assistant",
+            "tool_calls": [{**call, "function": {"name": "f", "arguments": "{x"}}],
+        },
+    ]
+    with pytest.raises(
+        ValueError, match=r"messages\[1\].tool_calls\[0\].function.arguments is not"
+    ):
+        llm.chat(bad, greedy(1))
     check_clean(llm)
 
 

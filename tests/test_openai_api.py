@@ -132,8 +132,12 @@ def test_bad_prompts_are_400s(prompt, words):
     [
         (dict(messages="hi"), "messages", "'hi'"),
         (dict(messages=[]), "messages", "non-empty list"),
-        (dict(messages=["hi"]), "messages", "messages[0] must be an object"),
-        (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), None, "text"),
+        (dict(messages=["hi"]), "messages", "messages[0] must be a dict (a JSON object)"),
+        (
+            dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+            "messages",
+            "messages[0].content[0] has type='image_url': only text content parts",
+        ),
         (dict(messages=[{"role": "user", "content": "x" * MAX_LEN}]), "messages", "max_model_len"),
         (dict(logprobs="yes"), "logprobs", "logprobs='yes'"),
         (dict(logprobs=1), "logprobs", "logprobs=1"),
