@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from pagedjax.chat import normalize_message
 from pagedjax.openai_fields import ApiError, bool_field, int_field
 from pagedjax.openai_responses import token_texts
 from pagedjax.request import RequestOutput, logprobs_count
@@ -100,16 +101,14 @@ def echo_texts(body: dict, chat: bool, tok, prompts: list, ids: list[list[int]],
 
 
 def chat_echo_text(body: dict) -> str:
-    """The content a chat answer with echo starts with: the last message's (its text
-    parts joined with newlines, as `openai_api.chat_messages` joins them) when the
-    answer continues its role, else ""."""
+    """The content a chat answer with echo starts with: the last message's (as
+    `chat.normalize_message` reads it: text parts joined with newlines) when the answer
+    continues its role, else ""."""
     gen = body.get("add_generation_prompt")
     gen = not body.get("continue_final_message") if gen is None else gen
-    last = body["messages"][-1]
-    content = last.get("content") or ""
-    if isinstance(content, list):
-        content = "\n".join(part["text"] for part in content)
-    return content if last["role"] == ("assistant" if gen else last["role"]) else ""
+    messages = body["messages"]
+    last = normalize_message(len(messages) - 1, messages[-1])
+    return last["content"] if last["role"] == ("assistant" if gen else last["role"]) else ""
 
 
 def streams_tokens(job: Job) -> bool:
