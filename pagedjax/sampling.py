@@ -21,14 +21,34 @@ jitted step serves requests with different sampling settings:
   a given one (the engine's multi-token bad words); and optionally the only tokens a
   row may draw (allowed_token_ids: every other logit -inf).
 * Penalties (`Penalties`, optional), on the logits before everything above but the
-  bias, greedy rows included, with the conventions of vLLM and the OpenAI API: a token seen in the
-  row's prompt or output has its logit divided by `repetition[b]` when positive and
-  multiplied by it otherwise (1: off); a token generated c times loses
-  `frequency[b] * c + presence[b] * (c > 0)` (0: off).
+  bias, greedy rows included, with the conventions of vLLM and the OpenAI API: a token
+  seen in the row's prompt or output has its logit divided by `repetition[b]` when
+  positive and multiplied by it otherwise (1: off); a token generated c times loses
+  `frequency[b] * c + presence[b] * (c > 0)` (0: off); a token of the prompt only, the
+  repetition penalty alone.
 
 Returned log-probabilities are those of the model's raw distribution
 (`log_softmax(logits)`, temperature 1, no penalties, no truncation), which is what
 beam search and cumulative logprobs need.
+
+Against vLLM v1 (`vllm/v1/sample/sampler.py`, `ops/topk_topp_sampler.py`,
+`ops/penalties.py`, its min-p, logit-bias and min-tokens logits processors): the same
+steps in the same order (allowed tokens, bad words, min_tokens and logit bias; the
+penalties; greedy's argmax; the temperature; min-p, top-k, then top-p, each on what the
+one before left, renormalised), the same conventions (top-k keeps the ties of the k-th
+logit; top-p keeps the token at which the mass reaches p, so at least one; min-p drops
+only tokens strictly less likely than min_p times the top one) and the raw logprobs of
+vLLM's default `logprobs_mode="raw_logprobs"` (its processed modes are not offered).
+Deliberate differences:
+
+* Ties at the top-p threshold are all kept; vLLM keeps the ones its (unstable) sort
+  happens to put first.
+* A temperature in (0, 0.01) is used as given (the shift by the row's maximum keeps it
+  finite); vLLM's `SamplingParams` raises it to 0.01, with a warning, so its sampler's
+  greedy threshold (`_SAMPLING_EPS`, 1e-5) only ever sees 0. A positive temperature
+  below float32's smallest normal (~1.2e-38) may act as 0 where denormals are flushed.
+* The noise is Gumbel-max on per-(seed, step) keys: a seed draws the same tokens here
+  in any batch, not the tokens vLLM's generators draw for that seed.
 """
 
 from __future__ import annotations

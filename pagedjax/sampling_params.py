@@ -46,15 +46,20 @@ class SamplingParams:
 
     Attributes:
       n: completions per prompt; with beam search, the best n beams (n <= beam_width).
-      temperature: 0 is greedy; ignored by beam search.
-      top_k: keep the k most likely tokens (0: off).
-      top_p: nucleus mass in (0, 1] (1: off).
+      temperature: 0 is greedy; ignored by beam search. A small one is used as given
+        (vLLM raises those in (0, 0.01) to 0.01).
+      top_k: keep the k most likely tokens, and those tied with the k-th (0: off; vLLM's
+        other "off", -1, is refused here: the OpenAI server and generation_config.json
+        map it to 0).
+      top_p: nucleus mass in (0, 1]: keep the most likely tokens up to the one at which
+        their mass reaches top_p, and those tied with it (1: off).
       min_p: in [0, 1]: drop tokens less likely than min_p times the most likely one,
         after the temperature and before top-k and top-p (0: off).
         top_k, top_p and min_p are not supported with beam search (ValueError).
       max_tokens: most tokens to generate per completion; None: until the prompt and the
         completion reach the engine's max_model_len (as vLLM's None).
-      seed: sampling seed; None draws one from the engine's seed.
+      seed: sampling seed, an int in [0, 2**32); None draws one from the engine's seed
+        (vLLM's -1 for None is refused).
       stop_token_ids: extra tokens that end a completion (kept in its token ids).
       stop: strings that end a completion (cut from its text where the string starts,
         or where it ends with include_stop_str_in_output; needs a tokenizer). Of several
@@ -91,7 +96,8 @@ class SamplingParams:
         the first min_tokens tokens (as vLLM), so either stops from token min_tokens +
         1 on. Not with beam search.
       logit_bias: token id -> value in [-100, 100] added to its logit before sampling
-        (greedy included; -100 all but bans a token), or None. Not with beam search.
+        (greedy included; -100 all but bans a token), or None; a value outside is
+        refused (vLLM's server clamps it). Not with beam search.
       include_stop_str_in_output: keep the stop string that ended a completion in its
         text (the text after it, in the same token, is still cut), and the text of the
         stop token that ended it (EOS's shows with skip_special_tokens=False only); a

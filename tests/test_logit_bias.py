@@ -364,3 +364,22 @@ def test_min_tokens_defers_stop_strings():
     assert late.finish_reason == "stop" and late.stop_reason == first, late
     full = llm.tokenizer.decode(late.token_ids)
     assert late.text == full[: full.rindex(first)] and late.text.startswith(first)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="the engine bans only the stop tokens before min_tokens, and ignore_eos takes EOS "
+    "out of them (LLM.stop_ids); vLLM bans EOS whatever ignore_eos",
+)
+def test_min_tokens_bans_eos_even_with_ignore_eos(params):
+    """As vLLM, whose min-tokens processor bans `SamplingParams.all_stop_token_ids`, which
+    holds the EOS whatever ignore_eos (`update_from_generation_config`): before min_tokens
+    no EOS, then ignore_eos lets it be drawn without ending the completion."""
+    llm = LLM(params, **GEOMETRY)
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=6, min_tokens=3, ignore_eos=True, logit_bias={2: 100.0}
+    )
+    (out,) = llm.generate([[5, 6, 7]], sp)
+    ids = out.outputs[0].token_ids
+    assert 2 not in ids[:3] and ids[3:] == [2, 2, 2], ids

@@ -1,4 +1,4 @@
-"""pagedjax.sampling against numpy on random logits."""
+"""pagedjax.sampling against numpy on random logits, and against a port of vLLM v1's truncation."""
 
 import re
 
@@ -412,3 +412,62 @@ def test_build_step_input_rejects_each_bad_sampling_param(kwargs, match):
     chunks = [decode.SeqChunk([5], 0, [1]), decode.SeqChunk([6], 0, [2], **kwargs)]
     with pytest.raises(ValueError, match=re.escape(match)):
         decode.build_step_input(chunks, TINY, cache_cfg)
+
+
+def _vllm_keep(row, temperature, k, p, min_p):
+    """Which tokens vLLM v1's sampler can draw from one row: a float64 port of its steps
+    after the penalties (`Sampler.sample`: the temperature; `MinPLogitsProcessor.apply`:
+    min-p on the probabilities; `apply_top_k_top_p` in ops/topk_topp_sampler.py: top-k,
+    then top-p on the same ascending sort, a token dropped where the ascending cumulative
+    probability is <= 1 - p, the last one always kept)."""
+    x = np.asarray(row, np.float64) / temperature
+    probs = np.exp(x - x.max())
+    probs /= probs.sum()
+    if min_p > 0:
+        x = np.where(probs < min_p * probs.max(), -np.inf, x)
+    v = x.size
+    order = np.argsort(x, kind="stable")
+    xs = x[order]
+    if 0 < k < v:
+        xs = np.where(xs < xs[v - k], -np.inf, xs)
+    if p < 1:
+        ps = np.exp(xs - xs.max())
+        drop = np.cumsum(ps / ps.sum()) <= 1 - p
+        drop[-1] = False
+        xs = np.where(drop, -np.inf, xs)
+    keep = np.empty(v, bool)
+    keep[order] = np.isfinite(xs)
+    return keep
+
+
+def test_truncation_matches_a_port_of_vllms_sampler():
+    """min-p, top-k and top-p after the temperature keep the tokens vLLM v1 keeps, and a
+    draw stays among them. Random float32 logits have no ties (where the two differ on
+    purpose: see the module docstring); rows within 1e-4 of a threshold (where float32
+    and float64 may round apart) are skipped."""
+    rng = np.random.default_rng(21)
+    b, v = 512, 64
+    logits = _logits(b, v, seed=21)
+    temperature = rng.choice([0.3, 0.7, 1.0, 1.5, 3.0], b).astype(np.float32)
+    ks = rng.choice([0, 1, 2, 5, 20, v - 1, v, v + 5], b).astype(np.int32)
+    ps = rng.choice([1.0, 0.95, 0.8, 0.5, 0.2, 1e-6], b).astype(np.float32)
+    min_ps = rng.choice([0.0, 0.0, 0.01, 0.1, 0.5], b).astype(np.float32)
+    scaled = (logits - logits.max(-1, keepdims=True)) / temperature[:, None]  # as `sample`
+    ours = jax.jit(lambda x: sampling.apply_top_k_top_p(sampling.apply_min_p(x, min_ps), ks, ps))
+    got = np.isfinite(np.asarray(ours(jnp.asarray(scaled))))
+    tokens, _ = _sample(logits, temperature, ks, ps, np.arange(b), 3, min_p=min_ps)
+    tested = 0
+    for i in range(b):
+        args = logits[i], float(temperature[i]), int(ks[i])
+        p, m = float(ps[i]), float(min_ps[i])
+        want = _vllm_keep(*args, p, m)
+        assert want[int(tokens[i])], f"row {i}: drew {int(tokens[i])} outside vLLM's support"
+        nudged = [  # (1 and 0 are off: they stay off)
+            _vllm_keep(*args, p + d if p < 1 else p, m + d if m > 0 else m) for d in (-1e-4, 1e-4)
+        ]
+        if any((n != want).any() for n in nudged):
+            continue
+        np.testing.assert_array_equal(got[i], want, err_msg=f"row {i}")
+        tested += 1
+    assert tested > 0.9 * b
+    assert 1 < got.sum(-1).mean() < v  # the masks truncate, and not to one token only

@@ -4,8 +4,9 @@ An independent float64 numpy oracle of the module docstring (bias, penalties,
 temperature, min-p, top-k, top-p; ties at a threshold kept; greedy at temperature 0)
 against the empirical frequencies of many seeded draws: rows of many parameter sets
 shuffled into one batch, each set's counts compared by a chi-square test (bins with
-an expected count under 5 pooled) and its support checked exactly. Seeds are fixed,
-so the tests are deterministic.
+an expected count under 5 pooled) and its support checked exactly; and hand-computed
+distributions where the order of the truncations (vLLM's) matters. Seeds are fixed, so
+the tests are deterministic.
 """
 
 import jax
@@ -224,3 +225,40 @@ def test_seeded_draws_ignore_batch_position_size_and_neighbours():
     # The test can fail: other steps draw other tokens.
     others = draw(cfgs, np.zeros(37, int), np.full(37, seeds[0]), np.arange(37))
     assert len(set(others.tolist())) > 1
+
+
+LP = np.log(np.array([0.4, 0.3, 0.2, 0.1]))  # one row's logits: those probabilities at T=1
+
+
+@pytest.mark.parametrize(
+    "kwargs,want",
+    [
+        # min-p, then top-p on what min-p kept, renormalised (4/9 + 3/9 reaches 0.75);
+        # top-p first would keep 0.4 + 0.3 + 0.2.
+        (dict(min_p=0.3, top_p=0.75), [4, 3, 0, 0]),
+        # top-k, then top-p on the top k renormalised; the other order keeps three.
+        (dict(top_k=3, top_p=0.75), [4, 3, 0, 0]),
+        # The temperature first: at T=2 the probabilities are ~ sqrt(p) (0.325, 0.282,
+        # 0.230, 0.163), top-p 0.65 needs three and min-p 0.6 keeps three (> 0.6 * 0.632);
+        # at T=1 both would keep two.
+        (dict(temperature=2.0, top_p=0.65), np.sqrt([4, 3, 2, 0])),
+        (dict(temperature=2.0, min_p=0.6), np.sqrt([4, 3, 2, 0])),
+        # All three at T=0.5 (~ p**2: 16, 9, 4, 1): min-p 0.05 keeps all (1/16 > 0.05),
+        # top-k 3 drops the last, top-p 0.8 on (16, 9, 4) / 29 stops at the second.
+        (dict(temperature=0.5, min_p=0.05, top_k=3, top_p=0.8), [16, 9, 0, 0]),
+        # ... and min-p 0.1 drops the last first (1/16 < 0.1): top-k 3 then drops none.
+        (dict(temperature=0.5, min_p=0.1, top_k=3, top_p=0.9), [16, 9, 4, 0]),
+        # top-k 2 and top-p 0.99 on the two kept: the two, in proportion.
+        (dict(top_k=2, top_p=0.99, min_p=0.01), [4, 3, 0, 0]),
+    ],
+)
+def test_truncations_apply_in_vllms_order(kwargs, want):
+    """Temperature, then min-p, then top-k, then top-p, each on the distribution the one
+    before left (renormalised), as vLLM v1's `Sampler.sample`: hand-computed supports and
+    probabilities, most where another order would keep other tokens."""
+    counts = _draw_one_setting(LP, n=6000, **kwargs)
+    want = np.asarray(want, np.float64) / np.sum(want)
+    keep = want > 0
+    np.testing.assert_array_equal(counts > 0, keep)
+    pvalue = stats.chisquare(counts[keep], want[keep] * counts.sum()).pvalue
+    assert pvalue > 1e-6, f"{counts} against {want}: chi-square p={pvalue:.2g}"

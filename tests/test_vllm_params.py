@@ -1,5 +1,5 @@
 """vLLM's SamplingParams fields end to end through `LLM`: include_stop_str_in_output,
-skip_special_tokens, max_tokens=None and truncate_prompt_tokens.
+skip_special_tokens, max_tokens=None, truncate_prompt_tokens and seed.
 
 The tiny preset with random weights and a byte tokenizer (one token per byte), in
 test_engine.py's geometry, so the programs compiled there serve here too. Expected
@@ -318,3 +318,41 @@ def test_clone_and_get_tokenizer_as_vllm(llm):
     sp = greedy(3, stop=["x"])
     assert sp.clone() == sp and sp.clone() is not sp
     assert llm.get_tokenizer() is llm.tokenizer is not None
+
+
+# ------------------------------------------------------------------ seed
+
+
+def test_a_seed_draws_the_same_tokens_whatever_the_batch(llm):
+    """A seeded request's tokens depend on its seed and params only: alone, or among
+    other requests (greedy, penalised, biased, truncating, unseeded, one with the same
+    seed) at any position, with asynchronous steps or not. Its n samples differ from each
+    other; sample 0 is the request with n=1."""
+    probe = SamplingParams(
+        n=2, temperature=0.9, top_k=30, top_p=0.9, min_p=0.02, seed=4242, max_tokens=10
+    )
+    probe = dataclasses.replace(probe, ignore_eos=True)
+    (alone,) = llm.generate([PROMPT], probe)
+    want = [c.token_ids for c in alone.outputs]
+    assert len(want[0]) == 10 and want[0] != want[1]
+    (one,) = llm.generate([PROMPT], dataclasses.replace(probe, n=1))
+    assert one.outputs[0].token_ids == want[0]
+    penalised = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4)
+    others = [
+        greedy(12),
+        SamplingParams(temperature=1.0, seed=1, max_tokens=9, **penalised),
+        SamplingParams(temperature=0.7, top_p=0.5, max_tokens=14, logit_bias={7: 5.0}),
+        SamplingParams(n=3, temperature=1.5, top_k=3, seed=4242, max_tokens=6),
+        SamplingParams(temperature=1.0, seed=9, min_tokens=4, allowed_token_ids=range(40, 90)),
+    ]
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (3, 14, 7, 20, 11)]
+    sync = LLM(
+        llm.params, async_scheduling=False, max_num_batched_tokens=16, max_model_len=32, **GEOMETRY
+    )
+    for engine in (llm, sync):
+        for at in (0, 2, len(others)):
+            sps = others[:at] + [probe] + others[at:]
+            outs = engine.generate(prompts[:at] + [PROMPT] + prompts[at:], sps)
+            got = [c.token_ids for c in outs[at].outputs]
+            assert got == want, f"async_scheduling={engine.async_scheduling}, at row {at}"
