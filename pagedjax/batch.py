@@ -402,10 +402,14 @@ class Constraints:
     guide: Guide | None = None
 
 
-def request_constraints(params, stop_ids, tokenizer, vocab_size: int) -> Constraints:
+def request_constraints(
+    params, stop_ids, tokenizer, vocab_size: int, min_tokens_bans=None
+) -> Constraints:
     """The `Constraints` of a request of `params` that stops on `stop_ids`, for a model
-    of `vocab_size` ids and its `tokenizer` (or None); ValueError naming what cannot be
-    enforced: bad words or structured outputs without a tokenizer, ids outside the
+    of `vocab_size` ids and its `tokenizer` (or None); `min_tokens_bans`: the tokens
+    min_tokens keeps from being drawn (None: `stop_ids`; the engine gives EOS with them
+    even under ignore_eos, as vLLM's all_stop_token_ids). ValueError naming what cannot
+    be enforced: bad words or structured outputs without a tokenizer, ids outside the
     vocabulary, allowed_token_ids that leave nothing to draw, a structured output no
     token of the vocabulary can begin."""
     guide = None
@@ -421,8 +425,9 @@ def request_constraints(params, stop_ids, tokenizer, vocab_size: int) -> Constra
             )
     words = encode_bad_words(params.bad_words, tokenizer, vocab_size) if params.bad_words else []
     ones = [w[0] for w in words if len(w) == 1]  # banned everywhere: in the bias
-    bias, banned = request_bias(params, stop_ids, vocab_size, ones)
-    allowed = request_allowed(params, stop_ids, vocab_size, ones)
+    bans = stop_ids if min_tokens_bans is None else min_tokens_bans
+    bias, banned = request_bias(params, bans, vocab_size, ones)
+    allowed = request_allowed(params, bans, vocab_size, ones)
     return Constraints(bias, banned, allowed, [w for w in words if len(w) > 1], guide)
 
 

@@ -367,7 +367,13 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
         stop_ids = self.stop_ids(params)
-        limits = request_constraints(params, stop_ids, self.tokenizer, self.config.vocab_size)
+        limits = request_constraints(  # (min_tokens bans EOS even under ignore_eos, as vLLM)
+            params,
+            stop_ids,
+            self.tokenizer,
+            self.config.vocab_size,
+            min_tokens_bans=frozenset(params.stop_token_ids) | self.eos_ids,
+        )
         self.scheduler.check_seats(  # before building n sequences (n=10**9)
             max(params.n, params.beam_width),
             request_id,

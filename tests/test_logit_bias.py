@@ -366,12 +366,6 @@ def test_min_tokens_defers_stop_strings():
     assert late.text == full[: full.rindex(first)] and late.text.startswith(first)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the engine bans only the stop tokens before min_tokens, and ignore_eos takes EOS "
-    "out of them (LLM.stop_ids); vLLM bans EOS whatever ignore_eos",
-)
 def test_min_tokens_bans_eos_even_with_ignore_eos(params):
     """As vLLM, whose min-tokens processor bans `SamplingParams.all_stop_token_ids`, which
     holds the EOS whatever ignore_eos (`update_from_generation_config`): before min_tokens
