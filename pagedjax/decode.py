@@ -366,7 +366,7 @@ def generate(
         prompt and its generated tokens (see `pagedjax.sampling`; 1, 0, 0: off).
       logit_bias: token id -> value added to its logit before sampling (-inf bans it).
       min_tokens: the stop tokens cannot be drawn before this many new tokens.
-      seed: prompt b samples with seed + b.
+      seed: prompt b samples with seed + b (each a uint32).
       stop_token_ids: default: the config's eos_token_ids. The stop token is kept; ids
         past the vocabulary are allowed (never drawn, so never banned by min_tokens).
       prefill_chunk: prefill prompts at most this many tokens per step (default: all).
@@ -379,11 +379,13 @@ def generate(
         each prompt's slot among them (0: none; default all 0).
 
     Raises:
-      TypeError: `params` is not a `Params`; token ids that are not ints.
+      TypeError: `params` is not a `Params`; token ids that are not ints; a logit_bias
+        that is not a mapping of token ids to numbers; `buckets` not a `Buckets`.
       ValueError: empty or nested prompts, token ids outside the vocabulary, a prompt
         plus max_new_tokens longer than max_position_embeddings, stop_token_ids that
-        are not a flat list of ints >= 0, or a count (max_new_tokens, min_tokens, page_size,
-        prefill_chunk) that is not a positive int (min_tokens: >= 0), or lora_slots
+        are not a flat list of ints >= 0, a count (max_new_tokens, min_tokens, page_size,
+        prefill_chunk) that is not a positive int (min_tokens: >= 0), a seed + b past
+        uint32, sampling values that are bad or not numbers, or lora_slots
         without lora, not one per prompt or outside [0, lora.num_slots] (before anything
         runs).
     """
@@ -402,6 +404,16 @@ def generate(
         raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk=}")
     if not is_int(page_size) or page_size < 1:  # CacheConfig checks it is a power of two
         raise ValueError(f"page_size must be a positive int, got {page_size=}")
+    n = len(prompts)
+    if not is_int(seed) or not 0 <= seed <= 2**32 - n:  # prompt b's seed: seed + b
+        raise ValueError(
+            f"seed must be an int in [0, 2**32 - {n}] (prompt b samples with seed + b, and "
+            f"seeds are uint32), got {seed=}"
+        )
+    if logit_bias is not None and not isinstance(logit_bias, Mapping):
+        raise TypeError(
+            f"logit_bias must be a mapping of token id -> value, got {logit_bias!r:.80}"
+        )
     for i, p in enumerate(prompts):
         if p.ndim != 1:
             hint = " (one prompt? pass a list of prompts: [prompt])" if p.ndim == 0 else ""
@@ -460,6 +472,7 @@ def generate(
         ],
         cfg,
         cache_cfg,
+        buckets=buckets,
     )
     cache = sharding.create_cache(cfg, cache_cfg, params.mesh)  # split over kv heads with a mesh
     cached = [0] * len(prompts)

@@ -24,17 +24,22 @@ import numpy as np
 from pagedjax import sampling
 from pagedjax.config import CacheConfig, ModelConfig
 from pagedjax.step_input_checks import (
+    _all_real,
     _check_copies,
     _check_distinct_slots,
+    _check_real_values,
     _check_steps,
     _check_written_slots_unshared,
     _first,
     _int_array,
+    _is_real,
     _page_row,
+    _scalar,
     is_int,
 )
 
 _static = partial(dataclasses.field, metadata=dict(static=True))
+_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 @jax.tree_util.register_dataclass
@@ -172,6 +177,11 @@ class Buckets:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+            if value > 2**30:  # a larger floor pads to 2**31, past the int32 offsets
+                raise ValueError(
+                    f"{name} must be at most 2**30 (padded sizes are packed as int32), got "
+                    f"{name}={value}"
+                )
 
 
 def bucket_size(n: int, floor: int) -> int:
@@ -211,9 +221,12 @@ def build_step_input(
       ValueError: token ids outside the vocabulary, positions past the model's
         maximum, a page table too short or with bad ids, a page this step writes that
         another page table (or the same one twice) reads in this step, bad sampling
-        parameters, bad copy pairs, or decode=True with a multi-token chunk.
-      TypeError: ids or counts that are not ints; `chunks` not a list of `SeqChunk`s,
-        or the configs not a `ModelConfig` and a `CacheConfig`.
+        parameters (or ones that are not numbers: "0.5", True), bad copy pairs, or
+        decode=True with a multi-token chunk.
+      TypeError: ids or counts that are not ints, a logit bias that is not a mapping
+        of ids to numbers; `chunks` not a list of `SeqChunk`s, the configs not a
+        `ModelConfig` and a `CacheConfig`, `buckets` not a `Buckets`, `decode` not a
+        bool or None.
     """
     if not isinstance(model_cfg, ModelConfig) or not isinstance(cache_cfg, CacheConfig):
         raise TypeError(
@@ -227,11 +240,15 @@ def build_step_input(
             raise TypeError(f"chunk {i} must be a SeqChunk, got {c!r}")
     if not chunks:
         raise ValueError("a step needs at least one sequence, got chunks=[]")
+    if not isinstance(buckets, Buckets):
+        raise TypeError(f"buckets must be a Buckets, got buckets={buckets!r:.80}")
+    if decode is not None and not isinstance(decode, (bool, np.bool_)):
+        raise TypeError(f"decode must be a bool or None, got decode={decode!r:.80}")
     n, s = len(chunks), cache_cfg.page_size
     toks = [np.asarray(c.token_ids) for c in chunks]
     q_lens = np.fromiter((t.size for t in toks), np.int64, n)
     start = _int_array([c.start_pos for c in chunks], "start_pos").astype(np.int64)
-    rows = [_page_row(c.page_table, i) for i, c in enumerate(chunks)]
+    rows = [_page_row(c.page_table, i, cache_cfg.num_pages) for i, c in enumerate(chunks)]
     n_pages = np.fromiter((r.size for r in rows), np.int64, n)
     if decode is None:
         decode = bool((q_lens == 1).all())
@@ -254,13 +271,15 @@ def build_step_input(
             f"sequence {i}: sample_step must be in [0, 2**31), got sample_step={steps[i]}"
         )
     fields = ("temperature", "top_k", "top_p", "seed", "min_p")
+    # numpy would take "0.5", True or [0.5] as numbers below.
+    _check_real_values(chunks, fields + _PENALTIES)
     try:
         temperature, top_k, top_p, seeds, min_p = (
             np.array([getattr(c, f) for c in chunks], np.float64) for f in fields
         )
-    except (TypeError, ValueError, OverflowError):  # a str, an int past float: the check names it
-        for c in chunks:
-            sampling.check_params(c.temperature, c.top_k, c.top_p, c.seed, c.min_p)
+    except OverflowError:  # an int past float: the check names it
+        for i in range(n):
+            _check_sampling(chunks, i, fields)
         raise
     bad = ~(
         (temperature >= 0) & np.isfinite(temperature) & (top_k >= 0) & (top_k < 2**31)
@@ -269,8 +288,7 @@ def build_step_input(
         & (min_p >= 0) & (min_p <= 1)
     )  # fmt: skip
     if bad.any():
-        c = chunks[_first(bad)]
-        sampling.check_params(c.temperature, c.top_k, c.top_p, c.seed, c.min_p)
+        _check_sampling(chunks, _first(bad), fields)
     penalties = _pack_penalties(chunks, b, buckets.min_history, model_cfg.vocab_size)
     bias = [(i, _bias_arrays(c.logit_bias, i, model_cfg.vocab_size)) for i, c in enumerate(chunks)]
     logit_bias = pack_bias([(i, *a, None, None, None) for i, a in bias if a is not None], b)
@@ -330,10 +348,18 @@ def build_step_input(
         penalties=penalties,
         logit_bias=logit_bias,
         lora_slots=lora_slots,
-        decode=decode,
+        decode=bool(decode),
         page_size=cache_cfg.page_size,
         num_pages=cache_cfg.num_pages,
     )
+
+
+def _check_sampling(chunks, i: int, fields) -> None:
+    """`sampling.check_params` on chunk i's sampling values, its error naming the sequence."""
+    try:
+        sampling.check_params(*(_scalar(getattr(chunks[i], f)) for f in fields))
+    except ValueError as e:
+        raise ValueError(f"sequence {i}: {e}") from None
 
 
 def pack_bias(rows: Sequence[tuple], b: int) -> sampling.LogitBias | None:
@@ -377,11 +403,22 @@ def pack_bias(rows: Sequence[tuple], b: int) -> sampling.LogitBias | None:
 
 def _bias_arrays(bias, i: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray] | None:
     """A chunk's logit bias as (ids, values) arrays, validated; None when empty."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise TypeError(
+            f"sequence {i}: logit_bias must be a mapping of token id -> value, got {bias!r:.80}"
+        )
     if not bias:
         return None
     bad = [t for t in bias if not is_int(t)]
     if bad:  # int() would truncate 3.7 to token 3
         raise TypeError(f"sequence {i}: logit_bias token ids must be ints, got {bad[0]!r}")
+    if not _all_real(bias.values()):  # numpy would take "0.5" and True as numbers
+        t, v = next((t, v) for t, v in bias.items() if not _is_real(v))
+        raise TypeError(
+            f"sequence {i}: logit_bias values must be real numbers, got {v!r:.80} for token {t}"
+        )
     ids = np.fromiter((int(t) for t in bias), np.int64, len(bias))
     values = np.fromiter(bias.values(), np.float64, len(bias))
     bad = (ids < 0) | (ids >= vocab_size)
@@ -436,7 +473,8 @@ def _pack_penalties(chunks, b, min_history, vocab_size) -> sampling.Penalties | 
     for i, c in enumerate(chunks):
         if not c.penalised:
             continue
-        sampling.check_penalties(c.repetition_penalty, c.presence_penalty, c.frequency_penalty)
+        r, p, f = (_scalar(getattr(c, name)) for name in _PENALTIES)
+        sampling.check_penalties(r, p, f)
         for name in ("prompt_ids", "output_ids"):
             ids = np.asarray(getattr(c, name)).reshape(-1)
             if ids.size and not np.issubdtype(ids.dtype, np.integer):  # would be truncated
@@ -452,9 +490,9 @@ def _pack_penalties(chunks, b, min_history, vocab_size) -> sampling.Penalties | 
         rows.append(
             (
                 i,
-                c.repetition_penalty,
-                c.presence_penalty,
-                c.frequency_penalty,
+                r,
+                p,
+                f,
                 np.asarray(c.prompt_ids, np.int32).reshape(-1),
                 np.asarray(c.output_ids, np.int32).reshape(-1),
             )

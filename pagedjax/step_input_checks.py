@@ -7,8 +7,9 @@ slot written this step that another page table, or the same one twice, reads in 
 (`_check_written_slots_unshared`: a shared page must be copied first); copy-on-write
 pairs inside the pool, with distinct destinations that are not sources
 (`_check_copies`). `_int_array`, `_page_row` and `is_int` turn the chunks' counts and
-page tables into int arrays, with a TypeError naming the sequence otherwise. Each error
-names the sequence and the bad value.
+page tables into int arrays, with a TypeError naming the sequence otherwise;
+`_check_real_values` refuses sampling values that are not numbers (which numpy would
+convert: "0.5", True, [0.5]). Each error names the sequence and the bad value.
 
 They are apart from `pagedjax.step_input` (the `StepInput` pytree and the packing of
 its arrays) because they are pure numpy functions of the chunks' values, which pack
@@ -17,6 +18,9 @@ and the steps import from there.
 """
 
 from __future__ import annotations
+
+import functools
+import numbers
 
 import numpy as np
 
@@ -91,13 +95,51 @@ def is_int(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
-def _page_row(page_table, i) -> np.ndarray:
+def _page_row(page_table, i, num_pages) -> np.ndarray:
     row = np.asarray(page_table)
     if row.ndim != 1:
         raise ValueError(f"sequence {i}: page_table must be 1-D, got shape {row.shape}")
     if row.size and not np.issubdtype(row.dtype, np.integer):
         raise TypeError(f"sequence {i}: page_table must hold int page ids, got dtype {row.dtype}")
+    if row.dtype == np.uint64 and (row >= 2**63).any():  # int64 would name it as negative
+        bad = int(row[row >= 2**63][0])
+        raise ValueError(f"sequence {i}: page id {bad} is out of range [0, {num_pages})")
     return row.astype(np.int64)
+
+
+@functools.cache
+def _real_type(t: type) -> bool:
+    return issubclass(t, numbers.Real) and not issubclass(t, (bool, np.bool_))
+
+
+def _is_real(v) -> bool:
+    """A real number: a Python or numpy int or float, or a 0-d int or float array (a jax
+    scalar); not a bool, a string or a list, which numpy would take as numbers."""
+    if _real_type(type(v)):
+        return True
+    dtype = getattr(v, "dtype", None)
+    return dtype is not None and np.ndim(v) == 0 and np.dtype(dtype).kind in "iuf"
+
+
+def _all_real(values) -> bool:
+    return all(map(_real_type, set(map(type, values)))) or all(map(_is_real, values))
+
+
+def _check_real_values(chunks, names) -> None:
+    """ValueError naming the sequence and the value unless every chunk's fields `names`
+    hold real numbers (`_is_real`)."""
+    for name in names:
+        values = [getattr(c, name) for c in chunks]
+        if not _all_real(values):
+            i = _first([not _is_real(v) for v in values])
+            raise ValueError(
+                f"sequence {i}: {name} must be a real number, got {name}={values[i]!r:.80}"
+            )
+
+
+def _scalar(v):
+    """A real number `v` (`_is_real`) as itself, or a 0-d array's value."""
+    return v if _real_type(type(v)) else np.asarray(v).item()
 
 
 def _check_distinct_slots(slots, seq, pos):

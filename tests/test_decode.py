@@ -1,13 +1,15 @@
 """pagedjax.decode: paged prefill + decode is exact against dense recompute, on every backend.
 
 Also: sampling per seed, stop tokens, copy-on-write, target logprobs, tokens fed on the
-device, compiles bounded by the buckets and the cache donated in place. What
+device, the steps under the caller's jit, scan and vmap, compiles bounded by the buckets
+and the cache donated in place. What
 `build_step_input` packs and refuses is in tests/test_step_input.py; what `generate` and
 the steps refuse on the host, before tracing, in tests/test_decode_checks.py.
 """
 
 import dataclasses
 import re
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -310,6 +312,86 @@ def test_tokens_fed_from_the_previous_step_on_the_device(params):
     exact = dataclasses.replace(nxt, feed=np.asarray(first.feed)[:rows])
     again, cache = decode.step(params, cache, exact, backend="xla")
     np.testing.assert_array_equal(np.asarray(again.tokens), results[1][0])
+
+
+def _advance(inp, tokens):
+    """The decode `StepInput` of the next step, on the device, as the module docstring
+    says: each live row feeds its sampled token at the next position and slot."""
+    live = inp.slot_mapping >= 0
+    pos = inp.positions + 1
+    s = inp.page_size
+    page = jnp.take_along_axis(inp.page_table, (pos // s)[:, None], axis=1)[:, 0]
+    return dataclasses.replace(
+        inp,
+        token_ids=jnp.where(live, tokens, 0),
+        positions=jnp.where(live, pos, 0),
+        slot_mapping=jnp.where(live, page * s + pos % s, -1),
+        context_lens=jnp.where(live, inp.context_lens + 1, 0),
+        sample_steps=jnp.where(live, inp.sample_steps + 1, 0),
+    )
+
+
+def test_steps_compose_with_jit_scan_and_vmap(params):
+    """The module docstring's promise: `jax.jit` around a step (donating the cache), a
+    `lax.scan` over decode steps advanced on the device, and `jax.vmap` over stacked
+    caches and inputs give the host loop's sampled tokens (seeds and sample steps
+    included) and caches."""
+    cc = CacheConfig(page_size=4, num_pages=32, dtype=TINY.dtype)
+    prompts = _prompts(TINY, (5, 2, 7), seed=21)
+    tables = [[1, 2, 3, 4], [6, 7, 8, 9], [11, 12, 13, 14]]
+    samp = dict(temperature=1.0, top_k=40)
+
+    def chunks(toks, pos, step):
+        return [
+            decode.SeqChunk(t, p, row, seed=b, sample_step=step, **samp)
+            for b, (t, p, row) in enumerate(zip(toks, pos, tables, strict=True))
+        ]
+
+    prefill = decode.build_step_input(chunks(prompts, [0, 0, 0], 0), TINY, cc)
+    out, cache = decode.prefill_step(params, cache_lib.create(TINY, cc), prefill, backend="xla")
+    first = np.asarray(out.tokens)[:3].tolist()
+    host, host_cache = [first], jax.tree.map(jnp.copy, cache)
+    for i in range(1, 6):  # the host loop: one build_step_input per decode step
+        pos = [len(p) + i - 1 for p in prompts]
+        inp = decode.build_step_input(chunks([[t] for t in host[-1]], pos, i), TINY, cc)
+        res, host_cache = decode.decode_step(params, host_cache, inp, backend="xla")
+        host.append(np.asarray(res.tokens)[:3].tolist())
+    assert len({t for row in host for t in row}) > 6  # sampled, not one token forever
+
+    # jax.jit around decode_step, donating the cache: the first decode step.
+    second = decode.build_step_input(chunks([[t] for t in first], [5, 2, 7], 1), TINY, cc)
+    before = jax.tree.map(jnp.copy, cache)
+    jitted = jax.jit(partial(decode.decode_step, backend="xla"), donate_argnums=1)
+    res, after = jitted(params, before, second)
+    assert np.asarray(res.tokens)[:3].tolist() == host[1]
+    assert before.k[0].is_deleted()  # the outer jit's donation; a reuse is refused
+    with pytest.raises(ValueError, match="donated to an earlier step"):
+        decode.decode_step(params, before, second, backend="xla")
+
+    # lax.scan over the remaining decode steps, advanced on the device.
+    def body(carry, _):
+        cache, inp = carry
+        res, cache = decode.decode_step(params, cache, inp, backend="xla")
+        return (cache, _advance(inp, res.tokens)), res.tokens
+
+    scan = jax.jit(lambda c, i: jax.lax.scan(body, (c, i), length=4))
+    (scan_cache, _), toks = scan(after, _advance(jax.tree.map(jnp.asarray, second), res.tokens))
+    assert np.asarray(toks)[:, :3].tolist() == host[2:]
+    for got, want in zip(scan_cache.k + scan_cache.v, host_cache.k + host_cache.v, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+
+    # vmap over stacked caches and inputs: two independent runs of the prefill step.
+    other = _prompts(TINY, (3, 6, 1), seed=22)
+    inps = [prefill, decode.build_step_input(chunks(other, [0, 0, 0], 0), TINY, cc)]
+    singles = [
+        decode.prefill_step(params, cache_lib.create(TINY, cc), x, backend="xla") for x in inps
+    ]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[cache_lib.create(TINY, cc)] * 2)
+    step = jax.vmap(lambda c, x: decode.prefill_step(params, c, x, backend="xla"))
+    res, caches = step(stacked, jax.tree.map(lambda *xs: jnp.stack(xs), *inps))
+    for r, (want, want_cache) in enumerate(singles):
+        np.testing.assert_array_equal(np.asarray(res.tokens[r]), np.asarray(want.tokens))
+        np.testing.assert_allclose(np.asarray(caches.k[1][r]), want_cache.k[1], atol=1e-6)
 
 
 def test_compile_count_stays_within_the_buckets():

@@ -57,6 +57,32 @@ def test_generate_rejects_bad_arguments_before_running(params, kwargs, match):
         decode.generate(params, [[1, 2]], **kwargs)
 
 
+def test_generate_names_bad_sampling_arguments_before_running(params):
+    """Prompt b samples with seed + b: a seed valid for prompt 0 failed for prompt 1 with
+    "got seed=4294967296", a value never passed; seed=True ran as seed 1, temperature
+    "0.8" as 0.8; logit_bias=[1, 2] was dict()'s "cannot convert dictionary update
+    sequence element", buckets=None an AttributeError after the cache was allocated."""
+    prompts, kw = [[1, 2], [3]], dict(max_new_tokens=2, backend="xla")
+    before = decode.compile_counts()
+    for bad, error, match in [
+        (dict(seed=2**32 - 1), ValueError, r"seed must be an int in \[0, 2\*\*32 - 2\] .*"),
+        (dict(seed=True), ValueError, "got seed=True"),
+        (dict(seed=-1), ValueError, "got seed=-1"),
+        (
+            dict(temperature="0.8"),
+            ValueError,
+            "temperature must be a real number, got temperature='0.8'",
+        ),
+        (dict(logit_bias=[1, 2]), TypeError, r"logit_bias must be a mapping .*got \[1, 2\]"),
+        (dict(buckets=None), TypeError, "buckets must be a Buckets, got buckets=None"),
+    ]:
+        with pytest.raises(error, match=match):
+            decode.generate(params, prompts, **kw, **bad)
+    assert decode.compile_counts() == before
+    out = decode.generate(params, prompts[:1], seed=2**32 - 1, temperature=1.0, **kw)
+    assert len(out.tokens[0]) == 2  # the largest seed is fine for one prompt
+
+
 def test_generate_rejects_a_nested_prompt(params):
     # It used to be flattened into one prompt of the nested lists' tokens.
     with pytest.raises(ValueError, match=r"prompt 0 must be a 1-D list of token ids, got shape"):

@@ -8,6 +8,7 @@ No model runs here; the steps themselves are tested in tests/test_decode.py.
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -139,6 +140,47 @@ def test_build_step_input_rejects_bad_input(chunk, kwargs, match):
             ValueError,
             "temperature=.hot.",
         ),
+        # Each of these was converted to a float and used: a numeric string, a bool, a
+        # one-element list; a bool penalty of True (== 1.0) was "off".
+        *(
+            ([decode.SeqChunk([1], 0, [1], **{name: bad})], {}, ValueError, match)
+            for name, bad, match in [
+                ("temperature", "0.5", r"sequence 0: temperature must be a real number, got "),
+                ("top_k", True, r"sequence 0: top_k must be a real number, got top_k=True"),
+                ("seed", True, r"seed must be a real number, got seed=True"),
+                ("top_p", [0.5], r"top_p must be a real number, got top_p=\[0.5\]"),
+                ("min_p", "0", r"min_p must be a real number, got min_p='0'"),
+                ("repetition_penalty", True, r"got repetition_penalty=True"),
+            ]
+        ),
+        # A list was "'list' object has no attribute 'values'", a string value numpy's
+        # "could not convert string to float" ('0.5' and True were taken as numbers).
+        (
+            [decode.SeqChunk([1], 0, [1], logit_bias=[1, 2])],
+            {},
+            TypeError,
+            r"sequence 0: logit_bias must be a mapping of token id -> value, got \[1, 2\]",
+        ),
+        *(
+            (
+                [decode.SeqChunk([1], 0, [1], logit_bias={1: bad})],
+                {},
+                TypeError,
+                rf"sequence 0: logit_bias values must be real numbers, got {match} for token 1",
+            )
+            for bad, match in (("x", "'x'"), ("0.5", "'0.5'"), (True, "True"))
+        ),
+        # A uint64 page id past int64 was named as a negative one (-9223372036854775808).
+        (
+            [decode.SeqChunk([1], 0, np.array([2**63], np.uint64))],
+            {},
+            ValueError,
+            r"sequence 0: page id 9223372036854775808 is out of range \[0, 32\)",
+        ),
+        # Were "'tuple' object has no attribute 'min_seqs'", and a StepInput whose static
+        # `decode` was 'yes' (refused by both steps).
+        ([decode.SeqChunk([1], 0, [1])], {"buckets": (16, 8)}, TypeError, r"got buckets=\(16, 8\)"),
+        ([decode.SeqChunk([1], 0, [1])], {"decode": "yes"}, TypeError, "got decode='yes'"),
     ],
 )
 def test_build_step_input_rejects_what_it_used_to_truncate(chunks, kwargs, error, match):
@@ -245,3 +287,24 @@ def test_build_step_input_takes_numpy_copies_buckets_and_mixed_int_types():
     mixed = decode.build_step_input(chunks, TINY, cache_cfg, copies=np.zeros((0, 2), int))
     np.testing.assert_array_equal(mixed.positions, want.positions)
     np.testing.assert_array_equal(mixed.slot_mapping[:2], [9, 19])
+    # Numpy and jax scalars are numbers (the type checks on sampling values take them).
+    chunks[1] = decode.SeqChunk(
+        [2], 3, [4], temperature=np.float32(0.5), top_k=np.int64(3), top_p=jnp.float32(0.5),
+        seed=jnp.uint32(7), min_p=np.array(0.25), repetition_penalty=np.float64(1.5),
+        logit_bias={np.int64(9): np.float32(2.0)},
+    )  # fmt: skip
+    scalars = decode.build_step_input(chunks, TINY, cache_cfg)
+    assert (scalars.temperature[1], scalars.top_k[1], scalars.top_p[1]) == (0.5, 3, 0.5)
+    assert (scalars.seeds[1], scalars.min_p[1], scalars.penalties.repetition[1]) == (7, 0.25, 1.5)
+    assert scalars.logit_bias.ids[1, 0] == 9 and scalars.logit_bias.values[1, 0] == 2.0
+
+
+def test_buckets_refuse_floors_that_cannot_be_packed():
+    # Were taken, then a multi-gigabyte allocation or numpy's "array is too big" (the
+    # padded sizes and offsets are int32).
+    for name in ("min_tokens", "min_seqs", "min_pages", "min_copies", "min_history"):
+        with pytest.raises(
+            ValueError, match=rf"{name} must be at most 2\*\*30 .*{name}=2147483648"
+        ):
+            decode.Buckets(**{name: 2**31})
+    assert decode.Buckets(min_tokens=2**30).min_tokens == 2**30
