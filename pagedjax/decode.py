@@ -194,8 +194,9 @@ def _lora_slots(inp):
 
 
 def _ranks(lp, picked):
-    """[N] int32: 1 + how many of each row's logprobs `lp` [N, V] exceed its `picked` [N]."""
-    return 1 + jnp.sum(lp > picked[:, None], axis=-1, dtype=jnp.int32)
+    """[N] int32: how many of each row's logprobs `lp` [N, V] are at least its `picked`
+    [N]: its vocabulary rank, ties ranked last (vLLM's `batched_count_greater_than`)."""
+    return jnp.sum(lp >= picked[:, None], axis=-1, dtype=jnp.int32)
 
 
 _STATIC = (

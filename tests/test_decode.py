@@ -483,3 +483,11 @@ def test_pallas_backends_longer_run(backend):
         prefill_chunk=10,
     )  # fmt: skip
     _assert_matches_dense(params, prompts, out)
+
+
+def test_a_tokens_rank_counts_the_tokens_at_least_as_likely():
+    """As vLLM's `batched_count_greater_than`: a token tied with others ranks after
+    them all (two tied at the top are both rank 2)."""
+    lp = jnp.array([[-1.0, -1.0, -2.0], [-1.0, -0.5, -3.0], [-3.0, -3.0, -3.0]])
+    got = decode._ranks(lp, jnp.array([-1.0, -0.5, -3.0]))
+    assert got.tolist() == [2, 1, 3]
