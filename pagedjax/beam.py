@@ -18,8 +18,9 @@ One step with beam width `W`, every beam holding `g` generated tokens:
    longer outputs, < 0 shorter). The best `W` hypotheses are kept.
 4. The search ends when the beams reach `max_new_tokens` (they become hypotheses,
    finish reason "length"), when no beam is left, or, once `W` hypotheses exist,
-   when the best new beam's `sum / (g + 1) ** length_penalty` cannot beat the worst
-   kept hypothesis (HF's `early_stopping=False` heuristic).
+   when the step's best candidate (a stop token too: HF's `next_scores.max()`) scores
+   `sum / (g + 1) ** length_penalty` no better than the worst kept hypothesis (HF's
+   `early_stopping=False` heuristic).
 
 `k = num_candidates(W, num_stop_ids)` candidates per beam are enough for this to
 match a search over the whole vocabulary: the walk stops after `W` non-stop candidates,
@@ -147,9 +148,9 @@ class BeamSearch:
         elif (
             new
             and len(self.hyps) >= self.width
-            and self.hyps[-1].score >= self.score(new[0][2], length)
+            and self.hyps[-1].score >= self.score(float(total.flat[order[0]]), length)
         ):
-            new = []  # no beam can beat the worst kept hypothesis any more
+            new = []  # not even the step's best candidate beats the worst kept hypothesis
         self.done = not new
         return new
 

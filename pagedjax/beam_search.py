@@ -5,16 +5,30 @@ BeamSearchParams(...))`, which returns a `BeamSearchOutput` per prompt holding t
 `beam_width` best `BeamSearchSequence`s. Here the same call runs the engine's beam search
 (`SamplingParams(beam_width=W, n=W)`: `pagedjax.beam`, on the host, each beam a
 copy-on-write fork of the prompt's pages) and gives its completions vLLM's shape:
-`tokens` are the prompt's and the completion's ids (a stop token only with
-`include_stop_str_in_output`), `text` is their decode, special tokens included (as
-vLLM's `tokenizer.decode(tokens)`), `cum_logprob` and `logprobs` the completion's.
+`tokens` are the prompt's and the completion's ids, the EOS a beam ended on included (as
+vLLM's), `logprobs` one entry per completion token (that EOS's too), `cum_logprob` their
+sum, and `text` the decode of `tokens`, special tokens included (as vLLM's
+`tokenizer.decode(tokens)`), less the EOS unless `include_stop_str_in_output`.
 
-Scores differ from vLLM's in one way: a finished beam scores `logprob_sum / length **
-length_penalty` with `length` its generated tokens, as HF transformers (and the
-engine's beam search) count them, where vLLM counts the prompt's too; so where
-`length_penalty` is not 0 the two may rank beams of different lengths differently.
-`temperature` is accepted and, as in vLLM (whose beam search reads the raw
-logprobs), does not change the search.
+Where we differ from vLLM on purpose (vLLM's `LLM.beam_search` loop and
+`vllm.beam_search.get_beam_search_score`):
+
+- The search is HF transformers' (`pagedjax.beam`), vLLM's a simpler variant of it. vLLM
+  ends a beam on every EOS among each beam's top `2 * W` tokens and runs `max_tokens`
+  steps; HF keeps an EOS only when it ranks among the step's best `W` candidates and
+  stops early once no live beam can beat the worst of `W` finished ones.
+- Scores: `logprob_sum / length ** length_penalty` with `length` the generated tokens,
+  the EOS included (HF); vLLM counts the prompt's tokens and leaves the EOS out. Where
+  `length_penalty` is not 0 the two may rank beams of different lengths differently.
+- `beam_width=1` is greedy decoding; vLLM's is a one-beam search (an EOS ranked first
+  ends a hypothesis and the next token carries on).
+- `logprobs` hold each token's own logprob (the engine's `logprobs=0`); vLLM's hold the
+  `2 * W` candidates of every step.
+- `temperature` does not change the search: vLLM scores raw logprobs too, but adds each
+  beam's sampled token to its candidates, which with `temperature > 0` may be a random
+  one.
+- `text` leaves the EOS out unless `include_stop_str_in_output` (vLLM's server does;
+  its `LLM.beam_search` keeps it and ignores the flag).
 """
 
 from __future__ import annotations
@@ -41,11 +55,11 @@ class BeamSearchParams:
         greedy decoding).
       max_tokens: most tokens generated per sequence (an int >= 1).
       ignore_eos: EOS does not end a beam.
-      temperature: accepted (a number >= 0) and, as in vLLM, without effect.
+      temperature: accepted (a number >= 0) and without effect (see the module docstring).
       length_penalty: exponent of the length normaliser of a finished beam's score
         (see the module docstring).
-      include_stop_str_in_output: a beam that ended on EOS keeps it in its tokens and
-        text.
+      include_stop_str_in_output: a beam that ended on EOS keeps it in its text (its
+        tokens always do).
     """
 
     beam_width: int
@@ -134,11 +148,11 @@ def beam_search(
     for o in outs:
         seqs = []
         for comp in o.outputs:
-            gen = comp.token_ids
+            tokens = list(o.prompt_token_ids) + list(comp.token_ids)
+            shown = tokens  # (the text's tokens)
             if comp.finish_reason == "stop" and not params.include_stop_str_in_output:
-                gen = gen[:-1]  # (the stop token, as vLLM leaves it out)
-            tokens = list(o.prompt_token_ids) + list(gen)
-            text = None if tok is None else tok.decode(tokens, skip_special_tokens=False)
+                shown = tokens[:-1]
+            text = None if tok is None else tok.decode(shown, skip_special_tokens=False)
             seqs.append(
                 BeamSearchSequence(
                     tokens,

@@ -1,8 +1,9 @@
 """`LLM.beam_search` (vLLM's beam-search API, `pagedjax.beam_search`): each prompt's
 sequences are an exhaustive dense beam search's best hypotheses (tests/beam_oracle.py),
-with the prompt's ids in front, the stop token only when asked for, the text of all
-of them and the completion's logprobs; width 1 is greedy decoding; bad parameters are
-named. In tests/test_engine.py's geometry (tests/engine_helpers.py)."""
+with the prompt's ids in front and the stop token at the end (as vLLM's), the text of
+them (the stop token's only when asked for) and the completion's logprobs; width 1 is
+greedy decoding; bad parameters are named. In tests/test_engine.py's geometry
+(tests/engine_helpers.py)."""
 
 import dataclasses
 
@@ -50,15 +51,18 @@ def test_sequences_are_an_exhaustive_searchs_best(llm, dense, width, length_pena
         want = dense_beam_search(dense, p, width, 7, llm.eos_ids, length_penalty)
         assert len(o.sequences) == width
         for s, (_, gen, total, reason) in zip(o.sequences, want, strict=True):
+            # As vLLM's: the stop token in `tokens` (lined up with `logprobs`) whatever
+            # include_stop_str_in_output, which decides whether `text` decodes it.
             kept = gen if keep_stop or reason == "length" else gen[:-1]
-            assert s.tokens == p + kept and s.finish_reason == reason
+            assert s.tokens == p + gen and s.finish_reason == reason
+            assert len(s.logprobs) == len(s.tokens) - len(p)
             assert s.stop_reason == (gen[-1] if reason == "stop" else None)
             np.testing.assert_allclose(s.cum_logprob, total, rtol=1e-4)
             assert [next(iter(e)) for e in s.logprobs] == gen  # (the stop token's too)
             np.testing.assert_allclose(
                 sum(e[t] for e, t in zip(s.logprobs, gen, strict=True)), total, rtol=1e-4
             )
-            assert s.text == llm.tokenizer.decode(s.tokens, skip_special_tokens=False)
+            assert s.text == llm.tokenizer.decode(p + kept, skip_special_tokens=False)
             reasons.add(reason)
     assert reasons == {"stop", "length"}, reasons
     check_clean(llm)
@@ -69,8 +73,8 @@ def test_width_one_is_greedy_decoding(llm):
     (want,) = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=6))
     (s,) = out.sequences
     c = want.outputs[0]
-    stop = c.finish_reason == "stop"
-    assert s.tokens == PROMPTS[0] + (c.token_ids[:-1] if stop else c.token_ids)
+    assert s.tokens == PROMPTS[0] + c.token_ids
+    assert len(s.logprobs) == len(c.token_ids)
     np.testing.assert_allclose(s.cum_logprob, c.cumulative_logprob, rtol=1e-5)
 
 
