@@ -13,6 +13,7 @@ it, so from the second turn on the engine's prefix cache serves most of it: the 
 line after each reply (on stderr) says how many prompt tokens it served, with the
 reply's length, its time to first token and its tokens/s after the first token.
 
+A line that is not UTF-8 text is reported on stderr and not sent.
 Commands: `/reset` starts the conversation over (keeping the system message);
 `/exit`, or the end of stdin, ends the session. Ctrl-C while a reply streams stops it
 (`[interrupted]` on stderr) and drops the turn: neither the message nor the partial
@@ -91,6 +92,17 @@ def stats_line(out) -> str:
     )
 
 
+def not_utf8(text: str) -> str | None:
+    """The first byte that stdin could not decode as UTF-8 (read with surrogateescape:
+    byte b as the lone surrogate U+DC00 + b), as "byte 0xe9"; None for valid text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        return f"byte {c - 0xDC00:#04x}" if 0xDC80 <= c <= 0xDCFF else f"character {c:#x}"
+    return None
+
+
 def reply(llm, messages: list[dict], params, lora=None) -> str | None:
     """Streams the reply to `messages` (with the LoRA adapter `lora`, if any) to stdout
     and the stats line to stderr; returns the reply's text, or None when the
@@ -147,7 +159,9 @@ def run(args) -> int:
         raise cli.BadInput(f"the chat template cannot render a first turn: {e}") from None
 
     cli.note_defaults(args, defaults, "flags")
-    cli.enable_compilation_cache(cli.compilation_cache_dir(args.compilation_cache))
+    cli.enable_compilation_cache(
+        cli.compilation_cache_dir(args.compilation_cache), given=args.compilation_cache is not None
+    )
     llm = LLM(
         args.checkpoint,
         seed=args.seed,
@@ -169,16 +183,25 @@ def run(args) -> int:
             file=sys.stderr,
         )
     messages = list(system)
+    if hasattr(sys.stdin, "reconfigure"):  # a line not UTF-8 is reported, not the end
+        sys.stdin.reconfigure(errors="surrogateescape")
+    number = 0
     while True:
         if tty:
             print("> ", end="", flush=True)
         line = sys.stdin.readline()
+        number += 1
         if not line:  # end of input
             if tty:
                 print()
             return 0
         text = line.strip()
         if not text:
+            continue
+        if bad := not_utf8(text):
+            print(
+                f"error: line {number} is not UTF-8 text ({bad}); it was not sent", file=sys.stderr
+            )
             continue
         if text.startswith("/") and len(text.split()) == 1:
             if text == "/exit":

@@ -352,17 +352,28 @@ def compilation_cache_dir(flag: str | None) -> str | None:
     return choice
 
 
-def enable_compilation_cache(path: str | None) -> None:
-    """Points jax's persistent compilation cache at `path` (a no-op for None)."""
+def enable_compilation_cache(path: str | None, *, given: bool = True) -> str | None:
+    """Points jax's persistent compilation cache at `path` (a no-op for None); returns the
+    directory in use. One that cannot be made is BadInput when `given` (by
+    --compilation-cache); else (the default's, say in a read-only home) a note on stderr,
+    and the run goes on without a cache (None)."""
     if path is None:
-        return
+        return None
     import jax
 
     try:
         Path(path).mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise BadInput(f"--compilation-cache {path}: cannot create it ({e.strerror})") from None
+        if given:
+            raise BadInput(f"--compilation-cache {path}: cannot create it ({e.strerror})") from None
+        print(
+            f"note: no compilation cache: {path} cannot be made ({e.strerror}); give "
+            "--compilation-cache DIR or off",
+            file=sys.stderr,
+        )
+        return None
     jax.config.update("jax_compilation_cache_dir", path)
+    return path
 
 
 def chat_tokenizer(checkpoint: str | None, template_file: str | None, hint: str):

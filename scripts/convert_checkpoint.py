@@ -60,6 +60,11 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
             )
 
 
+def one_line(e: BaseException) -> str:
+    """`e`'s message on one line (the loader lists each broken file on a line of its own)."""
+    return " ".join(str(e).split())
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="convert_checkpoint.py",
@@ -109,10 +114,10 @@ def main(argv=None) -> int:
         if adapter is not None:
             params = lora.merge_adapter(params, adapter)
     except (ValueError, TypeError, FileNotFoundError, NotADirectoryError) as e:
-        print(f"convert_checkpoint: error: {e}", file=sys.stderr)
+        print(f"convert_checkpoint: error: {one_line(e)}", file=sys.stderr)
         return 2
     except OSError as e:  # (reading HF_DIR's files)
-        print(f"convert_checkpoint: error: {e}", file=sys.stderr)
+        print(f"convert_checkpoint: error: {one_line(e)}", file=sys.stderr)
         return 1
     copied = []
     try:  # OUT_DIR was checked: what fails now is the write (orbax's full disk: a ValueError)
@@ -123,7 +128,10 @@ def main(argv=None) -> int:
                 shutil.copy2(src, Path(args.out_dir) / name)
                 copied.append(name)
     except (ValueError, OSError) as e:
-        print(f"convert_checkpoint: error: writing {args.out_dir} failed: {e}", file=sys.stderr)
+        print(
+            f"convert_checkpoint: error: writing {args.out_dir} failed: {one_line(e)}",
+            file=sys.stderr,
+        )
         return 1
     if "tokenizer.json" not in copied:
         print(

@@ -53,7 +53,8 @@ token logits. Neither with `--beam-width`.
 `--beam-width N` (> 1) runs beam search, which ranks by log-probability and does not
 sample: not with `--temperature` > 0, `--top-k`, `--top-p` or `--min-p`.
 
-`--prompts-file FILE`: one prompt per line (blank lines skipped); a line that starts with
+`--prompts-file FILE`: UTF-8 (a byte order mark is skipped; a line that is not UTF-8 is
+bad input naming it), one prompt per line (blank lines skipped); a line that starts with
 a double quote is read as a JSON string, so a prompt can hold newlines. `-` reads stdin
 (so does a pipe's path: `/dev/stdin`, the shell's `<(...)`).
 
@@ -111,6 +112,8 @@ Compiled step programs are kept in a persistent XLA compilation cache, so a seco
 run of the same model and geometry skips most of its compile time: `--compilation-cache
 DIR`, else `$PAGEDJAX_COMPILATION_CACHE`, else jax's own `JAX_COMPILATION_CACHE_DIR` if
 set, else `$XDG_CACHE_HOME/pagedjax/xla` (`~/.cache/pagedjax/xla`); `off` disables it.
+A directory that cannot be made is bad input when given with the flag; otherwise (a
+read-only home) a note on stderr, and the run goes on without a cache.
 jax caches only programs that took at least `jax_persistent_cache_min_compile_time_secs`
 (1 s by default) to compile.
 
@@ -131,6 +134,7 @@ What it prints once the requests are done (completions, logprobs, the report, th
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import sys
 from pathlib import Path
@@ -262,12 +266,10 @@ def read_prompts(args) -> list[str]:
         elif not path.exists():
             raise cli.BadInput(f"prompts file not found: {path}")
         try:
-            if args.prompts_file == "-":
-                text = sys.stdin.buffer.read().decode("utf-8")
-            else:
-                text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
+            data = sys.stdin.buffer.read() if args.prompts_file == "-" else path.read_bytes()
+        except OSError as e:
             raise cli.BadInput(f"prompts file {path}: cannot read it ({e})") from None
+        text = decode_prompts(data, path)
         before = len(prompts)
         for i, line in enumerate(text.splitlines()):
             if not line.strip():
@@ -281,6 +283,20 @@ def read_prompts(args) -> list[str]:
         if len(prompts) == before:
             raise cli.BadInput(f"prompts file {path} has no prompts (blank lines are skipped)")
     return prompts if (args.prompt is not None or args.prompts_file) else list(DEFAULT_PROMPTS)
+
+
+def decode_prompts(data: bytes, path: Path) -> str:
+    """A prompts file's text: UTF-8, less a byte order mark (which Windows editors write,
+    and which would start the first prompt); BadInput naming the line that is not UTF-8."""
+    data = data.removeprefix(codecs.BOM_UTF8)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise cli.BadInput(
+            f"prompts file {path} line {line} is not UTF-8 text ({e.reason}: byte "
+            f"{data[e.start]:#04x})"
+        ) from None
 
 
 def chat_prompts(args, prompts: list[str]) -> list[list[int]]:
@@ -390,8 +406,10 @@ def run(args) -> int:
 
     import jax
 
-    cache_dir = cli.compilation_cache_dir(args.compilation_cache)
-    cli.enable_compilation_cache(cache_dir)
+    cache_dir = cli.enable_compilation_cache(
+        cli.compilation_cache_dir(args.compilation_cache),
+        given=args.compilation_cache is not None,
+    )
     llm = LLM(
         args.checkpoint,
         enable_prefix_caching=not args.no_prefix_caching,

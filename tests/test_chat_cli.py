@@ -380,3 +380,19 @@ def test_a_line_starting_with_a_slash_and_more_words_is_a_message(ckpt, calls, c
     assert [ids for ids, _ in calls] == [
         tok.encode_chat([{"role": "user", "content": "/usr/bin is where?"}])
     ]
+
+
+def test_a_line_that_is_not_utf8_is_reported_and_the_loop_goes_on(ckpt, calls, capsys, monkeypatch):
+    """stdin decoded strictly (a UTF-8 locale's default): one bad byte ended the session
+    with status 2, and the lines read with it in one chunk were never answered."""
+    data = b"hi\ncaf\xe9\nok\n"
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+    rc = chat_cli.main([str(a) for a in base(ckpt, "--max-tokens", "2")])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert [ids for ids, _ in calls][0] == Tokenizer.from_dir(ckpt).encode_chat(
+        [{"role": "user", "content": "hi"}]
+    )
+    assert len(calls) == 2  # "hi" and "ok"; the bad line was not sent
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: line 2 is not UTF-8 text (byte 0xe9); it was not sent"], err

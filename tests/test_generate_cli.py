@@ -292,6 +292,34 @@ def test_compilation_cache_dir_precedence(monkeypatch, tmp_path):
         jax.config.update("jax_compilation_cache_dir", before)
 
 
+def test_a_default_compilation_cache_that_cannot_be_made_is_skipped(
+    ckpt, capsys, monkeypatch, tmp_path
+):
+    """A home that cannot hold ~/.cache (read-only, in a container) ended every run with
+    "error: --compilation-cache ...: cannot create it", status 2, naming a flag not given;
+    the cache is an optimisation: without the flag, the run goes on without it."""
+    import jax
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    monkeypatch.delenv("PAGEDJAX_COMPILATION_CACHE")
+    argv = ["--checkpoint", ckpt, "--prompt", "hi", "--max-tokens", "2", "--json"]
+    argv += ["--backend", "xla", *GEOMETRY]
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        rc, out, err = run(argv, capsys)
+        assert rc == 0, err
+        assert json.loads(out)["settings"]["compilation_cache"] is None
+        want = f"note: no compilation cache: {tmp_path / 'file' / 'pagedjax' / 'xla'} cannot"
+        assert want in err, err
+        assert jax.config.jax_compilation_cache_dir is None
+        rc, out, err = run([*argv, "--compilation-cache", tmp_path / "file" / "x"], capsys)
+        assert rc == 2 and out == "" and "--compilation-cache " in err, err
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
 def test_compilation_cache_is_written_and_reported(tmp_path):
     """A real run fills the directory it names and reports it in --json settings."""
     cache = tmp_path / "xla"
@@ -537,3 +565,16 @@ def test_grammar_flag(ckpt, tmp_path, capsys):
     ):
         rc, out, err = run([*argv, *flags], capsys)
         assert rc == 2 and err.count("\n") == 1 and match in err, err
+
+
+def test_a_prompts_file_with_a_byte_order_mark_or_crlf_lines(ckpt, tmp_path, capsys):
+    """A file saved with a UTF-8 byte order mark (Windows editors) began its first prompt
+    with U+FEFF, tokenized as three stray bytes; CRLF line ends are plain line ends."""
+    f = tmp_path / "prompts.txt"
+    f.write_bytes(b'\xef\xbb\xbfx = 1\r\n\r\n"y"\r\nz\n')
+    argv = ["--checkpoint", ckpt, "--prompts-file", f, "--max-tokens", "2", "--json"]
+    rc, out, err = run([*argv, "--backend", "xla", *GEOMETRY], capsys)
+    assert rc == 0, err
+    outputs = json.loads(out)["outputs"]
+    assert [o["prompt"] for o in outputs] == ["x = 1", "y", "z"]
+    assert outputs[0]["prompt_tokens"] == 5

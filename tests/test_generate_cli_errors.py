@@ -254,3 +254,16 @@ def test_subprocess_exits_with_one_line():
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error: ")
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_a_prompts_file_that_is_not_utf8_names_the_line(ckpt, tmp_path, capsys, monkeypatch):
+    """The error said only "'utf-8' codec can't decode byte 0xe9 in position 9": which of
+    many lines was not said."""
+    f = tmp_path / "prompts.txt"
+    f.write_bytes(b"a\nb\ncaf\xe9\n")
+    rc, out, err = run(["--checkpoint", ckpt, "--prompts-file", f], capsys)
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert f"prompts file {f} line 3 is not UTF-8 text" in err and "0xe9" in err, err
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\xff\n"), encoding="utf-8"))
+    rc, out, err = run(["--checkpoint", ckpt, "--prompts-file", "-"], capsys)
+    assert rc == 2 and "prompts file <stdin> line 1 is not UTF-8 text" in err, err

@@ -268,6 +268,22 @@ def test_convert_a_failed_write_is_status_1_in_one_line(tmp_path, capsys, monkey
         assert f"writing {tmp_path / f'out_{name}'} failed" in err, err
 
 
+def test_convert_a_broken_hf_dir_is_one_line(tmp_path, capsys, monkeypatch):
+    """The loader lists every broken file on lines of their own: stderr held two lines
+    or more, not the one line of bad input."""
+    from params_helpers import write_tiny_checkpoint
+
+    cli = load("convert_checkpoint", monkeypatch)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    write_tiny_checkpoint(hf)
+    (hf / "model.safetensors").write_bytes((hf / "model.safetensors").read_bytes()[:100])
+    assert cli.main([str(hf), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.safetensors is not a valid safetensors" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_convert_says_an_orbax_hf_dir_is_converted_already(tmp_path, capsys, monkeypatch):
     """Converting back (orbax HF_DIR) said "is not an HF checkpoint: it has no config.json",
     as if the directory were broken."""
