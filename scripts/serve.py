@@ -458,7 +458,10 @@ def run(args) -> int:
     except ValueError as e:  # a name given twice, or the model's
         raise cli.BadInput(f"--lora-modules: {e}") from None
     try:
-        cli.enable_compilation_cache(cli.compilation_cache_dir(args.compilation_cache))
+        cli.enable_compilation_cache(
+            cli.compilation_cache_dir(args.compilation_cache),
+            given=args.compilation_cache is not None,
+        )
         llm = LLM(
             args.checkpoint,
             enable_prefix_caching=not args.no_prefix_caching,
