@@ -39,3 +39,37 @@ def pytest_collection_modifyitems(config, items):
         return LONG_MODULES.index(name) if name in LONG_MODULES else len(LONG_MODULES)
 
     items.sort(key=rank)  # stable: the order within each module is kept
+
+
+# Every program XLA compiles for the CPU holds memory mappings, and a test process keeps
+# every program it compiled (jax's caches): a worker running half the suite passed Linux's
+# default limit of 65,530 mappings (vm.max_map_count) and XLA crashed in mmap while
+# compiling (a segfault or an abort, in whichever test came then). Between modules, a
+# process past MAPS_FRACTION of its limit clears jax's caches; a later module recompiles
+# what it needs.
+MAPS_FRACTION = 0.5
+
+
+def _max_maps() -> int | None:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None  # (not Linux: no such limit to watch)
+
+
+_MAX_MAPS = _max_maps()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if _MAX_MAPS is None or (nextitem is not None and nextitem.module is item.module):
+        return
+    with open("/proc/self/maps", "rb") as f:
+        maps = sum(1 for _ in f)
+    if maps > MAPS_FRACTION * _MAX_MAPS:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
