@@ -34,6 +34,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_harness import rel_error  # (scripts/ is on the path: these run from it)
 
 from pallas_kernels import reference
 from pallas_kernels.ragged.gpu import default_tuning, ragged_paged_attention_gpu
@@ -256,15 +257,6 @@ def tuning_sweep(case: RaggedCase) -> list[dict]:
 
 def tolerance(case: RaggedCase) -> float:
     return 1e-2 if case.dtype == "bfloat16" else 1e-4
-
-
-def rel_error(out, ref) -> float:
-    """||out - ref|| / ||ref|| on the host; NaN if out has NaNs."""
-    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
-    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
-    if np.isnan(out).any():
-        return float("nan")
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 # ---------------------------------------------------------------- the "ragged" family
