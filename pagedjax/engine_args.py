@@ -7,6 +7,8 @@ between them are `pagedjax.resources`'.
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 from jax.sharding import Mesh
 
@@ -53,7 +55,8 @@ def check_engine_args(
     """Checks `LLM(source, ...)`'s arguments (as `LLM` documents them) with no weights
     loaded: the cache geometry and the scheduler's limits and policy by building them
     small, the generation config file, and (from the source's config alone) that the
-    model splits `tensor_parallel` ways over that many devices.
+    model splits `tensor_parallel` ways over that many devices and that a `max_model_len`
+    given is within its positions.
 
     Returns:
       (kv_cache_dtype: "auto" or a KV dtype's canonical name, sampling_defaults: the
@@ -88,8 +91,8 @@ def check_engine_args(
             f"give num_pages or kv_memory_fraction, not both ({num_pages=}, {kv_memory_fraction=})"
         )
     if kv_memory_fraction is not None and (
-        isinstance(kv_memory_fraction, bool)
-        or not isinstance(kv_memory_fraction, (int, float))
+        isinstance(kv_memory_fraction, (bool, np.bool_))
+        or not isinstance(kv_memory_fraction, numbers.Real)  # np.float32 too
         or not 0 < kv_memory_fraction <= 1
     ):
         raise ValueError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction=}")
@@ -111,6 +114,8 @@ def check_engine_args(
         max_num_batched_tokens=max_num_batched_tokens,
         scheduling_policy=scheduling_policy,
     )
+    if max_model_len is not None and (cfg := source_config(source)) is not None:
+        _check_max_model_len(max_model_len, cfg.max_position_embeddings)
     gen_dir = checkpoint_dir(source) if generation_config == "auto" else None
     sampling_defaults = {} if gen_dir is None else generation_config_defaults(gen_dir)
     mesh = None  # an int, that many devices, and that the model splits that many ways
@@ -131,9 +136,16 @@ def model_limits(
         for a float16 model.
     """
     limit = cfg.max_position_embeddings
-    if max_model_len is not None and not 1 < max_model_len <= limit:
-        raise ValueError(f"max_model_len must be an int in [2, {limit}], got {max_model_len=}")
+    if max_model_len is not None:
+        _check_max_model_len(max_model_len, limit)
     kv_dtype = cfg.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
     if kv_dtype == "float8_e4m3fn" and cfg.dtype == "float16":  # kernels upcast to q's
         raise ValueError(f"an fp8 KV cache needs a bfloat16 or float32 model, got {cfg.dtype}")
     return (limit if max_model_len is None else int(max_model_len)), kv_dtype
+
+
+def _check_max_model_len(max_model_len: int, limit: int) -> None:
+    """ValueError unless 2 <= `max_model_len` <= `limit` (the model's positions): a longer
+    sequence would run past the positions the model was trained on."""
+    if not 1 < max_model_len <= limit:
+        raise ValueError(f"max_model_len must be an int in [2, {limit}], got {max_model_len=}")

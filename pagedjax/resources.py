@@ -198,6 +198,7 @@ def plan_num_pages(
     device=None,
     kv_dtype: str | None = None,
     watermark: float = planner.WATERMARK,
+    max_num_batched_tokens: int | None = None,
 ) -> int:
     """Pages that fit in `kv_memory_fraction` of the device's free memory.
 
@@ -206,10 +207,14 @@ def plan_num_pages(
     fraction applies to a 4 GiB budget, capped at what `max_num_seqs` sequences of
     `max_model_len` tokens can use on top of the `watermark` (`LLM(watermark=)`) of
     pages admission keeps free. `kv_dtype`: the cache's storage dtype (default the
-    model's).
+    model's). `max_num_batched_tokens`: the engine's step budget, which bounds what a
+    sliding-window sequence holds (None: counted as 1, the least it can hold).
 
     Raises:
-      ValueError: a bad fraction, watermark or size (named), or no page fits.
+      ValueError: a bad fraction, watermark or size (named), no page fits, or the
+        pages beside the watermark hold less than one sequence of `max_model_len`
+        tokens (`planner.peak_pages`; as vLLM refuses such a cache at start, not each
+        request of the default length once it has started).
     """
     f, w = kv_memory_fraction, watermark
     if isinstance(f, bool) or not isinstance(f, numbers.Real) or not 0 < f <= 1:
@@ -235,21 +240,35 @@ def plan_num_pages(
     free = None
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        pages = int(kv_memory_fraction * free) // per_page
+        pages = int(float(kv_memory_fraction) * free) // per_page  # (np.float32: exact)
     else:
         pages = min(
             _pages_beside_watermark(max_num_seqs * -(-max_model_len // page_size), watermark),
-            int(kv_memory_fraction * _CPU_KV_BUDGET) // per_page,
+            int(float(kv_memory_fraction) * _CPU_KV_BUDGET) // per_page,
         )
     pages = min(pages, (2**31 - 1) // page_size - 1)
+    where = (
+        f"the {_CPU_KV_BUDGET} bytes a device without memory stats budgets"
+        if free is None
+        else f"the {free} bytes free on {device} after the weights"
+    )
     if pages < 1:
-        where = (
-            f"the {_CPU_KV_BUDGET} bytes a device without memory stats budgets"
-            if free is None
-            else f"the {free} bytes free on {device} after the weights"
-        )
         raise ValueError(
             f"kv_memory_fraction={kv_memory_fraction} of {where} holds no page of {per_page} bytes"
+        )
+    need = planner.peak_pages(
+        max_model_len,
+        page_size,
+        sliding_window=cfg.sliding_window,
+        max_num_batched_tokens=1 if max_num_batched_tokens is None else max_num_batched_tokens,
+    )
+    kept = int(watermark * pages)  # as BlockManager.watermark_pages
+    if pages - kept < need:
+        raise ValueError(
+            f"max_model_len={max_model_len} needs {need} KV pages beside the {kept} the "
+            f"watermark keeps free, but kv_memory_fraction={kv_memory_fraction} of {where} "
+            f"holds {pages - kept} pages ({(pages - kept) * page_size} tokens); lower "
+            "max_model_len or raise kv_memory_fraction"
         )
     return pages
 

@@ -290,6 +290,9 @@ ENGINE = dict(backend="xla", page_size=8, num_pages=64, max_num_seqs=8)
         (dict(enable_prefix_caching="no"), ValueError, "enable_prefix_caching='no'"),
         (dict(max_model_len=1.5), ValueError, "got max_model_len=1.5"),
         (dict(max_model_len=0), ValueError, "got max_model_len=0"),
+        # Past the model's positions, or 1, they were refused only once the model loaded.
+        (dict(max_model_len=513), ValueError, r"\[2, 512\], got max_model_len=513"),
+        (dict(max_model_len=1), ValueError, r"\[2, 512\], got max_model_len=1"),
     ],
 )
 def test_bad_engine_arguments_are_named_before_the_model_loads(kwargs, error, match, monkeypatch):
@@ -319,6 +322,17 @@ def test_kv_memory_fraction_and_the_limits_reach_the_page_planner(monkeypatch):
     assert llm.cache_config.num_pages == 40 and llm.block_manager.num_pages == 40
     engine.LLM(p, **kw)
     assert asked == [(8, 0.3, 3), (64, 0.1, "float32"), (8, 0.8, 3), (64, 0.1, "float32")]
+
+
+def test_a_numpy_kv_memory_fraction_is_taken():
+    # np.float32(0.5) was "kv_memory_fraction must be in (0, 1]" (not a Python float).
+    p = params_helpers.random_params(TINY, 0)
+    kw = dict(backend="xla", page_size=8, max_num_seqs=2, max_model_len=64)
+    llm = engine.LLM(p, kv_memory_fraction=np.float32(0.5), **kw)
+    assert (
+        llm.cache_config.num_pages
+        == engine.LLM(p, kv_memory_fraction=0.5, **kw).cache_config.num_pages
+    )
 
 
 def test_engine_seeds_and_flags_of_numpy_types_are_taken():

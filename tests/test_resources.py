@@ -1,5 +1,6 @@
 """`resources.load_model`: each kind of LLM source, and the dtype override on each."""
 
+import dataclasses
 import re
 
 import numpy as np
@@ -171,3 +172,31 @@ def test_sharded_params_are_not_cast():
     with pytest.raises(ValueError, match="dtype='bfloat16' differs.*sharded over a mesh"):
         resources.load_model(sharded, dtype="bfloat16")
     assert resources.load_model(sharded, dtype="float32")[1] is sharded
+
+
+def test_plan_num_pages_refuses_a_budget_shorter_than_one_max_model_len_sequence():
+    # Was silent: LLM(kv_memory_fraction=...) built a cache of 3 pages for max_model_len=64
+    # (4 pages), and every request of max_tokens=None was then refused, one by one.
+    cfg = PRESETS["tiny"]
+    shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+    per_page = 16 * planner.kv_bytes_per_token(*shape)
+    kw = dict(kv_memory_fraction=0.5, max_num_seqs=1, max_model_len=64)
+    short = _Device(dict(bytes_limit=6 * per_page, bytes_in_use=0))  # 3 pages
+    with pytest.raises(ValueError, match=r"max_model_len=64 needs 4 KV pages.* 3 pages \(48 tok"):
+        resources.plan_num_pages(cfg, 16, device=short, **kw)
+    enough = _Device(dict(bytes_limit=8 * per_page, bytes_in_use=0))
+    assert resources.plan_num_pages(cfg, 16, device=enough, **kw) == 4
+    with pytest.raises(ValueError, match=r"max_model_len=65 needs 4 KV pages beside the 1"):
+        resources.plan_num_pages(
+            cfg, 16, device=enough, **(kw | dict(max_model_len=65)), watermark=0.3
+        )
+    cpu_fraction = 3 * per_page / resources._CPU_KV_BUDGET  # no stats: 3 pages of 4 GiB
+    with pytest.raises(ValueError, match="max_model_len=64 needs 4 KV pages"):
+        resources.plan_num_pages(
+            cfg, 16, device=_Device(None), **(kw | dict(kv_memory_fraction=cpu_fraction))
+        )
+    # A sliding window bounds what a sequence holds: W=16 and 8-token chunks, 3 pages.
+    windowed = dataclasses.replace(cfg, sliding_window=16)
+    assert planner.peak_pages(64, 16, sliding_window=16, max_num_batched_tokens=8) == 3
+    got = resources.plan_num_pages(windowed, 16, device=short, max_num_batched_tokens=8, **kw)
+    assert got == 3
