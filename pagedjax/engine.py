@@ -229,6 +229,7 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
                 max_model_len=self.max_model_len,
                 kv_dtype=kv_dtype,
                 watermark=watermark,
+                max_num_batched_tokens=max_num_batched_tokens,  # (a window model's need)
             )
         self.cache_config = CacheConfig(page_size, num_pages, kv_dtype)
         self.block_manager = BlockManager(
