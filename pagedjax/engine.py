@@ -103,7 +103,9 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
       page_size: tokens per KV page (a power of two).
       num_pages: KV pages; default from `kv_memory_fraction` (`resources.plan_num_pages`).
       kv_memory_fraction: share of free device memory for the cache (default 0.8);
-        give it or `num_pages`, not both.
+        give it or `num_pages`, not both. A share too small to hold one sequence of
+        `max_model_len` tokens is a ValueError naming both, as in vLLM. Without
+        memory stats (the CPU) it is a share of a 4 GiB budget.
       max_num_seqs: most sequences running at once.
       max_num_batched_tokens: token budget of one step (decode tokens + prefill chunks).
       enable_prefix_caching: reuse cached prompt pages across requests.
