@@ -31,6 +31,13 @@ also adds `prompt_token_ids` as vLLM does), and logprobs name each token
 `"token_id:<id>"` (vLLM's convention) with every `text_offset` 0 (offsets into the
 empty text). scripts/serve.py documents the fields and answers as a user sees them.
 
+Where this differs from vLLM on purpose: `stream_options: {}` asks for no usage chunk
+(OpenAI's reading; vLLM's `include_usage` defaults to true there); vLLM's
+`stream_options.continuous_usage_stats: true` (usage in every chunk) is a 400, not
+ignored; completions' `logprobs` must be an int (vLLM's pydantic takes true as 1). A
+`seed` is any int64, as both take it, folded modulo 2**32 into the engine's range.
+Fields neither reads (`user`, `metadata`, `store`, `service_tier`, ...) are ignored.
+
 Defaults: a sampling field left out (or null) takes the server's `defaults`, the
 checkpoint's generation_config.json values (`LLM.sampling_defaults`), as vLLM's
 `--generation-config auto` does, else OpenAI's. Its `max_tokens` (the file's
@@ -228,9 +235,17 @@ def parse_job(
         msg = f"stream_options needs stream=true, got stream_options={opts!r:.80}"
         raise ApiError(400, msg, "stream_options")
     if opts is not None:
-        usage_ = opts.get("include_usage") if isinstance(opts, dict) else None
-        if not isinstance(opts, dict) or not isinstance(usage_, (bool, type(None))):
+        flags = ("include_usage", "continuous_usage_stats")
+        if not isinstance(opts, dict) or any(
+            not isinstance(opts.get(f), (bool, type(None))) for f in flags
+        ):
             msg = f"stream_options must be {{include_usage: bool}}, got stream_options={opts!r:.80}"
+            raise ApiError(400, msg, "stream_options")
+        if opts.get("continuous_usage_stats"):  # vLLM's usage in every chunk
+            msg = (
+                "stream_options' continuous_usage_stats is not supported (include_usage "
+                f"gives the usage in a last chunk), got stream_options={opts!r:.80}"
+            )
             raise ApiError(400, msg, "stream_options")
     include_usage = stream and bool((opts or {}).get("include_usage"))
     priority = _job_priority(body, scheduling_policy)
@@ -271,7 +286,8 @@ def parse_job(
             raise ApiError(400, msg, "logprobs")
         k = int_field(body, "top_logprobs", None)
         if k is not None and not want:
-            raise ApiError(400, f"top_logprobs needs logprobs=true, got top_logprobs={k}")
+            msg = f"top_logprobs needs logprobs=true, got top_logprobs={k}"
+            raise ApiError(400, msg, "top_logprobs")
         k = _logprobs_field("top_logprobs", k, vocab_size, max_logprobs)
         logprobs = (k or 0) if want else None
         default = min(max_model_len - len(ids[0]), defaults.get("max_tokens", max_model_len))

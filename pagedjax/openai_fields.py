@@ -113,7 +113,8 @@ def sampling_params(
     `defaults` (a checkpoint's top_p would refuse it) and ignores `temperature`. What
     beam search refuses (stop strings, top_k, top_p, min_p, penalties, logit_bias, ...)
     is a 400 naming the field, whatever `n`. `length_penalty` without it is a 400
-    (sampling has nothing to apply it to)."""
+    (sampling has nothing to apply it to). A `seed` is any int64, as OpenAI's and vLLM's,
+    taken modulo 2**32 (the engine's range)."""
     for name, bad, why in (
         ("best_of", body.get("best_of") not in (None, 1), "best_of is not supported"),
         ("suffix", body.get("suffix") is not None, "suffix is not supported"),
@@ -131,6 +132,9 @@ def sampling_params(
     kw.update((k, body[k]) for k in (*SAMPLING_FIELDS, "length_penalty") if body.get(k) is not None)
     if kw.get("top_k") == -1:  # vLLM's "off"
         kw["top_k"] = 0
+    seed = kw.get("seed")
+    if type(seed) is int and -(2**63) <= seed < 2**63:  # OpenAI's and vLLM's: any int64
+        kw["seed"] = seed % 2**32  # (the engine's are in [0, 2**32))
     stop = body.get("stop")
     if stop is not None:
         if not isinstance(stop, (str, list)):
@@ -215,13 +219,17 @@ _GUIDED_FIELDS = {
 
 def _structured_fields(body: dict) -> list[str]:
     """The request's fields that ask for structured outputs (a valid request has one at
-    most; `response_format` `{"type": "text"}` asks for none)."""
+    most; a `response_format` of type "text" asks for none, whatever else it holds)."""
     return [
         name
         for name in ("response_format", "structured_outputs", *_GUIDED_FIELDS)
         if body.get(name) is not None
-        and not (name == "response_format" and body[name] == {"type": "text"})
+        and not (name == "response_format" and _text_format(body[name]))
     ]
+
+
+def _text_format(value) -> bool:
+    return isinstance(value, dict) and value.get("type") == "text"
 
 
 def structured_outputs(body: dict, tokenizer, vocab_size: int) -> StructuredOutputsParams | None:

@@ -96,6 +96,17 @@ def test_bad_completion_fields_are_400s_naming_field_and_value(body, param, word
         (dict(stream="false"), "stream", "stream='false'"),
         (dict(stream=True, stream_options=[1]), "stream_options", "stream_options=[1]"),
         (dict(stream=True, stream_options={"include_usage": "no"}), "stream_options", "'no'"),
+        # vLLM's per-chunk usage: it was ignored (the chunks carried none).
+        (
+            dict(stream=True, stream_options={"continuous_usage_stats": True}),
+            "stream_options",
+            "continuous_usage_stats is not supported",
+        ),
+        (
+            dict(stream=True, stream_options={"continuous_usage_stats": 1}),
+            "stream_options",
+            "'continuous_usage_stats': 1",
+        ),
         (dict(use_beam_search=1), "use_beam_search", "use_beam_search=1"),
         (dict(model=5), "model", "model must be a string, got model=5"),  # a 404, not served
         (dict(max_tokens=MAX_LEN), "max_tokens", f"max_tokens={MAX_LEN}"),
@@ -142,7 +153,7 @@ def test_bad_prompts_are_400s(prompt, words):
         (dict(logprobs="yes"), "logprobs", "logprobs='yes'"),
         (dict(logprobs=1), "logprobs", "logprobs=1"),
         (dict(logprobs=0.0), "logprobs", "logprobs=0.0"),
-        (dict(top_logprobs=2), None, "logprobs=true"),
+        (dict(top_logprobs=2), "top_logprobs", "logprobs=true"),  # param was null
         (dict(top_logprobs="2", logprobs=True), "top_logprobs", "top_logprobs='2'"),
         (dict(max_completion_tokens=1.5), "max_completion_tokens", "=1.5"),
         # These were a 500 (KeyError, TypeError) or rendered as if they were strings.
@@ -158,7 +169,7 @@ def test_bad_prompts_are_400s(prompt, words):
         (dict(logprobs=True, top_logprobs=21), "top_logprobs", "top_logprobs=21"),
         (dict(max_completion_tokens=MAX_LEN), "max_completion_tokens", f"={MAX_LEN}"),
         (dict(max_tokens=MAX_LEN), "max_tokens", f"max_tokens={MAX_LEN}"),
-        (dict(logprobs=False, top_logprobs=2), None, "logprobs=true"),
+        (dict(logprobs=False, top_logprobs=2), "top_logprobs", "logprobs=true"),
         (dict(logprobs=True, top_logprobs=True), "top_logprobs", "top_logprobs=True"),
         # It was named max_tokens (SamplingParams' name for it).
         (dict(max_completion_tokens=0), "max_completion_tokens", "max_completion_tokens=0"),
@@ -205,6 +216,15 @@ def test_a_model_naming_a_lora_adapter_runs_with_it():
     [
         (dict(prompt="a", best_of=1), False, None),
         (dict(prompt="a", response_format={"type": "text"}), False, None),
+        # OpenAI's and vLLM's "text" asks for nothing, whatever else it holds (a 400).
+        (dict(prompt="a", response_format={"type": "text", "json_schema": None}), False, None),
+        # Those that OpenAI and vLLM accept; a stream's include_obfuscation is OpenAI's.
+        (dict(prompt="a", stream=True, stream_options={"include_obfuscation": False}), False, None),
+        (
+            dict(prompt="a", stream=True, stream_options={"continuous_usage_stats": False}),
+            False,
+            None,
+        ),
         (dict(prompt="a", logprobs=20), False, 20),
         (dict(messages=[{"role": "u"}], logprobs=True, top_logprobs=20), True, 20),
         (dict(messages=[{"role": "u"}], logprobs=True, top_logprobs=0), True, 0),
@@ -442,3 +462,12 @@ def test_truncate_prompt_tokens_minus_one_is_max_model_len(chat):
         words = f"None, -1 (max_model_len) or an int >= 1, got truncate_prompt_tokens={bad!r}"
         kw = dict(words=words, param="truncate_prompt_tokens")
         raises_400(job, body(short, truncate_prompt_tokens=bad), chat=chat, **kw)
+
+
+def test_a_seed_is_any_64_bit_int_as_openai_and_vllm_take_it():
+    """OpenAI's and vLLM's seed is any int64 (a 400 here: the engine's are in [0, 2**32));
+    one outside that range is taken modulo 2**32, so it still fixes the draws."""
+    for seed, want in ((-1, 2**32 - 1), (2**40 + 7, 7), (-(2**63), 0), (5, 5)):
+        assert job(dict(prompt="a", seed=seed)).params.seed == want
+    raises_400(job, dict(prompt="a", seed=2**63), words=f"seed={2**63}", param="seed")
+    raises_400(job, dict(prompt="a", seed=1.0), words="seed=1.0", param="seed")
