@@ -43,9 +43,11 @@ is a 404 listing the served ones; /tokenize and /detokenize take it too), `max_t
 (default 16 for completions, null: up to the model's length, as vLLM's, 0: the prompt
 alone with `echo`; for chat `max_completion_tokens` or `max_tokens`, default: up to the
 model's length),
-`temperature` (default 1), `top_p`, `n`, `stop` (a string or a list), `seed`,
-`presence_penalty`, `frequency_penalty`, `stream`, `stream_options: {"include_usage"}`
-(with `stream: true` only), `logit_bias` ({"token id": value in [-100, 100]}), and
+`temperature` (default 1), `top_p`, `n`, `stop` (a string or a list), `seed` (any
+int64, taken modulo 2**32), `presence_penalty`, `frequency_penalty`, `stream`,
+`stream_options: {"include_usage"}` (with `stream: true` only; `{}` sends no usage chunk,
+as OpenAI's; `continuous_usage_stats: true` is a 400), `logit_bias` ({"token id": value
+in [-100, 100]}), and
 vLLM's `top_k` (-1 or 0: off), `min_p`, `repetition_penalty`, `ignore_eos`,
 `stop_token_ids`, `min_tokens`, `cache_salt`, `include_stop_str_in_output`,
 `skip_special_tokens`, `truncate_prompt_tokens` (the last K prompt tokens; -1: K = max_model_len),
