@@ -5,10 +5,11 @@
 `ToolRequest`, or an `ApiError` 400 naming the bad value. The chat template gets the tools
 as its `tools` variable in vLLM's form (each `function` with `description` and
 `parameters` null where left out, its other keys kept), whatever the `tool_choice` ("none"
-too, as vLLM's default). `template_message` readies a message's own calls as vLLM does: an
-assistant message's `tool_calls[].function.arguments`, a JSON string in OpenAI's format,
-becomes the value it holds ({} for "" or null), and an empty `tool_calls` is dropped;
-`role: "tool"` messages (with their `tool_call_id`) pass as they are.
+too, as vLLM's default). The messages' own calls reach it as vLLM readies them
+(`chat.normalize_messages`, which `openai_api.chat_messages` runs): an assistant
+message's `tool_calls[].function.arguments`, a JSON string in OpenAI's format, becomes the
+value it holds ({} for "" or null), and an empty `tool_calls` is dropped; `role: "tool"`
+messages (with their `tool_call_id`) pass as they are.
 
 What the answer is, by `tool_choice` (left out or null: "auto", as OpenAI's and vLLM's):
 
@@ -71,7 +72,6 @@ import uuid
 from collections.abc import Callable
 from typing import NamedTuple
 
-from pagedjax.chat import normalize_message
 from pagedjax.guided import StructuredOutputsParams, compile_guide
 from pagedjax.openai_fields import ApiError
 
@@ -83,7 +83,6 @@ __all__ = [
     "parse_hermes",
     "parse_llama3_json",
     "read_tools",
-    "template_message",
     "tool_call",
 ]
 
@@ -441,17 +440,6 @@ def _tool_choice(choice, names: set[str]) -> tuple[str, str | None]:
         msg = f"tool_choice names function {name!r}, which is not among the tools ({sorted(names)})"
         raise ApiError(400, msg, "tool_choice")
     return "named", name
-
-
-def template_message(i: int, message: dict) -> dict:
-    """`messages[i]` as the chat template gets it (`chat.normalize_message`): an assistant
-    message's tool calls' `function.arguments` (a JSON string) parsed as vLLM parses them
-    ({} for "" or null), an empty `tool_calls` dropped; a 400 naming a call that is no
-    `{"function": {"name", "arguments"}}`, or arguments that are no JSON."""
-    try:
-        return normalize_message(i, message)
-    except (ValueError, TypeError) as e:
-        raise ApiError(400, str(e), "messages") from None
 
 
 # ----------------------------------------------------------------------------- streaming
