@@ -153,8 +153,7 @@ class GenerateMixin:
             try:
                 text, ids, sp = self._encode(p, params[i])
                 prio = self.scheduler.check_priority(priority[i])
-                # Its adapter read now, if new; the spare ones stay until all are queued.
-                self._lora_id(loras[i], trim=False)
+                self._read_lora(loras[i])  # (spare ones stay until all are queued)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
             if sp.output_kind != RequestOutputKind.FINAL_ONLY:  # (whole outputs, as vLLM's)

@@ -282,13 +282,12 @@ class LoRAMixin:
         """The ids of the adapters held on the host."""
         return set(self._need_lora().requests)
 
-    def _lora_id(self, lora_request: LoRARequest | None, *, trim: bool = True) -> int:
-        """The id a request runs with (0: none), its adapter read if it is new (`trim`:
-        as `LoRASlots.add`'s)."""
-        if lora_request is None:
-            return 0
-        self._need_lora().add(lora_request, trim=trim)
-        return lora_request.lora_int_id
+    def _read_lora(self, lora_request: LoRARequest | None) -> None:
+        """Reads a request's adapter if it is new (None: nothing), keeping the spare ones
+        until `LoRASlots.trim()`: for a call that reads its adapters before queueing its
+        requests (`generate`), which would otherwise push each other out."""
+        if lora_request is not None:
+            self._need_lora().add(lora_request, trim=False)
 
     def _set_lora(self, group: SequenceGroup, lora_id: int) -> None:
         if lora_id:
