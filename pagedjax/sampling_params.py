@@ -48,9 +48,8 @@ class SamplingParams:
       n: completions per prompt; with beam search, the best n beams (n <= beam_width).
       temperature: 0 is greedy; ignored by beam search. A small one is used as given
         (vLLM raises those in (0, 0.01) to 0.01).
-      top_k: keep the k most likely tokens, and those tied with the k-th (0: off; vLLM's
-        other "off", -1, is refused here: the OpenAI server and generation_config.json
-        map it to 0).
+      top_k: keep the k most likely tokens, and those tied with the k-th (0: off; -1,
+        vLLM's other "off", is stored as 0).
       top_p: nucleus mass in (0, 1]: keep the most likely tokens up to the one at which
         their mass reaches top_p, and those tied with it (1: off).
       min_p: in [0, 1]: drop tokens less likely than min_p times the most likely one,
@@ -59,7 +58,7 @@ class SamplingParams:
       max_tokens: most tokens to generate per completion; None: until the prompt and the
         completion reach the engine's max_model_len (as vLLM's None).
       seed: sampling seed, an int in [0, 2**32); None draws one from the engine's seed
-        (vLLM's -1 for None is refused).
+        (-1, vLLM's other None, is stored as None).
       stop_token_ids: extra tokens that end a completion (kept in its token ids).
       stop: strings that end a completion (cut from its text where the string starts,
         or where it ends with include_stop_str_in_output; needs a tokenizer). Of several
@@ -197,6 +196,11 @@ class SamplingParams:
         for name in _INT_FIELDS:
             if isinstance(getattr(self, name), np.integer):
                 object.__setattr__(self, name, int(getattr(self, name)))
+        # vLLM's spellings of "off" and "no seed" (an int -1 only: -1.0 stays an error)
+        if type(self.top_k) is int and self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        if type(self.seed) is int and self.seed == -1:
+            object.__setattr__(self, "seed", None)
 
         def positive_int(name):
             v = getattr(self, name)

@@ -5,6 +5,8 @@ against the dense no-cache reference, in tests/test_engine.py's geometry
 (tests/engine_helpers.py).
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 from engine_helpers import GEOMETRY, PAGES, PS, Dense, check_clean, greedy, random_params
@@ -184,11 +186,13 @@ def test_cache_salt_separates_prefix_caches(params):
         (dict(top_p=0.0), "top_p=0.0"),
         (dict(top_p=1.5), "top_p=1.5"),
         (dict(temperature=-0.5), "temperature=-0.5"),
-        (dict(top_k=-1), "top_k=-1"),
+        (dict(top_k=-2), "top_k=-2"),
+        (dict(top_k=-1.0), "top_k=-1.0"),
         (dict(min_p=1.01), "min_p=1.01"),
         (dict(min_p=True), "min_p=True"),
         (dict(max_tokens=0), "max_tokens=0"),
         (dict(seed=-3), "seed=-3"),
+        (dict(seed=-1.0), "seed=-1.0"),
         (dict(beam_width=2, n=3), "n=3"),
         (dict(stop=[""]), r"stop=\[''\]"),
         (dict(length_penalty=float("nan")), "length_penalty=nan"),
@@ -203,6 +207,17 @@ def test_cache_salt_separates_prefix_caches(params):
 def test_sampling_params_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_sampling_params_take_vllms_minus_one_for_off():
+    # vLLM's SamplingParams take top_k=-1 for "off" and seed=-1 for "no seed".
+    p = SamplingParams(top_k=-1, seed=-1)
+    assert (p.top_k, p.seed) == (0, None)
+    assert SamplingParams(top_k=np.int64(-1), seed=np.int32(-1)) == SamplingParams()
+    assert dataclasses.replace(SamplingParams(top_k=5, seed=3), top_k=-1, seed=-1) == p
+    with pytest.raises(ValueError, match="not supported with beam search"):
+        SamplingParams(beam_width=2, top_k=4)
+    assert SamplingParams(beam_width=2, top_k=-1).top_k == 0
 
 
 def test_bad_requests_fail_before_anything_runs(params):
