@@ -110,7 +110,7 @@ def _unnest(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def save_params(params: Params, path, *, overwrite: bool = False) -> None:
+def save_params(params: Params, path, *, overwrite: bool = False, extra_files=()) -> None:
     """Saves params and their config as an orbax checkpoint directory (layout above).
 
     The checkpoint is written into a new directory beside `path` and moved into place
@@ -122,9 +122,20 @@ def save_params(params: Params, path, *, overwrite: bool = False) -> None:
       path: the checkpoint directory; must not exist (or be empty) unless `overwrite`.
       overwrite: replace an existing pagedjax orbax checkpoint at `path`. A non-empty
         directory that is not one is never removed.
+      extra_files: paths of files copied into the checkpoint under their own names
+        before it moves into place (a tokenizer's), so they arrive with it or not at
+        all. Two with one name, or one named as the checkpoint's own files, are a
+        ValueError.
     """
     import orbax.checkpoint as ocp  # slow import; only here
 
+    extra = [Path(f) for f in extra_files]
+    names = [f.name for f in extra]
+    clash = sorted(
+        {n for n in names if names.count(n) > 1 or n in (ORBAX_PARAMS_DIR, ORBAX_META_FILE)}
+    )
+    if clash:
+        raise ValueError(f"extra_files: {clash} named twice or as the checkpoint's own files")
     root = Path(path).absolute()
     replace = root.exists() and any(root.iterdir())
     if replace:
@@ -144,6 +155,8 @@ def save_params(params: Params, path, *, overwrite: bool = False) -> None:
             "config": config_to_json(params.config),
         }
         (new / ORBAX_META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        for f in extra:
+            shutil.copy2(f, new / f.name)
         if replace:
             root.rename(old)
             try:

@@ -24,7 +24,6 @@ status 1.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -119,14 +118,11 @@ def main(argv=None) -> int:
     except OSError as e:  # (reading HF_DIR's files)
         print(f"convert_checkpoint: error: {one_line(e)}", file=sys.stderr)
         return 1
-    copied = []
+    copied = [name for name in TOKENIZER_FILES if (Path(args.hf_dir) / name).is_file()]
     try:  # OUT_DIR was checked: what fails now is the write (orbax's full disk: a ValueError)
-        weights.save_params(params, args.out_dir, overwrite=args.overwrite)
-        for name in TOKENIZER_FILES:
-            src = Path(args.hf_dir) / name
-            if src.is_file():
-                shutil.copy2(src, Path(args.out_dir) / name)
-                copied.append(name)
+        # (the tokenizer files go in before the checkpoint moves into place: with it or not)
+        extra = [Path(args.hf_dir) / name for name in copied]
+        weights.save_params(params, args.out_dir, overwrite=args.overwrite, extra_files=extra)
     except (ValueError, OSError) as e:
         print(
             f"convert_checkpoint: error: writing {args.out_dir} failed: {one_line(e)}",

@@ -240,7 +240,7 @@ def test_host_bad_flags(argv, want, capsys, monkeypatch):
 def test_convert_a_failed_write_is_status_1_in_one_line(tmp_path, capsys, monkeypatch):
     """A full disk while orbax writes (its ValueError "RESOURCE_EXHAUSTED ... No space
     left on device") exited 2, as bad input; while copying the tokenizer files after
-    it, with a traceback."""
+    it, with a traceback. Either leaves no OUT_DIR."""
     import errno
     import shutil
 
@@ -266,6 +266,9 @@ def test_convert_a_failed_write_is_status_1_in_one_line(tmp_path, capsys, monkey
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "No space left on device" in err, err
         assert f"writing {tmp_path / f'out_{name}'} failed" in err, err
+        # (the tokenizer files were copied after the weights moved into place, which
+        # left a checkpoint without them)
+        assert not (tmp_path / f"out_{name}").exists()
 
 
 def test_convert_a_broken_hf_dir_is_one_line(tmp_path, capsys, monkeypatch):

@@ -66,6 +66,49 @@ def test_tied_head_differing_is_refused_before_any_tensor_loads(tmp_path, monkey
     assert "lm_head.kernel" not in model.params_to_flat(params)
 
 
+def test_orbax_extra_files_arrive_with_the_checkpoint_or_not_at_all(tmp_path, monkeypatch):
+    """convert_checkpoint.py copied the tokenizer files after the swap: a copy that
+    failed left the new weights without them (and the old files gone)."""
+    import shutil
+
+    cfg = model_config()
+    old_files, new_files = tmp_path / "old", tmp_path / "new"
+    for d, text in ((old_files, "old"), (new_files, "new")):
+        d.mkdir()
+        (d / "tokenizer.json").write_text(text)
+        (d / "tokenizer_config.json").write_text(text)
+    old = model.init_params(cfg, seed=0)
+    ckpt = tmp_path / "ckpt"
+    weights.save_params(old, ckpt, extra_files=sorted(old_files.iterdir()))
+    assert (ckpt / "tokenizer.json").read_text() == "old"
+    copy2 = shutil.copy2
+
+    def full_disk(src, dst, **k):
+        if Path(src).name == "tokenizer_config.json":
+            raise OSError(28, "No space left on device")
+        return copy2(src, dst, **k)
+
+    monkeypatch.setattr(shutil, "copy2", full_disk)
+    new = model.init_params(cfg, seed=1)
+    with pytest.raises(OSError, match="No space left"):
+        weights.save_params(new, ckpt, overwrite=True, extra_files=sorted(new_files.iterdir()))
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "new", "old"]
+    assert [(ckpt / n).read_text() for n in ("tokenizer.json", "tokenizer_config.json")] == [
+        "old",
+        "old",
+    ]
+    _, back = weights.load_checkpoint(ckpt)
+    emb = "embed_tokens.embedding"
+    np.testing.assert_array_equal(
+        np.asarray(model.params_to_flat(back)[emb]), np.asarray(model.params_to_flat(old)[emb])
+    )
+    for bad in ([new_files / "tokenizer.json", old_files / "tokenizer.json"], [ckpt / "params"]):
+        with pytest.raises(ValueError, match="named twice or as the checkpoint's own files"):
+            weights.save_params(new, tmp_path / "other", extra_files=bad)
+        assert not (tmp_path / "other").exists()
+
+
 def test_a_failed_orbax_overwrite_keeps_the_old_checkpoint(tmp_path, monkeypatch):
     """save_params writes beside the target and swaps it in once complete: a save that
     fails halfway leaves the old checkpoint whole (it was deleted first) and no partial
