@@ -82,8 +82,9 @@ def from_hf(config: dict, *, dtype: str | None = None) -> ModelConfig:
         or incomplete rope scaling, missing keys, a number of the wrong type (named),
         a different sliding window per layer (or a Mistral `layer_types` that
         contradicts HF's window on every layer), or a key the model does not
-        implement (`hidden_act` other than silu, `mlp_bias`, `partial_rotary_factor`
-        < 1 at the top level or in the RoPE dict, `quantization_config`).
+        implement (`hidden_act` other than silu, a Llama's `mlp_bias`,
+        `partial_rotary_factor` < 1 at the top level or in the RoPE dict, RoPE parameters
+        per layer type, `quantization_config`).
     """
     archs = config.get("architectures") or []
     unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
@@ -104,8 +105,8 @@ def from_hf(config: dict, *, dtype: str | None = None) -> ModelConfig:
     ]
     if missing:
         raise ValueError(f"config.json is missing required keys: {missing}")
-    _refuse_unimplemented(config)
     family = _ARCH_FAMILIES[archs[0]] if archs else model_type
+    _refuse_unimplemented(config, family)
     absent = _HF_ABSENT[family]
     num_heads = _hf_number(config, "num_attention_heads", int)
     hidden = _hf_number(config, "hidden_size", int)
@@ -242,11 +243,11 @@ def _hf_sliding_window(config: dict, family: str | None, max_pos: int) -> int | 
     """The one sliding window of every layer, or None; mixed layers are a ValueError.
 
     HF's rules: Mistral slides every layer when `sliding_window` is set (HF's Mistral
-    ignores `layer_types`; one marking any layer "full_attention" is refused: it
-    describes another model than the one HF serves). HF's Llama
-    ignores `sliding_window` (its attention passes none: "the main diff" of Mistral's),
-    so a Llama config slides only the layers its `layer_types` marks, as vLLM's Llama
-    reads it; without that list, a stray `sliding_window` key is ignored.
+    ignores `use_sliding_window` and `layer_types`; a `layer_types` marking any layer
+    "full_attention" is refused: it describes another model than the one HF serves).
+    HF's Llama ignores `sliding_window` (its attention passes none: "the main diff" of
+    Mistral's), so a Llama config slides only the layers its `layer_types` marks, as
+    vLLM's Llama reads it; without that list, a stray `sliding_window` key is ignored.
     Qwen2/Qwen3 slide only with `use_sliding_window: true` (default false), and then
     the layers that `layer_types` marks "sliding_attention", or, without that list,
     layers `i >= max_window_layers` (default 28; older transformers read it the other
@@ -258,7 +259,8 @@ def _hf_sliding_window(config: dict, family: str | None, max_pos: int) -> int | 
     """
     qwen = family in ("qwen2", "qwen3")
     layer_types = config.get("layer_types")
-    if not config.get("use_sliding_window", not qwen):
+    # HF's Mistral reads no use_sliding_window (its config class has none).
+    if family != "mistral" and not config.get("use_sliding_window", not qwen):
         return None
     if layer_types is None and family in ("llama", None):  # None: no family named
         return None
@@ -307,13 +309,15 @@ def _hf_sliding_window(config: dict, family: str | None, max_pos: int) -> int | 
     return None if window >= max_pos else window
 
 
-def _refuse_unimplemented(config: dict) -> None:
+def _refuse_unimplemented(config: dict, family: str | None) -> None:
     """Raises ValueError naming a config.json key that changes the model's math in a way
-    the model does not implement (reading past it would serve garbage without an error)."""
+    the model does not implement (reading past it would serve garbage without an error).
+    `mlp_bias` counts for Llama only: Qwen2's, Qwen3's and Mistral's HF MLPs hard-code
+    bias=False and never read it (a checkpoint with MLP biases still fails to load)."""
     act = config.get("hidden_act", "silu")
     if act not in ("silu", "swish"):  # HF's ACT2FN: "swish" is SiLU too
         raise ValueError(f"unsupported hidden_act={act!r}; the MLP is SwiGLU (hidden_act 'silu')")
-    if config.get("mlp_bias"):
+    if config.get("mlp_bias") and family in ("llama", None):
         raise ValueError(
             f"unsupported mlp_bias={config['mlp_bias']!r}: MLP projection biases are not "
             "implemented"
@@ -335,11 +339,18 @@ def _refuse_unimplemented(config: dict) -> None:
 
 def _hf_rope_dict(config: dict) -> dict:
     """The one RoPE dict HF 5 reads (`convert_rope_params_to_dict`): `rope_scaling` if set,
-    replacing `rope_parameters` whole (its rope_theta too), else `rope_parameters`."""
+    replacing `rope_parameters` whole (its rope_theta too), else `rope_parameters`. A dict
+    of dicts (HF 5's parameters per layer type, for hybrid models) is a ValueError."""
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
     if not isinstance(rope, dict):
-        key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
         raise ValueError(f"config.json: {key} must be an object, got {key}={rope!r}")
+    per_layer = sorted(k for k, v in rope.items() if isinstance(v, dict))
+    if per_layer:  # HF 5's form for hybrid models; read flat, it was silently no scaling
+        raise ValueError(
+            f"config.json: {key} gives RoPE parameters per layer type ({per_layer}); "
+            "not supported: every layer of these families shares one RoPE"
+        )
     return rope
 
 
@@ -363,11 +374,12 @@ def _rope_scaling(scaling: dict | None, max_pos: int, top_original=None) -> Rope
     yarn: `factor` is used as given (4.x releases before that PR replaced it by
     max_position_embeddings / original_max_position_embeddings whenever the latter was
     set, which left Qwen's recommended config, whose two lengths are equal, unscaled;
-    HF now only warns when they differ); a null `factor` is that ratio (5.x); an
-    absent `original_max_position_embeddings` is `max_pos`. llama3 and yarn: a
-    top-level `original_max_position_embeddings` in config.json (`top_original`; None:
-    absent or null) replaces the dict's, as transformers 5 reads it (its
-    `standardize_rope_params` gives it priority; 4.x ignored it). Absent beta_fast /
+    HF now only warns when they differ); a null `factor` is that ratio (5.x); a null
+    `truncate` is False (HF reads it falsy; absent is True). llama3 and yarn: an absent
+    `original_max_position_embeddings` is `max_pos` (5.x's `standardize_rope_params`;
+    4.x raised), and a top-level `original_max_position_embeddings` in config.json
+    (`top_original`; None: absent or null) replaces the dict's, as transformers 5 reads
+    it (`standardize_rope_params` gives it priority; 4.x ignored it). Absent beta_fast /
     beta_slow / truncate are HF's 32 / 1 / True (`RopeScaling`).
 
     Raises:
@@ -390,10 +402,13 @@ def _rope_scaling(scaling: dict | None, max_pos: int, top_original=None) -> Rope
     values = {k: scaling[k] for k in required + optional if k in scaling}
     if top_original is not None and kind in ("llama3", "yarn"):
         values["original_max_position_embeddings"] = top_original
-    if kind == "yarn":
+    if kind in ("llama3", "yarn"):  # HF 5's standardize_rope_params: absent is max_pos
         original = values.setdefault("original_max_position_embeddings", max_pos)
+    if kind == "yarn":
         if "factor" in values and values["factor"] is None and isinstance(original, int):
             values["factor"] = max_pos / original
+        if "truncate" in values and values["truncate"] is None:  # HF: get("truncate", True)
+            values["truncate"] = False  # is None, falsy: the range is not rounded
     missing = [k for k in required if values.get(k) is None]
     if missing:  # HF refuses these too; a guessed factor would be a different model
         raise ValueError(f"rope scaling {kind!r} needs {missing}, got rope_scaling={scaling}")
