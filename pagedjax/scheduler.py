@@ -55,7 +55,9 @@ not run even alone in the cache, so preemption always makes progress.
 A sequence admitted without its last token (the `n` samples' parent, a readmitted
 beam: `_admit_len`) may find every page of what it prefills in the prefix cache, since
 a decode row computes the token after them (`BlockManager.admit(..., compute_last=False)`).
-Then it has nothing to prefill: the samples fork at once, and decode from the next step.
+Then it has nothing to prefill: the samples fork at once and decode in the same step
+(budget and pages allowing, else from the next one), as a prompt cached all but its last
+token samples in its admission step; readmitted beams decode from the next step.
 
 Asynchronous commit: `commit(plan, in_flight=True)` runs before the previous step's
 tokens reach the host. A decode row whose sequence's next token is still in flight
@@ -316,6 +318,7 @@ class Scheduler(RequestsMixin):
                 g.num_cached_tokens = max(s.num_cached_tokens for s in g.seqs)
             if g.forks and g.seqs[0].num_computed == g.seqs[0].num_admitted:
                 self._fork_samples(g)  # prompt[:-1] was cached whole: no prefill row
+                budget, reserve = self._decode_forked(plan, g, budget, reserve)
             for s in list(g.seqs):
                 if budget == 0:
                     break
@@ -383,6 +386,20 @@ class Scheduler(RequestsMixin):
             child.token_ids = list(parent.token_ids)
             self.fork(g, parent, child)
         g.forks = []
+
+    def _decode_forked(
+        self, plan: StepPlan, g: SequenceGroup, budget: int, reserve: int
+    ) -> tuple[int, int]:
+        """Decode rows in this step for samples just forked at admission, as many as the
+        budget allows, if the pages their appends take fit on top of the decode reserve
+        (else they decode from the next step); returns the budget and reserve left."""
+        seqs = g.seqs[:budget]
+        need = self.bm.num_append_pages([s.seq_id for s in seqs])
+        if need > self.bm.num_free_pages - self.bm.num_reserved_pages - reserve:
+            return budget, reserve
+        i = len(plan.decode_rows)  # decode rows come first
+        plan.rows[i:i] = [ScheduledRow(g, s, g.epoch, s.num_admitted, 1, True, True) for s in seqs]
+        return budget - len(seqs), reserve + need
 
     def _preempt(self, g: SequenceGroup) -> None:
         self.running.remove(g)

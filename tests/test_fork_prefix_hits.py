@@ -62,10 +62,11 @@ def test_n_samples_read_every_cached_page_and_sample_the_same(params, async_sche
 
 
 def test_a_fully_cached_n_sample_request_after_idle_steps(params):
-    """Such a request's admission step has no row (its samples fork at once and decode
-    from the next step); after steps with nothing to do it read as the third step in a
-    row without progress, and `step()` raised "scheduler made no progress with requests
-    queued (a bug)" (the engine fuzz's find)."""
+    """Such a request's admission step had no row (its samples forked at once and
+    decoded from the next step; now they decode in it when their pages fit, and a
+    readmitted beam's still has none); after steps with nothing to do it read as the
+    third step in a row without progress, and `step()` raised "scheduler made no
+    progress with requests queued (a bug)" (the engine fuzz's find)."""
     rng = np.random.default_rng(5)
     prompt = rng.integers(3, 256, size=2 * PS + 1).tolist()
     sp = SamplingParams(n=2, temperature=0.0, max_tokens=4)

@@ -62,22 +62,25 @@ class Sim:
 
     def write_and_check(self, plan, fed):
         """Executes a committed plan on the simulated pool; returns each row's token.
-        `fed`: the previous step's token of each sequence (what the device feeds)."""
+        `fed`: the previous step's token of each sequence (what the device feeds). As on
+        the device, every row's K/V is written before any row attends (a row may read a
+        prefix-cache hit that a later row of the step writes)."""
         for src, dst in plan.copies:
             self.pool[dst * PS : (dst + 1) * PS] = self.pool[src * PS : (src + 1) * PS]
-        out = []
         for r in plan.rows:
             if r.seq is None:
-                out.append(None)
                 continue
             if r.feed:
                 assert r.seq.token_ids[r.start] == fed[id(r.seq)]  # set, then appended
             if r.seq.status is not SeqStatus.RUNNING:  # stopped on the token it feeds
                 self.pool[r.slots] = -7  # the device still writes; nothing reads it
+            else:
+                self.pool[r.slots] = r.seq.token_ids[r.start : r.start + r.num_tokens]
+        out = []
+        for r in plan.rows:
+            if r.seq is None or r.seq.status is not SeqStatus.RUNNING:
                 out.append(None)
                 continue
-            toks = r.seq.token_ids[r.start : r.start + r.num_tokens]
-            self.pool[r.slots] = toks
             ctx = r.start + r.num_tokens
             pos = np.arange(ctx)
             table = r.page_row if not r.decode else self.bm.page_tables([r.seq.seq_id])[0]
@@ -356,7 +359,8 @@ def test_n_samples_take_every_cached_page_of_the_prompt_but_its_last_token(in_fl
     token: a decode row computes it, so when prompt[:-1] is whole pages the prefix cache
     holds (here being written by the step in flight), the parent takes every one of them
     (it took one fewer and recomputed it), forks at admission with no prefill row, and the
-    samples decode from the next step; under a sliding window too (W = 1 keeps a page)."""
+    samples decode in that same step, as a prompt cached all but its last token samples
+    in its admission step; under a sliding window too (W = 1 keeps a page)."""
     from test_window_admission import WindowSim  # (it imports this module)
 
     kw = dict(budget=32, in_flight=in_flight)
@@ -367,15 +371,46 @@ def test_n_samples_take_every_cached_page_of_the_prompt_but_its_last_token(in_fl
     g = sim.add("n", prompt, 4, n=3)
     plan = sim.step()
     assert g.num_cached_tokens == 8 and not g.forks and len(g.seqs) == 3
-    assert [(r.group is warm, r.decode) for r in plan.rows] == [(True, True)]
-    assert all(s.num_admitted == s.num_computed == 8 for s in g.seqs)
+    assert [(r.group is warm, r.decode) for r in plan.rows] == [(True, True)] + [(False, True)] * 3
+    assert [r.start for r in plan.rows if r.group is g] == [8] * 3
+    assert all(s.num_admitted == s.num_computed == 9 for s in g.seqs)  # fed the last token
     assert sim.bm.num_reserved_pages == 0
     plan = sim.step()
-    assert [(r.decode, r.start) for r in plan.rows if r.group is g] == [(True, 8)] * 3
+    assert [(r.decode, r.start) for r in plan.rows if r.group is g] == [(True, 9)] * 3
     sim.run()
     assert [s.token_ids for s in sim.done["n"].finished] == [reference(prompt, 4)] * 3
     assert sim.done["warm"].finished[0].token_ids == reference([*prompt[:-1], 50, 51], 3)
     assert sim.bm.stats().num_used_pages == 0 and sim.sched.num_preemptions == 0
+
+
+@pytest.mark.parametrize("in_flight", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "budget, num_pages, hog, kinds",
+    [
+        (4, 64, 6, [True, True, False]),  # the hog's last 2 prompt tokens leave budget 2
+        (16, 10, 16, [True] * 4),  # the hog's decode page and the samples' 3 fit exactly
+        (16, 9, 16, [True]),  # one page short: the samples decode from the next step
+    ],
+)
+def test_fully_cached_n_samples_decode_at_admission_within_budget_and_pages(
+    in_flight, budget, num_pages, hog, kinds
+):
+    """The samples forked at admission (prompt[:-1] cached whole) get decode rows in
+    that step as far as the token budget goes, and only if the pages their appends take
+    fit beside the decode reserve of the running sequences."""
+    sim = Sim(num_pages=num_pages, budget=budget, in_flight=in_flight)
+    prompt = list(range(3, 12))  # prompt[:-1] fills 2 pages
+    sim.add("warm", [*prompt[:-1], 50], 1)
+    sim.run()  # its 2 full pages are cached, evictable
+    sim.add("hog", list(range(60, 60 + hog)), 3)
+    sim.step()  # the hog prefills its first chunk
+    g = sim.add("n", prompt, 3, n=3)
+    plan = sim.step()
+    assert not g.forks and len(g.seqs) == 3 and g.num_cached_tokens == 8
+    assert [r.decode for r in plan.rows] == kinds
+    sim.run()
+    assert [s.token_ids for s in sim.done["n"].finished] == [reference(prompt, 3)] * 3
+    assert sim.bm.stats().num_used_pages == 0
 
 
 def test_readmitted_beams_take_every_cached_page_but_their_last_token():
