@@ -265,6 +265,7 @@ class BlockManager(SeqTables):
         peak_pages: int | None = None,
         window: int | None = None,
         compute_last: bool = True,
+        count_stats: bool = True,
     ) -> int:
         """Allocates pages for the prompt, reusing cached full prefix pages.
 
@@ -286,6 +287,9 @@ class BlockManager(SeqTables):
                 the caller computes the token after the prompt elsewhere (a decode row
                 feeds it), so every full page may be a hit; a prompt cached whole comes
                 computed, holding its cached pages only and reserving nothing.
+            count_stats: count the tokens and hits in ``stats()``'s prefix queries and
+                hits (False for a preempted request coming back, as vLLM keeps those
+                out of its prefix-cache counters: they would count its own pages).
 
         Returns:
             Leading prompt tokens whose K/V is already cached (a multiple of
@@ -303,6 +307,8 @@ class BlockManager(SeqTables):
             raise InvalidArgument(f"read_cache must be a bool, got {read_cache=}")
         if not isinstance(compute_last, (bool, np.bool_)):
             raise InvalidArgument(f"compute_last must be a bool, got {compute_last=}")
+        if not isinstance(count_stats, (bool, np.bool_)):
+            raise InvalidArgument(f"count_stats must be a bool, got {count_stats=}")
         if peak_pages is not None:
             peak_pages = _positive_int(peak_pages, "peak_pages", "None or ")
         if window is not None:
@@ -344,8 +350,9 @@ class BlockManager(SeqTables):
             seq.peak = peak_pages
             self._reserving[seq_id] = seq
         self._freed.pop(seq_id, None)
-        self._prefix_queries += n
-        self._prefix_hits += cached
+        if count_stats:
+            self._prefix_queries += n
+            self._prefix_hits += cached
         return cached
 
     def uncache(self, pages: Iterable[int] | None = None) -> int:

@@ -311,6 +311,7 @@ class Scheduler(RequestsMixin):
                     # A decode row feeds the rest (_admit_len): the admitted tokens may all
                     # be cached.
                     compute_last=n == len(s.token_ids),
+                    count_stats=g.num_cached_tokens is None,  # (its first admission)
                 )
                 s.status = SeqStatus.RUNNING
                 s.num_admitted, s.num_computed, s.num_cached_tokens = n, cached, cached

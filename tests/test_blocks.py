@@ -172,6 +172,22 @@ def test_prefix_reuse_three_shared_pages():
     bm.check_invariants()
 
 
+def test_a_readmission_can_stay_out_of_the_prefix_stats():
+    bm = BlockManager(32, 4)
+    shared = prompt(12)
+    computed(bm, "a", shared + prompt(3))
+    assert bm.admit("b", shared + prompt(6), count_stats=False) == 12
+    s = bm.stats()
+    assert (s.prefix_queries, s.prefix_hits) == (15, 0)
+    state = bm.stats()
+    with pytest.raises(InvalidArgument, match="count_stats must be a bool, got count_stats=1"):
+        bm.admit("c", shared, count_stats=1)
+    assert bm.stats() == state
+    with pytest.raises(KeyError):
+        bm.page_table("c")
+    bm.check_invariants()
+
+
 def test_admit_without_reading_the_cache_computes_the_whole_prompt():
     bm = BlockManager(32, 4)
     toks = prompt(13)
