@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from pagedjax.tokenizer import CONTEXT_IDS, token_names
+from pagedjax.tokenizer import name_context, token_names
 
 if TYPE_CHECKING:
     from pagedjax.openai_api import Job
@@ -53,13 +53,17 @@ def _token_names(tok, context: list[int], token_ids: list[int], skip: bool) -> d
     return dict(zip(token_ids, names, strict=True))
 
 
-def _contexts(context, token_ids) -> list[list[int]]:
-    """The ids before each of `token_ids` (the last `CONTEXT_IDS` of them)."""
-    before, out = list(context)[-CONTEXT_IDS:], []
-    for t in token_ids:
-        out.append(before)
-        before = [*before, t][-CONTEXT_IDS:]
-    return out
+def _contexts(tok, context, token_ids, skip: bool) -> list[list[int]]:
+    """The ids each of `token_ids` is named after: of `context` and the tokens before
+    it, the few that name it as all of them do (`tokenizer.name_context`: past a run of
+    byte-fallback tokens, which the last few alone may be); none without a tokenizer."""
+    if tok is None:
+        return [[] for _ in token_ids]
+    ids = [*context, *token_ids]
+    first = len(ids) - len(token_ids)
+    return [
+        name_context(tok, ids, first + j, skip_special_tokens=skip) for j in range(len(token_ids))
+    ]
 
 
 def _lp(x: float) -> float:
@@ -132,7 +136,9 @@ def render_logprobs(
     tops = [_top(e, k) for e in entries]
     names = [
         _token_names(tok, b, [t, *(u for u, _ in top)], skip_special_tokens)
-        for t, top, b in zip(token_ids, tops, _contexts(context, token_ids), strict=True)
+        for t, top, b in zip(
+            token_ids, tops, _contexts(tok, context, token_ids, skip_special_tokens), strict=True
+        )
     ]
     if chat:
 
@@ -167,7 +173,7 @@ def render_logprobs(
 def token_texts(tok, token_ids, *, context=(), skip_special_tokens: bool = True) -> list[str]:
     """Each token's name where it stands, after `context` and the tokens before it, as
     `render_logprobs` names it (an echoed token id prompt's text is these joined)."""
-    pairs = zip(token_ids, _contexts(context, token_ids), strict=True)
+    pairs = zip(token_ids, _contexts(tok, context, token_ids, skip_special_tokens), strict=True)
     return [_token_names(tok, b, [t], skip_special_tokens)[t] for t, b in pairs]
 
 

@@ -33,7 +33,7 @@ from pagedjax.request import (
 from pagedjax.scheduler import Scheduler
 from pagedjax.sequence import SeqStatus, SequenceGroup, StepPlan
 from pagedjax.sequence import Sequence as Seq
-from pagedjax.tokenizer import CONTEXT_IDS, token_names
+from pagedjax.tokenizer import name_context, token_names
 
 __all__ = ["OutputProcessor", "Request", "logprobs_entry"]
 
@@ -507,10 +507,16 @@ class OutputProcessor:
 
     def _names(self, req: Request, ids: list[int], end: int) -> tuple | None:
         """`logprobs_entry`'s names of the position after `ids[:end]` (None without a
-        tokenizer, or with detokenize=False)."""
+        tokenizer, or with detokenize=False): the few ids before it that name it as all
+        of them do (`tokenizer.name_context`: past a run of byte-fallback tokens)."""
         if self.tokenizer is None or not req.params.detokenize:
             return None
-        return self.tokenizer, ids[max(0, end - CONTEXT_IDS) : end], req.params.skip_special_tokens
+        skip = req.params.skip_special_tokens
+        return (
+            self.tokenizer,
+            name_context(self.tokenizer, ids, end, skip_special_tokens=skip),
+            skip,
+        )
 
     def _text(self, req: Request, gen: list[int], stop: int | str | None) -> str:
         """The text of a completion's tokens `gen` that ended on `stop` (its stop_reason),

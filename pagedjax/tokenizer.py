@@ -36,7 +36,8 @@ SentencePiece decoders strip the leading space of a text's first token, which ma
 completion "Paris" where prompt + completion reads " Paris". `stream()` gives a
 `StreamDecoder` (`pagedjax.detokenizer`, re-exported here), which turns ids arriving one
 by one into text pieces whose concatenation equals `decode(all ids)`, wherever the ids
-stop.
+stop. Logprobs name each token after the ids before it (`token_names`), of which
+`name_context` keeps the few that count.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ TOKENIZER_FILE = "tokenizer.json"
 # Prompt ids a completion is decoded after (`Tokenizer.decode(context=...)`): enough for
 # a decoder's first-token rules to see a token of text before the completion.
 CONTEXT_IDS = 8
+# How far back `name_context` follows a run of byte-fallback tokens: a token after a
+# longer run (256 four-byte characters and no other token) is named as if it began the
+# text, so that naming each token of a long output costs a bounded walk.
+MAX_RUN_IDS = 1024
 
 
 def _token_content(token) -> str | None:
@@ -542,10 +547,58 @@ def token_names(
     only (BOS), the text's first token has no leading space and neither has its name.
 
     `tok`: a `Tokenizer` (or anything with its `special_ids` and `decode_each`).
+    `context`: all the ids before the position, or the few of them `name_context` keeps
+    (not the last `CONTEXT_IDS`: after a run of byte-fallback tokens, the run alone).
     """
     if skip_special_tokens:
         context = [i for i in context if i not in tok.special_ids]
     return tok.decode_each(ids, skip_special_tokens=False, context=context)
+
+
+def name_context(
+    tok,
+    ids: Sequence[int],
+    end: int | None = None,
+    *,
+    skip_special_tokens: bool = True,
+    with_run: bool = False,
+) -> list[int]:
+    """The few ids of `ids[:end]` that name the tokens at position `end` as all of them
+    do (`token_names(context=)`, with the request's `skip_special_tokens`).
+
+    A context is read from the last `CONTEXT_IDS` ids before its trailing run of
+    byte-fallback tokens (`Tokenizer._context`), so the last `CONTEXT_IDS` ids are not
+    enough: after two emoji (8 byte tokens) they were the run alone, and the token after
+    it lost its leading space ("the" where the text reads " the"). These are the
+    `CONTEXT_IDS` ids before the run, counted as the context counts them (not the
+    skipped special tokens, nor the ids past the vocabulary, which decode drops), found
+    by walking back over the run, `MAX_RUN_IDS` ids at most, without decoding.
+
+    Args:
+      tok: a `Tokenizer` (or anything with its `special_ids`: no byte-fallback tokens).
+      ids: the ids, of which those before `end` (default: all) are the context.
+      skip_special_tokens: whether the context leaves special tokens out.
+      with_run: keep the run after them too: a tail of `ids[:end]` that the ids after
+        `end` can be appended to (a stream's context for its next chunk).
+    """
+    end = len(ids) if end is None else end
+    byte_ids = getattr(tok, "_byte_ids", frozenset())
+    vocab = getattr(tok, "vocab_size", None)
+    special = tok.special_ids if skip_special_tokens else frozenset()
+
+    def dropped(i) -> bool:  # not in the context that decode reads
+        return i in special or (vocab is not None and i >= vocab)
+
+    start, stop = end, max(0, end - MAX_RUN_IDS)
+    while start > stop and (ids[start - 1] in byte_ids or dropped(ids[start - 1])):
+        start -= 1
+    if start and (ids[start - 1] in byte_ids or dropped(ids[start - 1])):  # (too long)
+        return list(ids[start:end]) if with_run else []
+    run, counted, stop = start, 0, max(0, start - MAX_RUN_IDS)
+    while start > stop and counted < CONTEXT_IDS:
+        start -= 1
+        counted += not dropped(ids[start])
+    return list(ids[start : end if with_run else run])
 
 
 def _id_list(ids: Iterable[int]) -> list:
