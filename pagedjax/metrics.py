@@ -239,11 +239,15 @@ class EngineMetrics:
             _add_timed(self._timed, self._pending[0])
             self._pending = None
 
-    def record_request(self, num_prompt_tokens: int, ttft: float | None, latency: float) -> None:
+    def record_first_token(self, num_prompt_tokens: int, ttft: float) -> None:
+        """A request's first token: its prompt counts as served, and its time to it (as
+        vLLM counts both then, so a request aborted later, or still running, shows)."""
         self.num_prompt_tokens += num_prompt_tokens
-        if ttft is not None:
-            self.ttfts.append(ttft)
-            self.ttft_hist.add(ttft)
+        self.ttfts.append(ttft)
+        self.ttft_hist.add(ttft)
+
+    def record_request(self, latency: float) -> None:
+        """A finished request's end-to-end latency."""
         self.latencies.append(latency)
         self.latency_hist.add(latency)
 
@@ -342,7 +346,7 @@ def prometheus_text(llm, model_name: str | None = None) -> str:
         "kv_cache_usage_perc", "gauge", "KV cache pages in use (1 = all).", [("", "", bm.kv_usage)]
     )
     for name, help_, value in [
-        ("prompt_tokens_total", "Prompt tokens of finished requests.", m.num_prompt_tokens),
+        ("prompt_tokens_total", "Prompt tokens of requests given a token.", m.num_prompt_tokens),
         ("generation_tokens_total", "Generated tokens.", m.generated_tokens),
         ("request_success_total", "Finished requests.", m.latency_hist.count),
         ("num_preemptions_total", "Preemptions.", llm.scheduler.num_preemptions),

@@ -195,6 +195,7 @@ class OutputProcessor:
                 req = r.group.request
                 if req.first_token is None:
                     req.first_token = now
+                    self.metrics.record_first_token(len(req.prompt_ids), now - req.arrival)
                 if req.beam is not None:
                     beam = (r.seq, top_ids[i], top_lps[i])
                     beams.setdefault(id(r.group), [r.group]).append(beam)
@@ -400,7 +401,7 @@ class OutputProcessor:
 
     def _finish(self, req: Request, now: float) -> RequestOutput:
         out = self.output(req, aborted=False, now=now)
-        self.metrics.record_request(len(req.prompt_ids), out.ttft_s, out.latency_s)
+        self.metrics.record_request(out.latency_s)
         return out
 
     def output(

@@ -82,7 +82,8 @@ def test_summary_equals_a_hand_computation(seed):
     ttfts = rng.random(int(rng.integers(1, 30))).tolist()
     lat = [x + float(rng.random()) for x in ttfts]
     for a, b in zip(ttfts, lat, strict=True):
-        m.record_request(int(rng.integers(1, 100)), a, b)
+        m.record_first_token(int(rng.integers(1, 100)), a)
+        m.record_request(b)
     m.generated_tokens = int(rng.integers(1, 10_000))
     m.run_time_s = compile_s + 1.0 + 10 * float(rng.random())
 
@@ -195,7 +196,8 @@ def test_reset_clears_everything_but_the_load_time():
         rec = _step(float(i), prefill=5 * (i == 0), compiled=compiled)
         m.record(rec, int(compiled))
         m.complete(rec, i + 0.5)  # the last one stays pending until the next record()
-    m.record_request(3, 0.2, 0.9)
+    m.record_first_token(3, 0.2)
+    m.record_request(0.9)
     m.generated_tokens, m.run_time_s = 7, 4.0
     m.reset()
     assert not m.steps and summarize(m) == fresh | dict(load_time_s=1.5)
@@ -224,7 +226,8 @@ def test_request_timings_are_bounded_and_counts_and_means_exact():
     kept for the percentiles, and every request counts in the counts and means."""
     m = EngineMetrics(kv_bytes_per_token=8, max_records=3)
     for i in range(1, 6):
-        m.record_request(2, 0.1 * i, 1.0 * i)
+        m.record_first_token(2, 0.1 * i)
+        m.record_request(1.0 * i)
     s = summarize(m)
     assert len(m.ttfts) == len(m.latencies) == 3 and s["num_requests"] == 5
     assert s["ttft_mean_s"] == pytest.approx(0.3) and s["latency_mean_s"] == pytest.approx(3.0)
@@ -242,13 +245,15 @@ def test_histogram_counts_each_value_in_its_le_bucket():
     assert Histogram((1.0,)).mean is None
 
 
-def test_a_request_without_a_first_token_counts_in_latency_only():
+def test_latency_counts_finished_requests_and_ttft_first_tokens():
     m = EngineMetrics(kv_bytes_per_token=8)
-    m.record_request(4, 0.5, 1.0)
-    m.record_request(6, None, 3.0)  # aborted before its first token
+    m.record_first_token(4, 0.5)
+    m.record_request(1.0)
+    m.record_request(3.0)  # finished without a token
+    m.record_first_token(6, 0.25)  # running, or aborted after its first token
     s = summarize(m)
     assert s["num_requests"] == 2 and s["num_prompt_tokens"] == 10
-    assert s["ttft_mean_s"] == 0.5 and s["latency_mean_s"] == 2.0
+    assert s["ttft_mean_s"] == 0.375 and s["latency_mean_s"] == 2.0
 
 
 def test_a_decode_step_carrying_one_token_prefill_chunks_counts_as_prefill():

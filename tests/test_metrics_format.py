@@ -1,8 +1,5 @@
 """pagedjax.metrics.prometheus_text against Prometheus' text format (version 0.0.4) and
 vLLM's meanings, over an engine that ran n > 1 sampling, an abort and preemptions.
-
-The strict xfails are known gaps whose fixes lie outside pagedjax/metrics.py (see each
-reason); they fail loudly (XPASS) once fixed, so the marker goes with the fix.
 """
 
 import math
@@ -126,13 +123,10 @@ def test_abort_resets_the_gauges_before_the_next_step(params):
     assert v["pagedjax:kv_cache_usage_perc"] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="prompt tokens and TTFT are recorded when a request finishes (outputs._finish), "
-    "not at its first token as vLLM's IterationStats does: an aborted request's prompt is "
-    "never counted, a running one's TTFT is not observed",
-)
 def test_prompt_tokens_and_ttft_count_at_the_first_token(params):
+    """They counted at a request's finish: an aborted request's prompt never counted
+    (while its generated tokens did), a running one's TTFT was not observed. vLLM counts
+    both at the first token."""
     llm = LLM(params, **GEOMETRY)
     llm.add_request(list(range(3, 20)), greedy(30), request_id="a")
     for _ in range(3):
