@@ -9,29 +9,187 @@ or Server-Sent Events in chunks (to an HTTP/1.0 client, which knows no chunks, a
 are, the connection's end ending them); and it tells whether a client went away
 (`_client_gone`; `ClientGone`). A socket silent for `TIMEOUT_S` times out. What a path
 means (routes, endpoints, the engine) is the subclass's: `_allowed` is its one hook.
+
+`HttpServer` (a `ThreadingHTTPServer`, a thread per connection) is the server it runs
+under: it binds IPv6 literals too, and a slow or abusive client cannot hold its threads:
+each request must come whole (request line, headers, body) within `read_timeout`
+(`READ_TIMEOUT_S`; a connection that sends nothing, or dribbles its request, is let go),
+and connections past `max_connections` (`MAX_CONNECTIONS`) get a 503 and are closed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
+import math
 import select
 import socket
-from http.server import BaseHTTPRequestHandler
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 from pagedjax.openai_api import ApiError
 
-__all__ = ["MAX_BODY_BYTES", "TIMEOUT_S", "ClientGone", "HttpIO"]
+__all__ = [
+    "MAX_BODY_BYTES",
+    "MAX_CONNECTIONS",
+    "READ_TIMEOUT_S",
+    "TIMEOUT_S",
+    "ClientGone",
+    "HttpIO",
+    "HttpServer",
+    "RequestTimeout",
+    "url_host",
+]
 
 MAX_BODY_BYTES = 32 * 2**20
 # A client silent this long in the middle of a request, between two requests, or not
 # reading a stream is let go (a body shorter than its Content-Length held a thread forever).
 TIMEOUT_S = 60.0
+# A client's time to send a whole request, from when the server waits for it: one that
+# sent a byte every TIMEOUT_S held its thread forever. The answer is not counted.
+READ_TIMEOUT_S = 60.0
+# Connections served at once (a thread each); more get a 503. Above vLLM's default
+# max_num_seqs (256), so that a benchmark's concurrent clients queue in the engine.
+MAX_CONNECTIONS = 1024
 
 
 class ClientGone(Exception):
     """The HTTP client closed its connection."""
+
+
+class RequestTimeout(TimeoutError):
+    """A request not read whole within the server's `read_timeout`."""
+
+
+def url_host(host: str) -> str:
+    """`host` as a URL writes it: an IPv6 literal in brackets ("[::1]")."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+class HttpServer(ThreadingHTTPServer):
+    """A `ThreadingHTTPServer` that a slow or abusive client cannot exhaust (see the
+    module); binds at construction.
+
+    Args:
+      address: (host, port); an IPv6 literal host ("::1", "::") binds an IPv6 socket
+        (http.server's are IPv4 only); port 0 picks a free one (`server_address`).
+      handler: the `HttpIO` subclass that answers each connection.
+      read_timeout: seconds a connection has to send each request whole (request line,
+        headers and body), from when the server waits for it (None: no limit). One
+        that has not is let go: closed, or a 408 if it was in the body. The answer is
+        not counted: a long stream goes on.
+      max_connections: connections served at once; one more is answered a 503 (JSON,
+        `Connection: close`, `Retry-After`) without a thread, and closed.
+    """
+
+    daemon_threads = True
+
+    def __init__(
+        self,
+        address,
+        handler,
+        *,
+        read_timeout: float | None = READ_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
+    ):
+        if read_timeout is not None and not (read_timeout > 0 and math.isfinite(read_timeout)):
+            raise ValueError(f"read_timeout must be a positive number, got {read_timeout=}")
+        if isinstance(max_connections, bool) or not (
+            isinstance(max_connections, int) and max_connections >= 1
+        ):
+            raise ValueError(f"max_connections must be an int >= 1, got {max_connections=}")
+        self.read_timeout, self.max_connections = read_timeout, max_connections
+        self.num_connections = 0  # served now (each a handler thread)
+        self._connections_lock = threading.Lock()
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, handler)
+
+    @property
+    def url(self) -> str:
+        """http://host:port of the bound address (an IPv6 host in brackets)."""
+        host, port = self.server_address[:2]
+        return f"http://{url_host(host)}:{port}"
+
+    def process_request(self, request, client_address) -> None:
+        with self._connections_lock:
+            full = self.num_connections >= self.max_connections
+            self.num_connections += not full
+        if full:
+            return self._refuse(request)
+        try:
+            super().process_request(request, client_address)  # (starts its thread)
+        except BaseException:
+            self._connection_closed()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._connection_closed()
+
+    def _connection_closed(self) -> None:
+        with self._connections_lock:
+            self.num_connections -= 1
+
+    def _refuse(self, request) -> None:
+        """A 503 to a connection over `max_connections`, on the accepting thread: sent
+        without waiting (a fresh socket's buffer holds it), what came of the request
+        read without waiting (closing a socket with unread bytes resets it, and the
+        client could lose the answer), then closed."""
+        n = self.max_connections
+        msg = f"the server is serving its limit of {n} connections (max_connections); try again"
+        body = json.dumps(ApiError(503, msg).body()).encode()
+        head = (
+            "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\nRetry-After: 1\r\n\r\n"
+        )
+        with contextlib.suppress(OSError):  # (BlockingIOError: nothing more to read)
+            request.setblocking(False)
+            request.sendall(head.encode() + body)
+            while request.recv(65536):
+                pass
+        self.shutdown_request(request)
+
+
+class _RequestReader(io.RawIOBase):
+    """A connection's reads (its unbuffered `makefile`), each timing out at the request's
+    deadline (`HttpIO._deadline`) when that comes before the handler's `timeout`: a
+    request dribbled a byte at a time is let go too (`RequestTimeout`)."""
+
+    def __init__(self, handler: HttpIO):
+        self._raw = handler.connection.makefile("rb", buffering=0)
+        self._handler = handler
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int | None:
+        h = self._handler
+        if h._deadline is None:
+            return self._raw.readinto(b)
+        left = h._deadline - time.monotonic()
+        timeout = h.server.read_timeout
+        if left <= 0:
+            raise RequestTimeout(f"the request did not come whole within {timeout:g} s")
+        if h.timeout is not None and left >= h.timeout:
+            return self._raw.readinto(b)
+        h.connection.settimeout(left)
+        try:
+            return self._raw.readinto(b)
+        except TimeoutError:
+            raise RequestTimeout(f"the request did not come whole within {timeout:g} s") from None
+        finally:
+            h.connection.settimeout(h.timeout)  # (writes keep theirs)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._raw.close()
+        super().close()
 
 
 class HttpIO(BaseHTTPRequestHandler):
@@ -41,8 +199,10 @@ class HttpIO(BaseHTTPRequestHandler):
     `_allowed` (the Allow header of a 405).
     """
 
+    server: HttpServer
     protocol_version = "HTTP/1.1"
     timeout = TIMEOUT_S  # of each read and write on the socket (StreamRequestHandler's)
+    _deadline: float | None = None  # (monotonic) when the request being read must be whole
     _streaming = False  # whether a stream's headers went out
     _head = False  # a HEAD request: a GET's status and headers, no body
     _continue = False  # the client waits for a 100 (Continue) before it sends the body
@@ -53,6 +213,18 @@ class HttpIO(BaseHTTPRequestHandler):
 
     # ----------------------------------------------------------------- reading
 
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # (http.server's: reads go through the request's deadline)
+        self.rfile = io.BufferedReader(_RequestReader(self))
+
+    def handle_one_request(self) -> None:
+        # The server's read_timeout counts from here (waiting for the request) until its
+        # body is read (`_read_body`), not while it is answered.
+        t = self.server.read_timeout
+        self._deadline = None if t is None else time.monotonic() + t
+        super().handle_one_request()
+
     def handle_expect_100(self) -> bool:
         # http.server sent the 100 at once: a client then sent a body over the limit,
         # which the 413 (or the 501 of a Transfer-Encoding) cut with a reset. It goes out
@@ -61,6 +233,14 @@ class HttpIO(BaseHTTPRequestHandler):
         return True
 
     def _read_body(self) -> bytes:
+        """The request's body (a `RequestTimeout` if it does not come in time); the
+        request's deadline ends with it."""
+        try:
+            return self._read_framed_body()
+        finally:
+            self._deadline = None
+
+    def _read_framed_body(self) -> bytes:
         te = self.headers.get_all("Transfer-Encoding", [])
         if te:
             if [c.strip().lower() for c in ",".join(te).split(",")] != ["chunked"]:

@@ -11,12 +11,14 @@ requests aborted. The wire is `HttpIO`'s, which `Handler` subclasses (`pagedjax.
 its `MAX_BODY_BYTES`, `TIMEOUT_S` and `ClientGone` are re-exported here): reading the
 body (a `Content-Length` or `Transfer-Encoding: chunked`, at most `MAX_BODY_BYTES`),
 letting go a client silent for `TIMEOUT_S`, and writing every error as OpenAI's JSON
-(`ApiError`), http.server's own too.
+(`ApiError`), http.server's own too. `Server` is that module's `HttpServer`: IPv6 hosts
+bind, each request must come whole within `read_timeout` (not its answer's time), and
+connections past `max_connections` get a 503.
 
 scripts/serve.py is its command line; that script's docstring documents the endpoints,
 fields, errors and streaming as a user sees them. Usage:
 
-    server = Server(("127.0.0.1", 0), model_name="m")  # port 0: any free one
+    server = Server(("127.0.0.1", 0), model_name="m")  # port 0: any free one; "::1" too
     server.start(LLM("path/to/checkpoint"))
     server.serve_forever()  # until server.shutdown() from another thread
     server.close()  # stops the engine, waits for the 503s of the requests in flight
@@ -42,11 +44,20 @@ import threading
 import time
 import traceback
 from collections.abc import Sequence
-from http.server import ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 from pagedjax import openai_api as api
-from pagedjax.http_io import MAX_BODY_BYTES, TIMEOUT_S, ClientGone, HttpIO, _allow
+from pagedjax.http_io import (
+    MAX_BODY_BYTES,
+    MAX_CONNECTIONS,
+    READ_TIMEOUT_S,
+    TIMEOUT_S,
+    ClientGone,
+    HttpIO,
+    HttpServer,
+    RequestTimeout,
+    _allow,
+)
 from pagedjax.lora import LoRARequest
 from pagedjax.metrics import prometheus_text
 from pagedjax.openai_api import ApiError, Job
@@ -56,8 +67,10 @@ from pagedjax.tool_calls import PARSERS
 
 __all__ = [
     "MAX_BODY_BYTES",
+    "MAX_CONNECTIONS",
     "CLOSE_TIMEOUT_S",
     "POLL_S",
+    "READ_TIMEOUT_S",
     "TIMEOUT_S",
     "LORA_ROUTES",
     "ClientGone",
@@ -72,11 +85,12 @@ CLOSE_TIMEOUT_S = 10.0  # how long `Server.close` waits for the requests in flig
 LORA_ROUTES = {"/v1/load_lora_adapter": "POST", "/v1/unload_lora_adapter": "POST"}
 
 
-class Server(ThreadingHTTPServer):
+class Server(HttpServer):
     """The HTTP server; binds at construction, serves once `start(llm)` was called.
 
     Args:
-      address: (host, port); port 0 picks a free one (`server_address` says which).
+      address: (host, port); port 0 picks a free one (`server_address` says which); an
+        IPv6 literal host ("::1", "::") binds an IPv6 socket.
       model_name: the id of the one model.
       quiet: do not log requests to stderr.
       lora_modules: `LoRARequest`s of the LoRA adapters served beside the model (vLLM's
@@ -89,13 +103,17 @@ class Server(ThreadingHTTPServer):
       tool_parser: the tool-call parser of chat's `tool_choice: "auto"` (a
         `pagedjax.tool_calls.PARSERS` name: vLLM's `--enable-auto-tool-choice
         --tool-call-parser`); None: "auto" is a 400 (ValueError for an unknown name).
+      read_timeout: seconds a client has to send each request whole (line, headers,
+        body), from when the server waits for it; else it is let go (a 408 in the
+        body). Not the answer's time: a stream runs as long as it runs. None: no limit.
+      max_connections: connections served at once (a thread each); one more gets a 503
+        and is closed.
 
     Attributes:
       lora_names: the served adapters (`LoRANames`); `loras` is its current
         {name: LoRARequest}, which a handler reads once per request.
     """
 
-    daemon_threads = True
     # The listen backlog (socketserver's default is 5): a burst of concurrent clients past
     # it had their connections dropped and retried by the kernel a second or more later.
     request_queue_size = 1024
@@ -109,6 +127,8 @@ class Server(ThreadingHTTPServer):
         lora_modules: Sequence[LoRARequest] = (),
         allow_runtime_lora_updating: bool = False,
         tool_parser: str | None = None,
+        read_timeout: float | None = READ_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
     ):
         if tool_parser is not None and tool_parser not in PARSERS:
             raise ValueError(f"tool_parser must be one of {sorted(PARSERS)}, got {tool_parser!r}")
@@ -119,7 +139,9 @@ class Server(ThreadingHTTPServer):
         self.engine: EngineThread | None = None
         self._answering = 0  # requests whose handlers have yet to answer them
         self._answered = threading.Condition()
-        super().__init__(address, Handler)
+        super().__init__(
+            address, Handler, read_timeout=read_timeout, max_connections=max_connections
+        )
 
     def start(self, llm) -> None:
         """Reads the LoRA adapters into `llm` (`LLM.add_lora`: one that cannot serve is
@@ -178,11 +200,6 @@ class Server(ThreadingHTTPServer):
                 self._answering -= 1
                 self._answered.notify_all()
 
-    @property
-    def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
-
 
 class Handler(HttpIO):
     """Answers one connection's requests (a thread each); `ROUTES`: each path's method.
@@ -218,10 +235,10 @@ class Handler(HttpIO):
         try:
             try:
                 raw = self._read_body()
-            except TimeoutError:
+            except TimeoutError as e:
                 self.close_connection = True
                 msg = f"no more of the request body came for {self.timeout:g} s"
-                raise ApiError(408, msg) from None
+                raise ApiError(408, str(e) if isinstance(e, RequestTimeout) else msg) from None
             path = urlsplit(self.path).path.rstrip("/") or "/"
             routes = self._routes()
             allowed = routes.get(path)
@@ -422,6 +439,11 @@ class Handler(HttpIO):
         # logprobs, from `prompt`: the choice then comes whole, `Job.streams_tokens`).
         echo = None if job.chat or job.echo is None else dict(zip(job.rids, job.echo, strict=True))
 
+        def send(sent: dict) -> None:
+            # OpenAI's: with include_usage, every chunk has "usage": null but the last,
+            # usage-only one (its `choices` []); without it, no chunk has the field.
+            self._event({**sent, "usage": None} if job.include_usage else sent)
+
         def chunk(rid, i, c: StreamedChoice, text, ids=(), entries=(), finish=None, prompt=None):
             lp = echoed = None
             if echo is not None and not c.started:
@@ -460,14 +482,14 @@ class Handler(HttpIO):
                 prompt_token_ids=prompts[rid] if first else None,
             )
             if sent is not None:  # (None: text a tool call may hold back, and nothing else)
-                self._event(sent)
+                send(sent)
 
         outs = []
         for event in events:
             if not self._streaming:
                 self._start_stream()
                 for role in api.role_chunks(job, head):
-                    self._event(role)
+                    send(role)
             if event[0] == "token":
                 _, rid, i, token, *entry = event  # the entry: with logprobs only
                 c = choices.get((rid, i))

@@ -176,9 +176,10 @@ schema it cannot constrain to are 400s naming the value.
 Streaming (`stream: true`): Server-Sent Events, one `data: {chunk}` per new piece of
 text (`text_completion` chunks, or `chat.completion.chunk` with `delta: {role}` first,
 then `delta: {content}`), a last chunk per choice with its `finish_reason`, a usage
-chunk when `stream_options.include_usage`, then `data: [DONE]`. Pieces come from an
-incremental detokenizer per completion (`Tokenizer.stream()`), so a multi-byte
-character is never split. With stop strings, a token's text is streamed only once the
+chunk (`choices: []`) when `stream_options.include_usage` (then, as OpenAI's, every
+other chunk has `usage: null`; without it, none has the field), then `data: [DONE]`.
+Pieces come from an incremental detokenizer per completion (`Tokenizer.stream()`), so a
+multi-byte character is never split. With stop strings, a token's text is streamed only once the
 next token shows that the engine did not stop on it, less the last `max(len(stop)) - 1`
 characters: the engine stops on the token that completes a stop string and cuts the
 text where the string begins (with `min_tokens` too: not at an earlier occurrence that
@@ -214,7 +215,12 @@ Request bodies come with a `Content-Length` or `Transfer-Encoding: chunked` (at 
 over the limit). A stream to an HTTP/1.0 client is not chunked (HTTP/1.0 has no
 chunks): the connection's end ends it. A client silent for 60 s
 (`http_server.TIMEOUT_S`) mid-request (a 408 if in its body), between two requests or
-while its stream waits for it to read is let go (its requests aborted). Ctrl-C or
+while its stream waits for it to read is let go (its requests aborted), as is one that
+has not sent a whole request (line, headers, body) within `--read-timeout S` (default
+60) of the server waiting for it, however it dribbles it (a 408 if in its body; the
+answer's time is not counted: a long stream goes on). At most `--max-connections N`
+(default 1024) connections are served at once, each a thread; one more gets a 503
+(`Connection: close`, `Retry-After: 1`) and is closed. Ctrl-C or
 SIGTERM stops the server: the requests in flight get a 503 (a stream, its error event
 and [DONE]) before it exits (it waits up to 10 s for those answers). For trusted
 networks only: there is no authentication and no rate limit; bind to 127.0.0.1 (the
@@ -252,7 +258,9 @@ and naming it is a 404. For development and trusted networks: anyone who can rea
 the server can make it read any adapter directory the server can read.
 
 Flags:
-`--checkpoint`, `--host`, `--port`, `--served-model-name`, `--chat-template FILE`,
+`--checkpoint`, `--host` (an IPv6 address binds IPv6: `--host ::1`, or `::` for all;
+URLs bracket it, `http://[::1]:8000`), `--port`, `--read-timeout S`,
+`--max-connections N`, `--served-model-name`, `--chat-template FILE`,
 `--seed` (for requests without one), `--generation-config auto|none`, scripts/generate.py's
 engine flags (`--page-size`, `--num-pages` | `--kv-memory-fraction`, `--kv-cache-dtype`,
 `--max-batch-tokens`, `--max-model-len N`, `--backend`, `--tensor-parallel`,
@@ -273,6 +281,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
@@ -283,7 +292,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cli  # noqa: E402  (the scripts' shared flags, checks and exits)
 
 from pagedjax.chat import jinja_missing  # noqa: E402
-from pagedjax.http_server import Handler, Server  # noqa: E402, F401  (Handler: re-exported)
+from pagedjax.http_io import url_host  # noqa: E402
+from pagedjax.http_server import (  # noqa: E402, F401  (Handler: re-exported)
+    MAX_CONNECTIONS,
+    READ_TIMEOUT_S,
+    Handler,
+    Server,
+)
 from pagedjax.tool_calls import PARSERS  # noqa: E402
 
 DEMO_NAME = "pagedjax-demo"
@@ -296,8 +311,27 @@ def build_parser() -> cli.Parser:
         "--checkpoint",
         help="HF directory or pagedjax orbax checkpoint (default: the embedded demo model)",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1; an IPv6 one, ::1 or ::, binds IPv6)",
+    )
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
+    p.add_argument(
+        "--read-timeout",
+        type=float,
+        default=READ_TIMEOUT_S,
+        metavar="S",
+        help="seconds a client has to send a whole request, headers and body; not counting "
+        f"the answer, a stream's generation (default {READ_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=cli.int_at_least(1),
+        default=MAX_CONNECTIONS,
+        metavar="N",
+        help=f"connections served at once; more get a 503 (default {MAX_CONNECTIONS})",
+    )
     p.add_argument("--served-model-name", metavar="NAME", help="the model id (default: dir name)")
     p.add_argument(
         "--chat-template",
@@ -438,6 +472,8 @@ def run(args) -> int:
     cli.check_engine_flags(args, tokenizer=False)  # without one it serves token id prompts
     if not 0 <= args.port < 2**16:
         raise cli.BadInput(f"--port must be in [0, 65535], got {args.port}")
+    if not (args.read_timeout > 0 and math.isfinite(args.read_timeout)):
+        raise cli.BadInput(f"--read-timeout must be a positive number, got {args.read_timeout}")
     tok = None
     if args.chat_template is not None:
         hint = "give a Jinja chat template file"
@@ -454,9 +490,12 @@ def run(args) -> int:
             lora_modules=loras,
             allow_runtime_lora_updating=runtime_loras,
             tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+            read_timeout=args.read_timeout,
+            max_connections=args.max_connections,
         )
     except OSError as e:
-        raise cli.BadInput(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+        where = f"{url_host(args.host)}:{args.port}"
+        raise cli.BadInput(f"cannot listen on {where}: {e.strerror or e}") from None
     except ValueError as e:  # a name given twice, or the model's
         raise cli.BadInput(f"--lora-modules: {e}") from None
     try:

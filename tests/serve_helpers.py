@@ -93,10 +93,10 @@ def tok(ckpt):
     return Tokenizer.from_dir(ckpt)
 
 
-def serving(llm, name: str, **kw):
-    """Yields a `serve.Server` over `llm` on a free port, serving on a thread (`kw`:
-    more Server arguments, e.g. lora_modules)."""
-    srv = serve.Server(("127.0.0.1", 0), model_name=name, quiet=True, **kw)
+def serving(llm, name: str, *, address=("127.0.0.1", 0), **kw):
+    """Yields a `serve.Server` over `llm` at `address` (a free port), serving on a thread
+    (`kw`: more Server arguments, e.g. lora_modules)."""
+    srv = serve.Server(address, model_name=name, quiet=True, **kw)
     srv.start(llm)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()

@@ -12,7 +12,7 @@ import queue
 
 import pytest
 import serve_helpers
-from serve_helpers import MESSAGES, StreamRecorder, ok, stream
+from serve_helpers import MESSAGES, StreamRecorder, ok, request, stream
 from test_tokenizer import sentencepiece_style
 
 from pagedjax import openai_api as api
@@ -155,6 +155,33 @@ def test_streamed_chat(server):
         assert mine[0]["delta"] == dict(role="assistant", content="")
         assert "".join(c["delta"].get("content", "") for c in mine) == want["message"]["content"]
         assert [c["finish_reason"] for c in mine][-1] == want["finish_reason"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_with_include_usage_every_chunk_but_the_last_has_null_usage(server, path):
+    """OpenAI's (and vLLM's) chunks carry `"usage": null` when the request asks for
+    include_usage, and the last, usage-only chunk has `choices: []`; without it, no
+    chunk has the field. Ours had no `usage` in any chunk but the last."""
+    chat = path == "/v1/chat/completions"
+    body = dict(temperature=0, max_tokens=6, n=2)
+    body.update(messages=MESSAGES, echo=True) if chat else body.update(prompt="def f(x):")
+    plain = ok(server, path, body)
+    assert all("usage" not in c for c in stream(server, path, body))
+    options = [{"include_usage": False}, {"include_usage": None}, {}]
+    for opts in options:
+        assert all("usage" not in c for c in stream(server, path, dict(body, stream_options=opts)))
+    for opts in [{"include_usage": True}, {"include_usage": True, "continuous_usage_stats": False}]:
+        *chunks, last = stream(server, path, dict(body, stream_options=opts))
+        assert len(chunks) > 4  # (role and echo chunks for chat too)
+        assert all("usage" in c and c["usage"] is None for c in chunks), chunks
+        assert all(list(c)[-1] == "usage" for c in chunks)  # after choices, as OpenAI's
+        assert last["choices"] == [] and last["usage"] == plain["usage"]
+        assert {k: last[k] for k in ("id", "object", "model")} == {
+            k: chunks[0][k] for k in ("id", "object", "model")
+        }
+    opts = {"include_usage": True, "continuous_usage_stats": True}  # still refused
+    status, err = request(server, path, dict(body, stream=True, stream_options=opts))
+    assert status == 400 and "continuous_usage_stats" in err["error"]["message"], err
 
 
 def choice_pieces(chunks, index: int, chat: bool) -> list[tuple[str, dict]]:
