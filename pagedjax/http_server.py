@@ -62,7 +62,7 @@ from pagedjax.lora import LoRARequest
 from pagedjax.metrics import prometheus_text
 from pagedjax.openai_api import ApiError, Job
 from pagedjax.serving import EngineStopped, EngineThread, LoRANames
-from pagedjax.tokenizer import CONTEXT_IDS
+from pagedjax.tokenizer import CONTEXT_IDS, name_context
 from pagedjax.tool_calls import PARSERS
 
 __all__ = [
@@ -466,7 +466,7 @@ class Handler(HttpIO):
                 )
                 c.offset += 0 if job.chat or tok is None else sum(map(len, lp["tokens"]))
                 lp = lp if echoed is None else api.join_logprobs(echoed, lp)
-            c.before = [*c.before, *ids][-CONTEXT_IDS:]
+            c.before = _context(tok, [*c.before, *ids], skip)
             c.num_tokens += len(ids)
             first = job.prompt_token_ids and not job.chat and not c.started
             c.started = True
@@ -557,10 +557,19 @@ class StreamedChoice:
         self.decoder = (
             None if tok is None else tok.stream(skip_special_tokens=skip, context=prompt_ids)
         )
-        self.before = list(prompt_ids)[-CONTEXT_IDS:]  # the ids before the next chunk's
+        self.before = _context(tok, list(prompt_ids), skip)  # the ids before the next chunk's
         self.sent = self.num_tokens = self.offset = 0
         self.pending: list[tuple[int, dict | None, int]] = []
         self.started = False
+
+
+def _context(tok, ids: list[int], skip: bool) -> list[int]:
+    """The tail of `ids` that names the tokens after them as all of `ids` do, with the
+    byte-fallback run it ends in, so that the next chunk's ids can be appended
+    (`tokenizer.name_context`; its last CONTEXT_IDS ids without a tokenizer)."""
+    if tok is None:
+        return ids[-CONTEXT_IDS:]
+    return name_context(tok, ids, skip_special_tokens=skip, with_run=True)
 
 
 def _unload_name(body: dict, loras: dict) -> str:
