@@ -19,7 +19,9 @@ assistant prompt). `find_chat_template` looks for it where HF transformers' toke
 Messages come in OpenAI's chat form, as vLLM's `LLM.chat` and server take them;
 `normalize_messages` makes them what the template gets, as vLLM's `parse_chat_messages`
 does (content None as "", text parts joined, assistant tool calls' JSON arguments
-parsed), for `LLM.chat`, `Tokenizer.encode_chat` and the server alike.
+parsed), for `LLM.chat`, `Tokenizer.encode_chat` and the server alike. As vLLM does by
+default, a template that loops over a message's content (Gemma 3, Llama 4: its
+`content_format` is "openai") gets the content as a list of text parts instead.
 
 `render` runs the template the way HF does, so a checkpoint's template gives the same
 text here as there: a sandboxed, immutable Jinja environment with `trim_blocks` and
@@ -28,7 +30,8 @@ text here as there: a sandboxed, immutable Jinja environment with `trim_blocks` 
 `raise_exception(msg)` and `strftime_now(fmt)`, and transformers' `tojson` filter
 (`json.dumps`, non-ASCII text kept unless `ensure_ascii=True`); `continue_final_message`
 cuts the text where the last message's content ends, as transformers 5 does, for the
-model to continue it. jinja2 is an optional dependency (the `chat` extra), imported on
+model to continue it (an empty content too: an open turn). An error inside the template
+names it. jinja2 is an optional dependency (the `chat` extra), imported on
 first render; each template is compiled once.
 """
 
@@ -209,10 +212,15 @@ def normalize_message(index: int, message) -> dict:
 
 def _text(where: str, content) -> str:
     """A message's content as one string (`normalize_messages`)."""
+    return "\n".join(_texts(where, content))
+
+
+def _texts(where: str, content) -> list[str]:
+    """A message's content as the texts of its parts: [] for None, [content] for a str."""
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
+        return [content]
     if isinstance(content, bytes) or not isinstance(content, Sequence):
         raise TypeError(
             f"{where}.content must be a str, a list of text parts or None, "
@@ -233,7 +241,7 @@ def _text(where: str, content) -> str:
         if not isinstance(part.get("text"), str):
             raise TypeError(f"{at}: a text part's text must be a str, got {part!r:.80}")
         texts.append(part["text"])
-    return "\n".join(texts)
+    return texts
 
 
 def _template_calls(where: str, calls) -> list[dict]:
@@ -315,18 +323,18 @@ def _generation_tag(jinja2):
     return Generation
 
 
+class TemplateRejected(ValueError):
+    """A template's `raise_exception(message)`: it refused the messages."""
+
+
 @functools.lru_cache(maxsize=16)
 def _compile(template: str, source: str):
     jinja2 = _jinja()
 
     def raise_exception(message):
-        raise ValueError(f"chat template ({source}) rejected the messages: {message}")
+        raise TemplateRejected(f"chat template ({source}) rejected the messages: {message}")
 
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[jinja2.ext.loopcontrols, _generation_tag(jinja2)],
-    )
+    env = _environment(jinja2)
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -336,6 +344,67 @@ def _compile(template: str, source: str):
         raise ValueError(
             f"chat template ({source}) has a syntax error at line {e.lineno}: {e.message}"
         ) from None
+
+
+def _environment(jinja2):
+    return jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _generation_tag(jinja2)],
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def content_format(template: str) -> str:
+    """How `template` reads a message's content, as vLLM detects it (its default "auto"
+    `chat_template_content_format`): "openai" when it loops over the content of a message
+    of a loop over `messages` (or over a variable set from it: Gemma 3's
+    `loop_messages = messages[1:]`), which then gets the content as a list of
+    `{"type": "text", "text": ...}` parts; else "string", a string. A template that does
+    not parse, or whose loop unpacks a message into a tuple, is "string"."""
+    jinja2 = _jinja()
+    nodes = jinja2.nodes
+
+    def base(node):  # what a filter, test or slice applies to: `messages[1:] | reverse`
+        while (isinstance(node, (nodes.Filter, nodes.Test)) and node.node is not None) or (
+            isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)
+        ):
+            node = node.node
+        return node
+
+    def is_name(node, names) -> bool:
+        return isinstance(node, nodes.Name) and node.ctx == "load" and node.name in names
+
+    def is_content(node, names) -> bool:  # m.content, m['content']
+        node = base(node)
+        if isinstance(node, nodes.Getattr):
+            key = node.attr
+        elif isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const):
+            key = node.arg.value
+        else:
+            return False
+        return key == "content" and is_name(node.node, names)
+
+    def target(node) -> str:
+        if not isinstance(node, nodes.Name):
+            raise TypeError(f"a tuple target: {node}")
+        return node.name
+
+    try:
+        ast = _environment(jinja2).parse(template)
+        lists = {"messages"}  # and the variables set from it, to a fixed point
+        while new := {
+            target(a.target)
+            for a in ast.find_all(nodes.Assign)
+            if is_name(base(a.node), lists) and target(a.target) not in lists
+        }:
+            lists |= new
+        loops = list(ast.find_all(nodes.For))
+        messages = {target(f.target) for f in loops if is_name(base(f.iter), lists)}
+        parts = any(is_content(f.iter, messages) for f in loops)
+    except (jinja2.TemplateSyntaxError, TypeError):
+        return "string"
+    return "openai" if parts else "string"
 
 
 def render(
@@ -359,15 +428,18 @@ def render(
         are passed through to the template, as transformers 5 passes them: those
         whose value is None left out, and the reasoning (`reasoning_content`, else
         `thinking`, else `reasoning`) also as `reasoning_content` and, unless given,
-        as `thinking`.
+        as `thinking`. A template whose `content_format` is "openai" gets each content
+        as a list of `{"type": "text", "text": ...}` parts ([] for None), as vLLM
+        passes it.
       source: where the template came from, for error messages.
       add_generation_prompt: end with the header that opens the assistant's turn.
       continue_final_message: end the text with the last message's content, left open
         (no end-of-turn after it) for the model to continue, e.g. an assistant reply
         begun by the caller; needs `add_generation_prompt=False`. As in transformers
-        5, the content is rendered with a marker (`CONTINUE_TAG`) after it and the text
-        is cut at the marker's last occurrence, the content's whitespace kept unless
-        the template trimmed it (then the text is cut before the trimmed whitespace).
+        5, the content (a list's last part) is rendered with a marker (`CONTINUE_TAG`)
+        after it and the text is cut at the marker's last occurrence, the content's
+        whitespace kept unless the template trimmed it (then the text is cut before the
+        trimmed whitespace); an empty content leaves the turn open with no text.
       bos_token, eos_token: the special-token strings; None leaves the variable
         undefined, as HF leaves unset special tokens, so `{{ bos_token }}` renders as
         "" rather than "None".
@@ -378,36 +450,50 @@ def render(
     Raises:
       ImportError: jinja2 is not installed (the message says how to install it).
       TypeError, ValueError: bad messages (`normalize_messages`), a template syntax error,
-        an error raised by the template (`raise_exception`) or while rendering it.
+        an error raised by the template (`raise_exception`: `TemplateRejected`) or while
+        rendering it (a TypeError stays one); those of the template name its `source`.
     """
-    messages = [_as_hf_renders(m) for m in normalize_messages(messages)]
-    final = messages[-1]["content"]
-    if continue_final_message:
-        if add_generation_prompt:
-            raise ValueError(
-                "continue_final_message=True continues the last message and "
-                "add_generation_prompt=True opens a new assistant turn: pass "
-                "add_generation_prompt=False"
-            )
-        if not final.strip():
-            raise ValueError(
-                f"continue_final_message=True but the last message's content is {final!r}: "
-                "nothing to continue"
-            )
-        # Marks where the content ends, whatever the template writes after it.
-        messages[-1]["content"] = final + CONTINUE_TAG
+    given, messages = messages, normalize_messages(messages)
+    if continue_final_message and add_generation_prompt:
+        raise ValueError(
+            "continue_final_message=True continues the last message and "
+            "add_generation_prompt=True opens a new assistant turn: pass "
+            "add_generation_prompt=False"
+        )
     _jinja()  # before the cache, so a missing jinja2 is reported every time
     compiled = _compile(template, source)
+    if content_format(template) == "openai":  # vLLM's parts, for a template that loops over them
+        for i, m in enumerate(messages):
+            texts = _texts(f"messages[{i}]", given[i].get("content"))
+            m["content"] = [{"type": "text", "text": t} for t in texts]
+    messages = [_as_hf_renders(m) for m in messages]
+    if continue_final_message:  # marks where the content (its last part) ends, as HF does
+        last = messages[-1]
+        if isinstance(last["content"], str):
+            final = last["content"]
+            last["content"] = final + CONTINUE_TAG
+        elif last["content"]:
+            final = last["content"][-1]["text"]
+            last["content"] = [
+                *last["content"][:-1],
+                {"type": "text", "text": final + CONTINUE_TAG},
+            ]
+        else:
+            raise ValueError(
+                "continue_final_message=True but the last message has no text to continue"
+            )
     specials = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v}
     context = {"tools": None, "documents": None, **specials, **variables}
     try:
         text = compiled.render(
             messages=messages, add_generation_prompt=bool(add_generation_prompt), **context
         )
-    except (ValueError, TypeError):
-        raise  # raise_exception's message, or a bad value: already what callers catch
+    except TemplateRejected:
+        raise  # raise_exception's message, which names the template
     except Exception as e:  # TemplateError, and what the template's code raised (1/0, ...)
-        raise ValueError(f"chat template ({source}) failed: {type(e).__name__}: {e}") from None
+        # TypeError stays one (a bad value, as transformers raises it); all name the template.
+        error = TypeError if isinstance(e, TypeError) else ValueError
+        raise error(f"chat template ({source}) failed: {type(e).__name__}: {e}") from None
     if continue_final_message:  # HF's cut (render_jinja_template), whitespace rules and all
         at = text.rfind(CONTINUE_TAG.strip())
         if at < 0 or final.strip() not in text:

@@ -409,7 +409,7 @@ def chat_prompt(
     if tok is None or tok.chat_template is None:
         why = "no tokenizer" if tok is None else tok.chat_template_source
         raise ApiError(400, f"this model cannot chat: {why}; use {instead}")
-    messages = chat_messages(body.get("messages"))
+    chat_messages(body.get("messages"))  # (a 400 naming a bad message before anything)
     # vLLM's extensions: continue the last (assistant) message instead of opening a
     # new turn; add_generation_prompt then defaults to false (true with it: a 400).
     cont = bool_field(body, "continue_final_message")
@@ -418,7 +418,7 @@ def chat_prompt(
     extra = {} if tools is None else {"tools": tools.tools}
     try:
         return tok.encode_chat(
-            messages,
+            body["messages"],  # as given: a template that loops over parts gets them
             add_generation_prompt=gen,
             continue_final_message=cont,
             add_bos=add_bos,

@@ -28,7 +28,7 @@ and `AutoTokenizer.from_pretrained` load it, and every check compares ours with 
 
 A case passes when every check is equal, HF's result adjusted only by our documented
 choices, each counted in the table ("deliberate"): no second BOS for text that starts
-with it (`Tokenizer.encode`); a blank final message is not continued (`chat.render`).
+with it (`Tokenizer.encode`).
 Chat ids are HF's exactly: a template that writes no BOS gets none, whether the
 tokenizer adds BOS by its config (tok-chatml) or by its post-processor alone
 (tok-llama3-chatml), as HF's `apply_chat_template` encodes the text without special
@@ -174,12 +174,9 @@ def _chat_checks(tok, hf, case: TokCase, tally: _Tally) -> list[list[int]]:
                 text = _outcome(tok.apply_chat_template, conv, **kw)
                 ids = _outcome(tok.encode_chat, conv, **kw)
                 if _raised(hf_text) or _raised(text):
-                    # Both refuse (a template's raise_exception), or a refusal of ours:
-                    # continuing a blank message (HF continues it, an empty prefill).
-                    blank = _raised(text) and "nothing to continue" in text[1]
-                    if _raised(text) and (_raised(hf_text) or blank):
-                        rule = None if _raised(hf_text) else "refuses to continue a blank message"
-                        tally.add("chat", "refused", "refused", where, rule=rule)
+                    # Both refuse (a template's raise_exception).
+                    if _raised(text) and _raised(hf_text):
+                        tally.add("chat", "refused", "refused", where)
                     else:
                         tally.add("chat", text, hf_text, where)
                     continue

@@ -3,6 +3,7 @@ byte tokenizer (one token per character code) and `job`, a request body parsed a
 server parses it for a model of VOCAB tokens and MAX_LEN positions."""
 
 from pagedjax import openai_api as api
+from pagedjax.chat import normalize_messages
 
 VOCAB, MAX_LEN = 256, 64
 
@@ -28,6 +29,7 @@ class CharTokenizer:
     ) -> list[int]:
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message=True with add_generation_prompt=True")
+        messages = normalize_messages(messages)  # (as the real one's render does)
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         text = text[:-1] if continue_final_message else text  # the last message left open
         return self.encode(text + ("<assistant>" if add_generation_prompt else ""))

@@ -392,6 +392,18 @@ def test_openai_messages_render_as_vllm_makes_them(tok):
     assert "tool_calls" not in normalized[5]
 
 
+def test_the_server_gives_a_template_that_loops_over_parts_the_parts(tok):
+    """vLLM's "openai" content format on the server too: it rendered the parts joined
+    into one ("a \nb" where the template writes "ab")."""
+    from test_chat_semantics import PARTS, PARTS_TEMPLATE
+
+    parts = tok.with_chat_template(PARTS_TEMPLATE, "parts")
+    ids = openai_api.chat_prompt({"messages": PARTS}, parts, "completions")
+    assert ids == parts.encode_chat(PARTS)
+    want = "<user>Be brief.\n\nab</><assistant></><user>c</><assistant>"
+    assert ids == parts.encode_rendered(want)
+
+
 def test_bad_messages_are_the_same_400s_on_the_server(tok):
     """The server's 400s carry normalize_messages' words, naming the field "messages"."""
     bad = [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]
@@ -519,8 +531,9 @@ def test_continue_final_message_leaves_the_last_message_open(tok):
     assert tok.with_chat_template(trim).apply_chat_template(prefill, **kw) == want.rstrip()
     with pytest.raises(ValueError, match="pass add_generation_prompt=False"):
         tok.apply_chat_template(prefill, continue_final_message=True)
-    with pytest.raises(ValueError, match=r"content is ' ': nothing to continue"):
-        tok.apply_chat_template([*MESSAGES, {"role": "assistant", "content": " "}], **kw)
+    # A blank last message is continued, as HF does: an open turn (test_chat_semantics).
+    blank = tok.apply_chat_template([*MESSAGES, {"role": "assistant", "content": " "}], **kw)
+    assert blank == RENDERED + " "
     drops = "{% for m in messages %}{{ m['role'] }}{% endfor %}"
     with pytest.raises(ValueError, match=r"\(<string>\) did not write the last message's"):
         chat.render(drops, prefill, **kw)
