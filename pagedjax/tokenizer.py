@@ -438,6 +438,11 @@ class Tokenizer:
         completion reads " Paris" (as vLLM and HF pipelines return it). Only the last
         `CONTEXT_IDS` ids before a trailing run of byte-fallback tokens count, and only if
         their text is settled (see `_context`).
+
+        The text is the decoder's, as vLLM's completions are: tokenizer_config's
+        `clean_up_tokenization_spaces` (HF's decode then reads " ." as ".") is not
+        applied. Ids that end inside a character end in U+FFFD, as HF decodes them
+        (vLLM's DecodeStream never emits those bytes).
         """
         ids = self._check_ids(ids)
         return self._after(self._context(context, skip_special_tokens), ids, skip_special_tokens)
