@@ -131,10 +131,10 @@ RANGES = {
     "max_tokens": ([1], [0, True]),
     "beam_width": ([1], [0, True]),
     "temperature": ([0.0], [-1e-9]),
-    "top_k": ([0, 2**31 - 1], [-1, 2**31]),
+    "top_k": ([-1, 0, 2**31 - 1], [-2, 2**31]),  # (-1: vLLM's "off", stored as 0)
     "top_p": ([1e-9, 1.0], [0.0, 1 + 1e-9]),
     "min_p": ([0.0, 1.0], [-1e-9, 1 + 1e-9]),
-    "seed": ([0, 2**32 - 1], [-1, 2**32, True]),
+    "seed": ([-1, 0, 2**32 - 1], [-2, 2**32, True]),  # (-1: vLLM's "no seed", None)
     # (-1: the whole vocabulary; the engine caps them: tests/test_max_logprobs.py)
     "logprobs": ([-1, 0, MAX_LOGPROBS + 1], [-2, True]),
     "prompt_logprobs": ([-1, 0, MAX_LOGPROBS + 1], [-2, True]),
