@@ -25,7 +25,7 @@ if _O0 not in os.environ.get("XLA_FLAGS", ""):
 # their module-scoped fixtures are still set up once. A module missing here only keeps
 # its place.
 LONG_MODULES = (
-    "test_tensor_parallel.py",  # tp = 1..8 in a subprocess: 44 s, 46 s in -m slow
+    "test_tensor_parallel.py",  # tp = 1..8 in a subprocess: ~60 s, ~45 s in -m slow
     "test_readme.py",  # three README examples, 14-21 s each
     "test_blocks.py",  # -m slow: the state machines, 29 s (sha256)
     "test_demo_model.py",  # -m slow: long interpreted-kernel runs, 20 s

@@ -49,8 +49,9 @@ def _run_cases(*pytest_args: str) -> str:
 
 
 def test_tensor_parallel_on_eight_simulated_devices():
-    """tp = 1, 2, 4, 8 (K = 2 and 8; Qwen3 norms + window + q/k/v and o_proj biases)
-    agree; cache shares; HLO collectives (tests/tp_cases.py)."""
+    """tp = 1, 2, 4, 8 (K = 2 and 8; Qwen3 norms + window + q/k/v and o_proj biases;
+    an untied vocabulary tp does not divide) agree; cache shares; HLO collectives; the
+    engine at tp = 4 and 2, LoRA, a mesh with a second axis (tests/tp_cases.py)."""
     _run_cases()
 
 
@@ -58,7 +59,8 @@ def test_tensor_parallel_on_eight_simulated_devices():
 def test_tensor_parallel_on_eight_simulated_devices_slow():
     """K = 8 at tp = 2 and 8; MQA (K = 1, head_dim 64) with an FP8 cache and a vocabulary
     tp = 8 does not divide; the Pallas kernels per shard; the engine at tp = 4 with beam
-    search under preemption (tests/tp_cases.py)."""
+    search under preemption; sleep(level=2) then weights from another mesh
+    (tests/tp_cases.py)."""
     _run_cases("-m", "slow")
 
 

@@ -10,11 +10,13 @@ Every case runs the same steps (a prefill, a mixed prefill/decode step with a
 copy-on-write page copy, then decode steps) at tp = 1 and at tp = N, on a tiny
 model with 8 query heads and 2 or 8 kv heads (and one Qwen3-style variant with q/k
 norms and a sliding window, at K = 2 with attention_bias: an o_proj bias, replicated
-and added once after the row-split o_proj's all-reduce; and, under `-m slow`, an MQA
+and added once after the row-split o_proj's all-reduce; one at K = 8 with q/k/v and
+o_proj biases and an untied vocabulary tp does not divide; and, under `-m slow`, an MQA
 variant: K = 1, head_dim 64, an FP8 cache and a tied vocabulary tp does not divide),
 and compares greedy tokens, logits, the cache each device holds, and the collectives
 in the compiled programs. The engine runs at tp = 4 too: tests/test_engine.py's
-equality tests, sleep and weight updates, and LoRA adapters split over the mesh.
+equality tests, sleep and weight updates, LoRA adapters split over the mesh, and a
+mesh with a second axis besides "tp".
 """
 
 from __future__ import annotations
@@ -72,7 +74,9 @@ def tiny(num_kv_heads: int, variant: str = "") -> ModelConfig:
     two of the three prompts, so it masks in prefill as well as in decode), and at K=2
     an o_proj bias (Qwen3's attention_bias biases q/k/v and o_proj together); variant
     "mqa_fp8" has head_dim 64 and a tied vocabulary of 250, which tp = 8 does not
-    divide (replicated), and runs with an FP8 cache (`cache_config`)."""
+    divide (replicated), and runs with an FP8 cache (`cache_config`); variant
+    "bias_vocab250" has q/k/v and o_proj biases (at K=8: k/v biases split with their
+    heads), and an untied LM head over a vocabulary of 250 (replicated at tp = 4)."""
     cfg = ModelConfig(
         num_layers=NUM_LAYERS,
         num_heads=8,
@@ -91,6 +95,10 @@ def tiny(num_kv_heads: int, variant: str = "") -> ModelConfig:
         return dataclasses.replace(cfg, qk_norm=True, o_bias=cfg.qkv_bias, sliding_window=4)
     if variant == "mqa_fp8":
         return dataclasses.replace(cfg, head_dim=64, vocab_size=250, tie_embeddings=True)
+    if variant == "bias_vocab250":
+        return dataclasses.replace(
+            cfg, qkv_bias=True, o_bias=True, tie_embeddings=False, vocab_size=250
+        )
     assert not variant, variant
     return cfg
 
@@ -170,6 +178,7 @@ CASES = [
     pytest.param(2, 8, "", id="K2-tp8"),
     pytest.param(8, 4, "", id="K8-tp4"),
     pytest.param(2, 4, "qk_norm_window", id="K2-tp4-qk_norm-window"),
+    pytest.param(8, 4, "bias_vocab250", id="K8-tp4-bias-vocab250"),
     pytest.param(8, 2, "", id="K8-tp2", marks=pytest.mark.slow),
     pytest.param(8, 8, "", id="K8-tp8", marks=pytest.mark.slow),
     pytest.param(8, 2, "qk_norm_window", id="K8-tp2-qk_norm-window", marks=pytest.mark.slow),
@@ -479,4 +488,78 @@ def test_engine_tp4_lora_equals_merged_dense(engine_params, tmp_path):
     shard = {k: {s.data.shape for s in x[1].addressable_shards} for k, x in w.b.items()}
     assert shard["q_proj"] == {(8, 16)} and shard["down_proj"] == {(8, 64)}
     assert shard["k_proj"] == {(8, 32)}  # K = 2 < tp: k_proj is replicated
+    engine_helpers.check_clean(llm)
+
+
+def test_engine_tp2_lora_splits_kv_adapters_with_their_heads(engine_params, tmp_path):
+    """At tp = 2 the tiny preset's K = 2 kv heads are split, not replicated (as at tp = 4
+    above): each adapter's k_proj and v_proj b are split over their outputs with them."""
+    from lora_helpers import write_peft
+
+    from pagedjax import lora
+
+    cfg = engine_helpers.TINY
+    write_peft(tmp_path / "a", cfg, rank=4, modules=lora.TARGET_MODULES, seed=3)
+    req = lora.LoRARequest("a", 1, str(tmp_path / "a"))
+    llm = LLM(
+        engine_params,
+        tensor_parallel=2,
+        enable_lora=True,
+        max_lora_rank=4,
+        **engine_helpers.GEOMETRY,
+    )
+    prompts = engine_tests.prompts_with_shared_prefixes()[:3]
+    outs = llm.generate(prompts, engine_helpers.greedy(6), lora_request=req)
+    merged = lora.merge_adapter(engine_params, lora.load_adapter(req.lora_path, cfg))
+    want = engine_helpers.Dense(merged).greedy(prompts, 6)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    b = llm.lora.weights.b  # [S*R, K*D] = [4, 32]: 16 columns, one kv head, per device
+    assert {s.data.shape for s in b["k_proj"][0].addressable_shards} == {(4, 16)}
+    assert {s.data.shape for s in b["v_proj"][1].addressable_shards} == {(4, 16)}
+    engine_helpers.check_clean(llm)
+
+
+@pytest.mark.parametrize(
+    "names", [("dp", "tp"), pytest.param(("tp", "dp"), marks=pytest.mark.slow)]
+)
+def test_a_mesh_with_a_second_axis_replicates_over_it(engine_params, engine_dense, names):
+    """`check_mesh` accepts axes besides "tp" (replicated over): the model split 2 ways
+    on a 2 x 2 mesh, whichever axis comes first, gives the one-device greedy tokens."""
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), names)
+    llm = LLM(sharding.shard_params(engine_params, mesh), **engine_helpers.GEOMETRY)
+    assert llm.tensor_parallel == 2
+    for pool in llm.cache.k:  # K = 2 = tp: one kv head per device, on all four devices
+        assert {s.data.shape[0] for s in pool.addressable_shards} == {1}
+        assert len(pool.sharding.device_set) == 4
+    prompts = engine_tests.prompts_with_shared_prefixes()[:3]
+    outs = llm.generate(prompts, engine_helpers.greedy(6))
+    assert [o.outputs[0].token_ids for o in outs] == engine_dense.greedy(prompts, 6)
+    engine_helpers.check_clean(llm)
+
+
+@pytest.mark.slow
+def test_sleep_level_2_then_weights_from_another_mesh_take_the_engines_placement(
+    engine_params,
+):
+    """After sleep(level=2) a tp = 4 engine takes new weights sharded over another mesh
+    (as a trainer's might be) or as host arrays, and places them as its own."""
+    from pagedjax import model
+
+    cfg = engine_helpers.TINY
+    llm = LLM(engine_params, tensor_parallel=4, **engine_helpers.GEOMETRY)
+    shardings = [x.sharding for x in jax.tree.leaves(llm.params)]
+    prompts = engine_tests.prompts_with_shared_prefixes()[:3]
+    new = engine_helpers.random_params(2)
+    want = engine_helpers.Dense(new).greedy(prompts, 6)
+    llm.sleep(level=2)
+    llm.wake_up()
+    other = sharding.make_mesh(2, cfg, devices=jax.devices()[6:8])
+    llm.update_params(sharding.shard_params(new, other))
+    assert [x.sharding for x in jax.tree.leaves(llm.params)] == shardings
+    outs = llm.generate(prompts, engine_helpers.greedy(6))
+    assert [o.outputs[0].token_ids for o in outs] == want
+    llm.update_params({k: np.asarray(v) for k, v in model.params_to_flat(new).items()})
+    assert [x.sharding for x in jax.tree.leaves(llm.params)] == shardings
     engine_helpers.check_clean(llm)
