@@ -288,7 +288,8 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
         self, prompt: Prompt, *, truncate_prompt_tokens: int | None = None
     ) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a prompt, validated (ValueError / TypeError);
-        `truncate_prompt_tokens` as `SamplingParams`' (`request.encode_prompt`)."""
+        `truncate_prompt_tokens` as `SamplingParams`' (`request.encode_prompt`). Not
+        vLLM's `LLM.encode`, which pools hidden states (this engine only generates)."""
         return encode_prompt(
             prompt,
             self.tokenizer,
@@ -306,6 +307,11 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
         checkpoint's generation_config.json, `generation_config="auto"`), else
         SamplingParams' own defaults."""
         return SamplingParams(**self.sampling_defaults)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's name for `default_sampling_params()` (frozen params, unlike vLLM's:
+        `dataclasses.replace(params, max_tokens=...)` makes a changed copy)."""
+        return self.default_sampling_params()
 
     def add_request(
         self,

@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from time import perf_counter
-from typing import Self
+from typing import Any, Self
 
 from pagedjax import beam_search as beam_api
 from pagedjax.beam_search import BeamSearchOutput, BeamSearchParams
@@ -50,7 +50,7 @@ class GenerateMixin:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = False,
         on_step: Callable[[Self], None] | None = None,
         on_token: Callable[[str, int, int], None] | None = None,
         priority: Sequence[int] | None = None,
@@ -59,15 +59,21 @@ class GenerateMixin:
         """Generates for every prompt; returns one `RequestOutput` per prompt, in order.
 
         Requests queued with `add_request` run alongside; those that finish during the
-        call are returned by the next `step()`.
+        call are returned by the next `step()`, and the call returns once its own
+        requests finish. (vLLM's `generate` runs until every request has finished and
+        returns theirs among its own.)
 
         Args:
           prompts: strings (needs a tokenizer) or token id lists, or vLLM's prompt
             dicts: {"prompt": str} or {"prompt_token_ids": [ids]}, either with an optional
-            "cache_salt" (`request.unpack_prompt`; a dict is one prompt).
+            "cache_salt" (`request.unpack_prompt`). One prompt alone is a list of one: a
+            str, a dict, or a non-empty list of ints (token ids, as vLLM reads it; a list
+            of lists is a list of prompts).
           sampling_params: one for all prompts, or one per prompt (None:
             `default_sampling_params()`).
-          use_tqdm: show a progress bar over requests.
+          use_tqdm: show a progress bar over requests (off by default, unlike vLLM's);
+            a callable makes the bar, as vLLM's (`functools.partial(tqdm, leave=False)`:
+            called with `total`, `desc` and `unit`, then `update(n)` and `close()`).
           on_step: called after every engine step with the engine (tests, monitoring;
             it may call `abort`).
           on_token: called as `on_token(request_id, completion_index, token_id)` for
@@ -113,9 +119,11 @@ class GenerateMixin:
         self._collect.update(ids)
         bar = None
         if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(ids), desc="requests", unit="req")
+            if callable(use_tqdm):
+                make_bar = use_tqdm
+            else:
+                from tqdm.auto import tqdm as make_bar
+            bar = make_bar(total=len(ids), desc="requests", unit="req")
         mine = set(ids)
         try:
             with self._run_clock():
@@ -179,9 +187,10 @@ class GenerateMixin:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = False,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping | None = None,
+        chat_template_content_format: str = "auto",
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         **template_vars,
     ) -> list[RequestOutput]:
@@ -201,19 +210,23 @@ class GenerateMixin:
           chat_template: a Jinja template to use instead of the tokenizer's (as vLLM's).
           chat_template_kwargs: more template variables, as a dict (as vLLM's); merged
             with `template_vars`, which win.
+          chat_template_content_format: only vLLM's default "auto": a message's content
+            reaches the template as a string, or as a list of text parts for a template
+            that loops over them (`pagedjax.chat.content_format`); "string" or "openai",
+            which force one, are refused (ValueError).
           lora_request: as for `generate`.
           **template_vars: more template variables (`tools`, `date_string`,
-            `continue_final_message`, ...). vLLM's `mm_processor_kwargs` is refused
-            (TypeError), not taken as a variable.
+            `continue_final_message`, ...). vLLM's `mm_processor_kwargs` and
+            `tokenization_kwargs` are refused (TypeError), not taken as variables.
 
         Returns:
           One `RequestOutput` per conversation, in order; its `prompt` is the rendered text.
 
         Raises:
-          ValueError: no tokenizer or no chat template, bad messages (naming the
-            conversation and the message: an image or other non-text part, tool call
-            arguments that are no JSON, ...), a `chat_template` that does not parse, or
-            the template rejected them.
+          ValueError: no tokenizer or no chat template, a content format other than
+            "auto", bad messages (naming the conversation and the message: an image or
+            other non-text part, tool call arguments that are no JSON, ...), a
+            `chat_template` that does not parse, or the template rejected them.
           TypeError: a vLLM argument this engine does not support (see above),
             `chat_template` not a str, `chat_template_kwargs` not a dict, or a message
             or its content of the wrong type.
@@ -227,6 +240,7 @@ class GenerateMixin:
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
             template_vars=template_vars,
+            chat_template_content_format=chat_template_content_format,
         )
         outs = self.generate(ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         return [dataclasses.replace(o, prompt=t) for o, t in zip(outs, texts, strict=True)]

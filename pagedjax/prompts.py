@@ -227,7 +227,8 @@ def request_lists(
     default: Callable[[], SamplingParams],
 ) -> tuple[list[Prompt], list[SamplingParams | None]]:
     """`LLM.generate`'s prompts and sampling params as two lists of one length: one
-    prompt (a str or a prompt dict) is a list of one, and one `SamplingParams` (None:
+    prompt (a str, a prompt dict, or a non-empty sequence of ints: token ids, as vLLM's
+    `prompt_to_seq` reads them) is a list of one, and one `SamplingParams` (None:
     `default()`) serves every prompt. The prompts and params themselves are checked as
     each request is encoded.
 
@@ -237,7 +238,7 @@ def request_lists(
     """
     from pagedjax.request import SamplingParams  # (it imports this module)
 
-    if isinstance(prompts, (str, Mapping)):  # one prompt
+    if isinstance(prompts, (str, Mapping)) or _token_ids(prompts):  # one prompt
         prompts = [prompts]
     prompts = list(prompts)
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -255,9 +256,21 @@ def request_lists(
     return prompts, params
 
 
+def _token_ids(prompts) -> bool:
+    """Whether `prompts` is one token-id prompt: a non-empty sequence of ints (an int is
+    never a prompt, so a list of them cannot be a list of prompts)."""
+    if isinstance(prompts, np.ndarray):
+        return prompts.ndim == 1 and prompts.size > 0 and prompts.dtype.kind in "iu"
+    if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, Sequence):
+        return False
+    return len(prompts) > 0 and all(
+        isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in prompts
+    )
+
+
 # vLLM's LLM.chat arguments that `LLM.chat` does not support: refused, since its
 # **template_vars would take them as template variables and ignore them silently.
-_VLLM_CHAT_ONLY = ("mm_processor_kwargs",)
+_VLLM_CHAT_ONLY = ("mm_processor_kwargs", "tokenization_kwargs")
 
 
 def chat_prompts(
@@ -268,19 +281,26 @@ def chat_prompts(
     chat_template: str | None,
     chat_template_kwargs: Mapping | None,
     template_vars: dict,
+    chat_template_content_format: str = "auto",
 ) -> tuple[list[str], list[list[int]]]:
     """(rendered texts, token ids) of `LLM.chat`'s conversations (its arguments, as it
     documents them), rendered by `tokenizer`'s chat template or by `chat_template`.
 
     Raises:
-      ValueError: no tokenizer, or as `Tokenizer.with_chat_template` and
-        `Tokenizer.encode_conversations` do.
+      ValueError: no tokenizer, a `chat_template_content_format` other than "auto" (the
+        format is detected from the template, `pagedjax.chat.content_format`), or as
+        `Tokenizer.with_chat_template` and `Tokenizer.encode_conversations` do.
       TypeError: a vLLM argument `LLM.chat` does not support among `template_vars`,
         `chat_template` not a str, or `chat_template_kwargs` not a dict.
     """
     for name in _VLLM_CHAT_ONLY:  # a template variable would drop them silently
         if name in template_vars:
             raise TypeError(f"chat() does not support vLLM's {name}")
+    if chat_template_content_format != "auto":
+        raise ValueError(
+            f"chat_template_content_format={chat_template_content_format!r:.40} is not "
+            "supported: only 'auto' (the format is detected from the chat template)"
+        )
     if chat_template_kwargs is not None:
         if not isinstance(chat_template_kwargs, Mapping):
             raise TypeError(

@@ -156,6 +156,10 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id (EOS too) or stop string
     logprobs: list[dict[int, Logprob]] | None = None  # with SamplingParams.logprobs
 
+    def finished(self) -> bool:
+        """Whether the completion has ended (it has a finish reason), as vLLM's."""
+        return self.finish_reason is not None
+
 
 @dataclasses.dataclass
 class RequestOutput:
@@ -170,7 +174,8 @@ class RequestOutput:
     finish_reason "abort", with what they have), and False for a running request's
     partial output, whose running completions have finish_reason None (a DELTA output
     holds only what is new: token ids, text and logprobs). Times are seconds from the
-    request's arrival (its `add_request`, or the `generate` call).
+    request's arrival (its `add_request`, or its `arrival_time` there, or the `generate`
+    call).
 
     `prompt_logprobs` (with `SamplingParams.prompt_logprobs` = k): per prompt token, None
     for the first (and, in an aborted request's output, for those not computed yet),
