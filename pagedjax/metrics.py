@@ -32,7 +32,9 @@ is the end-to-end figure: generated tokens over the run time (the wall time of
 (nothing ran).
 
 TTFT and latency means count every request; their percentiles are over the last
-`max_records` requests, so a long-running server's lists stay bounded.
+`max_records` requests, so a long-running server's lists stay bounded. Finished
+requests also count per completion by finish reason (`request_success`), as vLLM's
+`request_success_total{finished_reason=...}`.
 `prometheus_text` gives the live figures in Prometheus' format (scripts/serve.py's
 `/metrics`).
 
@@ -52,6 +54,7 @@ import time
 import numpy as np
 
 __all__ = [
+    "FINISHED_REASONS",
     "LATENCY_BUCKETS_S",
     "SUMMARY_KEYS",
     "TTFT_BUCKETS_S",
@@ -101,6 +104,12 @@ TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.
 TTFT_BUCKETS_S += (2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0)
 LATENCY_BUCKETS_S += (50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+# vLLM's `request_success_total` label values (its FinishReason, as its v1 engine
+# introduced the label; it has since added "error" and "repetition", which pagedjax
+# never gives): each series exists from the start, at 0.
+FINISHED_REASONS = ("stop", "length", "abort")
 
 
 class Histogram:
@@ -195,6 +204,7 @@ class EngineMetrics:
         self.ttft_hist = Histogram(TTFT_BUCKETS_S)
         self.latency_hist = Histogram(LATENCY_BUCKETS_S)
         self.num_prompt_tokens = 0
+        self.request_success = dict.fromkeys(FINISHED_REASONS, 0)  # completions by reason
         self._host = [0.0, 0.0, 0.0, 0]  # hidden, exposed, wait, steps counted
         # prefill s, tokens; decode s, tokens; all s, context tokens (of measured steps)
         self._timed = [0.0, 0, 0.0, 0, 0.0, 0]
@@ -246,10 +256,20 @@ class EngineMetrics:
         self.ttfts.append(ttft)
         self.ttft_hist.add(ttft)
 
-    def record_request(self, latency: float) -> None:
-        """A finished request's end-to-end latency."""
+    def record_request(self, latency: float, finish_reasons) -> None:
+        """A finished request: its end-to-end latency, and its completions' finish
+        reasons (`request_success`).
+
+        As vLLM's `request_success_total`, a request of n completions counts n times
+        (vLLM runs each as a child request), each under its own reason; an aborted
+        request is not a success (vLLM counts no client abort), so it is not recorded
+        here. (Unlike vLLM, completions of an aborted request that had finished
+        before the abort do not count either.)
+        """
         self.latencies.append(latency)
         self.latency_hist.add(latency)
+        for r in finish_reasons:
+            self.request_success[r] = self.request_success.get(r, 0) + 1
 
     def summary(
         self,
@@ -318,7 +338,8 @@ def _add_timed(timed: list, rec: StepRecord) -> None:
 def prometheus_text(llm, model_name: str | None = None) -> str:
     """An `LLM`'s live metrics in Prometheus' text format (version 0.0.4), as vLLM's
     `/metrics` gives them with the prefix "pagedjax:" for "vllm:" (and its `model_name`
-    label when given): requests running and waiting, KV cache usage, token, request and
+    label when given): requests running and waiting, KV cache usage, token, request
+    (completions by `finished_reason`, every reason of `FINISHED_REASONS` from 0) and
     preemption counters since the engine started, histograms of the finished
     requests' TTFT and latency (vLLM's buckets), and with LoRA `lora_requests_info`
     (`lora_info`). Call it where the engine is not stepping (`EngineThread.call`)."""
@@ -348,12 +369,13 @@ def prometheus_text(llm, model_name: str | None = None) -> str:
     for name, help_, value in [
         ("prompt_tokens_total", "Prompt tokens of requests given a token.", m.num_prompt_tokens),
         ("generation_tokens_total", "Generated tokens.", m.generated_tokens),
-        ("request_success_total", "Finished requests.", m.latency_hist.count),
         ("num_preemptions_total", "Preemptions.", llm.scheduler.num_preemptions),
         ("prefix_cache_queries_total", "Prompt tokens admitted.", bm.prefix_queries),
         ("prefix_cache_hits_total", "Prompt tokens read from the prefix cache.", bm.prefix_hits),
     ]:
         metric(name, "counter", help_, [("", "", value)])
+    success = [("", f'finished_reason="{_escape(r)}"', n) for r, n in m.request_success.items()]
+    metric("request_success_total", "counter", "Finished completions, by finish reason.", success)
     histogram("time_to_first_token_seconds", "Time to the first token.", m.ttft_hist)
     histogram("e2e_request_latency_seconds", "Request latency.", m.latency_hist)
     if llm.scheduler.max_loras is not None:  # (as vLLM's: no model name, the time as value)

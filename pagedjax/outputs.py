@@ -401,7 +401,7 @@ class OutputProcessor:
 
     def _finish(self, req: Request, now: float) -> RequestOutput:
         out = self.output(req, aborted=False, now=now)
-        self.metrics.record_request(out.latency_s)
+        self.metrics.record_request(out.latency_s, [c.finish_reason for c in out.outputs])
         return out
 
     def output(

@@ -83,7 +83,7 @@ def test_summary_equals_a_hand_computation(seed):
     lat = [x + float(rng.random()) for x in ttfts]
     for a, b in zip(ttfts, lat, strict=True):
         m.record_first_token(int(rng.integers(1, 100)), a)
-        m.record_request(b)
+        m.record_request(b, ["stop"])
     m.generated_tokens = int(rng.integers(1, 10_000))
     m.run_time_s = compile_s + 1.0 + 10 * float(rng.random())
 
@@ -197,10 +197,11 @@ def test_reset_clears_everything_but_the_load_time():
         m.record(rec, int(compiled))
         m.complete(rec, i + 0.5)  # the last one stays pending until the next record()
     m.record_first_token(3, 0.2)
-    m.record_request(0.9)
+    m.record_request(0.9, ["length"])
     m.generated_tokens, m.run_time_s = 7, 4.0
     m.reset()
     assert not m.steps and summarize(m) == fresh | dict(load_time_s=1.5)
+    assert m.request_success == dict(stop=0, length=0, abort=0)
     rec = _step(10.0)  # a new run: nothing of the old one's pending step counts
     m.record(rec)
     m.complete(rec, 10.25)
@@ -227,7 +228,7 @@ def test_request_timings_are_bounded_and_counts_and_means_exact():
     m = EngineMetrics(kv_bytes_per_token=8, max_records=3)
     for i in range(1, 6):
         m.record_first_token(2, 0.1 * i)
-        m.record_request(1.0 * i)
+        m.record_request(1.0 * i, ["stop"])
     s = summarize(m)
     assert len(m.ttfts) == len(m.latencies) == 3 and s["num_requests"] == 5
     assert s["ttft_mean_s"] == pytest.approx(0.3) and s["latency_mean_s"] == pytest.approx(3.0)
@@ -248,12 +249,27 @@ def test_histogram_counts_each_value_in_its_le_bucket():
 def test_latency_counts_finished_requests_and_ttft_first_tokens():
     m = EngineMetrics(kv_bytes_per_token=8)
     m.record_first_token(4, 0.5)
-    m.record_request(1.0)
-    m.record_request(3.0)  # finished without a token
+    m.record_request(1.0, ["stop"])
+    m.record_request(3.0, ["length"])  # finished without a token
     m.record_first_token(6, 0.25)  # running, or aborted after its first token
     s = summarize(m)
     assert s["num_requests"] == 2 and s["num_prompt_tokens"] == 10
     assert s["ttft_mean_s"] == 0.375 and s["latency_mean_s"] == 2.0
+
+
+def test_request_success_counts_completions_by_finish_reason():
+    """vLLM's `request_success_total{finished_reason}`: every reason from 0, and a
+    request of n completions counted n times, each under its own reason (it had no
+    label, and counted requests)."""
+    from pagedjax.metrics import FINISHED_REASONS
+
+    m = EngineMetrics(kv_bytes_per_token=8)
+    assert FINISHED_REASONS == ("stop", "length", "abort")
+    assert m.request_success == dict(stop=0, length=0, abort=0)
+    m.record_request(1.0, ["stop"])
+    m.record_request(2.0, ["length", "stop", "length"])  # n = 3
+    assert m.request_success == dict(stop=2, length=2, abort=0)
+    assert summarize(m)["num_requests"] == 2  # (requests, as before)
 
 
 def test_a_decode_step_carrying_one_token_prefill_chunks_counts_as_prefill():

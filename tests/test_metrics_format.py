@@ -76,11 +76,23 @@ def check_semantics(families: dict[str, dict]) -> None:
 
 
 def values(llm) -> dict[str, float]:
-    """The samples without labels but the model name, by name."""
+    """The samples without labels but the model name, by name; and request_success_total
+    by finished_reason, as "request_success_total:<reason>"."""
     fams = parse(prometheus_text(llm, NAME))
     check_semantics(fams)
-    samples = (s for f in fams.values() for s in f["samples"])
-    return {n: v for n, labels, v in samples if labels.keys() == {"model_name"}}
+    samples = [s for f in fams.values() for s in f["samples"]]
+    out = {n: v for n, labels, v in samples if labels.keys() == {"model_name"}}
+    for n, labels, v in samples:
+        if n == "pagedjax:request_success_total":
+            assert labels.keys() == {"model_name", "finished_reason"}, labels
+            out[f"{n}:{labels['finished_reason']}"] = v
+    return out
+
+
+def successes(v: dict[str, float]) -> dict[str, float]:
+    """request_success_total by finished_reason, from `values`."""
+    p = "pagedjax:request_success_total:"
+    return {k.removeprefix(p): x for k, x in v.items() if k.startswith(p)}
 
 
 @pytest.fixture(scope="module")
@@ -92,21 +104,28 @@ def test_exposition_is_well_formed_through_a_run(params):
     llm = LLM(params, **GEOMETRY)
     v = values(llm)  # a fresh engine: every family, all zero
     assert {k: x for k, x in v.items() if x} == {}
+    assert successes(v) == dict(stop=0, length=0, abort=0)  # vLLM's reasons, from the start
     llm.add_request([5, 6, 7], greedy(4))
-    llm.add_request([5, 6, 7, 8], SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=1))
+    n3 = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=1, ignore_eos=True)
+    llm.add_request([5, 6, 7, 8], n3)  # three completions, each ending "length"
+    llm.add_request([9, 10], greedy(5, stop_token_ids=list(range(256))))  # ends "stop"
     llm.add_request(list(range(3, 20)), greedy(40), request_id="gone")
-    llm.step()
-    llm.step()
+    finished = llm.step() + llm.step()
     values(llm)  # mid-run
     llm.abort("gone")
     while llm.has_unfinished_requests():
-        llm.step()
+        finished += llm.step()
     v = values(llm)
     p = "pagedjax:"
     assert v[p + "num_requests_running"] == v[p + "num_requests_waiting"] == 0
     assert v[p + "kv_cache_usage_perc"] == 0  # the aborted request's pages came back
-    assert v[p + "request_success_total"] == 2  # the aborted one is not a success
-    assert v[p + "e2e_request_latency_seconds_count"] == 2
+    # Per completion, by its finish reason (the n=3 request counts 3); the aborted
+    # request is not a success (vLLM counts no client abort), nor timed.
+    reasons = [c.finish_reason for o in finished for c in o.outputs]
+    assert len(reasons) == 5 and reasons.count("length") >= 3 and "stop" in reasons
+    want = dict(stop=reasons.count("stop"), length=reasons.count("length"), abort=0)
+    assert successes(v) == want
+    assert v[p + "e2e_request_latency_seconds_count"] == 3
     assert v[p + "generation_tokens_total"] == llm.metrics.generated_tokens > 0
 
 

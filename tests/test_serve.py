@@ -104,7 +104,10 @@ def test_prometheus_metrics_count_what_a_request_did(server, ref):
     grew = {k: after[k] - before[k] for k in before if k in after}
     assert grew["pagedjax:generation_tokens_total"] == n
     assert grew["pagedjax:prompt_tokens_total"] == len(ids)
-    assert grew["pagedjax:request_success_total"] == 1
+    reason = obj["choices"][0]["finish_reason"]
+    success = {k: v for k, v in grew.items() if k.startswith("pagedjax:request_success_total")}
+    assert success.pop(f'pagedjax:request_success_total{{finished_reason="{reason}"}}') == 1
+    assert set(success.values()) == {0}  # (the other reasons, at 0 from the start)
     assert grew["pagedjax:time_to_first_token_seconds_count"] == 1
     assert grew["pagedjax:prefix_cache_queries_total"] == len(ids)
     assert after["pagedjax:num_requests_running"] == after["pagedjax:num_requests_waiting"] == 0
