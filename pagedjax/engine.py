@@ -39,6 +39,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
+import numbers
+import time
 from time import perf_counter
 
 import jax
@@ -321,6 +324,7 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
         request_id: str | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        arrival_time: float | None = None,
     ) -> str:
         """Queues one prompt; returns its request id. Raises ValueError if it cannot run or
         `request_id` is in use (queued, running, or a running `generate` call's), TypeError
@@ -328,12 +332,18 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
         `priority`: an int, lower served first under `scheduling_policy="priority"`
         (ValueError if not 0 under "fcfs"). `lora_request`: the LoRA adapter it runs with
         (`enable_lora`; read now if new: FileNotFoundError / ValueError for a bad one).
+        `arrival_time`: when the request arrived, in `time.time()` seconds (vLLM's
+        clock), where a front end queued it before the engine could take it (e.g.
+        `EngineThread.submit`): its time to first token and latency count from then
+        (None: from now; a time in the future counts as now; ValueError if not a finite
+        number).
 
         A completion ends ("length") after `params.max_tokens` tokens (None: no such
         limit) or when prompt and completion reach `max_model_len` tokens, whichever
         comes first.
         """
-        return self._add(*self._encode(prompt, params), request_id, priority, lora_request)
+        arrival = _arrival(arrival_time)  # (before the encoding, which takes time)
+        return self._add(*self._encode(prompt, params), request_id, priority, lora_request, arrival)
 
     def _encode(
         self, prompt: Prompt, params: SamplingParams | None
@@ -368,9 +378,11 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
         request_id: str | None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        arrival: float | None = None,
     ) -> str:
         """`add_request` for a prompt `encode` checked (text or None, token ids) and its
-        params `_params` resolved."""
+        params `_params` resolved; `arrival`: its arrival on the `perf_counter` clock
+        (None: now)."""
         self._check_ready()
         priority = self.scheduler.check_priority(priority)
         if params.stop and self.tokenizer is None:
@@ -412,7 +424,7 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
         base = int(self._rng.integers(2**32)) if params.seed is None else int(params.seed)
         seeds = [(base + i * _SEED_STRIDE) % 2**32 for i in range(params.n)]
         req = self.outputs.new_request(
-            rid, text, ids, params, stop_ids, max_len, seeds, beam, limits.guide
+            rid, text, ids, params, stop_ids, max_len, seeds, beam, limits.guide, arrival=arrival
         )
         req.bias, req.banned, req.allowed = limits.bias, limits.banned, limits.allowed
         req.bad_words = limits.bad_words
@@ -492,3 +504,20 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
         if tok is None:
             return ""
         return tok.decode(ids, skip_special_tokens=skip_special_tokens, context=prompt_ids)
+
+
+def _arrival(arrival_time) -> float | None:
+    """`add_request`'s `arrival_time` (`time.time()` seconds) on the engine's clock
+    (`perf_counter`, which the request timings read), no later than now; None: None."""
+    if arrival_time is None:
+        return None
+    if (
+        isinstance(arrival_time, bool)
+        or not isinstance(arrival_time, numbers.Real)
+        or not math.isfinite(arrival_time)
+    ):
+        raise ValueError(
+            f"arrival_time must be a finite number of time.time() seconds, got {arrival_time!r:.80}"
+        )
+    now = perf_counter()
+    return now - max(0.0, time.time() - float(arrival_time))

@@ -115,13 +115,17 @@ class OutputProcessor:
         seeds: list[int],
         beam: BeamSearch | None,
         guide=None,
+        *,
+        arrival: float | None = None,
     ) -> Request:
         """The record of a new request, with its `SequenceGroup` (`Request.group`, to
         queue): `params.n` samples of `ids` (`seeds[i]` for sample i; all but the first
         forked off it once `ids[:-1]` is prefilled, when there is such a prefix), or the
         one sequence a `beam` search starts from; each finishes ("length") at `max_len`
         tokens. The sequences carry what applying their tokens needs (a detokenizer for
-        stop strings, a logprobs list, the state of the structured outputs' `guide`)."""
+        stop strings, a logprobs list, the state of the structured outputs' `guide`).
+        `arrival`: the `perf_counter()` time it arrived, which its time to first token
+        and latency count from (None: now)."""
         p = len(ids)
         streams = params.output_kind != RequestOutputKind.FINAL_ONLY and params.detokenize
 
@@ -146,7 +150,8 @@ class OutputProcessor:
             group = SequenceGroup(request_id, [seq(0)], params.n, salt, forks=forks)
         else:
             group = SequenceGroup(request_id, [seq(i) for i in range(params.n)], params.n, salt)
-        req = Request(request_id, prompt, ids, params, stop_ids, group, beam, perf_counter())
+        arrival = perf_counter() if arrival is None else arrival
+        req = Request(request_id, prompt, ids, params, stop_ids, group, beam, arrival)
         req.guide = guide
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * p

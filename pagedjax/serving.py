@@ -54,6 +54,7 @@ import contextlib
 import queue
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -113,16 +114,22 @@ class EngineThread:
           tokens: also send a "token" event for each generated token (with its logprobs
             entry when the request's params ask for logprobs).
 
+        The requests' times to first token and latencies count from this call (their
+        `LLM.add_request` `arrival_time`, as vLLM stamps a request where it reaches its
+        front end), not from when the engine thread takes them, after the step or compile
+        it is running.
+
         Raises:
           TypeError: `requests` is not a list of 3- to 5-tuples with str ids, or
             `sink` has no `put` (checked here, on the caller's thread).
           EngineStopped: the thread is not running. A request the engine refuses is an
             ("error", None, 400, message) event instead, and none of the batch is added.
         """
+        arrival = time.time()
         requests = _check_requests(requests)
         if not callable(getattr(sink, "put", None)):
             raise TypeError(f"sink must have a put(event) method, got {type(sink).__name__}")
-        self._put(("add", requests, sink, tokens))
+        self._put(("add", requests, sink, tokens, arrival))
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Aborts requests; they get no further events (finished or unknown ids are ignored).
@@ -222,13 +229,15 @@ class EngineThread:
     def _handle(self, command) -> None:
         kind = command[0]
         if kind == "add":
-            _, requests, sink, tokens = command
+            _, requests, sink, tokens, arrival = command
             added = []
             try:
                 for rid, ids, params, *more in requests:
                     p = more[0] if more else 0
                     lora = {} if len(more) < 2 or more[1] is None else {"lora_request": more[1]}
-                    self.llm.add_request(ids, params, request_id=rid, priority=p, **lora)
+                    self.llm.add_request(
+                        ids, params, request_id=rid, priority=p, arrival_time=arrival, **lora
+                    )
                     added.append(rid)
                     self._sinks[rid] = (sink, tokens, params.logprobs is not None)
             except Exception as e:  # noqa: BLE001  (answered, and the engine goes on)

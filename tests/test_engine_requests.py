@@ -461,3 +461,28 @@ def test_chat_takes_vllms_chat_template_and_chat_template_kwargs(params):
     with pytest.raises(ValueError, match="tokenizer has none"):  # none given, none its own
         llm.chat(conv, greedy(1))
     check_clean(llm)
+
+
+def test_add_request_times_a_request_from_its_arrival_time(params):
+    """vLLM's `arrival_time` (time.time() seconds): the request's time to first token and
+    latency, and the metrics', count from it; None counts from now, a time in the future
+    as now; anything but a finite number is refused before anything is queued."""
+    import math
+    import time
+
+    llm = LLM(params, **GEOMETRY)
+    early = llm.add_request([5, 6, 7], greedy(3), arrival_time=time.time() - 5.0)
+    now = llm.add_request([5, 6, 8], greedy(3))
+    future = llm.add_request([5, 6, 9], greedy(3), arrival_time=time.time() + 60.0)
+    outs = {}
+    while llm.has_unfinished_requests():
+        outs |= {o.request_id: o for o in llm.step()}
+    assert 5.0 <= outs[early].ttft_s <= outs[early].latency_s < 60.0
+    for rid in (now, future):
+        assert 0 <= outs[rid].ttft_s <= outs[rid].latency_s < 5.0
+    assert max(llm.metrics.ttfts) == outs[early].ttft_s
+    assert llm.metrics.latency_hist.sum >= 5.0
+    for bad in (math.nan, math.inf, -math.inf, "1.5", True, [1.0]):
+        with pytest.raises(ValueError, match="arrival_time must be a finite number"):
+            llm.add_request([5, 6, 7], greedy(3), arrival_time=bad)
+    assert not llm.has_unfinished_requests()

@@ -54,7 +54,7 @@ class StuckLLM:
     def stop_ids(self, params):
         return frozenset()
 
-    def add_request(self, ids, params, *, request_id, priority=0):
+    def add_request(self, ids, params, *, request_id, priority=0, arrival_time=None):
         self.rids.append(request_id)
 
     def abort(self, rid):

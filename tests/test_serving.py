@@ -9,6 +9,7 @@ with events rather than left to timing. One test runs a real tiny `LLM`.
 import contextlib
 import queue
 import threading
+import time
 import types
 
 import numpy as np
@@ -29,13 +30,15 @@ class FakeLLM:
         self.rng = np.random.default_rng(seed)
         self.running: dict[str, list] = {}  # rid -> [params, tokens]
         self.aborted: list[str] = []
+        self.arrivals: dict[str, float | None] = {}  # rid -> its arrival_time
 
-    def add_request(self, ids, params, *, request_id, priority=0):
+    def add_request(self, ids, params, *, request_id, priority=0, arrival_time=None):
         if request_id in self.running:
             raise ValueError(f"request id {request_id!r} is already queued or running")
         if not ids:
             raise ValueError("empty prompt")
         self.running[str(request_id)] = [params, []]
+        self.arrivals[str(request_id)] = arrival_time
         return str(request_id)
 
     def abort(self, rid):
@@ -248,7 +251,7 @@ def test_a_refused_batch_adds_none_of_its_requests():
     assert sink.get(timeout=WAIT) == ("error", None, 400, "empty prompt")
     assert engine.call(lambda llm: (llm.running, llm.aborted)) == ({}, ["a"])
 
-    def add_request(ids, params, *, request_id, priority=0):
+    def add_request(ids, params, *, request_id, priority=0, arrival_time=None):
         raise RuntimeError("device lost")
 
     engine.call(lambda llm: setattr(llm, "add_request", add_request))
@@ -333,4 +336,57 @@ def test_real_engine_one_broken_stream_leaves_the_other_intact():
     assert evs[-1][0] == "done", evs[-1]
     assert [e[3] for e in evs[:-1]] == list(alone)
     assert list(evs[-1][2].outputs[0].token_ids) == list(alone)
+    engine.stop()
+
+
+def test_a_request_arrives_when_submitted_not_when_the_engine_takes_it():
+    """Its arrival time is stamped in `submit` and given to `LLM.add_request`: the engine
+    thread took it after the command it was busy with, and the request's timings began
+    there."""
+    engine = EngineThread(FakeLLM())
+    release = blocked(engine)  # busy, as in a step or a compile
+    sink = queue.SimpleQueue()
+    before = time.time()
+    engine.submit([("r", [1], SamplingParams(max_tokens=1))], sink, tokens=False)
+    after = time.time()
+    time.sleep(0.05)
+    release.set()
+    assert sink.get(timeout=WAIT)[:2] == ("done", "r")
+    arrival = engine.call(lambda llm: llm.arrivals["r"])
+    assert arrival is not None and before <= arrival <= after
+    engine.stop()
+
+
+def test_real_engine_times_a_request_from_its_submit_while_a_step_runs():
+    """A request submitted while the engine is inside a step (or its compile): its time to
+    first token and latency count from the submit. They counted from when the engine
+    thread took it, after that step: too low by as long as the step had left (vLLM stamps
+    a request's arrival where it reaches its front end)."""
+    llm = LLM(PRESETS["tiny"], page_size=8, num_pages=32, backend="xla", max_num_seqs=4)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    step, inside, release = llm.step, threading.Event(), threading.Event()
+
+    def held_step(**kw):  # the first step of each round waits for `release`
+        if not release.is_set():
+            inside.set()
+            release.wait(WAIT)
+        return step(**kw)
+
+    llm.step = held_step
+    engine = EngineThread(llm)
+    for hold in (0.0, 1.0):  # the first round compiles what the second runs
+        inside.clear()
+        release.clear()
+        first, second = queue.SimpleQueue(), queue.SimpleQueue()
+        engine.submit([("a", [5, 6, 7], params)], first, tokens=False)
+        assert inside.wait(WAIT)
+        t0 = time.perf_counter()
+        engine.submit([("b", [8, 9, 10], params)], second, tokens=False)
+        time.sleep(hold)
+        held = time.perf_counter() - t0
+        release.set()
+        kind, _, out = second.get(timeout=WAIT)
+        assert kind == "done" and first.get(timeout=WAIT)[0] == "done"
+    assert out.ttft_s >= held and out.latency_s >= held, (out.ttft_s, out.latency_s, held)
+    assert out.ttft_s in engine.call(lambda llm: list(llm.metrics.ttfts))  # (the same)
     engine.stop()
