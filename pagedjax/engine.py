@@ -235,6 +235,7 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
                 kv_dtype=kv_dtype,
                 watermark=watermark,
                 max_num_batched_tokens=max_num_batched_tokens,  # (a window model's need)
+                device=None if params.mesh is None else params.mesh.devices.flat[0],
             )
         self.cache_config = CacheConfig(page_size, num_pages, kv_dtype)
         self.block_manager = BlockManager(

@@ -28,6 +28,7 @@ import numpy as np
 from pagedjax.config import ModelConfig, RopeScaling
 from pagedjax.jsonfile import read_json_object
 from pagedjax.model import Params, param_shapes, params_from_flat, params_to_flat
+from pagedjax.sharding import default_device
 
 __all__ = [
     "ORBAX_META_FILE",
@@ -243,7 +244,7 @@ def restore_params(path, cfg: ModelConfig | None = None, *, dtype=None) -> Param
     # An explicit target puts arrays on this machine's default device (the host under
     # `sharding.host_staging`, for a model to be split), whatever saved them, in cfg's
     # dtype: orbax casts as it reads (a restore then a cast held both copies).
-    sharding = jax.sharding.SingleDeviceSharding(_default_device())
+    sharding = jax.sharding.SingleDeviceSharding(default_device())
     target = {
         k: jax.ShapeDtypeStruct(s, cfg.jnp_dtype, sharding=sharding) for k, s in shapes.items()
     }
@@ -301,11 +302,3 @@ def _check_f16(flat: dict, on_disk: dict, root: Path) -> None:
                 [*problems, "restore it in bfloat16 or float32 (dtype=...), which hold them"]
             )
         )
-
-
-def _default_device() -> jax.Device:
-    """Where new arrays land: `jax.default_device`'s device if one is set, else the first."""
-    dev = jax.config.jax_default_device
-    if isinstance(dev, str):  # a platform name
-        return jax.devices(dev)[0]
-    return dev if dev is not None else jax.devices()[0]

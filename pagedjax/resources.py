@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 import tokenizers
 
-from pagedjax import demo, planner, weights
+from pagedjax import demo, planner, sharding, weights
 from pagedjax import model as model_lib
 from pagedjax.config import ModelConfig, preset
 from pagedjax.jsonfile import read_json_object
@@ -209,6 +209,8 @@ def plan_num_pages(
     pages admission keeps free. `kv_dtype`: the cache's storage dtype (default the
     model's). `max_num_batched_tokens`: the engine's step budget, which bounds what a
     sliding-window sequence holds (None: counted as 1, the least it can hold).
+    `device`: the one whose memory the cache takes (default `sharding.default_device()`,
+    where a cache without a mesh goes; with a mesh, one of its devices).
 
     Raises:
       ValueError: a bad fraction, watermark or size (named), no page fits, or the
@@ -232,7 +234,7 @@ def plan_num_pages(
         cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype or cfg.dtype
     )
     per_page = per_token * page_size
-    device = device or jax.devices()[0]
+    device = device or sharding.default_device()
     try:
         stats = device.memory_stats() or {}
     except Exception:  # some backends do not implement it

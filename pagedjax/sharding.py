@@ -66,6 +66,7 @@ __all__ = [
     "check_mesh",
     "check_tensor_parallel",
     "create_cache",
+    "default_device",
     "device_kv_config",
     "gather_logits",
     "host_staging",
@@ -75,6 +76,15 @@ __all__ = [
     "shard_params",
     "tensor_parallel_size",
 ]
+
+
+def default_device() -> jax.Device:
+    """Where arrays without a mesh land (a loaded model's, the cache's):
+    `jax.default_device`'s device if one is set, else the first of `jax.devices()`."""
+    dev = jax.config.jax_default_device
+    if isinstance(dev, str):  # a platform name
+        return jax.devices(dev)[0]
+    return dev if dev is not None else jax.devices()[0]
 
 
 def _check_size(tp, num_devices: int | None, where: str = "") -> None:

@@ -3,10 +3,11 @@
 import dataclasses
 import re
 
+import jax
 import numpy as np
 import pytest
 
-from pagedjax import model, planner, resources
+from pagedjax import model, planner, resources, sharding
 from pagedjax.blocks import BlockManager
 from pagedjax.config import PRESETS
 
@@ -100,6 +101,25 @@ def test_plan_num_pages_takes_a_fraction_of_the_free_device_memory():
     full = _Device(dict(bytes_limit=1000 * per_page, bytes_in_use=1001 * per_page))
     with pytest.raises(ValueError, match=f"-{per_page} bytes free"):  # the weights took it all
         resources.plan_num_pages(cfg, 16, device=full, **kw)
+
+
+def test_plan_num_pages_reads_the_default_device(monkeypatch):
+    """It read jax.devices()[0] whatever jax.default_device said, where the model and a
+    cache without a mesh go."""
+    cfg = PRESETS["tiny"]
+    shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+    per_page = 16 * planner.kv_bytes_per_token(*shape)
+    dev = _Device(dict(bytes_limit=1000 * per_page, bytes_in_use=200 * per_page))
+    monkeypatch.setattr(sharding, "default_device", lambda: dev)
+    kw = dict(kv_memory_fraction=0.5, max_num_seqs=1, max_model_len=64)
+    assert resources.plan_num_pages(cfg, 16, **kw) == 400
+    monkeypatch.undo()
+    cpu = jax.devices()[-1]
+    with jax.default_device(cpu):
+        assert sharding.default_device() is cpu
+    with jax.default_device("cpu"):
+        assert sharding.default_device() is jax.devices("cpu")[0]
+    assert sharding.default_device() is jax.devices()[0]
 
 
 def test_plan_num_pages_keeps_slot_ids_in_int32():
