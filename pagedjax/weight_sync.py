@@ -10,6 +10,10 @@ An RL loop alternates generating rollouts with the current policy and training i
         llm.update_params(state.params)     # no reload, no recompile
         llm.wake_up()                       # a new KV cache
 
+`wake_up(tags=...)` wakes one part at a time, as vLLM's: `wake_up(tags=["weights"])`,
+new weights, then `wake_up(tags=["kv_cache"])` keeps the KV cache out of device memory
+while the weights change (verl's order). Requests need both awake (`is_sleeping()`).
+
 An asynchronous loop, whose rollouts run across policy updates, pauses the engine
 instead of waiting for it to be idle (vLLM's `pause_generation`): `pause_generation(
 mode="keep")` completes the step in flight and keeps the unfinished requests (by
@@ -30,7 +34,7 @@ to host memory (`to_host`) go back where the compiled programs expect them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +45,9 @@ from pagedjax import model as model_lib
 from pagedjax.request import RequestOutput
 
 __all__ = ["WeightsMixin", "place_params", "template", "to_host"]
+
+# What `sleep` puts to sleep and `wake_up(tags)` wakes, in the order it wakes them.
+SLEEP_TAGS = ("weights", "kv_cache")
 
 
 def template(params: model_lib.Params) -> model_lib.Params:
@@ -131,32 +138,71 @@ def place_params(like: model_lib.Params, new) -> model_lib.Params:
     return like.replace(state=nnx.from_flat_state(pairs))
 
 
+def _tags(tags) -> list:
+    """`wake_up`'s tags, checked: a list of `SLEEP_TAGS` (None: all)."""
+    if tags is None:
+        return list(SLEEP_TAGS)
+    if isinstance(tags, (str, bytes)) or not isinstance(tags, Iterable):
+        raise TypeError(
+            f"tags must be a list of 'weights' and/or 'kv_cache', or None, got {tags!r}"
+        )
+    tags = list(tags)
+    bad = [t for t in tags if t not in SLEEP_TAGS]
+    if bad:
+        hint = ""
+        if "scheduling" in bad:  # (vLLM's sleep(level=0) pauses scheduling)
+            hint = "; to resume after pause_generation(), call resume_generation()"
+        raise ValueError(
+            f"unknown wake_up tag {', '.join(map(repr, bad))}: the tags are "
+            f"{' and '.join(map(repr, SLEEP_TAGS))}{hint}"
+        )
+    return tags
+
+
 class WeightsMixin:
     """`LLM`'s calls on its weights and device memory (`pagedjax.engine.LLM` inherits
-    them; see the module docstring): `update_params`, `sleep`, `wake_up` and
-    `reset_prefix_cache`. They work on the engine's `core` (`EngineCore`, which holds
-    the params and the KV cache), `scheduler`, `block_manager` and `params`, and on the
-    state `_init_weights` sets up; `_check_ready` refuses requests while it lacks a
-    cache or weights.
+    them; see the module docstring): `update_params`, `sleep`, `wake_up`, `is_sleeping`,
+    `reset_prefix_cache` and the pause calls. They work on the engine's `core`
+    (`EngineCore`, which holds the params and the KV cache), `scheduler`,
+    `block_manager` and `params`, and on the state `_init_weights` sets up;
+    `_check_ready` refuses requests while it lacks a cache or weights.
     """
 
     def _init_weights(self, params: model_lib.Params) -> None:
-        # What new weights must match (`update_params`), and whether `sleep` dropped the
-        # weights (level 2) or the KV cache (any level) until new ones / `wake_up`.
+        # What new weights must match (`update_params`); what `sleep` put to sleep
+        # (`SLEEP_TAGS`: "weights" in host memory, or dropped; "kv_cache" deleted) until
+        # `wake_up`; and whether `sleep(level=2)` dropped the weights until new ones.
         self._template = template(params)
+        self._sleeping: set[str] = set()
         self._weights_dropped = False
-        self._weights_offloaded = False  # (in host memory: sleep level 1)
-        self._asleep = False
 
     def _check_ready(self) -> None:
-        """RuntimeError unless the engine has a KV cache and weights to run a request."""
-        if self._asleep:
+        """RuntimeError, naming what is missing, unless the engine has a KV cache and
+        weights to run a request."""
+        asleep = [t for t in SLEEP_TAGS if t in self._sleeping]
+        if len(asleep) == len(SLEEP_TAGS):
             raise RuntimeError("the engine is asleep (sleep()): call wake_up() first")
+        if asleep == ["kv_cache"]:
+            raise RuntimeError(
+                "the engine's KV cache is still asleep (only its weights woke up): call "
+                "wake_up(tags=['kv_cache']) or wake_up() first"
+            )
+        if asleep == ["weights"] and not self._weights_dropped:
+            raise RuntimeError(
+                "the engine's weights are still asleep, in host memory (only its KV cache "
+                "woke up): call wake_up(tags=['weights']) or wake_up() first"
+            )
         if self._weights_dropped:
             raise RuntimeError(
                 "the engine's weights were dropped (sleep(level=2)): give new ones with "
                 "update_params() first"
             )
+
+    def is_sleeping(self) -> bool:
+        """Whether anything `sleep` put to sleep still sleeps: True until `wake_up` woke
+        both the weights and the KV cache (vLLM's `is_sleeping`). New weights
+        (`update_params`) go to device memory, so they wake the weights."""
+        return bool(self._sleeping)
 
     def update_params(self, params) -> None:
         """Replaces the model's weights with newly trained ones of the same model, for
@@ -174,7 +220,10 @@ class WeightsMixin:
             give the engine copies then.
 
         The prefix cache is cleared: its pages hold K/V that the old weights computed.
-        After `sleep(level=2)` this is how the engine gets weights again.
+        After `sleep(level=2)` this is how the engine gets weights again. While the
+        engine sleeps, the new weights go to device memory all the same: the weights are
+        awake from then on (`wake_up(tags=["weights"])` first is not needed), the KV
+        cache still asleep.
 
         While the engine is paused (`pause_generation`), requests it kept may be
         unfinished: they go on with the new weights when `resume_generation` is called.
@@ -193,14 +242,50 @@ class WeightsMixin:
             self._check_idle("update_params")
         new = place_params(self._template, params)
         self.params = self.core.params = new
-        self._weights_dropped = self._weights_offloaded = False
+        self._weights_dropped = False
+        self._sleeping.discard("weights")  # (placed in device memory, as the programs expect)
         self.block_manager.uncache()
         self.block_manager.stop_caching()  # (sequences a pause kept with their K/V)
 
-    def reset_prefix_cache(self) -> bool:
-        """Forgets every cached prompt page (vLLM's `reset_prefix_cache`): True, or False
-        with nothing done while requests are unfinished (their pages stay theirs)."""
-        if self.scheduler.has_unfinished() or self.core.inflight is not None:
+    def reset_prefix_cache(
+        self,
+        reset_running_requests: bool = False,
+        reset_connector: bool = False,
+        *,
+        on_token=None,
+    ) -> bool:
+        """Forgets every cached prompt page (vLLM's `reset_prefix_cache`), as new
+        weights need (`update_params` does it itself).
+
+        Args:
+          reset_running_requests: False: nothing is done while requests hold pages
+            (running, or a step in flight): their pages stay theirs, and False is
+            returned. True (vLLM's, to reset in the middle of requests): the step in
+            flight completes first (the next `step()` returns its outputs), then every
+            running request gives its pages back (preempted, as `pause_generation(
+            mode="keep")` does) and waits to be recomputed from its prompt and the
+            tokens it generated, so none of its K/V outlives the reset.
+          reset_connector: vLLM's, for a KV connector's cache; pagedjax has no
+            connector, so there is nothing more to reset.
+          on_token: as `step`'s, for the tokens of the step in flight that
+            `reset_running_requests=True` completes.
+
+        Returns:
+          Whether the prefix cache was reset.
+
+        Raises:
+          TypeError: a flag that is not a bool; nothing changed then.
+        """
+        flags = dict(reset_running_requests=reset_running_requests, reset_connector=reset_connector)
+        for name, flag in flags.items():
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        if reset_running_requests:
+            with self._run_clock():
+                self._claim(self.core.drain(on_token))  # (the next step() returns them)
+            if self.scheduler.running:
+                self.core.requeue_all()
+        elif self.block_manager.stats().num_seqs or self.core.inflight is not None:
             return False
         self.block_manager.uncache()
         return True
@@ -212,7 +297,8 @@ class WeightsMixin:
         brings back; level 2 drops the weights instead, and `update_params` must give
         new ones before the next request. The weights' device memory is freed once
         nothing else holds their arrays: `LLM(params)` keeps the arrays it is given,
-        so a caller that keeps them too keeps that memory in use.
+        so a caller that keeps them too keeps that memory in use. Whatever a partial
+        `wake_up(tags=...)` woke goes back to sleep.
 
         While the engine is paused (`pause_generation`), requests it kept may be queued,
         as long as none holds K/V (`clear_cache=True`, the default): they are recomputed
@@ -234,30 +320,51 @@ class WeightsMixin:
                 "it (pause_generation(clear_cache=False)): abort them, or pause with "
                 "clear_cache=True, which recomputes them after wake_up()"
             )
-        if not self._asleep:
+        if "kv_cache" not in self._sleeping:
             self.core.drop_cache()
-            self._asleep = True
+            self._sleeping.add("kv_cache")
         if level == 2 and not self._weights_dropped:
             self.params = self.core.params = self._template  # (shapes only)
-            self._weights_dropped = self._weights_offloaded = True
-        elif not self._weights_dropped and not self._weights_offloaded:
+            self._weights_dropped = True
+        elif "weights" not in self._sleeping and not self._weights_dropped:
             self.params = self.core.params = to_host(self.params)
-            self._weights_offloaded = True
+        self._sleeping.add("weights")
 
-    def wake_up(self) -> None:
-        """Ends `sleep`: a new, empty KV cache, and the weights back in device memory
-        where `sleep(level=1)` moved them (nothing if the engine is not asleep). After
-        `sleep(level=2)`, requests still need `update_params` first."""
-        if not self._asleep:
-            return
-        if self._weights_offloaded and not self._weights_dropped:
-            back = jax.tree.map(
-                lambda x, t: jax.device_put(x, t.sharding), self.params, self._template
-            )
-            self.params = self.core.params = back
-        self._weights_offloaded = False
-        self.core.new_cache()
-        self._asleep = False
+    def wake_up(self, tags: Iterable[str] | None = None) -> None:
+        """Ends `sleep`, for all of it or the parts `tags` names (vLLM's `wake_up`):
+
+        - "weights": the weights go back to device memory, where `sleep(level=1)` moved
+          them from (after `sleep(level=2)` there are none: `update_params` gives new
+          ones, which go to device memory and wake the weights by themselves);
+        - "kv_cache": a new, empty KV cache (and the LoRA slots).
+
+        To keep the KV cache out of device memory while the weights change (verl's
+        order): `wake_up(tags=["weights"])`, `update_params(new)`, then
+        `wake_up(tags=["kv_cache"])`. Requests need both awake: until then `generate`,
+        `add_request` and `resume_generation` raise, naming what still sleeps, and
+        `is_sleeping()` is True.
+
+        Args:
+          tags: "weights" and/or "kv_cache" (woken in that order); None: both. Parts
+            already awake are skipped (vLLM warns and wakes nothing then), so on an
+            engine that is not asleep this does nothing.
+
+        Raises:
+          ValueError: an unknown tag (each named); TypeError: `tags` is a string or not
+            iterable. Nothing changed then.
+        """
+        given = _tags(tags)
+        wake = [t for t in SLEEP_TAGS if t in given and t in self._sleeping]
+        if "weights" in wake:
+            if not self._weights_dropped:
+                back = jax.tree.map(
+                    lambda x, t: jax.device_put(x, t.sharding), self.params, self._template
+                )
+                self.params = self.core.params = back
+            self._sleeping.discard("weights")
+        if "kv_cache" in wake:
+            self.core.new_cache()
+            self._sleeping.discard("kv_cache")
 
     def pause_generation(
         self, mode: str = "abort", clear_cache: bool = True, *, on_token=None
