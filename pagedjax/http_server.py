@@ -5,13 +5,14 @@ hands it the `LLM`, which an `EngineThread` (`pagedjax.serving`) owns from then 
 Each connection is a thread running `Handler`: it routes a request (`ROUTES`),
 validates and tokenizes it on its own thread (`pagedjax.openai_api`), submits it to the
 engine thread and waits on its own queue for the token events and final outputs, then
-answers one JSON body or Server-Sent Events (`StreamedChoice`: what a stream sent of
-one completion). A client that goes away (checked every `POLL_S` while waiting) has its
-requests aborted. The wire is `HttpIO`'s, which `Handler` subclasses (`pagedjax.http_io`;
-its `MAX_BODY_BYTES`, `TIMEOUT_S` and `ClientGone` are re-exported here): reading the
-body (a `Content-Length` or `Transfer-Encoding: chunked`, at most `MAX_BODY_BYTES`),
-letting go a client silent for `TIMEOUT_S`, and writing every error as OpenAI's JSON
-(`ApiError`), http.server's own too. `Server` is that module's `HttpServer`: IPv6 hosts
+answers one JSON body or Server-Sent Events (`StreamedChoice`, re-exported from
+`pagedjax.streamed_choice`: what a stream sent of one completion). A client that goes
+away (checked every `POLL_S` while waiting) has its requests aborted. The wire is
+`HttpIO`'s, which `Handler` subclasses (`pagedjax.http_io`; its `MAX_BODY_BYTES`,
+`TIMEOUT_S` and `ClientGone` are re-exported here): reading the body (a `Content-Length`
+or `Transfer-Encoding: chunked`, at most `MAX_BODY_BYTES`), letting go a client silent
+for `TIMEOUT_S`, and writing every error as OpenAI's JSON (`ApiError`), http.server's
+own too. `Server` is that module's `HttpServer`: IPv6 hosts
 bind, each request must come whole within `read_timeout` (not its answer's time), and
 connections past `max_connections` get a 503.
 
@@ -62,7 +63,7 @@ from pagedjax.lora import LoRARequest
 from pagedjax.metrics import prometheus_text
 from pagedjax.openai_api import ApiError, Job
 from pagedjax.serving import EngineStopped, EngineThread, LoRANames
-from pagedjax.tokenizer import CONTEXT_IDS, name_context
+from pagedjax.streamed_choice import StreamedChoice, chunk_context  # (StreamedChoice: re-exported)
 from pagedjax.tool_calls import PARSERS
 
 __all__ = [
@@ -466,7 +467,7 @@ class Handler(HttpIO):
                 )
                 c.offset += 0 if job.chat or tok is None else sum(map(len, lp["tokens"]))
                 lp = lp if echoed is None else api.join_logprobs(echoed, lp)
-            c.before = _context(tok, [*c.before, *ids], skip)
+            c.before = chunk_context(tok, [*c.before, *ids], skip)
             c.num_tokens += len(ids)
             first = job.prompt_token_ids and not job.chat and not c.started
             c.started = True
@@ -531,45 +532,6 @@ class Handler(HttpIO):
         if job.include_usage:
             self._event(dict(**head, choices=[], usage=api.usage(outs)))
         self._end_stream()
-
-
-class StreamedChoice:
-    """What a stream sent of one completion.
-
-    Attributes:
-      decoder: its incremental detokenizer (`Tokenizer.stream(context=prompt ids)`, with
-        the request's skip_special_tokens, as the engine decodes the final text), None
-        without a tokenizer (or without tokens).
-      sent: characters of its text streamed.
-      pending: (token id, logprobs entry or None, where its text ends in the decoder's
-        text) of each token received but not streamed yet (its text held back).
-      num_tokens: tokens streamed (their ids and logprobs).
-      offset: completions' `text_offset` of the next token whose logprobs are streamed.
-      started: a chunk of it went out.
-      before: the last ids before its next chunk (the prompt's, then its own), which
-        name that chunk's tokens (`render_logprobs(context=)`).
-    """
-
-    __slots__ = ("decoder", "sent", "pending", "num_tokens", "offset", "started", "before")
-
-    def __init__(self, tok, prompt_ids, skip_special_tokens: bool = True):
-        skip = skip_special_tokens
-        self.decoder = (
-            None if tok is None else tok.stream(skip_special_tokens=skip, context=prompt_ids)
-        )
-        self.before = _context(tok, list(prompt_ids), skip)  # the ids before the next chunk's
-        self.sent = self.num_tokens = self.offset = 0
-        self.pending: list[tuple[int, dict | None, int]] = []
-        self.started = False
-
-
-def _context(tok, ids: list[int], skip: bool) -> list[int]:
-    """The tail of `ids` that names the tokens after them as all of `ids` do, with the
-    byte-fallback run it ends in, so that the next chunk's ids can be appended
-    (`tokenizer.name_context`; its last CONTEXT_IDS ids without a tokenizer)."""
-    if tok is None:
-        return ids[-CONTEXT_IDS:]
-    return name_context(tok, ids, skip_special_tokens=skip, with_run=True)
 
 
 def _unload_name(body: dict, loras: dict) -> str:
