@@ -109,6 +109,9 @@ class Server(HttpServer):
         body). Not the answer's time: a stream runs as long as it runs. None: no limit.
       max_connections: connections served at once (a thread each); one more gets a 503
         and is closed.
+      enable_prompt_tokens_details: answers' `usage` (streamed: the usage chunk's) carries
+        `prompt_tokens_details: {cached_tokens}`, the prompt tokens read from the prefix
+        cache (vLLM's `--enable-prompt-tokens-details`; `openai_responses.usage`).
 
     Attributes:
       lora_names: the served adapters (`LoRANames`); `loras` is its current
@@ -130,6 +133,7 @@ class Server(HttpServer):
         tool_parser: str | None = None,
         read_timeout: float | None = READ_TIMEOUT_S,
         max_connections: int = MAX_CONNECTIONS,
+        enable_prompt_tokens_details: bool = False,
     ):
         if tool_parser is not None and tool_parser not in PARSERS:
             raise ValueError(f"tool_parser must be one of {sorted(PARSERS)}, got {tool_parser!r}")
@@ -137,6 +141,7 @@ class Server(HttpServer):
         self.tool_parser = tool_parser
         self.lora_names = LoRANames(model_name, lora_modules)
         self.allow_runtime_lora_updating = allow_runtime_lora_updating
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.engine: EngineThread | None = None
         self._answering = 0  # requests whose handlers have yet to answer them
         self._answered = threading.Condition()
@@ -369,6 +374,7 @@ class Handler(HttpIO):
             max_logprobs=srv.max_logprobs,
             loras=srv.loras,
             tool_parser=srv.tool_parser,
+            prompt_tokens_details=srv.enable_prompt_tokens_details,
         )
 
     def _events(self, job: Job):
@@ -530,7 +536,8 @@ class Handler(HttpIO):
                         rid, o.index, c, o.text[c.sent :], ids, entries, finish, out.prompt_logprobs
                     )
         if job.include_usage:
-            self._event(dict(**head, choices=[], usage=api.usage(outs)))
+            counts = api.usage(outs, prompt_tokens_details=job.prompt_tokens_details)
+            self._event(dict(**head, choices=[], usage=counts))
         self._end_stream()
 
 

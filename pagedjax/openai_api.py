@@ -147,6 +147,8 @@ class Job:
       prompt_logprobs: answers carry vLLM's `prompt_logprobs` (completions: on each
         choice; chat: beside them).
       echo_only: `max_tokens: 0` with echo: the one token generated is dropped (`output`).
+      prompt_tokens_details: `usage` carries `prompt_tokens_details: {cached_tokens}`
+        (the server's `--enable-prompt-tokens-details`; `openai_responses.usage`).
       id: the response id's suffix; `rids` derive from it.
       created: the Unix time of the request.
     """
@@ -165,6 +167,7 @@ class Job:
     echo: list[str] | None = None
     prompt_logprobs: bool = False
     echo_only: bool = False
+    prompt_tokens_details: bool = False
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -196,6 +199,7 @@ def parse_job(
     max_logprobs: int = MAX_LOGPROBS,
     loras: Mapping[str, LoRARequest] | None = None,
     tool_parser: str | None = None,
+    prompt_tokens_details: bool = False,
 ) -> Job:
     """Validates a request body and tokenizes its prompts (no engine involved).
 
@@ -220,6 +224,8 @@ def parse_job(
       tool_parser: the server's tool-call parser (`pagedjax.tool_calls.PARSERS`; vLLM's
         `--enable-auto-tool-choice --tool-call-parser`), which `tool_choice: "auto"`
         needs; None: "auto" is a 400.
+      prompt_tokens_details: answers' `usage` carries `prompt_tokens_details:
+        {cached_tokens}` (vLLM's `--enable-prompt-tokens-details`; `Job`'s).
 
     Raises:
       ApiError: 400 naming the bad field and value (404 for a model not served here, as
@@ -357,6 +363,7 @@ def parse_job(
         texts,
         not stream and params.prompt_logprobs is not None,
         echo_only,
+        prompt_tokens_details,
     )
 
 

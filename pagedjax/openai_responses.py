@@ -222,11 +222,22 @@ def render_prompt_logprobs(entries) -> list | None:
     ]
 
 
-def usage(outs) -> dict:
-    """The token counts of some `RequestOutput`s."""
+def usage(outs, *, prompt_tokens_details: bool = False) -> dict:
+    """The token counts of some `RequestOutput`s (a request's, one per prompt).
+
+    `prompt_tokens_details` (the server's `--enable-prompt-tokens-details`) adds
+    `prompt_tokens_details: {cached_tokens}`: the prompt tokens read from the prefix
+    cache (`RequestOutput.num_cached_tokens`, once per prompt, whatever its `n`), summed
+    over the prompts as `prompt_tokens` is. vLLM takes one prompt's count instead (the
+    last one's, streamed the first one's) and leaves the field out when it is 0.
+    """
+    outs = list(outs)
     p = sum(len(o.prompt_token_ids) for o in outs)
     c = sum(len(x.token_ids) for o in outs for x in o.outputs)
-    return dict(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+    counts = dict(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+    if prompt_tokens_details:
+        counts["prompt_tokens_details"] = dict(cached_tokens=sum(o.num_cached_tokens for o in outs))
+    return counts
 
 
 def response_head(job: Job, model_name: str) -> dict:
@@ -277,7 +288,8 @@ def response_body(job: Job, head: dict, outs: dict, tokenizer) -> dict:
                 choice["token_ids"] = list(c.token_ids)
             choice["finish_reason"] = c.finish_reason
             choices.append(choice)
-    body = dict(**head, choices=choices, usage=usage(outs.values()))
+    counts = usage(outs.values(), prompt_tokens_details=job.prompt_tokens_details)
+    body = dict(**head, choices=choices, usage=counts)
     if job.chat and job.prompt_logprobs:  # vLLM: once, beside the choices
         body["prompt_logprobs"] = render_prompt_logprobs(outs[job.rids[0]].prompt_logprobs)
     if job.chat and job.prompt_token_ids:  # vLLM: once, beside the choices

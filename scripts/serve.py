@@ -199,6 +199,13 @@ streamed yet, if any) and its `finish_reason`. The HTTP status and headers go ou
 the first event: a step that fails before it is still a 500; one that fails later ends
 the stream with an `{"error"}` event.
 
+Usage: `usage` (streamed: the usage chunk's) counts `prompt_tokens` (each prompt once,
+whatever its `n`), `completion_tokens` (every choice's) and `total_tokens`. With
+`--enable-prompt-tokens-details` (vLLM's flag) it also carries `prompt_tokens_details:
+{"cached_tokens": N}`: the prompt tokens the prefix cache served (whole pages of an
+earlier request's prompt, at the request's first admission), summed over the prompts
+as `prompt_tokens` is, 0 included (vLLM leaves out a 0 and counts one prompt's only).
+
 The server is `pagedjax.http_server` (`Server`, `Handler`); this script is its command
 line. Threading: one engine thread (`pagedjax.serving.EngineThread`, whose docstring has
 the details) owns the `LLM`; each HTTP connection is a thread (`ThreadingHTTPServer`) that
@@ -269,7 +276,8 @@ engine flags (`--page-size`, `--num-pages` | `--kv-memory-fraction`, `--kv-cache
 each request's `priority`), `--lora-modules`, `--allow-runtime-lora-updating`,
 `--max-loras N`, `--max-lora-rank N`, `--max-cpu-loras N`, `--enable-auto-tool-choice`
 with `--tool-call-parser hermes|llama3_json` (vLLM's: `tool_choice: "auto"`; the parser
-alone is unused, as in vLLM), `--quiet` (no request log).
+alone is unused, as in vLLM), `--enable-prompt-tokens-details` (vLLM's: `usage` carries
+`prompt_tokens_details: {cached_tokens}`, see "Usage"), `--quiet` (no request log).
 Bad flags, a checkpoint directory missing files, a bad value in its
 generation_config.json, a LoRA adapter directory that is not there or a port that
 cannot be bound end with one line on stderr and exit status 2, before any weights load
@@ -395,6 +403,11 @@ def build_parser() -> cli.Parser:
         choices=sorted(PARSERS),
         help='how tool calls are read from the text under tool_choice "auto"',
     )
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage carries prompt_tokens_details.cached_tokens (prefix-cache hits)",
+    )
     p.add_argument("--quiet", action="store_true", help="do not log each request")
     return p
 
@@ -492,6 +505,7 @@ def run(args) -> int:
             tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
             read_timeout=args.read_timeout,
             max_connections=args.max_connections,
+            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         )
     except OSError as e:
         where = f"{url_host(args.host)}:{args.port}"
