@@ -443,22 +443,23 @@ class Handler(HttpIO):
         choices: dict[tuple[str, int], StreamedChoice] = {}  # by (rid, completion index)
         prompts = dict(zip(job.rids, job.prompts, strict=True))
         # Completions' echo: a choice's first chunk starts with its prompt's text (and its
-        # logprobs, from `prompt`: the choice then comes whole, `Job.streams_tokens`).
+        # logprobs, from the "prompt" event the engine thread sends before its first token).
         echo = None if job.chat or job.echo is None else dict(zip(job.rids, job.echo, strict=True))
+        prompt_lps: dict[str, list] = {}  # by rid
 
         def send(sent: dict) -> None:
             # OpenAI's: with include_usage, every chunk has "usage": null but the last,
             # usage-only one (its `choices` []); without it, no chunk has the field.
             self._event({**sent, "usage": None} if job.include_usage else sent)
 
-        def chunk(rid, i, c: StreamedChoice, text, ids=(), entries=(), finish=None, prompt=None):
+        def chunk(rid, i, c: StreamedChoice, text, ids=(), entries=(), finish=None):
             lp = echoed = None
             if echo is not None and not c.started:
                 text = echo[rid] + text
                 c.offset = len(echo[rid]) if tok is not None else 0
                 if k is not None:
                     echoed = api.echo_logprobs(
-                        tok, prompts[rid], prompt, k, skip_special_tokens=skip
+                        tok, prompts[rid], prompt_lps[rid], k, skip_special_tokens=skip
                     )
             if k is not None:
                 lp = api.render_logprobs(
@@ -497,7 +498,9 @@ class Handler(HttpIO):
                 self._start_stream()
                 for role in api.role_chunks(job, head):
                     send(role)
-            if event[0] == "token":
+            if event[0] == "prompt":
+                prompt_lps[event[1]] = event[2]
+            elif event[0] == "token":
                 _, rid, i, token, *entry = event  # the entry: with logprobs only
                 c = choices.get((rid, i))
                 if c is None:
@@ -523,6 +526,7 @@ class Handler(HttpIO):
             else:
                 _, rid, out = event
                 outs.append(out)
+                prompt_lps.setdefault(rid, out.prompt_logprobs)  # (a choice that comes whole)
                 for o in out.outputs:
                     # A choice no token streamed (a beam search's: its beams are known
                     # only at the end; one `Job.streams_tokens` holds) goes out whole,
@@ -532,9 +536,7 @@ class Handler(HttpIO):
                     ids = o.token_ids[c.num_tokens :]
                     entries = o.logprobs[c.num_tokens :] if k is not None else ()
                     finish = o.finish_reason or "stop"
-                    chunk(
-                        rid, o.index, c, o.text[c.sent :], ids, entries, finish, out.prompt_logprobs
-                    )
+                    chunk(rid, o.index, c, o.text[c.sent :], ids, entries, finish)
         if job.include_usage:
             counts = api.usage(outs, prompt_tokens_details=job.prompt_tokens_details)
             self._event(dict(**head, choices=[], usage=counts))

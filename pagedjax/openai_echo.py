@@ -8,7 +8,8 @@ the field's value; else, with echo, completions' `logprobs` (the echoed logprobs
 the prompt) and chat's `top_logprobs` (0 without it: a chat answer with echo carries
 `prompt_logprobs`, as vLLM's does). Streamed, `prompt_logprobs` above 0 is a 400, as
 vLLM's, and a stream answers `prompt_logprobs` nowhere (as vLLM's), so the prompt's
-logprobs are computed only for completions' echo with `logprobs`, which streams them.
+logprobs are computed only for completions' echo with `logprobs`, which streams them
+(each choice's first chunk: its prompt's text and logprobs, then its tokens as they come).
 
 What is echoed (`echo_texts`, `chat_echo_text`):
 
@@ -112,12 +113,11 @@ def chat_echo_text(body: dict) -> str:
 
 
 def streams_tokens(job: Job) -> bool:
-    """Whether a `Job`'s stream sends its choices' tokens as they come: not when it
-    echoes the prompt's logprobs, which the engine answers with the finished output only
-    (each choice then goes out whole when it ends, its prompt first), nor with
-    max_tokens 0 (no token to send)."""
-    held = job.echo is not None and not job.chat and job.params.logprobs is not None
-    return job.stream and not held and not job.echo_only
+    """Whether a `Job`'s stream sends its choices' tokens as they come: not with
+    max_tokens 0 (no token to send: each choice goes out whole when it ends). With echo
+    and logprobs, the engine thread sends the prompt's logprobs before the first token
+    (`pagedjax.serving`'s "prompt" event), which a choice's first chunk carries."""
+    return job.stream and not job.echo_only
 
 
 def without_generated(out: RequestOutput) -> RequestOutput:

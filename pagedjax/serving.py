@@ -6,13 +6,18 @@ commands (add requests, abort, stop, run a function on it). Callers never wait o
 engine itself: each passes a sink (any object with `put`, e.g. a `queue.SimpleQueue`)
 with its requests and reads events from it:
 
+    ("prompt", request_id, prompt_logprobs)              with tokens=True, see below
     ("token", request_id, completion_index, token_id)   only when submitted with tokens=True
     ("done", request_id, RequestOutput)
     ("error", request_id or None, status, message)
 
 A token event of a request whose params ask for logprobs carries a fifth element: the
 token's logprobs entry `{token_id: logprob, ...}` (the token first, then the
-`params.logprobs` most likely), as its `CompletionOutput.logprobs` will have it.
+`params.logprobs` most likely), as its `CompletionOutput.logprobs` will have it. A
+request submitted with tokens=True whose params ask for prompt logprobs gets one
+"prompt" event just before its first token event (its prefill, which computes them, is
+done then): its prompt logprobs as its `RequestOutput.prompt_logprobs` will have them
+(None first), so that a stream can send them (completions' echo) before its tokens.
 
 A sink whose `put` raises (its client went away) loses its request alone: the request is
 aborted and gets no further events; the other requests and the thread go on.
@@ -88,6 +93,7 @@ class EngineThread:
         self.num_failed_steps = 0
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, tuple[Any, bool, bool]] = {}  # rid -> (sink, tokens, logprobs)
+        self._prompts_due: set[str] = set()  # token-streamed requests' prompt logprobs not sent
         self._broken: list[str] = []  # requests whose sink raised during the current step
         self._lock = threading.Lock()
         self._alive = True
@@ -112,7 +118,8 @@ class EngineThread:
             the engine's unfinished requests.
           sink: gets the requests' events (`put(event)`, called on the engine thread).
           tokens: also send a "token" event for each generated token (with its logprobs
-            entry when the request's params ask for logprobs).
+            entry when the request's params ask for logprobs), and, when they ask for
+            prompt logprobs, a "prompt" event with those before the first one.
 
         The requests' times to first token and latencies count from this call (their
         `LLM.add_request` `arrival_time`, as vLLM stamps a request where it reaches its
@@ -240,14 +247,18 @@ class EngineThread:
                     )
                     added.append(rid)
                     self._sinks[rid] = (sink, tokens, params.logprobs is not None)
+                    if tokens and params.prompt_logprobs is not None:
+                        self._prompts_due.add(rid)
             except Exception as e:  # noqa: BLE001  (answered, and the engine goes on)
                 for rid in added:
                     self.llm.abort(rid)
                     self._sinks.pop(rid, None)
+                    self._prompts_due.discard(rid)
                 status = 400 if isinstance(e, (ValueError, TypeError)) else 500
                 _send(sink, ("error", None, status, str(e)))
         elif kind == "abort":
             for rid in command[1]:
+                self._prompts_due.discard(rid)
                 if self._sinks.pop(rid, None) is not None:
                     self.llm.abort(rid)
                     self.num_aborted += 1
@@ -273,6 +284,7 @@ class EngineThread:
         for out in finished:
             if not out.finished:  # a partial output (output_kind): "token" events stream
                 continue
+            self._prompts_due.discard(out.request_id)
             entry = self._sinks.pop(out.request_id, None)
             if entry is not None:
                 _send(entry[0], ("done", out.request_id, out))
@@ -282,13 +294,19 @@ class EngineThread:
         if entry is None or not entry[1]:
             return
         sink, _, logprobs = entry
+        events = []
+        if rid in self._prompts_due:
+            self._prompts_due.discard(rid)
+            events.append(("prompt", rid, self._prompt_logprobs(rid)))
         if logprobs:
-            event = ("token", rid, index, token, self._logprobs_entry(rid, index))
+            events.append(("token", rid, index, token, self._logprobs_entry(rid, index)))
         else:
-            event = ("token", rid, index, token)
-        if not _send(sink, event):  # its caller is gone: drop it, not the whole step
-            self._sinks.pop(rid, None)
-            self._broken.append(rid)
+            events.append(("token", rid, index, token))
+        for event in events:
+            if not _send(sink, event):  # its caller is gone: drop it, not the whole step
+                self._sinks.pop(rid, None)
+                self._broken.append(rid)
+                return
 
     def _logprobs_entry(self, rid: str, index: int) -> dict[int, float]:
         """The logprobs entry of the token that `on_token` reports: `LLM.step` appends it
@@ -300,12 +318,23 @@ class EngineThread:
                 return seq.logprobs[-1]
         raise RuntimeError(f"no running completion {index} of request {rid!r} (a bug)")
 
+    def _prompt_logprobs(self, rid: str) -> list:
+        """A copy of the prompt logprobs of a request whose first token `on_token`
+        reports: `LLM.step` records them from the step that ends its prefill before it
+        applies that step's tokens, so none is missing by then."""
+        group = self.llm.scheduler.get(rid)
+        entries = None if group is None else group.request.prompt_logprobs
+        if entries is None or None in entries[1:]:
+            raise RuntimeError(f"request {rid!r}'s prompt logprobs are not all known (a bug)")
+        return list(entries)
+
     def _fail_all(self, status: int, message: str) -> None:
         for rid, (sink, *_) in list(self._sinks.items()):
             with contextlib.suppress(Exception):
                 self.llm.abort(rid)  # a failed step aborted them already; a stop did not
             _send(sink, ("error", rid, status, message))
         self._sinks.clear()
+        self._prompts_due.clear()
 
 
 class LoRANames:

@@ -108,8 +108,9 @@ K most likely; as vLLM's, echo sets K where the field is left out (completions:
 choice's content with the last message's when the answer continues its role (after an
 assistant message, or with `continue_final_message`); else with "". Every choice echoes
 (`n`, several prompts, beam search). Streamed, a completions choice's first chunk starts
-with its prompt's text, and with logprobs each choice comes whole in one chunk when it
-ends (the engine answers prompt logprobs with the finished output); chat's echoed
+with its prompt's text (with logprobs, the prompt tokens' logprobs, the first null, as
+vLLM's; the engine thread sends them once the prefill is done), then its tokens stream
+as without echo, the chunks adding up to the non-streamed choice; chat's echoed
 content is one chunk per choice after the role chunks; streams carry no
 `prompt_logprobs`. lm-evaluation-harness's `local-completions` model scores
 loglikelihood tasks this way (token id prompts, `max_tokens` 1, `logprobs` 1, echo),

@@ -186,25 +186,38 @@ def test_every_choice_echoes_its_prompt(server, tok):
         assert a["logprobs"]["token_logprobs"][:n] == b["logprobs"]["token_logprobs"][:n]
 
 
-@pytest.mark.parametrize("logprobs", [None, 1])
-def test_streamed_echo_adds_up_to_the_whole_answer(server, logprobs):
-    """The prompt comes first, in each choice's first chunk; with logprobs, which the
-    engine answers with the finished output, each choice comes whole in one chunk.
+@pytest.mark.parametrize(
+    "logprobs, n, prompts",
+    [(None, 2, [PROMPT, "x = ["]), (1, 1, [PROMPT]), (1, 2, [PROMPT]), (2, 2, [PROMPT, "x = ["])],
+)
+def test_streamed_echo_adds_up_to_the_whole_answer(server, tok, logprobs, n, prompts):
+    """The prompt comes first, in each choice's first chunk (with logprobs, its tokens'
+    logprobs, the first null, as vLLM's), then the tokens stream as without echo: the
+    chunks joined are the non-streamed choice, its text and every logprobs list.
     Stop strings hold text back as without echo."""
-    body = dict(prompt=[PROMPT, "x = ["], n=2, temperature=0.8, seed=3, max_tokens=12, echo=True)
+    body = dict(prompt=prompts, n=n, temperature=0.8, seed=3, max_tokens=12, echo=True)
     body.update(logprobs=logprobs, stop=["\x00never"])
     whole = ok(server, "/v1/completions", body)["choices"]
     chunks = stream(server, "/v1/completions", body)
+    assert len(whole) == len(prompts) * n
     for choice in whole:
+        prompt = prompts[choice["index"] // n]
         mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == choice["index"]]
-        assert mine[0]["text"].startswith(PROMPT if choice["index"] < 2 else "x = [")
+        assert mine[0]["text"].startswith(prompt)
         assert "".join(c["text"] for c in mine) == choice["text"]
         assert mine[-1]["finish_reason"] == choice["finish_reason"]
+        assert len(mine) > 2 and all(c["finish_reason"] is None for c in mine[:-1])
         if logprobs is None:
-            assert len(mine) > 2 and all(c["logprobs"] is None for c in mine)
+            assert all(c["logprobs"] is None for c in mine)
             continue
-        assert len(mine) == 1
+        first = mine[0]["logprobs"]
+        num_prompt = len(tok.encode(prompt))
+        assert first["token_logprobs"][0] is None and first["top_logprobs"][0] is None
+        assert None not in first["token_logprobs"][1:num_prompt]
+        assert first["text_offset"][0] == 0 and "".join(first["tokens"][:num_prompt]) == prompt
+        assert all(None not in c["logprobs"]["token_logprobs"] for c in mine[1:])
         joined = {key: sum((c["logprobs"][key] for c in mine), []) for key in choice["logprobs"]}
+        assert set(joined) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
         assert close(joined, choice["logprobs"])
 
 
@@ -315,7 +328,7 @@ def test_parse_job_reads_echo_and_prompt_logprobs_as_vllm():
     j = job(dict(prompt="ab", echo=True, logprobs=2))
     assert (j.echo, j.params.prompt_logprobs, j.prompt_logprobs) == (["ab"], 2, True)
     j = job(dict(prompt="ab", echo=True, logprobs=2, stream=True))  # in the prompt's chunk
-    assert (j.params.prompt_logprobs, j.prompt_logprobs, j.streams_tokens) == (2, False, False)
+    assert (j.params.prompt_logprobs, j.prompt_logprobs, j.streams_tokens) == (2, False, True)
     j = job(dict(prompt="ab", echo=True, stream=True))
     assert (j.params.prompt_logprobs, j.streams_tokens) == (None, True)
     j = job(dict(prompt=[[97, 98], [99]], echo=True, prompt_logprobs=-1), max_logprobs=-1)

@@ -390,3 +390,35 @@ def test_real_engine_times_a_request_from_its_submit_while_a_step_runs():
     assert out.ttft_s >= held and out.latency_s >= held, (out.ttft_s, out.latency_s, held)
     assert out.ttft_s in engine.call(lambda llm: list(llm.metrics.ttfts))  # (the same)
     engine.stop()
+
+
+def test_real_engine_sends_the_prompt_logprobs_before_the_first_token():
+    """With tokens=True and prompt_logprobs, one "prompt" event comes just before the
+    request's first token event (its prefill, over several steps here, is done then),
+    equal to its finished output's; none for a request that does not ask for them, nor
+    without tokens=True."""
+    llm = LLM(
+        PRESETS["tiny"],
+        page_size=8,
+        num_pages=32,
+        backend="xla",
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+    )
+    prompt = np.random.default_rng(2).integers(3, 256, size=40).tolist()  # 3 prefill steps
+    params = SamplingParams(n=2, max_tokens=4, temperature=0.8, seed=5, prompt_logprobs=2)
+    engine = EngineThread(llm)
+    sinks = {rid: queue.SimpleQueue() for rid in ("scored", "plain", "quiet")}
+    engine.submit([("scored", prompt, params)], sinks["scored"], tokens=True)
+    plain = SamplingParams(max_tokens=4, temperature=0.0)
+    engine.submit([("plain", prompt[::-1], plain)], sinks["plain"], tokens=True)
+    engine.submit([("quiet", prompt[1:], params)], sinks["quiet"], tokens=False)
+    evs = {rid: events(sink) for rid, sink in sinks.items()}
+    engine.stop()
+    kinds = [e[0] for e in evs["scored"]]
+    assert kinds == ["prompt", *["token"] * 8, "done"], kinds
+    entries, out = evs["scored"][0][2], evs["scored"][-1][2]
+    assert len(entries) == len(prompt) and entries[0] is None and None not in entries[1:]
+    assert entries == out.prompt_logprobs
+    assert [e[0] for e in evs["plain"]] == ["token"] * 4 + ["done"]
+    assert [e[0] for e in evs["quiet"]] == ["done"]
