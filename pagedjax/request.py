@@ -74,8 +74,9 @@ class Logprob(float):
     Attributes:
       logprob: the value, as a plain float.
       rank: in the engine's entries, the token's 1-based rank in the vocabulary under the
-        same (raw) distribution: for the sampled or prompt token, 1 + the number of
-        tokens with a strictly greater logprob; for each of the k most likely, and for a
+        same (raw) distribution: for the sampled or prompt token, the number of tokens
+        whose logprob is at least its own, itself included (ties rank last, as vLLM's);
+        for each of the k most likely, and for a
         beam search's token, its place among the step's most likely (equal values in the
         order its top-k gave).
       decoded_token: the token's text where it stands: decoded after the ids before it

@@ -106,9 +106,10 @@ class StepOutput:
     target_top_ids: jax.Array | None = None  # [T, k] int32
     target_top_logprobs: jax.Array | None = None  # [T, k] float32
     feed: jax.Array | None = None  # [F] int32 with StepInput.feed: `tokens` in its first B
-    # Vocabulary ranks under the raw distribution (1 + the number of tokens with a
-    # strictly greater logprob): of `tokens` when num_top_logprobs > 0, of the targets
-    # with StepInput.target_ids (0 where the target is -1).
+    # Vocabulary ranks under the raw distribution (the number of tokens whose logprob is
+    # at least the token's, ties last: `decode._ranks`): of `tokens` when
+    # num_top_logprobs > 0, of the targets with StepInput.target_ids (0 where the target
+    # is -1).
     ranks: jax.Array | None = None  # [B] int32
     target_ranks: jax.Array | None = None  # [T] int32
 

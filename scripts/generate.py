@@ -84,11 +84,12 @@ not fit the model, DoRA, biases, `modules_to_save`, `adapter_model.bin`) right a
                      compilation_cache (the directory, or null when off), chat
                      (--chat), chat_template (the --chat-template file or null),
                      system (the --system text or null), lora (the --lora path
-                     or null), and the sampling flags
+                     or null), n, the sampling flags
                      as used (given, or the generation config's, or the defaults;
-                     seed is the engine's), stop, stop_token_ids, ignore_eos,
+                     seed is the engine's), beam_width, stop, stop_token_ids, ignore_eos,
                      structured_outputs (the fields of --regex, --choice, --json-schema,
-                     --json-object or --grammar, e.g. {"regex": "..."}, or null)
+                     --json-object or --grammar, e.g. {"regex": "..."}, or null),
+                     logprobs, prompt_logprobs
     outputs          one per prompt: prompt, prompt_tokens, num_cached_tokens, ttft_s,
                      latency_s, prompt_logprobs, completions: [{text, token_ids,
                      finish_reason, cumulative_logprob, logprobs}]; logprobs is null
