@@ -148,7 +148,9 @@ def paged_decode_attention(
         padding and may hold any id, -1 included; the ids read must be in [0, P).
       scale: logit scale, default D ** -0.5; positive and finite.
       soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap); positive
-        and finite.
+        and finite. The kernels fold log2(e) into scale and soft_cap and take
+        scale / soft_cap as one float32 constant, so each must stay below float32's
+        maximum (scale and soft_cap at most about 2.36e38).
       sliding_window: if set, each query sees only its last `sliding_window` keys; an
         int in [1, 2**31).
       backend: "auto" | "gpu" | "tpu" | "xla" (see the module docstring).

@@ -210,6 +210,8 @@ def paged_attention_xla(
     Returns:
       [B, H, D] in q's dtype.
     """
+    if k_pages.shape[1] == 0:  # no pages: every length is 0 (nothing to gather from)
+        return jnp.zeros(q.shape, q.dtype)
     k = _upcast(gather_pages(k_pages, page_table), q.dtype)  # [B, max_pages * S, K, D]
     v = _upcast(gather_pages(v_pages, page_table), q.dtype)
     return decode(q, k, v, lengths, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
@@ -249,7 +251,7 @@ def ragged_paged_attention_xla(
     _check_heads(h, k_pages.shape[0])
     b, max_pages = page_table.shape
     s_len = max_pages * k_pages.shape[2]
-    if b == 0 or s_len == 0:  # no sequences, or none with a cached token: all rows padding
+    if b == 0 or s_len == 0 or k_pages.shape[1] == 0:  # no cached token: all rows padding
         return jnp.zeros(q.shape, q.dtype)
     query_start_loc = jnp.asarray(query_start_loc, jnp.int32)
     context_lens = jnp.asarray(context_lens, jnp.int32)

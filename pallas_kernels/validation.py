@@ -21,6 +21,8 @@ upcast to q's dtype inside every backend and the output is in q's dtype.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +36,11 @@ FP8_QUERY_DTYPES = frozenset({jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)})
 
 # Positions and lengths are int32 inside every backend.
 _INT32_LIMIT = 2**31
+# The kernels fold the options into float32 constants: log2(e) into scale and soft_cap
+# (the GPU kernels' softmax is in base 2) and scale / soft_cap into one factor, so each
+# product must stay below float32's maximum (else the constant is inf and the output NaN).
+_F32_MAX = float(np.finfo(np.float32).max)
+_LOG2E = math.log2(math.e)
 
 
 def is_int(x) -> bool:
@@ -151,17 +158,31 @@ def _positive_finite(name, x):
     if not (value32 > 0 and np.isfinite(value32)):
         note = "" if np.isinf(value32) == np.isinf(value) else f" ({value32} as a float32)"
         raise ValueError(f"{name} must be positive and finite, got {name}={x!r}{note}")
+    if float(value) * _LOG2E > _F32_MAX:
+        raise ValueError(
+            f"{name} must be at most {_F32_MAX / _LOG2E:.4g} (the GPU kernels fold log2(e) "
+            f"into it, a float32 constant), got {name}={x!r}"
+        )
+    return float(value)
 
 
-def check_options(scale, soft_cap, sliding_window):
+def check_options(scale, soft_cap, sliding_window, head_dim=None):
     """Checks the static options: positive finite scale and soft_cap, a positive int window.
 
     Each may be a Python, numpy or concrete 0-d jax number (not a bool, not a tracer).
+    scale, soft_cap (times log2(e)) and scale / soft_cap must be at most float32's
+    maximum; `head_dim` gives the default scale, D ** -0.5, for the last check.
     """
     if scale is not None:
-        _positive_finite("scale", scale)
+        scale = _positive_finite("scale", scale)
     if soft_cap is not None:
-        _positive_finite("soft_cap", soft_cap)
+        cap = _positive_finite("soft_cap", soft_cap)
+        factor = scale if scale is not None else None if head_dim is None else head_dim**-0.5
+        if factor is not None and factor / cap > _F32_MAX:
+            raise ValueError(
+                f"scale / soft_cap must be at most {_F32_MAX:.4g} (the kernels fold it into "
+                f"a float32 constant), got scale={factor!r} and {soft_cap=}"
+            )
     if sliding_window is not None:
         if isinstance(sliding_window, (bool, np.bool_)):
             raise TypeError(f"sliding_window must be an int, got {sliding_window=}")
@@ -268,7 +289,7 @@ def check_decode(q, k_pages, v_pages, lengths, page_table, scale, soft_cap, slid
     _check_arrays(q=q, k_pages=k_pages, v_pages=v_pages, lengths=lengths, page_table=page_table)
     _check_rank("q", q, 3, "[B, H, D]")
     check_pages(q, k_pages, v_pages)
-    check_options(scale, soft_cap, sliding_window)
+    check_options(scale, soft_cap, sliding_window, q.shape[-1])
     batch = q.shape[0]
     _, num_pages, page_size, _ = k_pages.shape
     check_page_table(page_table, batch)
@@ -290,7 +311,7 @@ def check_ragged(
     )
     _check_rank("q", q, 3, "[T, H, D]")
     check_pages(q, k_pages, v_pages)
-    check_options(scale, soft_cap, sliding_window)
+    check_options(scale, soft_cap, sliding_window, q.shape[-1])
     batch = page_table.shape[0] if page_table.ndim == 2 else -1
     _, num_pages, page_size, _ = k_pages.shape
     check_page_table(page_table, batch)
@@ -303,6 +324,7 @@ def check_ragged(
         )
     loc = _concrete(query_start_loc)
     if loc is not None:
+        loc = loc.astype(np.int64)  # np.diff of an unsigned array wraps below 0
         _check_query_start_loc(loc, _concrete(context_lens), q.shape[0])
     q_lens = None if loc is None else np.diff(loc)
     reads = read_tokens(context_lens, sliding_window, q_lens)

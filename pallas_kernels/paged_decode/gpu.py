@@ -475,8 +475,8 @@ def paged_decode_gpu(
     _check_tuning(tuning, head_dim)
     if not isinstance(interpret, bool):
         raise TypeError(f"interpret must be a bool, got {interpret=}")
-    if batch == 0 or page_table.shape[1] == 0:
-        return jnp.zeros(q.shape, q.dtype)
+    if batch == 0 or page_table.shape[1] == 0 or k_pages.shape[1] == 0:
+        return jnp.zeros(q.shape, q.dtype)  # (no pages: every length is 0)
     return _paged_decode(
         q,
         k_pages,

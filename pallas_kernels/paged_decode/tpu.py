@@ -444,8 +444,8 @@ def paged_decode_tpu(
         interpret = pltpu.InterpretParams(detect_races=True)
     elif interpret is not False and not isinstance(interpret, pltpu.InterpretParams):
         raise TypeError(f"interpret must be a bool or pltpu.InterpretParams, got {interpret!r}")
-    if batch == 0 or max_pages == 0:
-        return jnp.zeros(q.shape, q.dtype)
+    if batch == 0 or max_pages == 0 or k_pages.shape[1] == 0:
+        return jnp.zeros(q.shape, q.dtype)  # (no pages: every length is 0)
     return _paged_decode(
         q,
         k_pages,

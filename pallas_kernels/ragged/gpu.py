@@ -368,7 +368,7 @@ def ragged_paged_attention_gpu(
         raise ValueError(f"prefetch_rows must be a bool, got {prefetch_rows=}")
     if not isinstance(interpret, bool):
         raise TypeError(f"interpret must be a bool, got {interpret=}")
-    if num_tokens == 0 or num_seqs == 0 or page_table.shape[1] == 0:
+    if num_tokens == 0 or num_seqs == 0 or page_table.shape[1] == 0 or k_pages.shape[1] == 0:
         return jnp.zeros_like(q)  # (no pages: every context is empty)
     return _ragged_call(
         q,

@@ -457,8 +457,8 @@ def ragged_paged_attention_tpu(
     block_q = defaults["block_q"] if block_q is None else block_q
     pages_per_block = defaults["pages_per_block"] if pages_per_block is None else pages_per_block
     _check_tuning(block_q, pages_per_block, vmem_limit_bytes, q.dtype)  # (empty calls too)
-    if t == 0 or batch == 0:
-        return jnp.zeros(q.shape, q.dtype)
+    if t == 0 or batch == 0 or k_pages.shape[1] == 0:
+        return jnp.zeros(q.shape, q.dtype)  # (no pages: every context is empty)
     return _ragged_tpu(
         q,
         k_pages,
