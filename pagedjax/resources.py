@@ -29,6 +29,7 @@ from pagedjax.jsonfile import read_json_object
 from pagedjax.request import SamplingParams
 from pagedjax.tokenizer import TOKENIZER_FILE, Tokenizer
 from pallas_kernels.dispatch import BACKENDS, resolve_backend
+from pallas_kernels.validation import GPU_MAX_POOL_ELEMENTS
 
 __all__ = [
     "BACKENDS",
@@ -209,8 +210,11 @@ def plan_num_pages(
     pages admission keeps free. `kv_dtype`: the cache's storage dtype (default the
     model's). `max_num_batched_tokens`: the engine's step budget, which bounds what a
     sliding-window sequence holds (None: counted as 1, the least it can hold).
-    `device`: the one whose memory the cache takes (default `sharding.default_device()`,
-    where a cache without a mesh goes; with a mesh, one of its devices).
+    A layer's pool (`[K, pages, page_size, D]`, this device's K) stays within 2**31
+    elements, which the GPU kernels' int32 offsets address (a small-K model's fp8
+    cache on a large GPU could pass it). `device`: the one whose memory the cache takes
+    (default `sharding.default_device()`, where a cache without a mesh goes; with a
+    mesh, one of its devices).
 
     Raises:
       ValueError: a bad fraction, watermark or size (named), no page fits, or the
@@ -249,6 +253,8 @@ def plan_num_pages(
             int(float(kv_memory_fraction) * _CPU_KV_BUDGET) // per_page,
         )
     pages = min(pages, (2**31 - 1) // page_size - 1)
+    # (each layer's pool within the GPU kernels' int32 element offsets)
+    pages = min(pages, GPU_MAX_POOL_ELEMENTS // (cfg.num_kv_heads * page_size * cfg.head_dim))
     where = (
         f"the {_CPU_KV_BUDGET} bytes a device without memory stats budgets"
         if free is None

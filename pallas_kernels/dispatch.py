@@ -7,7 +7,8 @@
 * `"xla"`: the plain-jnp reference in `pallas_kernels.reference`;
 * `"auto"`: the GPU kernel on CUDA, the TPU kernel on TPU, XLA elsewhere; on
   CUDA also XLA for a head dim the GPU kernels do not take (not a power of two of at
-  least 16, e.g. 80 or 96), which `"gpu"` refuses with a ValueError.
+  least 16, e.g. 80 or 96), or a page pool of more than 2**31 elements, which their
+  int32 offsets cannot address; `"gpu"` refuses both with a ValueError.
 
 Both entry points validate shapes, dtypes and (when concrete) values on the host
 before tracing, then call the chosen implementation.
@@ -48,11 +49,13 @@ def resolve_backend(backend: str = "auto", platform: str | None = None) -> str:
     return {"gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}.get(platform, "xla")
 
 
-def _kernel_backend(backend: str, head_dim: int) -> str:
+def _kernel_backend(backend: str, head_dim: int, pool_shape) -> str:
     """`resolve_backend`, with "auto" on CUDA falling back to XLA for a head dim the GPU
-    kernels cannot tile (an explicit "gpu" raises there instead)."""
+    kernels cannot tile or a pool too large for their int32 offsets (an explicit "gpu"
+    raises there instead)."""
     concrete = resolve_backend(backend)
-    if backend == "auto" and concrete == "gpu" and not validation.gpu_head_dim_ok(head_dim):
+    ok = validation.gpu_head_dim_ok(head_dim) and validation.gpu_pool_ok(pool_shape)
+    if backend == "auto" and concrete == "gpu" and not ok:
         return "xla"
     return concrete
 
@@ -76,18 +79,19 @@ def _static_knobs(tuning: dict) -> dict:
     return out
 
 
-def _no_xla_knobs(backend: str, head_dim: int, tuning: dict) -> None:
+def _no_xla_knobs(backend: str, head_dim: int, tuning: dict, pool_shape=None) -> None:
     """TypeError when knobs reach the XLA path, saying why "auto" chose it."""
     if not tuning:
         return
     why = ""
     if backend == "auto":
         platform = jax.default_backend()
-        reason = (
-            f"for {head_dim=}, which the GPU kernels cannot tile"
-            if resolve_backend("auto", platform) == "gpu"
-            else f"on platform {platform!r}"
-        )
+        if resolve_backend("auto", platform) != "gpu":
+            reason = f"on platform {platform!r}"
+        elif not validation.gpu_head_dim_ok(head_dim):
+            reason = f"for {head_dim=}, which the GPU kernels cannot tile"
+        else:
+            reason = f"for k_pages {list(pool_shape)}, too large for the GPU kernels' offsets"
         why = f" (backend='auto' chose it {reason}; pass knobs with an explicit backend)"
     raise TypeError(f"the xla backend takes no tuning knobs, got {sorted(tuning)}{why}")
 
@@ -168,9 +172,9 @@ def paged_decode_attention(
     validation.check_decode(
         q, k_pages, v_pages, lengths, page_table, scale, soft_cap, sliding_window
     )
-    impl = _decode_impl(_kernel_backend(backend, q.shape[-1]))
+    impl = _decode_impl(_kernel_backend(backend, q.shape[-1], k_pages.shape))
     if impl is None:
-        _no_xla_knobs(backend, q.shape[-1], tuning)
+        _no_xla_knobs(backend, q.shape[-1], tuning, k_pages.shape)
         return reference.paged_attention_xla(
             q,
             k_pages,
@@ -243,9 +247,9 @@ def ragged_paged_attention(
         soft_cap,
         sliding_window,
     )
-    impl = _ragged_impl(_kernel_backend(backend, q.shape[-1]))
+    impl = _ragged_impl(_kernel_backend(backend, q.shape[-1], k_pages.shape))
     if impl is None:
-        _no_xla_knobs(backend, q.shape[-1], tuning)
+        _no_xla_knobs(backend, q.shape[-1], tuning, k_pages.shape)
         return reference.ragged_paged_attention_xla(
             q,
             k_pages,

@@ -59,6 +59,29 @@ def gpu_head_dim_ok(head_dim: int) -> bool:
     return is_pow2(head_dim) and head_dim >= 16
 
 
+# The GPU (Triton) kernels address a page pool with int32 element offsets (Pallas's
+# lowering: `tt.addptr` of an i32 tensor): past 2**31 elements they would wrap.
+GPU_MAX_POOL_ELEMENTS = 2**31
+
+
+def gpu_pool_ok(pool_shape) -> bool:
+    """Whether the GPU kernels can address a page pool of this shape (`[K, P, S, D]`)."""
+    return math.prod(pool_shape) <= GPU_MAX_POOL_ELEMENTS
+
+
+def check_gpu_pool(pool_shape) -> None:
+    """ValueError naming the pool's shape unless `gpu_pool_ok` (`backend="auto"` runs XLA
+    for such pools on CUDA instead)."""
+    if not gpu_pool_ok(pool_shape):
+        k, _, s, d = pool_shape
+        raise ValueError(
+            f"the GPU kernels address a page pool with int32 offsets, at most "
+            f"{GPU_MAX_POOL_ELEMENTS} elements; k_pages {list(pool_shape)} has "
+            f"{math.prod(pool_shape)}: use at most {GPU_MAX_POOL_ELEMENTS // (k * s * d)} "
+            "pages (backend='auto' runs XLA's attention for it)"
+        )
+
+
 def check_gpu_head_dim(head_dim: int) -> None:
     """ValueError naming `head_dim` unless `gpu_head_dim_ok` (`backend="auto"` runs XLA
     for such head dims on CUDA instead)."""

@@ -113,3 +113,33 @@ def test_float16(backend):
     f16 = jnp.float16
     decode_case(backend, LENGTHS, max_pages=4, dtype=f16, sliding_window=9, soft_cap=3.0)
     ragged_case(backend, RAGGED_Q, RAGGED_CTX, max_pages=5, pad_rows=2, dtype=f16)
+
+
+def test_a_pool_past_the_gpu_kernels_int32_offsets_is_refused_or_runs_xla(monkeypatch):
+    """The GPU kernels' Triton code addresses a pool with int32 element offsets
+    (`scripts/triton_ir.py`: `tt.addptr` of i32 tensors): a pool over 2**31 elements
+    passed the checks and would have read the wrong pages on a GPU."""
+    from pallas_kernels import dispatch, validation
+
+    big = (2, 2**21, 16, 64)  # 2**32 elements: one layer's K pool
+    assert not validation.gpu_pool_ok(big) and validation.gpu_pool_ok((1, 2**21, 16, 64))
+    sds = jax.ShapeDtypeStruct
+    q, pool = sds((2, 4, 64), jnp.bfloat16), sds(big, jnp.bfloat16)
+    table, n = sds((2, 4), jnp.int32), sds((2,), jnp.int32)
+    loc = sds((3,), jnp.int32)
+    kw = dict(backend="gpu", interpret=True)
+    with pytest.raises(
+        ValueError, match=r"int32 offsets.*k_pages \[2, 2097152, 16, 64\].*at most 1048576 pages"
+    ):
+        jax.eval_shape(
+            lambda *a: pallas_kernels.paged_decode_attention(*a, **kw), q, pool, pool, n, table
+        )
+    with pytest.raises(ValueError, match="int32 offsets"):
+        jax.eval_shape(
+            lambda *a: pallas_kernels.ragged_paged_attention(*a, **kw), q, pool, pool, table, n, loc
+        )
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # "auto" on CUDA
+    assert dispatch._kernel_backend("auto", 64, big) == "xla"
+    assert dispatch._kernel_backend("auto", 64, (1, 2**21, 16, 64)) == "gpu"
+    with pytest.raises(TypeError, match=r"chose it for k_pages \[2, 2097152, 16, 64\], too large"):
+        dispatch._no_xla_knobs("auto", 64, dict(block_kv=32), big)

@@ -122,11 +122,23 @@ def test_plan_num_pages_reads_the_default_device(monkeypatch):
     assert sharding.default_device() is jax.devices()[0]
 
 
+def test_plan_num_pages_keeps_each_pool_within_the_gpu_kernels_offsets():
+    """A layer's pool [K, P, S, D] past 2**31 elements would wrap the GPU kernels' int32
+    offsets: a 1-kv-head fp8 cache on a large device planned more pages than that."""
+    cfg = dataclasses.replace(PRESETS["tiny"], num_kv_heads=1, num_heads=2, head_dim=16)
+    dev = _Device(dict(bytes_limit=2**40, bytes_in_use=0))
+    kw = dict(kv_memory_fraction=1.0, max_num_seqs=1, max_model_len=64, device=dev)
+    pages = resources.plan_num_pages(cfg, 16, kv_dtype="float8_e4m3fn", **kw)
+    assert pages == 2**31 // (1 * 16 * 16)
+
+
 def test_plan_num_pages_keeps_slot_ids_in_int32():
     cfg = PRESETS["tiny"]
     kw = dict(kv_memory_fraction=1.0, max_num_seqs=1, max_model_len=64)
     n = resources.plan_num_pages(cfg, 16, device=_Device(dict(bytes_limit=2**60)), **kw)
-    assert n == (2**31 - 1) // 16 - 1 and n * 16 < 2**31  # what BlockManager accepts
+    assert n * 16 < 2**31  # what BlockManager accepts
+    # (the tighter cap: each layer's pool [K, n, 16, D] within 2**31 elements)
+    assert n == 2**31 // (cfg.num_kv_heads * 16 * cfg.head_dim)
 
 
 def test_plan_num_pages_refuses_memory_that_holds_no_page():

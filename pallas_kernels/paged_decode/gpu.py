@@ -93,7 +93,7 @@ from pallas_kernels.paged_decode.gpu_merge import (
     merge_splits_wide,
     program_heads,
 )
-from pallas_kernels.validation import check_gpu_head_dim, is_int, is_pow2
+from pallas_kernels.validation import check_gpu_head_dim, check_gpu_pool, is_int, is_pow2
 
 __all__ = [
     "TUNING_KNOBS",
@@ -473,6 +473,7 @@ def paged_decode_gpu(
     )
     tuning.update({k: v for k, v in given.items() if v is not None})
     _check_tuning(tuning, head_dim)
+    check_gpu_pool(k_pages.shape)
     if not isinstance(interpret, bool):
         raise TypeError(f"interpret must be a bool, got {interpret=}")
     if batch == 0 or page_table.shape[1] == 0 or k_pages.shape[1] == 0:

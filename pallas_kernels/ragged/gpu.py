@@ -85,7 +85,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.validation import check_gpu_head_dim, is_int, is_pow2
+from pallas_kernels.validation import check_gpu_head_dim, check_gpu_pool, is_int, is_pow2
 
 _NEG = -1e30  # finite "minus infinity": keeps exp2(m_old - m_new) NaN-free
 _LOG2E = math.log2(math.e)
@@ -356,6 +356,7 @@ def ragged_paged_attention_gpu(
     """
     num_tokens, num_heads, head_dim = q.shape
     check_gpu_head_dim(head_dim)
+    check_gpu_pool(k_pages.shape)
     num_kv_heads = k_pages.shape[0]
     num_seqs = page_table.shape[0]
     defaults = default_tuning(
