@@ -445,9 +445,19 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
         """Stops a request wherever it is and frees its pages; returns its last output
         (`finished`, its running completions ending "abort" with what they have), or None
         for an id not queued or running. Ids compare as `add_request` stores them, as
-        strings."""
-        g = self.scheduler.abort(str(request_id))
-        return None if g is None else self.core.aborted(g)
+        strings. Partial outputs of it held for the next `step()` (from a `generate`
+        call, or `reset_prefix_cache`) are dropped: with output_kind DELTA, what they
+        held is in the one returned, which is the request's last."""
+        rid = str(request_id)
+        g = self.scheduler.abort(rid)
+        if g is None:
+            return None
+        held = [o for o in self._unclaimed if o.request_id == rid]
+        if held:
+            self._unclaimed = [o for o in self._unclaimed if o.request_id != rid]
+            for out in held:
+                self.outputs.take_back(g.request, out)
+        return self.core.aborted(g)
 
     def has_unfinished_requests(self) -> bool:
         """Whether `step()` has more to do or return: requests queued or running, a step

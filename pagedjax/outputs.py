@@ -500,6 +500,16 @@ class OutputProcessor:
                 text = text[: max(0, len(text) - held)]
         return text
 
+    def take_back(self, req: Request, out: RequestOutput) -> None:
+        """Undoes a partial output of `req` that no caller got (one held for a later
+        `step()` and then dropped): with output_kind DELTA its tokens and text go to the
+        request's next output instead; a CUMULATIVE one repeats them anyway."""
+        if req.params.output_kind != RequestOutputKind.DELTA:
+            return
+        for c in out.outputs:
+            n, chars = req.sent[c.index]
+            req.sent[c.index] = (n - len(c.token_ids), chars - len(c.text))
+
     def _delta(self, req: Request, c: CompletionOutput) -> CompletionOutput:
         """`c` less what earlier outputs of the request returned (output_kind DELTA)."""
         n, chars = req.sent.get(c.index, (0, 0))

@@ -177,6 +177,29 @@ def test_an_aborted_delta_request_returns_the_rest(llm):
     assert ids == want.outputs[0].token_ids[: len(ids)] and len(ids) >= 4
 
 
+@pytest.mark.parametrize("kind", [DELTA, CUMULATIVE])
+def test_an_abort_after_a_generate_call_is_the_last_output(llm, kind):
+    """A generate call keeps other requests' outputs for the next step(), partial ones
+    too: an abort after it returned, finished, and then the next step() gave the held
+    partial outputs, unfinished (and DELTA's abort left out their tokens)."""
+    llm.add_request(PROMPTS[0], params(kind, max_tokens=30, n=1), request_id="g")
+    pieces = []
+    while not pieces:
+        pieces += llm.step()
+    llm.generate([PROMPTS[1]], params(FINAL_ONLY, max_tokens=3, n=1))
+    pieces.append(llm.abort("g"))
+    while llm.has_unfinished_requests():
+        pieces += llm.step()
+    assert [o.finished for o in pieces] == [False] * (len(pieces) - 1) + [True]
+    if kind == DELTA:
+        ids = [t for o in pieces for t in o.outputs[0].token_ids]
+    else:
+        ids = pieces[-1].outputs[0].token_ids
+    (want,) = llm.generate([PROMPTS[0]], params(FINAL_ONLY, max_tokens=30, n=1))
+    assert ids == want.outputs[0].token_ids[: len(ids)] and len(ids) >= 4
+    check_clean(llm)
+
+
 def test_output_kind_values():
     assert params(1).output_kind is DELTA and params(FINAL_ONLY).output_kind is FINAL_ONLY
     assert SamplingParams().output_kind is FINAL_ONLY

@@ -11,7 +11,7 @@ import pytest
 from engine_helpers import GEOMETRY, Dense, check_clean, greedy, random_params
 
 from pagedjax import decode
-from pagedjax.engine import LLM
+from pagedjax.engine import LLM, RequestOutputKind
 
 RNG = np.random.default_rng(11)
 PREFIX = RNG.integers(3, 256, size=16).tolist()  # two full pages
@@ -283,3 +283,40 @@ def test_reset_prefix_cache_refuses_flags_that_are_not_bools(old, kwargs, match)
     assert {g.request_id for g in llm.scheduler.running} == set(ids)
     outs = finish(llm)
     assert [outs[i] for i in ids] == Dense(old).greedy(PROMPTS, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+@pytest.mark.parametrize("abort", [None, "between steps", "from on_token"])
+def test_partial_outputs_of_the_step_a_reset_completes_come_after_it(old, kind, abort):
+    """The step that `reset_running_requests=True` completes gave a streamed request a
+    token: its next output holds it (DELTA outputs add up to the stream), and an abort
+    right after the reset is its last output (the partial output the reset held for the
+    next step() once came after it, unfinished)."""
+    llm = LLM(old, **GEOMETRY)
+    rid = llm.add_request(PROMPTS[0], greedy(MAX_TOKENS, ignore_eos=True, output_kind=kind))
+    streamed, outs = [], []  # (outputs as the caller gets them)
+
+    def stream(_rid, _index, token):
+        streamed.append(token)
+
+    def on_token(_rid, _index, token):  # (the first token after the reset aborts)
+        stream(_rid, _index, token)
+        if abort == "from on_token" and not any(o.finished for o in outs):
+            outs.append(llm.abort(rid))
+
+    for _ in range(3):
+        outs += llm.step(on_token=stream)
+    assert llm.reset_prefix_cache(reset_running_requests=True, on_token=stream) is True
+    if abort == "between steps":
+        outs.append(llm.abort(rid))
+    while llm.has_unfinished_requests():
+        outs += llm.step(on_token=on_token)
+    assert all(o.request_id == rid for o in outs)
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    if kind == RequestOutputKind.DELTA:
+        tokens = [t for o in outs for t in o.outputs[0].token_ids]
+    else:
+        tokens = outs[-1].outputs[0].token_ids
+    assert tokens == streamed == Dense(old).greedy(PROMPTS[:1], MAX_TOKENS, ())[0][: len(tokens)]
+    assert len(tokens) == {None: MAX_TOKENS, "between steps": 3, "from on_token": 4}[abort]
+    check_clean(llm)
