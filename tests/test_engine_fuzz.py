@@ -18,8 +18,11 @@ to 8 seats in the same cache, so preemption; a budget of 1 to 16 tokens; prefix 
 mostly on; async on or off; first come first served, or by priority with one drawn per
 request; staggered arrivals; aborts between steps and from `on_token`; with LoRA, 1 to
 3 adapter slots, so requests wait for one; in the pause tests, one `pause_generation`
-keeping or finishing the requests, with or without `update_params`), twice on the
-same engines (the second time from a warm prefix cache). The reference's own
+keeping or finishing the requests, with or without `update_params`, with or without a
+`sleep` (level 1 or 2) and a partial `wake_up` meanwhile; in the reset tests,
+`reset_prefix_cache(reset_running_requests=True)` up to three times, which preempts
+every running request), twice on the same engines (the second time from a warm prefix
+cache). The reference's own
 completions are held to the dense forward (no cache; with a request's adapter merged
 into the weights): cumulative logprobs, greedy argmax and prompt logprobs.
 Every request not aborted must give the reference's completions (token ids, texts,
@@ -190,13 +193,22 @@ def workloads(draw, window_prob: bool = True):
 
 def pauses():
     """When the stressed engine pauses (`LLM.pause_generation`) and how: (step, mode,
-    clear_cache, whether `update_params` gives it its own weights meanwhile)."""
+    clear_cache, whether `update_params` gives it its own weights meanwhile, sleep level:
+    None, or 1 or 2 for `sleep` then a partial wake, `wake_up(tags=["weights"])`, then
+    the kv_cache's, `update_params` between them at level 2)."""
     return st.tuples(
         st.sampled_from([3, 1, 6, 10, 0]),
         st.sampled_from(["keep", "wait"]),
         st.sampled_from([True, False]),
         st.sampled_from([True, False]),
+        st.sampled_from([None, None, 1, 2]),
     )
+
+
+def resets():
+    """The steps before which the stressed engine calls `reset_prefix_cache(
+    reset_running_requests=True)`: its running requests are preempted and recomputed."""
+    return st.lists(st.sampled_from([0, 1, 2, 4, 7, 12]), max_size=3, unique=True)
 
 
 # ------------------------------------------------------------------ running
@@ -244,11 +256,63 @@ def whole(sp, outs, what):
     return dataclasses.replace(last, outputs=comps)
 
 
-def drive(llm, requests, *, staggered: bool, aborts: bool, priorities=None, loras=(), pause=None):
+def pause_and_sleep(llm, pause, on_token) -> list:
+    """`pause` (see `pauses`) on `llm`, checking what sleeps on the way; returns the
+    pause's outputs. The engine is paused after it, and awake."""
+    _, mode, clear_cache, update, level = pause
+    outs = llm.pause_generation(mode, clear_cache, on_token=on_token)
+    held = llm.params
+    kept_kv = llm.block_manager.stats().num_seqs > 0  # (keep, clear_cache=False)
+    if level is not None and kept_kv:  # refused, and nothing changes
+        with pytest.raises(RuntimeError, match="hold K/V"):
+            llm.sleep(level)
+        assert not llm.is_sleeping() and llm.cache is not None and llm.params is held
+    elif level is not None:
+        assert not llm.is_sleeping()
+        llm.sleep(level)
+        assert llm.is_sleeping() and llm.cache is None
+        assert llm.step() == []
+        llm.wake_up(tags=["weights"])
+        assert llm.is_sleeping() and llm.cache is None
+        if llm.scheduler.has_unfinished():  # (it stays paused)
+            with pytest.raises(RuntimeError, match="still asleep|dropped"):
+                llm.resume_generation()
+            assert llm.is_paused()
+        if level == 2 or update:
+            llm.update_params(held)
+        assert llm.is_sleeping()
+        llm.wake_up(tags=["kv_cache"])
+        assert not llm.is_sleeping() and llm.cache is not None
+    elif update:
+        llm.update_params(held)
+    assert llm.step() == []
+    return outs
+
+
+def reset(llm, on_token) -> None:
+    """`reset_prefix_cache(reset_running_requests=True)` mid-run: no request holds a page
+    after it, and no page is cached."""
+    assert llm.reset_prefix_cache(reset_running_requests=True, on_token=on_token) is True
+    stats = llm.block_manager.stats()
+    assert stats.num_seqs == 0 and stats.num_cached_pages == 0, stats
+    assert llm.core.inflight is None and not llm.scheduler.running
+
+
+def drive(
+    llm,
+    requests,
+    *,
+    staggered: bool,
+    aborts: bool,
+    priorities=None,
+    loras=(),
+    pause=None,
+    resets=(),
+):
     """Runs `requests` to the end, step by step (request i with priority `priorities[i]`,
-    None: all 0, and its adapter `loras[requests[i][4]]`; `pause`: see `workloads`);
-    returns ({index: RequestOutput}, {index: last output of an abort that took effect}),
-    whole (`whole`)."""
+    None: all 0, and its adapter `loras[requests[i][4]]`; `pause`: see `pauses`;
+    `resets`: see `resets`); returns ({index: RequestOutput}, {index: last output of an
+    abort that took effect}), whole (`whole`)."""
     ids: dict[int, str] = {}
     index: dict[str, int] = {}
     done: dict[int, object] = {}
@@ -289,14 +353,13 @@ def drive(llm, requests, *, staggered: bool, aborts: bool, priorities=None, lora
             for i, (_, _, arrival, a, _) in enumerate(requests):
                 if a is not None and a[0] == "step" and i in ids and step == arrival + a[1]:
                     abort(i)
+        if step in resets:
+            reset(llm, on_token)
         outs = []
         if pause is not None and step == pause[0]:
             pausing = True
-            outs = llm.pause_generation(pause[1], pause[2], on_token=on_token)
+            outs = pause_and_sleep(llm, pause, on_token)
             pausing = False
-            if pause[3]:
-                llm.update_params(llm.params)
-            assert llm.step() == []
             llm.resume_generation()
         for o in outs + llm.step(on_token=on_token):
             i = index[o.request_id]
@@ -391,7 +454,7 @@ def _check_against_dense(params, requests, want):
                 close(picked, best, f"{what}: greedy is not the argmax")
 
 
-def check_workload(models, workload, pause=None):
+def check_workload(models, workload, pause=None, resets=()):
     window, requests, stressed, priorities = workload
     params = models[window]
     loras = any(r[4] is not None for r in requests) or "max_loras" in stressed
@@ -402,7 +465,14 @@ def check_workload(models, workload, pause=None):
         assert not none and ref.scheduler.num_preemptions == 0  # the reference is roomy
         check_against_dense(models, window, requests, want)
         got, aborted = drive(
-            llm, requests, staggered=True, aborts=True, priorities=priorities, pause=pause, **kw
+            llm,
+            requests,
+            staggered=True,
+            aborts=True,
+            priorities=priorities,
+            pause=pause,
+            resets=resets,
+            **kw,
         )
         check_outputs(requests, want, got, aborted)
     return llm
@@ -461,8 +531,9 @@ def test_outputs_do_not_depend_on_the_engine_config_slow(models, workload):
 
 
 # A pause keeping the requests (recomputed, or with their K/V), or finishing them, in
-# the middle of a workload, with or without `update_params` of the same weights.
-@seed(3)
+# the middle of a workload, with or without `update_params` of the same weights, and
+# with or without a sleep and a partial wake meanwhile.
+@seed(294)
 @settings(max_examples=2, phases=[Phase.generate], **FUZZ)
 @given(workload=workloads(window_prob=False), pause=pauses())
 def test_a_pause_does_not_change_the_outputs(models, workload, pause):
@@ -475,3 +546,20 @@ def test_a_pause_does_not_change_the_outputs(models, workload, pause):
 @given(workload=workloads(), pause=pauses())
 def test_a_pause_does_not_change_the_outputs_slow(models, workload, pause):
     check_workload(models, workload, pause)
+
+
+# `reset_prefix_cache(reset_running_requests=True)` once or more in the middle of a
+# workload (the running requests recomputed), sometimes with a pause too.
+@seed(330)
+@settings(max_examples=2, phases=[Phase.generate], **FUZZ)
+@given(workload=workloads(window_prob=False), resets=resets(), pause=st.none() | pauses())
+def test_resets_do_not_change_the_outputs(models, workload, resets, pause):
+    check_workload(models, workload, pause, resets)
+
+
+@pytest.mark.slow
+@seed(6)
+@settings(max_examples=10, phases=[Phase.generate], **FUZZ)
+@given(workload=workloads(), resets=resets(), pause=st.none() | pauses())
+def test_resets_do_not_change_the_outputs_slow(models, workload, resets, pause):
+    check_workload(models, workload, pause, resets)
