@@ -194,9 +194,9 @@ class EngineCore:
             raise
         if rec is None:
             # Steps in a row that had requests and did nothing. (Not steps with none: a
-            # fully cached admission with no row (n samples whose pages did not fit this
-            # step, readmitted beams) came after them as the third step "without
-            # progress".)
+            # fully cached admission with no row (n samples whose pages, or readmitted
+            # beams whose budget or pages, did not fit this step) came after them as the
+            # third step "without progress".)
             stalled = prev is None and self.scheduler.has_unfinished()
             self._idle_steps = self._idle_steps + 1 if stalled else 0
             if self._idle_steps > 2:

@@ -55,9 +55,12 @@ not run even alone in the cache, so preemption always makes progress.
 A sequence admitted without its last token (the `n` samples' parent, a readmitted
 beam: `_admit_len`) may find every page of what it prefills in the prefix cache, since
 a decode row computes the token after them (`BlockManager.admit(..., compute_last=False)`).
-Then it has nothing to prefill: the samples fork at once and decode in the same step
-(budget and pages allowing, else from the next one), as a prompt cached all but its last
-token samples in its admission step; readmitted beams decode from the next step.
+Then it has nothing to prefill and decodes in its admission step, as a prompt cached all
+but its last token samples in its own: the samples fork at once and get decode rows as far
+as the budget goes; readmitted beams, when every beam is cached so, get all `beam_width`
+rows or none (`_decode_admitted`). Those rows need the pages their appends may take to fit
+beside the decode reserve, which then counts them; short of budget or pages, the group
+decodes from the next step.
 
 Asynchronous commit: `commit(plan, in_flight=True)` runs before the previous step's
 tokens reach the host. A decode row whose sequence's next token is still in flight
@@ -319,7 +322,9 @@ class Scheduler(RequestsMixin):
                 g.num_cached_tokens = max(s.num_cached_tokens for s in g.seqs)
             if g.forks and g.seqs[0].num_computed == g.seqs[0].num_admitted:
                 self._fork_samples(g)  # prompt[:-1] was cached whole: no prefill row
-                budget, reserve = self._decode_forked(plan, g, budget, reserve)
+                budget, reserve = self._decode_admitted(plan, g, budget, reserve)
+            elif g.atomic and all(_will_decode(s) for s in g.seqs):  # beams cached whole
+                budget, reserve = self._decode_admitted(plan, g, budget, reserve)
             for s in list(g.seqs):
                 if budget == 0:
                     break
@@ -388,19 +393,29 @@ class Scheduler(RequestsMixin):
             self.fork(g, parent, child)
         g.forks = []
 
-    def _decode_forked(
+    def _decode_admitted(
         self, plan: StepPlan, g: SequenceGroup, budget: int, reserve: int
     ) -> tuple[int, int]:
-        """Decode rows in this step for samples just forked at admission, as many as the
-        budget allows, if the pages their appends take fit on top of the decode reserve
-        (else they decode from the next step); returns the budget and reserve left."""
-        seqs = g.seqs[:budget]
-        need = self.bm.num_append_pages([s.seq_id for s in seqs])
+        """Decode rows in this step for a group admitted with nothing to prefill: samples
+        just forked (as many as the budget allows) or readmitted beams (all `num_seats`
+        rows, bound to beams in `commit`, or none), if the pages their appends may take
+        fit beside the decode reserve (else they decode from the next step); returns the
+        budget and reserve left."""
+        if g.atomic:
+            if budget < g.num_seats:
+                return budget, reserve
+            n = g.seqs[0].num_admitted  # the position every beam feeds (equal lengths)
+            rows = [ScheduledRow(g, None, g.epoch, n, 1, True, True) for _ in range(g.num_seats)]
+            need = g.num_seats  # a page per row, as `_decode_candidates` reserves
+        else:
+            seqs = g.seqs[:budget]
+            rows = [ScheduledRow(g, s, g.epoch, s.num_admitted, 1, True, True) for s in seqs]
+            need = self.bm.num_append_pages([s.seq_id for s in seqs])
         if need > self.bm.num_free_pages - self.bm.num_reserved_pages - reserve:
             return budget, reserve
         i = len(plan.decode_rows)  # decode rows come first
-        plan.rows[i:i] = [ScheduledRow(g, s, g.epoch, s.num_admitted, 1, True, True) for s in seqs]
-        return budget - len(seqs), reserve + need
+        plan.rows[i:i] = rows
+        return budget - len(rows), reserve + need
 
     def _preempt(self, g: SequenceGroup) -> None:
         self.running.remove(g)

@@ -3,10 +3,11 @@ n-sample request's parent, readmitted beams), take every whole page of what they
 from the prefix cache (none recomputed) and give exactly the outputs they give without
 the hit; a sliding-window model takes those in its window.
 
-The scheduler's side (no prefill row, forks at admission) is in tests/test_scheduler.py;
-the block manager's (`admit(compute_last=False)`) in tests/test_blocks.py. Full attention
-uses tests/test_engine.py's geometry (tiny model, f32, XLA, page size 8), the window model
-tests/test_window_pages.py's, so the programs are the ones those tests compile.
+The scheduler's side (no prefill row, forks and decode rows at admission) is in
+tests/test_scheduler.py; the block manager's (`admit(compute_last=False)`) in
+tests/test_blocks.py. Full attention uses tests/test_engine.py's geometry (tiny model, f32,
+XLA, page size 8), the window model tests/test_window_pages.py's, so the programs are the
+ones those tests compile.
 """
 
 import numpy as np
@@ -63,10 +64,10 @@ def test_n_samples_read_every_cached_page_and_sample_the_same(params, async_sche
 
 def test_a_fully_cached_n_sample_request_after_idle_steps(params):
     """Such a request's admission step had no row (its samples forked at once and
-    decoded from the next step; now they decode in it when their pages fit, and a
-    readmitted beam's still has none); after steps with nothing to do it read as the
-    third step in a row without progress, and `step()` raised "scheduler made no
-    progress with requests queued (a bug)" (the engine fuzz's find)."""
+    decoded from the next step; now they decode in it when their pages fit, as readmitted
+    beams cached whole do); after steps with nothing to do it read as the third step in a
+    row without progress, and `step()` raised "scheduler made no progress with requests
+    queued (a bug)" (the engine fuzz's find)."""
     rng = np.random.default_rng(5)
     prompt = rng.integers(3, 256, size=2 * PS + 1).tolist()
     sp = SamplingParams(n=2, temperature=0.0, max_tokens=4)
@@ -83,10 +84,12 @@ def test_a_fully_cached_n_sample_request_after_idle_steps(params):
     assert completions(warm) == completions(cold)
 
 
-def test_readmitted_beams_read_every_cached_page_and_search_the_same(params):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_readmitted_beams_read_every_cached_page_and_search_the_same(params, async_scheduling):
     """Beams preempted when all but their last token fill whole pages: on readmission
     they read those pages back from the cache (none recomputed) and feed their last
-    tokens together; the search ends as it does without the preemption."""
+    tokens together, in their admission step; the search ends as it does without the
+    preemption."""
     prompt = np.random.default_rng(12).integers(3, 256, size=PS + 5).tolist()
     sp = SamplingParams(n=2, beam_width=2, max_tokens=8, ignore_eos=True)
     want = LLM(params, max_num_batched_tokens=16, **GEOMETRY).generate([prompt], sp)[0]
@@ -98,11 +101,14 @@ def test_readmitted_beams_read_every_cached_page_and_search_the_same(params):
             if not g.num_preemptions and lens == {2 * PS + 1}:
                 engine.scheduler._preempt(g)  # as a step's schedule() would, under pressure
             elif g.num_preemptions and not seen:
-                seen.append([s.num_cached_tokens for s in g.seqs])
+                # (after the readmission step: its decode rows appended the fed tokens)
+                seen.append(
+                    [(s.num_cached_tokens, s.num_admitted - len(s.token_ids)) for s in g.seqs]
+                )
 
-    llm = LLM(params, max_num_batched_tokens=16, **GEOMETRY)
+    llm = LLM(params, max_num_batched_tokens=16, async_scheduling=async_scheduling, **GEOMETRY)
     out = llm.generate([prompt], sp, on_step=on_step)[0]
-    assert out.num_preemptions == 1 and seen == [[2 * PS, 2 * PS]]
+    assert out.num_preemptions == 1 and seen == [[(2 * PS, 0)] * 2]
     assert completions(out) == completions(want)
     llm.block_manager.check_invariants()
 

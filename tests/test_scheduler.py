@@ -416,7 +416,7 @@ def test_fully_cached_n_samples_decode_at_admission_within_budget_and_pages(
 def test_readmitted_beams_take_every_cached_page_but_their_last_token():
     """Readmitted beams (holding generated tokens) prefill all but their last token and
     feed it together: whole pages of it in the prefix cache are all taken, and beams with
-    nothing left to prefill go straight to their decode step."""
+    nothing left to prefill decode in their admission step."""
     sim = Sim(budget=32)
     prompt = [3, 4, 5]
     gens = ([7, 8, 9, 10, 11, 12], [7, 8, 9, 10, 11, 13], [7, 8, 9, 10, 14, 15])
@@ -428,12 +428,55 @@ def test_readmitted_beams_take_every_cached_page_but_their_last_token():
     sim.sched.add(beams)
     plan = sim.step()
     assert [s.num_cached_tokens for s in seqs] == [8] * 3 and beams.num_cached_tokens == 8
-    assert plan.rows == []
-    plan = sim.step()
     assert [(r.decode, r.start) for r in plan.rows] == [(True, 8)] * 3
+    assert sorted(seqs.index(r.seq) for r in plan.rows) == [0, 1, 2]
+    assert all(s.num_admitted == s.num_computed == 9 for s in seqs)  # fed the last token
+    plan = sim.step()
+    assert [(r.decode, r.start) for r in plan.rows] == [(True, 9)] * 3
     sim.run()
     for s, g in zip(sim.done["beams"].finished, gens, strict=True):
         assert s.token_ids == reference(prompt + g, 3)
+
+
+@pytest.mark.parametrize("in_flight", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "budget, num_pages, hog, kinds",
+    [
+        (5, 64, 7, [True] * 3 + [False]),  # the hog's last 2 prompt tokens leave budget 3
+        (4, 64, 6, [False]),  # its last 2 leave budget 2, short of the 3 rows: none
+        (32, 10, 20, [True] * 4),  # the hog's decode page and the beams' 3 fit exactly
+        (32, 10, 24, [True]),  # one page short: the beams decode from the next step
+    ],
+)
+def test_fully_cached_readmitted_beams_decode_at_admission_within_budget_and_pages(
+    in_flight, budget, num_pages, hog, kinds
+):
+    """Readmitted beams whose admitted tokens are all cached get their `beam_width` decode
+    rows (bound to beams in the commit) in their admission step only if the budget has
+    room for every one, and the page each may take fits beside the decode reserve of the
+    running sequences; else none, and they decode from the next step."""
+    sim = Sim(num_pages=num_pages, budget=budget, in_flight=in_flight)
+    prompt = [3, 4, 5]
+    gens = ([7, 8], [7, 9], [7, 10])  # all but their last token: 1 page, shared
+    sim.add("warm", [*prompt, 7, 60], 1)
+    sim.run()  # the page is cached, evictable
+    sim.add("hog", list(range(60, 60 + hog)), 3)
+    sim.step()  # the hog prefills its first chunk (with budget 32: all of it, 5 or 6 pages)
+    seqs = [Sequence(next(sim.ids), prompt + g, 3, 8, i) for i, g in enumerate(gens)]
+    beams = SequenceGroup("beams", seqs, 3, atomic=True)
+    sim.sched.add(beams)
+    plan = sim.step()
+    assert beams.status is SeqStatus.RUNNING and beams.num_cached_tokens == 4
+    assert [r.decode for r in plan.rows] == kinds
+    decoded = [r.seq for r in plan.rows if r.group is beams]
+    assert len(decoded) == len(kinds) - 1  # all 3 or none (the hog has the other row)
+    assert sorted(map(seqs.index, decoded)) == [0, 1, 2][: len(decoded)]
+    assert [s.num_admitted for s in seqs] == [5 if decoded else 4] * 3
+    sim.run()
+    for s, g in zip(sim.done["beams"].finished, gens, strict=True):
+        assert s.token_ids == reference(prompt + g, 3)
+    assert sim.done["hog"].finished[0].token_ids == reference(range(60, 60 + hog), 3)
+    assert sim.bm.stats().num_used_pages == 0
 
 
 @pytest.mark.parametrize("in_flight", [False, True], ids=["sync", "async"])
