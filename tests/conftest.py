@@ -8,6 +8,8 @@ of the cache (tests/test_generate_cli.py) passes a temporary directory.
 
 import os
 
+import xla_maps
+
 os.environ["PAGEDJAX_COMPILATION_CACHE"] = "off"
 
 # The tests check numerics, not the speed of the CPU code XLA generates: LLVM at -O0
@@ -41,35 +43,8 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable: the order within each module is kept
 
 
-# Every program XLA compiles for the CPU holds memory mappings, and a test process keeps
-# every program it compiled (jax's caches): a worker running half the suite passed Linux's
-# default limit of 65,530 mappings (vm.max_map_count) and XLA crashed in mmap while
-# compiling (a segfault or an abort, in whichever test came then). Between modules, a
-# process past MAPS_FRACTION of its limit clears jax's caches; a later module recompiles
-# what it needs.
-MAPS_FRACTION = 0.5
-
-
-def _max_maps() -> int | None:
-    try:
-        with open("/proc/sys/vm/max_map_count") as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return None  # (not Linux: no such limit to watch)
-
-
-_MAX_MAPS = _max_maps()
-
-
 def pytest_runtest_teardown(item, nextitem):
-    if _MAX_MAPS is None or (nextitem is not None and nextitem.module is item.module):
-        return
-    with open("/proc/self/maps", "rb") as f:
-        maps = sum(1 for _ in f)
-    if maps > MAPS_FRACTION * _MAX_MAPS:
-        import gc
-
-        import jax
-
-        jax.clear_caches()
-        gc.collect()
+    # Between modules, a process with many compiled programs clears jax's caches
+    # (tests/xla_maps.py: past Linux's limit on mappings, XLA crashed while compiling).
+    if nextitem is None or nextitem.module is not item.module:
+        xla_maps.clear_if_crowded()
