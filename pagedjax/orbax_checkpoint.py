@@ -16,6 +16,7 @@ checkpoints and `load_checkpoint`, which takes either kind, are in `pagedjax.wei
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import shutil
 import tempfile
@@ -60,6 +61,10 @@ _ARRAY_FIELDS = (
     "qk_norm",
 )
 _MAX_LISTED = 40  # problem lines per error
+# Bytes of arrays one orbax restore call reads (a larger array is read alone). A call
+# reads all its arrays at once, each through a host buffer beside its device copy: one
+# call for the whole tree peaked at ~1.5-1.8x the checkpoint on the CPU (BENCHMARKS.md).
+_RESTORE_GROUP_BYTES = 1 << 30
 
 
 def config_to_json(cfg: ModelConfig) -> dict:
@@ -248,13 +253,42 @@ def restore_params(path, cfg: ModelConfig | None = None, *, dtype=None) -> Param
     target = {
         k: jax.ShapeDtypeStruct(s, cfg.jnp_dtype, sharding=sharding) for k, s in shapes.items()
     }
-    with ocp.StandardCheckpointer() as ckptr:
+    with ocp.PyTreeCheckpointer() as ckptr:
         on_disk = _stored_arrays(ckptr, params_dir)
         _check_stored_shapes(on_disk, shapes, params_dir, root / ORBAX_META_FILE)
-        flat = _unnest(ckptr.restore(params_dir, _nest(target)))
+        # (an orbax without partial restores reads the whole tree in one call)
+        partial = "partial_restore" in inspect.signature(ocp.args.PyTreeRestore).parameters
+        groups = _restore_groups(target, _RESTORE_GROUP_BYTES) if partial else [target]
+        flat = {}
+        for group in groups:
+            restore_args = {
+                k: ocp.ArrayRestoreArgs(sharding=sharding, dtype=v.dtype, global_shape=v.shape)
+                for k, v in group.items()
+            }
+            args = ocp.args.PyTreeRestore(
+                item=_nest(group),
+                restore_args=_nest(restore_args),
+                **({"partial_restore": True} if partial else {}),
+            )
+            flat.update(_unnest(ckptr.restore(params_dir, args=args)))
     if cfg.dtype == "float16":
         _check_f16(flat, on_disk, root)
     return params_from_flat(cfg, flat)
+
+
+def _restore_groups(target: dict, max_bytes: int) -> list[dict]:
+    """`target` ({dotted path: ShapeDtypeStruct}) split, in order, into groups of at
+    most `max_bytes` (in the target dtype); an array larger than that forms its own."""
+    groups: list[dict] = [{}]
+    size = 0
+    for k, v in target.items():
+        nbytes = v.size * v.dtype.itemsize
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][k] = v
+        size += nbytes
+    return groups
 
 
 def _stored_arrays(ckptr, params_dir: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
