@@ -261,12 +261,11 @@ class WeightsMixin:
           reset_running_requests: False: nothing is done while requests hold pages
             (running, or a step in flight): their pages stay theirs, and False is
             returned. True (vLLM's, to reset in the middle of requests): the step in
-            flight completes first (the next `step()` returns the outputs of requests
-            it finished; a running request's partial output, output_kind CUMULATIVE
-            or DELTA, is left to its next output, so that none comes after an abort's),
-            then every running request gives its pages back (preempted, as
-            `pause_generation(mode="keep")` does) and waits to be recomputed from its
-            prompt and the tokens it generated, so none of its K/V outlives the reset.
+            flight completes first (the next `step()` returns its outputs, partial
+            ones too, unless `LLM.abort` ends their request first), then every running
+            request gives its pages back (preempted, as `pause_generation(mode="keep")`
+            does) and waits to be recomputed from its prompt and the tokens it
+            generated, so none of its K/V outlives the reset.
           reset_connector: vLLM's, for a KV connector's cache; pagedjax has no
             connector, so there is nothing more to reset.
           on_token: as `step`'s, for the tokens of the step in flight that
@@ -284,12 +283,7 @@ class WeightsMixin:
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
         if reset_running_requests:
             with self._run_clock():
-                outs = self.core.drain(on_token)
-            for out in outs:  # (a partial one's tokens go to the request's next output)
-                group = None if out.finished else self.scheduler.get(out.request_id)
-                if group is not None:
-                    self.outputs.take_back(group.request, out)
-            self._claim([o for o in outs if o.finished])  # (the next step() returns them)
+                self._claim(self.core.drain(on_token))  # (the next step() returns them)
             if self.scheduler.running:
                 self.core.requeue_all()
         elif self.block_manager.stats().num_seqs or self.core.inflight is not None:
