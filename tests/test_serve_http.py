@@ -68,6 +68,16 @@ class StuckLLM:
         return []
 
 
+def submit_stuck(pool, srv):
+    """A completion request sent from `pool` to a `StuckLLM` server, once the engine holds
+    it (its future: the answer never comes while the engine runs)."""
+    waiting = pool.submit(request, srv, "/v1/completions", dict(prompt=[1, 2]))
+    deadline = time.monotonic() + 30
+    while not srv.engine.call(lambda llm: len(llm.rids)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return waiting
+
+
 def test_a_stopped_engine_is_a_503():
     """A request in flight when the engine stops, /health and requests after it are 503s
     (the engine is not running), not a 500 or an "ok"."""
@@ -75,10 +85,7 @@ def test_a_stopped_engine_is_a_503():
     srv = next(gen)
     try:
         with ThreadPoolExecutor(1) as pool:
-            waiting = pool.submit(request, srv, "/v1/completions", dict(prompt=[1, 2]))
-            deadline = time.monotonic() + 30
-            while not srv.engine.call(lambda llm: len(llm.rids)) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            waiting = submit_stuck(pool, srv)
             srv.engine.stop()
             status, err = waiting.result(timeout=60)
         assert status == 503 and "the engine is stopping" in err["error"]["message"], err
@@ -108,10 +115,7 @@ def test_close_waits_for_the_answers_of_the_requests_in_flight(monkeypatch):
     monkeypatch.setattr(serve.Handler, "_error", held_error)
     try:
         with ThreadPoolExecutor(1) as pool:
-            waiting = pool.submit(request, srv, "/v1/completions", dict(prompt=[1, 2]))
-            deadline = time.monotonic() + 30
-            while not srv.engine.call(lambda llm: len(llm.rids)) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            waiting = submit_stuck(pool, srv)
             srv.shutdown()
             closing = threading.Thread(target=srv.close)
             closing.start()
