@@ -114,7 +114,7 @@ def sampling_params(
     beam search refuses (stop strings, top_k, top_p, min_p, penalties, logit_bias, ...)
     is a 400 naming the field, whatever `n`. `length_penalty` without it is a 400
     (sampling has nothing to apply it to). A `seed` is any int64, as OpenAI's and vLLM's,
-    taken modulo 2**32 (the engine's range)."""
+    taken modulo 2**32 (the engine's range), but -1, which vLLM reads as no seed."""
     for name, bad, why in (
         ("best_of", body.get("best_of") not in (None, 1), "best_of is not supported"),
         ("suffix", body.get("suffix") is not None, "suffix is not supported"),
@@ -133,7 +133,9 @@ def sampling_params(
     if kw.get("top_k") == -1:  # vLLM's "off"
         kw["top_k"] = 0
     seed = kw.get("seed")
-    if type(seed) is int and -(2**63) <= seed < 2**63:  # OpenAI's and vLLM's: any int64
+    if seed == -1 and type(seed) is int:  # vLLM's SamplingParams: no seed
+        kw.pop("seed")
+    elif type(seed) is int and -(2**63) <= seed < 2**63:  # OpenAI's and vLLM's: any int64
         kw["seed"] = seed % 2**32  # (the engine's are in [0, 2**32))
     stop = body.get("stop")
     if stop is not None:

@@ -44,7 +44,8 @@ is a 404 listing the served ones; /tokenize and /detokenize take it too), `max_t
 alone with `echo`; for chat `max_completion_tokens` or `max_tokens`, default: up to the
 model's length),
 `temperature` (default 1), `top_p`, `n`, `stop` (a string or a list), `seed` (any
-int64, taken modulo 2**32), `presence_penalty`, `frequency_penalty`, `stream`,
+int64, taken modulo 2**32; -1: none, as vLLM), `presence_penalty`, `frequency_penalty`,
+`stream`,
 `stream_options: {"include_usage"}` (with `stream: true` only; `{}` sends no usage chunk,
 as OpenAI's; `continuous_usage_stats: true` is a 400), `logit_bias` ({"token id": value
 in [-100, 100]}), and

@@ -466,8 +466,9 @@ def test_truncate_prompt_tokens_minus_one_is_max_model_len(chat):
 
 def test_a_seed_is_any_64_bit_int_as_openai_and_vllm_take_it():
     """OpenAI's and vLLM's seed is any int64 (a 400 here: the engine's are in [0, 2**32));
-    one outside that range is taken modulo 2**32, so it still fixes the draws."""
-    for seed, want in ((-1, 2**32 - 1), (2**40 + 7, 7), (-(2**63), 0), (5, 5)):
+    one outside that range is taken modulo 2**32, so it still fixes the draws. -1 is no
+    seed, as vLLM's SamplingParams reads it (it was seed 2**32 - 1)."""
+    for seed, want in ((-1, None), (-2, 2**32 - 2), (2**40 + 7, 7), (-(2**63), 0), (5, 5)):
         assert job(dict(prompt="a", seed=seed)).params.seed == want
     raises_400(job, dict(prompt="a", seed=2**63), words=f"seed={2**63}", param="seed")
     raises_400(job, dict(prompt="a", seed=1.0), words="seed=1.0", param="seed")
