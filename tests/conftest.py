@@ -8,6 +8,7 @@ of the cache (tests/test_generate_cli.py) passes a temporary directory.
 
 import os
 
+import pytest
 import xla_maps
 
 os.environ["PAGEDJAX_COMPILATION_CACHE"] = "off"
@@ -48,3 +49,28 @@ def pytest_runtest_teardown(item, nextitem):
     # (tests/xla_maps.py: past Linux's limit on mappings, XLA crashed while compiling).
     if nextitem is None or nextitem.module is not item.module:
         xla_maps.clear_if_crowded()
+
+
+# The weight-update tests' weights (tests/test_weight_sync.py, tests/test_wake_tags.py,
+# tests/test_pause.py): the tiny preset's random weights before and after an update.
+@pytest.fixture(scope="session")
+def old():
+    from engine_helpers import random_params  # (after XLA_FLAGS above)
+
+    return random_params(0)
+
+
+@pytest.fixture(scope="session")
+def new():
+    from engine_helpers import random_params
+
+    return random_params(1)
+
+
+@pytest.fixture(scope="session")
+def want(old, new):
+    """Dense greedy continuations (6 tokens) of `engine_helpers.UPDATE_PROMPTS` under
+    each set of weights."""
+    from engine_helpers import UPDATE_PROMPTS, Dense
+
+    return {k: Dense(p).greedy(UPDATE_PROMPTS, 6) for k, p in (("old", old), ("new", new))}

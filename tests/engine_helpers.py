@@ -9,13 +9,19 @@ import numpy as np
 import params_helpers
 from beam_oracle import whole_vocabulary_search
 
-from pagedjax import model
+from pagedjax import decode, model
 from pagedjax.config import PRESETS
 from pagedjax.engine import SamplingParams
 
 TINY = PRESETS["tiny"]  # float32, vocab 256, EOS 2
 PS, PAGES, WIDTH = 8, 64, 64  # page size, pages, dense buffer width (>= any sequence)
 GEOMETRY = dict(page_size=PS, num_pages=PAGES, backend="xla", max_num_seqs=8)
+
+# The weight-update tests' prompts (tests/test_weight_sync.py, tests/test_wake_tags.py):
+# two full pages in common, so that an update must drop the K/V the prefix cache holds.
+_rng = np.random.default_rng(3)
+_prefix = _rng.integers(3, 256, size=2 * PS).tolist()
+UPDATE_PROMPTS = [_prefix + _rng.integers(3, 256, size=n).tolist() for n in (3, 7)]
 
 
 def random_params(seed: int = 0) -> model.Params:
@@ -59,6 +65,16 @@ class Dense:
 
 def greedy(max_tokens, **kw):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def greedy_ids(llm, prompts=UPDATE_PROMPTS, max_tokens=6) -> list[list[int]]:
+    """`llm`'s greedy continuations of `prompts`."""
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(max_tokens))]
+
+
+def compiles() -> int:
+    """Programs the jitted steps have compiled so far, all kinds (`decode.compile_counts`)."""
+    return sum(decode.compile_counts().values())
 
 
 def check_clean(llm):

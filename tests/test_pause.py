@@ -10,25 +10,14 @@ prefix cache. The tiny preset, f32, XLA (engine_helpers' geometry, page size 8).
 
 import numpy as np
 import pytest
-from engine_helpers import GEOMETRY, PS, Dense, check_clean, greedy, random_params
+from engine_helpers import GEOMETRY, PS, Dense, check_clean, compiles, greedy
 
-from pagedjax import decode
 from pagedjax.engine import LLM
 
 RNG = np.random.default_rng(5)
 # 5 and 11 tokens: the first fills no page before the pause, the second one.
 PROMPTS = [RNG.integers(3, 256, size=n).tolist() for n in (5, 11)]
 MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def old():
-    return random_params(0)
-
-
-@pytest.fixture(scope="module")
-def new():
-    return random_params(1)
 
 
 @pytest.fixture(scope="module")
@@ -144,11 +133,11 @@ def test_a_paused_engine_queues_requests_and_steps_nothing(old, dense):
     llm.generate(PROMPTS, greedy(2))  # (compiled)
     assert llm.pause_generation() == []
     i = llm.add_request(PROMPTS[0], greedy(MAX_TOKENS))
-    before = sum(decode.compile_counts().values())
+    before = compiles()
     for _ in range(3):
         assert llm.step() == []
     assert llm.block_manager.stats().num_seqs == 0
-    assert sum(decode.compile_counts().values()) == before
+    assert compiles() == before
     with pytest.raises(RuntimeError, match="paused"):
         llm.generate(PROMPTS, greedy(2))
     assert [g.request_id for g in llm.scheduler.waiting] == [i]  # (nothing queued by it)

@@ -6,41 +6,13 @@ the dense reference's; while part of the engine sleeps, requests are refused nam
 bad arguments change nothing. The tiny preset, f32, XLA (engine_helpers' geometry)."""
 
 import jax
-import numpy as np
 import pytest
-from engine_helpers import GEOMETRY, Dense, check_clean, greedy, random_params
+from engine_helpers import GEOMETRY, Dense, check_clean, compiles, greedy, greedy_ids, random_params
+from engine_helpers import UPDATE_PROMPTS as PROMPTS
 
-from pagedjax import decode
 from pagedjax.engine import LLM, RequestOutputKind
 
-RNG = np.random.default_rng(11)
-PREFIX = RNG.integers(3, 256, size=16).tolist()  # two full pages
-PROMPTS = [PREFIX + RNG.integers(3, 256, size=n).tolist() for n in (3, 7)]
 MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def old():
-    return random_params(0)
-
-
-@pytest.fixture(scope="module")
-def new():
-    return random_params(1)
-
-
-@pytest.fixture(scope="module")
-def want(old, new):
-    """Dense greedy continuations of PROMPTS under each set of weights."""
-    return {k: Dense(p).greedy(PROMPTS, 6) for k, p in (("old", old), ("new", new))}
-
-
-def run(llm) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(6))]
-
-
-def compiles() -> int:
-    return sum(decode.compile_counts().values())
 
 
 def memory_kinds(llm) -> set[str]:
@@ -69,7 +41,7 @@ def refused(llm, match):
 def test_weights_then_new_weights_then_kv_cache_as_verl(old, new, want, level):
     llm = LLM(old, **GEOMETRY)
     assert not llm.is_sleeping()
-    assert run(llm) == want["old"]
+    assert greedy_ids(llm) == want["old"]
     before = compiles()
     llm.sleep(level=level)
     assert llm.is_sleeping()
@@ -87,13 +59,13 @@ def test_weights_then_new_weights_then_kv_cache_as_verl(old, new, want, level):
     assert [o.outputs[0].token_ids for o in outs] == want["new"]
     assert [o.num_cached_tokens for o in outs] == [0, 16]  # (a new, empty cache)
     assert compiles() == before
-    assert run(llm) == run(LLM(new, **GEOMETRY))
+    assert greedy_ids(llm) == greedy_ids(LLM(new, **GEOMETRY))
     check_clean(llm)
 
 
 def test_kv_cache_first_then_the_weights(old, want):
     llm = LLM(old, **GEOMETRY)
-    run(llm)
+    greedy_ids(llm)
     llm.sleep()
     llm.wake_up(["kv_cache"])
     assert llm.cache is not None and memory_kinds(llm) == {"pinned_host"}
@@ -101,7 +73,7 @@ def test_kv_cache_first_then_the_weights(old, want):
     refused(llm, r"weights are still asleep, in host memory.*wake_up\(tags=\['weights'\]\)")
     llm.wake_up(["weights"])
     assert not llm.is_sleeping() and memory_kinds(llm) == {"device"}
-    assert run(llm) == want["old"]
+    assert greedy_ids(llm) == want["old"]
     check_clean(llm)
 
 
@@ -114,7 +86,7 @@ def test_after_level_2_the_weights_come_from_update_params_only(new, want):
     assert not llm.is_sleeping()
     refused(llm, r"dropped \(sleep\(level=2\)\)")
     llm.update_params(new)
-    assert run(llm) == want["new"]
+    assert greedy_ids(llm) == want["new"]
     # New weights while everything sleeps: they are awake, the KV cache is not.
     llm.sleep(level=2)
     llm.update_params(new)
@@ -122,7 +94,7 @@ def test_after_level_2_the_weights_come_from_update_params_only(new, want):
     refused(llm, "KV cache is still asleep")
     llm.wake_up(tags=["weights", "kv_cache"])
     assert not llm.is_sleeping()
-    assert run(llm) == want["new"]
+    assert greedy_ids(llm) == want["new"]
     check_clean(llm)
 
 
@@ -145,7 +117,7 @@ def test_bad_tags_are_named_and_wake_nothing(old, want, tags, error, match):
     assert llm.is_sleeping() and llm.cache is None and memory_kinds(llm) == {"pinned_host"}
     refused(llm, r"asleep \(sleep\(\)\)")
     llm.wake_up()
-    assert run(llm) == want["old"]
+    assert greedy_ids(llm) == want["old"]
 
 
 def test_tags_already_awake_are_skipped(old, want):
@@ -164,12 +136,12 @@ def test_tags_already_awake_are_skipped(old, want):
     llm.wake_up(t for t in ("weights", "kv_cache"))  # (any iterable; the weights skipped)
     assert all(a is b for a, b in zip(jax.tree.leaves(llm.params), weights, strict=True))
     assert not llm.is_sleeping()
-    assert run(llm) == want["old"]
+    assert greedy_ids(llm) == want["old"]
 
 
 def test_sleep_after_a_partial_wake_up_sleeps_again(old, want):
     llm = LLM(old, **GEOMETRY)
-    run(llm)
+    greedy_ids(llm)
     llm.sleep()
     llm.wake_up(tags=["weights"])
     llm.sleep()
@@ -181,7 +153,7 @@ def test_sleep_after_a_partial_wake_up_sleeps_again(old, want):
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(llm.params))
     llm.update_params(old)
     llm.wake_up()
-    assert run(llm) == want["old"]
+    assert greedy_ids(llm) == want["old"]
     check_clean(llm)
 
 

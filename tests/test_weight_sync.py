@@ -9,46 +9,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from engine_helpers import GEOMETRY, Dense, check_clean, greedy, random_params
+from engine_helpers import GEOMETRY, check_clean, compiles, greedy, greedy_ids, random_params
+from engine_helpers import UPDATE_PROMPTS as PROMPTS
 from flax import nnx
 
-from pagedjax import decode, model
+from pagedjax import model
 from pagedjax.engine import LLM
-
-RNG = np.random.default_rng(3)
-PREFIX = RNG.integers(3, 256, size=16).tolist()  # two full pages
-PROMPTS = [PREFIX + RNG.integers(3, 256, size=n).tolist() for n in (3, 7)]
-
-
-@pytest.fixture(scope="module")
-def old():
-    return random_params(0)
-
-
-@pytest.fixture(scope="module")
-def new():
-    return random_params(1)
-
-
-@pytest.fixture(scope="module")
-def want(old, new):
-    """Dense greedy continuations of PROMPTS under each set of weights."""
-    return {k: Dense(p).greedy(PROMPTS, 6) for k, p in (("old", old), ("new", new))}
-
-
-def run(llm) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(6))]
-
-
-def compiles() -> int:
-    return sum(decode.compile_counts().values())
 
 
 @pytest.mark.parametrize("kind", ["params", "state", "flat", "numpy"])
 def test_update_params_gives_a_fresh_engines_outputs_without_recompiling(old, new, want, kind):
     llm = LLM(old, **GEOMETRY)
-    assert run(llm) == want["old"]
-    assert run(llm) == want["old"]  # (every program compiled; the prefix cache warm)
+    assert greedy_ids(llm) == want["old"]
+    assert greedy_ids(llm) == want["old"]  # (every program compiled; the prefix cache warm)
     given = {
         "params": new,
         "state": new.state,
@@ -71,10 +44,10 @@ def test_update_params_gives_a_fresh_engines_outputs_without_recompiling(old, ne
 def test_float_weights_are_cast_to_the_engines_dtype(old, new):
     """float32 master weights into a bfloat16 engine: as LLM(new, dtype=bfloat16)."""
     llm = LLM(old, dtype="bfloat16", **GEOMETRY)
-    run(llm)
+    greedy_ids(llm)
     llm.update_params(new)
     assert {x.dtype for x in jax.tree.leaves(llm.params)} == {jnp.dtype(jnp.bfloat16)}
-    assert run(llm) == run(LLM(new, dtype="bfloat16", **GEOMETRY))
+    assert greedy_ids(llm) == greedy_ids(LLM(new, dtype="bfloat16", **GEOMETRY))
 
 
 def test_bad_weights_are_named_and_change_nothing(old, new, want):
@@ -97,7 +70,7 @@ def test_bad_weights_are_named_and_change_nothing(old, new, want):
     donated.delete()
     with pytest.raises(ValueError, match=f"{key}: the array is deleted"):
         llm.update_params(flat | {key: donated})
-    assert run(llm) == want["old"]
+    assert greedy_ids(llm) == want["old"]
 
 
 def test_weights_and_memory_calls_refuse_unfinished_requests(old, new, want):
@@ -112,12 +85,12 @@ def test_weights_and_memory_calls_refuse_unfinished_requests(old, new, want):
     while llm.has_unfinished_requests():
         llm.step()
     llm.update_params(new)
-    assert run(llm) == want["new"]
+    assert greedy_ids(llm) == want["new"]
 
 
 def test_reset_prefix_cache(old):
     llm = LLM(old, **GEOMETRY)
-    run(llm)
+    greedy_ids(llm)
     assert [o.num_cached_tokens for o in llm.generate(PROMPTS, greedy(2))] == [16, 16]
     assert llm.reset_prefix_cache() is True
     assert llm.block_manager.stats().num_cached_pages == 0
@@ -127,7 +100,7 @@ def test_reset_prefix_cache(old):
 
 def test_sleep_frees_the_kv_cache_and_moves_the_weights_to_host_memory(old, new, want):
     llm = LLM(old, **GEOMETRY)
-    assert run(llm) == want["old"]
+    assert greedy_ids(llm) == want["old"]
     pools = jax.tree.leaves(llm.cache)
     shardings = [x.sharding for x in jax.tree.leaves(llm.params)]
     before = compiles()
@@ -150,7 +123,7 @@ def test_sleep_frees_the_kv_cache_and_moves_the_weights_to_host_memory(old, new,
     llm.sleep()
     llm.update_params(new)  # (asleep: the new weights are the ones wake_up keeps)
     llm.wake_up()
-    assert run(llm) == want["new"]
+    assert greedy_ids(llm) == want["new"]
     check_clean(llm)
 
 
@@ -164,7 +137,7 @@ def test_sleep_level_2_drops_the_weights_until_update_params(new, want):
     with pytest.raises(RuntimeError, match=r"dropped \(sleep\(level=2\)\)"):
         llm.generate(PROMPTS, greedy(6))
     llm.update_params(new)
-    assert run(llm) == want["new"]
+    assert greedy_ids(llm) == want["new"]
     for bad in (0, 3, True, 1.0, "1"):
         with pytest.raises(ValueError, match="sleep level must be 1 or 2"):
             llm.sleep(bad)
@@ -176,4 +149,4 @@ def test_an_nnx_training_loops_state_updates_the_engine(old, want):
     nnx.update(module, random_params(1).state)
     llm = LLM(old, **GEOMETRY)
     llm.update_params(nnx.state(module))
-    assert run(llm) == want["new"]
+    assert greedy_ids(llm) == want["new"]
