@@ -65,10 +65,11 @@ class GenerateMixin:
 
         Args:
           prompts: strings (needs a tokenizer) or token id lists, or vLLM's prompt
-            dicts: {"prompt": str} or {"prompt_token_ids": [ids]}, either with an optional
-            "cache_salt" (`request.unpack_prompt`). One prompt alone is a list of one: a
-            str, a dict, or a non-empty list of ints (token ids, as vLLM reads it; a list
-            of lists is a list of prompts).
+            dicts: {"prompt": str} or {"prompt_token_ids": [ids]} (optionally with the
+            "prompt" text the ids encode, which becomes `RequestOutput.prompt`), either
+            with an optional "cache_salt" (`request.unpack_prompt`). One prompt alone is
+            a list of one: a str, a dict, or a non-empty list of ints (token ids, as vLLM
+            reads it; a list of lists is a list of prompts).
           sampling_params: one for all prompts, or one per prompt (None:
             `default_sampling_params()`).
           use_tqdm: show a progress bar over requests (off by default, unlike vLLM's);

@@ -25,6 +25,7 @@ __all__ = [
     "check_truncation",
     "encode_bad_words",
     "encode_prompt",
+    "prompt_text",
     "request_lists",
     "salted_prompt",
     "unpack_prompt",
@@ -74,7 +75,8 @@ def encode_prompt(
     truncate_prompt_tokens: int | None = None,
 ) -> tuple[str | None, list[int]]:
     """(text or None, token ids) of a prompt given as text or ids (or as vLLM's prompt
-    dicts, `unpack_prompt`), validated.
+    dicts, `unpack_prompt`; a TokensPrompt's text comes back as given, `prompt_text`),
+    validated.
 
     `truncate_prompt_tokens` (`SamplingParams`'): keep only the last k ids (-1: the
     last max_model_len; a text's BOS, added by the tokenizer, stays first), before the
@@ -89,7 +91,9 @@ def encode_prompt(
         dict `unpack_prompt` refuses, or ids that are not ints.
     """
     k = check_truncation(truncate_prompt_tokens, max_model_len)
+    given_text = None
     if isinstance(prompt, Mapping):  # (read as its keys, it would be ids "prompt", ...)
+        given_text = prompt_text(prompt)
         prompt, _ = unpack_prompt(prompt)
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -127,29 +131,36 @@ def encode_prompt(
             f"prompt has {len(ids)} tokens{cut}; max_model_len={max_model_len} leaves no "
             "room to generate"
         )
-    return text, ids
+    return (text if given_text is None else given_text), ids
 
 
 # vLLM's TextPrompt / TokensPrompt keys that pagedjax has no use for.
-_UNSUPPORTED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "prompt_embeds")
+_UNSUPPORTED_PROMPT_KEYS = (
+    "multi_modal_data",
+    "mm_processor_kwargs",
+    "prompt_embeds",
+    "token_type_ids",
+)
 
 
 def unpack_prompt(prompt: Mapping) -> tuple[str | Sequence[int], str | None]:
     """(its text or token ids, its cache salt or None) of a prompt given as vLLM's
-    `TextPrompt` ({"prompt": str}) or `TokensPrompt` ({"prompt_token_ids": [ids]}),
-    either with an optional "cache_salt" (a str, as `SamplingParams.cache_salt`).
+    `TextPrompt` ({"prompt": str}) or `TokensPrompt` ({"prompt_token_ids": [ids]},
+    optionally with the "prompt" text they encode, which the ids win over: they come
+    back, and the text is `prompt_text`'s), either with an optional "cache_salt" (a str,
+    as `SamplingParams.cache_salt`).
 
     Raises:
-      TypeError: neither or both of "prompt" and "prompt_token_ids", another key
-        (multi-modal data and prompt embeddings are not supported), or a cache salt
-        that is not a str.
+      TypeError: neither "prompt" nor "prompt_token_ids", another key (multi-modal data,
+        token type ids and prompt embeddings are not supported), a "prompt" that is not
+        a str, or a cache salt that is not a str.
     """
     keys = set(prompt)
     given = keys & {"prompt", "prompt_token_ids"}
-    if len(given) != 1:
+    if not given:
         raise TypeError(
-            "a prompt dict (vLLM's TextPrompt / TokensPrompt) needs either 'prompt' (a str) "
-            f"or 'prompt_token_ids' (a list of ints), got the keys {sorted(map(str, keys))}"
+            "a prompt dict (vLLM's TextPrompt / TokensPrompt) needs 'prompt' (a str) or "
+            f"'prompt_token_ids' (a list of ints), got the keys {sorted(map(str, keys))}"
         )
     other = sorted(map(str, keys - given - {"cache_salt"}))
     if other:
@@ -159,19 +170,34 @@ def unpack_prompt(prompt: Mapping) -> tuple[str | Sequence[int], str | None]:
     salt = prompt.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise TypeError(f"a prompt dict's cache_salt must be a str, got {salt!r:.80}")
-    (key,) = given
-    if key == "prompt" and not isinstance(prompt[key], str):
-        raise TypeError(f"a prompt dict's 'prompt' must be a str, got {prompt[key]!r:.80}")
-    if key == "prompt_token_ids" and isinstance(prompt[key], (str, Mapping)):
+    if "prompt" in given and not isinstance(prompt["prompt"], str):
+        raise TypeError(f"a prompt dict's 'prompt' must be a str, got {prompt['prompt']!r:.80}")
+    if "prompt_token_ids" not in given:
+        return prompt["prompt"], salt
+    ids = prompt["prompt_token_ids"]
+    if isinstance(ids, (str, Mapping)):
         raise TypeError(
-            f"a prompt dict's 'prompt_token_ids' must be a list of ints, got {prompt[key]!r:.80}"
+            f"a prompt dict's 'prompt_token_ids' must be a list of ints, got {ids!r:.80}"
         )
-    return prompt[key], salt
+    return ids, salt
+
+
+def prompt_text(prompt: Prompt) -> str | None:
+    """The text a prompt gives: itself as a str, a TextPrompt's "prompt", the "prompt" a
+    TokensPrompt may carry beside its ids (vLLM's: the text they encode, not checked
+    against them; it becomes `RequestOutput.prompt`), else None."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Mapping):
+        text = prompt.get("prompt")
+        return text if isinstance(text, str) else None
+    return None
 
 
 def salted_prompt(prompt: Prompt, params: SamplingParams) -> tuple[Prompt, SamplingParams]:
-    """(`prompt`, `params`) with a prompt dict unpacked (`unpack_prompt`) and its cache
-    salt, if any, set in `params` (a copy).
+    """(`prompt`, `params`) with a prompt dict's cache salt, if any, set in `params` (a
+    copy). The dict comes back as it is, checked (`unpack_prompt`): `encode_prompt`
+    reads it, a TokensPrompt's text included.
 
     Raises:
       ValueError: the dict's cache salt differs from one `params` already has.
@@ -179,7 +205,7 @@ def salted_prompt(prompt: Prompt, params: SamplingParams) -> tuple[Prompt, Sampl
     """
     if not isinstance(prompt, Mapping):
         return prompt, params
-    prompt, salt = unpack_prompt(prompt)
+    _, salt = unpack_prompt(prompt)
     if salt is not None and params.cache_salt not in (None, salt):
         raise ValueError(
             f"the prompt dict's cache_salt={salt!r:.40} differs from its sampling "

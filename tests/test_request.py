@@ -106,9 +106,15 @@ def test_prompt_dicts_are_read_as_vllm_and_sets_are_refused():
     assert encode_prompt({"prompt_token_ids": ids, "cache_salt": "a"}, None, 256, 64)[1] == ids
     assert unpack_prompt({"prompt": "hi", "cache_salt": "s"}) == ("hi", "s")
     assert unpack_prompt({"prompt_token_ids": ids}) == (ids, None)
+    # A TokensPrompt may carry the text its ids encode (vLLM's): the ids are the prompt.
+    both = {"prompt_token_ids": ids, "prompt": "hi", "cache_salt": "s"}
+    assert unpack_prompt(both) == (ids, "s")
+    assert encode_prompt(both, None, 256, 64) == ("hi", ids)
+    assert encode_prompt(both, None, 256, 64, truncate_prompt_tokens=2) == ("hi", ids[-2:])
     for prompt, words in [
-        ({}, "needs either 'prompt'"),
-        ({"prompt": "hi", "prompt_token_ids": ids}, "needs either 'prompt'"),
+        ({}, "needs 'prompt'"),
+        ({"prompt": 3, "prompt_token_ids": ids}, "'prompt' must be a str, got 3"),
+        ({"prompt_token_ids": ids, "token_type_ids": ids}, r"\['token_type_ids'\] are not sup"),
         ({"prompt": "hi", "multi_modal_data": {}}, r"\['multi_modal_data'\] are not supported"),
         ({"prompt": "hi", "max_tokens": 3}, r"\['max_tokens'\] are not prompt keys"),
         ({"prompt": ids}, "'prompt' must be a str"),

@@ -281,6 +281,13 @@ def test_prompt_dicts_as_vllm(llm):
     outs = llm.generate([{"prompt": PROMPT}, {"prompt_token_ids": ids}], greedy(4))
     assert [o.outputs[0].token_ids for o in outs] == want
     assert [o.prompt for o in outs] == [PROMPT, None]
+    # A TokensPrompt's text (vLLM's "prompt" beside the ids) is the output's prompt.
+    (told,) = llm.generate({"prompt_token_ids": ids, "prompt": "given"}, greedy(4))
+    assert (told.prompt, told.prompt_token_ids, told.outputs[0].token_ids) == (
+        "given",
+        ids,
+        want[1],
+    )
     (one,) = llm.generate({"prompt": PROMPT}, greedy(4))
     assert one.outputs[0].token_ids == want[0] and one.num_cached_tokens > 0
     salted = {"prompt": PROMPT, "cache_salt": "x"}
