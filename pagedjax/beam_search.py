@@ -20,6 +20,8 @@ Where we differ from vLLM on purpose (vLLM's `LLM.beam_search` loop and
 - Scores: `logprob_sum / length ** length_penalty` with `length` the generated tokens,
   the EOS included (HF); vLLM counts the prompt's tokens and leaves the EOS out. Where
   `length_penalty` is not 0 the two may rank beams of different lengths differently.
+- A beam ends on any of the model's EOS tokens (`LLM.eos_ids`: the config's and the
+  tokenizer's, as sampling's); vLLM's on the tokenizer's `eos_token_id` alone.
 - `beam_width=1` is greedy decoding; vLLM's is a one-beam search (an EOS ranked first
   ends a hypothesis and the next token carries on).
 - `logprobs` hold each token's own logprob (the engine's `logprobs=0`); vLLM's hold the
@@ -34,9 +36,9 @@ Where we differ from vLLM on purpose (vLLM's `LLM.beam_search` loop and
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import TYPE_CHECKING
 
+from pagedjax.config import is_finite_number
 from pagedjax.prompts import request_lists
 from pagedjax.request import Logprob, SamplingParams
 
@@ -55,9 +57,9 @@ class BeamSearchParams:
         greedy decoding).
       max_tokens: most tokens generated per sequence (an int >= 1).
       ignore_eos: EOS does not end a beam.
-      temperature: accepted (a number >= 0) and without effect (see the module docstring).
-      length_penalty: exponent of the length normaliser of a finished beam's score
-        (see the module docstring).
+      temperature: accepted (a finite number >= 0) and without effect (see the module docstring).
+      length_penalty: exponent of the length normaliser of a finished beam's score (a
+        finite number; see the module docstring).
       include_stop_str_in_output: a beam that ended on EOS keeps it in its text (its
         tokens always do).
     """
@@ -78,10 +80,11 @@ class BeamSearchParams:
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ValueError(f"{name} must be a bool, got {name}={v!r}")
-        for name, low in (("temperature", 0.0), ("length_penalty", -math.inf)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not low <= v < math.inf:
-                raise ValueError(f"{name} must be a finite number >= {low}, got {name}={v!r}")
+        t, lp = self.temperature, self.length_penalty
+        if not is_finite_number(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0.0, got temperature={t!r}")
+        if not is_finite_number(lp):  # (-inf, and an int past the float range, too)
+            raise ValueError(f"length_penalty must be a finite number, got length_penalty={lp!r}")
 
     def sampling_params(self) -> SamplingParams:
         """The engine request that runs this search: `beam_width` beams, as many

@@ -71,6 +71,7 @@ CASES = [
     (2, 15, 3, 9, 2.0, 1.0),
     (3, 12, 2, 9, 100.0, 0.5),  # extreme penalties, still inside the float range
     (3, 12, 2, 9, -100.0, 0.5),
+    (5, 3, 1, 4, 1.0, 1.0),  # more beams than tokens: fewer live beams than the width
 ]
 
 

@@ -105,11 +105,23 @@ def test_concurrency_limit_runs_the_prompts_in_chunks(llm, monkeypatch):
         (dict(ignore_eos=1), "ignore_eos must be a bool, got ignore_eos=1"),
         (dict(temperature=-0.5), "temperature must be a finite number >= 0.0"),
         (dict(length_penalty=float("nan")), "length_penalty must be a finite number"),
+        # -inf and an int past the float range passed (`-inf <= v < inf`): width 1 kept
+        # them, a wider search refused them only when the call built its SamplingParams.
+        (dict(length_penalty=float("-inf")), "length_penalty must be a finite number"),
+        (dict(length_penalty=10**400), "length_penalty must be a finite number"),
+        (dict(beam_width=1, length_penalty=float("-inf")), "length_penalty must be a finite"),
+        (dict(temperature=10**400), "temperature must be a finite number >= 0.0"),
     ],
 )
 def test_bad_params_are_named(kw, match):
     with pytest.raises(ValueError, match=match):
         BeamSearchParams(**(dict(beam_width=2, max_tokens=4) | kw))
+
+
+def test_numpy_numbers_are_numbers():
+    """As SamplingParams takes them (`config.is_finite_number`)."""
+    p = BeamSearchParams(2, 4, temperature=np.float32(0.5), length_penalty=np.float32(0.5))
+    assert p.sampling_params().length_penalty == 0.5
 
 
 def test_bad_calls_are_named(llm):

@@ -92,6 +92,40 @@ def test_beam_search_reports_the_stop_token_it_ended_on(params):
     check_clean(llm)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_pruned_beams_free_their_pages_at_once(params, async_scheduling):
+    """After every step the block manager holds exactly the live beams: their sequences,
+    and the union of their pages (a beam that lost, or ended on a stop token, frees what
+    it alone held in that step's selection, not at the request's end); once the search
+    ends, every page is free again (no prefix cache: nothing stays evictable)."""
+    llm = LLM(
+        params,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+        async_scheduling=async_scheduling,
+        **GEOMETRY,
+    )
+    bm = llm.block_manager
+    free = bm.stats().num_free_pages
+    sp = SamplingParams(
+        beam_width=4, n=4, max_tokens=14, ignore_eos=True, stop_token_ids=[7, 9, 11, 13]
+    )
+    rid = llm.add_request(list(range(20, 41)), sp)
+    beams = set()
+    while llm.has_unfinished_requests():
+        llm.step()
+        g = llm.scheduler.get(rid)
+        live = [] if g is None else g.seqs
+        beams |= {s.seq_id for s in live}
+        stats = bm.stats()
+        assert stats.num_seqs == len(live)
+        held = {p for s in live for p in bm.page_table(s.seq_id)}
+        assert stats.num_used_pages == len(held)
+    assert len(beams) > 4  # beams forked and were dropped
+    check_clean(llm)
+    assert bm.stats().num_free_pages == free
+
+
 def test_a_beam_search_ends_at_max_model_len(params):
     """With less room under max_model_len than max_tokens, beams end there ("length"), as
     sampled completions do (add_request's docstring)."""
