@@ -146,7 +146,7 @@ def test_walks_produce_full_matches_and_allowed_tokens_stay_alive(tok_name, patt
 @pytest.mark.parametrize("pattern", [r"[^\n]*", r"(ab|é€)*c?", r'\{"k": "[^"]*"\}'])
 def test_vectorized_masks_equal_token_by_token_walks(pattern):
     """Tokens past the 16-byte head go through the second pass; all end where a plain
-    walk of their bytes ends."""
+    walk of their bytes ends (allowed where that is a viable state: tested below)."""
     rng = random.Random(4)
     pieces = ["ab", "é€", "c", "\n", '"', "{", '{"k": "', "}", "x" * 20, "ab" * 12 + "c"]
     toks = [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 40))) for _ in range(300)]
@@ -158,8 +158,57 @@ def test_vectorized_masks_equal_token_by_token_walks(pattern):
     states = {dfa.initial} | {int(s) for s in np.unique(dfa.trans) if s}
     for state in sorted(states)[:30]:
         ok = bits(guide.allowed(state))
-        want = [t is not None and t != b"" and dfa.walk(state, t) != 0 for t in toks]
+        want = [t is not None and t != b"" and guide._viable[dfa.walk(state, t)] for t in toks]
         assert ok[: len(toks)].tolist() == want and not ok[len(toks) :].any()
+
+
+def viable_by_fixpoint(dfa, toks: list) -> set[int]:
+    """The states from which some sequence of `toks` reaches acceptance (brute force)."""
+    live = range(1, len(dfa.trans))
+    ends = {s: {dfa.walk(s, t) for t in toks if t} - {0} for s in live}
+    viable = {s for s in live if dfa.accept[s]}
+    while True:
+        more = {s for s in live if ends[s] & viable} - viable
+        if not more:
+            return viable
+        viable |= more
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tokens_that_lead_where_no_tokens_complete_a_match_are_not_allowed(seed):
+    """A vocabulary that cannot spell some of what a pattern reads: a token is allowed
+    exactly where it ends in a state from which tokens reach a match, so walks along the
+    masks end on full matches (where no token is allowed, the text matches); a token
+    into a dead end is refused by `advance`, and a spec no tokens can spell by
+    `compile_guide`. With every byte a token (seed 0), every live state is viable."""
+    rng = random.Random(seed)
+    pieces = ['{"', "k", '": "', "a", "b", "ab", "c", '"}', '"', "}", "x", "xx", "y", 'c"}']
+    toks = [p.encode() for p in pieces if rng.random() < 0.7] + [None]
+    if seed == 0:
+        toks += [bytes([b]) for b in range(256)]
+    pattern = r'\{"k": "[a-c]*"\}|x+y|ab'
+    dfa = compile_dfa(pattern)
+    guide = guided.Guide(dfa, guided._TokenTable(toks), len(toks))
+    viable = viable_by_fixpoint(dfa, toks)
+    assert set(np.flatnonzero(guide._viable)) == viable
+    if seed == 0:
+        assert len(viable) == len(dfa.trans) - 1
+    for state in viable:
+        ok = bits(guide.allowed(state))[: len(toks)]
+        want = [bool(t) and dfa.walk(state, t) in viable for t in toks]
+        assert ok.tolist() == want, (state, toks)
+        assert guide.can_continue(state) or guide.accepting(state)
+        for t in np.flatnonzero(~ok):
+            if toks[t] and dfa.walk(state, toks[t]):  # alive, but a dead end: refused
+                with pytest.raises(ValueError, match="no tokens of this vocabulary complete"):
+                    guide.advance(state, int(t))
+    for _ in range(20):  # random walks along the masks
+        state = guide.initial_state
+        while guide.can_continue(state) and not (guide.accepting(state) and rng.random() < 0.3):
+            state = guide.advance(state, rng.choice(np.flatnonzero(bits(guide.allowed(state)))))
+        assert guide.accepting(state)
+    with pytest.raises(ValueError, match="no sequence of this vocabulary's tokens.*'z'"):
+        compile_guide(StructuredOutputsParams(regex="z"), BYTES, 100)  # "z" past the ids
 
 
 def test_special_added_and_padded_ids_are_never_allowed():

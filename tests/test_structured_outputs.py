@@ -236,22 +236,29 @@ def test_refusals(llm):
     assert not llm.has_unfinished_requests()
 
 
-def test_a_match_that_no_token_can_begin_is_refused(params):
-    """A vocabulary of printable ASCII (ByteLevel) cannot spell "é": refused when added,
-    not a step that draws from no token."""
+def test_a_match_the_vocabulary_cannot_spell_is_refused_and_no_dead_end_is_entered(params):
+    """A vocabulary of printable ASCII (ByteLevel) cannot spell "é": a spec every match of
+    which needs it is refused when added, not a completion that stops short of a match
+    ("aé": "a", then nothing). Where only some branches need it, their first tokens are
+    never allowed: a bias towards "a" cannot lead "aé|bc" into "a" and a "stop" short."""
     chars = [chr(c) for c in range(33, 127)]
     hf = tokenizers.Tokenizer(tokenizers.models.BPE({c: i for i, c in enumerate(chars)}, []))
     hf.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = tokenizers.decoders.ByteLevel()
     llm = LLM(params, tokenizer=Tokenizer(hf, eos_token_ids=[2]), **GEOMETRY)
-    for regex in ("é", "aé"):  # the first token, then a later one
+    for regex in ("é", "aé"):
         sp = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex=regex))
-        if regex == "é":
-            with pytest.raises(ValueError, match="no token of this vocabulary can begin"):
-                llm.add_request([5], sp)
-        else:  # "a" then nothing: the completion ends there
-            (c,) = llm.generate([[5]], sp)[0].outputs
-            assert (c.token_ids, c.finish_reason) == ([chars.index("a")], "stop")
+        with pytest.raises(ValueError, match="no sequence of this vocabulary's tokens"):
+            llm.add_request([5], sp)
+    a, b, c = (chars.index(x) for x in "abc")
+    sp = SamplingParams(
+        temperature=0.0,
+        max_tokens=4,
+        logit_bias={a: 100.0},
+        structured_outputs=StructuredOutputsParams(regex="aé|bc"),
+    )
+    (out,) = llm.generate([[5]], sp)[0].outputs
+    assert (out.token_ids, out.finish_reason) == ([b, c], "stop")
     check_clean(llm)
 
 
