@@ -106,10 +106,9 @@ LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
 LATENCY_BUCKETS_S += (50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
-# vLLM's `request_success_total` label values (its FinishReason, as its v1 engine
-# introduced the label; it has since added "error" and "repetition", which pagedjax
-# never gives): each series exists from the start, at 0.
-FINISHED_REASONS = ("stop", "length", "abort")
+# vLLM's `request_success_total` label values (its FinishReason; it has also added
+# "repetition", which pagedjax never gives): each series exists from the start, at 0.
+FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 
 class Histogram:

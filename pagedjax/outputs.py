@@ -272,10 +272,11 @@ class OutputProcessor:
             if not guide.allows(s.guide_state, tok):
                 # The row's other constraints (allowed_token_ids, bad_words, min_tokens'
                 # ban of a stop token that is text) banned every token the guide allows:
-                # the draw fell outside them. The completion ends before it.
+                # the draw fell outside them. The completion ends before it, short of a
+                # match: "error", as vLLM's when its grammar cannot take the token.
                 if s.logprobs is not None:
                     s.logprobs.pop()
-                self.scheduler.finish(req.group, s, "stop")
+                self.scheduler.finish(req.group, s, "error")
                 return
             state = guide.advance(s.guide_state, tok)
         s.token_ids.append(tok)
@@ -311,7 +312,7 @@ class OutputProcessor:
         if stop is not None:
             return "stop", stop
         if req.guide is not None and not req.guide.can_continue(s.guide_state):
-            return "stop", None  # the match is complete (or no token continues it)
+            return "stop", None  # the match is complete (`Guide`: no token leads nowhere)
         if len(s.token_ids) >= s.max_num_tokens:
             return "length", None
         return None, None

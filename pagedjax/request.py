@@ -141,7 +141,9 @@ class CompletionOutput:
     include_stop_str_in_output, as in vLLM. `token_ids` hold every generated token,
     the stop token and the tokens that completed a stop string included. `stop_reason`
     is the stop string, or the stop token's id, EOS included (vLLM gives None for EOS);
-    None when the completion did not stop on one ("length", "abort").
+    None when the completion did not stop on one ("length", "abort", "error": a
+    structured output whose other constraints left no token the guide allows,
+    `SamplingParams.structured_outputs`).
 
     `logprobs` (with `SamplingParams.logprobs` = k): per generated token a dict {token id:
     `Logprob`}, the sampled token first, then the k most likely in rank order; each a
@@ -153,7 +155,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float  # sum of the generated tokens' raw-distribution logprobs
-    finish_reason: str | None  # "stop" | "length" | "abort"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id (EOS too) or stop string
     logprobs: list[dict[int, Logprob]] | None = None  # with SamplingParams.logprobs
 

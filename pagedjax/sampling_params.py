@@ -131,13 +131,16 @@ class SamplingParams:
       structured_outputs: None, or a `pagedjax.guided.StructuredOutputsParams` (a regex,
         a list of choices or a JSON schema; needs a tokenizer), as vLLM's: each
         completion's bytes are a prefix of a match at every step; the stop tokens (EOS)
-        can be drawn only where the text is a full match, and a completion that no
-        token can continue ends there ("stop", stop_reason None). Its steps run with
-        the host in step with the device (as beam search's: `LLM(async_scheduling)`).
-        Stop strings, stop tokens that are also text and max_tokens can still cut a
-        completion before its match is complete, and so can allowed_token_ids,
-        bad_words or min_tokens where they ban every token the guide allows: the
-        completion ends there ("stop", stop_reason None). Not with beam search.
+        can be drawn only where the text is a full match, and a token only where the
+        vocabulary's tokens can still complete the match after it, so a completion no
+        token can continue is a full match and ends there ("stop", stop_reason None); a
+        spec no sequence of the vocabulary's tokens can spell is refused when the
+        request is added. Its steps run with the host in step with the device (as beam
+        search's: `LLM(async_scheduling)`). Stop strings, stop tokens that are also
+        text and max_tokens can still cut a completion before its match is complete.
+        Where allowed_token_ids, bad_words or min_tokens ban every token the guide
+        allows, the completion ends there short of a match with finish_reason "error"
+        (vLLM's, where its grammar cannot take a token). Not with beam search.
       output_kind: what `LLM.step` returns of the request while it runs
         (`RequestOutputKind`; an int 0-2 is taken as one): FINAL_ONLY (the default)
         nothing until it finishes; CUMULATIVE or DELTA a partial output after every

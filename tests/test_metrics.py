@@ -201,7 +201,7 @@ def test_reset_clears_everything_but_the_load_time():
     m.generated_tokens, m.run_time_s = 7, 4.0
     m.reset()
     assert not m.steps and summarize(m) == fresh | dict(load_time_s=1.5)
-    assert m.request_success == dict(stop=0, length=0, abort=0)
+    assert m.request_success == dict(stop=0, length=0, abort=0, error=0)
     rec = _step(10.0)  # a new run: nothing of the old one's pending step counts
     m.record(rec)
     m.complete(rec, 10.25)
@@ -264,11 +264,11 @@ def test_request_success_counts_completions_by_finish_reason():
     from pagedjax.metrics import FINISHED_REASONS
 
     m = EngineMetrics(kv_bytes_per_token=8)
-    assert FINISHED_REASONS == ("stop", "length", "abort")
-    assert m.request_success == dict(stop=0, length=0, abort=0)
+    assert FINISHED_REASONS == ("stop", "length", "abort", "error")
+    assert m.request_success == dict(stop=0, length=0, abort=0, error=0)
     m.record_request(1.0, ["stop"])
     m.record_request(2.0, ["length", "stop", "length"])  # n = 3
-    assert m.request_success == dict(stop=2, length=2, abort=0)
+    assert m.request_success == dict(stop=2, length=2, abort=0, error=0)
     assert summarize(m)["num_requests"] == 2  # (requests, as before)
 
 

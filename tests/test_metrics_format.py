@@ -104,7 +104,7 @@ def test_exposition_is_well_formed_through_a_run(params):
     llm = LLM(params, **GEOMETRY)
     v = values(llm)  # a fresh engine: every family, all zero
     assert {k: x for k, x in v.items() if x} == {}
-    assert successes(v) == dict(stop=0, length=0, abort=0)  # vLLM's reasons, from the start
+    assert successes(v) == dict(stop=0, length=0, abort=0, error=0)  # vLLM's, from the start
     llm.add_request([5, 6, 7], greedy(4))
     n3 = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=1, ignore_eos=True)
     llm.add_request([5, 6, 7, 8], n3)  # three completions, each ending "length"
@@ -123,7 +123,7 @@ def test_exposition_is_well_formed_through_a_run(params):
     # request is not a success (vLLM counts no client abort), nor timed.
     reasons = [c.finish_reason for o in finished for c in o.outputs]
     assert len(reasons) == 5 and reasons.count("length") >= 3 and "stop" in reasons
-    want = dict(stop=reasons.count("stop"), length=reasons.count("length"), abort=0)
+    want = dict(stop=reasons.count("stop"), length=reasons.count("length"), abort=0, error=0)
     assert successes(v) == want
     assert v[p + "e2e_request_latency_seconds_count"] == 3
     assert v[p + "generation_tokens_total"] == llm.metrics.generated_tokens > 0

@@ -265,7 +265,8 @@ def test_a_match_the_vocabulary_cannot_spell_is_refused_and_no_dead_end_is_enter
 def test_a_guide_whose_tokens_are_all_banned_otherwise_ends_the_completion(llm, dense):
     """allowed_token_ids, a bad word, or min_tokens' ban of a stop token that is text can
     ban every token the guide allows (the check on adding sees the guide alone): the
-    completion ends there ("stop") without the draw, and the batch goes on."""
+    completion ends there without the draw, short of a match ("error", as vLLM's), and
+    the batch goes on."""
     kw = dict(max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["ab"]))
     sps = [
         SamplingParams(allowed_token_ids=[ord("a")], logprobs=1, **kw),
@@ -276,7 +277,7 @@ def test_a_guide_whose_tokens_are_all_banned_otherwise_ends_the_completion(llm, 
     outs = llm.generate([PROMPTS[0]] * 3 + [PROMPTS[1]], sps)
     for o in outs[:3]:
         (c,) = o.outputs
-        assert (c.token_ids, c.finish_reason, c.stop_reason) == ([ord("a")], "stop", None)
+        assert (c.token_ids, c.finish_reason, c.stop_reason) == ([ord("a")], "error", None)
     assert len(outs[0].outputs[0].logprobs) == 1
     assert outs[3].outputs[0].token_ids == dense.greedy([PROMPTS[1]], 6, stop_ids=())[0]
     check_clean(llm)
