@@ -118,15 +118,14 @@ class GenerateMixin:
             if self.lora is not None:
                 self.lora.trim()
         self._collect.update(ids)
-        bar = None
-        if use_tqdm:
-            if callable(use_tqdm):
-                make_bar = use_tqdm
-            else:
-                from tqdm.auto import tqdm as make_bar
-            bar = make_bar(total=len(ids), desc="requests", unit="req")
-        mine = set(ids)
+        bar, mine = None, set(ids)
         try:
+            if use_tqdm:  # (made once every request is queued; one that raises aborts them)
+                if callable(use_tqdm):
+                    make_bar = use_tqdm
+                else:
+                    from tqdm.auto import tqdm as make_bar
+                bar = make_bar(total=len(ids), desc="requests", unit="req")
             with self._run_clock():
                 while not mine.issubset(self._outputs) and self.core.busy:
                     done = self._claim(self.core.step(on_token, mine))

@@ -61,6 +61,19 @@ def test_use_tqdm_takes_a_callable_that_makes_the_bar(llm):
     check_clean(llm)
 
 
+def test_a_bar_maker_that_raises_leaves_no_request_queued(llm):
+    """`use_tqdm`'s bar is made once the requests are queued (scripts/generate.py prints
+    then); a maker that raised left them all queued, to run on in later steps."""
+
+    def broken(**kw):
+        raise BrokenPipeError("stdout closed")
+
+    with pytest.raises(BrokenPipeError):
+        llm.generate([[5, 6], [7, 8, 9]], greedy(3), use_tqdm=broken)
+    assert not llm.has_unfinished_requests()
+    check_clean(llm)
+
+
 def test_completion_output_has_vllms_finished_method():
     """vLLM's `CompletionOutput.finished()`: whether it has a finish reason."""
     out = CompletionOutput(0, "", [5], 0.0, "length")
