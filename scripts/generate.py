@@ -125,8 +125,8 @@ and stdout closed early (piped into `head`) with status 141, without a traceback
 Bad input (an empty or too long prompt, a prompts file without prompts, n < 1, top_p
 outside (0, 1], a negative temperature, a bad value in generation_config.json, a
 checkpoint directory missing files, --backend gpu without a GPU, a --lora adapter that
-cannot serve) ends with one line on stderr and exit status 2, before anything is
-printed on stdout.
+cannot serve, a request that the KV cache can never hold) ends with one line on stderr
+and exit status 2, before anything is printed on stdout.
 
 What it prints once the requests are done (completions, logprobs, the report, the
 --json object) is laid out in `generate_output.py`.
@@ -136,7 +136,9 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -180,7 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument(
-        "--prompts-file", metavar="FILE", help="a file of prompts, one per line ('-': stdin)"
+        "--prompts-file",
+        action="append",  # (to refuse a second one: argparse would let it replace the first)
+        metavar="FILE",
+        help="a file of prompts, one per line ('-': stdin)",
     )
     p.add_argument(
         "--chat",
@@ -258,16 +263,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def read_prompts(args) -> list[str]:
     prompts = list(args.prompt or [])
-    if args.prompts_file:
-        path = Path(args.prompts_file)
-        if args.prompts_file == "-":  # stdin; a pipe's path (/dev/stdin, <(...)) reads too
+    files = args.prompts_file or []
+    if len(files) > 1:
+        raise cli.BadInput(
+            f"--prompts-file given twice ({', '.join(files)}): give one file, and "
+            "--prompt for more prompts"
+        )
+    if files:
+        name = files[0]
+        path = Path(name)
+        if name == "-":  # stdin; a pipe's path (/dev/stdin, <(...)) reads too
+            if sys.stdin is None:  # (closed: `<&-`)
+                raise cli.BadInput("--prompts-file -: stdin is closed")
             path = Path("<stdin>")
         elif path.is_dir():
             raise cli.BadInput(f"prompts file {path} is a directory")
         elif not path.exists():
             raise cli.BadInput(f"prompts file not found: {path}")
         try:
-            data = sys.stdin.buffer.read() if args.prompts_file == "-" else path.read_bytes()
+            data = sys.stdin.buffer.read() if name == "-" else path.read_bytes()
         except OSError as e:
             raise cli.BadInput(f"prompts file {path}: cannot read it ({e})") from None
         text = decode_prompts(data, path)
@@ -283,7 +297,7 @@ def read_prompts(args) -> list[str]:
             prompts.append(line)
         if len(prompts) == before:
             raise cli.BadInput(f"prompts file {path} has no prompts (blank lines are skipped)")
-    return prompts if (args.prompt is not None or args.prompts_file) else list(DEFAULT_PROMPTS)
+    return prompts if (args.prompt is not None or files) else list(DEFAULT_PROMPTS)
 
 
 def decode_prompts(data: bytes, path: Path) -> str:
@@ -452,7 +466,6 @@ def run(args) -> int:
     device = str(jax.devices()[0])
     note = sys.stderr if args.json else sys.stdout
     with_lora = "" if lora is None else f" with LoRA adapter {lora.lora_path}"
-    print(f"model: {llm.model_source}{with_lora}", file=note)
     # (Not with stop strings: the text streamed so far could be cut.)
     stream = len(prompts) == 1 and args.n == 1 and args.beam_width == 1 and not args.json
     stream = stream and not sp.stop
@@ -461,12 +474,23 @@ def run(args) -> int:
     if stream:
         printer = cli.TextStream(llm.tokenizer, encoded[0], llm.stop_ids(sp))
         on_token = printer.on_token
-        print(prompts[0] + sep, end="", flush=True)
+
+    def start(**bar):
+        """`generate`'s progress bar (`use_tqdm`), which it makes once it has queued every
+        request: the engine has accepted them (one the KV cache can never hold is refused
+        as it is queued), so the model line and the streamed prompt are printed now, and
+        bad input leaves stdout empty."""
+        from tqdm.auto import tqdm
+
+        print(f"model: {llm.model_source}{with_lora}", file=note, flush=True)
+        if stream:
+            print(prompts[0] + sep, end="", flush=True)
+        return tqdm(**bar, disable=len(prompts) == 1)
 
     outs = llm.generate(
         encoded,
         sp,
-        use_tqdm=len(prompts) > 1,
+        use_tqdm=start,
         on_token=on_token,
         on_step=cli.INTERRUPT.check,
         lora_request=lora,
@@ -506,5 +530,17 @@ def main(argv=None) -> int:
             return cli.stdout_closed()
 
 
+def exit_with(rc: int) -> None:
+    """Exits with status `rc`; after a Ctrl-C (130) at once, stdout and stderr flushed:
+    Python's shutdown then crashed now and then (SIGSEGV, status 139 instead of 130, a
+    Ctrl-C landing while jax ran a step; seen on the CPU), so it is skipped."""
+    if rc != 130:
+        sys.exit(rc)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -162,7 +162,8 @@ def test_ctrl_c_ends_with_one_line_and_status_130(ckpt, capsys, monkeypatch):
     """A Ctrl-C mid-generation printed a KeyboardInterrupt traceback."""
     from pagedjax.engine import LLM
 
-    def interrupted(self, *args, **kwargs):
+    def interrupted(self, *args, use_tqdm=False, **kwargs):
+        use_tqdm(total=1)  # the requests are queued (the script prints the prompt then)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(LLM, "generate", interrupted)
@@ -171,7 +172,7 @@ def test_ctrl_c_ends_with_one_line_and_status_130(ckpt, capsys, monkeypatch):
     except KeyboardInterrupt:  # (caught here, or it would stop the whole test session)
         pytest.fail("main let the KeyboardInterrupt through: a traceback")
     assert rc == 130 and err.strip() == "interrupted", err
-    assert out.startswith(f"model: checkpoint {ckpt}")  # what streamed before stays
+    assert out == f"model: checkpoint {ckpt}\nclass A:"  # what streamed before stays
 
 
 def test_a_ctrl_c_that_python_drops_still_stops_the_run(ckpt, capsys, monkeypatch):
@@ -267,3 +268,48 @@ def test_a_prompts_file_that_is_not_utf8_names_the_line(ckpt, tmp_path, capsys, 
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\xff\n"), encoding="utf-8"))
     rc, out, err = run(["--checkpoint", ckpt, "--prompts-file", "-"], capsys)
     assert rc == 2 and "prompts file <stdin> line 1 is not UTF-8 text" in err, err
+
+
+def test_a_request_the_kv_cache_cannot_hold_is_refused_before_anything_is_printed(ckpt, capsys):
+    """The engine refuses it as `generate` queues it: the model line (and, for one
+    prompt, the streamed prompt) were printed first, the error glued to the prompt on
+    the terminal ("hierror: prompt 0: ...")."""
+    base = ["--checkpoint", ckpt, "--backend", "xla", *GEOMETRY, "--num-pages", "1"]
+    for prompts in (["hi"], ["hi", "ho"]):  # streamed, and a batch
+        argv = [*base, *(a for p in prompts for a in ("--prompt", p)), "--max-tokens", "20"]
+        rc, out, err = run(argv, capsys)
+        assert rc == 2 and out == "", out
+        assert err.startswith("error: prompt 0: ") and err.count("\n") == 1, err
+        assert "KV pages" in err, err
+
+
+def test_prompts_from_a_closed_stdin_are_bad_input(ckpt, capsys, monkeypatch):
+    """`generate.py --prompts-file - <&-` (stdin closed, as a daemon may run it): Python's
+    sys.stdin is None, and reading it was an AttributeError traceback."""
+    monkeypatch.setattr("sys.stdin", None)
+    rc, out, err = run(["--checkpoint", ckpt, "--prompts-file", "-"], capsys)
+    assert rc == 2 and out == "" and err == "error: --prompts-file -: stdin is closed\n", err
+
+
+def test_a_prompts_file_given_twice_is_bad_input(ckpt, tmp_path, capsys):
+    """The second --prompts-file replaced the first: its prompts were dropped unsaid."""
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("x\n")
+    b.write_text("y\n")
+    rc, out, err = run(["--checkpoint", ckpt, "--prompts-file", a, "--prompts-file", b], capsys)
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"error: --prompts-file given twice ({a}, {b})"), err
+
+
+def test_a_ctrl_c_exits_at_once_with_its_output_flushed(monkeypatch):
+    """After a Ctrl-C mid-step, Python's shutdown crashed now and then (SIGSEGV: status
+    139, not 130); the script exits without it, stdout and stderr flushed first."""
+    calls = []
+    monkeypatch.setattr(gen.os, "_exit", lambda rc: calls.append(("exit", rc)))
+    monkeypatch.setattr("sys.stdout.flush", lambda: calls.append("stdout"))
+    monkeypatch.setattr("sys.stderr.flush", lambda: calls.append("stderr"))
+    gen.exit_with(130)
+    assert calls == ["stdout", "stderr", ("exit", 130)]
+    with pytest.raises(SystemExit) as e:  # any other status: the usual exit
+        gen.exit_with(2)
+    assert e.value.code == 2 and len(calls) == 3
