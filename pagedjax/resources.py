@@ -138,6 +138,8 @@ def load_model(source, *, dtype=None, seed: int = 0):
 
     Raises:
       FileNotFoundError, weights.CheckpointError: a bad checkpoint directory.
+      ValueError: a checkpoint's tokenizer files do not load (`Tokenizer.from_dir`,
+        read before the weights).
       TypeError: any other kind of source.
     """
     if source is None:
@@ -148,12 +150,12 @@ def load_model(source, *, dtype=None, seed: int = 0):
             msg = f"tiny preset with random weights (no demo model in {demo.DEMO_MODEL_DIR})"
             warnings.warn(f"pagedjax: using the {msg}: {e}", stacklevel=3)
             return cfg, model_lib.init_params(cfg, seed), byte_tokenizer(), msg
-        cfg, params = weights.load_checkpoint(path, dtype=dtype)
-        return cfg, params, Tokenizer.from_dir(path), f"demo model {path}"
+        tok = Tokenizer.from_dir(path)
+        return *weights.load_checkpoint(path, dtype=dtype), tok, f"demo model {path}"
     if isinstance(source, (str, Path)):
-        cfg, params = weights.load_checkpoint(source, dtype=dtype)
+        # The tokenizer first: a broken one fails before the weights take minutes to load.
         tok = Tokenizer.from_dir(source) if (Path(source) / TOKENIZER_FILE).is_file() else None
-        return cfg, params, tok, f"checkpoint {source}"
+        return *weights.load_checkpoint(source, dtype=dtype), tok, f"checkpoint {source}"
     if isinstance(source, ModelConfig):
         cfg = source if dtype is None else dataclasses.replace(source, dtype=dtype)
         tok = byte_tokenizer() if cfg.vocab_size >= 256 else None

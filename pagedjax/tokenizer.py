@@ -215,12 +215,20 @@ class Tokenizer:
           path: the checkpoint directory.
           chat_template_name: which entry of a list-form chat template to use
             (default: the one named "default", else none).
+
+        Raises:
+          FileNotFoundError: no tokenizer.json.
+          ValueError: a tokenizer.json the tokenizers library cannot read (named), or a
+            bad entry in the JSON files beside it.
         """
         root = Path(path)
         tok_file = root / TOKENIZER_FILE
         if not tok_file.is_file():
             raise FileNotFoundError(f"no {TOKENIZER_FILE} in {root}")
-        tok = tokenizers.Tokenizer.from_file(str(tok_file))
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(tok_file))
+        except Exception as e:  # (the tokenizers library raises a bare Exception)
+            raise ValueError(f"{tok_file} is not a valid tokenizer file: {e}") from None
         tcfg = read_json_object(root / "tokenizer_config.json", missing_ok=True)
         gcfg = read_json_object(root / "generation_config.json", missing_ok=True)
         mcfg = read_json_object(root / "config.json", missing_ok=True)

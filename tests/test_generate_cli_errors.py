@@ -127,6 +127,12 @@ def test_bad_checkpoints(ckpt, tmp_path, capsys):
         (no_tok / name).write_bytes((ckpt / name).read_bytes())
     rc, _, err = run(["--checkpoint", no_tok], capsys)
     assert rc == 2 and "tokenizer.json" in err and err.count("\n") == 1
+    # A tokenizer.json the tokenizers library cannot read was a traceback (status 1),
+    # after the weights had loaded; it is read first now.
+    (no_tok / "tokenizer.json").write_text("{bad")
+    rc, out, err = run(["--checkpoint", no_tok, "--prompt", "hi", "--backend", "xla"], capsys)
+    assert rc == 2 and "tokenizer.json is not a valid tokenizer file" in err, err
+    assert err.count("\n") == 1 and out == ""
 
 
 @pytest.mark.parametrize(

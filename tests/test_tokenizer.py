@@ -163,6 +163,10 @@ def test_bad_input(bpe_dir, tmp_path):
     d = write_dir(tmp_path / "x", byte_level_bpe(False), tokenizer_config={"eos_token": "<nope>"})
     with pytest.raises(ValueError, match="'<nope>' is not in the vocab"):
         Tokenizer.from_dir(d)
+    for text in ("{bad", "{}"):  # (the tokenizers library raised a bare Exception)
+        (d / "tokenizer.json").write_text(text)
+        with pytest.raises(ValueError, match=r"x/tokenizer.json is not a valid tokenizer file"):
+            Tokenizer.from_dir(d)
 
 
 def settled(tok: Tokenizer, ids: list[int]) -> str:
