@@ -105,10 +105,13 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
         vocabulary has 256 ids or more.
       page_size: tokens per KV page (a power of two).
       num_pages: KV pages; default from `kv_memory_fraction` (`resources.plan_num_pages`).
-      kv_memory_fraction: share of free device memory for the cache (default 0.8);
-        give it or `num_pages`, not both. A share too small to hold one sequence of
-        `max_model_len` tokens is a ValueError naming both, as in vLLM. Without
-        memory stats (the CPU) it is a share of a 4 GiB budget.
+      kv_memory_fraction: share of free device memory for the cache (default 0.8), once
+        one step's working memory (activations, float32 logits and sampling of
+        `max_num_batched_tokens` tokens and `max_num_seqs` rows:
+        `resources.step_reserve_bytes`) is set aside; give it or `num_pages`, not both.
+        A share too small to hold one sequence of `max_model_len` tokens is a ValueError
+        naming both, as in vLLM. Without memory stats (the CPU) it is a share of a 4 GiB
+        budget, and nothing is set aside.
       max_num_seqs: most sequences running at once.
       max_num_batched_tokens: token budget of one step (decode tokens + prefill chunks).
       enable_prefix_caching: reuse cached prompt pages across requests.
@@ -234,7 +237,8 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
                 max_model_len=self.max_model_len,
                 kv_dtype=kv_dtype,
                 watermark=watermark,
-                max_num_batched_tokens=max_num_batched_tokens,  # (a window model's need)
+                max_num_batched_tokens=max_num_batched_tokens,  # (the step's reserve too)
+                buckets=buckets,  # (the step's padded sizes)
                 device=None if params.mesh is None else params.mesh.devices.flat[0],
             )
         self.cache_config = CacheConfig(page_size, num_pages, kv_dtype)

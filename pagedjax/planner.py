@@ -10,6 +10,9 @@ admission use; with a sliding window, `window_pages`), out of the pages left onc
 block manager's watermark is kept free. Contiguous: `max_seq_len - 1` slots per
 sequence whatever its real length; with a window, a ring of at most W slots.
 
+`step_peak_bytes` estimates the working memory of one engine step (activations, logits
+and sampling temporaries), which `resources.plan_num_pages` keeps out of the KV budget.
+
 Run `python -m pagedjax.planner --help`.
 """
 
@@ -22,12 +25,17 @@ import numbers
 import sys
 from dataclasses import asdict, dataclass
 
-from pagedjax.config import PRESETS, dtype_name, dtype_size
+from pagedjax.config import PRESETS, ModelConfig, dtype_name, dtype_size
 
 GIB = 1024**3
 # The engine's defaults (`LLM`'s kwargs; tests/test_planner.py checks they still are).
 MAX_NUM_BATCHED_TOKENS = 1024
 WATERMARK = 0.01
+# [B, V] float32 arrays one step's head holds at its peak: the logits, then the sampler's
+# sort, softmax, cumulative sum, noise and log-softmax (XLA:CPU's buffer assignment of
+# `sampling.sample` + `top_logprobs` keeps 6 besides the logits; 1 more for the GPU's
+# sort scratch). tests/test_planner.py checks it against XLA's count.
+HEAD_ROW_COPIES = 8
 
 
 def _int(name: str, value) -> int:
@@ -58,6 +66,32 @@ def kv_cache_bytes(
     if seq_len < 0 or batch < 0:
         raise ValueError(f"seq_len and batch must be >= 0, got {seq_len=}, {batch=}")
     return kv_bytes_per_token(layers, kv_heads, head_dim, dtype) * seq_len * batch
+
+
+def step_peak_bytes(cfg: ModelConfig, num_tokens: int, num_rows: int) -> int:
+    """Estimated peak working memory of one step of `num_tokens` tokens that samples
+    `num_rows` rows (the padded sizes the step is compiled for), on one device.
+
+    The largest of one layer's phases, whose buffers the next layer reuses: attention
+    (the residual stream [T, E] and its norm, q/k/v as projected and as rotated, the
+    output [T, H * D]) or the MLP (residual, norm, gate and up [T, F] and their product),
+    in the model's dtype, plus the norm's float32 copy [T, E]; then the head's
+    `HEAD_ROW_COPIES` float32 [B, V] arrays. The parts are added, not maxed, for margin.
+
+    Not counted: the paged attention kernels' scratch (on chip; `backend="xla"`'s
+    reference gathers every sequence's pages, far more), a prompt-logprobs step's
+    [T, V] float32 logits, and tensor parallelism's split of H, F and V (the estimate
+    is then an upper bound).
+    """
+    t, b = _int("num_tokens", num_tokens), _int("num_rows", num_rows)
+    if t < 0 or b < 0:
+        raise ValueError(f"num_tokens and num_rows must be >= 0, got {num_tokens=}, {num_rows=}")
+    e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    h, k = cfg.num_heads, cfg.num_kv_heads
+    attention = 2 * e + 3 * (h + k) * d  # per token, in elements
+    mlp = 2 * e + 3 * f
+    body = t * (dtype_size(cfg.dtype) * max(attention, mlp) + 4 * e)
+    return body + b * cfg.vocab_size * 4 * HEAD_ROW_COPIES
 
 
 def pages_needed(seq_len: int, page_size: int) -> int:

@@ -7,8 +7,9 @@
 * `checkpoint_dir(source)` and `generation_config_defaults(directory)`: the sampling
   defaults a checkpoint's generation_config.json recommends, as vLLM reads them.
 * `check_backend`: "gpu"/"tpu" asked for on a machine without one is a ValueError.
-* `plan_num_pages`: pages from a fraction of the device's free memory, with the
-  planner's bytes per token; `peak_device_memory` for reports.
+* `plan_num_pages`: pages from a fraction of the device's free memory, once one step's
+  working memory (`step_reserve_bytes`) is set aside, with the planner's bytes per
+  token; `peak_device_memory` for reports.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pagedjax import model as model_lib
 from pagedjax.config import ModelConfig, preset
 from pagedjax.jsonfile import read_json_object
 from pagedjax.request import SamplingParams
+from pagedjax.step_input import Buckets, bucket_size
 from pagedjax.tokenizer import TOKENIZER_FILE, Tokenizer
 from pallas_kernels.dispatch import BACKENDS, resolve_backend
 from pallas_kernels.validation import GPU_MAX_POOL_ELEMENTS
@@ -41,6 +43,7 @@ __all__ = [
     "load_model",
     "peak_device_memory",
     "plan_num_pages",
+    "step_reserve_bytes",
 ]
 
 _CPU_KV_BUDGET = 4 * 1024**3  # bytes kv_memory_fraction applies to with no device stats
@@ -191,6 +194,26 @@ def check_backend(backend: str, interpret: bool = False) -> str:
     return backend
 
 
+def step_reserve_bytes(
+    cfg: ModelConfig,
+    *,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    buckets: Buckets | None = None,
+) -> int:
+    """Bytes one device keeps free for the working memory of the engine's largest step.
+
+    `planner.step_peak_bytes` at the sizes that step is padded to (`buckets`, default
+    `Buckets()`): `max_num_batched_tokens` tokens, and min(`max_num_seqs`, tokens)
+    sampled rows. `cfg`: the model (one device's share of the kv heads under tensor
+    parallelism, as `plan_num_pages` gets it).
+    """
+    buckets = buckets or Buckets()
+    rows = bucket_size(min(max_num_seqs, max_num_batched_tokens), buckets.min_seqs)
+    tokens = max(bucket_size(max_num_batched_tokens, buckets.min_tokens), rows)  # decode: T = B
+    return planner.step_peak_bytes(cfg, tokens, rows)
+
+
 def plan_num_pages(
     cfg: ModelConfig,
     page_size: int,
@@ -202,37 +225,47 @@ def plan_num_pages(
     kv_dtype: str | None = None,
     watermark: float = planner.WATERMARK,
     max_num_batched_tokens: int | None = None,
+    buckets: Buckets | None = None,
 ) -> int:
-    """Pages that fit in `kv_memory_fraction` of the device's free memory.
+    """Pages that fit in `kv_memory_fraction` of the device's free memory, once one step's
+    working memory is set aside.
 
     Free memory is `bytes_limit - bytes_in_use` from the device's `memory_stats()`
-    (call it after the weights are loaded). Where there are no stats (the CPU), the
-    fraction applies to a 4 GiB budget, capped at what `max_num_seqs` sequences of
-    `max_model_len` tokens can use on top of the `watermark` (`LLM(watermark=)`) of
-    pages admission keeps free. `kv_dtype`: the cache's storage dtype (default the
-    model's). `max_num_batched_tokens`: the engine's step budget, which bounds what a
-    sliding-window sequence holds (None: counted as 1, the least it can hold).
-    A layer's pool (`[K, pages, page_size, D]`, this device's K) stays within 2**31
-    elements, which the GPU kernels' int32 offsets address (a small-K model's fp8
+    (call it after the weights are loaded); less `step_reserve_bytes` (the activations,
+    float32 logits and sampling temporaries of a step of `max_num_batched_tokens`
+    tokens and `max_num_seqs` rows, padded by `buckets`), which the first full step
+    would otherwise find taken by the cache; the fraction applies to the rest, and its
+    complement is slack for what the estimate leaves out. Where there are no stats (the
+    CPU), the fraction applies to a 4 GiB budget, capped at what `max_num_seqs`
+    sequences of `max_model_len` tokens can use on top of the `watermark`
+    (`LLM(watermark=)`) of pages admission keeps free; nothing is reserved there.
+    `kv_dtype`: the cache's storage dtype (default the model's).
+    `max_num_batched_tokens`: the engine's step budget, which bounds what a
+    sliding-window sequence holds and sizes the reserve (None: counted as 1, the least
+    it can be). A layer's pool (`[K, pages, page_size, D]`, this device's K) stays within
+    2**31 elements, which the GPU kernels' int32 offsets address (a small-K model's fp8
     cache on a large GPU could pass it). `device`: the one whose memory the cache takes
     (default `sharding.default_device()`, where a cache without a mesh goes; with a
     mesh, one of its devices).
 
     Raises:
-      ValueError: a bad fraction, watermark or size (named), no page fits, or the
-        pages beside the watermark hold less than one sequence of `max_model_len`
-        tokens (`planner.peak_pages`; as vLLM refuses such a cache at start, not each
-        request of the default length once it has started).
+      ValueError: a bad fraction, watermark or size (named), no page fits (the reserve
+        larger than the free memory included), or the pages beside the watermark hold
+        less than one sequence of `max_model_len` tokens (`planner.peak_pages`; as vLLM
+        refuses such a cache at start, not each request of the default length once it
+        has started). The message names the bytes free, the reserve and the sizes.
     """
     f, w = kv_memory_fraction, watermark
     if isinstance(f, bool) or not isinstance(f, numbers.Real) or not 0 < f <= 1:
         raise ValueError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction=}")
     if isinstance(w, bool) or not isinstance(w, numbers.Real) or not 0 <= w < 1:
         raise ValueError(f"watermark must be in [0, 1), got {watermark=}")
+    budget = 1 if max_num_batched_tokens is None else max_num_batched_tokens
     for name, value in (
         ("page_size", page_size),
         ("max_num_seqs", max_num_seqs),
         ("max_model_len", max_model_len),
+        ("max_num_batched_tokens", budget),
     ):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
@@ -245,40 +278,51 @@ def plan_num_pages(
         stats = device.memory_stats() or {}
     except Exception:  # some backends do not implement it
         stats = {}
-    free = None
     if "bytes_limit" in stats:
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        pages = int(float(kv_memory_fraction) * free) // per_page  # (np.float32: exact)
+        limit, in_use = stats["bytes_limit"], stats.get("bytes_in_use", 0)
+        free = limit - in_use
+        reserve = step_reserve_bytes(
+            cfg, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, buckets=buckets
+        )
+        # (float(): an np.float32 fraction times a large int is exact this way)
+        pages = int(float(kv_memory_fraction) * (free - reserve)) // per_page
+        where = (
+            f"the {free} bytes free on {device} ({in_use} of {limit} in use after the "
+            f"weights), less {reserve} for one step's working memory "
+            f"(max_num_batched_tokens={budget}, {max_num_seqs=}: "
+            "resources.step_reserve_bytes)"
+        )
+        lower = "max_num_batched_tokens or max_num_seqs"
     else:
         pages = min(
             _pages_beside_watermark(max_num_seqs * -(-max_model_len // page_size), watermark),
             int(float(kv_memory_fraction) * _CPU_KV_BUDGET) // per_page,
         )
+        where = f"the {_CPU_KV_BUDGET} bytes a device without memory stats budgets"
+        lower = None
     pages = min(pages, (2**31 - 1) // page_size - 1)
     # (each layer's pool within the GPU kernels' int32 element offsets)
     pages = min(pages, GPU_MAX_POOL_ELEMENTS // (cfg.num_kv_heads * page_size * cfg.head_dim))
-    where = (
-        f"the {_CPU_KV_BUDGET} bytes a device without memory stats budgets"
-        if free is None
-        else f"the {free} bytes free on {device} after the weights"
-    )
     if pages < 1:
+        hint = f"; lower {lower}, or raise kv_memory_fraction" if lower else ""
         raise ValueError(
-            f"kv_memory_fraction={kv_memory_fraction} of {where} holds no page of {per_page} bytes"
+            f"kv_memory_fraction={kv_memory_fraction} of {where} holds no page of "
+            f"{per_page} bytes{hint}"
         )
     need = planner.peak_pages(
         max_model_len,
         page_size,
         sliding_window=cfg.sliding_window,
-        max_num_batched_tokens=1 if max_num_batched_tokens is None else max_num_batched_tokens,
+        max_num_batched_tokens=budget,
     )
     kept = int(watermark * pages)  # as BlockManager.watermark_pages
     if pages - kept < need:
         raise ValueError(
-            f"max_model_len={max_model_len} needs {need} KV pages beside the {kept} the "
-            f"watermark keeps free, but kv_memory_fraction={kv_memory_fraction} of {where} "
-            f"holds {pages - kept} pages ({(pages - kept) * page_size} tokens); lower "
-            "max_model_len or raise kv_memory_fraction"
+            f"max_model_len={max_model_len} needs {need} KV pages ({need * per_page} bytes) "
+            f"beside the {kept} the watermark keeps free, but kv_memory_fraction="
+            f"{kv_memory_fraction} of {where} holds {pages - kept} pages "
+            f"({(pages - kept) * page_size} tokens); lower max_model_len"
+            f"{', ' + lower if lower else ''}, or raise kv_memory_fraction"
         )
     return pages
 

@@ -1,3 +1,4 @@
+import dataclasses
 import itertools
 import json
 
@@ -6,6 +7,7 @@ import pytest
 
 from pagedjax import planner
 from pagedjax.blocks import BlockManager
+from pagedjax.config import PRESETS
 from pagedjax.scheduler import Scheduler, Sequence, SequenceGroup
 
 
@@ -366,3 +368,66 @@ def test_cli_mistral_window_and_watermark(capsys):
 def test_cli_bad_window_budget_watermark(capsys, flag, value, err):
     assert planner.main(["--model", "mistral-7b-v0.1", "--memory-gb", "1", flag, value]) == 2
     assert err in capsys.readouterr().err
+
+
+def test_step_peak_bytes_hand_computed():
+    cfg = PRESETS["llama3-8b"]  # bf16, E=4096, F=14336, H=32, K=8, D=128, V=128256
+    # The MLP phase (residual, norm, gate, up, product: 2 * 4096 + 3 * 14336 = 51200
+    # elements a token) outweighs attention's (2 * 4096 + 3 * (32 + 8) * 128 = 23552).
+    body = 1024 * (2 * 51200 + 4 * 4096)  # bf16, and the norm's float32 copy
+    head = 64 * 128256 * 4 * planner.HEAD_ROW_COPIES  # float32 [B, V] rows
+    assert planner.step_peak_bytes(cfg, 1024, 64) == body + head == 384_303_104
+    f32 = dataclasses.replace(cfg, dtype="float32")
+    assert planner.step_peak_bytes(f32, 1024, 64) == 2 * body - 1024 * 4 * 4096 + head
+    assert planner.step_peak_bytes(cfg, 0, 0) == 0
+    # Attention outweighs a narrow MLP: x, norm, q/k/v projected and rotated, the output.
+    wide = dataclasses.replace(cfg, intermediate_size=1024)
+    assert planner.step_peak_bytes(wide, 1, 0) == 2 * 23552 + 4 * 4096
+    with pytest.raises(ValueError, match="num_rows=-1"):
+        planner.step_peak_bytes(cfg, 16, -1)
+    with pytest.raises(TypeError, match="num_tokens=1.5"):
+        planner.step_peak_bytes(cfg, 1.5, 8)
+
+
+def test_head_row_copies_bound_xlas_sampling_temporaries():
+    """The step's head, as `decode._step` runs it with every option on (bias mask,
+    penalties, min_p, top-k/top-p, requested logprobs and ranks), holds no more [B, V]
+    float32 arrays than `HEAD_ROW_COPIES` counts (XLA:CPU's buffer assignment: 6 besides
+    the logits, when this was written). A sampler change that adds [B, V] temporaries
+    should raise the constant, which sizes the reserve `plan_num_pages` keeps free."""
+    import jax
+    import jax.numpy as jnp
+
+    from pagedjax import sampling
+
+    b, v = 8, 2048
+
+    def head(logits, temperature, top_k, top_p, min_p, seeds, steps, ids, mask):
+        pen = sampling.Penalties(top_p, min_p, min_p, ids, steps)
+        bias = sampling.LogitBias(ids, temperature[:, None] + 0 * ids, None, None, mask)
+        tokens, logprobs = sampling.sample(
+            logits, temperature, top_k, top_p, seeds, steps, min_p, penalties=pen, bias=bias
+        )
+        top_ids, top_lp = sampling.top_logprobs(logits, 8)
+        lp = jax.nn.log_softmax(logits, axis=-1)
+        ranks = jnp.sum(lp >= jnp.take_along_axis(lp, tokens[:, None], axis=-1), axis=-1)
+        return tokens, logprobs, top_ids, top_lp, ranks
+
+    row = jax.ShapeDtypeStruct((b,), jnp.float32)
+    irow = jax.ShapeDtypeStruct((b,), jnp.int32)
+    args = (
+        jax.ShapeDtypeStruct((b, v), jnp.float32),
+        row,
+        irow,
+        row,
+        row,
+        jax.ShapeDtypeStruct((b,), jnp.uint32),
+        irow,
+        jax.ShapeDtypeStruct((b, 16), jnp.int32),
+        jax.ShapeDtypeStruct((b, v // 32), jnp.uint32),
+    )
+    stats = jax.jit(head).lower(*args).compile().memory_analysis()
+    if stats is None:  # (a backend without buffer statistics)
+        pytest.skip("no memory_analysis() on this backend")
+    copies = (stats.temp_size_in_bytes + b * v * 4) / (b * v * 4)  # the logits count too
+    assert 4 <= copies <= planner.HEAD_ROW_COPIES

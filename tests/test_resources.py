@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from pagedjax import model, planner, resources, sharding
+from pagedjax import decode, model, planner, resources, sharding
 from pagedjax.blocks import BlockManager
 from pagedjax.config import PRESETS
 
@@ -92,12 +92,17 @@ def test_plan_num_pages_takes_a_fraction_of_the_free_device_memory():
     shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
     per_page = 16 * planner.kv_bytes_per_token(*shape)
     kw = dict(kv_memory_fraction=0.5, max_num_seqs=1, max_model_len=64)
-    dev = _Device(dict(bytes_limit=1000 * per_page, bytes_in_use=200 * per_page))
+    reserve = resources.step_reserve_bytes(cfg, max_num_batched_tokens=1, max_num_seqs=1)
+    dev = _Device(dict(bytes_limit=1000 * per_page + reserve, bytes_in_use=200 * per_page))
     assert resources.plan_num_pages(cfg, 16, device=dev, **kw) == 400  # no max_num_seqs cap
     fp8 = resources.plan_num_pages(cfg, 16, device=dev, kv_dtype="float8_e4m3fn", **kw)
     assert fp8 == 1600  # a float32 model's 4 bytes, 1
     for stats in (None, {}, NotImplementedError("no stats")):  # the CPU's budget, capped
-        assert resources.plan_num_pages(cfg, 16, device=_Device(stats), **kw) == 4
+        for budget in (None, 8192):  # (nothing reserved)
+            got = resources.plan_num_pages(
+                cfg, 16, device=_Device(stats), max_num_batched_tokens=budget, **kw
+            )
+            assert got == 4
     full = _Device(dict(bytes_limit=1000 * per_page, bytes_in_use=1001 * per_page))
     with pytest.raises(ValueError, match=f"-{per_page} bytes free"):  # the weights took it all
         resources.plan_num_pages(cfg, 16, device=full, **kw)
@@ -109,7 +114,8 @@ def test_plan_num_pages_reads_the_default_device(monkeypatch):
     cfg = PRESETS["tiny"]
     shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
     per_page = 16 * planner.kv_bytes_per_token(*shape)
-    dev = _Device(dict(bytes_limit=1000 * per_page, bytes_in_use=200 * per_page))
+    reserve = resources.step_reserve_bytes(cfg, max_num_batched_tokens=1, max_num_seqs=1)
+    dev = _Device(dict(bytes_limit=1000 * per_page + reserve, bytes_in_use=200 * per_page))
     monkeypatch.setattr(sharding, "default_device", lambda: dev)
     kw = dict(kv_memory_fraction=0.5, max_num_seqs=1, max_model_len=64)
     assert resources.plan_num_pages(cfg, 16, **kw) == 400
@@ -146,8 +152,11 @@ def test_plan_num_pages_refuses_memory_that_holds_no_page():
     shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
     per_page = 16 * planner.kv_bytes_per_token(*shape)
     kw = dict(max_num_seqs=1, max_model_len=64)
-    almost = _Device(dict(bytes_limit=2 * per_page - 2, bytes_in_use=0))
-    with pytest.raises(ValueError, match=f"{2 * per_page - 2} bytes free.*page of {per_page}"):
+    reserve = resources.step_reserve_bytes(cfg, max_num_batched_tokens=1, max_num_seqs=1)
+    free = 2 * per_page - 2 + reserve
+    almost = _Device(dict(bytes_limit=free, bytes_in_use=0))
+    match = f"{free} bytes free.*less {reserve}.*page of {per_page}"
+    with pytest.raises(ValueError, match=match):
         resources.plan_num_pages(cfg, 16, kv_memory_fraction=0.5, device=almost, **kw)
     tiny_fraction = per_page / 2 / resources._CPU_KV_BUDGET
     with pytest.raises(ValueError, match=f"kv_memory_fraction={tiny_fraction}.*no page"):
@@ -213,12 +222,15 @@ def test_plan_num_pages_refuses_a_budget_shorter_than_one_max_model_len_sequence
     shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
     per_page = 16 * planner.kv_bytes_per_token(*shape)
     kw = dict(kv_memory_fraction=0.5, max_num_seqs=1, max_model_len=64)
-    short = _Device(dict(bytes_limit=6 * per_page, bytes_in_use=0))  # 3 pages
+    reserve = resources.step_reserve_bytes(cfg, max_num_batched_tokens=1, max_num_seqs=1)
+    short = _Device(dict(bytes_limit=6 * per_page + reserve, bytes_in_use=0))  # 3 pages
     with pytest.raises(ValueError, match=r"max_model_len=64 needs 4 KV pages.* 3 pages \(48 tok"):
         resources.plan_num_pages(cfg, 16, device=short, **kw)
-    enough = _Device(dict(bytes_limit=8 * per_page, bytes_in_use=0))
+    enough = _Device(dict(bytes_limit=8 * per_page + reserve, bytes_in_use=0))
     assert resources.plan_num_pages(cfg, 16, device=enough, **kw) == 4
-    with pytest.raises(ValueError, match=r"max_model_len=65 needs 4 KV pages beside the 1"):
+    with pytest.raises(
+        ValueError, match=r"max_model_len=65 needs 4 KV pages \(32768 bytes\) beside the 1"
+    ):
         resources.plan_num_pages(
             cfg, 16, device=enough, **(kw | dict(max_model_len=65)), watermark=0.3
         )
@@ -230,5 +242,72 @@ def test_plan_num_pages_refuses_a_budget_shorter_than_one_max_model_len_sequence
     # A sliding window bounds what a sequence holds: W=16 and 8-token chunks, 3 pages.
     windowed = dataclasses.replace(cfg, sliding_window=16)
     assert planner.peak_pages(64, 16, sliding_window=16, max_num_batched_tokens=8) == 3
+    assert resources.step_reserve_bytes(cfg, max_num_batched_tokens=8, max_num_seqs=1) == reserve
     got = resources.plan_num_pages(windowed, 16, device=short, max_num_batched_tokens=8, **kw)
     assert got == 3
+
+
+GIB = 1024**3
+
+
+def test_plan_num_pages_leaves_room_for_the_largest_step():
+    """A 24 GiB GPU with 16 GiB of weights: 0.8 of the 8 GiB free left 1.6 GiB, less than
+    one step of 8192 tokens and 256 sampled rows holds (~2 GiB of activations and float32
+    logits), so the first full step ran out of memory. The fraction now applies to what
+    that step leaves."""
+    cfg = PRESETS["llama3-8b"]
+    per_page = 16 * planner.kv_bytes_per_token(32, 8, 128, "bfloat16")
+    dev = _Device(dict(bytes_limit=24 * GIB, bytes_in_use=16 * GIB))
+    kw = dict(kv_memory_fraction=0.8, max_num_seqs=256, max_model_len=8192, device=dev)
+    pages = resources.plan_num_pages(cfg, 16, max_num_batched_tokens=8192, **kw)
+    reserve = resources.step_reserve_bytes(cfg, max_num_batched_tokens=8192, max_num_seqs=256)
+    assert reserve == planner.step_peak_bytes(cfg, 8192, 256) > 0.2 * 8 * GIB  # the old slack
+    assert pages == int(0.8 * (8 * GIB - reserve)) // per_page
+    assert pages * per_page + reserve <= 8 * GIB
+    small = resources.plan_num_pages(cfg, 16, max_num_batched_tokens=512, **kw)
+    assert (
+        pages < small == int(0.8 * (8 * GIB - planner.step_peak_bytes(cfg, 512, 256))) // (per_page)
+    )
+
+
+def test_step_reserve_bytes_counts_the_padded_step():
+    cfg = PRESETS["tiny"]
+    peak = planner.step_peak_bytes
+
+    def reserve(tokens, seqs, **buckets):
+        bk = decode.Buckets(**buckets) if buckets else None
+        return resources.step_reserve_bytes(
+            cfg, max_num_batched_tokens=tokens, max_num_seqs=seqs, buckets=bk
+        )
+
+    assert reserve(1000, 64) == peak(cfg, 1024, 64)  # padded to powers of two
+    assert reserve(1, 1) == peak(cfg, 16, 8)  # the buckets' floors
+    assert reserve(24, 64) == peak(cfg, 32, 32)  # no more rows than tokens
+    assert reserve(1000, 64, min_tokens=4096) == peak(cfg, 4096, 64)
+    assert reserve(32, 8, min_seqs=64) == peak(cfg, 64, 64)  # a decode step: T = B
+
+
+def test_a_step_larger_than_the_free_memory_is_named():
+    """1 GiB free after the weights: a step of 8192 tokens and 256 rows does not fit;
+    one of 512 tokens and 16 rows does, but leaves no room for an 8192-token sequence."""
+    cfg = PRESETS["llama3-8b"]
+    dev = _Device(dict(bytes_limit=20 * GIB, bytes_in_use=19 * GIB))
+    kw = dict(kv_memory_fraction=0.9, max_model_len=8192, device=dev)
+    big = dict(max_num_batched_tokens=8192, max_num_seqs=256)
+    reserve = resources.step_reserve_bytes(cfg, **big)
+    assert reserve > GIB
+    match = (
+        f"of the {GIB} bytes free on .* \\({19 * GIB} of {20 * GIB} in use after the "
+        f"weights\\), less {reserve} for one step's working memory \\(max_num_batched_tokens="
+        "8192, max_num_seqs=256.* holds no page of 2097152 bytes; lower max_num_batched_tokens"
+    )
+    with pytest.raises(ValueError, match=match):
+        resources.plan_num_pages(cfg, 16, **big, **kw)
+    small = dict(max_num_batched_tokens=512, max_num_seqs=16)
+    pages = int(0.9 * (GIB - resources.step_reserve_bytes(cfg, **small))) // 2097152
+    need = f"max_model_len=8192 needs 512 KV pages \\({512 * 2097152} bytes\\)"
+    with pytest.raises(
+        ValueError, match=f"{need} beside the 4 .* holds {pages - 4} pages.*lower max_model_len"
+    ):
+        resources.plan_num_pages(cfg, 16, **small, **kw)
+    assert resources.plan_num_pages(cfg, 16, **small, **kw | dict(max_model_len=1024)) == pages
