@@ -19,8 +19,9 @@ The steps are functions of pytrees, so they compose with the caller's own transf
 `jax.jit` around them, `jax.lax.scan` over decode steps (advance a decode `StepInput`'s
 `token_ids`, `positions`, `slot_mapping`, `context_lens` and `sample_steps` on the
 device; slots as in `pagedjax.cache`), `jax.vmap` over stacked caches and inputs. Under
-an outer trace the host checks see shapes only (page ids and slots are then the
-caller's to keep valid), the cache is donated only if the outer `jit` donates it, and
+an outer trace the host checks see shapes only (token ids, positions, page ids and
+slots are then the caller's to keep valid, as they are in device arrays, which the
+checks do not read back), the cache is donated only if the outer `jit` donates it, and
 `compile_counts` counts the traces made inside it.
 
 `generate` is a static-batch loop with no scheduler, for research use. The
@@ -233,9 +234,13 @@ def prefill_step(
 
     Jitted; `cache` is donated (do not use it after the call; use the returned one).
     First, on the host: `params`, `inp` and the knobs are checked (TypeError if `params`
-    is not a `Params` or `inp` not a StepInput; ValueError naming a bad one: a StepInput
-    built for the other step, an unknown backend, a top-k count outside [0, V]), then
-    `check_cache`.
+    is not a `Params`, `inp` not a StepInput or an index field of it not ints; ValueError
+    naming a bad one: a StepInput built for the other step, fields whose shapes do not
+    fit one another, an unknown backend, a top-k count outside [0, V], interpret or
+    return_logits not a bool), then `check_cache` (which also checks the token ids,
+    positions, page ids and slots of `inp`'s numpy arrays against the model and the
+    cache: an input changed by hand or built for another model would otherwise run, its
+    ids clamped or dropped).
 
     Args:
       params: the split model (`pagedjax.model.split_model`).
@@ -259,7 +264,10 @@ def prefill_step(
     Returns:
       (StepOutput, new cache).
     """
-    _check_step(params, inp, False, backend, num_top_logprobs, num_prompt_top_logprobs)
+    _check_step(
+        params, inp, False, backend, num_top_logprobs, num_prompt_top_logprobs,
+        interpret=interpret, return_logits=return_logits,
+    )  # fmt: skip
     check_cache(params, cache, inp)
     check_lora(params, inp, lora)
     return _prefill_jit(
@@ -292,7 +300,10 @@ def decode_step(
     `inp` must come from `build_step_input(..., decode=True)` (the default when every
     chunk has one token). Arguments and result as for `prefill_step`.
     """
-    _check_step(params, inp, True, backend, num_top_logprobs, num_prompt_top_logprobs)
+    _check_step(
+        params, inp, True, backend, num_top_logprobs, num_prompt_top_logprobs,
+        interpret=interpret, return_logits=return_logits,
+    )  # fmt: skip
     check_cache(params, cache, inp)
     check_lora(params, inp, lora)
     return _decode_jit(
@@ -381,11 +392,14 @@ def generate(
 
     Raises:
       TypeError: `params` is not a `Params`; token ids that are not ints; a logit_bias
-        that is not a mapping of token ids to numbers; `buckets` not a `Buckets`.
+        that is not a mapping of token ids to numbers; `buckets` not a `Buckets`; a
+        kv_cache_dtype the model's attention cannot read (a float16 cache for a float32
+        model; refused on the host once the cache is allocated, before any step runs).
       ValueError: empty or nested prompts, token ids outside the vocabulary, a prompt
         plus max_new_tokens longer than max_position_embeddings, stop_token_ids that
         are not a flat list of ints >= 0, a count (max_new_tokens, min_tokens, page_size,
-        prefill_chunk) that is not a positive int (min_tokens: >= 0), a seed + b past
+        prefill_chunk) that is not a positive int (min_tokens: >= 0), a page_size that
+        is not a power of two, an unknown kv_cache_dtype, a seed + b past
         uint32, sampling values that are bad or not numbers, or lora_slots
         without lora, not one per prompt or outside [0, lora.num_slots] (before anything
         runs).

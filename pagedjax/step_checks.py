@@ -1,9 +1,10 @@
 """The host-side checks a step runs before anything is traced.
 
 `prefill_step` and `decode_step` (`pagedjax.decode`, which re-exports `check_cache`)
-call `_check_step` (the params, the `StepInput`'s kind, the backend and top-k knobs) and
-then `check_cache` (the cache against the params and the geometry the input was built
-for) on every call, so that a wrong argument fails with a message naming it rather than
+call `_check_step` (the params, the `StepInput`'s kind, shapes and dtypes, the backend
+and top-k knobs) and then `check_cache` (the cache against the params and the geometry
+the input was built for, and the ids in the input's numpy arrays against both) on every
+call, so that a wrong argument fails with a message naming it rather than
 deep in tracing, or, worse, runs: slots of another page size, page ids past the pool.
 `generate` checks its params with `_check_params`.
 
@@ -35,7 +36,9 @@ def check_cache(
     tracing or, worse, run: slots of another page size, page ids past the pool.
 
     Raises:
-      ValueError: layers, kv heads, head dim, page size or page count differ; the K and
+      ValueError: layers, kv heads, head dim, page size or page count differ; `inp`'s
+        numpy arrays hold a token id outside the vocabulary, a position past
+        max_position_embeddings, or a page id or slot outside the cache; the K and
         V pools differ; a tensor-parallel model's cache is not split over kv heads on
         its mesh (`sharding.create_cache`), or a single-device model's is spread; the
         cache was donated to an earlier step (its arrays are deleted: use the cache
@@ -91,6 +94,7 @@ def check_cache(
                 raise ValueError(
                     f"the step was built for {name}={built}, but the cache has {name}={got}"
                 )
+        _check_input_values(cfg, inp, num_pages=shape[1], page_size=shape[2])
     leaf = k[0]
     if isinstance(leaf, jax.core.Tracer) or not isinstance(leaf, jax.Array):
         return  # under an outer trace, or numpy: placement is jit's
@@ -124,10 +128,19 @@ def _check_params(params) -> None:
         )
 
 
-def _check_step(params, inp, decode, backend, num_top_logprobs, num_prompt_top_logprobs) -> None:
-    """The host-side checks of a step's input kind and knobs, before anything is traced."""
+def _check_step(
+    params, inp, decode, backend, num_top_logprobs, num_prompt_top_logprobs, **flags
+) -> None:
+    """The host-side checks of a step's input kind and knobs, before anything is traced.
+
+    `flags` (interpret, return_logits) are static arguments of the jitted step: a
+    non-bool would be taken for its truth value and compile a program of its own.
+    """
     _check_params(params)
     resolve_backend(backend)  # a name in BACKENDS, else a ValueError naming it
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"{name} must be a bool, got {name}={value!r:.80}")
     if not isinstance(inp, StepInput):
         raise TypeError(f"inp must be a StepInput (build_step_input), got {type(inp).__name__}")
     v = params.config.vocab_size
@@ -139,6 +152,7 @@ def _check_step(params, inp, decode, backend, num_top_logprobs, num_prompt_top_l
             raise ValueError(
                 f"{name} must be an int in [0, {v}] (the vocabulary), got {name}={k!r}"
             )
+    _check_input_shapes(inp)
     if inp.decode != decode:
         raise ValueError(
             f"{'decode' if decode else 'prefill'}_step got a StepInput built with "
@@ -152,6 +166,84 @@ def _check_step(params, inp, decode, backend, num_top_logprobs, num_prompt_top_l
         b, f = inp.context_lens.shape[0], inp.feed.shape[0]
         if f < b:
             raise ValueError(f"StepInput.feed holds {f} tokens, fewer than the {b} rows")
+
+
+# StepInput's index fields by their shape: [T] per token, [B] per row; feed is [F].
+_PER_TOKEN = ("token_ids", "positions", "slot_mapping", "target_ids", "token_src", "lora_slots")
+_PER_ROW = (
+    "context_lens", "logits_indices", "temperature", "top_k", "top_p", "seeds", "sample_steps",
+    "min_p",
+)  # fmt: skip
+_INTS = _PER_TOKEN + (
+    "page_table", "context_lens", "query_start_loc", "logits_indices", "copy_src", "copy_dst",
+    "top_k", "seeds", "sample_steps", "feed",
+)  # fmt: skip
+
+
+def _check_input_shapes(inp: StepInput) -> None:
+    """A StepInput's fields fit one another ([T] tokens, [B] rows, [C] copies; T == B for
+    decode) and its index fields hold ints: one changed by hand (`dataclasses.replace`)
+    would otherwise fail inside tracing with jax's message, or index with floats. Shapes
+    only, so it holds under an outer trace too."""
+    shapes = {
+        name: None if getattr(inp, name) is None else np.shape(getattr(inp, name))
+        for name in (*_INTS, "temperature", "top_p", "min_p", "positions", "slot_mapping")
+    }
+    t_shape, table = shapes["token_ids"], shapes["page_table"]
+    if len(t_shape) != 1 or len(table) != 2:
+        raise ValueError(
+            f"StepInput.token_ids must be [T] and page_table [B, max_pages], got shapes "
+            f"{t_shape} and {table}"
+        )
+    (t,), b = t_shape, table[0]
+    want = {name: (t,) for name in _PER_TOKEN} | {name: (b,) for name in _PER_ROW}
+    want |= {"query_start_loc": (b + 1,), "copy_dst": shapes["copy_src"]}
+    for name, shape in want.items():
+        if shapes[name] is not None and shapes[name] != shape:
+            what = "token_ids' [T]" if name in _PER_TOKEN else "page_table's [B]"
+            raise ValueError(
+                f"StepInput.{name} has shape {shapes[name]}, expected {shape} (from {what}: "
+                f"T={t}, B={b})"
+            )
+    for name in ("copy_src", "feed"):
+        if shapes[name] is not None and len(shapes[name]) != 1:
+            raise ValueError(f"StepInput.{name} must be 1-D, got shape {shapes[name]}")
+    if inp.decode and t != b:
+        raise ValueError(
+            f"a decode StepInput has one token per row, but token_ids has {t} tokens and "
+            f"page_table {b} rows"
+        )
+    for name in _INTS:
+        x = getattr(inp, name)
+        dtype = None if x is None else getattr(x, "dtype", None)
+        dtype = np.asarray(x).dtype if x is not None and dtype is None else dtype
+        if dtype is not None and np.dtype(dtype).kind not in "iu":
+            raise TypeError(f"StepInput.{name} must hold ints, got dtype {dtype}")
+
+
+def _check_input_values(cfg, inp: StepInput, num_pages: int, page_size: int) -> None:
+    """The ids a StepInput's host (numpy) arrays hold are inside the vocabulary, the model's
+    positions and the cache: gathers clamp and scatters drop what is not, without a word.
+    `build_step_input` checked them against its configs; this catches an input changed
+    by hand or built for another model. Device arrays are left unread (no sync)."""
+    v, m = cfg.vocab_size, cfg.max_position_embeddings
+    for name, what, lo, hi, where in (
+        ("token_ids", "token id", 0, v, "the vocabulary"),
+        ("target_ids", "token id", -1, v, "the vocabulary (-1: none)"),
+        ("positions", "position", 0, m, f"the model's max_position_embeddings={m}"),
+        ("page_table", "page id", 0, num_pages, "the cache's pages"),
+        ("slot_mapping", "slot", -1, num_pages * page_size, "the cache's slots (-1: padding)"),
+        ("copy_src", "page id", 0, num_pages, "the cache's pages"),
+        ("copy_dst", "page id", -1, num_pages, "the cache's pages (-1: padding)"),
+    ):
+        x = getattr(inp, name)
+        if not isinstance(x, np.ndarray) or not x.size:
+            continue
+        if x.min() < lo or x.max() >= hi:  # (two reductions: no temporaries on this path)
+            bad = (x < lo) | (x >= hi)
+            raise ValueError(
+                f"StepInput.{name} holds {what} {int(x[bad][0])}, outside {where} [{lo}, {hi})"
+            )
 
 
 def check_lora(params, inp: StepInput, lora) -> None:

@@ -475,7 +475,10 @@ def _pack_penalties(chunks, b, min_history, vocab_size) -> sampling.Penalties | 
         if not c.penalised:
             continue
         r, p, f = (_scalar(getattr(c, name)) for name in _PENALTIES)
-        sampling.check_penalties(r, p, f)
+        try:
+            sampling.check_penalties(r, p, f)
+        except ValueError as e:
+            raise ValueError(f"sequence {i}: {e}") from None
         for name in ("prompt_ids", "output_ids"):
             ids = np.asarray(getattr(c, name)).reshape(-1)
             if ids.size and not np.issubdtype(ids.dtype, np.integer):  # would be truncated
