@@ -22,9 +22,9 @@ Sampling defaults, as vLLM's (`--generation-config auto`, the default): of
 `--max-tokens`, those not given take the checkpoint's generation_config.json values
 (temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens; `do_sample` is
 ignored, as vLLM ignores it), named in one line on stderr; else greedy and 64 tokens.
-With `--beam-width`, only max_new_tokens is taken (beam search does not sample, and
-only a `--temperature` given conflicts with it). `--generation-config none` ignores the
-file. The demo model's sets none of them.
+With `--beam-width`, only max_new_tokens is taken (beam search does not sample; a
+`--temperature` given conflicts with it, one from the generation config is not taken).
+`--generation-config none` ignores the file. The demo model's sets none of them.
 
 `--seed` seeds the engine, as vLLM's does: each request draws its sampling seed from
 it, so a run is reproducible and different prompts get different random draws.

@@ -76,7 +76,8 @@ and the cap; -1: no cap), and K = -1 (as vLLM's) lists the whole vocabulary (its
 counts against the cap); all are the model's raw log-probabilities (before
 temperature and truncation). Each prompt of a completions batch is one engine request;
 choice `i * n + j` is completion j of prompt i.
-`finish_reason` is "stop" (EOS, a stop string or a stop token) or "length". Errors are
+`finish_reason` is "stop" (EOS, a stop string or a stop token), "length", "error" (a
+structured output that other constraints left no token) or chat's "tool_calls". Errors are
 OpenAI's `{"error": {message, type, param, code}}`: 400 for a bad field (the message
 names the value; a field of the wrong JSON type is bad), a prompt too long for
 `--max-model-len` or one that leaves less room than `max_tokens` (as vLLM answers:
