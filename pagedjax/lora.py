@@ -33,8 +33,12 @@ program per step shape); a step with none runs the base model's program.
 Target modules: `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`,
 `down_proj` of any layers; an adapter may target any subset (the rest of its slot stays
 zero). Refused with a clear error: `modules_to_save` (trained copies of whole layers,
-e.g. `lm_head`), embedding adapters, LoRA biases (`bias` other than "none"), DoRA,
-`fan_in_fan_out`, and `adapter_model.bin` (pickled torch: convert it to safetensors).
+e.g. `lm_head`), embedding adapters, LoRA biases (`bias` other than "none", `lora_bias`),
+DoRA, `fan_in_fan_out`, QA-LoRA (`use_qalora`), `layer_replication`, activated LoRA
+(`alora_invocation_tokens`: its update starts at those tokens, not at every token), an
+adapter whose tensors' ranks are not its config's (`r`, `rank_pattern`: PEFT refuses it,
+vLLM scales it by `lora_alpha / r`), and `adapter_model.bin` (pickled torch: convert it
+to safetensors).
 
 Tensor parallelism: for a column-split projection (`pagedjax.sharding`) `a` is
 replicated and `b` split over its outputs; for a row-split one (`o_proj`,
@@ -101,6 +105,10 @@ _UNSUPPORTED = {  # adapter_config.json keys whose non-default values we cannot 
     "fan_in_fan_out": (False, None),
     "bias": ("none", None),
     "modules_to_save": (None, []),
+    "lora_bias": (False, None),  # a bias on lora_B
+    "use_qalora": (False, None),  # QA-LoRA: A reads group-pooled inputs
+    "layer_replication": (None, []),  # a model deeper than the base
+    "alora_invocation_tokens": (None, []),  # activated LoRA: only from these tokens on
 }
 _DEFAULT_ALPHA = 8  # PEFT's LoraConfig.lora_alpha, for a config without one
 
@@ -197,33 +205,60 @@ def _check_config(conf, file: str) -> dict:
             raise ValueError(
                 f"{file}: {key}={conf[key]!r} is not supported (LoRA adapters without it only)"
             )
-    alphas = [("lora_alpha", conf.get("lora_alpha", _DEFAULT_ALPHA))]
-    patterns = conf.get("alpha_pattern") or {}
-    if not isinstance(patterns, Mapping):
-        raise ValueError(f"{file}: alpha_pattern must be an object, got {patterns!r:.80}")
-    for pattern, alpha in patterns.items():
-        try:
-            re.compile(pattern)
-        except (re.error, TypeError) as e:
-            raise ValueError(
-                f"{file}: alpha_pattern key {pattern!r} is not a regex ({e})"
-            ) from None
-        alphas.append((f"alpha_pattern[{pattern!r}]", alpha))
-    for name, alpha in alphas:
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-            raise ValueError(f"{file}: {name} must be a positive number, got {alpha!r}")
+    rslora = conf.get("use_rslora")
+    if rslora is not None and not isinstance(rslora, bool):
+        raise ValueError(f"{file}: use_rslora must be true or false, got {rslora!r}")
+    values = [("lora_alpha", conf.get("lora_alpha", _DEFAULT_ALPHA), (int, float))]
+    if "r" in conf:
+        values.append(("r", conf["r"], int))
+    for field, kind in (("alpha_pattern", (int, float)), ("rank_pattern", int)):
+        patterns = conf.get(field) or {}
+        if not isinstance(patterns, Mapping):
+            raise ValueError(f"{file}: {field} must be an object, got {patterns!r:.80}")
+        for pattern, value in patterns.items():
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as e:
+                raise ValueError(f"{file}: {field} key {pattern!r} is not a regex ({e})") from None
+            values.append((f"{field}[{pattern!r}]", value, kind))
+    for name, value, kind in values:
+        if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
+            what = "int" if kind is int else "number"
+            raise ValueError(f"{file}: {name} must be a positive {what}, got {value!r}")
     return conf
 
 
-def _alpha(conf: dict, layer: int, module: str) -> float:
-    """lora_alpha of one module: `alpha_pattern`'s first key the module's name ends
-    with (PEFT's rule: a regex matched against the end of the dotted name), else
-    `lora_alpha`."""
+def _pattern(conf: dict, field: str, layer: int, module: str):
+    """(key, value) of `conf[field]`'s (`alpha_pattern`, `rank_pattern`) first key that
+    the module's name ends with (PEFT's rule: a regex matched against the end of the
+    dotted name), or None."""
     name = f"model.layers.{layer}.{TARGET_MODULES[module]}.{module}"
-    for pattern, value in (conf.get("alpha_pattern") or {}).items():
+    for pattern, value in (conf.get(field) or {}).items():
         if re.match(rf"(.*\.)?({pattern})$", name):
-            return float(value)
-    return float(conf.get("lora_alpha", _DEFAULT_ALPHA))
+            return pattern, value
+    return None
+
+
+def _alpha(conf: dict, layer: int, module: str) -> float:
+    """lora_alpha of one module: `alpha_pattern`'s (`_pattern`), else `lora_alpha`."""
+    hit = _pattern(conf, "alpha_pattern", layer, module)
+    return float(conf.get("lora_alpha", _DEFAULT_ALPHA) if hit is None else hit[1])
+
+
+def _check_ranks(conf: dict, pairs, shapes, where: str, source: str) -> None:
+    """Each module's rank (its tensors') against the one the config gives it:
+    `rank_pattern`'s (`_pattern`), else `r` (when given). PEFT builds the module with
+    that rank and refuses other tensors; vLLM would scale them by `lora_alpha / r`: an
+    adapter whose tensors and config disagree has no one meaning, so it is refused.
+    `source` names the config in the message."""
+    for (layer, module), ab in sorted(pairs.items()):
+        r = shapes[ab["A"]][0]
+        hit = _pattern(conf, "rank_pattern", layer, module)
+        name, want = ("r", conf.get("r")) if hit is None else (f"rank_pattern[{hit[0]!r}]", hit[1])
+        if want is not None and want != r:
+            raise ValueError(
+                f"{where}: layer {layer} {module}: rank {r}, but {source}'s {name} is {want}"
+            )
 
 
 def load_adapter(path, cfg: ModelConfig, *, max_rank: int | None = None) -> LoRAAdapter:
@@ -232,7 +267,7 @@ def load_adapter(path, cfg: ModelConfig, *, max_rank: int | None = None) -> LoRA
     Every tensor is checked before any is read: names (`...layers.{i}.self_attn.q_proj
     .lora_A.weight` and the like, with or without PEFT's `base_model.model.` prefix),
     layer indices, shapes (`A` `[r, in]`, `B` `[out, r]` as the model's dimensions
-    give them) and that each A has its B.
+    give them, `r` the config's `rank_pattern` or `r`) and that each A has its B.
 
     Args:
       path: the adapter directory.
@@ -261,6 +296,7 @@ def load_adapter(path, cfg: ModelConfig, *, max_rank: int | None = None) -> LoRA
     infos = read_header(file)
     shapes = {name: info.shape for name, info in infos.items()}
     pairs, rank = _layout(shapes, cfg, str(file), max_rank, str(root))
+    _check_ranks(conf, pairs, shapes, str(file), "adapter_config.json")
     for name, info in infos.items():
         if info.dtype not in DTYPES:
             raise ValueError(
@@ -278,7 +314,8 @@ def adapter_from_state(
     """An adapter from PEFT's state dict in memory, e.g. one trained in JAX: {name: array}
     with the names `load_adapter` reads (`...layers.{i}.self_attn.q_proj.lora_A.weight`,
     `A` `[r, in]`, `B` `[out, r]`; numpy or jax arrays) and `config`, the dict of an
-    adapter_config.json (`r`, `lora_alpha`, optionally `use_rslora`, `alpha_pattern`).
+    adapter_config.json (`r`, `lora_alpha`, optionally `use_rslora`, `alpha_pattern`,
+    `rank_pattern`; without `r`, each module's rank is its tensors').
     Checked as `load_adapter` checks a directory (ValueError naming what is wrong).
     Serve it with `LLM.add_lora(request, adapter=...)`."""
     if not isinstance(state, Mapping):
@@ -287,6 +324,7 @@ def adapter_from_state(
     where = "the adapter state"
     shapes = {name: tuple(np.shape(x)) for name, x in state.items()}
     pairs, rank = _layout(shapes, cfg, where, max_rank, "the adapter")
+    _check_ranks(conf, pairs, shapes, where, "the adapter config")
     for name, x in state.items():
         try:
             dtype = np.dtype(x.dtype)

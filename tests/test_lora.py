@@ -198,6 +198,26 @@ def test_step_refuses_bad_slots(params):
         (dict(config={"modules_to_save": ["lm_head"]}), "modules_to_save"),
         (dict(config={"fan_in_fan_out": True}), "fan_in_fan_out=True"),
         (dict(config={"peft_type": "IA3"}), "peft_type='IA3': only LoRA"),
+        # activated LoRA (aLoRA) applies only from its invocation tokens on: served as a
+        # plain LoRA it would change every token
+        (dict(config={"alora_invocation_tokens": [5, 6]}), "alora_invocation_tokens=.5, 6."),
+        # duplicated layers (a deeper model than the base), a bias on lora_B, QA-LoRA's
+        # pooled inputs: each a model the update alone does not describe
+        (dict(config={"layer_replication": [[0, 2], [1, 2]]}), "layer_replication="),
+        (dict(config={"lora_bias": True}), "lora_bias=True is not supported"),
+        (dict(config={"use_qalora": True}), "use_qalora=True is not supported"),
+        (dict(config={"use_rslora": "false"}), "use_rslora must be true or false, got 'false'"),
+        # PEFT builds each module with rank `r` (or rank_pattern's) and fails on other
+        # tensors; vLLM would scale them by lora_alpha / r: neither is lora_alpha / 4
+        (dict(config={"r": 16}), r"layer 0 q_proj: rank 2, but adapter_config.json's r is 16"),
+        (
+            dict(config={"rank_pattern": {"q_proj": 8}}),
+            r"layer 0 q_proj: rank 2, but adapter_config.json's rank_pattern\['q_proj'\] is 8",
+        ),
+        (
+            dict(config={"rank_pattern": {"q_proj": "2"}}),
+            r"rank_pattern\['q_proj'\] must be a positive int, got '2'",
+        ),
         (dict(config={"lora_alpha": -1}), "lora_alpha must be a positive number"),
         (
             dict(config={"alpha_pattern": {"q_proj": "16"}}),
