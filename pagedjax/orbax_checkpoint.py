@@ -20,6 +20,7 @@ import inspect
 import json
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -223,7 +224,9 @@ def restore_params(path, cfg: ModelConfig | None = None, *, dtype=None) -> Param
         than the stored one (the fields and both values), stored arrays that do not
         fit the stored config (each array and both shapes). After the read, restoring
         in float16, the arrays holding values beyond float16's range (a cast makes
-        them inf; as `pagedjax.weights.load_hf_checkpoint` does).
+        them inf; as `pagedjax.weights.load_hf_checkpoint` does). A params/ folder
+        without readable metadata (before the read) or with damaged array files (when
+        read), naming the folder (and the array, as orbax's cause names it).
     """
     import orbax.checkpoint as ocp
 
@@ -270,7 +273,15 @@ def restore_params(path, cfg: ModelConfig | None = None, *, dtype=None) -> Param
                 restore_args=_nest(restore_args),
                 **({"partial_restore": True} if partial else {}),
             )
-            flat.update(_unnest(ckptr.restore(params_dir, args=args)))
+            try:
+                flat.update(_unnest(ckptr.restore(params_dir, args=args)))
+            except MemoryError:
+                raise
+            except Exception as e:  # orbax's: a page of TensorStore spec; its cause names
+                cause = str(e.__cause__ or e)  # the array and the file
+                raise ValueError(
+                    f"{params_dir} is damaged: {cause[:500]}; save the checkpoint again"
+                ) from e
     if cfg.dtype == "float16":
         _check_f16(flat, on_disk, root)
     return params_from_flat(cfg, flat)
@@ -297,6 +308,11 @@ def _stored_arrays(ckptr, params_dir: Path) -> dict[str, tuple[tuple[int, ...], 
     meta = ckptr.metadata(params_dir)
     tree = getattr(meta, "item_metadata", meta)  # orbax 0.12: StepMetadata, then
     tree = getattr(tree, "tree", tree)  # TreeMetadata around the nested dict
+    if not isinstance(tree, Mapping):  # orbax logs a warning and returns None
+        raise ValueError(
+            f"{params_dir} has no readable orbax metadata (its _METADATA file is missing "
+            "or damaged; was it copied in part?): save the checkpoint again"
+        )
     return {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in _unnest(dict(tree)).items()}
 
 

@@ -33,6 +33,7 @@ _ITEMSIZE = {  # every safetensors dtype, so that byte ranges of refused ones ch
     **{k: 8 for k in ("I64", "U64", "F64")},
 }
 _LFS_POINTER = b"version https://git-lfs"
+_MAX_HEADER = 100_000_000  # bytes; safetensors' own limit (MAX_HEADER_SIZE)
 _ALIGN = 64  # XLA's CPU buffer alignment: an aligned numpy array becomes a jax.Array uncopied
 
 
@@ -49,9 +50,11 @@ class TensorInfo:
 def read_header(file: Path) -> dict[str, TensorInfo]:
     """Tensor names -> info from a safetensors header (8-byte length, JSON, data).
 
-    Checks what safetensors itself would refuse only when the tensor is read: every byte
-    range must fit its dtype and shape, and the ranges must cover the data exactly (a
-    download cut short fails here, before any tensor is loaded).
+    Checks what safetensors itself checks on opening, before any tensor is read: the
+    header is at most `_MAX_HEADER` bytes, every entry has a string dtype, non-negative
+    integer dims and two data offsets, every byte range fits its dtype and shape, and the
+    ranges cover the data exactly, back to back (no tensor reads another's bytes, and a
+    download cut short fails here).
     """
     size = file.stat().st_size
     with open(file, "rb") as f:
@@ -65,22 +68,19 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
             (n,) = struct.unpack("<Q", head)
             if n > size - 8:
                 raise ValueError(f"header length {n} > the file's {size - 8} bytes after it")
+            if n > _MAX_HEADER:
+                raise ValueError(f"header length {n} > safetensors' limit of {_MAX_HEADER}")
             f.seek(8)
             header = json.loads(f.read(n))
+            if not isinstance(header, dict):
+                raise ValueError(f"its header is a JSON {type(header).__name__}, not an object")
             infos = {
-                name: TensorInfo(
-                    name,
-                    file,
-                    v["dtype"],
-                    tuple(int(d) for d in v["shape"]),
-                    8 + n + int(v["data_offsets"][0]),
-                    8 + n + int(v["data_offsets"][1]),
-                )
+                name: _entry(name, v, file, 8 + n)
                 for name, v in header.items()
                 if name != "__metadata__"
             }
-        except (struct.error, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{file.name} is not a valid safetensors file ({e!r})") from None
+        except (struct.error, ValueError, RecursionError) as e:
+            raise ValueError(f"{file.name} is not a valid safetensors file ({e})") from None
     for info in infos.values():
         nbytes = math.prod(info.shape) * _ITEMSIZE.get(info.dtype, 0)
         if info.stop < info.start or (info.dtype in _ITEMSIZE and info.stop - info.start != nbytes):
@@ -89,7 +89,19 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
                 f"{info.stop - info.start} bytes for {info.dtype} {list(info.shape)}, "
                 f"which takes {nbytes}"
             )
-    end = max((i.stop for i in infos.values()), default=8 + n)
+    end, before = 8 + n, "the header"
+    for info in sorted(infos.values(), key=lambda i: (i.start, i.stop)):
+        if info.start != end:
+            where = (
+                f"overlaps {before}'s bytes"
+                if info.start < end
+                else f"starts {info.start - end} bytes after {before} ends"
+            )
+            raise ValueError(
+                f"{file.name} is corrupt: {info.name}: its byte range "
+                f"[{info.start - 8 - n}, {info.stop - 8 - n}) {where}"
+            )
+        end, before = info.stop, info.name
     if end > size:
         raise ValueError(
             f"{file.name} is truncated: its header needs {end} bytes, the file has {size} "
@@ -98,6 +110,27 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
     if end < size:
         raise ValueError(f"{file.name} is corrupt: {size - end} bytes after its last tensor")
     return infos
+
+
+def _entry(name: str, v, file: Path, data_start: int) -> TensorInfo:
+    """One header entry as a `TensorInfo`; a ValueError naming the tensor if malformed."""
+    shape, offsets = (v.get(k) if isinstance(v, dict) else None for k in ("shape", "data_offsets"))
+    if not (
+        isinstance(v, dict)
+        and isinstance(v.get("dtype"), str)
+        and isinstance(shape, list)
+        and all(type(d) is int and d >= 0 for d in shape)
+        and isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(type(o) is int and o >= 0 for o in offsets)
+    ):
+        raise ValueError(
+            f"{name}: expected a dtype string, a shape and two data_offsets of "
+            f"non-negative integers, got {json.dumps(v)[:200]}"
+        )
+    return TensorInfo(
+        name, file, v["dtype"], tuple(shape), data_start + offsets[0], data_start + offsets[1]
+    )
 
 
 def read_tensor(f: BinaryIO, info: TensorInfo) -> np.ndarray:

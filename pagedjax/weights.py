@@ -27,7 +27,8 @@ Decisions:
   named in a `CheckpointError` instead (HF's `.to(torch.float16)` makes them inf).
 * Broken files are named from their headers before any tensor is read: a shard cut
   short (an interrupted download), a git-lfs pointer in place of the weights, byte
-  ranges that disagree with a tensor's shape; malformed JSON names its file.
+  ranges that disagree with a tensor's shape, overlap or leave gaps (a tensor would
+  read another's bytes), a broken symlink; malformed JSON names its file.
 * Known harmless extras (`rotary_emb.inv_freq` buffers) are ignored; any other
   unknown name is an error. Where some are a quantized format's (GPTQ/AWQ `qweight`,
   `scales`, FP8 `weight_scale`, bitsandbytes `absmax`, ...), the error's first line
@@ -229,8 +230,12 @@ def _scan(root: Path) -> tuple[dict[str, _TensorInfo], list[str]]:
     tensors: dict[str, _TensorInfo] = {}
     problems, broken = [], []
     for file in files:
+        if file.is_symlink() and not file.exists():  # a hub-cache blob deleted
+            broken.append(f"{file.name} is a broken symlink (to {file.readlink()})")
+            continue
         if not file.is_file():
-            broken.append(f"missing shard file: {file.name} (named in {INDEX_FILE})")
+            named = f" (named in {INDEX_FILE})" if weight_map is not None else ""
+            broken.append(f"missing shard file: {file.name}{named}")
             continue
         try:
             header = _read_header(file)
