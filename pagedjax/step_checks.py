@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax.experimental.pallas import tpu as pltpu
 
 from pagedjax import cache as cache_lib
 from pagedjax import model as model_lib
@@ -134,13 +135,17 @@ def _check_step(
     """The host-side checks of a step's input kind and knobs, before anything is traced.
 
     `flags` (interpret, return_logits) are static arguments of the jitted step: a
-    non-bool would be taken for its truth value and compile a program of its own.
+    non-bool would be taken for its truth value and compile a program of its own
+    (interpret may also be a `pltpu.InterpretParams`, which the TPU kernels take).
     """
     _check_params(params)
     resolve_backend(backend)  # a name in BACKENDS, else a ValueError naming it
     for name, value in flags.items():
-        if not isinstance(value, (bool, np.bool_)):
-            raise ValueError(f"{name} must be a bool, got {name}={value!r:.80}")
+        # (interpret may also be the TPU interpreter's settings, which its kernels take)
+        params_ok = name == "interpret" and isinstance(value, pltpu.InterpretParams)
+        if not isinstance(value, (bool, np.bool_)) and not params_ok:
+            also = " (or pltpu.InterpretParams)" if name == "interpret" else ""
+            raise ValueError(f"{name} must be a bool{also}, got {name}={value!r:.80}")
     if not isinstance(inp, StepInput):
         raise TypeError(f"inp must be a StepInput (build_step_input), got {type(inp).__name__}")
     v = params.config.vocab_size
