@@ -159,7 +159,7 @@ def from_hf(config: dict, *, dtype: str | None = None) -> ModelConfig:
         o_bias=attention_bias,
         qk_norm=family == "qwen3",
         sliding_window=_hf_sliding_window(config, family, max_pos),
-        dtype=dtype or _hf_dtype(torch_dtype),
+        dtype=_hf_dtype(torch_dtype) if dtype is None else dtype,
         bos_token_id=_hf_number(config, "bos_token_id", int, nullable=True),
         eos_token_ids=tuple(eos),
     )

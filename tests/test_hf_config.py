@@ -346,6 +346,10 @@ def test_from_hf_absent_tie_and_dtype_keys():
     # Both keys: transformers 5 reads `dtype` (`torch_dtype` won here).
     both = ModelConfig.from_hf(dict(bare, dtype="float32", torch_dtype="bfloat16"))
     assert both.dtype == "float32"
+    # The dtype argument overrides the file's; an empty one was taken for none.
+    assert ModelConfig.from_hf(bare, dtype="float32").dtype == "float32"
+    with pytest.raises(ValueError, match="dtype must be one of .*, got ''"):
+        ModelConfig.from_hf(bare, dtype="")
 
 
 @pytest.mark.parametrize(
