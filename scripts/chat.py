@@ -4,14 +4,15 @@
     python scripts/chat.py --checkpoint path/to/dir --chat-template my_template.jinja
     printf 'Hi!\\nAnd then?\\n' | python scripts/chat.py --checkpoint path/to/dir --temperature 0
 
-Each line read from stdin (after a `> ` prompt when stdin is a terminal) is a user
-message. The whole conversation so far, after the `--system TEXT` message when given,
-is rendered with the checkpoint's chat template (or the Jinja file `--chat-template
-FILE`; needs jinja2, the `chat` extra), and the reply streams to stdout as it is
-generated, then joins the conversation. Every turn's prompt repeats the turns before
-it, so from the second turn on the engine's prefix cache serves most of it: the stats
-line after each reply (on stderr) says how many prompt tokens it served, with the
-reply's length, its time to first token and its tokens/s after the first token.
+Each line read from stdin (after a `> ` prompt on stderr when stdin is a terminal, so
+that stdout holds the replies alone) is a user message. The whole conversation so far,
+after the `--system TEXT` message when given, is rendered with the checkpoint's chat
+template (or the Jinja file `--chat-template FILE`; needs jinja2, the `chat` extra), and
+the reply streams to stdout as it is generated, then joins the conversation. Every
+turn's prompt repeats the turns before it, so from the second turn on the engine's
+prefix cache serves most of it: the stats line after each reply (on stderr) says how
+many prompt tokens it served, with the reply's length, its time to first token and its
+tokens/s after the first token.
 
 A line that is not UTF-8 text is reported on stderr and not sent.
 Commands: `/reset` starts the conversation over (keeping the system message);
@@ -19,9 +20,10 @@ Commands: `/reset` starts the conversation over (keeping the system message);
 (`[interrupted]` on stderr) and drops the turn: neither the message nor the partial
 reply joins the conversation, and the prompt comes back (the engine aborts the reply
 and stays usable); Ctrl-C at the prompt ends the session. A conversation that no
-longer fits the model's length (`--max-model-len`, default the model's) is reported on
-stderr and its last message dropped, and a reply cut short by it is noted there: `/reset`
-and go on. Sampling: `--max-tokens` (per
+longer fits the model's length (`--max-model-len`, default the model's) or the KV cache
+(`--num-pages`) is reported on stderr and its last message dropped (`/reset` and go on; a
+first message refused on its own is said to be), and a reply cut short by the length is
+noted there. Sampling: `--max-tokens` (per
 reply, 256), `--temperature` (0.7; 0 is greedy), `--top-k`, `--top-p`, `--min-p`,
 `--repetition-penalty`, `--presence-penalty`, `--frequency-penalty`, `--min-tokens`,
 `--logit-bias JSON`, and `--seed`, the seed of every reply, so a session is
@@ -35,9 +37,11 @@ The engine flags (`--page-size`, `--num-pages` | `--kv-memory-fraction`,
 `--kv-cache-dtype`, `--max-batch-tokens`, `--max-model-len`, `--backend`,
 `--tensor-parallel`, `--compilation-cache`) are scripts/generate.py's, and so are `--lora
 PATH` (every reply runs with that PEFT LoRA adapter) and `--max-lora-rank N`. Bad input
-(a checkpoint or template that cannot serve a chat, a bad flag) ends with one line on
-stderr and exit status 2, before any weights load (an adapter the engine refuses: right
-after them); running out of device memory, with one line and status 1.
+(a checkpoint or template that cannot serve a chat, a bad flag, a `--system` message
+that leaves no room for a reply within `--max-model-len`) ends with one line on stderr
+and exit status 2, before any weights load (an adapter the engine refuses: right after
+them); running out of device memory, with one line and status 1; Ctrl-C at the prompt
+(or while the model loads), with status 130.
 """
 
 from __future__ import annotations
@@ -50,8 +54,9 @@ import cli  # noqa: E402  (the scripts' shared flags, checks and exits)
 
 COMMANDS = ("/reset", "/exit")
 KEYS = (
-    "Ctrl-C while a reply streams stops it and drops the turn (message and partial reply); "
-    "Ctrl-C or Ctrl-D at the prompt ends the session."
+    "Commands: /reset starts the conversation over (keeping --system), /exit ends the "
+    "session. Ctrl-C while a reply streams stops it and drops the turn (message and partial "
+    "reply); Ctrl-C (status 130) or Ctrl-D at the prompt ends the session."
 )
 NO_TEMPLATE_HINT = "give --chat-template FILE (a Jinja chat template)"
 
@@ -112,6 +117,13 @@ def reply(llm, messages: list[dict], params, lora=None) -> str | None:
     except (ValueError, TypeError) as e:  # the template rejected the conversation
         print(f"error: {e}", file=sys.stderr)
         return None
+    alone = sum(m["role"] == "user" for m in messages) == 1  # then /reset would not help
+    dropped = "it was not sent" if alone else "it was not sent; /reset starts the conversation over"
+    if len(ids) >= llm.max_model_len:  # (the engine refuses it too): said in a chat's terms
+        what = "the message is too long" if alone else "the conversation no longer fits"
+        room = f"max_model_len={llm.max_model_len} leaves no room for a reply"
+        print(f"error: {what} ({len(ids)} tokens, and {room}); {dropped}", file=sys.stderr)
+        return None
     printer = cli.TextStream(llm.tokenizer, ids, llm.stop_ids(params))
 
     cli.INTERRUPT.clear()  # (a Ctrl-C at the prompt ended the session)
@@ -124,10 +136,9 @@ def reply(llm, messages: list[dict], params, lora=None) -> str | None:
             lora_request=lora,
         )
         cli.INTERRUPT.check()  # one that a gc callback swallowed in the last step
-    except ValueError as e:  # the conversation has outgrown max_model_len
-        print(
-            f"error: the conversation no longer fits ({e}); /reset starts it over", file=sys.stderr
-        )
+    except ValueError as e:  # refused: it would need more KV pages than the cache has, say
+        what = "the message" if alone else "the conversation"
+        print(f"error: the engine refused {what} ({e}); {dropped}", file=sys.stderr)
         return None
     c = out.outputs[0]
     print(printer.finish(c.text), flush=True)
@@ -142,9 +153,33 @@ def reply(llm, messages: list[dict], params, lora=None) -> str | None:
     return c.text
 
 
+def check_room(args, tok, system: list[dict]) -> None:
+    """BadInput, before the weights load, when a first turn (the `--system` message and a
+    short user message) already takes the whole max_model_len (`--max-model-len`, else the
+    model's): every turn would be refused, and /reset (which keeps the system message)
+    could not help."""
+    from pagedjax.resources import source_config
+
+    limit = args.max_model_len
+    if limit is None and (cfg := source_config(args.checkpoint)) is not None:
+        limit = cfg.max_position_embeddings
+    n = len(tok.encode_chat([*system, {"role": "user", "content": "Hi!"}]))
+    if limit is not None and n >= limit:
+        given = (
+            f"--max-model-len {limit}" if args.max_model_len else f"the model's length ({limit})"
+        )
+        what = "the chat template and --system" if system else "the chat template"
+        fix = "shorten --system or raise --max-model-len" if system else "raise --max-model-len"
+        raise cli.BadInput(
+            f"{given} leaves no room for a reply: {what} make a first turn of {n} tokens; {fix}"
+        )
+
+
 def run(args) -> int:
     from pagedjax.engine import LLM, SamplingParams
 
+    if sys.stdin is None:  # (`chat.py <&-`): the messages have nowhere to come from
+        raise cli.BadInput("stdin is closed; chat.py reads the user's messages from it")
     defaults = cli.generation_defaults(args)
     params = SamplingParams(**cli.sampling_kwargs(args, defaults))
     cli.check_engine_flags(args)
@@ -157,6 +192,7 @@ def run(args) -> int:
         raise cli.BadInput(str(e)) from None
     except (ValueError, TypeError) as e:
         raise cli.BadInput(f"the chat template cannot render a first turn: {e}") from None
+    check_room(args, tok, system)
 
     cli.note_defaults(args, defaults, "flags")
     cli.enable_compilation_cache(
@@ -187,13 +223,13 @@ def run(args) -> int:
         sys.stdin.reconfigure(errors="surrogateescape")
     number = 0
     while True:
-        if tty:
-            print("> ", end="", flush=True)
+        if tty:  # (on stderr, as the stats: `chat.py | tee replies.txt` gets the replies)
+            print("> ", end="", file=sys.stderr, flush=True)
         line = sys.stdin.readline()
         number += 1
         if not line:  # end of input
             if tty:
-                print()
+                print(file=sys.stderr)
             return 0
         text = line.strip()
         if not text:

@@ -64,6 +64,13 @@ def run(argv, lines, capsys, monkeypatch, stdin_cls=io.StringIO):
     return rc, out, err
 
 
+class Terminal(io.StringIO):
+    """stdin on a terminal."""
+
+    def isatty(self):
+        return True
+
+
 def base(ckpt, *extra):
     return ["--checkpoint", ckpt, "--backend", "xla", *GEOMETRY, "--temperature", "0", *extra]
 
@@ -114,10 +121,6 @@ def test_penalty_flags_reach_the_sampler(ckpt, calls, capsys, monkeypatch):
 
 
 def test_reset_unknown_commands_and_exit_on_a_terminal(ckpt, calls, capsys, monkeypatch):
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
-
     lines = ["first line", "/reset", "/nope", "second line", "/exit", "never sent"]
     argv = base(ckpt, "--system", SYSTEM["content"], "--max-tokens", "3")
     rc, out, err = run(argv, lines, capsys, monkeypatch, Terminal)
@@ -126,7 +129,7 @@ def test_reset_unknown_commands_and_exit_on_a_terminal(ckpt, calls, capsys, monk
     want = [tok.encode_chat([SYSTEM, {"role": "user", "content": x}]) for x in lines[::3]]
     assert [ids for ids, _ in calls] == want  # after /reset: the system message and the new line
     assert "(conversation reset)" in err and "unknown command /nope" in err
-    assert out.startswith("> ") and out.count("> ") == 5  # one prompt per line read
+    assert "> " not in out and err.count("> ") == 5  # one prompt per line read, on stderr
 
 
 def test_a_conversation_too_long_is_reported_and_the_loop_goes_on(ckpt, calls, capsys, monkeypatch):
@@ -396,3 +399,73 @@ def test_a_line_that_is_not_utf8_is_reported_and_the_loop_goes_on(ckpt, calls, c
     assert len(calls) == 2  # "hi" and "ok"; the bad line was not sent
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert errors == ["error: line 2 is not UTF-8 text (byte 0xe9); it was not sent"], err
+
+
+def test_on_a_terminal_stdout_holds_the_replies_alone(ckpt, calls, capsys, monkeypatch):
+    """The `> ` prompt (and the newline at Ctrl-D) went to stdout: `chat.py | tee log` or
+    `chat.py > replies.txt` got "> " glued to the front of every reply."""
+    rc, out, err = run(
+        base(ckpt, "--max-tokens", "3"), ["hi", "again"], capsys, monkeypatch, Terminal
+    )
+    assert rc == 0, err
+    assert out == "".join(f"{o.outputs[0].text}\n" for _, o in calls)
+    assert err.count("> ") == 3  # one prompt per line read, and one at the end of input
+
+
+def test_a_system_message_that_leaves_no_room_is_bad_input(ckpt, calls, capsys, monkeypatch):
+    """Every turn was refused with "/reset starts it over", which keeps the system message:
+    nothing could ever be answered, and piped input still ended with status 0."""
+    monkeypatch.setattr(LLM, "__init__", lambda *a, **k: pytest.fail("weights were loaded"))
+    argv = base(ckpt, "--system", "x" * 80, "--max-model-len", "64")
+    rc, out, err = run(argv, ["hi", "/reset", "hi"], capsys, monkeypatch)
+    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    conv = [{"role": "system", "content": "x" * 80}, {"role": "user", "content": "Hi!"}]
+    n = len(Tokenizer.from_dir(ckpt).encode_chat(conv))
+    assert (
+        "error: --max-model-len 64 leaves no room for a reply: the chat template and --system "
+        f"make a first turn of {n} tokens; shorten --system or raise --max-model-len"
+    ) in err
+    assert out == "" and not calls
+
+
+def test_a_message_too_long_by_itself_is_not_sent_to_reset(ckpt, calls, capsys, monkeypatch):
+    """A first message longer than the model allows was answered "the conversation no
+    longer fits ...; /reset starts it over": there was nothing to reset."""
+    argv = base(ckpt, "--max-model-len", "64", "--max-tokens", "4")
+    rc, out, err = run(argv, ["x" * 80, "hi"], capsys, monkeypatch)
+    assert rc == 0, err
+    n = len(Tokenizer.from_dir(ckpt).encode_chat([{"role": "user", "content": "x" * 80}]))
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: the message is too long ({n} tokens, and max_model_len=64 leaves no room for "
+        "a reply); it was not sent"
+    ], err
+    assert len(calls) == 1 and out == f"{calls[0][1].outputs[0].text}\n"  # "hi" is answered
+
+
+def test_a_first_turn_the_cache_cannot_hold_is_not_sent_to_reset(ckpt, capsys, monkeypatch):
+    """A first turn whose reply (--max-tokens) needs more KV pages than --num-pages gives
+    was refused with "raise num_pages or lower max_tokens ...; /reset starts it over"."""
+    argv = base(ckpt, "--num-pages", "4", "--max-tokens", "64")
+    rc, out, err = run(argv, ["hi"], capsys, monkeypatch)
+    assert rc == 0 and out == "", err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: the engine refused the message ("), err
+    assert "raise num_pages or lower max_tokens" in errors[0] and "/reset" not in errors[0], err
+    assert errors[0].endswith("; it was not sent"), err
+
+
+def test_help_names_the_commands_and_the_keys():
+    """--help said nothing of /reset and /exit (shown only on a terminal, once loaded)."""
+    text = " ".join(chat_cli.build_parser().format_help().split())
+    assert "/reset starts the conversation over (keeping --system), /exit ends" in text
+    assert "Ctrl-C (status 130) or Ctrl-D at the prompt ends the session" in text
+
+
+def test_stdin_closed_is_bad_input(ckpt, capsys, monkeypatch):
+    """`chat.py <&-` (sys.stdin None) loaded the model, then ended in a traceback."""
+    monkeypatch.setattr(LLM, "__init__", lambda *a, **k: pytest.fail("weights were loaded"))
+    monkeypatch.setattr("sys.stdin", None)
+    assert chat_cli.main([str(a) for a in base(ckpt)]) == 2
+    out, err = capsys.readouterr()
+    assert err == "error: stdin is closed; chat.py reads the user's messages from it\n"
