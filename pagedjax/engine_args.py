@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from pagedjax import decode, sharding
 from pagedjax.blocks import BlockManager
-from pagedjax.config import CacheConfig, ModelConfig, dtype_name
+from pagedjax.config import CacheConfig, ModelConfig, dtype_name, dtype_size
 from pagedjax.request import MAX_LOGPROBS
 from pagedjax.resources import (
     check_backend,
@@ -96,8 +96,7 @@ def check_engine_args(
         or not 0 < kv_memory_fraction <= 1
     ):
         raise ValueError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction=}")
-    if kv_cache_dtype != "auto":
-        kv_cache_dtype = dtype_name(kv_cache_dtype, kv=True)
+    kv_cache_dtype = _kv_cache_dtype(kv_cache_dtype)
     # The cache geometry and the scheduler's limits (the real ones need the model's config).
     pages = 1 if num_pages is None else num_pages
     CacheConfig(page_size, pages)
@@ -132,16 +131,44 @@ def model_limits(
     them), and the cache's dtype ("auto": the model's).
 
     Raises:
-      ValueError: `max_model_len` outside [2, max_position_embeddings], or an FP8 cache
-        for a float16 model.
+      ValueError: `max_model_len` outside [2, max_position_embeddings], an FP8 cache
+        for a float16 model, or a cache of another unquantised dtype than the model's
+        (the steps read only the model's dtype or FP8 pages, `step_checks.check_cache`).
     """
     limit = cfg.max_position_embeddings
     if max_model_len is not None:
         _check_max_model_len(max_model_len, limit)
     kv_dtype = cfg.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-    if kv_dtype == "float8_e4m3fn" and cfg.dtype == "float16":  # kernels upcast to q's
-        raise ValueError(f"an fp8 KV cache needs a bfloat16 or float32 model, got {cfg.dtype}")
+    if dtype_size(kv_dtype) == 1:  # FP8: the kernels upcast its tiles to q's dtype
+        if cfg.dtype == "float16":
+            raise ValueError(
+                f"an fp8 KV cache needs a bfloat16 or float32 model, got {cfg.dtype} "
+                "(LLM(dtype='bfloat16') loads it as bfloat16)"
+            )
+    elif kv_dtype != cfg.dtype:
+        raise ValueError(
+            f"kv_cache_dtype={kv_dtype!r} for a {cfg.dtype} model: the cache holds the "
+            "model's dtype ('auto') or fp8 (LLM(dtype=...) changes the model's)"
+        )
     return (limit if max_model_len is None else int(max_model_len)), kv_dtype
+
+
+def _kv_cache_dtype(value) -> str:
+    """`kv_cache_dtype` as "auto" or a KV dtype's canonical name (`CacheConfig`'s).
+
+    vLLM's "fp8" and "fp8_e4m3" are float8_e4m3fn; its "fp8_e5m2", "fp8_inc" and the
+    scaled formats have no pages here, and the message names the argument (`LLM` also
+    takes `dtype`, the model's).
+    """
+    if isinstance(value, str) and value == "auto":
+        return value
+    try:
+        return dtype_name(value, kv=True)
+    except (ValueError, TypeError):  # (numpy's TypeError for an int)
+        raise ValueError(
+            "kv_cache_dtype must be 'auto', 'fp8' ('fp8_e4m3': float8_e4m3fn pages) or the "
+            f"model's dtype by name, got {value!r}"
+        ) from None
 
 
 def _check_max_model_len(max_model_len: int, limit: int) -> None:
