@@ -385,7 +385,7 @@ def generate(
       backend, interpret: attention backend (see `prefill_step`).
       buckets: padding floors for the step shapes.
       return_logits: also return the logits of every generated token.
-      kv_cache_dtype: the cache's storage dtype (default the model's; "fp8": see
+      kv_cache_dtype: the cache's storage dtype (None or "auto": the model's; "fp8": see
         `pagedjax.cache`).
       lora, lora_slots: LoRA adapters on the device (`pagedjax.lora.LoRAWeights`) and
         each prompt's slot among them (0: none; default all 0).
@@ -458,7 +458,8 @@ def generate(
     per_seq = -(-(max(len(p) for p in prompts) + max_new_tokens) // page_size)
     # Rounded up so that runs with similar batches share compiled programs.
     num_pages = bucket_size(1 + len(prompts) * per_seq, 16)
-    cache_cfg = CacheConfig(page_size, num_pages, kv_cache_dtype or cfg.dtype)
+    auto = kv_cache_dtype is None or (isinstance(kv_cache_dtype, str) and kv_cache_dtype == "auto")
+    cache_cfg = CacheConfig(page_size, num_pages, cfg.dtype if auto else kv_cache_dtype)
     pages = [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(len(prompts))]
     chunk_len = prefill_chunk or max(len(p) for p in prompts)
 

@@ -129,9 +129,10 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
         (already sharded ones keep their mesh). ValueError if there are fewer devices,
         if it does not divide the query heads and MLP width, or if it neither divides
         nor is a multiple of the kv heads.
-      kv_cache_dtype: "auto" (the model's dtype) or "fp8" (`float8_e4m3fn` pages: twice
-        the tokens in the same memory, half the K/V bytes a decode step reads; values
-        rounded to FP8 without scales, see `pagedjax.cache`).
+      kv_cache_dtype: "auto" (the model's dtype, also given by name) or "fp8" (vLLM's
+        "fp8_e4m3" too: `float8_e4m3fn` pages, twice the tokens in the same memory, half
+        the K/V bytes a decode step reads; values rounded to FP8 without scales, see
+        `pagedjax.cache`). Another dtype is a ValueError before the cache is allocated.
       async_scheduling: dispatch each step before the previous one's tokens reach the
         host (the device feeds them), so that applying them overlaps the device; a
         sequence that stops computes one more token, discarded. False: the host applies

@@ -190,8 +190,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=("auto", "fp8"),
-        help="KV page storage: the model's dtype, or FP8 (twice the tokens per byte)",
+        choices=("auto", "fp8", "fp8_e4m3"),
+        help="KV page storage: the model's dtype, or FP8 (float8_e4m3fn, vLLM's fp8 and "
+        "fp8_e4m3: twice the tokens per byte)",
     )
     p.add_argument("--backend", default="auto", choices=("auto", "gpu", "tpu", "xla"))
     p.add_argument(

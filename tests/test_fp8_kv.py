@@ -119,6 +119,9 @@ def test_decode_generate_matches_the_fp8_dense_model(params, dense):
         assert err < 1e-5 and off > 1e-3, (err, off)  # FP8 rounding shows, and only it
     with pytest.raises(ValueError, match="'int4'"):
         decode.generate(params, prompts, max_new_tokens=2, kv_cache_dtype="int4")
+    # "auto" is the model's dtype, as LLM reads it (it was refused as a dtype name).
+    auto = decode.generate(params, prompts, max_new_tokens=2, kv_cache_dtype="auto")
+    assert auto.tokens == decode.generate(params, prompts, max_new_tokens=2).tokens
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -319,3 +319,9 @@ def test_a_ctrl_c_exits_at_once_with_its_output_flushed(monkeypatch):
     with pytest.raises(SystemExit) as e:  # any other status: the usual exit
         gen.exit_with(2)
     assert e.value.code == 2 and len(calls) == 3
+
+
+def test_kv_cache_dtype_takes_vllms_fp8_e4m3():
+    """vLLM's spelling of the FP8 cache, which LLM takes, was an invalid choice."""
+    args = gen.build_parser().parse_args(["--kv-cache-dtype", "fp8_e4m3"])
+    assert cli.engine_kwargs(args)["kv_cache_dtype"] == "fp8_e4m3"
