@@ -97,7 +97,7 @@ class StepBatch:
         self.page_size, self.bm = ps, block_manager
         n = len(rows)
         q_lens = [r.num_tokens for r in rows]
-        self.decode = all(q == 1 for q in q_lens)
+        self.decode = q_lens.count(1) == n
         total = sum(q_lens)
         b = decode.bucket_size(n, bk.min_seqs)
         t = b if self.decode else decode.bucket_size(total, bk.min_tokens)
@@ -135,17 +135,22 @@ class StepBatch:
         # halves the packing time.
         starts, ctx, sampled, decoding, decoding_ids = [], [], [], [], []
         temp, top_k, top_p, min_p, seeds, steps = [], [], [], [], [], []
+        # Per SamplingParams (rows of one request, often of one `generate` call, share
+        # it): whether it has penalties, and constraints of its own (frozen params).
+        flags: dict[int, tuple[bool, bool]] = {}
         off = 0
         for i, r in enumerate(rows):
             starts.append(off)
             q = r.num_tokens
             ctx.append(r.start + q)
-            if r.group.atomic:
-                w = r.group.request.params.beam_width
-                k = num_candidates(w, len(r.group.request.stop_ids))
-                self.top_k_needed = max(self.top_k_needed, k, r.group.request.params.logprobs or 0)
+            g = r.group
+            if g.atomic:
+                w = g.request.params.beam_width
+                k = num_candidates(w, len(g.request.stop_ids))
+                self.top_k_needed = max(self.top_k_needed, k, g.request.params.logprobs or 0)
             elif r.samples:
-                params = r.group.request.params
+                req = g.request
+                params = req.params
                 if params.logprobs is not None:  # (logprobs=0: the smallest top-k's step
                     # still computes the token's rank)
                     self.top_k_needed = max(self.top_k_needed, params.logprobs, 1)
@@ -154,21 +159,21 @@ class StepBatch:
                 top_k.append(params.top_k)
                 top_p.append(params.top_p)
                 min_p.append(params.min_p)
-                if params.penalised:
+                f = flags.get(id(params))
+                if f is None:
+                    own = params.allowed_token_ids is not None or bool(params.bad_words)
+                    f = flags[id(params)] = (params.penalised, own)
+                if f[0]:
                     self.penalised.append(i)
-                if (
-                    r.group.request.banned is not None
-                    or params.allowed_token_ids is not None
-                    or params.bad_words
-                    or r.group.request.guide is not None
-                ):
+                if f[1] or req.banned is not None or req.guide is not None:
                     self.biased.append(i)
                 seeds.append(r.seq.seed)
                 steps.append(r.start + q - r.seq.num_prompt_tokens)
-            if r.decode and not r.group.atomic:
-                decoding.append(i)
-                decoding_ids.append(r.seq.seq_id)
-            elif not r.decode:
+            if r.decode:
+                if not g.atomic:
+                    decoding.append(i)
+                    decoding_ids.append(r.seq.seq_id)
+            else:
                 self.positions[off : off + q] = np.arange(r.start, r.start + q)
                 self.token_ids[off : off + q] = r.seq.token_ids[r.start : r.start + q]
                 self.slot_mapping[off : off + q] = r.slots
@@ -183,6 +188,7 @@ class StepBatch:
         self.starts[n:] = off
         self.context_lens[:n] = ctx
         if sampled:
+            sampled = np.array(sampled)  # (once: each store would convert the list again)
             self.temperature[sampled] = temp
             self.top_k[sampled] = top_k
             self.top_p[sampled] = top_p
@@ -247,6 +253,7 @@ class StepBatch:
             self.page_table[beam_rows] = 0
             self.page_table[beam_rows, : tables.shape[1]] = tables
         if idx:
+            idx = np.array(idx)  # (once: each indexing would convert the list again)
             offs = self.starts[idx]
             pos_arr = np.asarray(pos, np.int32)
             slot_arr = np.asarray(slots, np.int32)
@@ -256,8 +263,10 @@ class StepBatch:
             self.context_lens[idx] = pos_arr + 1
             # The page that holds the new token: new, copied, or the same as before.
             self.page_table[idx, pos_arr // self.page_size] = slot_arr // self.page_size
-            self.seeds[sampled] = seeds
-            self.steps[sampled] = steps
+            if sampled:
+                sampled = np.array(sampled)
+                self.seeds[sampled] = seeds
+                self.steps[sampled] = steps
         if fed:
             self.token_src[self.starts[fed]] = fed_from
         k = pk = 0

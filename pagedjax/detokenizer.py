@@ -15,7 +15,7 @@ specially (SentencePiece's leading-space strip) see the same context every time.
 
 It is apart from `pagedjax.tokenizer` (loading, special tokens, encoding, chat) because
 it is a state machine over a finished tokenizer's decode: it reads a `Tokenizer`'s HF
-`tokenizer`, `_context`, `_check_ids`, `_byte_ids` and `_special_ids`, and imports
+`tokenizer`, `vocab_size`, `_context`, `_check_ids`, `_byte_ids` and `_special_ids`, and imports
 nothing from that module at run time, so `tokenizer.py` imports it without a cycle.
 `_byte_fallback_ids` and `_byte_run` find the byte runs; `Tokenizer._context` uses
 `_byte_run` too.
@@ -95,8 +95,11 @@ class StreamDecoder:
 
         Ids past the vocabulary are dropped (not kept in `ids`): they decode to "".
         """
-        new = token_ids if isinstance(token_ids, Iterable) else [token_ids]
-        self._ids.extend(self._tok._check_ids(new))
+        if type(token_ids) is int and 0 <= token_ids < self._tok.vocab_size:
+            self._ids.append(token_ids)  # the engine's case, one valid id: no batch checks
+        else:
+            new = token_ids if isinstance(token_ids, Iterable) else [token_ids]
+            self._ids.extend(self._tok._check_ids(new))
         window = self._ids[self._prefix :]
         text = self._decode(window)
         held = _byte_run(self._tok, window, self._skip)

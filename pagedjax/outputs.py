@@ -181,10 +181,14 @@ class OutputProcessor:
             self._prompt_logprobs(plan, *targets)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()  # Python scalars, at once
         now = perf_counter()
-        rows = [
+        running = SeqStatus.RUNNING
+        rows = [  # (`r.live`, inlined)
             i
             for i, r in enumerate(plan.rows)
-            if r.samples and r.live and r.seq.status is SeqStatus.RUNNING
+            if r.samples
+            and r.seq is not None
+            and r.group.epoch == r.epoch
+            and r.seq.status is running
         ]
         # Values of tokens an asynchronous commit already fed on (before any stop frees).
         self.scheduler.set_tokens([plan.rows[i].seq for i in rows], [tokens[i] for i in rows])
@@ -328,14 +332,18 @@ class OutputProcessor:
         # Only an occurrence that ends past what this text shares with the previous
         # token's: that was searched already, or min_tokens let its occurrences through.
         old -= base
-        old += len(os.path.commonprefix([held, tail[old:]]))
+        if held:
+            old += len(os.path.commonprefix([held, tail[old:]]))
         if len(tail) <= old:
             return None
         # Of several, the first completed wins (ending first, then starting first): what
         # a check after every character would stop on, so neither how the text splits
         # into tokens nor the list's order changes the cut.
-        found = ((tail.find(x, max(0, old - len(x) + 1)), x) for x in req.params.stop)
-        hits = [(i + len(x), i, x) for i, x in found if i >= 0]
+        hits = []
+        for x in req.params.stop:
+            i = tail.find(x, max(0, old - len(x) + 1))
+            if i >= 0:
+                hits.append((i + len(x), i, x))
         if not hits:
             return None
         _, i, stop = min(hits, key=lambda h: h[:2])

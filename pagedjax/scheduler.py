@@ -275,13 +275,21 @@ class Scheduler(RequestsMixin):
         budget = self.max_num_batched_tokens - len(rows)
         plan = StepPlan(rows)
 
-        for g in self.running:
-            for s in list(g.seqs):
-                if budget == 0:
-                    break
-                if s.status is SeqStatus.RUNNING and s.num_computed < s.num_admitted:
-                    budget -= self._prefill_chunk(plan, g, s, budget)
+        # Running sequences mid-prefill, found first: a chunk changes only its own
+        # sequence (and forks samples that are not among them).
+        chunks = [
+            (g, s)
+            for g in self.running
+            for s in g.seqs
+            if s.num_computed < s.num_admitted and s.status is SeqStatus.RUNNING
+        ]
+        for g, s in chunks:
+            if budget == 0:
+                break
+            budget -= self._prefill_chunk(plan, g, s, budget)
 
+        if not self.waiting or budget <= 0:
+            return plan
         seats = sum(g.seats for g in self.running)
         # The adapters running, where their number is limited.
         loras = set() if self.max_loras is None else {g.lora_id for g in self.running} - {0}
@@ -476,13 +484,14 @@ class Scheduler(RequestsMixin):
                 for r in plan.rows:
                     if r.group is victim:
                         r.seq = None
-        for i, (r, s) in enumerate(zip(live, seqs, strict=True)):
+        # Each row's slot as a [1] view (iterating the [B, 1] array beats B slicings).
+        for r, s, slot, t in zip(live, seqs, list(slots.reshape(-1, 1)), toks, strict=True):
             s.num_admitted += 1
             s.num_computed += 1
             s.pending += 1
             r.start = s.num_admitted - 1
-            r.slots = slots[i : i + 1]
-            r.feed = toks[i] < 0
+            r.slots = slot
+            r.feed = t < 0
         plan.copies = copies
         plan.committed = True
         self._open = False

@@ -25,7 +25,9 @@ Measures microseconds per operation on this CPU:
   device time plus the exposed host phases) and asynchronous (the engine's default:
   about the larger of the device time and the whole host step).
   `--engine-penalties` gives every request repetition, presence and frequency
-  penalties, whose histories `finish` packs (prompt and generated tokens per row).
+  penalties, whose histories `finish` packs (prompt and generated tokens per row);
+  `--engine-stop`, a stop string that never matches, so that `apply` runs every token
+  through its sequence's incremental detokenizer and the stop-string search.
 
 Each figure is the best (lowest) mean over ``--repeats`` rounds, so that other load on a
 shared machine inflates it less; ``--clock cpu`` counts only this process's CPU time.
@@ -271,9 +273,13 @@ def _engine(args, batch: int, async_scheduling: bool):
 
 
 def _penalties(args) -> dict:
-    if not args.engine_penalties:
-        return {}
-    return dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.2)
+    """The engine requests' optional sampling params: `--engine-penalties`, `--engine-stop`."""
+    out = {}
+    if args.engine_penalties:
+        out |= dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.2)
+    if args.engine_stop:  # (random tokens never spell it: every request runs to max_tokens)
+        out |= dict(stop=["<a stop string never generated>"])
+    return out
 
 
 def bench_engine(args, rng, batch: int) -> dict[str, float]:
@@ -465,6 +471,11 @@ def main(argv=None) -> dict:
         "--engine-penalties",
         action="store_true",
         help="engine requests with repetition, presence and frequency penalties",
+    )
+    parser.add_argument(
+        "--engine-stop",
+        action="store_true",
+        help="engine requests with a stop string (never matched): every token detokenized",
     )
     parser.add_argument("--engine-steps", type=int, default=64, help="tokens per request")
     parser.add_argument("--iters", type=int, default=50, help="operations per round")

@@ -16,7 +16,7 @@ def test_bench_host_json(capsys):
     originals = (decode.decode_step, decode.prefill_step, batch.StepBatch.finish)
     argv = "--json --prompt-len 100 --context-len 40 --batch 3 5 --steps 20 --iters 3 --repeats 2"
     argv += " --engine-batch 4 --engine-prompt-len 8 --engine-steps 6 --params-preset tiny"
-    argv += " --dispatch-layers 2 --dispatch-batch 4 --device-ms 3"
+    argv += " --dispatch-layers 2 --dispatch-batch 4 --device-ms 3 --engine-stop"
     import jax
 
     originals += (jax.device_get,)
@@ -39,4 +39,4 @@ def test_bench_host_json(capsys):
     assert us["overlap_sync_b4_d3ms"] >= 3000
     assert us["overlap_async_b4_d3ms"] >= 2000
     assert all(v > 0 for v in us.values()), us
-    assert out["config"]["batch"] == [3, 5]
+    assert out["config"]["batch"] == [3, 5] and out["config"]["engine_stop"] is True
