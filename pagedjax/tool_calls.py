@@ -36,7 +36,8 @@ schemas, so `parameters` need only be a JSON object (of type "object" if it name
 all).
 
 Parsers ("auto"), as vLLM's of the same names; a text they cannot parse is the content,
-whole:
+whole (JSON is RFC 8259's: NaN and Infinity, which vLLM's Python json reads and writes
+back into arguments no JSON parser takes, make a text no calls):
 
 - "hermes" (Qwen2.5, Qwen3, Hermes 2 Pro): each `<tool_call>{"name": ..., "arguments":
   ...}</tool_call>` (the last may be unclosed) is a call; the content is the text before
@@ -49,9 +50,11 @@ whole:
   text that starts with an object can be calls, so no text is lost.
 
 Names are not checked against the tools, as in vLLM: a call of an unknown function is
-answered as the model wrote it, for the client to refuse. Each call is `{"id":
+answered as the model wrote it, for the client to refuse (but a name with a lone
+surrogate escape, `"\\ud800"`, is no text: no call). Each call is `{"id":
 "chatcmpl-tool-<32 hex digits>", "type": "function", "function": {"name", "arguments": a
-JSON string}}`.
+JSON string}}`, the arguments as vLLM writes them (`json.dumps`, non-ASCII kept; a lone
+surrogate kept escaped, UTF-8 having none), whatever their JSON type.
 
 Streaming (`ToolStream`, one per choice): under "auto" the text streams as content until
 a call could be starting (hermes: up to `<tool_call>`, an end that could begin it held
@@ -104,23 +107,49 @@ def tool_call(name: str, arguments: str) -> dict:
     )
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+# Python's json reads NaN and Infinity, which JSON has not: written back, they would make
+# arguments that JSON parsers refuse, so a text that holds them is no call.
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _loads(text: str):
     """The JSON value of `text`, or None if it is none."""
     try:
-        return json.loads(text)
+        return _DECODER.decode(text)
     except (ValueError, RecursionError):
         return None
 
 
 def _dumps(value) -> str:
-    return json.dumps(value, ensure_ascii=False)
+    """`value` as vLLM writes arguments (json.dumps, non-ASCII kept), but for a lone
+    surrogate (the text's `"\\ud800"`), which stays escaped: UTF-8 cannot carry it."""
+    text = json.dumps(value, ensure_ascii=False)
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m[0]):04x}", text)
 
 
 def _is_call(obj, *keys: str) -> bool:
-    """`obj` is a parsed call: an object with a string "name" and one of `keys`."""
+    """`obj` is a parsed call: an object with a string "name" (text, no lone surrogate)
+    and one of `keys`."""
     return (
-        isinstance(obj, dict) and isinstance(obj.get("name"), str) and any(k in obj for k in keys)
+        isinstance(obj, dict)
+        and isinstance(obj.get("name"), str)
+        and not _SURROGATE.search(obj["name"])
+        and any(k in obj for k in keys)
     )
+
+
+def _call(obj: dict, key: str) -> dict | None:
+    """The call of a parsed `_is_call` object with its `key` value as arguments, or None
+    when they are nested too deep to write back (deeper than the decoder read them)."""
+    try:
+        return tool_call(obj["name"], _dumps(obj[key]))
+    except RecursionError:
+        return None
 
 
 # ------------------------------------------------------------------------------ parsers
@@ -134,9 +163,9 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict]] | None:
     calls = []
     for closed, unclosed in _HERMES.findall(text):
         obj = _loads(closed or unclosed)
-        if not _is_call(obj, "arguments"):
+        if not (_is_call(obj, "arguments") and (call := _call(obj, "arguments"))):
             return None
-        calls.append(tool_call(obj["name"], _dumps(obj["arguments"])))
+        calls.append(call)
     return text[: text.find(HERMES_START)] or None, calls
 
 
@@ -163,16 +192,17 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[dict]] | None:
     s = _after_python_tag(text)
     if not s.startswith("{"):
         return None
-    decoder, calls, i = json.JSONDecoder(), [], 0
+    calls, i = [], 0
     while i < len(s):
         try:
-            obj, i = decoder.raw_decode(s, i)
+            obj, i = _DECODER.raw_decode(s, i)
         except (ValueError, RecursionError):
             return None
         if not _is_call(obj, "arguments", "parameters"):
             return None
-        args = obj["arguments"] if "arguments" in obj else obj["parameters"]
-        calls.append(tool_call(obj["name"], _dumps(args)))
+        if not (call := _call(obj, "arguments" if "arguments" in obj else "parameters")):
+            return None
+        calls.append(call)
         i = _WS.match(s, i).end()
         if i < len(s):
             if s[i] != ";":
@@ -279,8 +309,9 @@ class ToolRequest:
             return "", [tool_call(self.name, text)], finish_reason
         if self.choice == "required":
             items = _loads(text)
-            if isinstance(items, list) and items and all(_is_call(x, "parameters") for x in items):
-                calls = [tool_call(x["name"], _dumps(x["parameters"])) for x in items]
+            is_calls = isinstance(items, list) and all(_is_call(x, "parameters") for x in items)
+            calls = [_call(x, "parameters") for x in items] if is_calls else []
+            if calls and all(calls):
                 finish = "tool_calls" if finish_reason == "stop" else finish_reason
                 return "", calls if self.parallel else calls[:1], finish
         elif self.choice == "auto" and (parsed := PARSERS[self.parser].parse(text)):
