@@ -29,6 +29,7 @@ if _O0 not in os.environ.get("XLA_FLAGS", ""):
 # its place.
 LONG_MODULES = (
     "test_tensor_parallel.py",  # tp = 1..8 in a subprocess: ~60 s, ~45 s in -m slow
+    "test_engine_fuzz.py",  # -m slow: three seeded fuzzes of 40-80 s each; 25 s by default
     "test_readme.py",  # three README examples, 14-21 s each
     "test_blocks.py",  # -m slow: the state machines, 29 s (sha256)
     "test_demo_model.py",  # -m slow: long interpreted-kernel runs, 20 s
