@@ -54,6 +54,9 @@ READ_TIMEOUT_S = 60.0
 # Connections served at once (a thread each); more get a 503. Above vLLM's default
 # max_num_seqs (256), so that a benchmark's concurrent clients queue in the engine.
 MAX_CONNECTIONS = 1024
+# Linux's poll event for a peer that closed its side (0 elsewhere: a peek finds the end,
+# unless bytes it sent first are unread).
+_POLLRDHUP = getattr(select, "POLLRDHUP", 0)
 
 
 class ClientGone(Exception):
@@ -407,9 +410,12 @@ class HttpIO(BaseHTTPRequestHandler):
         # sockets get, and every request waiting on one failed with a 500. And a poll
         # first: a peek at a socket with a timeout waits that long for a byte.
         poller = select.poll()
-        poller.register(self.connection, select.POLLIN)
-        if not poller.poll(0):
+        poller.register(self.connection, select.POLLIN | _POLLRDHUP)
+        ready = poller.poll(0)
+        if not ready:
             return False  # nothing to read: still connected
+        if ready[0][1] & (_POLLRDHUP | select.POLLHUP | select.POLLERR):
+            return True  # its end came, even behind bytes it sent first (a pipelined request)
         try:
             return self.connection.recv(1, socket.MSG_PEEK) == b""
         except OSError:

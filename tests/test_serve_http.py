@@ -208,6 +208,27 @@ def test_clients_on_descriptors_over_1024_are_served_and_watched(server, ref, mo
             os.close(fd)
 
 
+def test_a_client_that_leaves_after_pipelining_its_next_request_is_aborted(server, monkeypatch):
+    """A client was seen to go only by a peek that read its connection's end: one that
+    had sent more (its next request, pipelined) before it closed was taken for
+    connected, and its request ran to max_tokens, its pages held, for no one."""
+    monkeypatch.setattr(http_server, "POLL_S", 0.001)  # check the client at every wait
+    before, aborted = engine_state(server), server.engine.num_aborted
+    data = json.dumps(dict(prompt="while True:", max_tokens=300, ignore_eos=True)).encode()
+    with socket.create_connection(server.server_address[:2], timeout=60) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(data))
+        s.sendall(data)
+        deadline = time.monotonic() + 30
+        while not engine_state(server)[0] and time.monotonic() < deadline:
+            time.sleep(0.01)  # until it is in the engine (its body read)
+        s.sendall(b"GET /health HTTP/1.1\r\n\r\n")  # unread until the answer: then gone
+    deadline = time.monotonic() + 30
+    while (state := engine_state(server))[:2] != (False, 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert state[:2] == (False, 0) and server.engine.num_aborted == aborted + 1
+    assert state[2] - before[2] < 300  # it did not run to the end
+
+
 def fail_at_token(monkeypatch, llm, n: int) -> list:
     """Makes the engine's n-th accepted token from now raise inside the real `LLM.step`
     (so the engine's own recovery runs), once; returns a list that records it."""
