@@ -136,9 +136,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import contextlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -530,17 +528,5 @@ def main(argv=None) -> int:
             return cli.stdout_closed()
 
 
-def exit_with(rc: int) -> None:
-    """Exits with status `rc`; after a Ctrl-C (130) at once, stdout and stderr flushed:
-    Python's shutdown then crashed now and then (SIGSEGV, status 139 instead of 130, a
-    Ctrl-C landing while jax ran a step; seen on the CPU), so it is skipped."""
-    if rc != 130:
-        sys.exit(rc)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
-    os._exit(rc)
-
-
 if __name__ == "__main__":
-    exit_with(main())
+    cli.exit_with(main())

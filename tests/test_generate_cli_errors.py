@@ -308,16 +308,16 @@ def test_a_prompts_file_given_twice_is_bad_input(ckpt, tmp_path, capsys):
 
 
 def test_a_ctrl_c_exits_at_once_with_its_output_flushed(monkeypatch):
-    """After a Ctrl-C mid-step, Python's shutdown crashed now and then (SIGSEGV: status
-    139, not 130); the script exits without it, stdout and stderr flushed first."""
+    """After a Ctrl-C mid-compile, Python's shutdown crashed now and then (SIGSEGV: status
+    139, not 130); the scripts exit without it, stdout and stderr flushed first."""
     calls = []
-    monkeypatch.setattr(gen.os, "_exit", lambda rc: calls.append(("exit", rc)))
+    monkeypatch.setattr(cli.os, "_exit", lambda rc: calls.append(("exit", rc)))
     monkeypatch.setattr("sys.stdout.flush", lambda: calls.append("stdout"))
     monkeypatch.setattr("sys.stderr.flush", lambda: calls.append("stderr"))
-    gen.exit_with(130)
+    cli.exit_with(130)
     assert calls == ["stdout", "stderr", ("exit", 130)]
     with pytest.raises(SystemExit) as e:  # any other status: the usual exit
-        gen.exit_with(2)
+        cli.exit_with(2)
     assert e.value.code == 2 and len(calls) == 3
 
 
