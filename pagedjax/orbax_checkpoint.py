@@ -18,7 +18,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -127,6 +129,8 @@ def save_params(params: Params, path, *, overwrite: bool = False, extra_files=()
     Args:
       params: the model; its `config` is stored beside the arrays.
       path: the checkpoint directory; must not exist (or be empty) unless `overwrite`.
+        A symlink's target is written (the link kept); the directory keeps its mode, or
+        a new one gets the umask's (not a temporary directory's 0700).
       overwrite: replace an existing pagedjax orbax checkpoint at `path`. A non-empty
         directory that is not one is never removed.
       extra_files: paths of files copied into the checkpoint under their own names
@@ -143,7 +147,7 @@ def save_params(params: Params, path, *, overwrite: bool = False, extra_files=()
     )
     if clash:
         raise ValueError(f"extra_files: {clash} named twice or as the checkpoint's own files")
-    root = Path(path).absolute()
+    root = Path(path).resolve()  # a symlink's target is replaced, not the link
     replace = root.exists() and any(root.iterdir())
     if replace:
         if not overwrite:
@@ -152,6 +156,10 @@ def save_params(params: Params, path, *, overwrite: bool = False, extra_files=()
             raise FileExistsError(f"refusing to overwrite {root}: not a pagedjax checkpoint")
     root.parent.mkdir(parents=True, exist_ok=True)
     new = Path(tempfile.mkdtemp(prefix=f".{root.name}.saving-", dir=root.parent))
+    # mkdtemp's 0700 would shut other users (a server's) out: root's mode, else the umask's
+    umask = os.umask(0)
+    os.umask(umask)
+    new.chmod(stat.S_IMODE(root.stat().st_mode) if root.is_dir() else 0o777 & ~umask)
     old = new.with_name(new.name.replace(".saving-", ".replaced-"))
     try:
         with ocp.StandardCheckpointer() as ckptr:

@@ -402,9 +402,16 @@ def main(argv=None) -> int:
                 + ")"
             )
         args.dtype = dtype_name(args.dtype or "bfloat16", kv=True)
+        if args.seq_len < 2:  # (the library's plan takes them: no K/V, no sequence count)
+            raise ValueError(
+                f"--seq-len must be >= 2, got {args.seq_len}: a sequence of N tokens writes "
+                "the K/V of N - 1"
+            )
         gb = args.memory_gb
         if gb is not None and not (math.isfinite(gb) and gb >= 0):
             raise ValueError(f"--memory-gb must be a finite number >= 0, got --memory-gb {gb}")
+        if gb is not None and not math.isfinite(gb * GIB):
+            raise ValueError(f"--memory-gb {gb} is too large")
         memory = None if gb is None else int(gb * GIB)
         p = plan(
             layers=args.layers,
@@ -420,17 +427,21 @@ def main(argv=None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             watermark=args.watermark,
         )
+        if args.json:
+            out = {"model": args.model, "dtype": args.dtype, "batch": args.batch}
+            out.update(seq_len=args.seq_len, layers=args.layers, kv_heads=args.kv_heads)
+            out.update(head_dim=args.head_dim, **asdict(p))
+            out["kv_cache_gib"] = p.kv_cache_bytes / GIB
+            text = json.dumps(out)
+        else:
+            text = _format(p, args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.json:
-        out = {"model": args.model, "dtype": args.dtype, "batch": args.batch}
-        out.update(seq_len=args.seq_len, layers=args.layers, kv_heads=args.kv_heads)
-        out.update(head_dim=args.head_dim, **asdict(p))
-        out["kv_cache_gib"] = p.kv_cache_bytes / GIB
-        print(json.dumps(out))
-    else:
-        print(_format(p, args))
+    except OverflowError as e:  # (ints beyond a float's range, as GiB or a fraction)
+        print(f"error: the numbers are too large to plan for: {e}", file=sys.stderr)
+        return 2
+    print(text)
     return 0
 
 

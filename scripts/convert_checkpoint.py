@@ -16,14 +16,17 @@ error.
 then serves the adapted model with no LoRA at run time. The adapter is read and
 checked against HF_DIR's config before the model loads.
 
-Bad input (a missing or broken HF_DIR, a refused OUT_DIR) ends with one line on stderr
-and exit status 2, as generate.py's does; failing to write OUT_DIR (a full disk) with
-status 1.
+Bad input (a missing or broken HF_DIR, a refused OUT_DIR, one in a directory it may not
+write in) ends with one line on stderr and exit status 2, as generate.py's does; failing
+to write OUT_DIR (a full disk) with status 1, and a Ctrl-C with status 130: either leaves
+OUT_DIR as it was (the checkpoint is written beside it and moved into place whole).
+OUT_DIR a symlink: the checkpoint it points to is replaced, the link kept.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -45,6 +48,8 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
     above = next(p for p in out.absolute().parents if p.exists())  # (the root exists)
     if not above.is_dir():
         raise ValueError(f"OUT_DIR {out} cannot be made: {above} is not a directory")
+    if not os.access(above, os.W_OK | os.X_OK):  # the checkpoint is made in it, then moved
+        raise ValueError(f"OUT_DIR {out} cannot be made: cannot write in {above}")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise ValueError(
@@ -112,6 +117,9 @@ def main(argv=None) -> int:
         cfg, params = weights.load_hf_checkpoint(args.hf_dir, dtype=args.dtype)
         if adapter is not None:
             params = lora.merge_adapter(params, adapter)
+    except KeyboardInterrupt:
+        print(f"convert_checkpoint: interrupted; {args.out_dir} not written", file=sys.stderr)
+        return 130
     except (ValueError, TypeError, FileNotFoundError, NotADirectoryError) as e:
         print(f"convert_checkpoint: error: {one_line(e)}", file=sys.stderr)
         return 2
@@ -123,6 +131,9 @@ def main(argv=None) -> int:
         # (the tokenizer files go in before the checkpoint moves into place: with it or not)
         extra = [Path(args.hf_dir) / name for name in copied]
         weights.save_params(params, args.out_dir, overwrite=args.overwrite, extra_files=extra)
+    except KeyboardInterrupt:
+        print(f"convert_checkpoint: interrupted; {args.out_dir} left as it was", file=sys.stderr)
+        return 130
     except (ValueError, OSError) as e:
         print(
             f"convert_checkpoint: error: writing {args.out_dir} failed: {one_line(e)}",
@@ -146,4 +157,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import cli  # (scripts/, beside this file)
+
+    cli.exit_with(main())

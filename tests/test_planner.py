@@ -431,3 +431,22 @@ def test_head_row_copies_bound_xlas_sampling_temporaries():
         pytest.skip("no memory_analysis() on this backend")
     copies = (stats.temp_size_in_bytes + b * v * 4) / (b * v * 4)  # the logits count too
     assert 4 <= copies <= planner.HEAD_ROW_COPIES
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        # an OverflowError traceback (int(inf)), as --memory-gb inf was
+        (["--memory-gb", "1e300"], "--memory-gb 1e+300 is too large"),
+        # "None sequences of 1 tokens at their peak at once (129762 pages // 0)"
+        (["--seq-len", "1", "--memory-gb", "1"], "--seq-len must be >= 2, got 1"),
+        (["--seq-len", "0"], "--seq-len must be >= 2, got 0"),
+        # an OverflowError traceback (the cache's size in GiB as a float)
+        (["--seq-len", "9" * 400, "--json"], "too large"),
+        (["--batch", "9" * 400], "too large"),
+    ],
+)
+def test_cli_bad_values_are_one_line_errors(argv, want, capsys):
+    assert planner.main(["--model", "tiny", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and want in err, err

@@ -343,3 +343,101 @@ def test_convert_round_trip_dtype_overwrite_and_serving(tmp_path, capsys, monkey
         (c,) = json.loads(capsys.readouterr().out)["outputs"][0]["completions"]
         texts.append((c["token_ids"], c["text"]))
     assert texts[0] == texts[1]
+
+
+def fake_checkpoint(path: Path) -> None:
+    """A directory --overwrite accepts as a pagedjax checkpoint, with a file to look for."""
+    from pagedjax.orbax_checkpoint import ORBAX_META_FILE
+
+    path.mkdir()
+    (path / ORBAX_META_FILE).write_text("{}")
+    (path / "old.txt").write_text("the old checkpoint")
+
+
+def test_convert_ctrl_c_is_one_line_status_130_and_keeps_the_old_checkpoint(
+    tmp_path, capsys, monkeypatch
+):
+    """A Ctrl-C printed a traceback (the old checkpoint survived it)."""
+    import shutil
+
+    from params_helpers import write_tiny_checkpoint
+
+    cli = load("convert_checkpoint", monkeypatch)
+    hf, out = tmp_path / "hf", tmp_path / "out"
+    hf.mkdir()
+    write_tiny_checkpoint(hf)
+    fake_checkpoint(out)
+
+    def interrupted(*a, **k):  # (while the tokenizer is copied: the arrays are written)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "copy2", interrupted)
+    assert cli.main([str(hf), str(out), "--overwrite"]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "interrupted" in err and str(out) in err, err
+    assert (out / "old.txt").read_text() == "the old checkpoint"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out"]
+
+
+def test_convert_overwrite_through_a_symlink_replaces_its_target_readable_by_all(
+    tmp_path, capsys, monkeypatch
+):
+    """OUT_DIR a symlink to a checkpoint: --overwrite put a new directory in the link's
+    place, left the old checkpoint where the link pointed and the link renamed beside it
+    (`.link.replaced-...`). And OUT_DIR was made mode 0700 (`tempfile.mkdtemp`'s), so
+    that no other user (a server's) could read the checkpoint."""
+    import os
+    import stat
+
+    from params_helpers import write_tiny_checkpoint
+
+    from pagedjax import weights
+
+    cli = load("convert_checkpoint", monkeypatch)
+    hf, real, link = tmp_path / "hf", tmp_path / "real", tmp_path / "link"
+    hf.mkdir()
+    write_tiny_checkpoint(hf)
+    fake_checkpoint(real)
+    real.chmod(0o755)
+    link.symlink_to(real)
+    mask = os.umask(0o022)
+    try:
+        assert cli.main([str(hf), str(link), "--overwrite"]) == 0, capsys.readouterr().err
+    finally:
+        os.umask(mask)
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert not (real / "old.txt").exists()
+    assert weights.read_orbax_config(real).num_layers == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "link", "real"]
+    assert stat.S_IMODE(real.stat().st_mode) == 0o755
+    new = tmp_path / "new"
+    mask = os.umask(0o027)
+    try:
+        assert cli.main([str(hf), str(new)]) == 0, capsys.readouterr().err
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE(new.stat().st_mode) == 0o750
+
+
+def test_convert_refuses_an_unwritable_out_dir_before_loading(tmp_path, capsys, monkeypatch):
+    """A directory it may not write in was found after the whole load (many GB)."""
+    import os
+
+    cli = load("convert_checkpoint", monkeypatch)
+    from pagedjax import weights
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded the HF checkpoint before checking OUT_DIR")
+
+    monkeypatch.setattr(weights, "load_hf_checkpoint", no_load)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: Path(p) != ro and access(p, mode))
+    for out in (ro / "out", ro / "a" / "b"):  # made in ro, or in a folder made in it
+        assert cli.main([str(hf), str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"cannot write in {ro}" in err, err
+    assert list(ro.iterdir()) == []
