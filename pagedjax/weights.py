@@ -175,7 +175,9 @@ class CheckpointError(ValueError):
       problems: every problem as one line (shape and dtype mismatches included).
     """
 
-    def __init__(self, where: str, missing, unexpected, other, *, what="does not match its config"):
+    def __init__(
+        self, where: str, missing, unexpected, other, *, what="does not match its config", hint=""
+    ):
         self.missing, self.unexpected = list(missing), list(unexpected)
         self.problems = (
             [f"missing: {m}" for m in self.missing]
@@ -188,6 +190,8 @@ class CheckpointError(ValueError):
             if len(items) > _MAX_LISTED:
                 lines.append(f"  ... and {len(items) - _MAX_LISTED} more {kind}")
         lines += [f"  {x}" for x in other]
+        if hint:  # (what to do: not one of the problems)
+            lines.append(hint)
         super().__init__("\n".join(lines))
 
 
@@ -354,8 +358,9 @@ def load_hf_checkpoint(path, *, dtype=None) -> tuple[ModelConfig, Params]:
             f"HF checkpoint {root}",
             [],
             [],
-            [*overflows, "load it in bfloat16 or float32 (dtype=...), which hold these values"],
+            overflows,
             what="does not fit in float16",
+            hint="load it in bfloat16 or float32 (dtype=...), which hold these values",
         )
     return cfg, params_from_flat(cfg, flat)
 
