@@ -47,9 +47,19 @@ Usage (from a notebook, or a web framework's handler threads):
     used = engine.call(lambda llm: llm.block_manager.stats().num_used_pages)
     engine.stop()  # unfinished requests get a 503 error event
 
-`LoRANames` is a server's table of LoRA adapters by name, which it changes while serving
-(vLLM's runtime LoRA updating) on the engine thread, consistently with the requests it
-queues there.
+A `call`'s function may pause the engine (`LLM.pause_generation`, for new weights in the
+middle of requests): the thread then waits for commands instead of stepping, until a
+`call` resumes it (`resume_generation`). Requests submitted meanwhile are queued and
+start after the resume, as vLLM's AsyncLLM queues them during a pause (an asleep engine
+refuses them: a 503 error event with its reason). What the function does to the
+thread's requests reaches their sinks as if a step had done it: the tokens it applies
+(a pause completes the step in flight) as token events, and the outputs it returns of
+those it ends (a pause's "abort" or "wait", `LLM.abort`) as done events; a request it
+ends without returning its output gets a 500 error event.
+
+`LoRANames` (`pagedjax.lora_names`, re-exported here) is a server's table of LoRA
+adapters by name, which it changes while serving (vLLM's runtime LoRA updating) on the
+engine thread, consistently with the requests it queues there.
 """
 
 from __future__ import annotations
@@ -62,10 +72,9 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from pagedjax.lora import LoRARequest
+from pagedjax.lora_names import LoRANames  # re-exported: the server's table of adapters
 
 __all__ = ["EngineStopped", "EngineThread", "LoRANames"]
 
@@ -95,6 +104,7 @@ class EngineThread:
         self._sinks: dict[str, tuple[Any, bool, bool]] = {}  # rid -> (sink, tokens, logprobs)
         self._prompts_due: set[str] = set()  # token-streamed requests' prompt logprobs not sent
         self._broken: list[str] = []  # requests whose sink raised during the current step
+        self._streamed: dict[str, dict[int, int]] = {}  # rid -> {completion index: tokens sent}
         self._lock = threading.Lock()
         self._alive = True
         self._ended = "it was stopped"  # why it takes no commands, once it does not
@@ -203,7 +213,7 @@ class EngineThread:
         commands: collections.deque = collections.deque()  # read, not yet handled
         try:
             while True:
-                if not self.llm.has_unfinished_requests():
+                if not self._stepping():
                     commands.append(self._commands.get())
                 with contextlib.suppress(queue.Empty):
                     while True:
@@ -213,7 +223,7 @@ class EngineThread:
                     if command[0] == "stop":
                         return
                     self._handle(command)
-                if self.llm.has_unfinished_requests():
+                if self._stepping():
                     self._step()
         except BaseException as e:
             self._ended = f"its thread died: {type(e).__name__}: {e}"
@@ -246,27 +256,75 @@ class EngineThread:
                         ids, params, request_id=rid, priority=p, arrival_time=arrival, **lora
                     )
                     added.append(rid)
-                    self._sinks[rid] = (sink, tokens, params.logprobs is not None)
-                    if tokens and params.prompt_logprobs is not None:
+                    # (beam search streams no tokens: its beams are known when it ends)
+                    streams = tokens and getattr(params, "beam_width", 1) == 1
+                    self._sinks[rid] = (sink, streams, params.logprobs is not None)
+                    if streams and params.prompt_logprobs is not None:
                         self._prompts_due.add(rid)
             except Exception as e:  # noqa: BLE001  (answered, and the engine goes on)
                 for rid in added:
                     self.llm.abort(rid)
-                    self._sinks.pop(rid, None)
-                    self._prompts_due.discard(rid)
+                    self._drop(rid)
                 status = 400 if isinstance(e, (ValueError, TypeError)) else 500
+                if status == 500 and _ask(self.llm, "is_sleeping"):
+                    status = 503  # (the engine refuses requests until wake_up)
                 _send(sink, ("error", None, status, str(e)))
         elif kind == "abort":
             for rid in command[1]:
                 self._prompts_due.discard(rid)
+                self._streamed.pop(rid, None)
                 if self._sinks.pop(rid, None) is not None:
                     self.llm.abort(rid)
                     self.num_aborted += 1
         elif kind == "call":
             try:
-                command[2].put((True, command[1](self.llm)))
+                answer = (True, command[1](self.llm))
             except BaseException as e:  # noqa: BLE001  (raised again in the caller's thread,
-                command[2].put((False, e))  # SystemExit included: it is the caller's to act on)
+                answer = (False, e)  # SystemExit included: it is the caller's to act on)
+            self._settle(answer[1] if answer[0] else None)
+            command[2].put(answer)
+
+    def _stepping(self) -> bool:
+        """Whether the loop steps the engine: it has requests and is not paused (a paused
+        engine's `step` does nothing, so the thread waits for a command instead)."""
+        return self.llm.has_unfinished_requests() and not _ask(self.llm, "is_paused")
+
+    def _settle(self, result) -> None:
+        """Sends the events of what a `call`'s function did to the thread's requests, as
+        if a step had done it: the tokens it applied without `on_token` (a pause
+        completing the step in flight, "wait" running steps, `generate`), and the
+        outputs of those it finished (a pause's "abort" or "wait", `LLM.abort`), found
+        in what it returned (a `RequestOutput` or a list of them). Before the caller
+        gets its result, so that both see the same engine.
+
+        Outputs the engine holds for its next step (`reset_prefix_cache` completing the
+        step in flight) go out with one step now (a paused engine's step only returns
+        them). A request that ended in the call with its output nowhere to be found
+        (a function that aborted it and returned something else) gets a 500, so that
+        no submitter waits forever."""
+        for out in _outputs_in(result):
+            if out.finished:
+                self._finish(out)
+        scheduler = getattr(self.llm, "scheduler", None)
+        if scheduler is None:  # (a stand-in engine that shows none of its requests)
+            return
+        for rid, (_, tokens, _) in list(self._sinks.items()):
+            group = scheduler.get(rid)
+            if tokens and group is not None:
+                held = [
+                    (s.index, s.token_ids[s.num_prompt_tokens :], s.logprobs) for s in group.seqs
+                ]
+                self._catch_up(rid, held, lambda rid=rid: self._prompt_logprobs(rid))
+        self._abort_broken()
+        gone = [rid for rid in self._sinks if scheduler.get(rid) is None]
+        if gone and self.llm.has_unfinished_requests():
+            self._step()  # (returns outputs held for it; a paused engine's nothing else)
+        for rid in gone:
+            if rid in self._sinks:
+                sink = self._sinks[rid][0]
+                self._drop(rid)
+                message = "the request ended inside an EngineThread.call that kept its output"
+                _send(sink, ("error", rid, 500, message))
 
     def _step(self) -> None:
         try:
@@ -277,36 +335,79 @@ class EngineThread:
             self._fail_all(500, f"the engine step failed: {type(e).__name__}: {e}")
             return
         finally:
-            # Aborted after the step, not from inside its on_token callback.
-            broken, self._broken = self._broken, []
-            for rid in broken:
-                self.llm.abort(rid)
+            self._abort_broken()  # after the step, not from inside its on_token callback
         for out in finished:
-            if not out.finished:  # a partial output (output_kind): "token" events stream
-                continue
-            self._prompts_due.discard(out.request_id)
-            entry = self._sinks.pop(out.request_id, None)
-            if entry is not None:
-                _send(entry[0], ("done", out.request_id, out))
+            if out.finished:  # (a partial output (output_kind): "token" events stream)
+                self._finish(out)
+        self._abort_broken()
+
+    def _finish(self, out) -> None:
+        """A finished request's "done" event, after any of its tokens not streamed yet."""
+        rid = out.request_id
+        entry = self._sinks.get(rid)
+        if entry is None:
+            self._prompts_due.discard(rid)
+            return
+        if entry[1]:
+            done = [(c.index, c.token_ids, c.logprobs) for c in out.outputs]
+            if not self._catch_up(rid, done, lambda: out.prompt_logprobs):
+                return
+        self._drop(rid)
+        _send(entry[0], ("done", rid, out))
+
+    def _catch_up(self, rid: str, completions, prompt: Callable[[], list]) -> bool:
+        """Streams the tokens of request `rid` that its sink has not had yet, as steps'
+        `on_token` would have: `completions` are (index, generated token ids, their
+        logprobs entries or None); `prompt()` gives its prompt logprobs. False if its
+        sink raised (it is dropped then)."""
+        sent = self._streamed.get(rid, {})
+        for index, ids, entries in completions:
+            for i in range(sent.get(index, 0), len(ids)):
+                entry = entries[i] if entries is not None and i < len(entries) else None
+                if not self._stream(rid, index, ids[i], entry, prompt):
+                    return False
+        return True
+
+    def _drop(self, rid: str) -> None:
+        """Forgets request `rid`'s sink: it gets no further events."""
+        self._sinks.pop(rid, None)
+        self._prompts_due.discard(rid)
+        self._streamed.pop(rid, None)
+
+    def _abort_broken(self) -> None:
+        """Aborts the requests whose sink raised (on the engine, outside its step)."""
+        broken, self._broken = self._broken, []
+        for rid in broken:
+            self.llm.abort(rid)
 
     def _on_token(self, rid: str, index: int, token: int) -> None:
         entry = self._sinks.get(rid)
         if entry is None or not entry[1]:
             return
-        sink, _, logprobs = entry
+        lp = self._logprobs_entry(rid, index) if entry[2] else None
+        self._stream(rid, index, token, lp, lambda: self._prompt_logprobs(rid))
+
+    def _stream(self, rid: str, index: int, token: int, logprobs, prompt) -> bool:
+        """Sends a "token" event (after the "prompt" event, if due) to the sink of
+        token-streamed request `rid`; False if its sink raised: the request is dropped
+        and aborted (`_abort_broken`), not the whole step."""
+        sink, _, asked = self._sinks[rid]
         events = []
         if rid in self._prompts_due:
             self._prompts_due.discard(rid)
-            events.append(("prompt", rid, self._prompt_logprobs(rid)))
-        if logprobs:
-            events.append(("token", rid, index, token, self._logprobs_entry(rid, index)))
+            events.append(("prompt", rid, prompt()))
+        if asked:
+            events.append(("token", rid, index, token, logprobs))
         else:
             events.append(("token", rid, index, token))
+        sent = self._streamed.setdefault(rid, {})
+        sent[index] = sent.get(index, 0) + 1
         for event in events:
-            if not _send(sink, event):  # its caller is gone: drop it, not the whole step
-                self._sinks.pop(rid, None)
+            if not _send(sink, event):
+                self._drop(rid)
                 self._broken.append(rid)
-                return
+                return False
+        return True
 
     def _logprobs_entry(self, rid: str, index: int) -> dict[int, float]:
         """The logprobs entry of the token that `on_token` reports: `LLM.step` appends it
@@ -335,120 +436,7 @@ class EngineThread:
             _send(sink, ("error", rid, status, message))
         self._sinks.clear()
         self._prompts_due.clear()
-
-
-class LoRANames:
-    """The LoRA adapters served by name beside a model (vLLM's `--lora-modules`), which
-    `load` and `unload` change while serving (vLLM's runtime LoRA updating) through the
-    `EngineThread` that owns the `LLM` (`LLM.add_lora` / `remove_lora` on its thread).
-
-    Thread safety: `names` is replaced whole by each change, never changed in place, so a
-    reader on any thread that reads it once has a consistent snapshot. The changes and
-    `submit` hold one lock: a request is queued either before an `unload` of its adapter
-    (which then finds the adapter in use and refuses) or after it (its name is gone),
-    never with an adapter the engine has just forgotten.
-
-    Ids are never reused: an adapter loaded again, maybe rewritten at the same path, gets
-    a new id and so a new prefix-cache key (`LoRASlots.cache_key`: its id and path), and
-    never hits pages computed with the old weights.
-
-    Args:
-      model_name: the served model's name, which no adapter may take.
-      modules: `LoRARequest`s of the adapters served from the start (their reading is
-        the caller's); their names must differ from each other and from `model_name`
-        (ValueError). Adapters loaded later get ids above theirs.
-
-    Attributes:
-      names: {name: LoRARequest} of the adapters served now, in the order they came.
-    """
-
-    def __init__(self, model_name: str, modules: Iterable[LoRARequest] = ()):
-        from pagedjax.lora import LoRARequest
-
-        names: dict[str, LoRARequest] = {}
-        for r in modules:
-            if not isinstance(r, LoRARequest):
-                raise TypeError(f"lora_modules must hold pagedjax.lora.LoRARequests, got {r!r:.80}")
-            if r.lora_name == model_name:
-                raise ValueError(f"LoRA module name {r.lora_name!r} is the served model's name")
-            if r.lora_name in names:
-                raise ValueError(f"LoRA module name {r.lora_name!r} is given twice")
-            names[r.lora_name] = r
-        self.model_name = model_name
-        self.names = names
-        self._next_id = max((r.lora_int_id for r in names.values()), default=0) + 1
-        self._lock = threading.Lock()
-
-    def load(self, engine: EngineThread, name: str, path: str) -> LoRARequest:
-        """Reads the adapter at `path` into the engine, on its thread, and serves it as
-        `name` under a new id. Nothing changes if it raises.
-
-        Raises:
-          ValueError: `name` is the model's or a served adapter's, or the engine refuses
-            the adapter (LoRA not enabled, shapes that do not fit the model, a rank
-            above its max_lora_rank; the message names it).
-          FileNotFoundError: no adapter at `path`.
-          EngineStopped: the engine thread is not running.
-        """
-        from pagedjax.lora import LoRARequest
-
-        with self._lock:
-            if name == self.model_name:
-                raise ValueError(f"The lora adapter name {name!r} is the served model's name.")
-            if name in self.names:
-                raise ValueError(f"The lora adapter {name!r} has already been loaded.")
-
-            def add(llm) -> LoRARequest:
-                # Above the engine's own ids too: one added to the LLM before it was served.
-                i = max(self._next_id, max(llm.list_loras(), default=0) + 1)
-                r = LoRARequest(name, i, path)
-                llm.add_lora(r)
-                return r
-
-            # No timeout: a caller that gave up would leave the engine and `names` apart.
-            r = engine.call(add, timeout=None)
-            self._next_id = r.lora_int_id + 1
-            self.names = {**self.names, name: r}
-        return r
-
-    def unload(self, engine: EngineThread, name: str) -> LoRARequest:
-        """Stops serving adapter `name` and has the engine forget it, on its thread.
-        Nothing changes if it raises.
-
-        Raises:
-          KeyError: no adapter is served as `name`.
-          ValueError: a queued or running request uses it (unload it once they finish).
-          EngineStopped: the engine thread is not running.
-        """
-        with self._lock:
-            r = self.names.get(name)
-            if r is None:
-                raise KeyError(name)
-            try:
-                engine.call(lambda llm: llm.remove_lora(r.lora_int_id), timeout=None)
-            except ValueError:
-                raise ValueError(
-                    f"The lora adapter {name!r} is in use by a queued or running request; "
-                    "unload it once they finish."
-                ) from None
-            self.names = {k: v for k, v in self.names.items() if k != name}
-        return r
-
-    def submit(self, engine: EngineThread, requests: list[tuple], sink, *, tokens: bool, name: str):
-        """`engine.submit` of `(request id, token ids, params, priority)` requests that run
-        with adapter `name`, looked up and queued under the lock (see the class
-        docstring). Returns the adapter's `LoRARequest`.
-
-        Raises:
-          KeyError: no adapter is served as `name` (any more).
-          TypeError, EngineStopped: as `EngineThread.submit`.
-        """
-        with self._lock:
-            r = self.names.get(name)
-            if r is None:
-                raise KeyError(name)
-            engine.submit([(*req, r) for req in requests], sink, tokens=tokens)
-        return r
+        self._streamed.clear()
 
 
 def _send(sink, event) -> bool:
@@ -461,6 +449,20 @@ def _send(sink, event) -> bool:
         traceback.print_exc(file=sys.stderr)
         return False
     return True
+
+
+def _ask(llm, method: str) -> bool:
+    """`llm.<method>()` of a state the loop adapts to (`is_paused`, `is_sleeping`);
+    False for an engine without it (a stand-in)."""
+    fn = getattr(llm, method, None)
+    return fn is not None and bool(fn())
+
+
+def _outputs_in(result) -> list:
+    """The request outputs in a `call`'s result: the result itself, or the items of a
+    list or tuple, that have a `request_id` and a `finished` flag (`RequestOutput`s)."""
+    items = result if isinstance(result, (list, tuple)) else [result]
+    return [o for o in items if hasattr(o, "request_id") and hasattr(o, "finished")]
 
 
 def _check_ids(request_ids) -> list[str]:

@@ -57,12 +57,21 @@ class FakeLLM:
                     on_token(rid, 0, toks[-1])
                 if len(toks) >= params.max_tokens:
                     del self.running[rid]
-                    done = types.SimpleNamespace(request_id=rid, tokens=list(toks), finished=True)
-                    finished.append(done)
+                    finished.append(output(rid, toks, "length"))
         except BaseException:
             self.running.clear()  # LLM.step's recovery: every request is aborted
             raise
         return finished
+
+
+def output(rid: str, tokens: list[int], reason: str) -> types.SimpleNamespace:
+    """A finished `RequestOutput`'s fields that `EngineThread` reads (one completion)."""
+    done = types.SimpleNamespace(
+        index=0, token_ids=list(tokens), logprobs=None, finish_reason=reason
+    )
+    return types.SimpleNamespace(
+        request_id=rid, tokens=list(tokens), finished=True, outputs=[done], prompt_logprobs=None
+    )
 
 
 def events(sink, stop_kinds=("done", "error")):
