@@ -277,11 +277,13 @@ class EngineThread:
                     self.llm.abort(rid)
                     self.num_aborted += 1
         elif kind == "call":
+            before = _generated(self.llm)
             try:
                 answer = (True, command[1](self.llm))
             except BaseException as e:  # noqa: BLE001  (raised again in the caller's thread,
                 answer = (False, e)  # SystemExit included: it is the caller's to act on)
-            self._settle(answer[1] if answer[0] else None)
+            applied = before is None or _generated(self.llm) != before
+            self._settle(answer[1] if answer[0] else None, applied)
             command[2].put(answer)
 
     def _stepping(self) -> bool:
@@ -289,7 +291,7 @@ class EngineThread:
         engine's `step` does nothing, so the thread waits for a command instead)."""
         return self.llm.has_unfinished_requests() and not _ask(self.llm, "is_paused")
 
-    def _settle(self, result) -> None:
+    def _settle(self, result, applied: bool = True) -> None:
         """Sends the events of what a `call`'s function did to the thread's requests, as
         if a step had done it: the tokens it applied without `on_token` (a pause
         completing the step in flight, "wait" running steps, `generate`), and the
@@ -301,14 +303,15 @@ class EngineThread:
         step in flight) go out with one step now (a paused engine's step only returns
         them). A request that ended in the call with its output nowhere to be found
         (a function that aborted it and returned something else) gets a 500, so that
-        no submitter waits forever."""
+        no submitter waits forever. `applied`: whether the call applied tokens (else
+        no request's tokens are walked)."""
         for out in _outputs_in(result):
             if out.finished:
                 self._finish(out)
         scheduler = getattr(self.llm, "scheduler", None)
         if scheduler is None:  # (a stand-in engine that shows none of its requests)
             return
-        for rid, (_, tokens, _) in list(self._sinks.items()):
+        for rid, (_, tokens, _) in list(self._sinks.items()) if applied else ():
             group = scheduler.get(rid)
             if tokens and group is not None:
                 held = [
@@ -456,6 +459,14 @@ def _ask(llm, method: str) -> bool:
     False for an engine without it (a stand-in)."""
     fn = getattr(llm, method, None)
     return fn is not None and bool(fn())
+
+
+def _generated(llm) -> int | None:
+    """Tokens the engine has applied so far (None for a stand-in without metrics): a
+    `call` that changed it applied tokens that `_settle` streams (a /metrics scrape, the
+    common call, skips that walk over every request's tokens)."""
+    metrics = getattr(llm, "metrics", None)
+    return getattr(metrics, "generated_tokens", None)
 
 
 def _outputs_in(result) -> list:
