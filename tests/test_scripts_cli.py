@@ -34,7 +34,8 @@ def usage_error(fn, argv, capsys) -> str:
 # ------------------------------------------------------------------ convert_checkpoint
 
 
-def test_convert_refuses_out_dir_before_loading(tmp_path, capsys, monkeypatch):
+def convert_without_loading(monkeypatch):
+    """convert_checkpoint.py with its HF load an AssertionError: OUT_DIR is checked first."""
     cli = load("convert_checkpoint", monkeypatch)
     from pagedjax import weights
 
@@ -42,6 +43,11 @@ def test_convert_refuses_out_dir_before_loading(tmp_path, capsys, monkeypatch):
         raise AssertionError("loaded the HF checkpoint before checking OUT_DIR")
 
     monkeypatch.setattr(weights, "load_hf_checkpoint", no_load)
+    return cli
+
+
+def test_convert_refuses_out_dir_before_loading(tmp_path, capsys, monkeypatch):
+    cli = convert_without_loading(monkeypatch)
     hf = tmp_path / "hf"
     hf.mkdir()
     out = tmp_path / "out"
@@ -423,13 +429,7 @@ def test_convert_refuses_an_unwritable_out_dir_before_loading(tmp_path, capsys, 
     """A directory it may not write in was found after the whole load (many GB)."""
     import os
 
-    cli = load("convert_checkpoint", monkeypatch)
-    from pagedjax import weights
-
-    def no_load(*a, **k):
-        raise AssertionError("loaded the HF checkpoint before checking OUT_DIR")
-
-    monkeypatch.setattr(weights, "load_hf_checkpoint", no_load)
+    cli = convert_without_loading(monkeypatch)
     hf = tmp_path / "hf"
     hf.mkdir()
     ro = tmp_path / "ro"
