@@ -192,7 +192,7 @@ def _check_input_shapes(inp: StepInput) -> None:
     only, so it holds under an outer trace too."""
     shapes = {
         name: None if getattr(inp, name) is None else np.shape(getattr(inp, name))
-        for name in (*_INTS, "temperature", "top_p", "min_p", "positions", "slot_mapping")
+        for name in (*_INTS, "temperature", "top_p", "min_p")
     }
     t_shape, table = shapes["token_ids"], shapes["page_table"]
     if len(t_shape) != 1 or len(table) != 2:
