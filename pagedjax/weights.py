@@ -195,6 +195,12 @@ class CheckpointError(ValueError):
         super().__init__("\n".join(lines))
 
 
+def _leaves_directory(fname: str) -> bool:
+    """Whether a path from a checkpoint directory points outside it: absolute, or with a
+    ".." part."""
+    return fname.startswith("/") or ".." in fname.split("/")
+
+
 def _checkpoint_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
     """The safetensors files of an HF directory and the index's weight map, if any.
 
@@ -210,6 +216,14 @@ def _checkpoint_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
         bad = {k: v for k, v in weight_map.items() if not isinstance(v, str)}
         if bad:
             raise ValueError(f"{index}: weight_map must map names to file names, got {bad}")
+        # A shard is a path from the directory ("x", "./x", "sub/x"); one that leaves it
+        # ("../x", "/x") would load another checkpoint's file, or any file, as this one's.
+        outside = sorted({f for f in weight_map.values() if _leaves_directory(f)})
+        if outside:
+            raise ValueError(
+                f"{index}: weight_map names shard files outside the checkpoint directory: "
+                f"{', '.join(map(repr, outside[:3]))}"
+            )
         return sorted({root / f for f in weight_map.values()}), weight_map
     if (root / SAFETENSORS_FILE).is_file():
         return [root / SAFETENSORS_FILE], None
@@ -328,6 +342,8 @@ def load_hf_checkpoint(path, *, dtype=None) -> tuple[ModelConfig, Params]:
         a tied model's `lm_head.weight` that differs from the embedding, checked before
         any other tensor is read; and, loading in float16, every tensor holding values
         beyond float16's range (found as the tensors are read, listed at the end).
+      ValueError: an index whose weight_map is not names -> shard paths inside the
+        directory.
     """
     root = _checkpoint_dir(path)
     cfg_file = root / CONFIG_FILE

@@ -414,3 +414,19 @@ def test_a_quantized_checkpoint_says_so_before_the_list(tmp_path):
     first = str(e.value).splitlines()[0]
     assert "is quantized" in first and "up_proj.weight_scale" in first, first
     assert f"unsupported dtype: {up} is F8_E4M3, not ['BF16', 'F16', 'F32', 'F64']" in str(e.value)
+
+
+@pytest.mark.parametrize("absolute", [False, True])
+def test_an_index_naming_a_shard_outside_the_directory_is_refused(tmp_path, absolute):
+    """A weight_map path that leaves the checkpoint directory ("../x", "/x") would load
+    some other file as this checkpoint's shard (here the real one, moved out)."""
+    c = make_config()
+    ckpt = write_hf(tmp_path / "ckpt", c, hf_tensors(c), num_shards=2)
+    index = json.loads((ckpt / weights.INDEX_FILE).read_text())
+    shard = index["weight_map"]["model.norm.weight"]
+    (ckpt / shard).rename(tmp_path / "outside.safetensors")
+    where = str(tmp_path / "outside.safetensors") if absolute else "../outside.safetensors"
+    index["weight_map"] = {k: where if v == shard else v for k, v in index["weight_map"].items()}
+    (ckpt / weights.INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"outside the checkpoint directory: '{where}'"):
+        weights.load_hf_checkpoint(ckpt)
