@@ -28,7 +28,10 @@ most `max_num_seqs` sequences running:
    chunk, oldest first.
 3. Admission: waiting groups, first come first served (by priority: best first,
    below; a group that does not fit blocks those behind it, so nothing starves), while
-   seats, budget, pages and LoRA adapter slots (`max_loras`) allow.
+   seats, budget and pages allow. A group whose LoRA adapter finds every slot
+   (`max_loras`) taken by other adapters keeps its place while the base-model groups
+   behind it (no adapter) are admitted: they hold no slot, so it still gets the first
+   one freed. (vLLM admits the groups of running adapters too, which can starve it.)
    Admission keeps the block manager's watermark of pages free on top of the decode
    reservation, and reserves pages for each whole prompt (a window model: for the most
    it holds at once, below), so a long prompt prefilled over several steps never runs
@@ -136,8 +139,8 @@ class Scheduler(RequestsMixin):
         group's `priority`, then arrival; see the module docstring).
       max_loras: most distinct LoRA adapters (`SequenceGroup.lora_id`) running at once,
         the engine's adapter slots on the device; None: no limit. A waiting group whose
-        adapter would be one too many waits, and blocks those behind it, as one short of
-        seats or pages does.
+        adapter would be one too many waits in its place, while the base-model groups
+        behind it are admitted (module docstring).
     """
 
     def __init__(
@@ -293,18 +296,20 @@ class Scheduler(RequestsMixin):
         seats = sum(g.seats for g in self.running)
         # The adapters running, where their number is limited.
         loras = set() if self.max_loras is None else {g.lora_id for g in self.running} - {0}
-        while self.waiting and budget > 0:
-            g = self.waiting[0]
+        i = 0  # the next waiting group to try: those before it wait for an adapter slot
+        while i < len(self.waiting) and budget > 0:
+            g = self.waiting[i]
             if seats + g.seats > self.max_num_seqs or id(g) in preempted:
                 break  # (readmitting a group just preempted would only thrash)
             full = self.max_loras is not None and len(loras) >= self.max_loras
-            if g.lora_id and g.lora_id not in loras and full:
-                break  # every adapter slot is in use
+            if g.lora_id and (i > 0 or (g.lora_id not in loras and full)):
+                i += 1  # waits in its place for a slot; behind it, only base-model groups
+                continue
             lens = [self._admit_len(g, s) for s in g.seqs]
             need = sum(self._peak_pages(n) for n in lens)
             if bm.num_free_pages - bm.num_reserved_pages - reserve - need < bm.watermark_pages:
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             g.status = SeqStatus.RUNNING
             g.admit_order = next(self._admissions)
             self.running.append(g)

@@ -314,14 +314,17 @@ def test_seat_cap():
 @pytest.mark.parametrize("in_flight", [False, True], ids=["sync", "async"])
 def test_lora_slots_cap_the_distinct_adapters_running(in_flight):
     """max_loras=2: at most two distinct adapters run (and share a step) at once; a group
-    of a third waits, first come first served (blocking the groups behind it, with an
-    adapter or not), and every group completes."""
-    sim = Sim(max_num_seqs=4, budget=16, in_flight=in_flight, max_loras=2)
-    adapters = [1, 2, 3, 0, 1, 3, 2]
+    of a third waits in its place while the base-model groups behind it are admitted
+    (not those with an adapter, even a running one, which could keep its slot taken
+    forever), and every group completes."""
+    sim = Sim(max_num_seqs=5, budget=16, in_flight=in_flight, max_loras=2)
+    adapters = [1, 2, 3, 0, 1, 0, 3, 2]
     for i, lora_id in enumerate(adapters):
         sim.add(f"r{i}", [3 + i, 4, 5], 6).lora_id = lora_id
     sim.step()
-    assert [g.request_id for g in sim.sched.running] == ["r0", "r1"]  # r2's adapter waits
+    # r2's adapter waits for a slot; r3 and r5 need none; r4 (a running adapter) waits.
+    assert [g.request_id for g in sim.sched.running] == ["r0", "r1", "r3", "r5"]
+    assert [g.request_id for g in sim.sched.waiting] == ["r2", "r4", "r6", "r7"]
     while sim.sched.has_unfinished() or sim.inflight is not None:
         plan = sim.step()
         assert len({g.lora_id for g in sim.sched.running} - {0}) <= 2
