@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pagedjax.config import ROPE_SCALING_PARAMS, ModelConfig, RopeScaling
+from pagedjax.config import ROPE_SCALING_PARAMS, ModelConfig, RopeScaling, is_finite_number
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -393,7 +393,7 @@ def _rope_scaling(scaling: dict | None, max_pos: int, top_original=None) -> Rope
     kind = _rope_type(scaling)
     if kind == "default":
         return None
-    if kind not in ROPE_SCALING_PARAMS:
+    if not isinstance(kind, str) or kind not in ROPE_SCALING_PARAMS:  # a list is unhashable
         raise ValueError(
             f"unsupported rope scaling type {kind!r}; supported: "
             f"{sorted(ROPE_SCALING_PARAMS)} (or none)"
@@ -405,8 +405,9 @@ def _rope_scaling(scaling: dict | None, max_pos: int, top_original=None) -> Rope
     if kind in ("llama3", "yarn"):  # HF 5's standardize_rope_params: absent is max_pos
         original = values.setdefault("original_max_position_embeddings", max_pos)
     if kind == "yarn":
-        if "factor" in values and values["factor"] is None and isinstance(original, int):
-            values["factor"] = max_pos / original
+        if "factor" in values and values["factor"] is None:  # HF 5: the lengths' ratio
+            ok = is_finite_number(original) and original > 0
+            values["factor"] = max_pos / original if ok else 1.0  # bad: RopeScaling names it
         if "truncate" in values and values["truncate"] is None:  # HF: get("truncate", True)
             values["truncate"] = False  # is None, falsy: the range is not rounded
     missing = [k for k in required if values.get(k) is None]
