@@ -39,7 +39,13 @@ requests also count per completion by finish reason (`request_success`), as vLLM
 `/metrics`).
 
 KV bytes read follow the performance model in DESIGN.md: a step reads every live
-K/V byte of its rows' contexts once, `kv_bytes_per_token * sum(context lens)`.
+K/V byte of its rows' contexts once, `kv_bytes_per_token * sum(context lens)`, at the
+cache's storage dtype (1 byte an element for FP8 pages). Under a sliding window of W,
+a row's live context is what its chunk's windows cover, `min(start, W - 1) + chunk`
+tokens (the engine's `StepRecord.context_tokens`).
+
+`summary()` holds plain Python values (int, float, None; no NaN or infinity), so
+`json.dumps(..., allow_nan=False)` takes it as it is.
 """
 
 from __future__ import annotations
@@ -165,6 +171,7 @@ class StepRecord:
     # Set when its tokens arrive (`EngineMetrics.complete`); None again if the host
     # compiled the next step meanwhile (then the device's share is unknown).
     device_s: float | None = None
+    run: int = 0  # set by `EngineMetrics.record`: the run (between resets) it belongs to
 
 
 class EngineMetrics:
@@ -182,10 +189,12 @@ class EngineMetrics:
         self.max_records = max_records
         self.steps: collections.deque[StepRecord] = collections.deque(maxlen=max_records)
         self.load_time_s = 0.0
+        self._run = 0
         self.reset()
 
     def reset(self) -> None:
-        """Clears everything but the load time (e.g. between benchmark runs)."""
+        """Clears everything but the load time (e.g. between benchmark runs). A step
+        recorded before it (one in flight) counts in no figure of the new run."""
         self.steps.clear()
         self.num_steps = 0
         self.compile_time_s = 0.0
@@ -208,11 +217,15 @@ class EngineMetrics:
         # prefill s, tokens; decode s, tokens; all s, context tokens (of measured steps)
         self._timed = [0.0, 0, 0.0, 0, 0.0, 0]
         self._last_ready = 0.0
+        # Each reset starts a run; a step completed with another run's number was
+        # recorded before the reset.
+        self._run += 1
         # The last completed step, (record, span start, span end), until the next
         # record() shows whether a compile fell in its span.
         self._pending: tuple[StepRecord, float, float] | None = None
 
     def record(self, rec: StepRecord, num_compilations: int = 0) -> None:
+        rec.run = self._run
         self.steps.append(rec)
         self.num_steps += 1
         self.prefill_tokens += rec.num_prefill_tokens
@@ -237,6 +250,9 @@ class EngineMetrics:
 
     def complete(self, rec: StepRecord, ready_at: float) -> None:
         """Records that `rec`'s tokens arrived on the host at `ready_at`."""
+        if rec.run != self._run:  # recorded before a reset: not this run's
+            self._last_ready = max(self._last_ready, ready_at)  # (the device was busy)
+            return
         self._settle()
         start = max(rec.dispatched_at, self._last_ready)
         rec.device_s = ready_at - start
@@ -319,10 +335,18 @@ class EngineMetrics:
             device_wait_ms_per_step=per_step(wait),
         )
         assert tuple(out) == SUMMARY_KEYS
-        return {
-            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-            for k, v in out.items()
-        }
+        return {k: _plain(v) for k, v in out.items()}
+
+
+def _plain(v):
+    """A summary value as JSON takes it: numpy scalars (a `num_pages` given as one) as
+    Python's, and a non-finite float as None."""
+    if v is None:
+        return v
+    if isinstance(v, (int, np.integer)):
+        return int(v)
+    v = float(v)
+    return v if math.isfinite(v) else None
 
 
 def _add_timed(timed: list, rec: StepRecord) -> None:
