@@ -21,7 +21,8 @@ Messages come in OpenAI's chat form, as vLLM's `LLM.chat` and server take them;
 does (content None as "", text parts joined, assistant tool calls' JSON arguments
 parsed), for `LLM.chat`, `Tokenizer.encode_chat` and the server alike. As vLLM does by
 default, a template that loops over a message's content (Gemma 3, Llama 4: its
-`content_format` is "openai") gets the content as a list of text parts instead.
+`content_format` is "openai") gets the content as a list of text parts instead, but a
+tool result's as a string still (most templates read it as one).
 
 `render` runs the template the way HF does, so a checkpoint's template gives the same
 text here as there: a sandboxed, immutable Jinja environment with `trim_blocks` and
@@ -29,10 +30,11 @@ text here as there: a sandboxed, immutable Jinja environment with `trim_blocks` 
 `{% generation %}` block (rendered as its body), the globals
 `raise_exception(msg)` and `strftime_now(fmt)`, and transformers' `tojson` filter
 (`json.dumps`, non-ASCII text kept unless `ensure_ascii=True`); `continue_final_message`
-cuts the text where the last message's content ends, as transformers 5 does, for the
-model to continue it (an empty content too: an open turn). An error inside the template
-names it. jinja2 is an optional dependency (the `chat` extra), imported on
-first render; each template is compiled once.
+cuts the text where the last message's content (or the field it names) ends, as
+transformers 5 does, for the model to continue it (an empty content too: an open turn).
+`tools` and `documents` must be lists of dicts, as transformers checks them. An error
+inside the template names it. jinja2 is an optional dependency (the `chat` extra),
+imported on first render; each template is compiled once.
 """
 
 from __future__ import annotations
@@ -289,6 +291,44 @@ def _as_hf_renders(message: dict) -> dict:
     return message
 
 
+def _check_dicts(name: str, value) -> None:
+    """`tools` or `documents` as transformers' render_jinja_template takes them: None or a
+    list of dicts (JSON schemas, `{"title", "text"}` documents); a template iterating a
+    dict or a string renders its keys or characters. transformers also makes a Python
+    function's schema from its signature and docstring; this asks for the schema."""
+    if value is None:
+        return
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a list of dicts, got {name}={value!r:.80}")
+    for i, item in enumerate(value):
+        if not isinstance(item, Mapping):
+            hint = ""
+            if callable(item):
+                hint = " (for a function, pass its JSON schema: transformers' get_json_schema)"
+            raise TypeError(f"{name}[{i}] must be a dict{hint}, got {item!r:.80}")
+
+
+def _mark_end(message: dict, field: str, flag: str) -> tuple[dict, str]:
+    """(`message` with `CONTINUE_TAG` after the text of its `field`, that text), as
+    transformers marks the message to continue: a string, or a list's last text part.
+    `flag` names the `continue_final_message` argument in errors."""
+    value = message.get(field)
+    if isinstance(value, str):
+        return {**message, field: value + CONTINUE_TAG}, value
+    if value is None:
+        raise ValueError(f"{flag} but the last message has no {field!r} to continue")
+    if isinstance(value, (bytes, Mapping)) or not isinstance(value, Sequence):
+        raise TypeError(
+            f"{flag} but the last message's {field} is no text to continue: {value!r:.80}"
+        )
+    for j in reversed(range(len(value))):
+        part = value[j]
+        if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+            marked = {**part, "text": part["text"] + CONTINUE_TAG}
+            return {**message, field: [*value[:j], marked, *value[j + 1 :]]}, part["text"]
+    raise ValueError(f"{flag} but the last message has no text to continue in its {field}")
+
+
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     # Jinja's own tojson escapes HTML characters and non-ASCII text; templates expect
     # plain JSON (Llama 3.1 dumps tool definitions with indent=4). transformers' filter,
@@ -413,7 +453,7 @@ def render(
     *,
     source: str = "<string>",
     add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
+    continue_final_message: bool | str = False,
     bos_token: str | None = None,
     eos_token: str | None = None,
     **variables,
@@ -439,17 +479,21 @@ def render(
         5, the content (a list's last part) is rendered with a marker (`CONTINUE_TAG`)
         after it and the text is cut at the marker's last occurrence, the content's
         whitespace kept unless the template trimmed it (then the text is cut before the
-        trimmed whitespace); an empty content leaves the turn open with no text.
+        trimmed whitespace); an empty content leaves the turn open with no text. A
+        string names the field to continue instead of "content" (transformers 5's
+        form: "reasoning_content" continues the reasoning).
       bos_token, eos_token: the special-token strings; None leaves the variable
         undefined, as HF leaves unset special tokens, so `{{ bos_token }}` renders as
         "" rather than "None".
       **variables: more template variables: the other special tokens (`pad_token`,
         `additional_special_tokens`, ...: `Tokenizer.special_tokens`), `date_string`,
-        `tools`, ...; `tools` and `documents` are None unless given, as in HF.
+        `tools`, ...; `tools` and `documents` are None unless given, as in HF, else
+        lists of dicts (JSON schemas; a Python function is refused, not converted).
 
     Raises:
       ImportError: jinja2 is not installed (the message says how to install it).
-      TypeError, ValueError: bad messages (`normalize_messages`), a template syntax error,
+      TypeError, ValueError: bad messages (`normalize_messages`), `tools` or `documents`
+        not lists of dicts, special tokens not strings, a template syntax error,
         an error raised by the template (`raise_exception`: `TemplateRejected`) or while
         rendering it (a TypeError stays one); those of the template name its `source`.
     """
@@ -460,28 +504,24 @@ def render(
             "add_generation_prompt=True opens a new assistant turn: pass "
             "add_generation_prompt=False"
         )
+    for name, value in (("bos_token", bos_token), ("eos_token", eos_token)):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{name} must be a str or None, got {name}={value!r:.80}")
+    _check_dicts("tools", variables.get("tools"))
+    _check_dicts("documents", variables.get("documents"))
     _jinja()  # before the cache, so a missing jinja2 is reported every time
     compiled = _compile(template, source)
     if content_format(template) == "openai":  # vLLM's parts, for a template that loops over them
         for i, m in enumerate(messages):
+            if m["role"] == "tool":  # vLLM's PR #39899: a tool result is a string
+                continue
             texts = _texts(f"messages[{i}]", given[i].get("content"))
             m["content"] = [{"type": "text", "text": t} for t in texts]
     messages = [_as_hf_renders(m) for m in messages]
     if continue_final_message:  # marks where the content (its last part) ends, as HF does
-        last = messages[-1]
-        if isinstance(last["content"], str):
-            final = last["content"]
-            last["content"] = final + CONTINUE_TAG
-        elif last["content"]:
-            final = last["content"][-1]["text"]
-            last["content"] = [
-                *last["content"][:-1],
-                {"type": "text", "text": final + CONTINUE_TAG},
-            ]
-        else:
-            raise ValueError(
-                "continue_final_message=True but the last message has no text to continue"
-            )
+        field = continue_final_message if isinstance(continue_final_message, str) else "content"
+        flag = f"continue_final_message={continue_final_message!r}"
+        messages[-1], final = _mark_end(messages[-1], field, flag)
     specials = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v}
     context = {"tools": None, "documents": None, **specials, **variables}
     try:
@@ -498,8 +538,8 @@ def render(
         at = text.rfind(CONTINUE_TAG.strip())
         if at < 0 or final.strip() not in text:
             raise ValueError(
-                f"continue_final_message=True but the chat template ({source}) did not "
-                f"write the last message's content {final.strip()!r:.80}"
+                f"{flag} but the chat template ({source}) did not "
+                f"write the last message's {field} {final.strip()!r:.80}"
             )
         text = text[:at] if text.startswith(CONTINUE_TAG, at) else text[:at].rstrip()
     return text
