@@ -459,7 +459,12 @@ class Handler(HttpIO):
                 c.offset = len(echo[rid]) if tok is not None else 0
                 if k is not None:
                     echoed = api.echo_logprobs(
-                        tok, prompts[rid], prompt_lps[rid], k, skip_special_tokens=skip
+                        tok,
+                        prompts[rid],
+                        prompt_lps[rid],
+                        k,
+                        skip_special_tokens=skip,
+                        text=echo[rid],
                     )
             if k is not None:
                 lp = api.render_logprobs(

@@ -346,8 +346,7 @@ def parse_job(
                 f"{max_model_len - len(p)}",
                 field,
             )
-    skip = params.skip_special_tokens
-    texts = openai_echo.echo_texts(body, chat, tok, prompts, ids, skip=skip) if echo else None
+    texts = openai_echo.echo_texts(body, chat, tok, prompts, ids) if echo else None
     return Job(
         chat,
         ids,

@@ -14,10 +14,10 @@ logprobs are computed only for completions' echo with `logprobs`, which streams 
 What is echoed (`echo_texts`, `chat_echo_text`):
 
 - completions: each prompt's text before each of its choices' texts: a string prompt as
-  given (vLLM's), a token id prompt (or a string truncate_prompt_tokens cut) as its
-  tokens' names spell it (`openai_responses.token_texts`, special tokens shown, as
-  vLLM's decode of the ids shows them), so that the echoed logprobs' `text_offset`s
-  are offsets into it. Without a tokenizer the text is "".
+  given (vLLM's), a token id prompt (or a string truncate_prompt_tokens cut) as the
+  tokenizer decodes its ids, special tokens shown (vLLM's `tokenizer.decode`). The
+  echoed logprobs' `text_offset`s index that text, which the tokens' names need not
+  spell (`openai_responses.echo_logprobs`). Without a tokenizer the text is "".
 - chat: the last message's content before each choice's content, when the answer
   continues that message's role (the assistant's with `add_generation_prompt`; the
   last message's own without it, as with `continue_final_message`), else "".
@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING
 
 from pagedjax.chat import normalize_message
 from pagedjax.openai_fields import ApiError, bool_field, int_field
-from pagedjax.openai_responses import token_texts
 from pagedjax.request import RequestOutput, logprobs_count
 
 if TYPE_CHECKING:
@@ -83,11 +82,10 @@ def read_echo(
     return echo, None if stream else given  # (computed only to be answered)
 
 
-def echo_texts(body: dict, chat: bool, tok, prompts: list, ids: list[list[int]], *, skip: bool):
+def echo_texts(body: dict, chat: bool, tok, prompts: list, ids: list[list[int]]):
     """The text echoed before each prompt's choices (see the module docstring) of a
     request whose prompts and messages `openai_api.parse_job` checked: `prompts` as the
-    body gave them, `ids` as they run; `skip`: the request's skip_special_tokens (tokens
-    after special ones are named as the text reads them)."""
+    body gave them, `ids` as they run."""
     if chat:
         return [chat_echo_text(body)]
     if tok is None:
@@ -96,7 +94,7 @@ def echo_texts(body: dict, chat: bool, tok, prompts: list, ids: list[list[int]],
     return [
         p
         if isinstance(p, str) and not cut
-        else "".join(token_texts(tok, x, skip_special_tokens=skip))
+        else tok.decode(x, skip_special_tokens=False)
         for p, x in zip(prompts, ids, strict=True)
     ]
 

@@ -11,7 +11,8 @@ any thread. `pagedjax.openai_api` re-exports all of it.
 Echo (`Job.echo`, `pagedjax.openai_echo`), as vLLM answers it: a completions choice's
 text is its prompt's text then its own, and its logprobs cover the prompt's tokens
 (`echo_logprobs`: the first has none, so its `token_logprobs` and `top_logprobs` are
-null) then its own, whose `text_offset`s start at the prompt text's length; a chat
+null; their `text_offset`s index the echoed text, which a string prompt's names need not
+spell) then its own, whose `text_offset`s start at the prompt text's length; a chat
 choice's content starts with the last message's (`pagedjax.openai_api.response_body`).
 vLLM's `prompt_logprobs` (`Job.prompt_logprobs`) are rendered by
 `render_prompt_logprobs`: on each completions choice, beside a chat answer's choices.
@@ -177,10 +178,18 @@ def token_texts(tok, token_ids, *, context=(), skip_special_tokens: bool = True)
     return [_token_names(tok, b, [t], skip_special_tokens)[t] for t, b in pairs]
 
 
-def echo_logprobs(tok, prompt_ids, entries, k: int, *, skip_special_tokens: bool = True) -> dict:
+def echo_logprobs(
+    tok, prompt_ids, entries, k: int, *, skip_special_tokens: bool = True, text: str | None = None
+) -> dict:
     """Completions-style logprobs of an echoed prompt (`render_logprobs`' format, offsets
     from 0), from its `RequestOutput.prompt_logprobs` `entries` (None first): the first
-    token has no logprob, so its `token_logprobs` and `top_logprobs` are None, as vLLM's."""
+    token has no logprob, so its `token_logprobs` and `top_logprobs` are None, as vLLM's.
+
+    `text`: the echoed text (`Job.echo`'s), which the offsets index (`_text_offsets`): a
+    string prompt is echoed as given, which its tokens' names need not spell (a BOS the
+    tokenizer added is named "<s>"), and the completion's offsets start at its length.
+    None: the names' lengths added up (they spell a token id prompt's echoed text).
+    """
     first = token_texts(tok, prompt_ids[:1], skip_special_tokens=skip_special_tokens)
     head = dict(tokens=first, token_logprobs=[None], top_logprobs=[None], text_offset=[0])
     rest = render_logprobs(
@@ -193,7 +202,32 @@ def echo_logprobs(tok, prompt_ids, entries, k: int, *, skip_special_tokens: bool
         context=prompt_ids[:1],
         skip_special_tokens=skip_special_tokens,
     )
-    return join_logprobs(head, rest)
+    joined = join_logprobs(head, rest)
+    if text is not None:
+        joined["text_offset"] = _text_offsets(text, joined["tokens"])
+    return joined
+
+
+def _text_offsets(text: str, names: list[str]) -> list[int]:
+    """Where each of a run of token names starts in `text`, which they may not spell.
+
+    A name the text does not show where it stands (an added BOS's "<s>", a byte-fallback
+    token's U+FFFD) starts there and takes no room; the next name the text shows within
+    the length of those skipped starts where the text has it. Names that spell the text
+    get their lengths added up, as `render_logprobs` gives them. The offsets never
+    decrease and never pass the text's end, where an echoed completion's start.
+    """
+    offsets, at, skipped = [], 0, 0
+    for s in names:
+        if skipped and not text.startswith(s, at):
+            found = text.find(s, at, at + skipped + len(s))
+            at = at if found < 0 else found
+        offsets.append(at)
+        if text.startswith(s, at):
+            at, skipped = at + len(s), 0
+        else:
+            skipped += len(s)
+    return offsets
 
 
 def join_logprobs(first: dict, then: dict) -> dict:
@@ -301,7 +335,7 @@ def _echoed_logprobs(tok, echo: str, prompt, entries, c, k: int, skip: bool) -> 
     """A completion's logprobs after its echoed prompt's (`echo`: the prompt's text,
     where the completion's offsets start; `entries`: its prompt logprobs)."""
     return join_logprobs(
-        echo_logprobs(tok, prompt, entries, k, skip_special_tokens=skip),
+        echo_logprobs(tok, prompt, entries, k, skip_special_tokens=skip, text=echo),
         render_logprobs(
             tok,
             c.token_ids,

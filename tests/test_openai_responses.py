@@ -291,3 +291,45 @@ def test_logprobs_decode_each_candidate_once_after_one_context_decode(chat):
         assert got["tokens"] == [name(t, b) for t, b in zip(gen, befores, strict=True)]
         for t, e, b, top in zip(gen, entries, befores, got["top_logprobs"], strict=True):
             assert set(top) == {name(u, b) for u, _ in [*responses._top(e, k), (t, e[t])]}
+
+
+@pytest.mark.parametrize("prompt", ["the hello", "the €é hello"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_echoed_string_prompt_offsets_index_the_text_the_names_do_not_spell(prompt, skip):
+    """A string prompt is echoed as given, without the BOS the tokenizer adds (named
+    "<s>") and with whole characters where byte-fallback tokens are named U+FFFD: its
+    offsets added the names' lengths up, past the echoed text's end, and the
+    completion's, from the text's length, went back. Now each token starts where the
+    text shows it (a name it does not show takes no room): the offsets never decrease,
+    stay within the text, and point at the tokens it shows."""
+    tok = Tokenizer(sentencepiece_style(), bos_token_id=1, eos_token_ids=[2], add_bos=True)
+    body = dict(prompt=prompt, echo=True, logprobs=0, max_tokens=1, skip_special_tokens=skip)
+    j = api.parse_job(
+        body, chat=False, model_name="m", tokenizer=tok, vocab_size=tok.vocab_size, max_model_len=64
+    )
+    (ids,) = j.prompts
+    assert ids[0] == 1 and j.echo == [prompt]
+    gen = tok.encode("the", add_bos=False)
+    c = completion(text=tok.decode(gen, context=ids, skip_special_tokens=skip))
+    c.token_ids, c.logprobs = gen, [{t: -0.5} for t in gen]
+    pl = [None] + [{t: -1.0} for t in ids[1:]]
+    out = RequestOutput(j.rids[0], prompt, ids, [c], True, 0, 0, None, None, pl)
+    body = api.response_body(j, api.response_head(j, "m"), {j.rids[0]: out}, tok)
+    (choice,) = body["choices"]
+    text, lp = choice["text"], choice["logprobs"]
+    assert text == prompt + c.text and lp["tokens"][0] == "<s>"
+    offsets = lp["text_offset"]
+    assert offsets == sorted(offsets) and offsets[-1] < len(text)
+    assert offsets[len(ids)] == len(prompt)  # the completion's, after the echoed prompt
+    # Past the first word (" the" after "<s>" with skip false): each whole-character
+    # token where the text has it.
+    pairs = zip(offsets[2:], lp["tokens"][2:], strict=True)
+    shown = [(o, s) for o, s in pairs if "\ufffd" not in s]
+    assert [text[o : o + len(s)] for o, s in shown] == [s for _, s in shown]
+
+
+def test_text_offsets_of_names_that_spell_the_text_add_their_lengths_up():
+    names = ["<s>", "a", "\ufffd", "\ufffd", " b", "", "c"]
+    assert responses._text_offsets("<s>a\ufffd\ufffd bc", names) == [0, 3, 4, 5, 6, 8, 8]
+    assert responses._text_offsets("a😀 bc", names) == [0, 0, 1, 1, 2, 4, 4]
+    assert responses._text_offsets("", ["token_id:5", "token_id:6"]) == [0, 0]

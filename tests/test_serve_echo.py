@@ -17,7 +17,7 @@ from openai_api_helpers import VOCAB, job
 from serve_helpers import ok, request, stream
 
 from pagedjax.engine import SamplingParams
-from pagedjax.openai_api import usage
+from pagedjax.openai_api import token_texts, usage
 from pagedjax.request import CompletionOutput, RequestOutput
 
 # serve_helpers' fixtures, bound here: this module gets its own checkpoint and servers.
@@ -219,6 +219,27 @@ def test_streamed_echo_adds_up_to_the_whole_answer(server, tok, logprobs, n, pro
         joined = {key: sum((c["logprobs"][key] for c in mine), []) for key in choice["logprobs"]}
         assert set(joined) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
         assert close(joined, choice["logprobs"])
+
+
+@pytest.mark.parametrize("as_ids", [False, True], ids=["text", "ids"])
+def test_echoed_offsets_index_the_prompt_text_its_names_do_not_spell(server, tok, as_ids):
+    """A prompt with characters of several bytes: its byte tokens are named U+FFFD each,
+    which the echoed text does not show; the offsets index the text (never decreasing,
+    never past its end, the completion's from its length), streamed as whole. Given as
+    token ids, the prompt is echoed as they decode (its names joined garbled it)."""
+    prompt = "x €é y"
+    assert "".join(token_texts(tok, tok.encode(prompt))) != prompt
+    body = dict(temperature=0.8, seed=3, max_tokens=6, echo=True, logprobs=1)
+    body["prompt"] = tok.encode(prompt) if as_ids else prompt
+    (choice,) = ok(server, "/v1/completions", body)["choices"]
+    assert choice["text"].startswith(prompt)
+    offsets = choice["logprobs"]["text_offset"]
+    num_prompt = len(tok.encode(prompt))
+    assert offsets[:num_prompt] == [0, 1, 2, 2, 2, 2, 2, 4, 5]
+    assert offsets == sorted(offsets) and offsets[num_prompt] == len(prompt)
+    chunks = [c["choices"][0] for c in stream(server, "/v1/completions", body)]
+    joined = sum((c["logprobs"]["text_offset"] for c in chunks), [])
+    assert joined == offsets
 
 
 def test_chat_echo_continues_the_last_message(server, ref, tok):
