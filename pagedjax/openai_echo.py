@@ -92,9 +92,7 @@ def echo_texts(body: dict, chat: bool, tok, prompts: list, ids: list[list[int]])
         return ["" for _ in ids]
     cut = body.get("truncate_prompt_tokens") is not None
     return [
-        p
-        if isinstance(p, str) and not cut
-        else tok.decode(x, skip_special_tokens=False)
+        p if isinstance(p, str) and not cut else tok.decode(x, skip_special_tokens=False)
         for p, x in zip(prompts, ids, strict=True)
     ]
 
