@@ -426,6 +426,11 @@ def preset(name: str) -> ModelConfig:
     return PRESETS[name]
 
 
+def is_int(v) -> bool:
+    """A Python or numpy integer, not a bool (True would read as 1)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache geometry.
@@ -441,11 +446,14 @@ class CacheConfig:
     dtype: str = "bfloat16"
 
     def __post_init__(self):
-        s = self.page_size
-        if not isinstance(s, (int, np.integer)) or s <= 0 or s & (s - 1):
+        s, n = self.page_size, self.num_pages
+        if not is_int(s) or s <= 0 or s & (s - 1):
             raise ValueError(f"page_size must be a power of two, got page_size={s!r}")
-        if not isinstance(self.num_pages, (int, np.integer)) or self.num_pages <= 0:
-            raise ValueError(f"num_pages must be a positive int, got num_pages={self.num_pages!r}")
+        if not is_int(n) or n <= 0:
+            raise ValueError(f"num_pages must be a positive int, got num_pages={n!r}")
+        # Python ints (numpy's would reach summaries and JSON as numpy scalars).
+        object.__setattr__(self, "page_size", int(s))
+        object.__setattr__(self, "num_pages", int(n))
         object.__setattr__(self, "dtype", dtype_name(self.dtype, kv=True))
 
     @property

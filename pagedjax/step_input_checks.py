@@ -24,6 +24,8 @@ import numbers
 
 import numpy as np
 
+from pagedjax.config import is_int  # (re-exported: step_input's users import it)
+
 
 def _first(mask) -> int:
     return int(np.argmax(mask))
@@ -88,11 +90,6 @@ def _int_array(values, name) -> np.ndarray:
         if not -(2**63) <= v < 2**63:
             raise ValueError(f"sequence {i}: {name}={v} is out of range")
     return np.array(ints, np.int64)
-
-
-def is_int(v) -> bool:
-    """A Python or numpy integer, not a bool."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
 def _page_row(page_table, i, num_pages) -> np.ndarray:

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from pagedjax.config import PRESETS, CacheConfig, preset
@@ -38,6 +39,13 @@ def test_cache_config_validation():
     with pytest.raises(ValueError, match="dtype must be one of .*got 'int8'"):
         CacheConfig(dtype="int8")
     assert CacheConfig(page_size=8, num_pages=4, dtype="bf16").dtype == "bfloat16"
+    with pytest.raises(ValueError, match="page_size must be a power of two, got page_size=True"):
+        CacheConfig(page_size=True)  # not a page of 1 token
+    with pytest.raises(ValueError, match="num_pages must be a positive int, got num_pages=True"):
+        CacheConfig(num_pages=True)
+    # numpy counts are kept as Python ints (a summary holding np.int64 broke json.dumps)
+    c = CacheConfig(page_size=np.int32(8), num_pages=np.int64(4))
+    assert (type(c.page_size), type(c.num_pages)) == (int, int) and c.num_slots == 32
 
 
 @pytest.mark.parametrize("window", [0, -4, 2.5, True])
