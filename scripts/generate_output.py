@@ -41,7 +41,8 @@ def report(llm, summary: dict, device: str) -> str:
         f"{_rate(s['decode_tokens_per_s'], ' tok/s')} (device time of those steps); "
         f"output {_rate(s['output_tokens_per_s'], ' tok/s')} end to end",
         f"KV read      {_fmt(s['kv_bytes_read_per_s'], ' GB/s', 1e-9)} "
-        f"({s['kv_bytes_read'] / 1e6:,.1f} MB in {s['device_time_s']:.2f} s of device time)",
+        f"over {s['device_time_s']:.2f} s of measured device time "
+        f"({s['kv_bytes_read'] / 1e6:,.1f} MB in the whole run)",
         f"peak memory  {'n/a' if peak is None else f'{peak / 2**30:.2f} GiB'}",
         f"KV pages     {s['kv_pages_used']} / {s['kv_pages_total']} at peak "
         f"({100 * s['kv_utilization']:.1f}% utilization; {llm.cache_config.dtype})",
