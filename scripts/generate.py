@@ -96,7 +96,8 @@ not fit the model, DoRA, biases, `modules_to_save`, `adapter_model.bin`) right a
                      without --logprobs, else one list per generated token of
                      {token_id, logprob}: the sampled token, then the K most likely;
                      prompt_logprobs likewise with --prompt-logprobs, per prompt
-                     token (null for the first)
+                     token (null for the first); a logprob of -inf (a banned token
+                     among the K) is null, so the output is strict JSON
     metrics          load_time_s, compile_time_s, num_compilations, run_time_s,
                      num_requests, num_steps, num_prompt_tokens, num_prefill_tokens,
                      num_generated_tokens, ttft_mean_s, ttft_p50_s, ttft_p99_s,
@@ -145,6 +146,7 @@ import cli  # noqa: E402  (the scripts' shared flags, checks and exits)
 from generate_output import (  # noqa: E402  (format_logprobs, so_fields: re-exported)
     format_logprobs,  # noqa: F401
     json_result,
+    json_text,
     print_text,
     report,
     so_fields,  # noqa: F401
@@ -510,7 +512,7 @@ def run(args) -> int:
             cache_dir=cache_dir,
             summary=summary,
         )
-        print(json.dumps(obj))
+        print(json_text(obj))
         return 0
     print_text(llm, args, prompts, outs, streamed=stream, sep=sep)
     print(report(llm, summary, device))

@@ -12,6 +12,8 @@ what a user reads lives in one place. generate.py re-exports `report`,
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import sys
 
 
@@ -85,6 +87,23 @@ def so_fields(so) -> dict | None:
     if so is None:
         return None
     return {k: v for k, v in dataclasses.asdict(so).items() if v not in (None, False)}
+
+
+def json_text(obj) -> str:
+    """`obj` as strict JSON: a non-finite float (a logprob of -inf: a token the run's
+    constraints ban, among the K most likely) is null, where `json.dumps` writes
+    `-Infinity`, which JSON has not (jq and JavaScript refuse it)."""
+
+    def finite(v):
+        if isinstance(v, float):
+            return v if math.isfinite(v) else None
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [finite(x) for x in v]
+        return v
+
+    return json.dumps(finite(obj), allow_nan=False)
 
 
 def json_result(

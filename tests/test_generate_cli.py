@@ -179,6 +179,15 @@ def test_logprobs_listing(ckpt, capsys):
     assert rc == 2 and "--logprobs=21 is more than --max-logprobs=20" in err
 
 
+def test_json_output_is_strict_json():
+    """-inf logprobs (banned tokens among the K most likely) and NaN are null: json.dumps
+    wrote -Infinity and NaN, which JSON has not."""
+    obj = dict(a=[{"token_id": 3, "logprob": float("-inf")}], b=(1.5, float("nan")), c="x")
+    text = gen.json_text(obj)
+    assert "Infinity" not in text and "NaN" not in text
+    assert json.loads(text) == dict(a=[{"token_id": 3, "logprob": None}], b=[1.5, None], c="x")
+
+
 def test_format_logprobs():
     ids, entries = [4, 5, 7], [None, {5: -0.1, 9: -2.0}, {7: -1.5}]
     tok = byte_tokenizer()
