@@ -405,11 +405,18 @@ def check_model(body: dict, model_name: str, lora_names: Collection[str] = ()) -
     return model
 
 
+# What a request's chat_template_kwargs may not set: the rendering's own arguments (a
+# template from a request is vLLM's trust_request_chat_template, which we do not have).
+_NOT_TEMPLATE_VARIABLES = frozenset({"messages", "chat_template", "template", "source", "add_bos"})
+
+
 def chat_prompt(
     body: dict, tok, instead: str, *, add_bos: bool = False, tools: ToolRequest | None = None
 ) -> list[int]:
     """The token ids of a body's `messages` under the chat template, with vLLM's
-    `continue_final_message` and `add_generation_prompt`; `instead`: the path a model
+    `continue_final_message` and `add_generation_prompt` and its `chat_template_kwargs`
+    (more template variables, e.g. Qwen3's `enable_thinking`, which override the
+    request's settings, as vLLM merges them); `instead`: the path a model
     that cannot chat should use (named in the 400); `add_bos`: BOS first even where the
     template writes none; `tools`: the request's, the template's `tools` variable."""
     if tok is None or tok.chat_template is None:
@@ -421,13 +428,25 @@ def chat_prompt(
     cont = bool_field(body, "continue_final_message")
     gen = body.get("add_generation_prompt")
     gen = not cont if gen is None else bool_field(body, "add_generation_prompt")
+    flags = dict(add_generation_prompt=gen, continue_final_message=cont)
     extra = {} if tools is None else {"tools": tools.tools}
+    more = body.get("chat_template_kwargs")  # vLLM's: they override the request's own
+    if more is not None:
+        if not isinstance(more, dict):
+            msg = f"chat_template_kwargs must be an object, got chat_template_kwargs={more!r:.80}"
+            raise ApiError(400, msg, "chat_template_kwargs")
+        taken = sorted(set(more) & _NOT_TEMPLATE_VARIABLES)
+        if taken:
+            msg = f"chat_template_kwargs cannot set {', '.join(map(repr, taken))}"
+            raise ApiError(400, msg, "chat_template_kwargs")
+        for name in flags.keys() & more.keys():
+            flags[name] = bool_field(more, name)
+        extra |= {k: v for k, v in more.items() if k not in flags}
     try:
         return tok.encode_chat(
             body["messages"],  # as given: a template that loops over parts gets them
-            add_generation_prompt=gen,
-            continue_final_message=cont,
             add_bos=add_bos,
+            **flags,
             **extra,
         )
     except (ValueError, TypeError) as e:

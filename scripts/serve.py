@@ -23,7 +23,9 @@ Point an OpenAI client at `http://HOST:PORT/v1` (any API key). Endpoints:
                                of {"type": "text", "text"} parts; vLLM's
                                `continue_final_message` (continue the last message) and
                                `add_generation_prompt` (default: true, false with the
-                               former); function calling: `tools`, `tool_choice`,
+                               former), `chat_template_kwargs` (more template variables,
+                               e.g. {"enable_thinking": false}; they override the
+                               request's settings); function calling: `tools`, `tool_choice`,
                                `parallel_tool_calls` (see "Function calling")
     POST /tokenize             vLLM's: a `prompt` string or chat `messages` -> {count,
                                max_model_len, tokens, token_strs}; `add_special_tokens`

@@ -395,6 +395,38 @@ def test_chat_can_continue_the_last_message_or_leave_the_turn_closed():
         raises_400(job, bad, chat=True, words=f"{name} must be a boolean", param=name)
 
 
+def test_chat_template_kwargs_are_template_variables_that_override_the_request():
+    """vLLM's chat_template_kwargs (e.g. Qwen3's enable_thinking) reach the template and
+    override the request's own settings, as vLLM merges them; they were ignored."""
+    template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+        "{% if enable_thinking is false %}<no-think>{% endif %}"
+    )
+    tok = Tokenizer(resources.byte_tokenizer().tokenizer, chat_template=template)
+    messages = [{"role": "user", "content": "hi"}]
+
+    def render(**kw):
+        return tok.decode(api.chat_prompt(dict(messages=messages, **kw), tok, "x"))
+
+    assert render() == "<user>hi\n<assistant>"
+    assert (
+        render(chat_template_kwargs={"enable_thinking": False}) == "<user>hi\n<assistant><no-think>"
+    )
+    assert render(chat_template_kwargs=None) == "<user>hi\n<assistant>"
+    kw = dict(add_generation_prompt=True, chat_template_kwargs={"add_generation_prompt": False})
+    assert render(**kw) == "<user>hi\n"
+    for bad, words in [
+        (["enable_thinking"], "chat_template_kwargs must be an object"),
+        ({"messages": []}, "chat_template_kwargs cannot set 'messages'"),
+        ({"chat_template": "{{ 1 }}"}, "cannot set 'chat_template'"),
+        ({"add_generation_prompt": "no"}, "add_generation_prompt must be a boolean"),
+    ]:
+        with pytest.raises(api.ApiError, match=words) as e:
+            render(chat_template_kwargs=bad)
+        assert e.value.status == 400
+
+
 def test_int_field():
     assert api.int_field({}, "k", 4) == 4 and api.int_field({"k": None}, "k", 4) == 4
     assert api.int_field({"k": 0}, "k", 4) == 0
