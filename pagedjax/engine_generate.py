@@ -209,7 +209,8 @@ class GenerateMixin:
           use_tqdm: as for `generate`.
           chat_template: a Jinja template to use instead of the tokenizer's (as vLLM's).
           chat_template_kwargs: more template variables, as a dict (as vLLM's); merged
-            with `template_vars`, which win.
+            with `template_vars`, which win. Its `add_generation_prompt` overrides the
+            argument's, as vLLM's update does.
           chat_template_content_format: only vLLM's default "auto": a message's content
             reaches the template as a string, or as a list of text parts for a template
             that loops over them (`pagedjax.chat.content_format`); "string" or "openai",

@@ -333,7 +333,9 @@ def chat_prompts(
                 "chat_template_kwargs must be a dict of template variables, got "
                 f"{chat_template_kwargs!r:.80}"
             )
-        template_vars = {**chat_template_kwargs, **template_vars}
+        more = dict(chat_template_kwargs)  # vLLM's: it overrides add_generation_prompt
+        add_generation_prompt = more.pop("add_generation_prompt", add_generation_prompt)
+        template_vars = {**more, **template_vars}
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer with a chat template; this model has none")
     if chat_template is not None:

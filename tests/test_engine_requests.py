@@ -451,6 +451,9 @@ def test_chat_takes_vllms_chat_template_and_chat_template_kwargs(params):
         assert out.prompt == "<user>def f(x):<a>x=7"
         kw = dict(chat_template_kwargs={"x": 7}, x=3)  # a keyword wins, as a later update
         assert llm.chat(conv, greedy(1), chat_template=given, **kw)[0].prompt.endswith("x=3")
+        # vLLM's update: the kwargs' add_generation_prompt wins (it was a TypeError)
+        kw = dict(chat_template_kwargs={"add_generation_prompt": False})
+        assert llm.chat(conv, greedy(1), chat_template=given, **kw)[0].prompt == "<user>def f(x):"
     assert llm.chat(conv, greedy(1), chat_template=own)[0].prompt == "[def f(x):]"
     with pytest.raises(TypeError, match="chat.. does not support vLLM's mm_processor_kwargs"):
         llm.chat(conv, greedy(1), chat_template=own, mm_processor_kwargs={})
