@@ -289,7 +289,9 @@ class BlockManager(SeqTables):
                 computed, holding its cached pages only and reserving nothing.
             count_stats: count the tokens and hits in ``stats()``'s prefix queries and
                 hits (False for a preempted request coming back, as vLLM keeps those
-                out of its prefix-cache counters: they would count its own pages).
+                out of its prefix-cache counters: they would count its own pages). An
+                admission that does not read the cache (``read_cache=False``, or
+                caching off) is no query either, as in vLLM: its tokens are no misses.
 
         Returns:
             Leading prompt tokens whose K/V is already cached (a multiple of
@@ -350,7 +352,7 @@ class BlockManager(SeqTables):
             seq.peak = peak_pages
             self._reserving[seq_id] = seq
         self._freed.pop(seq_id, None)
-        if count_stats:
+        if count_stats and read_cache and self.enable_prefix_caching:
             self._prefix_queries += n
             self._prefix_hits += cached
         return cached

@@ -179,6 +179,13 @@ def test_a_readmission_can_stay_out_of_the_prefix_stats():
     assert bm.admit("b", shared + prompt(6), count_stats=False) == 12
     s = bm.stats()
     assert (s.prefix_queries, s.prefix_hits) == (15, 0)
+    # Nor is an admission that does not read the cache (prompt logprobs), or any with
+    # caching off (vLLM's): its tokens were counted as misses.
+    assert bm.admit("d", shared + prompt(5), read_cache=False) == 0
+    assert (bm.stats().prefix_queries, bm.stats().prefix_hits) == (15, 0)
+    off = BlockManager(32, 4, enable_prefix_caching=False)
+    computed(off, "a", shared + prompt(3))
+    assert (off.stats().prefix_queries, off.stats().prefix_hit_rate) == (0, 0.0)
     state = bm.stats()
     with pytest.raises(InvalidArgument, match="count_stats must be a bool, got count_stats=1"):
         bm.admit("c", shared, count_stats=1)
@@ -236,7 +243,11 @@ def test_a_caller_computing_what_follows_takes_every_cached_page():
     assert bm.admit("d", toks[:4] + prompt(4), compute_last=False) == 4
     assert bm.admit("e", toks[:8], read_cache=False, compute_last=False) == 0
     s = bm.stats()
-    assert (s.prefix_queries, s.prefix_hits, bm.num_free_pages) == (12 + 8 + 9 + 8 + 8, 20, 2)
+    assert (s.prefix_queries, s.prefix_hits, bm.num_free_pages) == (
+        12 + 8 + 9 + 8,
+        20,
+        2,
+    )  # (not e)
     bm.fork("b", "b2")
     slots, copies = bm.append_tokens(["b", "b2"], toks[8:10])  # a new page each, no copy
     assert copies == [] and len(set(slots.tolist())) == 2 and bm.num_free_pages == 0
