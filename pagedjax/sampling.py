@@ -11,7 +11,10 @@ jitted step serves requests with different sampling settings:
   (`top_p >= 1`: off), and a token is drawn from what is left (Gumbel-max). Ties at a
   threshold are kept.
 * A NaN logit is never drawn (it counts as -inf, greedy rows included); a row with
-  +inf logits draws among them only, each equally likely (greedy: the first).
+  +inf logits draws among them only, each equally likely (greedy: the first). A -inf
+  logit (a banned token) is never drawn at any temperature, a huge one (or one that
+  overflowed float32 to +inf: all finite tokens equally likely) included, unless every
+  token of the row is -inf: then the row draws token 0 (as vLLM's argmax does).
 * The key of row `b` is `fold_in(key(seeds[b]), steps[b])`: a request's i-th token
   depends only on (its seed, i), not on which other requests share the batch.
 * A logit bias (`LogitBias`, optional) is added to the logits first, greedy rows
@@ -282,9 +285,12 @@ def sample(
     # Shift each row's maximum to 0 before scaling: huge logits or tiny temperatures
     # would otherwise overflow to +inf or reach a float32 ulp that swamps the Gumbel noise.
     top = jnp.max(logits, axis=-1, keepdims=True)
-    scaled = (logits - jnp.where(jnp.isfinite(top), top, 0.0)) / jnp.where(
-        sampled_rows, temperature, 1.0
-    )[:, None]
+    shifted = logits - jnp.where(jnp.isfinite(top), top, 0.0)
+    scaled = shifted / jnp.where(sampled_rows, temperature, 1.0)[:, None]
+    # -inf / T is a NaN, which would win the argmax (a banned token drawn), when T is +inf
+    # (a huge temperature packed as float32) or above ~8.5e37 (XLA multiplies by 1 / T,
+    # flushed to 0); a subnormal T flushed in the division alone would make the top 0 / 0.
+    scaled = jnp.where(logits == _NEG_INF, _NEG_INF, jnp.where(shifted == 0, 0.0, scaled))
     # +inf logits take all the mass; the noise cannot break their tie (inf + g = inf).
     scaled = jnp.where(top == jnp.inf, jnp.where(logits == jnp.inf, 0.0, _NEG_INF), scaled)
     if min_p is not None:
