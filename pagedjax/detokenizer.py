@@ -61,9 +61,19 @@ class StreamDecoder:
     prompt's ids), `decode(ids)` here means `Tokenizer.decode(ids, context=context)`:
     the context's settled tail is the first chunk, decoded and never emitted. Each call decodes the
     window `ids[prefix:]`, which starts one character-aligned chunk back; `done` counts
-    the window's characters already emitted. The window slides whenever its text ends
-    on a whole character outside a byte run, to the last chunk if that chunk has text
-    of its own (so the window never starts with skipped special tokens alone).
+    the window's characters already emitted. The window slides to the last chunk
+    whenever its text ends on a whole character outside a byte run.
+
+    Skipped special tokens never enter the decoded ids (HF's decode drops them before
+    its decoder runs, so they change no text): a window of them alone would let the
+    decoder strip the next token's leading space, and a long run of them (EOS after EOS
+    with ignore_eos) would keep the window from sliding, each step decoding the whole
+    run. A chunk of tokens whose own text is "" (SentencePiece's lone "▁", stripped as
+    the first token) still slides the window: the decoder sees it, so the tokens after
+    it keep their spaces. Within a run of byte-fallback tokens (a newline is `<0x0A>` in
+    Llama 2's vocabulary) the settled text before the run is decoded once, and the run's
+    length is counted as ids arrive; the run itself is decoded whole each step, as HF
+    decodes it all or nothing.
     """
 
     def __init__(
@@ -71,21 +81,25 @@ class StreamDecoder:
     ):
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self._ids: list[int] = []  # the context's ids (see Tokenizer._context), then `ids`
+        # The ids decoded: the context's (see Tokenizer._context), then those added, less
+        # skipped special tokens.
+        self._ids: list[int] = []
+        self._added: list[int] = []  # every id added (`ids`)
         self._prefix = 0  # window start
         self._read = 0  # end of the last chunk that ended on a whole character
         self._done = 0  # characters of decode(ids[prefix:]) already emitted
+        self._run = 0  # length of the trailing run of byte-fallback ids in `_ids`
+        self._before_run: tuple[int, str] | None = None  # (end, its stable text) in a run
         self.text = ""
         self.pending = ""  # held back: what flush() would emit now
         ctx = tokenizer._context(context, skip_special_tokens)
         if ctx is not None:  # a first chunk, already emitted
             self._ids, self._read, self._done = list(ctx[0]), len(ctx[0]), len(ctx[1])
-        self._start = len(self._ids)
 
     @property
     def ids(self) -> list[int]:
         """The ids added so far (the context's not included)."""
-        return self._ids[self._start :]
+        return self._added
 
     def _decode(self, ids) -> str:
         return self._tok.tokenizer.decode(ids, skip_special_tokens=self._skip)
@@ -96,23 +110,35 @@ class StreamDecoder:
         Ids past the vocabulary are dropped (not kept in `ids`): they decode to "".
         """
         if type(token_ids) is int and 0 <= token_ids < self._tok.vocab_size:
-            self._ids.append(token_ids)  # the engine's case, one valid id: no batch checks
+            new = [token_ids]  # the engine's case, one valid id: no batch checks
         else:
             new = token_ids if isinstance(token_ids, Iterable) else [token_ids]
-            self._ids.extend(self._tok._check_ids(new))
+            new = self._tok._check_ids(new)
+        self._added += new
+        if self._skip:
+            special = self._tok._special_ids
+            new = [i for i in new if i not in special]
+            if not new:
+                return ""  # (the decode is what it was)
+        byte_ids = self._tok._byte_ids
+        for i in new:
+            self._run = self._run + 1 if i in byte_ids else 0
+        self._ids += new
         window = self._ids[self._prefix :]
         text = self._decode(window)
-        held = _byte_run(self._tok, window, self._skip)
-        stable = (self._decode(window[:-held]) if held else text).rstrip(_REPLACEMENT)
+        held = min(self._run, len(window))
+        if held:
+            end = len(self._ids) - held
+            if self._before_run is None or self._before_run[0] != end:
+                stable = self._decode(self._ids[self._prefix : end]).rstrip(_REPLACEMENT)
+                self._before_run = end, stable
+            stable = self._before_run[1]
+        else:
+            self._before_run = None
+            stable = text.rstrip(_REPLACEMENT)
         piece = stable[self._done :]
         if not held and len(stable) == len(text):
-            # Slide to the last chunk only if it has text: a window of skipped special
-            # tokens alone would let the decoder strip the next token's leading space.
-            last = self._decode(self._ids[self._read :])
-            if last:
-                self._prefix, self._done = self._read, len(last)
-            else:
-                self._done = len(text)
+            self._prefix, self._done = self._read, len(self._decode(self._ids[self._read :]))
             self._read = len(self._ids)
             self.pending = ""
         else:
