@@ -91,7 +91,7 @@ class StreamDecoder:
         self._run = 0  # length of the trailing run of byte-fallback ids in `_ids`
         self._before_run: tuple[int, str] | None = None  # (end, its stable text) in a run
         self.text = ""
-        self.pending = ""  # held back: what flush() would emit now
+        self._pending: str | None = ""  # held back (None: not decoded yet; `pending`)
         ctx = tokenizer._context(context, skip_special_tokens)
         if ctx is not None:  # a first chunk, already emitted
             self._ids, self._read, self._done = list(ctx[0]), len(ctx[0]), len(ctx[1])
@@ -100,6 +100,15 @@ class StreamDecoder:
     def ids(self) -> list[int]:
         """The ids added so far (the context's not included)."""
         return self._added
+
+    @property
+    def pending(self) -> str:
+        """The text held back: what `flush()` would emit now. Within a run of byte-fallback
+        tokens it is decoded when asked for (a long run, e.g. a model repeating newlines
+        that are `<0x0A>` tokens, would otherwise cost a decode of the run every token)."""
+        if self._pending is None:
+            self._pending = self._decode(self._ids[self._prefix :])[self._done :]
+        return self._pending
 
     def _decode(self, ids) -> str:
         return self._tok.tokenizer.decode(ids, skip_special_tokens=self._skip)
@@ -124,32 +133,35 @@ class StreamDecoder:
         for i in new:
             self._run = self._run + 1 if i in byte_ids else 0
         self._ids += new
-        window = self._ids[self._prefix :]
-        text = self._decode(window)
-        held = min(self._run, len(window))
-        if held:
+        held = min(self._run, len(self._ids) - self._prefix)
+        if held:  # the run's text is not final: only what comes before it
             end = len(self._ids) - held
             if self._before_run is None or self._before_run[0] != end:
                 stable = self._decode(self._ids[self._prefix : end]).rstrip(_REPLACEMENT)
                 self._before_run = end, stable
             stable = self._before_run[1]
-        else:
-            self._before_run = None
-            stable = text.rstrip(_REPLACEMENT)
+            piece = stable[self._done :]
+            self._done = max(self._done, len(stable))
+            self._pending = None  # (decoded if asked for)
+            self.text += piece
+            return piece
+        self._before_run = None
+        text = self._decode(self._ids[self._prefix :])
+        stable = text.rstrip(_REPLACEMENT)
         piece = stable[self._done :]
-        if not held and len(stable) == len(text):
+        if len(stable) == len(text):
             self._prefix, self._done = self._read, len(self._decode(self._ids[self._read :]))
             self._read = len(self._ids)
-            self.pending = ""
+            self._pending = ""
         else:
             self._done = max(self._done, len(stable))
-            self.pending = text[self._done :]
+            self._pending = text[self._done :]
         self.text += piece
         return piece
 
     def flush(self) -> str:
         """Emits whatever is held back (an incomplete character shows as U+FFFD)."""
-        piece, self.pending = self.pending, ""
+        piece, self._pending = self.pending, ""
         self._done += len(piece)
         self.text += piece
         return piece

@@ -307,11 +307,13 @@ class OutputProcessor:
         if s.num_generated >= m and tok in req.stop_ids:  # (not drawn before token m + 1)
             return "stop", tok
         if s.detok is not None:
-            old, held = len(s.detok.text), s.detok.pending.rstrip("\ufffd")
-            s.detok.add(tok)
             # As vLLM: the first min_tokens tokens' text is not searched, so a stop string
             # ends a completion from its token min_tokens + 1 on, as a stop token does.
-            if req.params.stop and s.num_generated > m:
+            search = req.params.stop and s.num_generated > m
+            # (`pending` is read only then: in a byte run it costs a decode of the run)
+            old, held = len(s.detok.text), s.detok.pending.rstrip("\ufffd") if search else ""
+            s.detok.add(tok)
+            if search:
                 stop = self._stop_string(req, s, old, held)
         if stop is not None:
             return "stop", stop

@@ -100,3 +100,21 @@ def test_stop_strings_across_runs_of_special_and_space_tokens(skip, sp):
                 kw = dict(include_stop_str_in_output=include, skip_special_tokens=skip)
                 params = SamplingParams(max_tokens=len(gen), stop=stops, min_tokens=m, **kw)
                 assert accept_all(sp, gen, params) == brute_force(sp, gen, params), params
+
+
+def test_a_run_of_byte_tokens_costs_linear_work_unless_its_pending_text_is_read(sp):
+    """A model repeating newlines that are byte tokens (`<0x0A>`, as in Llama 2): the run
+    is never final text until it ends, and decoding it for `pending` on every token
+    cost ~N * N / 2 ids; it is decoded only when read (stop strings read it)."""
+    newline = sp.tokenizer.token_to_id("<0x0A>")
+    the = sp.tokenizer.token_to_id("▁the")
+    ids = [the, *[newline] * N, the]
+    counter = counted(sp)
+    stream = sp.stream()
+    pieces = [stream.add(i) for i in ids]
+    assert counter.ids < 20 * N, counter.ids
+    assert "".join(pieces) + stream.flush() == sp.decode(ids) == "the" + "\n" * N + " the"
+    stream = sp.stream()
+    for i in ids[:-1]:
+        stream.add(i)
+    assert stream.pending == "\n" * N  # (decoded when read)
