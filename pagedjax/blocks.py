@@ -63,7 +63,8 @@ Prefix cache: full, computed pages are registered in a ``PrefixCache``
 every hit verified against the stored token ids, so requests with different salts never
 share a page and a colliding hash cannot reuse a wrong page). Freed cached pages stay
 findable in an LRU (freed tail-first, so a shared prefix's head lives longest) until
-allocation evicts them; evicting a page uncaches the pages cached under it.
+allocation evicts them; evicting a page uncaches the pages cached under it, unless another
+page in use holds the same content (computed twice): the registration moves onto it.
 
 Sliding window: ``release_before`` gives back the pages of a live sequence that no later
 query can see, as ``free`` would; ``admit(..., window=W)`` does not take the cached pages

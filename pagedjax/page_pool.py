@@ -7,7 +7,8 @@ place: the free list (unreferenced, holding nothing cached), the evictable LRU
 K/V) or in use (``refcount`` > 0: that many page tables hold it).
 
 Allocation pops the free list (page 0 first) and only when it is empty evicts the least
-recently freed cached page; evicting a page uncaches the pages cached under it, and those no
+recently freed cached page; evicting a page uncaches the pages cached under it (unless a
+duplicate in use takes its registration over: ``PrefixCache.evict``), and those no
 one holds become plain free pages. Freed cached pages enter the LRU in the order given (the
 manager frees a sequence tail first, so a shared prefix's head lives longest; ``refresh``
 moves the head a sliding window gave back early behind the tail). Callers check
@@ -57,7 +58,7 @@ class PagePool:
             p = self.free.pop()
         else:  # callers checked num_free, so the LRU is not empty
             p, _ = self.evictable.popitem(last=False)
-            for q in self._prefix.uncache(p):
+            for q in self._prefix.evict(p):
                 if self.refcount[q] == 0:  # an orphaned cached page is plain free
                     del self.evictable[q]
                     self.free.append(q)
@@ -90,6 +91,7 @@ class PagePool:
                 if entry[p] is not None:
                     self.evictable[p] = None
                 else:
+                    self._prefix.release(p)  # (a duplicate of cached content no more)
                     self.free.append(p)
 
     def refresh(self, pages: Iterable[int]) -> None:
@@ -106,6 +108,7 @@ class PagePool:
         entries, rc, n = self._prefix.entries, self.refcount, 0
         for p in pages:
             if entries[p] is None:
+                self._prefix.release(p)  # a duplicate's K/V is not there either
                 continue
             for q in [p, *self._prefix.uncache(p)]:
                 n += 1
@@ -132,6 +135,7 @@ class PagePool:
             require(where == 1, f"page {p} is in {where} of free/evictable/used (rc={rc[p]})")
             require(rc[p] == holders[p], f"page {p}: refcount {rc[p]} != {holders[p]} holders")
             require(p not in free or e is None, f"free page {p} is still cached")
+            require(p not in free or not cache.is_duplicate(p), f"free page {p} is a duplicate")
             require(p not in lru or e is not None, f"evictable page {p} is not cached")
             if e is not None:
                 cache.check_page(p, require)

@@ -11,16 +11,22 @@ hash and the page's token ids (int64 little-endian); the chain's root hashes the
 after comparing the stored token ids, the salt, and the parent's registration id (unique,
 never reused), so even a colliding hash cannot reuse a wrong page; a collision met while
 registering stops caching for that sequence. A page computed twice (two requests racing on
-one prefix) keeps one copy registered and lets the duplicate's later pages chain onto it.
-Uncaching a page (the block manager evicts it) unregisters the pages cached under it, so a
-chain never outlives its parent.
+one prefix) keeps one copy registered and lets the duplicate's later pages chain onto it;
+the duplicate is remembered while its sequence holds it, and evicting the registered copy
+(``evict``) moves the registration onto it instead of forgetting the content: many
+requests computing one shared prefix at once (a batch of prompts with one few-shot head)
+keep it cached while any of them runs, as vLLM's block pool, which registers every copy,
+does. Uncaching a page (evicting one without a duplicate, or ``uncache``: its K/V is not
+on the device) unregisters the pages cached under it, so a chain never outlives its
+parent.
 
 Each sequence carries a ``Chain``: how many of its leading full pages were looked up or
 registered, and the hash and registration id to chain its next page from::
 
     hits, chain = cache.lookup(prompt_bytes, salt, max_pages)  # reuse hits[i] for page i
     cache.register(chain, pages, token_bytes, num_full_pages)  # as pages fill up
-    orphans = cache.uncache(page)                              # on eviction
+    orphans = cache.evict(page)                                # to reuse the page
+    cache.release(page)                                        # a page's last holder left
 """
 
 from __future__ import annotations
@@ -109,6 +115,10 @@ class PrefixCache:
         self._index: dict[bytes, int] = {}  # chain hash -> page
         self._node_page: dict[int, int] = {}  # registration id -> page, while registered
         self._children: dict[int, set[int]] = {}  # registration id -> registered child pages
+        # Duplicates: pages in use holding a registered content (computed twice), by its
+        # registration id, and back.
+        self._dups: dict[int, set[int]] = {}
+        self._dup_node: dict[int, int] = {}
         self._next_node = 1
 
     def __len__(self) -> int:
@@ -172,6 +182,10 @@ class PrefixCache:
                 e = entries[q]
                 if e.tokens == tb and e.parent_node == chain.node and e.salt == chain.salt:
                     chain.num_pages, chain.hash, chain.node = i + 1, h, e.node
+                    d = pages[i]
+                    if d != q and entries[d] is None:  # (a fork's copy of a chain: q)
+                        self._dups.setdefault(e.node, set()).add(d)
+                        self._dup_node[d] = e.node
                 else:  # never trust a collision: stop caching this sequence
                     chain.hash = None
                 continue
@@ -192,8 +206,45 @@ class PrefixCache:
             p = self._node_page.get(self.entries[p].parent_node)
         return out
 
+    def evict(self, page: int) -> list[int]:
+        """Takes a cached ``page`` out of the index for reuse: its registration moves onto
+        a duplicate in use if there is one, else it is uncached (``uncache``).
+
+        Returns:
+            The pages uncached below ``page``.
+        """
+        dups = self._dups.get(self.entries[page].node)
+        if not dups:
+            return self.uncache(page)
+        d = dups.pop()
+        e = self.entries[page]
+        if not dups:
+            del self._dups[e.node]
+        del self._dup_node[d]
+        self.entries[d], self.entries[page] = e, None
+        self._index[e.hash] = self._node_page[e.node] = d
+        siblings = self._children[e.parent_node]
+        siblings.discard(page)
+        siblings.add(d)
+        return []
+
+    def is_duplicate(self, page: int) -> bool:
+        """Whether ``page`` is known to duplicate a registered page (``evict``)."""
+        return page in self._dup_node
+
+    def release(self, page: int) -> None:
+        """Forgets that an uncached ``page`` duplicates a registered one: its last holder
+        let it go, or its K/V is not on the device after all."""
+        node = self._dup_node.pop(page, None)
+        if node is not None:
+            dups = self._dups[node]
+            dups.discard(page)
+            if not dups:
+                del self._dups[node]
+
     def uncache(self, page: int) -> list[int]:
-        """Unregisters a cached ``page`` and every page cached under it.
+        """Unregisters a cached ``page`` and every page cached under it (and forgets their
+        duplicates: evicting the content means it is not wanted, or not on the device).
 
         Returns:
             The pages uncached below ``page``, in the order they were dropped.
@@ -205,6 +256,8 @@ class PrefixCache:
             e, entries[q] = entries[q], None
             stack.extend(self._children.pop(e.node, ()))
             del self._index[e.hash], self._node_page[e.node]
+            for d in self._dups.pop(e.node, ()):
+                del self._dup_node[d]
             siblings = self._children.get(e.parent_node)
             if siblings is not None:
                 siblings.discard(q)
@@ -270,8 +323,15 @@ class PrefixCache:
         require(p in self._children.get(e.parent_node, ()), f"page {p} unknown to parent")
 
     def check_index(self, require: Require) -> None:
-        """Checks that the index, registrations and child links count the same pages."""
+        """Checks that the index, registrations and child links count the same pages, and
+        that every duplicate is an uncached page of registered content."""
         require(len(self._index) == len(self._node_page), "index and registrations disagree")
+        dups = sum(len(d) for d in self._dups.values())
+        require(dups == len(self._dup_node), f"{dups} duplicates, {len(self._dup_node)} known")
+        for d, node in self._dup_node.items():
+            require(d in self._dups.get(node, ()), f"duplicate page {d} unknown to its content")
+            require(node in self._node_page, f"duplicate page {d} of uncached content")
+            require(self.entries[d] is None, f"duplicate page {d} is cached itself")
         kids = sum(len(c) for c in self._children.values())
         require(kids == len(self._index), f"{kids} child links for {len(self._index)} pages")
         require(self.enabled or not self._index, "pages cached with caching off")

@@ -338,27 +338,61 @@ def test_racing_duplicates_chain_onto_the_registered_copy():
     bm.check_invariants()
 
 
-def test_evicting_a_parent_uncaches_its_children():
+def test_evicting_a_registered_page_moves_its_registration_onto_a_duplicate_in_use():
+    """Two requests computed one prefix at once (b's pages duplicate a's registered ones).
+    Evicting a's copy once a is done used to forget the content and everything cached
+    under it while b still held it (vLLM registers every copy): the registration now moves
+    onto b's page, b's chain stays cached, and a later prompt hits it all."""
     bm = BlockManager(8, 4)
     toks = prompt(8)
     bm.admit("a", toks)
     bm.admit("b", toks)
     bm.mark_computed("a", 8)
     bm.mark_computed("b", 8)  # b's two pages duplicate a's registered ones
-    for t in prompt(4):
+    tail = prompt(4)
+    for t in tail:
         bm.append_token("b", t)  # registered as a child of a's second page
     assert bm.stats().num_cached_pages == 3
-    bm.free("a")  # a's pages evictable, b's child page still in use
+    table_b = bm.page_table("b")
+    bm.free("a")  # a's pages evictable, b's copies still in use
     bm.admit("x", prompt(16))  # 3 free pages + 1 eviction: a's second page
-    assert bm.stats().evictions == 1 and bm.stats().num_cached_pages == 1
-    bm.check_invariants()  # b's page left the index with its parent
-    bm.free("x")
-    for t in prompt(5):
-        bm.append_token("b", t)  # b's chain is gone: its new full page is not cached
-    assert bm.stats().num_cached_pages == 1
-    bm.free("b")
-    assert bm.stats().num_evictable_pages == 1
+    assert bm.stats().evictions == 1 and bm.stats().num_cached_pages == 3
     bm.check_invariants()
+    bm.free("x")
+    assert bm.admit("c", toks + tail + [1]) == 12
+    assert bm.page_table("c")[1:3] == table_b[1:3]  # b's copy of the second page, its child
+    bm.check_invariants()
+    # With no duplicate left, evicting a page uncaches the pages cached under it.
+    for sid in ("b", "c"):
+        bm.free(sid)
+    assert bm.stats().num_evictable_pages == 3  # a's first page, b's second and child
+    bm.admit("y", prompt(32))  # every page: all three evicted, none moved
+    assert bm.stats().num_cached_pages == 0 and bm.stats().evictions == 1 + 3
+    bm.check_invariants()
+
+
+def test_a_duplicate_is_forgotten_when_freed_or_uncached():
+    """A duplicate stops standing in for its content when its holder lets it go (it is
+    a plain free page, later reused) or when it is uncached (its K/V not on the device:
+    a failed step): evicting the registered copy then forgets the content."""
+    for how in ("free", "uncache"):
+        bm = BlockManager(6, 4)
+        toks = prompt(4)
+        bm.admit("a", toks + [1])
+        bm.admit("b", toks + [1])
+        bm.mark_computed("a", 4)
+        bm.mark_computed("b", 4)  # b's page 0 duplicates a's
+        dup = bm.page_table("b")[0]
+        if how == "free":
+            bm.free("b")
+        else:
+            assert bm.uncache([dup]) == 0  # (not cached itself)
+            bm.free("b")
+        bm.check_invariants()
+        bm.free("a")
+        bm.admit("x", prompt(24))  # every page: a's evicted, nothing to move onto
+        assert bm.stats().num_cached_pages == 0
+        bm.check_invariants()
 
 
 def test_prefix_caching_disabled():
