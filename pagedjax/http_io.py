@@ -1,7 +1,8 @@
 """The HTTP transport under the server's `Handler` (standard library only).
 
 `HttpIO` (a `BaseHTTPRequestHandler`) is what `pagedjax.http_server.Handler` subclasses
-for the wire: it reads a request's body (a `Content-Length` or `Transfer-Encoding:
+for the wire: it refuses a header line it cannot read (a 400: http.server dropped it, and
+the lines after it), reads a request's body (a `Content-Length` or `Transfer-Encoding:
 chunked`, at most `MAX_BODY_BYTES`; the 100 that `Expect: 100-continue` waits for goes
 out only once the body is to be read) and parses it as a JSON object; it writes an
 answer with its length, OpenAI's JSON error (`ApiError`; http.server's own errors too),
@@ -228,6 +229,21 @@ class HttpIO(BaseHTTPRequestHandler):
         self._deadline = None if t is None else time.monotonic() + t
         super().handle_one_request()
 
+    def parse_request(self) -> bool:
+        # http.server's header parser (email's) ends the headers at a line it cannot read
+        # ("Content-Length : 5", a line without a colon) and drops it and every line after
+        # it: a Transfer-Encoding or Content-Length hidden so (request smuggling) was
+        # read as an empty body, the rest taken for the next request. RFC 9112 5.1: a 400.
+        if not super().parse_request():
+            return False
+        h = self.headers
+        bad = h.get_payload() or h.get_unixfrom() or "".join(map(str, h.defects))
+        if bad:
+            line = bad.partition("\n")[0].rstrip("\r")
+            self.send_error(400, f"bad header line {line!r:.80}; header lines are 'Name: value'")
+            return False
+        return True
+
     def handle_expect_100(self) -> bool:
         # http.server sent the 100 at once: a client then sent a body over the limit,
         # which the 413 (or the 501 of a Transfer-Encoding) cut with a reset. It goes out
@@ -250,8 +266,11 @@ class HttpIO(BaseHTTPRequestHandler):
                 self.close_connection = True  # its body's end cannot be found: unread
                 msg = f"Transfer-Encoding {', '.join(te)!r:.80} is not supported; use chunked"
                 raise ApiError(501, msg)
-            if "Content-Length" in self.headers:  # RFC 9112 6.1: a smuggling attempt, or
-                self.close_connection = True  # a proxy's mistake: answered, then closed
+            # RFC 9112 6.1: with a Content-Length too (a smuggling attempt, or a proxy's
+            # mistake), or from an HTTP/1.0 client (which knows no chunks: a proxy on the
+            # way may not have read them so), it is answered, then the connection closed.
+            if "Content-Length" in self.headers or self.request_version == "HTTP/1.0":
+                self.close_connection = True
             self._send_continue()
             return self._read_chunked()
         # Two different lengths are a 400 (RFC 9112 6.3), as is what int() reads but is no
@@ -322,7 +341,11 @@ class HttpIO(BaseHTTPRequestHandler):
 
     def _send(self, status: int, data: bytes, ctype: str, headers=()) -> None:
         self.send_response(status)
-        if self.request_version == "HTTP/1.0" and not self.close_connection:
+        if self.close_connection:
+            # RFC 9112 9.6: a client not told so sent its next request on the connection
+            # that was closed after a refusal (a 413, a 501, a 408, ...), and lost it.
+            self.send_header("Connection", "close")
+        elif self.request_version == "HTTP/1.0":
             # Its client asked to keep it (an HTTP/1.0 client that is not told so reads
             # the answer up to the connection's end, which came only after TIMEOUT_S).
             self.send_header("Connection", "keep-alive")
@@ -353,8 +376,7 @@ class HttpIO(BaseHTTPRequestHandler):
             self.wfile.write(data)
 
     def _json(self, status: int, obj) -> None:
-        data = json.dumps(obj, ensure_ascii=False).encode()
-        self._send(status, data, "application/json")
+        self._send(status, _dumps(obj), "application/json")
 
     def _error(self, e: ApiError) -> None:
         if self._streaming:  # the stream is open: tell it there, then end it as vLLM does
@@ -363,10 +385,10 @@ class HttpIO(BaseHTTPRequestHandler):
                 self._end_stream()
             self.close_connection = True
             return
-        headers = [("Allow", _allow(self._allowed(urlsplit(self.path).path.rstrip("/"))))]
+        allow = _allow(self._allowed(urlsplit(self.path).path.rstrip("/")))
+        headers = [("Allow", allow)] if e.status == 405 else []
         with contextlib.suppress(OSError):
-            data = json.dumps(e.body(), ensure_ascii=False).encode()
-            self._send(e.status, data, "application/json", headers if e.status == 405 else ())
+            self._send(e.status, _dumps(e.body()), "application/json", headers)
 
     # ------------------------------------------------------- server-sent events
 
@@ -385,7 +407,7 @@ class HttpIO(BaseHTTPRequestHandler):
         self._streaming = True
 
     def _event(self, obj) -> None:
-        self._chunk(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+        self._chunk(b"data: " + _dumps(obj) + b"\n\n")
 
     def _end_stream(self) -> None:
         """OpenAI's last event, then the chunked body's end."""
@@ -420,6 +442,17 @@ class HttpIO(BaseHTTPRequestHandler):
             return self.connection.recv(1, socket.MSG_PEEK) == b""
         except OSError:
             return True
+
+
+def _dumps(obj) -> bytes:
+    """`obj` as JSON in UTF-8; its text as it is, but a lone surrogate (which a request's
+    JSON can hold, "\\ud800", and an error message quote) escaped: UTF-8 has none, and
+    encoding one raised out of the handler, which then closed the connection unanswered."""
+    text = json.dumps(obj, ensure_ascii=False)
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(obj).encode()
 
 
 def _allow(method: str) -> str:
