@@ -23,7 +23,9 @@ def unwritten_pages(plan: StepPlan | None, bm: BlockManager, page_size: int) -> 
     """The pages an undispatched step was to write K/V into (None: all pages, when
     `schedule()` itself failed): its prefill rows' slots, and the last page of each
     decode row's sequence (`commit` appends there; it may have been interrupted before
-    giving the row its slot)."""
+    giving the row its slot). Not that page where the append has not happened and
+    would open a new page (the row's position `start` is the sequence's length and a
+    page boundary): it is full of K/V earlier steps wrote, and stays cached."""
     if plan is None:
         return None
     pages = set()
@@ -31,7 +33,10 @@ def unwritten_pages(plan: StepPlan | None, bm: BlockManager, page_size: int) -> 
         if r.slots is not None:
             pages.update(int(x) // page_size for x in r.slots if x >= 0)
         if r.decode and r.seq is not None and r.seq.seq_id in bm:
-            pages.update(bm.page_table(r.seq.seq_id)[-1:])
+            sid = r.seq.seq_id
+            if r.slots is None and r.start % page_size == 0 and bm.num_tokens(sid) == r.start:
+                continue
+            pages.update(bm.page_table(sid)[-1:])
     return sorted(pages)
 
 
