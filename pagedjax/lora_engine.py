@@ -1,7 +1,7 @@
 """`LLM`'s LoRA side (vLLM's `enable_lora` API): the engine arguments, the adapter of each
-request, `add_lora` / `remove_lora` / `list_loras`, and `LoRASlots`, the engine's
-adapters on the host and in device slots. Reading adapters, the slots' layout and the
-per-token update are `pagedjax.lora`'s.
+request, `add_lora` / `remove_lora` / `pin_lora` / `list_loras`, and `LoRASlots`, the
+engine's adapters on the host and in device slots. Reading adapters, the slots' layout
+and the per-token update are `pagedjax.lora`'s.
 
 A request with a `LoRARequest` runs with that adapter: its adapter is read (once per
 `lora_int_id`) when the request is added, so a bad adapter is an error of
@@ -63,6 +63,12 @@ def _digest(adapter: LoRAAdapter) -> bytes:
     return h.hexdigest().encode()
 
 
+def _same_path(a: str, b: str) -> bool:
+    """Whether two spellings name one adapter: equal absolute paths, or the same place
+    once symbolic links are resolved."""
+    return os.path.abspath(a) == os.path.abspath(b) or os.path.realpath(a) == os.path.realpath(b)
+
+
 class LoRASlots:
     """The engine's adapters: read from disk once per `lora_int_id` and kept on the host,
     the ones a step uses put in device slots (`LoRAWeights`), least recently used first
@@ -71,8 +77,9 @@ class LoRASlots:
     The scheduler admits at most `max_loras` distinct adapters to run at once
     (`Scheduler(max_loras=...)`), so a step's adapters always fit the slots (`prepare`).
     The host keeps every adapter a queued or running request uses (`in_use`), the
-    pinned ones (`add(pin=True)`, `LLM.add_lora`), and up to `max_cpu_loras` others:
-    reading a new adapter forgets the least recently used others beyond that.
+    pinned ones (`add(pin=True)`, `pin`: `LLM.add_lora`, `LLM.pin_lora`), and up to
+    `max_cpu_loras` others: reading a new adapter forgets the least recently used others
+    beyond that.
 
     Each adapter held has a prefix-cache key (`cache_key`): its id, path and a digest of
     the weights read, so an id read again from the same path after it was forgotten
@@ -132,6 +139,7 @@ class LoRASlots:
         if adapter is not None:
             what = repr(request.lora_name)
             check_adapter(adapter, self.cfg, max_rank=self.max_lora_rank, what=what)
+            adapter = self._own(adapter, what)
             if i in self.requests:
                 self.remove(i)
             self._replaced += 1
@@ -139,7 +147,7 @@ class LoRASlots:
             return True
         known = self.requests.get(i)
         if known is not None:
-            if os.path.abspath(known.lora_path) != os.path.abspath(request.lora_path):
+            if not _same_path(known.lora_path, request.lora_path):
                 raise ValueError(
                     f"lora_int_id {i} is adapter {known.lora_path!r}, not {request.lora_path!r}: "
                     "give each adapter its own id"
@@ -149,10 +157,33 @@ class LoRASlots:
                 self.pinned.add(i)
             return False
         adapter = load_adapter(request.lora_path, self.cfg, max_rank=self.max_lora_rank)
+        adapter = self._own(adapter, repr(request.lora_path))
         path = os.path.abspath(request.lora_path).encode("utf-8", "surrogatepass")
         key = b"%d:path:%s:%s" % (i, _digest(adapter), path)
         self._hold(request, adapter, key, pin, trim)
         return True
+
+    def _own(self, adapter: LoRAAdapter, what: str) -> LoRAAdapter:
+        """`adapter` as the host holds it: float32 copies of its weights (a caller that
+        changes its arrays afterwards, say an RL loop's update in place, changes nothing
+        held: the prefix-cache key stands for the weights given), each checked finite in
+        the slots' dtype (the model's), scaling included. ValueError otherwise: a NaN or
+        infinity in any slot makes every row of each step it is in NaN (another slot's
+        zero mask times it), whatever adapter the row has."""
+        dtype = np.dtype(self.cfg.jnp_dtype)
+        weights = {}
+        for (layer, module), ab in sorted(adapter.weights.items()):
+            a, b = (np.array(x, np.float32) for x in ab)
+            peak = np.maximum(np.abs(a).max(), np.abs(b).max())  # (NaN if one is)
+            with np.errstate(over="ignore", invalid="ignore"):
+                finite = np.isfinite(peak.astype(dtype))  # (rounding is monotone)
+            if not finite:
+                raise ValueError(
+                    f"LoRA adapter {what}: layer {layer} {module}: its weights (lora_alpha / r "
+                    f"folded in) are not all finite in the model's dtype {dtype}"
+                )
+            weights[layer, module] = (a, b)
+        return LoRAAdapter(weights, adapter.rank, adapter.path)
 
     def _hold(
         self, request: LoRARequest, adapter: LoRAAdapter, key: bytes, pin: bool, trim: bool
@@ -163,6 +194,16 @@ class LoRASlots:
             self.pinned.add(i)
         if trim:
             self._trim(keep=i)
+
+    def pin(self, lora_id: int) -> bool:
+        """Keeps held adapter `lora_id` on the host until `remove` (as `add(pin=True)`);
+        returns True. ValueError for an id not held, TypeError for one not an int."""
+        if not is_int(lora_id):
+            raise TypeError(f"lora_id must be an int, got {lora_id!r:.80}")
+        if lora_id not in self.requests:
+            raise ValueError(f"LoRA adapter {lora_id} is not held: add_lora it first")
+        self.pinned.add(lora_id)
+        return True
 
     def remove(self, lora_id: int) -> bool:
         """Forgets an adapter no queued or running request uses; returns whether it was held.
@@ -267,8 +308,9 @@ class LoRAMixin:
 
         Raises:
           ValueError: LoRA not enabled, or the adapter does not fit the model (or has a
-            rank above `max_lora_rank`, or its id names another adapter's path), or new
-            weights for an id a queued or running request uses.
+            rank above `max_lora_rank`, or its id names another adapter's path, or its
+            weights are not all finite in the model's dtype), or new weights for an id
+            a queued or running request uses.
           FileNotFoundError: no adapter at its path.
         """
         return self._need_lora().add(lora_request, pin=True, adapter=adapter)
@@ -277,6 +319,16 @@ class LoRAMixin:
         """Forgets adapter `lora_id` (its device slot too); returns whether it was held.
         ValueError if a queued or running request uses it."""
         return self._need_lora().remove(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keeps adapter `lora_id`, held already (read for a request, say), on the host
+        until `remove_lora`, as `add_lora` does (vLLM's `pin_lora`); returns True.
+
+        Raises:
+          ValueError: LoRA not enabled, or no adapter `lora_id` is held.
+          TypeError: `lora_id` is not an int.
+        """
+        return self._need_lora().pin(lora_id)
 
     def list_loras(self) -> set[int]:
         """The ids of the adapters held on the host."""
