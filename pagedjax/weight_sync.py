@@ -42,12 +42,14 @@ import numpy as np
 from flax import nnx
 
 from pagedjax import model as model_lib
+from pagedjax import weights as weights_lib
 from pagedjax.request import RequestOutput
 
 __all__ = ["WeightsMixin", "place_params", "template", "to_host"]
 
 # What `sleep` puts to sleep and `wake_up(tags)` wakes, in the order it wakes them.
 SLEEP_TAGS = ("weights", "kv_cache")
+_HOST_MEMORY = ("pinned_host", "unpinned_host")  # jax arrays' memory kinds in host memory
 
 
 def template(params: model_lib.Params) -> model_lib.Params:
@@ -91,6 +93,19 @@ def _flat(new) -> dict:
     )
 
 
+def _f16_overflow(x) -> tuple[int, float] | None:
+    """(count, largest |x|) of the finite values of `x` that float16 makes inf, or None
+    if there are none: loading a checkpoint into a float16 model refuses them too."""
+    if isinstance(x, jax.Array) and x.sharding.memory_kind not in _HOST_MEMORY:
+        count, largest = weights_lib._f16_overflow(x)  # (where `x` lies)
+    else:  # (a program fails on an array in host memory, as `to_host` puts them: numpy)
+        x = np.asarray(x)
+        with np.errstate(over="ignore"):
+            over = np.isfinite(x) & np.isinf(x.astype(np.float16))
+        count, largest = over.sum(), np.abs(x[over]).max(initial=0)
+    return (int(count), float(largest)) if count else None
+
+
 def place_params(like: model_lib.Params, new) -> model_lib.Params:
     """`new` weights as `Params` shaped, typed and placed as `like` (a `Params` or its
     `template`), with `like`'s structure, config and mesh.
@@ -101,8 +116,11 @@ def place_params(like: model_lib.Params, new) -> model_lib.Params:
 
     Raises:
       TypeError: `new` is none of the accepted kinds.
-      ValueError: a parameter missing, unexpected, of another shape, not floating
-        point, or deleted (donated), naming each (all at once).
+      ValueError: a parameter missing, unexpected (HF tensor names among them: said
+        so), of another shape, not floating point, not an array (a `ShapeDtypeStruct`,
+        as a dropped engine's `params`), deleted (donated), or with finite values that
+        a float16 engine's dtype would make inf (as loading a checkpoint refuses them),
+        naming each (all at once).
     """
     flat = _flat(new)
     want = list(nnx.to_flat_state(like.state))
@@ -119,20 +137,33 @@ def place_params(like: model_lib.Params, new) -> model_lib.Params:
             bad.append(f"{key}: shape {shape}, the model's is {tuple(spec.shape)}")
         elif dtype is None or not jnp.issubdtype(dtype, jnp.floating):
             bad.append(f"{key}: dtype {dtype}, not floating point")
+        elif not isinstance(x, jax.Array) and not hasattr(x, "__array__"):
+            bad.append(f"{key}: a {type(x).__name__}, which holds no values")
         elif isinstance(x, jax.Array) and x.is_deleted():
             bad.append(f"{key}: the array is deleted (donated to a jitted call?)")
+        elif spec.dtype == np.float16 and dtype != np.float16 and (n := _f16_overflow(x)):
+            bad.append(f"{key}: {n[0]} values beyond float16's range, up to |x| = {n[1]:.4g}")
     if missing or unexpected or bad:
         parts = [
             f"{what}: {', '.join(items[:5])}" + (f" (+{len(items) - 5} more)" * (len(items) > 5))
             for what, items in (("missing", missing), ("unexpected", unexpected), ("bad", bad))
             if items
         ]
+        hf = [k for k in unexpected if weights_lib.hf_to_path(k) is not None]
+        if hf:
+            parts.append(
+                f"{hf[0]!r} is an HF tensor name: give the model's dotted paths "
+                "(pagedjax.weights.hf_to_path maps a name, and says which to transpose)"
+            )
         raise ValueError(f"new weights do not match the engine's model; {'; '.join(parts)}")
     pairs = []
     for key, (path, var) in zip(keys, want, strict=True):
         spec = var.get_value()
         x = flat[key]
-        if x.dtype != spec.dtype:  # cast where it lies (a host array on the host), then placed
+        # Cast where it lies (a host array on the host), then placed. A weak-typed array
+        # (`jnp.full(shape, 0.0)`'s) is another input type to the jitted steps: it would
+        # compile new programs, so it loses its weak type (`astype`) even in our dtype.
+        if x.dtype != spec.dtype or getattr(x, "weak_type", False):
             x = x.astype(spec.dtype) if isinstance(x, jax.Array) else np.asarray(x, spec.dtype)
         pairs.append((path, var.replace(jax.device_put(x, spec.sharding))))
     return like.replace(state=nnx.from_flat_state(pairs))
@@ -235,8 +266,9 @@ class WeightsMixin:
             engine is not paused: they would mix the two models. Finish or abort them,
             or `pause_generation(mode="keep")` first.
           TypeError, ValueError: `params` is not one of those kinds, or a parameter is
-            missing, unexpected, of another shape, not floating point or deleted (each
-            named); the engine keeps the weights it had.
+            missing, unexpected, of another shape, not floating point, not an array,
+            deleted, or beyond float16's range in a float16 engine (each named,
+            `place_params`); the engine keeps the weights it had, and its prefix cache.
         """
         if not self.core.paused:
             self._check_idle("update_params")
