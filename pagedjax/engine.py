@@ -423,8 +423,8 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
             lp = float(params.length_penalty)
             beam = BeamSearch(params.beam_width, lp, stop_ids, max_len - p)
         lora_id = new_lora = 0  # its adapter, read once the request is known good
-        if lora_request is not None:
-            new_lora = self._need_lora().add(lora_request)
+        if lora_request is not None:  # (others make room for it once it is queued: trim)
+            new_lora = self._need_lora().add(lora_request, trim=False)
             lora_id = lora_request.lora_int_id
         rng_state = self._rng.bit_generator.state
         base = int(self._rng.integers(2**32)) if params.seed is None else int(params.seed)
@@ -444,6 +444,8 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
             if new_lora:  # (and the adapter it read unheld)
                 self.lora.remove(lora_id)
             raise
+        if new_lora:
+            self.lora.trim()
         return rid
 
     def abort(self, request_id: str) -> RequestOutput | None:

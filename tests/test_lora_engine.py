@@ -179,6 +179,16 @@ def test_a_refused_request_leaves_no_adapter_held(params, loras):
         llm.add_request([5, 6], SamplingParams(n=100, max_tokens=2), lora_request=loras["b"])
     assert llm.list_loras() == set()
     llm.abort(rid)
+    # Nor does it push a spare adapter out of the host cache (max_cpu_loras=0: the one
+    # read for an aborted request stays until another is read for a queued request).
+    llm = _llm(params, max_cpu_loras=0)
+    llm.abort(llm.add_request([5, 6], greedy(2), lora_request=loras["a"]))
+    assert llm.list_loras() == {1}
+    rid = llm.add_request([5, 6, 7], greedy(2))
+    with pytest.raises(ValueError, match="already"):
+        llm.add_request([5, 6], greedy(2), request_id=rid, lora_request=loras["b"])
+    assert llm.list_loras() == {1}
+    llm.abort(rid)
 
 
 def test_bad_adapters_and_arguments_are_refused_before_queueing(params, loras, tmp_path):
