@@ -283,6 +283,11 @@ def load_adapter(path, cfg: ModelConfig, *, max_rank: int | None = None) -> LoRA
     from pagedjax.safetensors_file import DTYPES, read_header, read_tensor
 
     root = Path(path)
+    if root.is_file():
+        raise FileNotFoundError(
+            f"LoRA adapter path {str(path)!r} is a file: give the PEFT adapter's directory "
+            "(adapter_config.json, adapter_model.safetensors)"
+        )
     if not root.is_dir():
         raise FileNotFoundError(f"LoRA adapter directory {str(path)!r} does not exist")
     conf = _config(root)

@@ -300,6 +300,8 @@ def test_load_adapter_refuses_missing_files_and_large_ranks(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         lora.load_adapter(tmp_path / "nope", TINY)
     write_peft(tmp_path / "a", TINY, rank=8, modules=("q_proj",))
+    with pytest.raises(FileNotFoundError, match="is a file: give the PEFT adapter's directory"):
+        lora.load_adapter(tmp_path / "a" / "adapter_config.json", TINY)
     with pytest.raises(ValueError, match="has rank 8 > max_lora_rank=4"):
         lora.load_adapter(tmp_path / "a", TINY, max_rank=4)
     (tmp_path / "a" / "adapter_model.safetensors").rename(tmp_path / "a" / "adapter_model.bin")
