@@ -32,9 +32,12 @@ KeyboardInterrupt, an `on_token` callback's) aborts the requests (on a
 KeyboardInterrupt, those given: the others are recomputed), re-creates the KV cache if
 the failed call took the donated one with it, keeps the prefix cache only where its
 pages were written, and propagates unchanged: the engine stays usable
-(`pagedjax.recovery`). Requests that finished in the failed step before an `on_token`
-callback raised are not lost: the next step returns their outputs (unless they are
-among those given, whose caller gets the exception).
+(`pagedjax.recovery`). Requests that finished in the failed step before applying its
+tokens raised (an `on_token` callback, a decode, a beam selection) are not lost: the
+next step returns their outputs (unless they are among those given, whose caller gets
+the exception), without text where building it failed again. The caches are made
+consistent before the aborted requests' outputs are built: one that fails to build
+goes without text, and nothing it raises stops the recovery (a note says what failed).
 """
 
 from __future__ import annotations
@@ -116,8 +119,8 @@ class EngineCore:
         # The dispatched step whose tokens are not applied yet: (plan, result arrays, record).
         self.inflight: tuple[StepPlan, tuple, StepRecord] | None = None
         self._idle_steps = 0
-        # Outputs of requests that finished in a step that then failed (an `on_token`
-        # callback raised while applying its tokens): the next step returns them first.
+        # Outputs of requests that finished in a step that then failed (while applying
+        # its tokens: an `on_token` callback, a decode): the next step returns them first.
         self._carried: list[RequestOutput] = []
         # `LLM.pause_generation` until `resume_generation`: steps schedule nothing.
         self.paused = False
@@ -129,8 +132,8 @@ class EngineCore:
         return self.scheduler.has_unfinished() or self.inflight is not None or bool(self._carried)
 
     def aborted(self, g: SequenceGroup) -> RequestOutput:
-        """The partial output of a group the scheduler gave up (`Scheduler.abort` or
-        `recover`): every sequence finishes with "abort"."""
+        """The partial output of a group the scheduler gave up (`Scheduler.abort`; those
+        of `recover` go through `_tell_aborted`): every sequence finishes with "abort"."""
         for s in g.seqs + g.forks:
             s.finish_reason = "abort"
         out = self.outputs.output(g.request, aborted=True)
@@ -243,6 +246,10 @@ class EngineCore:
     def _recover(self, error: BaseException, plan: StepPlan | None, sent: bool, only) -> None:
         """Makes the engine usable after `error` escaped a step (see `step`).
 
+        The KV cache and the prefix cache are made consistent before any aborted output
+        is built (`_tell_aborted`), so that a failure building one (a decode error, an
+        `on_finish` that raises) cannot leave them half recovered.
+
         Args:
           error: the exception; it gets a note saying what recovery did.
           plan: the failed step's plan; None: `schedule()` itself failed.
@@ -251,6 +258,7 @@ class EngineCore:
             register them): they leave it. Without a plan, every cached page does.
           only: on a KeyboardInterrupt, abort only these request ids (None: all).
         """
+        aborted: list[SequenceGroup] = []
         try:
             ps = self.cache_config.page_size
             unwritten = None if sent else recovery.unwritten_pages(plan, self.block_manager, ps)
@@ -261,7 +269,7 @@ class EngineCore:
                 keep = lambda g: g.request_id not in only  # noqa: E731
             if only is not None:  # (their caller has its outputs, or gave them up)
                 self._carried = [o for o in self._carried if o.request_id not in only]
-            aborted = [self.aborted(g) for g in self.scheduler.recover(keep)]
+            aborted = self.scheduler.recover(keep)
             lost = recovery.cache_lost(self.cache)
             if lost:
                 self.cache = None  # the old buffers go before the new ones are allocated
@@ -279,9 +287,37 @@ class EngineCore:
                 f"pagedjax: recovering the engine from this failed too ({again!r}); "
                 "it is not usable: create a new LLM"
             )
+            self._tell_aborted(aborted, error)
             return
-        ids = [o.request_id for o in aborted]
+        ids = [g.request_id for g in aborted]
         error.add_note(recovery.note(ids, len(self.scheduler.waiting), lost))
+        self._tell_aborted(aborted, error)
+
+    def _tell_aborted(self, groups: list[SequenceGroup], error: BaseException) -> None:
+        """`aborted` for each group recovery gave up, without ever raising: an output
+        that raises while it is built is built again without text, an `on_finish` that
+        raises skips only its own, and what failed is noted on `error` (which
+        propagates)."""
+        textless, refused = [], []
+        for g in groups:
+            for s in g.seqs + g.forks:
+                s.finish_reason = "abort"
+            try:
+                try:
+                    out = self.outputs.output(g.request, aborted=True)
+                except BaseException as again:
+                    textless.append((g.request_id, again))
+                    out = self.outputs.output(g.request, aborted=True, with_text=False)
+                self._on_finish(out)
+            except BaseException as again:
+                refused.append((g.request_id, again))
+        for failed, what in ((textless, "have no text"), (refused, "were not delivered")):
+            if failed:
+                ids = [i for i, _ in failed]
+                error.add_note(
+                    f"pagedjax: the aborted outputs of {len(ids)} request(s) {ids[:8]} "
+                    f"{what} ({failed[0][1]!r})"
+                )
 
     def _complete(self, inflight, on_token) -> tuple[list[RequestOutput], float, float]:
         """Waits for a dispatched step's results and applies them; returns the requests
@@ -293,11 +329,14 @@ class EngineCore:
         self.metrics.complete(rec, t1)
         try:
             finished = self.outputs.apply(plan, host, on_token)
-        except BaseException:
+        except BaseException as e:
             stranded, self.outputs.stranded = self.outputs.stranded, []
-            for o in stranded:
-                self._on_finish(o)
             self._carried += stranded
+            for o in stranded:
+                try:
+                    self._on_finish(o)
+                except BaseException as again:  # (it propagates `e`; the next step returns o)
+                    e.add_note(f"pagedjax: on_finish raised on {o.request_id!r}: {again!r}")
             raise
         for o in finished:
             if o.finished:  # (not a running request's partial output)

@@ -174,6 +174,10 @@ class OutputProcessor:
         Returns:
           The requests that finished in this step, then the partial outputs of those
           still running that got tokens in it and asked for them (`output_kind`).
+
+        Anything that raises once the tokens are set (an on_token callback, a decode, a
+        beam selection) propagates after the outputs of the requests that finished in
+        this step are kept in `stranded` (`_strand`).
         """
         tokens, logprobs, top_ids, top_lps, *rest = host
         ranks, *targets = rest or [None]
@@ -195,6 +199,7 @@ class OutputProcessor:
         beams: dict[int, list] = {}
         done: list[RequestOutput] = []
         partial: dict[int, tuple[Request, int]] = {}  # output_kind CUMULATIVE or DELTA
+        parts: list[tuple[Request, RequestOutput]] = []  # their outputs
         try:
             for i in rows:
                 r = plan.rows[i]
@@ -222,27 +227,54 @@ class OutputProcessor:
                     done.append(self._finish(req, now))
                 elif req.params.output_kind != RequestOutputKind.FINAL_ONLY:
                     partial[id(r.group)] = req, r.epoch
-        except BaseException:
-            # An on_token callback raised (a Ctrl-C): the requests that finished in this
-            # step before it, the one it raised on included, have left the scheduler, so
-            # the engine's recovery would not see them; their outputs wait in `stranded`.
-            told = {o.request_id for o in done}
-            for r in (plan.rows[i] for i in rows):
-                g = r.group
-                if g.done and g.epoch == r.epoch and g.request_id not in told:
-                    told.add(g.request_id)
+            for g, *results in beams.values():
+                if self._beam_step(g.request, results):
                     done.append(self._finish(g.request, now))
-            self.stranded += done
+            for req, epoch in partial.values():
+                # (not if a later row finished it, or an on_token callback aborted it: its
+                # abort returned its last output)
+                if not req.group.done and req.group.epoch == epoch:
+                    parts.append((req, self.output(req, aborted=False, now=now, running=True)))
+        except BaseException as e:
+            self._strand(plan, rows, done, parts, now, e)
             raise
-        for g, *results in beams.values():
-            if self._beam_step(g.request, results):
-                done.append(self._finish(g.request, now))
-        for req, epoch in partial.values():
-            # (not if a later row finished it, or an on_token callback aborted it: its
-            # abort returned its last output)
-            if not req.group.done and req.group.epoch == epoch:
-                done.append(self.output(req, aborted=False, now=now, running=True))
-        return done
+        return done + [out for _, out in parts]
+
+    def _strand(
+        self,
+        plan: StepPlan,
+        rows: list[int],
+        done: list[RequestOutput],
+        parts: list[tuple[Request, RequestOutput]],
+        now: float,
+        error: BaseException,
+    ) -> None:
+        """Keeps, in `stranded`, the outputs of the requests that finished in an `apply`
+        that raised (`error`: an on_token callback's, a Ctrl-C, a decode error): they have
+        left the scheduler, so the engine's recovery would not see them. Those not built
+        yet (the one it raised on included) are built now, without text where that
+        raises again (noted on `error`). The partial outputs built (`parts`) go unreturned:
+        their requests are aborted or recomputed."""
+        for req, out in parts:
+            self.take_back(req, out)
+        told = {o.request_id for o in done}
+        textless = []
+        for r in (plan.rows[i] for i in rows):
+            g = r.group
+            if g.done and g.epoch == r.epoch and g.request_id not in told:
+                told.add(g.request_id)
+                try:
+                    done.append(self._finish(g.request, now))
+                except BaseException as again:
+                    textless.append((g.request_id, again))
+                    done.append(self.output(g.request, aborted=False, now=now, with_text=False))
+        self.stranded += done
+        if textless:
+            ids = [i for i, _ in textless]
+            error.add_note(
+                f"pagedjax: the outputs of {len(ids)} request(s) {ids[:8]} that finished in "
+                f"the failed step have no text (building it raised {textless[0][1]!r})"
+            )
 
     def _prompt_logprobs(self, plan: StepPlan, target_lps, top_ids, top_lps, ranks=None) -> None:
         """Records the prompt logprobs a step computed (`StepBatch` chose the targets):
@@ -421,10 +453,18 @@ class OutputProcessor:
         return out
 
     def output(
-        self, req: Request, *, aborted: bool, now: float | None = None, running: bool = False
+        self,
+        req: Request,
+        *,
+        aborted: bool,
+        now: float | None = None,
+        running: bool = False,
+        with_text: bool = True,
     ) -> RequestOutput:
         """The request's `RequestOutput`: finished, or (`aborted`) what it has so far, or
-        (`running`) its partial output; only what is new with output_kind DELTA."""
+        (`running`) its partial output; only what is new with output_kind DELTA.
+        `with_text` False: every completion's text "" (nothing is decoded), the fallback
+        when building it with text raised (a tokenizer's decode error)."""
         now = perf_counter() if now is None else now
         g, p = req.group, len(req.prompt_ids)
         comps = []
@@ -435,7 +475,7 @@ class OutputProcessor:
                 comps.append(
                     CompletionOutput(
                         i,
-                        self._text(req, h.token_ids, stop),
+                        self._text(req, h.token_ids, stop) if with_text else "",
                         h.token_ids,
                         h.cumulative_logprob,
                         h.finish_reason,
@@ -451,7 +491,9 @@ class OutputProcessor:
             for rank, s in enumerate(seqs):
                 gen = s.token_ids[p:]
                 text = req.texts.get(s.seq_id)  # (a finished one's, in an earlier output)
-                if text is None:
+                if not with_text:
+                    text = ""
+                elif text is None:
                     text = self._seq_text(req, s, gen, running)
                     if s.finish_reason is not None:
                         req.texts[s.seq_id] = text
