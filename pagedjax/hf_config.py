@@ -61,8 +61,10 @@ def from_hf(config: dict, *, dtype: str | None = None) -> ModelConfig:
     transformers reads it (`_rope_scaling`; with yarn, `max_position_embeddings`
     becomes at least `original_max_position_embeddings * factor`, the context YaRN
     extends to, as vLLM serves it), a missing `head_dim` (hidden_size // heads; 128 for
-    Qwen3, as HF's Qwen3Config), and `eos_token_id` as an int or a list. The
-    family is named by `architectures` (its first entry), else by `model_type`.
+    Qwen3, as HF's Qwen3Config; a null one is hidden_size // heads in all), and
+    `eos_token_id` as an int or a list. The family is named by `architectures` (its
+    first entry), else by `model_type`; a `model_type` must be a supported one either way
+    (HF builds the model_type's class whatever `architectures` says).
     Qwen3 means `qk_norm`. Biases follow HF's attention modules: `attention_bias`
     biases q/k/v and o_proj in Llama and Qwen3 (`qkv_bias` and `o_bias`); Qwen2
     always biases q/k/v and never o_proj; Mistral has no biases (HF ignores
@@ -78,15 +80,17 @@ def from_hf(config: dict, *, dtype: str | None = None) -> ModelConfig:
     both are) says float32, and in bfloat16 for any other (float16 too; `_hf_dtype`).
 
     Raises:
-      ValueError: an unsupported architecture anywhere in `architectures`, unsupported
-        or incomplete rope scaling, missing keys, a number of the wrong type (named),
-        a different sliding window per layer (or a Mistral `layer_types` that
-        contradicts HF's window on every layer), or a key the model does not
-        implement (`hidden_act` other than silu, a Llama's `mlp_bias`,
+      ValueError: an unsupported architecture anywhere in `architectures` (a list), an
+        unsupported `model_type`, unsupported or incomplete rope scaling, missing keys, a
+        number of the wrong type (named), a different sliding window per layer (or a
+        Mistral `layer_types` that contradicts HF's window on every layer), or a key the
+        model does not implement (`hidden_act` other than silu, a Llama's `mlp_bias`,
         `partial_rotary_factor` < 1 at the top level or in the RoPE dict, RoPE parameters
         per layer type, `quantization_config`).
     """
     archs = config.get("architectures") or []
+    if not isinstance(archs, (list, tuple)):  # a bare string was read as a list of its letters
+        raise ValueError(f"config.json: architectures must be a list, got architectures={archs!r}")
     unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
     if unsupported:  # a second, unsupported class may be what the weights really are
         raise ValueError(
@@ -94,9 +98,12 @@ def from_hf(config: dict, *, dtype: str | None = None) -> ModelConfig:
             f"supported: {list(SUPPORTED_ARCHITECTURES)}"
         )
     model_type = config.get("model_type")
-    if not archs and model_type not in _MODEL_TYPES:
+    if model_type not in _MODEL_TYPES:
+        # HF's AutoModel builds the class of the model_type's config whatever architectures
+        # says (a "granite" labelled LlamaForCausalLM scales its logits and residuals).
         raise ValueError(
-            f"unsupported model_type {model_type!r}; supported: {list(_MODEL_TYPES[1:])}"
+            f"unsupported model_type {model_type!r} (architectures={archs}); "
+            f"supported: {list(_MODEL_TYPES[1:])}"
         )
     missing = [
         k
@@ -104,14 +111,18 @@ def from_hf(config: dict, *, dtype: str | None = None) -> ModelConfig:
         if k not in config
     ]
     if missing:
-        raise ValueError(f"config.json is missing required keys: {missing}")
+        nested = " (a multimodal wrapper's text_config?)" if "text_config" in config else ""
+        raise ValueError(f"config.json is missing required keys: {missing}{nested}")
     family = _ARCH_FAMILIES[archs[0]] if archs else model_type
     _refuse_unimplemented(config, family)
     absent = _HF_ABSENT[family]
     num_heads = _hf_number(config, "num_attention_heads", int)
     hidden = _hf_number(config, "hidden_size", int)
-    # An absent head_dim is 128 in HF's Qwen3Config, else hidden_size // heads (null too).
-    head_dim = _hf_number(config, "head_dim", int, absent["head_dim"], nullable=True)
+    # An absent head_dim is 128 in HF's Qwen3Config, else hidden_size // heads; a null one
+    # is hidden_size // heads in every family (HF 5's Qwen3Config refuses it; vLLM derives).
+    head_dim = None
+    if config.get("head_dim", 0) is not None:
+        head_dim = _hf_number(config, "head_dim", int, absent["head_dim"])
     if head_dim is None and num_heads > 0:  # else ModelConfig names the bad num_heads
         head_dim = hidden // num_heads
     if config.get("num_key_value_heads", 0) is None:  # null: MHA in every family
@@ -175,7 +186,9 @@ def to_hf(cfg: ModelConfig) -> dict:
     written both ways HF has read it: `max_window_layers: 0` and an explicit
     `layer_types` list. `rope_scaling` is the kind and its parameters (HF's names);
     from_hf reads it back equal, though with yarn a `max_position_embeddings` below
-    `original_max_position_embeddings * factor` reads back raised to that.
+    `original_max_position_embeddings * factor` reads back raised to that. Unset
+    `bos_token_id` / `eos_token_id` are written as null, not left out (HF's Llama and
+    Mistral read an absent one as 1 / 2).
     """
     if cfg.qk_norm:
         arch, model_type = "Qwen3ForCausalLM", "qwen3"
@@ -217,11 +230,11 @@ def to_hf(cfg: ModelConfig) -> dict:
     if cfg.rope_scaling is not None:  # its kind and the parameters that kind takes
         rs = dataclasses.asdict(cfg.rope_scaling)
         out["rope_scaling"] = {k: v for k, v in rs.items() if v is not None}
-    if cfg.bos_token_id is not None:
-        out["bos_token_id"] = cfg.bos_token_id
-    if cfg.eos_token_ids:
-        eos = cfg.eos_token_ids
-        out["eos_token_id"] = eos[0] if len(eos) == 1 else list(eos)
+    # Written when unset too: an absent key is 1 and 2 to HF's Llama and Mistral, and
+    # transformers' generate would stop at token 2.
+    out["bos_token_id"] = cfg.bos_token_id
+    eos = cfg.eos_token_ids
+    out["eos_token_id"] = (eos[0] if len(eos) == 1 else list(eos)) if eos else None
     return out
 
 
