@@ -31,22 +31,29 @@ whose `root` then matches nothing is a ValueError naming those rules.
 Size: each level copies the rule's regex, and rules are inlined where referenced, so a
 grammar's regex can be far larger than the grammar: one over `MAX_REGEX_CHARS` is a
 ValueError here, and one whose NFA or DFA is too large is refused by `pagedjax.guided`
-with `too_large`'s hint (simplify the grammar or lower its nesting).
+with `too_large`'s hint (simplify the grammar or lower its nesting). So is, here, a
+grammar over `MAX_GRAMMAR_CHARS` characters, and one whose expansion takes over
+`MAX_EXPAND_STEPS` steps (mutually recursive rules are expanded once per way their
+recursion nests: exponentially often in the rules, though the regex may stay small).
+Everything else is linear in the grammar's size.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 from pagedjax.json_schema import MAX_REGEX_CHARS
 from pagedjax.regex_dfa import negate, nesting, to_text
 
-__all__ = ["RULE_DEPTH", "grammar_regex", "too_large"]
+__all__ = ["MAX_EXPAND_STEPS", "MAX_GRAMMAR_CHARS", "RULE_DEPTH", "grammar_regex", "too_large"]
 
 # A recursive rule appears at most this many times on a path of a parse tree (as
 # json_schema's REF_DEPTH for a $ref); each level copies its regex.
 RULE_DEPTH = 3
 _MAX_WORK = 16 * MAX_REGEX_CHARS  # characters built while expanding (and 8 per rule)
+MAX_EXPAND_STEPS = 1_000_000  # grammar nodes expanded (about 1 s), as `_Expander.step` counts
+MAX_GRAMMAR_CHARS = MAX_REGEX_CHARS  # the grammar's own text
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]+")
 _RULE_HEAD = re.compile(r"([a-zA-Z0-9_-]+)[ \t]*::=")
@@ -90,10 +97,11 @@ class _Parser:
 
     def at_rule_head(self):
         """The `name ::=` match if one starts here at the start of its line."""
-        line_start = self.t.rfind("\n", 0, self.i) + 1
-        if self.t[line_start : self.i].strip():
+        head = _RULE_HEAD.match(self.t, self.i)
+        if head is None:  # (first: looking back along a long line each time is quadratic)
             return None
-        return _RULE_HEAD.match(self.t, self.i)
+        line_start = self.t.rfind("\n", 0, self.i) + 1
+        return None if self.t[line_start : self.i].strip() else head
 
     def grammar(self) -> dict[str, tuple]:
         """{name: (node, offset of its head)} in order."""
@@ -332,19 +340,14 @@ class _Expander:
 
     def __init__(self, rules: dict[str, tuple], depth: int):
         self.rules, self.depth = rules, depth
-        refs = _references(rules)
-        reach = {name: _reachable(refs, name) for name in rules}
         # A recursive rule's SCC: the rules it reaches that reach it back. Its expansion
         # depends on how often they are on the stack (no other rule on it reaches it).
-        self.cycle = {
-            name: tuple(sorted(r for r in reach[name] if name in reach[r]))
-            for name in rules
-            if name in reach[name]
-        }
+        self.cycle = _recursive_sccs(_references(rules))
         self.productive = _productive(rules)
         self.stack: list[str] = []
         self.memo: dict = {}
         self.work = 0
+        self.steps = 0  # nodes expanded and stack entries read: the time it takes
 
     def charge(self, e, n: int = 0):
         self.work += n + (len(e[0]) if e else 0)
@@ -356,16 +359,29 @@ class _Expander:
             )
         return e
 
+    def step(self, n: int = 1) -> None:
+        """Counts `n` steps of expansion; ValueError past `MAX_EXPAND_STEPS` (mutually
+        recursive rules are expanded once per count of each on the stack: exponentially
+        often, though the regex, deduplicated, stays small)."""
+        self.steps += n
+        if self.steps > MAX_EXPAND_STEPS:
+            raise ValueError(
+                f"grammar is too large: expanding it takes over {MAX_EXPAND_STEPS} steps "
+                f"(recursive rules are unrolled {self.depth} deep, once for each way their "
+                "recursion nests); simplify it or lower its nesting"
+            )
+
     def rule(self, name: str):
         if name not in self.productive:
             return None  # (it derives no string: every way through it recurses forever)
         cycle = self.cycle.get(name)
         if cycle is None:
             key = name
-        elif self.stack.count(name) >= self.depth:
-            return None
         else:
-            key = (name, tuple(self.stack.count(r) for r in cycle))
+            self.step(len(self.stack))
+            if self.stack.count(name) >= self.depth:
+                return None
+            key = (name, tuple(sorted(r for r in self.stack if r in cycle)))  # (their counts)
         if key not in self.memo:
             self.stack.append(name)
             self.memo[key] = self.expand(self.rules[name][0])
@@ -374,6 +390,7 @@ class _Expander:
         return self.memo[key]
 
     def expand(self, node):
+        self.step()
         kind = node[0]
         if kind == "lit":
             return _literal(node[1])
@@ -422,27 +439,95 @@ def _reachable(refs: dict[str, set], name: str) -> set[str]:
     return seen
 
 
+def _recursive_sccs(refs: dict[str, set[str]]) -> dict[str, frozenset[str]]:
+    """{rule: its strongly connected component} for the rules that reach themselves
+    (Tarjan's, iterative: linear in the references, where a reachability search per
+    rule is quadratic)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: list[str] = []
+    at: dict[str, int] = {}  # rule -> its place in on_stack
+    out: dict[str, frozenset[str]] = {}
+    work: list[tuple[str, Iterator[str]]] = []
+
+    def visit(name: str) -> None:
+        index[name] = low[name] = len(index)
+        at[name] = len(on_stack)
+        on_stack.append(name)
+        work.append((name, iter(refs[name])))
+
+    for root in refs:
+        if root in index:
+            continue
+        visit(root)
+        while work:
+            name, it = work[-1]
+            nxt = next(it, None)
+            if nxt is not None:
+                if nxt not in index:
+                    visit(nxt)
+                elif nxt not in out:  # (on the stack: in no SCC yet)
+                    low[name] = min(low[name], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[name])
+            if low[name] == index[name]:
+                k = at[name]
+                scc = frozenset(on_stack[k:])
+                del on_stack[k:]
+                if len(scc) > 1 or name in refs[name]:
+                    out.update(dict.fromkeys(scc, scc))
+                else:
+                    out[name] = frozenset()  # (done, not recursive: dropped below)
+    return {name: scc for name, scc in out.items() if scc}
+
+
 def _productive(rules: dict[str, tuple]) -> set[str]:
-    """The rules that derive some (finite) string: a fixed point from the bottom up."""
-
-    def ok(node, done) -> bool:
-        kind = node[0]
-        if kind == "ref":
-            return node[1] in done
-        if kind == "cat":
-            return all(ok(n, done) for n in node[1])
-        if kind == "alt":
-            return any(ok(n, done) for n in node[1])
-        if kind == "rep":
-            return node[2] == 0 or ok(node[1], done)
-        return True
-
+    """The rules that derive some (finite) string: from the bottom up, a node done when
+    its children are (a cat's all, an alt's or a rep's one), linear in the grammar."""
+    need: list[int] = []  # per node: the children still to be done
+    parent: list[int] = []
+    waiting: dict[str, list[int]] = {name: [] for name in rules}  # rule -> its ref nodes
+    top: dict[int, str] = {}  # a rule's node -> the rule
+    ready: list[int] = []
+    for name, (body, _) in rules.items():
+        stack = [(body, -1)]
+        while stack:
+            node, up = stack.pop()
+            i = len(need)
+            parent.append(up)
+            kind = node[0]
+            if up < 0:
+                top[i] = name
+            if kind == "ref":
+                need.append(1)
+                waiting[node[1]].append(i)
+            elif kind == "cat":
+                need.append(len(node[1]))
+                stack.extend((n, i) for n in node[1])
+            elif kind == "alt":
+                need.append(1)
+                stack.extend((n, i) for n in node[1])
+            elif kind == "rep" and node[2] > 0:
+                need.append(1)
+                stack.append((node[1], i))
+            else:  # a literal, a set or an optional repetition
+                need.append(0)
+            if need[i] == 0:
+                ready.append(i)
     done: set[str] = set()
-    while True:
-        more = {name for name, (node, _) in rules.items() if name not in done and ok(node, done)}
-        if not more:
-            return done
-        done |= more
+    while ready:
+        i = ready.pop()
+        if i in top:
+            done.add(top[i])
+            ready.extend(waiting.pop(top[i]))
+        up = parent[i]
+        if up >= 0:
+            need[up] -= 1
+            if need[up] == 0:  # (an alt's later children take it below 0: once only)
+                ready.append(up)
+    return done
 
 
 def _check_refs(parser: _Parser, rules: dict[str, tuple]) -> None:
@@ -465,12 +550,18 @@ def grammar_regex(grammar: str, *, depth: int = RULE_DEPTH) -> str:
       ValueError: a syntax error or an unsupported construct (naming it and its
         line:column), a rule defined twice or referenced but not defined, no `root`, an
         empty grammar, a `root` that matches nothing (naming the rules that never stop
-        recursing), a regex over `MAX_REGEX_CHARS`, or nesting too deep to parse.
+        recursing), a regex over `MAX_REGEX_CHARS`, a grammar over `MAX_GRAMMAR_CHARS`,
+        an expansion over `MAX_EXPAND_STEPS` steps, or nesting too deep to parse.
     """
     if not isinstance(grammar, str):
         raise TypeError(f"a grammar must be a str, got {type(grammar).__name__}: {grammar!r:.80}")
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise ValueError(f"depth must be an int >= 1, got {depth=}")
+    if len(grammar) > MAX_GRAMMAR_CHARS:  # (parsing takes about 1 s per million)
+        raise ValueError(
+            f"grammar of {len(grammar)} characters {grammar!r:.80} is too large: the limit "
+            f"is {MAX_GRAMMAR_CHARS} characters"
+        )
     parser = _Parser(grammar)
     with nesting(f"grammar {grammar!r}"):
         rules = parser.grammar()
