@@ -32,10 +32,13 @@ most `max_num_seqs` sequences running:
    (`max_loras`) taken by other adapters keeps its place while the base-model groups
    behind it (no adapter) are admitted: they hold no slot, so it still gets the first
    one freed. (vLLM admits the groups of running adapters too, which can starve it.)
-   Admission keeps the block manager's watermark of pages free on top of the decode
-   reservation, and reserves pages for each whole prompt (a window model: for the most
-   it holds at once, below), so a long prompt prefilled over several steps never runs
-   out mid-prompt.
+   The groups passed so (it, and every adapter group behind it) block no one on seats
+   either: they could not be admitted in this step anyway. Admission keeps the block
+   manager's watermark of pages free on top of the decode reservation, and reserves pages
+   for each whole prompt (a window model: for the most it holds at once, below), so a
+   long prompt prefilled over several steps never runs out mid-prompt; a sequence that
+   decodes after its prefill also needs the page of its first decode token free
+   (`_admit_pages`), lest it be preempted for it at once.
 
 Priority scheduling (`scheduling_policy="priority"`, vLLM's): each group has a
 `priority`, lower served first, and an `arrival`, the order `add` queued it in, which
@@ -299,14 +302,16 @@ class Scheduler(RequestsMixin):
         i = 0  # the next waiting group to try: those before it wait for an adapter slot
         while i < len(self.waiting) and budget > 0:
             g = self.waiting[i]
-            if seats + g.seats > self.max_num_seqs or id(g) in preempted:
+            if id(g) in preempted:
                 break  # (readmitting a group just preempted would only thrash)
             full = self.max_loras is not None and len(loras) >= self.max_loras
             if g.lora_id and (i > 0 or (g.lora_id not in loras and full)):
                 i += 1  # waits in its place for a slot; behind it, only base-model groups
-                continue
+                continue  # (before the seat check: a group passed blocks no one)
+            if seats + g.seats > self.max_num_seqs:
+                break
             lens = [self._admit_len(g, s) for s in g.seqs]
-            need = sum(self._peak_pages(n) for n in lens)
+            need = self._admit_pages(g, lens)
             if bm.num_free_pages - bm.num_reserved_pages - reserve - need < bm.watermark_pages:
                 break
             del self.waiting[i]
@@ -360,6 +365,24 @@ class Scheduler(RequestsMixin):
         if g.atomic and s.num_generated > 0:
             return len(s.token_ids) - 1  # beams resynchronise on one decode step
         return len(s.token_ids)
+
+    def _admit_pages(self, g: SequenceGroup, lens: list[int]) -> int:
+        """Pages admitting `g` takes: each sequence's prefill (`lens`, `_admit_len`'s) and,
+        for one that samples at the end of it and feeds that token next (it is not its
+        last), the page of that token's slot: else a prompt that ends on a page boundary
+        finds that page missing from the next step's decode reserve, and is preempted
+        (under "fcfs" the newest, so it) for its own first token. Within
+        `max_pages_needed`: a group alone is always admitted.
+
+        Forked samples and beams count their prefill only: their first decode rows get
+        pages at admission if they fit (`_decode_admitted`), or from the next step's
+        reserve."""
+        if g.forks or g.atomic:
+            return sum(self._peak_pages(n) for n in lens)
+        return sum(
+            self._peak_pages(n + 1 if n + 1 < s.max_num_tokens else n)
+            for s, n in zip(g.seqs, lens, strict=True)
+        )
 
     def _decode_candidates(self) -> tuple[list[tuple[SequenceGroup, Sequence | None]], int]:
         cands: list[tuple[SequenceGroup, Sequence | None]] = []

@@ -341,8 +341,11 @@ def full_attention_plans(in_flight: bool) -> str:
 # the full-attention policy changes these: recompute them with full_attention_plans()
 # and say so in that commit. Recomputed at d6bd9c6, whose block manager leaves
 # readmissions out of stats()'s prefix queries and hits (hashed last); the plans are
-# df80790's.
-FULL_ATTENTION_PLANS = {False: "fd42995cb7762c62", True: "5d6e8f643a4039c7"}
+# df80790's. Recomputed at the scheduler commit after bd2f810: in bd2f810 an evicted
+# page's registration moves onto a duplicate in use (other page ids, one eviction more:
+# the same hits and preemptions), and the scheduler's admission then kept the page of a
+# request's first decode token free (one step more, the same preemptions).
+FULL_ATTENTION_PLANS = {False: "aa3d0fa6de3aa762", True: "1c7147bb9c1b5bae"}
 
 
 @pytest.mark.parametrize("in_flight", [False, True], ids=["sync", "async"])
