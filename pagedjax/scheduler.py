@@ -374,11 +374,18 @@ class Scheduler(RequestsMixin):
         (under "fcfs" the newest, so it) for its own first token. Within
         `max_pages_needed`: a group alone is always admitted.
 
-        Forked samples and beams count their prefill only: their first decode rows get
-        pages at admission if they fit (`_decode_admitted`), or from the next step's
-        reserve."""
-        if g.forks or g.atomic:
+        Samples forked after the prompt (`g.forks`) share its pages, and each one's first
+        decode token takes a page: a new one when `prompt[:-1]` ends on a page boundary,
+        else a copy of the shared last page for all but one (copy-on-write). Beams count
+        their prefill only: their first decode rows get pages at admission if they fit
+        (`_decode_admitted`), or from the next step's reserve."""
+        if g.atomic:
             return sum(self._peak_pages(n) for n in lens)
+        if g.forks:
+            (n,) = lens
+            k = len(g.seqs) + len(g.forks)
+            need = self._peak_pages(n) + k - (1 if n % self.bm.page_size else 0)
+            return min(need, self.max_pages_needed(g))
         return sum(
             self._peak_pages(n + 1 if n + 1 < s.max_num_tokens else n)
             for s, n in zip(g.seqs, lens, strict=True)
