@@ -16,6 +16,11 @@ padded matrix; a state's mask walks every token at once, one gather per byte pos
 over the tokens still alive (the bytes past the 16th in a second pass), and keeps those
 that end in a live state: about 8 ms on the CPU for 128k tokens that all survive 16
 bytes, well under 1 ms where most die on their first byte. Masks are cached per state.
+
+Viable states (from which tokens can complete a match) are all the live ones where each
+byte the DFA reads is a single-byte token; where not, the tokens holding such a byte are
+walked from each state left undecided, a cost refused (ValueError) past `MAX_VIABLE_WORK`
+token bytes stepped: about 1 s on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import weakref
 
 import numpy as np
 
+from pagedjax import regex_dfa
 from pagedjax.grammar import grammar_regex, too_large
 from pagedjax.json_schema import (  # noqa: F401  (JSON_DEPTH: re-exported)
     DEFAULT_WHITESPACE,
@@ -53,6 +59,7 @@ from pagedjax.tokenizer import Tokenizer
 __all__ = ["Guide", "StructuredOutputsParams", "compile_guide", "token_bytes"]
 
 MASK_CACHE_SIZE = 1024  # masks kept per guide (16 KiB each at a 128k vocabulary)
+MAX_VIABLE_WORK = 128_000_000  # token bytes `_viable_states` steps: ~1 s on 2 CPU cores
 _JSON_WHITESPACE = ((9, 10), (13, 13), (32, 32))
 
 
@@ -199,9 +206,7 @@ class StructuredOutputsParams:
             with nesting(f"json={self.json!r}"):
                 pattern = schema_regex(schema, ws)
         if len(pattern) > MAX_REGEX_CHARS:
-            raise ValueError(
-                f"json={self.json!r:.100}: its regex exceeds {MAX_REGEX_CHARS} characters"
-            )
+            raise ValueError(f"{given[0]}: its regex exceeds {MAX_REGEX_CHARS} characters")
         try:
             check_size(pattern, parse(pattern))
         except ValueError as e:
@@ -347,23 +352,31 @@ def _pad_columns(toks: list[bytes], width: int) -> np.ndarray:
 def _ends(flat: np.ndarray, tab: _TokenTable, state: int) -> np.ndarray:
     """[n] int32: each token's end state from `state` in the DFA whose transitions are
     `flat` ([S * 256]: next = flat[state * 256 + byte]); 0: dead, or no bytes."""
+    return _walk(flat, tab, state)[0]
+
+
+def _walk(flat: np.ndarray, tab: _TokenTable, state: int) -> tuple[np.ndarray, int]:
+    """`_ends` and the token bytes it stepped (its work)."""
     # (np.take, not fancy indexing: 2-4x faster on these 1-D gathers)
     ends = np.take(flat[state * 256 : state * 256 + 256], tab.head[0])
+    steps = len(ends)
     idx = np.flatnonzero((ends != 0) & (tab.lens > 1))
     for j in range(1, tab.width):
         if not idx.size:
             break
+        steps += idx.size
         e = ends[idx] = np.take(flat, ends[idx] * 256 + tab.head[j, idx])
         idx = idx[(e != 0) & (tab.lens[idx] > j + 1)]
     rows = tab.long_pos[idx]  # the long tokens still alive
     for j in range(tab.rest.shape[0]):
         if not idx.size:
             break
+        steps += idx.size
         e = ends[idx] = np.take(flat, ends[idx] * 256 + tab.rest[j, rows])
         keep = (e != 0) & (tab.lens[idx] > tab.width + j + 1)
         idx, rows = idx[keep], rows[keep]
     ends[tab.empty] = 0
-    return ends
+    return ends, steps
 
 
 # ---------------------------------------------------------------------------- the guide
@@ -461,7 +474,8 @@ class Guide:
 
 def _viable_states(guide: Guide) -> np.ndarray:
     """[S] bool: the states of `guide`'s DFA from which some sequence of tokens (ids
-    below its vocab_size, with bytes) reaches acceptance; False for the dead state 0."""
+    below its vocab_size, with bytes) reaches acceptance; False for the dead state 0.
+    ValueError where walking the tokens takes over `MAX_VIABLE_WORK` steps."""
     trans, accept, tab = guide._dfa.trans, guide._dfa.accept, guide._table
     n = min(len(tab.lens), guide.vocab_size)
     single = np.zeros(256, bool)
@@ -483,7 +497,20 @@ def _viable_states(guide: Guide) -> np.ndarray:
         sub = tab.spelled[n] = _TokenTable(
             [t for t in tab.bytes[:n] if t and not single[list(t)].all()]
         )
-    succ = [np.unique(e[e != 0]) for e in (_ends(guide._flat, sub, int(s)) for s in rest)]
+    succ, work = [], 0
+    for s in rest:
+        ends, steps = _walk(guide._flat, sub, int(s))
+        succ.append(np.unique(ends[ends != 0]))
+        work += steps
+        if work > MAX_VIABLE_WORK:
+            missing = [f"{b:#04x}" for b in np.flatnonzero(trans.any(axis=0) & ~single)]
+            raise ValueError(
+                f"{guide.pattern!r:.80} is too large for this vocabulary: finding which of "
+                f"its {len(rest)} DFA states its tokens can complete takes over "
+                f"MAX_VIABLE_WORK={MAX_VIABLE_WORK} token bytes stepped (no single-byte "
+                f"token holds {', '.join(missing[:8])}{', ...' if len(missing) > 8 else ''}, "
+                "which it reads); lower its repetition counts"
+            )
     src = np.concatenate([src, np.repeat(rest, [len(x) for x in succ])])
     return _reaches(viable, src, np.concatenate([dst, *succ]))
 
@@ -507,8 +534,9 @@ def _reaches(start: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Tokenizer -> _TokenTable
 _DFAS: collections.OrderedDict[str, DFA] = collections.OrderedDict()
 _GUIDES: collections.OrderedDict[tuple, Guide] = collections.OrderedDict()
+_REFUSED: collections.OrderedDict[tuple, str] = collections.OrderedDict()  # key -> message
 _LOCK = threading.Lock()
-CACHE_SIZE = 16  # guides (and DFAs) kept by compile_guide
+CACHE_SIZE = 16  # guides (and DFAs, and refusals) kept by compile_guide
 
 
 def _lru(cache: collections.OrderedDict, key, make):
@@ -529,15 +557,19 @@ def compile_guide(spec: StructuredOutputsParams, tokenizer: Tokenizer, vocab_siz
     """The `Guide` of `spec` for `tokenizer` and a model of `vocab_size` ids (may exceed
     the tokenizer's: padded embeddings). Cached: the last `CACHE_SIZE` guides by the
     spec's regex, the tokenizer object and vocab_size (so masks computed for one request
-    serve the next), and each tokenizer's token table while the tokenizer lives.
+    serve the next), the last `CACHE_SIZE` refusals alike (a ValueError raised again at
+    once: a resent pattern that is too large costs nothing), and each tokenizer's token
+    table while the tokenizer lives.
 
     Raises:
       TypeError: a wrong type of argument.
       ValueError: vocab_size < 1, the pattern's DFA is too large
         (`regex_dfa.MAX_DFA_STATES`; for a grammar, with `grammar.too_large`'s hint), it
         matches nothing, no sequence of the vocabulary's tokens spells a match (a regex
-        needing a character no token holds), or the tokenizer's decoder is not supported
-        (`token_bytes`).
+        needing a character no token holds), finding which DFA states the vocabulary's
+        tokens can complete takes too long (`MAX_VIABLE_WORK`: a vocabulary without a
+        single-byte token for some byte the pattern reads), or the tokenizer's decoder is
+        not supported (`token_bytes`).
     """
     if not isinstance(spec, StructuredOutputsParams):
         raise TypeError(f"spec must be a StructuredOutputsParams, got {type(spec).__name__}")
@@ -574,4 +606,20 @@ def compile_guide(spec: StructuredOutputsParams, tokenizer: Tokenizer, vocab_siz
             )
         return guide
 
-    return _lru(_GUIDES, (pattern, tokenizer, int(vocab_size)), make)
+    # (the limits are in the refusal's key: one refused under other limits may pass)
+    limits = (regex_dfa.MAX_DFA_STATES, regex_dfa.MAX_DFA_WORK, MAX_VIABLE_WORK)
+    key = (pattern, tokenizer, int(vocab_size))
+    with _LOCK:
+        refused = _REFUSED.get((key, limits))
+        if refused is not None:
+            _REFUSED.move_to_end((key, limits))
+    if refused is not None:
+        raise ValueError(refused)
+    try:
+        return _lru(_GUIDES, key, make)
+    except ValueError as e:
+        with _LOCK:
+            _REFUSED[key, limits] = str(e)
+            while len(_REFUSED) > CACHE_SIZE:
+                _REFUSED.popitem(last=False)
+        raise
