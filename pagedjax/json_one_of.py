@@ -31,6 +31,8 @@ TYPE_KEYWORDS = {
 
 _KINDS = frozenset(("string", "number", "boolean", "null", "array", "object"))
 _FACTS_CALLS = 10_000  # the work `OneOfMixin.one_of` may do for one oneOf
+_MAX_PAIRS = 1_000_000  # branches of a oneOf compared pairwise (about 1 s)
+_FACTS_DEPTH = 64  # schemas nested in one (allOf, anyOf, $ref): Python's frames are few
 
 
 def _as_list(x) -> list:
@@ -54,6 +56,13 @@ def _canon(v):
     if isinstance(v, dict):
         return ("object", frozenset((k, _canon(x)) for k, x in v.items()))
     return ("other", repr(v))
+
+
+def _all_apart(sets: list) -> bool:
+    """Whether `sets` are all finite (not None) and no value is in two of them."""
+    if any(x is None for x in sets):
+        return False
+    return sum(map(len, sets)) == len(frozenset().union(*sets))
 
 
 def _generated_kinds(s, valid: frozenset) -> frozenset:
@@ -89,16 +98,37 @@ class OneOfMixin:
         def apart(a, b) -> bool:  # two finite sets of values, no value in both
             return a is not None and b is not None and not a & b
 
-        for j, (gen_j, val_j, values_j, required_j, props_j) in enumerate(facts):
-            for i, (gen_i, val_i, values_i, required_i, props_i) in enumerate(facts[:j]):
+        prop_values = {}  # (branch, key) -> the values of its property key
+
+        def values_of(i: int, k: str):
+            if (i, k) not in prop_values:
+                prop_values[i, k] = self.facts_of({"allOf": facts[i][4].get(k, [])})[1]
+            return prop_values[i, k]
+
+        # The pairs, below, are quadratic in the branches: first, in linear time, the
+        # usual large oneOfs (of const / enum values, or discriminated by one property).
+        if _all_apart([f[2] for f in facts]):
+            return
+        if all(f[0] <= {"object"} for f in facts):  # (so are the kinds of "both")
+            for k in sorted(set.intersection(*(f[3] for f in facts))):
+                if _all_apart([values_of(i, k) for i in range(len(facts))]):
+                    return
+        n = len(facts)
+        if n * (n - 1) // 2 > _MAX_PAIRS:
+            raise self.error(
+                path,
+                f"oneOf of {n} branches is too large to check pairwise (at most "
+                f"{_MAX_PAIRS} pairs, unless all are const / enum values, or objects told "
+                "apart by one required property); give anyOf",
+            )
+        for j, (gen_j, val_j, values_j, required_j, _) in enumerate(facts):
+            for i, (gen_i, val_i, values_i, required_i, _) in enumerate(facts[:j]):
                 both = (gen_i & val_j) | (gen_j & val_i)  # kinds one makes and both allow
                 if not both or apart(values_i, values_j):
                     continue
                 if both <= {"object"} and any(
-                    apart(self.facts_of({"allOf": props_i.get(k, [])})[1],
-                          self.facts_of({"allOf": props_j.get(k, [])})[1])
-                    for k in required_i | required_j
-                ):  # fmt: skip
+                    apart(values_of(i, k), values_of(j, k)) for k in required_i | required_j
+                ):
                     continue
                 raise self.error(
                     path,
@@ -112,17 +142,29 @@ class OneOfMixin:
         """What `one_of` knows of the values valid for schema `s`: their kinds (JSON
         types; integer is number), a finite set holding them all (`_canon`; None: none
         known), the keys every valid object has, {key: the schemas its value meets}."""
-        self.facts_calls = 0
+        self.facts_calls, self.facts_depth, self.facts_refs = 0, 0, []
         return self.facts(s)
 
     def facts(self, s):
-        """`facts_of`'s recursion; past `_FACTS_CALLS` calls (recursive $refs), nothing
-        more is known."""
+        """`facts_of`'s recursion; past `_FACTS_CALLS` calls (a DAG of $refs) or
+        `_FACTS_DEPTH` levels, and of a $ref inside its own expansion, nothing more is
+        known."""
         self.facts_calls += 1
         if s is False:
             return frozenset(), frozenset(), set(), {}
-        if not isinstance(s, dict) or self.facts_calls > _FACTS_CALLS:
+        if (
+            not isinstance(s, dict)
+            or self.facts_calls > _FACTS_CALLS
+            or self.facts_depth >= _FACTS_DEPTH
+        ):
             return _KINDS, None, set(), {}
+        self.facts_depth += 1
+        try:
+            return self.unchecked_facts(s)
+        finally:
+            self.facts_depth -= 1
+
+    def unchecked_facts(self, s):
         if s.get("nullable"):
             kinds, values, _, props = self.facts(dict(s, nullable=False))
             values = None if values is None else values | {_canon(None)}
@@ -139,8 +181,13 @@ class OneOfMixin:
         props = s.get("properties")
         props = {k: [v] for k, v in props.items()} if isinstance(props, dict) else {}
         parts = [*_as_list(s.get("allOf"))]
-        if "$ref" in s:
-            parts.append(self.pointer(s["$ref"], "#"))
+        ref = s.get("$ref")
+        if ref is not None and ref not in self.facts_refs:  # (the refs being expanded)
+            self.facts_refs.append(ref)
+            try:
+                parts.append(self.facts(self.pointer(ref, "#")))
+            finally:
+                self.facts_refs.pop()
         for key in ("anyOf", "oneOf"):  # one of them holds
             branches = [self.facts(x) for x in _as_list(s.get(key))]
             if branches:

@@ -54,11 +54,19 @@ type generates is read as its keywords' types, what it allows as any), their con
 enum values do, or both are objects with a required property whose const / enum values
 differ (a discriminated union). Else it is a ValueError: give anyOf.
 
+Costs: compiling takes time about linear in the schema and its regex. A schema nested
+more than `MAX_DEPTH` levels (items, a property, a branch, a $ref's target, ...; and a
+const / enum value's containers) is a ValueError, as is one whose regex, or a part of it,
+would exceed `MAX_REGEX_CHARS` characters (nested arrays double it per level), refused as
+soon as a part does; a $ref is written once for each set of refs open around it (memoised),
+and a $ref merged into an allOf once (allOf: [A, A] is A).
+
 The regexes read the same in Python's `re` with `re.ASCII`.
 """
 
 from __future__ import annotations
 
+import collections
 import json as jsonlib
 import math
 
@@ -73,9 +81,26 @@ from pagedjax.string_regex import FORMATS as _FORMATS
 from pagedjax.string_regex import STRING_CHAR as _STRING_CHAR
 from pagedjax.string_regex import json_chars as _json_chars
 
-__all__ = ["DEFAULT_WHITESPACE", "JSON_DEPTH", "MAX_REGEX_CHARS", "REF_DEPTH", "schema_regex"]
+__all__ = [
+    "DEFAULT_WHITESPACE",
+    "JSON_DEPTH",
+    "MAX_DEPTH",
+    "MAX_REGEX_CHARS",
+    "REF_DEPTH",
+    "schema_regex",
+]
 
 MAX_REGEX_CHARS = 1_000_000  # regex text of a JSON schema
+# The regex text built on the way (each schema's, and so each character once per schema
+# around it): past this, a schema is refused before the copies add up to gigabytes.
+_MAX_WORK = 32 * MAX_REGEX_CHARS
+# Schemas nested in schemas (items, a property, an anyOf branch, a $ref's target, ...,
+# and containers in a const or enum value): a few Python frames each, so that a deeper
+# one would reach Python's recursion limit (1000) in the middle of a request.
+MAX_DEPTH = 64
+# A bound of more digits than this (a float's have 309 at most): refused, as its digit
+# ranges (`pagedjax.number_regex`) recurse once per digit.
+_MAX_BOUND_DIGITS = 400
 # Default whitespace between JSON tokens: one optional space. It adds one DFA state per
 # separator (a bounded run like [ \n\t]{0,4} adds four) and keeps a model from spending
 # its tokens on runs of whitespace; json.dumps's ", " / ": " style fits it.
@@ -119,6 +144,19 @@ _MAX_OF = {"minimum", "exclusiveMinimum", "minLength", "minItems"}
 _MIN_OF = {"maximum", "exclusiveMaximum", "maxLength", "maxItems"}
 
 
+def _nesting(v) -> int:
+    """How deep containers nest in the JSON value `v` (a scalar: 0), without recursion."""
+    depth, level = 0, [v]
+    while any(isinstance(x, (list, dict)) for x in level):
+        depth += 1
+        level = [y for x in level if isinstance(x, (list, dict)) for y in _children(x)]
+    return depth
+
+
+def _children(v: list | dict):
+    return v.values() if isinstance(v, dict) else v
+
+
 def _floats(v):
     """The floats in the JSON value `v`."""
     if isinstance(v, float):
@@ -137,11 +175,41 @@ class _Schema(OneOfMixin):
     def __init__(self, root: dict, ws: str):
         self.root, self.ws, self.refs = root, ws, ["#"]  # (the root counts as "#")
         self.facts_calls = 0
+        self.depth = self.deepest = 0  # schemas open around this one; the most yet
+        self.work = 0  # characters of the regexes built so far (`_MAX_WORK`)
+        self.memo: dict = {}  # (a $ref, the refs open around it) -> (regex, levels below)
 
     def error(self, path: str, msg: str) -> ValueError:
         return ValueError(f"JSON schema at {path}: {msg}")
 
+    def too_deep(self, path: str) -> ValueError:
+        return self.error(path, f"schema nests too deeply: more than {MAX_DEPTH} levels")
+
     def value(self, s, path: str) -> str:
+        """The regex of the schema `s` at `path`, one level deeper than its caller's;
+        a ValueError past `MAX_DEPTH` levels, `MAX_REGEX_CHARS` characters or `_MAX_WORK`,
+        as soon as it is reached (nested arrays double the regex per level)."""
+        if self.depth >= MAX_DEPTH:
+            raise self.too_deep(path)
+        self.depth += 1
+        self.deepest = max(self.deepest, self.depth)
+        try:
+            out = self.unchecked_value(s, path)
+        finally:
+            self.depth -= 1
+        self.work += len(out)
+        if len(out) > MAX_REGEX_CHARS:
+            raise self.error(path, f"its regex exceeds {MAX_REGEX_CHARS} characters")
+        if self.work > _MAX_WORK:
+            raise self.error(
+                path,
+                f"the schema is too large: building its regex takes over {_MAX_WORK} "
+                f"characters (its regex may have {MAX_REGEX_CHARS}); simplify it or lower "
+                "its nesting",
+            )
+        return out
+
+    def unchecked_value(self, s, path: str) -> str:
         if s is True or s == {}:
             return self.any_value(JSON_DEPTH)
         if not isinstance(s, dict):
@@ -196,6 +264,9 @@ class _Schema(OneOfMixin):
         other = sorted(set(s) - _IGNORED - {key, "type"})
         if other:
             raise self.error(path, f"{other[0]!r} beside {key} is not supported")
+        if self.depth + _nesting(values) > MAX_DEPTH:  # (`literal` recurses)
+            msg = f"{key} value nests too deeply: more than {MAX_DEPTH} levels (schemas counted)"
+            raise self.error(path, msg)
         bad = next((x for x in _floats(values) if not math.isfinite(x)), None)
         if bad is not None:
             msg = f"{key} {s[key]!r:.80}: {bad!r} is not a JSON value (JSON has no NaN or inf)"
@@ -213,25 +284,39 @@ class _Schema(OneOfMixin):
     def all_of(self, merged: dict, subs: list, path: str, finish=None) -> str:
         """The schema at `path`: `merged` and all of `subs`, pairs (schema, its path),
         merged into one ($refs resolved, allOfs flattened), as `finish(schema, path)`
-        writes it (default `value`)."""
-        for i, (sub, at) in enumerate(subs):
-            if sub is True:
-                continue
-            if not isinstance(sub, dict):
-                raise self.error(at, f"a schema must be an object, got {sub!r:.80}")
-            if "$ref" in sub:
-                more = [({k: v for k, v in sub.items() if k != "$ref"}, at), *subs[i + 1 :]]
-
-                def then(node, ref, merged=merged, more=more):
-                    return self.all_of(merged, [(node, ref), *more], path, finish)
-
-                return self.ref(sub["$ref"], at, then)
-            if isinstance(sub.get("allOf"), list):
-                inner = [(x, f"{at}/allOf/{j}") for j, x in enumerate(sub["allOf"])]
-                rest = {k: v for k, v in sub.items() if k != "allOf"}
-                return self.all_of(merged, [*inner, (rest, at), *subs[i + 1 :]], path, finish)
-            merged = self.merge(merged, sub, at)
-        return (finish or self.value)(merged, path)
+        writes it (default `value`). The $refs merged stay open (`refs`) until it is
+        written; one merged already, but not around this one, adds nothing (allOf: [A,
+        A]: A once, where a DAG of such refs would take time exponential in its depth)."""
+        todo = [(sub, at, frozenset()) for sub, at in reversed(subs)]  # (the next: last)
+        opened, pushed = set(), 0
+        try:
+            while todo:
+                sub, at, inside = todo.pop()  # inside: the refs it comes from
+                if sub is True:
+                    continue
+                if not isinstance(sub, dict):
+                    raise self.error(at, f"a schema must be an object, got {sub!r:.80}")
+                if "$ref" in sub:
+                    ref = sub["$ref"]
+                    node = self.pointer(ref, at)
+                    todo.append(({k: v for k, v in sub.items() if k != "$ref"}, at, inside))
+                    if ref in opened and ref not in inside:
+                        continue
+                    if self.refs.count(ref) >= REF_DEPTH:
+                        return NOTHING
+                    self.refs.append(ref)
+                    opened.add(ref)
+                    pushed += 1
+                    todo.append((node, ref, inside | {ref}))
+                elif isinstance(sub.get("allOf"), list):
+                    todo.append(({k: v for k, v in sub.items() if k != "allOf"}, at, inside))
+                    inner = [(x, f"{at}/allOf/{j}", inside) for j, x in enumerate(sub["allOf"])]
+                    todo += reversed(inner)
+                else:
+                    merged = self.merge(merged, sub, at)
+            return (finish or self.value)(merged, path)
+        finally:
+            del self.refs[len(self.refs) - pushed :]
 
     def merge(self, a: dict, b: dict, path: str) -> dict:
         """One schema for both `a` and `b` (annotations left out), or a ValueError naming
@@ -314,8 +399,16 @@ class _Schema(OneOfMixin):
                 if base not in s:
                     raise self.error(path, f"{key} true needs a number {base}")
                 continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or (isinstance(v, float) and not math.isfinite(v))
+            ):
                 raise self.error(path, f"{key} must be a number, got {v!r:.80}")
+            if abs(v) >= 10**_MAX_BOUND_DIGITS:
+                raise self.error(
+                    path, f"{key} of more than {_MAX_BOUND_DIGITS} digits is not supported"
+                )
             ex = key != base or s.get("exclusive" + base.title()) is True
             if kind == "integer":  # the inclusive integer bound
                 v = (
@@ -339,19 +432,28 @@ class _Schema(OneOfMixin):
             return _SCALARS[kind]
         return integer_regex(lo, hi) if kind == "integer" else number_regex(lo, lo_ex, hi, hi_ex)
 
-    def ref(self, ref, path: str, then=None) -> str:
-        """The regex of the schema `ref` points to, as `then(schema, ref)` writes it
-        (default `value`); nothing where `ref` is `REF_DEPTH` deep in its own expansion."""
+    def ref(self, ref, path: str) -> str:
+        """The regex of the schema `ref` points to; nothing where `ref` is `REF_DEPTH` deep
+        in its own expansion. Memoised on the refs open around it, on which alone its
+        regex depends (a ref used many times is written once)."""
         node = self.pointer(ref, path)
         if self.refs.count(ref) >= REF_DEPTH:
             return NOTHING
+        key = (ref, frozenset(collections.Counter(self.refs).items()))
+        if key in self.memo:
+            out, below = self.memo[key]
+            if self.depth + below > MAX_DEPTH:
+                raise self.too_deep(path)
+            self.deepest = max(self.deepest, self.depth + below)
+            return out
         self.refs.append(ref)
+        deepest, self.deepest = self.deepest, self.depth
         try:
-            out = (then or self.value)(node, ref)
+            out = self.value(node, ref)
         finally:
             self.refs.pop()
-        if len(out) > MAX_REGEX_CHARS:
-            raise self.error(path, f"$ref {ref!r}: its regex exceeds {MAX_REGEX_CHARS} characters")
+            below, self.deepest = self.deepest - self.depth, max(deepest, self.deepest)
+        self.memo[key] = out, below
         return out
 
     def pointer(self, ref, path: str):
@@ -474,6 +576,7 @@ class _Schema(OneOfMixin):
             self.literal(k) + self.colon + self.value(v, f"{path}/properties/{k}")
             for k, v in props.items()
         ]
+        required = set(required)  # (a list: quadratic in the properties)
         req = [k in required for k in props]
         # Linear in the properties (one alternative per choice of the first property
         # given would grow the DFA quadratically). With a required one at r: the ones
@@ -517,8 +620,9 @@ def schema_regex(schema: dict | None, ws: str) -> str:
     regex of the whitespace between tokens.
 
     Raises:
-      ValueError: an unsupported or malformed schema, named with its path; an object
-        whose regex would exceed `MAX_REGEX_CHARS`. (Deep nesting: RecursionError.)
+      ValueError: an unsupported or malformed schema, named with its path; one whose
+        regex would exceed `MAX_REGEX_CHARS` (refused as soon as a part of it does, or
+        the parts built add up to `_MAX_WORK`); one nested more than `MAX_DEPTH` deep.
     """
     s = _Schema(schema, ws)
     return s.any_object(JSON_DEPTH) if schema is None else s.value(schema, "#")
