@@ -29,6 +29,7 @@ import collections
 import copy
 import dataclasses
 import json as jsonlib
+import reprlib
 import threading
 import weakref
 
@@ -153,15 +154,24 @@ class StructuredOutputsParams:
             if not (isinstance(value, bool) or (allow_none and value is None)):
                 raise TypeError(f"{name} must be a bool, got {name}={value!r:.80}")
         schema = self.json
+        # A schema nested hundreds of levels deep would raise RecursionError in json or
+        # deepcopy (schema_regex refuses past its MAX_DEPTH): a ValueError too.
+        shown = f"json={reprlib.repr(schema)}"  # (bounded: not the whole schema's repr)
         if isinstance(schema, str):
             try:
                 schema = jsonlib.loads(schema)
+            except RecursionError:
+                raise ValueError(f"{shown} nests too deeply") from None
             except ValueError as e:
                 raise ValueError(f"json is not valid JSON ({e}): json={self.json!r:.100}") from None
             if not isinstance(schema, dict):
                 raise ValueError(f"json must be a JSON schema object, got json={self.json!r:.100}")
         elif isinstance(schema, dict):
-            object.__setattr__(self, "json", copy.deepcopy(schema))  # frozen: ours alone
+            try:
+                schema = copy.deepcopy(schema)
+            except RecursionError:
+                raise ValueError(f"{shown} nests too deeply") from None
+            object.__setattr__(self, "json", schema)  # frozen: ours alone
         elif schema is not None:
             raise TypeError(
                 f"json must be a dict or its JSON text, got {type(schema).__name__}: "
@@ -208,7 +218,7 @@ class StructuredOutputsParams:
                 ws = DEFAULT_WHITESPACE
             elif ws:
                 ws = f"(?:{_json_whitespace(ws)})"
-            with nesting(f"json={self.json!r}"):
+            with nesting(shown):
                 pattern = schema_regex(schema, ws)
         if len(pattern) > MAX_REGEX_CHARS:
             raise ValueError(f"{given[0]}: its regex exceeds {MAX_REGEX_CHARS} characters")

@@ -114,3 +114,17 @@ def test_a_regex_too_long_names_the_specs_kind():
     ]:
         with pytest.raises(ValueError, match=f"^{name}.*: its regex exceeds 1000000 characters"):
             StructuredOutputsParams(**kwargs)
+
+
+@pytest.mark.parametrize("as_text", [False, True], ids=["dict", "text"])
+def test_a_schema_too_deep_for_python_is_a_value_error(as_text):
+    """A schema nested ~1000 levels deep raised RecursionError (a 500 on the server) in
+    the copy of a dict, or json's parse of its text, before schema_regex's depth limit."""
+    if as_text:
+        json = '{"type": "array", "items": ' * 3000 + '{"type": "string"}' + "}" * 3000
+    else:
+        json = {"type": "string"}
+        for _ in range(1000):
+            json = {"type": "array", "items": json}
+    with pytest.raises(ValueError, match="nests too deeply"):
+        StructuredOutputsParams(json=json)
