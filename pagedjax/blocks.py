@@ -345,6 +345,10 @@ class BlockManager(SeqTables):
             what = f"admitting {n} tokens of {seq_id!r}"
             raise OutOfPages(need, available, what, reserved=reserved)
         self._pool.take(kept)
+        # The hits below the window stay evictable, but they are the chain's parents:
+        # evicting one uncaches what this admission just took. Renewed first (the head
+        # last, so it is evicted last), its own allocation evicts other pages before them.
+        self._pool.refresh(reversed(hits[:r]))
         pages = [-1] * r + kept + [self._pool.alloc() for _ in range(num_new)]
         capacity = self._max_pages_per_seq or max(4, 2 * len(pages))
         seq = SeqPages.admitted(pages, r, capacity, buf, n, cached, chain)

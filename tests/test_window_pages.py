@@ -171,6 +171,23 @@ def test_a_released_head_is_evicted_last_after_free():
     bm.check_invariants()
 
 
+def test_a_window_admission_does_not_evict_the_chain_it_hits():
+    """A window admission takes only the cached pages its window sees; those below it
+    stay evictable, and they are the chain's parents: its own allocation evicted the
+    least recently freed of them first, which uncached the pages it had just taken.
+    They are now renewed in the LRU first, so other cached pages go before them."""
+    bm = BlockManager(10, 4, watermark=0)
+    a, _ = computed_seq(bm, "a", 24)  # 6 pages
+    bm.free("a")  # cached, evictable, the least recently freed
+    computed_seq(bm, "b", 16)  # 4 pages: the free list is empty now
+    bm.free("b")
+    assert bm.admit("c", a + [1, 2, 3, 4, 5, 6, 7, 8], window=5) == 24
+    # c took a's last page (its window's) and 2 new pages, evicting b's last two
+    assert bm.stats().evictions == 2 and bm.stats().num_cached_pages == 6 + 2
+    assert bm.admit("d", a + [9], window=5) == 24  # a's chain is still cached whole
+    bm.check_invariants()
+
+
 def test_errors_are_atomic_and_name_the_value():
     bm = BlockManager(8, 4)
     computed_seq(bm, "a", 9)
