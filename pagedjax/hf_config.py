@@ -81,10 +81,11 @@ def from_hf(config: dict, *, dtype: str | None = None) -> ModelConfig:
 
     Raises:
       ValueError: an unsupported architecture anywhere in `architectures` (a list), an
-        unsupported `model_type`, unsupported or incomplete rope scaling, missing keys, a
-        number of the wrong type (named), a different sliding window per layer (or a
-        Mistral `layer_types` that contradicts HF's window on every layer), or a key the
-        model does not implement (`hidden_act` other than silu, a Llama's `mlp_bias`,
+        unsupported `model_type` or one of another family than `architectures`,
+        unsupported or incomplete rope scaling, missing keys, a number of the wrong type
+        (named), a different sliding window per layer (or a Mistral `layer_types` that
+        contradicts HF's window on every layer), or a key the model does not implement
+        (`hidden_act` other than silu, a Llama's `mlp_bias`,
         `partial_rotary_factor` < 1 at the top level or in the RoPE dict, RoPE parameters
         per layer type, `quantization_config`).
     """
@@ -104,6 +105,13 @@ def from_hf(config: dict, *, dtype: str | None = None) -> ModelConfig:
         raise ValueError(
             f"unsupported model_type {model_type!r} (architectures={archs}); "
             f"supported: {list(_MODEL_TYPES[1:])}"
+        )
+    other = [a for a in archs if model_type is not None and _ARCH_FAMILIES[a] != model_type]
+    if other:  # (a Mistral class with "llama": HF builds a Llama, with no window)
+        raise ValueError(
+            f"config.json: architectures {other} are not model_type {model_type!r}'s: "
+            "transformers builds the model_type's model, so the two disagree on what the "
+            "weights are; make them one family"
         )
     missing = [
         k

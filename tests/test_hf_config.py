@@ -58,7 +58,8 @@ def test_missing_keys_listed():
 def test_sliding_window_is_read_or_ignored_as_hf_does():
     """Mistral slides every layer; a window of at least the context, or a Qwen config with
     use_sliding_window false, means none (tests/test_model_families.py covers the rest)."""
-    mistral = dict(LLAMA31_8B, architectures=["MistralForCausalLM"], sliding_window=4096)
+    mistral = dict(LLAMA31_8B, architectures=["MistralForCausalLM"], model_type="mistral")
+    mistral["sliding_window"] = 4096
     assert ModelConfig.from_hf(mistral).sliding_window == 4096
     assert ModelConfig.from_hf(dict(mistral, sliding_window=None)).sliding_window is None
     assert ModelConfig.from_hf(dict(mistral, sliding_window=131072)).sliding_window is None
@@ -304,7 +305,8 @@ def test_from_hf_mistral_slides_every_layer_whatever_layer_types_says():
     """HF's MistralForCausalLM ignores layer_types (it warns and names Ministral) and
     slides every layer; a list marking any layer full attention read as no window (all
     full) where HF slides: it is refused, a list of all sliding layers agrees."""
-    mistral = dict(LLAMA31_8B, architectures=["MistralForCausalLM"], sliding_window=4096)
+    mistral = dict(LLAMA31_8B, architectures=["MistralForCausalLM"], model_type="mistral")
+    mistral["sliding_window"] = 4096
     marked = dict(mistral, layer_types=["sliding_attention"] * 32)
     assert ModelConfig.from_hf(marked).sliding_window == 4096
     for layer_types in (["full_attention"] * 32, ["full_attention"] + ["sliding_attention"] * 31):

@@ -55,3 +55,13 @@ def test_to_hf_writes_unset_token_ids_as_null(name):
     assert hf["bos_token_id"] is None and hf["eos_token_id"] is None
     assert ModelConfig.from_hf(hf) == cfg
     assert PRESETS[name].to_hf()["eos_token_id"] == PRESETS[name].eos_token_ids[0]
+
+
+def test_architectures_and_model_type_of_two_families_are_refused():
+    """transformers builds the model_type's model whatever architectures says: a
+    MistralForCausalLM labelled "llama" is a Llama there (no window), a Mistral here."""
+    mistral = dict(LLAMA31_8B, architectures=["MistralForCausalLM"], sliding_window=4096)
+    with pytest.raises(ValueError, match=r"architectures \['MistralForCausalLM'\] are not "):
+        ModelConfig.from_hf(mistral)
+    assert ModelConfig.from_hf(dict(mistral, model_type="mistral")).sliding_window == 4096
+    assert ModelConfig.from_hf({**mistral, "model_type": None}).sliding_window == 4096
