@@ -11,7 +11,15 @@ tokens:
   on any of them (Llama 3 instruct ends turns with `<|eot_id|>` but lists
   `<|end_of_text|>` too).
 * add_bos: tokenizer_config's `add_bos_token` if set, else whether tokenizer.json's
-  own post-processor prepends BOS.
+  own post-processor prepends BOS. `add_eos_token` (and a post-processor that appends
+  EOS) is not followed: a prompt that ends in EOS asks the model to stop.
+
+The special tokens are read as HF's AutoTokenizer reads them: a legacy checkpoint's
+`special_tokens_map.json` (read when tokenizer_config.json has no `added_tokens_decoder`)
+overrides tokenizer_config's, and the named special tokens and `added_tokens_decoder`
+entries are registered as added tokens with their flags (`_register_added_tokens`), so
+that their text in a prompt encodes as their ids where the tokenizer.json alone left
+them plain vocabulary entries (split into pieces).
 
 `encode` never lets the post-processor add tokens: it encodes the raw text and
 prepends BOS itself unless the text starts with it, so BOS appears exactly once whatever
@@ -224,12 +232,20 @@ class Tokenizer:
         root = Path(path)
         tok_file = root / TOKENIZER_FILE
         if not tok_file.is_file():
-            raise FileNotFoundError(f"no {TOKENIZER_FILE} in {root}")
+            spm = " (only a SentencePiece tokenizer.model, which is not read)"
+            spm = spm if (root / "tokenizer.model").is_file() else ""
+            raise FileNotFoundError(
+                f"no {TOKENIZER_FILE} in {root}{spm}; transformers' "
+                "AutoTokenizer.from_pretrained(path).save_pretrained(path) writes one"
+            )
         try:
             tok = tokenizers.Tokenizer.from_file(str(tok_file))
         except Exception as e:  # (the tokenizers library raises a bare Exception)
             raise ValueError(f"{tok_file} is not a valid tokenizer file: {e}") from None
-        tcfg = read_json_object(root / "tokenizer_config.json", missing_ok=True)
+        tcfg = _with_special_tokens_map(
+            read_json_object(root / "tokenizer_config.json", missing_ok=True), root
+        )
+        _register_added_tokens(tok, tcfg)
         gcfg = read_json_object(root / "generation_config.json", missing_ok=True)
         mcfg = read_json_object(root / "config.json", missing_ok=True)
 
@@ -619,6 +635,78 @@ def _id_list(ids: Iterable[int]) -> list:
         return list(ids)
     except TypeError:  # (Python's "'int' object is not iterable" named nothing)
         raise TypeError(f"token ids must be a list of ints, got {ids!r:.40}") from None
+
+
+# tokenizer_config's named special tokens (`SPECIAL_TOKEN_NAMES` and bos/eos), which HF
+# registers as special added tokens; and an AddedToken dict's flags.
+_NAMED_TOKENS = ("bos_token", "eos_token", *SPECIAL_TOKEN_NAMES, "extra_special_tokens")
+_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
+
+
+def _with_special_tokens_map(tcfg: dict, root: Path) -> dict:
+    """tokenizer_config updated from `special_tokens_map.json` as HF's legacy loading
+    does it: only when the config has no `added_tokens_decoder` (older checkpoints),
+    each named token of the map overriding the config's, additional_special_tokens
+    merged (the config's first). A checkpoint with no tokenizer_config.json, or one
+    without its bos/eos, had no BOS or EOS token from the tokenizer."""
+    if "added_tokens_decoder" in tcfg:
+        return tcfg
+    stm = read_json_object(root / "special_tokens_map.json", missing_ok=True)
+    out = dict(tcfg)
+    for key, value in stm.items():
+        if key == "additional_special_tokens" and isinstance(value, list):
+            merged = list(tcfg.get(key) or [])
+            contents = {_token_content(t) for t in merged}
+            value = merged + [t for t in value if _token_content(t) not in contents]
+        out[key] = value
+    return out
+
+
+def _added_token(value, *, special: bool) -> tokenizers.AddedToken | None:
+    """A tokenizer_config token (a string or an AddedToken dict) as an AddedToken, as HF
+    builds it (a named token is special; `normalized` defaults to not special); None
+    for anything else."""
+    content = _token_content(value)
+    if not isinstance(content, str) or not content:
+        return None
+    flags = {k: bool(value[k]) for k in _TOKEN_FLAGS if isinstance(value, dict) and k in value}
+    if special:
+        flags["special"] = True
+    return tokenizers.AddedToken(content, **flags)
+
+
+def _register_added_tokens(tok: tokenizers.Tokenizer, tcfg: dict) -> None:
+    """Registers in `tok` the added tokens that HF's fast tokenizer registers on load:
+    tokenizer_config's `added_tokens_decoder` entries whose flags (lstrip, normalized,
+    special, ...) differ from the tokenizer.json's, and the named special tokens
+    (bos_token, ..., additional_special_tokens) that are not added tokens there.
+
+    Without this, such a token's text in a prompt was split into vocabulary pieces
+    where HF encodes it as its id. Only tokens already in the vocabulary at their id are
+    registered: HF gives an absent one a new id past the vocabulary, which the model's
+    embedding lacks (an absent bos/eos token stays an error, `from_dir`)."""
+    added = tok.get_added_tokens_decoder()
+    new: dict[str, tokenizers.AddedToken] = {}
+    decoder = tcfg.get("added_tokens_decoder")
+    for idx, entry in (decoder if isinstance(decoder, dict) else {}).items():
+        token = _added_token(entry, special=False)
+        if token is None or not str(idx).isdigit() or tok.token_to_id(token.content) != int(idx):
+            continue
+        if repr(added.get(int(idx))) != repr(token):  # (AddedToken's repr has every flag)
+            new[token.content] = token
+    contents = {t.content for t in added.values()}
+    for name in _NAMED_TOKENS:
+        value = tcfg.get(name)
+        if isinstance(value, dict) and name == "extra_special_tokens":
+            value = list(value.values())
+        for item in value if isinstance(value, list) else [value]:
+            token = _added_token(item, special=True)
+            if token is None or token.content in contents or token.content in new:
+                continue
+            if tok.token_to_id(token.content) is not None:
+                new[token.content] = token
+    if new:
+        tok.add_tokens(list(new.values()))
 
 
 def _post_processor_adds(tok: tokenizers.Tokenizer, bos: int) -> bool:
