@@ -206,6 +206,31 @@ class BlockManager(SeqTables):
         free = self.num_free_pages - self.num_reserved_pages
         return free - (-(-n // self.page_size)) >= self.watermark_pages
 
+    def admit_pages(
+        self, prompts: list[tuple[list[int], bool]], cache_salt=None, *, read_cache: bool = True
+    ) -> int:
+        """Free pages ``admit`` calls of these prompts, one after another in one step,
+        take (no window): ``(token_ids, compute_last)`` each, with one salt.
+
+        Prompts admitted together share pages only through the prefix cache (none finds
+        another's new pages, which are not computed yet): each takes a new page for each
+        of its pages that is not a hit, and a hit takes a free page only while no one
+        holds it (evictable), once however many prompts hit it. One prompt's allocations
+        may evict a later one's hit, which then takes a new page at the same cost: the
+        count is never short.
+        """
+        ps, salt, rc = self.page_size, salt_bytes(cache_salt), self._pool.refcount
+        new, evictable = 0, set()
+        for tokens, compute_last in prompts:
+            n = len(tokens)
+            max_hits = (n - bool(compute_last)) // ps if read_cache else 0
+            hits, _ = self._prefix.lookup(
+                token_array(tokens, "token_ids").tobytes(), salt, max_hits
+            )
+            new += -(-n // ps) - len(hits)
+            evictable.update(p for p in hits if rc[p] == 0)
+        return new + len(evictable)
+
     def stats(self) -> BlockStats:
         """Counters and page usage; see ``BlockStats``."""
         pool = self._pool

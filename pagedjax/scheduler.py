@@ -38,7 +38,8 @@ most `max_num_seqs` sequences running:
    for each whole prompt (a window model: for the most it holds at once, below), so a
    long prompt prefilled over several steps never runs out mid-prompt; a sequence that
    decodes after its prefill also needs the page of its first decode token free
-   (`_admit_pages`), lest it be preempted for it at once.
+   (`_admit_pages`; a beam group: the pages of its first two decode steps, and its
+   beams' shared prefix-cache hits count once), lest it be preempted for it at once.
 
 Priority scheduling (`scheduling_policy="priority"`, vLLM's): each group has a
 `priority`, lower served first, and an `arrival`, the order `add` queued it in, which
@@ -65,8 +66,8 @@ Then it has nothing to prefill and decodes in its admission step, as a prompt ca
 but its last token samples in its own: the samples fork at once and get decode rows as far
 as the budget goes; readmitted beams, when every beam is cached so, get all `beam_width`
 rows or none (`_decode_admitted`). Those rows need the pages their appends may take to fit
-beside the decode reserve, which then counts them; short of budget or pages, the group
-decodes from the next step.
+beside the decode reserve (admission counted them), which then counts them; short of
+budget, the group decodes from the next step.
 
 Asynchronous commit: `commit(plan, in_flight=True)` runs before the previous step's
 tokens reach the host. A decode row whose sequence's next token is still in flight
@@ -376,11 +377,24 @@ class Scheduler(RequestsMixin):
 
         Samples forked after the prompt (`g.forks`) share its pages, and each one's first
         decode token takes a page: a new one when `prompt[:-1]` ends on a page boundary,
-        else a copy of the shared last page for all but one (copy-on-write). Beams count
-        their prefill only: their first decode rows get pages at admission if they fit
-        (`_decode_admitted`), or from the next step's reserve."""
+        else a copy of the shared last page for all but one (copy-on-write).
+
+        Beams count their prefills' pages (`_beam_prefill_pages`) and, when they decode
+        after it, a page per beam row, which each decode step reserves whatever the appends
+        take (`_decode_candidates`), plus what the first step's appends keep beside the
+        second's reserve: a new page per beam where the fed position starts a page, else a
+        copy of the prompt's partial page for each of a new group's beams but one (a
+        readmitted beam's partial page is its own). Else the group is preempted for its
+        own reserve in the step after its first decode."""
         if g.atomic:
-            return sum(self._peak_pages(n) for n in lens)
+            s, n = g.seqs[0], lens[0]  # (the beams have equal lengths)
+            need = self._beam_prefill_pages(g, lens)
+            if n < len(s.token_ids) or n + 1 < s.max_num_tokens:  # it decodes
+                need += g.num_seats
+                if n + 2 < s.max_num_tokens:  # twice
+                    beams = len(g.seqs) if n < len(s.token_ids) else g.num_seats
+                    need += beams - (len(g.seqs) if n % self.bm.page_size else 0)
+            return min(need, self.max_pages_needed(g))
         if g.forks:
             (n,) = lens
             k = len(g.seqs) + len(g.forks)
@@ -390,6 +404,17 @@ class Scheduler(RequestsMixin):
             self._peak_pages(n + 1 if n + 1 < s.max_num_tokens else n)
             for s, n in zip(g.seqs, lens, strict=True)
         )
+
+    def _beam_prefill_pages(self, g: SequenceGroup, lens: list[int]) -> int:
+        """Free pages the `bm.admit` calls of a beam group's sequences take, in order: their
+        shared prefix-cache hits once (`BlockManager.admit_pages`). A window model
+        reserves each beam's peak instead (`admit(..., peak_pages=)`)."""
+        if self.sliding_window is not None:
+            return sum(self._peak_pages(n) for n in lens)
+        prompts = [
+            (s.token_ids[:n], n == len(s.token_ids)) for s, n in zip(g.seqs, lens, strict=True)
+        ]
+        return self.bm.admit_pages(prompts, g.cache_salt, read_cache=g.read_prefix_cache)
 
     def _decode_candidates(self) -> tuple[list[tuple[SequenceGroup, Sequence | None]], int]:
         cands: list[tuple[SequenceGroup, Sequence | None]] = []

@@ -451,8 +451,13 @@ def test_readmitted_beams_take_every_cached_page_but_their_last_token():
     [
         (5, 64, 7, [True] * 3 + [False]),  # the hog's last 2 prompt tokens leave budget 3
         (4, 64, 6, [False]),  # its last 2 leave budget 2, short of the 3 rows: none
-        (32, 10, 20, [True] * 4),  # the hog's decode page and the beams' 3 fit exactly
-        (32, 10, 24, [True]),  # one page short: the beams decode from the next step
+        (32, 13, 20, [True] * 4),  # the hog's decode page and the beams' 7 fit exactly: the
+        # cached page, a page per row, and the 3 the rows' appends keep (position 4 starts a
+        # page) beside the next step's rows
+        (32, 10, 20, None),  # 3 pages short: the group waits (it was admitted, decoded, then
+        # preempted in the next step for its rows' pages; admission counted its prefill only)
+        (32, 10, 24, None),  # 4 short: waits (it was admitted without its rows' pages, then
+        # preempted in the next step for them)
     ],
 )
 def test_fully_cached_readmitted_beams_decode_at_admission_within_budget_and_pages(
@@ -460,8 +465,9 @@ def test_fully_cached_readmitted_beams_decode_at_admission_within_budget_and_pag
 ):
     """Readmitted beams whose admitted tokens are all cached get their `beam_width` decode
     rows (bound to beams in the commit) in their admission step only if the budget has
-    room for every one, and the page each may take fits beside the decode reserve of the
-    running sequences; else none, and they decode from the next step."""
+    room for every one; else none, and they decode from the next step. They are admitted
+    only if their first two decode steps' pages fit beside the decode reserve of the
+    running sequences (kinds None: they wait), so they are never preempted for them."""
     sim = Sim(num_pages=num_pages, budget=budget, in_flight=in_flight)
     prompt = [3, 4, 5]
     gens = ([7, 8], [7, 9], [7, 10])  # all but their last token: 1 page, shared
@@ -473,17 +479,22 @@ def test_fully_cached_readmitted_beams_decode_at_admission_within_budget_and_pag
     beams = SequenceGroup("beams", seqs, 3, atomic=True)
     sim.sched.add(beams)
     plan = sim.step()
-    assert beams.status is SeqStatus.RUNNING and beams.num_cached_tokens == 4
-    assert [r.decode for r in plan.rows] == kinds
-    decoded = [r.seq for r in plan.rows if r.group is beams]
-    assert len(decoded) == len(kinds) - 1  # all 3 or none (the hog has the other row)
-    assert sorted(map(seqs.index, decoded)) == [0, 1, 2][: len(decoded)]
-    assert [s.num_admitted for s in seqs] == [5 if decoded else 4] * 3
+    if kinds is None:
+        assert beams in sim.sched.waiting and [r.decode for r in plan.rows] == [True]
+    else:
+        assert beams.status is SeqStatus.RUNNING and beams.num_cached_tokens == 4
+        assert [r.decode for r in plan.rows] == kinds
+        decoded = [r.seq for r in plan.rows if r.group is beams]
+        assert len(decoded) == len(kinds) - 1  # all 3 or none (the hog has the other row)
+        assert sorted(map(seqs.index, decoded)) == [0, 1, 2][: len(decoded)]
+        assert [s.num_admitted for s in seqs] == [5 if decoded else 4] * 3
+        sim.step()
+        assert beams.status is SeqStatus.RUNNING and sim.sched.num_preemptions == 0
     sim.run()
     for s, g in zip(sim.done["beams"].finished, gens, strict=True):
         assert s.token_ids == reference(prompt + g, 3)
     assert sim.done["hog"].finished[0].token_ids == reference(range(60, 60 + hog), 3)
-    assert sim.bm.stats().num_used_pages == 0
+    assert sim.bm.stats().num_used_pages == 0 and sim.sched.num_preemptions == 0
 
 
 @pytest.mark.parametrize("in_flight", [False, True], ids=["sync", "async"])
