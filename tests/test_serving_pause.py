@@ -156,7 +156,9 @@ def test_real_engine_pause_keep_resume_streams_every_token():
     flight without `on_token`; its tokens still reach the stream, which equals the
     finished output's tokens after the resume; "abort" ends the other request."""
     llm = LLM(PRESETS["tiny"], page_size=8, num_pages=32, backend="xla", max_num_seqs=4)
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    # Long enough that the request cannot finish between its first token and the pause
+    # (with 4 it sometimes did, and the pause returned its output: a race, not a defect).
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     engine = EngineThread(llm)
     sink = queue.SimpleQueue()
     engine.submit([("r", [5, 6, 7], params)], sink, tokens=True)
@@ -164,7 +166,7 @@ def test_real_engine_pause_keep_resume_streams_every_token():
     assert engine.call(lambda llm: llm.pause_generation(mode="keep")) == []
     engine.call(lambda llm: llm.resume_generation())
     evs = [first, *events(sink)]
-    assert [e[0] for e in evs] == ["token"] * 4 + ["done"], evs
+    assert [e[0] for e in evs] == ["token"] * 24 + ["done"], evs
     assert [e[3] for e in evs[:-1]] == list(evs[-1][2].outputs[0].token_ids)
     other = queue.SimpleQueue()
     engine.submit([("s", [8, 9], params)], other, tokens=True)
