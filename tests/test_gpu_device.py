@@ -440,6 +440,56 @@ def test_invalid_page_table_padding_is_never_read(kind):
     assert_close(out, want, "bfloat16", kind=kind)
 
 
+def test_the_largest_pool_the_int32_guard_allows_is_read_to_its_last_element():
+    """A Llama-3-8B pool of exactly `GPU_MAX_POOL_ELEMENTS` elements (131,072 pages of
+    16 tokens, 4 GiB per bf16 array), the most `validation.check_gpu_pool` lets the GPU
+    kernels take: sequences whose pages are the pool's last ones (kv head 7's last page
+    ends at element 2**31 - 1) and its first, both kernels, against the reference on the
+    pages they name copied into a small pool. An offset computed past int32 would read
+    the wrong page (or fault). Interpreted: the same logic on a 48-page pool."""
+    from pallas_kernels.validation import GPU_MAX_POOL_ELEMENTS, check_gpu_pool
+
+    k_heads, page_size, d, heads = (2, 16, 64, 8) if INTERPRET else (8, 16, 128, 32)
+    num_pages = 48 if INTERPRET else GPU_MAX_POOL_ELEMENTS // (k_heads * page_size * d)
+    shape = (k_heads, num_pages, page_size, d)
+    check_gpu_pool(shape)
+    if not INTERPRET:
+        with pytest.raises(ValueError, match="int32 offsets"):
+            check_gpu_pool((k_heads, num_pages + 1, page_size, d))
+    max_pages, lengths = 6, np.array([6 * page_size, 5 * page_size - 3, 1, 70])
+    rng = np.random.default_rng(5)
+    table = np.stack(
+        [
+            num_pages - 1 - np.arange(max_pages),  # the last pages, the very last first
+            num_pages - 1 - rng.permutation(40)[:max_pages],
+            np.arange(max_pages),
+            np.r_[num_pages - 1, 0, num_pages // 2, num_pages - 2, 1, 2],
+        ]
+    ).astype(np.int32)
+    used = np.unique(table)
+    small_table = jnp.asarray(np.searchsorted(used, table), jnp.int32)
+    kk, kv, kq = jax.random.split(jax.random.key(3), 3)
+    # (a kv head at a time: 2**28 elements per draw, far from any int32 limit of its own)
+    k, v = (
+        jnp.stack(
+            [jax.random.normal(h, shape[1:], jnp.bfloat16) for h in jax.random.split(x, k_heads)]
+        )
+        for x in (kk, kv)
+    )
+    q = jax.random.normal(kq, (len(lengths), heads, d), jnp.bfloat16)
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    k_small, v_small = (f32(x[:, jnp.asarray(used)]) for x in (k, v))
+    table_j, lens_j = jnp.asarray(table), jnp.asarray(lengths, jnp.int32)
+    with F32_MATMULS():
+        want = reference.paged_attention_xla(f32(q), k_small, v_small, lens_j, small_table)
+    opts = dict(backend="gpu", interpret=INTERPRET)
+    out = paged_decode_attention(q, k, v, lens_j, table_j, **opts)
+    assert_close(out, want, "bfloat16", kernel="decode", num_pages=num_pages)
+    loc = jnp.arange(len(lengths) + 1, dtype=jnp.int32)  # one query token per sequence
+    out = ragged_paged_attention(q, k, v, table_j, lens_j, loc, **opts)
+    assert_close(out, want, "bfloat16", kernel="ragged", num_pages=num_pages)
+
+
 # ---------------------------------------------------------------- the engine
 
 PROMPTS = ("def main():\n", "import os\n", "class Config:\n    def __init__(self")
