@@ -18,6 +18,8 @@ file on the GPU.
 * Every kernel pool is poisoned: slots no query may read hold NaN (helpers of
   tests/test_paged_decode_gpu.py and tests/test_ragged_gpu.py), so an out-of-bounds
   read shows as NaN, which never passes.
+* Both kernels read a pool of exactly `validation.GPU_MAX_POOL_ELEMENTS` elements (the
+  int32 offsets' limit) to its last element.
 * `backend="auto"` runs the GPU kernels; the engine (`LLM`, demo model, bf16) gives
   the same greedy tokens with backend="gpu" as with "xla"; `kv_memory_fraction`
   sizes a cache that fits the device.
