@@ -229,6 +229,8 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
         self.config, self.params = cfg, params
         self.tokenizer = tokenizer or tok
         self.max_model_len, kv_dtype = model_limits(cfg, max_model_len, kv_cache_dtype)
+        # The LoRA slots go on the device before the cache is sized from what is free.
+        self._init_lora(enable_lora, max_loras, max_lora_rank, max_cpu_loras)
         if num_pages is None:
             num_pages = plan_num_pages(
                 sharding.device_kv_config(cfg, self.tensor_parallel),  # one device's share
@@ -241,6 +243,7 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
                 max_num_batched_tokens=max_num_batched_tokens,  # (the step's reserve too)
                 buckets=buckets,  # (the step's padded sizes)
                 device=None if params.mesh is None else params.mesh.devices.flat[0],
+                lora_columns=int(max_loras) * int(max_lora_rank) if enable_lora else 0,
             )
         self.cache_config = CacheConfig(page_size, num_pages, kv_dtype)
         self.block_manager = BlockManager(
@@ -284,7 +287,7 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
             buckets=self.buckets,
             async_scheduling=self.async_scheduling,
             on_finish=self._keep,
-            lora=self._init_lora(enable_lora, max_loras, max_lora_rank, max_cpu_loras),
+            lora=self.lora,
         )
         self._init_generate()  # (engine_generate.GenerateMixin)
         self._init_weights(params)  # (weight_sync.WeightsMixin)

@@ -287,7 +287,7 @@ class LoRAMixin:
                 int(max_lora_rank),
                 int(max_loras if max_cpu_loras is None else max_cpu_loras),
                 self.params.mesh,
-                self.scheduler.lora_ids,
+                lambda: self.scheduler.lora_ids(),  # (the scheduler comes later)
             )
         return self.lora
 

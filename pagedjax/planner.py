@@ -68,7 +68,9 @@ def kv_cache_bytes(
     return kv_bytes_per_token(layers, kv_heads, head_dim, dtype) * seq_len * batch
 
 
-def step_peak_bytes(cfg: ModelConfig, num_tokens: int, num_rows: int) -> int:
+def step_peak_bytes(
+    cfg: ModelConfig, num_tokens: int, num_rows: int, *, lora_columns: int = 0
+) -> int:
     """Estimated peak working memory of one step of `num_tokens` tokens that samples
     `num_rows` rows (the padded sizes the step is compiled for), on one device.
 
@@ -78,19 +80,33 @@ def step_peak_bytes(cfg: ModelConfig, num_tokens: int, num_rows: int) -> int:
     in the model's dtype, plus the norm's float32 copy [T, E]; then the head's
     `HEAD_ROW_COPIES` float32 [B, V] arrays. The parts are added, not maxed, for margin.
 
+    `lora_columns`: with LoRA slots (`max_loras * max_lora_rank`; 0: none), a step with
+    adapters also holds, per token, the slots' mask and the low-rank product (float32
+    [T, columns] each) and one projection's update at a time: float32 and cast to the
+    model's dtype, as wide as the phase's widest output (F in the MLP, max(H * D, E) in
+    attention; `lora.LoRAWeights.delta`). XLA:CPU's buffers for such a step exceeded the
+    estimate without them by 1.7 [T, F] float32 arrays.
+
     Not counted: the paged attention kernels' scratch (on chip; `backend="xla"`'s
     reference gathers every sequence's pages, far more), a prompt-logprobs step's
-    [T, V] float32 logits, and tensor parallelism's split of H, F and V (the estimate
-    is then an upper bound).
+    [T, V] float32 logits, the LoRA slots' weights, and tensor parallelism's split of
+    H, F and V (the estimate is then an upper bound).
     """
     t, b = _int("num_tokens", num_tokens), _int("num_rows", num_rows)
     if t < 0 or b < 0:
         raise ValueError(f"num_tokens and num_rows must be >= 0, got {num_tokens=}, {num_rows=}")
+    cols = _int("lora_columns", lora_columns)
+    if cols < 0:
+        raise ValueError(f"lora_columns must be >= 0, got {lora_columns=}")
     e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     h, k = cfg.num_heads, cfg.num_kv_heads
-    attention = 2 * e + 3 * (h + k) * d  # per token, in elements
-    mlp = 2 * e + 3 * f
-    body = t * (dtype_size(cfg.dtype) * max(attention, mlp) + 4 * e)
+    size = dtype_size(cfg.dtype)
+    attention = size * (2 * e + 3 * (h + k) * d)  # per token, in bytes
+    mlp = size * (2 * e + 3 * f)
+    if cols:  # one update at a time, float32 then cast; the mask and x @ a, float32
+        attention += (4 + size) * max(h * d, e) + 8 * cols
+        mlp += (4 + size) * f + 8 * cols
+    body = t * (max(attention, mlp) + 4 * e)
     return body + b * cfg.vocab_size * 4 * HEAD_ROW_COPIES
 
 

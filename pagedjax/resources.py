@@ -200,18 +200,20 @@ def step_reserve_bytes(
     max_num_batched_tokens: int,
     max_num_seqs: int,
     buckets: Buckets | None = None,
+    lora_columns: int = 0,
 ) -> int:
     """Bytes one device keeps free for the working memory of the engine's largest step.
 
     `planner.step_peak_bytes` at the sizes that step is padded to (`buckets`, default
     `Buckets()`): `max_num_batched_tokens` tokens, and min(`max_num_seqs`, tokens)
     sampled rows. `cfg`: the model (one device's share of the kv heads under tensor
-    parallelism, as `plan_num_pages` gets it).
+    parallelism, as `plan_num_pages` gets it). `lora_columns`: the LoRA slots'
+    `max_loras * max_lora_rank` (0: LoRA off), whose per-token updates a step holds too.
     """
     buckets = buckets or Buckets()
     rows = bucket_size(min(max_num_seqs, max_num_batched_tokens), buckets.min_seqs)
     tokens = max(bucket_size(max_num_batched_tokens, buckets.min_tokens), rows)  # decode: T = B
-    return planner.step_peak_bytes(cfg, tokens, rows)
+    return planner.step_peak_bytes(cfg, tokens, rows, lora_columns=lora_columns)
 
 
 def plan_num_pages(
@@ -226,6 +228,7 @@ def plan_num_pages(
     watermark: float = planner.WATERMARK,
     max_num_batched_tokens: int | None = None,
     buckets: Buckets | None = None,
+    lora_columns: int = 0,
 ) -> int:
     """Pages that fit in `kv_memory_fraction` of the device's free memory, once one step's
     working memory is set aside.
@@ -234,7 +237,9 @@ def plan_num_pages(
     (call it after the weights are loaded); less `step_reserve_bytes` (the activations,
     float32 logits and sampling temporaries of a step of `max_num_batched_tokens`
     tokens and `max_num_seqs` rows, padded by `buckets`), which the first full step
-    would otherwise find taken by the cache; the fraction applies to the rest, and its
+    would otherwise find taken by the cache (with LoRA slots of `lora_columns` =
+    `max_loras * max_lora_rank` columns, their per-token updates too; the slots' weights
+    must be on the device already, counted in use); the fraction applies to the rest, and its
     complement is slack for what the estimate leaves out. Where there are no stats (the
     CPU), the fraction applies to a 4 GiB budget, capped at what `max_num_seqs`
     sequences of `max_model_len` tokens can use on top of the `watermark`
@@ -282,7 +287,11 @@ def plan_num_pages(
         limit, in_use = stats["bytes_limit"], stats.get("bytes_in_use", 0)
         free = limit - in_use
         reserve = step_reserve_bytes(
-            cfg, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, buckets=buckets
+            cfg,
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_num_seqs,
+            buckets=buckets,
+            lora_columns=lora_columns,
         )
         # (float(): an np.float32 fraction times a large int is exact this way)
         pages = int(float(kv_memory_fraction) * (free - reserve)) // per_page
