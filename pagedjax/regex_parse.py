@@ -14,7 +14,9 @@ newline); classes [a-z] [^...]; groups ( ) (?: ) (?P<name> ) (?<name> ); alterna
 quantifiers * + ? {m} {m,} {,n} {m,n} and their lazy forms (the language is the same). ^
 at the start and $ at the end are ignored. Refused (ValueError naming the pattern and the
 position): backreferences, lookaround, inline flags, possessive quantifiers, \\b \\B \\A
-\\Z, \\p{...}, anchors elsewhere (\\b in a class is a backspace), surrogates.
+\\Z, \\p{...}, anchors elsewhere (\\b in a class is a backspace), surrogates; as in Python,
+group names that are no identifiers or repeat and counts over 2**32 - 2 (a "{" before
+other than ASCII digits is a literal).
 
 `parse(pattern, ecma=True)` reads a JSON Schema `pattern` (ECMA-262) so that every string
 it matches is one both ECMA-262 and Python's `re` (whose \\d \\w \\s are Unicode's) match:
@@ -125,7 +127,9 @@ def _ecma_class(c: str, wide: bool):
 # Nodes: ("set", ranges) | ("cat", [nodes]) | ("alt", [nodes]) | ("rep", node, min, max).
 
 
-_COUNT = re.compile(r"\{(\d*)(,?)(\d*)\}")  # {m} {m,} {,n} {m,n}
+# {m} {m,} {,n} {m,n}: ASCII digits only (a "{" before other digits is a literal, as in Python).
+_COUNT = re.compile(r"\{([0-9]*)(,?)([0-9]*)\}")
+_MAX_REPEAT = 2**32 - 2  # Python's largest count (a larger one is its OverflowError)
 
 
 def _lit(cp: int):
@@ -138,6 +142,7 @@ class _Parser:
     def __init__(self, pattern: str, ecma: bool = False):
         self.p, self.i, self.ecma = pattern, 0, ecma
         self.negated = False  # in a negated class
+        self.names: set[str] = set()  # group names so far
 
     def error(self, msg: str) -> ValueError:
         return ValueError(f"regex {self.p!r:.200}: {msg} at position {self.i}")
@@ -192,13 +197,20 @@ class _Parser:
             return None  # a "{" that is no quantifier is a literal, as in Python
         if self.ecma and m[1] == "":
             raise self.error(f"{m[0]}: ECMA-262 reads it as text, Python as a count")
-        lo = int(m[1] or 0)
-        hi = lo if not m[2] else (int(m[3]) if m[3] else None)
+        lo = self.count(m[1] or "0", m[0])
+        hi = lo if not m[2] else (self.count(m[3], m[0]) if m[3] else None)
         if hi is not None and hi < lo:
             raise self.error(f"min repeat greater than max repeat in {m[0]}")
         if not peek:
             self.i = m.end()
         return lo, hi
+
+    def count(self, digits: str, text: str) -> int:
+        """A repetition count's value (not int() of thousands of digits: its own ValueError)."""
+        digits = digits.lstrip("0") or "0"
+        if len(digits) > len(str(_MAX_REPEAT)) or int(digits) > _MAX_REPEAT:
+            raise self.error(f"{text:.40}: the repetition count is too large")
+        return int(digits)
 
     def atom(self):
         p, c = self.p, self.p[self.i]
@@ -211,10 +223,7 @@ class _Parser:
             elif p.startswith("?P<", self.i) or (
                 p.startswith("?<", self.i) and p[self.i + 2 : self.i + 3] not in ("=", "!")
             ):
-                end = p.find(">", self.i)
-                if end < 0:
-                    raise self.error("unterminated group name")
-                self.i = end + 1
+                self.group_name()
             elif p.startswith("?", self.i):
                 what = p[self.i : self.i + 3]
                 raise self.error(
@@ -238,6 +247,21 @@ class _Parser:
             esc = self.escape(in_class=False)
             return ("set", esc) if isinstance(esc, tuple) else _lit(esc)
         return _lit(self.char(c))
+
+    def group_name(self) -> None:
+        """Skips `?P<name>` or `?<name>`. A name is an identifier (`$` too in ECMA mode) and,
+        as Python requires, used once: `(?<a)b>x)` is refused, not read as a group of `x`."""
+        start = self.p.index("<", self.i) + 1
+        end = self.p.find(">", start)
+        if end < 0:
+            raise self.error("unterminated group name")
+        name = self.p[start:end]
+        if not (name.replace("$", "_") if self.ecma else name).isidentifier():
+            raise self.error(f"bad group name {name!r:.40}")
+        if name in self.names and not self.ecma:
+            raise self.error(f"group name {name!r:.40} is defined twice")
+        self.names.add(name)
+        self.i = end + 1
 
     def char(self, c: str) -> int:
         """The codepoint of `c`, read at self.i - 1; ValueError for a surrogate."""
