@@ -488,7 +488,12 @@ def compile_guide(spec: StructuredOutputsParams, tokenizer: Tokenizer, vocab_siz
         return guide
 
     # (the limits are in the refusal's key: one refused under other limits may pass)
-    limits = (regex_dfa.MAX_DFA_STATES, regex_dfa.MAX_DFA_WORK, MAX_VIABLE_WORK)
+    limits = (
+        regex_dfa.MAX_DFA_STATES,
+        regex_dfa.MAX_DFA_WORK,
+        regex_dfa.MAX_DFA_HELD,
+        MAX_VIABLE_WORK,
+    )
     key = (pattern, tokenizer, int(vocab_size))
     with _LOCK:
         refused = _REFUSED.get((key, limits))

@@ -10,10 +10,10 @@ pattern fully matches.
 Size: a bounded count repeats its automaton (`"x{0,500}"` is 500 copies), so a pattern
 whose NFA would pass `MAX_NFA_STATES` is refused by `check_size` (on the AST, before
 building; `StructuredOutputsParams` runs it on construction), and one whose DFA passes
-`MAX_DFA_STATES` (a JSON string's maxLength: about 800) or takes over `MAX_DFA_WORK`
-steps to build (`(?:a?){0,5000}`: each DFA state holds thousands of NFA states) by
-`compile_dfa`. A pattern nested too deeply for the recursion is a ValueError too
-(`nesting`).
+`MAX_DFA_STATES` (a JSON string's maxLength: about 800), takes over `MAX_DFA_WORK`
+steps to build or holds over `MAX_DFA_HELD` NFA states in its state sets (the memory:
+`(?:a?){0,5000}`, each DFA state holding thousands of NFA states) by `compile_dfa`. A
+pattern nested too deeply for the recursion is a ValueError too (`nesting`).
 
 `parse`, `escape`, `to_text`, `map_sets`, `negate`, `intersect` and `nesting` are
 `pagedjax.regex_parse`'s, re-exported here.
@@ -30,6 +30,7 @@ from pagedjax.regex_parse import escape, intersect, map_sets, negate, nesting, p
 
 __all__ = [
     "DFA",
+    "MAX_DFA_HELD",
     "MAX_DFA_STATES",
     "MAX_DFA_WORK",
     "MAX_NFA_STATES",
@@ -46,6 +47,10 @@ __all__ = [
 
 MAX_DFA_STATES = 20_000
 MAX_DFA_WORK = 20_000_000  # NFA states and edges visited building it: 2-4 s
+# NFA states held in the DFA's state sets (and the closures' keys): ~50-70 bytes each, so
+# ~130 MB at most. Patterns of a few characters held 10M (760 MB) before `MAX_DFA_WORK`
+# stopped them; a JSON string's maxLength 800 holds 31k, `(?:a?){0,900}` 0.8M.
+MAX_DFA_HELD = 2_000_000
 MAX_NFA_STATES = 200_000  # counted on the AST before building (`_nfa_size`)
 
 
@@ -185,9 +190,10 @@ def compile_dfa(pattern: str) -> DFA:
     keep = [bool(e) or i == final for i, e in enumerate(nfa.edges)]
     closures: dict[frozenset, frozenset] = {}
     work = 0  # NFA states and edges visited: the time it takes
+    held = 0  # NFA states in the sets kept (the closures' keys and values): the memory
 
     def closure(states: frozenset) -> frozenset:
-        nonlocal work
+        nonlocal work, held
         got = closures.get(states)
         if got is None:
             seen, stack = set(states), list(states)
@@ -198,6 +204,13 @@ def compile_dfa(pattern: str) -> DFA:
                         stack.append(t)
             work += len(seen)
             got = closures[states] = frozenset(t for t in seen if keep[t])
+            held += len(states) + len(got)
+            if held > MAX_DFA_HELD:
+                raise ValueError(
+                    f"regex of {len(pattern)} characters {pattern!r:.100} is too large: its "
+                    f"DFA's states hold over {MAX_DFA_HELD} NFA states (each holds many, as "
+                    "nested optional repetitions make them); simplify it"
+                )
         return got
 
     first = closure(frozenset([start]))

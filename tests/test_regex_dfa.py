@@ -85,3 +85,15 @@ def test_surrogates_are_refused_by_name(pattern):
     """A surrogate is no character: it has no UTF-8 (not a codec error when building)."""
     with pytest.raises(ValueError, match="is a surrogate, not a character"):
         compile_dfa(pattern)
+
+
+def test_dfa_state_memory_is_bounded(monkeypatch):
+    """`((a{0,20}){0,20}){0,20}` (24 characters) held ~10M NFA states in its DFA's state
+    sets, 760 MB, before `MAX_DFA_WORK` refused it after ~2 s; `MAX_DFA_HELD` refuses it
+    at ~130 MB. Patterns with large but thin states stay well inside."""
+    monkeypatch.setattr(regex_dfa, "MAX_DFA_WORK", 10**12)  # (only the memory bound)
+    for pattern in ("((a{0,20}){0,20}){0,20}", "(?:a?){0,3000}"):
+        with pytest.raises(ValueError, match="DFA's states hold over 2000000 NFA states"):
+            compile_dfa(pattern)
+    assert len(compile_dfa("(?:a?){0,900}").accept) == 902  # (0.8M held: kept)
+    assert len(compile_dfa('[^"\\\\]{0,800}').accept) > 800  # (a JSON string's maxLength)
