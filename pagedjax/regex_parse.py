@@ -305,9 +305,11 @@ class _Parser:
                 "p": "Unicode properties",
                 "P": "Unicode properties",
                 "k": "backreferences",
-            }.get(c, "backreferences" if c.isdigit() else "this escape")
+            }.get(c, "")
+            if c.isdigit():  # (Python: octal in a class or after \0, else a group's number)
+                what = "octal escapes" if c == "0" or in_class else "backreferences"
             self.i -= 2
-            raise self.error(f"\\{c}: {what} are not supported")
+            raise self.error(f"\\{c}: {what + ' are' if what else 'this escape is'} not supported")
         return self.char(c)
 
     def char_class(self):

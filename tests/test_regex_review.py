@@ -243,3 +243,17 @@ def test_ecma_mode_matches_only_what_both_engines_match(pattern, texts):
     for s in texts:
         if _matches(dfa, s.encode()):
             assert python.fullmatch(s) and ecma.fullmatch(s), s
+
+
+@pytest.mark.parametrize(
+    "pattern, what",
+    [
+        (r"\0", r"\\0: octal escapes are not supported"),  # (Python: NUL, no group)
+        (r"[\1]", r"\\1: octal escapes are not supported"),  # (octal in a class)
+        (r"(a)\1", r"\\1: backreferences are not supported"),
+        (r"\q", r"\\q: this escape is not supported"),
+    ],
+)
+def test_refused_escapes_are_named_as_python_reads_them(pattern, what):
+    with pytest.raises(ValueError, match=what):
+        parse(pattern)
