@@ -2,7 +2,8 @@
 
 `schema_regex` writes the regex text (the subset `pagedjax.regex_dfa` compiles) of the
 JSON texts a schema allows, with the regex `ws` between tokens; no schema (None) is
-json_object: any JSON object.
+json_object: any JSON object. A string, integer or number schema's own keywords are
+written by `pagedjax.json_scalars`.
 
 Supported: type string (enum, const, pattern, minLength/maxLength, format date / time /
 date-time / uuid / email / uri), integer and number (minimum, maximum, exclusiveMinimum,
@@ -70,16 +71,12 @@ import collections
 import json as jsonlib
 import math
 
-from pagedjax.json_one_of import BOUNDS as _BOUNDS
 from pagedjax.json_one_of import TYPE_KEYWORDS as _TYPE_KEYWORDS
 from pagedjax.json_one_of import OneOfMixin
-from pagedjax.number_regex import NOTHING, integer_regex, number_regex
-from pagedjax.regex_parse import escape, map_sets, parse, to_text
-from pagedjax.string_regex import BMP_CHAR as _BMP_CHAR
-from pagedjax.string_regex import FORMAT_LENGTHS as _FORMAT_LENGTHS
-from pagedjax.string_regex import FORMATS as _FORMATS
-from pagedjax.string_regex import STRING_CHAR as _STRING_CHAR
-from pagedjax.string_regex import json_chars as _json_chars
+from pagedjax.json_scalars import SCALARS as _SCALARS
+from pagedjax.json_scalars import ScalarMixin
+from pagedjax.number_regex import NOTHING
+from pagedjax.regex_parse import escape
 
 __all__ = [
     "DEFAULT_WHITESPACE",
@@ -98,9 +95,6 @@ _MAX_WORK = 32 * MAX_REGEX_CHARS
 # and containers in a const or enum value): a few Python frames each, so that a deeper
 # one would reach Python's recursion limit (1000) in the middle of a request.
 MAX_DEPTH = 64
-# A bound of more digits than this (a float's have 309 at most): refused, as its digit
-# ranges (`pagedjax.number_regex`) recurse once per digit.
-_MAX_BOUND_DIGITS = 400
 # Default whitespace between JSON tokens: one optional space. It adds one DFA state per
 # separator (a bounded run like [ \n\t]{0,4} adds four) and keeps a model from spending
 # its tokens on runs of whitespace; json.dumps's ", " / ": " style fits it.
@@ -111,14 +105,6 @@ JSON_DEPTH = 3
 # children: nodes nested 3 deep); each level copies the schema's regex.
 REF_DEPTH = 3
 
-_INTEGER = r"-?(?:0|[1-9][0-9]*)"
-_SCALARS = {
-    "string": f'"{_STRING_CHAR}*"',
-    "integer": _INTEGER,
-    "number": _INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]{1,2})?",  # (1e999 parses as inf)
-    "boolean": "(?:true|false)",
-    "null": "null",
-}
 _JSON_TYPES = {  # a value's JSON types
     "string": lambda v: isinstance(v, str),
     "integer": lambda v: (
@@ -169,7 +155,7 @@ def _floats(v):
 # ---------------------------------------------------------------------------- schemas
 
 
-class _Schema(OneOfMixin):
+class _Schema(OneOfMixin, ScalarMixin):
     """JSON schema -> regex text; `ws` is the regex of the whitespace between tokens."""
 
     def __init__(self, root: dict, ws: str):
@@ -383,55 +369,6 @@ class _Schema(OneOfMixin):
             return _SCALARS[kind]
         raise self.error(path, f"type {kind!r} is not supported")
 
-    def numeric(self, s: dict, kind: str, path: str) -> str:
-        step = s.get("multipleOf")
-        if step is not None and not (kind == "integer" and step == 1 and step is not True):
-            raise self.error(path, f"multipleOf {step!r:.40} is not supported (only 1 on integers)")
-        lo = hi = None
-        lo_ex = hi_ex = False
-        for key in _BOUNDS:
-            v = s.get(key)
-            upper = "ax" in key
-            base = "maximum" if upper else "minimum"
-            if v is None or (v is False and key != base):
-                continue
-            if v is True and key != base:  # draft 4: minimum / maximum is exclusive
-                if base not in s:
-                    raise self.error(path, f"{key} true needs a number {base}")
-                continue
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, (int, float))
-                or (isinstance(v, float) and not math.isfinite(v))
-            ):
-                raise self.error(path, f"{key} must be a number, got {v!r:.80}")
-            if abs(v) >= 10**_MAX_BOUND_DIGITS:
-                raise self.error(
-                    path, f"{key} of more than {_MAX_BOUND_DIGITS} digits is not supported"
-                )
-            ex = key != base or s.get("exclusive" + base.title()) is True
-            if kind == "integer":  # the inclusive integer bound
-                v = (
-                    (math.ceil(v) - 1 if ex else math.floor(v))
-                    if upper
-                    else (math.floor(v) + 1 if ex else math.ceil(v))
-                )
-                ex = False
-            elif v != int(v):
-                raise self.error(
-                    path, f"{key} {v!r} on a number is not supported (only whole numbers)"
-                )
-            v = int(v)
-            if upper and (hi is None or v < hi or (v == hi and ex)):
-                hi, hi_ex = v, ex
-            elif not upper and (lo is None or v > lo or (v == lo and ex)):
-                lo, lo_ex = v, ex
-        if lo is not None and hi is not None and (lo > hi or (lo == hi and (lo_ex or hi_ex))):
-            raise self.error(path, f"no {kind} is within its bounds ({lo=}, {hi=})")
-        if lo is None and hi is None:
-            return _SCALARS[kind]
-        return integer_regex(lo, hi) if kind == "integer" else number_regex(lo, lo_ex, hi, hi_ex)
-
     def ref(self, ref, path: str) -> str:
         """The regex of the schema `ref` points to; nothing where `ref` is `REF_DEPTH` deep
         in its own expansion. Memoised on the refs open around it, on which alone its
@@ -487,35 +424,6 @@ class _Schema(OneOfMixin):
     @property
     def colon(self) -> str:
         return self.ws + ":" + self.ws
-
-    def string(self, s: dict, path: str) -> str:
-        lo, hi = self.count(s, "minLength", 0, path), self.count(s, "maxLength", None, path)
-        lengths = [k for k in ("minLength", "maxLength") if k in s]
-        if "pattern" in s and ("format" in s or lengths):
-            given = ["pattern", *[k for k in ("format",) if k in s], *lengths]
-            raise self.error(path, f"{' with '.join(given)} is not supported")
-        if "format" in s:
-            fmt = s["format"]
-            if fmt not in _FORMATS:
-                raise self.error(path, f"format {fmt!r:.80} is not supported")
-            shortest, longest = _FORMAT_LENGTHS[fmt]
-            if (hi is not None and hi < shortest) or (longest is not None and lo > longest):
-                raise self.error(path, f"no string of format {fmt!r} fits {lo=}, {hi=}")
-            if lo > shortest or (hi is not None and (longest is None or hi < longest)):
-                msg = f"format {fmt!r} with {' and '.join(lengths)} {lo=}, {hi=}"
-                raise self.error(path, f"{msg} is not supported (only lengths all its strings fit)")
-            return f'"{_FORMATS[fmt]}"'
-        if "pattern" in s:
-            return f'"{to_text(map_sets(parse(s["pattern"], ecma=True), _json_chars))}"'
-        if (lo, hi) == (0, None):
-            return _SCALARS["string"]
-        return f'"{_BMP_CHAR}{{{lo},{"" if hi is None else hi}}}"'
-
-    def count(self, s: dict, key: str, default, path: str):
-        v = s.get(key, default)
-        if v is not default and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise self.error(path, f"{key} must be an int >= 0, got {v!r:.80}")
-        return v
 
     def array(self, s: dict, path: str) -> str:
         lo, hi = self.count(s, "minItems", 0, path), self.count(s, "maxItems", None, path)

@@ -2,10 +2,10 @@
 
 `OutputProcessor.apply` takes one step's tokens (or, for beam search, each beam's top
 candidates) back from the device and applies them: it appends each sampled token (and,
-when asked, its logprobs entry) to its sequence, checks the stop conditions (stop
-tokens, stop strings through an incremental detokenizer, length), runs the beam
-selection (forking and dropping beams through the scheduler), and builds the
-`RequestOutput` of every request that finished; `new_request` builds a request's
+when asked, its logprobs entry: `pagedjax.output_logprobs`) to its sequence, checks the
+stop conditions (stop tokens, stop strings through an incremental detokenizer, length),
+runs the beam selection (forking and dropping beams through the scheduler), and builds
+the `RequestOutput` of every request that finished; `new_request` builds a request's
 sequences with the state that applying needs. The engine (`pagedjax.engine_core`) owns
 the step loop; this module owns what a step's results mean.
 """
@@ -23,6 +23,7 @@ import numpy as np
 
 from pagedjax.beam import BeamSearch
 from pagedjax.metrics import EngineMetrics
+from pagedjax.output_logprobs import LogprobsMixin, logprobs_entry
 from pagedjax.request import (
     CompletionOutput,
     Logprob,
@@ -33,7 +34,6 @@ from pagedjax.request import (
 from pagedjax.scheduler import Scheduler
 from pagedjax.sequence import SeqStatus, SequenceGroup, StepPlan
 from pagedjax.sequence import Sequence as Seq
-from pagedjax.tokenizer import name_context, token_names
 
 __all__ = ["OutputProcessor", "Request", "logprobs_entry"]
 
@@ -74,7 +74,7 @@ class Request:
     lora_request: Any = None  # its `pagedjax.lora.LoRARequest`, or None
 
 
-class OutputProcessor:
+class OutputProcessor(LogprobsMixin):
     """Applies steps' results to the scheduler's sequences and builds request outputs.
 
     Args:
@@ -214,14 +214,7 @@ class OutputProcessor:
                     beam = (r.seq, top_ids[i], top_lps[i])
                     beams.setdefault(id(r.group), [r.group]).append(beam)
                     continue
-                if r.seq.logprobs is not None:
-                    k = req.params.logprobs
-                    rank = None if ranks is None else int(ranks[i])
-                    names = self._names(req, r.seq.token_ids, len(r.seq.token_ids))
-                    entry = logprobs_entry(
-                        tokens[i], logprobs[i], k, top_ids, top_lps, i, rank=rank, names=names
-                    )
-                    r.seq.logprobs.append(entry)
+                self._token_logprobs(req, r.seq, tokens[i], logprobs[i], top_ids, top_lps, ranks, i)
                 self._accept(req, r.seq, tokens[i], logprobs[i], on_token)
                 if r.group.done and r.group.epoch == r.epoch:  # finished, not aborted
                     done.append(self._finish(req, now))
@@ -275,30 +268,6 @@ class OutputProcessor:
                 f"pagedjax: the outputs of {len(ids)} request(s) {ids[:8]} that finished in "
                 f"the failed step have no text (building it raised {textless[0][1]!r})"
             )
-
-    def _prompt_logprobs(self, plan: StepPlan, target_lps, top_ids, top_lps, ranks=None) -> None:
-        """Records the prompt logprobs a step computed (`StepBatch` chose the targets):
-        per token its target's logprob [T], k most likely [T, k'] and rank [T]."""
-        off = 0
-        for r in plan.rows:
-            req, start, q = r.group.request, r.start, r.num_tokens
-            off += q
-            if r.decode or not req.prompt_logprobs_missing:
-                continue
-            seq, entries, k = r.seq, req.prompt_logprobs, req.params.prompt_logprobs
-            row = off - q
-            for pos in range(start, min(start + q, seq.num_prompt_tokens - 1)):
-                if entries[pos + 1] is None:
-                    i = row + pos - start
-                    tok = seq.token_ids[pos + 1]
-                    rank = None if ranks is None else int(ranks[i])
-                    names = self._names(req, seq.token_ids, pos + 1)
-                    entries[pos + 1] = logprobs_entry(
-                        tok, float(target_lps[i]), k, top_ids, top_lps, i, rank=rank, names=names
-                    )
-                    req.prompt_logprobs_missing -= 1
-            if not req.prompt_logprobs_missing:
-                r.group.read_prefix_cache = True  # a readmission may hit the cache again
 
     def _accept(self, req: Request, s: Seq, tok: int, lp: float, on_token) -> None:
         guide, state = req.guide, None
@@ -574,19 +543,6 @@ class OutputProcessor:
             logprobs=None if c.logprobs is None else c.logprobs[n:],
         )
 
-    def _names(self, req: Request, ids: list[int], end: int) -> tuple | None:
-        """`logprobs_entry`'s names of the position after `ids[:end]` (None without a
-        tokenizer, or with detokenize=False): the few ids before it that name it as all
-        of them do (`tokenizer.name_context`: past a run of byte-fallback tokens)."""
-        if self.tokenizer is None or not req.params.detokenize:
-            return None
-        skip = req.params.skip_special_tokens
-        return (
-            self.tokenizer,
-            name_context(self.tokenizer, ids, end, skip_special_tokens=skip),
-            skip,
-        )
-
     def _text(self, req: Request, gen: list[int], stop: int | str | None) -> str:
         """The text of a completion's tokens `gen` that ended on `stop` (its stop_reason),
         less the stop token's text (EOS's, a stop_token_ids one's) unless
@@ -597,52 +553,3 @@ class OutputProcessor:
         if isinstance(stop, int) and not sp.include_stop_str_in_output:
             gen = gen[:-1]
         return self.detokenize(gen, req.prompt_ids, sp.skip_special_tokens)
-
-
-def logprobs_entry(
-    tok: int,
-    lp: float,
-    k: int,
-    top_ids,
-    top_lps,
-    row: int,
-    *,
-    rank: int | None = None,
-    names: tuple | None = None,
-) -> dict[int, Logprob]:
-    """One token's logprobs: {token: `Logprob`}, the token itself first (its rank
-    `rank`), then the k most likely from row `row` of a step's top-k arrays [rows, k']
-    (k' >= k), ranked 1 to k in that order.
-
-    `names`: (tokenizer, the ids before the position, the request's skip_special_tokens):
-    the entry's decoded tokens, decoded together on the first access of one; None: none.
-    """
-    pairs = [(tok, lp, rank)]
-    if k:
-        ids, lps = top_ids[row, :k].tolist(), top_lps[row, :k].tolist()
-        pairs += zip(ids, lps, range(1, k + 1), strict=True)
-    texts = None if names is None else _TokenTexts(*names, [t for t, _, _ in pairs])
-    entry = {}
-    for t, x, r in pairs:
-        if t not in entry:
-            entry[t] = Logprob._make(x, r, token=t, names=texts)
-    return entry
-
-
-class _TokenTexts:
-    """The texts of one position's tokens (its own, the alternatives), decoded together
-    when one is first asked for (`tokenizer.token_names`, as the OpenAI layer names
-    them)."""
-
-    __slots__ = ("tokenizer", "context", "skip", "ids", "texts")
-
-    def __init__(self, tokenizer, context: list[int], skip: bool, ids: list[int]):
-        self.tokenizer, self.context, self.skip, self.ids = tokenizer, context, skip, ids
-        self.texts: dict[int, str] | None = None
-
-    def text(self, token: int) -> str:
-        if self.texts is None:
-            kw = dict(context=self.context, skip_special_tokens=self.skip)
-            names = token_names(self.tokenizer, self.ids, **kw)
-            self.texts = dict(zip(self.ids, names, strict=True))
-        return self.texts[token]
