@@ -220,9 +220,11 @@ def build_step_input(
 
     Raises:
       ValueError: token ids outside the vocabulary, positions past the model's
-        maximum, a page table too short or with bad ids, a page this step writes that
+        maximum (or int32's), a cache with more slots than int32 slot ids address, a
+        page table too short or with bad ids, a page this step writes that
         another page table (or the same one twice) reads in this step, bad sampling
-        parameters (or ones that are not numbers: "0.5", True), bad copy pairs, or
+        parameters (or ones that are not numbers: "0.5", True), a logit bias past
+        float32's range (a negative one is a ban, as -inf), bad copy pairs, or
         decode=True with a multi-token chunk.
       TypeError: ids or counts that are not ints, a logit bias that is not a mapping
         of ids to numbers; `chunks` not a list of `SeqChunk`s, the configs not a
@@ -428,12 +430,15 @@ def _bias_arrays(bias, i: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]
             f"sequence {i}: logit_bias token id {int(ids[bad][0])} is outside the "
             f"vocabulary [0, {vocab_size})"
         )
-    bad = np.isnan(values) | (values == np.inf)
+    with np.errstate(over="ignore"):  # past float32's range: +-inf, refused or a ban
+        packed = values.astype(np.float32)
+    bad = np.isnan(values) | (packed == np.inf)
     if bad.any():
         raise ValueError(
-            f"sequence {i}: logit_bias values must be finite or -inf, got {values[bad][0]}"
+            f"sequence {i}: logit_bias values must be finite or -inf (as float32: at most "
+            f"{float(np.finfo(np.float32).max):.6g}), got {values[bad][0]}"
         )
-    return ids.astype(np.int32), values.astype(np.float32)
+    return ids.astype(np.int32), packed
 
 
 def pack_penalties(
