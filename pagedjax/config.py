@@ -437,7 +437,8 @@ class CacheConfig:
 
     Attributes:
       page_size: tokens per page (S); a power of two.
-      num_pages: physical pages in the pool (P), shared by all sequences.
+      num_pages: physical pages in the pool (P), shared by all sequences; P * S slots
+        fewer than 2**31 (the steps address slots with int32 ids).
       dtype: K/V storage dtype name: the model's dtype, or "float8_e4m3fn" ("fp8").
     """
 
@@ -451,6 +452,11 @@ class CacheConfig:
             raise ValueError(f"page_size must be a power of two, got page_size={s!r}")
         if not is_int(n) or n <= 0:
             raise ValueError(f"num_pages must be a positive int, got num_pages={n!r}")
+        if n * s >= 2**31:  # slot ids (and the steps' out-of-range padding slot) are int32
+            raise ValueError(
+                f"a cache of num_pages={n} pages of page_size={s} has {n * s} slots, more "
+                "than int32 slot ids address (at most 2**31 - 1)"
+            )
         # Python ints (numpy's would reach summaries and JSON as numpy scalars).
         object.__setattr__(self, "page_size", int(s))
         object.__setattr__(self, "num_pages", int(n))

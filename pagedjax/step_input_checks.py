@@ -1,15 +1,16 @@
 """The host validation `build_step_input` runs on a step before packing it.
 
 Per sequence, vectorised over the step: token ids inside the vocabulary, positions
-inside the model's limit and int32's, page tables long enough and with page ids inside a
-pool whose slot ids fit int32 (`_check_steps`); no two tokens written to one cache
-slot (`_check_distinct_slots`); no slot written this step that another page table, or
-the same one twice, reads in it (`_check_written_slots_unshared`: a shared page must be
-copied first); copy-on-write pairs inside the pool, with distinct destinations that are
-not sources (`_check_copies`). `_int_array`, `_page_row` and `is_int` turn the chunks' counts and
-page tables into int arrays, with a TypeError naming the sequence otherwise;
-`_check_real_values` refuses sampling values that are not numbers (which numpy would
-convert: "0.5", True, [0.5]). Each error names the sequence and the bad value.
+inside the model's limit and int32's, page tables long enough and with page ids inside
+the pool (`_check_steps`; `CacheConfig` keeps its slot ids within int32); no two tokens
+written to one cache slot (`_check_distinct_slots`); no slot written this step that
+another page table, or the same one twice, reads in it (`_check_written_slots_unshared`:
+a shared page must be copied first); copy-on-write pairs inside the pool, with distinct
+destinations that are not sources (`_check_copies`). `_int_array`, `_page_row` and
+`is_int` turn the chunks' counts and page tables into int arrays, with a TypeError
+naming the sequence otherwise; `_check_real_values` refuses sampling values that are not
+numbers (which numpy would convert: "0.5", True, [0.5]). Each error names the sequence
+and the bad value.
 
 They are apart from `pagedjax.step_input` (the `StepInput` pytree and the packing of
 its arrays) because they are pure numpy functions of the chunks' values, which pack
@@ -34,11 +35,6 @@ def _first(mask) -> int:
 def _check_steps(toks, q_lens, start, n_pages, page_table, model_cfg, cache_cfg):
     """Host validation of a whole step at once (vectorised over sequences)."""
     v, s, p = model_cfg.vocab_size, cache_cfg.page_size, cache_cfg.num_pages
-    if p * s >= 2**31:  # slot ids, and the steps' out-of-range padding slot, are int32
-        raise ValueError(
-            f"a cache of num_pages={p} pages of page_size={s} has {p * s} slots, more than "
-            "int32 slot ids address (at most 2**31 - 1)"
-        )
     if (q_lens == 0).any() or any(t.ndim != 1 for t in toks):
         i = _first((q_lens == 0) | np.array([t.ndim != 1 for t in toks]))
         raise ValueError(f"sequence {i}: token_ids must be a non-empty 1-D list, got {toks[i]!r}")

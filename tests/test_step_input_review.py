@@ -254,14 +254,10 @@ def test_engine_like_workloads_compile_a_bounded_set_of_programs():
 
 def test_slot_and_page_ids_past_int32_are_refused():
     """Were packed as int32 without a word: slot 2**27 * 16 wrapped to -2**31, page
-    2**32 + 5 to page 5 (another sequence's)."""
-    for cache_cfg, page in [
-        (CacheConfig(page_size=16, num_pages=2**28), 2**27),
-        (CacheConfig(page_size=16, num_pages=2**33), 2**32 + 5),
-        (CacheConfig(page_size=2**20, num_pages=2**11), 0),  # 2**31 slots: one too many
-    ]:
-        with pytest.raises(ValueError, match=rf"num_pages={cache_cfg.num_pages} .*int32"):
-            decode.build_step_input([decode.SeqChunk([1], 0, [page])], TINY, cache_cfg)
+    2**32 + 5 to page 5 (another sequence's). Such a cache is refused when configured."""
+    for page_size, num_pages in [(16, 2**28), (16, 2**33), (2**20, 2**11)]:  # (2**31: one over)
+        with pytest.raises(ValueError, match=rf"num_pages={num_pages} .*int32"):
+            CacheConfig(page_size=page_size, num_pages=num_pages)
     # The largest pool of such pages: its last slot is packed as it is.
     cache_cfg = CacheConfig(page_size=2**20, num_pages=2**11 - 1)
     cfg = dataclasses.replace(TINY, max_position_embeddings=2**20)
