@@ -114,10 +114,17 @@ def sampling_params(
     beam search refuses (stop strings, top_k, top_p, min_p, penalties, logit_bias, ...)
     is a 400 naming the field, whatever `n`. `length_penalty` without it is a 400
     (sampling has nothing to apply it to). A `seed` is any int64, as OpenAI's and vLLM's,
-    taken modulo 2**32 (the engine's range), but -1, which vLLM reads as no seed."""
+    taken modulo 2**32 (the engine's range), but -1, which vLLM reads as no seed.
+    vLLM's fields that the server does not implement (`truncation_side` "right",
+    `return_tokens_as_token_ids`, `logprob_token_ids`, `thinking_token_budget`,
+    `repetition_detection`) are 400s naming them, not ignored; their "off" values pass."""
     for name, bad, why in (
         ("best_of", body.get("best_of") not in (None, 1), "best_of is not supported"),
         ("suffix", body.get("suffix") is not None, "suffix is not supported"),
+        *(
+            (name, body.get(name) not in off, why or f"{name} is not supported")
+            for name, off, why in _VLLM_UNSUPPORTED
+        ),
         # OpenAI's deprecated form of tools (`pagedjax.tool_calls` reads chat's `tools`).
         (
             "functions",
@@ -133,10 +140,14 @@ def sampling_params(
     if kw.get("top_k") == -1:  # vLLM's "off"
         kw["top_k"] = 0
     seed = kw.get("seed")
-    if seed == -1 and type(seed) is int:  # vLLM's SamplingParams: no seed
-        kw.pop("seed")
-    elif type(seed) is int and -(2**63) <= seed < 2**63:  # OpenAI's and vLLM's: any int64
-        kw["seed"] = seed % 2**32  # (the engine's are in [0, 2**32))
+    if seed is not None:  # OpenAI's and vLLM's: any int64 (SamplingParams' range is narrower)
+        if type(seed) is not int or not -(2**63) <= seed < 2**63:
+            msg = f"seed must be an int64 (-1: none), got seed={seed!r:.40}"
+            raise ApiError(400, msg, "seed")
+        if seed == -1:  # vLLM's SamplingParams: no seed
+            kw.pop("seed")
+        else:
+            kw["seed"] = seed % 2**32  # (the engine's are in [0, 2**32))
     stop = body.get("stop")
     if stop is not None:
         if not isinstance(stop, (str, list)):
@@ -197,6 +208,25 @@ def sampling_params(
         params = dataclasses.replace(params, beam_width=1, temperature=0.0, length_penalty=1.0)
     return params
 
+
+# vLLM's request fields that the server does not implement: name, the values that ask for
+# nothing (they pass), and the refusal's words if not "<name> is not supported". Refused
+# otherwise, naming the field, where an unknown field is ignored: each changes the answer.
+_VLLM_UNSUPPORTED = (
+    (
+        "truncation_side",
+        (None, "left"),
+        'truncation_side is "left" only (truncate_prompt_tokens keeps the last tokens)',
+    ),
+    ("return_tokens_as_token_ids", (None, False), None),
+    (
+        "logprob_token_ids",
+        (None,),
+        "logprob_token_ids is not supported (logprobs list the most likely tokens)",
+    ),
+    ("thinking_token_budget", (None, -1), None),
+    ("repetition_detection", (None,), None),
+)
 
 _DEFAULT_PARAMS = SamplingParams()
 

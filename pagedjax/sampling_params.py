@@ -42,7 +42,8 @@ class RequestOutputKind(enum.IntEnum):
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to generate for one request; validated on construction (ValueError).
+    """How to generate for one request; validated on construction (ValueError). Every field
+    but `n` is keyword-only (vLLM's fields come in another order).
 
     Attributes:
       n: completions per prompt; with beam search, the best n beams (n <= beam_width).
@@ -65,6 +66,7 @@ class SamplingParams:
         that one token completes, the one that ends first in the text wins, then the one
         that starts first: what a check after every character would stop on, whatever
         the tokens and the list's order.
+        Unlike vLLM's, neither takes None (vLLM's default, read as none): ValueError.
       ignore_eos: do not stop on the model's EOS tokens (a bool).
       beam_width: > 1 runs beam search with this many beams.
       length_penalty: beam score = logprob_sum / length ** length_penalty; only with
@@ -142,17 +144,19 @@ class SamplingParams:
         allows, the completion ends there short of a match with finish_reason "error"
         (vLLM's, where its grammar cannot take a token). Not with beam search.
       output_kind: what `LLM.step` returns of the request while it runs
-        (`RequestOutputKind`; an int 0-2 is taken as one): FINAL_ONLY (the default)
-        nothing until it finishes; CUMULATIVE or DELTA a partial output after every
-        step that gives it tokens (`RequestOutput`), the whole text so far or only the
-        new part. With stop strings a running completion's text holds back its last
-        max(len(stop)) - 1 characters (they may start a stop string, cut later),
+        (`RequestOutputKind`; an int 0-2 is taken as one, a bool is not): FINAL_ONLY
+        (the default) nothing until it finishes; CUMULATIVE or DELTA a partial output
+        after every step that gives it tokens (`RequestOutput`), the whole text so far or
+        only the new part. With stop strings a running completion's text holds back its
+        last max(len(stop)) - 1 characters (they may start a stop string, cut later),
         unless include_stop_str_in_output, so no text returned is cut afterwards.
         `LLM.generate` and `LLM.chat` return the whole finished outputs whatever it
         is. Not with beam search.
     """
 
     n: int = 1
+    # The rest by keyword only: vLLM's second field is presence_penalty, not temperature.
+    _: dataclasses.KW_ONLY
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -314,7 +318,8 @@ class SamplingParams:
             )
         kind = self.output_kind
         if not isinstance(kind, RequestOutputKind):
-            if not isinstance(kind, (int, np.integer)) or kind not in set(RequestOutputKind):
+            is_int = isinstance(kind, (int, np.integer)) and not isinstance(kind, bool)
+            if not is_int or kind not in set(RequestOutputKind):  # (True == 1: DELTA)
                 raise ValueError(
                     "output_kind must be a RequestOutputKind (0: CUMULATIVE, 1: DELTA, 2: "
                     f"FINAL_ONLY), got output_kind={kind!r:.40}"
