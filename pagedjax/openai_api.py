@@ -291,7 +291,7 @@ def parse_job(
             msg = f"logprobs must be a boolean, got logprobs={want!r}"
             raise ApiError(400, msg, "logprobs")
         k = int_field(body, "top_logprobs", None)
-        if k is not None and not want:
+        if k and not want:  # (0 asks for nothing: passes, as in vLLM; -1 does not)
             msg = f"top_logprobs needs logprobs=true, got top_logprobs={k}"
             raise ApiError(400, msg, "top_logprobs")
         k = _logprobs_field("top_logprobs", k, vocab_size, max_logprobs)

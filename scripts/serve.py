@@ -155,8 +155,10 @@ caps a left-out `max_tokens`' default (as vLLM's does; a `max_tokens` given is n
 `--generation-config none` ignores the file.
 
 Not supported (400 when asked for): `best_of` > 1, `suffix`, `tools` on
-/v1/completions, the deprecated `functions`, `structured_outputs.structural_tag`, and
-`max_tokens: 0` without echo or on chat.
+/v1/completions, the deprecated `functions`, `structured_outputs.structural_tag`,
+`max_tokens: 0` without echo or on chat, and vLLM's `truncation_side: "right"`,
+`return_tokens_as_token_ids`, `logprob_token_ids`, `thinking_token_budget` and
+`repetition_detection`.
 Other unknown fields are ignored.
 
 Function calling, as vLLM serves it (`pagedjax.tool_calls` has the details): chat's

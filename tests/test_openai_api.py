@@ -154,6 +154,7 @@ def test_bad_prompts_are_400s(prompt, words):
         (dict(logprobs=1), "logprobs", "logprobs=1"),
         (dict(logprobs=0.0), "logprobs", "logprobs=0.0"),
         (dict(top_logprobs=2), "top_logprobs", "logprobs=true"),  # param was null
+        (dict(top_logprobs=-1), "top_logprobs", "logprobs=true"),  # (-1: every token)
         (dict(top_logprobs="2", logprobs=True), "top_logprobs", "top_logprobs='2'"),
         (dict(max_completion_tokens=1.5), "max_completion_tokens", "=1.5"),
         # These were a 500 (KeyError, TypeError) or rendered as if they were strings.
@@ -229,6 +230,9 @@ def test_a_model_naming_a_lora_adapter_runs_with_it():
         (dict(messages=[{"role": "u"}], logprobs=True, top_logprobs=20), True, 20),
         (dict(messages=[{"role": "u"}], logprobs=True, top_logprobs=0), True, 0),
         (dict(messages=[{"role": "u"}], logprobs=False), True, None),
+        # top_logprobs 0 asks for nothing: vLLM refuses only > 0 or -1 without logprobs.
+        (dict(messages=[{"role": "u"}], top_logprobs=0), True, None),
+        (dict(messages=[{"role": "u"}], logprobs=False, top_logprobs=0), True, None),
     ],
 )
 def test_documented_edges_are_accepted(body, chat, logprobs):
