@@ -179,7 +179,8 @@ class EngineThread:
         return value
 
     def stop(self, timeout: float = 60.0) -> None:
-        """Ends the thread once its current step is done; unfinished requests get a 503.
+        """Ends the thread once its current step is done; unfinished requests get a 503,
+        and the engine is left idle (no step in flight), for whoever uses it next.
 
         Args:
           timeout: seconds to wait for the thread to end. Stopping twice is harmless.
@@ -242,6 +243,12 @@ class EngineThread:
                     _send(command[2], ("error", None, 503, "the engine is stopping"))
                 elif command[0] == "call":
                     command[2].put((False, EngineStopped("the engine stopped")))
+            # The step in flight (its requests aborted above) completes, so that the engine
+            # is left idle for whoever uses it next (`sleep` and `update_params` refuse
+            # an engine with a step in flight).
+            with contextlib.suppress(Exception):
+                if self.llm.has_unfinished_requests():
+                    self.llm.step()
 
     def _handle(self, command) -> None:
         kind = command[0]
@@ -277,13 +284,13 @@ class EngineThread:
                     self.llm.abort(rid)
                     self.num_aborted += 1
         elif kind == "call":
-            before = _generated(self.llm)
+            before, groups = _generated(self.llm), self._groups()
             try:
                 answer = (True, command[1](self.llm))
             except BaseException as e:  # noqa: BLE001  (raised again in the caller's thread,
                 answer = (False, e)  # SystemExit included: it is the caller's to act on)
             applied = before is None or _generated(self.llm) != before
-            self._settle(answer[1] if answer[0] else None, applied)
+            self._settle(answer[1] if answer[0] else None, groups if applied else None)
             command[2].put(answer)
 
     def _stepping(self) -> bool:
@@ -291,7 +298,19 @@ class EngineThread:
         engine's `step` does nothing, so the thread waits for a command instead)."""
         return self.llm.has_unfinished_requests() and not _ask(self.llm, "is_paused")
 
-    def _settle(self, result, applied: bool = True) -> None:
+    def _groups(self) -> dict[str, Any]:
+        """The engine's sequence groups of the token-streamed requests, taken before a
+        `call`: a request its function ends leaves the scheduler, but its group still
+        holds every token (an output with output_kind DELTA holds only the last ones)."""
+        scheduler = getattr(self.llm, "scheduler", None)
+        if scheduler is None:  # (a stand-in engine that shows none of its requests)
+            return {}
+        groups = (
+            (rid, scheduler.get(rid)) for rid, (_, tokens, _) in self._sinks.items() if tokens
+        )
+        return {rid: g for rid, g in groups if g is not None}
+
+    def _settle(self, result, groups: dict[str, Any] | None = None) -> None:
         """Sends the events of what a `call`'s function did to the thread's requests, as
         if a step had done it: the tokens it applied without `on_token` (a pause
         completing the step in flight, "wait" running steps, `generate`), and the
@@ -303,21 +322,21 @@ class EngineThread:
         step in flight) go out with one step now (a paused engine's step only returns
         them). A request that ended in the call with its output nowhere to be found
         (a function that aborted it and returned something else) gets a 500, so that
-        no submitter waits forever. `applied`: whether the call applied tokens (else
-        no request's tokens are walked)."""
+        no submitter waits forever. `groups`: `_groups()` before the call if it applied
+        tokens, whose tokens are streamed before any output goes out (None: it applied
+        none, and no request's tokens are walked)."""
+        scheduler = getattr(self.llm, "scheduler", None)
+        for rid, group in (groups or {}).items():
+            if rid in self._sinks and scheduler is not None:
+                group = scheduler.get(rid) or group  # (the same, unless the call ended it)
+                seqs = [*getattr(group, "finished", ()), *group.seqs]  # (a stand-in's: none)
+                held = [(s.index, s.token_ids[s.num_prompt_tokens :], s.logprobs) for s in seqs]
+                self._catch_up(rid, held, lambda rid=rid, g=group: self._prompt_logprobs(rid, g))
         for out in _outputs_in(result):
             if out.finished:
                 self._finish(out)
-        scheduler = getattr(self.llm, "scheduler", None)
         if scheduler is None:  # (a stand-in engine that shows none of its requests)
             return
-        for rid, (_, tokens, _) in list(self._sinks.items()) if applied else ():
-            group = scheduler.get(rid)
-            if tokens and group is not None:
-                held = [
-                    (s.index, s.token_ids[s.num_prompt_tokens :], s.logprobs) for s in group.seqs
-                ]
-                self._catch_up(rid, held, lambda rid=rid: self._prompt_logprobs(rid))
         self._abort_broken()
         gone = [rid for rid in self._sinks if scheduler.get(rid) is None]
         if gone and self.llm.has_unfinished_requests():
@@ -422,11 +441,12 @@ class EngineThread:
                 return seq.logprobs[-1]
         raise RuntimeError(f"no running completion {index} of request {rid!r} (a bug)")
 
-    def _prompt_logprobs(self, rid: str) -> list:
+    def _prompt_logprobs(self, rid: str, group=None) -> list:
         """A copy of the prompt logprobs of a request whose first token `on_token`
         reports: `LLM.step` records them from the step that ends its prefill before it
-        applies that step's tokens, so none is missing by then."""
-        group = self.llm.scheduler.get(rid)
+        applies that step's tokens, so none is missing by then. `group`: its sequence
+        group, where the scheduler may have let it go (`_settle`)."""
+        group = self.llm.scheduler.get(rid) if group is None else group
         entries = None if group is None else group.request.prompt_logprobs
         if entries is None or None in entries[1:]:
             raise RuntimeError(f"request {rid!r}'s prompt logprobs are not all known (a bug)")
