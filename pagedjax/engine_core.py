@@ -230,6 +230,13 @@ class EngineCore:
             raise
         return self._with_carried(finished)
 
+    def drain_orphaned(self) -> None:
+        """Completes a step in flight whose requests have all left (aborted since it was
+        dispatched): nothing waits for its tokens, so draining it applies and returns
+        nothing, and the engine is idle after (`LLM.sleep`, `update_params`)."""
+        if self.inflight is not None and not self.scheduler.has_unfinished() and not self._carried:
+            self._carried = self.drain()  # (nothing, but anything would wait for `step`)
+
     def requeue_all(self) -> None:
         """Preempts every running request (`Scheduler.recover` keeping all): the block
         manager holds no sequence, and each request waits to be recomputed from its

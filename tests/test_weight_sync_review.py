@@ -82,3 +82,23 @@ def test_hf_tensor_names_are_said_to_be_hf_names(old, new, want):
         ours[path] = x.T if transpose else x
     llm.update_params(ours)
     assert greedy_ids(llm) == want["new"]
+
+
+def test_an_aborted_last_requests_step_in_flight_does_not_block_sleep_or_updates(old, new, want):
+    """`abort` of the last request left its dispatched step in flight (async scheduling):
+    `sleep` and `update_params` refused with "0 are queued or running". That step holds
+    nothing anyone waits for; it is completed instead, and the engine serves after."""
+    from pagedjax.engine import SamplingParams
+
+    llm = LLM(old, **GEOMETRY)
+    for call in (lambda: llm.sleep(), lambda: llm.update_params(new)):
+        llm.add_request(PROMPTS[0], SamplingParams(max_tokens=20), request_id="r")
+        llm.step()
+        llm.step()
+        assert llm.core.inflight is not None  # (the case: a step dispatched, not applied)
+        llm.abort("r")
+        call()
+        if llm.is_sleeping():
+            llm.wake_up()
+        assert not llm.has_unfinished_requests()
+    assert greedy_ids(llm, PROMPTS, 6) == want["new"]
