@@ -18,9 +18,18 @@ One step with beam width `W`, every beam holding `g` generated tokens:
    longer outputs, < 0 shorter). The best `W` hypotheses are kept.
 4. The search ends when the beams reach `max_new_tokens` (they become hypotheses,
    finish reason "length"), when no beam is left, or, once `W` hypotheses exist,
-   when the step's best candidate (a stop token too: HF's `next_scores.max()`) scores
-   `sum / (g + 1) ** length_penalty` no better than the worst kept hypothesis (HF's
-   `early_stopping=False` heuristic).
+   when the best new beam (never a stop token: HF's `running_beam_scores[:, :1]`)
+   scores `sum / (g + 1) ** length_penalty` no better than the worst kept hypothesis
+   (HF's `early_stopping=False` heuristic, `_check_early_stop_heuristic`).
+
+This is transformers' beam search since 4.50 (the vectorised `_beam_search`), sequence
+for sequence and score for score: scripts/check_hf_beam_parity.py compares the engine
+with `generate(num_beams=...)`. Up to 4.49 (`BeamSearchScorer`) step 4 weighed the
+step's best candidate, a stop token too (`next_scores.max()`), so it went on where a
+stop token was that candidate and could still win; with `length_penalty > 0` the two
+can differ (4.49 may find longer hypotheses), with `<= 0` they cannot. Among
+hypotheses of exactly equal score the earlier one ranks first and is kept (4.49 keeps
+the later one; 4.50 leaves it to `torch.topk`).
 
 `k = num_candidates(W, num_stop_ids)` candidates per beam are enough for this to
 match a search over the whole vocabulary: the walk stops after `W` non-stop candidates,
@@ -148,9 +157,9 @@ class BeamSearch:
         elif (
             new
             and len(self.hyps) >= self.width
-            and self.hyps[-1].score >= self.score(float(total.flat[order[0]]), length)
+            and self.hyps[-1].score >= self.score(new[0][2], length)
         ):
-            new = []  # not even the step's best candidate beats the worst kept hypothesis
+            new = []  # not even the best new beam beats the worst kept hypothesis
         self.done = not new
         return new
 

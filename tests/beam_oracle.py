@@ -7,8 +7,8 @@ import numpy as np
 def whole_vocabulary_search(logprobs, width, max_new, stops, length_penalty):
     """Every (beam, token) of the vocabulary ranked each step, HF's selection: a stop
     token ranked below `width` is dropped, a hypothesis scores sum / len ** penalty, and
-    the search ends early when the step's best candidate (a stop token too) cannot beat the
-    worst kept hypothesis.
+    the search ends early when the best new beam (never a stop token) cannot beat the
+    worst kept hypothesis (transformers >= 4.50).
 
     Args:
       logprobs: the live prefixes (lists of generated ids) -> [n, V] float64 log-probs.
@@ -50,7 +50,7 @@ def whole_vocabulary_search(logprobs, width, max_new, stops, length_penalty):
                 add(g, total, "length")
             break
         if not new or (
-            len(hyps) == width and hyps[-1][0] >= ranked[0][0] / (step + 1) ** length_penalty
+            len(hyps) == width and hyps[-1][0] >= new[0][1] / (step + 1) ** length_penalty
         ):
             break
         live = new

@@ -118,10 +118,12 @@ def test_a_nan_length_penalty_is_refused_when_built():
         BeamSearch(2, float("nan"), frozenset({0}), 50)
 
 
-def test_early_stop_weighs_the_best_candidate_even_a_stop_token():
-    """HF's `is_done(next_scores.max())`: the search goes on while the step's best
-    candidate, here a stop token that just became the best hypothesis, beats the worst
-    kept hypothesis, though the best new beam does not (-2.1 / 2 < -1.0 < -1.1 / 2)."""
+def test_early_stop_weighs_the_best_new_beam_never_a_stop_token():
+    """transformers >= 4.50 (`_check_early_stop_heuristic` on `running_beam_scores[:, :1]`):
+    the search ends once the best new beam cannot beat the worst kept hypothesis, even
+    where the step's best candidate, here a stop token that just became the best
+    hypothesis, would (-2.1 / 2 < -1.0 < -1.1 / 2). Up to 4.49 (`next_scores.max()`) it
+    went on with beams (1, 8) and (0, 7)."""
     search = BeamSearch(2, 1.0, frozenset({0}), max_new_tokens=10)
     search._add([1], -1.0, "stop")
     search._add([2], -2.0, "stop")
@@ -129,4 +131,4 @@ def test_early_stop_weighs_the_best_candidate_even_a_stop_token():
     top_logprobs = np.array([[-0.1, -3.0, -3.1, -3.2], [-0.6, -3.0, -3.1, -3.2]])
     new = search.select([[5], [6]], [-1.0, -1.5], top_ids, top_logprobs)
     assert [h.score for h in search.hyps] == pytest.approx([-0.55, -1.0])
-    assert [(b, t) for b, t, _, _ in new] == [(1, 8), (0, 7)] and not search.done
+    assert new == [] and search.done
