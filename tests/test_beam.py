@@ -132,3 +132,31 @@ def test_early_stop_weighs_the_best_new_beam_never_a_stop_token():
     new = search.select([[5], [6]], [-1.0, -1.5], top_ids, top_logprobs)
     assert [h.score for h in search.hyps] == pytest.approx([-0.55, -1.0])
     assert new == [] and search.done
+
+
+def test_the_parity_scripts_control_replays_transformers_older_early_stop():
+    """scripts/check_hf_beam_parity.py's control search (HF < 4.50: go on while the
+    step's best candidate, a stop token too, beats the worst hypothesis) differs from
+    ours where a stop token is that candidate: two stop tokens lead step 0 and, at
+    length_penalty 2, a longer beam then wins."""
+    import importlib
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "scripts"))
+    try:
+        parity = importlib.import_module("check_hf_beam_parity")  # (no torch needed)
+    finally:
+        sys.path.pop(0)
+
+    def logprobs(prefixes):  # tokens 0 and 1 stop; 2 and 3 go on; 4 follows 2 surely
+        rows = [
+            [3.0, 2.9, 2.8, 0.0, -9.0] if len(p) == 1 else [-9, -9, -9, -9, 9.0] for p in prefixes
+        ]
+        rows = np.asarray(rows)
+        return rows - np.log(np.exp(rows).sum(axis=1, keepdims=True))
+
+    ours = parity._replay([7], 2, 2.0, 2, 2, [0, 1], logprobs, older_rule=False)
+    older = parity._replay([7], 2, 2.0, 2, 2, [0, 1], logprobs, older_rule=True)
+    assert [t for t, _ in ours] == [[0], [1]]
+    assert [t for t, _ in older] == [[2, 4], [3, 4]]  # (/ 2 ** 2: both beat the stops)
