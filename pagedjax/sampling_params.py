@@ -95,7 +95,9 @@ class SamplingParams:
       min_tokens: neither EOS (even with ignore_eos, as vLLM) nor stop_token_ids can be
         drawn before this many tokens (<= max_tokens), and stop strings are searched
         only in the text after the first min_tokens tokens (as vLLM), so either stops
-        from token min_tokens + 1 on. Not with beam search.
+        from token min_tokens + 1 on. A structured output whose match can go no
+        further ends the completion even before min_tokens (vLLM's grammar would then
+        leave no token drawable). Not with beam search.
       logit_bias: token id -> value in [-100, 100] added to its logit before sampling
         (greedy included; -100 all but bans a token), or None; a value outside is
         refused (vLLM's server clamps it). Not with beam search.
