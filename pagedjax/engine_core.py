@@ -232,10 +232,11 @@ class EngineCore:
 
     def drain_orphaned(self) -> None:
         """Completes a step in flight whose requests have all left (aborted since it was
-        dispatched): nothing waits for its tokens, so draining it applies and returns
-        nothing, and the engine is idle after (`LLM.sleep`, `update_params`)."""
-        if self.inflight is not None and not self.scheduler.has_unfinished() and not self._carried:
-            self._carried = self.drain()  # (nothing, but anything would wait for `step`)
+        dispatched): nothing waits for its tokens, so draining it applies nothing, and no
+        step is in flight after (`LLM.sleep`, `update_params`). Outputs carried over from
+        a failed step stay for the next `step` to return."""
+        if self.inflight is not None and not self.scheduler.has_unfinished():
+            self._carried = self.drain()  # (the carried ones; this step's would join them)
 
     def requeue_all(self) -> None:
         """Preempts every running request (`Scheduler.recover` keeping all): the block

@@ -481,14 +481,9 @@ class WeightsMixin:
         requests were all aborted since (`abort` of the last ones) holds nothing anyone
         waits for: it is completed here rather than refused."""
         self.core.drain_orphaned()
-        if not self.core.busy:
+        if not self.scheduler.has_unfinished() and self.core.inflight is None:
             return
         n = len(self.scheduler.running) + len(self.scheduler.waiting)
-        if n == 0:  # (outputs of a failed step's finished requests wait to be returned)
-            raise RuntimeError(
-                f"{what} needs an engine with no unfinished request; the outputs of requests "
-                "that finished in a failed step are not returned yet: call step() first"
-            )
         raise RuntimeError(
             f"{what} needs an engine with no unfinished request; {n} are queued or "
             'running: finish or abort them first, or pause_generation(mode="keep")'
