@@ -86,8 +86,9 @@ class GenerateMixin:
 
         Raises:
           ValueError, TypeError: a prompt, its sampling params or its priority are refused
-            (named by index), or `priority` is not a list as long as `prompts`; no prompt
-            of the call is queued then.
+            (named by index), `prompts` is neither a prompt nor a list of them, or
+            `priority` is not a list as long as `prompts`; no prompt of the call is
+            queued then.
           The exception of a failed step (a compile error, device OOM, an exception in
           `on_token` or `on_step`, KeyboardInterrupt), unchanged, once the engine is
           usable again (see `step`). A KeyboardInterrupt aborts only the requests of this
@@ -218,7 +219,8 @@ class GenerateMixin:
           lora_request: as for `generate`.
           **template_vars: more template variables (`tools`, `date_string`,
             `continue_final_message`, ...). vLLM's `mm_processor_kwargs` and
-            `tokenization_kwargs` are refused (TypeError), not taken as variables.
+            `tokenization_kwargs`, and `generate`'s `priority`, `on_step` and
+            `on_token`, are refused (TypeError), not taken as variables.
 
         Returns:
           One `RequestOutput` per conversation, in order; its `prompt` is the rendered text.

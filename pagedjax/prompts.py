@@ -259,13 +259,20 @@ def request_lists(
     each request is encoded.
 
     Raises:
-      TypeError: `sampling_params` is neither a SamplingParams nor a list of them.
+      TypeError: `prompts` is neither a prompt nor an iterable of prompts (None, a
+        number, bytes), or `sampling_params` is neither a SamplingParams nor a list of
+        them.
       ValueError: a list of sampling params not as long as the prompts.
     """
     from pagedjax.request import SamplingParams  # (it imports this module)
 
     if isinstance(prompts, (str, Mapping)) or _token_ids(prompts):  # one prompt
         prompts = [prompts]
+    elif isinstance(prompts, (bytes, bytearray)) or not _iterable(prompts):
+        raise TypeError(
+            "prompts must be a prompt (a str, a list of token ids or a prompt dict) or a "
+            f"list of them, got {type(prompts).__name__}: {prompts!r:.80}"
+        )
     prompts = list(prompts)
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
         params = [sampling_params or default()] * len(prompts)
@@ -280,6 +287,13 @@ def request_lists(
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
     return prompts, params
+
+
+def _iterable(x) -> bool:
+    """Whether `x` can be iterated (a 0-d numpy array is an Iterable that cannot)."""
+    if isinstance(x, np.ndarray):
+        return x.ndim > 0
+    return isinstance(x, Iterable)
 
 
 def _token_ids(prompts) -> bool:
@@ -297,6 +311,9 @@ def _token_ids(prompts) -> bool:
 # vLLM's LLM.chat arguments that `LLM.chat` does not support: refused, since its
 # **template_vars would take them as template variables and ignore them silently.
 _VLLM_CHAT_ONLY = ("mm_processor_kwargs", "tokenization_kwargs")
+# `LLM.generate`'s arguments that `LLM.chat` does not take (nor does vLLM's): refused for
+# the same reason (a priority ignored under scheduling_policy="priority").
+_GENERATE_ONLY = ("priority", "on_step", "on_token")
 
 
 def chat_prompts(
@@ -316,12 +333,19 @@ def chat_prompts(
       ValueError: no tokenizer, a `chat_template_content_format` other than "auto" (the
         format is detected from the template, `pagedjax.chat.content_format`), or as
         `Tokenizer.with_chat_template` and `Tokenizer.encode_conversations` do.
-      TypeError: a vLLM argument `LLM.chat` does not support among `template_vars`,
+      TypeError: a vLLM argument `LLM.chat` does not support, or one of `LLM.generate`'s
+        it does not take (`priority`, `on_step`, `on_token`), among `template_vars`;
         `chat_template` not a str, or `chat_template_kwargs` not a dict.
     """
     for name in _VLLM_CHAT_ONLY:  # a template variable would drop them silently
         if name in template_vars:
             raise TypeError(f"chat() does not support vLLM's {name}")
+    for name in _GENERATE_ONLY:
+        if name in template_vars:
+            raise TypeError(
+                f"chat() takes no {name} (a generate() argument; a template variable of "
+                "that name goes in chat_template_kwargs)"
+            )
     if chat_template_content_format != "auto":
         raise ValueError(
             f"chat_template_content_format={chat_template_content_format!r:.40} is not "
