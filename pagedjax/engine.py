@@ -409,9 +409,10 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
             request_id,
             f" (n={params.n}, beam_width={params.beam_width})",
         )
-        if request_id is None:  # a counter's id that no queued or collected request has
+        if request_id is None:  # a counter's id no queued, collected or held request has
+            held = {o.request_id for o in self._unclaimed}
             rid = str(next(self._ids))
-            while self.scheduler.get(rid) is not None or rid in self._collect:
+            while self.scheduler.get(rid) is not None or rid in self._collect or rid in held:
                 rid = str(next(self._ids))
         else:
             rid = str(request_id)
@@ -462,9 +463,10 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
         g = self.scheduler.abort(rid)
         if g is None:
             return None
-        held = [o for o in self._unclaimed if o.request_id == rid]
+        # (its partial outputs: a finished one is an earlier request's of the same id)
+        held = [o for o in self._unclaimed if o.request_id == rid and not o.finished]
         if held:
-            self._unclaimed = [o for o in self._unclaimed if o.request_id != rid]
+            self._unclaimed = [o for o in self._unclaimed if not any(o is h for h in held)]
             for out in held:
                 self.outputs.take_back(g.request, out)
         return self.core.aborted(g)

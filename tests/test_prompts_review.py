@@ -48,3 +48,23 @@ def test_chat_refuses_generate_arguments_it_does_not_take(llm, kw):
         CONV, greedy(1), chat_template="p={{ priority }}", chat_template_kwargs={"priority": 3}
     )
     assert out.prompt == "p=3"
+
+
+def test_a_held_finished_output_is_never_lost_to_a_later_request_of_its_id(llm):
+    """An `add_request` that finished inside a `generate` call waits for `step()`; the
+    next call's counter picked its id again, and that request's abort (an on_step that
+    raised) dropped the held output as its own: `step()` returned nothing. An explicit
+    id reused so did the same."""
+    llm.add_request([5, 6], greedy(1), request_id="1")
+    llm.generate([[7, 8]], greedy(3))  # "1" finishes in it: its output is held
+
+    def boom(_):
+        raise RuntimeError("stop")
+
+    with pytest.raises(RuntimeError, match="stop"):
+        llm.generate([[9, 10]], greedy(50), on_step=boom)  # aborted at its first step
+    llm.add_request([11, 12], greedy(50), request_id="1")  # (an explicit id reused)
+    llm.abort("1")
+    (out,) = llm.step()
+    assert out.request_id == "1" and out.prompt_token_ids == [5, 6] and out.finished
+    check_clean(llm)
