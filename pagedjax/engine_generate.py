@@ -219,8 +219,9 @@ class GenerateMixin:
           lora_request: as for `generate`.
           **template_vars: more template variables (`tools`, `date_string`,
             `continue_final_message`, ...). vLLM's `mm_processor_kwargs` and
-            `tokenization_kwargs`, and `generate`'s `priority`, `on_step` and
-            `on_token`, are refused (TypeError), not taken as variables.
+            `tokenization_kwargs` (but at None, their default), and `generate`'s
+            `priority`, `on_step` and `on_token`, are refused (TypeError), not taken
+            as variables.
 
         Returns:
           One `RequestOutput` per conversation, in order; its `prompt` is the rendered text.

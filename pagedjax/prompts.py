@@ -338,8 +338,9 @@ def chat_prompts(
         `chat_template` not a str, or `chat_template_kwargs` not a dict.
     """
     for name in _VLLM_CHAT_ONLY:  # a template variable would drop them silently
-        if name in template_vars:
+        if name in template_vars and template_vars[name] is not None:  # (None: vLLM's default)
             raise TypeError(f"chat() does not support vLLM's {name}")
+        template_vars.pop(name, None)
     for name in _GENERATE_ONLY:
         if name in template_vars:
             raise TypeError(

@@ -68,3 +68,12 @@ def test_a_held_finished_output_is_never_lost_to_a_later_request_of_its_id(llm):
     (out,) = llm.step()
     assert out.request_id == "1" and out.prompt_token_ids == [5, 6] and out.finished
     check_clean(llm)
+
+
+def test_chat_takes_vllms_unsupported_arguments_at_their_default(llm):
+    """vLLM's `mm_processor_kwargs` / `tokenization_kwargs` default to None there: None
+    asks for nothing (it was refused), a value is still refused by name."""
+    (out,) = llm.chat(CONV, greedy(2), mm_processor_kwargs=None, tokenization_kwargs=None)
+    assert len(out.outputs[0].token_ids) == 2
+    with pytest.raises(TypeError, match="does not support vLLM's mm_processor_kwargs"):
+        llm.chat(CONV, greedy(2), mm_processor_kwargs={"x": 1})
