@@ -35,7 +35,9 @@ Target modules: `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`,
 zero). Refused with a clear error: `modules_to_save` (trained copies of whole layers,
 e.g. `lm_head`), embedding adapters, LoRA biases (`bias` other than "none", `lora_bias`),
 DoRA, `fan_in_fan_out`, QA-LoRA (`use_qalora`), `layer_replication`, activated LoRA
-(`alora_invocation_tokens`: its update starts at those tokens, not at every token), an
+(`alora_invocation_tokens`: its update starts at those tokens, not at every token),
+`init_lora_weights` PiSSA, OLoRA, CorDA or LoftQ (PEFT redoes the init on loading, which
+rewrites the base weights; vLLM ignores the field and serves `W + update`), an
 adapter whose tensors' ranks are not its config's (`r`, `rank_pattern`: PEFT refuses it,
 vLLM scales it by `lora_alpha / r`), and `adapter_model.bin` (pickled torch: convert it
 to safetensors).
@@ -110,6 +112,10 @@ _UNSUPPORTED = {  # adapter_config.json keys whose non-default values we cannot 
     "layer_replication": (None, []),  # a model deeper than the base
     "alora_invocation_tokens": (None, []),  # activated LoRA: only from these tokens on
 }
+# init_lora_weights values that leave the base weights as they are (besides true, false):
+# PEFT's LoraLayer.update_layer runs the init when it loads an adapter, and its others
+# (PiSSA, OLoRA, CorDA, LoftQ) subtract their start from W or quantize it.
+_INITS = ("gaussian", "eva", "orthogonal")
 _DEFAULT_ALPHA = 8  # PEFT's LoraConfig.lora_alpha, for a config without one
 
 
@@ -205,6 +211,14 @@ def _check_config(conf, file: str) -> dict:
             raise ValueError(
                 f"{file}: {key}={conf[key]!r} is not supported (LoRA adapters without it only)"
             )
+    init = conf.get("init_lora_weights", True)
+    if not (init in (True, False, None) or str(init).lower() in _INITS):
+        raise ValueError(
+            f"{file}: init_lora_weights={init!r} is not supported: PEFT redoes the init when "
+            "it loads the adapter, and PiSSA, OLoRA, CorDA and LoftQ rewrite the base weights "
+            "then, so the trained model is not these weights plus the update (convert it into "
+            "a plain LoRA: save_pretrained(..., path_initial_model_for_weight_conversion=...))"
+        )
     rslora = conf.get("use_rslora")
     if rslora is not None and not isinstance(rslora, bool):
         raise ValueError(f"{file}: use_rslora must be true or false, got {rslora!r}")
@@ -331,15 +345,23 @@ def adapter_from_state(
     pairs, rank = _layout(shapes, cfg, where, max_rank, "the adapter")
     _check_ranks(conf, pairs, shapes, where, "the adapter config")
     for name, x in state.items():
-        try:
-            dtype = np.dtype(x.dtype)
-        except (AttributeError, TypeError):  # a list, a torch tensor
-            dtype = np.asarray(x).dtype
-        if not jnp.issubdtype(dtype, jnp.floating):
+        if not _is_float(dtype := _dtype(x)):
             raise ValueError(
                 f"{where}: tensor {name!r} has dtype {dtype}: LoRA weights must be floating point"
             )
     return LoRAAdapter(_fold(conf, pairs, lambda name: np.asarray(state[name]), where), rank)
+
+
+def _dtype(x) -> np.dtype:
+    try:
+        return np.dtype(x.dtype)
+    except (AttributeError, TypeError):  # a list, a torch tensor
+        return np.asarray(x).dtype
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    """Real floating point (bfloat16 included): what LoRA weights may be."""
+    return jnp.issubdtype(dtype, jnp.floating)
 
 
 def _layout(shapes: Mapping[str, tuple], cfg, where: str, max_rank, what: str):
@@ -410,8 +432,9 @@ def check_adapter(
 ) -> None:
     """Checks that an adapter (one built in memory, perhaps for another model) fits a
     model of `cfg`, as `load_adapter` checks a directory: each (layer, module) exists in
-    the model, its (a, b) are `[in, r]` and `[r, out]` with the module's dimensions, and
-    `adapter.rank` is the largest r (at most `max_rank`). `what` names it in the messages.
+    the model, its (a, b) are floating point, `[in, r]` and `[r, out]` with the module's
+    dimensions, and `adapter.rank` is the largest r (at most `max_rank`). `what` names it
+    in the messages.
 
     Raises:
       TypeError: not a LoRAAdapter.
@@ -444,6 +467,11 @@ def check_adapter(
             )
         if sa[1] < 1:
             raise ValueError(f"{at}: rank 0")
+        for part, x in (("a", a), ("b", b)):
+            if not _is_float(dtype := _dtype(x)):  # (complex ones would lose their imaginary part)
+                raise ValueError(
+                    f"{at}: {part} has dtype {dtype}: LoRA weights must be floating point"
+                )
         rank = max(rank, sa[1])
     if adapter.rank != rank:
         raise ValueError(f"{name} has rank={adapter.rank}, but its modules' largest rank is {rank}")
