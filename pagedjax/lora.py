@@ -111,6 +111,7 @@ _UNSUPPORTED = {  # adapter_config.json keys whose non-default values we cannot 
     "use_qalora": (False, None),  # QA-LoRA: A reads group-pooled inputs
     "layer_replication": (None, []),  # a model deeper than the base
     "alora_invocation_tokens": (None, []),  # activated LoRA: only from these tokens on
+    "context_length": (0, None),  # vLLM's long-context LoRA: its own rope scaling
 }
 # init_lora_weights values that leave the base weights as they are (besides true, false):
 # PEFT's LoraLayer.update_layer runs the init when it loads an adapter, and its others

@@ -195,6 +195,7 @@ def test_step_refuses_bad_slots(params):
     [
         (dict(config={"bias": "all"}), "bias='all' is not supported"),
         (dict(config={"use_dora": True}), "use_dora=True is not supported"),
+        (dict(config={"context_length": 16384}), "context_length=16384 is not supported"),
         (dict(config={"modules_to_save": ["lm_head"]}), "modules_to_save"),
         (dict(config={"fan_in_fan_out": True}), "fan_in_fan_out=True"),
         (dict(config={"peft_type": "IA3"}), "peft_type='IA3': only LoRA"),
