@@ -484,7 +484,9 @@ class Handler(HttpIO):
             first = job.prompt_token_ids and not job.chat and not c.started
             c.started = True
             index = api.choice_index(job, rid, i)
-            sent = api.stream_chunk(
+            # (none: text a tool call may hold back, and nothing else; two: the calls,
+            # then the finish_reason)
+            for sent in api.stream_chunks(
                 job,
                 head,
                 index,
@@ -493,8 +495,7 @@ class Handler(HttpIO):
                 lp,
                 token_ids=ids,
                 prompt_token_ids=prompts[rid] if first else None,
-            )
-            if sent is not None:  # (None: text a tool call may hold back, and nothing else)
+            ):
                 send(sent)
 
         outs = []

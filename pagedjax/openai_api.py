@@ -115,6 +115,7 @@ __all__ = [
     "role_chunks",
     "sampling_params",
     "stream_chunk",
+    "stream_chunks",
     "structured_outputs",
     "token_texts",
     "tokenize",
@@ -586,3 +587,22 @@ def stream_chunk(
     if calls:
         chunk["choices"][0]["delta"]["tool_calls"] = calls
     return chunk
+
+
+def stream_chunks(*args, **kwargs) -> list[dict]:
+    """`stream_chunk`'s chunk as it is sent (its arguments): none where it is None, and
+    one that carries tool calls and the choice's finish_reason as two, the calls then
+    `{"delta": {}, "finish_reason": ...}`, as OpenAI streams them (the openai client's
+    stream helper reads a chunk's finish_reason before its calls, so it would never end
+    the last call: no `tool_calls.function.arguments.done` event)."""
+    chunk = stream_chunk(*args, **kwargs)
+    if chunk is None:
+        return []
+    (choice,) = chunk["choices"]
+    if choice["finish_reason"] is None or "tool_calls" not in choice.get("delta", {}):
+        return [chunk]
+    end = {**choice, "delta": {}, "logprobs": None}
+    if "token_ids" in choice:
+        end["token_ids"] = []
+    choice["finish_reason"] = None
+    return [chunk, {**chunk, "choices": [end]}]

@@ -60,10 +60,12 @@ Streaming (`ToolStream`, one per choice): under "auto" the text streams as conte
 a call could be starting (hermes: up to `<tool_call>`, an end that could begin it held
 back; llama3_json: nothing until the text shows whether it starts with a call), and the
 rest is held until the choice ends; named and "required" stream no content. The choice's
-last chunk carries the content not sent yet and the calls whole, each call's arguments
+last piece carries the content not sent yet and the calls whole, each call's arguments
 in one piece (not piece by piece as vLLM's parsers stream them), as `delta.tool_calls`
 entries `{index, id, type, function: {name, arguments}}`, with the non-streamed answer's
-finish_reason. So the content pieces add up to the non-streamed content ("" for null).
+finish_reason (the server sends that in a chunk of its own after the calls', as OpenAI
+does: `openai_api.stream_chunks`). So the content pieces add up to the non-streamed
+content ("" for null).
 """
 
 from __future__ import annotations

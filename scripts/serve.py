@@ -175,10 +175,11 @@ text (finish_reason "tool_calls"), or the text as content when it finds none.
 `parallel_tool_calls: false` keeps the first call. A call is `{"id":
 "chatcmpl-tool-...", "type": "function", "function": {"name", "arguments": JSON text}}`
 in `message.tool_calls`. Streamed, content goes out until a call could be starting and
-the calls come whole in the choice's last chunk (`delta.tool_calls` with `index`, `id`,
-`type`, `function`). A bad tool, a tool_choice naming none or given without tools, and
-a named or "required" one with other structured outputs, with beam search or with a
-schema it cannot constrain to are 400s naming the value.
+the calls come whole in the choice's last chunk with a delta (`delta.tool_calls` with
+`index`, `id`, `type`, `function`), then its finish_reason in a chunk of its own
+(`delta: {}`), as OpenAI streams them. A bad tool, a tool_choice naming none or given
+without tools, and a named or "required" one with other structured outputs, with beam
+search or with a schema it cannot constrain to are 400s naming the value.
 
 Streaming (`stream: true`): Server-Sent Events, one `data: {chunk}` per new piece of
 text (`text_completion` chunks, or `chat.completion.chunk` with `delta: {role}` first,

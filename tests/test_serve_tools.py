@@ -112,14 +112,21 @@ def check_call(call: dict) -> tuple[str, dict]:
 
 def streamed(chunks: list[dict], index: int = 0) -> tuple[str, list[dict], str]:
     """(content, calls without ids, finish_reason) of one choice of a streamed answer,
-    checking that the calls come in its last chunk alone, indexed in order, and that no
-    chunk between the role's and the last is empty (text held back sends none)."""
+    checking that the calls come alone in the chunk before the last, indexed in order,
+    and the finish_reason in the last, `delta: {}` (OpenAI's: the openai client's stream
+    helper reads a chunk's finish_reason before its calls, so one chunk of both never
+    ends the last call); without calls, the finish_reason in the last chunk; and that
+    no chunk between the role's and those is empty (text held back sends none)."""
     mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
     assert mine[0]["delta"] == dict(role="assistant", content="")
-    assert all(c["delta"].get("content") or c["logprobs"] for c in mine[1:-1])
-    assert all("tool_calls" not in c["delta"] for c in mine[:-1])
+    at = [j for j, c in enumerate(mine) if "tool_calls" in c["delta"]]
+    assert at in ([], [len(mine) - 2])
+    if at:
+        assert mine[-1]["delta"] == {} and mine[-1]["logprobs"] is None
+    body = mine[1 : at[0] if at else -1]
+    assert all(c["delta"].get("content") or c["logprobs"] for c in body)
     assert all(c["finish_reason"] is None for c in mine[:-1])
-    calls = mine[-1]["delta"].get("tool_calls", [])
+    calls = mine[at[0]]["delta"]["tool_calls"] if at else []
     assert [c["index"] for c in calls] == list(range(len(calls)))
     assert all(len(c["id"]) == CALL_ID_LEN for c in calls)
     content = "".join(c["delta"].get("content", "") for c in mine)
@@ -529,7 +536,8 @@ def test_streamed_logprobs_add_up_though_text_is_held_back(server):
     body = dict(messages=hi, tools=TOOLS, max_tokens=80, guided_choice=[text], logprobs=True)
     (choice,) = ok(server, "/v1/chat/completions", body)["choices"]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Hm.\n"
-    chunks = [c["choices"][0] for c in stream(server, "/v1/chat/completions", body)[1:]]
+    *chunks, end = [c["choices"][0] for c in stream(server, "/v1/chat/completions", body)[1:]]
+    assert end["delta"] == {} and end["logprobs"] is None  # (the finish_reason, after the calls)
     tokens = [x["token"] for c in chunks for x in c["logprobs"]["content"]]
     assert tokens == [x["token"] for x in choice["logprobs"]["content"]]
     assert "".join(c["delta"].get("content", "") for c in chunks) == "Hm.\n"
