@@ -17,8 +17,9 @@ engine, so it runs on any thread.
 Function calling (chat's `tools`, `tool_choice`, `parallel_tool_calls`) is
 `pagedjax.tool_calls`': `parse_job` reads the request's tools (`Job.tools`; "auto" needs
 the server's `tool_parser`), renders them into the prompt and makes named and "required"
-tool choices structured outputs; `response_body` and `stream_chunk` here are the
-builders', with the answer's text made calls where the request asks for them.
+tool choices structured outputs; `response_body` here and `stream_chunk` /
+`stream_chunks` (`pagedjax.streamed_choice`, re-exported) are the builders', with the
+answer's text made calls where the request asks for them.
 
 A body's `model` names the served model or one of its LoRA adapters (vLLM's
 `--lora-modules`; `parse_job(loras=)`): the job's requests then run with that adapter
@@ -86,6 +87,7 @@ from pagedjax.request import (
     encode_prompt,
     logprobs_count,
 )
+from pagedjax.streamed_choice import stream_chunk, stream_chunks  # re-exported
 from pagedjax.tool_calls import ToolRequest, read_tools
 
 if TYPE_CHECKING:
@@ -553,56 +555,3 @@ def response_body(job: Job, head: dict, outs: dict, tokenizer) -> dict:
         for choice in body["choices"]:
             choice["message"]["content"] = job.echo[0] + (choice["message"]["content"] or "")
     return body
-
-
-def stream_chunk(
-    job: Job,
-    head: dict,
-    index: int,
-    text: str,
-    finish: str | None = None,
-    logprobs=None,
-    *,
-    token_ids=(),
-    prompt_token_ids=None,
-) -> dict | None:
-    """`openai_responses.stream_chunk`, with only what of `text` is surely content where
-    the request's tools ask for calls (`ToolStream`), and the calls in the last chunk;
-    None where that leaves the chunk nothing to carry (as vLLM, no chunk is sent)."""
-    calls = None
-    if job.tools is not None and job.tools.parses:
-        text, calls, finish = job.tools.stream(index).next(text, finish)
-        if not text and finish is None and logprobs is None and not job.token_ids:
-            return None
-    chunk = openai_responses.stream_chunk(
-        job,
-        head,
-        index,
-        text,
-        finish,
-        logprobs,
-        token_ids=token_ids,
-        prompt_token_ids=prompt_token_ids,
-    )
-    if calls:
-        chunk["choices"][0]["delta"]["tool_calls"] = calls
-    return chunk
-
-
-def stream_chunks(*args, **kwargs) -> list[dict]:
-    """`stream_chunk`'s chunk as it is sent (its arguments): none where it is None, and
-    one that carries tool calls and the choice's finish_reason as two, the calls then
-    `{"delta": {}, "finish_reason": ...}`, as OpenAI streams them (the openai client's
-    stream helper reads a chunk's finish_reason before its calls, so it would never end
-    the last call: no `tool_calls.function.arguments.done` event)."""
-    chunk = stream_chunk(*args, **kwargs)
-    if chunk is None:
-        return []
-    (choice,) = chunk["choices"]
-    if choice["finish_reason"] is None or "tool_calls" not in choice.get("delta", {}):
-        return [chunk]
-    end = {**choice, "delta": {}, "logprobs": None}
-    if "token_ids" in choice:
-        end["token_ids"] = []
-    choice["finish_reason"] = None
-    return [chunk, {**chunk, "choices": [end]}]
