@@ -45,7 +45,7 @@ import threading
 import time
 import traceback
 from collections.abc import Sequence
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from pagedjax import openai_api as api
 from pagedjax.http_io import (
@@ -207,6 +207,9 @@ class Server(HttpServer):
                 self._answered.notify_all()
 
 
+_MODEL_PATH = "/v1/models/"  # and a model's id: one model's card
+
+
 class Handler(HttpIO):
     """Answers one connection's requests (a thread each); `ROUTES`: each path's method.
 
@@ -248,6 +251,8 @@ class Handler(HttpIO):
             path = urlsplit(self.path).path.rstrip("/") or "/"
             routes = self._routes()
             allowed = routes.get(path)
+            if allowed is None and path.startswith(_MODEL_PATH):  # (OpenAI's models.retrieve)
+                allowed = "GET"
             if allowed is None:
                 raise ApiError(404, f"no such path {path!r}; try {', '.join(routes)}")
             if method == "OPTIONS":
@@ -260,6 +265,8 @@ class Handler(HttpIO):
                 return self._send(200, b"ok", "text/plain; charset=utf-8")
             if path == "/v1/models":
                 return self._json(200, self._models())
+            if path.startswith(_MODEL_PATH):
+                return self._json(200, self._model(unquote(path[len(_MODEL_PATH) :])))
             if path == "/metrics":
                 return self._send(200, self._metrics(), "text/plain; version=0.0.4")
             if path in ("/tokenize", "/detokenize"):
@@ -296,6 +303,17 @@ class Handler(HttpIO):
         for name, r in srv.loras.items():
             models.append(dict(id=name, **card, parent=srv.model_name, root=r.lora_path))
         return dict(object="list", data=models)
+
+    def _model(self, model_id: str) -> dict:
+        """`_models()`' entry of `model_id` (`GET /v1/models/{id}`, OpenAI's); a 404 naming
+        the served ones for another."""
+        models = self._models()["data"]
+        for m in models:
+            if m["id"] == model_id:
+                return m
+        names = ", ".join(repr(m["id"]) for m in models)
+        msg = f"model {model_id!r} is not served here; served: {names}"
+        raise ApiError(404, msg, None, "model_not_found")
 
     def _update_loras(self, path: str, body: dict) -> str:
         """vLLM's /v1/load_lora_adapter or /v1/unload_lora_adapter (`LoRANames.load` and

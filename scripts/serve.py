@@ -16,6 +16,7 @@ Point an OpenAI client at `http://HOST:PORT/v1` (any API key). Endpoints:
                                one); then each LoRA adapter (--lora-modules, or
                                loaded since) with vLLM's `parent` (the model's id)
                                and `root` (its path)
+    GET  /v1/models/{id}       one of those (OpenAI's models.retrieve); 404 for another
     POST /v1/completions       prompt: a string, a list of strings, a list of token ids
                                or a list of such lists
     POST /v1/chat/completions  messages, rendered with the checkpoint's chat template

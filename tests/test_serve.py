@@ -37,6 +37,13 @@ def test_health_and_models(server):
     assert models == dict(object="list", data=[model])
     assert ok(server, "/v1/models/?x=1", None) == models  # a trailing slash, a query
     assert request(server, "/health/") == (200, "ok")
+    # OpenAI's models.retrieve: one model's card (it was a 404, "no such path").
+    assert ok(server, "/v1/models/tiny", None) == model
+    status, err = request(server, "/v1/models/gpt-4%2Fx")
+    assert status == 404 and err["error"]["code"] == "model_not_found"
+    assert err["error"]["message"] == "model 'gpt-4/x' is not served here; served: 'tiny'"
+    status, _ = request(server, "/v1/models/tiny", dict(x=1), method="POST")
+    assert status == 405
 
 
 def test_tokenize_and_detokenize_as_vllm(server, bare_server, ref):
