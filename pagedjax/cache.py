@@ -113,6 +113,18 @@ def _slot_index(slots, num_slots):
     return jnp.where(slots < 0, num_slots, slots)
 
 
+def _check_pages(k_pages, v_pages):
+    # Both pools are flattened with k_pages' [K, P, S, D]: a v pool of the same size in
+    # another layout would take its tokens at other (page, offset) places and come back
+    # reshaped.
+    if np.ndim(k_pages) != 4:
+        raise ValueError(f"k_pages must be [K, P, S, D], got shape {np.shape(k_pages)}")
+    if np.shape(v_pages) != np.shape(k_pages):
+        raise ValueError(
+            f"v_pages must be shaped like k_pages {np.shape(k_pages)}, got {np.shape(v_pages)}"
+        )
+
+
 def _check_new_tokens(k, v, slots, num_kv_heads, head_dim):
     t = np.shape(slots)[0] if np.ndim(slots) == 1 else None
     if t is None:
@@ -196,7 +208,7 @@ def write_layer(k_pages, v_pages, k, v, slots):
 
     Args:
       k_pages: [K, P, S, D]
-      v_pages: [K, P, S, D]
+      v_pages: [K, P, S, D], shaped like k_pages (ValueError otherwise).
       k: [T, K, D] new keys.
       v: [T, K, D] new values.
       slots: [T] int32 destination slots in [0, P * S), or -1 to drop the token
@@ -205,6 +217,7 @@ def write_layer(k_pages, v_pages, k, v, slots):
     Returns:
       The updated (k_pages, v_pages).
     """
+    _check_pages(k_pages, v_pages)
     kh, p, s, d = k_pages.shape
     _check_new_tokens(k, v, slots, kh, d)
     _check_slots(slots, p * s)
