@@ -59,7 +59,7 @@ import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from check_hf_parity import _COMMON, _import_hf  # noqa: E402
+from check_hf_parity import _COMMON, _import_hf, randomize  # noqa: E402
 
 SCORE_RTOL = 1e-4
 TIE_ATOL = 1e-4
@@ -68,22 +68,13 @@ CASES = {"beam": [2], "beam-eos2": [2, 5]}  # name -> EOS ids
 
 
 def _llama(torch, transformers, eos: list[int], seed: int, eos_scale: float):
-    """`check_hf_parity.py`'s tiny random Llama (every parameter random), with EOS ids
-    and their lm_head rows scaled by `eos_scale`. (Built here: that script's builder
-    names model classes that transformers before 4.51 lacks.)"""
+    """`check_hf_parity.py`'s tiny random Llama (`randomize`), with EOS ids and their
+    lm_head rows scaled by `eos_scale`. (Built here: that script's `_hf_model` names
+    model classes that transformers before 4.51 lacks.)"""
     config = transformers.LlamaConfig(**{**_COMMON, "eos_token_id": eos})
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
-    g = torch.Generator().manual_seed(seed)
+    model = randomize(torch, transformers.LlamaForCausalLM(config).to(torch.float32).eval(), seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * noise)
-            elif "embed_tokens" in name:
-                p.copy_(noise)
-            else:  # [out, in]: unit-variance outputs for unit-variance inputs
-                p.copy_(noise / math.sqrt(p.shape[1]))
         for t in eos:
             model.lm_head.weight[t] *= eos_scale
     return model

@@ -353,7 +353,11 @@ def _hf_model(torch, transformers, case: Case, seed: int):
     }[case.family]
     config = cls[0](**copy.deepcopy({**_COMMON, **case.config}))  # HF may edit it
     torch.manual_seed(seed)
-    model = cls[1](config).to(torch.float32).eval()
+    return randomize(torch, cls[1](config).to(torch.float32).eval(), seed)
+
+
+def randomize(torch, model, seed: int):
+    """`model` (float32) with every parameter drawn at random, in place; returned."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # HF inits biases to 0 and norms to 1: make them matter
         for name, p in model.named_parameters():  # a tied head is the embedding, once
