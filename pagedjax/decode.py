@@ -70,7 +70,7 @@ import numpy as np
 
 from pagedjax import cache as cache_lib
 from pagedjax import model as model_lib
-from pagedjax import sampling, sharding
+from pagedjax import planner, sampling, sharding
 from pagedjax.config import CacheConfig
 from pagedjax.lora import LoRAWeights
 from pagedjax.step_checks import _check_params, _check_step, check_cache, check_lora
@@ -128,7 +128,7 @@ def _step(
         src = inp.token_src
         token_ids = jnp.where(src >= 0, inp.feed[jnp.maximum(src, 0)], token_ids)
     cache = cache_lib.copy_pages(cache, inp.copy_src, inp.copy_dst)
-    logits, cache = model_lib.forward_paged(
+    logits, cache, *hidden = model_lib.forward_paged(
         params,
         cache,
         token_ids,
@@ -137,25 +137,17 @@ def _step(
         inp.page_table,
         inp.context_lens,
         inp.query_start_loc,
-        jnp.arange(inp.token_ids.shape[0]) if every_token else inp.logits_indices,
+        inp.logits_indices,
         decode=decode,
         backend=backend,
         interpret=interpret,
         lora=lora,
         lora_slots=_lora_slots(inp) if lora is not None else None,
+        return_hidden=every_token,
     )
     extra = {}
-    if every_token:  # logits at every token: score the targets, then keep each row's last
-        all_lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [T, V]
-        t = inp.target_ids
-        picked = jnp.take_along_axis(all_lp, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
-        extra["target_logprobs"] = jnp.where(t >= 0, picked, 0.0)
-        extra["target_ranks"] = jnp.where(t >= 0, _ranks(all_lp, picked), 0)
-        if num_prompt_top_logprobs:
-            top_lp, top_ids = jax.lax.top_k(all_lp, num_prompt_top_logprobs)
-            extra["target_top_ids"] = top_ids.astype(jnp.int32)
-            extra["target_top_logprobs"] = top_lp
-        logits = logits[inp.logits_indices]
+    if every_token:  # score every token's target (prompt logprobs)
+        extra = _score_targets(params, hidden[0], inp.target_ids, num_prompt_top_logprobs)
     fed = None  # asynchronous steps: each row's fed token, generated but not on the host
     if inp.penalties is not None and inp.feed is not None:
         li = inp.logits_indices
@@ -185,6 +177,36 @@ def _step(
         extra["feed"] = inp.feed.at[: tokens.shape[0]].set(tokens)
     out = StepOutput(tokens, logprobs, top_ids, top_lp, logits if return_logits else None, **extra)
     return out, cache
+
+
+def _score_targets(params, hidden, targets, k: int) -> dict:
+    """Each token's target logprob and vocabulary rank, 0 where its target is -1 (and
+    with k > 0 its k most likely next tokens), from its final hidden state: `hidden` [T,
+    E] through the LM head `planner.SCORE_ROWS` rows at a time (`jax.lax.map`), so a
+    long prompt's scoring never holds its [T, V] logits at once (`step_peak_bytes`
+    counts a chunk's)."""
+    t, e = hidden.shape
+    rows = min(t, planner.SCORE_ROWS)
+    n = -(-t // rows)
+    h = jnp.pad(hidden, ((0, n * rows - t), (0, 0))).reshape(n, rows, e)
+    tg = jnp.pad(targets, (0, n * rows - t), constant_values=-1).reshape(n, rows)
+
+    def score(chunk):
+        h, tg = chunk
+        lp = jax.nn.log_softmax(model_lib.head_logits(params, h), axis=-1)  # [rows, V]
+        picked = jnp.take_along_axis(lp, jnp.maximum(tg, 0)[:, None], axis=-1)[:, 0]
+        out = {
+            "target_logprobs": jnp.where(tg >= 0, picked, 0.0),
+            "target_ranks": jnp.where(tg >= 0, _ranks(lp, picked), 0),
+        }
+        if k:
+            top_lp, top_ids = jax.lax.top_k(lp, k)
+            out["target_top_ids"] = top_ids.astype(jnp.int32)
+            out["target_top_logprobs"] = top_lp
+        return out
+
+    out = jax.lax.map(score, (h, tg))
+    return {name: a.reshape(n * rows, *a.shape[2:])[:t] for name, a in out.items()}
 
 
 def _lora_slots(inp):
@@ -257,9 +279,9 @@ def prefill_step(
         the update of its slot in `inp.lora_slots` (`SeqChunk.lora_slot`; none for a
         StepInput without them). None: the base model only.
 
-    With `inp.target_ids` (prompt logprobs) the step computes logits at every token,
-    `[T, V]` float32 (and their log-softmax) instead of one row per sequence: a
-    separate compiled program, heavier by the lm-head over all T tokens.
+    With `inp.target_ids` (prompt logprobs) the step also scores every token: the LM
+    head over all T tokens, `planner.SCORE_ROWS` rows at a time (its float32 logits and
+    their log-softmax are [SCORE_ROWS, V], not [T, V]); a separate compiled program.
 
     Returns:
       (StepOutput, new cache).

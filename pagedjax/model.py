@@ -222,6 +222,7 @@ class Llama(nnx.Module):
         mesh: Mesh | None = None,
         lora=None,
         lora_slots=None,
+        return_hidden: bool = False,
     ):
         """One paged step; see `forward_paged` for the arguments (`mesh`: `Params.mesh`)."""
         inv_freq = rope_frequencies(self.cfg)
@@ -247,10 +248,17 @@ class Llama(nnx.Module):
             new_v.append(v_pages)
             x = x + attn.out(o.astype(x.dtype), delta)
             x = x + layer.mlp(layer.post_attention_layernorm(x), delta)
-        logits = self.logits(x[logits_indices])
-        if mesh is not None:  # sampling needs whole [B, V] rows: one all-gather
+        cache = cache_lib.PagedKVCache(k=tuple(new_k), v=tuple(new_v))
+        logits = self.head(x[logits_indices], mesh)
+        return (logits, cache, x) if return_hidden else (logits, cache)
+
+    def head(self, h, mesh: Mesh | None = None):
+        """Whole float32 logits [N, V] of final hidden rows h [N, E] (before the final
+        norm), on every device under `mesh` (sampling needs whole rows: one all-gather)."""
+        logits = self.logits(h)
+        if mesh is not None:
             logits = sharding_lib.gather_logits(logits, mesh)
-        return logits, cache_lib.PagedKVCache(k=tuple(new_k), v=tuple(new_v))
+        return logits
 
 
 def _write_and_attend(
@@ -494,6 +502,7 @@ def forward_paged(
     interpret: bool = False,
     lora=None,
     lora_slots=None,
+    return_hidden: bool = False,
 ):
     """One paged step (pure; meant to be called inside a jitted step function).
 
@@ -514,12 +523,14 @@ def forward_paged(
       lora: `pagedjax.lora.LoRAWeights`: adds each token's adapter's update to the
         projections (None: no LoRA).
       lora_slots: [T] int32 with `lora`: each token's adapter slot (0: none).
+      return_hidden: also return every token's final hidden state [T, E] (before the
+        final norm), for `head_logits` (a prompt-logprobs step scores every token).
 
     With `params.mesh` set (`pagedjax.sharding.shard_params`), the step is tensor
     parallel: the cache must come from `pagedjax.sharding.create_cache` with that mesh.
 
     Returns:
-      (logits [B, V] float32, new cache).
+      (logits [B, V] float32, new cache), and the hidden states with `return_hidden`.
     """
     return params.merge().paged(
         cache,
@@ -536,4 +547,11 @@ def forward_paged(
         mesh=params.mesh,
         lora=lora,
         lora_slots=lora_slots,
+        return_hidden=return_hidden,
     )
+
+
+def head_logits(params: Params, hidden):
+    """Whole float32 logits [N, V] of final hidden rows [N, E] from `forward_paged(...,
+    return_hidden=True)`: the final norm and the LM head (all-gathered under a mesh)."""
+    return params.merge().head(hidden, params.mesh)

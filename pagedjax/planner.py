@@ -36,6 +36,13 @@ WATERMARK = 0.01
 # `sampling.sample` + `top_logprobs` keeps 6 besides the logits; 1 more for the GPU's
 # sort scratch). tests/test_planner.py checks it against XLA's count.
 HEAD_ROW_COPIES = 8
+# A prompt-logprobs step scores its tokens through the LM head `SCORE_ROWS` rows at a
+# time (`decode._score_targets`), holding float32 [SCORE_ROWS, V] arrays: the logits and
+# their log-softmax (XLA:CPU's buffer assignment of the step keeps 1.4-1.8 such arrays
+# besides the rest; 1 more for the GPU's top-k scratch). tests/test_planner_review.py
+# checks the real step against the estimate.
+SCORE_ROWS = 256
+SCORE_ROW_COPIES = 3
 
 
 def _int(name: str, value) -> int:
@@ -78,7 +85,10 @@ def step_peak_bytes(
     (the residual stream [T, E] and its norm, q/k/v as projected and as rotated, the
     output [T, H * D]) or the MLP (residual, norm, gate and up [T, F] and their product),
     in the model's dtype, plus the norm's float32 copy [T, E]; then the head's
-    `HEAD_ROW_COPIES` float32 [B, V] arrays. The parts are added, not maxed, for margin.
+    `HEAD_ROW_COPIES` float32 [B, V] arrays, and a prompt-logprobs step's scoring of its
+    tokens, `SCORE_ROWS` at a time: `SCORE_ROW_COPIES` float32 [min(T, SCORE_ROWS), V]
+    arrays (any request may ask for prompt logprobs, so this is always counted). The
+    parts are added, not maxed, for margin.
 
     `lora_columns`: with LoRA slots (`max_loras * max_lora_rank`; 0: none), a step with
     adapters also holds, per token, the slots' mask and the low-rank product (float32
@@ -88,9 +98,8 @@ def step_peak_bytes(
     estimate without them by 1.7 [T, F] float32 arrays.
 
     Not counted: the paged attention kernels' scratch (on chip; `backend="xla"`'s
-    reference gathers every sequence's pages, far more), a prompt-logprobs step's
-    [T, V] float32 logits, the LoRA slots' weights, and tensor parallelism's split of
-    H, F and V (the estimate is then an upper bound).
+    reference gathers every sequence's pages, far more), the LoRA slots' weights, and
+    tensor parallelism's split of H, F and V (the estimate is then an upper bound).
     """
     t, b = _int("num_tokens", num_tokens), _int("num_rows", num_rows)
     if t < 0 or b < 0:
@@ -107,7 +116,8 @@ def step_peak_bytes(
         attention += (4 + size) * max(h * d, e) + 8 * cols
         mlp += (4 + size) * f + 8 * cols
     body = t * (max(attention, mlp) + 4 * e)
-    return body + b * cfg.vocab_size * 4 * HEAD_ROW_COPIES
+    head = (b * HEAD_ROW_COPIES + min(t, SCORE_ROWS) * SCORE_ROW_COPIES) * cfg.vocab_size * 4
+    return body + head
 
 
 def pages_needed(seq_len: int, page_size: int) -> int:

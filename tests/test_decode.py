@@ -18,7 +18,7 @@ import pytest
 from params_helpers import random_params
 
 from pagedjax import cache as cache_lib
-from pagedjax import decode, model
+from pagedjax import decode, model, planner
 from pagedjax.config import PRESETS, CacheConfig
 
 TINY = PRESETS["tiny"]
@@ -217,10 +217,24 @@ def test_copy_on_write_is_applied_before_the_step_writes(params):
     assert float(jnp.abs(k_parent[6] - k_child[6]).max()) > 0
 
 
+@pytest.mark.parametrize("score_rows", [None, 3], ids=["one-chunk", "3-row-chunks"])
 @pytest.mark.parametrize("is_decode", [False, True], ids=["prefill", "decode"])
-def test_target_logprobs_score_every_token_against_dense(params, is_decode):
-    """With target_ids, every token's target gets its log-probability (and top-k); the
-    sampled rows and the cache are what they are without it."""
+def test_target_logprobs_score_every_token_against_dense(
+    params, is_decode, score_rows, monkeypatch
+):
+    """With target_ids, every token's target gets its log-probability, rank (and top-k);
+    the sampled rows and the cache are what they are without it. `score_rows`: the LM
+    head scores 3 rows at a time (`planner.SCORE_ROWS`; the last chunk padded), in a jit
+    of its own so the engine's cached trace is not reused."""
+    step = decode.step
+    if score_rows is not None:
+        monkeypatch.setattr(planner, "SCORE_ROWS", score_rows)
+        jitted = jax.jit(partial(decode._step, decode=is_decode), static_argnames=decode._STATIC)
+
+        def step(params, cache, inp, **kw):
+            kw = dict(interpret=False, num_top_logprobs=0, return_logits=False, **kw)
+            return jitted(params, cache, inp, **kw)
+
     cfg, s = TINY, 4
     cache_cfg = CacheConfig(page_size=s, num_pages=64, dtype="float32")
     prompts = _prompts(cfg, (1, 1) if is_decode else (7, 3), seed=6)
@@ -233,8 +247,8 @@ def test_target_logprobs_score_every_token_against_dense(params, is_decode):
     targets = rng.integers(0, cfg.vocab_size, n_tok).astype(np.int32)
     targets[2::3] = -1  # unwanted rows
     targets[0] = 0  # token id 0 is a target like any other; only -1 is unwanted
-    plain, cache = decode.step(params, cache_lib.create(cfg, cache_cfg), inp, backend="xla")
-    scored, cache2 = decode.step(
+    plain, cache = step(params, cache_lib.create(cfg, cache_cfg), inp, backend="xla")
+    scored, cache2 = step(
         params,
         cache_lib.create(cfg, cache_cfg),
         dataclasses.replace(inp, target_ids=targets),
@@ -250,6 +264,8 @@ def test_target_logprobs_score_every_token_against_dense(params, is_decode):
     starts = np.asarray(inp.query_start_loc)
     got_lp = np.asarray(scored.target_logprobs)
     got_ids, got_top = np.asarray(scored.target_top_ids), np.asarray(scored.target_top_logprobs)
+    got_ranks = np.asarray(scored.target_ranks)
+    assert got_lp.shape == got_ranks.shape == (n_tok,) and got_ids.shape == (n_tok, 4)
     checked = 0
     for b, p in enumerate(prompts):
         for j in range(len(p)):
@@ -258,10 +274,17 @@ def test_target_logprobs_score_every_token_against_dense(params, is_decode):
             lp = ref - ref.max() - np.log(np.exp(ref - ref.max()).sum())
             want = lp[targets[row]] if targets[row] >= 0 else 0.0
             np.testing.assert_allclose(got_lp[row], want, atol=2e-5)
+            if targets[row] >= 0:  # (no ties in random logits: the rank is exact)
+                assert got_ranks[row] == 1 + np.sum(lp > lp[targets[row]])
+            else:
+                assert got_ranks[row] == 0
             np.testing.assert_array_equal(got_ids[row], np.argsort(-lp, kind="stable")[:4])
             np.testing.assert_allclose(got_top[row], np.sort(lp)[::-1][:4], atol=2e-5)
             checked += targets[row] >= 0
     assert checked >= 2
+    if score_rows is not None:
+        assert n_tok > score_rows and n_tok % score_rows  # several chunks, the last padded
+        return
     with pytest.raises(ValueError, match="needs a StepInput with target_ids"):
         decode.step(params, cache, inp, backend="xla", num_prompt_top_logprobs=2)
 

@@ -376,13 +376,17 @@ def test_step_peak_bytes_hand_computed():
     # elements a token) outweighs attention's (2 * 4096 + 3 * (32 + 8) * 128 = 23552).
     body = 1024 * (2 * 51200 + 4 * 4096)  # bf16, and the norm's float32 copy
     head = 64 * 128256 * 4 * planner.HEAD_ROW_COPIES  # float32 [B, V] rows
-    assert planner.step_peak_bytes(cfg, 1024, 64) == body + head == 384_303_104
+    # A prompt-logprobs step's scoring: float32 [256, V] arrays (of 1024 tokens).
+    score = 256 * 128256 * 4 * planner.SCORE_ROW_COPIES
+    assert (planner.SCORE_ROWS, planner.SCORE_ROW_COPIES) == (256, 3)
+    assert planner.step_peak_bytes(cfg, 1024, 64) == body + head + score == 778_305_536
     f32 = dataclasses.replace(cfg, dtype="float32")
-    assert planner.step_peak_bytes(f32, 1024, 64) == 2 * body - 1024 * 4 * 4096 + head
+    assert planner.step_peak_bytes(f32, 1024, 64) == 2 * body - 1024 * 4 * 4096 + head + score
     assert planner.step_peak_bytes(cfg, 0, 0) == 0
-    # Attention outweighs a narrow MLP: x, norm, q/k/v projected and rotated, the output.
+    # Attention outweighs a narrow MLP: x, norm, q/k/v projected and rotated, the output;
+    # one token's scoring is one row.
     wide = dataclasses.replace(cfg, intermediate_size=1024)
-    assert planner.step_peak_bytes(wide, 1, 0) == 2 * 23552 + 4 * 4096
+    assert planner.step_peak_bytes(wide, 1, 0) == 2 * 23552 + 4 * 4096 + 3 * 128256 * 4
     with pytest.raises(ValueError, match="num_rows=-1"):
         planner.step_peak_bytes(cfg, 16, -1)
     with pytest.raises(TypeError, match="num_tokens=1.5"):

@@ -30,24 +30,31 @@ def _stub_attention(q, k_pages, v_pages, *args, **kwargs):
     return q + (k_pages[0, 0, 0] * 0 + v_pages[0, 0, 0] * 0).astype(q.dtype)
 
 
-def _temp_bytes(monkeypatch, *, max_loras, rank):
-    """XLA:CPU's temporary bytes of a prefill step of 256 tokens in 8 sequences whose
-    tokens use LoRA slots 1..max_loras, and the step's padded (T, B)."""
+def _temp_bytes(monkeypatch, *, max_loras=0, rank=0, cfg=CFG, seq_len=32, top_k=None):
+    """XLA:CPU's temporary bytes of a prefill step of 8 sequences of `seq_len` tokens
+    whose tokens use LoRA slots 1..max_loras (0: no LoRA), and the step's padded (T, B).
+    `top_k`: the step scores every token's target (prompt logprobs) with its `top_k`
+    most likely tokens (None: no prompt logprobs)."""
     stub = types.SimpleNamespace(
         paged_decode_attention=_stub_attention, ragged_paged_attention=_stub_attention
     )
     monkeypatch.setattr(model, "pallas_kernels", stub)
-    chunks, nxt = [], 1
-    for i in range(8):  # 32 tokens, 2 pages of 16, each
-        pages = list(range(nxt, nxt + 2))
-        chunks.append(decode.SeqChunk(list(range(3, 35)), 0, pages, lora_slot=1 + i % max_loras))
-        nxt += 2
-    cc = config.CacheConfig(page_size=16, num_pages=nxt, dtype=CFG.dtype)
-    inp = decode.build_step_input(chunks, CFG, cc, buckets=Buckets(min_pages=1))
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: model.Llama(CFG, rngs=nnx.Rngs(0))))
-    params = model.Params(graphdef=graphdef, state=state, config=CFG)
-    cache = jax.eval_shape(lambda: cache_lib.create(CFG, cc))
-    weights = jax.eval_shape(lambda: lora.create_lora_weights(CFG, max_loras, rank))
+    chunks, nxt, n = [], 1, -(-seq_len // 16)
+    for i in range(8):  # `seq_len` tokens, n pages of 16, each
+        slot = 1 + i % max_loras if max_loras else 0
+        tokens = [3 + j % 7 for j in range(seq_len)]
+        chunks.append(decode.SeqChunk(tokens, 0, list(range(nxt, nxt + n)), lora_slot=slot))
+        nxt += n
+    cc = config.CacheConfig(page_size=16, num_pages=nxt, dtype=cfg.dtype)
+    inp = decode.build_step_input(chunks, cfg, cc, buckets=Buckets(min_pages=1))
+    if top_k is not None:
+        inp = dataclasses.replace(inp, target_ids=jax.numpy.zeros_like(inp.token_ids))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: model.Llama(cfg, rngs=nnx.Rngs(0))))
+    params = model.Params(graphdef=graphdef, state=state, config=cfg)
+    cache = jax.eval_shape(lambda: cache_lib.create(cfg, cc))
+    weights = None
+    if max_loras:
+        weights = jax.eval_shape(lambda: lora.create_lora_weights(cfg, max_loras, rank))
     # A jit of its own: the engine's `_prefill_jit` must not cache the stubbed trace.
     step = jax.jit(
         partial(decode._step, decode=False), static_argnames=decode._STATIC, donate_argnames="cache"
@@ -61,6 +68,7 @@ def _temp_bytes(monkeypatch, *, max_loras, rank):
             backend="xla",
             interpret=False,
             num_top_logprobs=0,
+            num_prompt_top_logprobs=top_k or 0,
             return_logits=False,
         )  # fmt: skip
         .lower()
@@ -72,6 +80,11 @@ def _temp_bytes(monkeypatch, *, max_loras, rank):
     return stats.temp_size_in_bytes, inp.token_ids.shape[0], inp.logits_indices.shape[0]
 
 
+def _scoring_bytes(cfg, t):
+    """The estimate's term for a prompt-logprobs step's scoring of `t` tokens."""
+    return planner.SCORE_ROW_COPIES * min(t, planner.SCORE_ROWS) * cfg.vocab_size * 4
+
+
 @pytest.mark.parametrize("max_loras, rank", [(2, 8), (4, 64)])
 def test_the_reserve_counts_a_lora_steps_updates(monkeypatch, max_loras, rank):
     # A step with adapters holds each projection's update ([T, F] float32 in the MLP) and
@@ -79,8 +92,24 @@ def test_the_reserve_counts_a_lora_steps_updates(monkeypatch, max_loras, rank):
     # estimate without them, which has no LoRA term.
     temp, t, b = _temp_bytes(monkeypatch, max_loras=max_loras, rank=rank)
     assert (t, b) == (256, 8)
-    assert temp > planner.step_peak_bytes(CFG, t, b)  # (the gap the LoRA term closes)
+    # (the gap the LoRA term closes; this step scores no prompt logprobs)
+    assert temp > planner.step_peak_bytes(CFG, t, b) - _scoring_bytes(CFG, t)
     assert temp <= planner.step_peak_bytes(CFG, t, b, lora_columns=max_loras * rank)
+
+
+@pytest.mark.parametrize("seq_len, top_k", [(64, 0), (64, 5), (1024, 20)])
+def test_the_reserve_counts_a_prompt_logprobs_steps_scoring(monkeypatch, seq_len, top_k):
+    # A prompt-logprobs step scores every token through the LM head. It held its [T, V]
+    # float32 logits and their log-softmax at once: 8.4x the estimate at T = 512 and
+    # 16x at T = 8192 (this vocabulary), with no term for them. It scores
+    # `planner.SCORE_ROWS` rows at a time now, which the estimate counts.
+    cfg = dataclasses.replace(CFG, vocab_size=32000)
+    temp, t, b = _temp_bytes(monkeypatch, cfg=cfg, seq_len=seq_len, top_k=top_k)
+    assert (t, b) == (8 * seq_len, 8)
+    assert temp <= planner.step_peak_bytes(cfg, t, b)
+    plain, *_ = _temp_bytes(monkeypatch, cfg=cfg, seq_len=seq_len)
+    scoring = temp - plain  # (XLA may reuse the body's buffers for the scoring's)
+    assert scoring <= _scoring_bytes(cfg, t)
 
 
 def test_lora_columns_hand_computed():

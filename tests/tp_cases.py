@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from pagedjax import decode, sharding  # noqa: E402
+from pagedjax import decode, planner, sharding  # noqa: E402
 from pagedjax.config import CacheConfig, ModelConfig  # noqa: E402
 from pagedjax.engine import LLM  # noqa: E402
 
@@ -360,6 +360,14 @@ def test_engine_tp4_greedy_with_prefix_caching_equals_dense(
     tp4_params, engine_dense, caching, budget
 ):
     engine_tests.test_greedy_equals_dense(tp4_params, engine_dense, caching, budget)
+
+
+@pytest.mark.slow
+def test_engine_tp4_prompt_logprobs_equal_dense(tp4_params, engine_dense, monkeypatch):
+    """Prompt logprobs at tp = 4, the LM head scoring 5 rows at a time (its logits
+    all-gathered inside the scoring loop): every entry is the dense model's."""
+    monkeypatch.setattr(planner, "SCORE_ROWS", 5)
+    engine_tests.test_prompt_logprobs_score_every_prompt_token(tp4_params, engine_dense)
 
 
 @pytest.mark.parametrize("beam", [False, pytest.param(True, marks=pytest.mark.slow)])
