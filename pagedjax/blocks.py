@@ -70,7 +70,13 @@ Sliding window: ``release_before`` gives back the pages of a live sequence that 
 query can see, as ``free`` would; ``admit(..., window=W)`` does not take the cached pages
 below the first token's window. Their entries read ``PAD_PAGE`` (the page-table padding)
 in ``page_tables``, a valid page that the window masks; freeing, forking, caching and
-``slot_mapping`` skip or refuse them.
+``slot_mapping`` skip or refuse them. A manager that knows the model's window
+(``sliding_window``, which the ``Scheduler`` sets) makes prefix hits independent of the
+pages below it, as vLLM's sliding-window manager does: evicting a page keeps the pages
+cached under it, and ``admit(..., window=W)`` hits the longest cached prefix whose pages
+in the first token's window are cached, whether or not those below it still are (the
+chain stays verified from the root: ``pagedjax.prefix_cache``). Without it, and always for
+full attention, a hit is a run of cached pages from the first.
 
 Modules: ``BlockManager`` (here: admission with the watermark and reservations,
 ``uncache``, stats, invariant checks) is a ``SeqTables`` (``pagedjax.seq_tables``: the live
@@ -153,6 +159,8 @@ class BlockManager(SeqTables):
         enable_prefix_caching: register full computed pages and reuse them on admit.
         max_model_len: longest sequence (prompt plus output) in tokens; None: unbounded.
         watermark: fraction of pages ``can_admit`` keeps free for running sequences.
+        sliding_window: the model's window W (every layer), or None (full attention);
+            see ``set_sliding_window``.
     """
 
     def __init__(
@@ -163,6 +171,7 @@ class BlockManager(SeqTables):
         enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
         watermark: float = 0.01,
+        sliding_window: int | None = None,
     ):
         num_pages = _positive_int(num_pages, "num_pages")
         page_size = _positive_int(page_size, "page_size")
@@ -183,6 +192,8 @@ class BlockManager(SeqTables):
         self.watermark_pages = int(watermark * num_pages)
         self._max_pages_per_seq = None if max_model_len is None else -(-max_model_len // page_size)
         self._prefix_queries = self._prefix_hits = 0
+        self.sliding_window: int | None = None
+        self.set_sliding_window(sliding_window)
 
     # ---------------------------------------------------------------- queries
 
@@ -281,6 +292,27 @@ class BlockManager(SeqTables):
 
     # --------------------------------------------------------------- mutation
 
+    def set_sliding_window(self, window: int | None) -> None:
+        """Tells the manager the model's sliding window W (None: full attention).
+
+        With a window, evicting a cached page keeps the pages cached under it, and
+        ``admit(..., window=W)`` hits a prefix whose pages below the first token's window
+        were evicted (module docstring). ``admit`` still takes its window as an argument.
+
+        Raises:
+            InvalidArgument: ``window`` is not None or a positive int, or it is None while
+                the cache keeps pages under evicted content (they would outlive it).
+        """
+        if window is not None:
+            window = _positive_int(window, "window", "None or ")
+        elif self._prefix.num_stubs:
+            raise InvalidArgument(
+                f"cannot drop the sliding window: {self._prefix.num_stubs} evicted pages "
+                "have pages cached under them"
+            )
+        self.sliding_window = window
+        self._prefix.windowed = window is not None
+
     def admit(
         self,
         seq_id: Hashable,
@@ -308,6 +340,8 @@ class BlockManager(SeqTables):
             window: sliding window W: cached pages below the first token's window (all
                 their positions < ``cached - W + 1``) are not taken; they read as released
                 (a prompt cached whole keeps its last page, as ``release_before`` would).
+                With ``sliding_window`` set, the hit needs only the pages in that window
+                to be cached (those below may have been evicted).
             compute_last: True: prefill computes at least the last prompt token (whose
                 logits sample the next one), so the page holding it is never a hit. False:
                 the caller computes the token after the prompt elsewhere (a decode row
@@ -348,7 +382,7 @@ class BlockManager(SeqTables):
         # Unless the caller computes what follows, at least the last token is left to
         # compute here, so the page holding it is never a hit.
         max_hits = (n - bool(compute_last)) // ps if read_cache else 0
-        hits, chain = self._prefix.lookup(buf, salt_bytes(cache_salt), max_hits)
+        hits, chain = self._prefix.lookup(buf, salt_bytes(cache_salt), max_hits, window=window)
         cached = len(hits) * ps
         done = cached == n  # cached whole (compute_last=False): nothing to prefill
         # Keep the last page, as release_before does, even where no query reads it (W = 1).
@@ -370,10 +404,12 @@ class BlockManager(SeqTables):
             what = f"admitting {n} tokens of {seq_id!r}"
             raise OutOfPages(need, available, what, reserved=reserved)
         self._pool.take(kept)
-        # The hits below the window stay evictable, but they are the chain's parents:
-        # evicting one uncaches what this admission just took. Renewed first (the head
-        # last, so it is evicted last), its own allocation evicts other pages before them.
-        self._pool.refresh(reversed(hits[:r]))
+        if self.sliding_window is None:
+            # The hits below the window stay evictable, but they are the chain's parents:
+            # evicting one uncaches what this admission just took. Renewed first (the head
+            # last, so it is evicted last), its own allocation evicts others before them.
+            # (Knowing the window, eviction keeps what is cached under a page.)
+            self._pool.refresh(reversed(hits[:r]))
         pages = [-1] * r + kept + [self._pool.alloc() for _ in range(num_new)]
         capacity = self._max_pages_per_seq or max(4, 2 * len(pages))
         seq = SeqPages.admitted(pages, r, capacity, buf, n, cached, chain)

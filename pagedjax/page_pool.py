@@ -8,11 +8,12 @@ K/V) or in use (``refcount`` > 0: that many page tables hold it).
 
 Allocation pops the free list (page 0 first) and only when it is empty evicts the least
 recently freed cached page; evicting a page uncaches the pages cached under it (unless a
-duplicate in use takes its registration over: ``PrefixCache.evict``), and those no
-one holds become plain free pages. Freed cached pages enter the LRU in the order given (the
-manager frees a sequence tail first, so a shared prefix's head lives longest; ``refresh``
-moves the head a sliding window gave back early behind the tail). Callers check
-``num_free`` before they allocate: nothing here raises ``OutOfPages``.
+duplicate in use takes its registration over, or the cache is a sliding-window model's,
+which keeps them: ``PrefixCache.evict``), and those no one holds become plain free pages.
+Freed cached pages enter the LRU in the order given (the manager frees a sequence tail
+first, so a shared prefix's head lives longest; ``refresh`` moves the head a sliding window
+gave back early behind the tail). Callers check ``num_free`` before they allocate: nothing
+here raises ``OutOfPages``.
 """
 
 from __future__ import annotations

@@ -20,10 +20,21 @@ does. Uncaching a page (evicting one without a duplicate, or ``uncache``: its K/
 on the device) unregisters the pages cached under it, so a chain never outlives its
 parent.
 
+A cache for a sliding-window model (``windowed``) keeps the pages cached under an evicted
+page: a hit needs only the pages in the window of the first token to compute, not those
+below it. The evicted content stays registered as a stub (its registration id, hash and
+tokens, no page) while pages are cached under it, so every hit is still verified from the
+root, and a page computing it again takes the registration back. ``lookup(...,
+window=W)`` walks the chain through stubs and returns the longest prefix whose pages in
+the window are cached, the pages below it as -1, as vLLM's sliding-window manager does
+(``find_longest_cache_hit``). ``uncache`` still drops a page's whole subtree, stubs
+included; a stub goes when nothing is cached under it any more.
+
 Each sequence carries a ``Chain``: how many of its leading full pages were looked up or
 registered, and the hash and registration id to chain its next page from::
 
     hits, chain = cache.lookup(prompt_bytes, salt, max_pages)  # reuse hits[i] for page i
+    hits, chain = cache.lookup(prompt_bytes, salt, max_pages, window=W)  # windowed: -1s
     cache.register(chain, pages, token_bytes, num_full_pages)  # as pages fill up
     orphans = cache.evict(page)                                # to reuse the page
     cache.release(page)                                        # a page's last holder left
@@ -101,15 +112,22 @@ class PrefixCache:
         page_size: token slots per page.
         enabled: False: ``lookup`` finds nothing and returns stopped chains, so nothing
             is ever registered.
+        windowed: evicting a page keeps the pages cached under it (a sliding-window
+            model's cache; module docstring). False: it uncaches them.
 
     Attributes:
         entries: ``entries[page]`` is the page's registration, None if it is not cached.
             Read-only outside this class.
+        windowed: as the argument; may be turned on at any time, off only while no stub
+            is registered (``num_stubs``).
     """
 
-    def __init__(self, num_pages: int, page_size: int, *, enabled: bool = True):
+    def __init__(
+        self, num_pages: int, page_size: int, *, enabled: bool = True, windowed: bool = False
+    ):
         self.page_size = page_size
         self.enabled = enabled
+        self.windowed = windowed
         self.entries: list[Entry | None] = [None] * num_pages
         self._page_bytes = page_size * 8
         self._index: dict[bytes, int] = {}  # chain hash -> page
@@ -119,26 +137,45 @@ class PrefixCache:
         # registration id, and back.
         self._dups: dict[int, set[int]] = {}
         self._dup_node: dict[int, int] = {}
+        # Stubs (windowed): evicted content with pages cached under it, by chain hash and by
+        # registration id, and the stubs registered under each registration id.
+        self._stubs: dict[bytes, Entry] = {}
+        self._stub_node: dict[int, Entry] = {}
+        self._stub_children: dict[int, set[int]] = {}
         self._next_node = 1
+
+    @property
+    def num_stubs(self) -> int:
+        """Evicted contents kept registered because pages are cached under them."""
+        return len(self._stubs)
 
     def __len__(self) -> int:
         """Pages cached now."""
         return len(self._index)
 
-    def lookup(self, tokens: bytes, salt: bytes, max_pages: int) -> tuple[list[int], Chain]:
+    def lookup(
+        self, tokens: bytes, salt: bytes, max_pages: int, *, window: int | None = None
+    ) -> tuple[list[int], Chain]:
         """The longest cached prefix of a prompt, verified page by page.
 
         Args:
             tokens: the prompt's token ids, int64 little-endian.
             salt: ``salt_bytes(cache_salt)`` of the request.
             max_pages: look at most this many leading full pages up.
+            window: sliding window W of a ``windowed`` cache (ignored otherwise): a prefix
+                of ``k`` pages is a hit when its pages holding positions
+                ``>= k * page_size - W + 1`` (the last one at least) are cached; those
+                below may be stubs.
 
         Returns:
             ``(pages, chain)``: the cached pages holding the prompt's first ``len(pages)``
-            pages, and the prompt's chain positioned after them.
+            pages (-1: a stub, below the window), and the prompt's chain positioned after
+            them.
         """
         if not self.enabled:
             return [], Chain(salt)
+        if window is not None and self.windowed:
+            return self._lookup_window(tokens, salt, max_pages, window)
         psb, index, entries = self._page_bytes, self._index, self.entries
         hits: list[int] = []
         last_hash, last_node = root_hash(salt), ROOT
@@ -152,6 +189,36 @@ class PrefixCache:
             hits.append(p)
             last_hash, last_node = h, e.node
         return hits, Chain(salt, len(hits), last_hash, last_node)
+
+    def _lookup_window(
+        self, tokens: bytes, salt: bytes, max_pages: int, window: int
+    ) -> tuple[list[int], Chain]:
+        """``lookup`` with a window: the chain is walked through stubs (verified as pages
+        are), then cut back to the longest prefix whose window pages are all cached."""
+        psb, ps, index, entries = self._page_bytes, self.page_size, self._index, self.entries
+        stubs = self._stubs
+        found: list[tuple[int, bytes, int]] = []  # (page or -1, chain hash, registration id)
+        run: list[int] = []  # run[i]: cached pages ending at page i, consecutive
+        last_hash, last_node = root_hash(salt), ROOT
+        for i in range(max_pages):
+            tb = tokens[i * psb : (i + 1) * psb]
+            h = _digest(last_hash + tb)
+            p = index.get(h)
+            e = entries[p] if p is not None else stubs.get(h)
+            if e is None or e.tokens != tb or e.parent_node != last_node or e.salt != salt:
+                break  # a miss, or a hash collision that must not be trusted
+            p = -1 if p is None else p
+            found.append((p, h, e.node))
+            run.append(0 if p < 0 else (run[-1] if run else 0) + 1)
+            last_hash, last_node = h, e.node
+        k = len(found)
+        # The first token to compute (k * ps) sees positions >= k * ps - window + 1.
+        while k and run[k - 1] < k - min(max(k * ps - window + 1, 0) // ps, k - 1):
+            k -= 1
+        if not k:
+            return [], Chain(salt, 0, root_hash(salt), ROOT)
+        _, h, node = found[k - 1]
+        return [p for p, _, _ in found[:k]], Chain(salt, k, h, node)
 
     def register(
         self, chain: Chain, pages: list[int], tokens: bytes | bytearray, num_full_pages: int
@@ -172,12 +239,21 @@ class PrefixCache:
         psb, index, entries = self._page_bytes, self._index, self.entries
         while chain.hash is not None and chain.num_pages < num_full_pages:
             i = chain.num_pages
-            if chain.node != ROOT and chain.node not in self._node_page:
+            node = chain.node
+            if node != ROOT and node not in self._node_page and node not in self._stub_node:
                 chain.hash = None  # the content we chain from was evicted
                 return
             tb = bytes(tokens[i * psb : (i + 1) * psb])
             h = _digest(chain.hash + tb)
             q = index.get(h)
+            if q is None and h in self._stubs:  # (windowed) computed again after eviction
+                e = self._stubs[h]
+                if e.tokens == tb and e.parent_node == chain.node and e.salt == chain.salt:
+                    self._unstub(e, pages[i])
+                    chain.num_pages, chain.hash, chain.node = i + 1, h, e.node
+                else:
+                    chain.hash = None
+                continue
             if q is not None:  # computed twice (two requests raced on one prefix), or a collision
                 e = entries[q]
                 if e.tokens == tb and e.parent_node == chain.node and e.salt == chain.salt:
@@ -199,7 +275,7 @@ class PrefixCache:
 
     def chain_pages(self, node: int) -> list[int]:
         """The page registered as ``node`` and the pages its content is chained from,
-        deepest first (empty if ``node`` is not registered)."""
+        deepest first, up to the first stub (empty if ``node`` is not a cached page)."""
         out, p = [], self._node_page.get(node)
         while p is not None:
             out.append(p)
@@ -208,13 +284,17 @@ class PrefixCache:
 
     def evict(self, page: int) -> list[int]:
         """Takes a cached ``page`` out of the index for reuse: its registration moves onto
-        a duplicate in use if there is one, else it is uncached (``uncache``).
+        a duplicate in use if there is one, else it is uncached (``uncache``); in a
+        ``windowed`` cache, the pages cached under it stay (it becomes a stub).
 
         Returns:
             The pages uncached below ``page``.
         """
         dups = self._dups.get(self.entries[page].node)
         if not dups:
+            if self.windowed:
+                self._stub(page)
+                return []
             return self.uncache(page)
         d = dups.pop()
         e = self.entries[page]
@@ -243,27 +323,74 @@ class PrefixCache:
                 del self._dups[node]
 
     def uncache(self, page: int) -> list[int]:
-        """Unregisters a cached ``page`` and every page cached under it (and forgets their
-        duplicates: evicting the content means it is not wanted, or not on the device).
+        """Unregisters a cached ``page`` and every page and stub cached under it (and
+        forgets their duplicates: evicting the content means it is not wanted, or not on
+        the device).
 
         Returns:
             The pages uncached below ``page``, in the order they were dropped.
         """
         entries, below = self.entries, []
-        stack = [page]
+        parent = entries[page].parent_node
+        stack = [page]  # pages, and stubs as ~registration id
         while stack:
             q = stack.pop()
-            e, entries[q] = entries[q], None
+            if q < 0:  # a stub: its parent, dropped before it, forgot it
+                e = self._stub_node.pop(~q)
+                del self._stubs[e.hash]
+            else:
+                e, entries[q] = entries[q], None
+                del self._index[e.hash], self._node_page[e.node]
+                for d in self._dups.pop(e.node, ()):
+                    del self._dup_node[d]
+                siblings = self._children.get(e.parent_node)
+                if siblings is not None:
+                    siblings.discard(q)
+                if q != page:
+                    below.append(q)
             stack.extend(self._children.pop(e.node, ()))
-            del self._index[e.hash], self._node_page[e.node]
-            for d in self._dups.pop(e.node, ()):
-                del self._dup_node[d]
-            siblings = self._children.get(e.parent_node)
-            if siblings is not None:
-                siblings.discard(q)
-            if q != page:
-                below.append(q)
+            if self._stub_children:
+                stack.extend(~n for n in self._stub_children.pop(e.node, ()))
+        if self._stub_node:
+            self._prune(parent)
         return below
+
+    def _stub(self, page: int) -> None:
+        """Evicts cached ``page`` (no duplicate) in a windowed cache: its content stays a
+        stub while pages are cached under it."""
+        e, self.entries[page] = self.entries[page], None
+        del self._index[e.hash], self._node_page[e.node]
+        self._children[e.parent_node].discard(page)
+        if self._children.get(e.node) or self._stub_children.get(e.node):
+            self._stubs[e.hash] = self._stub_node[e.node] = e
+            self._stub_children.setdefault(e.parent_node, set()).add(e.node)
+        else:
+            self._children.pop(e.node, None)
+            self._prune(e.parent_node)
+
+    def _unstub(self, e: Entry, page: int) -> None:
+        """Registers stub ``e`` again on ``page``, which computed its content anew."""
+        del self._stubs[e.hash], self._stub_node[e.node]
+        self._drop_stub_link(e)
+        self.entries[page] = e
+        self._index[e.hash] = self._node_page[e.node] = page
+        self._children.setdefault(e.parent_node, set()).add(page)
+
+    def _drop_stub_link(self, e: Entry) -> None:
+        kids = self._stub_children[e.parent_node]
+        kids.discard(e.node)
+        if not kids:
+            del self._stub_children[e.parent_node]
+
+    def _prune(self, node: int) -> None:
+        """Drops stub ``node`` if nothing is cached under it any more, then its parent's."""
+        while (e := self._stub_node.get(node)) is not None:
+            if self._children.get(node) or self._stub_children.get(node):
+                return
+            del self._stubs[e.hash], self._stub_node[node]
+            self._children.pop(node, None)
+            self._drop_stub_link(e)
+            node = e.parent_node
 
     # ------------------------------------------------------------------ checks
 
@@ -305,6 +432,8 @@ class PrefixCache:
             require(chain.num_pages == num_computed // ps, f"{name}: full pages unhashed")
             q = self._node_page.get(chain.node)
             require(q is None or entries[q].hash == h, f"{name}: chains from wrong content")
+            stub = self._stub_node.get(chain.node)
+            require(stub is None or stub.hash == h, f"{name}: chains from a wrong stub")
 
     def check_page(self, p: int, require: Require) -> None:
         """Checks cached page ``p``: indexed, hashed from its tokens and a registered parent."""
@@ -317,8 +446,8 @@ class PrefixCache:
             require(e.parent_hash == root_hash(e.salt), f"page {p}: wrong root hash")
         else:
             q = self._node_page.get(e.parent_node)
-            require(q is not None, f"cached page {p} outlived its parent")
-            pe = self.entries[q]
+            pe = self._stub_node.get(e.parent_node) if q is None else self.entries[q]
+            require(pe is not None, f"cached page {p} outlived its parent")
             require(pe.hash == e.parent_hash and pe.salt == e.salt, f"page {p}: bad parent")
         require(p in self._children.get(e.parent_node, ()), f"page {p} unknown to parent")
 
@@ -335,3 +464,30 @@ class PrefixCache:
         kids = sum(len(c) for c in self._children.values())
         require(kids == len(self._index), f"{kids} child links for {len(self._index)} pages")
         require(self.enabled or not self._index, "pages cached with caching off")
+        self._check_stubs(require)
+
+    def _check_stubs(self, require: Require) -> None:
+        """Every stub is indexed, hashed from its tokens and a registered parent, and has
+        something cached under it; only a windowed cache has stubs."""
+        stubs, nodes = self._stubs, self._stub_node
+        require(self.windowed or not stubs, "stubs in a cache that is not windowed")
+        require(len(stubs) == len(nodes), "stub index and registrations disagree")
+        links = sum(len(c) for c in self._stub_children.values())
+        require(links == len(nodes), f"{links} stub links for {len(nodes)} stubs")
+        for node, e in nodes.items():
+            require(stubs.get(e.hash) is e and e.node == node, f"stub {node} is not indexed")
+            require(
+                e.hash not in self._index and node not in self._node_page, f"stub {node} is cached"
+            )
+            require(_digest(e.parent_hash + e.tokens) == e.hash, f"stub {node}: bad hash")
+            require(
+                node in self._stub_children.get(e.parent_node, ()), f"stub {node} unknown to parent"
+            )
+            q = self._node_page.get(e.parent_node)
+            pe = nodes.get(e.parent_node) if q is None else self.entries[q]
+            if e.parent_node == ROOT:
+                require(e.parent_hash == root_hash(e.salt), f"stub {node}: wrong root hash")
+            else:
+                require(pe is not None and pe.hash == e.parent_hash, f"stub {node}: bad parent")
+            below = self._children.get(node) or self._stub_children.get(node)
+            require(bool(below), f"stub {node} has nothing cached under it")

@@ -94,7 +94,9 @@ after the release, allocates its pages out of that reservation (`BlockManager.gr
 Decode reserves and later admissions leave the reservations (`num_reserved_pages`) free;
 preemption, abort and finish drop them with the sequence, a computed prompt ends its
 own. `add` bounds a sequence by `window_pages`, not its length, so a cache of a few
-windows serves prompts of any length.
+windows serves prompts of any length. The scheduler tells the block manager the window
+(`BlockManager.set_sliding_window`), so a prefix hit needs only the cached pages in the
+window of the first token to compute, not those below it.
 
 Frees requested between `schedule()` and the end of `commit()` (a sequence that
 finishes, an aborted request, a dropped beam) are deferred to the end of `commit()`:
@@ -138,7 +140,8 @@ class Scheduler(RequestsMixin):
       max_num_batched_tokens: most tokens a step feeds (decode rows plus prefill
         chunks); at least `max_num_seqs`.
       sliding_window: the model's window W (every layer); pages out of every sequence's
-        window are released each step. None: full attention, every page is kept.
+        window are released each step, and the block manager learns it (prefix hits).
+        None: full attention, every page is kept.
       scheduling_policy: "fcfs" (first come first served) or "priority" (by each
         group's `priority`, then arrival; see the module docstring).
       max_loras: most distinct LoRA adapters (`SequenceGroup.lora_id`) running at once,
@@ -178,6 +181,8 @@ class Scheduler(RequestsMixin):
                 "max_num_batched_tokens must be >= max_num_seqs (every running sequence "
                 f"decodes each step), got {max_num_batched_tokens=} < {max_num_seqs=}"
             )
+        if sliding_window is not None:  # (prefix hits then need only the window's pages)
+            block_manager.set_sliding_window(sliding_window)
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

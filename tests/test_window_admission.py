@@ -189,6 +189,7 @@ class WindowSim(Sim):
     def __init__(self, window, **kw):
         super().__init__(**kw)
         self.sched.sliding_window = self.w = window
+        self.bm.set_sliding_window(window)  # as Scheduler(sliding_window=) does
         self.most = 0
 
     def write_and_check(self, plan, fed):
