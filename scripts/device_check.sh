@@ -23,6 +23,10 @@
 #                                                                             profile_decode.jsonl
 #   ncu      one launch of that kernel under Nsight Compute (counters:
 #            DRAM throughput, occupancy, stall reasons), if ncu is there   -> ncu.log
+#   memory   scripts/bench_step_memory.py: XLA:GPU's buffers for the
+#            engine's compiled steps at Llama-3-8B's shapes (bf16, one
+#            layer; compiled, not run) against the step reserve           -> memory.log,
+#                                                                             step_memory.json
 # and, on a GPU, nvidia-smi dmon (clocks, power, temperature) throughout -> dmon.log
 #   tune     (only when named in --stages) scripts/tune_kernels.py: joint
 #            sweeps of the knobs per shape, to choose the defaults         -> tune.log,
@@ -37,13 +41,14 @@
 # Environment: OUT (default ./device_out); PYTHON (default python3);
 # DEVICE_CHECK_DEADLINE_S (default 540): the whole run's time, which clips each
 # stage's limit; DEVICE_CHECK_LIMITS (e.g. pytest=200,ncu=45): other stage limits
-# (defaults env 60, pytest 220, bench 250, profile 90, ncu 60, tune 200, lora 150);
+# (defaults env 60, pytest 220, bench 250, profile 90, ncu 60, memory 60, tune 200,
+# lora 150);
 # DEVICE_CHECK_DRY_RUN=1 is --dry-run; DEVICE_TEST_SHARDS (default 3; 2 in a dry run).
 # Nothing is installed: the code runs from the tree with PYTHONPATH=.
 set -u
 
 DRY_RUN=${DEVICE_CHECK_DRY_RUN:-0}
-STAGES=env,pytest,bench,profile,ncu
+STAGES=env,pytest,bench,profile,ncu,memory
 while (($#)); do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;
@@ -53,7 +58,7 @@ while (($#)); do
       ;;
     --stages=*) STAGES=${1#--stages=} ;;
     -h | --help)
-      sed -n '2,41p' "$0"
+      sed -n '2,47p' "$0"
       exit 0
       ;;
     *)
@@ -65,10 +70,10 @@ while (($#)); do
 done
 for stage in ${STAGES//,/ }; do
   case "$stage" in
-    env | pytest | bench | profile | ncu | tune | lora) ;;
+    env | pytest | bench | profile | ncu | memory | tune | lora) ;;
     *)
       echo "device_check.sh: unknown stage '$stage' in --stages $STAGES" \
-        "(stages: env,pytest,bench,profile,ncu,tune,lora)" >&2
+        "(stages: env,pytest,bench,profile,ncu,memory,tune,lora)" >&2
       exit 2
       ;;
   esac
@@ -85,7 +90,8 @@ export PYTHONUNBUFFERED=1
 export PAGEDJAX_GPU_TESTS_LOG="$OUT/gpu_test_errors.jsonl"
 # A stage that fails before writing must not leave an earlier run's results in $OUT
 # for the summary to report as this run's.
-rm -f "$OUT"/{bench_kernels,profile_decode,tune}.jsonl "$OUT"/*.log "$OUT/summary.txt"
+rm -f "$OUT"/{bench_kernels,profile_decode,tune}.jsonl "$OUT"/*.log "$OUT/summary.txt" \
+  "$OUT/step_memory.json"
 : >"$PAGEDJAX_GPU_TESTS_LOG"
 SHARDS=${DEVICE_TEST_SHARDS:-3}
 DRY=()
@@ -156,7 +162,8 @@ EOF
 export -f env_report
 export DRY_RUN PY
 # Each stage's usual limit in seconds; the bench stage gets what the stages after it leave.
-declare -A LIMIT=([env]=60 [pytest]=220 [bench]=250 [profile]=90 [ncu]=60 [tune]=200 [lora]=150)
+declare -A LIMIT=([env]=60 [pytest]=220 [bench]=250 [profile]=90 [ncu]=60 [memory]=60 [tune]=200
+  [lora]=150)
 LIMITS=${DEVICE_CHECK_LIMITS:-}
 for item in ${LIMITS//,/ }; do # e.g. DEVICE_CHECK_LIMITS=pytest=200,ncu=45
   name=${item%%=*} value=${item#*=}
@@ -236,6 +243,19 @@ stage_ncu() {
   fi
 }
 
+# The step reserve against XLA's buffers for the engine's compiled steps (nothing runs).
+memory_stage() {
+  local args=(--json)
+  [ "$DRY_RUN" = 1 ] && args+=(--preset tiny)
+  "$PY" scripts/bench_step_memory.py "${args[@]}" | tee "$OUT/step_memory.json"
+  return "${PIPESTATUS[0]}"
+}
+stage_memory() {
+  export -f memory_stage
+  export OUT DRY_RUN PY
+  run_stage memory "${LIMIT[memory]}" memory.log bash -c memory_stage
+}
+
 # Joint sweeps of the knobs; stops starting measurements 30 s before its limit.
 stage_tune() {
   local limit=$((DEADLINE_S - SECONDS - 5))
@@ -296,6 +316,16 @@ done
   if wants profile; then
     echo "profile:"
     grep -E -A10 '^variant ' "$OUT/profile.log" 2>/dev/null || echo "  no table (cut short?)"
+  fi
+  if wants memory; then
+    echo "step memory (XLA temp bytes / the step reserve):"
+    "$PY" - "$OUT/step_memory.json" <<'EOF' 2>/dev/null || echo "  no rows (cut short?)"
+import json
+import sys
+
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print(f"  {r['case']:<36} T={r['tokens']:<5} B={r['rows']:<4} {r['ratio']:.2f}")
+EOF
   fi
   wants bench && "$PY" - "$OUT/bench_kernels.jsonl" <<'EOF'
 import json

@@ -1,17 +1,16 @@
 """The step reserve (`planner.step_peak_bytes`) against XLA's own buffer assignment of
-the engine's real step, compiled on the CPU (`memory_analysis()`)."""
+the engine's real step, compiled on the CPU (`memory_analysis()`, through
+scripts/bench_step_memory.py)."""
 
 import dataclasses
-import types
-from functools import partial
+import importlib.util
+import json
+import sys
+from pathlib import Path
 
-import jax
 import pytest
-from flax import nnx
 
-from pagedjax import cache as cache_lib
-from pagedjax import config, decode, lora, model, planner
-from pagedjax.step_input import Buckets
+from pagedjax import config, planner
 
 CFG = config.ModelConfig(
     num_layers=1,
@@ -23,61 +22,26 @@ CFG = config.ModelConfig(
     vocab_size=512,
     dtype="float32",  # (XLA:CPU upcasts bfloat16 weights to float32 copies: not a GPU's)
 )
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_step_memory.py"
 
 
-def _stub_attention(q, k_pages, v_pages, *args, **kwargs):
-    """The kernel's place: its scratch is on chip, and the estimate leaves it out."""
-    return q + (k_pages[0, 0, 0] * 0 + v_pages[0, 0, 0] * 0).astype(q.dtype)
+@pytest.fixture
+def bench(monkeypatch):
+    """scripts/bench_step_memory.py, which compiles the engine's real step."""
+    spec = importlib.util.spec_from_file_location("bench_step_memory_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
-def _temp_bytes(monkeypatch, *, max_loras=0, rank=0, cfg=CFG, seq_len=32, top_k=None):
-    """XLA:CPU's temporary bytes of a prefill step of 8 sequences of `seq_len` tokens
-    whose tokens use LoRA slots 1..max_loras (0: no LoRA), and the step's padded (T, B).
-    `top_k`: the step scores every token's target (prompt logprobs) with its `top_k`
-    most likely tokens (None: no prompt logprobs)."""
-    stub = types.SimpleNamespace(
-        paged_decode_attention=_stub_attention, ragged_paged_attention=_stub_attention
-    )
-    monkeypatch.setattr(model, "pallas_kernels", stub)
-    chunks, nxt, n = [], 1, -(-seq_len // 16)
-    for i in range(8):  # `seq_len` tokens, n pages of 16, each
-        slot = 1 + i % max_loras if max_loras else 0
-        tokens = [3 + j % 7 for j in range(seq_len)]
-        chunks.append(decode.SeqChunk(tokens, 0, list(range(nxt, nxt + n)), lora_slot=slot))
-        nxt += n
-    cc = config.CacheConfig(page_size=16, num_pages=nxt, dtype=cfg.dtype)
-    inp = decode.build_step_input(chunks, cfg, cc, buckets=Buckets(min_pages=1))
-    if top_k is not None:
-        inp = dataclasses.replace(inp, target_ids=jax.numpy.zeros_like(inp.token_ids))
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: model.Llama(cfg, rngs=nnx.Rngs(0))))
-    params = model.Params(graphdef=graphdef, state=state, config=cfg)
-    cache = jax.eval_shape(lambda: cache_lib.create(cfg, cc))
-    weights = None
-    if max_loras:
-        weights = jax.eval_shape(lambda: lora.create_lora_weights(cfg, max_loras, rank))
-    # A jit of its own: the engine's `_prefill_jit` must not cache the stubbed trace.
-    step = jax.jit(
-        partial(decode._step, decode=False), static_argnames=decode._STATIC, donate_argnames="cache"
-    )
-    stats = (
-        step.trace(
-            params,
-            cache,
-            inp,
-            weights,
-            backend="xla",
-            interpret=False,
-            num_top_logprobs=0,
-            num_prompt_top_logprobs=top_k or 0,
-            return_logits=False,
-        )  # fmt: skip
-        .lower()
-        .compile()
-        .memory_analysis()
-    )
-    if stats is None:
-        pytest.skip("no memory_analysis() on this backend")
-    return stats.temp_size_in_bytes, inp.token_ids.shape[0], inp.logits_indices.shape[0]
+def _temp_bytes(bench, cfg=CFG, **case):
+    """XLA:CPU's temporary bytes of the step of `bench.Case(**case)`, and its (T, B)."""
+    with bench.stubbed_attention():
+        try:
+            return bench.step_temp_bytes(cfg, bench.Case("test", **case))
+        except RuntimeError as e:  # (a backend without buffer statistics)
+            pytest.skip(str(e))
 
 
 def _scoring_bytes(cfg, t):
@@ -86,11 +50,11 @@ def _scoring_bytes(cfg, t):
 
 
 @pytest.mark.parametrize("max_loras, rank", [(2, 8), (4, 64)])
-def test_the_reserve_counts_a_lora_steps_updates(monkeypatch, max_loras, rank):
+def test_the_reserve_counts_a_lora_steps_updates(bench, max_loras, rank):
     # A step with adapters holds each projection's update ([T, F] float32 in the MLP) and
     # the slots' mask beside the base step's buffers: XLA:CPU's temporaries were 1.2x the
     # estimate without them, which has no LoRA term.
-    temp, t, b = _temp_bytes(monkeypatch, max_loras=max_loras, rank=rank)
+    temp, t, b = _temp_bytes(bench, seq_len=32, num_seqs=8, max_loras=max_loras, rank=rank)
     assert (t, b) == (256, 8)
     # (the gap the LoRA term closes; this step scores no prompt logprobs)
     assert temp > planner.step_peak_bytes(CFG, t, b) - _scoring_bytes(CFG, t)
@@ -98,18 +62,33 @@ def test_the_reserve_counts_a_lora_steps_updates(monkeypatch, max_loras, rank):
 
 
 @pytest.mark.parametrize("seq_len, top_k", [(64, 0), (64, 5), (1024, 20)])
-def test_the_reserve_counts_a_prompt_logprobs_steps_scoring(monkeypatch, seq_len, top_k):
+def test_the_reserve_counts_a_prompt_logprobs_steps_scoring(bench, seq_len, top_k):
     # A prompt-logprobs step scores every token through the LM head. It held its [T, V]
     # float32 logits and their log-softmax at once: 8.4x the estimate at T = 512 and
     # 16x at T = 8192 (this vocabulary), with no term for them. It scores
     # `planner.SCORE_ROWS` rows at a time now, which the estimate counts.
     cfg = dataclasses.replace(CFG, vocab_size=32000)
-    temp, t, b = _temp_bytes(monkeypatch, cfg=cfg, seq_len=seq_len, top_k=top_k)
+    temp, t, b = _temp_bytes(bench, cfg, seq_len=seq_len, num_seqs=8, top_k=top_k)
     assert (t, b) == (8 * seq_len, 8)
     assert temp <= planner.step_peak_bytes(cfg, t, b)
-    plain, *_ = _temp_bytes(monkeypatch, cfg=cfg, seq_len=seq_len)
+    plain, *_ = _temp_bytes(bench, cfg, seq_len=seq_len, num_seqs=8)
     scoring = temp - plain  # (XLA may reuse the body's buffers for the scoring's)
     assert scoring <= _scoring_bytes(cfg, t)
+
+
+def test_the_benchmark_script_prints_every_case_under_its_estimate(bench, capsys):
+    """`python scripts/bench_step_memory.py --preset tiny --json`: a row per case the
+    preset's positions allow, each under the estimate."""
+    assert bench.main(["--preset", "tiny", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["preset"] == "tiny" and out["dtype"] == "float32"
+    assert [r["case"] for r in out["rows"]] == [
+        c.name for c in bench.CASES if c.seq_len <= config.PRESETS["tiny"].max_position_embeddings
+    ]
+    for r in out["rows"]:
+        assert 0 < r["xla_temp_bytes"] <= r["estimate_bytes"], r
+    assert bench.main(["--preset", "tiny"]) == 0
+    assert "estimate MiB" in capsys.readouterr().out
 
 
 def test_lora_columns_hand_computed():
