@@ -261,10 +261,10 @@ class WindowMachine(BlockMachine):
         try:
             cached = bm.admit(sid, tokens, cache_salt=salt, peak_pages=peak, window=window)
         except OutOfPages:
-            assert peak > room and snapshot(bm) == before
+            assert peak > room and self.unchanged(before)
             return
         except InvalidArgument:  # the cached pages in the window and one more exceed peak
-            assert peak < -(-(window - 1) // ps) + 1 and snapshot(bm) == before
+            assert peak < -(-(window - 1) // ps) + 1 and self.unchanged(before)
             return
         self.next_id += 1
         assert cached % ps == 0 and want <= cached < len(tokens)
