@@ -39,12 +39,15 @@ Models: `--model` names a preset (`pagedjax.config.PRESETS`) run with random wei
 (timing does not depend on the values). Presets shorter than the prompt get their
 `max_position_embeddings` raised to `--max-model-len` (RoPE extends to any length;
 with random weights nothing is lost). `--model demo` runs `LLM()`'s default model
-when its context fits the prompt.
+when its context fits the prompt. `--sliding-window W` gives the preset a window of W
+tokens (0: none): a window model's prefix hits need only the cached pages in the
+window, so a small `--num-pages` shows what eviction leaves to hit.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -97,6 +100,8 @@ def build_llm(args) -> LLM:
         return llm
     max_len = max(args.max_model_len, need)
     cfg = workloads.preset_config(args.model, min_positions=max_len)
+    if args.sliding_window is not None:
+        cfg = dataclasses.replace(cfg, sliding_window=args.sliding_window or None)
     return LLM(cfg, max_model_len=max_len, **common)
 
 
@@ -280,6 +285,12 @@ def parse_args(argv=None):
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="the model's sliding window W in tokens (0: none; default: the preset's)",
+    )
+    p.add_argument(
         "--bucket-min-seqs",
         type=int,
         default=decode.Buckets.min_seqs,
@@ -310,6 +321,10 @@ def parse_args(argv=None):
         p.error(f"--chat-reply-median must be a finite number > 0, got {args.chat_reply_median}")
     if args.seed < 0:
         p.error(f"--seed must be >= 0, got {args.seed}")
+    if args.sliding_window is not None and args.sliding_window < 0:
+        p.error(f"--sliding-window must be >= 0, got {args.sliding_window}")
+    if args.sliding_window and args.model == "demo":
+        p.error("--sliding-window takes a preset's --model, not demo")
     ps = args.page_size
     if ps < 1 or ps & (ps - 1):
         p.error(f"--page-size must be a power of two, got {ps}")
@@ -320,7 +335,13 @@ def parse_args(argv=None):
     longest = args.system_tokens + args.message_tokens + 1
     if args.chat_conversations and args.model != "demo":
         longest = max(longest, args.max_model_len)  # a chat turn can grow to the limit
-    need = planner.peak_pages(longest, ps)
+    window = args.sliding_window
+    if window is None and args.model != "demo":
+        window = PRESETS[args.model].sliding_window
+    need = planner.peak_pages(
+        longest, ps, sliding_window=window or None,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )  # fmt: skip
     if usable < need:
         p.error(
             f"--num-pages {args.num_pages} ({usable} usable) cannot hold a request of "

@@ -265,6 +265,17 @@ def test_prefix_bad_arguments(prefix, capsys):
     assert "--max-num-batched-tokens 1024 must hold the whole cold prompt" in err, err
     err = _usage_error(prefix.parse_args, ["--reps", "0"], capsys)
     assert "--reps must be >= 1, got 0" in err, err
+    err = _usage_error(prefix.parse_args, ["--sliding-window", "-1"], capsys)
+    assert "--sliding-window must be >= 0, got -1" in err, err
+    err = _usage_error(prefix.parse_args, ["--model", "demo", "--sliding-window", "8"], capsys)
+    assert "--sliding-window takes a preset's --model, not demo" in err, err
+    # A window bounds the pages a sequence holds: 64 pages of 16 hold no 2,048-token chat
+    # turn, but a window of 64 (budget 600) needs at most 43 of them at once.
+    argv = ["--system-tokens", "512", "--max-num-batched-tokens", "600", "--num-pages", "64"]
+    argv += ["--max-model-len", "2048"]
+    err = _usage_error(prefix.parse_args, argv, capsys)
+    assert "it needs 128" in err, err
+    assert prefix.parse_args([*argv, "--sliding-window", "64", "--no-plots"]).sliding_window == 64
 
 
 # ------------------------------------------------------------------ bench_decode
