@@ -45,7 +45,7 @@ from pagedjax import model as model_lib
 from pagedjax import weights as weights_lib
 from pagedjax.request import RequestOutput
 
-__all__ = ["WeightsMixin", "place_params", "template", "to_host"]
+__all__ = ["WeightsMixin", "nonfinite", "place_params", "template", "to_host"]
 
 # What `sleep` puts to sleep and `wake_up(tags)` wakes, in the order it wakes them.
 SLEEP_TAGS = ("weights", "kv_cache")
@@ -169,6 +169,14 @@ def place_params(like: model_lib.Params, new) -> model_lib.Params:
     return like.replace(state=nnx.from_flat_state(pairs))
 
 
+def nonfinite(params: model_lib.Params) -> list[str]:
+    """ "path: n of size values NaN or inf" for each array of `params` holding any,
+    counted where the arrays lie (one device-to-host transfer of the counts)."""
+    flat = model_lib.params_to_flat(params)
+    counts = jax.device_get({k: jnp.count_nonzero(~jnp.isfinite(x)) for k, x in flat.items()})
+    return [f"{k}: {int(n)} of {flat[k].size} values NaN or inf" for k, n in counts.items() if n]
+
+
 def _tags(tags) -> list:
     """`wake_up`'s tags, checked: a list of `SLEEP_TAGS` (None: all)."""
     if tags is None:
@@ -235,7 +243,7 @@ class WeightsMixin:
         (`update_params`) go to device memory, so they wake the weights."""
         return bool(self._sleeping)
 
-    def update_params(self, params) -> None:
+    def update_params(self, params, *, check_finite: bool = False) -> None:
         """Replaces the model's weights with newly trained ones of the same model, for
         the requests that follow, with no reload and no recompile: a reinforcement-
         learning loop's policy update (`pagedjax.weight_sync`).
@@ -249,6 +257,9 @@ class WeightsMixin:
             mesh). Arrays already so are kept, not copied: a training step that
             donates them (`donate_argnums`) deletes the engine's weights with them;
             give the engine copies then.
+          check_finite: also refuse weights holding NaN or inf (a diverged training
+            step's), counted on the device once they are placed (one pass over the
+            weights). False: taken as they are, as vLLM and loading a checkpoint do.
 
         The prefix cache is cleared: its pages hold K/V that the old weights computed.
         After `sleep(level=2)` this is how the engine gets weights again. While the
@@ -268,11 +279,20 @@ class WeightsMixin:
           TypeError, ValueError: `params` is not one of those kinds, or a parameter is
             missing, unexpected, of another shape, not floating point, not an array,
             deleted, or beyond float16's range in a float16 engine (each named,
-            `place_params`); the engine keeps the weights it had, and its prefix cache.
+            `place_params`), or with `check_finite` holds NaN or inf (each named, with
+            how many); the engine keeps the weights it had, and its prefix cache.
         """
+        if not isinstance(check_finite, (bool, np.bool_)):
+            raise TypeError(f"check_finite must be a bool, got {check_finite=}")
         if not self.core.paused:
             self._check_idle("update_params")
         new = place_params(self._template, params)
+        if check_finite and (bad := nonfinite(new)):
+            more = f" (+{len(bad) - 5} more)" * (len(bad) > 5)
+            raise ValueError(
+                f"new weights hold NaN or inf: {', '.join(bad[:5])}{more}; the engine keeps "
+                "the weights it had"
+            )
         self.params = self.core.params = new
         self._weights_dropped = False
         self._sleeping.discard("weights")  # (placed in device memory, as the programs expect)

@@ -73,6 +73,28 @@ def test_bad_weights_are_named_and_change_nothing(old, new, want):
     assert greedy_ids(llm) == want["old"]
 
 
+def test_check_finite_refuses_nan_or_inf_weights_and_changes_nothing(old, new, want):
+    """A diverged training step's NaN/inf weights: refused with `check_finite=True` (each
+    array named with its count), the engine keeps its weights; taken without it."""
+    llm = LLM(old, **GEOMETRY)
+    flat = model.params_to_flat(new)
+    q, down = "layers.0.self_attn.q_proj.kernel", "layers.1.mlp.down_proj.kernel"
+    bad = flat | {q: flat[q].at[0, :3].set(jnp.nan), down: flat[down].at[1, 1].set(-jnp.inf)}
+    match = (
+        rf"NaN or inf: {q}: 3 of {flat[q].size} values NaN or inf, "
+        rf"{down}: 1 of {flat[down].size} values NaN or inf; the engine keeps"
+    )
+    with pytest.raises(ValueError, match=match):
+        llm.update_params(bad, check_finite=True)
+    assert greedy_ids(llm) == want["old"]
+    with pytest.raises(TypeError, match="check_finite must be a bool, got check_finite=1"):
+        llm.update_params(flat, check_finite=1)
+    llm.update_params(flat, check_finite=True)  # finite: taken
+    assert greedy_ids(llm) == want["new"]
+    llm.update_params(bad)  # not checked: taken as they are, as vLLM does
+    assert any(np.isnan(x).any() for x in jax.tree.leaves(llm.params))
+
+
 def test_weights_and_memory_calls_refuse_unfinished_requests(old, new, want):
     llm = LLM(old, **GEOMETRY)
     rid = llm.add_request(PROMPTS[0], greedy(6))
