@@ -10,6 +10,7 @@ pool reaches the kernel as itself (a free reshape), never as a gathered copy.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -45,14 +46,23 @@ def _step_input(is_decode: bool):
 
 
 @pytest.mark.parametrize("backend, platform", [("gpu", "cuda"), ("tpu", "tpu")])
-@pytest.mark.parametrize("is_decode", [False, True], ids=["prefill", "decode"])
-def test_step_lowers_with_one_kernel_call_per_layer(abstract_state, backend, platform, is_decode):
+@pytest.mark.parametrize(
+    "is_decode, scored",
+    [(False, False), (True, False), (False, True)],
+    ids=["prefill", "decode", "prefill-prompt-logprobs"],
+)
+def test_step_lowers_with_one_kernel_call_per_layer(
+    abstract_state, backend, platform, is_decode, scored
+):
+    """`scored`: a prompt-logprobs step, its LM head mapped over row chunks."""
     params, cache = abstract_state
     inp = _step_input(is_decode)
+    if scored:
+        inp = dataclasses.replace(inp, target_ids=jax.numpy.zeros_like(inp.token_ids))
     jitted = decode._decode_jit if is_decode else decode._prefill_jit
     traced = jitted.trace(
         params, cache, inp, backend=backend, interpret=False, num_top_logprobs=0,
-        return_logits=False,
+        num_prompt_top_logprobs=5 if scored else 0, return_logits=False,
     )  # fmt: skip
     text = traced.lower(lowering_platforms=(platform,)).as_text()
 
