@@ -76,9 +76,9 @@ def test_the_reserve_counts_a_prompt_logprobs_steps_scoring(bench, seq_len, top_
     assert scoring <= _scoring_bytes(cfg, t)
 
 
-def test_the_benchmark_script_prints_every_case_under_its_estimate(bench, capsys):
+def test_the_benchmark_script_prints_every_case_under_its_estimate(bench, capsys, monkeypatch):
     """`python scripts/bench_step_memory.py --preset tiny --json`: a row per case the
-    preset's positions allow, each under the estimate."""
+    preset's positions allow, each under the estimate; the same rows as a table."""
     assert bench.main(["--preset", "tiny", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["preset"] == "tiny" and out["dtype"] == "float32"
@@ -87,8 +87,10 @@ def test_the_benchmark_script_prints_every_case_under_its_estimate(bench, capsys
     ]
     for r in out["rows"]:
         assert 0 < r["xla_temp_bytes"] <= r["estimate_bytes"], r
+    monkeypatch.setattr(bench, "measure", lambda cfg: out["rows"])  # (compiled above)
     assert bench.main(["--preset", "tiny"]) == 0
-    assert "estimate MiB" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "estimate MiB" in table and all(r["case"] in table for r in out["rows"])
 
 
 def test_lora_columns_hand_computed():
