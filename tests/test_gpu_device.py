@@ -580,6 +580,35 @@ def test_engine_fp8_kv_gpu_backend_equals_xla():
     check_greedy_equal(llm, got, want)
 
 
+def test_engine_prompt_logprobs_gpu_backend_equals_xla():
+    """Prompt logprobs of one step longer than a scoring chunk (`planner.SCORE_ROWS`
+    rows of the LM head at a time): with the Pallas kernels as on the XLA path."""
+    from pagedjax import planner
+    from pagedjax.engine import SamplingParams
+
+    n, per = (2, 12) if INTERPRET else (3, 200)  # 600 tokens: 3 chunks of 256 rows
+    llm_x = engine("xla")
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, llm_x.config.vocab_size, per).tolist() for _ in range(n)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    want = llm_x.generate(prompts, params)
+    with kernel_spy() as calls:
+        llm = engine("gpu")
+        got = llm.generate(prompts, params)
+    assert calls["ragged"] > 0, f"kernels traced: {dict(calls)}"
+    assert INTERPRET or n * per > planner.SCORE_ROWS
+    worst = 0.0
+    for prompt, g, w in zip(prompts, got, want, strict=True):
+        assert len(g.prompt_logprobs) == len(w.prompt_logprobs) == len(prompt)
+        pairs = zip(prompt[1:], g.prompt_logprobs[1:], w.prompt_logprobs[1:], strict=True)
+        for tok, eg, ew in pairs:
+            a, b = eg[tok].logprob, ew[tok].logprob  # the prompt token's own
+            assert np.isfinite(a)
+            worst = max(worst, abs(a - b) / max(1.0, abs(b)))
+    record(kind="prompt_logprobs", tokens=n * per, worst_rel_diff=worst)
+    assert worst < 5e-2, f"prompt logprobs differ by up to {worst:.3g} (relative)"
+
+
 @pytest.mark.skipif(INTERPRET, reason="device memory planning needs a GPU's memory_stats()")
 def test_kv_memory_fraction_fits_device_memory(xla_tokens):
     """LLM() sizes its cache from kv_memory_fraction (0.8 of free memory) and runs."""
