@@ -170,8 +170,8 @@ def place_params(like: model_lib.Params, new) -> model_lib.Params:
 
 
 def nonfinite(params: model_lib.Params) -> list[str]:
-    """ "path: n of size values NaN or inf" for each array of `params` holding any,
-    counted where the arrays lie (one device-to-host transfer of the counts)."""
+    """Each array of `params` that holds NaN or inf, as "path: n of size values NaN or
+    inf", counted where the arrays lie (one device-to-host transfer of the counts)."""
     flat = model_lib.params_to_flat(params)
     counts = jax.device_get({k: jnp.count_nonzero(~jnp.isfinite(x)) for k, x in flat.items()})
     return [f"{k}: {int(n)} of {flat[k].size} values NaN or inf" for k, n in counts.items() if n]
