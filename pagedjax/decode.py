@@ -27,7 +27,7 @@ checks do not read back), the cache is donated only if the outer `jit` donates i
 `generate` is a static-batch loop with no scheduler, for research use. The
 README example::
 
-    from pagedjax import cache as cache_lib, config, decode, model
+    from pagedjax import cache as cache_lib, config, decode, model, scoring
 
     cfg = config.preset("tiny")                 # or ModelConfig.from_hf(...)
     params = model.init_params(cfg, seed=0)     # or loaded weights (pagedjax.weights)
@@ -35,6 +35,9 @@ README example::
     # 1. The one-liner: static batch, greedy or sampled.
     out = decode.generate(params, [[1, 5, 7, 9], [1, 42]], max_new_tokens=16)
     print(out.tokens)                           # one list of new token ids per prompt
+    # Each token's log-probability given those before it (RL reference log-probs, evals).
+    scores = scoring.score(params, [[1, 5, 7, 9], [1, 42]], top_k=2)
+    print(scores.logprobs[0], scores.total_logprob(0))   # log p(5 | 1), ...; their sum
 
     # 2. The pieces underneath, one sequence by hand.
     cache_cfg = config.CacheConfig(page_size=8, num_pages=32, dtype=cfg.dtype)
@@ -70,8 +73,7 @@ import numpy as np
 
 from pagedjax import cache as cache_lib
 from pagedjax import model as model_lib
-from pagedjax import planner, sampling, sharding
-from pagedjax.config import CacheConfig
+from pagedjax import planner, sampling, sharding, static_batch
 from pagedjax.lora import LoRAWeights
 from pagedjax.step_checks import _check_params, _check_step, check_cache, check_lora
 from pagedjax.step_input import (
@@ -428,19 +430,12 @@ def generate(
     """
     _check_params(params)
     cfg = params.config
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
-        raise ValueError(f"prompts must be a list of token id lists, got {prompts!r}")
-    prompts = [np.asarray(p) for p in prompts]  # a 2-D array: one prompt per row
-    if not prompts or any(p.size == 0 for p in prompts):
-        raise ValueError("prompts must be a non-empty list of non-empty token id lists")
+    prompts = static_batch.token_lists(prompts, "prompt")
     if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens=}")
     if not is_int(min_tokens) or min_tokens < 0:
         raise ValueError(f"min_tokens must be an int >= 0, got {min_tokens=}")
-    if prefill_chunk is not None and (not is_int(prefill_chunk) or prefill_chunk < 1):
-        raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk=}")
-    if not is_int(page_size) or page_size < 1:  # CacheConfig checks it is a power of two
-        raise ValueError(f"page_size must be a positive int, got {page_size=}")
+    static_batch.check_chunking(page_size, prefill_chunk)
     n = len(prompts)
     if not is_int(seed) or not 0 <= seed <= 2**32 - n:  # prompt b's seed: seed + b
         raise ValueError(
@@ -451,17 +446,9 @@ def generate(
         raise TypeError(
             f"logit_bias must be a mapping of token id -> value, got {logit_bias!r:.80}"
         )
-    for i, p in enumerate(prompts):
-        if p.ndim != 1:
-            hint = " (one prompt? pass a list of prompts: [prompt])" if p.ndim == 0 else ""
-            raise ValueError(
-                f"prompt {i} must be a 1-D list of token ids, got shape {p.shape}{hint}"
-            )
-        if len(p) + max_new_tokens > cfg.max_position_embeddings:
-            raise ValueError(
-                f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it "
-                f"exceeds max_position_embeddings={cfg.max_position_embeddings}"
-            )
+    static_batch.check_lengths(
+        prompts, cfg, "prompt", max_new_tokens, f"with max_new_tokens={max_new_tokens} "
+    )
     ids = cfg.eos_token_ids if stop_token_ids is None else stop_token_ids
     stop = np.asarray(list(ids) if isinstance(ids, Iterable) and not isinstance(ids, str) else ids)
     if stop.ndim != 1 or (
@@ -469,7 +456,7 @@ def generate(
     ):
         raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {stop_token_ids=}")
     stop = set(stop.tolist())
-    slots = _generate_lora_slots(lora, lora_slots, len(prompts))
+    slots = static_batch.lora_slots(lora, lora_slots, len(prompts))
     bias = dict(logit_bias or {})
     # Before min_tokens new tokens; a stop id outside the vocabulary is never drawn.
     banned = bias | dict.fromkeys((t for t in stop if t < cfg.vocab_size), float("-inf"))
@@ -477,12 +464,10 @@ def generate(
     def bias_at(n_new: int) -> dict | None:
         return (banned if n_new < min_tokens else bias) or None
 
-    per_seq = -(-(max(len(p) for p in prompts) + max_new_tokens) // page_size)
-    # Rounded up so that runs with similar batches share compiled programs.
-    num_pages = bucket_size(1 + len(prompts) * per_seq, 16)
-    auto = kv_cache_dtype is None or (isinstance(kv_cache_dtype, str) and kv_cache_dtype == "auto")
-    cache_cfg = CacheConfig(page_size, num_pages, cfg.dtype if auto else kv_cache_dtype)
-    pages = [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(len(prompts))]
+    max_len = max(len(p) for p in prompts) + max_new_tokens
+    cache_cfg, pages = static_batch.static_pages(
+        cfg, len(prompts), max_len, page_size, kv_cache_dtype
+    )
     chunk_len = prefill_chunk or max(len(p) for p in prompts)
 
     # Validate every prompt before allocating the cache or compiling anything.
@@ -566,16 +551,10 @@ def generate(
     return out
 
 
-def _generate_lora_slots(lora, lora_slots, n: int) -> list[int]:
-    """`generate`'s lora_slots checked: one int per prompt in [0, lora.num_slots]."""
-    if lora_slots is None:
-        return [0] * n
-    if lora is None:
-        raise ValueError("lora_slots needs lora (the LoRAWeights the slots index)")
-    slots = list(lora_slots)
-    if len(slots) != n:
-        raise ValueError(f"lora_slots must have one slot per prompt ({n}), got {len(slots)}")
-    for i, x in enumerate(slots):
-        if not is_int(x) or not 0 <= x <= lora.num_slots:
-            raise ValueError(f"lora_slots[{i}] must be an int in [0, {lora.num_slots}], got {x!r}")
-    return [int(x) for x in slots]
+def __getattr__(name: str):
+    """`score`, `ScoreOutput`: `pagedjax.scoring`'s, imported on use (it imports this one)."""
+    if name in ("score", "ScoreOutput"):
+        from pagedjax import scoring
+
+        return getattr(scoring, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,70 @@
+"""Checks and page layout shared by `decode.generate` and `scoring.score`: a static
+batch of token id lists, each sequence given its own contiguous pages of one cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from pagedjax.config import CacheConfig
+from pagedjax.step_input import bucket_size, is_int
+
+__all__ = ["check_chunking", "check_lengths", "lora_slots", "static_pages", "token_lists"]
+
+
+def lora_slots(lora, lora_slots, n: int) -> list[int]:
+    """`lora_slots` checked: one int per prompt (sequence) in [0, lora.num_slots]."""
+    if lora_slots is None:
+        return [0] * n
+    if lora is None:
+        raise ValueError("lora_slots needs lora (the LoRAWeights the slots index)")
+    slots = list(lora_slots)
+    if len(slots) != n:
+        raise ValueError(f"lora_slots must have one slot per prompt ({n}), got {len(slots)}")
+    for i, x in enumerate(slots):
+        if not is_int(x) or not 0 <= x <= lora.num_slots:
+            raise ValueError(f"lora_slots[{i}] must be an int in [0, {lora.num_slots}], got {x!r}")
+    return [int(x) for x in slots]
+
+
+def token_lists(seqs, what: str) -> list[np.ndarray]:
+    """A non-empty list of non-empty token id lists (a 2-D array's rows) as arrays."""
+    if isinstance(seqs, (str, bytes)) or not isinstance(seqs, Iterable):
+        raise ValueError(f"{what}s must be a list of token id lists, got {seqs!r}")
+    seqs = [np.asarray(p) for p in seqs]
+    if not seqs or any(p.size == 0 for p in seqs):
+        raise ValueError(f"{what}s must be a non-empty list of non-empty token id lists")
+    return seqs
+
+
+def check_lengths(seqs, cfg, what: str, extra: int = 0, why: str = "") -> None:
+    """Each of `seqs` 1-D, and with `extra` more tokens within max_position_embeddings."""
+    for i, p in enumerate(seqs):
+        if p.ndim != 1:
+            hint = f" (one {what}? pass a list of {what}s: [{what}])" if p.ndim == 0 else ""
+            raise ValueError(
+                f"{what} {i} must be a 1-D list of token ids, got shape {p.shape}{hint}"
+            )
+        if len(p) + extra > cfg.max_position_embeddings:
+            raise ValueError(
+                f"{what} {i} has {len(p)} tokens; {why}it exceeds "
+                f"max_position_embeddings={cfg.max_position_embeddings}"
+            )
+
+
+def check_chunking(page_size, prefill_chunk) -> None:
+    if prefill_chunk is not None and (not is_int(prefill_chunk) or prefill_chunk < 1):
+        raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk=}")
+    if not is_int(page_size) or page_size < 1:  # CacheConfig checks it is a power of two
+        raise ValueError(f"page_size must be a positive int, got {page_size=}")
+
+
+def static_pages(cfg, n: int, max_len: int, page_size, kv_cache_dtype):
+    """Cache config and n page tables: b's own pages for max_len tokens (0: a null page)."""
+    per_seq = -(-max_len // page_size)
+    # Rounded up so that runs with similar batches share compiled programs.
+    num_pages = bucket_size(1 + n * per_seq, 16)
+    auto = kv_cache_dtype is None or (isinstance(kv_cache_dtype, str) and kv_cache_dtype == "auto")
+    cache_cfg = CacheConfig(page_size, num_pages, cfg.dtype if auto else kv_cache_dtype)
+    return cache_cfg, [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(n)]
