@@ -59,8 +59,8 @@ def test_tensor_parallel_on_eight_simulated_devices():
 def test_tensor_parallel_on_eight_simulated_devices_slow():
     """K = 8 at tp = 2 and 8; MQA (K = 1, head_dim 64) with an FP8 cache and a vocabulary
     tp = 8 does not divide; the Pallas kernels per shard; the engine at tp = 4 with beam
-    search under preemption, and prompt logprobs scored in chunks; sleep(level=2) then
-    weights from another mesh (tests/tp_cases.py)."""
+    search under preemption, and prompt logprobs scored in chunks; `scoring.score`;
+    sleep(level=2) then weights from another mesh (tests/tp_cases.py)."""
     _run_cases("-m", "slow")
 
 

@@ -370,6 +370,23 @@ def test_engine_tp4_prompt_logprobs_equal_dense(tp4_params, engine_dense, monkey
     engine_tests.test_prompt_logprobs_score_every_prompt_token(tp4_params, engine_dense)
 
 
+@pytest.mark.slow
+def test_scoring_tp4_equals_one_device(engine_params, tp4_params):
+    """`scoring.score` at tp = 4 (the cache split over the mesh): one device's scores."""
+    from pagedjax import scoring
+
+    rng = np.random.default_rng(3)
+    vocab = engine_helpers.TINY.vocab_size
+    seqs = [rng.integers(3, vocab, n).tolist() for n in (9, 17, 4)]
+    want = scoring.score(engine_params, seqs, top_k=3, page_size=4, prefill_chunk=6)
+    got = scoring.score(tp4_params, seqs, top_k=3, page_size=4, prefill_chunk=6)
+    for b in range(len(seqs)):
+        np.testing.assert_allclose(got.logprobs[b], want.logprobs[b], atol=1e-5)
+        np.testing.assert_allclose(got.top_logprobs[b], want.top_logprobs[b], atol=1e-5)
+        np.testing.assert_array_equal(got.ranks[b], want.ranks[b])
+        np.testing.assert_array_equal(got.top_ids[b], want.top_ids[b])
+
+
 @pytest.mark.parametrize("beam", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_engine_tp4_preemption_keeps_outputs(tp4_params, engine_dense, beam):
     engine_tests.run_under_preemption(tp4_params, engine_dense, beam=beam)
