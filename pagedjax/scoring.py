@@ -85,7 +85,9 @@ def score(
     fed token scores the next one (`StepInput.target_ids`), so the last token of a
     sequence, which predicts nothing, is never fed: a one-token sequence costs nothing.
     With `prefill_chunk` a sequence runs over several steps, each scoring its chunk's
-    tokens (a chunk's last token scores the next chunk's first).
+    tokens (a chunk's last token scores the next chunk's first). It runs on the host, as
+    `decode.generate` does (a Python loop over the steps, each step's scores read back),
+    so not under an outer `jax.jit`, `vmap` or `grad`.
 
     Args:
       params: the split model (its config gives the vocabulary and position limit;
@@ -108,9 +110,10 @@ def score(
       A `ScoreOutput` of numpy arrays, one entry per sequence, in order.
 
     Raises:
-      TypeError: `params` is not a `Params`; token ids that are not ints; `buckets` not
-        a `Buckets`; `lora` not a `LoRAWeights`; a kv_cache_dtype the model's attention
-        cannot read (refused once the cache is allocated, before any step runs).
+      TypeError: `params` is not a `Params`, or `params` or `lora` traced (under
+        `jax.jit`); token ids that are not ints; `buckets` not a `Buckets`; `lora` not a
+        `LoRAWeights`; a kv_cache_dtype the model's attention cannot read (refused once
+        the cache is allocated, before any step runs).
       ValueError: an empty list or sequence, a nested one, token ids outside the
         vocabulary, a sequence longer than max_position_embeddings, top_k not an int in
         [0, vocab_size], page_size or prefill_chunk not a positive int (page_size: a
@@ -119,6 +122,12 @@ def score(
         (all before the cache is allocated or anything is compiled).
     """
     _check_params(params)
+    for name, tree in (("params", params), ("lora", lora)):
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)):
+            raise TypeError(
+                "score runs on the host (a loop of jitted steps, each read back): call it "
+                f"outside jax.jit, vmap or grad, got traced {name}"
+            )
     cfg = params.config
     seqs = static_batch.token_lists(sequences, "sequence")
     if not is_int(top_k) or not 0 <= top_k <= cfg.vocab_size:

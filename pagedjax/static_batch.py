@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import jax
 import numpy as np
 
-from pagedjax.config import CacheConfig
+from pagedjax.config import CacheConfig, dtype_name
 from pagedjax.step_input import bucket_size, is_int
 
 __all__ = ["check_chunking", "check_lengths", "lora_slots", "static_pages", "token_lists"]
@@ -32,7 +33,14 @@ def token_lists(seqs, what: str) -> list[np.ndarray]:
     """A non-empty list of non-empty token id lists (a 2-D array's rows) as arrays."""
     if isinstance(seqs, (str, bytes)) or not isinstance(seqs, Iterable):
         raise ValueError(f"{what}s must be a list of token id lists, got {seqs!r}")
-    seqs = [np.asarray(p) for p in seqs]
+    if isinstance(seqs, jax.Array):  # one transfer, not a device slice per row
+        seqs = np.asarray(seqs)
+    seqs = list(seqs)
+    for i, p in enumerate(seqs):
+        try:
+            seqs[i] = np.asarray(p)
+        except ValueError:  # numpy's "inhomogeneous shape"
+            raise ValueError(f"{what} {i} must be a 1-D list of token ids, got {p!r:.80}") from None
     if not seqs or any(p.size == 0 for p in seqs):
         raise ValueError(f"{what}s must be a non-empty list of non-empty token id lists")
     return seqs
@@ -41,6 +49,8 @@ def token_lists(seqs, what: str) -> list[np.ndarray]:
 def check_lengths(seqs, cfg, what: str, extra: int = 0, why: str = "") -> None:
     """Each of `seqs` 1-D, and with `extra` more tokens within max_position_embeddings."""
     for i, p in enumerate(seqs):
+        if p.ndim == 0 and not np.issubdtype(p.dtype, np.number):  # text, None, a generator
+            raise ValueError(f"{what} {i} must be a list of token ids, got {p.item()!r:.80}")
         if p.ndim != 1:
             hint = f" (one {what}? pass a list of {what}s: [{what}])" if p.ndim == 0 else ""
             raise ValueError(
@@ -66,5 +76,12 @@ def static_pages(cfg, n: int, max_len: int, page_size, kv_cache_dtype):
     # Rounded up so that runs with similar batches share compiled programs.
     num_pages = bucket_size(1 + n * per_seq, 16)
     auto = kv_cache_dtype is None or (isinstance(kv_cache_dtype, str) and kv_cache_dtype == "auto")
-    cache_cfg = CacheConfig(page_size, num_pages, cfg.dtype if auto else kv_cache_dtype)
+    try:
+        dtype = cfg.dtype if auto else dtype_name(kv_cache_dtype, kv=True)
+    except (ValueError, TypeError):  # (numpy's TypeError for an int)
+        raise ValueError(
+            "kv_cache_dtype must be None or 'auto' (the model's dtype), 'fp8' (float8_e4m3fn "
+            f"pages) or a dtype name, got {kv_cache_dtype=}"
+        ) from None
+    cache_cfg = CacheConfig(page_size, num_pages, dtype)
     return cache_cfg, [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(n)]
