@@ -203,7 +203,10 @@ def test_state_machine_knowing_the_window():
     machine = type("Machine", (WindowedMachine,), {})
     run_state_machine_as_test(machine, settings=stateful_settings(40, 50))
     assert machine.checks - machine.runs >= 1_000
-    assert machine.stub_checks >= 100  # 268 here, derandomized
+    # (A floor against a run that never evicts into one: derandomized, the draws still
+    # differ with the process's history (268 alone, 28 in CI's worker, 13 after
+    # importing pagedjax.http_io), so only a low floor is portable.)
+    assert machine.stub_checks >= 5
 
 
 # --------------------------------------------------------------- engine
