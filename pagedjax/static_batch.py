@@ -14,13 +14,14 @@ from pagedjax.step_input import bucket_size, is_int
 __all__ = ["check_chunking", "check_lengths", "lora_slots", "static_pages", "token_lists"]
 
 
-def lora_slots(lora, lora_slots, n: int) -> list[int]:
-    """`lora_slots` checked: one int per prompt (sequence) in [0, lora.num_slots]."""
-    if lora_slots is None:
+def lora_slots(lora, given, n: int) -> list[int]:
+    """The `lora_slots` argument `given`, checked: one int per prompt (sequence) in [0,
+    lora.num_slots]; None: all 0 (no adapter)."""
+    if given is None:
         return [0] * n
     if lora is None:
         raise ValueError("lora_slots needs lora (the LoRAWeights the slots index)")
-    slots = list(lora_slots)
+    slots = list(given)
     if len(slots) != n:
         raise ValueError(f"lora_slots must have one slot per prompt ({n}), got {len(slots)}")
     for i, x in enumerate(slots):
@@ -64,6 +65,8 @@ def check_lengths(seqs, cfg, what: str, extra: int = 0, why: str = "") -> None:
 
 
 def check_chunking(page_size, prefill_chunk) -> None:
+    """`page_size` a positive int (`CacheConfig` then wants a power of two) and
+    `prefill_chunk` None or a positive int."""
     if prefill_chunk is not None and (not is_int(prefill_chunk) or prefill_chunk < 1):
         raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk=}")
     if not is_int(page_size) or page_size < 1:  # CacheConfig checks it is a power of two
