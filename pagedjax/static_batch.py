@@ -42,6 +42,10 @@ def token_lists(seqs, what: str) -> list[np.ndarray]:
             seqs[i] = np.asarray(p)
         except ValueError:  # numpy's "inhomogeneous shape"
             raise ValueError(f"{what} {i} must be a 1-D list of token ids, got {p!r:.80}") from None
+        if seqs[i].dtype.kind in "fO" and seqs[i].ndim == 1:  # ints past int64 become these
+            big = [x for x in p if isinstance(x, int) and not -(2**63) <= x < 2**63]
+            if big:
+                raise ValueError(f"{what} {i}: token id {big[0]} is outside the vocabulary")
     if not seqs or any(p.size == 0 for p in seqs):
         raise ValueError(f"{what}s must be a non-empty list of non-empty token id lists")
     return seqs

@@ -95,6 +95,8 @@ def test_generate_rejects_bad_prompts_before_running(params):
         decode.generate(params, [[1] * 510], max_new_tokens=3)
     with pytest.raises(ValueError, match="token id 300 is outside the vocabulary"):
         decode.generate(params, [[1, 2], [3, 300]], max_new_tokens=3)
+    with pytest.raises(ValueError, match="prompt 1: token id 18446744073709551616 is outside"):
+        decode.generate(params, [[1, 2], [3, 2**64]], max_new_tokens=3)  # was "dtype object"
     with pytest.raises(ValueError, match="non-empty"):
         decode.generate(params, [[1], []], max_new_tokens=3)
     with pytest.raises(ValueError, match="at least one sequence"):
