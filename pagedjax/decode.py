@@ -415,7 +415,8 @@ def generate(
         each prompt's slot among them (0: none; default all 0).
 
     Raises:
-      TypeError: `params` is not a `Params`; token ids that are not ints; a logit_bias
+      TypeError: `params` is not a `Params`; params, lora or prompts traced (generate
+        is a host loop: not under `jax.jit`); token ids that are not ints; a logit_bias
         that is not a mapping of token ids to numbers; `buckets` not a `Buckets`; a
         kv_cache_dtype the model's attention cannot read (a float16 cache for a float32
         model; refused on the host once the cache is allocated, before any step runs).
@@ -429,6 +430,7 @@ def generate(
         runs).
     """
     _check_params(params)
+    static_batch.check_untraced("generate", params=params, lora=lora, prompts=prompts)
     cfg = params.config
     prompts = static_batch.token_lists(prompts, "prompt")
     if not is_int(max_new_tokens) or max_new_tokens < 1:

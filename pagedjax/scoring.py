@@ -122,12 +122,7 @@ def score(
         (all before the cache is allocated or anything is compiled).
     """
     _check_params(params)
-    for name, tree in (("params", params), ("lora", lora)):
-        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)):
-            raise TypeError(
-                "score runs on the host (a loop of jitted steps, each read back): call it "
-                f"outside jax.jit, vmap or grad, got traced {name}"
-            )
+    static_batch.check_untraced("score", params=params, lora=lora, sequences=sequences)
     cfg = params.config
     seqs = static_batch.token_lists(sequences, "sequence")
     if not is_int(top_k) or not 0 <= top_k <= cfg.vocab_size:

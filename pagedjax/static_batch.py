@@ -11,7 +11,26 @@ import numpy as np
 from pagedjax.config import CacheConfig, dtype_name
 from pagedjax.step_input import bucket_size, is_int
 
-__all__ = ["check_chunking", "check_lengths", "lora_slots", "static_pages", "token_lists"]
+__all__ = [
+    "check_chunking",
+    "check_lengths",
+    "check_untraced",
+    "lora_slots",
+    "static_pages",
+    "token_lists",
+]
+
+
+def check_untraced(fn: str, **trees) -> None:
+    """TypeError naming the first of `trees` holding a JAX tracer: `fn` is a host loop
+    of jitted steps, each read back, so it cannot run under `jax.jit`, `vmap` or `grad`
+    (JAX refused only once a whole step had been traced, and not by name)."""
+    for name, tree in trees.items():
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)):
+            raise TypeError(
+                f"{fn} runs on the host (a loop of jitted steps, each read back): call it "
+                f"outside jax.jit, vmap or grad, got traced {name}"
+            )
 
 
 def lora_slots(lora, given, n: int) -> list[int]:

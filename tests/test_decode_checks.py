@@ -10,6 +10,8 @@ tests/test_step_input.py.
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from params_helpers import random_params
@@ -81,6 +83,17 @@ def test_generate_names_bad_sampling_arguments_before_running(params):
     assert decode.compile_counts() == before
     out = decode.generate(params, prompts[:1], seed=2**32 - 1, temperature=1.0, **kw)
     assert len(out.tokens[0]) == 2  # the largest seed is fine for one prompt
+
+
+def test_generate_refuses_to_run_under_jit(params, monkeypatch):
+    """generate is host-driven: under jit, JAX refused only once a step had been traced
+    ("__array__() was called on traced array"), or at the prompts' conversion."""
+    monkeypatch.setattr(decode, "_prefill_jit", lambda *a, **k: pytest.fail("traced a step"))
+    kw = dict(max_new_tokens=2, backend="xla")
+    with pytest.raises(TypeError, match="generate runs on the host.*got traced params"):
+        jax.jit(lambda p: decode.generate(p, [[1, 2, 3]], **kw).tokens[0])(params)
+    with pytest.raises(TypeError, match="generate runs on the host.*got traced prompts"):
+        jax.jit(lambda x: decode.generate(params, x, **kw).tokens[0])(jnp.ones((2, 3), int))
 
 
 def test_generate_rejects_a_nested_prompt(params):

@@ -208,6 +208,8 @@ def test_refuses_to_run_under_jit(params, monkeypatch):
     monkeypatch.setattr(decode, "_prefill_jit", lambda *a, **k: pytest.fail("traced a step"))
     with pytest.raises(TypeError, match="score runs on the host.*got traced params"):
         jax.jit(lambda p: score(p, [[1, 2, 3]], backend="xla").logprobs[0])(params)
+    with pytest.raises(TypeError, match="score runs on the host.*got traced sequences"):
+        jax.jit(lambda s: score(params, [s], backend="xla").logprobs[0])(jnp.arange(3))
 
 
 def test_refuses_bad_lora_slots(params):
