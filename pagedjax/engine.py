@@ -151,7 +151,9 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
         (`pagedjax.scheduler`). Under "fcfs" a priority other than 0 is a ValueError.
       max_logprobs: the most logprobs or prompt_logprobs per token a request may ask
         for (vLLM's; -1: no cap). A request over it (its -1, every token's logprob,
-        counted as the vocabulary's size) is refused when added (ValueError).
+        counted as the vocabulary's size) is refused when added (ValueError). The step
+        reserve counts the top-k columns it allows (`planner.logprob_columns`): with -1,
+        a step's [T, V] prompt logprobs.
       enable_lora: serve LoRA adapters (`pagedjax.lora`): requests name theirs with a
         `LoRARequest` (`generate`, `add_request`, `chat`, `beam_search`), and rows of
         different adapters share a step. A step with adapters adds their update (two
@@ -244,6 +246,7 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
                 buckets=buckets,  # (the step's padded sizes)
                 device=None if params.mesh is None else params.mesh.devices.flat[0],
                 lora_columns=int(max_loras) * int(max_lora_rank) if enable_lora else 0,
+                logprob_columns=planner.logprob_columns(self.max_logprobs, cfg.vocab_size),
             )
         self.cache_config = CacheConfig(page_size, num_pages, kv_dtype)
         self.block_manager = BlockManager(

@@ -43,6 +43,9 @@ HEAD_ROW_COPIES = 8
 # checks the real step against the estimate.
 SCORE_ROWS = 256
 SCORE_ROW_COPIES = 3
+# Top-k logprob columns are padded to a power of two of at least this many
+# (`batch.StepBatch`), so a step with `logprobs=k` compiles once per bucket.
+LOGPROB_COLUMNS_FLOOR = 8
 
 
 def _int(name: str, value) -> int:
@@ -75,8 +78,24 @@ def kv_cache_bytes(
     return kv_bytes_per_token(layers, kv_heads, head_dim, dtype) * seq_len * batch
 
 
+def logprob_columns(max_logprobs: int, vocab_size: int) -> int:
+    """The most top-k columns a step returns for an engine whose requests may ask for
+    `max_logprobs` logprobs or prompt logprobs per token (-1: the whole vocabulary):
+    the count padded as a step pads it, at most `vocab_size`."""
+    k, v = _int("max_logprobs", max_logprobs), _int("vocab_size", vocab_size)
+    if k < -1 or v < 1:
+        raise ValueError(f"need max_logprobs >= -1 and vocab_size >= 1, got {k=}, {v=}")
+    k = v if k == -1 else k
+    return min(1 << (max(k, LOGPROB_COLUMNS_FLOOR) - 1).bit_length(), v)
+
+
 def step_peak_bytes(
-    cfg: ModelConfig, num_tokens: int, num_rows: int, *, lora_columns: int = 0
+    cfg: ModelConfig,
+    num_tokens: int,
+    num_rows: int,
+    *,
+    lora_columns: int = 0,
+    logprob_columns: int = 0,
 ) -> int:
     """Estimated peak working memory of one step of `num_tokens` tokens that samples
     `num_rows` rows (the padded sizes the step is compiled for), on one device.
@@ -100,6 +119,14 @@ def step_peak_bytes(
     Not counted: the paged attention kernels' scratch (on chip; `backend="xla"`'s
     reference gathers every sequence's pages, far more), the LoRA slots' weights, and
     tensor parallelism's split of H, F and V (the estimate is then an upper bound).
+
+    `logprob_columns`: the most top-k logprob columns a step returns
+    (`logprob_columns()`; 0: none counted). Each is an int32 id and a float32 logprob
+    per prompt token and per sampled row, and XLA keeps a scoring chunk's and the
+    rows' again while it computes them: 8 bytes x columns x (T + min(T, SCORE_ROWS) +
+    2B). Negligible at vLLM's default cap of 20; at `max_logprobs=-1` (the whole
+    vocabulary) they are the largest part of a long prompt-logprobs step (8 GiB at
+    8,192 tokens of Llama-3's vocabulary).
     """
     t, b = _int("num_tokens", num_tokens), _int("num_rows", num_rows)
     if t < 0 or b < 0:
@@ -107,6 +134,9 @@ def step_peak_bytes(
     cols = _int("lora_columns", lora_columns)
     if cols < 0:
         raise ValueError(f"lora_columns must be >= 0, got {lora_columns=}")
+    top = _int("logprob_columns", logprob_columns)
+    if top < 0:
+        raise ValueError(f"logprob_columns must be >= 0, got {logprob_columns=}")
     e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     h, k = cfg.num_heads, cfg.num_kv_heads
     size = dtype_size(cfg.dtype)
@@ -117,7 +147,8 @@ def step_peak_bytes(
         mlp += (4 + size) * f + 8 * cols
     body = t * (max(attention, mlp) + 4 * e)
     head = (b * HEAD_ROW_COPIES + min(t, SCORE_ROWS) * SCORE_ROW_COPIES) * cfg.vocab_size * 4
-    return body + head
+    top_k = 8 * top * (t + min(t, SCORE_ROWS) + 2 * b)
+    return body + head + top_k
 
 
 def pages_needed(seq_len: int, page_size: int) -> int:

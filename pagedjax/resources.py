@@ -201,6 +201,7 @@ def step_reserve_bytes(
     max_num_seqs: int,
     buckets: Buckets | None = None,
     lora_columns: int = 0,
+    logprob_columns: int = 0,
 ) -> int:
     """Bytes one device keeps free for the working memory of the engine's largest step.
 
@@ -209,11 +210,15 @@ def step_reserve_bytes(
     sampled rows. `cfg`: the model (one device's share of the kv heads under tensor
     parallelism, as `plan_num_pages` gets it). `lora_columns`: the LoRA slots'
     `max_loras * max_lora_rank` (0: LoRA off), whose per-token updates a step holds too.
+    `logprob_columns`: the most top-k logprob columns a step returns
+    (`planner.logprob_columns(max_logprobs, vocab_size)`; 0: not counted).
     """
     buckets = buckets or Buckets()
     rows = bucket_size(min(max_num_seqs, max_num_batched_tokens), buckets.min_seqs)
     tokens = max(bucket_size(max_num_batched_tokens, buckets.min_tokens), rows)  # decode: T = B
-    return planner.step_peak_bytes(cfg, tokens, rows, lora_columns=lora_columns)
+    return planner.step_peak_bytes(
+        cfg, tokens, rows, lora_columns=lora_columns, logprob_columns=logprob_columns
+    )
 
 
 def plan_num_pages(
@@ -229,6 +234,7 @@ def plan_num_pages(
     max_num_batched_tokens: int | None = None,
     buckets: Buckets | None = None,
     lora_columns: int = 0,
+    logprob_columns: int = 0,
 ) -> int:
     """Pages that fit in `kv_memory_fraction` of the device's free memory, once one step's
     working memory is set aside.
@@ -239,7 +245,8 @@ def plan_num_pages(
     tokens and `max_num_seqs` rows, padded by `buckets`), which the first full step
     would otherwise find taken by the cache (with LoRA slots of `lora_columns` =
     `max_loras * max_lora_rank` columns, their per-token updates too; the slots' weights
-    must be on the device already, counted in use); the fraction applies to the rest, and its
+    must be on the device already, counted in use; with `logprob_columns`, the top-k
+    logprobs a step returns, `step_reserve_bytes`); the fraction applies to the rest, and its
     complement is slack for what the estimate leaves out. Where there are no stats (the
     CPU), the fraction applies to a 4 GiB budget, capped at what `max_num_seqs`
     sequences of `max_model_len` tokens can use on top of the `watermark`
@@ -292,6 +299,7 @@ def plan_num_pages(
             max_num_seqs=max_num_seqs,
             buckets=buckets,
             lora_columns=lora_columns,
+            logprob_columns=logprob_columns,
         )
         # (float(): an np.float32 fraction times a large int is exact this way)
         pages = int(float(kv_memory_fraction) * (free - reserve)) // per_page

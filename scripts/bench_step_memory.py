@@ -8,8 +8,10 @@ activations, logits, sampling temporaries, a prompt-logprobs step's scoring, LoR
 updates) out of the KV budget, so a step the estimate undercounts can run out of device
 memory under a full cache. This compiles, never runs, the engine's step
 (`decode._step`) at the preset's shapes for a few kinds of step and prints XLA's
-temporary bytes (`memory_analysis().temp_size_in_bytes`) beside the estimate at the
-step's padded (T, B). A ratio at or below 1 is what the reserve needs.
+temporary bytes (`memory_analysis().temp_size_in_bytes`) and its outputs other than the
+donated cache (sampled tokens, logprobs: the step holds them until they are read back)
+beside the estimate at the step's padded (T, B), for an engine whose `max_logprobs` is
+the case's. A ratio at or below 1 is what the reserve needs.
 
 The weights, the cache and the LoRA slots are abstract (`jax.eval_shape`): nothing is
 allocated, so an 8B model's shapes compile on a laptop. `--layers` layers (default 1:
@@ -50,7 +52,8 @@ class Case:
     seq_len: int
     num_seqs: int
     decode: bool = False
-    top_k: int | None = None  # prompt logprobs with this many top tokens (None: none)
+    top_k: int | None = None  # prompt logprobs with this many top tokens (None: none; -1: V)
+    max_logprobs: int = 20  # the engine's cap, which sizes the reserve (-1: no cap)
     max_loras: int = 0  # LoRA slots 1..max_loras in use (0: no LoRA)
     rank: int = 0
 
@@ -61,6 +64,7 @@ CASES = (
     Case("decode, 256 rows", 512, 256, decode=True),
     Case("prompt logprobs k=20, 1024 tokens", 128, 8, top_k=20),
     Case("prompt logprobs k=5, 8192 tokens", 8192, 1, top_k=5),
+    Case("prompt logprobs k=V, 1024 tokens", 128, 8, top_k=-1, max_logprobs=-1),
     Case("LoRA 4 x rank 16, 1024 tokens", 128, 8, max_loras=4, rank=16),
 )
 
@@ -83,9 +87,9 @@ def stubbed_attention():
         model.pallas_kernels = real
 
 
-def step_temp_bytes(cfg: config.ModelConfig, case: Case) -> tuple[int, int, int]:
-    """(XLA's temporary bytes, T, B) of the compiled step of `case` (attention stubbed:
-    call it inside `stubbed_attention`)."""
+def step_bytes(cfg: config.ModelConfig, case: Case) -> tuple[int, int, int, int]:
+    """(XLA's temporary bytes, its output bytes but the donated cache's, T, B) of the
+    compiled step of `case` (attention stubbed: call it inside `stubbed_attention`)."""
     chunks, nxt, n = [], 1, -(-case.seq_len // PAGE)
     for i in range(case.num_seqs):
         slot = 1 + i % case.max_loras if case.max_loras else 0
@@ -121,34 +125,41 @@ def step_temp_bytes(cfg: config.ModelConfig, case: Case) -> tuple[int, int, int]
         backend="xla",
         interpret=False,
         num_top_logprobs=0,
-        num_prompt_top_logprobs=case.top_k or 0,
+        num_prompt_top_logprobs=cfg.vocab_size if case.top_k == -1 else case.top_k or 0,
         return_logits=False,
     )
     stats = traced.lower().compile().memory_analysis()
     if stats is None:
         raise RuntimeError(f"no memory_analysis() on the {jax.default_backend()} backend")
-    return stats.temp_size_in_bytes, inp.token_ids.shape[0], inp.logits_indices.shape[0]
+    outputs = stats.output_size_in_bytes - stats.alias_size_in_bytes
+    return stats.temp_size_in_bytes, outputs, inp.token_ids.shape[0], inp.logits_indices.shape[0]
 
 
 def measure(cfg: config.ModelConfig, cases=CASES) -> list[dict]:
-    """One row per case the model's positions allow: XLA's temporary bytes, the estimate
-    and their ratio."""
+    """One row per case the model's positions allow: XLA's temporary and output bytes, the
+    estimate and their ratio."""
     rows = []
     with stubbed_attention():
         for case in cases:
             if case.seq_len > cfg.max_position_embeddings:
                 continue  # (a preset of short sequences: `tiny`)
-            temp, t, b = step_temp_bytes(cfg, case)
-            columns = case.max_loras * case.rank
-            est = planner.step_peak_bytes(cfg, t, b, lora_columns=columns)
+            temp, outputs, t, b = step_bytes(cfg, case)
+            est = planner.step_peak_bytes(
+                cfg,
+                t,
+                b,
+                lora_columns=case.max_loras * case.rank,
+                logprob_columns=planner.logprob_columns(case.max_logprobs, cfg.vocab_size),
+            )
             rows.append(
                 dict(
                     case=case.name,
                     tokens=t,
                     rows=b,
                     xla_temp_bytes=temp,
+                    xla_output_bytes=outputs,
                     estimate_bytes=est,
-                    ratio=round(temp / est, 3),
+                    ratio=round((temp + outputs) / est, 3),
                 )  # fmt: skip
             )
     return rows
@@ -183,11 +194,15 @@ def main(argv=None) -> int:
         print(json.dumps(dict(head, rows=rows), indent=1))
         return 0
     print(", ".join(f"{k} {v}" for k, v in head.items()))
-    print(f"{'case':<36} {'T':>6} {'B':>5} {'XLA MiB':>9} {'estimate MiB':>13} {'ratio':>6}")
+    print(
+        f"{'case':<36} {'T':>6} {'B':>5} {'temp MiB':>9} {'outputs MiB':>12} "
+        f"{'estimate MiB':>13} {'ratio':>6}"
+    )
     for r in rows:
         print(
             f"{r['case']:<36} {r['tokens']:>6} {r['rows']:>5} {r['xla_temp_bytes'] / MIB:>9.1f} "
-            f"{r['estimate_bytes'] / MIB:>13.1f} {r['ratio']:>6.2f}"
+            f"{r['xla_output_bytes'] / MIB:>12.1f} {r['estimate_bytes'] / MIB:>13.1f} "
+            f"{r['ratio']:>6.2f}"
         )
     return 0
 

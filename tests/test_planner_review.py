@@ -35,13 +35,20 @@ def bench(monkeypatch):
     return module
 
 
-def _temp_bytes(bench, cfg=CFG, **case):
-    """XLA:CPU's temporary bytes of the step of `bench.Case(**case)`, and its (T, B)."""
+def _step_bytes(bench, cfg=CFG, **case):
+    """XLA:CPU's temporary and output bytes (but the cache's) of the step of
+    `bench.Case(**case)`, and its (T, B)."""
     with bench.stubbed_attention():
         try:
-            return bench.step_temp_bytes(cfg, bench.Case("test", **case))
+            return bench.step_bytes(cfg, bench.Case("test", **case))
         except RuntimeError as e:  # (a backend without buffer statistics)
             pytest.skip(str(e))
+
+
+def _temp_bytes(bench, cfg=CFG, **case):
+    """XLA:CPU's temporary bytes of the step of `bench.Case(**case)`, and its (T, B)."""
+    temp, _, t, b = _step_bytes(bench, cfg, **case)
+    return temp, t, b
 
 
 def _scoring_bytes(cfg, t):
@@ -76,6 +83,33 @@ def test_the_reserve_counts_a_prompt_logprobs_steps_scoring(bench, seq_len, top_
     assert scoring <= _scoring_bytes(cfg, t)
 
 
+def test_the_reserve_counts_the_top_logprobs_a_step_returns():
+    # 8 bytes (an int32 id, a float32 logprob) per column per token and row, and once more
+    # for a scoring chunk's and the rows' while they are computed.
+    base = planner.step_peak_bytes(CFG, 1000, 16)
+    got = planner.step_peak_bytes(CFG, 1000, 16, logprob_columns=32)
+    assert got - base == 8 * 32 * (1000 + planner.SCORE_ROWS + 2 * 16)
+    assert planner.logprob_columns(20, 32000) == 32  # padded as a step pads it
+    assert planner.logprob_columns(0, 32000) == planner.LOGPROB_COLUMNS_FLOOR
+    assert planner.logprob_columns(-1, 32000) == planner.logprob_columns(20_000, 32000) == 32000
+    with pytest.raises(ValueError, match="max_logprobs >= -1"):
+        planner.logprob_columns(-2, 32000)
+    with pytest.raises(ValueError, match="logprob_columns must be >= 0"):
+        planner.step_peak_bytes(CFG, 8, 8, logprob_columns=-1)
+
+
+def test_the_reserve_counts_a_whole_vocabulary_of_prompt_logprobs(bench):
+    # `max_logprobs=-1` lets a request ask for every token's logprob at every prompt
+    # position: the step returns [T, V] ids and logprobs and keeps a chunk's while
+    # scoring, none of it counted before (2.3x the estimate without them, here).
+    cfg = dataclasses.replace(CFG, vocab_size=32000)
+    temp, outputs, t, b = _step_bytes(bench, cfg, seq_len=64, num_seqs=8, top_k=-1)
+    assert (t, b) == (512, 8) and outputs >= 8 * t * cfg.vocab_size
+    assert temp + outputs > 2 * planner.step_peak_bytes(cfg, t, b)
+    columns = planner.logprob_columns(-1, cfg.vocab_size)
+    assert temp + outputs <= planner.step_peak_bytes(cfg, t, b, logprob_columns=columns)
+
+
 def test_the_benchmark_script_prints_every_case_under_its_estimate(bench, capsys, monkeypatch):
     """`python scripts/bench_step_memory.py --preset tiny --json`: a row per case the
     preset's positions allow, each under the estimate; the same rows as a table."""
@@ -86,7 +120,7 @@ def test_the_benchmark_script_prints_every_case_under_its_estimate(bench, capsys
         c.name for c in bench.CASES if c.seq_len <= config.PRESETS["tiny"].max_position_embeddings
     ]
     for r in out["rows"]:
-        assert 0 < r["xla_temp_bytes"] <= r["estimate_bytes"], r
+        assert 0 < r["xla_temp_bytes"] + r["xla_output_bytes"] <= r["estimate_bytes"], r
     monkeypatch.setattr(bench, "measure", lambda cfg: out["rows"])  # (compiled above)
     assert bench.main(["--preset", "tiny"]) == 0
     table = capsys.readouterr().out
@@ -163,3 +197,25 @@ def test_an_engine_with_lora_sizes_its_cache_with_the_slots_in_place(monkeypatch
         cfg, max_num_batched_tokens=8192, max_num_seqs=8, lora_columns=512
     ) - resources.step_reserve_bytes(cfg, max_num_batched_tokens=8192, max_num_seqs=8)
     assert extra > 0 and plain - with_lora == pytest.approx(extra / per_page, abs=1)
+
+
+def test_an_engine_sizes_its_reserve_by_its_max_logprobs(monkeypatch):
+    """`LLM(max_logprobs=)` passes the top-k columns it allows to `plan_num_pages`: the
+    default's 32, the whole vocabulary with -1."""
+    from engine_helpers import GEOMETRY, random_params
+
+    from pagedjax import engine, resources
+
+    seen = {}
+    real = resources.plan_num_pages
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "plan_num_pages", spy)
+    geometry = {k: v for k, v in GEOMETRY.items() if k != "num_pages"}
+    llm = engine.LLM(random_params(), **geometry)
+    assert seen["logprob_columns"] == 32
+    engine.LLM(random_params(), max_logprobs=-1, **geometry)
+    assert seen["logprob_columns"] == llm.config.vocab_size
