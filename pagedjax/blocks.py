@@ -62,9 +62,11 @@ Prefix cache: full, computed pages are registered in a ``PrefixCache``
 (``pagedjax.prefix_cache``, whose docstring has the details: salted SHA-256 hash chains,
 every hit verified against the stored token ids, so requests with different salts never
 share a page and a colliding hash cannot reuse a wrong page). Freed cached pages stay
-findable in an LRU (freed tail-first, so a shared prefix's head lives longest) until
-allocation evicts them; evicting a page uncaches the pages cached under it, unless another
-page in use holds the same content (computed twice): the registration moves onto it.
+findable in an LRU (freed tail-first, so a shared prefix's head lives longest; knowing a
+sliding window, the pages in the window of the prompt's end and of the sequence's end
+live longest: ``free``) until allocation evicts them; evicting a page uncaches the pages
+cached under it, unless another page in use holds the same content (computed twice): the
+registration moves onto it.
 
 Sliding window: ``release_before`` gives back the pages of a live sequence that no later
 query can see, as ``free`` would; ``admit(..., window=W)`` does not take the cached pages
@@ -288,6 +290,9 @@ class BlockManager(SeqTables):
         self._prefix.check_index(require)
         reserved = self.num_reserved_pages
         require(self._reserving.keys() <= self._seqs.keys(), "a reserving sequence is not live")
+        require(
+            self._num_prompt.keys() == self._seqs.keys(), "prompt lengths of the wrong sequences"
+        )
         require(reserved <= self.num_free_pages, f"{reserved} pages reserved, fewer free")
 
     # --------------------------------------------------------------- mutation
@@ -414,6 +419,7 @@ class BlockManager(SeqTables):
         capacity = self._max_pages_per_seq or max(4, 2 * len(pages))
         seq = SeqPages.admitted(pages, r, capacity, buf, n, cached, chain)
         self._seqs[seq_id] = seq
+        self._num_prompt[seq_id] = n
         if peak_pages is not None and not done:
             seq.peak = peak_pages
             self._reserving[seq_id] = seq

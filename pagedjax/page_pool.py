@@ -12,8 +12,9 @@ duplicate in use takes its registration over, or the cache is a sliding-window m
 which keeps them: ``PrefixCache.evict``), and those no one holds become plain free pages.
 Freed cached pages enter the LRU in the order given (the manager frees a sequence tail
 first, so a shared prefix's head lives longest; ``refresh`` moves the head a sliding window
-gave back early behind the tail). Callers check ``num_free`` before they allocate: nothing
-here raises ``OutOfPages``.
+gave back early behind the tail; a windowed manager renews only the pages in the window of
+the prompt's end and of the sequence's end: ``SeqTables.free``). Callers check
+``num_free`` before they allocate: nothing here raises ``OutOfPages``.
 """
 
 from __future__ import annotations

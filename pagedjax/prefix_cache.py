@@ -282,6 +282,20 @@ class PrefixCache:
             p = self._node_page.get(self.entries[p].parent_node)
         return out
 
+    def chain_tail(self, node: int, num_pages: int) -> list[int]:
+        """The pages holding the last ``num_pages`` contents of the chain that ends at
+        registration ``node``, deepest first, through stubs (-1); shorter where the chain
+        is not registered so far up (empty if ``node`` is neither cached nor a stub)."""
+        out: list[int] = []
+        while len(out) < num_pages and node != ROOT:
+            p = self._node_page.get(node)
+            e = self._stub_node.get(node) if p is None else self.entries[p]
+            if e is None:
+                break
+            out.append(-1 if p is None else p)
+            node = e.parent_node
+        return out
+
     def evict(self, page: int) -> list[int]:
         """Takes a cached ``page`` out of the index for reuse: its registration moves onto
         a duplicate in use if there is one, else it is uncached (``uncache``); in a

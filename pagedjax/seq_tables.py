@@ -94,6 +94,8 @@ class SeqTables:
         self._seqs: dict[Hashable, SeqPages] = {}
         self._reserving: dict[Hashable, SeqPages] = {}  # those with a peak (a reservation)
         self._freed: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
+        self._num_prompt: dict[Hashable, int] = {}  # tokens each live sequence was admitted with
+        self.sliding_window: int | None = None  # the model's window (BlockManager sets it)
         self._prefix = prefix
         self._pool = pool
         self._cow_copies = 0
@@ -295,20 +297,35 @@ class SeqTables:
             )
         self._pool.share(parent.pages[parent.released :])
         self._seqs[child_id] = parent.forked()
+        self._num_prompt[child_id] = self._num_prompt.get(parent_id, parent.num_tokens)
         self._freed.pop(child_id, None)
 
     def free(self, seq_id: Hashable) -> None:
         """Releases a finished, aborted or preempted sequence's pages.
 
-        Unreferenced cached pages become evictable, tail first (a prefix's head is
-        evicted last; pages ``release_before`` gave back, still cached, move behind
-        them); the others return to the free list.
+        Unreferenced cached pages become evictable, the others return to the free list.
+        Under full attention (no ``sliding_window``) the cached ones are freed tail first,
+        so a prefix's head is evicted last (evicting a page uncaches the pages under it);
+        pages ``release_before`` gave back, still cached, move behind them.
+
+        Knowing the model's window W, eviction keeps what is cached under a page, and a
+        page is only worth keeping for a hit point less than W tokens above it. The ones
+        a re-request needs are evicted last: the pages holding positions
+        ``>= q - W + 1``, where ``q`` is the first position of the page holding the
+        last token, for the end of the prompt the sequence was admitted with (the same
+        prompt again) and for its own end (a continuation). Those of the prompt's end
+        become the most recently freed, tail first, then those of the sequence's end
+        behind them; the sequence's other pages stay where they are in the LRU (released
+        ones as ``release_before`` left them; held ones freed tail first, before them).
         """
         s = self._get(seq_id)
         del self._seqs[seq_id]
         self._reserving.pop(seq_id, None)
+        num_prompt = self._num_prompt.pop(seq_id, s.num_tokens)
         self._pool.decref(reversed(s.pages[s.released :]))
-        if s.released:
+        if self.sliding_window is not None:
+            self._pool.refresh(self._last_windows(s, num_prompt))
+        elif s.released:
             # release_before freed the head first: evicting it would uncache the whole
             # chain, so the chain's pages are freed again, tail first, as a full one is.
             self._pool.refresh(self._prefix.chain_pages(s.chain.node))
@@ -366,6 +383,21 @@ class SeqTables:
                 raise SequenceFreed(f"sequence {seq_id!r} was already freed")
             raise UnknownSequence(f"unknown sequence {seq_id!r}")
         return s
+
+    def _last_windows(self, s: SeqPages, num_prompt: int) -> list[int]:
+        """The cached pages ``free`` renews for a windowed sequence: those in the window of
+        its prompt's end, then those in the window of its own end, each tail first."""
+        ps, w, k = self.page_size, self.sliding_window, s.chain.num_pages
+
+        def first(end: int) -> int:  # lowest page a hit at the end's last page reads
+            return max((end - 1) // ps * ps - w + 1, 0) // ps
+
+        lo_prompt, lo_end = first(num_prompt), first(s.num_tokens)  # lo_prompt <= lo_end
+        # tail[j] holds logical page k - 1 - j (-1: a stub, not cached); the chain may end
+        # below the windows (caching stopped, or freed mid-prefill).
+        tail = self._prefix.chain_tail(s.chain.node, max(k - lo_prompt, 0))
+        prompt = tail[max(k - 1 - (num_prompt - 1) // ps, 0) :]
+        return [p for p in prompt + tail[: max(k - lo_end, 0)] if p >= 0]
 
     def _append_plan(self, seq_ids: Sequence[Hashable]) -> tuple[list[SeqPages], int]:
         """Validates an append batch; returns its sequences and the pages it allocates."""

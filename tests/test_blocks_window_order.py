@@ -1,0 +1,102 @@
+"""The order in which a freed sequence's cached pages are evicted (`SeqTables.free`).
+
+Knowing the model's window W (`BlockManager.set_sliding_window`), eviction keeps what is
+cached under a page, so a page is worth keeping only for a hit point less than W tokens
+above it: `free` renews the pages in the window of the prompt's end (the same prompt
+again) and of the sequence's end (a continuation), and leaves the others (the prompt's
+head, the middle of the output) to be evicted first. Full attention keeps its order: the
+whole chain tail first, so a prefix's head is evicted last.
+"""
+
+from pagedjax.blocks import BlockManager
+
+W, PS = 8, 4
+PROMPT = list(range(100, 140))  # 40 tokens: 10 full pages
+OUTPUT = list(range(500, 508))  # 8 decoded tokens: 2 more pages
+
+
+def decoded(bm: BlockManager, window: int | None) -> list[int]:
+    """Admits PROMPT as "a" (with ``window``), prefills it, decodes OUTPUT releasing the
+    pages below the window as the scheduler does, and frees it; returns its chain's pages."""
+    bm.admit("a", PROMPT, window=window)
+    bm.mark_computed("a", len(PROMPT))
+    for t in OUTPUT:
+        if window and (c := bm.num_computed_tokens("a")) >= window:
+            bm.release_before("a", c - window + 1)
+        bm.append_tokens(["a"], [t])
+    pages = bm._prefix.chain_pages(bm._seqs["a"].chain.node)[::-1]
+    assert len(pages) == 12  # every page cached, none evicted yet
+    bm.free("a")
+    bm.check_invariants()
+    return pages
+
+
+def evict(bm: BlockManager, n: int) -> None:
+    """Allocates every free page and ``n`` evictable ones (an unrelated prompt), then frees
+    them uncached: exactly the ``n`` least recently freed cached pages are evicted."""
+    k = len(bm._free) + n
+    before = bm.stats().evictions
+    bm.admit("x", list(range(5000, 5000 + k * PS)), read_cache=False)
+    assert bm.stats().evictions == before + n
+    bm.uncache(bm.page_table("x"))
+    bm.free("x")
+    bm.check_invariants()
+
+
+def test_windowed_free_evicts_pages_below_the_last_windows_first():
+    bm = BlockManager(16, PS, watermark=0, sliding_window=W)
+    pages = decoded(bm, W)
+    # Prompt's end 40: a hit at 36 reads positions >= 29, pages 7-9. Sequence's end 48: a
+    # hit at 44 (or 48) reads positions >= 37, pages 9-11. The decode released pages 0-7,
+    # tail first, then 8 and 9; 0-6 are the others, the least recently freed.
+    far, prompt_window, end_window = pages[:7], pages[7:10], pages[9:]
+    lru = list(bm._evictable)
+    assert lru == far[::-1] + prompt_window[1::-1] + end_window[::-1]
+    evict(bm, 7)
+    assert set(bm._evictable) == {*prompt_window, *end_window}
+
+
+def test_a_re_request_after_decoding_and_eviction_hits_its_windows():
+    """The same prompt again and its continuation, after other requests evicted 7 of the
+    12 pages: the far pages went, the windows hit whole (tail-first order: the windows
+    went first, leaving 20 and 16 tokens)."""
+    bm = BlockManager(16, PS, watermark=0, sliding_window=W)
+    decoded(bm, W)
+    evict(bm, 7)
+    assert bm.admit("b", PROMPT, window=W) == 36  # hit point 36: pages 7, 8
+    bm.check_invariants()
+    bm.free("b")
+    assert bm.admit("c", PROMPT + OUTPUT + [1, 2, 3], window=W) == 48  # pages 10, 11
+    bm.check_invariants()
+
+
+def test_the_prompt_window_survives_a_second_free():
+    """Freeing the same prompt again (a second request that hit it and decoded other
+    tokens) renews the prompt's window once more: it stays behind the far pages."""
+    bm = BlockManager(24, PS, watermark=0, sliding_window=W)
+    pages = decoded(bm, W)
+    bm.admit("b", PROMPT, window=W)  # hits pages 7, 8; page 9 and on are new
+    bm.mark_computed("b", len(PROMPT))
+    bm.free("b")
+    lru = list(bm._evictable)
+    assert lru.index(pages[7]) > max(lru.index(p) for p in pages[:7])
+    bm.check_invariants()
+
+
+def test_full_attention_frees_the_chain_tail_first():
+    """No sliding window known (the window only given to admit and release_before): the
+    chain is renewed whole, tail first, whatever was released, as before."""
+    bm = BlockManager(16, PS, watermark=0)
+    pages = decoded(bm, W)
+    assert list(bm._evictable) == pages[::-1]
+    evict(bm, 7)  # the tail: nothing is cached under it
+    assert sorted(bm._evictable) == sorted(pages[:5])
+    assert bm.admit("b", PROMPT, window=W) == 20  # hit point 20: pages 3, 4
+    bm.free("b")
+    # A sequence that released nothing: its pages, tail first.
+    bm = BlockManager(16, PS, watermark=0)
+    bm.admit("a", PROMPT)
+    bm.mark_computed("a", len(PROMPT))
+    held = bm.page_table("a")
+    bm.free("a")
+    assert list(bm._evictable) == held[::-1]
