@@ -386,8 +386,10 @@ def generate(
 ) -> GenerateOutput:
     """Static-batch generation with no scheduler (research use).
 
-    Sequence b gets its own contiguous range of pages (page 0 is left unused as a
-    null page). Each step carries, for every unfinished sequence, either its next
+    Sequence b gets its own contiguous range of pages for its prompt and
+    max_new_tokens (page 0 is left unused as a null page; the cache rounds their count
+    up by less than 1/8 so that similar batches share programs:
+    `static_batch.round_pages`). Each step carries, for every unfinished sequence, either its next
     prompt chunk or its last sampled token; steps where every sequence decodes use
     `decode_step`.
 

@@ -249,3 +249,21 @@ def test_steps_refuse_mismatched_k_and_v_pools_and_non_caches(params):
             decode.step(params, cache, inp, backend="xla")
     assert decode.compile_counts() == before
     assert not good.k[0].is_deleted()
+
+
+def test_a_static_batch_gets_at_most_an_eighth_more_pages_than_it_needs():
+    # Its page count was rounded up to a power of two: 256 prompts of 4,096 tokens (65,537
+    # pages with the null page) took 131,072 pages, twice the memory they need.
+    from pagedjax import static_batch
+
+    for need in [1, 15, 16, 17, 100, 256, 257, 1025, 4097, 65537, 131072, 131073]:
+        got = static_batch.round_pages(need)
+        assert need <= got < max(need * 9 / 8, need + 16) and got % 16 == 0, (need, got)
+    assert static_batch.round_pages(65537) == 65537 + 8191
+    assert len({static_batch.round_pages(n) for n in range(1, 4097)}) == 16 + 8 * 4  # few programs
+    cfg, tables = static_batch.static_pages(TINY, 3, 40, 8, None)
+    assert cfg.num_pages == 16 and tables == [
+        [1, 2, 3, 4, 5],
+        [6, 7, 8, 9, 10],
+        [11, 12, 13, 14, 15],
+    ]
