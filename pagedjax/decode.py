@@ -398,7 +398,7 @@ def generate(
       prompts: token id lists (non-empty; lists, numpy or jax arrays, or the rows of a
         2-D array).
       max_new_tokens: tokens to generate per prompt (fewer if a stop token comes).
-      page_size: tokens per page.
+      page_size: tokens per page (a power of two, at most max_position_embeddings).
       temperature, top_k, top_p, min_p: sampling (temperature 0: greedy).
       repetition_penalty, presence_penalty, frequency_penalty: penalties over each
         prompt and its generated tokens (see `pagedjax.sampling`; 1, 0, 0: off).
@@ -426,13 +426,15 @@ def generate(
         plus max_new_tokens longer than max_position_embeddings, stop_token_ids that
         are not a flat list of ints >= 0, a count (max_new_tokens, min_tokens, page_size,
         prefill_chunk) that is not a positive int (min_tokens: >= 0), a page_size that
-        is not a power of two, an unknown kv_cache_dtype, a seed + b past
-        uint32, sampling values that are bad or not numbers, or lora_slots
-        without lora, not one per prompt or outside [0, lora.num_slots] (before anything
-        runs).
+        is not a power of two or is past max_position_embeddings, an unknown
+        kv_cache_dtype, a seed + b past uint32, sampling values that are bad or not
+        numbers, or lora_slots without lora, not one per prompt or outside [0,
+        lora.num_slots] (before anything runs).
     """
     _check_params(params)
-    static_batch.check_untraced("generate", params=params, lora=lora, prompts=prompts)
+    static_batch.check_untraced(
+        "generate", params=params, lora=lora, prompts=prompts, lora_slots=lora_slots
+    )
     cfg = params.config
     prompts = static_batch.token_lists(prompts, "prompt")
     if not is_int(max_new_tokens) or max_new_tokens < 1:

@@ -95,7 +95,7 @@ def score(
       sequences: token id lists, each of 1 to max_position_embeddings tokens (lists,
         numpy or jax arrays, or the rows of a 2-D array).
       top_k: also return the k likeliest tokens at each position (0: none).
-      page_size: tokens per page (a power of two).
+      page_size: tokens per page (a power of two, at most max_position_embeddings).
       prefill_chunk: feed each sequence at most this many tokens per step (default: all
         at once). Bounds a step's attention and activations for long sequences; the
         result is the same.
@@ -117,12 +117,15 @@ def score(
       ValueError: an empty list or sequence, a nested one, token ids outside the
         vocabulary, a sequence longer than max_position_embeddings, top_k not an int in
         [0, vocab_size], page_size or prefill_chunk not a positive int (page_size: a
-        power of two), an unknown backend or kv_cache_dtype, interpret not a bool, or
-        lora_slots without lora, not one per sequence or outside [0, lora.num_slots]
-        (all before the cache is allocated or anything is compiled).
+        power of two, at most max_position_embeddings), an unknown backend or
+        kv_cache_dtype, interpret not a bool, or lora_slots without lora, not one per
+        sequence or outside [0, lora.num_slots] (all before the cache is allocated or
+        anything is compiled).
     """
     _check_params(params)
-    static_batch.check_untraced("score", params=params, lora=lora, sequences=sequences)
+    static_batch.check_untraced(
+        "score", params=params, lora=lora, sequences=sequences, lora_slots=lora_slots
+    )
     cfg = params.config
     seqs = static_batch.token_lists(sequences, "sequence")
     if not is_int(top_k) or not 0 <= top_k <= cfg.vocab_size:

@@ -3,7 +3,7 @@ batch of token id lists, each sequence given its own contiguous pages of one cac
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import jax
 import numpy as np
@@ -27,7 +27,9 @@ def check_untraced(fn: str, **trees) -> None:
     of jitted steps, each read back, so it cannot run under `jax.jit`, `vmap` or `grad`
     (JAX refused only once a whole step had been traced, and not by name)."""
     for name, tree in trees.items():
-        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)):
+        # (an iterator is a leaf, not walked: JAX warns, and that would consume it)
+        leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Iterator))
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
             raise TypeError(
                 f"{fn} runs on the host (a loop of jitted steps, each read back): call it "
                 f"outside jax.jit, vmap or grad, got traced {name}"
@@ -41,7 +43,11 @@ def lora_slots(lora, given, n: int) -> list[int]:
         return [0] * n
     if lora is None:
         raise ValueError("lora_slots needs lora (the LoRAWeights the slots index)")
-    slots = list(given)
+    if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
+        raise ValueError(f"lora_slots must be a list of slots, one per prompt, got {given!r:.80}")
+    # A jax array's slots (or jax scalars) as numpy's: one transfer, ints that is_int takes.
+    slots = list(np.asarray(given)) if isinstance(given, jax.Array) else list(given)
+    slots = [np.asarray(x)[()] if isinstance(x, jax.Array) else x for x in slots]
     if len(slots) != n:
         raise ValueError(f"lora_slots must have one slot per prompt ({n}), got {len(slots)}")
     for i, x in enumerate(slots):
@@ -52,20 +58,35 @@ def lora_slots(lora, given, n: int) -> list[int]:
 
 def token_lists(seqs, what: str) -> list[np.ndarray]:
     """A non-empty list of non-empty token id lists (a 2-D array's rows) as arrays."""
-    if isinstance(seqs, (str, bytes)) or not isinstance(seqs, Iterable):
+    bad = isinstance(seqs, (str, bytes)) or not isinstance(seqs, Iterable)
+    if bad or getattr(seqs, "ndim", 1) == 0:  # (a 0-d array is Iterable but not iterable)
         raise ValueError(f"{what}s must be a list of token id lists, got {seqs!r}")
     if isinstance(seqs, jax.Array):  # one transfer, not a device slice per row
         seqs = np.asarray(seqs)
     seqs = list(seqs)
     for i, p in enumerate(seqs):
         try:
-            seqs[i] = np.asarray(p)
+            seqs[i] = a = np.asarray(p)
         except ValueError:  # numpy's "inhomogeneous shape"
             raise ValueError(f"{what} {i} must be a 1-D list of token ids, got {p!r:.80}") from None
-        if seqs[i].dtype.kind in "fO" and seqs[i].ndim == 1:  # ints past int64 become these
-            big = [x for x in p if isinstance(x, int) and not -(2**63) <= x < 2**63]
+        if a.dtype == np.uint64:  # as int64 (numpy's float64 for uint64 and int64 rounds)
+            if (a >= 2**63).any():
+                raise ValueError(
+                    f"{what} {i}: token id {a[a >= 2**63][0]} is outside the vocabulary"
+                )
+            seqs[i] = a.astype(np.int64)
+        if a.ndim != 1 or isinstance(p, (np.ndarray, jax.Array)):
+            continue
+        # A list's ints as numpy reads them: [1, True] as ints (True as token 1), and
+        # ints past int64 or a uint64 next to an int ([1, np.uint64(3)]) as floats.
+        flag = next((x for x in p if isinstance(x, (bool, np.bool_))), None)
+        if flag is not None and a.dtype != bool:  # (bools alone: refused by their dtype)
+            raise TypeError(f"{what} {i}: token ids must be ints, got {flag!r}")
+        if a.dtype.kind in "fO" and all(map(is_int, p)):
+            big = [int(x) for x in p if not -(2**63) <= int(x) < 2**63]
             if big:
                 raise ValueError(f"{what} {i}: token id {big[0]} is outside the vocabulary")
+            seqs[i] = np.array([int(x) for x in p], np.int64)
     if not seqs or any(p.size == 0 for p in seqs):
         raise ValueError(f"{what}s must be a non-empty list of non-empty token id lists")
     return seqs
@@ -108,6 +129,11 @@ def round_pages(need: int) -> int:
 
 def static_pages(cfg, n: int, max_len: int, page_size, kv_cache_dtype):
     """Cache config and n page tables: b's own pages for max_len tokens (0: a null page)."""
+    if page_size > cfg.max_position_embeddings:  # slots no sequence can reach, 16 pages of them
+        raise ValueError(
+            f"page_size must be at most max_position_embeddings={cfg.max_position_embeddings} "
+            f"(a sequence's longest context), got {page_size=}"
+        )
     per_seq = -(-max_len // page_size)
     num_pages = round_pages(1 + n * per_seq)
     auto = kv_cache_dtype is None or (isinstance(kv_cache_dtype, str) and kv_cache_dtype == "auto")
