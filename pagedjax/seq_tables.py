@@ -311,12 +311,15 @@ class SeqTables:
         Knowing the model's window W, eviction keeps what is cached under a page, and a
         page is only worth keeping for a hit point less than W tokens above it. The ones
         a re-request needs are evicted last: the pages holding positions
-        ``>= q - W + 1``, where ``q`` is the first position of the page holding the
-        last token, for the end of the prompt the sequence was admitted with (the same
-        prompt again) and for its own end (a continuation). Those of the prompt's end
-        become the most recently freed, tail first, then those of the sequence's end
-        behind them; the sequence's other pages stay where they are in the LRU (released
-        ones as ``release_before`` left them; held ones freed tail first, before them).
+        ``>= q - W + 1`` (and the page before ``q``, which a hit needs even if W = 1),
+        where ``q`` is the first position of the page holding the last token, or the end
+        of the sequence's cached chain if that is lower (where a hit stops: freed
+        mid-prefill, or caching stopped), for the end of the prompt the sequence was
+        admitted with (the same prompt again) and for its own end (a continuation).
+        Those of the prompt's end become the most recently freed, tail first, then those
+        of the sequence's end behind them; the sequence's other pages stay where they are
+        in the LRU (released ones as ``release_before`` left them; held ones freed tail
+        first, before them).
         """
         s = self._get(seq_id)
         del self._seqs[seq_id]
@@ -389,12 +392,15 @@ class SeqTables:
         its prompt's end, then those in the window of its own end, each tail first."""
         ps, w, k = self.page_size, self.sliding_window, s.chain.num_pages
 
-        def first(end: int) -> int:  # lowest page a hit at the end's last page reads
-            return max((end - 1) // ps * ps - w + 1, 0) // ps
+        def first(end: int) -> int:  # lowest page a hit at the end reads
+            # The hit stops at the chain's end where that is lower (freed mid-prefill,
+            # caching stopped); it needs its last page even where W = 1 reads none of it
+            # (PrefixCache.lookup).
+            h = min((end - 1) // ps, k)
+            return min(max(h * ps - w + 1, 0) // ps, max(h - 1, 0))
 
         lo_prompt, lo_end = first(num_prompt), first(s.num_tokens)  # lo_prompt <= lo_end
-        # tail[j] holds logical page k - 1 - j (-1: a stub, not cached); the chain may end
-        # below the windows (caching stopped, or freed mid-prefill).
+        # tail[j] holds logical page k - 1 - j (-1: a stub, not cached).
         tail = self._prefix.chain_tail(s.chain.node, max(k - lo_prompt, 0))
         prompt = tail[max(k - 1 - (num_prompt - 1) // ps, 0) :]
         return [p for p in prompt + tail[: max(k - lo_end, 0)] if p >= 0]

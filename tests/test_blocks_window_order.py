@@ -100,3 +100,34 @@ def test_full_attention_frees_the_chain_tail_first():
     held = bm.page_table("a")
     bm.free("a")
     assert list(bm._evictable) == held[::-1]
+
+
+def test_a_sequence_freed_mid_prefill_keeps_the_window_of_its_chain_end():
+    """Preempted mid-prefill (8 of its 10 pages computed, none released): the same prompt
+    again can hit only the 32 computed tokens, reading positions >= 25 (pages 6, 7), not
+    the prompt end's window (pages 7-9). Those two are evicted last: after 6 evictions
+    the hit is whole (renewing only page 7 evicted page 6 first, leaving a 4-token hit)."""
+    bm = BlockManager(16, PS, watermark=0, sliding_window=W)
+    bm.admit("a", PROMPT, window=W)
+    bm.mark_computed("a", 32)
+    pages = bm._prefix.chain_pages(bm._seqs["a"].chain.node)[::-1]
+    bm.free("a")
+    assert list(bm._evictable) == pages[5::-1] + [pages[7], pages[6]]
+    evict(bm, 6)
+    assert bm.admit("b", PROMPT, window=W) == 32
+    bm.check_invariants()
+
+
+def test_a_window_of_one_keeps_the_last_page_a_hit_needs():
+    """W = 1: the same prompt again hits 36 tokens and reads none of them, but the hit
+    needs its last page (8) cached, as admit keeps it: it is renewed with page 9, and
+    survives 8 evictions (renewing page 9 alone evicted page 8 first: a 4-token hit)."""
+    bm = BlockManager(16, PS, watermark=0, sliding_window=1)
+    bm.admit("a", PROMPT, window=1)
+    bm.mark_computed("a", len(PROMPT))
+    pages = bm._prefix.chain_pages(bm._seqs["a"].chain.node)[::-1]
+    bm.free("a")
+    assert list(bm._evictable) == pages[7::-1] + [pages[9], pages[8]]
+    evict(bm, 8)
+    assert bm.admit("b", PROMPT, window=1) == 36
+    bm.check_invariants()
