@@ -290,9 +290,6 @@ class BlockManager(SeqTables):
         self._prefix.check_index(require)
         reserved = self.num_reserved_pages
         require(self._reserving.keys() <= self._seqs.keys(), "a reserving sequence is not live")
-        require(
-            self._num_prompt.keys() == self._seqs.keys(), "prompt lengths of the wrong sequences"
-        )
         require(reserved <= self.num_free_pages, f"{reserved} pages reserved, fewer free")
 
     # --------------------------------------------------------------- mutation
@@ -419,7 +416,6 @@ class BlockManager(SeqTables):
         capacity = self._max_pages_per_seq or max(4, 2 * len(pages))
         seq = SeqPages.admitted(pages, r, capacity, buf, n, cached, chain)
         self._seqs[seq_id] = seq
-        self._num_prompt[seq_id] = n
         if peak_pages is not None and not done:
             seq.peak = peak_pages
             self._reserving[seq_id] = seq

@@ -49,6 +49,7 @@ class SeqPages:
     unknown: int = -1  # position of the token whose value is not known yet (-1: none)
     released: int = 0  # leading pages given back (window): -1 in pages, PAD_PAGE in table
     peak: int = 0  # admitted with peak_pages, prompt not computed: most pages held (else 0)
+    num_prompt: int = 0  # tokens it was admitted with (a fork: its parent's)
 
     @classmethod
     def admitted(
@@ -66,7 +67,14 @@ class SeqPages:
         table = np.full(capacity, PAD_PAGE, np.int32)
         table[released : len(pages)] = pages[released:]
         return cls(
-            pages, table, bytearray(tokens), num_tokens, num_computed, chain, released=released
+            pages,
+            table,
+            bytearray(tokens),
+            num_tokens,
+            num_computed,
+            chain,
+            released=released,
+            num_prompt=num_tokens,
         )
 
     def forked(self) -> SeqPages:

@@ -94,7 +94,6 @@ class SeqTables:
         self._seqs: dict[Hashable, SeqPages] = {}
         self._reserving: dict[Hashable, SeqPages] = {}  # those with a peak (a reservation)
         self._freed: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
-        self._num_prompt: dict[Hashable, int] = {}  # tokens each live sequence was admitted with
         self.sliding_window: int | None = None  # the model's window (BlockManager sets it)
         self._prefix = prefix
         self._pool = pool
@@ -297,7 +296,6 @@ class SeqTables:
             )
         self._pool.share(parent.pages[parent.released :])
         self._seqs[child_id] = parent.forked()
-        self._num_prompt[child_id] = self._num_prompt.get(parent_id, parent.num_tokens)
         self._freed.pop(child_id, None)
 
     def free(self, seq_id: Hashable) -> None:
@@ -324,10 +322,9 @@ class SeqTables:
         s = self._get(seq_id)
         del self._seqs[seq_id]
         self._reserving.pop(seq_id, None)
-        num_prompt = self._num_prompt.pop(seq_id, s.num_tokens)
         self._pool.decref(reversed(s.pages[s.released :]))
         if self.sliding_window is not None:
-            self._pool.refresh(self._last_windows(s, num_prompt))
+            self._pool.refresh(self._last_windows(s))
         elif s.released:
             # release_before freed the head first: evicting it would uncache the whole
             # chain, so the chain's pages are freed again, tail first, as a full one is.
@@ -387,10 +384,10 @@ class SeqTables:
             raise UnknownSequence(f"unknown sequence {seq_id!r}")
         return s
 
-    def _last_windows(self, s: SeqPages, num_prompt: int) -> list[int]:
+    def _last_windows(self, s: SeqPages) -> list[int]:
         """The cached pages ``free`` renews for a windowed sequence: those in the window of
         its prompt's end, then those in the window of its own end, each tail first."""
-        ps, w, k = self.page_size, self.sliding_window, s.chain.num_pages
+        ps, w, k, num_prompt = self.page_size, self.sliding_window, s.chain.num_pages, s.num_prompt
 
         def first(end: int) -> int:  # lowest page a hit at the end reads
             # The hit stops at the chain's end where that is lower (freed mid-prefill,
