@@ -29,7 +29,7 @@ from pagedjax import decode
 from pagedjax.beam import num_candidates
 from pagedjax.blocks import BlockManager
 from pagedjax.guided import Guide, compile_guide
-from pagedjax.planner import LOGPROB_COLUMNS_FLOOR
+from pagedjax.planner import logprob_columns
 from pagedjax.request import encode_bad_words
 from pagedjax.sequence import StepPlan
 from pagedjax.step_input import pack_bias, pack_copies, pack_penalties
@@ -271,10 +271,10 @@ class StepBatch:
         if fed:
             self.token_src[self.starts[fed]] = fed_from
         k = pk = 0
-        if self.top_k_needed:
-            k = min(decode.bucket_size(self.top_k_needed, LOGPROB_COLUMNS_FLOOR), self.vocab)
+        if self.top_k_needed:  # (padded as the step reserve counts them)
+            k = logprob_columns(self.top_k_needed, self.vocab)
         if self.prompt_top_k:
-            pk = min(decode.bucket_size(self.prompt_top_k, LOGPROB_COLUMNS_FLOOR), self.vocab)
+            pk = logprob_columns(self.prompt_top_k, self.vocab)
         src, dst = pack_copies(plan.copies, decode.bucket_size(len(plan.copies), self.min_copies))
         penalties = self._penalties(plan) if self.penalised else None
         bias = self._bias(plan) if self.biased else None

@@ -389,9 +389,9 @@ def generate(
     Sequence b gets its own contiguous range of pages for its prompt and
     max_new_tokens (page 0 is left unused as a null page; the cache rounds their count
     up by less than 1/8 so that similar batches share programs:
-    `static_batch.round_pages`). Each step carries, for every unfinished sequence, either its next
-    prompt chunk or its last sampled token; steps where every sequence decodes use
-    `decode_step`.
+    `static_batch.round_pages`). Each step carries, for every unfinished sequence,
+    either its next prompt chunk or its last sampled token; steps where every sequence
+    decodes use `decode_step`.
 
     Args:
       params: the split model; its config gives the vocabulary, limits and EOS ids.
@@ -417,11 +417,12 @@ def generate(
         each prompt's slot among them (0: none; default all 0).
 
     Raises:
-      TypeError: `params` is not a `Params`; params, lora or prompts traced (generate
-        is a host loop: not under `jax.jit`); token ids that are not ints; a logit_bias
-        that is not a mapping of token ids to numbers; `buckets` not a `Buckets`; a
-        kv_cache_dtype the model's attention cannot read (a float16 cache for a float32
-        model; refused on the host once the cache is allocated, before any step runs).
+      TypeError: `params` is not a `Params`; params, lora, prompts or lora_slots traced
+        (generate is a host loop: not under `jax.jit`); token ids that are not ints; a
+        logit_bias that is not a mapping of token ids to numbers; `buckets` not a
+        `Buckets`; a kv_cache_dtype the model's attention cannot read (a float16 cache
+        for a float32 model; refused on the host once the cache is allocated, before any
+        step runs).
       ValueError: empty or nested prompts, token ids outside the vocabulary, a prompt
         plus max_new_tokens longer than max_position_embeddings, stop_token_ids that
         are not a flat list of ints >= 0, a count (max_new_tokens, min_tokens, page_size,

@@ -44,7 +44,8 @@ HEAD_ROW_COPIES = 8
 SCORE_ROWS = 256
 SCORE_ROW_COPIES = 3
 # Top-k logprob columns are padded to a power of two of at least this many
-# (`batch.StepBatch`), so a step with `logprobs=k` compiles once per bucket.
+# (`logprob_columns`, which `batch.StepBatch` pads with), so a step with `logprobs=k`
+# compiles once per bucket.
 LOGPROB_COLUMNS_FLOOR = 8
 
 
