@@ -6,9 +6,10 @@
 * `"tpu"`: the Pallas TPU kernel (runs on TPU, or anywhere with `interpret=True`);
 * `"xla"`: the plain-jnp reference in `pallas_kernels.reference`;
 * `"auto"`: the GPU kernel on CUDA, the TPU kernel on TPU, XLA elsewhere; on
-  CUDA also XLA for a head dim the GPU kernels do not take (not a power of two of at
-  least 16, e.g. 80 or 96), or a page pool of more than 2**31 elements, which their
-  int32 offsets cannot address; `"gpu"` refuses both with a ValueError.
+  CUDA also XLA for a page pool of more than 2**31 elements, which the GPU kernels'
+  int32 offsets cannot address (`"gpu"` refuses it with a ValueError). Any head dim
+  runs on the GPU kernels: one that is not a power of two of at least 16 (80, 96)
+  is padded inside them (`validation.gpu_tile_dim`).
 
 Both entry points validate shapes, dtypes and (when concrete) values on the host
 before tracing, then call the chosen implementation.
@@ -49,13 +50,11 @@ def resolve_backend(backend: str = "auto", platform: str | None = None) -> str:
     return {"gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}.get(platform, "xla")
 
 
-def _kernel_backend(backend: str, head_dim: int, pool_shape) -> str:
-    """`resolve_backend`, with "auto" on CUDA falling back to XLA for a head dim the GPU
-    kernels cannot tile or a pool too large for their int32 offsets (an explicit "gpu"
-    raises there instead)."""
+def _kernel_backend(backend: str, pool_shape) -> str:
+    """`resolve_backend`, with "auto" on CUDA falling back to XLA for a pool too large for
+    the GPU kernels' int32 offsets (an explicit "gpu" raises there instead)."""
     concrete = resolve_backend(backend)
-    ok = validation.gpu_head_dim_ok(head_dim) and validation.gpu_pool_ok(pool_shape)
-    if backend == "auto" and concrete == "gpu" and not ok:
+    if backend == "auto" and concrete == "gpu" and not validation.gpu_pool_ok(pool_shape):
         return "xla"
     return concrete
 
@@ -79,7 +78,7 @@ def _static_knobs(tuning: dict) -> dict:
     return out
 
 
-def _no_xla_knobs(backend: str, head_dim: int, tuning: dict, pool_shape=None) -> None:
+def _no_xla_knobs(backend: str, tuning: dict, pool_shape) -> None:
     """TypeError when knobs reach the XLA path, saying why "auto" chose it."""
     if not tuning:
         return
@@ -88,8 +87,6 @@ def _no_xla_knobs(backend: str, head_dim: int, tuning: dict, pool_shape=None) ->
         platform = jax.default_backend()
         if resolve_backend("auto", platform) != "gpu":
             reason = f"on platform {platform!r}"
-        elif not validation.gpu_head_dim_ok(head_dim):
-            reason = f"for {head_dim=}, which the GPU kernels cannot tile"
         else:
             reason = f"for k_pages {list(pool_shape)}, too large for the GPU kernels' offsets"
         why = f" (backend='auto' chose it {reason}; pass knobs with an explicit backend)"
@@ -172,9 +169,9 @@ def paged_decode_attention(
     validation.check_decode(
         q, k_pages, v_pages, lengths, page_table, scale, soft_cap, sliding_window
     )
-    impl = _decode_impl(_kernel_backend(backend, q.shape[-1], k_pages.shape))
+    impl = _decode_impl(_kernel_backend(backend, k_pages.shape))
     if impl is None:
-        _no_xla_knobs(backend, q.shape[-1], tuning, k_pages.shape)
+        _no_xla_knobs(backend, tuning, k_pages.shape)
         return reference.paged_attention_xla(
             q,
             k_pages,
@@ -247,9 +244,9 @@ def ragged_paged_attention(
         soft_cap,
         sliding_window,
     )
-    impl = _ragged_impl(_kernel_backend(backend, q.shape[-1], k_pages.shape))
+    impl = _ragged_impl(_kernel_backend(backend, k_pages.shape))
     if impl is None:
-        _no_xla_knobs(backend, q.shape[-1], tuning, k_pages.shape)
+        _no_xla_knobs(backend, tuning, k_pages.shape)
         return reference.ragged_paged_attention_xla(
             q,
             k_pages,

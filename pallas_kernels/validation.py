@@ -53,10 +53,12 @@ def is_pow2(x) -> bool:
     return is_int(x) and x > 0 and not x & (x - 1)
 
 
-def gpu_head_dim_ok(head_dim: int) -> bool:
-    """Whether the GPU (Triton) kernels take this head dim: their `dot` tiles need a
-    power of two of at least 16."""
-    return is_pow2(head_dim) and head_dim >= 16
+def gpu_tile_dim(head_dim: int) -> int:
+    """The head dim of the GPU (Triton) kernels' tiles: `head_dim` padded up to a power
+    of two of at least 16, as Triton's `dot` tiles need. The padding columns are masked:
+    the kernels never load or store them, so any head dim (80, 96, 100, 8) runs, the
+    K/V bytes moved unchanged and only the dots' width padded."""
+    return max(16, 1 << (head_dim - 1).bit_length())
 
 
 # The GPU (Triton) kernels address a page pool with int32 element offsets (Pallas's
@@ -79,16 +81,6 @@ def check_gpu_pool(pool_shape) -> None:
             f"{GPU_MAX_POOL_ELEMENTS} elements; k_pages {list(pool_shape)} has "
             f"{math.prod(pool_shape)}: use at most {GPU_MAX_POOL_ELEMENTS // (k * s * d)} "
             "pages (backend='auto' runs XLA's attention for it)"
-        )
-
-
-def check_gpu_head_dim(head_dim: int) -> None:
-    """ValueError naming `head_dim` unless `gpu_head_dim_ok` (`backend="auto"` runs XLA
-    for such head dims on CUDA instead)."""
-    if not gpu_head_dim_ok(head_dim):
-        raise ValueError(
-            f"the GPU kernels need a power-of-two head_dim >= 16, got {head_dim=} "
-            "(backend='auto' runs XLA's attention for it)"
         )
 
 

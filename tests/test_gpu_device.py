@@ -8,13 +8,13 @@ GPU; the device-memory test is skipped there. `scripts/device_check.sh` runs thi
 file on the GPU.
 
 * Decode kernel (`paged_decode_attention(backend="gpu")`): GQA 1/4/8 and MQA, head
-  dims 64/128/256, page sizes 8-128, bf16 and f32, lengths 1, a page boundary, the
+  dims 64/128/256 and the padded 80/100 (split and not), page sizes 8-128, bf16 and f32, lengths 1, a page boundary, the
   maximum and random ones, shuffled page tables, soft cap, sliding window, a batch of
   37, a 32,768-token context at B=1 (split-K) and B=256.
 * Ragged kernel (`ragged_paged_attention(backend="gpu")`): a prefill in one go and in
   random chunks; 3 decode rows + 2 chunks (one starting and ending mid-page) + q_len 0
   rows + padding rows past `query_start_loc[B]` (which must be zero); a 512-token chunk
-  beside 64 decode rows; soft cap and window.
+  beside 64 decode rows; soft cap and window; head dims 80 and 8 (padded).
 * Every kernel pool is poisoned: slots no query may read hold NaN (helpers of
   tests/test_paged_decode_gpu.py and tests/test_ragged_gpu.py), so an out-of-bounds
   read shows as NaN, which never passes.
@@ -160,6 +160,12 @@ DECODE_CASES = cases(
      dict(num_heads=8, num_kv_heads=2, max_pages=64, lengths=(1024,))),
     ("batch256-bf16", dict(batch=256, **LLAMA, page_size=16, max_pages=8, dtype="bfloat16"),
      dict(batch=24, num_heads=8, num_kv_heads=2, max_pages=2)),
+    # Head dims padded inside the kernel (tiles of 128): split-K at B * K = 64, and not.
+    ("d80-split-bf16", dict(batch=2, num_heads=32, num_kv_heads=32, head_dim=80,
+                            page_size=16, max_pages=128, dtype="bfloat16"),
+     dict(num_heads=8, num_kv_heads=8, max_pages=8)),
+    ("d100-f32", dict(batch=6, num_heads=32, num_kv_heads=32, head_dim=100, page_size=16,
+                      max_pages=8, dtype="float32"), dict(num_heads=4, num_kv_heads=4)),
 )  # fmt: skip
 
 
@@ -241,6 +247,9 @@ MIXED_CASES = cases(
     ("window-softcap-scale-f32", dict(heads=(8, 2), head_dim=64, page_size=8, dtype="float32",
                                       opts=dict(sliding_window=19, soft_cap=4.0, scale=0.3)),
      True),
+    ("d80-page16-bf16", dict(heads=(32, 32), head_dim=80, page_size=16, dtype="bfloat16"),
+     dict(heads=(4, 4))),
+    ("d8-mqa-f32", dict(heads=(8, 1), head_dim=8, page_size=8, dtype="float32"), True),
 )  # fmt: skip
 
 

@@ -139,7 +139,7 @@ def test_a_pool_past_the_gpu_kernels_int32_offsets_is_refused_or_runs_xla(monkey
             lambda *a: pallas_kernels.ragged_paged_attention(*a, **kw), q, pool, pool, table, n, loc
         )
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # "auto" on CUDA
-    assert dispatch._kernel_backend("auto", 64, big) == "xla"
-    assert dispatch._kernel_backend("auto", 64, (1, 2**21, 16, 64)) == "gpu"
+    assert dispatch._kernel_backend("auto", big) == "xla"
+    assert dispatch._kernel_backend("auto", (1, 2**21, 16, 64)) == "gpu"
     with pytest.raises(TypeError, match=r"chose it for k_pages \[2, 2097152, 16, 64\], too large"):
-        dispatch._no_xla_knobs("auto", 64, dict(block_kv=32), big)
+        dispatch._no_xla_knobs("auto", dict(block_kv=32), big)

@@ -397,6 +397,34 @@ def test_never_reads_past_context_or_before_window(window):
     _check(_run(args, sliding_window=window, **STD_KNOBS), ref, jnp.float32)
 
 
+@pytest.mark.parametrize(
+    "head_dim,heads,dtype,opts",
+    [
+        (80, (8, 2), jnp.bfloat16, {}),
+        (100, (6, 2), jnp.float32, dict(sliding_window=6, soft_cap=20.0)),
+        (8, (4, 1), jnp.float32, {}),  # below the smallest dot
+    ],
+)
+def test_head_dims_padded_inside_the_kernel(head_dim, heads, dtype, opts):
+    """A head dim that is not a power of two >= 16 runs on the kernel, its tiles padded to
+    one with the padding masked on every load and store: an unmasked padding column reads
+    the next row (the next query head's q, the next slot's K/V, NaN where no query looks)."""
+    window = opts.get("sliding_window")
+    args, dense = _batch(
+        np.random.default_rng(head_dim),
+        [1, 9, 1, 4, 0],
+        [13, 29, 40, 4, 0],
+        heads=heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        pad_rows=2,
+        poison=True,
+        window=window,
+    )
+    assert args[0].shape[-1] == head_dim
+    _check(_run(args, **opts), _dense_ref(dense, args[0].shape[0], **opts), dtype)
+
+
 def test_through_dispatcher():
     """The dispatcher forwards scale, soft cap and window to the kernel."""
     opts = dict(scale=0.3, soft_cap=4.0, sliding_window=6)
@@ -494,6 +522,8 @@ def test_default_tuning_tiles():
         ((6, 2), 256, 128, jnp.bfloat16, {}),
         ((8, 1), 128, 32, jnp.bfloat16, dict(block_q=2, block_kv=128)),
         ((32, 8), 128, 16, jnp.bfloat16, dict(prefetch_rows=True, sliding_window=100)),
+        ((32, 32), 80, 16, jnp.bfloat16, {}),  # padded head dims: 80 (tiles of 128)
+        ((4, 1), 8, 8, jnp.float32, {}),  # 8 (tiles of 16)
     ],
 )
 def test_lowers_for_cuda(heads, head_dim, page_size, dtype, opts):

@@ -60,9 +60,14 @@ rejects), so K/V rows are gathered as `k_ref[kh, rows[:, None], cols[None, :]]`;
 every value inside the kernel has power-of-two dimensions; integer division uses
 `lax.div` / `lax.rem` on non-negative values.
 
-Not supported: head dims that are not a power of two or are below 16 (the
-Triton `dot` needs power-of-two tiles of at least 16), and page sizes below 8
-are untested. float32 inputs use exact (IEEE) dots, which are correct but do not
+Head dims: the Triton `dot` needs power-of-two tiles of at least 16, so a head
+dim that is not one (80 or 100, as some Llama- and Mistral-architecture checkpoints
+have; or one below 16) is padded inside the kernels to `validation.gpu_tile_dim(D)`
+columns, the padding masked on every load and store (`gpu_merge.head_columns`): the
+K/V bytes moved are those of D, the dots are as wide as the padded tile. For a power
+of two >= 16 nothing is masked and the kernel is the one timed. Padded head dims are
+checked in the interpreter and lowered, not yet run on a GPU. Page sizes below 8 are
+untested. float32 inputs use exact (IEEE) dots, which are correct but do not
 use tensor cores; bfloat16 is the fast path. No scaled (per-tensor or per-head)
 FP8: pages hold the values themselves.
 
@@ -87,13 +92,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paged_decode.gpu_merge import (
+    head_columns,
     merge_partials,
     merge_splits,
     merge_splits_gpu,
     merge_splits_wide,
     program_heads,
+    with_cols,
 )
-from pallas_kernels.validation import check_gpu_head_dim, check_gpu_pool, is_int, is_pow2
+from pallas_kernels.validation import check_gpu_pool, gpu_tile_dim, is_int, is_pow2
 
 __all__ = [
     "TUNING_KNOBS",
@@ -168,29 +175,30 @@ def default_tuning(
       A dict with the keys of `TUNING_KNOBS`.
     """
     itemsize = jnp.dtype(dtype).itemsize
+    tile_d = gpu_tile_dim(head_dim)  # the tiles' width (a padded D is sized as padded)
     group = num_heads // num_kv_heads
     block_h = min(max(_MIN_DOT, _next_pow2(group)), 64)
     head_blocks = -(-group // block_h)
     programs = batch * num_kv_heads * head_blocks
     target = _PROGRAMS_PER_SM * (num_sms() if sms is None else sms)
     if block_kv is None:
-        tile_tokens = _TILE_BYTES // (head_dim * itemsize)
+        tile_tokens = _TILE_BYTES // (tile_d * itemsize)
         block_kv = max(_MIN_DOT, min(128, 1 << (tile_tokens.bit_length() - 1)))
     num_splits = 1
     if 0 < programs < target:
         num_splits = max(1, min(target // programs, max_pages * page_size // _MIN_SPLIT_TOKENS))
-    tile_bytes = block_kv * head_dim * itemsize
+    tile_bytes = block_kv * tile_d * itemsize
     num_stages = 3 if tile_bytes <= 2 * _TILE_BYTES else 2 if tile_bytes <= 4 * _TILE_BYTES else 1
     return dict(
         block_kv=block_kv,
         block_h=block_h,
         num_splits=num_splits,
-        num_warps=8 if block_h * head_dim >= 64 * 128 else 4,
+        num_warps=8 if block_h * tile_d >= 64 * 128 else 4,
         num_stages=num_stages,
     )
 
 
-def _check_tuning(tuning: dict, head_dim: int) -> None:
+def _check_tuning(tuning: dict) -> None:
     for name in ("block_kv", "block_h"):
         value = tuning[name]
         if not is_pow2(value) or value < _MIN_DOT:
@@ -201,7 +209,6 @@ def _check_tuning(tuning: dict, head_dim: int) -> None:
             raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
     if not is_pow2(tuning["num_warps"]) or tuning["num_warps"] > 32:
         raise ValueError(f"num_warps must be a power of two <= 32, got {tuning['num_warps']!r}")
-    check_gpu_head_dim(head_dim)
 
 
 def _decode_kernel(
@@ -229,8 +236,9 @@ def _decode_kernel(
     # Query heads of this program: rows of the tile; rows past the group are padding.
     kv_head, heads, row_ok = program_heads(group, block_h, head_blocks)  # [block_h]
     heads = heads[:, None]  # [block_h, 1]
-    cols = lax.iota(jnp.int32, head_dim)[None, :]  # [1, D]
-    q = plgpu.load(q_ref.at[b, heads, cols], mask=row_ok[:, None], other=0)  # [block_h, D]
+    cols, col_ok = head_columns(head_dim)  # [1, tile_d]: D padded to a power of two
+    tile_ok = with_cols(row_ok[:, None], col_ok)  # [block_h, tile_d]
+    q = plgpu.load(q_ref.at[b, heads, cols], mask=tile_ok, other=0)  # [block_h, tile_d]
 
     # Live tokens [lo, hi); blocks of block_kv tokens aligned to 0; this split's share.
     hi = jnp.minimum(lengths_ref[b], max_pages * page_size)
@@ -262,9 +270,10 @@ def _decode_kernel(
         # depend on the loop state, not on a load of this iteration.
         next_rows = rows_of(i + 1)
         # FP8 pages are upcast right after the load: the bytes moved stay fp8.
-        k = plgpu.load(k_ref.at[kv_head, rows[:, None], cols], mask=live[:, None], other=kv_zero)
-        k = k.astype(q.dtype)  # [block_kv, D]
-        v = plgpu.load(v_ref.at[kv_head, rows[:, None], cols], mask=live[:, None], other=kv_zero)
+        kv_ok = with_cols(live[:, None], col_ok)  # [block_kv, tile_d]
+        k = plgpu.load(k_ref.at[kv_head, rows[:, None], cols], mask=kv_ok, other=kv_zero)
+        k = k.astype(q.dtype)  # [block_kv, tile_d]
+        v = plgpu.load(v_ref.at[kv_head, rows[:, None], cols], mask=kv_ok, other=kv_zero)
         v = v.astype(q.dtype)
         s = lax.dot_general(
             q,
@@ -287,11 +296,11 @@ def _decode_kernel(
             (((1,), (0,)), ((), ())),
             precision=precision,
             preferred_element_type=jnp.float32,
-        )  # [block_h, D]
+        )  # [block_h, tile_d]
         return alpha[:, None] * o + pv, m_new, denom, next_rows
 
     init = (
-        jnp.zeros((block_h, head_dim), jnp.float32),
+        jnp.zeros((block_h, cols.shape[1]), jnp.float32),
         jnp.full((block_h,), -jnp.inf, jnp.float32),
         jnp.zeros((block_h,), jnp.float32),
         rows_of(start),
@@ -301,10 +310,10 @@ def _decode_kernel(
     if num_splits == 1:
         (o_ref,) = out_refs
         out = o / jnp.where(denom > 0, denom, 1.0)[:, None]
-        plgpu.store(o_ref.at[b, heads, cols], out.astype(o_ref.dtype), mask=row_ok[:, None])
+        plgpu.store(o_ref.at[b, heads, cols], out.astype(o_ref.dtype), mask=tile_ok)
     else:
         o_ref, m_ref, l_ref = out_refs
-        plgpu.store(o_ref.at[split, b, heads, cols], o, mask=row_ok[:, None])
+        plgpu.store(o_ref.at[split, b, heads, cols], o, mask=tile_ok)
         plgpu.store(m_ref.at[split, b, heads[:, 0]], m, mask=row_ok)
         plgpu.store(l_ref.at[split, b, heads[:, 0]], denom, mask=row_ok)
 
@@ -472,7 +481,7 @@ def paged_decode_gpu(
         num_stages=num_stages,
     )
     tuning.update({k: v for k, v in given.items() if v is not None})
-    _check_tuning(tuning, head_dim)
+    _check_tuning(tuning)
     check_gpu_pool(k_pages.shape)
     if not isinstance(interpret, bool):
         raise TypeError(f"interpret must be a bool, got {interpret=}")

@@ -41,6 +41,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.validation import gpu_tile_dim
+
 UNROLLED_SPLITS = 8  # up to this many splits the merge kernel's loop is unrolled
 WIDE_TILE = 8192  # float32 elements of partials per tile of `merge_splits_wide` (32 KiB)
 
@@ -79,16 +81,36 @@ def program_heads(group: int, block_h: int, head_blocks: int):
     return kv_head, kv_head * group + row, row_ok
 
 
+def head_columns(head_dim: int):
+    """The column indices of a program's tiles and their mask, for every GPU decode and
+    merge kernel: `gpu_tile_dim(head_dim)` columns, the padding past `head_dim` masked.
+
+    Returns:
+      (cols [1, tile_d] int32, col_ok): col_ok is None when nothing is padded (a power of
+      two >= 16, whose kernels are then those before padding existed), else
+      [1, tile_d] bool.
+    """
+    tile_d = gpu_tile_dim(head_dim)
+    cols = lax.iota(jnp.int32, tile_d)[None, :]
+    return cols, None if tile_d == head_dim else cols < head_dim
+
+
+def with_cols(mask, col_ok):
+    """`mask` (broadcasting against [rows, tile_d]) and the column mask, if any."""
+    return mask if col_ok is None else mask & col_ok
+
+
 def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, group, block_h, head_blocks, num_splits):
     b = pl.program_id(0)
     _, heads, row_ok = program_heads(group, block_h, head_blocks)  # [block_h]
-    cols = lax.iota(jnp.int32, o_ref.shape[-1])[None, :]  # [1, D]
+    cols, col_ok = head_columns(o_ref.shape[-1])  # [1, tile_d]
+    tile_ok = with_cols(row_ok[:, None], col_ok)  # [block_h, tile_d]
 
     def body(s, carry):
         acc, m_run, l_run = carry  # [block_h, D], [block_h], [block_h]
         m_s = plgpu.load(m_ref.at[s, b, heads], mask=row_ok, other=-jnp.inf)
         l_s = plgpu.load(l_ref.at[s, b, heads], mask=row_ok, other=0.0)
-        o_s = plgpu.load(o_ref.at[s, b, heads[:, None], cols], mask=row_ok[:, None], other=0.0)
+        o_s = plgpu.load(o_ref.at[s, b, heads[:, None], cols], mask=tile_ok, other=0.0)
         m_new = jnp.maximum(m_run, m_s)
         # Both -inf (nothing seen yet, or empty rows): shift by 0, so both weights are 0.
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -98,7 +120,7 @@ def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, group, block_h, head_blocks, 
         return acc, m_new, l_run * alpha + l_s * weight
 
     init = (
-        jnp.zeros((block_h, o_ref.shape[-1]), jnp.float32),
+        jnp.zeros((block_h, cols.shape[1]), jnp.float32),
         jnp.full((block_h,), -jnp.inf, jnp.float32),
         jnp.zeros((block_h,), jnp.float32),
     )
@@ -112,7 +134,7 @@ def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, group, block_h, head_blocks, 
         acc, _, total = lax.fori_loop(0, num_splits, body, init)
     out = acc / jnp.where(total > 0, total, 1.0)[:, None]
     out_idx = out_ref.at[b, heads[:, None], cols]
-    plgpu.store(out_idx, out.astype(out_ref.dtype), mask=row_ok[:, None])
+    plgpu.store(out_idx, out.astype(out_ref.dtype), mask=tile_ok)
 
 
 def merge_splits_gpu(o, m, denom, *, dtype, group: int, block_h: int, interpret: bool = False):
@@ -151,7 +173,7 @@ def merge_splits_gpu(o, m, denom, *, dtype, group: int, block_h: int, interpret:
 
 def _wide_merge_kernel(o_ref, m_ref, l_ref, out_ref, *, num_splits, tile):
     b, h = pl.program_id(0), pl.program_id(1)
-    cols = lax.iota(jnp.int32, o_ref.shape[-1])[None, :]  # [1, D]
+    cols, col_ok = head_columns(o_ref.shape[-1])  # [1, tile_d]
 
     def body(t, carry):
         acc, m_run, l_run = carry  # [D], [], []
@@ -159,7 +181,9 @@ def _wide_merge_kernel(o_ref, m_ref, l_ref, out_ref, *, num_splits, tile):
         ok = split < num_splits
         m_s = plgpu.load(m_ref.at[split, b, h], mask=ok, other=-jnp.inf)  # [tile]
         l_s = plgpu.load(l_ref.at[split, b, h], mask=ok, other=0.0)
-        o_s = plgpu.load(o_ref.at[split[:, None], b, h, cols], mask=ok[:, None], other=0.0)
+        o_s = plgpu.load(
+            o_ref.at[split[:, None], b, h, cols], mask=with_cols(ok[:, None], col_ok), other=0.0
+        )
         m_new = jnp.maximum(m_run, jnp.max(m_s))
         # Nothing seen yet (or only empty splits): shift by 0, so every weight is 0.
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -169,7 +193,7 @@ def _wide_merge_kernel(o_ref, m_ref, l_ref, out_ref, *, num_splits, tile):
         return acc, m_new, l_run * alpha + jnp.sum(l_s * weight)
 
     init = (
-        jnp.zeros((o_ref.shape[-1],), jnp.float32),
+        jnp.zeros((cols.shape[1],), jnp.float32),
         jnp.float32(-jnp.inf),
         jnp.float32(0.0),
     )
@@ -179,7 +203,10 @@ def _wide_merge_kernel(o_ref, m_ref, l_ref, out_ref, *, num_splits, tile):
     else:
         acc, _, total = lax.fori_loop(0, tiles, body, init)
     out = acc / jnp.where(total > 0, total, 1.0)
-    plgpu.store(out_ref.at[b, h, cols[0]], out.astype(out_ref.dtype))
+    if col_ok is None:
+        plgpu.store(out_ref.at[b, h, cols[0]], out.astype(out_ref.dtype))
+    else:
+        plgpu.store(out_ref.at[b, h, cols[0]], out.astype(out_ref.dtype), mask=col_ok[0])
 
 
 def wide_tile(num_splits: int, head_dim: int) -> int:
@@ -198,8 +225,7 @@ def merge_splits_wide(o, m, denom, *, dtype, interpret: bool = False):
     the caller's jit, like `merge_splits_gpu`).
 
     Args:
-      o, m, denom: as for `merge_splits`; D a power of two (the decode kernel's head
-        dims are).
+      o, m, denom: as for `merge_splits` (any D: tiles pad it, `head_columns`).
       dtype: the output dtype.
       interpret: run in the Pallas interpreter (CPU testing).
 
@@ -208,7 +234,9 @@ def merge_splits_wide(o, m, denom, *, dtype, interpret: bool = False):
     """
     num_splits, batch, num_heads, head_dim = o.shape
     kernel = functools.partial(
-        _wide_merge_kernel, num_splits=num_splits, tile=wide_tile(num_splits, head_dim)
+        _wide_merge_kernel,
+        num_splits=num_splits,
+        tile=wide_tile(num_splits, gpu_tile_dim(head_dim)),
     )
     return pl.pallas_call(
         kernel,

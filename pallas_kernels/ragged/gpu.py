@@ -85,7 +85,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.validation import check_gpu_head_dim, check_gpu_pool, is_int, is_pow2
+from pallas_kernels.validation import check_gpu_pool, gpu_tile_dim, is_int, is_pow2
 
 _NEG = -1e30  # finite "minus infinity": keeps exp2(m_old - m_new) NaN-free
 _LOG2E = math.log2(math.e)
@@ -136,10 +136,17 @@ def _kernel(
         g = row % group_pad
         row_ok = (tok < q_len) & (g < group)  # [M]
         q_rows = (q_start + tok) * num_heads + kv_head * group + g  # [M] rows of q and o
-        col = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
+        # D padded to a power of two >= 16 (Triton's dot tiles), the padding masked.
+        tile_d = gpu_tile_dim(head_dim)
+        col = lax.broadcasted_iota(jnp.int32, (1, tile_d), 1)
+        col_ok = None if tile_d == head_dim else col < head_dim  # [1, tile_d]
+
+        def with_cols(mask):  # [rows, 1] -> [rows, tile_d] with the column mask, if any
+            return mask if col_ok is None else mask & col_ok
+
         q_ok = row_ok & (seg < num_seqs)  # the padding segment reads no queries
         q_idx = jnp.where(q_ok, q_rows, 0)[:, None]
-        q = plgpu.load(q_ref.at[q_idx, col], mask=q_ok[:, None], other=0)  # [M, D]
+        q = plgpu.load(q_ref.at[q_idx, col], mask=with_cols(q_ok[:, None]), other=0)  # [M, tile_d]
         pos = ctx - q_len + tok  # [M] absolute position of each query row
 
         # KV range of the whole block: [kv_lo, kv_hi).
@@ -186,8 +193,9 @@ def _kernel(
                 rows = rows_of(kv_pos, kv_ok)
             kv_rows = rows[:, None]
             # FP8 pages are upcast right after the load: the bytes moved stay fp8.
-            k = plgpu.load(k_ref.at[kv_rows, col], mask=kv_ok[:, None], other=kv_zero)
-            k = k.astype(q.dtype)  # [bkv, D]
+            kv_mask = with_cols(kv_ok[:, None])  # [bkv, tile_d]
+            k = plgpu.load(k_ref.at[kv_rows, col], mask=kv_mask, other=kv_zero)
+            k = k.astype(q.dtype)  # [bkv, tile_d]
             s = lax.dot_general(
                 q,
                 k,
@@ -210,20 +218,20 @@ def _kernel(
             if masked:
                 p = jnp.where(visible, p, 0.0)
             l_new = l_i * alpha + jnp.sum(p, axis=1)
-            v = plgpu.load(v_ref.at[kv_rows, col], mask=kv_ok[:, None], other=kv_zero)
-            v = v.astype(q.dtype)  # [bkv, D]
+            v = plgpu.load(v_ref.at[kv_rows, col], mask=kv_mask, other=kv_zero)
+            v = v.astype(q.dtype)  # [bkv, tile_d]
             pv = lax.dot_general(
                 p.astype(v.dtype),
                 v,
                 (((1,), (0,)), ((), ())),
                 precision=dot_precision,
                 preferred_element_type=jnp.float32,
-            )  # [M, D]
+            )  # [M, tile_d]
             new = (acc * alpha[:, None] + pv, m_new, l_new)
             return (*new, next_rows) if prefetch_rows else new
 
         carry = (
-            jnp.zeros((m_rows, head_dim), jnp.float32),
+            jnp.zeros((m_rows, tile_d), jnp.float32),
             jnp.full((m_rows,), _NEG, jnp.float32),
             jnp.zeros((m_rows,), jnp.float32),
         )
@@ -240,7 +248,7 @@ def _kernel(
         # Masked rows point past the end: the interpreter's scatter drops them, and
         # unlike a clamped index they cannot collide with a real row.
         o_idx = jnp.where(row_ok, q_rows, o_ref.shape[0])[:, None]
-        plgpu.store(o_ref.at[o_idx, col], out.astype(o_ref.dtype), mask=row_ok[:, None])
+        plgpu.store(o_ref.at[o_idx, col], out.astype(o_ref.dtype), mask=with_cols(row_ok[:, None]))
 
 
 def _schedule(query_start_loc, num_tokens, block_q, num_q_blocks):
@@ -281,6 +289,7 @@ def default_tuning(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, dtyp
     float32 (a correctness path: exact IEEE dots, no tensor cores) and D = 256 use
     smaller KV blocks to keep the tiles in registers, and never M = 128.
     """
+    head_dim = gpu_tile_dim(head_dim)  # registers hold the padded tiles
     group_pad = _pow2(num_heads // num_kv_heads)
     wide = head_dim > 128 or (jnp.dtype(dtype) == jnp.float32 and head_dim > 64)
     fast = jnp.dtype(dtype) != jnp.float32 and head_dim <= 128
@@ -355,7 +364,6 @@ def ragged_paged_attention_gpu(
       [T, H, D] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
-    check_gpu_head_dim(head_dim)
     check_gpu_pool(k_pages.shape)
     num_kv_heads = k_pages.shape[0]
     num_seqs = page_table.shape[0]
