@@ -8,9 +8,10 @@ GPU; the device-memory test is skipped there. `scripts/device_check.sh` runs thi
 file on the GPU.
 
 * Decode kernel (`paged_decode_attention(backend="gpu")`): GQA 1/4/8 and MQA, head
-  dims 64/128/256 and the padded 80/100 (split and not), page sizes 8-128, bf16 and f32, lengths 1, a page boundary, the
-  maximum and random ones, shuffled page tables, soft cap, sliding window, a batch of
-  37, a 32,768-token context at B=1 (split-K) and B=256.
+  dims 64/128/256 and the padded 80/100 (split and not), page sizes 8-128, bf16 and
+  f32, lengths 1, a page boundary, the maximum and random ones, shuffled page tables,
+  soft cap, sliding window, a batch of 37, a 32,768-token context at B=1 (split-K)
+  and B=256.
 * Ragged kernel (`ragged_paged_attention(backend="gpu")`): a prefill in one go and in
   random chunks; 3 decode rows + 2 chunks (one starting and ending mid-page) + q_len 0
   rows + padding rows past `query_start_loc[B]` (which must be zero); a 512-token chunk
