@@ -326,6 +326,7 @@ class BlockManager(SeqTables):
         window: int | None = None,
         compute_last: bool = True,
         count_stats: bool = True,
+        num_prompt_tokens: int | None = None,
     ) -> int:
         """Allocates pages for the prompt, reusing cached full prefix pages.
 
@@ -354,6 +355,11 @@ class BlockManager(SeqTables):
                 out of its prefix-cache counters: they would count its own pages). An
                 admission that does not read the cache (``read_cache=False``, or
                 caching off) is no query either, as in vLLM: its tokens are no misses.
+            num_prompt_tokens: the request's prompt length P, 1 <= P <= T (None: T). A
+                manager that knows the model's window keeps, when the sequence is freed,
+                the cached pages in the window of the prompt's end (``free``): a request
+                preempted and readmitted with its output so far names its own prompt here,
+                not the readmitted length.
 
         Returns:
             Leading prompt tokens whose K/V is already cached (a multiple of
@@ -380,6 +386,14 @@ class BlockManager(SeqTables):
         toks = token_array(token_ids, "token_ids")
         n = toks.shape[0]
         self._check_prompt_len(n)
+        num_prompt = (
+            n if num_prompt_tokens is None else as_int(num_prompt_tokens, "num_prompt_tokens")
+        )
+        if not 1 <= num_prompt <= n:
+            raise InvalidArgument(
+                f"num_prompt_tokens must be None or an int in [1, {n}] (the admitted tokens), "
+                f"got {num_prompt_tokens=}"
+            )
         buf, ps, rc = toks.tobytes(), self.page_size, self._pool.refcount
         # Unless the caller computes what follows, at least the last token is left to
         # compute here, so the page holding it is never a hit.
@@ -414,7 +428,7 @@ class BlockManager(SeqTables):
             self._pool.refresh(reversed(hits[:r]))
         pages = [-1] * r + kept + [self._pool.alloc() for _ in range(num_new)]
         capacity = self._max_pages_per_seq or max(4, 2 * len(pages))
-        seq = SeqPages.admitted(pages, r, capacity, buf, n, cached, chain)
+        seq = SeqPages.admitted(pages, r, capacity, buf, n, cached, chain, num_prompt)
         self._seqs[seq_id] = seq
         if peak_pages is not None and not done:
             seq.peak = peak_pages

@@ -339,6 +339,10 @@ class Scheduler(RequestsMixin):
                     # be cached.
                     compute_last=n == len(s.token_ids),
                     count_stats=g.num_cached_tokens is None,  # (its first admission)
+                    # Readmitted after preemption with its output so far: freeing it keeps
+                    # its prompt's window cached, not the readmitted length's (the n
+                    # samples' parent holds prompt[:-1]: all of it is prompt).
+                    num_prompt_tokens=min(s.num_prompt_tokens, n),
                 )
                 s.status = SeqStatus.RUNNING
                 s.num_admitted, s.num_computed, s.num_cached_tokens = n, cached, cached

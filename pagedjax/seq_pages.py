@@ -49,7 +49,7 @@ class SeqPages:
     unknown: int = -1  # position of the token whose value is not known yet (-1: none)
     released: int = 0  # leading pages given back (window): -1 in pages, PAD_PAGE in table
     peak: int = 0  # admitted with peak_pages, prompt not computed: most pages held (else 0)
-    num_prompt: int = 0  # tokens it was admitted with (a fork: its parent's)
+    num_prompt: int = 0  # its request's prompt length, <= admitted tokens (a fork: parent's)
 
     @classmethod
     def admitted(
@@ -61,9 +61,12 @@ class SeqPages:
         num_tokens: int,
         num_computed: int,
         chain: Chain,
+        num_prompt: int,
     ) -> SeqPages:
         """A new sequence holding ``pages`` (the first ``released`` of them -1) for its
-        prompt, ``num_tokens`` int64 ``tokens``, in a table of ``capacity`` entries."""
+        prompt, ``num_tokens`` int64 ``tokens``, in a table of ``capacity`` entries; the
+        first ``num_prompt`` of them are its request's prompt (a readmitted request's
+        output follows)."""
         table = np.full(capacity, PAD_PAGE, np.int32)
         table[released : len(pages)] = pages[released:]
         return cls(
@@ -74,7 +77,7 @@ class SeqPages:
             num_computed,
             chain,
             released=released,
-            num_prompt=num_tokens,
+            num_prompt=num_prompt,
         )
 
     def forked(self) -> SeqPages:
@@ -152,6 +155,7 @@ class SeqPages:
         require(table == [PAD_PAGE] * r + held, f"{sid!r}: table mirror is stale")
         require(len(s.tokens) == 8 * s.num_tokens, f"{sid!r}: token buffer length")
         require(0 <= s.num_computed <= s.num_tokens, f"{sid!r}: num_computed out of range")
+        require(1 <= s.num_prompt <= s.num_tokens, f"{sid!r}: num_prompt out of range")
         require(-1 <= s.unknown < s.num_tokens, f"{sid!r}: unknown token out of range")
         known = s.num_computed if s.unknown < 0 else min(s.num_computed, s.unknown)
         prefix.check_chain(repr(sid), s.chain, s.pages, s.tokens, known, require)

@@ -312,8 +312,9 @@ class SeqTables:
         ``>= q - W + 1`` (and the page before ``q``, which a hit needs even if W = 1),
         where ``q`` is the first position of the page holding the last token, or the end
         of the sequence's cached chain if that is lower (where a hit stops: freed
-        mid-prefill, or caching stopped), for the end of the prompt the sequence was
-        admitted with (the same prompt again) and for its own end (a continuation).
+        mid-prefill, or caching stopped), for the end of its request's prompt (the same
+        prompt again; ``admit``'s ``num_prompt_tokens``, which a request readmitted after
+        preemption gives) and for its own end (a continuation).
         Those of the prompt's end become the most recently freed, tail first, then those
         of the sequence's end behind them; the sequence's other pages stay where they are
         in the LRU (released ones as ``release_before`` left them; held ones freed tail

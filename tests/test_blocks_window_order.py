@@ -5,10 +5,18 @@ cached under a page, so a page is worth keeping only for a hit point less than W
 above it: `free` renews the pages in the window of the prompt's end (the same prompt
 again) and of the sequence's end (a continuation), and leaves the others (the prompt's
 head, the middle of the output) to be evicted first. Full attention keeps its order: the
-whole chain tail first, so a prefix's head is evicted last.
+whole chain tail first, so a prefix's head is evicted last. A request readmitted after
+preemption (its prompt plus its output so far) names its prompt's length on admission
+(`num_prompt_tokens`), so its free still renews the original prompt's window.
 """
 
-from pagedjax.blocks import BlockManager
+import re
+
+import numpy as np
+import pytest
+from block_machine import snapshot
+
+from pagedjax.blocks import BlockManager, InvalidArgument
 
 W, PS = 8, 4
 PROMPT = list(range(100, 140))  # 40 tokens: 10 full pages
@@ -131,3 +139,85 @@ def test_a_window_of_one_keeps_the_last_page_a_hit_needs():
     evict(bm, 8)
     assert bm.admit("b", PROMPT, window=1) == 36
     bm.check_invariants()
+
+
+def test_a_readmitted_request_renews_its_original_prompts_window():
+    """A request preempted after decoding OUTPUT comes back as PROMPT + OUTPUT (48 tokens)
+    and names its prompt (``num_prompt_tokens=40``): freed, it renews the window of the
+    prompt's end (pages 7-9) and of its own end (9-11), so after 7 evictions the same
+    prompt again hits 36 tokens. Admitted as a 48-token prompt, both windows are pages
+    9-11: pages 7 and 8 go first, and the same prompt hits only 8 tokens (pages 0, 1).
+    A fork carries the prompt length; ``check_invariants`` holds throughout."""
+    hits = {}
+    for num_prompt in (len(PROMPT), None):
+        bm = BlockManager(16, PS, watermark=0, sliding_window=W)
+        bm.admit("a", PROMPT + OUTPUT, window=W, num_prompt_tokens=num_prompt)
+        bm.mark_computed("a", len(PROMPT) + len(OUTPUT))
+        bm.fork("a", "a2")
+        assert bm._seqs["a2"].num_prompt == (num_prompt or len(PROMPT) + len(OUTPUT))
+        pages = bm._prefix.chain_pages(bm._seqs["a"].chain.node)[::-1]
+        bm.free("a")  # a2 still holds every page: nothing to renew yet
+        bm.check_invariants()
+        bm.free("a2")
+        bm.check_invariants()
+        if num_prompt:
+            assert list(bm._evictable) == pages[6::-1] + pages[8:6:-1] + pages[:8:-1]
+        else:
+            assert list(bm._evictable) == pages[8::-1] + pages[:8:-1]
+        evict(bm, 7)
+        hits[num_prompt] = bm.admit("b", PROMPT, window=W)
+        bm.check_invariants()
+    assert hits == {len(PROMPT): 36, None: 8}
+
+
+def test_a_bad_num_prompt_tokens_is_refused_before_anything_changes():
+    bm = BlockManager(16, PS, watermark=0, sliding_window=W)
+    decoded(bm, W)
+    bm.admit("b", PROMPT[:12], window=W, num_prompt_tokens=5)
+    before = snapshot(bm), bm._seqs["b"].num_prompt
+    for bad in (0, -1, len(PROMPT) + 1, np.int64(0), True, 4.0, "40"):
+        error = (
+            InvalidArgument if isinstance(bad, (int, np.integer)) and bad is not True else TypeError
+        )
+        with pytest.raises(error, match=re.escape(f"num_prompt_tokens={bad!r}")):
+            bm.admit("c", PROMPT, window=W, num_prompt_tokens=bad)
+        assert "c" not in bm and (snapshot(bm), bm._seqs["b"].num_prompt) == before
+    bm.check_invariants()
+    # In range (numpy ints too), and the default: the admitted length.
+    bm.admit("c", PROMPT, window=W, num_prompt_tokens=np.int64(len(PROMPT)))
+    bm.admit("d", PROMPT[:3], num_prompt_tokens=1)
+    bm.admit("e", PROMPT[:7])
+    assert [bm._seqs[s].num_prompt for s in "bcde"] == [5, len(PROMPT), 1, 7]
+    bm.check_invariants()
+
+
+def test_the_scheduler_readmits_a_preempted_request_with_its_prompt_length():
+    """A window model's requests preempted mid-decode (two that each grow to 5 pages under
+    W = 16 share 8) are readmitted with their prompt and output so far; the block manager
+    still knows each one's prompt length, up to the free that ends it."""
+    from test_scheduler import reference
+    from test_window_admission import WindowSim  # (imports the engine: only here)
+
+    sim = WindowSim(16, num_pages=8, max_num_seqs=2, budget=8)
+    bm, admitted, freed = sim.bm, [], []
+    admit, free = bm.admit, bm.free
+
+    def spy_admit(seq_id, token_ids, **kw):
+        admitted.append(len(token_ids))
+        return admit(seq_id, token_ids, **kw)
+
+    def spy_free(seq_id):
+        freed.append((bm._seqs[seq_id].num_prompt, bm.num_tokens(seq_id)))
+        free(seq_id)
+
+    bm.admit, bm.free = spy_admit, spy_free
+    prompts = {"a": list(range(3, 13)), "b": list(range(20, 30))}
+    groups = [sim.add(rid, p, 24) for rid, p in prompts.items()]
+    sim.run()
+    assert sum(g.num_preemptions for g in groups) > 0
+    for g, p in zip(groups, prompts.values(), strict=True):
+        assert g.finished[0].token_ids == reference(p, 24)
+    assert len(admitted) == len(freed) == 2 + sum(g.num_preemptions for g in groups)
+    assert max(admitted) > 10  # readmitted with output, and freed again
+    assert [n for n, _ in freed] == [10] * len(freed)
+    assert max(m for _, m in freed) == 10 + 24 - 1  # (the last token is never fed)
