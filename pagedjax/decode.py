@@ -30,7 +30,7 @@ README example::
     from pagedjax import cache as cache_lib, config, decode, model, scoring
 
     cfg = config.preset("tiny")                 # or ModelConfig.from_hf(...)
-    params = model.init_params(cfg, seed=0)     # or loaded weights (pagedjax.weights)
+    params = model.init_params(cfg, seed=0)     # or pagedjax.weights.load_checkpoint(path)[1]
 
     # 1. The one-liner: static batch, greedy or sampled.
     out = decode.generate(params, [[1, 5, 7, 9], [1, 42]], max_new_tokens=16)
@@ -39,7 +39,7 @@ README example::
     scores = scoring.score(params, [[1, 5, 7, 9], [1, 42]], top_k=2)
     print(scores.logprobs[0], scores.total_logprob(0))   # log p(5 | 1), ...; their sum
 
-    # 2. The pieces underneath, one sequence by hand.
+    # 2. The pieces underneath.
     cache_cfg = config.CacheConfig(page_size=8, num_pages=32, dtype=cfg.dtype)
     cache = cache_lib.create(cfg, cache_cfg)    # L x [K, P, S, D] K and V pools
     prompt, pages = [1, 5, 7, 9, 11, 13, 17, 19, 23], [3, 4, 5]   # pages: any free ids

@@ -1,11 +1,13 @@
 """The README's examples and flag lists match the code.
 
-The four Python examples of "Use it from Python" run as written (the kernel
+The five Python examples of "Use it from Python" run as written (the kernel
 example on random inputs it names but does not build), and so do the two of
 "Running on several GPUs" (on 4 simulated CPU devices, the tiny preset for the
-checkpoint); every flag of scripts/generate.py and scripts/serve.py is in the
-README and every flag it names exists; the `--json` metrics row lists the
-engine's summary keys; the two commands are what `.ci/run` runs.
+checkpoint); every flag of scripts/generate.py and scripts/serve.py is in "Serve a
+checkpoint", and every flag that section, "LoRA adapters" and "The capacity planner"
+name exists; the `--json` metrics row lists the engine's summary keys; the test
+command is what `.ci/run` runs, and the demo command's flags parse with
+scripts/generate.py's parser (running it is the demo, not a test).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -152,6 +155,15 @@ def _script_flags(name: str) -> set[str]:
     }
 
 
+def _help_flags(*command: str) -> set[str]:
+    """The `--` flags a command's `--help` lists."""
+    proc = subprocess.run(
+        [sys.executable, *command, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", proc.stdout))
+
+
 def test_every_generate_flag_is_in_the_readme():
     section = _section("Serve a checkpoint")
     missing = sorted(f for f in _script_flags("generate") if f not in section)
@@ -168,17 +180,33 @@ def test_every_flag_the_readme_names_exists():
     """The section names flags of generate.py, chat.py, serve.py and convert_checkpoint.py
     (which has no build_parser: its --help lists them)."""
     flags = set().union(*map(_script_flags, ("generate", "chat", "serve")))
-    proc = subprocess.run(
-        [sys.executable, "scripts/convert_checkpoint.py", "--help"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
-    flags |= set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", proc.stdout))
+    flags |= _help_flags("scripts/convert_checkpoint.py")
     named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", _section("Serve a checkpoint")))
     assert named - flags == set(), f"flags the README names that no script has: {named - flags}"
+
+
+def test_every_lora_and_planner_flag_the_readme_names_exists():
+    scripts = set().union(*map(_script_flags, ("generate", "chat", "serve")))
+    scripts |= _help_flags("scripts/convert_checkpoint.py")  # (--merge-lora)
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", _section("LoRA adapters")))
+    assert named and named - scripts == set(), f"LoRA flags no script has: {named - scripts}"
+    planner = _help_flags("-m", "pagedjax.planner")
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", _section("The capacity planner")))
+    assert named and named - planner == set(), f"planner flags it lacks: {named - planner}"
+
+
+def test_the_demo_command_parses():
+    """The demo command's arguments are ones scripts/generate.py's parser takes."""
+    head = ".venv/bin/python scripts/generate.py"
+    (line,) = [line for line in _section("Two commands").splitlines() if head in line]
+    argv = shlex.split(line.split(head, 1)[1])
+    spec = importlib.util.spec_from_file_location(
+        "generate_for_readme", ROOT / "scripts/generate.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = script.build_parser().parse_args(argv)
+    assert (args.temperature, args.top_p, args.seed, args.max_tokens) == (0.7, 0.9, 0, 64)
 
 
 def test_the_json_metrics_row_lists_the_summary_keys():
