@@ -127,8 +127,11 @@ class StreamDecoder:
         if self._skip:
             special = self._tok._special_ids
             new = [i for i in new if i not in special]
-            if not new:
-                return ""  # (the decode is what it was)
+        if not new:
+            # The decode is what it was. (Deciding again would slide the window to an
+            # empty one, its first token then decoded without the one before it: a
+            # dropped padded id after "<unk>" made "<unk>" + "▁t" read "<unk>t".)
+            return ""
         byte_ids = self._tok._byte_ids
         for i in new:
             self._run = self._run + 1 if i in byte_ids else 0
