@@ -7,9 +7,10 @@
 * `"xla"`: the plain-jnp reference in `pallas_kernels.reference`;
 * `"auto"`: the GPU kernel on CUDA, the TPU kernel on TPU, XLA elsewhere; on
   CUDA also XLA for a page pool of more than 2**31 elements, which the GPU kernels'
-  int32 offsets cannot address (`"gpu"` refuses it with a ValueError). Any head dim
-  runs on the GPU kernels: one that is not a power of two of at least 16 (80, 96)
-  is padded inside them (`validation.gpu_tile_dim`).
+  int32 offsets cannot address, or a head dim over `validation.GPU_MAX_HEAD_DIM`
+  (256), whose tiles overflow their shared memory (`"gpu"` refuses both with a
+  ValueError). Any head dim up to it runs on the GPU kernels: one that is not a power
+  of two of at least 16 (80, 96) is padded inside them (`validation.gpu_tile_dim`).
 
 Both entry points validate shapes, dtypes and (when concrete) values on the host
 before tracing, then call the chosen implementation.
@@ -52,9 +53,11 @@ def resolve_backend(backend: str = "auto", platform: str | None = None) -> str:
 
 def _kernel_backend(backend: str, pool_shape) -> str:
     """`resolve_backend`, with "auto" on CUDA falling back to XLA for a pool too large for
-    the GPU kernels' int32 offsets (an explicit "gpu" raises there instead)."""
+    the GPU kernels' int32 offsets or a head dim (the pool's last axis) too wide for their
+    tiles (an explicit "gpu" raises there instead)."""
     concrete = resolve_backend(backend)
-    if backend == "auto" and concrete == "gpu" and not validation.gpu_pool_ok(pool_shape):
+    ok = validation.gpu_pool_ok(pool_shape) and validation.gpu_head_dim_ok(pool_shape[-1])
+    if backend == "auto" and concrete == "gpu" and not ok:
         return "xla"
     return concrete
 
@@ -87,6 +90,8 @@ def _no_xla_knobs(backend: str, tuning: dict, pool_shape) -> None:
         platform = jax.default_backend()
         if resolve_backend("auto", platform) != "gpu":
             reason = f"on platform {platform!r}"
+        elif not validation.gpu_head_dim_ok(head_dim := pool_shape[-1]):
+            reason = f"for {head_dim=}, wider than the GPU kernels' tiles take"
         else:
             reason = f"for k_pages {list(pool_shape)}, too large for the GPU kernels' offsets"
         why = f" (backend='auto' chose it {reason}; pass knobs with an explicit backend)"

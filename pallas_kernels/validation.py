@@ -56,9 +56,35 @@ def is_pow2(x) -> bool:
 def gpu_tile_dim(head_dim: int) -> int:
     """The head dim of the GPU (Triton) kernels' tiles: `head_dim` padded up to a power
     of two of at least 16, as Triton's `dot` tiles need. The padding columns are masked:
-    the kernels never load or store them, so any head dim (80, 96, 100, 8) runs, the
-    K/V bytes moved unchanged and only the dots' width padded."""
+    the kernels never load or store them, so any head dim up to `GPU_MAX_HEAD_DIM` (80,
+    96, 100, 8) runs, the K/V bytes moved unchanged and only the dots' width padded."""
     return max(16, 1 << (head_dim - 1).bit_length())
+
+
+# The widest head dim the GPU kernels take: their defaults size tiles for padded widths
+# up to 256 (the widest run on a GPU, tests/test_gpu_device.py). Wider tiles overflow
+# shared memory (232,448 bytes per program on the H200; pip Triton 3.9 for sm90, compiled
+# on a CPU with scripts/triton_ir.py): the ragged kernel at D = 257..512 in float32 takes
+# 270,336 bytes, at D = 513..1024 in any dtype 393,216; the decode kernel at
+# D = 1025..2048 in float32 262,144.
+GPU_MAX_HEAD_DIM = 256
+
+
+def gpu_head_dim_ok(head_dim: int) -> bool:
+    """Whether the GPU (Triton) kernels take this head dim: 1..`GPU_MAX_HEAD_DIM`, any
+    value (padded to `gpu_tile_dim` inside them)."""
+    return 1 <= head_dim <= GPU_MAX_HEAD_DIM
+
+
+def check_gpu_head_dim(head_dim: int) -> None:
+    """ValueError naming `head_dim` unless `gpu_head_dim_ok` (`backend="auto"` runs XLA
+    for such head dims on CUDA instead)."""
+    if not gpu_head_dim_ok(head_dim):
+        raise ValueError(
+            f"the GPU kernels take a head_dim of at most {GPU_MAX_HEAD_DIM} (wider tiles "
+            f"overflow shared memory), got {head_dim=} (backend='auto' runs XLA's "
+            "attention for it)"
+        )
 
 
 # The GPU (Triton) kernels address a page pool with int32 element offsets (Pallas's

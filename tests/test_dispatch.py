@@ -54,6 +54,39 @@ def test_auto_on_cuda_runs_the_gpu_kernels_for_any_head_dim(monkeypatch, head_di
     assert ran == ["gpu"] * 2
 
 
+@pytest.mark.parametrize("head_dim", [257, 1000])
+def test_auto_on_cuda_runs_xla_for_a_head_dim_too_wide_for_the_gpu_kernels(monkeypatch, head_dim):
+    """Past `validation.GPU_MAX_HEAD_DIM` (256) the GPU kernels' tiles (512 or 1024 wide)
+    overflow shared memory, so "auto" on CUDA (faked) runs XLA's attention, as it did
+    before head dims were padded; knobs then say why, and "gpu" refuses the head dim."""
+    from pallas_kernels import dispatch
+
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "cuda")
+    ran = []
+    for name in ("_decode_impl", "_ragged_impl"):
+        real = getattr(dispatch, name)
+        monkeypatch.setattr(dispatch, name, lambda b, real=real: ran.append(b) or real(b))
+    q, kp, vp, lengths, table = inputs(np.random.default_rng(head_dim), d=head_dim)
+    out = pk.paged_decode_attention(q, kp, vp, lengths, table)
+    want = ref.paged_attention_xla(q, kp, vp, lengths, table)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
+    loc = np.array([0, 1, 3, 3], np.int32)
+    out = pk.ragged_paged_attention(q, kp, vp, table, lengths, loc)
+    want = ref.ragged_paged_attention_xla(q, kp, vp, table, lengths, loc)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
+    assert ran == ["xla"] * 2
+    why = f"backend='auto' chose it for head_dim={head_dim}, wider than"
+    with pytest.raises(TypeError, match=why):
+        pk.paged_decode_attention(q, kp, vp, lengths, table, block_kv=16)
+    with pytest.raises(TypeError, match=why):
+        pk.ragged_paged_attention(q, kp, vp, table, lengths, loc, block_q=4)
+    refused = rf"head_dim of at most 256 .*got head_dim={head_dim}"
+    with pytest.raises(ValueError, match=refused):
+        pk.paged_decode_attention(q, kp, vp, lengths, table, backend="gpu", interpret=True)
+    with pytest.raises(ValueError, match=refused):
+        pk.ragged_paged_attention(q, kp, vp, table, lengths, loc, backend="gpu", interpret=True)
+
+
 def test_xla_backend_is_the_reference():
     q, kp, vp, lengths, table = inputs(np.random.default_rng(0))
     out = pk.paged_decode_attention(q, kp, vp, lengths, table, backend="xla")

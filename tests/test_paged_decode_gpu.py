@@ -209,6 +209,17 @@ def test_head_dims_padded_inside_the_kernel(head_dim, dtype, options):
     check(head_dim=head_dim, dtype=dtype, batch=4, page_size=8, max_pages=5, **options)
 
 
+@pytest.mark.parametrize("head_dim", [257, 1000])
+def test_head_dims_past_the_widest_tile_are_refused(head_dim):
+    """Past 256 the tiles (512 or 1024 wide) overflow shared memory with the defaults
+    (the ragged kernel's from 257 in float32, the decode kernel's past 1024): a ValueError
+    naming head_dim, where a GPU would fail to compile; 256 itself runs
+    (test_head_dims_and_page_sizes)."""
+    q, _, _, k, v, lengths, page_table = make_case(0, 2, 4, 2, head_dim, 8, 2, jnp.float32)
+    with pytest.raises(ValueError, match=rf"at most 256 .*got head_dim={head_dim}\b"):
+        paged_decode_gpu(q, k, v, lengths, page_table, interpret=True)
+
+
 @pytest.mark.parametrize("num_splits", [2, 5, 12])  # 12: more than 8, the wide merge
 def test_split_k(num_splits):
     # 7 sequences: lengths 0 (a zero row), 1, page boundaries, max, odd.

@@ -425,6 +425,16 @@ def test_head_dims_padded_inside_the_kernel(head_dim, heads, dtype, opts):
     _check(_run(args, **opts), _dense_ref(dense, args[0].shape[0], **opts), dtype)
 
 
+@pytest.mark.parametrize("head_dim", [257, 1000])
+def test_head_dims_past_the_widest_tile_are_refused(head_dim):
+    """Past 256 the tiles (512 or 1024 wide) overflow shared memory with the defaults
+    (393,216 bytes at 1024, 270,336 at 512 in float32; the H200 has 232,448): a
+    ValueError naming head_dim, where a GPU would fail to compile."""
+    args, _ = _batch(np.random.default_rng(0), [1, 2], [3, 5], head_dim=head_dim)
+    with pytest.raises(ValueError, match=rf"at most 256 .*got head_dim={head_dim}\b"):
+        _run(args)
+
+
 def test_through_dispatcher():
     """The dispatcher forwards scale, soft cap and window to the kernel."""
     opts = dict(scale=0.3, soft_cap=4.0, sliding_window=6)

@@ -66,10 +66,11 @@ have; or one below 16) is padded inside the kernels to `validation.gpu_tile_dim(
 columns, the padding masked on every load and store (`gpu_merge.head_columns`): the
 K/V bytes moved are those of D, the dots are as wide as the padded tile. For a power
 of two >= 16 nothing is masked and the kernel is the one timed. Padded head dims are
-checked in the interpreter and lowered, not yet run on a GPU. Page sizes below 8 are
-untested. float32 inputs use exact (IEEE) dots, which are correct but do not
-use tensor cores; bfloat16 is the fast path. No scaled (per-tensor or per-head)
-FP8: pages hold the values themselves.
+checked in the interpreter and lowered, not yet run on a GPU. Head dims over
+`validation.GPU_MAX_HEAD_DIM` (256) are refused: wider tiles overflow shared memory.
+Page sizes below 8 are untested. float32 inputs use exact (IEEE) dots, which are
+correct but do not use tensor cores; bfloat16 is the fast path. No scaled
+(per-tensor or per-head) FP8: pages hold the values themselves.
 
 Status: checked in the interpreter and lowered to Triton IR on CPU-only
 machines (the test suite), and compiled, checked against the reference and timed
@@ -100,7 +101,13 @@ from pallas_kernels.paged_decode.gpu_merge import (
     program_heads,
     with_cols,
 )
-from pallas_kernels.validation import check_gpu_pool, gpu_tile_dim, is_int, is_pow2
+from pallas_kernels.validation import (
+    check_gpu_head_dim,
+    check_gpu_pool,
+    gpu_tile_dim,
+    is_int,
+    is_pow2,
+)
 
 __all__ = [
     "TUNING_KNOBS",
@@ -482,6 +489,7 @@ def paged_decode_gpu(
     )
     tuning.update({k: v for k, v in given.items() if v is not None})
     _check_tuning(tuning)
+    check_gpu_head_dim(head_dim)
     check_gpu_pool(k_pages.shape)
     if not isinstance(interpret, bool):
         raise TypeError(f"interpret must be a bool, got {interpret=}")

@@ -70,8 +70,12 @@ pages are checked in the interpreter and lowered, never run on a GPU.
 
 Supported: everything in `pallas_kernels.reference`'s conventions (GQA/MQA with
 any group size, soft cap, sliding window, float32 and bfloat16, any page size,
-batch, T and max_pages), and unscaled FP8 pages. Not supported: scaled (int8 or
-per-head-scaled fp8) KV pages, a split over the KV axis for few long sequences.
+batch, T and max_pages), and unscaled FP8 pages. Head dims up to
+`validation.GPU_MAX_HEAD_DIM` (256): one that is not a power of two of at least 16 is
+padded to `validation.gpu_tile_dim` columns, the padding masked on every load and
+store; wider ones are refused (their tiles overflow shared memory). Not supported:
+scaled (int8 or per-head-scaled fp8) KV pages, a split over the KV axis for few long
+sequences.
 """
 
 from __future__ import annotations
@@ -85,7 +89,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.validation import check_gpu_pool, gpu_tile_dim, is_int, is_pow2
+from pallas_kernels.validation import (
+    check_gpu_head_dim,
+    check_gpu_pool,
+    gpu_tile_dim,
+    is_int,
+    is_pow2,
+)
 
 _NEG = -1e30  # finite "minus infinity": keeps exp2(m_old - m_new) NaN-free
 _LOG2E = math.log2(math.e)
@@ -364,6 +374,7 @@ def ragged_paged_attention_gpu(
       [T, H, D] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
+    check_gpu_head_dim(head_dim)
     check_gpu_pool(k_pages.shape)
     num_kv_heads = k_pages.shape[0]
     num_seqs = page_table.shape[0]
