@@ -82,8 +82,9 @@ def program_heads(group: int, block_h: int, head_blocks: int):
 
 
 def head_columns(head_dim: int):
-    """The column indices of a program's tiles and their mask, for every GPU decode and
-    merge kernel: `gpu_tile_dim(head_dim)` columns, the padding past `head_dim` masked.
+    """The column indices of a program's tiles and their mask, for every GPU kernel (the
+    decode kernel, its merges, the ragged kernel): `gpu_tile_dim(head_dim)` columns, the
+    padding past `head_dim` masked.
 
     Returns:
       (cols [1, tile_d] int32, col_ok): col_ok is None when nothing is padded (a power of

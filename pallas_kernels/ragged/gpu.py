@@ -89,6 +89,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.paged_decode.gpu_merge import head_columns, with_cols
 from pallas_kernels.validation import (
     check_gpu_head_dim,
     check_gpu_pool,
@@ -146,17 +147,12 @@ def _kernel(
         g = row % group_pad
         row_ok = (tok < q_len) & (g < group)  # [M]
         q_rows = (q_start + tok) * num_heads + kv_head * group + g  # [M] rows of q and o
-        # D padded to a power of two >= 16 (Triton's dot tiles), the padding masked.
-        tile_d = gpu_tile_dim(head_dim)
-        col = lax.broadcasted_iota(jnp.int32, (1, tile_d), 1)
-        col_ok = None if tile_d == head_dim else col < head_dim  # [1, tile_d]
-
-        def with_cols(mask):  # [rows, 1] -> [rows, tile_d] with the column mask, if any
-            return mask if col_ok is None else mask & col_ok
-
+        col, col_ok = head_columns(head_dim)  # [1, tile_d]: D padded to a power of two
         q_ok = row_ok & (seg < num_seqs)  # the padding segment reads no queries
         q_idx = jnp.where(q_ok, q_rows, 0)[:, None]
-        q = plgpu.load(q_ref.at[q_idx, col], mask=with_cols(q_ok[:, None]), other=0)  # [M, tile_d]
+        q = plgpu.load(
+            q_ref.at[q_idx, col], mask=with_cols(q_ok[:, None], col_ok), other=0
+        )  # [M, tile_d]
         pos = ctx - q_len + tok  # [M] absolute position of each query row
 
         # KV range of the whole block: [kv_lo, kv_hi).
@@ -203,7 +199,7 @@ def _kernel(
                 rows = rows_of(kv_pos, kv_ok)
             kv_rows = rows[:, None]
             # FP8 pages are upcast right after the load: the bytes moved stay fp8.
-            kv_mask = with_cols(kv_ok[:, None])  # [bkv, tile_d]
+            kv_mask = with_cols(kv_ok[:, None], col_ok)  # [bkv, tile_d]
             k = plgpu.load(k_ref.at[kv_rows, col], mask=kv_mask, other=kv_zero)
             k = k.astype(q.dtype)  # [bkv, tile_d]
             s = lax.dot_general(
@@ -241,7 +237,7 @@ def _kernel(
             return (*new, next_rows) if prefetch_rows else new
 
         carry = (
-            jnp.zeros((m_rows, tile_d), jnp.float32),
+            jnp.zeros((m_rows, col.shape[1]), jnp.float32),
             jnp.full((m_rows,), _NEG, jnp.float32),
             jnp.zeros((m_rows,), jnp.float32),
         )
@@ -258,7 +254,9 @@ def _kernel(
         # Masked rows point past the end: the interpreter's scatter drops them, and
         # unlike a clamped index they cannot collide with a real row.
         o_idx = jnp.where(row_ok, q_rows, o_ref.shape[0])[:, None]
-        plgpu.store(o_ref.at[o_idx, col], out.astype(o_ref.dtype), mask=with_cols(row_ok[:, None]))
+        plgpu.store(
+            o_ref.at[o_idx, col], out.astype(o_ref.dtype), mask=with_cols(row_ok[:, None], col_ok)
+        )
 
 
 def _schedule(query_start_loc, num_tokens, block_q, num_q_blocks):
