@@ -190,7 +190,8 @@ class StepBatch:
         self.context_lens[:n] = ctx
         if sampled:
             sampled = np.array(sampled)  # (once: each store would convert the list again)
-            self.temperature[sampled] = temp
+            with np.errstate(over="ignore"):  # past float32: +inf (sampling.sample)
+                self.temperature[sampled] = temp
             self.top_k[sampled] = top_k
             self.top_p[sampled] = top_p
             self.min_p[sampled] = min_p

@@ -64,6 +64,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pagedjax.config import is_int
+
 _NEG_INF = float("-inf")
 MAX_PENALTY = 2.0  # bound on |presence| and |frequency| penalties (as in the OpenAI API)
 MAX_LOGIT_BIAS = 100.0  # bound on |logit_bias| values (as in the OpenAI API)
@@ -342,11 +344,11 @@ def check_params(
     t, k, p, s, m = map(_as_real, (temperature, top_k, top_p, seed, min_p))
     if t is None or not math.isfinite(t) or t < 0:
         raise ValueError(f"temperature must be finite and >= 0, got {temperature=}")
-    if k is None or not (0 <= k < 2**31 and k == math.floor(k)):  # (packed as int32)
+    if not is_int(top_k) or not 0 <= k < 2**31:  # (packed as int32)
         raise ValueError(f"top_k must be an int in [0, 2**31) (0: off), got {top_k=}")
     if p is None or not 0 < p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p=}")
-    if s is None or not (0 <= s < 2**32 and s == math.floor(s)):
+    if not is_int(seed) or not 0 <= s < 2**32:
         raise ValueError(f"seed must be an int in [0, 2**32), got {seed=}")
     if m is None or not 0 <= m <= 1:
         raise ValueError(f"min_p must be in [0, 1] (0: off), got {min_p=}")

@@ -27,6 +27,7 @@ from pagedjax.step_input_checks import (
     _all_real,
     _check_copies,
     _check_distinct_slots,
+    _check_int_values,
     _check_real_values,
     _check_steps,
     _check_written_slots_unshared,
@@ -276,6 +277,7 @@ def build_step_input(
     fields = ("temperature", "top_k", "top_p", "seed", "min_p")
     # numpy would take "0.5", True or [0.5] as numbers below.
     _check_real_values(chunks, fields + _PENALTIES)
+    _check_int_values(chunks, ("top_k", "seed"))
     try:
         temperature, top_k, top_p, seeds, min_p = (
             np.array([getattr(c, f) for c in chunks], np.float64) for f in fields
@@ -318,7 +320,8 @@ def build_step_input(
 
     def per_seq(values, dtype, pad):
         out = np.full(b, pad, dtype)
-        out[:n] = values
+        with np.errstate(over="ignore"):  # a temperature past float32 is +inf: sampled
+            out[:n] = values  # as uniformly as a huge one (sampling.sample)
         return out
 
     lora = _int_array([c.lora_slot for c in chunks], "lora_slot")
@@ -462,7 +465,8 @@ def pack_penalties(
     prompt_lens = np.zeros(b, np.int32)
     hist = []
     for i, r, p, f, prompt, out in rows:
-        rep[i], presence[i], frequency[i] = r, p, f
+        with np.errstate(over="ignore"):  # a repetition penalty past float32 is +inf
+            rep[i], presence[i], frequency[i] = r, p, f
         prompt = prompt if r != 1.0 else ()
         prompt_lens[i] = len(prompt)
         hist.append((i, prompt, out))

@@ -129,6 +129,27 @@ def _is_real(v) -> bool:
     return dtype is not None and np.ndim(v) == 0 and np.dtype(dtype).kind in "iuf"
 
 
+def _is_int(v) -> bool:
+    """An integer: a Python or numpy int, or a 0-d int array; not a bool, and not a
+    float that happens to be whole (2.0 top-k is a caller's mistake, not a count)."""
+    if isinstance(v, (bool, np.bool_)):
+        return False
+    if isinstance(v, numbers.Integral):
+        return True
+    dtype = getattr(v, "dtype", None)
+    return dtype is not None and np.ndim(v) == 0 and np.dtype(dtype).kind in "iu"
+
+
+def _check_int_values(chunks, names) -> None:
+    """ValueError naming the sequence and the value unless every chunk's fields `names`
+    hold integers (`_is_int`)."""
+    for name in names:
+        values = [getattr(c, name) for c in chunks]
+        if not all(map(_is_int, values)):
+            i = _first([not _is_int(v) for v in values])
+            raise ValueError(f"sequence {i}: {name} must be an int, got {name}={values[i]!r:.80}")
+
+
 def _all_real(values) -> bool:
     return all(map(_real_type, set(map(type, values)))) or all(map(_is_real, values))
 

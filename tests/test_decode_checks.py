@@ -62,7 +62,7 @@ def test_generate_rejects_bad_arguments_before_running(params, kwargs, match):
 def test_generate_names_bad_sampling_arguments_before_running(params):
     """Prompt b samples with seed + b: a seed valid for prompt 0 failed for prompt 1 with
     "got seed=4294967296", a value never passed; seed=True ran as seed 1, temperature
-    "0.8" as 0.8; logit_bias=[1, 2] was dict()'s "cannot convert dictionary update
+    "0.8" as 0.8, top_k=2.0 as 2; logit_bias=[1, 2] was dict()'s "cannot convert dictionary update
     sequence element", buckets=None an AttributeError after the cache was allocated."""
     prompts, kw = [[1, 2], [3]], dict(max_new_tokens=2, backend="xla")
     before = decode.compile_counts()
@@ -75,6 +75,8 @@ def test_generate_names_bad_sampling_arguments_before_running(params):
             ValueError,
             "temperature must be a real number, got temperature='0.8'",
         ),
+        # A whole float was taken as a count (score and SamplingParams refused it).
+        (dict(top_k=2.0), ValueError, r"sequence 0: top_k must be an int, got top_k=2.0"),
         (dict(logit_bias=[1, 2]), TypeError, r"logit_bias must be a mapping .*got \[1, 2\]"),
         (dict(buckets=None), TypeError, "buckets must be a Buckets, got buckets=None"),
     ]:

@@ -6,6 +6,7 @@ against the dense no-cache reference, in tests/test_engine.py's geometry
 """
 
 import dataclasses
+import warnings
 
 import numpy as np
 import pytest
@@ -489,3 +490,16 @@ def test_add_request_times_a_request_from_its_arrival_time(params):
         with pytest.raises(ValueError, match="arrival_time must be a finite number"):
             llm.add_request([5, 6, 7], greedy(3), arrival_time=bad)
     assert not llm.has_unfinished_requests()
+
+
+def test_a_temperature_and_penalty_past_float32_run_without_a_warning(params):
+    """SamplingParams take any finite temperature and repetition penalty; past
+    float32's range they are +inf on the device (a uniform draw, an infinite penalty),
+    and the engine's batch warned "overflow encountered in cast" at each step."""
+    llm = LLM(params, **GEOMETRY)
+    sp = SamplingParams(temperature=1e39, repetition_penalty=1e39, max_tokens=3, seed=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (out,) = llm.generate([[1, 2, 3]], sp)
+    assert len(out.outputs[0].token_ids) == 3
+    check_clean(llm)

@@ -8,6 +8,7 @@ No model runs here (nothing is jitted: `build_step_input` packs numpy arrays).
 """
 
 import dataclasses
+import warnings
 
 import jax
 import numpy as np
@@ -297,3 +298,14 @@ def test_a_bias_past_float32_is_refused(value):
     chunk.logit_bias = {3: -value}
     inp = decode.build_step_input([chunk], TINY, CacheConfig(page_size=4, num_pages=8))
     assert inp.logit_bias.values[0, 0] == -np.inf
+
+
+def test_a_temperature_or_penalty_past_float32_packs_as_inf_without_a_warning():
+    """Valid, finite values past float32's range are +inf on the device, which sampling
+    handles (a uniform draw, an infinite penalty); the pack warned "overflow encountered
+    in cast" at every step, and under -W error failed."""
+    chunk = decode.SeqChunk([1], 0, [1], temperature=1e39, repetition_penalty=10**40)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        inp = decode.build_step_input([chunk], TINY, CacheConfig(page_size=4, num_pages=8))
+    assert inp.temperature[0] == np.inf and inp.penalties.repetition[0] == np.inf
