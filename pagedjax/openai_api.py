@@ -421,11 +421,19 @@ def chat_prompt(
     (more template variables, e.g. Qwen3's `enable_thinking`, which override the
     request's settings, as vLLM merges them); `instead`: the path a model
     that cannot chat should use (named in the 400); `add_bos`: BOS first even where the
-    template writes none; `tools`: the request's, the template's `tools` variable."""
+    template writes none; `tools`: the request's, the template's `tools` variable. A
+    request's own `chat_template` is a 400 (vLLM's without --trust-request-chat-template:
+    it was ignored, and the messages rendered with the server's template)."""
     if tok is None or tok.chat_template is None:
         why = "no tokenizer" if tok is None else tok.chat_template_source
         raise ApiError(400, f"this model cannot chat: {why}; use {instead}")
     chat_messages(body.get("messages"))  # (a 400 naming a bad message before anything)
+    if body.get("chat_template") is not None:  # vLLM's refusal without --trust-request-...
+        msg = (
+            "chat_template in a request is not supported (the server renders its own: "
+            f"--chat-template FILE), got chat_template={body['chat_template']!r:.80}"
+        )
+        raise ApiError(400, msg, "chat_template")
     # vLLM's extensions: continue the last (assistant) message instead of opening a
     # new turn; add_generation_prompt then defaults to false (true with it: a 400).
     cont = bool_field(body, "continue_final_message")
@@ -462,9 +470,10 @@ def tokenize(body: dict, *, model_name: str, tokenizer, max_model_len: int, lora
     """vLLM's `/tokenize` answer: `{count, max_model_len, tokens, token_strs}` for a body
     with `prompt` (a string; `add_special_tokens`, default true, adds the tokenizer's
     BOS as a completion's prompt gets it) or with `messages` (as a chat request renders
-    them; `add_special_tokens`, default false, adds BOS on top of the template's), and
-    `return_token_strs` (each token's vocabulary string, else null). Its `model` may
-    name a served LoRA adapter (`lora_names`), whose tokenizer is the model's.
+    them, with its `tools`; `add_special_tokens`, default false, adds BOS on top of the
+    template's), and `return_token_strs` (each token's vocabulary string, else null).
+    Its `model` may name a served LoRA adapter (`lora_names`), whose tokenizer is the
+    model's.
 
     Raises:
       ApiError: 400 naming the bad field (or a model without a tokenizer), 404 for a
@@ -479,7 +488,10 @@ def tokenize(body: dict, *, model_name: str, tokenizer, max_model_len: int, lora
     if chat:
         if body.get("prompt") is not None:
             raise ApiError(400, "give prompt or messages, not both", "prompt")
-        ids = chat_prompt(body, tokenizer, "a prompt", add_bos=add)
+        # vLLM's: the tools the template renders (as a chat request with them renders
+        # them, whatever its tool_choice), so that the count is that request's.
+        tools = read_tools({"tools": body.get("tools"), "tool_choice": "none"}, parser=None)
+        ids = chat_prompt(body, tokenizer, "a prompt", add_bos=add, tools=tools)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):

@@ -117,7 +117,9 @@ def sampling_params(
     taken modulo 2**32 (the engine's range), but -1, which vLLM reads as no seed.
     vLLM's fields that the server does not implement (`truncation_side` "right",
     `return_tokens_as_token_ids`, `logprob_token_ids`, `thinking_token_budget`,
-    `repetition_detection`) are 400s naming them, not ignored; their "off" values pass."""
+    `repetition_detection`) are 400s naming them, not ignored; their "off" values pass.
+    So are OpenAI's deprecated `functions` and a `function_call` naming one (its "none"
+    and "auto" pass: they ask for no call)."""
     for name, bad, why in (
         ("best_of", body.get("best_of") not in (None, 1), "best_of is not supported"),
         ("suffix", body.get("suffix") is not None, "suffix is not supported"),
@@ -130,6 +132,14 @@ def sampling_params(
             "functions",
             bool(body.get("functions")),
             "functions (the deprecated function calling) are not supported; use tools",
+        ),
+        # Its forced call of a function (its "none" and "auto" ask for none, which is
+        # what a request without functions gets): it was ignored, the answer a text.
+        (
+            "function_call",
+            body.get("function_call") not in (None, "none", "auto"),
+            "function_call (the deprecated function calling) is not supported; use "
+            "tools and tool_choice",
         ),
     ):
         if bad:

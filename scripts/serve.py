@@ -31,7 +31,8 @@ Point an OpenAI client at `http://HOST:PORT/v1` (any API key). Endpoints:
     POST /tokenize             vLLM's: a `prompt` string or chat `messages` -> {count,
                                max_model_len, tokens, token_strs}; `add_special_tokens`
                                (default: true for a prompt, false for messages, whose
-                               template writes them), `return_token_strs`
+                               template writes them), `return_token_strs`;
+                               messages' `tools` render as a chat request's do
     POST /detokenize           vLLM's: `tokens` (a list of ids) -> {prompt}, the text
                                with special tokens shown
     POST /v1/load_lora_adapter vLLM's, with --allow-runtime-lora-updating only (else
@@ -156,7 +157,9 @@ caps a left-out `max_tokens`' default (as vLLM's does; a `max_tokens` given is n
 `--generation-config none` ignores the file.
 
 Not supported (400 when asked for): `best_of` > 1, `suffix`, `tools` on
-/v1/completions, the deprecated `functions`, `structured_outputs.structural_tag`,
+/v1/completions, the deprecated `functions` and a `function_call` naming one, a
+request's own `chat_template` (vLLM's without `--trust-request-chat-template`),
+`structured_outputs.structural_tag`,
 `max_tokens: 0` without echo or on chat, and vLLM's `truncation_side: "right"`,
 `return_tokens_as_token_ids`, `logprob_token_ids`, `thinking_token_budget` and
 `repetition_detection`.
