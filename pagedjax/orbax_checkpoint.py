@@ -133,10 +133,10 @@ def save_params(params: Params, path, *, overwrite: bool = False, extra_files=()
         a new one gets the umask's (not a temporary directory's 0700).
       overwrite: replace an existing pagedjax orbax checkpoint at `path`. A non-empty
         directory that is not one is never removed.
-      extra_files: paths of files copied into the checkpoint under their own names
-        before it moves into place (a tokenizer's), so they arrive with it or not at
-        all. Two with one name, or one named as the checkpoint's own files, are a
-        ValueError.
+      extra_files: paths of files (or directories, copied whole) copied into the
+        checkpoint under their own names before it moves into place (a tokenizer's),
+        so they arrive with it or not at all. Two with one name, or one named as the
+        checkpoint's own files, are a ValueError.
     """
     import orbax.checkpoint as ocp  # slow import; only here
 
@@ -171,7 +171,10 @@ def save_params(params: Params, path, *, overwrite: bool = False, extra_files=()
         }
         (new / ORBAX_META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         for f in extra:
-            shutil.copy2(f, new / f.name)
+            if f.is_dir():  # (additional_chat_templates/)
+                shutil.copytree(f, new / f.name)
+            else:
+                shutil.copy2(f, new / f.name)
         if replace:
             root.rename(old)
             try:

@@ -385,11 +385,14 @@ def _same_values(a: _TensorInfo, b: _TensorInfo, target: np.dtype) -> bool:
     """Whether two tensors of one shape are equal once cast to `target`.
 
     Reads both from their files through memory maps, `_COMPARE_BYTES` of rows at a time.
+    A NaN equals a NaN: a head copied from an embedding with a NaN in it is that embedding.
     """
     x, y = (np.memmap(i.file, _ST_DTYPES[i.dtype], "r", i.start, i.shape) for i in (a, b))
     step = max(1, _COMPARE_BYTES // max(1, x[:1].nbytes))
     return all(
-        np.array_equal(x[r : r + step].astype(target), y[r : r + step].astype(target))
+        np.array_equal(
+            x[r : r + step].astype(target), y[r : r + step].astype(target), equal_nan=True
+        )
         for r in range(0, len(x), step)
     )
 

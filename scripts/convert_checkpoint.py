@@ -4,8 +4,9 @@
         [--merge-lora ADAPTER_DIR]
 
 Tokenizer files found in HF_DIR (tokenizer.json, tokenizer_config.json,
-generation_config.json, special_tokens_map.json, and a chat template kept in its own
-file: chat_template.jinja, chat_template.json) are copied beside the orbax
+generation_config.json, special_tokens_map.json, and chat templates kept in their own
+files: chat_template.jinja, chat_template.json, and the named ones, tool_use among
+them, in additional_chat_templates/) are copied beside the orbax
 checkpoint so that OUT_DIR is enough to serve the model (`generate.py --chat`
 included); without tokenizer.json it says so, since OUT_DIR then serves token-id
 prompts only. Converting back (orbax to HF) is not supported: an orbax HF_DIR is an
@@ -39,6 +40,7 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+TOKENIZER_DIRS = ("additional_chat_templates",)  # transformers' NAME.jinja templates
 
 
 def check_out_dir(out: Path, overwrite: bool) -> None:
@@ -127,6 +129,7 @@ def main(argv=None) -> int:
         print(f"convert_checkpoint: error: {one_line(e)}", file=sys.stderr)
         return 1
     copied = [name for name in TOKENIZER_FILES if (Path(args.hf_dir) / name).is_file()]
+    copied += [name for name in TOKENIZER_DIRS if (Path(args.hf_dir) / name).is_dir()]
     try:  # OUT_DIR was checked: what fails now is the write (orbax's full disk: a ValueError)
         # (the tokenizer files go in before the checkpoint moves into place: with it or not)
         extra = [Path(args.hf_dir) / name for name in copied]
