@@ -5,7 +5,8 @@
 tokens:
 
 * BOS id: tokenizer_config's `bos_token`, else generation_config's / config.json's
-  `bos_token_id`.
+  `bos_token_id` (in a converted orbax checkpoint, which has no config.json, its
+  stored model config's).
 * EOS ids: the union of every source (tokenizer_config's `eos_token`, and the
   `eos_token_id` int or list of generation_config and config.json), so generation stops
   on any of them (Llama 3 instruct ends turns with `<|eot_id|>` but lists
@@ -199,6 +200,15 @@ class Tokenizer:
         _register_added_tokens(tok, tcfg)
         gcfg = read_json_object(root / "generation_config.json", missing_ok=True)
         mcfg = read_json_object(root / "config.json", missing_ok=True)
+        mcfg_name = "config.json"
+        from pagedjax.orbax_checkpoint import ORBAX_META_FILE  # (imports jax: only here)
+
+        if not mcfg and (root / ORBAX_META_FILE).is_file():
+            # A converted checkpoint keeps the model's config there, not config.json:
+            # its bos_token_id is the HF directory's (its EOS ids the engine adds).
+            stored = read_json_object(root / ORBAX_META_FILE).get("config")
+            bos_id = stored.get("bos_token_id") if isinstance(stored, dict) else None
+            mcfg, mcfg_name = {"bos_token_id": bos_id}, ORBAX_META_FILE
 
         def token_id(field: str) -> int | None:
             content = _token_content(tcfg.get(field))
@@ -211,7 +221,7 @@ class Tokenizer:
 
         def config_ids(field: str) -> list[int]:  # generation_config's, then config.json's
             vocab = tok.get_vocab_size(with_added_tokens=True)
-            files = (("generation_config.json", gcfg), ("config.json", mcfg))
+            files = (("generation_config.json", gcfg), (mcfg_name, mcfg))
             return [i for name, cfg in files for i in _config_ids(cfg, field, name, vocab)]
 
         bos = token_id("bos_token")

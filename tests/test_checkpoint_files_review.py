@@ -58,3 +58,24 @@ def test_a_tied_head_equal_to_the_embedding_with_nans_loads(tmp_path):
     for dtype in ("float32", "bfloat16"):
         cfg, _ = weights.load_hf_checkpoint(tmp_path / "ckpt", dtype=dtype)
         assert cfg.tie_embeddings
+
+
+def test_a_converted_checkpoint_adds_the_bos_its_config_json_named(tmp_path):
+    """A tokenizer_config without bos_token takes BOS from config.json's bos_token_id,
+    which convert_checkpoint.py does not copy (the model's config is in the orbax
+    meta file): the converted checkpoint encoded "hi" without the BOS the HF directory
+    (and HF's tokenizer, whose post-processor adds it) puts first."""
+    import tokenizers
+
+    c = make_config(**VARIANTS["llama_tied"], bos_token_id=1)
+    hf = write_hf(tmp_path / "hf", c, hf_tensors(c))
+    tok = byte_tokenizer().tokenizer
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="\u0101 $A", special_tokens=[("\u0101", 1)]
+    )  # (byte 1's character in the byte tokenizer: ByteLevel's 256 + 1)
+    tok.save(str(hf / "tokenizer.json"))
+    assert Tokenizer.from_dir(hf).encode("hi") == [1, *b"hi"]
+    out = tmp_path / "out"
+    assert load_cli().main([str(hf), str(out)]) == 0
+    assert not (out / "config.json").exists()
+    assert Tokenizer.from_dir(out).encode("hi") == [1, *b"hi"]
