@@ -32,7 +32,7 @@ _ITEMSIZE = {  # every safetensors dtype, so that byte ranges of refused ones ch
     **{k: 4 for k in ("I32", "U32", "F32")},
     **{k: 8 for k in ("I64", "U64", "F64")},
 }
-_LFS_POINTER = b"version https://git-lfs"
+LFS_POINTER = b"version https://git-lfs"  # a git-lfs pointer file starts so
 _MAX_HEADER = 100_000_000  # bytes; safetensors' own limit (MAX_HEADER_SIZE)
 _ALIGN = 64  # XLA's CPU buffer alignment: an aligned numpy array becomes a jax.Array uncopied
 
@@ -59,7 +59,7 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
     size = file.stat().st_size
     with open(file, "rb") as f:
         head = f.read(8)
-        if (head + f.read(len(_LFS_POINTER) - 8)).startswith(_LFS_POINTER):
+        if (head + f.read(len(LFS_POINTER) - 8)).startswith(LFS_POINTER):
             raise ValueError(
                 f"{file.name} is a git-lfs pointer, not the weights: fetch them with "
                 "`git lfs pull` (or download the checkpoint with huggingface-cli)"

@@ -62,6 +62,7 @@ import tokenizers
 from pagedjax import chat
 from pagedjax.detokenizer import _REPLACEMENT, StreamDecoder, _byte_fallback_ids, _byte_run
 from pagedjax.jsonfile import read_json_object
+from pagedjax.safetensors_file import LFS_POINTER
 from pagedjax.tokenizer_files import (  # noqa: F401  (SPECIAL_TOKEN_NAMES: re-exported)
     SPECIAL_TOKEN_NAMES,
     _as_ids,
@@ -193,7 +194,11 @@ class Tokenizer:
         try:
             tok = tokenizers.Tokenizer.from_file(str(tok_file))
         except Exception as e:  # (the tokenizers library raises a bare Exception)
-            raise ValueError(f"{tok_file} is not a valid tokenizer file: {e}") from None
+            why = str(e)
+            with open(tok_file, "rb") as f:
+                if f.read(len(LFS_POINTER)) == LFS_POINTER:  # (a clone without git-lfs)
+                    why = "it is a git-lfs pointer: fetch the file with `git lfs pull`"
+            raise ValueError(f"{tok_file} is not a valid tokenizer file: {why}") from None
         tcfg = _with_special_tokens_map(
             read_json_object(root / "tokenizer_config.json", missing_ok=True), root
         )

@@ -167,6 +167,12 @@ def test_bad_input(bpe_dir, tmp_path):
         (d / "tokenizer.json").write_text(text)
         with pytest.raises(ValueError, match=r"x/tokenizer.json is not a valid tokenizer file"):
             Tokenizer.from_dir(d)
+    # A clone without git-lfs has pointers in place of the hub's large files.
+    (d / "tokenizer.json").write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 9085657\n"
+    )
+    with pytest.raises(ValueError, match=r"tokenizer file: it is a git-lfs pointer: .*lfs pull"):
+        Tokenizer.from_dir(d)
 
 
 def settled(tok: Tokenizer, ids: list[int]) -> str:
