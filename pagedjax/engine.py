@@ -507,6 +507,9 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
         (`SamplingParams.output_kind` CUMULATIVE or DELTA, as vLLM's `step`; the default
         FINAL_ONLY gives none: `on_token` streams any request's tokens), after those of
         `add_request`'s requests that finished inside a `generate` call since.
+        `on_token` runs inside the step: it may add and abort requests, but a call that
+        steps or needs an idle engine (`step`, `generate`, `pause_generation`, `sleep`,
+        `update_params`, ...) raises RuntimeError there, changing nothing.
 
         If anything raises in it (a compile error, device OOM, an exception in the jitted
         call or in `on_token`, KeyboardInterrupt), the engine recovers and the exception

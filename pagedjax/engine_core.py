@@ -42,6 +42,7 @@ goes without text, and nothing it raises stops the recovery (a note says what fa
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from time import perf_counter
 
@@ -124,6 +125,9 @@ class EngineCore:
         self._carried: list[RequestOutput] = []
         # `LLM.pause_generation` until `resume_generation`: steps schedule nothing.
         self.paused = False
+        # Inside `step` or `drain`, whose callbacks (`on_token`, `on_finish`) run with the
+        # step half applied: another step there is refused (`check_outside_step`).
+        self.stepping = False
 
     @property
     def busy(self) -> bool:
@@ -158,14 +162,41 @@ class EngineCore:
             self.lora.restore_device()
         jax.block_until_ready(self.cache)
 
+    def check_outside_step(self, what: str) -> None:
+        """RuntimeError, naming `what`, if called inside a step (from its `on_token` or
+        `on_finish` callback): there a step's plan is scheduled, maybe the next one
+        dispatched, and its tokens half applied; a call that runs or completes steps, or
+        needs an idle engine, would run a step inside it out of order."""
+        if self.stepping:
+            raise RuntimeError(
+                f"{what} was called inside an engine step (from an on_token or on_finish "
+                "callback); call it between steps (after step() returns, or from "
+                "generate's on_step)"
+            )
+
+    @contextlib.contextmanager
+    def _one_step(self, what: str):
+        """Marks the block as a step (`stepping`), refusing one inside another."""
+        self.check_outside_step(what)
+        self.stepping = True
+        try:
+            yield
+        finally:
+            self.stepping = False
+
     def step(self, on_token=None, only: set[str] | None = None) -> list[RequestOutput]:
         """One step (see the module docstring); returns the requests finished in it, then
         the partial outputs of running ones that ask for them (`OutputProcessor.apply`).
 
         If anything raises in it, the engine recovers (`_recover`) and the exception
         propagates unchanged, with a note. On a KeyboardInterrupt, recovery aborts only
-        the requests in `only` (None: all) and requeues the others.
+        the requests in `only` (None: all) and requeues the others. RuntimeError, before
+        anything changes, if called inside a step (`check_outside_step`).
         """
+        with self._one_step("step()"):
+            return self._step(on_token, only)
+
+    def _step(self, on_token, only: set[str] | None) -> list[RequestOutput]:
         if self.paused:  # (`pause_generation` completed the step in flight)
             return self._with_carried([])
         plan = None
@@ -192,6 +223,19 @@ class EngineCore:
             sent = True
             if early:
                 finished, wait, applied = self._complete(prev, on_token)
+            if rec is not None:
+                # In flight from here on, inside the `try`: whatever raises in the
+                # bookkeeping below (a Ctrl-C) is recovered from, not a dispatched step
+                # whose tokens no later step applies (its sequences stuck, pending).
+                self.inflight = (plan, leaves, rec)
+                self._idle_steps = 0
+                rec.wait_s = wait
+                if early:  # every host phase ran while the device computed
+                    rec.host_hidden_s = (t1 - t0) + (rec.dispatched_at - t2) + applied
+                else:
+                    rec.host_hidden_s = t1 - t0
+                    rec.host_exposed_s = rec.dispatched_at - (t2 - applied)
+                self.metrics.record(rec, rec.num_compilations)
         except BaseException as e:
             self._recover(e, plan, sent, only)
             raise
@@ -204,31 +248,23 @@ class EngineCore:
             self._idle_steps = self._idle_steps + 1 if stalled else 0
             if self._idle_steps > 2:
                 raise RuntimeError("scheduler made no progress with requests queued (a bug)")
-            return self._with_carried(finished)
-        self._idle_steps = 0
-        rec.wait_s = wait
-        if early:  # every host phase ran while the device computed
-            rec.host_hidden_s = (t1 - t0) + (rec.dispatched_at - t2) + applied
-        else:
-            rec.host_hidden_s = t1 - t0
-            rec.host_exposed_s = rec.dispatched_at - (t2 - applied)
-        self.metrics.record(rec, rec.num_compilations)
-        self.inflight = (plan, leaves, rec)
         return self._with_carried(finished)
 
     def drain(self, on_token=None) -> list[RequestOutput]:
         """Completes the step in flight, if any, and applies its tokens (`on_token` as
         `step`'s); returns what the next `step` would have returned for it. Afterwards
-        no step is open or in flight."""
-        prev, self.inflight = self.inflight, None
-        if prev is None:
-            return self._with_carried([])
-        try:
-            finished, _, _ = self._complete(prev, on_token)
-        except BaseException as e:
-            self._recover(e, prev[0], True, None)
-            raise
-        return self._with_carried(finished)
+        no step is open or in flight. RuntimeError, before anything changes, if called
+        inside a step (`check_outside_step`)."""
+        with self._one_step("completing the step in flight"):
+            prev, self.inflight = self.inflight, None
+            if prev is None:
+                return self._with_carried([])
+            try:
+                finished, _, _ = self._complete(prev, on_token)
+            except BaseException as e:
+                self._recover(e, prev[0], True, None)
+                raise
+            return self._with_carried(finished)
 
     def drain_orphaned(self) -> None:
         """Completes a step in flight whose requests have all left (aborted since it was

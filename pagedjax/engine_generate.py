@@ -97,8 +97,10 @@ class GenerateMixin:
           in a step aborts every request (it may be theirs: an OOM from the batch they
           share); one raised between steps (`on_step`) aborts this call's requests.
           RuntimeError: the engine is paused (`pause_generation`), or `on_step` paused
-            it (this call's requests are aborted then).
+            it (this call's requests are aborted then); called inside a step (from an
+            `on_token` callback; nothing is queued then).
         """
+        self.core.check_outside_step("generate()")  # (before anything is queued)
         if self.core.paused:
             raise RuntimeError(
                 "the engine is paused (pause_generation()): resume_generation() first"

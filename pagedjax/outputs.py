@@ -212,7 +212,7 @@ class OutputProcessor(LogprobsMixin):
                     self.metrics.record_first_token(len(req.prompt_ids), now - req.arrival)
                 if req.beam is not None:
                     beam = (r.seq, top_ids[i], top_lps[i])
-                    beams.setdefault(id(r.group), [r.group]).append(beam)
+                    beams.setdefault(id(r.group), [r.group, r.epoch]).append(beam)
                     continue
                 self._token_logprobs(req, r.seq, tokens[i], logprobs[i], top_ids, top_lps, ranks, i)
                 self._accept(req, r.seq, tokens[i], logprobs[i], on_token)
@@ -220,7 +220,9 @@ class OutputProcessor(LogprobsMixin):
                     done.append(self._finish(req, now))
                 elif req.params.output_kind != RequestOutputKind.FINAL_ONLY:
                     partial[id(r.group)] = req, r.epoch
-            for g, *results in beams.values():
+            for g, epoch, *results in beams.values():
+                if g.epoch != epoch:  # an on_token callback aborted it: its abort returned
+                    continue  # its last output (a selection would fork off freed beams)
                 if self._beam_step(g.request, results):
                     done.append(self._finish(g.request, now))
             for req, epoch in partial.values():

@@ -165,7 +165,8 @@ class RequestsMixin:
 
     def _retire(self, group: SequenceGroup) -> None:
         group.status = SeqStatus.FINISHED
-        self._groups.pop(group.request_id, None)
+        if self._groups.get(group.request_id) is group:  # (not a new request of its id)
+            del self._groups[group.request_id]
         if group in self.running:
             self.running.remove(group)
         elif group in self.waiting:

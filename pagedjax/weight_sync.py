@@ -275,7 +275,8 @@ class WeightsMixin:
         Raises:
           RuntimeError: requests are unfinished (queued, running or in flight) and the
             engine is not paused: they would mix the two models. Finish or abort them,
-            or `pause_generation(mode="keep")` first.
+            or `pause_generation(mode="keep")` first. Also inside a step (from an
+            `on_token` callback), paused or not.
           TypeError, ValueError: `params` is not one of those kinds, or a parameter is
             missing, unexpected, of another shape, not floating point, not an array,
             deleted, or beyond float16's range in a float16 engine (each named,
@@ -284,6 +285,7 @@ class WeightsMixin:
         """
         if not isinstance(check_finite, (bool, np.bool_)):
             raise TypeError(f"check_finite must be a bool, got {check_finite=}")
+        self.core.check_outside_step("update_params()")  # (paused or not)
         if not self.core.paused:
             self._check_idle("update_params")
         new = place_params(self._template, params)
@@ -327,13 +329,15 @@ class WeightsMixin:
           Whether the prefix cache was reset.
 
         Raises:
-          TypeError: a flag that is not a bool; nothing changed then.
+          TypeError: a flag that is not a bool; RuntimeError: `reset_running_requests`
+            inside a step (from an `on_token` callback). Nothing changed then.
         """
         flags = dict(reset_running_requests=reset_running_requests, reset_connector=reset_connector)
         for name, flag in flags.items():
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
         if reset_running_requests:
+            self.core.check_outside_step("reset_prefix_cache(reset_running_requests=True)")
             with self._run_clock():
                 self._claim(self.core.drain(on_token))  # (the next step() returns them)
             if self.scheduler.running:
@@ -359,7 +363,8 @@ class WeightsMixin:
 
         Raises:
           RuntimeError: requests are unfinished (finish or abort them first), or, on a
-            paused engine, hold K/V in the cache that sleep would delete.
+            paused engine, hold K/V in the cache that sleep would delete; or called
+            inside a step (from an `on_token` callback).
           ValueError: `level` is not 1 or 2.
         """
         if type(level) is not int or level not in (1, 2):
@@ -456,12 +461,14 @@ class WeightsMixin:
         Raises:
           ValueError: a bad `mode`; TypeError: `clear_cache` not a bool; RuntimeError:
             "wait" on an engine that cannot run its requests (asleep, or without
-            weights). Nothing changed then.
+            weights), or called inside a step (from an `on_token` callback). Nothing
+            changed then.
         """
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f'mode must be "abort", "wait" or "keep", got {mode!r}')
         if not isinstance(clear_cache, bool):
             raise TypeError(f"clear_cache must be a bool, got {clear_cache!r}")
+        self.core.check_outside_step("pause_generation()")
         if mode == "wait" and self.scheduler.has_unfinished():
             self._check_ready()  # (asleep with the requests a pause kept: nothing runs)
         self.core.paused = False
@@ -499,7 +506,9 @@ class WeightsMixin:
     def _check_idle(self, what: str) -> None:
         """RuntimeError unless no request is unfinished. A step still in flight whose
         requests were all aborted since (`abort` of the last ones) holds nothing anyone
-        waits for: it is completed here rather than refused."""
+        waits for: it is completed here rather than refused. Inside a step (an
+        `on_token` callback) the engine is never idle: RuntimeError."""
+        self.core.check_outside_step(f"{what}()")
         self.core.drain_orphaned()
         if not self.scheduler.has_unfinished() and self.core.inflight is None:
             return
