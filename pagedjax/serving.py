@@ -121,7 +121,8 @@ class EngineThread:
         """Queues requests for the engine, all or none.
 
         Args:
-          requests: `(request id, prompt token ids, params)` triples, or with a fourth
+          requests: `(request id, prompt token ids, params)` triples (params None: the
+            engine's `default_sampling_params()`, as `LLM.add_request`), or with a fourth
             element, the request's priority (`LLM.add_request`'s; left out: none given,
             0), and a fifth, its `LoRARequest` (None: the base model; `LLM.add_request`
             gets a `lora_request` only when there is one); the ids must be unique among
@@ -257,6 +258,8 @@ class EngineThread:
             added = []
             try:
                 for rid, ids, params, *more in requests:
+                    if params is None:  # (the engine's defaults, as `add_request` takes it;
+                        params = self.llm.default_sampling_params()  # its flags read below)
                     p = more[0] if more else 0
                     lora = {} if len(more) < 2 or more[1] is None else {"lora_request": more[1]}
                     self.llm.add_request(

@@ -196,3 +196,17 @@ def test_many_threads_submit_abort_and_pause_at_once(llm, engine):
             assert [c.token_ids for c in evs[-1][2].outputs] == [
                 c.token_ids for c in alone[i].outputs
             ]
+
+
+def test_a_request_without_params_runs_with_the_engines_defaults(llm, engine):
+    """Params None, as `LLM.add_request` takes them: the engine's defaults. (The thread
+    read the flags of its events off None: the request was queued, then aborted with a
+    500 "'NoneType' object has no attribute 'logprobs'".)"""
+    sink = queue.SimpleQueue()
+    engine.submit([("defaults", [3, 4, 5, 6], None)], sink, tokens=True)
+    evs = events(sink)
+    assert evs[-1][0] == "done", evs[-1]
+    (completion,) = evs[-1][2].outputs
+    assert completion.finish_reason in ("stop", "length") and completion.token_ids
+    assert streamed(evs) == completion.token_ids  # token events of 4 elements: no logprobs
+    assert all(len(e) == 4 for e in evs if e[0] == "token")
