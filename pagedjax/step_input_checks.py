@@ -145,7 +145,7 @@ def _check_int_values(chunks, names) -> None:
     hold integers (`_is_int`)."""
     for name in names:
         values = [getattr(c, name) for c in chunks]
-        if not all(map(_is_int, values)):
+        if set(map(type, values)) != {int} and not all(map(_is_int, values)):
             i = _first([not _is_int(v) for v in values])
             raise ValueError(f"sequence {i}: {name} must be an int, got {name}={values[i]!r:.80}")
 
