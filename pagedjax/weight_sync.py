@@ -463,6 +463,15 @@ class WeightsMixin:
             "wait" on an engine that cannot run its requests (asleep, or without
             weights), or called inside a step (from an `on_token` callback). Nothing
             changed then.
+          Whatever the completion of the step in flight, or a step "wait" runs, raises
+          (an `on_token` callback's exception, a device error, KeyboardInterrupt): it
+          propagates, with a note, once the engine recovered as `step` does (every
+          request aborted, no step in flight). The engine is paused all the same, after
+          anything that raises past the checks above (with `clear_cache`, the prefix
+          cache cleared), as vLLM's pause, which sets its flag before it aborts or
+          waits: the caller may go on to `update_params` and `resume_generation`. The
+          outputs the pause had collected (those it would have returned) are returned
+          by the next `step()`, not lost.
         """
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f'mode must be "abort", "wait" or "keep", got {mode!r}')
@@ -471,20 +480,32 @@ class WeightsMixin:
         self.core.check_outside_step("pause_generation()")
         if mode == "wait" and self.scheduler.has_unfinished():
             self._check_ready()  # (asleep with the requests a pause kept: nothing runs)
-        self.core.paused = False
-        with self._run_clock():
-            outs, self._unclaimed = self._unclaimed + self.core.drain(on_token), []
-        if mode == "wait":
-            while self.has_unfinished_requests():
-                outs += self.step(on_token=on_token)
-        elif mode == "abort":
-            groups = [*self.scheduler.running, *self.scheduler.waiting]
-            outs += [self.abort(i) for i in dict.fromkeys(g.request_id for g in groups)]
-        elif clear_cache and self.scheduler.running:
-            self.core.requeue_all()
-        self.core.paused = True
-        if clear_cache:
-            self.block_manager.uncache()
+        self.core.paused = False  # ("wait" steps; a paused engine's steps do nothing)
+        outs: list[RequestOutput] = []
+        try:
+            with self._run_clock():
+                outs, self._unclaimed = self._unclaimed + self.core.drain(on_token), []
+            if mode == "wait":
+                while self.has_unfinished_requests():
+                    outs += self.step(on_token=on_token)
+            elif mode == "abort":
+                groups = [*self.scheduler.running, *self.scheduler.waiting]
+                for i in dict.fromkeys(g.request_id for g in groups):
+                    outs.append(self.abort(i))
+            elif clear_cache and self.scheduler.running:
+                self.core.requeue_all()
+        except BaseException as e:
+            self._unclaimed = outs + self._unclaimed  # (the next step() returns them)
+            e.add_note(
+                "pagedjax: pause_generation() failed; the engine is paused all the same "
+                "(resume_generation() goes on), and the next step() returns the outputs "
+                "it had collected"
+            )
+            raise
+        finally:
+            self.core.paused = True
+            if clear_cache:
+                self.block_manager.uncache()
         return outs
 
     def resume_generation(self) -> None:

@@ -236,3 +236,56 @@ def test_on_token_streams_the_tokens_the_pause_applies(old, dense):
     while llm.has_unfinished_requests():
         llm.step(on_token=on_token)
     assert [streamed[i] for i in ids] == dense["old"].greedy(PROMPTS, MAX_TOKENS)
+
+
+class Injected(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+def test_a_pause_whose_step_in_flight_fails_is_paused_and_recovered(old, dense, mode):
+    """The completion of the step in flight raises (here in `on_token`): the exception
+    propagates once the engine recovered as `step` does (every request aborted), and the
+    engine is paused all the same, as vLLM's pause, which sets its flag first. (It was
+    left unpaused: half a pause, its prefix cache kept.)"""
+    llm = LLM(old, **GEOMETRY)
+    ids = start(llm, 3)
+    assert llm.core.inflight is not None
+
+    def on_token(rid, index, token):
+        raise Injected("on_token")
+
+    with pytest.raises(Injected) as e:
+        llm.pause_generation(mode=mode, on_token=on_token)
+    assert llm.is_paused()
+    notes = "\n".join(e.value.__notes__)
+    assert "the engine recovered" in notes and "paused all the same" in notes, notes
+    assert all(llm.abort(i) is None for i in ids)  # the recovery aborted them
+    assert llm.block_manager.stats().num_cached_pages == 0  # (clear_cache)
+    check_clean(llm)
+    llm.resume_generation()
+    outs = llm.generate(PROMPTS, greedy(MAX_TOKENS))
+    assert [o.outputs[0].token_ids for o in outs] == dense["old"].greedy(PROMPTS, MAX_TOKENS)
+
+
+def test_a_wait_that_fails_returns_what_it_collected_from_the_next_step(old, dense):
+    """A step of "wait" raises after a request finished in an earlier one: the engine is
+    paused, and the next step() returns that request's output, which the pause had
+    collected. (It was lost with the pause's return value.)"""
+    llm = LLM(old, **GEOMETRY)
+    short = llm.add_request(PROMPTS[0], greedy(3))
+    long = llm.add_request(PROMPTS[1], greedy(MAX_TOKENS))
+    llm.step()
+
+    def on_token(rid, index, token):
+        if rid == long and len(generated(llm, long)) == 6:  # (short ended at 3)
+            raise Injected("on_token")
+
+    with pytest.raises(Injected):
+        llm.pause_generation(mode="wait", on_token=on_token)
+    assert llm.is_paused()
+    (out,) = llm.step()
+    assert out.request_id == short and out.finished
+    assert out.outputs[0].token_ids == dense["old"].greedy(PROMPTS[:1], 3)[0]
+    assert llm.abort(long) is None and llm.step() == []
+    check_clean(llm)
