@@ -339,8 +339,12 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
         arrival_time: float | None = None,
     ) -> str:
         """Queues one prompt; returns its request id. Raises ValueError if it cannot run or
-        `request_id` is in use (queued, running, or a running `generate` call's), TypeError
-        if `params` is not a `SamplingParams`. `params` None: `default_sampling_params()`.
+        `request_id` is in use (queued, running, a running `generate` call's, or with
+        partial outputs the next `step()` returns), TypeError if `params` is not a
+        `SamplingParams`. An id whose request's last output the next `step()` returns
+        (it finished inside a `generate` call, or in a step that failed) may be reused:
+        that output (its own prompt and completions) comes first, then the new one's.
+        `params` None: `default_sampling_params()`.
         `priority`: an int, lower served first under `scheduling_policy="priority"`
         (ValueError if not 0 under "fcfs"). `lora_request`: the LoRA adapter it runs with
         (`enable_lora`; read now if new: FileNotFoundError / ValueError for a bad one).
@@ -413,7 +417,9 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
             f" (n={params.n}, beam_width={params.beam_width})",
         )
         if request_id is None:  # a counter's id no queued, collected or held request has
-            held = {o.request_id for o in self._unclaimed}
+            # (held: an output the next step() returns, from a generate() call or a failed
+            # step: a generate() taking its id would drop that output as one of its own)
+            held = {o.request_id for o in self._unclaimed} | self.core.carried_ids()
             rid = str(next(self._ids))
             while self.scheduler.get(rid) is not None or rid in self._collect or rid in held:
                 rid = str(next(self._ids))
@@ -421,6 +427,15 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
             rid = str(request_id)
             if rid in self._collect:  # its output would replace that call's (both lost)
                 raise ValueError(f"request id {rid!r} belongs to a running generate() call")
+            if self.scheduler.get(rid) is None and any(
+                o.request_id == rid and not o.finished for o in self._unclaimed
+            ):
+                # (the partial outputs of a request that ended since: `abort` of a new one
+                # would take them for its own)
+                raise ValueError(
+                    f"request id {rid!r} is in use: the next step() returns partial outputs "
+                    "of the request of that id; call step() first"
+                )
         p = len(ids)
         max_len = self.max_model_len
         if params.max_tokens is not None:
@@ -466,7 +481,8 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
         g = self.scheduler.abort(rid)
         if g is None:
             return None
-        # (its partial outputs: a finished one is an earlier request's of the same id)
+        # (its partial outputs: a finished one is an earlier request's of the same id, and
+        # `_add` reuses no id that partial outputs of an earlier request hold)
         held = [o for o in self._unclaimed if o.request_id == rid and not o.finished]
         if held:
             self._unclaimed = [o for o in self._unclaimed if not any(o is h for h in held)]

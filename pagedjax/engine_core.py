@@ -135,6 +135,11 @@ class EngineCore:
         or outputs carried over from a failed step."""
         return self.scheduler.has_unfinished() or self.inflight is not None or bool(self._carried)
 
+    def carried_ids(self) -> set[str]:
+        """The request ids of the outputs carried over from a failed step (the next
+        `step` returns them): `LLM.add_request` draws none of them for a new request."""
+        return {o.request_id for o in self._carried}
+
     def aborted(self, g: SequenceGroup) -> RequestOutput:
         """The partial output of a group the scheduler gave up (`Scheduler.abort`; those
         of `recover` go through `_tell_aborted`): every sequence finishes with "abort"."""

@@ -134,8 +134,7 @@ class OutputProcessor(LogprobsMixin):
             if params.stop or (streams and self.tokenizer is not None):
                 # Stop strings match its text; partial outputs read it (not a decode of
                 # every token each step, which grows with the completion).
-                skip = params.skip_special_tokens
-                s.detok = self.tokenizer.stream(skip_special_tokens=skip, context=ids)
+                s.detok = self._decoder(params, ids, [])
             if params.logprobs is not None:
                 s.logprobs = []
             if guide is not None:
@@ -177,7 +176,9 @@ class OutputProcessor(LogprobsMixin):
 
         Anything that raises once the tokens are set (an on_token callback, a decode, a
         beam selection) propagates after the outputs of the requests that finished in
-        this step are kept in `stranded` (`_strand`).
+        this step are kept in `stranded` (`_strand`). A token whose stop checks raised
+        (a Ctrl-C or a decode error in the detokenizer) is taken back first, whole
+        (`_take_back_token`): a request the engine's recovery keeps samples it again.
         """
         tokens, logprobs, top_ids, top_lps, *rest = host
         ranks, *targets = rest or [None]
@@ -286,12 +287,22 @@ class OutputProcessor(LogprobsMixin):
                 self.scheduler.finish(req.group, s, "error")
                 return
             state = guide.advance(s.guide_state, tok)
-        s.token_ids.append(tok)
-        if state is not None:
-            s.guide_state = state
-        s.cumulative_logprob += lp
-        self.metrics.generated_tokens += 1
-        reason, stop = self._stop(req, s, tok)
+        n = len(s.token_ids)
+        undo = s.guide_state, s.cumulative_logprob, s.stop_pos, self.metrics.generated_tokens
+        try:
+            s.token_ids.append(tok)
+            if state is not None:
+                s.guide_state = state
+            s.cumulative_logprob += lp
+            self.metrics.generated_tokens += 1
+            reason, stop = self._stop(req, s, tok)
+        except BaseException as e:
+            # (a Ctrl-C or a decode error in the detokenizer, before the stop checks
+            # decided): the token is taken back whole, so that a request the recovery
+            # keeps samples it again and checks it. (It stayed, unchecked: the request
+            # ran past its stop.)
+            self._take_back_token(req, s, n, undo, e)
+            raise
         try:
             if on_token is not None:
                 on_token(req.request_id, s.index, tok)
@@ -301,6 +312,35 @@ class OutputProcessor(LogprobsMixin):
             # request the engine's recovery keeps must not run past its stop.
             if reason is not None and s.status is SeqStatus.RUNNING:  # (not aborted by it)
                 self.scheduler.finish(req.group, s, reason, stop)
+
+    def _take_back_token(self, req: Request, s: Seq, n: int, undo: tuple, error) -> None:
+        """Undoes `_accept`'s token for `s` (`n` tokens before it; `undo`: its guide state,
+        cumulative logprob and stop position, and the generated-token count, before it)
+        and the logprobs entry of it, and rebuilds its detokenizer, which may hold the
+        token or be half updated. What fails here is noted on `error`."""
+        del s.token_ids[n:]
+        s.guide_state, s.cumulative_logprob, s.stop_pos, self.metrics.generated_tokens = undo
+        if s.logprobs is not None:
+            del s.logprobs[s.num_generated :]
+        if s.detok is not None:
+            try:
+                s.detok = self._decoder(
+                    req.params, req.prompt_ids, s.token_ids[s.num_prompt_tokens :]
+                )
+            except BaseException as again:
+                error.add_note(
+                    f"pagedjax: request {req.request_id!r}'s detokenizer was not rebuilt "
+                    f"({again!r}): its text may be wrong if it goes on"
+                )
+
+    def _decoder(self, params: SamplingParams, prompt_ids: list[int], generated: list[int]):
+        """A sequence's incremental detokenizer, `generated` added (`Tokenizer.stream`)."""
+        d = self.tokenizer.stream(
+            skip_special_tokens=params.skip_special_tokens, context=prompt_ids
+        )
+        if generated:
+            d.add(generated)
+        return d
 
     def _stop(self, req: Request, s: Seq, tok: int) -> tuple[str | None, int | str | None]:
         """Whether the sequence ends with its new token `tok`: (finish reason, stop reason),

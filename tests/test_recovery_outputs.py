@@ -164,3 +164,104 @@ def test_requests_finished_in_a_step_whose_apply_raises_are_returned(params, mon
     assert reported[a].outputs[0].finish_reason == "length"
     assert all(gone(i) for i in (a, b, c))
     check_recovered(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("detok", ["stop-strings", "streamed"])
+def test_ctrl_c_while_a_kept_requests_last_token_is_detokenized(params, async_scheduling, detok):
+    """A Ctrl-C inside `generate` lands while the detokenizer of a request queued with
+    `add_request` takes its last token (a real Ctrl-C's likeliest place in applying a
+    token: the tokenizer's decode), before the stop checks decide. The request is kept
+    (recomputed): it takes the token again, ends "length" there, and gives a clean run's
+    tokens and logprobs. (The token stayed appended, unchecked: the requeued request ran
+    one token past max_tokens, its logprobs one entry more.)"""
+    kind = (
+        dict(stop=["\n@@\n"])
+        if detok == "stop-strings"
+        else dict(output_kind=RequestOutputKind.DELTA)
+    )
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=1, **kind)
+    (fresh,) = LLM(params, **GEOMETRY).generate([C_PROMPT], sp)
+    assert fresh.outputs[0].finish_reason == "length"
+    llm = LLM(params, async_scheduling=async_scheduling, **GEOMETRY)
+    kept = llm.add_request(C_PROMPT, sp)
+    seq = llm.scheduler.get(kept).seqs[0]
+    real, interrupted = seq.detok.add, []
+
+    def add(tok):
+        if seq.num_generated == sp.max_tokens and not interrupted:
+            interrupted.append(tok)
+            raise KeyboardInterrupt
+        return real(tok)
+
+    seq.detok.add = add
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([A_PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert interrupted
+    assert [g.request_id for g in llm.scheduler.waiting] == [kept]
+    outs = []
+    while llm.has_unfinished_requests():
+        outs += llm.step()
+    got = [o for o in outs if o.finished]
+    assert [o.request_id for o in got] == [kept]
+    if detok == "streamed":  # (DELTA: the pieces add up)
+        ids = [t for o in outs for t in o.outputs[0].token_ids]
+        lps = [e for o in outs for e in o.outputs[0].logprobs]
+    else:
+        ids, lps = got[0].outputs[0].token_ids, got[0].outputs[0].logprobs
+    assert ids == fresh.outputs[0].token_ids
+    assert [sorted(e) for e in lps] == [sorted(e) for e in fresh.outputs[0].logprobs]
+    assert got[0].outputs[0].finish_reason == "length"
+    check_recovered(llm)
+
+
+ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+
+def carry_output_of(llm, rid: str) -> None:
+    """Request `rid` (A_PROMPT) finishes in a step whose `on_token` raises on its token:
+    the step raises, and its output is carried to the next step's return value."""
+    llm.add_request(A_PROMPT, ONE, request_id=rid)
+
+    def on_token(request_id, index, token):
+        if request_id == rid:
+            raise Injected("on_token")
+
+    with pytest.raises(Injected):
+        while llm.has_unfinished_requests():
+            llm.step(on_token=on_token)
+    assert llm.has_unfinished_requests() and llm.scheduler.get(rid) is None
+
+
+def test_generate_draws_no_id_whose_output_a_failed_step_carried(params):
+    """A `generate` call right after draws its request ids past the carried output's
+    (here "0", its counter's first): it drew that one, and its first step dropped the
+    carried output as one of its own (which it is not): no step() ever returned it."""
+    llm = LLM(params, **GEOMETRY)
+    carry_output_of(llm, "0")
+    (mine,) = llm.generate([C_PROMPT], A_SP)
+    assert mine.request_id != "0" and mine.prompt_token_ids == C_PROMPT
+    (old,) = llm.step()
+    assert old.request_id == "0" and old.prompt_token_ids == A_PROMPT and old.finished
+    check_recovered(llm)
+
+
+def test_an_id_with_partial_outputs_a_generate_call_held_is_in_use(params):
+    """A DELTA request of `add_request` runs and finishes inside a `generate` call: its
+    partial outputs wait for the next step(). Until then `add_request` refuses its id
+    (ValueError naming it): it took it, and aborting the new request then took the old
+    one's partial outputs for its own (KeyError: the new one had sent none), the abort
+    half done. (A held finished output alone does not hold its id:
+    tests/test_prompts_review.py.)"""
+    llm = LLM(params, **GEOMETRY)
+    llm.add_request(C_PROMPT, C_SP, request_id="d")
+    llm.generate([A_PROMPT], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert llm.scheduler.get("d") is None
+    with pytest.raises(ValueError, match="request id 'd' is in use"):
+        llm.add_request(A_PROMPT, C_SP, request_id="d")
+    held = llm.step()
+    assert {o.request_id for o in held} == {"d"} and held[-1].finished
+    llm.add_request(A_PROMPT, C_SP, request_id="d")
+    last = llm.abort("d")
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+    check_recovered(llm)
