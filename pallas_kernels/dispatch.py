@@ -29,7 +29,6 @@ behind the same name.
 from __future__ import annotations
 
 import jax
-import numpy as np
 
 from pallas_kernels import reference, validation
 
@@ -60,25 +59,6 @@ def _kernel_backend(backend: str, pool_shape) -> str:
     if backend == "auto" and concrete == "gpu" and not ok:
         return "xla"
     return concrete
-
-
-def _static_knobs(tuning: dict) -> dict:
-    """Numpy and concrete 0-d jax ints and bools as Python ones: the kernels check their knobs
-    with `isinstance(x, int)` (and `bool`), which rejected `block_kv=np.int64(32)` with
-    "block_kv must be a power of two >= 16, got block_kv=np.int64(32)"."""
-    out = {}
-    for name, value in tuning.items():
-        concrete = isinstance(value, np.generic) or (
-            isinstance(value, jax.Array)
-            and not isinstance(value, jax.core.Tracer)
-            and value.ndim == 0
-        )
-        if concrete and (
-            np.issubdtype(value.dtype, np.integer) or np.issubdtype(value.dtype, np.bool_)
-        ):
-            value = value.item()
-        out[name] = value
-    return out
 
 
 def _no_xla_knobs(backend: str, tuning: dict, pool_shape) -> None:
@@ -197,7 +177,7 @@ def paged_decode_attention(
         soft_cap=soft_cap,
         sliding_window=sliding_window,
         interpret=interpret,
-        **_static_knobs(tuning),
+        **tuning,
     )
 
 
@@ -274,5 +254,5 @@ def ragged_paged_attention(
         soft_cap=soft_cap,
         sliding_window=sliding_window,
         interpret=interpret,
-        **_static_knobs(tuning),
+        **tuning,
     )

@@ -53,6 +53,25 @@ def is_pow2(x) -> bool:
     return is_int(x) and x > 0 and not x & (x - 1)
 
 
+def static_knobs(**knobs) -> dict:
+    """Tuning knobs with numpy and concrete 0-d jax ints and bools as Python ones, the rest
+    unchanged: every kernel checks its knobs with `is_int` / `is_pow2` (and `bool`), which
+    refused `block_kv=np.int64(32)` with "block_kv must be a power of two >= 16"."""
+    out = {}
+    for name, value in knobs.items():
+        concrete = isinstance(value, np.generic) or (
+            isinstance(value, jax.Array)
+            and not isinstance(value, jax.core.Tracer)
+            and value.ndim == 0
+        )
+        if concrete and (
+            np.issubdtype(value.dtype, np.integer) or np.issubdtype(value.dtype, np.bool_)
+        ):
+            value = value.item()
+        out[name] = value
+    return out
+
+
 def gpu_tile_dim(head_dim: int) -> int:
     """The head dim of the GPU (Triton) kernels' tiles: `head_dim` padded up to a power
     of two of at least 16, as Triton's `dot` tiles need. The padding columns are masked:
@@ -185,6 +204,8 @@ def _real_number(name, x):
             f"{name} must be a static number, not a traced array: it is a compile-time "
             "constant of the kernels (pass a Python or numpy scalar)"
         )
+    if is_int(x):  # exact at any size (numpy makes one past 64 bits an object array)
+        return x
     dtype = np.asarray(x).dtype
     real = np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.floating)
     if np.ndim(x) != 0 or not real:
@@ -194,6 +215,11 @@ def _real_number(name, x):
 
 def _positive_finite(name, x):
     value = _real_number(name, x)
+    if is_int(value):
+        try:
+            value = float(value)
+        except OverflowError:  # past float64's range: infinite, as in float32
+            value = math.inf if value > 0 else -math.inf
     with np.errstate(over="ignore"):
         value32 = np.float32(value)  # what the kernels compute with
     if not (value32 > 0 and np.isfinite(value32)):
@@ -228,7 +254,8 @@ def check_options(scale, soft_cap, sliding_window, head_dim=None):
         if isinstance(sliding_window, (bool, np.bool_)):
             raise TypeError(f"sliding_window must be an int, got {sliding_window=}")
         w = _real_number("sliding_window", sliding_window)
-        if not (np.isfinite(w) and w == np.floor(w) and w >= 1):
+        whole = is_int(w) or (np.isfinite(w) and w == np.floor(w))
+        if not (whole and w >= 1):
             raise ValueError(f"sliding_window must be a positive int, got {sliding_window=}")
         if w >= _INT32_LIMIT:
             raise ValueError(

@@ -104,6 +104,13 @@ def test_zero_head_dim_is_rejected():
         (dict(sliding_window=float("nan")), ValueError, "sliding_window must be a positive int"),
         (dict(sliding_window=float("inf")), ValueError, "sliding_window must be a positive int"),
         (dict(sliding_window=2**31), ValueError, r"sliding_window must be < 2\*\*31"),
+        # Python ints past numpy's 64 bits were "must be a real number" (numpy made them
+        # object arrays): an int is refused for its value, as a smaller one is.
+        (dict(sliding_window=10**30), ValueError, r"sliding_window must be < 2\*\*31"),
+        (dict(sliding_window=-(10**30)), ValueError, "sliding_window must be a positive int"),
+        (dict(scale=10**39), ValueError, "scale must be positive and finite"),
+        (dict(scale=10**400), ValueError, "scale must be positive and finite"),
+        (dict(soft_cap=-(10**400)), ValueError, "soft_cap must be positive and finite"),
     ],
 )
 def test_bad_options_are_rejected_on_the_host(kwargs, error, match):
@@ -209,6 +216,7 @@ def test_zero_query_heads_is_rejected():
         ("decode", "gpu", dict(block_kv=np.int64(16), num_splits=np.int32(2))),
         ("decode", "tpu", dict(pages_per_block=np.int64(2), num_cores=jnp.int32(2))),
         ("ragged", "gpu", dict(block_q=np.int64(8), block_kv=np.int32(16))),
+        ("ragged", "tpu", dict(block_q=np.int64(8), pages_per_block=jnp.int32(2))),
     ],
 )
 def test_numpy_and_jax_int_knobs_are_taken(op, backend, knobs):
@@ -226,6 +234,36 @@ def test_numpy_and_jax_int_knobs_are_taken(op, backend, knobs):
             q, kp, vp, table, lengths, loc, backend=backend, interpret=True, **knobs
         )
         want = ref.ragged_paged_attention_xla(q, kp, vp, table, lengths, loc)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "op,backend,knobs",
+    [
+        ("decode", "gpu", dict(block_kv=np.int64(16), num_splits=jnp.int32(2))),
+        ("decode", "tpu", dict(pages_per_block=np.int64(2), num_cores=jnp.int32(2))),
+        ("ragged", "gpu", dict(block_q=np.int64(8), block_kv=jnp.int32(16))),
+        ("ragged", "tpu", dict(block_q=np.int64(8), pages_per_block=jnp.int32(2))),
+    ],
+)
+def test_numpy_and_jax_int_knobs_are_taken_by_the_kernels_themselves(op, backend, knobs):
+    # The kernels are public entry points too (scripts call them): called directly, the
+    # first three refused these with "pages_per_block must be a positive int, got
+    # pages_per_block=np.int64(2)"; only the dispatcher converted them.
+    if op == "decode":
+        from pallas_kernels.paged_decode import gpu, tpu
+
+        kernel = {"gpu": gpu.paged_decode_gpu, "tpu": tpu.paged_decode_tpu}[backend]
+        args = decode_inputs(5)
+        want = ref.paged_attention_xla(*args)
+    else:
+        from pallas_kernels.ragged import gpu, tpu
+
+        kernel = {"gpu": gpu.ragged_paged_attention_gpu, "tpu": tpu.ragged_paged_attention_tpu}
+        kernel = kernel[backend]
+        args = ragged_inputs(5)
+        want = ref.ragged_paged_attention_xla(*args)
+    got = kernel(*args, interpret=True, **knobs)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 

@@ -487,6 +487,7 @@ def test_prefetch_rows_grid(heads, opts):
         ("block_kv", 8),
         ("block_kv", 48),
         ("num_warps", 3),
+        ("num_warps", 64),  # past Triton's 32 warps (1,024 threads) per program
         ("num_stages", True),  # a bool is an int, not a count
         ("prefetch_rows", 1),
     ],

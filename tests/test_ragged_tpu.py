@@ -467,6 +467,14 @@ def test_default_tuning_satisfies_constraints(shape):
         (dict(pages_per_block=3), "pages_per_block=3"),
         (dict(pages_per_block=0), "pages_per_block=0"),
         (dict(vmem_limit_bytes=-1), "vmem_limit_bytes=-1"),
+        # Bools, floats and non-numbers, as the other kernels refuse them: True ran as 1
+        # page per block (or a 1-byte VMEM limit), 16.0 was taken, a numpy float was
+        # numpy's "ufunc 'bitwise_and' not supported", a list int()'s TypeError.
+        (dict(pages_per_block=True), "pages_per_block=True"),
+        (dict(vmem_limit_bytes=True), "vmem_limit_bytes=True"),
+        (dict(block_q=16.0), "block_q=16.0"),
+        (dict(pages_per_block=np.float64(2.0)), r"pages_per_block=np.float64\(2.0\)"),
+        (dict(block_q=[16]), r"block_q=\[16\]"),
     ],
 )
 def test_bad_tuning_knobs(knobs, match):

@@ -107,6 +107,7 @@ from pallas_kernels.validation import (
     gpu_tile_dim,
     is_int,
     is_pow2,
+    static_knobs,
 )
 
 __all__ = [
@@ -446,7 +447,8 @@ def paged_decode_gpu(
 
     Inputs are assumed valid (`pallas_kernels.dispatch` checks them); only the
     tuning knobs and the head dim are checked here. Knobs left as None take
-    the per-shape values of `default_tuning`.
+    the per-shape values of `default_tuning`; the others are Python, numpy or concrete
+    jax ints (`validation.static_knobs`).
 
     Args:
       q: [B, H, D] one query token per sequence, at position lengths[b] - 1.
@@ -470,6 +472,14 @@ def paged_decode_gpu(
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
+    given = static_knobs(
+        block_kv=block_kv,
+        block_h=block_h,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    block_kv = given["block_kv"]
     tuning = default_tuning(
         batch,
         num_heads,
@@ -479,13 +489,6 @@ def paged_decode_gpu(
         page_table.shape[1],
         k_pages.dtype,
         block_kv=block_kv if is_int(block_kv) and block_kv > 0 else None,
-    )
-    given = dict(
-        block_kv=block_kv,
-        block_h=block_h,
-        num_splits=num_splits,
-        num_warps=num_warps,
-        num_stages=num_stages,
     )
     tuning.update({k: v for k, v in given.items() if v is not None})
     _check_tuning(tuning)

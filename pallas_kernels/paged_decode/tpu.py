@@ -85,6 +85,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.validation import static_knobs
+
 # Bytes of K (and again of V) one compute block aims to move.
 _TARGET_BLOCK_BYTES = 128 * 1024
 _MIN_BLOCK_TOKENS = 128
@@ -403,7 +405,8 @@ def paged_decode_tpu(
     """Decode attention over paged K/V with the Pallas TPU (Mosaic) kernel.
 
     Inputs are assumed valid (`pallas_kernels.validation.check_decode`, which
-    the dispatcher runs); only the tuning knobs are checked here.
+    the dispatcher runs); only the tuning knobs are checked here: Python, numpy or
+    concrete jax ints (`validation.static_knobs`).
 
     Args:
       q: [B, H, D] the query of each sequence's newest token (position lengths[b] - 1).
@@ -432,6 +435,11 @@ def paged_decode_tpu(
     batch, num_heads, head_dim = q.shape
     _, _, page_size, _ = k_pages.shape
     max_pages = page_table.shape[1]
+    knobs = static_knobs(
+        pages_per_block=pages_per_block, num_cores=num_cores, vmem_limit_bytes=vmem_limit_bytes
+    )
+    pages_per_block, num_cores = knobs["pages_per_block"], knobs["num_cores"]
+    vmem_limit_bytes = knobs["vmem_limit_bytes"]
     if pages_per_block is None:
         pages_per_block = default_pages_per_block(page_size, head_dim, k_pages.dtype, max_pages)
     pages_per_block = _positive_int("pages_per_block", pages_per_block)

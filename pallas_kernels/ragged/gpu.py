@@ -96,6 +96,7 @@ from pallas_kernels.validation import (
     gpu_tile_dim,
     is_int,
     is_pow2,
+    static_knobs,
 )
 
 _NEG = -1e30  # finite "minus infinity": keeps exp2(m_old - m_new) NaN-free
@@ -322,8 +323,8 @@ def _check_knobs(block_q, block_kv, num_warps, num_stages, group_pad):
         )
     if not is_pow2(block_kv) or block_kv < 16:
         raise ValueError(f"block_kv must be a power of two >= 16, got {block_kv=}")
-    if not is_pow2(num_warps):
-        raise ValueError(f"num_warps must be a power of two, got {num_warps=}")
+    if not is_pow2(num_warps) or num_warps > 32:  # Triton: at most 1,024 threads a program
+        raise ValueError(f"num_warps must be a power of two <= 32, got {num_warps=}")
     if not is_int(num_stages) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive int, got {num_stages=}")
 
@@ -349,7 +350,8 @@ def ragged_paged_attention_gpu(
     """Ragged paged attention with the Pallas Triton kernel.
 
     Semantics are those of `pallas_kernels.reference.ragged_paged_attention_xla`;
-    inputs are assumed valid (`pallas_kernels.dispatch` checks them).
+    inputs are assumed valid (`pallas_kernels.dispatch` checks them); the knobs are
+    checked here (Python, numpy or concrete jax ints: `validation.static_knobs`).
 
     Args:
       q: [T, H, D] all sequences' query tokens back to back.
@@ -379,8 +381,11 @@ def ragged_paged_attention_gpu(
     defaults = default_tuning(
         num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, jnp.dtype(q.dtype)
     )
-    knobs = dict(block_q=block_q, block_kv=block_kv, num_warps=num_warps, num_stages=num_stages)
+    knobs = static_knobs(
+        block_q=block_q, block_kv=block_kv, num_warps=num_warps, num_stages=num_stages
+    )
     knobs = {name: defaults[name] if val is None else val for name, val in knobs.items()}
+    prefetch_rows = static_knobs(prefetch_rows=prefetch_rows)["prefetch_rows"]
     _check_knobs(**knobs, group_pad=_pow2(num_heads // num_kv_heads))
     if not isinstance(prefetch_rows, bool):
         raise ValueError(f"prefetch_rows must be a bool, got {prefetch_rows=}")

@@ -78,6 +78,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.validation import is_int, static_knobs
+
 _LANES = 128
 # Finite "minus infinity": masked logits and the initial running max. Being finite keeps
 # exp(m_prev - m_new) well defined (= 1) for rows that have seen nothing yet.
@@ -290,16 +292,16 @@ def _interpret_params(interpret):
 
 
 def _check_tuning(block_q, pages_per_block, vmem_limit_bytes, dtype):
+    """ValueError naming a bad knob: each must be an int (numpy ones are made Python ones by
+    `static_knobs` first; a bool is an int, not a count, and a float is refused)."""
     align = _q_align(dtype)
-    if int(block_q) != block_q or block_q < align or block_q % align:
+    if not is_int(block_q) or block_q < align or block_q % align:
         raise ValueError(f"block_q must be a positive multiple of {align}, got {block_q=}")
-    if int(pages_per_block) != pages_per_block or pages_per_block < 1:
+    if not is_int(pages_per_block) or pages_per_block < 1:
         raise ValueError(f"pages_per_block must be a positive int, got {pages_per_block=}")
     if pages_per_block & (pages_per_block - 1):
         raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block=}")
-    if vmem_limit_bytes is not None and not (
-        int(vmem_limit_bytes) == vmem_limit_bytes and vmem_limit_bytes > 0
-    ):
+    if vmem_limit_bytes is not None and not (is_int(vmem_limit_bytes) and vmem_limit_bytes > 0):
         raise ValueError(f"vmem_limit_bytes must be a positive int, got {vmem_limit_bytes=}")
 
 
@@ -428,7 +430,8 @@ def ragged_paged_attention_tpu(
     """Ragged paged attention on TPU: prefill chunks and decode rows in one batch.
 
     Semantics are those of `pallas_kernels.reference.ragged_paged_attention_xla`; inputs are
-    assumed valid (`pallas_kernels.dispatch.ragged_paged_attention` checks them).
+    assumed valid (`pallas_kernels.dispatch.ragged_paged_attention` checks them); the knobs
+    are checked here (Python, numpy or concrete jax ints: `validation.static_knobs`).
 
     Args:
       q: [T, H, D] all sequences' query tokens back to back.
@@ -454,6 +457,11 @@ def ragged_paged_attention_tpu(
     kv, _, page_size, _ = k_pages.shape
     batch, max_pages = page_table.shape
     defaults = default_tuning(max(t, 1), h, kv, d, page_size, max(max_pages, 1), q.dtype)
+    knobs = static_knobs(
+        block_q=block_q, pages_per_block=pages_per_block, vmem_limit_bytes=vmem_limit_bytes
+    )
+    block_q, pages_per_block = knobs["block_q"], knobs["pages_per_block"]
+    vmem_limit_bytes = knobs["vmem_limit_bytes"]
     block_q = defaults["block_q"] if block_q is None else block_q
     pages_per_block = defaults["pages_per_block"] if pages_per_block is None else pages_per_block
     _check_tuning(block_q, pages_per_block, vmem_limit_bytes, q.dtype)  # (empty calls too)
@@ -469,8 +477,8 @@ def ragged_paged_attention_tpu(
         scale=float(d**-0.5 if scale is None else scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=None if sliding_window is None else int(sliding_window),
-        block_q=int(block_q),
-        pages_per_block=int(pages_per_block),
+        block_q=block_q,
+        pages_per_block=pages_per_block,
         vmem_limit_bytes=vmem_limit_bytes,
         interpret=_interpret_params(interpret),
     )
