@@ -233,6 +233,13 @@ _STATIC = (
 )
 
 
+def _bool(flag):
+    """A numpy bool flag as a Python one (anything else as it is): `_check_step` takes
+    both, but the Pallas kernels refused `interpret=np.True_` inside the trace, and only
+    when it was the flag the program was first compiled with."""
+    return bool(flag) if isinstance(flag, np.bool_) else flag
+
+
 def _jit_step(decode):
     fn = partial(_step, decode=decode)
     return jax.jit(fn, static_argnames=_STATIC, donate_argnames=("cache",))
@@ -258,13 +265,14 @@ def prefill_step(
 
     Jitted; `cache` is donated (do not use it after the call; use the returned one).
     First, on the host: `params`, `inp` and the knobs are checked (TypeError if `params`
-    is not a `Params`, `inp` not a StepInput or an index field of it not ints; ValueError
-    naming a bad one: a StepInput built for the other step, fields whose shapes do not
-    fit one another, an unknown backend, a top-k count outside [0, V], interpret or
-    return_logits not a bool), then `check_cache` (which also checks the token ids,
-    positions, page ids and slots of `inp`'s numpy arrays against the model and the
-    cache: an input changed by hand or built for another model would otherwise run, its
-    ids clamped or dropped).
+    is not a `Params`, `inp` not a StepInput, a field of it not a numpy or jax array (a
+    list) or an index field not ints; ValueError naming a bad one: a StepInput built for
+    the other step, fields whose shapes do not fit one another, an unknown backend, a
+    top-k count outside [0, V], interpret or return_logits not a bool (numpy's run as
+    Python's)), then `check_cache` (which also checks the token ids, positions, page
+    ids, slots, context lengths and row offsets of `inp`'s numpy arrays against the
+    model, the cache and its page table: an input changed by hand or built for another
+    model would otherwise run, its ids clamped or dropped).
 
     Args:
       params: the split model (`pagedjax.model.split_model`).
@@ -299,10 +307,10 @@ def prefill_step(
         cache,
         inp,
         backend=backend,
-        interpret=interpret,
+        interpret=_bool(interpret),
         num_top_logprobs=num_top_logprobs,
         num_prompt_top_logprobs=num_prompt_top_logprobs,
-        return_logits=return_logits,
+        return_logits=_bool(return_logits),
         lora=lora,
     )
 
@@ -335,10 +343,10 @@ def decode_step(
         cache,
         inp,
         backend=backend,
-        interpret=interpret,
+        interpret=_bool(interpret),
         num_top_logprobs=num_top_logprobs,
         num_prompt_top_logprobs=num_prompt_top_logprobs,
-        return_logits=return_logits,
+        return_logits=_bool(return_logits),
         lora=lora,
     )
 

@@ -15,13 +15,15 @@ the model's config and mesh, and none of the step's math.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from pagedjax import cache as cache_lib
 from pagedjax import model as model_lib
-from pagedjax import sharding
+from pagedjax import sampling, sharding
 from pagedjax.step_input import StepInput, is_int
 from pallas_kernels.dispatch import resolve_backend
 from pallas_kernels.validation import check_dtypes
@@ -39,11 +41,13 @@ def check_cache(
     Raises:
       ValueError: layers, kv heads, head dim, page size or page count differ; `inp`'s
         numpy arrays hold a token id outside the vocabulary, a position past
-        max_position_embeddings, or a page id or slot outside the cache; the K and
-        V pools differ; a tensor-parallel model's cache is not split over kv heads on
-        its mesh (`sharding.create_cache`), or a single-device model's is spread; the
-        cache was donated to an earlier step (its arrays are deleted: use the cache
-        that step returned).
+        max_position_embeddings, a page id or slot outside the cache, a context length
+        outside [0, what its page-table row holds], or a row index outside the step's
+        tokens; its pools differ from one another in shape or dtype (any layer's K or
+        V), or one array is two of them; a tensor-parallel model's cache is not split
+        over kv heads on its mesh (`sharding.create_cache`), or a single-device model's
+        is spread; the cache was donated to an earlier step (its arrays are deleted:
+        use the cache that step returned).
       TypeError: `params` is not a `Params` (`model.split_model`), `cache` is not a
         `PagedKVCache`, or its storage dtype is one the model's attention cannot read
         (`CacheConfig`).
@@ -58,7 +62,8 @@ def check_cache(
         raise ValueError(
             f"the cache has {len(k)} K and {len(v)} V layers; the model has {cfg.num_layers}"
         )
-    if _deleted(k[0]) or _deleted(v[0]):  # donation deletes every pool at once
+    arrays = _device_arrays((*k, *v))
+    if any(x.is_deleted() for x in arrays):  # (one: a cache assembled from a donated one's)
         raise ValueError(
             "the cache's arrays are deleted: it was donated to an earlier step; pass the "
             "cache that step returned (`out, cache = step(params, cache, inp)`)"
@@ -78,10 +83,7 @@ def check_cache(
             f"cache pools must be [K, P, S, D] with K={kv_heads} kv heads and "
             f"D={cfg.head_dim} for this model{over}, got {shape}{hint}"
         )
-    if v[0].shape != shape or v[0].dtype != k[0].dtype:
-        raise ValueError(
-            f"V pools {v[0].shape} {v[0].dtype} differ from K pools {shape} {k[0].dtype}"
-        )
+    _check_pools(k, v, arrays)
     try:
         check_dtypes(cfg.jnp_dtype, k[0].dtype)
     except TypeError as e:
@@ -117,8 +119,47 @@ def check_cache(
         )
 
 
-def _deleted(a) -> bool:
-    return isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and a.is_deleted()
+def _device_arrays(pools) -> list:
+    """The pools that are concrete jax arrays (none under an outer trace, or numpy).
+    (Their type taken from the first: `isinstance(x, jax.Array)` per pool cost 80 us a
+    step for 80 layers.)"""
+    first = pools[0]
+    if not isinstance(first, jax.Array) or isinstance(first, jax.core.Tracer):
+        return [
+            x for x in pools[1:] if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+        ]
+    kind = type(first)
+    return [x for x in pools if type(x) is kind]
+
+
+def _check_pools(k, v, arrays) -> None:
+    """Every layer's K and V pools alike (layer 0's K shape and dtype), and no device
+    array (of `arrays`) twice: the steps check layer 0 against the model, and a layer of
+    another page count or dtype ran (its page ids clamped, its tokens dropped, or read
+    at another precision); one array as two pools (`PagedKVCache(k=(z,) * L, ...)`) was
+    XLA's "Attempt to donate the same buffer twice", after a whole compile."""
+    aval = arrays[0].aval if arrays else None
+    alike = len(arrays) == 2 * len(k) and all(x.aval == aval for x in arrays)  # (fast path)
+    shape, dtype = k[0].shape, k[0].dtype
+    for name, pools in () if alike else (("K", k), ("V", v)):
+        for i, x in enumerate(pools):
+            if x.shape != shape or x.dtype != dtype:
+                raise ValueError(
+                    f"{name} pools {x.shape} {x.dtype} differ from K pools {shape} {dtype} "
+                    f"(layer {i}): every pool of a cache is alike"
+                )
+    ids = {id(x) for x in arrays}
+    if len(ids) < len(arrays):  # (the names only once one is found)
+        names = [f"layer {i} {name}" for name in ("K", "V") for i in range(len(k))]
+        first = {}
+        for name, x in zip(names, (*k, *v), strict=True):
+            if id(x) in first:
+                raise ValueError(
+                    f"the cache's {first[id(x)]} and {name} pools are one array: each pool "
+                    "needs its own, as `cache.create` makes them (the steps donate every pool)"
+                )
+            if id(x) in ids:
+                first[id(x)] = name
 
 
 def _check_params(params) -> None:
@@ -185,11 +226,48 @@ _INTS = _PER_TOKEN + (
 )  # fmt: skip
 
 
+def _array_fields(cls) -> tuple[str, ...]:
+    nested = ("penalties", "logit_bias")
+    fields = dataclasses.fields(cls)
+    return tuple(f.name for f in fields if not f.metadata.get("static") and f.name not in nested)
+
+
+# (StepInput's attribute, that pytree's class, its array fields)
+_ARRAYS = tuple(
+    (owner, _array_fields(cls))
+    for owner, cls in (
+        ("", StepInput),
+        ("penalties", sampling.Penalties),
+        ("logit_bias", sampling.LogitBias),
+    )
+)
+
+
+def _check_arrays(inp: StepInput) -> None:
+    """Every field of `inp` (and of its penalties and logit bias) a numpy or jax array,
+    or None where optional: jit takes a list as a pytree of scalars, so one put in by
+    hand (`dataclasses.replace(inp, token_ids=[...])`) failed inside tracing ("'list'
+    object has no attribute 'dtype'"), or compiled a program of its own."""
+    for owner, names in _ARRAYS:
+        value = getattr(inp, owner) if owner else inp
+        if value is None:
+            continue
+        for name in names:
+            x = getattr(value, name)
+            if x is not None and not isinstance(x, (np.ndarray, jax.Array)):
+                where = f"{owner}.{name}" if owner else name
+                raise TypeError(
+                    f"StepInput.{where} must be a numpy or jax array, got "
+                    f"{type(x).__name__} {x!r:.60}"
+                )
+
+
 def _check_input_shapes(inp: StepInput) -> None:
     """A StepInput's fields fit one another ([T] tokens, [B] rows, [C] copies; T == B for
     decode) and its index fields hold ints: one changed by hand (`dataclasses.replace`)
     would otherwise fail inside tracing with jax's message, or index with floats. Shapes
     only, so it holds under an outer trace too."""
+    _check_arrays(inp)
     shapes = {
         name: None if getattr(inp, name) is None else np.shape(getattr(inp, name))
         for name in (*_INTS, "temperature", "top_p", "min_p")
@@ -226,11 +304,17 @@ def _check_input_shapes(inp: StepInput) -> None:
             raise TypeError(f"StepInput.{name} must hold ints, got dtype {dtype}")
 
 
+def _first(mask) -> int:
+    return int(np.argmax(mask))
+
+
 def _check_input_values(cfg, inp: StepInput, num_pages: int, page_size: int) -> None:
     """The ids a StepInput's host (numpy) arrays hold are inside the vocabulary, the model's
-    positions and the cache: gathers clamp and scatters drop what is not, without a word.
-    `build_step_input` checked them against its configs; this catches an input changed
-    by hand or built for another model. Device arrays are left unread (no sync)."""
+    positions and the cache, its context lengths inside what its page-table rows hold,
+    and its row offsets inside its tokens: gathers clamp and scatters drop what is not,
+    without a word. `build_step_input` checked them against its configs; this catches an
+    input changed by hand (a reused page table, a context advanced past it) or built for
+    another model. Device arrays are left unread (no sync)."""
     v, m = cfg.vocab_size, cfg.max_position_embeddings
     for name, what, lo, hi, where in (
         ("token_ids", "token id", 0, v, "the vocabulary"),
@@ -249,6 +333,20 @@ def _check_input_values(cfg, inp: StepInput, num_pages: int, page_size: int) -> 
             raise ValueError(
                 f"StepInput.{name} holds {what} {int(x[bad][0])}, outside {where} [{lo}, {hi})"
             )
+    # Row lengths and offsets: past the page table a kernel's page gather clamps (a
+    # context one token longer than its row's pages read another page for that token),
+    # and past the tokens the logits' row gather does.
+    t, max_pages = np.shape(inp.token_ids)[0], np.shape(inp.page_table)[1]
+    capacity = f"what a page-table row of {max_pages} pages of {page_size} tokens holds"
+    for name, hi, where in (
+        ("context_lens", max_pages * page_size, capacity),
+        ("query_start_loc", t, f"the step's {t} tokens"),
+        ("logits_indices", t - 1, f"the step's {t} token rows"),
+    ):
+        x = getattr(inp, name)
+        if isinstance(x, np.ndarray) and x.size and (x.min() < 0 or x.max() > hi):
+            j = _first((x < 0) | (x > hi))
+            raise ValueError(f"StepInput.{name}[{j}] is {int(x[j])}, outside [0, {hi}] ({where})")
 
 
 def check_lora(params, inp: StepInput, lora) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import numbers
 
+import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.config import is_int  # (re-exported: step_input's users import it)
@@ -122,11 +123,19 @@ def _real_type(t: type) -> bool:
 
 def _is_real(v) -> bool:
     """A real number: a Python or numpy int or float, or a 0-d int or float array (a jax
-    scalar); not a bool, a string or a list, which numpy would take as numbers."""
+    scalar, bfloat16 and fp8 ones too); not a bool, a string or a list, which numpy would
+    take as numbers."""
     if _real_type(type(v)):
         return True
     dtype = getattr(v, "dtype", None)
-    return dtype is not None and np.ndim(v) == 0 and np.dtype(dtype).kind in "iuf"
+    return dtype is not None and np.ndim(v) == 0 and _real_dtype(np.dtype(dtype))
+
+
+@functools.cache
+def _real_dtype(dtype: np.dtype) -> bool:
+    # (ml_dtypes' bfloat16 and float8 are numpy kind "V": a jax bfloat16 scalar was
+    # refused as "not a real number")
+    return dtype.kind in "iuf" or jnp.issubdtype(dtype, jnp.floating)
 
 
 def _is_int(v) -> bool:
