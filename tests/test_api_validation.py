@@ -433,3 +433,24 @@ def test_engine_without_a_tokenizer_refuses_what_needs_one():
     with pytest.raises(ValueError, match="chat needs a tokenizer"):
         llm.chat([{"role": "user", "content": "hi"}])
     assert not llm.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("op", ["decode", "ragged"])
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_the_kernels_trace_under_x64(op, backend):
+    # Under jax_enable_x64 a static size (page size, kv heads, tile) is int64 and the
+    # kernels' index arrays int32: lax.div refused the mix ("lax.div requires arguments
+    # to have the same dtypes, got int32, int64"), so a researcher with x64 on could
+    # not call them. The int32/int64 inputs a caller with x64 may pass are taken too.
+    with jax.enable_x64(True):
+        if op == "decode":
+            q, kp, vp, lengths, table = decode_inputs(6)
+            args = (q, kp, vp, np.asarray(lengths, np.int64), np.asarray(table, np.int64))
+            got = pk.paged_decode_attention(*args, backend=backend, interpret=True)
+            want = ref.paged_attention_xla(*args)
+        else:
+            q, kp, vp, table, lengths, loc = ragged_inputs(6)
+            args = (q, kp, vp, np.asarray(table, np.int64), np.asarray(lengths, np.int64), loc)
+            got = pk.ragged_paged_attention(*args, backend=backend, interpret=True)
+            want = ref.ragged_paged_attention_xla(*args)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

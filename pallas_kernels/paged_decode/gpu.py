@@ -58,7 +58,8 @@ Lowering notes (both for Triton and for the interpreter): all loads and stores
 index with arrays on every axis (never array + slice, which the interpreter
 rejects), so K/V rows are gathered as `k_ref[kh, rows[:, None], cols[None, :]]`;
 every value inside the kernel has power-of-two dimensions; integer division uses
-`lax.div` / `lax.rem` on non-negative values.
+`lax.div` / `lax.rem` on non-negative values, the divisor in the dividend's dtype
+(`pallas_kernels.int_ops`: under `jax_enable_x64` a Python int is int64).
 
 Head dims: the Triton `dot` needs power-of-two tiles of at least 16, so a head
 dim that is not one (80 or 100, as some Llama- and Mistral-architecture checkpoints
@@ -92,6 +93,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import int_ops
 from pallas_kernels.paged_decode.gpu_merge import (
     head_columns,
     merge_partials,
@@ -251,9 +253,9 @@ def _decode_kernel(
     # Live tokens [lo, hi); blocks of block_kv tokens aligned to 0; this split's share.
     hi = jnp.minimum(lengths_ref[b], max_pages * page_size)
     lo = jnp.int32(0) if sliding_window is None else jnp.maximum(hi - sliding_window, 0)
-    first = lax.div(lo, block_kv)
-    num_blocks = jnp.maximum(lax.div(hi + block_kv - 1, block_kv) - first, 0)
-    per_split = lax.div(num_blocks + num_splits - 1, num_splits)
+    first = int_ops.div(lo, block_kv)
+    num_blocks = jnp.maximum(int_ops.div(hi + block_kv - 1, block_kv) - first, 0)
+    per_split = int_ops.div(num_blocks + num_splits - 1, num_splits)
     start = first + jnp.minimum(split * per_split, num_blocks)
     stop = first + jnp.minimum((split + 1) * per_split, num_blocks)
 
@@ -267,8 +269,8 @@ def _decode_kernel(
         # K/V rows of block i, through the page table (masked past the live tokens).
         tok = i * block_kv + lax.iota(jnp.int32, block_kv)
         live = (tok >= lo) & (tok < hi)
-        page = plgpu.load(page_table_ref.at[b, lax.div(tok, page_size)], mask=live, other=0)
-        return page * page_size + lax.rem(tok, page_size)
+        page = plgpu.load(page_table_ref.at[b, int_ops.div(tok, page_size)], mask=live, other=0)
+        return page * page_size + int_ops.rem(tok, page_size)
 
     def body(i, carry):
         o, m, denom, rows = carry  # [block_h, D], [block_h], [block_h] float32; [block_kv]

@@ -41,6 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import int_ops
 from pallas_kernels.validation import gpu_tile_dim
 
 UNROLLED_SPLITS = 8  # up to this many splits the merge kernel's loop is unrolled
@@ -74,8 +75,8 @@ def program_heads(group: int, block_h: int, head_blocks: int):
       (kv_head, heads [block_h] int32, row_ok [block_h] bool): rows past the group are
       padding.
     """
-    kv_head = lax.div(pl.program_id(1), head_blocks)
-    head_block = lax.rem(pl.program_id(1), head_blocks)
+    kv_head = int_ops.div(pl.program_id(1), head_blocks)
+    head_block = int_ops.rem(pl.program_id(1), head_blocks)
     row = head_block * block_h + lax.iota(jnp.int32, block_h)  # [block_h]
     row_ok = row < group
     return kv_head, kv_head * group + row, row_ok

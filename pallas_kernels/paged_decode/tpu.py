@@ -85,6 +85,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import int_ops
 from pallas_kernels.validation import static_knobs
 
 # Bytes of K (and again of V) one compute block aims to move.
@@ -157,15 +158,15 @@ def _kernel(
     def item(s):
         """(sequence, kv head, length, first visible position) of this core's step s."""
         w = s * num_cores + core
-        b, h = lax.div(w, num_kv_heads), lax.rem(w, num_kv_heads)
+        b, h = int_ops.div(w, num_kv_heads), int_ops.rem(w, num_kv_heads)
         n = jnp.minimum(lengths_ref[b], max_pages * page_size)
         lo = jnp.maximum(n - sliding_window, 0) if sliding_window is not None else n * 0
         return b, h, n, lo
 
     def block_copies(b, h, n, lo, blk, slot, pools, act):
         """Applies `act` (start or wait) to the DMAs of block `blk` of the given pools."""
-        p_lo = jnp.maximum(blk * pages_per_block, lax.div(lo, page_size))
-        p_hi = jnp.minimum((blk + 1) * pages_per_block, lax.div(n + page_size - 1, page_size))
+        p_lo = jnp.maximum(blk * pages_per_block, int_ops.div(lo, page_size))
+        p_hi = jnp.minimum((blk + 1) * pages_per_block, int_ops.div(n + page_size - 1, page_size))
 
         def one_page(p, carry):
             page = page_table_ref[b * max_pages + p]
@@ -186,8 +187,8 @@ def _kernel(
         c.wait()
 
     b, h, n, lo = item(step)
-    first_blk = lax.div(lo, block_tokens)
-    end_blk = lax.div(n + block_tokens - 1, block_tokens)
+    first_blk = int_ops.div(lo, block_tokens)
+    end_blk = int_ops.div(n + block_tokens - 1, block_tokens)
 
     @pl.when(step == 0)
     def _():
@@ -209,7 +210,7 @@ def _kernel(
 
         @pl.when(go)
         def _():
-            block_copies(b2, h2, n2, lo2, lax.div(lo2, block_tokens), slot, both, start)
+            block_copies(b2, h2, n2, lo2, int_ops.div(lo2, block_tokens), slot, both, start)
 
         state_ref[1] = go.astype(jnp.int32)
 
@@ -336,7 +337,7 @@ def _paged_decode(
 
     def row_block(core, step, *_):
         w = step * num_cores + core
-        return lax.div(w, num_kv_heads), lax.rem(w, num_kv_heads), 0, 0
+        return int_ops.div(w, num_kv_heads), int_ops.rem(w, num_kv_heads), 0, 0
 
     row_spec = pl.BlockSpec((None, None, rows, head_dim), row_block)
     buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)

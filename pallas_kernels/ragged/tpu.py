@@ -78,6 +78,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import int_ops
 from pallas_kernels.validation import is_int, static_knobs
 
 _LANES = 128
@@ -110,8 +111,8 @@ def _seq_bounds(c, blk_start, *, qs_ref, qe_ref, ctx_ref, block_q, block_kv, win
         base=base,
         p_hi=p_hi,
         k_lo=k_lo,
-        j_lo=lax.div(k_lo, block_kv),
-        j_hi=lax.div(p_hi, block_kv),
+        j_lo=int_ops.div(k_lo, block_kv),
+        j_hi=int_ops.div(p_hi, block_kv),
     )
 
 
@@ -170,8 +171,8 @@ def _kernel(
         # Pages of KV block j that the rows of sequence c can see; the rest are never copied.
         b = bounds(c)
         first = j * ppb
-        i_lo = jnp.maximum(lax.div(b["k_lo"], page_size) - first, 0)
-        i_hi = jnp.minimum(lax.div(b["p_hi"], page_size) - first + 1, ppb)
+        i_lo = jnp.maximum(int_ops.div(b["k_lo"], page_size) - first, 0)
+        i_hi = jnp.minimum(int_ops.div(b["p_hi"], page_size) - first + 1, ppb)
         row = seq_ref[c] * max_pages + first
 
         def body(i, carry):
