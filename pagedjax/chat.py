@@ -108,6 +108,15 @@ def _pick(value, where: str, name: str | None) -> tuple[str | None, str]:
     return None, f"{where} lists chat templates {sorted(named)} but none named {DEFAULT_NAME!r}"
 
 
+def _read(path: Path) -> str:
+    """A template file's text, UTF-8 as transformers opens it (not the locale's encoding:
+    DeepSeek's `<｜User｜>` was mojibake under cp1252, an error under a C locale)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e})") from None
+
+
 def find_chat_template(
     root, tokenizer_config: dict, *, name: str | None = None
 ) -> tuple[str | None, str]:
@@ -134,11 +143,11 @@ def find_chat_template(
             f.name[: -len(".jinja")]: f for f in sorted(extra_dir.glob("*.jinja")) if f.is_file()
         }
     if list(files) == [DEFAULT_NAME]:
-        return _pick(files[DEFAULT_NAME].read_text(), str(files[DEFAULT_NAME]), name)
+        return _pick(_read(files[DEFAULT_NAME]), str(files[DEFAULT_NAME]), name)
     if files:
         want = DEFAULT_NAME if name is None else name
         if want in files:
-            return files[want].read_text(), str(files[want])
+            return _read(files[want]), str(files[want])
         if name is not None:
             raise ValueError(f"{root} has no chat template named {name!r}; it has {sorted(files)}")
         return None, f"{extra_dir} has chat templates {sorted(files)} but none named 'default'"
@@ -165,8 +174,9 @@ def normalize_messages(messages) -> list[dict]:
     of ours use this too). Each is a new dict, the caller's left unchanged:
 
     * `content` None or left out becomes "" (any role, as vLLM's), and a list of text
-      parts (`{"type": "text", "text": str}`) their texts joined with "\\n"; other parts
-      (images, audio, files) are refused: this engine reads text only;
+      parts (`{"type": "text", "text": str}`, and the other `TEXT_PARTS`: an assistant's
+      `{"type": "refusal", "refusal": str}`, ...) their texts joined with "\\n"; other
+      parts (images, audio, files) are refused: this engine reads text only;
     * an assistant message's `tool_calls` get each `function.arguments`, a JSON string
       in OpenAI's form, parsed into the value it holds ({} for "" or None), the form
       transformers' templates read; an empty `tool_calls` is dropped, so the template
@@ -212,6 +222,18 @@ def normalize_message(index: int, message) -> dict:
     return out
 
 
+# The content parts read as text, as vLLM's parse_chat_messages reads them (part type ->
+# the key of its text): OpenAI's text and an assistant's refusal, the Responses API's
+# input_text and output_text, and vLLM's thinking.
+TEXT_PARTS = {
+    "text": "text",
+    "refusal": "refusal",
+    "input_text": "text",
+    "output_text": "text",
+    "thinking": "thinking",
+}
+
+
 def _text(where: str, content) -> str:
     """A message's content as one string (`normalize_messages`)."""
     return "\n".join(_texts(where, content))
@@ -235,14 +257,16 @@ def _texts(where: str, content) -> list[str]:
             raise TypeError(
                 f"{at} must be a text part {{'type': 'text', 'text': ...}}, got {part!r:.80}"
             )
-        if part.get("type") != "text":
+        kind = part.get("type")
+        key = TEXT_PARTS.get(kind) if isinstance(kind, str) else None  # (a list: unhashable)
+        if key is None:
             raise ValueError(
                 f"{at} has type={part.get('type')!r}: only text content parts are supported "
                 f"(no multimodal input), got {part!r:.80}"
             )
-        if not isinstance(part.get("text"), str):
-            raise TypeError(f"{at}: a text part's text must be a str, got {part!r:.80}")
-        texts.append(part["text"])
+        if not isinstance(part.get(key), str):
+            raise TypeError(f"{at}: a {part['type']} part's {key} must be a str, got {part!r:.80}")
+        texts.append(part[key])
     return texts
 
 

@@ -3,9 +3,16 @@
 content parts, `tools` and `documents` that are no lists of dicts, a named field to
 continue, and special tokens that are no strings."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from pagedjax import chat
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # GLM-5's template, shortened: a user's content may be parts (so vLLM's content format
 # is "openai"), and a tool result is a string, else a list of `{"output": ...}` results.
@@ -91,3 +98,63 @@ def test_special_tokens_must_be_strings(name):
     token = {"content": "<s>", "special": True}
     with pytest.raises(TypeError, match=rf"{name} must be a str or None, got {name}=\{{'content"):
         chat.render("{{ bos_token }}{{ eos_token }}", MESSAGES, **{name: token})
+
+
+PARTS_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+
+
+@pytest.mark.parametrize(
+    "part,text",
+    [
+        ({"type": "refusal", "refusal": "I can't help with that."}, "I can't help with that."),
+        ({"type": "input_text", "text": "in"}, "in"),
+        ({"type": "output_text", "text": "out"}, "out"),
+        ({"type": "thinking", "thinking": "hmm"}, "hmm"),
+    ],
+)
+def test_text_like_parts_are_text_as_vllm_reads_them(part, text):
+    """OpenAI's assistant content may hold `{"type": "refusal", "refusal": ...}` parts (a
+    client replaying a refused answer sends one back), and vLLM's parse_chat_messages
+    also reads the Responses API's `input_text`/`output_text` and its `thinking` parts as
+    text. They were refused as "no multimodal input" (a 400 on the server)."""
+    msgs = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": [{"type": "text", "text": "a"}, part]},
+    ]
+    assert chat.normalize_messages(msgs)[1]["content"] == f"a\n{text}"
+    out = chat.render(PARTS_TEMPLATE, msgs, add_generation_prompt=False)
+    assert out == f"<user>q<assistant>a\n{text}"
+    parts = chat.render(GLM_TOOLS, msgs, add_generation_prompt=False)  # "openai" format
+    assert parts == f"<user>q<assistant>a{text}"
+    with pytest.raises(ValueError, match=r"messages\[1\]\.content\[1\] has type='image_url'"):
+        chat.normalize_messages([msgs[0], {**msgs[1], "content": [msgs[1]["content"][0], IMAGE]}])
+    bad = {**part, **{k: 5 for k in part if k != "type"}}
+    with pytest.raises(TypeError, match=r"messages\[1\]\.content\[0\]"):
+        chat.normalize_messages([msgs[0], {**msgs[1], "content": [bad]}])
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:,"}}
+NON_ASCII = "<｜User｜>{{ messages[0].content }}<｜Assistant｜>— é"
+
+
+@pytest.mark.parametrize("where", ["chat_template.jinja", "additional_chat_templates/x.jinja"])
+def test_template_files_are_read_as_utf8_whatever_the_locale(tmp_path, where):
+    """transformers opens chat_template.jinja as UTF-8; it was read in the locale's
+    encoding, so under a C locale (no UTF-8 mode) DeepSeek's `<｜User｜>` template was a
+    UnicodeDecodeError, and under cp1252 mojibake that no longer names its special tokens."""
+    path = tmp_path / where
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(NON_ASCII.encode("utf-8"))
+    name = "None" if where == "chat_template.jinja" else "'x'"
+    code = (
+        "import sys; from pagedjax import chat; "
+        f"t, _ = chat.find_chat_template(sys.argv[1], {{}}, name={name}); "
+        "sys.stdout.buffer.write(t.encode('utf-8'))"
+    )
+    env = {**os.environ, "PYTHONUTF8": "0", "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0"}
+    env["PYTHONPATH"] = str(ROOT)
+    got = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, check=False
+    )
+    assert got.returncode == 0, got.stderr.decode(errors="replace")[-500:]
+    assert got.stdout.decode("utf-8") == NON_ASCII
