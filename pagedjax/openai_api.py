@@ -332,6 +332,11 @@ def parse_job(
         guided=guided,
         prompt_logprobs=prompt_logprobs,
     )
+    if tools is not None and tools.parser == "hermes" and params.skip_special_tokens:
+        # vLLM's hermes parser (its adjust_request): some models (Hermes 2 Pro) mark
+        # <tool_call> a special token, which the text would drop before the parser reads
+        # it: no call found. (Stop tokens stay out of the text either way.)
+        params = dataclasses.replace(params, skip_special_tokens=False)
     if params.stop and tok is None:
         raise ApiError(400, "stop strings need a tokenizer; this model has none", "stop")
     if params.bad_words:  # (the engine encodes them again; a 400 naming the field here)

@@ -542,3 +542,19 @@ def test_streamed_logprobs_add_up_though_text_is_held_back(server):
     assert tokens == [x["token"] for x in choice["logprobs"]["content"]]
     assert "".join(c["delta"].get("content", "") for c in chunks) == "Hm.\n"
     assert sum(c["delta"].get("content") == "" for c in chunks) > 10  # held back
+
+
+def test_hermes_auto_keeps_special_tokens_in_the_text_it_parses(tok):
+    """vLLM's hermes parser turns skip_special_tokens off for a request it parses: a
+    model whose <tool_call> is a special token (Hermes 2 Pro) lost the tags from the text
+    before the parser read it, so no call was found. Other choices and parsers keep the
+    request's setting."""
+    assert not job(dict(tools=TOOLS), tok).params.skip_special_tokens
+    assert not job(dict(tools=TOOLS, skip_special_tokens=True), tok).params.skip_special_tokens
+    for body, parser in (
+        (dict(tools=TOOLS, tool_choice="none"), "hermes"),
+        (dict(tools=TOOLS, tool_choice="required"), "hermes"),
+        (dict(tools=TOOLS), "llama3_json"),
+        (dict(), "hermes"),
+    ):
+        assert job(body, tok, tool_parser=parser).params.skip_special_tokens, (body, parser)
