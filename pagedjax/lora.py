@@ -583,8 +583,11 @@ def write_slot(weights: LoRAWeights, slot: int, adapter: LoRAAdapter | None) -> 
 
 def merge_adapter(params, adapter: LoRAAdapter):
     """`params` with the adapter folded into its kernels (`W + a @ b`, summed in float32,
-    cast back): a model that computes what the adapter's requests compute. ValueError
-    if the adapter does not fit the model (`check_adapter`)."""
+    cast back): a model that computes what the adapter's requests compute. Tensor-parallel
+    `params` (`Params.mesh`, e.g. an engine's) give merged params on the same mesh, each
+    array split as before (`params_from_flat` alone keeps no mesh: the result mixed split
+    arrays with merged kernels on one device, and no engine or step could run it).
+    ValueError if the adapter does not fit the model (`check_adapter`)."""
     from pagedjax import model as model_lib
 
     check_adapter(adapter, params.config)
@@ -593,4 +596,5 @@ def merge_adapter(params, adapter: LoRAAdapter):
         key = f"layers.{layer}.{TARGET_MODULES[module]}.{module}.kernel"
         w = np.asarray(jax.device_get(flat[key]), np.float32)
         flat[key] = w + a @ b
-    return model_lib.params_from_flat(params.config, flat)
+    merged = model_lib.params_from_flat(params.config, flat)
+    return merged if params.mesh is None else sharding_lib.shard_params(merged, params.mesh)

@@ -60,3 +60,28 @@ def test_check_adapter_refuses_weights_that_are_not_floating_point(dtype):
             lora.check_adapter(adapter, TINY)
     ok = np.ones((64, 2), np.float16), np.ones((2, 64), np.float64)
     lora.check_adapter(lora.LoRAAdapter({(0, "q_proj"): ok}, 2), TINY)
+
+
+def test_merge_adapter_keeps_the_mesh_of_tensor_parallel_params(tmp_path):
+    """An engine's params carry their mesh (`Params.mesh`): merging into them gives params
+    on that mesh, each array split as before (the merged ones were left on one device and
+    the mesh dropped, so that at tp = 2 `LLM(merged)` refused the mixed params). A
+    one-device "tp" mesh shows it here; tests/tp_cases.py runs the engine at tp > 1."""
+    import jax
+    from jax.sharding import Mesh
+    from params_helpers import random_params
+
+    from pagedjax import model, sharding
+
+    params = random_params(TINY, seed=0)
+    write_peft(tmp_path / "a", TINY, rank=2, seed=1)
+    adapter = lora.load_adapter(tmp_path / "a", TINY)
+    split = sharding.shard_params(params, Mesh(np.array(jax.devices()[:1]), (sharding.AXIS,)))
+    merged = lora.merge_adapter(split, adapter)
+    assert merged.mesh is split.mesh
+    before, after = model.params_to_flat(split), model.params_to_flat(merged)
+    for key, x in after.items():
+        assert x.sharding == before[key].sharding, key
+    want = model.params_to_flat(lora.merge_adapter(params, adapter))
+    for key, x in after.items():
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(want[key]), err_msg=key)
