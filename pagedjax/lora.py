@@ -129,7 +129,8 @@ class LoRARequest:
       lora_int_id: a positive int identifying it: requests with equal ids share the
         adapter loaded once, and their prefix-cache pages (never those of another
         adapter or of the base model).
-      lora_path: the PEFT directory (`adapter_config.json`, `adapter_model.safetensors`).
+      lora_path: the PEFT directory (`adapter_config.json`, `adapter_model.safetensors`);
+        a leading "~" is the user's home.
     """
 
     lora_name: str
@@ -145,7 +146,9 @@ class LoRARequest:
         if not isinstance(self.lora_path, (str, os.PathLike)):
             raise TypeError(f"lora_path must be a str or a path, got {self.lora_path!r}")
         object.__setattr__(self, "lora_int_id", int(i))
-        object.__setattr__(self, "lora_path", os.fspath(self.lora_path))
+        # "~" as the user's home, as vLLM resolves an adapter path (a JSON request's path
+        # has no shell to expand it)
+        object.__setattr__(self, "lora_path", os.path.expanduser(os.fspath(self.lora_path)))
 
 
 def module_dims(cfg: ModelConfig, module: str) -> tuple[int, int]:

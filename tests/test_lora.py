@@ -325,6 +325,15 @@ def test_lora_request_checks():
         lora.LoRARequest("x", 1, None)
 
 
+def test_lora_path_expands_the_home(monkeypatch, tmp_path):
+    # vLLM resolves "~/adapter" to the home's; a JSON request (load_lora_adapter) has no
+    # shell to expand it, and the path "did not exist".
+    monkeypatch.setenv("HOME", str(tmp_path))
+    r = lora.LoRARequest("x", 1, "~/adapters/a")
+    assert r.lora_path == str(tmp_path / "adapters" / "a")
+    assert lora.LoRARequest("x", 1, "a~b").lora_path == "a~b"
+
+
 def test_dims_match_the_model():
     shapes = model.param_shapes(TINY)
     for m, block in lora.TARGET_MODULES.items():
