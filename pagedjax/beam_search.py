@@ -38,6 +38,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from pagedjax.config import is_finite_number
 from pagedjax.prompts import request_lists
 from pagedjax.request import Logprob, SamplingParams
@@ -72,14 +74,18 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self):
+        # numpy ints and bools are ints and bools, as SamplingParams takes them (stored
+        # as Python's)
         for name in ("beam_width", "max_tokens"):
             v = getattr(self, name)
-            if type(v) is not int or v < 1:
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {name}={v!r}")
+            object.__setattr__(self, name, int(v))
         for name in ("ignore_eos", "include_stop_str_in_output"):
             v = getattr(self, name)
-            if not isinstance(v, bool):
+            if not isinstance(v, (bool, np.bool_)):
                 raise ValueError(f"{name} must be a bool, got {name}={v!r}")
+            object.__setattr__(self, name, bool(v))
         t, lp = self.temperature, self.length_penalty
         if not is_finite_number(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0.0, got temperature={t!r}")

@@ -124,6 +124,29 @@ def test_numpy_numbers_are_numbers():
     assert p.sampling_params().length_penalty == 0.5
 
 
+def test_numpy_ints_and_bools_are_ints_and_bools():
+    """As SamplingParams takes them (beam widths from an np.arange, flags from an array):
+    they were refused ("beam_width must be an int >= 1, got beam_width=np.int64(3)"); kept
+    as Python's."""
+    p = BeamSearchParams(
+        np.int64(3), np.int32(8), ignore_eos=np.True_, include_stop_str_in_output=np.False_
+    )
+    assert (p.beam_width, p.max_tokens, p.ignore_eos, p.include_stop_str_in_output) == (
+        3,
+        8,
+        True,
+        False,
+    )
+    assert [type(getattr(p, f)) for f in ("beam_width", "max_tokens")] == [int, int]
+    assert type(p.ignore_eos) is bool and type(p.include_stop_str_in_output) is bool
+    sp = p.sampling_params()
+    assert (sp.beam_width, sp.n, sp.max_tokens, sp.ignore_eos) == (3, 3, 8, True)
+    with pytest.raises(ValueError, match="beam_width must be an int >= 1"):
+        BeamSearchParams(np.int64(0), 4)
+    with pytest.raises(ValueError, match="max_tokens must be an int >= 1"):
+        BeamSearchParams(2, np.float64(4.0))
+
+
 def test_bad_calls_are_named(llm):
     params = BeamSearchParams(beam_width=2, max_tokens=4)
     with pytest.raises(TypeError, match="params must be a BeamSearchParams"):
