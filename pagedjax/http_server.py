@@ -268,7 +268,10 @@ class Handler(HttpIO):
             if path.startswith(_MODEL_PATH):
                 return self._json(200, self._model(unquote(path[len(_MODEL_PATH) :])))
             if path == "/metrics":
-                return self._send(200, self._metrics(), "text/plain; version=0.0.4")
+                # (the charset prometheus_client's CONTENT_TYPE_LATEST and vLLM's name: a
+                # model or adapter name outside ASCII is UTF-8)
+                ctype = "text/plain; version=0.0.4; charset=utf-8"
+                return self._send(200, self._metrics(), ctype)
             if path in ("/tokenize", "/detokenize"):
                 return self._json(200, self._tokens(path, self._parse(raw)))
             if path in LORA_ROUTES:

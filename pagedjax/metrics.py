@@ -363,9 +363,10 @@ def prometheus_text(llm, model_name: str | None = None) -> str:
     `/metrics` gives them with the prefix "pagedjax:" for "vllm:" (and its `model_name`
     label when given): requests running and waiting, KV cache usage, token, request
     (completions by `finished_reason`, every reason of `FINISHED_REASONS` from 0) and
-    preemption counters since the engine started, histograms of the finished
-    requests' TTFT and latency (vLLM's buckets), and with LoRA `lora_requests_info`
-    (`lora_info`). Call it where the engine is not stepping (`EngineThread.call`)."""
+    preemption counters since the engine started, histograms of the requests' TTFT
+    (observed at the first token) and of the finished requests' latency (vLLM's
+    buckets), and with LoRA `lora_requests_info` (`lora_info`). Call it where the engine
+    is not stepping (`EngineThread.call`)."""
     m, bm = llm.metrics, llm.block_manager.stats()
     label = "" if model_name is None else f'model_name="{_escape(model_name)}"'
     out = []
@@ -424,5 +425,9 @@ def lora_info(llm) -> dict[str, str]:
 
 
 def _escape(value: str) -> str:
-    """A Prometheus label value: backslash, double quote and newline escaped."""
+    """A Prometheus label value: backslash, double quote and newline escaped, and a lone
+    surrogate (a name from a non-UTF-8 path or argument, or a JSON "\\ud800") as the
+    text of its Python escape: UTF-8 has none, and encoding the exposition raised, so
+    every /metrics scrape was a 500."""
+    value = value.encode("utf-8", "backslashreplace").decode()
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
