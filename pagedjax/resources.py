@@ -356,9 +356,11 @@ def _pages_beside_watermark(need: int, watermark: float) -> int:
 
 
 def peak_device_memory(device=None) -> int | None:
-    """Peak bytes in use on the device, None where the backend has no memory stats."""
+    """Peak bytes in use on `device` (default `sharding.default_device()`, where the model
+    and a cache without a mesh go, as `plan_num_pages` reads), None where the backend has
+    no memory stats."""
     try:
-        stats = (device or jax.devices()[0]).memory_stats() or {}
+        stats = (device or sharding.default_device()).memory_stats() or {}
     except Exception:
         return None
     return stats.get("peak_bytes_in_use")
