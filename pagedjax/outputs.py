@@ -263,7 +263,11 @@ class OutputProcessor(LogprobsMixin):
                     done.append(self._finish(g.request, now))
                 except BaseException as again:
                     textless.append((g.request_id, again))
-                    done.append(self.output(g.request, aborted=False, now=now, with_text=False))
+                    out = self.output(g.request, aborted=False, now=now, with_text=False)
+                    self.metrics.record_request(
+                        out.latency_s, [c.finish_reason for c in out.outputs]
+                    )  # (as `_finish` would have: it finished)
+                    done.append(out)
         self.stranded += done
         if textless:
             ids = [i for i, _ in textless]

@@ -162,6 +162,8 @@ def test_requests_finished_in_a_step_whose_apply_raises_are_returned(params, mon
     assert sorted(reported) == [a]
     assert tokens([reported[a]]) == tokens([fresh])
     assert reported[a].outputs[0].finish_reason == "length"
+    # A finished and is counted so, with or without its text (the fallback skipped it).
+    assert llm.metrics.request_success["length"] == 1 and len(llm.metrics.latencies) == 1
     assert all(gone(i) for i in (a, b, c))
     check_recovered(llm)
 
