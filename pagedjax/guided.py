@@ -84,9 +84,10 @@ class StructuredOutputsParams:
         exclusiveMaximum: exact; a number's bounds whole numbers, written without
         exponent; multipleOf 1 on integers), boolean, null, array (items, prefixItems,
         minItems/maxItems, uniqueItems false), object (properties in declared order,
-        `required`; optional ones may be left out; no other keys are generated; without
-        properties: the required keys, or without those any keys, their values of
-        additionalProperties' schema, none where it is false), enum, const, anyOf,
+        `required`; optional ones may be left out; then the required keys properties
+        does not list; no other keys are generated; without either, any keys; the
+        values of keys outside properties of additionalProperties' schema, none where it
+        is false), enum, const, anyOf,
         oneOf (where no value can match two branches: different types, const / enum
         values, or a discriminated union's), allOf (merged: required lists and
         properties joined, the stricter bound; the keywords beside these and beside
@@ -119,7 +120,8 @@ class StructuredOutputsParams:
         is a ValueError.
       disable_fallback, disable_additional_properties: vLLM's, accepted (bools) and
         without effect here: there is no other backend to fall back to, and no key
-        outside a schema's properties is generated where it has some.
+        outside a schema's properties is generated where it has some (but a key its
+        `required` lists).
       structural_tag: refused (ValueError) when given: structural tags are not supported.
 
     Construction checks the types and compiles the spec to regex text (`to_regex`),

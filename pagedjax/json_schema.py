@@ -11,23 +11,25 @@ exclusiveMaximum, also draft 4's boolean exclusive*; multipleOf 1 on integers), 
 null, array (items, prefixItems, minItems/maxItems, uniqueItems false), object
 (properties, `required`, additionalProperties), enum and const (their values of the type,
 if given), anyOf, oneOf (see below), allOf, nullable (OpenAPI: "or null"), type lists,
-local $ref (recursive ones unrolled `REF_DEPTH` deep) and {} (any value). allOf's
-schemas, and the keywords beside anyOf / oneOf / allOf / $ref with each branch, are
-merged into one schema: required lists and properties joined (a property in both: both
-its schemas hold), the types in both, the stricter bound or length; nullable only where
-all are. Annotations (title, description, default, discriminator, ...) are ignored. Any
-other keyword, an unknown type or format, a pattern with a format or lengths, a format
-with lengths that not all its strings fit, a number's bound that is not a whole number,
-multipleOf but 1 on integers, uniqueItems true, keywords but type beside enum or const,
-a NaN or infinity in enum or const, a keyword to merge with two other values,
-additionalProperties to merge with another schema's properties, a non-local $ref, or a
-oneOf whose branches we cannot show apart is a ValueError naming it and where it is
+local $ref ("#" and a JSON pointer after it, percent-decoded; recursive ones unrolled
+`REF_DEPTH` deep) and {} (any value). allOf's schemas, and the keywords beside anyOf /
+oneOf / allOf / $ref with each branch, are merged into one schema: required lists and
+properties joined (a property in both: both its schemas hold), the types in both, the
+stricter bound or length; nullable only where all are. Annotations (title, description,
+default, discriminator, ...) are ignored. Any other keyword, an unknown type or format, a
+pattern with a format or lengths, a format with lengths that not all its strings fit, a
+number's bound that is not a whole number, multipleOf but 1 on integers, uniqueItems
+true, keywords but type beside enum or const, a NaN or infinity in enum or const, a
+keyword to merge with two other values, additionalProperties to merge with another
+schema's properties, a non-local $ref or one that is no JSON pointer (an anchor: #foo),
+or a oneOf whose branches we cannot show apart is a ValueError naming it and where it is
 (`JSON schema at #/properties/a: ...`).
 
 What is generated: an object's properties in declared order, the optional ones possibly
-left out, no other keys (additionalProperties counts only without properties: then the
-keys are the required ones, or without those any keys with additionalProperties' schema,
-or none where it is false); values without a schema ({}, json_object) nest containers at
+left out, then the required keys it does not list, with additionalProperties' schema
+(any value by default; false: a ValueError, as no object is valid), and no other keys
+(without properties or required, any keys with additionalProperties' schema, or none
+where it is false); values without a schema ({}, json_object) nest containers at
 most `JSON_DEPTH` deep; strings hold JSON escapes, each one character (a surrogate's
 \\u escape only in a pair, and none where minLength / maxLength count characters);
 numbers without a bound have exponents of at most two digits (1e999 parses as inf; a
@@ -70,6 +72,7 @@ from __future__ import annotations
 import collections
 import json as jsonlib
 import math
+import urllib.parse
 
 from pagedjax.json_one_of import TYPE_KEYWORDS as _TYPE_KEYWORDS
 from pagedjax.json_one_of import OneOfMixin
@@ -394,11 +397,19 @@ class _Schema(OneOfMixin, ScalarMixin):
         return out
 
     def pointer(self, ref, path: str):
-        """The schema the local $ref `ref` (at `path`) points to."""
+        """The schema the local $ref `ref` (at `path`) points to: "#" and a JSON pointer
+        after it (RFC 6901: percent-decoded, then ~1 and ~0 unescaped). Another fragment
+        (an anchor "#foo", "#defs/A") is a ValueError, not the root."""
         if not isinstance(ref, str) or not ref.startswith("#"):
             raise self.error(path, f"$ref {ref!r:.80} is not supported (only local refs)")
+        if ref != "#" and not ref.startswith("#/"):
+            raise self.error(
+                path,
+                f"$ref {ref!r:.80} is not supported: only a JSON pointer (#/$defs/...) after "
+                "the # (not an anchor)",
+            )
         node = self.root
-        for part in ref[1:].split("/")[1:]:
+        for part in urllib.parse.unquote(ref[1:]).split("/")[1:]:
             part = part.replace("~1", "/").replace("~0", "~")
             if isinstance(node, list) and part.isdigit() and int(part) < len(node):
                 node = node[int(part)]
@@ -462,14 +473,12 @@ class _Schema(OneOfMixin, ScalarMixin):
         required = s.get("required", [])
         if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
             raise self.error(path, f"required must be a list of str, got {required!r:.80}")
+        if not isinstance(extra, (bool, dict)):
+            msg = f"additionalProperties must be a bool or a schema, got {extra!r:.80}"
+            raise self.error(path, msg)
         if props is None:  # only the required keys, with additionalProperties' values
-            if extra is not True and not isinstance(extra, dict):
-                if extra is not False:
-                    msg = f"additionalProperties must be a bool or a schema, got {extra!r:.80}"
-                    raise self.error(path, msg)
+            if required or extra is False:
                 props = {}
-            elif required:
-                props = {k: extra for k in required}
             elif extra is True or extra == {}:
                 return self.any_object(JSON_DEPTH)
             else:
@@ -477,11 +486,18 @@ class _Schema(OneOfMixin, ScalarMixin):
                 return self.any_object(JSON_DEPTH, value)
         if not isinstance(props, dict):
             raise self.error(path, f"properties must be an object, got {props!r:.80}")
-        missing = sorted(set(required) - set(props))
-        if missing:
-            raise self.error(path, f"required property {missing[0]!r} is not in properties")
+        # A required key properties does not list: valid with additionalProperties' value.
+        missing = [k for k in dict.fromkeys(required) if k not in props]
+        if missing and extra is False:
+            raise self.error(
+                path,
+                f"required property {missing[0]!r} is not in properties, and "
+                "additionalProperties false allows no other: no object is valid",
+            )
+        at = {k: f"{path}/properties/{k}" for k in props}
+        props = {**props, **dict.fromkeys(missing, extra)}
         items = [
-            self.literal(k) + self.colon + self.value(v, f"{path}/properties/{k}")
+            self.literal(k) + self.colon + self.value(v, at.get(k, f"{path}/additionalProperties"))
             for k, v in props.items()
         ]
         required = set(required)  # (a list: quadratic in the properties)

@@ -353,7 +353,11 @@ def test_choice():
         ({"json": {"type": "integer", "maximum": 1, "minimum": 2}}, ValueError, "no integer"),
         ({"json": {"$ref": "#/$defs/Missing"}}, ValueError, "points to nothing"),
         ({"json": {"$ref": "http://x/s.json"}}, ValueError, "only local"),
-        ({"json": {"type": "object", "required": ["b"], "properties": {}}}, ValueError, "'b'"),
+        (
+            {"json": {"required": ["b"], "properties": {}, "additionalProperties": False}},
+            ValueError,
+            "'b'",
+        ),
         ({"json": {"type": "array", "minItems": 2, "maxItems": 1}}, ValueError, "maxItems=1"),
         ({"json_object": "yes"}, TypeError, "json_object='yes'"),
         ({"json_object": True, "disable_any_whitespace": 1}, TypeError, "disable_any_whitespace"),
