@@ -93,9 +93,25 @@ class RMSNorm(nnx.Module):
         return self.scale[...] * y.astype(x.dtype)
 
 
+def _dot_precision(dtype):
+    """HIGHEST for float32 operands, else None (XLA's DEFAULT). DEFAULT runs a float32 dot
+    in TF32 on recent GPUs (10-bit mantissa, ~1e-3 relative) and in one bfloat16 pass on
+    TPUs, where HF's float32 model computes in float32 (torch's matmuls do not use TF32 by
+    default) and so do our float32 kernels; bfloat16 operands lose nothing to DEFAULT."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def _linear(n_in, n_out, cfg, rngs, bias=False):
     dt = cfg.jnp_dtype
-    return nnx.Linear(n_in, n_out, use_bias=bias, dtype=dt, param_dtype=dt, rngs=rngs)
+    return nnx.Linear(
+        n_in,
+        n_out,
+        use_bias=bias,
+        dtype=dt,
+        param_dtype=dt,
+        precision=_dot_precision(dt),
+        rngs=rngs,
+    )
 
 
 def _project(linear, name: str, x, lora):
@@ -183,7 +199,8 @@ class Llama(nnx.Module):
         """Final norm and LM head: h [..., E] -> [..., V] float32."""
         h = self.norm(h)
         w = self.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head.kernel[...]
-        return jnp.dot(h, w, preferred_element_type=jnp.float32)
+        precision = _dot_precision(h.dtype)
+        return jnp.dot(h, w, precision=precision, preferred_element_type=jnp.float32)
 
     def __call__(self, tokens, *, kv_dtype=None):
         """Dense causal forward with no cache: tokens [B, T] int -> logits [B, T, V] float32.
@@ -323,14 +340,17 @@ def dense_causal_attention(q, k, v, *, sliding_window: int | None = None):
     """
     b, t, h, d = q.shape
     kh = k.shape[2]
+    # bf16 q, k, v: exact in any pass (p's TF32 rounding is finer than HF's bf16 p).
+    precision = _dot_precision(q.dtype)
     qg = q.reshape(b, t, kh, h // kh, d).astype(jnp.float32)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) * d**-0.5
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32), precision=precision)
+    s = s * d**-0.5
     pos = jnp.arange(t)
     causal = pos[None, :] <= pos[:, None]  # [T, T] (query, key)
     if sliding_window is not None:
         causal &= pos[None, :] > pos[:, None] - sliding_window
     p = jax.nn.softmax(jnp.where(causal, s, _MASKED), axis=-1)
-    o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
+    o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32), precision=precision)
     return o.reshape(b, t, h, d).astype(q.dtype)
 
 
