@@ -36,10 +36,12 @@ most `max_num_seqs` sequences running:
    either: they could not be admitted in this step anyway. Admission keeps the block
    manager's watermark of pages free on top of the decode reservation, and reserves pages
    for each whole prompt (a window model: for the most it holds at once, below), so a
-   long prompt prefilled over several steps never runs out mid-prompt; a sequence that
-   decodes after its prefill also needs the page of its first decode token free
-   (`_admit_pages`; a beam group: the pages of its first two decode steps, and its
-   beams' shared prefix-cache hits count once), lest it be preempted for it at once.
+   long prompt prefilled over several steps never runs out mid-prompt; a prefix-cache hit
+   counts only while no one holds it, once per group (as vLLM's free-block count: a
+   shared system prompt a running request holds is no free page to wait for); a
+   sequence that decodes after its prefill also needs the page of its first decode token
+   free (`_admit_pages`; a beam group: the pages of its first two decode steps), lest it
+   be preempted for it at once.
 
 Priority scheduling (`scheduling_policy="priority"`, vLLM's): each group has a
 `priority`, lower served first, and an `arrival`, the order `add` queued it in, which
@@ -384,20 +386,26 @@ class Scheduler(RequestsMixin):
         (under "fcfs" the newest, so it) for its own first token. Within
         `max_pages_needed`: a group alone is always admitted.
 
+        A prefill takes a page for each of its pages that is not a prefix-cache hit, and a
+        hit only while no one holds it, once for the group's sequences (`_prefill_pages`):
+        a prompt that starts with pages a running request holds (a shared system prompt)
+        does not wait for free pages it will not take, nor readmitted samples or beams for
+        their shared prompt.
+
         Samples forked after the prompt (`g.forks`) share its pages, and each one's first
         decode token takes a page: a new one when `prompt[:-1]` ends on a page boundary,
         else a copy of the shared last page for all but one (copy-on-write).
 
-        Beams count their prefills' pages (`_beam_prefill_pages`) and, when they decode
-        after it, a page per beam row, which each decode step reserves whatever the appends
-        take (`_decode_candidates`), plus what the first step's appends keep beside the
-        second's reserve: a new page per beam where the fed position starts a page, else a
-        copy of the prompt's partial page for each of a new group's beams but one (a
-        readmitted beam's partial page is its own). Else the group is preempted for its
-        own reserve in the step after its first decode."""
+        Beams count their prefills' pages and, when they decode after it, a page per beam
+        row, which each decode step reserves whatever the appends take
+        (`_decode_candidates`), plus what the first step's appends keep beside the second's
+        reserve: a new page per beam where the fed position starts a page, else a copy of
+        the prompt's partial page for each of a new group's beams but one (a readmitted
+        beam's partial page is its own). Else the group is preempted for its own reserve in
+        the step after its first decode."""
         if g.atomic:
             s, n = g.seqs[0], lens[0]  # (the beams have equal lengths)
-            need = self._beam_prefill_pages(g, lens)
+            need = self._prefill_pages(g, lens)
             if n < len(s.token_ids) or n + 1 < s.max_num_tokens:  # it decodes
                 need += g.num_seats
                 if n + 2 < s.max_num_tokens:  # twice
@@ -407,23 +415,34 @@ class Scheduler(RequestsMixin):
         if g.forks:
             (n,) = lens
             k = len(g.seqs) + len(g.forks)
-            need = self._peak_pages(n) + k - (1 if n % self.bm.page_size else 0)
+            need = self._prefill_pages(g, lens) + k - (1 if n % self.bm.page_size else 0)
             return min(need, self.max_pages_needed(g))
-        return sum(
-            self._peak_pages(n + 1 if n + 1 < s.max_num_tokens else n)
+        if self.sliding_window is not None:
+            return sum(
+                self._peak_pages(n + 1 if n + 1 < s.max_num_tokens else n)
+                for s, n in zip(g.seqs, lens, strict=True)
+            )
+        # A prompt that ends on a page boundary feeds its first sample from a new page.
+        first = sum(
+            n % self.bm.page_size == 0 and n + 1 < s.max_num_tokens
             for s, n in zip(g.seqs, lens, strict=True)
         )
+        return self._prefill_pages(g, lens) + first
 
-    def _beam_prefill_pages(self, g: SequenceGroup, lens: list[int]) -> int:
-        """Free pages the `bm.admit` calls of a beam group's sequences take, in order: their
-        shared prefix-cache hits once (`BlockManager.admit_pages`). A window model
-        reserves each beam's peak instead (`admit(..., peak_pages=)`)."""
+    def _prefill_pages(self, g: SequenceGroup, lens: list[int]) -> int:
+        """Free pages the `bm.admit` calls of a group's sequences (`lens` tokens each) take,
+        one after another: each page that is not a prefix-cache hit, and each hit nobody
+        holds once (`BlockManager.admit_pages`; one a running request holds is no free
+        page). A window model reserves each sequence's peak instead
+        (`admit(..., peak_pages=)`)."""
         if self.sliding_window is not None:
             return sum(self._peak_pages(n) for n in lens)
         prompts = [
             (s.token_ids[:n], n == len(s.token_ids)) for s, n in zip(g.seqs, lens, strict=True)
         ]
         return self.bm.admit_pages(prompts, g.cache_salt, read_cache=g.read_prefix_cache)
+
+    _beam_prefill_pages = _prefill_pages  # (its name when only beams counted their hits)
 
     def _decode_candidates(self) -> tuple[list[tuple[SequenceGroup, Sequence | None]], int]:
         cands: list[tuple[SequenceGroup, Sequence | None]] = []

@@ -276,13 +276,14 @@ def test_admission_leaves_the_pages_decode_appends_need():
     sim = Sim(num_pages=4, budget=16)
     a = sim.add("a", [3, 4, 5, 6], 12)  # a full page: its next token needs a new one
     sim.step()
-    b = sim.add("b", list(range(3, 15)), 1)  # 3 pages: the free ones, one of them a's
+    # 3 new pages (none a prefix hit on a's): the free ones, one of them a's
+    b = sim.add("b", list(range(7, 19)), 1)
     plan = sim.step()
     assert [r.group for r in plan.rows] == [a] and b.status is SeqStatus.WAITING
     sim.run()
     assert sim.sched.num_preemptions == 0
     assert sim.done["a"].finished[0].token_ids == reference([3, 4, 5, 6], 12)
-    assert sim.done["b"].finished[0].token_ids == reference(range(3, 15), 1)
+    assert sim.done["b"].finished[0].token_ids == reference(range(7, 19), 1)
 
 
 def test_admission_keeps_the_watermark():
