@@ -442,8 +442,6 @@ class Scheduler(RequestsMixin):
         ]
         return self.bm.admit_pages(prompts, g.cache_salt, read_cache=g.read_prefix_cache)
 
-    _beam_prefill_pages = _prefill_pages  # (its name when only beams counted their hits)
-
     def _decode_candidates(self) -> tuple[list[tuple[SequenceGroup, Sequence | None]], int]:
         cands: list[tuple[SequenceGroup, Sequence | None]] = []
         ids = []

@@ -131,7 +131,7 @@ def test_beam_prefill_pages_bound_what_the_admissions_take(seed):
     seqs = [Sequence(next(ids), common + t + [7], len(common), 300, i) for i, t in enumerate(tails)]
     g = SequenceGroup("beams", seqs, width, atomic=True)
     lens = [sched._admit_len(g, s) for s in seqs]
-    predicted = sched._beam_prefill_pages(g, lens)
+    predicted = sched._prefill_pages(g, lens)
     if predicted > bm.num_free_pages:
         return
     free, evictions = bm.num_free_pages, bm.stats().evictions
