@@ -25,6 +25,7 @@ from pagedjax import cache as cache_lib
 from pagedjax import model as model_lib
 from pagedjax import sampling, sharding
 from pagedjax.step_input import StepInput, is_int
+from pagedjax.step_input_checks import _first
 from pallas_kernels.dispatch import resolve_backend
 from pallas_kernels.validation import check_dtypes
 
@@ -302,10 +303,6 @@ def _check_input_shapes(inp: StepInput) -> None:
         dtype = np.asarray(x).dtype if x is not None and dtype is None else dtype
         if dtype is not None and np.dtype(dtype).kind not in "iu":
             raise TypeError(f"StepInput.{name} must hold ints, got dtype {dtype}")
-
-
-def _first(mask) -> int:
-    return int(np.argmax(mask))
 
 
 def _check_input_values(cfg, inp: StepInput, num_pages: int, page_size: int) -> None:

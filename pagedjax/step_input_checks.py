@@ -141,9 +141,7 @@ def _real_dtype(dtype: np.dtype) -> bool:
 def _is_int(v) -> bool:
     """An integer: a Python or numpy int, or a 0-d int array; not a bool, and not a
     float that happens to be whole (2.0 top-k is a caller's mistake, not a count)."""
-    if isinstance(v, (bool, np.bool_)):
-        return False
-    if isinstance(v, numbers.Integral):
+    if is_int(v):
         return True
     dtype = getattr(v, "dtype", None)
     return dtype is not None and np.ndim(v) == 0 and np.dtype(dtype).kind in "iu"
