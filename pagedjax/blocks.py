@@ -228,12 +228,14 @@ class BlockManager(SeqTables):
         Prompts admitted together share pages only through the prefix cache (none finds
         another's new pages, which are not computed yet): each takes a new page for each
         of its pages that is not a hit, and a hit takes a free page only while no one
-        holds it (evictable), once however many prompts hit it. One prompt's allocations
-        may evict a later one's hit, which then takes a new page at the same cost: the
-        count is never short.
+        holds it (evictable) or only sequences admitted with ``peak_pages`` hold it (it
+        leaves their reservations, as ``admit`` counts it), once however many prompts hit
+        it. One prompt's allocations may evict a later one's hit, which then takes a new
+        page at the same cost: the count is never short.
         """
         ps, salt, rc = self.page_size, salt_bytes(cache_salt), self._pool.refcount
-        new, evictable = 0, set()
+        only = self._reservation()[1]
+        new, taken = 0, set()
         for tokens, compute_last in prompts:
             n = len(tokens)
             max_hits = (n - bool(compute_last)) // ps if read_cache else 0
@@ -241,8 +243,8 @@ class BlockManager(SeqTables):
                 token_array(tokens, "token_ids").tobytes(), salt, max_hits
             )
             new += -(-n // ps) - len(hits)
-            evictable.update(p for p in hits if rc[p] == 0)
-        return new + len(evictable)
+            taken.update(p for p in hits if rc[p] == 0 or p in only)
+        return new + len(taken)
 
     def stats(self) -> BlockStats:
         """Counters and page usage; see ``BlockStats``."""
