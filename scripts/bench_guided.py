@@ -188,6 +188,11 @@ def main(argv=None) -> dict:
     p.add_argument("--no-engine", action="store_true", help="masks only")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
+    if args.vocab < 256:  # the synthetic tokenizer's first 256 tokens are the single bytes
+        p.error(f"--vocab must be >= 256 (the single bytes), got {args.vocab}")
+    for name in ("walks", "requests", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     res = {"machine": platform.processor() or platform.machine(), "vocab": args.vocab}
     res["masks"] = bench_masks(args)
     if not args.no_engine:

@@ -12,8 +12,8 @@ Three systems on the same model (a preset with random weights) and workload (B r
   adapter runs the base model's program, `pagedjax.lora`; its tokens must equal
   base's, `idle_tokens_match`).
 - ``mixed``: the same engine, request i with adapter i mod S (random rank-R adapters
-  on every target module, written as PEFT directories to a temporary folder): S
-  adapters in every batch.
+  on every target module, written as PEFT directories to a temporary folder): min(B, S)
+  adapters in a batch of B.
 
 Rates are measured as scripts/bench_decode.py measures them (its `measure`: warm-up
 untimed, the three interleaved `--reps` times, decode tokens/s from the median gap
@@ -89,6 +89,8 @@ def parse_args(argv=None):
     ps = args.page_size
     if ps < 1 or ps & (ps - 1):
         p.error(f"--page-size must be a power of two, got {ps}")
+    if args.seed < 0:
+        p.error(f"--seed must be >= 0, got {args.seed}")
     return args
 
 

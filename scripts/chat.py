@@ -14,7 +14,8 @@ prefix cache serves most of it: the stats line after each reply (on stderr) says
 many prompt tokens it served, with the reply's length, its time to first token and its
 tokens/s after the first token.
 
-A line that is not UTF-8 text is reported on stderr and not sent.
+A line that is not UTF-8 text is reported on stderr and not sent; a byte order mark
+before the first line is skipped.
 Commands: `/reset` starts the conversation over (keeping the system message);
 `/exit`, or the end of stdin, ends the session. Ctrl-C while a reply streams stops it
 (`[interrupted]` on stderr) and drops the turn: neither the message nor the partial
@@ -231,6 +232,8 @@ def run(args) -> int:
             if tty:
                 print(file=sys.stderr)
             return 0
+        if number == 1:  # a byte order mark (a file a Windows editor saved) is no text
+            line = line.removeprefix("\ufeff")
         text = line.strip()
         if not text:
             continue

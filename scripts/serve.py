@@ -293,7 +293,8 @@ alone is unused, as in vLLM), `--enable-prompt-tokens-details` (vLLM's: `usage` 
 Bad flags, a checkpoint directory missing files, a bad value in its
 generation_config.json, a LoRA adapter directory that is not there or a port that
 cannot be bound end with one line on stderr and exit status 2, before any weights load
-(an adapter the engine refuses: right after them).
+(an adapter the engine refuses: right after them); Ctrl-C while the model loads, with
+"interrupted" and status 130.
 """
 
 from __future__ import annotations
@@ -590,8 +591,12 @@ def _interrupt(signum, frame):
 
 
 def main(argv=None) -> int:
-    return cli.run_cli(build_parser, run, argv)
+    try:
+        return cli.run_cli(build_parser, run, argv)
+    except KeyboardInterrupt:  # while the model loads (serving, Ctrl-C stops: status 0)
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_with(main())
