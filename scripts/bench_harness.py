@@ -10,8 +10,8 @@ same pieces through `bench_kernels`, which re-exports every name here:
   `paired_ratio` (the median of per-round ratios: the device drifts within a run);
 * ceilings: `measure_copy` (copy bandwidth and its run, for the head-to-head),
   `measure_copy_gbps`, `measure_read_gbps`, `measure_matmul_tflops`;
-* checks and reports: `rel_error`, `short_error`, `log` (stderr), `JsonLines` (--out),
-  `print_table`.
+* checks and reports: `rel_error`, `short_error`, `log` (stderr), `json_text` (strict
+  JSON: a NaN error is null), `JsonLines` (--out), `print_table`.
 
 It holds what does not depend on a case family. The cache-rotation sizes
 (`L2_BYTES`, `rotating_copies`, `CALLS`, `RUN_BYTES`) stay in bench_kernels.py with
@@ -79,6 +79,24 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def json_text(obj, **kwargs) -> str:
+    """`obj` as strict JSON (`json.dumps(obj, **kwargs)`): a non-finite float (the NaN
+    `rel_error` gives an output with NaNs, an infinite ratio) is null, where `json.dumps`
+    writes `NaN`, which JSON has not (jq and JavaScript refuse it); other objects that
+    are no JSON (a dtype, a path) are their `str`."""
+
+    def finite(v):
+        if isinstance(v, (float, np.floating)):
+            return float(v) if math.isfinite(v) else None
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [finite(x) for x in v]
+        return v
+
+    return json.dumps(finite(obj), allow_nan=False, default=str, **kwargs)
+
+
 class JsonLines:
     """Appends JSON lines to a file, one `write` at a time, flushed (see --out)."""
 
@@ -89,7 +107,7 @@ class JsonLines:
 
     def write(self, record: dict) -> None:
         with self.path.open("a") as f:
-            f.write(json.dumps(record, default=str) + "\n")
+            f.write(json_text(record) + "\n")
             f.flush()
 
 

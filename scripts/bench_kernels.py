@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import math
 import statistics
 import sys
@@ -89,6 +88,7 @@ from bench_harness import (  # noqa: E402, F401
     Family,
     JsonLines,
     compile_calls,
+    json_text,
     log,
     measure_copy,
     measure_copy_gbps,
@@ -517,7 +517,7 @@ def main(argv=None, families=None) -> int:
     if sink:
         sink.write(dict(kind="end", ok=ok, wall_s=round(time.monotonic() - t0, 1)))
     if args.json:
-        print(json.dumps(dict(meta, results=results), indent=1, default=str))
+        print(json_text(dict(meta, results=results), indent=1))
     else:
         print(f"jax {meta['jax_version']} on {meta['device']} ({meta['platform']})")
         if on_gpu:

@@ -46,7 +46,6 @@ plumbing only.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -283,10 +282,10 @@ def main(argv=None) -> int:
 
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        lines = "".join(json.dumps(r, default=str) + "\n" for r in records)
+        lines = "".join(bk.json_text(r) + "\n" for r in records)
         (args.out / "profile_decode.jsonl").write_text(lines)
     if args.json:
-        print(json.dumps(records, indent=1, default=str))
+        print(bk.json_text(records, indent=1))
         return 0 if ok else 1
     print(f"\n{case.name}, {records[0]['device']}, jax {jax.__version__}")
     print(f"ceilings: read {read:,.0f} GB/s, copy {copy:,.0f} GB/s; checks {errors} ok={ok}")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import sys
 import time
@@ -74,7 +73,7 @@ class Run:
         self.records.append(record)
         if self.path:
             with self.path.open("a") as f:
-                f.write(json.dumps(record, default=str) + "\n")
+                f.write(bk.json_text(record) + "\n")
 
 
 # ---------------------------------------------------------------- ceilings

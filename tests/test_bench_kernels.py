@@ -217,6 +217,30 @@ def test_gpu_path_a_failing_bundled_config_is_a_note(bench, capsys, monkeypatch,
     assert "failed_configs: [" in capsys.readouterr().out
 
 
+def test_a_nan_output_is_null_in_strict_json(bench, capsys, monkeypatch, tmp_path):
+    """A kernel that returns NaNs fails its row, and its error is null in --json and
+    --out: `json.dumps` wrote `NaN`, which JSON has not (jq and JavaScript refuse it)."""
+
+    def strict(text):
+        def refuse(constant):
+            raise ValueError(f"not JSON: {constant}")
+
+        return json.loads(text, parse_constant=refuse)
+
+    fake_gpu(
+        bench, monkeypatch, [bench.DecodeCase(1, 64, num_heads=2, num_kv_heads=1, head_dim=16)]
+    )
+    nan = lambda q, k, v, n, pt, **tuning: jnp.full_like(q, jnp.nan)  # noqa: E731
+    monkeypatch.setattr(bench, "paged_decode_gpu", nan)
+    monkeypatch.setattr(bench, "bundled_kernel", lambda: (None, "missing: ImportError: gone"))
+    argv = ["--quick", "--iters", "1", "--json", "--out", str(tmp_path)]
+    assert bench.main(argv, [bench.DECODE]) == 1
+    (row,) = strict(capsys.readouterr().out)["results"]["decode"]
+    lines = [strict(line) for line in (tmp_path / "bench_kernels.jsonl").read_text().splitlines()]
+    assert row["ok"] is False and row["err_ours"] is None
+    assert lines[1]["ok"] is False and lines[1]["err_ours"] is None
+
+
 @pytest.mark.slow
 def test_gpu_path_full_sweeps_with_stub_kernels(bench, capsys, monkeypatch):
     # The tuning sweeps (skipped by --quick) with cheap stand-ins that record their knobs.
