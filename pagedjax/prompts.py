@@ -11,6 +11,7 @@ rendered into prompts (`chat_prompts`).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -74,9 +75,9 @@ def encode_prompt(
     *,
     truncate_prompt_tokens: int | None = None,
 ) -> tuple[str | None, list[int]]:
-    """(text or None, token ids) of a prompt given as text or ids (or as vLLM's prompt
-    dicts, `unpack_prompt`; a TokensPrompt's text comes back as given, `prompt_text`),
-    validated.
+    """(text or None, token ids) of a prompt given as text or ids (a sequence of ints, or
+    a 1-D integer numpy or JAX array; or as vLLM's prompt dicts, `unpack_prompt`; a
+    TokensPrompt's text comes back as given, `prompt_text`), validated.
 
     `truncate_prompt_tokens` (`SamplingParams`'): keep only the last k ids (-1: the
     last max_model_len; a text's BOS, added by the tokenizer, stays first), before the
@@ -107,13 +108,14 @@ def encode_prompt(
         what = f"a prompt must be a str or a list of token ids, got {prompt!r:.80}"
         if isinstance(prompt, (bytes, bytearray, set, frozenset)):  # (a set has no order)
             raise TypeError(what)
+        array = _as_array(prompt)  # (a JAX array's ids in one copy, not one slice each)
         try:
-            text, ids = None, list(prompt)
+            text, ids = None, list(prompt if array is None or array.ndim != 1 else array.tolist())
         except TypeError:
             raise TypeError(what) from None
-        if any(not isinstance(i, (int, np.integer)) or isinstance(i, bool) for i in ids):
+        if not all(map(_is_token_id, ids)):
             raise TypeError(f"token id prompts must be lists of ints, got {prompt!r:.80}")
-        ids = [int(i) for i in ids]
+        ids = [operator.index(i) for i in ids]
     if not ids:
         raise ValueError("prompt is empty (no tokens)")
     cut = ""
@@ -253,10 +255,10 @@ def request_lists(
     default: Callable[[], SamplingParams],
 ) -> tuple[list[Prompt], list[SamplingParams | None]]:
     """`LLM.generate`'s prompts and sampling params as two lists of one length: one
-    prompt (a str, a prompt dict, or a non-empty sequence of ints: token ids, as vLLM's
-    `prompt_to_seq` reads them) is a list of one, and one `SamplingParams` (None:
-    `default()`) serves every prompt. The prompts and params themselves are checked as
-    each request is encoded.
+    prompt (a str, a prompt dict, or token ids: a non-empty sequence of ints or a 1-D
+    integer numpy or JAX array, as vLLM's `prompt_to_seq` reads them) is a list of one,
+    and one `SamplingParams` (None: `default()`) serves every prompt. The prompts and
+    params themselves are checked as each request is encoded.
 
     Raises:
       TypeError: `prompts` is neither a prompt nor an iterable of prompts (None, a
@@ -289,23 +291,48 @@ def request_lists(
     return prompts, params
 
 
-def _iterable(x) -> bool:
-    """Whether `x` can be iterated (a 0-d numpy array is an Iterable that cannot)."""
+def _as_array(x) -> np.ndarray | None:
+    """`x` as a numpy array if it is an array (numpy's, JAX's: anything with `__array__`
+    and `ndim`), else None."""
     if isinstance(x, np.ndarray):
-        return x.ndim > 0
+        return x
+    if hasattr(x, "__array__") and hasattr(x, "ndim") and not isinstance(x, (str, Mapping)):
+        return np.asarray(x)
+    return None
+
+
+def _is_token_id(i) -> bool:
+    """Whether `i` is an int: Python's, numpy's or a JAX integer scalar (what
+    `operator.index` takes), not a bool (True would read as 1) nor a float."""
+    if isinstance(i, (bool, np.bool_)):
+        return False
+    if isinstance(i, (int, np.integer)):
+        return True
+    try:
+        operator.index(i)
+    except TypeError:
+        return False
+    return True
+
+
+def _iterable(x) -> bool:
+    """Whether `x` can be iterated (a 0-d array is an Iterable that cannot)."""
+    array = _as_array(x)
+    if array is not None:
+        return array.ndim > 0
     return isinstance(x, Iterable)
 
 
 def _token_ids(prompts) -> bool:
-    """Whether `prompts` is one token-id prompt: a non-empty sequence of ints (an int is
-    never a prompt, so a list of them cannot be a list of prompts)."""
-    if isinstance(prompts, np.ndarray):
-        return prompts.ndim == 1 and prompts.size > 0 and prompts.dtype.kind in "iu"
+    """Whether `prompts` is one token-id prompt: a non-empty sequence of ints, or a 1-D
+    integer array (numpy's, JAX's): an int is never a prompt, so a list of them cannot
+    be a list of prompts."""
+    array = _as_array(prompts)
+    if array is not None:
+        return array.ndim == 1 and array.size > 0 and array.dtype.kind in "iu"
     if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, Sequence):
         return False
-    return len(prompts) > 0 and all(
-        isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in prompts
-    )
+    return len(prompts) > 0 and all(map(_is_token_id, prompts))
 
 
 # vLLM's LLM.chat arguments that `LLM.chat` does not support: refused, since its

@@ -108,7 +108,7 @@ class Tokenizer:
         tokenizer: tokenizers.Tokenizer,
         *,
         bos_token_id: int | None = None,
-        eos_token_ids: Iterable[int] = (),
+        eos_token_ids: Iterable[int] | int | None = (),
         add_bos: bool = False,
         bos_token: str | None = None,
         eos_token: str | None = None,
@@ -125,17 +125,16 @@ class Tokenizer:
         self._special_ids = frozenset(
             i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
         )
-        for name, ids in (
-            ("bos_token_id", _as_ids(bos_token_id)),
-            ("eos_token_ids", eos_token_ids),
-        ):
+        bos_ids = _special_ids("bos_token_id", bos_token_id, "a token id (an int)", many=False)
+        eos_ids = _special_ids("eos_token_ids", eos_token_ids, "token ids (ints)", many=True)
+        for name, ids in (("bos_token_id", bos_ids), ("eos_token_ids", eos_ids)):
             bad = [i for i in ids if not 0 <= i < self.vocab_size]
             if bad:
                 raise ValueError(f"{name} {bad} outside the vocabulary [0, {self.vocab_size})")
-        if add_bos and bos_token_id is None:
+        if add_bos and not bos_ids:
             raise ValueError("add_bos=True needs a bos_token_id")
-        self.bos_token_id = bos_token_id
-        self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
+        self.bos_token_id = bos_ids[0] if bos_ids else None
+        self.eos_token_ids = frozenset(eos_ids)
         self.add_bos = bool(add_bos)
         for name, value in (
             ("chat_template", chat_template),
@@ -145,7 +144,7 @@ class Tokenizer:
                 raise TypeError(f"{name} must be a str, got {type(value).__name__}")
         # Without the strings, name a special id's own token (never a plain vocab
         # entry: its text would not encode back to the id).
-        self.bos_token = bos_token or self._special_token(bos_token_id)
+        self.bos_token = bos_token or self._special_token(self.bos_token_id)
         eos_single = next(iter(self.eos_token_ids)) if len(self.eos_token_ids) == 1 else None
         self.eos_token = eos_token or self._special_token(eos_single)
         self.special_tokens = {}
@@ -594,6 +593,34 @@ def name_context(
         start -= 1
         counted += not dropped(ids[start])
     return list(ids[start : end if with_run else run])
+
+
+def _special_ids(name: str, value, what: str, *, many: bool) -> list[int]:
+    """A `Tokenizer` argument's special ids as ints: `bos_token_id` (an id or None) or,
+    with `many`, `eos_token_ids` (ids, one id, or None), each an int (numpy's and JAX's
+    too); TypeError naming anything else: int() had taken BOS 1.5 (prepended to every
+    prompt as it was) and EOS 2.7 (as 2), and a str failed in Python's words."""
+    if value is None:
+        return []
+    one = not many or _is_id(value)
+    items = [value] if one else value
+    if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Iterable):
+        items = [None]  # (refused below)
+    items = list(items)
+    if not all(map(_is_id, items)):
+        raise TypeError(f"{name} must be {what}, got {value!r:.80}")
+    return [operator.index(i) for i in items]
+
+
+def _is_id(i) -> bool:
+    """An int (numpy's, a JAX integer scalar: what operator.index takes), not a bool."""
+    if isinstance(i, bool) or not hasattr(type(i), "__index__"):
+        return False
+    try:
+        operator.index(i)
+    except TypeError:  # (a numpy bool, an array of more than one element or of floats)
+        return False
+    return True
 
 
 def _id_list(ids: Iterable[int]) -> list:
