@@ -52,7 +52,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pagedjax import cache as cache_lib
-from pagedjax.config import CacheConfig, ModelConfig
+from pagedjax.config import CacheConfig, ModelConfig, is_int
 
 if TYPE_CHECKING:
     from pagedjax.model import Params
@@ -88,8 +88,9 @@ def default_device() -> jax.Device:
 
 
 def _check_size(tp, num_devices: int | None, where: str = "") -> None:
-    """`where`: which devices were counted (default: every host's `jax.devices()`)."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+    """`where`: which devices were counted (default: every host's `jax.devices()`).
+    A numpy int is an int, as everywhere in the library (`config.is_int`)."""
+    if not is_int(tp) or tp < 1:
         raise ValueError(f"tensor_parallel must be a positive int, got tensor_parallel={tp!r}")
     if num_devices is None:
         num_devices, where = len(jax.devices()), f"{jax.default_backend()}: jax.devices()"
@@ -103,7 +104,8 @@ def _check_size(tp, num_devices: int | None, where: str = "") -> None:
 def check_tensor_parallel(
     cfg: ModelConfig, tensor_parallel: int, num_devices: int | None = None
 ) -> None:
-    """Raises ValueError unless `cfg` can be split `tensor_parallel` ways.
+    """Raises ValueError unless `cfg` can be split `tensor_parallel` ways (TypeError if
+    `cfg` is not a `ModelConfig`).
 
     Args:
       cfg: the model.
@@ -115,6 +117,10 @@ def check_tensor_parallel(
 
 
 def _check_split(cfg: ModelConfig, tp: int) -> None:
+    if not isinstance(cfg, ModelConfig):  # (devices given where the config goes, a path)
+        raise TypeError(
+            f"cfg must be a pagedjax.config.ModelConfig, got {type(cfg).__name__}: {cfg!r:.80}"
+        )
     if cfg.num_heads % tp:
         raise ValueError(
             f"tensor_parallel={tp} must divide the number of query heads, num_heads={cfg.num_heads}"
@@ -143,6 +149,7 @@ def make_mesh(
         `jax.distributed.initialize()`).
 
     Raises:
+      TypeError: cfg is neither None nor a `ModelConfig`.
       ValueError: tensor_parallel is not a positive int, exceeds the devices present,
         names a device twice, or (with cfg) does not divide the model's heads or MLP
         width.
@@ -153,6 +160,7 @@ def make_mesh(
     else:
         check_tensor_parallel(cfg, tensor_parallel, given)
     devices = list(jax.devices()) if devices is None else devices
+    tensor_parallel = int(tensor_parallel)  # (a numpy int)
     _check_distinct(devices[:tensor_parallel])
     # Auto axes: XLA propagates shardings from the parameters (no sharding-in-types).
     return jax.make_mesh((tensor_parallel,), (AXIS,), axis_types=(AxisType.Auto,), devices=devices)
@@ -165,7 +173,8 @@ def _check_distinct(devices) -> None:
 
 
 def check_mesh(mesh: Mesh) -> int:
-    """Raises ValueError unless `mesh` can carry a model; returns its tp size.
+    """Raises ValueError unless `mesh` can carry a model (TypeError unless it is a
+    `jax.sharding.Mesh`); returns its tp size.
 
     The mesh needs a "tp" axis, distinct devices and only `AxisType.Auto` axes: the
     steps let XLA propagate shardings from the parameters, and under Explicit axes
@@ -187,10 +196,17 @@ def tensor_parallel_size(mesh: Mesh | None) -> int:
     """Devices on the "tp" axis (1 without a mesh).
 
     Raises:
+      TypeError: `mesh` is not a `jax.sharding.Mesh` (a tp size, a sharding, an
+        `AbstractMesh`: the steps need its devices).
       ValueError: `mesh` has no "tp" axis (`make_mesh` builds one).
     """
     if mesh is None:
         return 1
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            "mesh must be a jax.sharding.Mesh (sharding.make_mesh(tensor_parallel, cfg)), "
+            f"got {type(mesh).__name__}: {mesh!r:.80}"
+        )
     if AXIS not in mesh.shape:
         raise ValueError(
             f"the mesh needs a {AXIS!r} axis (sharding.make_mesh), got axes {tuple(mesh.shape)}"
@@ -238,9 +254,17 @@ def shard_params(params: Params, mesh: Mesh) -> Params:
     `pagedjax.decode` run the tensor-parallel forward with no other change.
 
     Raises:
+      TypeError: `params` is not a `Params` (`model.split_model`), or `mesh` not a `Mesh`.
       ValueError: the model does not split `mesh`'s tp size ways, or `check_mesh`
         refuses the mesh.
     """
+    from pagedjax.model import Params  # (pagedjax.model imports this module)
+
+    if not isinstance(params, Params):
+        raise TypeError(
+            "params must be a split model, pagedjax.model.Params (model.split_model(m), "
+            f"model.init_params, weights.load_checkpoint), got {type(params).__name__}"
+        )
     cfg = params.config
     tp = check_mesh(mesh)
     check_tensor_parallel(cfg, tp, mesh.devices.size)
@@ -258,6 +282,7 @@ def device_kv_config(cfg: ModelConfig, tensor_parallel: int) -> ModelConfig:
     """`cfg` with one device's kv heads (`max(K, tp) / tp`): sizes the cache per device.
 
     Raises:
+      TypeError: `cfg` is not a `ModelConfig`.
       ValueError: the model does not split `tensor_parallel` ways (`check_tensor_parallel`;
         the devices present are not counted).
     """
@@ -265,7 +290,7 @@ def device_kv_config(cfg: ModelConfig, tensor_parallel: int) -> ModelConfig:
     _check_split(cfg, tensor_parallel)
     if tensor_parallel == 1:
         return cfg
-    per_device = cache_kv_heads(cfg, tensor_parallel) // tensor_parallel
+    per_device = int(cache_kv_heads(cfg, tensor_parallel) // tensor_parallel)
     return dataclasses.replace(cfg, num_kv_heads=per_device)
 
 
@@ -293,6 +318,7 @@ def create_cache(
     """A zeroed cache; with a mesh, split over kv heads (`Kc = max(K, tp)` rows).
 
     Raises:
+      TypeError: `mesh` is neither None nor a `jax.sharding.Mesh`.
       ValueError: the model does not split `mesh`'s tp size ways, or `check_mesh`
         refuses the mesh.
     """
