@@ -118,7 +118,7 @@ def check_engine_args(
     gen_dir = checkpoint_dir(source) if generation_config == "auto" else None
     sampling_defaults = {} if gen_dir is None else generation_config_defaults(gen_dir)
     mesh = None  # an int, that many devices, and that the model splits that many ways
-    if type(tensor_parallel) is not int or tensor_parallel != 1:  # 1.0 was taken as 1
+    if not is_int(tensor_parallel) or tensor_parallel != 1:  # (1.0 was taken as 1)
         mesh = sharding.make_mesh(tensor_parallel, source_config(source))
     return kv_cache_dtype, sampling_defaults, mesh
 

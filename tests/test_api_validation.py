@@ -342,6 +342,13 @@ def test_bad_engine_arguments_are_named_before_the_model_loads(kwargs, error, ma
         engine.LLM(TINY, **(ENGINE | kwargs))
 
 
+def test_a_numpy_one_tensor_parallel_is_no_mesh():
+    """tensor_parallel=np.int64(1) is 1 (`config.is_int`): no mesh, as for 1 (it built a
+    one-device mesh, the tensor-parallel path's programs)."""
+    llm = engine.LLM(params_helpers.random_params(TINY, 0), **ENGINE, tensor_parallel=np.int64(1))
+    assert llm.params.mesh is None and llm.tensor_parallel == 1
+
+
 def test_kv_memory_fraction_and_the_limits_reach_the_page_planner(monkeypatch):
     """On the CPU the planner's answer does not depend on the fraction (no memory stats),
     so what it is asked is checked here: the fraction given (default 0.8), the seats,
