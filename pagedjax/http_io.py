@@ -1,15 +1,17 @@
 """The HTTP transport under the server's `Handler` (standard library only).
 
 `HttpIO` (a `BaseHTTPRequestHandler`) is what `pagedjax.http_server.Handler` subclasses
-for the wire: it refuses a header line it cannot read (a 400: http.server dropped it, and
-the lines after it), reads a request's body (a `Content-Length` or `Transfer-Encoding:
-chunked`, at most `MAX_BODY_BYTES`; the 100 that `Expect: 100-continue` waits for goes
-out only once the body is to be read) and parses it as a JSON object; it writes an
-answer with its length, OpenAI's JSON error (`ApiError`; http.server's own errors too),
-or Server-Sent Events in chunks (to an HTTP/1.0 client, which knows no chunks, as they
-are, the connection's end ending them); and it tells whether a client went away
-(`_client_gone`; `ClientGone`). A socket silent for `TIMEOUT_S` times out. What a path
-means (routes, endpoints, the engine) is the subclass's: `_allowed` is its one hook.
+for the wire: it skips an empty line before a request line (RFC 9112 2.2), refuses a
+header line it cannot read (a 400: http.server dropped it, and the lines after it),
+reads a request's body (a `Content-Length` or `Transfer-Encoding: chunked`, at most
+`MAX_BODY_BYTES`; the 100 that `Expect: 100-continue` waits for goes out only once the
+body is to be read) and parses it as a JSON object; it writes an answer with its length,
+OpenAI's JSON error (`ApiError`; http.server's own errors too), or Server-Sent Events in
+chunks (to an HTTP/1.0 client, which knows no chunks, as they are, the connection's end
+ending them), with TCP_NODELAY (no write waits on Nagle's algorithm); and it tells
+whether a client went away (`_client_gone`; `ClientGone`). A socket silent for
+`TIMEOUT_S` times out. What a path means (routes, endpoints, the engine) is the
+subclass's: `_allowed` is its one hook.
 
 `HttpServer` (a `ThreadingHTTPServer`, a thread per connection) is the server it runs
 under: it binds IPv6 literals too, and a slow or abusive client cannot hold its threads:
@@ -206,6 +208,11 @@ class HttpIO(BaseHTTPRequestHandler):
     server: HttpServer
     protocol_version = "HTTP/1.1"
     timeout = TIMEOUT_S  # of each read and write on the socket (StreamRequestHandler's)
+    # TCP_NODELAY (as uvicorn sets it): an answer goes out in two writes (its head, then its
+    # body; a stream, a write per chunk), and with Nagle's algorithm the second waited for
+    # the client's delayed ACK of the first: ~40 ms a request from the second on a kept-alive
+    # connection, and a stream's chunks held back as long.
+    disable_nagle_algorithm = True
     _deadline: float | None = None  # (monotonic) when the request being read must be whole
     _streaming = False  # whether a stream's headers went out
     _head = False  # a HEAD request: a GET's status and headers, no body
@@ -230,6 +237,15 @@ class HttpIO(BaseHTTPRequestHandler):
         super().handle_one_request()
 
     def parse_request(self) -> bool:
+        if self.raw_requestline in (b"\r\n", b"\n"):
+            # RFC 9112 2.2: an empty line before a request line is skipped (a client that
+            # ends a body with an extra CRLF). It was an empty request: the connection was
+            # closed unanswered, and the request after it lost.
+            self.raw_requestline = self.rfile.readline(65537)
+            if len(self.raw_requestline) > 65536:  # (as http.server answers a first one)
+                self.requestline = self.request_version = self.command = ""
+                self.send_error(414)
+                return False
         # http.server's header parser (email's) ends the headers at a line it cannot read
         # ("Content-Length : 5", a line without a colon) and drops it and every line after
         # it: a Transfer-Encoding or Content-Length hidden so (request smuggling) was
@@ -280,11 +296,15 @@ class HttpIO(BaseHTTPRequestHandler):
         if not (n.isascii() and n.isdigit()):
             self.close_connection = True
             raise ApiError(400, f"bad Content-Length {n!r:.80}")
-        if len(n.lstrip("0")) > 18 or int(n) > MAX_BODY_BYTES:  # (int() of 4301 digits raises)
+        # (int() refuses over 4300 digits, leading zeros counted: "000...5" was a 500)
+        size = int(n.lstrip("0")[:19] or "0")
+        if size > MAX_BODY_BYTES:
             self.close_connection = True
-            raise ApiError(413, f"request body of {n:.40} bytes is over {MAX_BODY_BYTES}")
+            raise ApiError(
+                413, f"request body of {n.lstrip('0'):.40} bytes is over {MAX_BODY_BYTES}"
+            )
         self._send_continue()
-        return self._read_exactly(int(n))
+        return self._read_exactly(size)
 
     def _send_continue(self) -> None:
         """The 100 (Continue) that the client waits for, if it does (`handle_expect_100`)."""
@@ -314,9 +334,7 @@ class HttpIO(BaseHTTPRequestHandler):
                 raise ApiError(400, f"bad chunk size {line[:40]!r} in a chunked body")
             size = int(size, 16)
             if size == 0:
-                while self.rfile.readline(65536) not in (b"\r\n", b"\n", b""):
-                    pass  # trailer fields: none are used
-                return bytes(data)
+                return self._skip_trailers(data)
             if len(data) + size > MAX_BODY_BYTES:
                 self.close_connection = True
                 raise ApiError(413, f"request body is over {MAX_BODY_BYTES} bytes")
@@ -325,6 +343,19 @@ class HttpIO(BaseHTTPRequestHandler):
             if end not in (b"\r\n", b"\n"):
                 self.close_connection = True
                 raise ApiError(400, f"a chunk of {size} bytes ends with {end!r}, not CRLF")
+
+    def _skip_trailers(self, data: bytearray) -> bytes:
+        """`data`, once the trailer fields after a chunked body's last chunk are read up
+        to their blank line (none is used). A line is read whole, at most 65536 bytes as
+        http.server reads a header line (one read in pieces ended the trailers at a
+        piece's end, the rest taken for the next request); a longer one is a 400."""
+        while (line := self.rfile.readline(65537)) not in (b"\r\n", b"\n", b""):
+            if len(line) > 65536:
+                self.close_connection = True
+                raise ApiError(
+                    400, f"a trailer line of the chunked body is over 65536 bytes: {line[:40]!r}"
+                )
+        return bytes(data)
 
     def _parse(self, raw: bytes) -> dict:
         try:
@@ -380,10 +411,11 @@ class HttpIO(BaseHTTPRequestHandler):
 
     def _error(self, e: ApiError) -> None:
         if self._streaming:  # the stream is open: tell it there, then end it as vLLM does
-            with contextlib.suppress(OSError):
+            try:
                 self._chunk(b"data: " + json.dumps(e.body()).encode() + b"\n\n")
                 self._end_stream()
-            self.close_connection = True
+            except OSError:
+                self.close_connection = True  # (an answer ended whole keeps its connection)
             return
         allow = _allow(self._allowed(urlsplit(self.path).path.rstrip("/")))
         headers = [("Allow", allow)] if e.status == 405 else []

@@ -249,12 +249,9 @@ class Handler(HttpIO):
                 msg = f"no more of the request body came for {self.timeout:g} s"
                 raise ApiError(408, str(e) if isinstance(e, RequestTimeout) else msg) from None
             path = urlsplit(self.path).path.rstrip("/") or "/"
-            routes = self._routes()
-            allowed = routes.get(path)
-            if allowed is None and path.startswith(_MODEL_PATH):  # (OpenAI's models.retrieve)
-                allowed = "GET"
-            if allowed is None:
-                raise ApiError(404, f"no such path {path!r}; try {', '.join(routes)}")
+            allowed = self._allowed(path)
+            if not allowed:
+                raise ApiError(404, f"no such path {path!r}; try {', '.join(self._routes())}")
             if method == "OPTIONS":
                 return self._send(204, b"", "text/plain", [("Allow", _allow(allowed))])
             if method != allowed and not (self._head and allowed == "GET"):
@@ -293,6 +290,9 @@ class Handler(HttpIO):
         return {p: m for p, m in self.ROUTES.items() if p not in LORA_ROUTES}
 
     def _allowed(self, path: str) -> str:
+        # (also a 405's Allow header, which for a model's card was ", OPTIONS")
+        if path.startswith(_MODEL_PATH):
+            return "GET"  # a model's card (OpenAI's models.retrieve)
         return self._routes().get(path, "")
 
     # ---------------------------------------------------------------- endpoints
@@ -558,7 +558,7 @@ class Handler(HttpIO):
                     # A choice no token streamed (a beam search's: its beams are known
                     # only at the end; one `Job.streams_tokens` holds) goes out whole,
                     # its tokens named after the prompt.
-                    c = choices.get((rid, o.index)) or StreamedChoice(None, prompts[rid])
+                    c = choices.get((rid, o.index)) or StreamedChoice(tok, prompts[rid], skip)
                     # The rest, from the final output: its text and tokens as not streamed.
                     ids = o.token_ids[c.num_tokens :]
                     entries = o.logprobs[c.num_tokens :] if k is not None else ()
