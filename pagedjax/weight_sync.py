@@ -43,6 +43,7 @@ from flax import nnx
 
 from pagedjax import model as model_lib
 from pagedjax import weights as weights_lib
+from pagedjax.config import is_int
 from pagedjax.request import RequestOutput
 
 __all__ = ["WeightsMixin", "nonfinite", "place_params", "template", "to_host"]
@@ -77,20 +78,37 @@ def to_host(params: model_lib.Params) -> model_lib.Params:
 
 def _flat(new) -> dict:
     """{dotted path: array} of new weights given as `Params`, an `nnx.State` (a training
-    loop's `nnx.state(model)`) or such a dict already."""
+    loop's `nnx.state(model)`, of `Variable`s or of arrays), such a dict already, or a
+    nested dict (`nnx.to_pure_dict`'s, which Flax has `nnx.State` give way to, and a
+    restored checkpoint's)."""
     if isinstance(new, model_lib.Params):
         return model_lib.params_to_flat(new)
     if isinstance(new, nnx.State):
-        return {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(new)}
+        return {
+            ".".join(map(str, p)): v.get_value() if isinstance(v, nnx.Variable) else v
+            for p, v in nnx.to_flat_state(new)
+        }
     if isinstance(new, Mapping):
-        bad = [k for k in new if not isinstance(k, str)]
-        if bad:
-            raise TypeError(f"a weights dict's keys must be dotted paths (str), got {bad[0]!r}")
-        return dict(new)
+        return _flat_dict(new, "")
     raise TypeError(
         "new weights must be pagedjax.model.Params, an nnx.State or a {dotted path: array} "
         f"dict (model.params_to_flat's), got {type(new).__name__}"
     )
+
+
+def _flat_dict(tree: Mapping, prefix: str) -> dict:
+    """{dotted path: array} of a dict of dotted paths (`prefix` "") or of names and
+    nested dicts (their keys below the top may be ints: `nnx.to_pure_dict`'s layers),
+    whose values are arrays or `Variable`s (their values taken)."""
+    flat = {}
+    for k, v in tree.items():
+        if not isinstance(k, str) and not (prefix and is_int(k)):
+            raise TypeError(f"a weights dict's keys must be dotted paths (str), got {k!r}")
+        if isinstance(v, Mapping):
+            flat |= _flat_dict(v, f"{prefix}{k}.")
+        else:
+            flat[f"{prefix}{k}"] = v.get_value() if isinstance(v, nnx.Variable) else v
+    return flat
 
 
 def _f16_overflow(x) -> tuple[int, float] | None:
@@ -249,14 +267,14 @@ class WeightsMixin:
         learning loop's policy update (`pagedjax.weight_sync`).
 
         Args:
-          params: `model.Params`, an `nnx.State` (`nnx.state(model)`) or a {dotted
-            path: array} dict (`model.params_to_flat`'s) of the same parameters and
-            shapes. Floating-point arrays of another dtype are cast to the engine's
-            (float32 master weights to a bfloat16 engine), and every array is placed
-            as the engine's are (its device, or its sharding over the tensor-parallel
-            mesh). Arrays already so are kept, not copied: a training step that
-            donates them (`donate_argnums`) deletes the engine's weights with them;
-            give the engine copies then.
+          params: `model.Params`, an `nnx.State` (`nnx.state(model)`), a {dotted
+            path: array} dict (`model.params_to_flat`'s) or a nested dict
+            (`nnx.to_pure_dict`'s) of the same parameters and shapes. Floating-point
+            arrays of another dtype are cast to the engine's (float32 master weights
+            to a bfloat16 engine), and every array is placed as the engine's are (its
+            device, or its sharding over the tensor-parallel mesh). Arrays already so
+            are kept, not copied: a training step that donates them (`donate_argnums`)
+            deletes the engine's weights with them; give the engine copies then.
           check_finite: also refuse weights holding NaN or inf (a diverged training
             step's), counted on the device once they are placed (one pass over the
             weights). False: taken as they are, as vLLM and loading a checkpoint do.
@@ -367,7 +385,7 @@ class WeightsMixin:
             inside a step (from an `on_token` callback).
           ValueError: `level` is not 1 or 2.
         """
-        if type(level) is not int or level not in (1, 2):
+        if not is_int(level) or level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level=}")
         if not self.core.paused:
             self._check_idle("sleep")
@@ -378,14 +396,19 @@ class WeightsMixin:
                 "it (pause_generation(clear_cache=False)): abort them, or pause with "
                 "clear_cache=True, which recomputes them after wake_up()"
             )
+        # The weights' host copy first: if it fails (out of pinned host memory), nothing
+        # changed, the KV cache included.
+        host = None
+        if level == 1 and "weights" not in self._sleeping and not self._weights_dropped:
+            host = to_host(self.params)
         if "kv_cache" not in self._sleeping:
             self.core.drop_cache()
             self._sleeping.add("kv_cache")
         if level == 2 and not self._weights_dropped:
             self.params = self.core.params = self._template  # (shapes only)
             self._weights_dropped = True
-        elif "weights" not in self._sleeping and not self._weights_dropped:
-            self.params = self.core.params = to_host(self.params)
+        elif host is not None:
+            self.params = self.core.params = host
         self._sleeping.add("weights")
 
     def wake_up(self, tags: Iterable[str] | None = None) -> None:
@@ -421,7 +444,13 @@ class WeightsMixin:
                 self.params = self.core.params = back
             self._sleeping.discard("weights")
         if "kv_cache" in wake:
-            self.core.new_cache()
+            try:
+                self.core.new_cache()
+            except BaseException:
+                # (out of device memory half way, say for the LoRA slots: none of the new
+                # cache stays, so that sleep() frees it all and a retry needs no room for two)
+                self.core.drop_cache()
+                raise
             self._sleeping.discard("kv_cache")
 
     def pause_generation(
