@@ -92,6 +92,7 @@ class StreamDecoder:
         self._before_run: tuple[int, str] | None = None  # (end, its stable text) in a run
         self.text = ""
         self._pending: str | None = ""  # held back (None: not decoded yet; `pending`)
+        self._flushed = False  # flush() emitted held-back text: the stream has ended
         ctx = tokenizer._context(context, skip_special_tokens)
         if ctx is not None:  # a first chunk, already emitted
             self._ids, self._read, self._done = list(ctx[0]), len(ctx[0]), len(ctx[1])
@@ -117,7 +118,17 @@ class StreamDecoder:
         """Appends one id or several; returns the new text that is now final ("" if none).
 
         Ids past the vocabulary are dropped (not kept in `ids`): they decode to "".
+
+        Raises:
+          RuntimeError: ids after a `flush()` that emitted held-back text (an incomplete
+            character's U+FFFD, a byte run's text), which the ids after it may change:
+            `text` would no longer be a prefix of the decode.
         """
+        if self._flushed:
+            raise RuntimeError(
+                "add() after flush() emitted held-back text: flush() ends the stream "
+                f"(its text {self.text[-20:]!r} may not be a prefix of the decode with more ids)"
+            )
         if type(token_ids) is int and 0 <= token_ids < self._tok.vocab_size:
             new = [token_ids]  # the engine's case, one valid id: no batch checks
         else:
@@ -163,8 +174,10 @@ class StreamDecoder:
         return piece
 
     def flush(self) -> str:
-        """Emits whatever is held back (an incomplete character shows as U+FFFD)."""
+        """Emits whatever is held back (an incomplete character shows as U+FFFD); after
+        it emitted text, the stream has ended (`add` raises)."""
         piece, self._pending = self.pending, ""
+        self._flushed = bool(piece)
         self._done += len(piece)
         self.text += piece
         return piece

@@ -104,3 +104,21 @@ def test_streamed_choices_add_up_to_the_whole_answer_after_any_prompt(whole):
         case = (key, skip, prompt, gen)
         assert "".join(ch["text"] for ch in chunks) == text, case
         assert got == want, case
+
+
+def test_adding_ids_after_a_flush_that_emitted_text_is_refused():
+    """flush() emits held-back text (an incomplete character as U+FFFD); ids added after
+    it could change that text, so `text` stopped being a prefix of the decode: "x" then
+    the first two bytes of "\u20ac", flushed ("x\ufffd"), then the third byte, kept
+    "x\ufffd" where the decode reads "x\u20ac"."""
+    tok = Tokenizer(sentencepiece_style())
+    euro = [tok.tokenizer.token_to_id(f"<0x{b:02X}>") for b in "\u20ac".encode()]
+    x = tok.tokenizer.token_to_id("x")
+    d = tok.stream()
+    d.add([x, *euro[:2]])
+    assert d.flush().endswith("\ufffd")
+    with pytest.raises(RuntimeError, match=r"add\(\) after flush\(\)"):
+        d.add(euro[2])
+    quiet = tok.stream()  # a flush with nothing held back ends nothing
+    text = quiet.add([x]) + quiet.flush() + quiet.add(euro) + quiet.flush()
+    assert text == tok.decode([x, *euro])
