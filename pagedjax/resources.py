@@ -250,7 +250,9 @@ def plan_num_pages(
     complement is slack for what the estimate leaves out. Where there are no stats (the
     CPU), the fraction applies to a 4 GiB budget, capped at what `max_num_seqs`
     sequences of `max_model_len` tokens can use on top of the `watermark`
-    (`LLM(watermark=)`) of pages admission keeps free; nothing is reserved there.
+    (`LLM(watermark=)`) of pages admission keeps free (under a sliding window, given
+    `max_num_batched_tokens`, the `planner.window_pages` a sequence holds at most, and
+    one more a beam's decode reserves); nothing is reserved there.
     `kv_dtype`: the cache's storage dtype (default the model's).
     `max_num_batched_tokens`: the engine's step budget, which bounds what a
     sliding-window sequence holds and sizes the reserve (None: counted as 1, the least
@@ -311,8 +313,12 @@ def plan_num_pages(
         )
         lower = "max_num_batched_tokens or max_num_seqs"
     else:
+        held = -(-max_model_len // page_size)
+        if cfg.sliding_window is not None and max_num_batched_tokens is not None:
+            # The scheduler's bound (which the step budget sizes), and a beam's decode page.
+            held = min(held, planner.window_pages(cfg.sliding_window, page_size, budget) + 1)
         pages = min(
-            _pages_beside_watermark(max_num_seqs * -(-max_model_len // page_size), watermark),
+            _pages_beside_watermark(max_num_seqs * held, watermark),
             int(float(kv_memory_fraction) * _CPU_KV_BUDGET) // per_page,
         )
         where = f"the {_CPU_KV_BUDGET} bytes a device without memory stats budgets"
