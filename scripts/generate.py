@@ -374,11 +374,12 @@ def structured_outputs(args):
 
 
 def run(args) -> int:
-    prompts = read_prompts(args)
+    # (before the prompts are read: stdin, which a refusal after it had consumed for nothing)
     if args.system is not None and not args.chat:
         raise cli.BadInput("--system needs --chat (it is the chat's system message)")
     if args.chat_template is not None and not args.chat:
         raise cli.BadInput("--chat-template needs --chat")
+    prompts = read_prompts(args)
     # Beam search ranks by logprob: a --temperature given conflicts (one from the
     # generation config is not taken).
     if args.beam_width > 1 and args.temperature is not None and args.temperature > 0:

@@ -77,6 +77,8 @@ def test_chat_sends_the_rendered_ids_and_shows_the_prompt(chat_ckpt, capsys, mon
     "extra,match",
     [
         (["--system", "be brief"], "--system needs --chat"),
+        # Refused before the prompts are read (stdin was read first, for nothing).
+        (["--system", "x", "--prompts-file", "/nonexistent/p.txt"], "--system needs --chat"),
         (["--chat"], "has no chat template"),  # the byte-tokenizer checkpoint
         (["--chat", "--prompt", ""], "prompt 1: prompt is empty"),
     ],
