@@ -154,21 +154,22 @@ def unpack_prompt(prompt: Mapping) -> tuple[str | Sequence[int], str | None]:
 
     Raises:
       TypeError: neither "prompt" nor "prompt_token_ids", another key (multi-modal data,
-        token type ids and prompt embeddings are not supported), a "prompt" that is not
-        a str, or a cache salt that is not a str.
+        token type ids and prompt embeddings are not supported; given as None, as vLLM
+        takes them, they are left out), a "prompt" that is not a str, or a cache salt
+        that is not a str.
     """
-    keys = set(prompt)
+    keys = {k for k, v in prompt.items() if v is not None or k not in _UNSUPPORTED_PROMPT_KEYS}
     given = keys & {"prompt", "prompt_token_ids"}
-    if not given:
+    other = sorted(map(str, keys - given - {"cache_salt"}))
+    unsupported = [k for k in other if k in _UNSUPPORTED_PROMPT_KEYS]
+    if not given and not unsupported:
         raise TypeError(
             "a prompt dict (vLLM's TextPrompt / TokensPrompt) needs 'prompt' (a str) or "
             f"'prompt_token_ids' (a list of ints), got the keys {sorted(map(str, keys))}"
         )
-    other = sorted(map(str, keys - given - {"cache_salt"}))
-    if other:
-        unsupported = [k for k in other if k in _UNSUPPORTED_PROMPT_KEYS]
+    if other:  # (an unsupported key named as such: {"prompt_embeds": x} is no missing prompt)
         why = "are not supported" if unsupported else "are not prompt keys"
-        raise TypeError(f"a prompt dict's keys {other} {why} (keys: {sorted(keys)})")
+        raise TypeError(f"a prompt dict's keys {other} {why} (keys: {sorted(map(str, keys))})")
     salt = prompt.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise TypeError(f"a prompt dict's cache_salt must be a str, got {salt!r:.80}")

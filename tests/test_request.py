@@ -106,6 +106,9 @@ def test_prompt_dicts_are_read_as_vllm_and_sets_are_refused():
     assert encode_prompt({"prompt_token_ids": ids, "cache_salt": "a"}, None, 256, 64)[1] == ids
     assert unpack_prompt({"prompt": "hi", "cache_salt": "s"}) == ("hi", "s")
     assert unpack_prompt({"prompt_token_ids": ids}) == (ids, None)
+    # vLLM's optional keys given as None ask for nothing (they were refused).
+    none = {"prompt": "hi", "multi_modal_data": None, "mm_processor_kwargs": None}
+    assert unpack_prompt(none) == ("hi", None)
     # A TokensPrompt may carry the text its ids encode (vLLM's): the ids are the prompt.
     both = {"prompt_token_ids": ids, "prompt": "hi", "cache_salt": "s"}
     assert unpack_prompt(both) == (ids, "s")
@@ -117,6 +120,8 @@ def test_prompt_dicts_are_read_as_vllm_and_sets_are_refused():
         ({"prompt_token_ids": ids, "token_type_ids": ids}, r"\['token_type_ids'\] are not sup"),
         ({"prompt": "hi", "multi_modal_data": {}}, r"\['multi_modal_data'\] are not supported"),
         ({"prompt": "hi", "max_tokens": 3}, r"\['max_tokens'\] are not prompt keys"),
+        # Named as unsupported, not as a prompt dict without a prompt.
+        ({"prompt_embeds": [[0.5]]}, r"\['prompt_embeds'\] are not supported"),
         ({"prompt": ids}, "'prompt' must be a str"),
         ({"prompt_token_ids": "hi"}, "'prompt_token_ids' must be a list of ints"),
         ({"prompt": "hi", "cache_salt": 3}, "cache_salt must be a str, got 3"),
