@@ -149,6 +149,9 @@ class CompletionOutput:
     `Logprob`}, the sampled token first, then the k most likely in rank order; each a
     float (its log-probability under the model's raw distribution: before temperature,
     penalties, bias, top-k and top-p) with vLLM's `.logprob`, `.rank` and `.decoded_token`.
+    `cumulative_logprob` is their sum (the sampled tokens'), a float whether or not
+    logprobs were asked for (vLLM v1 gives None without them; the engine computes it
+    anyway, and the CLIs report it).
     """
 
     index: int
@@ -170,7 +173,8 @@ class RequestOutput:
     (`SamplingParams.output_kind` CUMULATIVE or DELTA: from `LLM.step`; `on_token`
     streams the tokens of any request).
 
-    `prompt` is None for a prompt given as token ids (`LLM.chat`: the rendered text);
+    `prompt` is None for a prompt given as token ids, unless a TokensPrompt dict carried
+    its text as "prompt" (`LLM.chat`: the rendered text);
     `prompt_token_ids` are those the request ran on (truncate_prompt_tokens kept the last).
     `finished` is True for a request's last output: finished, or aborted (`LLM.abort`,
     as vLLM's finish reason "abort": the completions still running then end with
