@@ -14,10 +14,11 @@ logprobs are computed only for completions' echo with `logprobs`, which streams 
 What is echoed (`echo_texts`, `chat_echo_text`):
 
 - completions: each prompt's text before each of its choices' texts: a string prompt as
-  given (vLLM's), a token id prompt (or a string truncate_prompt_tokens cut) as the
-  tokenizer decodes its ids, special tokens shown (vLLM's `tokenizer.decode`). The
-  echoed logprobs' `text_offset`s index that text, which the tokens' names need not
-  spell (`openai_responses.echo_logprobs`). Without a tokenizer the text is "".
+  given (vLLM's), a token id prompt (or a string truncate_prompt_tokens cut, not one it
+  left whole) as the tokenizer decodes its ids, special tokens shown (vLLM's
+  `tokenizer.decode`). The echoed logprobs' `text_offset`s index that text, which the
+  tokens' names need not spell (`openai_responses.echo_logprobs`). Without a tokenizer
+  the text is "".
 - chat: the last message's content before each choice's content, when the answer
   continues that message's role (the assistant's with `add_generation_prompt`; the
   last message's own without it, as with `continue_final_message`), else "".
@@ -90,9 +91,11 @@ def echo_texts(body: dict, chat: bool, tok, prompts: list, ids: list[list[int]])
         return [chat_echo_text(body)]
     if tok is None:
         return ["" for _ in ids]
-    cut = body.get("truncate_prompt_tokens") is not None
+    trunc = body.get("truncate_prompt_tokens") is not None
     return [
-        p if isinstance(p, str) and not cut else tok.decode(x, skip_special_tokens=False)
+        p
+        if isinstance(p, str) and not (trunc and x != tok.encode(p))  # (not cut: as given)
+        else tok.decode(x, skip_special_tokens=False)
         for p, x in zip(prompts, ids, strict=True)
     ]
 

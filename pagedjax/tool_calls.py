@@ -37,7 +37,8 @@ all).
 
 Parsers ("auto"), as vLLM's of the same names; a text they cannot parse is the content,
 whole (JSON is RFC 8259's: NaN and Infinity, which vLLM's Python json reads and writes
-back into arguments no JSON parser takes, make a text no calls):
+back into arguments no JSON parser takes, make a text no calls, as does a number beyond a
+double's range, `1e400`, which it reads as infinity):
 
 - "hermes" (Qwen2.5, Qwen3, Hermes 2 Pro): each `<tool_call>{"name": ..., "arguments":
   ...}</tool_call>` (the last may be unclosed) is a call; the content is the text before
@@ -72,6 +73,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import uuid
 from collections.abc import Callable
@@ -113,9 +115,19 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
-# Python's json reads NaN and Infinity, which JSON has not: written back, they would make
-# arguments that JSON parsers refuse, so a text that holds them is no call.
-_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+def _finite(number: str) -> float:
+    """A JSON number with a fraction or exponent as a float, but for one beyond a
+    double's range (`1e400`), which Python reads as infinity and writes back as no JSON."""
+    value = float(number)
+    if math.isinf(value):
+        raise ValueError(f"{number} is beyond a double's range")
+    return value
+
+
+# Python's json reads NaN and Infinity, which JSON has not, and makes a number beyond a
+# double's range (1e400) infinity: written back, they would make arguments that JSON
+# parsers refuse ("Infinity"), so a text that holds them is no call.
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
