@@ -540,3 +540,22 @@ def test_fp8_lowers_for_tpu(dtype, kv_dtype, page_size):
 def test_race_detector_is_live():
     """Guards the no-race assertions above: a DMA read before its wait must be flagged."""
     racy_copy_is_flagged()
+
+
+@pytest.mark.parametrize("dtype,highest", [(jnp.float32, 2), (jnp.bfloat16, 0)])
+def test_float32_matmuls_run_at_highest_precision(dtype, highest):
+    """Both float32 dots ask for HIGHEST (multi-pass on the MXU), as the decode kernel's:
+    without it Mosaic's default may run one bf16 pass, which the interpreter (exact f32)
+    cannot show. bf16 dots keep the default."""
+    sds = jax.ShapeDtypeStruct
+    args = (
+        sds((100, 8, 128), dtype),
+        sds((2, 64, 16, 128), dtype),
+        sds((2, 64, 16, 128), dtype),
+        sds((5, 16), jnp.int32),
+        sds((5,), jnp.int32),
+        sds((6,), jnp.int32),
+    )
+    text = str(jax.make_jaxpr(ragged_paged_attention_tpu)(*args))
+    assert text.count("dot_general") == 2
+    assert text.count("precision=(Precision.HIGHEST") == highest

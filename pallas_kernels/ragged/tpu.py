@@ -3,7 +3,8 @@
 Lowering: Pallas -> Mosaic TPU, the only Pallas path to a TPU. Page table and per-sequence
 metadata arrive as scalar prefetch (SMEM); K/V pools stay in HBM (`memory_space=ANY`) and each
 needed page is copied to VMEM by async DMA, double-buffered so that the next KV block streams in
-while the current one is computed. Softmax runs online in float32 VMEM scratch.
+while the current one is computed. Softmax runs online in float32 VMEM scratch; float32 q/K/V
+matmuls run at HIGHEST precision (multi-pass on the MXU), as the decode kernel's.
 
 Grid: `(K, cdiv(T, block_q))`, both axes "parallel". Step `(h, i)` owns rows
 `[i * block_q, (i + 1) * block_q)` of the flattened token axis for kv head `h`, i.e. a
@@ -194,6 +195,10 @@ def _kernel(
             return x.astype(jnp.float32).reshape(block_kv, head_dim).astype(q_ref.dtype)
         return x.reshape(block_kv, head_dim)
 
+    # float32 matmuls at HIGHEST precision (multi-pass on the MXU), as the decode kernel's:
+    # Mosaic's default may run them as one bf16 pass.
+    precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
+
     def compute(c, j, slot):
         b = bounds(c)
         q = q_ref[...].reshape(rows, head_dim)
@@ -204,7 +209,9 @@ def _kernel(
         kpos = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)
         live = (kpos >= b["k_lo"]) & (kpos <= b["p_hi"])
         v = jnp.where(live, v.astype(jnp.float32), 0.0).astype(v.dtype)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        s = lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+        )
         s = s * scale  # [M, block_kv]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -225,7 +232,7 @@ def _kernel(
         p = jnp.where(mask, jnp.exp(s - _lanes(m_new, block_kv)), 0.0)
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
         m_ref[...] = m_new
-        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
         acc_ref[...] = acc_ref[...] * _lanes(alpha, head_dim) + pv
 
     @pl.when(c_lo < c_hi)
