@@ -9,6 +9,8 @@ well-known shapes. Variants are made with `dataclasses.replace`.
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Iterable
 from dataclasses import KW_ONLY, dataclass, field, fields
 
 import jax.numpy as jnp
@@ -168,6 +170,22 @@ def is_finite_number(x) -> bool:
         return False
 
 
+def is_int(v) -> bool:
+    """A Python or numpy integer, not a bool (True would read as 1)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_token_id(v) -> bool:
+    """An int, numpy's or a JAX integer scalar (what operator.index takes), not a bool."""
+    if isinstance(v, (bool, np.bool_)) or not hasattr(type(v), "__index__"):
+        return False
+    try:
+        operator.index(v)
+    except TypeError:  # (an array of more than one element, or of floats)
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder.
@@ -196,8 +214,9 @@ class ModelConfig:
         p - W < j <= p (W keys, itself included), in every layer (Mistral-7B-v0.1);
         None: full causal attention. The engine gives back pages that fall out of
         every later query's window (`BlockManager.release_before`).
-      dtype: parameter and activation dtype name ("bfloat16" or "float32").
-      bos_token_id, eos_token_ids: special tokens (eos may be several).
+      dtype: parameter and activation dtype name ("bfloat16", "float32" or "float16").
+      bos_token_id, eos_token_ids: special tokens (eos may be several; one id or None
+        is taken for eos_token_ids too). Ints, numpy's included (kept as Python ints).
     """
 
     num_layers: int
@@ -232,8 +251,15 @@ class ModelConfig:
             "max_position_embeddings",
         ):
             value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value <= 0:
+            if not is_int(value) or value <= 0:  # True is no count (it read as 1)
                 raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+            # Python ints: a numpy one reached to_hf's config.json, which json.dumps refuses.
+            object.__setattr__(self, name, int(value))
+        for name in ("tie_embeddings", "qkv_bias", "o_bias", "qk_norm"):
+            value = getattr(self, name)  # a str "false" is true: the other layout
+            if not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"{name} must be a bool, got {name}={value!r}")
+            object.__setattr__(self, name, bool(value))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 "num_kv_heads must divide num_heads, got "
@@ -274,7 +300,20 @@ class ModelConfig:
                 f"attention_bias sets both, got qkv_bias={self.qkv_bias}, o_bias={self.o_bias}"
             )
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
-        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        bos, eos = self.bos_token_id, self.eos_token_ids
+        if bos is not None and not _is_token_id(bos):
+            raise ValueError(f"bos_token_id must be a token id (an int) or None, got {bos!r:.80}")
+        # One id or None too, as HF's eos_token_id and the Tokenizer take them; int() had
+        # kept 2.7 as 2, and a str "128001" as the ids (1, 2, 8, 0, 0, 1).
+        ids = () if eos is None else (eos,) if _is_token_id(eos) else eos
+        if isinstance(ids, (str, bytes, dict)) or not isinstance(ids, Iterable):
+            ids = (None,)
+        ids = tuple(ids)
+        if not all(map(_is_token_id, ids)):
+            raise ValueError(f"eos_token_ids must be token ids (ints), got {eos!r:.80}")
+        bos = None if bos is None else operator.index(bos)
+        object.__setattr__(self, "bos_token_id", bos)
+        object.__setattr__(self, "eos_token_ids", tuple(map(operator.index, ids)))
 
     @property
     def jnp_dtype(self):
@@ -424,11 +463,6 @@ def preset(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
     return PRESETS[name]
-
-
-def is_int(v) -> bool:
-    """A Python or numpy integer, not a bool (True would read as 1)."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
 @dataclass(frozen=True)

@@ -249,11 +249,12 @@ def to_hf(cfg: ModelConfig) -> dict:
 def _hf_number(config: dict, key: str, kind: type, default=None, *, nullable: bool = False):
     """`config[key]` as `kind` (int or float), `default` when the key is absent (or null,
     where HF reads null as its default: `nullable`). Anything else, null included, is a
-    ValueError naming the key: a broken config must not run on a guessed default."""
+    ValueError naming the key: a broken config must not run on a guessed default. So is
+    Infinity or NaN (Python's json reads both; int() of them named no key)."""
     v = config.get(key)
     if key not in config or (v is None and nullable):
         return default
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    ok = isinstance(v, (int, float)) and is_finite_number(v)
     if not ok or (kind is int and v != int(v)):
         what = "an int" if kind is int else "a number"
         raise ValueError(f"config.json: {key} must be {what}, got {key}={v!r}")
