@@ -460,10 +460,9 @@ def save_hf_checkpoint(params: Params, cfg: ModelConfig, path, *, shard_size_byt
     if got != expected:
         diff = sorted(set(got.items()) ^ set(expected.items()))
         raise ValueError(f"params do not match cfg; differing (path, shape): {diff[:10]}")
-    root = Path(path)
-    root.mkdir(parents=True, exist_ok=True)
-    for old in [*root.glob("model*.safetensors"), root / INDEX_FILE]:
-        old.unlink(missing_ok=True)
+    # Everything that can fail on the params (a deleted array) or the config, before the
+    # old files go: a failed save must not leave the directory without a checkpoint.
+    config_text = json.dumps(cfg.to_hf(), indent=2) + "\n"
     shards: list[dict[str, np.ndarray]] = [{}]
     size = total = 0
     for our, value in flat.items():
@@ -476,7 +475,11 @@ def save_hf_checkpoint(params: Params, cfg: ModelConfig, path, *, shard_size_byt
         shards[-1][name] = x
         size += x.nbytes
         total += x.nbytes
-    (root / CONFIG_FILE).write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    for old in [*root.glob("model*.safetensors"), root / INDEX_FILE]:
+        old.unlink(missing_ok=True)
+    (root / CONFIG_FILE).write_text(config_text)
     if len(shards) == 1:
         save_file(shards[0], str(root / SAFETENSORS_FILE), metadata={"format": "pt"})
         return

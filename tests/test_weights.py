@@ -540,6 +540,19 @@ def test_save_hf_roundtrip_sharded(tmp_path):
     weights.load_hf_checkpoint(tmp_path)
 
 
+def test_a_failed_save_keeps_the_checkpoint_there(tmp_path):
+    """The old shards were deleted before the new tensors were read: a save that failed
+    on one (a deleted array, a donated buffer) left a directory with no weights."""
+    c = make_config(**VARIANTS["qwen2_bias"])
+    cfg, params = weights.load_hf_checkpoint(write_hf(tmp_path / "src", c, hf_tensors(c, 3)))
+    weights.save_hf_checkpoint(params, cfg, tmp_path / "saved")
+    broken = weights.load_hf_checkpoint(tmp_path / "saved")[1]
+    next(iter(model.params_to_flat(broken).values())).delete()
+    with pytest.raises(RuntimeError, match="deleted"):
+        weights.save_hf_checkpoint(broken, cfg, tmp_path / "saved")
+    assert weights.load_hf_checkpoint(tmp_path / "saved")[0] == cfg
+
+
 def test_orbax_roundtrip_identical_logits(tmp_path):
     c = make_config(**VARIANTS["llama3_untied"])
     write_hf(tmp_path / "hf", c, hf_tensors(c), num_shards=2)
