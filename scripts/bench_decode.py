@@ -372,7 +372,7 @@ def main(argv=None) -> int:
     seq_pages = -(-(args.prompt_len + args.gen_len) // ps)
     max_contig = args.kv_budget_tokens // args.max_seq_len
     # The engine's admission keeps its watermark free (default 1% of the pages).
-    watermark_pages = int(0.01 * num_pages)
+    watermark_pages = int(planner.WATERMARK * num_pages)
     max_paged = (num_pages - watermark_pages) // seq_pages
     sizes = batch_sizes(max_paged, max_contig, args.max_batch)
     llm = LLM(
