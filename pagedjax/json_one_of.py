@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-__all__ = ["BOUNDS", "TYPE_KEYWORDS", "OneOfMixin"]
+__all__ = ["BOUNDS", "TYPE_KEYWORDS", "OneOfMixin", "canon"]
 
 BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
 # Keywords of one type: a schema without type is read as the types of those it has.
@@ -45,16 +45,16 @@ def _kind(v) -> str:
     return kinds.get(type(v), "number")
 
 
-def _canon(v):
+def canon(v):
     """A hashable key of JSON value `v`, equal for equal values (1 and 1.0, not true)."""
     if isinstance(v, bool) or v is None or isinstance(v, str):
         return (type(v).__name__, v)
     if isinstance(v, (int, float)):
         return ("number", Fraction(v) if math.isfinite(v) else v)
     if isinstance(v, list):
-        return ("array", tuple(map(_canon, v)))
+        return ("array", tuple(map(canon, v)))
     if isinstance(v, dict):
-        return ("object", frozenset((k, _canon(x)) for k, x in v.items()))
+        return ("object", frozenset((k, canon(x)) for k, x in v.items()))
     return ("other", repr(v))
 
 
@@ -140,7 +140,7 @@ class OneOfMixin:
 
     def facts_of(self, s):
         """What `one_of` knows of the values valid for schema `s`: their kinds (JSON
-        types; integer is number), a finite set holding them all (`_canon`; None: none
+        types; integer is number), a finite set holding them all (`canon`; None: none
         known), the keys every valid object has, {key: the schemas its value meets}."""
         self.facts_calls, self.facts_depth, self.facts_refs = 0, 0, []
         return self.facts(s)
@@ -167,7 +167,7 @@ class OneOfMixin:
     def unchecked_facts(self, s):
         if s.get("nullable"):
             kinds, values, _, props = self.facts(dict(s, nullable=False))
-            values = None if values is None else values | {_canon(None)}
+            values = None if values is None else values | {canon(None)}
             return kinds | {"null"}, values, set(), props
         kinds, values = _KINDS, None
         if "type" in s:
@@ -175,7 +175,7 @@ class OneOfMixin:
             kinds = frozenset("number" if t == "integer" else t for t in named)
         if "const" in s or "enum" in s:
             listed = [s["const"]] if "const" in s else _as_list(s["enum"])
-            values = frozenset(map(_canon, listed))
+            values = frozenset(map(canon, listed))
             kinds &= frozenset(_kind(v) for v in listed)
         required = {k for k in _as_list(s.get("required")) if isinstance(k, str)}
         props = s.get("properties")

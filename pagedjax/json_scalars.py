@@ -93,13 +93,15 @@ class ScalarMixin:
 
     def string(self, s: dict, path: str) -> str:
         lo, hi = self.count(s, "minLength", 0, path), self.count(s, "maxLength", None, path)
+        if hi is not None and hi < lo:
+            raise self.error(path, f"maxLength={hi} < minLength={lo}: no string fits")
         lengths = [k for k in ("minLength", "maxLength") if k in s]
         if "pattern" in s and ("format" in s or lengths):
             given = ["pattern", *[k for k in ("format",) if k in s], *lengths]
             raise self.error(path, f"{' with '.join(given)} is not supported")
         if "format" in s:
             fmt = s["format"]
-            if fmt not in FORMATS:
+            if not isinstance(fmt, str) or fmt not in FORMATS:
                 raise self.error(path, f"format {fmt!r:.80} is not supported")
             shortest, longest = FORMAT_LENGTHS[fmt]
             if (hi is not None and hi < shortest) or (longest is not None and lo > longest):
@@ -109,7 +111,14 @@ class ScalarMixin:
                 raise self.error(path, f"{msg} is not supported (only lengths all its strings fit)")
             return f'"{FORMATS[fmt]}"'
         if "pattern" in s:
-            return f'"{to_text(map_sets(parse(s["pattern"], ecma=True), json_chars))}"'
+            pattern = s["pattern"]
+            if not isinstance(pattern, str):
+                raise self.error(path, f"pattern must be a str, got {pattern!r:.80}")
+            try:
+                ast = parse(pattern, ecma=True)
+            except ValueError as e:  # (it names the pattern and the position, not where)
+                raise self.error(path, f"pattern: {e}") from None
+            return f'"{to_text(map_sets(ast, json_chars))}"'
         if (lo, hi) == (0, None):
             return SCALARS["string"]
         return f'"{BMP_CHAR}{{{lo},{"" if hi is None else hi}}}"'

@@ -18,9 +18,10 @@ properties joined (a property in both: both its schemas hold), the types in both
 stricter bound or length; nullable only where all are. Annotations (title, description,
 default, discriminator, ...) are ignored. Any other keyword, an unknown type or format, a
 pattern with a format or lengths, a format with lengths that not all its strings fit, a
-number's bound that is not a whole number, multipleOf but 1 on integers, uniqueItems
-true, keywords but type beside enum or const, a NaN or infinity in enum or const, a
-keyword to merge with two other values, additionalProperties to merge with another
+maxLength or maxItems below its minLength or minItems, a number's bound that is not a
+whole number, multipleOf but 1 on integers, uniqueItems true, keywords but type beside
+enum or const, a NaN or infinity in enum or const, a keyword to merge with two values
+that differ as JSON's (true is not 1), additionalProperties to merge with another
 schema's properties, a non-local $ref or one that is no JSON pointer (an anchor: #foo),
 or a oneOf whose branches we cannot show apart is a ValueError naming it and where it is
 (`JSON schema at #/properties/a: ...`).
@@ -76,6 +77,7 @@ import urllib.parse
 
 from pagedjax.json_one_of import TYPE_KEYWORDS as _TYPE_KEYWORDS
 from pagedjax.json_one_of import OneOfMixin
+from pagedjax.json_one_of import canon as _canon
 from pagedjax.json_scalars import SCALARS as _SCALARS
 from pagedjax.json_scalars import ScalarMixin
 from pagedjax.number_regex import NOTHING
@@ -261,10 +263,13 @@ class _Schema(OneOfMixin, ScalarMixin):
             msg = f"{key} {s[key]!r:.80}: {bad!r} is not a JSON value (JSON has no NaN or inf)"
             raise self.error(path, msg)
         kinds = s.get("type", list(_JSON_TYPES))
-        for kind in [kinds] if isinstance(kinds, str) else kinds:
-            if kind not in _JSON_TYPES:
-                raise self.error(path, f"type {kind!r} is not supported")
-        kinds = {kinds} if isinstance(kinds, str) else set(kinds)
+        kinds = [kinds] if isinstance(kinds, str) else kinds
+        if not isinstance(kinds, list):
+            raise self.error(path, f"type {kinds!r:.80} is not supported")
+        for kind in kinds:
+            if not isinstance(kind, str) or kind not in _JSON_TYPES:
+                raise self.error(path, f"type {kind!r:.80} is not supported")
+        kinds = set(kinds)
         values = [v for v in values if any(_JSON_TYPES[k](v) for k in kinds)]
         if not values:
             raise self.error(path, f"no {key} value is of type {s['type']!r:.80}")
@@ -309,7 +314,8 @@ class _Schema(OneOfMixin, ScalarMixin):
 
     def merge(self, a: dict, b: dict, path: str) -> dict:
         """One schema for both `a` and `b` (annotations left out), or a ValueError naming
-        a keyword with different values in each that does not merge."""
+        a keyword with different values in each that does not merge. Values are equal
+        as JSON's (`json_one_of.canon`: 1 and 1.0 are, true and 1, equal in Python, not)."""
         out = {k: v for k, v in a.items() if k not in _IGNORED}
         if not out or not b:  # {} holds for any value
             return {k: v for k, v in (b if not out else a).items() if k not in _IGNORED}
@@ -317,14 +323,17 @@ class _Schema(OneOfMixin, ScalarMixin):
             if k in _IGNORED or k == "nullable":
                 continue
             w = out.setdefault(k, v)
-            if w == v:
+            if w is v or _canon(w) == _canon(v):
                 continue
             if k == "required" and isinstance(w, list) and isinstance(v, list):
                 out[k] = list(dict.fromkeys(w + v))
             elif k == "properties" and isinstance(w, dict) and isinstance(v, dict):
                 out[k] = {
                     **w,
-                    **{p: x if w.get(p, x) == x else {"allOf": [w[p], x]} for p, x in v.items()},
+                    **{
+                        p: x if p not in w or _canon(w[p]) == _canon(x) else {"allOf": [w[p], x]}
+                        for p, x in v.items()
+                    },
                 }
             elif k == "type" and isinstance(w, (str, list)) and isinstance(v, (str, list)):
                 ws, vs = ([t] if isinstance(t, str) else t for t in (w, v))
