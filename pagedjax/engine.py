@@ -533,8 +533,9 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
         lost); a KV cache lost with a failed call (donated, or poisoned by a device error)
         is re-created and the prefix cache cleared, else only the pages the failed step
         was to write leave the prefix cache. Requests that finished in it before applying
-        its tokens raised (an `on_token` callback, a decode, a beam selection) are not
-        aborted: the next step returns their outputs.
+        its tokens raised (an `on_token` callback, a decode, a beam selection), or before
+        it failed after applying them, are not aborted: the next step returns their
+        outputs.
 
         Its wall time counts in `metrics.run_time_s`, as a `generate` call's does; a
         step called inside a `generate` (from `on_step`) is counted once, as its part.

@@ -33,9 +33,10 @@ KeyboardInterrupt, those given: the others are recomputed), re-creates the KV ca
 the failed call took the donated one with it, keeps the prefix cache only where its
 pages were written, and propagates unchanged: the engine stays usable
 (`pagedjax.recovery`). Requests that finished in the failed step before applying its
-tokens raised (an `on_token` callback, a decode, a beam selection) are not lost: the
-next step returns their outputs (unless they are among those given, whose caller gets
-the exception), without text where building it failed again. The caches are made
+tokens raised (an `on_token` callback, a decode, a beam selection), or in the tokens it
+applied before it failed (in its commit, its dispatch, its bookkeeping), are not lost:
+the next step returns their outputs (unless they are among those given, whose caller
+gets the exception), without text where building it failed again. The caches are made
 consistent before the aborted requests' outputs are built: one that fails to build
 goes without text, and nothing it raises stops the recovery (a note says what failed).
 """
@@ -206,6 +207,7 @@ class EngineCore:
             return self._with_carried([])
         plan = None
         sent = False  # whether `plan`'s step was dispatched (its K/V writes will happen)
+        finished: list[RequestOutput] = []  # what applying the previous step's tokens built
         try:
             t0 = perf_counter()
             plan = self.scheduler.schedule()
@@ -215,7 +217,6 @@ class EngineCore:
             # Asynchronous: commit and dispatch this step before the previous one's tokens
             # arrive (unless a row needs them, `_sync`: then after, as in sync mode).
             early = self.async_scheduling and prev is not None and not any(map(_sync, plan.rows))
-            finished: list[RequestOutput] = []
             wait = applied = 0.0
             if prev is not None and not early:
                 finished, wait, applied = self._complete(prev, on_token)
@@ -242,6 +243,7 @@ class EngineCore:
                     rec.host_exposed_s = rec.dispatched_at - (t2 - applied)
                 self.metrics.record(rec, rec.num_compilations)
         except BaseException as e:
+            self._keep_applied(finished)
             self._recover(e, plan, sent, only)
             raise
         if rec is None:
@@ -287,6 +289,19 @@ class EngineCore:
             raise RuntimeError("requeue_all() with a step in flight: drain() first")
         aborted = self.scheduler.recover(lambda g: True)
         assert not aborted, aborted
+
+    def _keep_applied(self, outs: list[RequestOutput]) -> None:
+        """The outputs a failing step built applying the previous step's tokens before it
+        failed (in its commit, its dispatch, its bookkeeping): those of finished requests,
+        which left the scheduler (the recovery aborts nothing of theirs) and went to
+        `on_finish`, are carried to the next step, as a failed apply's are; partial ones
+        (output_kind CUMULATIVE or DELTA) are taken back, since their requests are aborted
+        or recomputed (a DELTA stream would miss their tokens)."""
+        for o in outs:
+            if o.finished:
+                self._carried.append(o)
+            elif (g := self.scheduler.get(o.request_id)) is not None:
+                self.outputs.take_back(g.request, o)
 
     def _with_carried(self, finished: list[RequestOutput]) -> list[RequestOutput]:
         carried, self._carried = self._carried, []
