@@ -493,9 +493,9 @@ class OutputProcessor(LogprobsMixin):
                         self._text(req, h.token_ids, stop) if with_text else "",
                         h.token_ids,
                         h.cumulative_logprob,
+                        h.logprobs,
                         h.finish_reason,
                         stop,
-                        h.logprobs,
                     )
                 )
         else:
@@ -518,9 +518,9 @@ class OutputProcessor(LogprobsMixin):
                         text,
                         gen,
                         s.cumulative_logprob,
+                        None if s.logprobs is None else list(s.logprobs),
                         s.finish_reason,
                         s.stop_reason,
-                        None if s.logprobs is None else list(s.logprobs),
                     )
                 )
         if req.params.output_kind == RequestOutputKind.DELTA:

@@ -154,13 +154,14 @@ class CompletionOutput:
     anyway, and the CLIs report it).
     """
 
+    # In vLLM's order (code that builds one positionally, as vLLM's, fills the same fields).
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float  # sum of the generated tokens' raw-distribution logprobs
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None  # the stop token id (EOS too) or stop string
     logprobs: list[dict[int, Logprob]] | None = None  # with SamplingParams.logprobs
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id (EOS too) or stop string
 
     def finished(self) -> bool:
         """Whether the completion has ended (it has a finish reason), as vLLM's."""

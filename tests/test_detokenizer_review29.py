@@ -38,7 +38,7 @@ def test_a_choice_streamed_whole_names_its_tokens_after_a_prompt_ending_in_a_byt
     gen, entries = [the] * 3, [{the: -0.5, 5: -1.0}] * 3
     text = tok.decode(gen, context=prompt, skip_special_tokens=skip)
     assert text == " the the the"
-    beams = [CompletionOutput(i, text, gen, -1.5, "length", None, entries) for i in range(2)]
+    beams = [CompletionOutput(i, text, gen, -1.5, entries, "length") for i in range(2)]
     out = RequestOutput(rid, None, prompt, beams, True, 0, 0, None, None)
     handler = StreamRecorder(tok)  # beams stream no tokens: the final output only
     handler._stream(job, api.response_head(job, "m"), [("done", rid, out)])
@@ -91,7 +91,7 @@ def test_streamed_choices_add_up_to_the_whole_answer_after_any_prompt(whole):
         (rid,) = job.rids
         entries = [{t: -0.5, 5: -1.0} for t in gen]
         text = tok.decode(gen, context=prompt, skip_special_tokens=skip)
-        c = CompletionOutput(0, text, gen, -1.5, "length", logprobs=entries)
+        c = CompletionOutput(0, text, gen, -1.5, entries, "length")
         events = (
             [] if whole else [("token", rid, 0, t, e) for t, e in zip(gen, entries, strict=True)]
         )

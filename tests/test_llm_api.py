@@ -76,7 +76,7 @@ def test_a_bar_maker_that_raises_leaves_no_request_queued(llm):
 
 def test_completion_output_has_vllms_finished_method():
     """vLLM's `CompletionOutput.finished()`: whether it has a finish reason."""
-    out = CompletionOutput(0, "", [5], 0.0, "length")
+    out = CompletionOutput(0, "", [5], 0.0, finish_reason="length")
     assert out.finished() is True
     out.finish_reason = None
     assert out.finished() is False

@@ -9,7 +9,7 @@ from engine_helpers import GEOMETRY, check_clean, greedy, random_params
 
 from pagedjax import resources
 from pagedjax.engine import LLM
-from pagedjax.request import SamplingParams
+from pagedjax.request import CompletionOutput, Logprob, SamplingParams
 from pagedjax.tokenizer import Tokenizer
 
 
@@ -62,3 +62,13 @@ def test_cumulative_logprob_is_a_float_with_or_without_logprobs(llm):
     assert isinstance(p.cumulative_logprob, float)
     assert p.cumulative_logprob == pytest.approx(a.cumulative_logprob) == pytest.approx(total)
     check_clean(llm)
+
+
+def test_completion_output_fields_are_in_vllms_order():
+    """Built positionally as vLLM's (index, text, token_ids, cumulative_logprob, logprobs,
+    finish_reason, stop_reason), each value lands in its field: the logprobs were taken
+    for the finish reason."""
+    entries = [{5: Logprob(-0.5, 1, "a")}]
+    c = CompletionOutput(0, "a", [5], -0.5, entries, "stop", 5)
+    assert (c.logprobs, c.finish_reason, c.stop_reason) == (entries, "stop", 5)
+    assert CompletionOutput(0, "", [], 0.0, None).finish_reason is None  # (vLLM's default)

@@ -115,7 +115,7 @@ def test_openai_logprob_names_after_a_long_byte_run(prompt_text, text, chat):
     prompt, gen = split(SP, prompt_text, text)
     the = SP.tokenizer.token_to_id("▁the")
     entries = [{t: -0.5, the: -0.25} for t in gen]
-    c = CompletionOutput(0, text, gen, -1.0, "length", logprobs=entries)
+    c = CompletionOutput(0, text, gen, -1.0, entries, "length")
     render = api.chat_logprobs if chat else api.completion_logprobs
     got = render(SP, c, 1, prompt)
     at = gen.index(the)
@@ -141,7 +141,7 @@ def test_echoed_prompt_names_after_a_long_byte_run():
     echo = api.echo_logprobs(SP, prompt, entries, 0)
     assert joined(echo["tokens"]) == shown(SP.decode(prompt)) == "the  hello"
     assert echo["tokens"][-4:] == [" ", "he", "ll", "o"]
-    c = CompletionOutput(0, " 🙂🙂 the", gen, -1.0, "length", logprobs=[{t: -0.5} for t in gen])
+    c = CompletionOutput(0, " 🙂🙂 the", gen, -1.0, [{t: -0.5} for t in gen], "length")
     both = api.join_logprobs(echo, api.completion_logprobs(SP, c, 0, prompt))
     assert joined(both["tokens"]) == "the  hello  the" and both["tokens"][-1] == " the"
 
@@ -151,7 +151,7 @@ def test_byte_level_names_are_unchanged():
     the last `CONTEXT_IDS` ids before it, as before."""
     prompt, gen = split(BPE, "hello world", " 🙂🙂🙂 the 日本語 café")
     ids = prompt + gen
-    c = CompletionOutput(0, "", gen, -1.0, "length", logprobs=[{t: -0.5} for t in gen])
+    c = CompletionOutput(0, "", gen, -1.0, [{t: -0.5} for t in gen], "length")
     got = api.completion_logprobs(BPE, c, 0, prompt)["tokens"]
     window = [
         BPE.decode_each([t], skip_special_tokens=False, context=ids[: len(prompt) + i][-8:])[0]
@@ -216,7 +216,7 @@ def test_name_context_is_bounded_and_decodes_nothing():
 
     tok = Tokenizer.__new__(Tokenizer)
     tok.__dict__.update(SP.__dict__, tokenizer=Counting())
-    c = CompletionOutput(0, "", gen, -1.0, "length", logprobs=[{t: -0.5} for t in gen])
+    c = CompletionOutput(0, "", gen, -1.0, [{t: -0.5} for t in gen], "length")
     got = api.completion_logprobs(tok, c, 0, prompt)["tokens"]
     assert got[-1] == " the" and "".join(got) == "A" * 500 + " the"
     assert max(lengths) <= CONTEXT_IDS + 1

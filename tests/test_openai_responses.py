@@ -23,7 +23,7 @@ from pagedjax.tokenizer import CONTEXT_IDS, Tokenizer
 
 def completion(index=0, text="hi", logprobs=None, finish="length"):
     ids = [ord(c) for c in text]
-    return CompletionOutput(index, text, ids, -1.0, finish, logprobs=logprobs)
+    return CompletionOutput(index, text, ids, -1.0, logprobs, finish)
 
 
 def output(rid, prompt_ids, comps):

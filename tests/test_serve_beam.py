@@ -194,7 +194,7 @@ def test_a_choice_streamed_whole_names_its_tokens_after_the_prompt():
     job = api.parse_job(body, chat=False, model_name="m", tokenizer=tok, **sizes)
     gen, entries = [the] * 3, [{the: -0.5, 5: -1.0}] * 3
     beams = [
-        CompletionOutput(i, tok.decode(gen, context=prompt), gen, -1.5, "length", None, entries)
+        CompletionOutput(i, tok.decode(gen, context=prompt), gen, -1.5, entries, "length")
         for i in range(2)
     ]
     (rid,) = job.rids

@@ -361,7 +361,7 @@ def test_parse_job_reads_echo_and_prompt_logprobs_as_vllm():
 
     j = job(dict(prompt="ab", echo=True, max_tokens=0, logprobs=1))
     assert (j.echo_only, j.params.max_tokens, j.streams_tokens) == (True, 1, False)
-    generated = CompletionOutput(0, "x", [120], -1.0, "stop", 120, [{120: -1.0}])
+    generated = CompletionOutput(0, "x", [120], -1.0, [{120: -1.0}], "stop", 120)
     out = j.output(RequestOutput("r", None, [97, 98], [generated], True, 0, 0, None, None))
     (c,) = out.outputs
     assert (c.text, c.token_ids, c.logprobs, c.finish_reason) == ("", [], [], "length")

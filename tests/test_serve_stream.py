@@ -88,7 +88,7 @@ def test_streamed_logprobs_name_tokens_after_the_completion_so_far():
     job = api.parse_job(body, chat=False, model_name="m", tokenizer=tok, **sizes)
     gen, entries = [the] * 3, [{the: -0.5, 5: -1.0}] * 3
     text = tok.decode(gen, context=prompt)
-    c = CompletionOutput(0, text, gen, -1.5, "length", logprobs=entries)
+    c = CompletionOutput(0, text, gen, -1.5, entries, "length")
     (rid,) = job.rids
     events = [("token", rid, 0, t, e) for t, e in zip(gen, entries, strict=True)]
     events.append(("done", rid, RequestOutput(rid, None, prompt, [c], True, 0, 0, None, None)))
