@@ -12,8 +12,9 @@ Before tracing, the host checks the params, the input and the cache
 `StepInput`, `StepOutput`, `Buckets` and `bucket_size`) turns the host's view of a
 step into a `StepInput`, validating everything on the host and padding every
 dimension to a power of two above a floor, so a run compiles a handful of programs.
-`compile_counts()` reports how many times each step was traced (= compiled); tests
-assert it stays within the number of distinct buckets.
+`compile_counts()` reports how many programs each step compiled (a trace, or a
+compile without one: the same shapes with inputs placed otherwise); tests assert it
+stays within the number of distinct buckets.
 
 The steps are functions of pytrees, so they compose with the caller's own transforms:
 `jax.jit` around them, `jax.lax.scan` over decode steps (advance a decode `StepInput`'s
@@ -63,6 +64,7 @@ README example::
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -103,11 +105,37 @@ __all__ = [
 ]
 
 _TRACES: collections.Counter = collections.Counter()
+# Backend compiles of a step's program in this thread (`_count_compiles`): a call that
+# compiles without tracing (the shapes seen, an input placed otherwise: committed to
+# its device, or not) compiles a program that counting traces alone would not see.
+_COMPILING = threading.local()
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # (jax's; with fun_name)
+
+
+def _count_compiles(event: str, duration: float, **kwargs) -> None:
+    if event == _BACKEND_COMPILE and "_step" in str(kwargs.get("fun_name", "_step")):
+        _COMPILING.count = getattr(_COMPILING, "count", 0) + 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
 
 
 def compile_counts() -> dict[str, int]:
-    """How many programs each step function has traced (= compiled) in this process."""
+    """How many programs each step function has compiled in this process: its traces
+    (under an outer trace: those made inside it), and its compiles without a trace
+    (inputs of shapes it has seen, placed otherwise: an array committed to its device
+    where it was not, which `jax.device_put(x, device)` and a weight update make, or
+    the reverse; XLA compiles another program for them)."""
     return dict(_TRACES)
+
+
+def _run(jitted, name: str, *args, **kwargs):
+    """`jitted(*args, **kwargs)`, counting a compile without a trace in `_TRACES[name]`."""
+    traces, compiles = _TRACES[name], getattr(_COMPILING, "count", 0)
+    out = jitted(*args, **kwargs)
+    if _TRACES[name] == traces:
+        _TRACES[name] += getattr(_COMPILING, "count", 0) - compiles
+    return out
 
 
 def _step(
@@ -302,7 +330,9 @@ def prefill_step(
     )  # fmt: skip
     check_cache(params, cache, inp)
     check_lora(params, inp, lora)
-    return _prefill_jit(
+    return _run(
+        _prefill_jit,
+        "prefill_step",
         params,
         cache,
         inp,
@@ -338,7 +368,9 @@ def decode_step(
     )  # fmt: skip
     check_cache(params, cache, inp)
     check_lora(params, inp, lora)
-    return _decode_jit(
+    return _run(
+        _decode_jit,
+        "decode_step",
         params,
         cache,
         inp,
@@ -512,7 +544,9 @@ def generate(
         cache_cfg,
         buckets=buckets,
     )
-    cache = sharding.create_cache(cfg, cache_cfg, params.mesh)  # split over kv heads with a mesh
+    # Split over kv heads with a mesh, else committed where the steps' outputs lie.
+    device = sharding.home_device(params)
+    cache = sharding.create_cache(cfg, cache_cfg, params.mesh, device=device)
     cached = [0] * len(prompts)
     out = GenerateOutput([[] for _ in prompts], [[] for _ in prompts], None)
     logits = [[] for _ in prompts]

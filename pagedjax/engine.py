@@ -227,6 +227,11 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
             )
         if mesh is not None:
             params = sharding.shard_params(params, mesh)
+        elif params.mesh is None:
+            # Committed where they lie (no copy), as a weight update and wake_up place
+            # them: XLA compiles another program for committed weights, so the first
+            # update recompiled every step program.
+            params = jax.tree.map(lambda x: jax.device_put(x, x.sharding), params)
         self.tensor_parallel = sharding.tensor_parallel_size(params.mesh)
         self.config, self.params = cfg, params
         self.tokenizer = tokenizer or tok

@@ -52,6 +52,7 @@ import numpy as np
 
 from pagedjax import decode, recovery, sharding
 from pagedjax.batch import StepBatch
+from pagedjax.cache import PagedKVCache
 from pagedjax.config import CacheConfig, ModelConfig
 from pagedjax.lora_engine import LoRASlots
 from pagedjax.metrics import EngineMetrics, StepRecord
@@ -115,7 +116,9 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         self._on_finish = on_finish
         self.lora = lora
-        self.cache = sharding.create_cache(model_config, cache_config, params.mesh)
+        # Where the cache and the feed are committed without a mesh: the model's device.
+        self._device = sharding.home_device(params)
+        self.cache = self._new_cache()
         # The previous step's sampled tokens, on the device, for rows that feed them.
         self._feed = self._new_feed()
         # The dispatched step whose tokens are not applied yet: (plan, result arrays, record).
@@ -163,7 +166,7 @@ class EngineCore:
 
     def new_cache(self) -> None:
         """A new, zeroed KV cache (after `drop_cache`), and empty LoRA slots."""
-        self.cache = sharding.create_cache(self.model_config, self.cache_config, self.params.mesh)
+        self.cache = self._new_cache()
         if self.lora is not None:
             self.lora.restore_device()
         jax.block_until_ready(self.cache)
@@ -337,9 +340,7 @@ class EngineCore:
             lost = recovery.cache_lost(self.cache)
             if lost:
                 self.cache = None  # the old buffers go before the new ones are allocated
-                self.cache = sharding.create_cache(
-                    self.model_config, self.cache_config, self.params.mesh
-                )
+                self.cache = self._new_cache()
                 jax.block_until_ready(self.cache)
                 self.block_manager.uncache()
             elif not sent:
@@ -468,7 +469,16 @@ class EngineCore:
 
     def _new_feed(self) -> jax.Array:
         rows = decode.bucket_size(self.scheduler.max_num_seqs, self.buckets.min_seqs)
-        return sharding.replicate(np.zeros(rows, np.int32), self.params.mesh)
+        return sharding.replicate(np.zeros(rows, np.int32), self.params.mesh, device=self._device)
+
+    def _new_cache(self) -> PagedKVCache:
+        """A zeroed cache, committed where the steps' outputs lie (`sharding.home_device`):
+        an uncommitted one compiled each step program again for the committed cache the
+        steps return."""
+        mesh = self.params.mesh
+        return sharding.create_cache(
+            self.model_config, self.cache_config, mesh, device=self._device
+        )
 
     def _batch(self, plan: StepPlan) -> StepBatch:
         cc = self.cache_config

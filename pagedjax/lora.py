@@ -529,10 +529,17 @@ def _specs(cfg: ModelConfig, tp: int) -> dict[str, tuple[P, P]]:
 
 
 def create_lora_weights(
-    cfg: ModelConfig, max_loras: int, max_lora_rank: int, mesh: Mesh | None = None
+    cfg: ModelConfig,
+    max_loras: int,
+    max_lora_rank: int,
+    mesh: Mesh | None = None,
+    *,
+    device: jax.Device | None = None,
 ) -> LoRAWeights:
     """Empty slots (zeros) for `max_loras` adapters of rank up to `max_lora_rank`, in
-    the model's dtype; placed for tensor parallelism over `mesh` when given."""
+    the model's dtype; placed for tensor parallelism over `mesh` when given, else
+    committed to `device` (None: uncommitted; `sharding_lib.create_cache`'s: writing an
+    adapter returns committed slots, which uncommitted ones would compile again for)."""
     for name, v in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {name}={v!r}")
@@ -542,7 +549,7 @@ def create_lora_weights(
     for module in TARGET_MODULES:
         n_in, n_out = module_dims(cfg, module)
         for d, shape, i in ((a, (n_in, cols), 0), (b, (cols, n_out), 1)):
-            s = None if mesh is None else NamedSharding(mesh, specs[module][i])
+            s = NamedSharding(mesh, specs[module][i]) if mesh is not None else device
             d[module] = tuple(
                 jnp.zeros(shape, cfg.jnp_dtype, device=s) for _ in range(cfg.num_layers)
             )

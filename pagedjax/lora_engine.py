@@ -20,9 +20,11 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from pagedjax import sharding
 from pagedjax.lora import (
     LoRAAdapter,
     LoRARequest,
+    LoRAWeights,
     check_adapter,
     create_lora_weights,
     load_adapter,
@@ -93,13 +95,15 @@ class LoRASlots:
       max_cpu_loras: most adapters kept on the host beyond the ones in use and pinned.
       mesh: the tensor-parallel mesh, or None.
       in_use: returns the adapter ids of the queued and running requests.
+      device: without a mesh, the device the slots are committed to, the model's
+        (`sharding.home_device`; None: uncommitted).
     """
 
-    def __init__(self, cfg, max_loras, max_lora_rank, max_cpu_loras, mesh, in_use):
+    def __init__(self, cfg, max_loras, max_lora_rank, max_cpu_loras, mesh, in_use, device=None):
         self.cfg, self.max_loras, self.max_lora_rank = cfg, max_loras, max_lora_rank
         self.max_cpu_loras = max_cpu_loras
-        self.mesh, self._in_use = mesh, in_use
-        self.weights = create_lora_weights(cfg, max_loras, max_lora_rank, mesh)
+        self.mesh, self._in_use, self.device = mesh, in_use, device
+        self.weights = self._empty()
         self.requests: dict[int, LoRARequest] = {}  # on the host, least recently used first
         self._adapters: dict[int, LoRAAdapter] = {}
         self.pinned: set[int] = set()
@@ -270,9 +274,12 @@ class LoRASlots:
     def restore_device(self) -> None:
         """Empty device slots again after `reset_device` (`LLM.wake_up`)."""
         if self.weights is None:
-            self.weights = create_lora_weights(
-                self.cfg, self.max_loras, self.max_lora_rank, self.mesh
-            )
+            self.weights = self._empty()
+
+    def _empty(self) -> LoRAWeights:
+        return create_lora_weights(
+            self.cfg, self.max_loras, self.max_lora_rank, self.mesh, device=self.device
+        )
 
 
 class LoRAMixin:
@@ -288,6 +295,7 @@ class LoRAMixin:
                 int(max_loras if max_cpu_loras is None else max_cpu_loras),
                 self.params.mesh,
                 lambda: self.scheduler.lora_ids(),  # (the scheduler comes later)
+                sharding.home_device(self.params),
             )
         return self.lora
 

@@ -167,7 +167,9 @@ def score(
     )
     if not any(fed):
         return out
-    cache = sharding.create_cache(cfg, cache_cfg, params.mesh)  # split over kv heads
+    # Split over kv heads with a mesh, else committed where the steps' outputs lie.
+    device = sharding.home_device(params)
+    cache = sharding.create_cache(cfg, cache_cfg, params.mesh, device=device)
     chunk_len = prefill_chunk or max(fed)
     done = [0] * n
     while active := [b for b in range(n) if done[b] < fed[b]]:

@@ -87,6 +87,21 @@ def default_device() -> jax.Device:
     return dev if dev is not None else jax.devices()[0]
 
 
+def home_device(params) -> jax.Device:
+    """The device a model without a mesh computes on: its arrays' (the first one on a
+    single device; `default_device()` if none is, as a dropped engine's template).
+
+    What the steps make lies there committed (their outputs), so the engine commits its
+    weights, cache, feed and LoRA slots there too (`create_cache(device=)`,
+    `replicate(device=)`): XLA compiles another program for an input committed where it
+    was not, so a cache made uncommitted compiled every step program twice, once for it
+    and once for the steps' committed outputs."""
+    for x in jax.tree.leaves(params):
+        if isinstance(x, jax.Array) and len(x.devices()) == 1:
+            return next(iter(x.devices()))
+    return default_device()
+
+
 def _check_size(tp, num_devices: int | None, where: str = "") -> None:
     """`where`: which devices were counted (default: every host's `jax.devices()`).
     A numpy int is an int, as everywhere in the library (`config.is_int`)."""
@@ -313,9 +328,17 @@ def cache_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def create_cache(
-    model_cfg: ModelConfig, cache_cfg: CacheConfig, mesh: Mesh | None = None
+    model_cfg: ModelConfig,
+    cache_cfg: CacheConfig,
+    mesh: Mesh | None = None,
+    *,
+    device: jax.Device | None = None,
 ) -> cache_lib.PagedKVCache:
     """A zeroed cache; with a mesh, split over kv heads (`Kc = max(K, tp)` rows).
+
+    Without a mesh: committed to `device` (`home_device(params)`: the steps then compile
+    one program per bucket, where an uncommitted cache's first step compiled another for
+    the committed cache it returns); None: uncommitted, following the params.
 
     Raises:
       TypeError: `mesh` is neither None nor a `jax.sharding.Mesh`.
@@ -323,7 +346,8 @@ def create_cache(
         refuses the mesh.
     """
     if mesh is None:
-        return cache_lib.create(model_cfg, cache_cfg)
+        where = None if device is None else jax.sharding.SingleDeviceSharding(device)
+        return cache_lib.create(model_cfg, cache_cfg, sharding=where)
     tp = check_mesh(mesh)
     check_tensor_parallel(model_cfg, tp, mesh.devices.size)
     kc = cache_kv_heads(model_cfg, tp)
@@ -331,9 +355,12 @@ def create_cache(
     return cache_lib.create(shape_cfg, cache_cfg, sharding=cache_sharding(mesh))
 
 
-def replicate(x, mesh: Mesh | None = None) -> jax.Array:
-    """`x` on the device (every device of `mesh`, whole), placed as a step's outputs are."""
-    return jax.device_put(x) if mesh is None else jax.device_put(x, NamedSharding(mesh, P()))
+def replicate(x, mesh: Mesh | None = None, *, device: jax.Device | None = None) -> jax.Array:
+    """`x` on the device (every device of `mesh`, whole), placed as a step's outputs are:
+    without a mesh, committed to `device` (None: uncommitted, `create_cache`'s)."""
+    if mesh is not None:
+        return jax.device_put(x, NamedSharding(mesh, P()))
+    return jax.device_put(x) if device is None else jax.device_put(x, device)
 
 
 def shard_attention(fn: Callable, mesh: Mesh, num_kv_heads: int) -> Callable:

@@ -86,7 +86,9 @@ class StepInput:
 
     @property
     def bucket(self) -> tuple[int, int, int, int, bool]:
-        """(T, B, max_pages, C, decode): the shapes that select a compiled program."""
+        """(T, B, max_pages, C, decode): the shapes that select a compiled program, with
+        the optional fields given (penalties, logit bias and their padded widths,
+        target_ids, feed, lora_slots) and the step's static arguments (top-k counts)."""
         b, max_pages = self.page_table.shape
         return (self.token_ids.shape[0], b, max_pages, self.copy_src.shape[0], self.decode)
 
