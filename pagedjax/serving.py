@@ -25,8 +25,9 @@ aborted and gets no further events; the other requests and the thread go on.
 An error's status follows HTTP's meaning: 400 when the engine refused a request
 (`LLM.add_request` raised ValueError or TypeError; `request_id` is None and none of the
 batch was added), 500 when a step failed, 503 when the thread stopped. If a step raises,
-`LLM.step` recovers the engine by itself: the requests it held get a 500 and the thread
-goes on. Work that a caller does not need the engine for (validating, tokenizing,
+`LLM.step` recovers the engine by itself: the requests it aborted get a 500, those that
+finished in it before it failed their done events (the engine keeps their outputs), and
+the thread goes on. Work that a caller does not need the engine for (validating, tokenizing,
 rendering chat templates) stays on the caller's thread, so a bad request never reaches
 the engine. scripts/serve.py runs one per HTTP server, with a thread per connection.
 
@@ -66,6 +67,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import queue
 import sys
 import threading
@@ -75,6 +77,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from pagedjax.lora_names import LoRANames  # re-exported: the server's table of adapters
+from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["EngineStopped", "EngineThread", "LoRANames"]
 
@@ -93,7 +96,7 @@ class EngineThread:
     Attributes:
       llm: the engine (read it only through `call`).
       num_aborted: requests aborted through `abort` (e.g. their client went away).
-      num_failed_steps: engine steps that raised (their requests got a 500).
+      num_failed_steps: engine steps that raised (the requests they aborted got a 500).
     """
 
     def __init__(self, llm):
@@ -130,7 +133,11 @@ class EngineThread:
           sink: gets the requests' events (`put(event)`, called on the engine thread).
           tokens: also send a "token" event for each generated token (with its logprobs
             entry when the request's params ask for logprobs), and, when they ask for
-            prompt logprobs, a "prompt" event with those before the first one.
+            prompt logprobs, a "prompt" event with those before the first one. The
+            thread sends no partial output (`output_kind`): a request without token
+            events (tokens=False, or a beam search) gets its whole output in its done
+            event whatever its output_kind (with DELTA, the done event of a token-streamed
+            one holds the last tokens only, after their token events).
 
         The requests' times to first token and latencies count from this call (their
         `LLM.add_request` `arrival_time`, as vLLM stamps a request where it reaches its
@@ -260,14 +267,16 @@ class EngineThread:
                 for rid, ids, params, *more in requests:
                     if params is None:  # (the engine's defaults, as `add_request` takes it;
                         params = self.llm.default_sampling_params()  # its flags read below)
+                    # (beam search streams no tokens: its beams are known when it ends)
+                    streams = tokens and getattr(params, "beam_width", 1) == 1
+                    if not streams:
+                        params = _whole(params)
                     p = more[0] if more else 0
                     lora = {} if len(more) < 2 or more[1] is None else {"lora_request": more[1]}
                     self.llm.add_request(
                         ids, params, request_id=rid, priority=p, arrival_time=arrival, **lora
                     )
                     added.append(rid)
-                    # (beam search streams no tokens: its beams are known when it ends)
-                    streams = tokens and getattr(params, "beam_width", 1) == 1
                     self._sinks[rid] = (sink, streams, params.logprobs is not None)
                     if streams and params.prompt_logprobs is not None:
                         self._prompts_due.add(rid)
@@ -293,8 +302,10 @@ class EngineThread:
             except BaseException as e:  # noqa: BLE001  (raised again in the caller's thread,
                 answer = (False, e)  # SystemExit included: it is the caller's to act on)
             applied = before is None or _generated(self.llm) != before
-            self._settle(answer[1] if answer[0] else None, groups if applied else None)
-            command[2].put(answer)
+            try:
+                self._settle(answer[1] if answer[0] else None, groups if applied else None)
+            finally:  # (a caller never waits forever, even on a thread that dies here)
+                command[2].put(answer)
 
     def _stepping(self) -> bool:
         """Whether the loop steps the engine: it has requests and is not paused (a paused
@@ -357,6 +368,10 @@ class EngineThread:
         except Exception as e:  # noqa: BLE001  (LLM.step recovered; its requests fail)
             self.num_failed_steps += 1
             traceback.print_exc(file=sys.stderr)
+            for out in self._kept_outputs():
+                if out.finished:
+                    self._finish(out)
+            self._abort_broken()
             self._fail_all(500, f"the engine step failed: {type(e).__name__}: {e}")
             return
         finally:
@@ -365,6 +380,21 @@ class EngineThread:
             if out.finished:  # (a partial output (output_kind): "token" events stream)
                 self._finish(out)
         self._abort_broken()
+
+    def _kept_outputs(self) -> list:
+        """After a failed step: the outputs of the requests that finished in it before it
+        failed, which the engine keeps for its next step (`LLM.step`). Its recovery
+        aborted every other request, so that step runs nothing but returns them ([] if
+        it raises too)."""
+        if not self.llm.has_unfinished_requests():
+            return []
+        try:
+            return self.llm.step(on_token=self._on_token)
+        except Exception:  # noqa: BLE001  (its requests get the 500 of the first failure)
+            traceback.print_exc(file=sys.stderr)
+            return []
+        finally:
+            self._abort_broken()
 
     def _finish(self, out) -> None:
         """A finished request's "done" event, after any of its tokens not streamed yet."""
@@ -477,6 +507,16 @@ def _send(sink, event) -> bool:
     return True
 
 
+def _whole(params):
+    """`params` of a request whose sink gets no token events, with output kind
+    FINAL_ONLY: the thread sends no partial output, so its done event is all its caller
+    gets, and with DELTA it held only the last step's tokens (as `LLM.generate` returns
+    whole outputs whatever the kind)."""
+    if isinstance(params, SamplingParams) and params.output_kind != RequestOutputKind.FINAL_ONLY:
+        return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+    return params
+
+
 def _ask(llm, method: str) -> bool:
     """`llm.<method>()` of a state the loop adapts to (`is_paused`, `is_sleeping`);
     False for an engine without it (a stand-in)."""
@@ -494,9 +534,17 @@ def _generated(llm) -> int | None:
 
 def _outputs_in(result) -> list:
     """The request outputs in a `call`'s result: the result itself, or the items of a
-    list or tuple, that have a `request_id` and a `finished` flag (`RequestOutput`s)."""
+    list or tuple, that have a `request_id`, `outputs` and a bool `finished` flag
+    (`RequestOutput`s; not a `SequenceGroup`, whose `finished` lists its finished
+    sequences)."""
     items = result if isinstance(result, (list, tuple)) else [result]
-    return [o for o in items if hasattr(o, "request_id") and hasattr(o, "finished")]
+    return [
+        o
+        for o in items
+        if hasattr(o, "request_id")
+        and hasattr(o, "outputs")
+        and isinstance(getattr(o, "finished", None), bool)
+    ]
 
 
 def _check_ids(request_ids) -> list[str]:
