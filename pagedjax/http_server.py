@@ -153,7 +153,11 @@ class Server(HttpServer):
         """Reads the LoRA adapters into `llm` (`LLM.add_lora`: one that cannot serve is
         a ValueError or FileNotFoundError naming it), then starts the engine thread over
         `llm` (which nothing else may touch from now on). With
-        `allow_runtime_lora_updating`, `llm` must have LoRA enabled (ValueError)."""
+        `allow_runtime_lora_updating`, `llm` must have LoRA enabled (ValueError). Once
+        only (RuntimeError: a second engine thread, on the same engine, would step it
+        from two threads)."""
+        if self.engine is not None:
+            raise RuntimeError("the server's engine thread is started already (start once)")
         if self.allow_runtime_lora_updating and llm.lora is None:
             raise ValueError(
                 "runtime LoRA updating needs an engine with LoRA: LLM(..., enable_lora=True)"

@@ -162,3 +162,12 @@ def test_an_empty_line_before_a_request_line_is_skipped(server, before):
     head, text = exchange(server, data, timeout=10)
     assert b" 200 " in head.split(b"\r\n")[0], (head, text)
     assert text.endswith(b"ok") and text.count(b"HTTP/1.1 200 ") == (b"GET" in before), text
+
+
+def test_a_server_starts_its_engine_thread_once(server):
+    """A second `start` started a second engine thread beside the first, both stepping
+    engines (the same one: two threads in its state, with no error)."""
+    first = server.engine
+    with pytest.raises(RuntimeError, match="started already"):
+        server.start(StreamingLLM())
+    assert server.engine is first
