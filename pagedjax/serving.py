@@ -130,7 +130,8 @@ class EngineThread:
             0), and a fifth, its `LoRARequest` (None: the base model; `LLM.add_request`
             gets a `lora_request` only when there is one); the ids must be unique among
             the engine's unfinished requests.
-          sink: gets the requests' events (`put(event)`, called on the engine thread).
+          sink: gets the requests' events (`put(event)`, called on the engine thread: it
+            must not block, as a full bounded `queue.Queue` would stall every request).
           tokens: also send a "token" event for each generated token (with its logprobs
             entry when the request's params ask for logprobs), and, when they ask for
             prompt logprobs, a "prompt" event with those before the first one. The
