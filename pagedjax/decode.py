@@ -21,9 +21,13 @@ The steps are functions of pytrees, so they compose with the caller's own transf
 `token_ids`, `positions`, `slot_mapping`, `context_lens` and `sample_steps` on the
 device; slots as in `pagedjax.cache`), `jax.vmap` over stacked caches and inputs. Under
 an outer trace the host checks see shapes only (token ids, positions, page ids and
-slots are then the caller's to keep valid, as they are in device arrays, which the
-checks do not read back), the cache is donated only if the outer `jit` donates it, and
-`compile_counts` counts the traces made inside it.
+slots, and their agreement with the page table and context lengths, are then the
+caller's to keep valid, as they are in device arrays, which the checks do not read
+back), and `compile_counts` counts the traces made inside it. Under an outer `jit` the
+cache is donated only if that `jit` donates it (else the program holds the old pools and
+the new at once: twice the cache's memory); under a bare `jax.vmap` the step's own
+`jit` runs and donates the stacked cache, as a plain call does (a reuse is jax's
+"deleted or donated" error).
 
 `generate` is a static-batch loop with no scheduler, for research use. The
 README example::
@@ -299,8 +303,10 @@ def prefill_step(
     top-k count outside [0, V], interpret or return_logits not a bool (numpy's run as
     Python's)), then `check_cache` (which also checks the token ids, positions, page
     ids, slots, context lengths and row offsets of `inp`'s numpy arrays against the
-    model, the cache and its page table: an input changed by hand or built for another
-    model would otherwise run, its ids clamped or dropped).
+    model, the cache and its page table, and that each row's written tokens sit at the
+    positions and in the slots of its own pages that its context length says: an input
+    changed by hand or built for another model would otherwise run, its ids clamped or
+    dropped, or its K/V written over another sequence's).
 
     Args:
       params: the split model (`pagedjax.model.split_model`).

@@ -3,9 +3,11 @@
 `prefill_step` and `decode_step` (`pagedjax.decode`, which re-exports `check_cache`)
 call `_check_step` (the params, the `StepInput`'s kind, shapes and dtypes, the backend
 and top-k knobs) and then `check_cache` (the cache against the params and the geometry
-the input was built for, and the ids in the input's numpy arrays against both) on every
-call, so that a wrong argument fails with a message naming it rather than
-deep in tracing, or, worse, runs: slots of another page size, page ids past the pool.
+the input was built for, the ids in the input's numpy arrays against both, and each
+row's tokens against its context length and page table) on every call, so that a wrong
+argument fails with a message naming it rather than deep in tracing, or, worse, runs:
+slots of another page size, page ids past the pool, a token written into another
+sequence's page.
 `generate` checks its params with `_check_params`.
 
 They are apart from `pagedjax.decode` because they are plain host code over types,
@@ -41,14 +43,18 @@ def check_cache(
 
     Raises:
       ValueError: layers, kv heads, head dim, page size or page count differ; `inp`'s
-        numpy arrays hold a token id outside the vocabulary, a position past
-        max_position_embeddings, a page id or slot outside the cache, a context length
-        outside [0, what its page-table row holds], or a row index outside the step's
-        tokens; its pools differ from one another in shape or dtype (any layer's K or
-        V), or one array is two of them; a tensor-parallel model's cache is not split
-        over kv heads on its mesh (`sharding.create_cache`), or a single-device model's
-        is spread; the cache was donated to an earlier step (its arrays are deleted:
-        use the cache that step returned).
+        numpy arrays hold a token id outside the vocabulary (history and bias ids too),
+        a position past max_position_embeddings, a page id or slot outside the cache, a
+        context length outside [0, what its page-table row holds], a row index outside
+        the step's tokens, a feed index outside the feed, copy pairs whose outcome hangs
+        on their order, a 64-bit int past int32 (seeds: uint32), or a row whose written
+        tokens are not at the positions and slots its context length and page table
+        say, or padding that writes (`_check_rows`); its pools differ from one another
+        in shape or dtype (any layer's K or V), or one array is two of them; a
+        tensor-parallel model's cache is not split over kv heads on its mesh
+        (`sharding.create_cache`), or a single-device model's is spread; the cache was
+        donated to an earlier step (its arrays are deleted: use the cache that step
+        returned).
       TypeError: `params` is not a `Params` (`model.split_model`), `cache` is not a
         `PagedKVCache`, or its storage dtype is one the model's attention cannot read
         (`CacheConfig`).
@@ -311,18 +317,42 @@ def _check_input_values(cfg, inp: StepInput, num_pages: int, page_size: int) -> 
     and its row offsets inside its tokens: gathers clamp and scatters drop what is not,
     without a word. `build_step_input` checked them against its configs; this catches an
     input changed by hand (a reused page table, a context advanced past it) or built for
-    another model. Device arrays are left unread (no sync)."""
+    another model. Also: each row's tokens where its context says (`_check_rows`), copy
+    pairs whose outcome does not hang on their order, and no 64-bit int past int32
+    (uint32 for seeds), which jax without x64 would wrap. Device arrays are left unread
+    (no sync)."""
+    _check_int32(inp)
     v, m = cfg.vocab_size, cfg.max_position_embeddings
-    for name, what, lo, hi, where in (
-        ("token_ids", "token id", 0, v, "the vocabulary"),
-        ("target_ids", "token id", -1, v, "the vocabulary (-1: none)"),
-        ("positions", "position", 0, m, f"the model's max_position_embeddings={m}"),
-        ("page_table", "page id", 0, num_pages, "the cache's pages"),
-        ("slot_mapping", "slot", -1, num_pages * page_size, "the cache's slots (-1: padding)"),
-        ("copy_src", "page id", 0, num_pages, "the cache's pages"),
-        ("copy_dst", "page id", -1, num_pages, "the cache's pages (-1: padding)"),
-    ):
-        x = getattr(inp, name)
+    f = 0 if inp.feed is None else np.shape(inp.feed)[0]
+    pen, bias = inp.penalties, inp.logit_bias
+    for name, x, what, lo, hi, where in (
+        ("token_ids", inp.token_ids, "token id", 0, v, "the vocabulary"),
+        ("target_ids", inp.target_ids, "token id", -1, v, "the vocabulary (-1: none)"),
+        ("positions", inp.positions, "position", 0, m, f"the model's max_position_embeddings={m}"),
+        ("page_table", inp.page_table, "page id", 0, num_pages, "the cache's pages"),
+        (
+            "slot_mapping", inp.slot_mapping, "slot", -1, num_pages * page_size,
+            "the cache's slots (-1: padding)",
+        ),
+        ("copy_src", inp.copy_src, "page id", 0, num_pages, "the cache's pages"),
+        ("copy_dst", inp.copy_dst, "page id", -1, num_pages, "the cache's pages (-1: padding)"),
+        (
+            "token_src", inp.token_src, "feed index", -1, f,
+            f"the feed's {f} tokens (-1: its own token)",
+        ),
+        (
+            "penalties.ids", None if pen is None else pen.ids, "token id", -1, v,
+            "the vocabulary (-1: padding)",
+        ),
+        (
+            "logit_bias.ids", None if bias is None else bias.ids, "token id", -1, v,
+            "the vocabulary (-1: padding)",
+        ),
+        (
+            "logit_bias.allowed", None if bias is None else bias.allowed, "token id", -1, v,
+            "the vocabulary (-1: padding)",
+        ),
+    ):  # fmt: skip
         if not isinstance(x, np.ndarray) or not x.size:
             continue
         if x.min() < lo or x.max() >= hi:  # (two reductions: no temporaries on this path)
@@ -344,6 +374,133 @@ def _check_input_values(cfg, inp: StepInput, num_pages: int, page_size: int) -> 
         if isinstance(x, np.ndarray) and x.size and (x.min() < 0 or x.max() > hi):
             j = _first((x < 0) | (x > hi))
             raise ValueError(f"StepInput.{name}[{j}] is {int(x[j])}, outside [0, {hi}] ({where})")
+    _check_copy_pairs(inp.copy_src, inp.copy_dst)
+    _check_rows(inp, page_size)
+
+
+def _check_int32(inp: StepInput) -> None:
+    """No 64-bit int array of `inp` holds a value past int32 (seeds: uint32): jax without
+    x64 packs it as 32 bits, so a seed of 2**32 + 5 sampled as seed 5."""
+    for name in _INTS:
+        x = getattr(inp, name)
+        if isinstance(x, np.ndarray) and x.dtype.itemsize == 8 and x.size:
+            lo, hi = (0, 2**32) if name == "seeds" else (-(2**31), 2**31)
+            if x.min() < lo or x.max() >= hi:
+                bad = int(x[(x < lo) | (x >= hi)][0])
+                raise ValueError(
+                    f"StepInput.{name} holds {bad}, outside [{lo}, {hi}): its {x.dtype} array is "
+                    f"packed as {'uint32' if lo == 0 else 'int32'} (jax without x64), where "
+                    "it would wrap"
+                )
+
+
+def _check_copy_pairs(src, dst) -> None:
+    """Numpy copy pairs (`cache.copy_pages` checks them only where concrete, never inside
+    the step): distinct destinations that are not sources, or their outcome hung on the
+    order XLA applied them in."""
+    if not isinstance(src, np.ndarray) or not isinstance(dst, np.ndarray):
+        return
+    real = dst >= 0
+    if not real.any():
+        return
+    d = dst[real]
+    if np.unique(d).size != d.size:
+        raise ValueError(f"StepInput.copy_dst must hold distinct pages (-1: padding), got {dst}")
+    both = np.intersect1d(src[real], d)
+    if both.size:
+        raise ValueError(
+            f"StepInput copy pairs: page {int(both[0])} is both a source and a destination "
+            f"(copy_src {src}, copy_dst {dst}): the copies would depend on their order"
+        )
+
+
+def _check_rows(inp: StepInput, page_size: int) -> None:
+    """Each row's tokens are where its context says, for numpy inputs: the kernels put row
+    b's query i at cache position c = context_lens[b] - q_len + i (q_len its tokens, from
+    query_start_loc, which starts at 0 and never decreases; decode: token b is row b's
+    last, or padding where context_lens[b] is 0) and read position c of a row from slot
+    `page_table[b, c // S] * S + c % S`. So a real token that writes (slot >= 0) must be at
+    position c and write that slot, and a padding token's slot must be -1; a token that
+    writes nothing (-1: the engine's row of a sequence gone before its step) is not
+    checked, as its output is the caller's to drop. Otherwise the step ran:
+    its K/V written into a page of another row (overwriting that row's tokens), or its
+    row's tokens read at positions other than those written. (int32, one pass over the
+    tokens: 10 us a decode step of 256 rows; the error is looked for only on a failure.)"""
+    names = ("positions", "slot_mapping", "page_table", "context_lens", "query_start_loc")
+    if not all(isinstance(getattr(inp, n), np.ndarray) for n in names):
+        return
+    pos, slots, table = inp.positions, inp.slot_mapping, inp.page_table
+    ctx = inp.context_lens.astype(np.int32, copy=False)
+    b, width = table.shape
+    if inp.decode:  # (T == B)
+        rows = np.arange(b, dtype=np.int32)
+        c = ctx - 1
+        real = ctx > 0
+        end, past = b, "of a padding row (context_lens 0)"
+    else:
+        qsl = inp.query_start_loc.astype(np.int32, copy=False)
+        q = qsl[1:] - qsl[:-1]
+        _check_row_offsets(qsl, q, ctx)
+        end = int(qsl[-1])
+        rows = np.repeat(np.arange(b, dtype=np.int32), q)
+        c = np.arange(end, dtype=np.int32)
+        c += (ctx - qsl[1:])[rows]
+        real = None
+        past = f"past the rows' tokens (query_start_loc[{b}]={end})"
+    page, offset = np.divmod(np.maximum(c, 0), page_size)
+    want = np.take(table, rows * width + page) * page_size + offset
+    got = slots[:end]
+    ok = ((pos[:end] == c) & (got == want)) | (got == -1)
+    if real is not None:
+        ok = np.where(real, ok, got == -1)
+    if ok.all() and (slots[end:] == -1).all():
+        return
+    tokens = np.arange(slots.shape[0])
+    padding = tokens >= end if real is None else np.concatenate([~real, tokens[end:] >= 0])
+    bad = padding & (slots != -1)
+    if bad.any():
+        i = _first(bad)
+        raise ValueError(
+            f"StepInput.slot_mapping[{i}] is {int(slots[i])} for a padding token {past}: "
+            "padding writes nothing (-1)"
+        )
+    live = np.ones(end, bool) if real is None else real
+    bad = live & (got != -1) & (pos[:end] != c)
+    if bad.any():
+        i = _first(bad)
+        r = int(rows[i])
+        raise ValueError(
+            f"StepInput.positions[{i}] is {int(pos[i])}, but the kernels put token {i} at "
+            f"position {int(c[i])} (row {r}: context_lens[{r}]={int(ctx[r])}, less the row's "
+            "tokens from this one on): positions, context_lens and query_start_loc must agree"
+        )
+    i = _first(live & ~ok)
+    r, p = int(rows[i]), int(c[i])
+    raise ValueError(
+        f"StepInput.slot_mapping[{i}] is {int(got[i])}, but token {i} (row {r}, position {p}) "
+        f"belongs in slot {int(want[i])} (page_table[{r}, {p // page_size}] * {page_size} + "
+        f"{p % page_size}; -1: not written): a slot outside the row's own page overwrites "
+        "another's tokens, and the row reads its own slot"
+    )
+
+
+def _check_row_offsets(qsl, q, ctx) -> None:
+    """query_start_loc starts at 0 and never decreases, and no row has more tokens this
+    step than its context holds."""
+    if qsl[0] != 0 or (q < 0).any():
+        j = 0 if qsl[0] != 0 else _first(q < 0) + 1
+        raise ValueError(
+            f"StepInput.query_start_loc must start at 0 and never decrease (row b's tokens "
+            f"are query_start_loc[b]:query_start_loc[b + 1]), got query_start_loc[{j}]="
+            f"{int(qsl[j])} in {qsl}"
+        )
+    if (ctx < q).any():
+        j = _first(ctx < q)
+        raise ValueError(
+            f"StepInput.context_lens[{j}] is {int(ctx[j])}, fewer than row {j}'s {int(q[j])} "
+            f"tokens this step (query_start_loc[{j}:{j + 2}] = {qsl[j : j + 2].tolist()}): "
+            "a context counts the row's cached tokens, this step's included"
+        )
 
 
 def check_lora(params, inp: StepInput, lora) -> None:
