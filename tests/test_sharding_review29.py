@@ -6,20 +6,11 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_sharding_validation import CFG
 
 from pagedjax import model, sharding
-from pagedjax.config import CacheConfig, ModelConfig
+from pagedjax.config import CacheConfig
 
-CFG = ModelConfig(
-    num_layers=1,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    hidden_size=32,
-    intermediate_size=64,
-    vocab_size=64,
-    dtype="float32",
-)
 CACHE = CacheConfig(page_size=4, num_pages=4, dtype="float32")
 
 

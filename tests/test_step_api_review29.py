@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from params_helpers import random_params
+from test_decode import _advance
 
 from pagedjax import cache as cache_lib
 from pagedjax import decode, sampling
@@ -42,22 +43,6 @@ def _chunks(toks, pos, step):
         decode.SeqChunk(t, p, row, seed=b, sample_step=step, **SAMPLING)
         for b, (t, p, row) in enumerate(zip(toks, pos, TABLES, strict=True))
     ]
-
-
-def _advance(inp, tokens):
-    """The next decode StepInput on the device: each live row feeds its sampled token."""
-    live = inp.slot_mapping >= 0
-    pos = inp.positions + 1
-    s = inp.page_size
-    page = jnp.take_along_axis(inp.page_table, (pos // s)[:, None], axis=1)[:, 0]
-    return dataclasses.replace(
-        inp,
-        token_ids=jnp.where(live, tokens, 0),
-        positions=jnp.where(live, pos, 0),
-        slot_mapping=jnp.where(live, page * s + pos % s, -1),
-        context_lens=jnp.where(live, inp.context_lens + 1, 0),
-        sample_steps=jnp.where(live, inp.sample_steps + 1, 0),
-    )
 
 
 def _host_loop(params, prompts, steps, **kw):
