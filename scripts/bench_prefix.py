@@ -168,8 +168,10 @@ def _page_keys(tokens: list[int], page_size: int) -> list[int]:
     return keys
 
 
-def chat_hit_rate(llm: LLM, args) -> dict:
-    """Runs the simulated chat through the engine; returns hit-rate figures."""
+def chat_workload(llm: LLM, args) -> list:
+    """The simulated chat's requests (`workloads.chat_conversations`); built before any
+    timing, so that a context no conversation fits in ends the run before the TTFT runs
+    (whose figures it lost)."""
     rng = np.random.default_rng(args.seed + 1)
     vocab = llm.config.vocab_size
     system = np.asarray(_tokens(rng, args.system_tokens, vocab), np.int32)
@@ -187,6 +189,12 @@ def chat_hit_rate(llm: LLM, args) -> dict:
             f"error: no chat conversation fits a context of {llm.max_model_len} tokens after "
             f"the {args.system_tokens}-token system prompt; raise --max-model-len"
         )
+    return reqs
+
+
+def chat_hit_rate(llm: LLM, args, reqs: list) -> dict:
+    """Runs the simulated chat (`chat_workload`'s requests) through the engine; returns
+    hit-rate figures."""
     # Each request: its new message (the prompt past its parent's prompt + reply).
     turns: dict[int, list[tuple[np.ndarray, int]]] = {}
     for r in reqs:
@@ -215,7 +223,7 @@ def chat_hit_rate(llm: LLM, args) -> dict:
             bound += ps * next((i + 1 for i in range(len(keys) - 1, -1, -1) if keys[i] in seen), 0)
         # Within a round, the first request's system prompt can serve the others.
         if k == 0:
-            bound += (len(prompts) - 1) * (min(len(system), len(prompts[0]) - 1) // ps) * ps
+            bound += (len(prompts) - 1) * (min(args.system_tokens, len(prompts[0]) - 1) // ps) * ps
         outs = llm.generate(prompts, params)
         for c, p, out in zip(convs, prompts, outs, strict=True):
             prompt_tokens += len(p)
@@ -369,9 +377,10 @@ def main(argv=None) -> int:
         "page_size": args.page_size,
         "reps": args.reps,
     }
+    chat = chat_workload(llm, args) if args.chat_conversations else None
     out.update(measure_ttft(llm, args))
-    if args.chat_conversations:
-        out.update(chat_hit_rate(llm, args))
+    if chat is not None:
+        out.update(chat_hit_rate(llm, args, chat))
     out["engine"] = llm.summary()
     out["environment"] = workloads.environment()
     out["plots"] = [] if args.no_plots else make_plot(out, args.plot_dir)

@@ -259,6 +259,21 @@ def test_prefix_main_json(prefix, capsys, tmp_path):
     assert all(Path(p).is_file() for p in out["plots"])
 
 
+def test_prefix_chat_that_does_not_fit_ends_before_timing(prefix, monkeypatch, tmp_path):
+    """A context no chat conversation fits ended the run after the TTFT runs, their
+    figures lost; the chat's requests are built first now."""
+
+    def measure_ttft(llm, args):
+        raise AssertionError("the TTFT was measured for a run that ends")
+
+    monkeypatch.setattr(prefix, "measure_ttft", measure_ttft)
+    argv = ["--no-plots", "--system-tokens", "250", "--message-tokens", "4", "--reps", "1"]
+    argv += ["--num-pages", "64", "--max-num-batched-tokens", "256", "--max-model-len", "256"]
+    argv += ["--chat-conversations", "2", "--chat-max-turns", "1"]
+    with pytest.raises(SystemExit, match="no chat conversation fits a context of 256"):
+        prefix.main(argv)
+
+
 def test_prefix_bad_arguments(prefix, capsys):
     argv = ["--system-tokens", "3000", "--max-num-batched-tokens", "1024"]
     err = _usage_error(prefix.parse_args, argv, capsys)
