@@ -579,6 +579,23 @@ def test_engine_gpu_backend_equals_xla(xla_tokens):
     check_greedy_equal(llm, got, xla_tokens)
 
 
+def test_engine_weight_update_compiles_nothing():
+    """A warm engine's `update_params` with new weights as `init_params` makes them
+    (uncommitted) compiles no program on the device: XLA compiles a program again for
+    inputs committed where they were not, and the engine's first update recompiled every
+    step program before it committed its weights, cache and feed (`compile_counts`
+    counts compiles without a trace too)."""
+    from pagedjax import decode, model
+
+    llm = engine("gpu")
+    greedy_tokens(llm, 4)
+    before = decode.compile_counts()
+    llm.update_params(model.init_params(llm.config, seed=1))
+    greedy_tokens(llm, 4)
+    record(kind="compiles", before=before, after_update=decode.compile_counts())
+    assert decode.compile_counts() == before
+
+
 def test_engine_fp8_kv_gpu_backend_equals_xla():
     """FP8 KV pages (float8_e4m3fn): the Pallas kernels upcast them as the XLA path does."""
     want = greedy_tokens(engine("xla", kv_cache_dtype="fp8"), NUM_TOKENS)
