@@ -187,7 +187,7 @@ def test_prefix_chat_that_fits_nothing_is_an_error(monkeypatch):
     argv = ["--system-tokens", "32", "--message-tokens", "8", "--max-model-len", "8"]
     args = bench.parse_args([*argv, "--max-num-batched-tokens", "64", "--num-pages", "8"])
     with pytest.raises(SystemExit, match="no chat conversation fits a context of 41 tokens"):
-        bench.chat_hit_rate(Engine(), args)
+        bench.chat_workload(Engine(), args)
 
 
 # ------------------------------------------------------------------ bench_memory
