@@ -175,9 +175,14 @@ def is_int(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
-def _is_token_id(v) -> bool:
-    """An int, numpy's or a JAX integer scalar (what operator.index takes), not a bool."""
-    if isinstance(v, (bool, np.bool_)) or not hasattr(type(v), "__index__"):
+def is_token_id(v) -> bool:
+    """A token id's type: a Python or numpy int, or a JAX integer scalar (what
+    `operator.index` takes); not a bool (True would read as 1) nor a float."""
+    if isinstance(v, (bool, np.bool_)):
+        return False
+    if isinstance(v, (int, np.integer)):
+        return True
+    if not hasattr(type(v), "__index__"):
         return False
     try:
         operator.index(v)
@@ -301,15 +306,15 @@ class ModelConfig:
             )
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         bos, eos = self.bos_token_id, self.eos_token_ids
-        if bos is not None and not _is_token_id(bos):
+        if bos is not None and not is_token_id(bos):
             raise ValueError(f"bos_token_id must be a token id (an int) or None, got {bos!r:.80}")
         # One id or None too, as HF's eos_token_id and the Tokenizer take them; int() had
         # kept 2.7 as 2, and a str "128001" as the ids (1, 2, 8, 0, 0, 1).
-        ids = () if eos is None else (eos,) if _is_token_id(eos) else eos
+        ids = () if eos is None else (eos,) if is_token_id(eos) else eos
         if isinstance(ids, (str, bytes, dict)) or not isinstance(ids, Iterable):
             ids = (None,)
         ids = tuple(ids)
-        if not all(map(_is_token_id, ids)):
+        if not all(map(is_token_id, ids)):
             raise ValueError(f"eos_token_ids must be token ids (ints), got {eos!r:.80}")
         bos = None if bos is None else operator.index(bos)
         object.__setattr__(self, "bos_token_id", bos)

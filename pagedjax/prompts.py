@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pagedjax.config import is_token_id
+
 if TYPE_CHECKING:
     from pagedjax.request import SamplingParams
 
@@ -113,7 +115,7 @@ def encode_prompt(
             text, ids = None, list(prompt if array is None or array.ndim != 1 else array.tolist())
         except TypeError:
             raise TypeError(what) from None
-        if not all(map(_is_token_id, ids)):
+        if not all(map(is_token_id, ids)):
             raise TypeError(f"token id prompts must be lists of ints, got {prompt!r:.80}")
         ids = [operator.index(i) for i in ids]
     if not ids:
@@ -302,20 +304,6 @@ def _as_array(x) -> np.ndarray | None:
     return None
 
 
-def _is_token_id(i) -> bool:
-    """Whether `i` is an int: Python's, numpy's or a JAX integer scalar (what
-    `operator.index` takes), not a bool (True would read as 1) nor a float."""
-    if isinstance(i, (bool, np.bool_)):
-        return False
-    if isinstance(i, (int, np.integer)):
-        return True
-    try:
-        operator.index(i)
-    except TypeError:
-        return False
-    return True
-
-
 def _iterable(x) -> bool:
     """Whether `x` can be iterated (a 0-d array is an Iterable that cannot)."""
     array = _as_array(x)
@@ -333,7 +321,7 @@ def _token_ids(prompts) -> bool:
         return array.ndim == 1 and array.size > 0 and array.dtype.kind in "iu"
     if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, Sequence):
         return False
-    return len(prompts) > 0 and all(map(_is_token_id, prompts))
+    return len(prompts) > 0 and all(map(is_token_id, prompts))
 
 
 # vLLM's LLM.chat arguments that `LLM.chat` does not support: refused, since its

@@ -60,6 +60,7 @@ from pathlib import Path
 import tokenizers
 
 from pagedjax import chat
+from pagedjax.config import is_token_id
 from pagedjax.detokenizer import _REPLACEMENT, StreamDecoder, _byte_fallback_ids, _byte_run
 from pagedjax.jsonfile import read_json_object
 from pagedjax.safetensors_file import LFS_POINTER
@@ -602,25 +603,14 @@ def _special_ids(name: str, value, what: str, *, many: bool) -> list[int]:
     prompt as it was) and EOS 2.7 (as 2), and a str failed in Python's words."""
     if value is None:
         return []
-    one = not many or _is_id(value)
+    one = not many or is_token_id(value)
     items = [value] if one else value
     if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Iterable):
         items = [None]  # (refused below)
     items = list(items)
-    if not all(map(_is_id, items)):
+    if not all(map(is_token_id, items)):
         raise TypeError(f"{name} must be {what}, got {value!r:.80}")
     return [operator.index(i) for i in items]
-
-
-def _is_id(i) -> bool:
-    """An int (numpy's, a JAX integer scalar: what operator.index takes), not a bool."""
-    if isinstance(i, bool) or not hasattr(type(i), "__index__"):
-        return False
-    try:
-        operator.index(i)
-    except TypeError:  # (a numpy bool, an array of more than one element or of floats)
-        return False
-    return True
 
 
 def _id_list(ids: Iterable[int]) -> list:
