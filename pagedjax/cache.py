@@ -242,6 +242,22 @@ def write(cache: PagedKVCache, layer: int, k, v, slots) -> PagedKVCache:
     )
 
 
+def check_copy_pairs(src: np.ndarray, dst: np.ndarray, prefix: str = "") -> None:
+    """ValueError (its message after `prefix`) unless the copy pairs' outcome does not
+    hang on the order they are applied in: distinct destinations that are not sources
+    (dst -1: a padding pair, which copies nothing)."""
+    real = dst >= 0
+    d = dst[real]
+    if np.unique(d).size != d.size:
+        raise ValueError(f"{prefix}copy destinations must be distinct, got dst {dst}")
+    both = np.intersect1d(src[real], d)
+    if both.size:
+        raise ValueError(
+            f"{prefix}page {int(both[0])} is both a source and a destination: copies would "
+            "depend on their order"
+        )
+
+
 def copy_pages(cache: PagedKVCache, src, dst) -> PagedKVCache:
     """Copies whole pages src[i] -> dst[i] in every layer (copy-on-write).
 
@@ -261,17 +277,7 @@ def copy_pages(cache: PagedKVCache, src, dst) -> PagedKVCache:
             if bad.any():
                 raise ValueError(f"{name} page id {int(ids[bad][0])} is out of range [0, {p})")
     if not isinstance(src, jax.core.Tracer) and not isinstance(dst, jax.core.Tracer):
-        s_np, d_np = np.asarray(src), np.asarray(dst)
-        real = d_np >= 0  # padding pairs copy nothing
-        d_real = d_np[real]
-        if len(np.unique(d_real)) != len(d_real):
-            raise ValueError(f"copy destinations must be distinct, got dst {d_np}")
-        both = np.intersect1d(s_np[real], d_real)
-        if both.size:
-            raise ValueError(
-                f"page {int(both[0])} is both a source and a destination: copies would "
-                "depend on their order"
-            )
+        check_copy_pairs(np.asarray(src), np.asarray(dst))
     src = jnp.asarray(src, jnp.int32)
     dst = jnp.asarray(dst, jnp.int32)
     dst = jnp.where(dst < 0, p, dst)

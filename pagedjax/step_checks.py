@@ -396,22 +396,10 @@ def _check_int32(inp: StepInput) -> None:
 
 def _check_copy_pairs(src, dst) -> None:
     """Numpy copy pairs (`cache.copy_pages` checks them only where concrete, never inside
-    the step): distinct destinations that are not sources, or their outcome hung on the
-    order XLA applied them in."""
-    if not isinstance(src, np.ndarray) or not isinstance(dst, np.ndarray):
-        return
-    real = dst >= 0
-    if not real.any():
-        return
-    d = dst[real]
-    if np.unique(d).size != d.size:
-        raise ValueError(f"StepInput.copy_dst must hold distinct pages (-1: padding), got {dst}")
-    both = np.intersect1d(src[real], d)
-    if both.size:
-        raise ValueError(
-            f"StepInput copy pairs: page {int(both[0])} is both a source and a destination "
-            f"(copy_src {src}, copy_dst {dst}): the copies would depend on their order"
-        )
+    the step): `cache.check_copy_pairs`, or their outcome hung on the order XLA applied
+    them in."""
+    if isinstance(src, np.ndarray) and isinstance(dst, np.ndarray):
+        cache_lib.check_copy_pairs(src, dst, f"StepInput copy_src {src}, copy_dst {dst}: ")
 
 
 def _check_rows(inp: StepInput, page_size: int) -> None:
