@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats
+from test_sampling_review29 import oracle_support
 
 from pagedjax import sampling
 
@@ -34,15 +35,7 @@ def oracle(raw, temperature, top_k, top_p, min_p, rep, presence, frequency, prom
         return np.eye(v)[np.argmax(x)]
     y = x / temperature
     probs = np.exp(y - y.max())
-    probs /= probs.sum()
-    keep = probs >= min_p * probs.max() if min_p > 0 else np.ones(v, bool)
-    if 0 < top_k < v:
-        keep &= y >= np.sort(np.where(keep, y, -np.inf))[::-1][top_k - 1]
-    if top_p < 1:
-        q = np.where(keep, probs, 0) / np.where(keep, probs, 0).sum()
-        desc = np.sort(q)[::-1]
-        n = min(int(np.searchsorted(np.cumsum(desc), top_p, side="left")) + 1, v)
-        keep &= q >= desc[n - 1]
+    keep = oracle_support(x, temperature, top_k, top_p, min_p)
     q = np.where(keep, probs, 0)
     return q / q.sum()
 
