@@ -234,6 +234,11 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
             params = jax.tree.map(lambda x: jax.device_put(x, x.sharding), params)
         self.tensor_parallel = sharding.tensor_parallel_size(params.mesh)
         self.config, self.params = cfg, params
+        # The device whose memory the cache takes: where the weights lie without a mesh
+        # (the cache goes there, `EngineCore`), else one of the mesh's.
+        self._memory_device = (
+            sharding.home_device(params) if params.mesh is None else params.mesh.devices.flat[0]
+        )
         self.tokenizer = tokenizer or tok
         self.max_model_len, kv_dtype = model_limits(cfg, max_model_len, kv_cache_dtype)
         # The LoRA slots go on the device before the cache is sized from what is free.
@@ -249,7 +254,7 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
                 watermark=watermark,
                 max_num_batched_tokens=max_num_batched_tokens,  # (the step's reserve too)
                 buckets=buckets,  # (the step's padded sizes)
-                device=None if params.mesh is None else params.mesh.devices.flat[0],
+                device=self._memory_device,
                 lora_columns=int(max_loras) * int(max_lora_rank) if enable_lora else 0,
                 logprob_columns=planner.logprob_columns(self.max_logprobs, cfg.vocab_size),
             )
@@ -517,7 +522,7 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
             kv_pages_total=self.cache_config.num_pages,
             prefix_cache_hit_rate=self.block_manager.stats().prefix_hit_rate,
             preemptions=self.scheduler.num_preemptions,
-            peak_device_memory_bytes=peak_device_memory(),
+            peak_device_memory_bytes=peak_device_memory(self._memory_device),
         )
 
     # --------------------------------------------------------------------- step

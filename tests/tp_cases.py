@@ -588,3 +588,30 @@ def test_sleep_level_2_then_weights_from_another_mesh_take_the_engines_placement
     llm.update_params({k: np.asarray(v) for k, v in model.params_to_flat(new).items()})
     assert [x.sharding for x in jax.tree.leaves(llm.params)] == shardings
     engine_helpers.check_clean(llm)
+
+
+def test_llm_plans_its_pages_on_the_device_its_weights_lie_on(engine_params, monkeypatch):
+    """Weights put on a non-default device without a mesh: the engine keeps its cache
+    there (`sharding.home_device`), so it sizes the cache from that device's free memory
+    and reports that device's peak; it read the default device's before."""
+    from pagedjax import engine, resources
+
+    target = jax.devices()[3]
+    params = jax.device_put(engine_params, target)
+    seen = []
+
+    def plan_num_pages(cfg, page_size, **kw):
+        seen.append(kw["device"])
+        return resources.plan_num_pages(cfg, page_size, **kw)
+
+    def peak_device_memory(device=None):
+        seen.append(device)
+        return None
+
+    monkeypatch.setattr(engine, "plan_num_pages", plan_num_pages)
+    monkeypatch.setattr(engine, "peak_device_memory", peak_device_memory)
+    geometry = {k: v for k, v in engine_helpers.GEOMETRY.items() if k != "num_pages"}
+    llm = LLM(params, max_model_len=64, **geometry)
+    assert {d for x in jax.tree.leaves(llm.cache) for d in x.devices()} == {target}
+    llm.summary()
+    assert seen == [target, target]
