@@ -59,7 +59,8 @@ Contract:
   bool, a float), is a ``TypeError``.
 
 Prefix cache: full, computed pages are registered in a ``PrefixCache``
-(``pagedjax.prefix_cache``, whose docstring has the details: salted SHA-256 hash chains,
+(``pagedjax.prefix_cache``, whose docstring has the details: salted SHA-256 hash chains
+(``pagedjax.page_hashes``, which also keeps a waiting sequence's page hashes),
 every hit verified against the stored token ids, so requests with different salts never
 share a page and a colliding hash cannot reuse a wrong page). Freed cached pages stay
 findable in an LRU (freed tail-first, so a shared prefix's head lives longest; knowing a
@@ -107,8 +108,9 @@ from pagedjax.errors import (  # re-exported: callers catch them as blocks.OutOf
     SequenceFreed,
     UnknownSequence,
 )
+from pagedjax.page_hashes import HashedPrompt, PageHashes, salt_bytes
 from pagedjax.page_pool import PagePool
-from pagedjax.prefix_cache import PrefixCache, salt_bytes
+from pagedjax.prefix_cache import PrefixCache
 from pagedjax.seq_pages import PAD_PAGE, SeqPages  # PAD_PAGE re-exported
 from pagedjax.seq_tables import SeqTables, as_int, token_array
 
@@ -220,10 +222,16 @@ class BlockManager(SeqTables):
         return free - (-(-n // self.page_size)) >= self.watermark_pages
 
     def admit_pages(
-        self, prompts: list[tuple[list[int], bool]], cache_salt=None, *, read_cache: bool = True
+        self,
+        prompts: list[tuple[Sequence[int] | np.ndarray | HashedPrompt, bool]],
+        cache_salt=None,
+        *,
+        read_cache: bool = True,
     ) -> int:
         """Free pages ``admit`` calls of these prompts, one after another in one step,
-        take (no window): ``(token_ids, compute_last)`` each, with one salt.
+        take (no window): ``(token_ids, compute_last)`` each, with one salt. A prompt
+        given as a ``HashedPrompt`` (a sequence's ``PageHashes``, kept across calls) is
+        not hashed again: a request waiting for pages is counted every step.
 
         Prompts admitted together share pages only through the prefix cache (none finds
         another's new pages, which are not computed yet): each takes a new page for each
@@ -239,9 +247,11 @@ class BlockManager(SeqTables):
         for tokens, compute_last in prompts:
             n = len(tokens)
             max_hits = (n - bool(compute_last)) // ps if read_cache else 0
-            hits, _ = self._prefix.lookup(
-                token_array(tokens, "token_ids").tobytes(), salt, max_hits
-            )
+            if isinstance(tokens, HashedPrompt):
+                key = self._hashes(tokens, salt)
+            else:
+                key = token_array(tokens, "token_ids").tobytes()
+            hits, _ = self._prefix.lookup(key, salt, max_hits)
             new += -(-n // ps) - len(hits)
             taken.update(p for p in hits if rc[p] == 0 or p in only)
         return new + len(taken)
@@ -334,7 +344,11 @@ class BlockManager(SeqTables):
 
         Args:
             seq_id: a new (not live) sequence id; a freed id may be readmitted.
-            token_ids: the prompt, ``[T]`` non-negative ints, 1 <= T <= max_model_len.
+            token_ids: the prompt, ``[T]`` non-negative ints, 1 <= T <= max_model_len; or
+                a ``HashedPrompt`` (``pagedjax.page_hashes``): the first T tokens of a
+                list with its ``PageHashes``, kept by the caller, so that the pages hashed
+                already (``admit_pages`` while it waited) are not hashed again. Its hashed
+                tokens must be the prompt's (a list edited in place since is refused).
             cache_salt: requests share cached pages only with requests of equal salt.
             read_cache: reuse cached pages (False: compute the whole prompt; its full
                 pages are still registered for later requests).
@@ -370,8 +384,8 @@ class BlockManager(SeqTables):
 
         Raises:
             OutOfPages: not enough unreserved pages; nothing changed.
-            InvalidArgument: a bad argument, or the admission alone would hold more than
-                ``peak_pages``.
+            InvalidArgument: a bad argument (page hashes of other tokens or another
+                salt), or the admission alone would hold more than ``peak_pages``.
         """
         if seq_id in self._seqs:
             raise SequenceExists(f"sequence {seq_id!r} is already live")
@@ -385,6 +399,10 @@ class BlockManager(SeqTables):
             peak_pages = _positive_int(peak_pages, "peak_pages", "None or ")
         if window is not None:
             window = _positive_int(window, "window", "None or ")
+        hashes = None
+        if isinstance(token_ids, HashedPrompt):  # (its tokens checked below)
+            hashes = self._hashes(token_ids, salt_bytes(cache_salt))
+            token_ids = hashes.source[: token_ids.num_tokens]
         toks = token_array(token_ids, "token_ids")
         n = toks.shape[0]
         self._check_prompt_len(n)
@@ -400,7 +418,10 @@ class BlockManager(SeqTables):
         # Unless the caller computes what follows, at least the last token is left to
         # compute here, so the page holding it is never a hit.
         max_hits = (n - bool(compute_last)) // ps if read_cache else 0
-        hits, chain = self._prefix.lookup(buf, salt_bytes(cache_salt), max_hits, window=window)
+        if hashes is not None and max_hits:
+            _check_hashed(hashes, buf)
+        key = buf if hashes is None or not max_hits else hashes
+        hits, chain = self._prefix.lookup(key, salt_bytes(cache_salt), max_hits, window=window)
         cached = len(hits) * ps
         done = cached == n  # cached whole (compute_last=False): nothing to prefill
         # Keep the last page, as release_before does, even where no query reads it (W = 1).
@@ -477,6 +498,22 @@ class BlockManager(SeqTables):
 
     # --------------------------------------------------------------- internals
 
+    def _hashes(self, prompt: HashedPrompt, salt: bytes) -> PageHashes:
+        """A ``HashedPrompt``'s page hashes, checked against its salt and page size."""
+        ph = prompt.hashes
+        if not isinstance(ph, PageHashes) or not isinstance(ph.source, list):
+            raise InvalidArgument(f"a HashedPrompt needs PageHashes of a list, got {ph!r:.80}")
+        if ph.salt != salt or ph.page_size != self.page_size:
+            raise InvalidArgument(
+                f"page hashes of salt {ph.salt!r:.40} and page size {ph.page_size} given for "
+                f"salt {salt!r:.40} and page size {self.page_size}"
+            )
+        if not 0 <= prompt.num_tokens <= len(ph.source):
+            raise InvalidArgument(
+                f"a HashedPrompt of {prompt.num_tokens} tokens of a list of {len(ph.source)}"
+            )
+        return ph
+
     def _check_prompt_len(self, n: int) -> None:
         if n < 1:
             raise InvalidArgument(f"a prompt needs at least one token, got {n}")
@@ -484,3 +521,14 @@ class BlockManager(SeqTables):
             raise InvalidArgument(
                 f"prompt of {n} tokens exceeds max_model_len={self.max_model_len}"
             )
+
+
+def _check_hashed(ph: PageHashes, buf: bytes) -> None:
+    """Refuses page hashes whose hashed tokens are not the prompt's (``buf``, its token
+    bytes): kept for a list that was edited in place since, they must never be trusted."""
+    m = min(len(buf), len(ph.tokens))
+    if buf[:m] != ph.tokens[:m]:
+        raise InvalidArgument(
+            "page hashes kept for a token list that was changed in place since they were "
+            "computed: make new ones (PageHashes) for the new tokens"
+        )

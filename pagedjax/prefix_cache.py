@@ -35,6 +35,8 @@ registered, and the hash and registration id to chain its next page from::
 
     hits, chain = cache.lookup(prompt_bytes, salt, max_pages)  # reuse hits[i] for page i
     hits, chain = cache.lookup(prompt_bytes, salt, max_pages, window=W)  # windowed: -1s
+    hashes = PageHashes(token_ids, salt, page_size)  # a sequence's, kept: hashed once
+    hits, chain = cache.lookup(hashes, salt, max_pages)    # as lookup(prompt_bytes, ...)
     cache.register(chain, pages, token_bytes, num_full_pages)  # as pages fill up
     orphans = cache.evict(page)                                # to reuse the page
     cache.release(page)                                        # a page's last holder left
@@ -43,39 +45,19 @@ registered, and the hash and registration id to chain its next page from::
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Callable
+
+from pagedjax import page_hashes
+from pagedjax.page_hashes import (  # noqa: F401  (the hash chain's names, re-exported)
+    HashedPrompt,
+    PageHashes,
+    root_hash,
+    salt_bytes,
+)
 
 ROOT = 0  # registration id of the (per-salt) root of every hash chain
 
 Require = Callable[[bool, str], None]  # check_* report through it: require(ok, message)
-
-
-def _digest(data: bytes) -> bytes:
-    """The prefix-cache hash (tests patch this to force collisions)."""
-    return hashlib.sha256(data).digest()
-
-
-def root_hash(salt: bytes) -> bytes:
-    """The hash every chain with this (encoded) salt starts from."""
-    return _digest(b"pagedjax.prefix.v1\x00" + salt)
-
-
-def salt_bytes(cache_salt: str | bytes | None) -> bytes:
-    """Encodes a request's ``cache_salt``; str and bytes of equal content stay distinct.
-
-    Raises:
-        TypeError: ``cache_salt`` is not str, bytes or None.
-    """
-    if cache_salt is None:
-        return b"\x00"
-    if isinstance(cache_salt, str):
-        # surrogatepass: a lone surrogate (JSON "\ud800") is a valid str; strict UTF-8
-        # refuses it. The encoding stays one-to-one (it decodes back the same way).
-        return b"\x01" + cache_salt.encode("utf-8", "surrogatepass")
-    if isinstance(cache_salt, bytes):
-        return b"\x02" + cache_salt
-    raise TypeError(f"cache_salt must be str, bytes or None, got {type(cache_salt).__name__}")
 
 
 @dataclasses.dataclass(slots=True)
@@ -83,7 +65,7 @@ class Entry:
     """A page registered in the prefix cache."""
 
     node: int  # registration id, unique for the cache's life
-    hash: bytes  # _digest(parent_hash + tokens)
+    hash: bytes  # page_hashes.digest(parent_hash + tokens)
     parent_node: int  # registration id of the previous page's content (ROOT: none)
     parent_hash: bytes
     tokens: bytes  # the page's token ids, int64 little-endian
@@ -154,14 +136,20 @@ class PrefixCache:
         return len(self._index)
 
     def lookup(
-        self, tokens: bytes, salt: bytes, max_pages: int, *, window: int | None = None
+        self,
+        tokens: bytes | PageHashes,
+        salt: bytes,
+        max_pages: int,
+        *,
+        window: int | None = None,
     ) -> tuple[list[int], Chain]:
         """The longest cached prefix of a prompt, verified page by page.
 
         Args:
-            tokens: the prompt's token ids, int64 little-endian.
+            tokens: the prompt's token ids, int64 little-endian, or its ``PageHashes``
+                (of salt ``salt``), whose page hashes are used and kept, not computed again.
             salt: ``salt_bytes(cache_salt)`` of the request.
-            max_pages: look at most this many leading full pages up.
+            max_pages: look at most this many leading full pages up (at most the prompt's).
             window: sliding window W of a ``windowed`` cache (ignored otherwise): a prefix
                 of ``k`` pages is a hit when its pages holding positions
                 ``>= k * page_size - W + 1`` (the last one at least) are cached; those
@@ -171,38 +159,52 @@ class PrefixCache:
             ``(pages, chain)``: the cached pages holding the prompt's first ``len(pages)``
             pages (-1: a stub, below the window), and the prompt's chain positioned after
             them.
+
+        Raises:
+            ValueError: ``tokens`` is a ``PageHashes`` of another salt or page size.
         """
         if not self.enabled:
             return [], Chain(salt)
+        if not isinstance(tokens, PageHashes):
+            ph = PageHashes(tokens, salt, self.page_size)
+        elif tokens.salt != salt or tokens.page_size != self.page_size:
+            raise ValueError(
+                f"page hashes of salt {tokens.salt!r:.40} and page size {tokens.page_size} "
+                f"looked up with salt {salt!r:.40} and page size {self.page_size}"
+            )
+        else:
+            ph = tokens
         if window is not None and self.windowed:
-            return self._lookup_window(tokens, salt, max_pages, window)
-        psb, index, entries = self._page_bytes, self._index, self.entries
+            return self._lookup_window(ph, max_pages, window)
+        index, entries = self._index, self.entries
         hits: list[int] = []
-        last_hash, last_node = root_hash(salt), ROOT
-        for i in range(max_pages):
-            tb = tokens[i * psb : (i + 1) * psb]
-            h = _digest(last_hash + tb)
+        last_hash, last_node = None, ROOT
+        for h, tb in ph.pages(max_pages):
             p = index.get(h)
             e = entries[p] if p is not None else None
+            # The stored tokens, parent and salt are checked, never the hash alone.
             if e is None or e.tokens != tb or e.parent_node != last_node or e.salt != salt:
                 break  # a miss, or a hash collision that must not be trusted
             hits.append(p)
             last_hash, last_node = h, e.node
-        return hits, Chain(salt, len(hits), last_hash, last_node)
+        return hits, Chain(salt, len(hits), last_hash or ph.root(), last_node)
 
     def _lookup_window(
-        self, tokens: bytes, salt: bytes, max_pages: int, window: int
+        self, ph: PageHashes, max_pages: int, window: int
     ) -> tuple[list[int], Chain]:
         """``lookup`` with a window: the chain is walked through stubs (verified as pages
         are), then cut back to the longest prefix whose window pages are all cached."""
-        psb, ps, index, entries = self._page_bytes, self.page_size, self._index, self.entries
-        stubs = self._stubs
+        ps, index, entries, stubs, salt = (
+            self.page_size,
+            self._index,
+            self.entries,
+            self._stubs,
+            ph.salt,
+        )
         found: list[tuple[int, bytes, int]] = []  # (page or -1, chain hash, registration id)
         run: list[int] = []  # run[i]: cached pages ending at page i, consecutive
-        last_hash, last_node = root_hash(salt), ROOT
-        for i in range(max_pages):
-            tb = tokens[i * psb : (i + 1) * psb]
-            h = _digest(last_hash + tb)
+        last_node = ROOT
+        for h, tb in ph.pages(max_pages):
             p = index.get(h)
             e = entries[p] if p is not None else stubs.get(h)
             if e is None or e.tokens != tb or e.parent_node != last_node or e.salt != salt:
@@ -210,13 +212,13 @@ class PrefixCache:
             p = -1 if p is None else p
             found.append((p, h, e.node))
             run.append(0 if p < 0 else (run[-1] if run else 0) + 1)
-            last_hash, last_node = h, e.node
+            last_node = e.node
         k = len(found)
         # The first token to compute (k * ps) sees positions >= k * ps - window + 1.
         while k and run[k - 1] < k - min(max(k * ps - window + 1, 0) // ps, k - 1):
             k -= 1
         if not k:
-            return [], Chain(salt, 0, root_hash(salt), ROOT)
+            return [], Chain(salt, 0, ph.root(), ROOT)
         _, h, node = found[k - 1]
         return [p for p, _, _ in found[:k]], Chain(salt, k, h, node)
 
@@ -244,7 +246,7 @@ class PrefixCache:
                 chain.hash = None  # the content we chain from was evicted
                 return
             tb = bytes(tokens[i * psb : (i + 1) * psb])
-            h = _digest(chain.hash + tb)
+            h = page_hashes.digest(chain.hash + tb)
             q = index.get(h)
             if q is None and h in self._stubs:  # (windowed) computed again after eviction
                 e = self._stubs[h]
@@ -435,7 +437,7 @@ class PrefixCache:
                 require(e is None, f"{name}: page {p} cached past its hashed prefix")
                 continue
             tb = bytes(tokens[i * psb : (i + 1) * psb])
-            h = _digest(h + tb)
+            h = page_hashes.digest(h + tb)
             require(
                 e is None or (e.hash == h and e.tokens == tb and e.salt == chain.salt),
                 f"{name}: cached page {p} does not hold its tokens {i * ps}..{(i + 1) * ps}",
@@ -454,7 +456,10 @@ class PrefixCache:
         e = self.entries[p]
         require(self._index.get(e.hash) == p, f"cached page {p} is not indexed")
         require(self._node_page.get(e.node) == p, f"page {p}: registration id lost")
-        ok = len(e.tokens) == self._page_bytes and _digest(e.parent_hash + e.tokens) == e.hash
+        ok = (
+            len(e.tokens) == self._page_bytes
+            and page_hashes.digest(e.parent_hash + e.tokens) == e.hash
+        )
         require(ok, f"page {p}: hash does not match its tokens")
         if e.parent_node == ROOT:
             require(e.parent_hash == root_hash(e.salt), f"page {p}: wrong root hash")
@@ -493,7 +498,9 @@ class PrefixCache:
             require(
                 e.hash not in self._index and node not in self._node_page, f"stub {node} is cached"
             )
-            require(_digest(e.parent_hash + e.tokens) == e.hash, f"stub {node}: bad hash")
+            require(
+                page_hashes.digest(e.parent_hash + e.tokens) == e.hash, f"stub {node}: bad hash"
+            )
             require(
                 node in self._stub_children.get(e.parent_node, ()), f"stub {node} unknown to parent"
             )

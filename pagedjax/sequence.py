@@ -45,6 +45,12 @@ class Sequence:
         an asynchronous commit fed the first of them to the next step).
       logprobs: per generated token, {token id: logprob} (the engine's, when the request
         asked for logprobs; else None).
+      page_hashes: the prefix-cache hashes of `token_ids`' full pages
+        (`pagedjax.page_hashes.PageHashes`), which the scheduler keeps here while the
+        sequence waits and runs, so that they are computed once, not on every step it
+        waits for pages nor again when it is admitted (None: none yet). They hold while
+        `token_ids` grows by appending; a list assigned anew gets new ones (the scheduler
+        sees the new list), and one edited in place otherwise must reset this to None.
     """
 
     seq_id: int
@@ -66,6 +72,7 @@ class Sequence:
     detok: Any = None  # the engine's incremental detokenizer, if any
     history: Any = None  # penalised requests: token_ids as numpy (batch.TokenHistory)
     guide_state: int | None = None  # structured outputs: its guide's state after token_ids
+    page_hashes: Any = None  # page_hashes.PageHashes of token_ids (the scheduler's)
 
     @property
     def num_generated(self) -> int:

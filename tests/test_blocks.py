@@ -11,7 +11,7 @@ import pytest
 from block_machine import BlockMachine, run_stateful, snapshot
 from blocks_helpers import computed, prompt
 
-from pagedjax import prefix_cache
+from pagedjax import page_hashes
 from pagedjax.blocks import BlockManager, InvalidArgument, InvariantViolation, OutOfPages
 
 # ------------------------------------------------------------------ allocation
@@ -410,7 +410,7 @@ def constant_digest(data: bytes) -> bytes:
 
 
 def test_forced_collision_never_reuses_a_wrong_page(monkeypatch):
-    monkeypatch.setattr(prefix_cache, "_digest", constant_digest)
+    monkeypatch.setattr(page_hashes, "digest", constant_digest)
     bm = BlockManager(32, 4)
     x, y = prompt(4), prompt(4)
     computed(bm, "a", x + y + [1])  # page x registered; page y collides and is skipped
@@ -424,7 +424,7 @@ def test_forced_collision_never_reuses_a_wrong_page(monkeypatch):
 def test_forced_collision_on_page_tokens_only(monkeypatch):
     # A hash that ignores the parent and the salt: equal pages under different prefixes
     # collide; the registration-id check must reject them.
-    monkeypatch.setattr(prefix_cache, "_digest", lambda data: hashlib.sha256(data[-32:]).digest())
+    monkeypatch.setattr(page_hashes, "digest", lambda data: hashlib.sha256(data[-32:]).digest())
     bm = BlockManager(32, 4)
     x, y = prompt(4), prompt(4)
     computed(bm, "a", x + y + [1])
@@ -547,7 +547,7 @@ def test_check_invariants_catches_corruption():
 def run_machine(monkeypatch, digest, examples, steps, check_hits=True) -> int:
     """Runs the machine; returns the number of rule steps it took."""
     if digest is not None:
-        monkeypatch.setattr(prefix_cache, "_digest", digest)
+        monkeypatch.setattr(page_hashes, "digest", digest)
     return run_stateful(BlockMachine, examples, steps, check_hits=check_hits)
 
 

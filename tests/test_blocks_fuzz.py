@@ -38,7 +38,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from pagedjax import prefix_cache
+from pagedjax import page_hashes
 from pagedjax.blocks import BlockManager, BlockManagerError
 from pagedjax.prefix_cache import salt_bytes
 
@@ -460,7 +460,7 @@ DIGESTS = pytest.mark.parametrize("digest", [None, page_only_digest], ids=["sha2
 @DIGESTS
 def test_chaos(monkeypatch, digest):
     if digest is not None:
-        monkeypatch.setattr(prefix_cache, "_digest", digest)
+        monkeypatch.setattr(page_hashes, "digest", digest)
     assert run_chaos(ChaosMachine, 60, 80).ok >= 1_500  # went through (2,092), not only raised
 
 
@@ -469,7 +469,7 @@ def test_chaos_knowing_the_window(monkeypatch, digest):
     """Floors against a run that never evicts into a stub (derandomized: 35 and 12 stubs
     made, 162 and 108 calls that raised checked while stubs were registered)."""
     if digest is not None:
-        monkeypatch.setattr(prefix_cache, "_digest", digest)
+        monkeypatch.setattr(page_hashes, "digest", digest)
     machine = run_chaos(WindowChaosMachine, 30, 80)
     assert machine.ok >= 1_500  # ~2,400
     assert machine.events["stubbed"] >= 5 and machine.events["failed with stubs"] >= 50
@@ -479,7 +479,7 @@ def test_chaos_knowing_the_window(monkeypatch, digest):
 @DIGESTS
 def test_chaos_long(monkeypatch, digest):
     if digest is not None:
-        monkeypatch.setattr(prefix_cache, "_digest", digest)
+        monkeypatch.setattr(page_hashes, "digest", digest)
     assert run_chaos(ChaosMachine, 200, 120).ok >= 8_000  # ~10,800
 
 
@@ -489,7 +489,7 @@ def test_chaos_knowing_the_window_long(monkeypatch, digest):
     """Every stub event, a few dozen times (derandomized, sha256 / colliding: 706 / 161
     stubs made, 26 / 69 taken back, 379 / 50 dropped, 38 / 34 hits through a stub)."""
     if digest is not None:
-        monkeypatch.setattr(prefix_cache, "_digest", digest)
+        monkeypatch.setattr(page_hashes, "digest", digest)
     events = run_chaos(WindowChaosMachine, 200, 120).events
     assert events["stubbed"] >= 80 and events["unstubbed"] >= 10 and events["dropped"] >= 20
     assert events["hits through stubs"] >= 10 and events["failed with stubs"] >= 500

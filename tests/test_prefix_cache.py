@@ -9,7 +9,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from pagedjax import prefix_cache
+from pagedjax import page_hashes
 from pagedjax.prefix_cache import ROOT, Chain, PrefixCache, root_hash, salt_bytes
 
 PS = 4
@@ -124,7 +124,7 @@ def test_uncache_drops_the_subtree_and_stops_chains_from_it():
     ids=["constant", "page-only"],
 )
 def test_colliding_hashes_never_reuse_a_wrong_page(monkeypatch, digest):
-    monkeypatch.setattr(prefix_cache, "_digest", digest)
+    monkeypatch.setattr(page_hashes, "digest", digest)
     cache = PrefixCache(8, PS)
     x, y = page(), page()
     chain = cached(cache, [0, 1], x + y)  # with a constant hash, y collides with x
@@ -181,7 +181,7 @@ def test_any_str_salt_encodes_and_distinct_salts_stay_distinct():
 def test_a_collision_while_registering_stops_caching_the_sequence(monkeypatch):
     # The hash of a page's tokens alone: equal pages collide under any parent and salt.
     monkeypatch.setattr(
-        prefix_cache, "_digest", lambda data: hashlib.sha256(data[-8 * PS :]).digest()
+        page_hashes, "digest", lambda data: hashlib.sha256(data[-8 * PS :]).digest()
     )
     cache = PrefixCache(8, PS)
     x, y, z = page(), page(), page()

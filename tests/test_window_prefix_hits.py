@@ -20,7 +20,7 @@ from hypothesis.stateful import initialize
 from params_helpers import random_params
 from test_window_pages import CFG, WindowMachine, dense_greedy, engine
 
-from pagedjax import prefix_cache
+from pagedjax import page_hashes
 from pagedjax.blocks import BlockManager, InvalidArgument
 from pagedjax.engine import SamplingParams
 from pagedjax.prefix_cache import salt_bytes
@@ -144,7 +144,7 @@ def test_uncaching_drops_stubs_with_the_pages_under_them():
 def test_a_colliding_stub_is_not_trusted(monkeypatch):
     """Hashes of the last token only: a prompt differing from a cached one in its first
     page hashes like it everywhere, but its tokens differ from the stub's: no hit."""
-    monkeypatch.setattr(prefix_cache, "_digest", lambda data: hashlib.sha256(data[-8:]).digest())
+    monkeypatch.setattr(page_hashes, "digest", lambda data: hashlib.sha256(data[-8:]).digest())
     bm = BlockManager(12, 4, watermark=0, sliding_window=5)
     toks = list(range(24))  # (pages ending in equal tokens would collide with each other)
     bm.admit("a", toks)
