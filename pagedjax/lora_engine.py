@@ -1,7 +1,7 @@
 """`LLM`'s LoRA side (vLLM's `enable_lora` API): the engine arguments, the adapter of each
 request, `add_lora` / `remove_lora` / `pin_lora` / `list_loras`, and `LoRASlots`, the
-engine's adapters on the host and in device slots. Reading adapters, the slots' layout
-and the per-token update are `pagedjax.lora`'s.
+engine's adapters on the host and in device slots. Reading adapters is
+`pagedjax.lora_adapter`'s; the slots' layout and the per-token update are `pagedjax.lora`'s.
 
 A request with a `LoRARequest` runs with that adapter: its adapter is read (once per
 `lora_int_id`) when the request is added, so a bad adapter is an error of

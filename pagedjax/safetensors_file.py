@@ -2,7 +2,7 @@
 file, and one tensor read into an aligned buffer.
 
 `pagedjax.weights` loads HF checkpoints with these, one tensor at a time (its docstring
-says why no file is memory mapped), and `pagedjax.lora` reads PEFT adapters; this module
+says why no file is memory mapped), and `pagedjax.lora_adapter` reads PEFT adapters; this module
 imports neither jax nor the model, so reading an adapter's header stays light.
 """
 
