@@ -39,14 +39,10 @@ encode as their single ids, and nothing is added to it: as in HF's
 special tokens, BOS is where the template writes it, and a template that writes none
 (ChatML on a tokenizer that adds BOS) gives none, whatever the tokenizer's `add_bos`.
 
-A completion is decoded after its prompt (`decode(ids, context=prompt_ids)`,
-`stream(context=prompt_ids)`), so that it reads as the prompt's continuation:
-SentencePiece decoders strip the leading space of a text's first token, which made a
-completion "Paris" where prompt + completion reads " Paris". `stream()` gives a
-`StreamDecoder` (`pagedjax.detokenizer`, re-exported here), which turns ids arriving one
-by one into text pieces whose concatenation equals `decode(all ids)`, wherever the ids
-stop. Logprobs name each token after the ids before it (`token_names`), of which
-`name_context` keeps the few that count.
+Decoding (`decode`, `decode_each` and `stream`, each after a `context` of prompt ids so
+that a completion reads as the prompt's continuation) is `DecodeMixin`'s, with the
+incremental `StreamDecoder` and the logprob token names (`token_names`, `name_context`):
+`pagedjax.detokenizer`, whose public names are re-exported here.
 """
 
 from __future__ import annotations
@@ -61,7 +57,15 @@ import tokenizers
 
 from pagedjax import chat
 from pagedjax.config import is_token_id
-from pagedjax.detokenizer import _REPLACEMENT, StreamDecoder, _byte_fallback_ids, _byte_run
+from pagedjax.detokenizer import (  # noqa: F401  (CONTEXT_IDS to token_names: re-exported)
+    CONTEXT_IDS,
+    MAX_RUN_IDS,
+    DecodeMixin,
+    StreamDecoder,
+    _byte_fallback_ids,
+    name_context,
+    token_names,
+)
 from pagedjax.jsonfile import read_json_object
 from pagedjax.safetensors_file import LFS_POINTER
 from pagedjax.tokenizer_files import (  # noqa: F401  (SPECIAL_TOKEN_NAMES: re-exported)
@@ -76,19 +80,15 @@ from pagedjax.tokenizer_files import (  # noqa: F401  (SPECIAL_TOKEN_NAMES: re-e
 )
 
 TOKENIZER_FILE = "tokenizer.json"
-# Prompt ids a completion is decoded after (`Tokenizer.decode(context=...)`): enough for
-# a decoder's first-token rules to see a token of text before the completion.
-CONTEXT_IDS = 8
-# How far back `name_context` follows a run of byte-fallback tokens: a token after a
-# longer run (256 four-byte characters and no other token) is named as if it began the
-# text, so that naming each token of a long output costs a bounded walk.
-MAX_RUN_IDS = 1024
 
 
-class Tokenizer:
-    """A `tokenizers.Tokenizer` plus the special-token facts generation needs.
+class Tokenizer(DecodeMixin):
+    """A `tokenizers.Tokenizer` plus the special-token facts generation needs; its decode
+    side (`decode`, `decode_each`, `stream`) is `DecodeMixin`'s.
 
     Attributes:
+      vocab_size: one past the largest token id (vLLM's `max_token_id` + 1); ids past it,
+        and the ids below it that no token has (a vocabulary with holes), decode to "".
       bos_token_id: id prepended by `encode(add_bos=True)`, or None.
       eos_token_ids: frozenset of ids that end a sequence.
       add_bos: `encode`'s default for `add_bos` (not the chat path's: `encode_chat`
@@ -120,7 +120,7 @@ class Tokenizer:
         tool_use_template_source: str | None = None,
     ):
         self.tokenizer = tokenizer
-        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.vocab_size, self._holes = _vocab_ids(tokenizer)
         # For StreamDecoder: which ids HF's decode may merge with the ids after them.
         self._byte_ids = _byte_fallback_ids(tokenizer)
         self._special_ids = frozenset(
@@ -224,8 +224,9 @@ class Tokenizer:
                 raise ValueError(f"tokenizer_config.json {field}={content!r} is not in the vocab")
             return tid
 
+        vocab = _vocab_ids(tok)[0]
+
         def config_ids(field: str) -> list[int]:  # generation_config's, then config.json's
-            vocab = tok.get_vocab_size(with_added_tokens=True)
             files = (("generation_config.json", gcfg), (mcfg_name, mcfg))
             return [i for name, cfg in files for i in _config_ids(cfg, field, name, vocab)]
 
@@ -415,91 +416,8 @@ class Tokenizer:
         """
         return self.encode(text, add_bos=bool(add_bos))
 
-    def decode(
-        self, ids: Iterable[int], *, skip_special_tokens: bool = True, context: Iterable[int] = ()
-    ) -> str:
-        """Text of `ids`; special tokens (BOS, EOS, ...) are dropped unless asked for,
-        and ids past the vocabulary (a padded embedding's rows) decode to "", as in HF.
-
-        `context`: the ids before them (a completion's prompt). The text is then what the
-        ids add after it, `decode(context + ids)` less `decode(context)`, so that a decoder
-        that treats a text's first token specially reads them as a continuation:
-        SentencePiece's leading-space strip made a completion "Paris" where prompt +
-        completion reads " Paris" (as vLLM and HF pipelines return it). Only the last
-        `CONTEXT_IDS` ids before a trailing run of byte-fallback tokens count, and only if
-        their text is settled (see `_context`).
-
-        The text is the decoder's, as vLLM's completions are: tokenizer_config's
-        `clean_up_tokenization_spaces` (HF's decode then reads " ." as ".") is not
-        applied. Ids that end inside a character end in U+FFFD, as HF decodes them
-        (vLLM's DecodeStream never emits those bytes).
-        """
-        ids = self._check_ids(ids)
-        return self._after(self._context(context, skip_special_tokens), ids, skip_special_tokens)
-
-    @property
-    def special_ids(self) -> frozenset[int]:
-        """The ids `skip_special_tokens=True` drops (the added tokens marked special)."""
-        return self._special_ids
-
-    def decode_each(
-        self, ids: Iterable[int], *, skip_special_tokens: bool = True, context: Iterable[int] = ()
-    ) -> list[str]:
-        """Each id's own text after `context`: `[decode([i], context=context) for i in ids]`
-        (same arguments), with the context resolved once and each distinct id decoded
-        once: naming a position's n candidates for logprobs (the sampled token and its
-        alternatives) takes n + 1 tokenizer decodes where decode per id takes 2n.
-        """
-        ids = self._index_ids(ids)
-        ctx = self._context(context, skip_special_tokens)
-        texts: dict[int, str] = {}
-        for i in ids:
-            if i not in texts:  # past the vocabulary: "", as decode drops it
-                texts[i] = self._after(ctx, [i], skip_special_tokens) if i < self.vocab_size else ""
-        return [texts[i] for i in ids]
-
-    def _after(self, ctx: tuple[list[int], str] | None, ids: list[int], skip: bool) -> str:
-        """The text `ids` add after a resolved context (`_context`; None: none)."""
-        if ctx is not None:
-            full = self.tokenizer.decode(ctx[0] + ids, skip_special_tokens=skip)
-            if full.startswith(ctx[1]):
-                return full[len(ctx[1]) :]
-        return self.tokenizer.decode(ids, skip_special_tokens=skip)
-
-    def _context(self, context: Iterable[int], skip: bool) -> tuple[list[int], str] | None:
-        """The last `CONTEXT_IDS` ids of `context` before a trailing byte-fallback run,
-        and their text; None when the decoder would see none of them (all skipped special
-        tokens: it would strip the ids' leading space as if they began the text) or the
-        text ends inside a character (U+FFFD), which the ids after it may still change.
-
-        A trailing run of byte-fallback tokens is left out, whole characters or not: the
-        ids after it may extend the run, which HF decodes all or nothing, and without it
-        the text before the run still shows the decoder that the ids are a continuation
-        (a prompt ending in an emoji or a newline, `<0x0A>`, lost the completion's
-        leading space). The ids are taken before the run, however long (two emoji are 8
-        byte tokens, which left no ids: the completion lost its space again)."""
-        context, ids, n = _id_list(context), [], CONTEXT_IDS
-        while len(ids) < CONTEXT_IDS:  # a tail twice as long while the run fills it
-            tail = self._check_ids(context[-n:])
-            ids = tail[: len(tail) - _byte_run(self, tail, skip)]
-            if n >= len(context):
-                break
-            n *= 2
-        ids = ids[-CONTEXT_IDS:]
-        if not [i for i in ids if not (skip and i in self._special_ids)]:
-            return None
-        text = self.tokenizer.decode(ids, skip_special_tokens=skip)
-        return None if text.endswith(_REPLACEMENT) else (ids, text)
-
     def is_eos(self, token_id: int) -> bool:
         return int(token_id) in self.eos_token_ids
-
-    def stream(
-        self, *, skip_special_tokens: bool = True, context: Iterable[int] = ()
-    ) -> StreamDecoder:
-        """A fresh incremental decoder for one sequence; with `context` (its prompt's ids),
-        its text adds up to `decode(ids, context=context)`."""
-        return StreamDecoder(self, skip_special_tokens=skip_special_tokens, context=context)
 
     def _special_token(self, token_id: int | None) -> str | None:
         if token_id is None:
@@ -507,93 +425,19 @@ class Tokenizer:
         added = self.tokenizer.get_added_tokens_decoder().get(int(token_id))
         return added.content if added is not None and added.special else None
 
-    def _check_ids(self, ids: Iterable[int]) -> list[int]:
-        """`ids` as ints, less those past the vocabulary.
 
-        A model's embedding is often padded past its tokenizer's vocabulary (Qwen2.5:
-        152064 rows, 151665 tokens) and sampling can pick a padded row; HF decodes such
-        an id to "" rather than failing the whole sequence, and so does this.
-        """
-        return [i for i in self._index_ids(ids) if i < self.vocab_size]
+def _vocab_ids(tok: tokenizers.Tokenizer) -> tuple[int, frozenset[int]]:
+    """(one past the largest id, the ids below it that no token has) of `tok`.
 
-    @staticmethod
-    def _index_ids(ids: Iterable[int]) -> list[int]:
-        """`ids` as ints, all of them; raises on a non-int or a negative id."""
-        ids = _id_list(ids)
-        for i in ids:  # int() would truncate 3.7 and parse "3"
-            if isinstance(i, bool) or not hasattr(type(i), "__index__"):
-                raise TypeError(f"token ids must be ints, got {type(i).__name__} {i!r:.40}")
-        ids = [operator.index(i) for i in ids]
-        bad = [i for i in ids if i < 0]
-        if bad:
-            raise ValueError(f"token ids must be >= 0, got {bad[:10]}")
-        return ids
-
-
-def token_names(
-    tok, ids: list[int], *, context: Iterable[int] = (), skip_special_tokens: bool = True
-) -> list[str]:
-    """The names of one position's candidate tokens `ids` (the sampled one, its
-    alternatives), for logprobs: each one's text where it stands, after `context` (the
-    ids before it), so that a SentencePiece token keeps the leading space a lone decode
-    strips. The candidates are named with their special tokens shown ("</s>"), but the
-    context is read as the completion's text reads it (`skip_special_tokens`: its
-    request's): without special tokens by default, so after a prompt of special tokens
-    only (BOS), the text's first token has no leading space and neither has its name.
-
-    `tok`: a `Tokenizer` (or anything with its `special_ids` and `decode_each`).
-    `context`: all the ids before the position, or the few of them `name_context` keeps
-    (not the last `CONTEXT_IDS`: after a run of byte-fallback tokens, the run alone).
+    tokenizers' `get_vocab_size` counts the tokens, which falls short of the largest id
+    where the ids have holes (camembert-base has no id 3; gpt-oss's vocabulary has unused
+    ids): the tokens past the count were taken for ids past the vocabulary (an EOS there
+    refused, a sampled one decoded to ""). vLLM bounds ids by the largest one too.
     """
-    if skip_special_tokens:
-        context = [i for i in context if i not in tok.special_ids]
-    return tok.decode_each(ids, skip_special_tokens=False, context=context)
-
-
-def name_context(
-    tok,
-    ids: Sequence[int],
-    end: int | None = None,
-    *,
-    skip_special_tokens: bool = True,
-    with_run: bool = False,
-) -> list[int]:
-    """The few ids of `ids[:end]` that name the tokens at position `end` as all of them
-    do (`token_names(context=)`, with the request's `skip_special_tokens`).
-
-    A context is read from the last `CONTEXT_IDS` ids before its trailing run of
-    byte-fallback tokens (`Tokenizer._context`), so the last `CONTEXT_IDS` ids are not
-    enough: after two emoji (8 byte tokens) they were the run alone, and the token after
-    it lost its leading space ("the" where the text reads " the"). These are the
-    `CONTEXT_IDS` ids before the run, counted as the context counts them (not the
-    skipped special tokens, nor the ids past the vocabulary, which decode drops), found
-    by walking back over the run, `MAX_RUN_IDS` ids at most, without decoding.
-
-    Args:
-      tok: a `Tokenizer` (or anything with its `special_ids`: no byte-fallback tokens).
-      ids: the ids, of which those before `end` (default: all) are the context.
-      skip_special_tokens: whether the context leaves special tokens out.
-      with_run: keep the run after them too: a tail of `ids[:end]` that the ids after
-        `end` can be appended to (a stream's context for its next chunk).
-    """
-    end = len(ids) if end is None else end
-    byte_ids = getattr(tok, "_byte_ids", frozenset())
-    vocab = getattr(tok, "vocab_size", None)
-    special = tok.special_ids if skip_special_tokens else frozenset()
-
-    def dropped(i) -> bool:  # not in the context that decode reads
-        return i in special or (vocab is not None and i >= vocab)
-
-    start, stop = end, max(0, end - MAX_RUN_IDS)
-    while start > stop and (ids[start - 1] in byte_ids or dropped(ids[start - 1])):
-        start -= 1
-    if start and (ids[start - 1] in byte_ids or dropped(ids[start - 1])):  # (too long)
-        return list(ids[start:end]) if with_run else []
-    run, counted, stop = start, 0, max(0, start - MAX_RUN_IDS)
-    while start > stop and counted < CONTEXT_IDS:
-        start -= 1
-        counted += not dropped(ids[start])
-    return list(ids[start : end if with_run else run])
+    ids = set(tok.get_vocab(with_added_tokens=False).values())
+    ids.update(tok.get_added_tokens_decoder())
+    bound = max(ids, default=-1) + 1
+    return bound, frozenset(range(bound)).difference(ids) if len(ids) < bound else frozenset()
 
 
 def _special_ids(name: str, value, what: str, *, many: bool) -> list[int]:
@@ -611,10 +455,3 @@ def _special_ids(name: str, value, what: str, *, many: bool) -> list[int]:
     if not all(map(is_token_id, items)):
         raise TypeError(f"{name} must be {what}, got {value!r:.80}")
     return [operator.index(i) for i in items]
-
-
-def _id_list(ids: Iterable[int]) -> list:
-    try:
-        return list(ids)
-    except TypeError:  # (Python's "'int' object is not iterable" named nothing)
-        raise TypeError(f"token ids must be a list of ints, got {ids!r:.40}") from None
