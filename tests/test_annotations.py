@@ -11,7 +11,7 @@ import typing
 
 import pytest
 
-from pagedjax import beam_search, decode, engine, lora, request
+from pagedjax import beam_search, decode, engine, lora, request, static_batch
 
 PUBLIC = [
     engine.LLM,
@@ -22,6 +22,7 @@ PUBLIC = [
     beam_search.BeamSearchParams,
     beam_search.BeamSearchOutput,
     decode,
+    static_batch,  # (decode.generate's home)
 ]
 
 
