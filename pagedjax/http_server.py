@@ -5,9 +5,10 @@ hands it the `LLM`, which an `EngineThread` (`pagedjax.serving`) owns from then 
 Each connection is a thread running `Handler`: it routes a request (`ROUTES`),
 validates and tokenizes it on its own thread (`pagedjax.openai_api`), submits it to the
 engine thread and waits on its own queue for the token events and final outputs, then
-answers one JSON body or Server-Sent Events (`StreamedChoice`, re-exported from
-`pagedjax.streamed_choice`: what a stream sent of one completion). A client that goes
-away (checked every `POLL_S` while waiting) has its requests aborted. The wire is
+answers one JSON body or Server-Sent Events (`pagedjax.streamed_choice`: its
+`StreamingMixin` streams them; `StreamedChoice`, re-exported here, is what a stream
+sent of one completion). A client that goes away (checked every `POLL_S` while
+waiting) has its requests aborted. The wire is
 `HttpIO`'s, which `Handler` subclasses (`pagedjax.http_io`; its `MAX_BODY_BYTES`,
 `TIMEOUT_S` and `ClientGone` are re-exported here): reading the body (a `Content-Length`
 or `Transfer-Encoding: chunked`, at most `MAX_BODY_BYTES`), letting go a client silent
@@ -63,7 +64,7 @@ from pagedjax.lora import LoRARequest
 from pagedjax.metrics import prometheus_text
 from pagedjax.openai_api import ApiError, Job
 from pagedjax.serving import EngineStopped, EngineThread, LoRANames
-from pagedjax.streamed_choice import StreamedChoice, chunk_context  # (StreamedChoice: re-exported)
+from pagedjax.streamed_choice import StreamedChoice, StreamingMixin  # (StreamedChoice: re-exported)
 from pagedjax.tool_calls import PARSERS
 
 __all__ = [
@@ -214,10 +215,11 @@ class Server(HttpServer):
 _MODEL_PATH = "/v1/models/"  # and a model's id: one model's card
 
 
-class Handler(HttpIO):
+class Handler(StreamingMixin, HttpIO):
     """Answers one connection's requests (a thread each); `ROUTES`: each path's method.
 
-    Its reading and writing on the connection are `HttpIO`'s (`pagedjax.http_io`).
+    Its reading and writing on the connection are `HttpIO`'s (`pagedjax.http_io`); its
+    streamed answers, `StreamingMixin`'s (`pagedjax.streamed_choice`).
     """
 
     server: Server
@@ -455,123 +457,6 @@ class Handler(HttpIO):
                 return self._stream(job, head, events)
             outs = {ev[1]: ev[2] for ev in events if ev[0] == "done"}
         self._json(200, api.response_body(job, head, outs, self.server.tokenizer))
-
-    def _stream(self, job: Job, head: dict, events) -> None:
-        tok, sp = self.server.tokenizer, job.params
-        k, skip = sp.logprobs, sp.skip_special_tokens
-        # The engine leaves out of the text the stop string and what follows it (what
-        # follows it only, with include_stop_str_in_output), and the stop token's own
-        # text (kept with include_stop_str_in_output).
-        keep = sp.include_stop_str_in_output
-        hold = 0 if keep else max(map(len, sp.stop), default=1) - 1
-        stop_ids = frozenset() if keep else self.server.stop_ids(sp)
-        choices: dict[tuple[str, int], StreamedChoice] = {}  # by (rid, completion index)
-        prompts = dict(zip(job.rids, job.prompts, strict=True))
-        # Completions' echo: a choice's first chunk starts with its prompt's text (and its
-        # logprobs, from the "prompt" event the engine thread sends before its first token).
-        echo = None if job.chat or job.echo is None else dict(zip(job.rids, job.echo, strict=True))
-        prompt_lps: dict[str, list] = {}  # by rid
-
-        def send(sent: dict) -> None:
-            # OpenAI's: with include_usage, every chunk has "usage": null but the last,
-            # usage-only one (its `choices` []); without it, no chunk has the field.
-            self._event({**sent, "usage": None} if job.include_usage else sent)
-
-        def chunk(rid, i, c: StreamedChoice, text, ids=(), entries=(), finish=None):
-            lp = echoed = None
-            if echo is not None and not c.started:
-                text = echo[rid] + text
-                c.offset = len(echo[rid]) if tok is not None else 0
-                if k is not None:
-                    echoed = api.echo_logprobs(
-                        tok,
-                        prompts[rid],
-                        prompt_lps[rid],
-                        k,
-                        skip_special_tokens=skip,
-                        text=echo[rid],
-                    )
-            if k is not None:
-                lp = api.render_logprobs(
-                    tok,
-                    ids,
-                    entries,
-                    k,
-                    chat=job.chat,
-                    offset=c.offset,
-                    context=c.before,
-                    skip_special_tokens=skip,
-                )
-                c.offset += 0 if job.chat or tok is None else sum(map(len, lp["tokens"]))
-                lp = lp if echoed is None else api.join_logprobs(echoed, lp)
-            c.before = chunk_context(tok, [*c.before, *ids], skip)
-            c.num_tokens += len(ids)
-            first = job.prompt_token_ids and not job.chat and not c.started
-            c.started = True
-            index = api.choice_index(job, rid, i)
-            # (none: text a tool call may hold back, and nothing else; two: the calls,
-            # then the finish_reason)
-            for sent in api.stream_chunks(
-                job,
-                head,
-                index,
-                text,
-                finish,
-                lp,
-                token_ids=ids,
-                prompt_token_ids=prompts[rid] if first else None,
-            ):
-                send(sent)
-
-        outs = []
-        for event in events:
-            if not self._streaming:
-                self._start_stream()
-                for role in api.role_chunks(job, head):
-                    send(role)
-            if event[0] == "prompt":
-                prompt_lps[event[1]] = event[2]
-            elif event[0] == "token":
-                _, rid, i, token, *entry = event  # the entry: with logprobs only
-                c = choices.get((rid, i))
-                if c is None:
-                    c = choices[rid, i] = StreamedChoice(tok, prompts[rid], skip)
-                if c.decoder is None:  # no tokenizer: no text, a chunk per token
-                    chunk(rid, i, c, "", [token], entry)
-                    continue
-                before = len(c.decoder.text)
-                c.decoder.add(token)
-                text = c.decoder.text
-                c.pending.append((token, entry[0] if entry else None, len(text)))
-                # With stop strings, or if it may be a stop token, this token's text waits
-                # for the next token: the engine may stop on it and cut the text there.
-                end = before - hold if sp.stop or token in stop_ids else len(text)
-                if end > c.sent or (echo is not None and not c.started):  # (the echo now)
-                    end = max(end, c.sent)
-                    # A token's id and logprobs go with the piece that completes its text.
-                    n = sum(1 for _, _, token_end in c.pending if token_end <= end)
-                    done, c.pending = c.pending[:n], c.pending[n:]
-                    ids, entries = [t for t, _, _ in done], [e for _, e, _ in done]
-                    chunk(rid, i, c, text[c.sent : end], ids, entries)
-                    c.sent = end
-            else:
-                _, rid, out = event
-                outs.append(out)
-                prompt_lps.setdefault(rid, out.prompt_logprobs)  # (a choice that comes whole)
-                for o in out.outputs:
-                    # A choice no token streamed (a beam search's: its beams are known
-                    # only at the end; one `Job.streams_tokens` holds) goes out whole,
-                    # its tokens named after the prompt.
-                    c = choices.get((rid, o.index)) or StreamedChoice(tok, prompts[rid], skip)
-                    # The rest, from the final output: its text and tokens as not streamed.
-                    ids = o.token_ids[c.num_tokens :]
-                    entries = o.logprobs[c.num_tokens :] if k is not None else ()
-                    finish = o.finish_reason or "stop"
-                    chunk(rid, o.index, c, o.text[c.sent :], ids, entries, finish)
-        if job.include_usage:
-            counts = api.usage(outs, prompt_tokens_details=job.prompt_tokens_details)
-            self._event(dict(**head, choices=[], usage=counts))
-        self._end_stream()
 
 
 def _unload_name(body: dict, loras: dict) -> str:
