@@ -336,11 +336,6 @@ def test_no_page_hashes_outlive_their_requests(params):
     assert live_page_hashes() == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pending (hardening, not a reachable defect): pagedjax/outputs.py "
-    "_take_back_token resets s.page_hashes = None after `del s.token_ids[n:]`",
-)
 def test_a_token_taken_back_drops_its_sequences_kept_hashes(params, monkeypatch):
     """`Sequence.page_hashes`' contract: a list edited in place other than by appending
     resets them. The take-back (`_take_back_token`) is such an edit; its hashes are not
