@@ -78,8 +78,10 @@ in ``page_tables``, a valid page that the window masks; freeing, forking, cachin
 pages below it, as vLLM's sliding-window manager does: evicting a page keeps the pages
 cached under it, and ``admit(..., window=W)`` hits the longest cached prefix whose pages
 in the first token's window are cached, whether or not those below it still are (the
-chain stays verified from the root: ``pagedjax.prefix_cache``). Without it, and always for
-full attention, a hit is a run of cached pages from the first.
+chain stays verified from the root: ``pagedjax.prefix_cache``); a live sequence's chain
+goes on through an evicted page it ends at (with W <= ``page_size`` it gives that page
+back before the next one fills), so its later pages are still cached. Without it, and
+always for full attention, a hit is a run of cached pages from the first.
 
 Modules: ``BlockManager`` (here: admission with the watermark and reservations,
 ``uncache``, stats, invariant checks) is a ``SeqTables`` (``pagedjax.seq_tables``: the live
@@ -285,7 +287,8 @@ class BlockManager(SeqTables):
         sequence's cached prefix pages hold exactly its tokens; released entries lead the
         page table, hold only computed positions, never the last page, and count nowhere;
         only a reserving sequence (``peak_pages``, prompt not computed) lacks pages, it
-        holds at most its peak, and the reservations fit in the free pages.
+        holds at most its peak, and the reservations fit in the free pages; the prefix
+        cache holds exactly the live sequences' chains.
         """
 
         def require(ok: bool, msg: str) -> None:
@@ -300,6 +303,7 @@ class BlockManager(SeqTables):
                 holders[p] += 1
         self._pool.check_pages(holders, require)
         self._prefix.check_index(require)
+        self._prefix.check_held((s.chain for s in self._seqs.values()), require)
         reserved = self.num_reserved_pages
         require(self._reserving.keys() <= self._seqs.keys(), "a reserving sequence is not live")
         require(reserved <= self.num_free_pages, f"{reserved} pages reserved, fewer free")
@@ -452,6 +456,7 @@ class BlockManager(SeqTables):
         pages = [-1] * r + kept + [self._pool.alloc() for _ in range(num_new)]
         capacity = self._max_pages_per_seq or max(4, 2 * len(pages))
         seq = SeqPages.admitted(pages, r, capacity, buf, n, cached, chain, num_prompt)
+        self._prefix.hold(chain)
         self._seqs[seq_id] = seq
         if peak_pages is not None and not done:
             seq.peak = peak_pages
@@ -493,7 +498,7 @@ class BlockManager(SeqTables):
         n = 0
         for s in self._seqs.values():
             n += s.chain.hash is not None
-            s.chain.hash = None
+            self._prefix.stop(s.chain)
         return n
 
     # --------------------------------------------------------------- internals

@@ -28,7 +28,12 @@ root, and a page computing it again takes the registration back. ``lookup(...,
 window=W)`` walks the chain through stubs and returns the longest prefix whose pages in
 the window are cached, the pages below it as -1, as vLLM's sliding-window manager does
 (``find_longest_cache_hit``). ``uncache`` still drops a page's whole subtree, stubs
-included; a stub goes when nothing is cached under it any more.
+included; a stub goes when nothing is cached under it any more and no held chain (a live
+sequence's: ``hold``) ends at it. Under a window W <= page_size a running sequence gives
+back its chain's top page before the next page fills; evicted then, with nothing cached
+under it yet, that page's content stays a stub for the next page to chain from (dropped,
+it stopped the sequence's caching for good, where vLLM caches every full block by its
+hash whatever became of the one before).
 
 Each sequence carries a ``Chain``: how many of its leading full pages were looked up or
 registered, and the hash and registration id to chain its next page from::
@@ -37,7 +42,9 @@ registered, and the hash and registration id to chain its next page from::
     hits, chain = cache.lookup(prompt_bytes, salt, max_pages, window=W)  # windowed: -1s
     hashes = PageHashes(token_ids, salt, page_size)  # a sequence's, kept: hashed once
     hits, chain = cache.lookup(hashes, salt, max_pages)    # as lookup(prompt_bytes, ...)
+    cache.hold(chain)                                          # a live sequence's chain
     cache.register(chain, pages, token_bytes, num_full_pages)  # as pages fill up
+    cache.let_go(chain)                                        # the sequence is freed
     orphans = cache.evict(page)                                # to reuse the page
     cache.release(page)                                        # a page's last holder left
 """
@@ -45,7 +52,7 @@ registered, and the hash and registration id to chain its next page from::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from pagedjax import page_hashes
 from pagedjax.page_hashes import (  # noqa: F401  (the hash chain's names, re-exported)
@@ -80,9 +87,11 @@ class Chain:
     num_pages: int = 0  # leading full pages whose content was looked up or registered
     hash: bytes | None = None  # chain hash after num_pages pages; None: caching stopped
     node: int = ROOT  # registration id holding that content (ROOT before any page)
+    held: bool = False  # a live sequence's (PrefixCache.hold): its content is kept
 
     def copy(self) -> Chain:
-        """An independent copy, for a forked sequence (faster than dataclasses.replace)."""
+        """An independent copy, not held, for a forked sequence (which ``hold``s it;
+        faster than dataclasses.replace)."""
         return Chain(self.salt, self.num_pages, self.hash, self.node)
 
 
@@ -124,6 +133,9 @@ class PrefixCache:
         self._stubs: dict[bytes, Entry] = {}
         self._stub_node: dict[int, Entry] = {}
         self._stub_children: dict[int, set[int]] = {}
+        # Held chains (live sequences') ending at each registration id (hold): evicted,
+        # its content stays a stub while one does. Ids uncached since may stay here.
+        self._held: dict[int, int] = {}
         self._next_node = 1
 
     @property
@@ -222,6 +234,42 @@ class PrefixCache:
         _, h, node = found[k - 1]
         return [p for p, _, _ in found[:k]], Chain(salt, k, h, node)
 
+    def hold(self, chain: Chain) -> None:
+        """Marks ``chain`` (not held yet) as a live sequence's until ``let_go``: a windowed
+        cache keeps the content it ends at as a stub while that content's page is evicted,
+        so the sequence's next page still has a parent to chain from (module docstring).
+        ``register`` moves the hold along as the chain grows; ``stop`` ends it."""
+        chain.held = True
+        self._pin(chain)
+
+    def let_go(self, chain: Chain) -> None:
+        """Ends ``hold`` (a freed sequence); the stub it kept goes if nothing is cached
+        under it."""
+        if chain.held:
+            chain.held = False
+            self._unpin(chain.node if chain.hash is not None else ROOT)
+
+    def stop(self, chain: Chain) -> None:
+        """Stops caching for ``chain``'s sequence for good (``chain.hash = None``)."""
+        if chain.held:
+            self._unpin(chain.node if chain.hash is not None else ROOT)
+        chain.hash = None
+
+    def _pin(self, chain: Chain) -> None:
+        if chain.hash is not None and chain.node != ROOT:
+            self._held[chain.node] = self._held.get(chain.node, 0) + 1
+
+    def _unpin(self, node: int) -> None:
+        if node == ROOT:
+            return
+        n = self._held[node] - 1
+        if n:
+            self._held[node] = n
+        else:
+            del self._held[node]
+            if node in self._stub_node:
+                self._prune(node)
+
     def register(
         self, chain: Chain, pages: list[int], tokens: bytes | bytearray, num_full_pages: int
     ) -> None:
@@ -233,11 +281,25 @@ class PrefixCache:
         collides with other content.
 
         Args:
-            chain: the sequence's chain, advanced in place.
+            chain: the sequence's chain, advanced in place (a held one's hold with it).
             pages: the sequence's physical pages, logical order.
             tokens: the sequence's token ids, int64 little-endian.
             num_full_pages: leading pages that are full and computed.
         """
+        if chain.hash is None or chain.num_pages >= num_full_pages:
+            return
+        if not chain.held:
+            self._register(chain, pages, tokens, num_full_pages)
+            return
+        node = chain.node
+        self._register(chain, pages, tokens, num_full_pages)
+        if chain.hash is None or chain.node != node:  # held on where it ends now
+            self._pin(chain)
+            self._unpin(node)
+
+    def _register(
+        self, chain: Chain, pages: list[int], tokens: bytes | bytearray, num_full_pages: int
+    ) -> None:
         psb, index, entries = self._page_bytes, self._index, self.entries
         while chain.hash is not None and chain.num_pages < num_full_pages:
             i = chain.num_pages
@@ -373,11 +435,11 @@ class PrefixCache:
 
     def _stub(self, page: int) -> None:
         """Evicts cached ``page`` (no duplicate) in a windowed cache: its content stays a
-        stub while pages are cached under it."""
+        stub while pages are cached under it or a held chain ends at it."""
         e, self.entries[page] = self.entries[page], None
         del self._index[e.hash], self._node_page[e.node]
         self._children[e.parent_node].discard(page)
-        if self._children.get(e.node) or self._stub_children.get(e.node):
+        if self._children.get(e.node) or self._stub_children.get(e.node) or e.node in self._held:
             self._stubs[e.hash] = self._stub_node[e.node] = e
             self._stub_children.setdefault(e.parent_node, set()).add(e.node)
         else:
@@ -399,9 +461,10 @@ class PrefixCache:
             del self._stub_children[e.parent_node]
 
     def _prune(self, node: int) -> None:
-        """Drops stub ``node`` if nothing is cached under it any more, then its parent's."""
+        """Drops stub ``node`` if nothing is cached under it any more and no held chain
+        ends at it, then its parent's."""
         while (e := self._stub_node.get(node)) is not None:
-            if self._children.get(node) or self._stub_children.get(node):
+            if self._children.get(node) or self._stub_children.get(node) or node in self._held:
                 return
             del self._stubs[e.hash], self._stub_node[node]
             self._children.pop(node, None)
@@ -450,6 +513,16 @@ class PrefixCache:
             require(q is None or entries[q].hash == h, f"{name}: chains from wrong content")
             stub = self._stub_node.get(chain.node)
             require(stub is None or stub.hash == h, f"{name}: chains from a wrong stub")
+
+    def check_held(self, chains: Iterable[Chain], require: Require) -> None:
+        """Checks that ``chains`` (the live sequences') are held, and are the held chains,
+        each counted at the content it ends at."""
+        want: dict[int, int] = {}
+        for c in chains:
+            require(c.held, f"a live sequence's chain is not held: {c}")
+            if c.hash is not None and c.node != ROOT:
+                want[c.node] = want.get(c.node, 0) + 1
+        require(want == self._held, f"held chains end at {self._held}, the live ones at {want}")
 
     def check_page(self, p: int, require: Require) -> None:
         """Checks cached page ``p``: indexed, hashed from its tokens and a registered parent."""
@@ -511,4 +584,4 @@ class PrefixCache:
             else:
                 require(pe is not None and pe.hash == e.parent_hash, f"stub {node}: bad parent")
             below = self._children.get(node) or self._stub_children.get(node)
-            require(bool(below), f"stub {node} has nothing cached under it")
+            require(bool(below) or node in self._held, f"stub {node} has nothing cached under it")

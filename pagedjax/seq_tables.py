@@ -295,7 +295,8 @@ class SeqTables:
                 f"cannot fork {parent_id!r}: token {parent.unknown} has no value yet"
             )
         self._pool.share(parent.pages[parent.released :])
-        self._seqs[child_id] = parent.forked()
+        child = self._seqs[child_id] = parent.forked()
+        self._prefix.hold(child.chain)
         self._freed.pop(child_id, None)
 
     def free(self, seq_id: Hashable) -> None:
@@ -330,6 +331,7 @@ class SeqTables:
             # release_before freed the head first: evicting it would uncache the whole
             # chain, so the chain's pages are freed again, tail first, as a full one is.
             self._pool.refresh(self._prefix.chain_pages(s.chain.node))
+        self._prefix.let_go(s.chain)
         self._freed[seq_id] = None
         if len(self._freed) > _FREED_MEMORY:
             self._freed.popitem(last=False)
