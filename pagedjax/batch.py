@@ -135,10 +135,11 @@ class StepBatch:
         # scalar store costs about as much as building the list entry, so at B=256 this
         # halves the packing time.
         starts, ctx, sampled, decoding, decoding_ids = [], [], [], [], []
-        temp, top_k, top_p, min_p, seeds, steps = [], [], [], [], [], []
+        values, seeds, steps = [], [], []  # values: (temperature, top_k, top_p, min_p)
         # Per SamplingParams (rows of one request, often of one `generate` call, share
-        # it): whether it has penalties, and constraints of its own (frozen params).
-        flags: dict[int, tuple[bool, bool]] = {}
+        # it; frozen params): its values, whether it has penalties, and constraints of
+        # its own; its logprobs are counted in `top_k_needed` when it is first seen.
+        flags: dict[int, tuple[tuple, bool, bool]] = {}
         off = 0
         for i, r in enumerate(rows):
             starts.append(off)
@@ -152,21 +153,22 @@ class StepBatch:
             elif r.samples:
                 req = g.request
                 params = req.params
-                if params.logprobs is not None:  # (logprobs=0: the smallest top-k's step
-                    # still computes the token's rank)
-                    self.top_k_needed = max(self.top_k_needed, params.logprobs, 1)
-                sampled.append(i)
-                temp.append(params.temperature)
-                top_k.append(params.top_k)
-                top_p.append(params.top_p)
-                min_p.append(params.min_p)
                 f = flags.get(id(params))
                 if f is None:
                     own = params.allowed_token_ids is not None or bool(params.bad_words)
-                    f = flags[id(params)] = (params.penalised, own)
-                if f[0]:
+                    f = flags[id(params)] = (
+                        (params.temperature, params.top_k, params.top_p, params.min_p),
+                        params.penalised,
+                        own,
+                    )
+                    if params.logprobs is not None:  # (logprobs=0: the smallest top-k's
+                        # step still computes the token's rank)
+                        self.top_k_needed = max(self.top_k_needed, params.logprobs, 1)
+                sampled.append(i)
+                values.append(f[0])
+                if f[1]:
                     self.penalised.append(i)
-                if f[1] or req.banned is not None or req.guide is not None:
+                if f[2] or req.banned is not None or req.guide is not None:
                     self.biased.append(i)
                 seeds.append(r.seq.seed)
                 steps.append(r.start + q - r.seq.num_prompt_tokens)
@@ -190,6 +192,7 @@ class StepBatch:
         self.context_lens[:n] = ctx
         if sampled:
             sampled = np.array(sampled)  # (once: each store would convert the list again)
+            temp, top_k, top_p, min_p = zip(*values, strict=True)  # (columns, at C speed)
             with np.errstate(over="ignore"):  # past float32: +inf (sampling.sample)
                 self.temperature[sampled] = temp
             self.top_k[sampled] = top_k

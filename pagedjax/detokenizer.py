@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from pagedjax.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
+_INT = {int}  # the type of ids `_index_ids` takes as they are
 # Prompt ids a completion is decoded after (`Tokenizer.decode(context=...)`): enough for
 # a decoder's first-token rules to see a token of text before the completion.
 CONTEXT_IDS = 8
@@ -168,18 +169,22 @@ class DecodeMixin:
         hole is dropped as well, so that the stream's window never slides to a chunk of
         nothing (the next token then decoded as the text's first: "<unk>t" for "<unk> t").
         """
-        return [i for i in self._index_ids(ids) if i < self.vocab_size and i not in self._holes]
+        ids = self._index_ids(ids)
+        if not self._holes and (not ids or max(ids) < self.vocab_size):
+            return ids  # (all of them: the usual case, without a filter per id)
+        return [i for i in ids if i < self.vocab_size and i not in self._holes]
 
     @staticmethod
     def _index_ids(ids: Iterable[int]) -> list[int]:
-        """`ids` as ints, all of them; raises on a non-int or a negative id."""
+        """`ids` as ints, all of them (a new list); raises on a non-int or a negative id."""
         ids = _id_list(ids)
-        for i in ids:  # int() would truncate 3.7 and parse "3"
-            if isinstance(i, bool) or not hasattr(type(i), "__index__"):
-                raise TypeError(f"token ids must be ints, got {type(i).__name__} {i!r:.40}")
-        ids = [operator.index(i) for i in ids]
-        bad = [i for i in ids if i < 0]
-        if bad:
+        if {*map(type, ids)} - _INT:  # (plain ints, a sequence's token ids, need no check)
+            for i in ids:  # int() would truncate 3.7 and parse "3"
+                if isinstance(i, bool) or not hasattr(type(i), "__index__"):
+                    raise TypeError(f"token ids must be ints, got {type(i).__name__} {i!r:.40}")
+            ids = [operator.index(i) for i in ids]
+        if ids and min(ids) < 0:
+            bad = [i for i in ids if i < 0]
             raise ValueError(f"token ids must be >= 0, got {bad[:10]}")
         return ids
 

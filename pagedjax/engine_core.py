@@ -445,9 +445,12 @@ class EngineCore:
         rec = StepRecord(
             num_rows=len(live),
             num_prefill_tokens=plan.num_prefill_tokens,
-            num_decode_tokens=sum(1 for r in live if r.decode),
+            # (every prefill row has a token: with none, every live row is a decode row)
+            num_decode_tokens=(
+                len(live) if not plan.num_prefill_tokens else sum(1 for r in live if r.decode)
+            ),
             decode=inp.decode,
-            context_tokens=self._tokens_read(live),
+            context_tokens=self._tokens_read(live, len(plan.rows), batch.context_lens),
             kv_used_pages=self.block_manager.stats().num_used_pages,
             compiled=compiles > 0,
             host_hidden_s=0.0,
@@ -459,11 +462,15 @@ class EngineCore:
         )
         return rec, leaves
 
-    def _tokens_read(self, live) -> int:
+    def _tokens_read(self, live, num_rows: int, context_lens: np.ndarray) -> int:
         """K/V tokens the step's attention reads: each row's context, or under a sliding
-        window of W, its chunk's windows' union (W - 1 positions before the chunk)."""
+        window of W, its chunk's windows' union (W - 1 positions before the chunk).
+        `num_rows`: the plan's rows; `context_lens`: the StepBatch's (numpy), row i's
+        `start + num_tokens` for each live row i (read at once when every row is live)."""
         w = self.model_config.sliding_window
         if w is None:
+            if len(live) == num_rows:
+                return int(context_lens[:num_rows].sum(dtype=np.int64))
             return sum(r.start + r.num_tokens for r in live)
         return sum(min(r.start, w - 1) + r.num_tokens for r in live)
 

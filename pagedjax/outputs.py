@@ -187,7 +187,7 @@ class OutputProcessor(LogprobsMixin, OutputBuilderMixin):
             self._prompt_logprobs(plan, *targets)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()  # Python scalars, at once
         now = perf_counter()
-        running = SeqStatus.RUNNING
+        running, final_only = SeqStatus.RUNNING, RequestOutputKind.FINAL_ONLY
         rows = [  # (`r.live`, inlined)
             i
             for i, r in enumerate(plan.rows)
@@ -205,23 +205,27 @@ class OutputProcessor(LogprobsMixin, OutputBuilderMixin):
         try:
             for i in rows:
                 r = plan.rows[i]
-                if r.seq.status is not SeqStatus.RUNNING:
+                s = r.seq
+                if s.status is not running:
                     continue  # an on_token callback aborted the request
-                r.seq.pending -= 1
-                req = r.group.request
+                s.pending -= 1
+                g = r.group
+                req = g.request
                 if req.first_token is None:
                     req.first_token = now
                     self.metrics.record_first_token(len(req.prompt_ids), now - req.arrival)
                 if req.beam is not None:
-                    beam = (r.seq, top_ids[i], top_lps[i])
-                    beams.setdefault(id(r.group), [r.group, r.epoch]).append(beam)
+                    beam = (s, top_ids[i], top_lps[i])
+                    beams.setdefault(id(g), [g, r.epoch]).append(beam)
                     continue
-                self._token_logprobs(req, r.seq, tokens[i], logprobs[i], top_ids, top_lps, ranks, i)
-                self._accept(req, r.seq, tokens[i], logprobs[i], on_token)
-                if r.group.done and r.group.epoch == r.epoch:  # finished, not aborted
+                tok, lp = tokens[i], logprobs[i]
+                if s.logprobs is not None:  # (`_token_logprobs` adds nothing otherwise)
+                    self._token_logprobs(req, s, tok, lp, top_ids, top_lps, ranks, i)
+                self._accept(req, s, tok, lp, on_token)
+                if g.done and g.epoch == r.epoch:  # finished, not aborted
                     done.append(self._finish(req, now))
-                elif req.params.output_kind != RequestOutputKind.FINAL_ONLY:
-                    partial[id(r.group)] = req, r.epoch
+                elif req.params.output_kind != final_only:
+                    partial[id(g)] = req, r.epoch
             for g, epoch, *results in beams.values():
                 if g.epoch != epoch:  # an on_token callback aborted it: its abort returned
                     continue  # its last output (a selection would fork off freed beams)
@@ -353,7 +357,7 @@ class OutputProcessor(LogprobsMixin, OutputBuilderMixin):
         or (None, None). Feeds the token to its detokenizer, and records where a stop
         string it completed starts (`Sequence.stop_pos`)."""
         stop, m = None, req.params.min_tokens
-        if s.num_generated >= m and tok in req.stop_ids:  # (not drawn before token m + 1)
+        if tok in req.stop_ids and s.num_generated >= m:  # (not drawn before token m + 1)
             return "stop", tok
         if s.detok is not None:
             # As vLLM: the first min_tokens tokens' text is not searched, so a stop string

@@ -41,7 +41,7 @@ class SeqPages:
     """A live sequence's pages, tokens and progress."""
 
     pages: list[int]  # logical page -> physical page
-    table: np.ndarray  # [capacity] int32, pages mirrored for fast page_tables()
+    table: np.ndarray  # [capacity] int32, pages mirrored for fast page_tables(); PAD_PAGE after
     tokens: bytearray  # every token id, int64 little-endian
     num_tokens: int
     num_computed: int  # tokens whose K/V is on the device (or written this step)
@@ -153,6 +153,8 @@ class SeqPages:
         require(k - r <= s.peak or not s.peak, f"{sid!r} holds {k - r} > {s.peak} pages")
         table = s.table[:k].tolist()
         require(table == [PAD_PAGE] * r + held, f"{sid!r}: table mirror is stale")
+        # (past the pages: PAD_PAGE, which `SeqTables.page_tables` copies as padding)
+        require(bool((s.table[k:] == PAD_PAGE).all()), f"{sid!r}: table mirror past its pages")
         require(len(s.tokens) == 8 * s.num_tokens, f"{sid!r}: token buffer length")
         require(0 <= s.num_computed <= s.num_tokens, f"{sid!r}: num_computed out of range")
         require(1 <= s.num_prompt <= s.num_tokens, f"{sid!r}: num_prompt out of range")
