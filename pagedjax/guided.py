@@ -91,10 +91,11 @@ class StructuredOutputsParams:
         oneOf (where no value can match two branches: different types, const / enum
         values, or a discriminated union's), allOf (merged: required lists and
         properties joined, the stricter bound; the keywords beside these and beside
-        $ref go into each branch), nullable, type lists, local $ref (#/$defs/...,
-        #/definitions/...; recursive ones unrolled `json_schema.REF_DEPTH` deep) and {}
-        (any value). Annotations (title, description, default, discriminator, ...) are
-        ignored; any other keyword (multipleOf but 1, uniqueItems true, ...), a bound
+        $ref go into each branch), nullable ("or null", beside $ref or allOf too),
+        type lists, local $ref (#/$defs/..., #/definitions/...; recursive ones unrolled
+        `json_schema.REF_DEPTH` deep) and {} (any value). Annotations (title,
+        description, default, discriminator, ...) are ignored; any other keyword
+        (multipleOf but 1, uniqueItems true, ...), a bound
         on a number that is not a whole number, a pattern combined with lengths, a
         format with lengths not all its strings fit, an unknown format, keywords to
         merge with different values, or a oneOf whose branches may overlap is a

@@ -5,7 +5,8 @@ branch is valid for another (the rule and why: `json_schema`'s docstring). To sh
 branches apart it reads, without writing a regex, what it can know of the values valid
 for a schema (`facts_of`): their kinds, a finite set holding them all, the keys every
 valid object has, the schemas a key's value meets; and the kinds of the values
-`json_schema` generates for it (`_generated_kinds`).
+`json_schema` generates for it (`_generated_kinds`). `admits_null` is whether null is
+valid for one of the schemas `json_schema` merges (allOf, and beside $ref / anyOf / oneOf).
 
 `OneOfMixin` is a base of `json_schema._Schema` (it calls the schema's `all_of`,
 `pointer` and `error`), apart from it because it reasons about the values schemas allow,
@@ -18,7 +19,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-__all__ = ["BOUNDS", "TYPE_KEYWORDS", "OneOfMixin", "canon"]
+__all__ = ["BOUNDS", "TYPE_KEYWORDS", "OneOfMixin", "admits_null", "canon"]
 
 BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
 # Keywords of one type: a schema without type is read as the types of those it has.
@@ -29,6 +30,8 @@ TYPE_KEYWORDS = {
     "number": {*BOUNDS, "multipleOf"},
 }
 
+# Keywords of a schema without type that make null invalid (`admits_null`).
+_NOT_NULL = frozenset({"anyOf", "oneOf"}).union(*TYPE_KEYWORDS.values())
 _KINDS = frozenset(("string", "number", "boolean", "null", "array", "object"))
 _FACTS_CALLS = 10_000  # the work `OneOfMixin.one_of` may do for one oneOf
 _MAX_PAIRS = 1_000_000  # branches of a oneOf compared pairwise (about 1 s)
@@ -77,6 +80,22 @@ def _generated_kinds(s, valid: frozenset) -> frozenset:
     if {"type", "const", "enum", "$ref", "anyOf", "oneOf", "allOf"} & set(s):
         return valid
     return frozenset(k for k, keys in TYPE_KEYWORDS.items() if keys & set(s)) or _KINDS
+
+
+def admits_null(s: dict) -> bool:
+    """Whether null is valid for the schema `s` (no $ref or allOf in it; a nullable
+    around it not counted) as `json_schema` writes it: nullable, "null" among its
+    types, null among its enum / const values (and its types), or no keyword of a type
+    (any value). With anyOf or oneOf: False (where a branch allows null, it writes it)."""
+    if s.get("nullable") is True:
+        return True
+    kind = s.get("type")
+    if kind is not None and not (kind == "null" or (isinstance(kind, list) and "null" in kind)):
+        return False
+    if "const" in s or "enum" in s:
+        values = [s["const"]] if "const" in s else s["enum"]
+        return isinstance(values, list) and any(v is None for v in values)
+    return kind is not None or not _NOT_NULL & set(s)
 
 
 class OneOfMixin:

@@ -9,15 +9,19 @@ Supported: type string (enum, const, pattern, minLength/maxLength, format date /
 date-time / uuid / email / uri), integer and number (minimum, maximum, exclusiveMinimum,
 exclusiveMaximum, also draft 4's boolean exclusive*; multipleOf 1 on integers), boolean,
 null, array (items, prefixItems, minItems/maxItems, uniqueItems false), object
-(properties, `required`, additionalProperties), enum and const (their values of the type,
-if given), anyOf, oneOf (see below), allOf, nullable (OpenAPI: "or null"), type lists,
-local $ref ("#" and a JSON pointer after it, percent-decoded; recursive ones unrolled
-`REF_DEPTH` deep) and {} (any value). allOf's schemas, and the keywords beside anyOf /
-oneOf / allOf / $ref with each branch, are merged into one schema: required lists and
-properties joined (a property in both: both its schemas hold), the types in both, the
-stricter bound or length; nullable only where all are. Annotations (title, description,
-default, discriminator, ...) are ignored. Any other keyword, an unknown type or format, a
-pattern with a format or lengths, a format with lengths that not all its strings fit, a
+(properties, `required`, additionalProperties), enum and const (their values of the
+type, if given), anyOf, oneOf (see below), allOf, nullable (OpenAPI: "or null", of all
+its schema object says, a $ref or allOf in it too; wider than OpenAPI 3.0.3, where it
+adds null to the type beside it alone, and enum [1] or a $ref without type refuses
+null), type lists, local $ref ("#" and a JSON pointer after it, percent-decoded;
+recursive ones unrolled `REF_DEPTH` deep) and {} (any value). allOf's schemas, and the
+keywords beside anyOf / oneOf / allOf / $ref with each branch, are merged into one
+schema: required lists and properties joined (a property in both: both its schemas
+hold), the types in both, the stricter bound or length; null where each allows it
+(nullable, or around a nullable, or null in its type or enum, or no keyword of a type;
+with anyOf / oneOf: as its branches say). Annotations (title, description, default,
+discriminator, ...) are ignored. Any other keyword, an unknown type or format, a pattern
+with a format or lengths, a format with lengths that not all its strings fit, a
 maxLength or maxItems below its minLength or minItems, a number's bound that is not a
 whole number, multipleOf but 1 on integers, uniqueItems true, keywords but type beside
 enum or const, a NaN or infinity in enum or const, a keyword to merge with two values
@@ -77,6 +81,7 @@ import urllib.parse
 
 from pagedjax.json_one_of import TYPE_KEYWORDS as _TYPE_KEYWORDS
 from pagedjax.json_one_of import OneOfMixin
+from pagedjax.json_one_of import admits_null as _admits_null
 from pagedjax.json_one_of import canon as _canon
 from pagedjax.json_scalars import SCALARS as _SCALARS
 from pagedjax.json_scalars import ScalarMixin
@@ -280,34 +285,64 @@ class _Schema(OneOfMixin, ScalarMixin):
         merged into one ($refs resolved, allOfs flattened), as `finish(schema, path)`
         writes it (default `value`). The $refs merged stay open (`refs`) until it is
         written; one merged already, but not around this one, adds nothing (allOf: [A,
-        A]: A once, where a DAG of such refs would take time exponential in its depth)."""
-        todo = [(sub, at, frozenset()) for sub, at in reversed(subs)]  # (the next: last)
-        opened, pushed = set(), 0
+        A]: A once, where a DAG of such refs would take time exponential in its depth),
+        but where it was merged only inside a nullable $ref / allOf (A's own null, or
+        not, then holds). It is nullable where null is valid for each schema merged
+        (`json_one_of.admits_null`) or a nullable $ref / allOf around it ((null or A)
+        and B: null where B allows it); a $ref cut off (`REF_DEPTH`) inside a nullable
+        one leaves just that null."""
+        todo = [(sub, at, frozenset(), False) for sub, at in reversed(subs)]  # (next: last)
+        opened, pushed = {}, 0
+        null_ok, cut = _admits_null(merged), False  # null valid for all; "or null" cut off
         try:
             while todo:
-                sub, at, inside = todo.pop()  # inside: the refs it comes from
+                # inside: the refs it comes from; nulled: inside a nullable $ref / allOf
+                sub, at, inside, nulled = todo.pop()
                 if sub is True:
                     continue
                 if not isinstance(sub, dict):
                     raise self.error(at, f"a schema must be an object, got {sub!r:.80}")
+                if "$ref" in sub or isinstance(sub.get("allOf"), list):
+                    if not isinstance(sub.get("nullable", False), bool):
+                        raise self.error(
+                            at, f"nullable must be a bool, got {sub['nullable']!r:.80}"
+                        )
+                    nulled = nulled or sub.get("nullable", False)  # (null or all of it)
                 if "$ref" in sub:
                     ref = sub["$ref"]
                     node = self.pointer(ref, at)
-                    todo.append(({k: v for k, v in sub.items() if k != "$ref"}, at, inside))
-                    if ref in opened and ref not in inside:
+                    rest = {k: v for k, v in sub.items() if k != "$ref"}
+                    todo.append((rest, at, inside, nulled))
+                    seen = opened.get(ref)  # merged here: True where only in "or null"s
+                    if seen is not None and ref not in inside:
+                        if seen is False or nulled:
+                            continue
+                        opened[ref] = False  # again, out of the "or null": its own null
+                        todo.append((node, ref, inside | {ref}, nulled))
                         continue
                     if self.refs.count(ref) >= REF_DEPTH:
-                        return NOTHING
+                        if not nulled:
+                            return NOTHING
+                        cut = True  # (null or nothing): null, where all the rest allow it
+                        continue
                     self.refs.append(ref)
-                    opened.add(ref)
+                    opened[ref] = opened.get(ref, True) and nulled
                     pushed += 1
-                    todo.append((node, ref, inside | {ref}))
+                    todo.append((node, ref, inside | {ref}, nulled))
                 elif isinstance(sub.get("allOf"), list):
-                    todo.append(({k: v for k, v in sub.items() if k != "allOf"}, at, inside))
-                    inner = [(x, f"{at}/allOf/{j}", inside) for j, x in enumerate(sub["allOf"])]
-                    todo += reversed(inner)
+                    rest = {k: v for k, v in sub.items() if k != "allOf"}
+                    todo.append((rest, at, inside, nulled))
+                    subs = enumerate(sub["allOf"])
+                    todo += reversed([(x, f"{at}/allOf/{j}", inside, nulled) for j, x in subs])
                 else:
+                    null_ok = null_ok and (nulled or _admits_null(sub))
                     merged = self.merge(merged, sub, at)
+            if cut:
+                if not null_ok:
+                    return NOTHING
+                merged = {"type": "null"}
+            elif null_ok and not merged.get("nullable"):
+                merged = {**merged, "nullable": True}
             return (finish or self.value)(merged, path)
         finally:
             del self.refs[len(self.refs) - pushed :]
