@@ -3,7 +3,10 @@
 Shape and dtype checks always run. Value checks (page ids in range, lengths within
 the page table's capacity, monotone `query_start_loc`) run only when the arrays
 are concrete: under an outer `jax.jit` they are tracers and the caller (the block
-manager and the step builder) is responsible for them.
+manager and the step builder) is responsible for them. A bad traced value gives a
+garbage output, never a load, DMA or store outside an array: the kernels clamp what
+they index with (page ids as the XLA reference reads them, `int_ops.page_ids`; lengths
+to the page table's capacity; the GPU ragged kernel's `query_start_loc` into the rows).
 
 Page ids are checked only where a call reads them (`read_tokens`): sequence `b`
 reads the pages holding its tokens `[lo, hi)`, `hi` its length and `lo` the first

@@ -15,7 +15,10 @@ the kernel is built around reading every live K/V byte exactly once:
   large one. Every load is masked at token granularity, and the loop bounds
   come from the sequence's length (and sliding window): pages past the length,
   and pages wholly before the window, are never touched; page-table padding is
-  never read.
+  never read. Values the host cannot check (a traced table or lengths under an
+  outer jit) never move a load outside the arrays: a length reads as at most
+  `max_pages * S` (a negative one as 0), a page id as the XLA reference reads it
+  (`int_ops.page_ids`); the output is then garbage, the memory accesses are not.
 * The page ids of block i + 1 are read in iteration i and carried in the loop
   state, so the K/V loads of an iteration depend on the loop state rather than
   on a load of the same iteration. Triton's pipeliner splits the stages among
@@ -242,6 +245,7 @@ def _decode_kernel(
     b = pl.program_id(0)
     split = pl.program_id(2)
     head_dim = q_ref.shape[-1]
+    num_pages = k_ref.shape[1] // page_size
 
     # Query heads of this program: rows of the tile; rows past the group are padding.
     kv_head, heads, row_ok = program_heads(group, block_h, head_blocks)  # [block_h]
@@ -266,10 +270,12 @@ def _decode_kernel(
     kv_zero = jnp.zeros((), k_ref.dtype)
 
     def rows_of(i):
-        # K/V rows of block i, through the page table (masked past the live tokens).
+        # K/V rows of block i, through the page table (masked past the live tokens). The
+        # ids are clamped into the pool: a traced table is unchecked (`int_ops.page_ids`).
         tok = i * block_kv + lax.iota(jnp.int32, block_kv)
         live = (tok >= lo) & (tok < hi)
         page = plgpu.load(page_table_ref.at[b, int_ops.div(tok, page_size)], mask=live, other=0)
+        page = int_ops.page_ids(page, num_pages)
         return page * page_size + int_ops.rem(tok, page_size)
 
     def body(i, carry):

@@ -23,6 +23,10 @@ How it works:
   Edge blocks (the last one, the first one under a window) mask logits to -inf
   and the unfilled V rows to 0, so stale or uninitialised VMEM never leaks in;
   interior blocks skip the masks.
+  Values the host cannot check (a traced table or lengths under an outer jit)
+  never move a DMA outside the pools or the page table: a length reads as at most
+  `max_pages * S` (a negative one copies nothing), a page id as the XLA reference
+  reads it (`int_ops.page_ids`).
 * Online softmax in float32: running max and sum in `[Gp, 1]` VMEM scratch, the
   output accumulator in `[Gp, D]` float32 scratch, normalised once at the end.
 
@@ -169,7 +173,8 @@ def _kernel(
         p_hi = jnp.minimum((blk + 1) * pages_per_block, int_ops.div(n + page_size - 1, page_size))
 
         def one_page(p, carry):
-            page = page_table_ref[b * max_pages + p]
+            # Clamped into the pool: a traced table is unchecked (`int_ops.page_ids`).
+            page = int_ops.page_ids(page_table_ref[b * max_pages + p], k_hbm.shape[1])
             dst = p - blk * pages_per_block
             for kind, hbm, buf in pools:
                 act(pltpu.make_async_copy(hbm.at[h, page], buf.at[slot, dst], sems.at[kind, slot]))

@@ -68,6 +68,14 @@ Triton converts e4m3fn only on sm89+ (Ada, Hopper: the H100/H200 are fine); on
 older GPUs the Triton lowering raises "cannot cast from `float8_e4m3fn`". e5m2
 pages are checked in the interpreter and lowered, never run on a GPU.
 
+Values the host cannot check (a traced page table, `context_lens` or
+`query_start_loc` under an outer jit) never move a load or store outside the
+arrays; the output is then garbage, the memory accesses are not. The wrapper reads
+`query_start_loc` as `clip(cummax(loc), 0, T)` and `context_lens` as clipped to
+`[0, max_pages * S]` (XLA ops on `B + 1` values, beside the schedule's), and the
+kernel reads each page id as the XLA reference does (`int_ops.page_ids`). Valid
+inputs pass unchanged.
+
 Supported: everything in `pallas_kernels.reference`'s conventions (GQA/MQA with
 any group size, soft cap, sliding window, float32 and bfloat16, any page size,
 batch, T and max_pages), and unscaled FP8 pages. Head dims up to
@@ -89,6 +97,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import int_ops
 from pallas_kernels.paged_decode.gpu_merge import head_columns, with_cols
 from pallas_kernels.validation import (
     check_gpu_head_dim,
@@ -136,6 +145,7 @@ def _kernel(
     blk = sched_ref[1, j]
     m_rows = block_q * group_pad
     head_dim = q_ref.shape[-1]
+    num_pages = k_ref.shape[0] // page_size
 
     @pl.when(seg >= 0)
     def _():
@@ -184,9 +194,11 @@ def _kernel(
             return kv_pos, (kv_pos >= kv_lo) & (kv_pos < kv_hi)
 
         def rows_of(kv_pos, kv_ok):
-            # K/V rows of those tokens through the page table (0 where masked).
+            # K/V rows of those tokens through the page table (0 where masked); the ids
+            # are clamped into the pool, a traced table being unchecked (`int_ops.page_ids`).
             page_idx = jnp.where(kv_ok, kv_pos // page_size, 0)
             page = plgpu.load(pt_ref.at[page_base + page_idx], mask=kv_ok, other=0)
+            page = int_ops.page_ids(page, num_pages)
             return jnp.where(kv_ok, page * page_size + kv_pos % page_size, 0)
 
         def body(i, carry, masked):
@@ -445,12 +457,17 @@ def _ragged_call(
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     num_seqs, max_pages = page_table.shape
     group = num_heads // num_kv_heads
-    query_start_loc = query_start_loc.astype(jnp.int32)
+    # Traced values the host could not check are read within bounds (the module
+    # docstring, "Values the host cannot check"): a non-decreasing query_start_loc in
+    # [0, T] keeps every program's query rows in q and the output, and context_lens in
+    # [0, max_pages * S] keeps its page walk in its page-table row.
+    query_start_loc = jnp.clip(lax.cummax(query_start_loc.astype(jnp.int32)), 0, num_tokens)
+    context_lens = jnp.clip(context_lens.astype(jnp.int32), 0, max_pages * page_size)
     num_segments = min(num_seqs + 1, num_tokens)
     num_q_blocks = (num_tokens + num_segments * (block_q - 1)) // block_q
     sched = _schedule(query_start_loc, num_tokens, block_q, num_q_blocks)
     qsl = jnp.concatenate([query_start_loc, jnp.full((1,), num_tokens, jnp.int32)])
-    ctx = jnp.concatenate([context_lens.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
+    ctx = jnp.concatenate([context_lens, jnp.zeros((1,), jnp.int32)])
     kv_rows = num_pages * page_size
     kernel = functools.partial(
         _kernel,

@@ -50,6 +50,14 @@ Mosaic constraints handled here rather than by the caller:
   it are replaced before the softmax, so neither uninitialised VMEM nor a recycled page's
   NaN/inf reaches the output; the K/V buffers need no clearing.
 
+Values the host cannot check (a traced page table, `context_lens` or `query_start_loc`
+under an outer jit) never move a DMA or an SMEM read outside its array; the output is
+then garbage, the memory accesses are not. The wrapper clips `context_lens` to
+`[0, max_pages * S]` (an elementwise XLA op on B values), which bounds each sequence's
+page walk by its page-table row, and the kernel reads each page id as the XLA reference
+does (`int_ops.page_ids`). `query_start_loc` needs no clamp: q and the output move
+through BlockSpecs, and the page walk is bounded by the context length alone.
+
 Tuning (keyword-only, defaults per shape from `default_tuning`): `block_q` query tokens per
 grid step (~256 dot rows: 128 for G <= 2, 64 for G=4, 32 for G=8, 16 beyond; never more than
 T rounded up), `pages_per_block` pages per KV block (`block_kv` ~512 keys, 256 for D=256, at
@@ -177,7 +185,8 @@ def _kernel(
         row = seq_ref[c] * max_pages + first
 
         def body(i, carry):
-            page = pt_ref[row + i]
+            # Clamped into the pool: a traced table is unchecked (`int_ops.page_ids`).
+            page = int_ops.page_ids(pt_ref[row + i], k_hbm.shape[1])
             for pool, buf, which in ((k_hbm, kbuf, 0), (v_hbm, vbuf, 1)):
                 fn(pltpu.make_async_copy(pool.at[kh, page], buf.at[slot, i], sems.at[which, slot]))
             return carry
@@ -383,9 +392,11 @@ def _ragged_tpu(
 
     q4 = q.reshape(t, kv, group, d).transpose(1, 2, 0, 3)  # [K, G, T, D]
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, t_pad - t), (0, 0)))
-    sched = _schedule(
-        context_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32), num_q_blocks, block_q
-    )
+    # A traced context_lens is unchecked: clamped to the page table's capacity, each
+    # sequence's page walk stays in its row (and a negative length cannot wrap its
+    # causal limit around to int32 max). Valid lengths pass unchanged.
+    context_lens = jnp.clip(context_lens.astype(jnp.int32), 0, max_pages * page_size)
+    sched = _schedule(context_lens, query_start_loc.astype(jnp.int32), num_q_blocks, block_q)
     prefetch = (*sched, page_table.astype(jnp.int32).reshape(-1))
 
     q_spec = pl.BlockSpec((pl.Squeezed(), group, block_q, d), lambda hh, i, *_: (hh, 0, i, 0))
