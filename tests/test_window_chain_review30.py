@@ -17,15 +17,17 @@ is evicted (``PrefixCache.hold``): the chain goes on, and the stub goes once the
 chains past it or lets it go (nothing cached under it).
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
+import test_window_pages
 from params_helpers import random_params
 from test_window_pages import dense_greedy
 from test_window_prefix_hits import evict
 
 from pagedjax import planner
 from pagedjax.blocks import BlockManager
-from pagedjax.config import ModelConfig
 from pagedjax.engine import LLM, SamplingParams
 
 PS = 4
@@ -159,19 +161,7 @@ def test_a_tight_cache_keeps_caching_a_prompt_prefilled_in_chunks(w):
 
 # --------------------------------------------------------------- engine
 
-CFG = ModelConfig(
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    hidden_size=32,
-    intermediate_size=48,
-    vocab_size=96,
-    max_position_embeddings=128,
-    dtype="float32",
-    eos_token_ids=(),
-    sliding_window=3,  # <= PS
-)
+CFG = dataclasses.replace(test_window_pages.CFG, sliding_window=3)  # (W <= PS)
 
 
 @pytest.fixture(scope="module")
