@@ -19,7 +19,8 @@ keywords beside anyOf / oneOf / allOf / $ref with each branch, are merged into o
 schema: required lists and properties joined (a property in both: both its schemas
 hold), the types in both, the stricter bound or length; null where each allows it
 (nullable, or around a nullable, or null in its type or enum, or no keyword of a type;
-with anyOf / oneOf: as its branches say). Annotations (title, description, default,
+with anyOf / oneOf: as its branches say); types with no value in common leave that null
+alone, or are a ValueError where one refuses null. Annotations (title, description, default,
 discriminator, ...) are ignored. Any other keyword, an unknown type or format, a pattern
 with a format or lengths, a format with lengths that not all its strings fit, a
 maxLength or maxItems below its minLength or minItems, a number's bound that is not a
@@ -165,6 +166,10 @@ def _floats(v):
 # ---------------------------------------------------------------------------- schemas
 
 
+class _Disjoint(ValueError):
+    """Two types merged (allOf) that no value has: null only, where all allow it."""
+
+
 class _Schema(OneOfMixin, ScalarMixin):
     """JSON schema -> regex text; `ws` is the regex of the whitespace between tokens."""
 
@@ -175,8 +180,8 @@ class _Schema(OneOfMixin, ScalarMixin):
         self.work = 0  # characters of the regexes built so far (`_MAX_WORK`)
         self.memo: dict = {}  # (a $ref, the refs open around it) -> (regex, levels below)
 
-    def error(self, path: str, msg: str) -> ValueError:
-        return ValueError(f"JSON schema at {path}: {msg}")
+    def error(self, path: str, msg: str, kind=ValueError) -> ValueError:
+        return kind(f"JSON schema at {path}: {msg}")
 
     def too_deep(self, path: str) -> ValueError:
         return self.error(path, f"schema nests too deeply: more than {MAX_DEPTH} levels")
@@ -290,10 +295,12 @@ class _Schema(OneOfMixin, ScalarMixin):
         not, then holds). It is nullable where null is valid for each schema merged
         (`json_one_of.admits_null`) or a nullable $ref / allOf around it ((null or A)
         and B: null where B allows it); a $ref cut off (`REF_DEPTH`) inside a nullable
-        one leaves just that null."""
+        one, or types no value has (string and integer) in schemas that all allow null,
+        leave just that null."""
         todo = [(sub, at, frozenset(), False) for sub, at in reversed(subs)]  # (next: last)
         opened, pushed = {}, 0
         null_ok, cut = _admits_null(merged), False  # null valid for all; "or null" cut off
+        disjoint = None  # the first two types merged that no value but null is
         try:
             while todo:
                 # inside: the refs it comes from; nulled: inside a nullable $ref / allOf
@@ -336,8 +343,13 @@ class _Schema(OneOfMixin, ScalarMixin):
                     todo += reversed([(x, f"{at}/allOf/{j}", inside, nulled) for j, x in subs])
                 else:
                     null_ok = null_ok and (nulled or _admits_null(sub))
-                    merged = self.merge(merged, sub, at)
-            if cut:
+                    try:
+                        merged = self.merge(merged, sub, at)
+                    except _Disjoint as e:  # (no value but null, where all allow it)
+                        disjoint = disjoint or e
+            if disjoint and not null_ok:
+                raise disjoint
+            if cut or disjoint:
                 if not null_ok:
                     return NOTHING
                 merged = {"type": "null"}
@@ -375,7 +387,8 @@ class _Schema(OneOfMixin, ScalarMixin):
                 both = [t for t in ws if t in vs or (t == "integer" and "number" in vs)]
                 both += ["integer"] if "number" in ws and "integer" in vs else []
                 if not both:
-                    raise self.error(path, f"type {v!r} and type {w!r}: no value is both")
+                    msg = f"type {v!r} and type {w!r}: no value is both"
+                    raise self.error(path, msg, _Disjoint)
                 out[k] = both
             elif k in _MAX_OF | _MIN_OF and all(
                 isinstance(x, (int, float)) and not isinstance(x, bool) for x in (v, w)

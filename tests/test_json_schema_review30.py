@@ -139,3 +139,41 @@ def test_one_of_with_two_nullable_branches_is_refused():
     s = schema({"oneOf": [NULL_REF, {"type": "string", "nullable": True}]})
     with pytest.raises(ValueError, match="oneOf 0 and 1 may both match one value"):
         StructuredOutputsParams(json=s)
+
+
+@pytest.mark.parametrize(
+    "s, good, bad",
+    [
+        (  # (null or string) and (null or integer): null only
+            {
+                "allOf": [
+                    {"type": "string", "nullable": True},
+                    {"type": "integer", "nullable": True},
+                ]
+            },
+            ["null"],
+            ['"s"', "1", "{}"],
+        ),
+        (  # the same with null in a type list, in a property
+            prop({"allOf": [{"type": ["string", "null"]}, {"type": "integer", "nullable": True}]}),
+            ['{"p": null}'],
+            ['{"p": 1}', '{"p": "s"}'],
+        ),
+        (  # a nullable $ref (an object) and a nullable string
+            schema({"allOf": [NULL_REF, {"type": "string", "nullable": True}]}),
+            ["null"],
+            [OBJ, '"s"'],
+        ),
+    ],
+)
+def test_disjoint_types_that_all_allow_null_leave_null(s, good, bad):
+    """allOf of types no value has but where each allows null: null (before: refused
+    with "no value is both")."""
+    check_cases(s, good, bad)
+
+
+def test_disjoint_types_without_null_are_refused():
+    """... and where one does not allow null, still refused, naming the two types."""
+    s = {"allOf": [{"type": "string", "nullable": True}, {"type": "integer"}]}
+    with pytest.raises(ValueError, match="type 'integer' and type 'string': no value is both"):
+        StructuredOutputsParams(json=s)
