@@ -36,6 +36,7 @@ Where we differ from vLLM on purpose (vLLM's `LLM.beam_search` loop and
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,6 +49,9 @@ if TYPE_CHECKING:
     from pagedjax.engine import LLM
 
 __all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence"]
+
+# How `LLM.generate` names a prompt it refuses (`_queue_all`): "prompt <index>: ...".
+_PROMPT_INDEX = re.compile(r"prompt (\d+): ")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +142,10 @@ def beam_search(
     concurrency_limit: int | None = None,
     lora_request=None,
 ) -> list[BeamSearchOutput]:
-    """`LLM.beam_search`'s body: see there."""
+    """`LLM.beam_search`'s body: see there. A prompt `generate` refuses is named by its
+    index in `prompts`; in chunks (`concurrency_limit`) every prompt is encoded first, so
+    that a bad one is refused before any chunk runs (what only queueing it finds, its
+    pages or length penalty, when its chunk comes)."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be a BeamSearchParams, got {params!r:.80}")
     c = concurrency_limit
@@ -148,10 +155,23 @@ def beam_search(
     prompts, _ = request_lists(prompts, sp, lambda: sp)  # (as generate takes them)
     step = c or max(1, len(prompts))
     loras = llm._per_prompt_loras(lora_request, len(prompts))
+    if step < len(prompts):  # in chunks: a prompt generate would refuse, before any runs
+        for i, p in enumerate(prompts):
+            try:
+                llm._encode(p, sp)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
     outs = []
     for i in range(0, len(prompts), step):
         lr = loras[i : i + step]
-        outs += llm.generate(prompts[i : i + step], sp, use_tqdm=use_tqdm, lora_request=lr)
+        try:
+            outs += llm.generate(prompts[i : i + step], sp, use_tqdm=use_tqdm, lora_request=lr)
+        except (ValueError, TypeError) as e:
+            # generate names a prompt it refuses by its index in the chunk: in `prompts`
+            m = _PROMPT_INDEX.match(str(e)) if i else None
+            if m is None:
+                raise
+            raise type(e)(f"prompt {i + int(m[1])}: {str(e)[m.end() :]}") from None
     tok = llm.tokenizer
     results = []
     for o in outs:

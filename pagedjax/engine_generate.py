@@ -274,7 +274,9 @@ class GenerateMixin:
 
         Raises:
           TypeError: `params` is not a BeamSearchParams.
-          ValueError: a bad `concurrency_limit`; anything `generate` raises.
+          ValueError: a bad `concurrency_limit`; anything `generate` raises, a prompt
+            named by its index in `prompts` (in chunks: every prompt is encoded before
+            the first chunk runs).
         """
         return beam_api.beam_search(
             self,

@@ -43,8 +43,10 @@ class OutputBuilderMixin:
         now = perf_counter() if now is None else now
         g, p = req.group, len(req.prompt_ids)
         comps = []
-        if req.beam is not None and req.beam.hyps:
-            for i, h in enumerate(req.beam.best(req.params.n)):
+        n = req.params.n
+        hyps = [] if req.beam is None else req.beam.best(n)
+        if hyps:
+            for i, h in enumerate(hyps):
                 # Ended on a stop token (EOS or stop_token_ids): that token, as sampling.
                 stop = h.token_ids[-1] if h.finish_reason == "stop" else None
                 comps.append(
@@ -58,12 +60,12 @@ class OutputBuilderMixin:
                         stop,
                     )
                 )
-        else:
+        if len(hyps) < n:  # sampling's sequences; a beam search aborted short of n
             seqs = g.finished + (g.seqs + g.forks if aborted or running else [])
             seqs = sorted(seqs, key=lambda s: s.index)
-            if req.beam is not None:  # aborted before any hypothesis: the n best beams
-                seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: req.params.n]
-            for rank, s in enumerate(seqs):
+            if req.beam is not None:  # the best running beams after the hypotheses
+                seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: n - len(hyps)]
+            for rank, s in enumerate(seqs, len(hyps)):
                 gen = s.token_ids[p:]
                 text = req.texts.get(s.seq_id)  # (a finished one's, in an earlier output)
                 if not with_text:
