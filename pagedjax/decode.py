@@ -19,7 +19,10 @@ stays within the number of distinct buckets.
 The steps are functions of pytrees, so they compose with the caller's own transforms:
 `jax.jit` around them, `jax.lax.scan` over decode steps (advance a decode `StepInput`'s
 `token_ids`, `positions`, `slot_mapping`, `context_lens` and `sample_steps` on the
-device; slots as in `pagedjax.cache`), `jax.vmap` over stacked caches and inputs. Under
+device; slots as in `pagedjax.cache`; a step runs its copy pairs every time, so clear a
+fork's, `copy_dst` all -1, before advancing its StepInput, or each step copies the page
+over the tokens written since; its penalties' history and logit bias stay as built on
+the host, without the tokens the scan draws), `jax.vmap` over stacked caches and inputs. Under
 an outer trace the host checks see shapes only (token ids, positions, page ids and
 slots, and their agreement with the page table and context lengths, are then the
 caller's to keep valid, as they are in device arrays, which the checks do not read

@@ -170,7 +170,7 @@ def score(
     # Split over kv heads with a mesh, else committed where the steps' outputs lie.
     device = sharding.home_device(params)
     cache = sharding.create_cache(cfg, cache_cfg, params.mesh, device=device)
-    chunk_len = prefill_chunk or max(fed)
+    chunk_len = int(prefill_chunk or max(fed))  # (a narrow numpy int's sums wrapped)
     done = [0] * n
     while active := [b for b in range(n) if done[b] < fed[b]]:
         stops = [min(done[b] + chunk_len, fed[b]) for b in active]

@@ -146,6 +146,7 @@ def static_pages(cfg, n: int, max_len: int, page_size, kv_cache_dtype):
             f"page_size must be at most max_position_embeddings={cfg.max_position_embeddings} "
             f"(a sequence's longest context), got {page_size=}"
         )
+    page_size = int(page_size)  # (in a narrow numpy int, -max_len // page_size overflowed)
     per_seq = -(-max_len // page_size)
     num_pages = round_pages(1 + n * per_seq)
     auto = kv_cache_dtype is None or (isinstance(kv_cache_dtype, str) and kv_cache_dtype == "auto")
@@ -258,6 +259,12 @@ def generate(
             f"seed must be an int in [0, 2**32 - {n}] (prompt b samples with seed + b, and "
             f"seeds are uint32), got {seed=}"
         )
+    # As Python ints: sums in a narrow numpy int's own type (seed + b, a prompt's length +
+    # max_new_tokens) wrapped, np.uint8(250) + 6 to seed 0.
+    max_new_tokens, min_tokens, seed, page_size = map(
+        int, (max_new_tokens, min_tokens, seed, page_size)
+    )
+    prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
     if logit_bias is not None and not isinstance(logit_bias, Mapping):
         raise TypeError(
             f"logit_bias must be a mapping of token id -> value, got {logit_bias!r:.80}"

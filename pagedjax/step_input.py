@@ -427,23 +427,39 @@ def _bias_arrays(bias, i: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]
         raise TypeError(
             f"sequence {i}: logit_bias values must be real numbers, got {v!r:.80} for token {t}"
         )
-    ids = np.fromiter((int(t) for t in bias), np.int64, len(bias))
-    values = np.fromiter(bias.values(), np.float64, len(bias))
+    try:
+        ids = np.fromiter((int(t) for t in bias), np.int64, len(bias))
+    except OverflowError:  # an id past int64 (numpy's bare "too large to convert")
+        ids = np.array([t if -(2**63) <= t < 2**63 else -1 for t in map(int, bias)])
     bad = (ids < 0) | (ids >= vocab_size)
     if bad.any():
         raise ValueError(
-            f"sequence {i}: logit_bias token id {int(ids[bad][0])} is outside the "
-            f"vocabulary [0, {vocab_size})"
+            f"sequence {i}: logit_bias token id {int(list(bias)[_first(bad)])} is outside "
+            f"the vocabulary [0, {vocab_size})"
         )
+    try:
+        values = np.fromiter(bias.values(), np.float64, len(bias))
+    except OverflowError:  # an int past float64: +-inf, as one past float32 packs
+        values = np.array([_float(v) for v in bias.values()])
     with np.errstate(over="ignore"):  # past float32's range: +-inf, refused or a ban
         packed = values.astype(np.float32)
     bad = np.isnan(values) | (packed == np.inf)
     if bad.any():
+        t, v = list(bias.items())[_first(bad)]
+        v = repr(v) if len(repr(v)) <= 40 else f"{repr(v)[:40]}..."  # (an int past float)
         raise ValueError(
             f"sequence {i}: logit_bias values must be finite or -inf (as float32: at most "
-            f"{float(np.finfo(np.float32).max):.6g}), got {values[bad][0]}"
+            f"{float(np.finfo(np.float32).max):.6g}), got {v} for token {t}"
         )
     return ids.astype(np.int32), packed
+
+
+def _float(v) -> float:
+    """A real number as a float; an int past float64's range as +-inf."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
 
 
 def pack_penalties(
