@@ -136,11 +136,29 @@ def save_params(params: Params, path, *, overwrite: bool = False, extra_files=()
       extra_files: paths of files (or directories, copied whole) copied into the
         checkpoint under their own names before it moves into place (a tokenizer's),
         so they arrive with it or not at all. Two with one name, or one named as the
-        checkpoint's own files, are a ValueError.
+        checkpoint's own files, are a ValueError; a missing one a FileNotFoundError,
+        before any array is written.
+
+    Raises:
+      TypeError: `params` is not a `Params` (the (config, params) pair of
+        `load_checkpoint`), or `extra_files` is one path rather than a list of them.
     """
     import orbax.checkpoint as ocp  # slow import; only here
 
+    if not isinstance(params, Params):
+        raise TypeError(
+            "params must be pagedjax.model.Params (load_checkpoint returns (config, "
+            f"params): pass the second), got {type(params).__name__}"
+        )
+    if isinstance(extra_files, (str, bytes, os.PathLike)):  # (a str iterates by character)
+        raise TypeError(
+            f"extra_files must be a list of paths, got {type(extra_files).__name__} "
+            f"{extra_files!r:.200}: pass [path]"
+        )
     extra = [Path(f) for f in extra_files]
+    gone = [str(f) for f in extra if not f.exists()]
+    if gone:  # (found by the copy only after every array was written)
+        raise FileNotFoundError(f"extra_files: no such file: {', '.join(gone)}")
     names = [f.name for f in extra]
     clash = sorted(
         {n for n in names if names.count(n) > 1 or n in (ORBAX_PARAMS_DIR, ORBAX_META_FILE)}
@@ -231,6 +249,7 @@ def restore_params(path, cfg: ModelConfig | None = None, *, dtype=None) -> Param
       dtype: shorthand for `dataclasses.replace(cfg, dtype=dtype)`.
 
     Raises:
+      TypeError: a `cfg` that is not a `ModelConfig` (a dtype given in its place).
       ValueError: before any array is read, naming each one: a `cfg` of another model
         than the stored one (the fields and both values), stored arrays that do not
         fit the stored config (each array and both shapes). After the read, restoring
@@ -241,6 +260,11 @@ def restore_params(path, cfg: ModelConfig | None = None, *, dtype=None) -> Param
     """
     import orbax.checkpoint as ocp
 
+    if cfg is not None and not isinstance(cfg, ModelConfig):  # (a dtype given as cfg)
+        raise TypeError(
+            f"cfg must be a ModelConfig or None, got {type(cfg).__name__} {cfg!r:.80}"
+            + ("; a dtype goes in dtype=" if isinstance(cfg, str) else "")
+        )
     root = Path(path).absolute()
     stored = read_orbax_config(root)
     params_dir = root / ORBAX_PARAMS_DIR

@@ -22,11 +22,17 @@ write in) ends with one line on stderr and exit status 2, as generate.py's does;
 to write OUT_DIR (a full disk) with status 1, and a Ctrl-C with status 130: either leaves
 OUT_DIR as it was (the checkpoint is written beside it and moved into place whole).
 OUT_DIR a symlink: the checkpoint it points to is replaced, the link kept.
+`--overwrite` replaces OUT_DIR whole: files put there since (an adapter) go with the old
+checkpoint. A conversion killed mid-write (SIGKILL, the OOM killer) leaves its hidden
+`.NAME.saving-*` directory beside OUT_DIR: the next conversion to OUT_DIR names such
+leftovers and their size (not removing them: one may be a conversion still running).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
 import os
 import sys
 import time
@@ -66,6 +72,34 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
             )
 
 
+def leftovers(out: Path) -> list[Path]:
+    """The directories that saves to `out` killed mid-write (SIGKILL, the OOM killer)
+    left beside it (`save_params` writes `.NAME.saving-*` and moves it into place, and
+    keeps the old one as `.NAME.replaced-*` until the new one is there)."""
+    root = out.resolve()
+    name = glob.escape(root.name)
+    found = [*root.parent.glob(f".{name}.saving-*"), *root.parent.glob(f".{name}.replaced-*")]
+    return sorted(p for p in found if p.is_dir() and not p.is_symlink())
+
+
+def note_leftovers(out: Path) -> None:
+    """One line on stderr naming `leftovers(out)` and their size, if any (not removed: one
+    may be a conversion still running)."""
+    found = leftovers(out)
+    if not found:
+        return
+    size = 0
+    for d, _, files in (w for p in found for w in os.walk(p)):
+        for f in files:
+            with contextlib.suppress(OSError):  # (one a running conversion just moved)
+                size += (Path(d) / f).lstat().st_size
+    print(
+        f"convert_checkpoint: note: {', '.join(map(str, found))} ({size / 2**30:.2f} GiB) "
+        f"left by an interrupted conversion to {out}; remove them unless one is still running",
+        file=sys.stderr,
+    )
+
+
 def one_line(e: BaseException) -> str:
     """`e`'s message on one line (the loader lists each broken file on a line of its own)."""
     return " ".join(str(e).split())
@@ -81,7 +115,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--dtype",
         choices=("bfloat16", "float32", "float16"),
-        help="parameter dtype (default: config.json's torch_dtype)",
+        help="parameter dtype (default: as the HF directory loads: float32 for a checkpoint "
+        "whose config.json dtype (or torch_dtype) says float32; float16 and bfloat16 "
+        "checkpoints: bfloat16, the dtype the kernels are tuned in)",
     )
     parser.add_argument(
         "--merge-lora",
@@ -142,7 +178,9 @@ def main(argv=None) -> int:
             f"convert_checkpoint: error: writing {args.out_dir} failed: {one_line(e)}",
             file=sys.stderr,
         )
+        note_leftovers(Path(args.out_dir))  # (a full disk: what fills it, perhaps)
         return 1
+    note_leftovers(Path(args.out_dir))
     if "tokenizer.json" not in copied:
         print(
             f"convert_checkpoint: note: {args.hf_dir} has no tokenizer.json, so {args.out_dir} "
