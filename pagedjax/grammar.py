@@ -13,11 +13,12 @@ alternative is the empty string); concatenation; groups `( )`; quantifiers `*` `
 `{m}` `{m,}` `{,n}` `{m,n}`; string literals in double quotes; character classes
 `[a-z_]`, `[^"\\\\]`; `.` (any character, newline included, unlike a regex's); rule
 references; comments `#` to the end of the line. Strings and classes take the escapes
-\\n \\t \\r \\xHH \\uHHHH \\UHHHHHHHH and a backslash before any ASCII punctuation (\\\\
-\\" \\] \\- ...) for that character. Anything else (xgrammar's lookahead `(= ...)`,
-Lark's `name: ...` rules, `/regex/` terminals and `%` directives, single-quoted
-strings, unknown escapes) is a ValueError naming it and its line:column, as are a
-rule defined twice, a reference to no rule, no `root` and an empty grammar.
+\\n \\t \\r \\xHH \\uHHHH \\UHHHHHHHH, xgrammar's C escapes \\0 \\a \\b \\e \\f \\v (\\b a
+backspace, as there) and a backslash before any ASCII punctuation (\\\\ \\" \\] \\- ...)
+for that character. Anything else (xgrammar's lookahead `(= ...)`, Lark's `name: ...`
+rules, `/regex/` terminals and `%` directives, single-quoted strings, unknown escapes,
+a lone surrogate) is a ValueError naming it and its line:column, as are a rule defined
+twice, a reference to no rule, no `root` and an empty grammar.
 
 Recursion: a regex (a DFA) cannot count unboundedly, so a rule that derives itself
 (directly or through others) is unrolled: it appears at most `RULE_DEPTH` times on any
@@ -59,7 +60,8 @@ _NAME = re.compile(r"[a-zA-Z0-9_-]+")
 _RULE_HEAD = re.compile(r"([a-zA-Z0-9_-]+)[ \t]*::=")
 _COUNT = re.compile(r"\{[ \t]*(\d*)[ \t]*(,?)[ \t]*(\d*)[ \t]*\}")
 _LARK_HEAD = re.compile(r"[?!]?[a-zA-Z_][a-zA-Z0-9_.]*[ \t]*:(?!:=)")
-_ESCAPES = {"n": 10, "t": 9, "r": 13}
+# llama.cpp's \n \t \r and xgrammar's C escapes besides (its ParseNextEscaped)
+_ESCAPES = {"n": 10, "t": 9, "r": 13, "0": 0, "a": 7, "b": 8, "e": 27, "f": 12, "v": 11}
 _ANY = negate(())  # every character
 _MAX_CP = 0x10FFFF
 _BACKSLASH = "\\"
@@ -161,12 +163,20 @@ class _Parser:
         m = _COUNT.match(self.t, self.i)
         if m is None or (m[1] == "" and m[3] == ""):
             raise self.error("bad repetition count: expected {m}, {m,}, {,n} or {m,n}")
-        lo = int(m[1] or 0)
-        hi = lo if not m[2] else int(m[3]) if m[3] else None
+        lo = self.number(m[1] or "0", m[0])
+        hi = lo if not m[2] else self.number(m[3], m[0]) if m[3] else None
         if hi is not None and hi < lo:
             raise self.error(f"repetition count {m[0]}: its maximum is below its minimum")
         self.i = m.end()
         return lo, hi
+
+    def number(self, digits: str, text: str) -> int:
+        """A repetition count's value (not int() of thousands of digits: Python's own
+        ValueError, naming neither the count nor where)."""
+        digits = digits.lstrip("0") or "0"
+        if len(digits) > 18:  # (far past any count the NFA's size limit lets through)
+            raise self.error(f"repetition count {text:.40} is too large")
+        return int(digits)
 
     def atom(self):
         t, start = self.t, self.i
@@ -241,11 +251,7 @@ class _Parser:
             if c == '"':
                 self.i += 1
                 return "".join(out)
-            if c == "\\":
-                out.append(chr(self.escape()))
-            else:
-                out.append(c)
-                self.i += 1
+            out.append(chr(self.escape() if c == "\\" else self.char()))
 
     def char_class(self):
         start = self.i
@@ -278,10 +284,17 @@ class _Parser:
         return ranges
 
     def class_char(self) -> int:
-        if self.t[self.i] == "\\":
-            return self.escape()
+        return self.escape() if self.t[self.i] == "\\" else self.char()
+
+    def char(self) -> int:
+        """The codepoint of the character here, written as itself: a lone surrogate (a
+        str may hold one: JSON's "\\ud800" decodes to it) is no character, as its
+        escape is not."""
+        cp = ord(self.t[self.i])
+        if 0xD800 <= cp <= 0xDFFF:
+            raise self.error(f"U+{cp:04X} is a surrogate, not a character")
         self.i += 1
-        return ord(self.t[self.i - 1])
+        return cp
 
 
 # ---------------------------------------------------------------------------- to regex text

@@ -418,7 +418,8 @@ def _reaches(start: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Tokenizer -> _TokenTable
 _DFAS: collections.OrderedDict[str, DFA] = collections.OrderedDict()
 _GUIDES: collections.OrderedDict[tuple, Guide] = collections.OrderedDict()
-_REFUSED: collections.OrderedDict[tuple, str] = collections.OrderedDict()  # key -> message
+# (key, limits) -> (message, whether the DFA was too large: a grammar's hint added then)
+_REFUSED: collections.OrderedDict[tuple, tuple[str, bool]] = collections.OrderedDict()
 _LOCK = threading.Lock()
 CACHE_SIZE = 16  # guides (and DFAs, and refusals) kept by compile_guide
 
@@ -469,9 +470,15 @@ def compile_guide(spec: StructuredOutputsParams, tokenizer: Tokenizer, vocab_siz
         try:
             return compile_dfa(pattern)
         except ValueError as e:
-            if spec.grammar is None or "matches nothing" in str(e):  # (not a size error)
+            if "matches nothing" in str(e):  # (not a size error)
                 raise
-            raise too_large(spec.grammar, e) from None
+            raise _TooLarge(str(e)) from None
+
+    def refusal(message: str, too_big: bool) -> ValueError:
+        # A size refusal names this spec's grammar, not the one cached with its regex.
+        if too_big and spec.grammar is not None:
+            return too_large(spec.grammar, message)
+        return ValueError(message)
 
     def make() -> Guide:
         dfa = _lru(_DFAS, pattern, make_dfa)
@@ -503,12 +510,20 @@ def compile_guide(spec: StructuredOutputsParams, tokenizer: Tokenizer, vocab_siz
         if refused is not None:
             _REFUSED.move_to_end((key, limits))
     if refused is not None:
-        raise ValueError(refused)
+        raise refusal(*refused)
     try:
         return _lru(_GUIDES, key, make)
     except ValueError as e:
+        too_big = isinstance(e, _TooLarge)
         with _LOCK:
-            _REFUSED[key, limits] = str(e)
+            _REFUSED[key, limits] = (str(e), too_big)
             while len(_REFUSED) > CACHE_SIZE:
                 _REFUSED.popitem(last=False)
-        raise
+        if not too_big:
+            raise
+        raise refusal(str(e), too_big) from None
+
+
+class _TooLarge(ValueError):
+    """`compile_guide`'s DFA refused as too large (its message the DFA's, any grammar's
+    hint added where it is raised: the refusal is cached by regex, not by grammar)."""
