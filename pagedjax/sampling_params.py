@@ -133,7 +133,7 @@ class SamplingParams:
       detokenize: False leaves the completions' text "" and their logprobs'
         decoded_token None (no decoding on the host; stop strings are refused), as vLLM's.
       structured_outputs: None, or a `pagedjax.guided.StructuredOutputsParams` (a regex,
-        a list of choices or a JSON schema; needs a tokenizer), as vLLM's: each
+        a list of choices, a JSON schema or a grammar; needs a tokenizer), as vLLM's: each
         completion's bytes are a prefix of a match at every step; the stop tokens (EOS)
         can be drawn only where the text is a full match, and a token only where the
         vocabulary's tokens can still complete the match after it, so a completion no
