@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import params_helpers
 import pytest
+from engine_helpers import dense_rows
 
 from pagedjax import decode, sampling, step_input
 from pagedjax.config import PRESETS, CacheConfig
@@ -157,7 +158,7 @@ def params():
 
 @pytest.fixture(scope="module")
 def dense(params):
-    return params_helpers.dense_last_logits(params)
+    return dense_rows(params)
 
 
 def dense_greedy(dense, prompts, max_tokens, biases, min_tokens, stops):

@@ -78,6 +78,18 @@ def test_load_adapter_folds_the_scaling(tmp_path):
         np.testing.assert_allclose(wa @ wb, scaling * a.T @ b.T, rtol=1e-6)
 
 
+_forward = jax.jit(model.forward)
+
+
+def dense_logits(params, seq, width=16) -> np.ndarray:
+    """[len(seq), V] logits of the dense forward of one sequence, padded to `width` so that
+    one compiled program serves every length (causal: the padding changes no position
+    before it; eager `model.forward` compiled each op anew for each length)."""
+    buf = np.zeros((1, width), np.int32)
+    buf[0, : len(seq)] = seq
+    return np.asarray(_forward(params, jnp.asarray(buf)))[0, : len(seq)]
+
+
 def _chunks(prompts, slots):
     tables, nxt = [], 0
     for p in prompts:
@@ -112,12 +124,12 @@ def test_paged_step_matches_the_merged_dense_forward(params, adapters):
     nxt = np.asarray(out.tokens)[: len(prompts)]
     base = None
     for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
-        want = np.asarray(model.forward(ref, jnp.asarray([p + [int(nxt[i])]])))[0]
+        want = dense_logits(ref, p + [int(nxt[i])])
         np.testing.assert_allclose(out.logits[i], want[-2], rtol=2e-4, atol=2e-4)
         if i == 3:
             base = want
     # The adapters change the logits (a no-op LoRA path would pass the above only for row 3).
-    plain = np.asarray(model.forward(params, jnp.asarray([prompts[0]])))[0, -1]
+    plain = dense_logits(params, prompts[0])[-1]
     assert np.abs(np.asarray(out.logits[0]) - plain).max() > 1e-2
     dec = [
         decode.SeqChunk([int(t)], start_pos=len(p), page_table=tb, lora_slot=s)
@@ -128,7 +140,7 @@ def test_paged_step_matches_the_merged_dense_forward(params, adapters):
         params, cache, inp, backend="xla", return_logits=True, lora=weights
     )
     for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
-        want = np.asarray(model.forward(ref, jnp.asarray([p + [int(nxt[i])]])))[0, -1]
+        want = dense_logits(ref, p + [int(nxt[i])])[-1]
         np.testing.assert_allclose(out.logits[i], want, rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(out.logits[3], base[-1], rtol=2e-4, atol=2e-4)
 
@@ -165,7 +177,7 @@ def test_slots_zero_and_a_step_without_slots_are_the_base_model(params, adapters
     out, _ = decode.prefill_step(
         params, cache, inp, backend="xla", return_logits=True, lora=weights
     )
-    want = np.asarray(model.forward(params, jnp.asarray(prompts)))[0, -1]
+    want = dense_logits(params, prompts[0])[-1]
     np.testing.assert_allclose(out.logits[0], want, rtol=2e-4, atol=2e-4)
 
 
@@ -428,5 +440,5 @@ def test_every_family_matches_its_merged_dense_forward(tmp_path, family):
     for p, toks, logits, ref in zip(
         prompts, got.tokens, got.logits, [lora.merge_adapter(params, adapter), params], strict=True
     ):
-        full = np.asarray(model.forward(ref, jnp.asarray([p + toks])))[0]
+        full = dense_logits(ref, p + toks)
         np.testing.assert_allclose(logits, full[len(p) - 1 : -1], rtol=2e-4, atol=2e-4)
