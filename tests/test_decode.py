@@ -92,10 +92,9 @@ def test_chunked_prefill_equals_one_shot_prefill(params):
     _assert_matches_dense(params, prompts, chunked)
 
 
-@pytest.mark.parametrize(
-    "backend, head_dim",
-    [("gpu", 64), ("tpu", 64), ("gpu", 80)],  # 80: padded to 128 inside the GPU kernels
-)
+# 80: padded to 128 inside the GPU kernels, which run the same calls at 64 (the kernels'
+# own tests cover both widths; tests/test_demo_model.py runs them in a model at 32).
+@pytest.mark.parametrize("backend, head_dim", [("tpu", 64), ("gpu", 80)])
 def test_pallas_backends_in_interpret_mode_match_dense(backend, head_dim):
     cfg = dataclasses.replace(TINY, head_dim=head_dim, num_layers=1)
     params = random_params(cfg, seed=2)

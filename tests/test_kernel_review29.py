@@ -3,17 +3,16 @@
 The shape grids (tests/test_paged_decode_{gpu,tpu}.py, tests/test_ragged_{gpu,tpu}.py)
 and the edge cases (tests/test_kernel_edges.py) build their page tables from
 permutations, so no two sequences share a page (only the eager-padding tests' random
-tables may repeat an id, on clean pools), and several of the grids run on clean
-pools. What this file adds, on all four kernels (interpreted; the TPU ones with race
-detection), plus lowering for float16:
+tables may repeat an id, on clean pools). What this file adds, on all four kernels
+(interpreted; the TPU ones with race detection), plus lowering for float16:
 
 * page tables as the block manager makes them: prefix pages shared between sequences
   (a page one sequence reads whole and another only in part, whose tail then holds the
   other's finite, wrong-for-it keys), an id repeated in one row, ids out of order,
   padding that names other sequences' live pages;
-* NaN-poisoned pools (every slot no query sees) on the shape grid points whose tests
-  used clean pools: the TPU decode kernel's grid and the GPU ragged kernel's grid; and
-  the GPU decode kernel's grid with split-K (its grid ran unsplit);
+* NaN-poisoned pools (every slot no query sees) on full shape grids (slow): the TPU
+  decode kernel's whole grid, the GPU ragged kernel's (dtype x D x S) product, and the
+  GPU decode kernel's grid with split-K (its grid runs unsplit);
 * batch 1, lengths of a page plus one, and the GPU kernels' per-shape defaults in the
   branches no interpreted test reached (split-K chosen by `default_tuning`, the ragged
   kernel's decode-batch and mostly-prefill tiles).
@@ -356,31 +355,8 @@ def ragged_grid_case(
 
 # --------------------------------- the TPU decode kernel's grid on poisoned pools
 
-# Its shape-grid tests (tests/test_paged_decode_tpu.py) read clean pools; only two of
-# its tests put NaN in dead slots (bfloat16 S = 16 and the fp8 cases). Here: float32 with
-# a pages_per_block that leaves the last block part empty, bfloat16 with half-tile pages
-# (S = 8, folded in float32), MHA at D = 256, and soft cap with a window.
-TPU_DECODE_FAST = [
-    (F32, (4, 4), 64, 8, dict(pages_per_block=3), dict(sliding_window=13, soft_cap=3.0)),
-    (jnp.bfloat16, (8, 1), 128, 8, dict(pages_per_block=2), {}),
-    (jnp.bfloat16, (2, 2), 256, 128, {}, dict(sliding_window=100)),
-]
-
-
-@pytest.mark.parametrize("dtype,heads,head_dim,page_size,tuning,opts", TPU_DECODE_FAST)
-def test_tpu_decode_poisoned(dtype, heads, head_dim, page_size, tuning, opts):
-    decode_grid_case(
-        "tpu",
-        seed=page_size + head_dim,
-        heads=heads,
-        head_dim=head_dim,
-        page_size=page_size,
-        dtype=dtype,
-        opts=opts,
-        tuning=tuning,
-    )
-
-
+# The kernel's full shape grid (tests/test_paged_decode_tpu.py runs a representative
+# handful by default, on poisoned pools too), with options and shared-prefix tables.
 _HEADS = [(4, 4), (8, 2), (16, 2), (4, 1)]  # MHA, GQA 4, GQA 8, MQA
 _OPTIONS = [{}, dict(sliding_window=13), dict(soft_cap=5.0), dict(sliding_window=21, soft_cap=2.0)]
 _GRID = list(itertools.product([F32, jnp.bfloat16], [64, 128, 256], [8, 16, 32, 64, 128]))
@@ -433,27 +409,10 @@ def test_gpu_decode_split_poisoned_grid(dtype, head_dim, page_size):
 
 # --------------------------------- the GPU ragged kernel's grid on poisoned pools
 
-# Its grid tests (tests/test_ragged_gpu.py `_grid_case`) read clean pools; its poisoned
-# tests are at D <= 100 and S = 8. Here: S = 128 at D = 256, bfloat16, GQA 8.
-GPU_RAGGED_FAST = [
-    (jnp.bfloat16, (8, 1), 256, 128, dict(sliding_window=37, soft_cap=5.0)),
-    (F32, (8, 2), 128, 32, {}),
-]
 
-
-@pytest.mark.parametrize("dtype,heads,head_dim,page_size,opts", GPU_RAGGED_FAST)
-def test_gpu_ragged_poisoned(dtype, heads, head_dim, page_size, opts):
-    ragged_grid_case(
-        "gpu",
-        seed=page_size + head_dim,
-        heads=heads,
-        head_dim=head_dim,
-        page_size=page_size,
-        dtype=dtype,
-        opts=opts,
-    )
-
-
+# Its default grid (tests/test_ragged_gpu.py `_grid_case`) reads poisoned pools too; this
+# is the (dtype, D, S) product with options, which its slow grids (heads x D x dtype)
+# leave out.
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,head_dim,page_size", _GRID, ids=_grid_id)
 def test_gpu_ragged_poisoned_grid(dtype, head_dim, page_size):

@@ -2,8 +2,14 @@
 
 On the CPU the kernel runs in the TPU interpreter with race detection on, and
 is lowered for TPU (Mosaic) without compiling. Each distinct shape costs ~5 s
-of interpreter tracing, so the default set is a representative handful; the
-full grid is marked slow.
+of interpreter tracing, so the default set is a representative handful. The
+kernel reads pools that are NaN in every slot no visible key lives in (tails of
+last pages, slots before the window, pages nobody owns, which page-table padding
+may name); the reference reads the clean ones. The full shape grid, on such pools
+with shared-prefix page tables, is tests/test_kernel_review29.py's slow
+`test_tpu_decode_poisoned_grid`. Through the dispatcher (with the scale, soft cap and
+window): tests/test_kernel_edges.py, tests/test_kernel_review29.py and, for the
+forwarding every kernel shares, tests/test_paged_decode_gpu.py.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 from tpu_interpret import SHARP, assert_no_race, racy_copy_is_flagged
 
-from pallas_kernels import dispatch, reference
+from pallas_kernels import reference
 from pallas_kernels.paged_decode import tpu
 from pallas_kernels.paged_decode.tpu import paged_decode_tpu
 
@@ -111,7 +117,10 @@ def _case(
         lengths=lengths,
     )
     options = {k: kwargs.pop(k) for k in ("scale", "soft_cap", "sliding_window") if k in kwargs}
-    out = _run(*args, interpret=interpret, **options, **kwargs)
+    q, k, v, lens, page_table = args
+    dead = _dead_slots(lens, page_table, k.shape[1], page_size, options.get("sliding_window"))
+    k_nan, v_nan = (jnp.where(dead, jnp.nan, x) for x in (k, v))
+    out = _run(q, k_nan, v_nan, lens, page_table, interpret=interpret, **options, **kwargs)
     _check(out, args, dtype, **options)
 
 
@@ -194,37 +203,6 @@ def test_pages_outside_the_visible_range_are_never_copied():
     _check(out, args, jnp.float32, sliding_window=window)
 
 
-def test_nan_in_dead_slots_does_not_leak():
-    """Every slot no visible key lives in is NaN: pages nobody uses, the tails of last pages,
-    and slots before the sliding window in its first page (the V masks of edge blocks);
-    bf16 with the default block (rounded up)."""
-    lengths, window = [5, 16, 40], 20
-    args = _make_inputs(
-        5,
-        batch=3,
-        kv_heads=1,
-        group=8,
-        head_dim=128,
-        page_size=16,
-        max_pages=3,
-        dtype=jnp.bfloat16,
-        lengths=lengths,
-    )
-    q, k, v, lens, page_table = args
-    live = np.zeros(k.shape[1:3], bool)  # [P, S]
-    table = np.asarray(page_table)
-    for b, n in enumerate(lengths):
-        for t in range(max(n - window, 0), n):
-            live[table[b, t // 16], t % 16] = True
-    used = live.any(axis=1)
-    assert (~live[used]).sum() >= 11 + 8 + 4  # tails (seq 0 and 2), pre-window (seq 2)
-    dead = jnp.asarray(~live)[None, :, :, None]
-    k_nan = jnp.where(dead, jnp.nan, k)
-    v_nan = jnp.where(dead, jnp.nan, v)
-    out = _run(q, k_nan, v_nan, lens, page_table, sliding_window=window, interpret=True)
-    _check(out, args, jnp.bfloat16, sliding_window=window)
-
-
 def _dead_slots(lengths, page_table, num_pages, page_size, window=None):
     """[1, P, S, 1] bool: True where no visible key lives (NaN goes there)."""
     live = np.zeros((num_pages, page_size), bool)
@@ -295,26 +273,6 @@ def test_fp8_pages(dtype, kv_heads, group, head_dim, page_size, kwargs):
 )
 def test_fp8_pages_grid(dtype, kv_dtype, kv_heads, group, head_dim, page_size, kwargs):
     _fp8_case(dtype, kv_dtype, kv_heads, group, head_dim, page_size, max_pages=6, **kwargs)
-
-
-def test_dispatcher_routes_to_the_kernel():
-    """The float32 S = 128 grid case's shapes; scale, soft cap and window reach the kernel."""
-    args = _make_inputs(
-        0,
-        batch=5,
-        kv_heads=2,
-        group=4,
-        head_dim=128,
-        page_size=128,
-        max_pages=5,
-        dtype=jnp.float32,
-        lengths=_ragged_lengths(5, 128, 5, 0),
-    )
-    opts = dict(scale=0.3, soft_cap=5.0, sliding_window=100)
-    out = dispatch.paged_decode_attention(*args, backend="tpu", interpret=True, **opts)
-    out = jax.block_until_ready(out)
-    assert_no_race()
-    _check(out, args, jnp.float32, **opts)
 
 
 def test_race_detector_catches_a_racy_copy():
@@ -416,37 +374,6 @@ def test_fp8_lowers_for_tpu(dtype, kv_dtype, page_size, kwargs):
     # The pools reach the kernel as fp8 (DMA'd as such): no upcast copy outside it.
     fp8 = "f8E4M3FN" if kv_dtype == jnp.float8_e4m3fn else "f8E5M2"
     assert f"tensor<8x64x{page_size}x128x{fp8}>" in text
-
-
-_SHAPES = [
-    (dtype, head_dim, page_size)
-    for dtype in (jnp.float32, jnp.bfloat16)
-    for head_dim in (64, 128, 256)
-    for page_size in (8, 16, 32, 64, 128)
-]
-_HEADS = [(2, 1), (2, 4), (1, 8), (1, 4)]  # (K, G): MHA, GQA 4, GQA 8 + MQA, MQA
-# Every other case sets a small pages_per_block, so the double buffer cycles many times.
-SLOW_GRID = [
-    (dt, *_HEADS[i % 4], d, s, {"pages_per_block": i % 3 + 1} if i % 2 else {})
-    for i, (dt, d, s) in enumerate(_SHAPES)
-]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype, kv_heads, group, head_dim, page_size, tuning", SLOW_GRID)
-def test_matches_reference_grid(dtype, kv_heads, group, head_dim, page_size, tuning):
-    _case(
-        dtype,
-        kv_heads,
-        group,
-        head_dim,
-        page_size,
-        batch=7,
-        max_pages=6,
-        seed=page_size,
-        interpret=True,
-        **tuning,
-    )
 
 
 @pytest.mark.slow

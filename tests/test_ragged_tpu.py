@@ -326,24 +326,14 @@ def _prefill_sequence(rng, length, page_size=8, num_kv_heads=2, group=2, head_di
     )
 
 
-def test_prefill_in_one_go_matches_causal_prefill():
-    length = 37
-    batch = _prefill_sequence(np.random.default_rng(1), length)
-    out = run(batch, block_q=16, pages_per_block=2)
-    ref = reference.causal_prefill(
-        jnp.asarray(batch.q)[None],
-        jnp.asarray(batch.dense_k[0])[None],
-        jnp.asarray(batch.dense_v[0])[None],
-    )[0]
-    assert_close(out, np.asarray(ref), jnp.float32)
-
-
 def test_chunked_prefill_matches_one_go():
-    """Chunks of random sizes, each attending to the pages earlier chunks wrote."""
+    """A fresh prefill in one go against dense causal attention, then in chunks of random
+    sizes, each attending to the pages earlier chunks wrote."""
     rng = np.random.default_rng(2)
     length, bucket, s = 45, 16, 8
     full = _prefill_sequence(rng, length, page_size=s)
     one_go = run(full, block_q=16, pages_per_block=2)
+    assert_close(one_go, expected(full), jnp.float32)
     q, k_pool, v_pool, page_table, _, _ = full.args
     # Only what earlier chunks wrote is in the pool: positions from `end` on are NaN.
     clean_k, clean_v = np.asarray(k_pool), np.asarray(v_pool)
@@ -379,7 +369,8 @@ def test_chunked_prefill_matches_one_go():
 
 
 def test_mixed_decode_and_prefill_batch():
-    """3 decode rows and 2 prefill chunks, interleaved, with shuffled page tables.
+    """3 decode rows and 2 prefill chunks, interleaved, with shuffled page tables; the
+    13-token chunk starts and ends mid page (positions 12..24 over pages of 8).
 
     Interpreted on two simulated cores: both grid axes are "parallel", so grid steps must not
     share DMA or scratch state.
@@ -394,7 +385,8 @@ def test_mixed_decode_and_prefill_batch():
 
 def test_chunk_starts_and_ends_mid_page():
     rng = np.random.default_rng(4)
-    # Prefix of 21 cached tokens (page 1 of 16 half full), a chunk of 19: positions 21..39.
+    # Prefix of 21 cached tokens (page 1 of 16 half full), a chunk of 19: positions 21..39;
+    # one page per KV block.
     batch = build_batch(rng, [19], [40], page_size=16, group=2, pad_rows=2)
     check(batch, jnp.float32, block_q=8, pages_per_block=1)
 
@@ -424,12 +416,6 @@ def test_sliding_window_skips_pages_before_the_window(dtype):
         rng, q_lens, ctx_lens, page_size=s, dtype=dtype, pad_rows=3, poison_before=lowest
     )
     check(batch, dtype, opts=dict(sliding_window=window), block_q=16, pages_per_block=2)
-
-
-def test_soft_cap_and_scale():
-    rng = np.random.default_rng(8)
-    batch = build_batch(rng, [4, 1], [20, 33], page_size=16, group=4, num_kv_heads=1)
-    check(batch, jnp.float32, opts=dict(soft_cap=5.0, scale=0.3), block_q=8, pages_per_block=1)
 
 
 def test_default_tuning_and_dispatch():
