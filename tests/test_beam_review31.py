@@ -4,6 +4,7 @@ tests/test_engine.py's geometry (tests/engine_helpers.py)."""
 
 import pytest
 from engine_helpers import GEOMETRY, check_clean, random_params
+from test_beam_search_api import generate_calls
 
 from pagedjax.beam_search import BeamSearchParams
 from pagedjax.engine import LLM, SamplingParams
@@ -52,14 +53,7 @@ def test_beam_search_in_chunks_refuses_a_bad_prompt_before_running_any(short_llm
     the call, before any chunk runs: the earlier chunks ran to completion first (their
     outputs then thrown away), and the error named the prompt's index in its chunk
     ("prompt 0" for prompt 2)."""
-    calls = []
-    real = LLM.generate
-
-    def generate(self, prompts, *args, **kw):
-        calls.append(len(prompts))
-        return real(self, prompts, *args, **kw)
-
-    monkeypatch.setattr(LLM, "generate", generate)
+    calls = generate_calls(monkeypatch)
     prompts = [[5, 6, 7], [8, 9, 10], list(range(3, 15))]
     with pytest.raises(ValueError, match=r"^prompt 2: prompt has 12 tokens; max_model_len=12"):
         short_llm.beam_search(prompts, BeamSearchParams(2, 3), concurrency_limit=1)

@@ -78,9 +78,8 @@ def test_width_one_is_greedy_decoding(llm):
     np.testing.assert_allclose(s.cum_logprob, c.cumulative_logprob, rtol=1e-5)
 
 
-def test_concurrency_limit_runs_the_prompts_in_chunks(llm, monkeypatch):
-    params = BeamSearchParams(beam_width=2, max_tokens=4)
-    whole = llm.beam_search(PROMPTS * 2, params)
+def generate_calls(monkeypatch) -> list[int]:
+    """The number of prompts of each `LLM.generate` call from now on (it still runs)."""
     calls = []
     real = LLM.generate
 
@@ -89,6 +88,13 @@ def test_concurrency_limit_runs_the_prompts_in_chunks(llm, monkeypatch):
         return real(self, prompts, *args, **kw)
 
     monkeypatch.setattr(LLM, "generate", generate)
+    return calls
+
+
+def test_concurrency_limit_runs_the_prompts_in_chunks(llm, monkeypatch):
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    whole = llm.beam_search(PROMPTS * 2, params)
+    calls = generate_calls(monkeypatch)
     chunked = llm.beam_search(PROMPTS * 2, params, concurrency_limit=3)
     assert calls == [3, 1]
     assert [[s.tokens for s in o.sequences] for o in chunked] == [
