@@ -446,7 +446,9 @@ def _bias_arrays(bias, i: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]
     bad = np.isnan(values) | (packed == np.inf)
     if bad.any():
         t, v = list(bias.items())[_first(bad)]
-        v = repr(v) if len(repr(v)) <= 40 else f"{repr(v)[:40]}..."  # (an int past float)
+        # (an int past float's range: its repr may pass Python's limit on int digits)
+        big = isinstance(v, int) and math.isinf(_float(v))
+        v = "an int past float's range" if big else f"{v!r:.40}"
         raise ValueError(
             f"sequence {i}: logit_bias values must be finite or -inf (as float32: at most "
             f"{float(np.finfo(np.float32).max):.6g}), got {v} for token {t}"

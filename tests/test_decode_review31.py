@@ -57,8 +57,13 @@ def test_a_narrow_numpy_max_new_tokens_is_checked_against_max_position_embedding
         ({np.uint64(2**64 - 1): 1.0}, "logit_bias token id 18446744073709551615 is outside"),
         (
             {3: 2**2000},
-            r"values must be finite or -inf .*, got 114813069527425452.{22}\.\.\. for token 3",
+            r"values must be finite or -inf .*, got an int past float's range for token 3",
         ),
+        (  # (more digits than Python's repr of an int allows)
+            {4: 10**5000},
+            r"values must be finite or -inf .*, got an int past float's range for token 4",
+        ),
+        ({5: 1e39}, r"values must be finite or -inf .*, got 1e\+39 for token 5"),
     ],
 )
 def test_a_logit_bias_past_int64_or_float_is_refused_by_name(params, bias, match):
