@@ -217,6 +217,7 @@ class LLM(weight_sync.WeightsMixin, LoRAMixin, GenerateMixin):
             generation_config=generation_config,
             scheduling_policy=scheduling_policy,
             max_logprobs=max_logprobs,
+            dtype=dtype,
         )
         check_lora_args(enable_lora, max_loras, max_lora_rank, max_cpu_loras)
         self.backend, self.interpret = backend, bool(interpret)

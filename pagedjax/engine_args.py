@@ -8,6 +8,7 @@ between them are `pagedjax.resources`'.
 from __future__ import annotations
 
 import numbers
+from dataclasses import replace
 
 import numpy as np
 from jax.sharding import Mesh
@@ -51,12 +52,14 @@ def check_engine_args(
     generation_config,
     scheduling_policy="fcfs",
     max_logprobs=MAX_LOGPROBS,
+    dtype=None,
 ) -> tuple[str, dict, Mesh | None]:
     """Checks `LLM(source, ...)`'s arguments (as `LLM` documents them) with no weights
     loaded: the cache geometry and the scheduler's limits and policy by building them
-    small, the generation config file, and (from the source's config alone) that the
-    model splits `tensor_parallel` ways over that many devices and that a `max_model_len`
-    given is within its positions.
+    small, the generation config file, and (from the source's config alone, in `dtype`
+    where given) that the model splits `tensor_parallel` ways over that many devices,
+    that a `max_model_len` given is within its positions and that its dtype takes the
+    KV cache's (`model_limits`).
 
     Returns:
       (kv_cache_dtype: "auto" or a KV dtype's canonical name, sampling_defaults: the
@@ -113,8 +116,12 @@ def check_engine_args(
         max_num_batched_tokens=max_num_batched_tokens,
         scheduling_policy=scheduling_policy,
     )
-    if max_model_len is not None and (cfg := source_config(source)) is not None:
-        _check_max_model_len(max_model_len, cfg.max_position_embeddings)
+    if dtype is not None:
+        dtype = dtype_name(dtype)  # (a ValueError naming it, before any weight loads)
+    if (cfg := source_config(source)) is not None:
+        model_limits(
+            cfg if dtype is None else replace(cfg, dtype=dtype), max_model_len, kv_cache_dtype
+        )
     gen_dir = checkpoint_dir(source) if generation_config == "auto" else None
     sampling_defaults = {} if gen_dir is None else generation_config_defaults(gen_dir)
     mesh = None  # an int, that many devices, and that the model splits that many ways

@@ -149,7 +149,11 @@ def load_model(source, *, dtype=None, seed: int = 0):
         try:
             path = demo.demo_model_dir()
         except FileNotFoundError as e:
-            cfg = preset("tiny")
+            cfg = (
+                preset("tiny")
+                if dtype is None
+                else dataclasses.replace(preset("tiny"), dtype=dtype)
+            )
             msg = f"tiny preset with random weights (no demo model in {demo.DEMO_MODEL_DIR})"
             warnings.warn(f"pagedjax: using the {msg}: {e}", stacklevel=3)
             return cfg, model_lib.init_params(cfg, seed), byte_tokenizer(), msg

@@ -114,6 +114,7 @@ import itertools
 from collections.abc import Hashable
 
 from pagedjax.blocks import BlockManager, OutOfPages
+from pagedjax.config import is_int
 from pagedjax.scheduler_pages import PagesMixin
 from pagedjax.scheduler_requests import RequestsMixin
 from pagedjax.sequence import ScheduledRow, SeqStatus, Sequence, SequenceGroup, StepPlan
@@ -169,7 +170,7 @@ class Scheduler(RequestsMixin, PagesMixin):
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("max_loras", 1 if max_loras is None else max_loras),
         ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:  # (numpy's ints too, as LLM's other ints)
                 raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
         w = sliding_window
         if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
@@ -188,11 +189,11 @@ class Scheduler(RequestsMixin, PagesMixin):
         if sliding_window is not None:  # (prefix hits then need only the window's pages)
             block_manager.set_sliding_window(sliding_window)
         self.bm = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = int(max_num_seqs)
+        self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.sliding_window = sliding_window
         self.scheduling_policy = scheduling_policy
-        self.max_loras = max_loras
+        self.max_loras = max_loras if max_loras is None else int(max_loras)
         # Queue order: by (priority, arrival) under "priority" (`_requeue`).
         self.waiting: collections.deque[SequenceGroup] = collections.deque()
         self.running: list[SequenceGroup] = []  # admission order
