@@ -118,12 +118,12 @@ def check_engine_args(
     )
     if dtype is not None:
         dtype = dtype_name(dtype)  # (a ValueError naming it, before any weight loads)
+    gen_dir = checkpoint_dir(source) if generation_config == "auto" else None
+    sampling_defaults = {} if gen_dir is None else generation_config_defaults(gen_dir)
     if (cfg := source_config(source)) is not None:
         model_limits(
             cfg if dtype is None else replace(cfg, dtype=dtype), max_model_len, kv_cache_dtype
         )
-    gen_dir = checkpoint_dir(source) if generation_config == "auto" else None
-    sampling_defaults = {} if gen_dir is None else generation_config_defaults(gen_dir)
     mesh = None  # an int, that many devices, and that the model splits that many ways
     if not is_int(tensor_parallel) or tensor_parallel != 1:  # (1.0 was taken as 1)
         mesh = sharding.make_mesh(tensor_parallel, source_config(source))
