@@ -126,7 +126,7 @@ def check_engine_args(
         )
     mesh = None  # an int, that many devices, and that the model splits that many ways
     if not is_int(tensor_parallel) or tensor_parallel != 1:  # (1.0 was taken as 1)
-        mesh = sharding.make_mesh(tensor_parallel, source_config(source))
+        mesh = sharding.make_mesh(tensor_parallel, cfg)
     return kv_cache_dtype, sampling_defaults, mesh
 
 

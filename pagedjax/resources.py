@@ -149,11 +149,8 @@ def load_model(source, *, dtype=None, seed: int = 0):
         try:
             path = demo.demo_model_dir()
         except FileNotFoundError as e:
-            cfg = (
-                preset("tiny")
-                if dtype is None
-                else dataclasses.replace(preset("tiny"), dtype=dtype)
-            )
+            tiny = preset("tiny")
+            cfg = tiny if dtype is None else dataclasses.replace(tiny, dtype=dtype)
             msg = f"tiny preset with random weights (no demo model in {demo.DEMO_MODEL_DIR})"
             warnings.warn(f"pagedjax: using the {msg}: {e}", stacklevel=3)
             return cfg, model_lib.init_params(cfg, seed), byte_tokenizer(), msg
